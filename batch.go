@@ -1,0 +1,373 @@
+package verbs
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"syscall"
+	"unsafe"
+
+	"github.com/goverbs/verbs/internal/mem"
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// errBatchFull is recorded by a batch that was asked to hold more requests
+// (or SGEs) than its capacity; Submit returns it.
+var errNoAH = errors.New("destination has no address handle")
+
+var errBatchFull = fmt.Errorf("batch is full: %w", ErrQueueFull)
+
+// Request is one work request inside a batch. Its methods set per-request
+// modifiers and return the request, so calls chain:
+//
+//	b.Write(id, dst, sge).Signaled().Fenced()
+//
+// A Request is valid until the batch's next Submit or Reset.
+type Request struct{ wr prov.SendWR }
+
+// Signaled asks for a completion even when the QP does not signal all requests.
+func (r *Request) Signaled() *Request { r.wr.Flags |= prov.SendSignaled; return r }
+
+// Fenced makes the request wait until prior RDMA reads and atomics completed.
+func (r *Request) Fenced() *Request { r.wr.Flags |= prov.SendFence; return r }
+
+// Solicited sets the solicited-event bit (sends and writes with immediate).
+func (r *Request) Solicited() *Request { r.wr.Flags |= prov.SendSolicited; return r }
+
+// Inline copies the payload into the request at Submit: the buffer may be
+// reused as soon as Submit returns, needs no lkey, and must not exceed the
+// QP's MaxInlineData.
+func (r *Request) Inline() *Request { r.wr.Flags |= prov.SendInline; return r }
+
+// WithFlags adds send flags.
+func (r *Request) WithFlags(f SendFlags) *Request { r.wr.Flags |= prov.SendFlags(f); return r }
+
+// sendBatch holds work requests in memory outside the Go heap until Submit
+// posts all of them with one provider call.
+type sendBatch struct {
+	q       *qpCore
+	wrs     []prov.SendWR
+	sges    []prov.SGE
+	maxSGE  int
+	err     error
+	scratch Request // target of modifiers after an overflow
+}
+
+func newSendBatch[T any](owner *T, b *sendBatch, q *qpCore, n int) {
+	if n <= 0 {
+		n = 64
+	}
+	b.q = q
+	b.maxSGE = max(q.cap.MaxSendSGE, 1)
+	wrSize := int(unsafe.Sizeof(prov.SendWR{}))
+	sgeSize := int(unsafe.Sizeof(prov.SGE{}))
+	r, err := mem.Alloc(n*wrSize+n*b.maxSGE*sgeSize, "batch", false)
+	if err != nil {
+		// Fall back to the Go heap: still correct, just not off-heap.
+		b.wrs = make([]prov.SendWR, 0, n)
+		b.sges = make([]prov.SGE, 0, n*b.maxSGE)
+		return
+	}
+	base := r.Ptr()
+	b.wrs = unsafe.Slice((*prov.SendWR)(base), n)[:0]
+	b.sges = unsafe.Slice((*prov.SGE)(unsafe.Add(base, n*wrSize)), n*b.maxSGE)[:0]
+	runtime.AddCleanup(owner, func(r *mem.Region) { r.Free() }, r)
+}
+
+func (b *sendBatch) add(wr prov.SendWR, sgl []SGE) *Request {
+	if b.err != nil {
+		return &b.scratch
+	}
+	if len(b.wrs) == cap(b.wrs) {
+		b.err = fmt.Errorf("%w (%d requests)", errBatchFull, cap(b.wrs))
+		return &b.scratch
+	}
+	if len(sgl) > b.maxSGE {
+		b.err = fmt.Errorf("request %d has %d SGEs, more than max_send_sge %d: %w", len(b.wrs), len(sgl), b.maxSGE, syscall.EINVAL)
+		return &b.scratch
+	}
+	wr.SGEIndex, wr.NumSGE = uint32(len(b.sges)), uint32(len(sgl))
+	for _, s := range sgl {
+		b.sges = append(b.sges, prov.SGE(s))
+	}
+	b.wrs = append(b.wrs, wr)
+	return (*Request)(unsafe.Pointer(&b.wrs[len(b.wrs)-1]))
+}
+
+func (b *sendBatch) submit() error {
+	if err := b.err; err != nil {
+		b.reset()
+		return opErr("post send", b.q.devNm, err)
+	}
+	if len(b.wrs) == 0 {
+		return nil
+	}
+	if b.q.res.isClosed() {
+		b.reset()
+		return b.q.res.errClosed("post send")
+	}
+	n, err := b.q.qp.PostSend(b.wrs, b.sges)
+	b.reset()
+	if err != nil {
+		return &PostError{Posted: n, Err: opErr("post send", b.q.devNm, err)}
+	}
+	return nil
+}
+
+func (b *sendBatch) reset() {
+	b.wrs, b.sges, b.err = b.wrs[:0], b.sges[:0], nil
+	b.scratch = Request{}
+}
+
+// Len returns the number of requests in the batch.
+func (b *sendBatch) Len() int { return len(b.wrs) }
+
+// Cap returns the number of requests the batch holds.
+func (b *sendBatch) Cap() int { return cap(b.wrs) }
+
+// Reset drops the requests collected so far.
+func (b *sendBatch) Reset() { b.reset() }
+
+// Submit posts every request of the batch with one provider call and
+// empties the batch. If the device rejects a request, the error is a
+// *PostError saying how many were accepted (those will complete); the rest
+// were not posted. Overfilling the batch is reported here too.
+func (b *sendBatch) Submit() error { return b.submit() }
+
+func sendWR(op prov.WROpcode, wrid uint64) prov.SendWR { return prov.SendWR{WRID: wrid, Opcode: op} }
+
+func rdmaWR(op prov.WROpcode, wrid uint64, r RemoteAddr) prov.SendWR {
+	return prov.SendWR{WRID: wrid, Opcode: op, RemoteAddr: r.Addr, RKey: r.RKey}
+}
+
+// RCBatch collects work requests for an RC queue pair (doorbell batching).
+// It is not safe for concurrent use; use one batch per goroutine.
+type RCBatch struct{ sendBatch }
+
+// NewBatch returns a batch of up to n work requests (default 64) for the QP.
+func (q *RCQueuePair) NewBatch(n int) *RCBatch {
+	b := new(RCBatch)
+	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
+	return b
+}
+
+// Send adds a send of the data in sgl.
+func (b *RCBatch) Send(wrid uint64, sgl ...SGE) *Request {
+	return b.add(sendWR(prov.WRSend, wrid), sgl)
+}
+
+// SendImm adds a send with immediate data.
+func (b *RCBatch) SendImm(wrid uint64, imm uint32, sgl ...SGE) *Request {
+	wr := sendWR(prov.WRSendImm, wrid)
+	wr.Imm = imm
+	return b.add(wr, sgl)
+}
+
+// Write adds an RDMA write of sgl to dst.
+func (b *RCBatch) Write(wrid uint64, dst RemoteAddr, sgl ...SGE) *Request {
+	return b.add(rdmaWR(prov.WRWrite, wrid, dst), sgl)
+}
+
+// WriteImm adds an RDMA write with immediate data; it consumes a receive at the peer.
+func (b *RCBatch) WriteImm(wrid uint64, dst RemoteAddr, imm uint32, sgl ...SGE) *Request {
+	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
+	wr.Imm = imm
+	return b.add(wr, sgl)
+}
+
+// Read adds an RDMA read from src into sgl (the local MR needs AccessLocalWrite).
+func (b *RCBatch) Read(wrid uint64, src RemoteAddr, sgl ...SGE) *Request {
+	return b.add(rdmaWR(prov.WRRead, wrid, src), sgl)
+}
+
+// CompareSwap adds an atomic compare-and-swap of the 8-byte word at dst
+// (8-byte aligned): if it equals compare it becomes swap. The prior value is
+// written to result (8 bytes).
+func (b *RCBatch) CompareSwap(wrid uint64, dst RemoteAddr, compare, swap uint64, result SGE) *Request {
+	wr := rdmaWR(prov.WRAtomicCAS, wrid, dst)
+	wr.CompareAdd, wr.Swap = compare, swap
+	return b.add(wr, []SGE{result})
+}
+
+// FetchAdd adds an atomic fetch-and-add of add to the 8-byte word at dst
+// (8-byte aligned). The prior value is written to result (8 bytes).
+func (b *RCBatch) FetchAdd(wrid uint64, dst RemoteAddr, add uint64, result SGE) *Request {
+	wr := rdmaWR(prov.WRAtomicFAA, wrid, dst)
+	wr.CompareAdd = add
+	return b.add(wr, []SGE{result})
+}
+
+// UCBatch collects work requests for a UC queue pair.
+type UCBatch struct{ sendBatch }
+
+// NewBatch returns a batch of up to n work requests (default 64) for the QP.
+func (q *UCQueuePair) NewBatch(n int) *UCBatch {
+	b := new(UCBatch)
+	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
+	return b
+}
+
+// Send adds a send.
+func (b *UCBatch) Send(wrid uint64, sgl ...SGE) *Request {
+	return b.add(sendWR(prov.WRSend, wrid), sgl)
+}
+
+// SendImm adds a send with immediate data.
+func (b *UCBatch) SendImm(wrid uint64, imm uint32, sgl ...SGE) *Request {
+	wr := sendWR(prov.WRSendImm, wrid)
+	wr.Imm = imm
+	return b.add(wr, sgl)
+}
+
+// Write adds an RDMA write.
+func (b *UCBatch) Write(wrid uint64, dst RemoteAddr, sgl ...SGE) *Request {
+	return b.add(rdmaWR(prov.WRWrite, wrid, dst), sgl)
+}
+
+// WriteImm adds an RDMA write with immediate data.
+func (b *UCBatch) WriteImm(wrid uint64, dst RemoteAddr, imm uint32, sgl ...SGE) *Request {
+	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
+	wr.Imm = imm
+	return b.add(wr, sgl)
+}
+
+// Destination addresses a UD send: the remote port (AH), QP number and Q_Key.
+type Destination struct {
+	AH   *AddressHandle
+	QPN  uint32
+	QKey uint32
+}
+
+// UDBatch collects sends for a UD queue pair.
+type UDBatch struct{ sendBatch }
+
+// NewBatch returns a batch of up to n sends (default 64) for the QP.
+func (q *UDQueuePair) NewBatch(n int) *UDBatch {
+	b := new(UDBatch)
+	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
+	return b
+}
+
+func udWR(op prov.WROpcode, wrid uint64, to Destination) prov.SendWR {
+	wr := prov.SendWR{WRID: wrid, Opcode: op, RemoteQPN: to.QPN, RemoteQKey: to.QKey}
+	if to.AH != nil {
+		wr.AH = to.AH.ah.Handle()
+	}
+	return wr
+}
+
+// Send adds a datagram to the destination.
+func (b *UDBatch) Send(wrid uint64, to Destination, sgl ...SGE) *Request {
+	if to.AH == nil {
+		if b.err == nil {
+			b.err = errNoAH
+		}
+		return &b.scratch
+	}
+	return b.add(udWR(prov.WRSend, wrid, to), sgl)
+}
+
+// SendImm adds a datagram with immediate data.
+func (b *UDBatch) SendImm(wrid uint64, to Destination, imm uint32, sgl ...SGE) *Request {
+	if to.AH == nil {
+		if b.err == nil {
+			b.err = errNoAH
+		}
+		return &b.scratch
+	}
+	wr := udWR(prov.WRSendImm, wrid, to)
+	wr.Imm = imm
+	return b.add(wr, sgl)
+}
+
+// recvPoster is a QP or an SRQ.
+type recvPoster interface {
+	PostRecv(wrs []prov.RecvWR, sges []prov.SGE) (int, error)
+}
+
+// RecvBatch collects receive buffers for a QP or SRQ and posts them with
+// one provider call. It is not safe for concurrent use.
+type RecvBatch struct {
+	post   recvPoster
+	closed func() bool
+	wrs    []prov.RecvWR
+	sges   []prov.SGE
+	maxSGE int
+	err    error
+	devNm  string
+}
+
+func newRecvBatch(p recvPoster, n, maxSGE int, dev string) *RecvBatch {
+	if n <= 0 {
+		n = 64
+	}
+	maxSGE = max(maxSGE, 1)
+	b := &RecvBatch{post: p, maxSGE: maxSGE, devNm: dev}
+	wrSize := int(unsafe.Sizeof(prov.RecvWR{}))
+	sgeSize := int(unsafe.Sizeof(prov.SGE{}))
+	r, err := mem.Alloc(n*wrSize+n*maxSGE*sgeSize, "recvbatch", false)
+	if err != nil {
+		b.wrs = make([]prov.RecvWR, 0, n)
+		b.sges = make([]prov.SGE, 0, n*maxSGE)
+		return b
+	}
+	base := r.Ptr()
+	b.wrs = unsafe.Slice((*prov.RecvWR)(base), n)[:0]
+	b.sges = unsafe.Slice((*prov.SGE)(unsafe.Add(base, n*wrSize)), n*maxSGE)[:0]
+	runtime.AddCleanup(b, func(r *mem.Region) { r.Free() }, r)
+	return b
+}
+
+// NewRecvBatch returns a batch of up to n receives (default 64) for the QP.
+func (q *qpCore) NewRecvBatch(n int) *RecvBatch {
+	b := newRecvBatch(q.qp, n, q.cap.MaxRecvSGE, q.devNm)
+	b.closed = q.res.isClosed
+	return b
+}
+
+// Recv adds a receive buffer made of sgl.
+func (b *RecvBatch) Recv(wrid uint64, sgl ...SGE) {
+	if b.err != nil {
+		return
+	}
+	if len(b.wrs) == cap(b.wrs) {
+		b.err = fmt.Errorf("%w (%d receives)", errBatchFull, cap(b.wrs))
+		return
+	}
+	if len(sgl) > b.maxSGE {
+		b.err = fmt.Errorf("receive %d has %d SGEs, more than max_recv_sge %d: %w", len(b.wrs), len(sgl), b.maxSGE, syscall.EINVAL)
+		return
+	}
+	b.wrs = append(b.wrs, prov.RecvWR{WRID: wrid, SGEIndex: uint32(len(b.sges)), NumSGE: uint32(len(sgl))})
+	for _, s := range sgl {
+		b.sges = append(b.sges, prov.SGE(s))
+	}
+}
+
+// Len returns the number of receives in the batch.
+func (b *RecvBatch) Len() int { return len(b.wrs) }
+
+// Reset drops the receives collected so far.
+func (b *RecvBatch) Reset() { b.wrs, b.sges, b.err = b.wrs[:0], b.sges[:0], nil }
+
+// Submit posts every receive with one provider call and empties the batch.
+// A partial failure is a *PostError.
+func (b *RecvBatch) Submit() error {
+	if err := b.err; err != nil {
+		b.Reset()
+		return opErr("post recv", b.devNm, err)
+	}
+	if len(b.wrs) == 0 {
+		return nil
+	}
+	if b.closed != nil && b.closed() {
+		b.Reset()
+		return opErr("post recv", b.devNm, ErrClosed)
+	}
+	n, err := b.post.PostRecv(b.wrs, b.sges)
+	b.Reset()
+	if err != nil {
+		return &PostError{Posted: n, Err: opErr("post recv", b.devNm, err)}
+	}
+	return nil
+}

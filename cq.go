@@ -1,0 +1,300 @@
+package verbs
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// Completion is one work completion. Its layout matches the provider's, so
+// Poll copies nothing twice.
+type Completion struct {
+	WRID         uint64
+	Status       Status
+	Opcode       Opcode // valid only when Status is StatusSuccess
+	VendorErr    uint32
+	ByteLen      uint32 // receive completions: bytes received (UD: plus 40 GRH bytes)
+	Imm          uint32 // immediate data, host byte order, when Flags has WithImm
+	QPN          uint32 // the local QP
+	SrcQP        uint32 // receive completions: the sender's QPN
+	Flags        CompletionFlags
+	PKeyIndex    uint16
+	SLID         uint16
+	SL           uint8
+	DLIDPathBits uint8
+	_            [6]byte
+}
+
+// Err returns nil for a successful completion and a *CompletionError
+// otherwise.
+func (c *Completion) Err() error {
+	if c.Status == StatusSuccess {
+		return nil
+	}
+	return &CompletionError{Status: c.Status, VendorErr: c.VendorErr, WRID: c.WRID, QPN: c.QPN, Opcode: c.Opcode}
+}
+
+func (c Completion) String() string {
+	s := fmt.Sprintf("wr_id=%#x %s qpn=%d", c.WRID, c.Status, c.QPN)
+	if c.Status == StatusSuccess {
+		s += fmt.Sprintf(" %s len=%d", c.Opcode, c.ByteLen)
+		if c.Flags&WithImm != 0 {
+			s += fmt.Sprintf(" imm=%#x", c.Imm)
+		}
+	}
+	return s
+}
+
+// Layout guard: Completion and prov.Completion must be interchangeable.
+var _ = [1]struct{}{}[unsafe.Sizeof(Completion{})-unsafe.Sizeof(prov.Completion{})]
+
+func provCompletions(dst []Completion) []prov.Completion {
+	return unsafe.Slice((*prov.Completion)(unsafe.Pointer(unsafe.SliceData(dst))), len(dst))
+}
+
+// CompletionChannel delivers completion events of one or more CQs, so a
+// program can sleep until a CQ has work. It is safe for concurrent use.
+type CompletionChannel struct {
+	res resource
+	c   *Context
+	ch  prov.CompChannel
+	cqs sync.Map // prov.CQ -> *CompletionQueue
+}
+
+// NewCompletionChannel creates a completion channel to share among CQs.
+func (c *Context) NewCompletionChannel() (*CompletionChannel, error) {
+	if err := c.check("create completion channel"); err != nil {
+		return nil, err
+	}
+	pch, err := c.ctx.CreateCompChannel()
+	if err != nil {
+		return nil, opErr("create completion channel", c.name, err)
+	}
+	ch := &CompletionChannel{c: c, ch: pch}
+	if err := initResource(ch, &ch.res, "completion channel", "", &c.res); err != nil {
+		pch.Close()
+		return nil, err
+	}
+	return ch, nil
+}
+
+// Wait blocks until one of the channel's armed CQs has an event, or ctx
+// ends, and returns that CQ. Each RequestNotify yields at most one event;
+// re-arm the CQ, then poll it until empty, before waiting again.
+func (ch *CompletionChannel) Wait(ctx context.Context) (*CompletionQueue, error) {
+	if ch.res.isClosed() {
+		return nil, ch.res.errClosed("wait for completion event")
+	}
+	pcq, err := ch.ch.Wait(ctx)
+	if err != nil {
+		return nil, opErr("wait for completion event", ch.c.name, err)
+	}
+	if v, ok := ch.cqs.Load(pcq); ok {
+		return v.(*CompletionQueue), nil
+	}
+	return nil, opErr("wait for completion event", ch.c.name, fmt.Errorf("event for an unknown cq"))
+}
+
+// Close destroys the channel. It fails while CQs use it. Idempotent.
+func (ch *CompletionChannel) Close() error {
+	return ch.res.close(func() error { return opErr("destroy completion channel", ch.c.name, ch.ch.Close()) })
+}
+
+// CQSpec describes a completion queue. The zero value is a CQ of 1024
+// entries with its own completion channel, so Wait works.
+type CQSpec struct {
+	// Entries is the minimum number of completions the CQ holds (default 1024).
+	// A CQ that overflows enters an error state.
+	Entries int
+	// Channel, when set, delivers the CQ's events on a shared channel; then
+	// use Channel.Wait instead of CompletionQueue.Wait.
+	Channel *CompletionChannel
+	// NoChannel creates the CQ without any completion channel (poll only).
+	NoChannel bool
+	// Vector is the completion vector (interrupt) to use; default 0.
+	Vector int
+}
+
+// CompletionQueue collects completions of work requests. Poll and Wait are
+// safe for concurrent use, though one poller per CQ is the usual design.
+type CompletionQueue struct {
+	res     resource
+	c       *Context
+	cq      prov.CQ
+	ch      *CompletionChannel // shared channel, or own
+	ownCh   prov.CompChannel   // private channel for Wait
+	stashed atomic.Bool
+	mu      sync.Mutex // guards stash
+	stash   prov.Completion
+	waitMu  sync.Mutex // one waiter at a time on the private channel
+}
+
+// NewCompletionQueue creates a completion queue.
+func (c *Context) NewCompletionQueue(spec CQSpec) (*CompletionQueue, error) {
+	if err := c.check("create cq"); err != nil {
+		return nil, err
+	}
+	if spec.Entries == 0 {
+		spec.Entries = 1024
+	}
+	if spec.Entries < 0 {
+		return nil, opErr("create cq", c.name, fmt.Errorf("invalid entries %d", spec.Entries))
+	}
+	if spec.Channel != nil && spec.NoChannel {
+		return nil, opErr("create cq", c.name, fmt.Errorf("both Channel and NoChannel set"))
+	}
+	cq := &CompletionQueue{c: c, ch: spec.Channel}
+	var pch prov.CompChannel
+	switch {
+	case spec.Channel != nil:
+		if spec.Channel.c != c {
+			return nil, opErr("create cq", c.name, fmt.Errorf("completion channel belongs to device %s", spec.Channel.c.name))
+		}
+		pch = spec.Channel.ch
+	case !spec.NoChannel:
+		var err error
+		if pch, err = c.ctx.CreateCompChannel(); err != nil {
+			return nil, opErr("create cq", c.name, err)
+		}
+		cq.ownCh = pch
+	}
+	pcq, err := c.ctx.CreateCQ(spec.Entries, pch, spec.Vector)
+	if err != nil {
+		if cq.ownCh != nil {
+			cq.ownCh.Close()
+		}
+		return nil, opErr("create cq", c.name, fmt.Errorf("%d entries: %w", spec.Entries, err))
+	}
+	cq.cq = pcq
+	parents := []*resource{&c.res}
+	if spec.Channel != nil {
+		parents = append(parents, &spec.Channel.res)
+	}
+	if err := initResource(cq, &cq.res, "completion queue", fmt.Sprintf("%d entries", pcq.Cap()), parents...); err != nil {
+		pcq.Close()
+		if cq.ownCh != nil {
+			cq.ownCh.Close()
+		}
+		return nil, err
+	}
+	if spec.Channel != nil {
+		spec.Channel.cqs.Store(pcq, cq)
+	}
+	return cq, nil
+}
+
+// Cap returns the number of completions the CQ holds.
+func (cq *CompletionQueue) Cap() int { return cq.cq.Cap() }
+
+// Poll moves up to len(dst) completions into dst and returns how many. It
+// never blocks and does not allocate; it makes one provider call.
+func (cq *CompletionQueue) Poll(dst []Completion) (int, error) {
+	if len(dst) == 0 {
+		return 0, nil
+	}
+	n := 0
+	if cq.stashed.Load() {
+		cq.mu.Lock()
+		if cq.stashed.Load() {
+			dst[0] = *(*Completion)(unsafe.Pointer(&cq.stash))
+			cq.stashed.Store(false)
+			n = 1
+		}
+		cq.mu.Unlock()
+		if n == len(dst) {
+			return n, nil
+		}
+	}
+	m, err := cq.cq.Poll(provCompletions(dst[n:]))
+	if err != nil {
+		if cq.res.isClosed() {
+			return n, cq.res.errClosed("poll cq")
+		}
+		return n + m, opErr("poll cq", cq.c.name, err)
+	}
+	return n + m, nil
+}
+
+// RequestNotify arms the CQ: its channel gets one event for the next
+// completion (only solicited or failed ones, with solicitedOnly).
+func (cq *CompletionQueue) RequestNotify(solicitedOnly bool) error {
+	if cq.res.isClosed() {
+		return cq.res.errClosed("arm cq")
+	}
+	return opErr("arm cq", cq.c.name, cq.cq.Arm(solicitedOnly))
+}
+
+// Wait blocks until the CQ holds at least one completion, or ctx ends. It
+// sleeps on the CQ's private completion channel (the default), without
+// spinning and without holding an OS thread. It fails for CQs created with
+// a shared Channel or NoChannel.
+func (cq *CompletionQueue) Wait(ctx context.Context) error {
+	if cq.ownCh == nil {
+		return opErr("wait on cq", cq.c.name, fmt.Errorf("cq has no private completion channel (use Channel.Wait or Poll): %w", ErrNotSupported))
+	}
+	cq.waitMu.Lock()
+	defer cq.waitMu.Unlock()
+	for {
+		if cq.res.isClosed() {
+			return cq.res.errClosed("wait on cq")
+		}
+		if cq.stashed.Load() {
+			return nil
+		}
+		if err := cq.cq.Arm(false); err != nil {
+			return opErr("wait on cq", cq.c.name, err)
+		}
+		// A completion may have arrived before the arm: look for one.
+		cq.mu.Lock()
+		if !cq.stashed.Load() {
+			var one [1]prov.Completion
+			n, err := cq.cq.Poll(one[:])
+			if err != nil {
+				cq.mu.Unlock()
+				return opErr("wait on cq", cq.c.name, err)
+			}
+			if n == 1 {
+				cq.stash = one[0]
+				cq.stashed.Store(true)
+			}
+		}
+		ready := cq.stashed.Load()
+		cq.mu.Unlock()
+		if ready {
+			return nil
+		}
+		if _, err := cq.ownCh.Wait(ctx); err != nil {
+			if ctx.Err() != nil {
+				return opErr("wait on cq", cq.c.name, fmt.Errorf("%w: %w", ErrTimeout, ctx.Err()))
+			}
+			return opErr("wait on cq", cq.c.name, err)
+		}
+	}
+}
+
+// Close destroys the CQ. It fails while QPs or SRQs use it. Idempotent.
+func (cq *CompletionQueue) Close() error {
+	return cq.res.close(func() error {
+		if err := cq.cq.Close(); err != nil {
+			return opErr("destroy cq", cq.c.name, err)
+		}
+		if cq.ch != nil {
+			cq.ch.cqs.Delete(cq.cq)
+		}
+		if cq.ownCh != nil {
+			return opErr("destroy completion channel", cq.c.name, cq.ownCh.Close())
+		}
+		return nil
+	})
+}
+
+func (cq *CompletionQueue) check(op string) error {
+	if cq.res.isClosed() {
+		return cq.res.errClosed(op)
+	}
+	return nil
+}

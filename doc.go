@@ -1,0 +1,58 @@
+// Package verbs is a safe, fast Go binding to RDMA verbs: devices, protection
+// domains, memory regions, completion queues, typed queue pairs (RC, UC,
+// UD), shared receive queues and address handles, with doorbell-batched
+// posting and allocation-free polling.
+//
+// # Providers
+//
+// Two providers implement the same semantics. The hardware provider drives
+// InfiniBand, RoCE and iWARP devices through libibverbs; it is compiled in
+// with the build tag ibverbs (Linux, cgo, libibverbs-dev). The soft provider
+// is pure Go and always present as device "soft0": it follows verbs
+// semantics closely (state machine, limits, RNR retries, remote key and
+// bounds checks, flush on error) so that code tested on it works on
+// hardware. Devices lists both; Open("") picks hardware when there is any.
+//
+// # Object model and lifetimes
+//
+// Objects mirror verbs: Context (an open device) → ProtectionDomain →
+// MemoryRegion, queue pairs, SharedReceiveQueue, AddressHandle; Context →
+// CompletionChannel → CompletionQueue. Every object has an idempotent
+// Close. A child keeps its parent alive, and closing a parent while
+// children are open fails with an error naming them. Objects that are
+// garbage-collected without Close are reported by a leak tracer
+// (verbstest.CheckLeaks makes tests fail on them).
+//
+// # Connecting
+//
+// A connected queue pair is created in INIT. Its Endpoint (GID, LID, QPN,
+// PSN, MTU, provider address; binary and JSON encodings) is exchanged out of
+// band, then Connect moves it through RTR to RTS with automatic addressing:
+// LID on InfiniBand, a GRH with a routable RoCE v2 GID on Ethernet. Modify
+// and Query offer manual control with validated transitions.
+//
+// # Posting and completions
+//
+// Work requests are collected in a batch (RCBatch, UCBatch, UDBatch,
+// RecvBatch) whose Submit posts them all with one provider call: one cgo
+// crossing on hardware. Per-request modifiers (Signaled, Fenced, Solicited,
+// Inline) chain on the returned *Request. CompletionQueue.Poll fills a
+// caller's slice without allocating; CompletionQueue.Wait sleeps until a
+// completion arrives or the context ends, without holding an OS thread.
+//
+// # Concurrency and buffers
+//
+// Contexts, PDs, MRs, CQs, QPs and SRQs are safe for concurrent use. A batch
+// is not: give each goroutine its own. Memory named by a work request
+// belongs to the device from post until the request's completion (or, for
+// an unsignaled request, a later signaled completion on the same QP): do not
+// touch it in between. Inline sends copy the data at Submit.
+//
+// # Errors
+//
+// Calls fail with *OpError (operation, device, cause; errors.Is matches
+// syscall errnos and the sentinels ErrNotSupported, ErrClosed, ErrNoDevice,
+// ErrQueueFull, ErrTimeout). Failed completions convert to
+// *CompletionError with Status, a StatusClass and a hint naming the usual
+// cause.
+package verbs

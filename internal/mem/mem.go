@@ -1,0 +1,77 @@
+// Package mem allocates page-aligned memory outside the Go heap, backed by a
+// memfd so that another process may map the same pages.
+package mem
+
+import (
+	"fmt"
+	"os"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Region is an anonymous shared mapping of a memfd.
+type Region struct {
+	b  []byte
+	fd int
+}
+
+// PageSize is the system page size.
+var PageSize = os.Getpagesize()
+
+// RoundUp rounds n up to a multiple of the page size.
+func RoundUp(n int) int { return (n + PageSize - 1) &^ (PageSize - 1) }
+
+// Alloc maps n bytes (rounded up to whole pages) of zeroed memory. With
+// dontfork, the mapping is not inherited by child processes (MADV_DONTFORK,
+// required by RDMA hardware). The returned slice has length n.
+func Alloc(n int, name string, dontfork bool) (*Region, error) {
+	if n <= 0 {
+		return nil, fmt.Errorf("allocate %d bytes: %w", n, unix.EINVAL)
+	}
+	size := RoundUp(n)
+	fd, err := unix.MemfdCreate("goverbs:"+name, unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("memfd_create: %w", err)
+	}
+	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("ftruncate memfd to %d bytes: %w", size, err)
+	}
+	b, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("mmap %d bytes: %w", size, err)
+	}
+	if dontfork {
+		if err := unix.Madvise(b, unix.MADV_DONTFORK); err != nil {
+			unix.Munmap(b)
+			unix.Close(fd)
+			return nil, fmt.Errorf("madvise(MADV_DONTFORK): %w", err)
+		}
+	}
+	return &Region{b: b[:n:n], fd: fd}, nil
+}
+
+// Bytes returns the memory.
+func (r *Region) Bytes() []byte { return r.b }
+
+// Ptr returns the start address.
+func (r *Region) Ptr() unsafe.Pointer { return unsafe.Pointer(unsafe.SliceData(r.b)) }
+
+// FD returns the memfd backing the region.
+func (r *Region) FD() int { return r.fd }
+
+// Free unmaps the memory and closes the memfd.
+func (r *Region) Free() error {
+	if r.b == nil {
+		return nil
+	}
+	b := r.b[:RoundUp(cap(r.b)):RoundUp(cap(r.b))]
+	r.b = nil
+	err := unix.Munmap(b)
+	if cerr := unix.Close(r.fd); err == nil {
+		err = cerr
+	}
+	return err
+}

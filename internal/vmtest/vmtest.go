@@ -1,0 +1,59 @@
+// Package vmtest tells tests whether they run inside the SoftRoCE VM of
+// scripts/vm/run.sh (tier 3 of the test plan) and which RDMA devices it has.
+//
+// Inside the VM, run.sh sets GOVERBS_VM=1 and GOVERBS_VM_DEVICES=rxe0,rxe1:
+// two rdma_rxe devices over a veth pair, both PORT_ACTIVE, GID index 0 being
+// the link-local RoCE v2 GID, memlock unlimited.
+//
+// Typical use in a hardware-provider test built with -tags ibverbs:
+//
+//	func TestLoopbackRC(t *testing.T) {
+//		devs := vmtest.Require(t) // skips outside the VM
+//		...open devs[0] and devs[1]...
+//	}
+//
+// and on the host:
+//
+//	go test -tags ibverbs -exec "$PWD/scripts/vm/run.sh --" ./internal/ibv/...
+package vmtest
+
+import (
+	"os"
+	"strings"
+	"testing"
+)
+
+// EnvVM is set to "1" by scripts/vm/run.sh inside the guest.
+const EnvVM = "GOVERBS_VM"
+
+// EnvDevices lists the guest's RDMA devices, comma-separated.
+const EnvDevices = "GOVERBS_VM_DEVICES"
+
+// InVM reports whether the process runs inside the SoftRoCE VM.
+func InVM() bool { return os.Getenv(EnvVM) == "1" }
+
+// Devices returns the RDMA device names of the VM (rxe0, rxe1), or nil
+// outside it.
+func Devices() []string {
+	if !InVM() {
+		return nil
+	}
+	var out []string
+	for _, d := range strings.Split(os.Getenv(EnvDevices), ",") {
+		if d = strings.TrimSpace(d); d != "" {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// Require skips t unless it runs inside the SoftRoCE VM with at least two
+// devices, and returns the device names.
+func Require(t testing.TB) []string {
+	t.Helper()
+	devs := Devices()
+	if len(devs) < 2 {
+		t.Skip("needs the SoftRoCE VM: run with scripts/vm/run.sh (go test -exec \"$PWD/scripts/vm/run.sh --\")")
+	}
+	return devs
+}

@@ -1,0 +1,67 @@
+package vmtest
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+)
+
+func TestDevicesOutsideVM(t *testing.T) {
+	t.Setenv(EnvVM, "")
+	t.Setenv(EnvDevices, "rxe0,rxe1")
+	if InVM() || Devices() != nil {
+		t.Fatalf("InVM() = %v, Devices() = %v without %s=1", InVM(), Devices(), EnvVM)
+	}
+	t.Setenv(EnvVM, "1")
+	t.Setenv(EnvDevices, " rxe0, ,rxe1 ")
+	if got := strings.Join(Devices(), "|"); got != "rxe0|rxe1" {
+		t.Fatalf("Devices() = %q, want rxe0|rxe1", got)
+	}
+}
+
+// TestGuestEnvironment checks, inside the VM, what the hardware-provider
+// tests rely on.
+func TestGuestEnvironment(t *testing.T) {
+	devs := Require(t)
+	for _, d := range devs {
+		port := filepath.Join("/sys/class/infiniband", d, "ports/1")
+		state, err := os.ReadFile(filepath.Join(port, "state"))
+		if err != nil {
+			t.Fatalf("%s: %v", d, err)
+		}
+		if !strings.Contains(string(state), "ACTIVE") {
+			t.Errorf("%s port 1 state %q, want ACTIVE", d, strings.TrimSpace(string(state)))
+		}
+		gid, err := os.ReadFile(filepath.Join(port, "gids/0"))
+		if err != nil {
+			t.Fatalf("%s gid 0: %v", d, err)
+		}
+		if !strings.HasPrefix(string(gid), "fe80:") {
+			t.Errorf("%s gid 0 = %q, want a link-local fe80:: GID", d, strings.TrimSpace(string(gid)))
+		}
+		typ, err := os.ReadFile(filepath.Join(port, "gid_attrs/types/0"))
+		if err != nil || strings.TrimSpace(string(typ)) != "RoCE v2" {
+			t.Errorf("%s gid 0 type %q (%v), want RoCE v2", d, strings.TrimSpace(string(typ)), err)
+		}
+		t.Logf("%s: %s, gid 0 %s (%s)", d, strings.TrimSpace(string(state)),
+			strings.TrimSpace(string(gid)), strings.TrimSpace(string(typ)))
+	}
+	if _, err := os.Stat("/dev/infiniband/uverbs0"); err != nil {
+		t.Errorf("uverbs device: %v", err)
+	}
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(8 /* RLIMIT_MEMLOCK */, &lim); err != nil {
+		t.Fatal(err)
+	}
+	if lim.Cur != ^uint64(0) {
+		t.Errorf("RLIMIT_MEMLOCK = %d, want unlimited", lim.Cur)
+	}
+	f, err := os.CreateTemp("", "vmtest")
+	if err != nil {
+		t.Fatalf("guest temp dir not writable: %v", err)
+	}
+	f.Close()
+	os.Remove(f.Name())
+}

@@ -1,0 +1,237 @@
+package verbs
+
+import (
+	"fmt"
+	"runtime"
+	"unsafe"
+
+	"github.com/goverbs/verbs/internal/mem"
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// ProtectionDomain groups memory regions, queue pairs, SRQs and address
+// handles: a QP can use only memory registered in its own PD. It is safe
+// for concurrent use.
+type ProtectionDomain struct {
+	res resource
+	c   *Context
+	pd  prov.PD
+}
+
+// AllocPD allocates a protection domain.
+func (c *Context) AllocPD() (*ProtectionDomain, error) {
+	if err := c.check("allocate pd"); err != nil {
+		return nil, err
+	}
+	p, err := c.ctx.AllocPD()
+	if err != nil {
+		return nil, opErr("allocate pd", c.name, err)
+	}
+	pd := &ProtectionDomain{c: c, pd: p}
+	if err := initResource(pd, &pd.res, "protection domain", "", &c.res); err != nil {
+		p.Close()
+		return nil, err
+	}
+	return pd, nil
+}
+
+// Context returns the device context of the PD.
+func (pd *ProtectionDomain) Context() *Context { return pd.c }
+
+// Close frees the PD. It fails, naming them, while objects created in the
+// PD are open. Close is idempotent.
+func (pd *ProtectionDomain) Close() error {
+	return pd.res.close(func() error { return opErr("deallocate pd", pd.c.name, pd.pd.Close()) })
+}
+
+func (pd *ProtectionDomain) check(op string) error {
+	if pd.res.isClosed() {
+		return pd.res.errClosed(op)
+	}
+	return nil
+}
+
+// MemoryRegion is registered memory. Local work requests name it with
+// SGE values (lkey); peers name it with Remote (rkey). It is safe for
+// concurrent use; the bytes themselves are shared with the device, so the
+// program must not touch a buffer while a work request that uses it is
+// outstanding (the usual verbs contract).
+type MemoryRegion struct {
+	res    resource
+	pd     *ProtectionDomain
+	mr     prov.MR
+	access Access
+	buf    []byte      // nil for dma-buf
+	region *mem.Region // owned memory (Alloc)
+	pin    *runtime.Pinner
+}
+
+// Alloc allocates n bytes of zeroed, page-aligned memory outside the Go heap
+// (a memfd mapping, not inherited by child processes) and registers it.
+// The MR owns the memory: Close unmaps it, so the slice from Bytes must not
+// be used afterwards.
+func (pd *ProtectionDomain) Alloc(n int, access Access) (*MemoryRegion, error) {
+	if err := pd.check("allocate mr"); err != nil {
+		return nil, err
+	}
+	if n <= 0 {
+		return nil, opErr("allocate mr", pd.c.name, fmt.Errorf("invalid length %d", n))
+	}
+	if pd.c.locks {
+		if err := CheckMemlock(n); err != nil {
+			return nil, err
+		}
+	}
+	r, err := mem.Alloc(n, "mr", true)
+	if err != nil {
+		return nil, opErr("allocate mr", pd.c.name, err)
+	}
+	m, err := pd.register(r.Bytes(), r.FD(), access, "allocate mr")
+	if err != nil {
+		r.Free()
+		return nil, err
+	}
+	m.region = r
+	return m, nil
+}
+
+// Register registers caller memory. Go memory is pinned (runtime.Pinner)
+// until Close; the caller must keep buf alive and must not let the device
+// write into it after Close.
+func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, error) {
+	if err := pd.check("register mr"); err != nil {
+		return nil, err
+	}
+	if len(buf) == 0 {
+		return nil, opErr("register mr", pd.c.name, fmt.Errorf("empty buffer"))
+	}
+	if pd.c.locks {
+		if err := CheckMemlock(len(buf)); err != nil {
+			return nil, err
+		}
+	}
+	p := new(runtime.Pinner)
+	p.Pin(unsafe.SliceData(buf))
+	m, err := pd.register(buf, -1, access, "register mr")
+	if err != nil {
+		p.Unpin()
+		return nil, err
+	}
+	m.pin = p
+	return m, nil
+}
+
+func (pd *ProtectionDomain) register(buf []byte, fd int, access Access, op string) (*MemoryRegion, error) {
+	pm, err := pd.pd.RegMR(prov.Mem{Ptr: unsafe.Pointer(unsafe.SliceData(buf)), Len: len(buf), FD: fd}, prov.Access(access))
+	if err != nil {
+		return nil, opErr(op, pd.c.name, fmt.Errorf("%d bytes, access %v: %w", len(buf), access, err))
+	}
+	m := &MemoryRegion{pd: pd, mr: pm, access: access, buf: buf}
+	if err := initResource(m, &m.res, "memory region", fmt.Sprintf("lkey %#x, %d bytes", pm.LKey(), len(buf)), &pd.res); err != nil {
+		pm.Close()
+		return nil, err
+	}
+	return m, nil
+}
+
+// RegisterDMABuf registers length bytes at offset of a dma-buf file
+// descriptor (device memory exported by a GPU driver, for example), mapped
+// at iova. The soft provider does not support it.
+func (pd *ProtectionDomain) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, access Access) (*MemoryRegion, error) {
+	if err := pd.check("register dma-buf mr"); err != nil {
+		return nil, err
+	}
+	pm, err := pd.pd.RegDMABuf(offset, length, iova, fd, prov.Access(access))
+	if err != nil {
+		return nil, opErr("register dma-buf mr", pd.c.name, err)
+	}
+	m := &MemoryRegion{pd: pd, mr: pm, access: access}
+	if err := initResource(m, &m.res, "memory region", fmt.Sprintf("dma-buf lkey %#x", pm.LKey()), &pd.res); err != nil {
+		pm.Close()
+		return nil, err
+	}
+	return m, nil
+}
+
+// Bytes returns the registered memory (nil for a dma-buf MR).
+func (m *MemoryRegion) Bytes() []byte { return m.buf }
+
+// Addr returns the address of the first byte as the device sees it.
+func (m *MemoryRegion) Addr() uint64 { return m.mr.Addr() }
+
+// Len returns the length in bytes.
+func (m *MemoryRegion) Len() int { return m.mr.Len() }
+
+// LKey returns the local key.
+func (m *MemoryRegion) LKey() uint32 { return m.mr.LKey() }
+
+// RKey returns the remote key.
+func (m *MemoryRegion) RKey() uint32 { return m.mr.RKey() }
+
+// Access returns the access flags the MR was registered with.
+func (m *MemoryRegion) Access() Access { return m.access }
+
+// PD returns the protection domain of the MR.
+func (m *MemoryRegion) PD() *ProtectionDomain { return m.pd }
+
+// SGE returns a scatter/gather element for n bytes at offset off. It does
+// not check bounds: like hardware, an element outside the MR fails the work
+// request that uses it with a local protection error.
+func (m *MemoryRegion) SGE(off, n int) SGE {
+	return SGE{Addr: m.mr.Addr() + uint64(off), Length: uint32(n), LKey: m.mr.LKey()}
+}
+
+// All returns one SGE covering the whole MR.
+func (m *MemoryRegion) All() SGE { return m.SGE(0, m.mr.Len()) }
+
+// Remote returns what a peer needs to access the MR with RDMA operations.
+func (m *MemoryRegion) Remote() RemoteRegion {
+	return RemoteRegion{Addr: m.mr.Addr(), Len: uint64(m.mr.Len()), RKey: m.mr.RKey()}
+}
+
+// Close deregisters the MR, unpins Go memory and frees memory from Alloc.
+// It is idempotent.
+func (m *MemoryRegion) Close() error {
+	return m.res.close(func() error {
+		if err := m.mr.Close(); err != nil {
+			return opErr("deregister mr", m.pd.c.name, err)
+		}
+		if m.pin != nil {
+			m.pin.Unpin()
+		}
+		if m.region != nil {
+			if err := m.region.Free(); err != nil {
+				return opErr("free mr memory", m.pd.c.name, err)
+			}
+		}
+		return nil
+	})
+}
+
+// SGE is a scatter/gather element: Length bytes at Addr of the MR whose
+// local key is LKey.
+type SGE struct {
+	Addr   uint64
+	Length uint32
+	LKey   uint32
+}
+
+// RemoteRegion is a peer's memory region as handed out by MemoryRegion.Remote.
+type RemoteRegion struct {
+	Addr uint64 `json:"addr"`
+	Len  uint64 `json:"len"`
+	RKey uint32 `json:"rkey"`
+}
+
+// At returns the remote address off bytes into the region. It does not
+// check bounds: the target rejects out-of-bounds access with a remote
+// access error.
+func (r RemoteRegion) At(off uint64) RemoteAddr {
+	return RemoteAddr{Addr: r.Addr + off, RKey: r.RKey}
+}
+
+// RemoteAddr is the target of an RDMA read, write or atomic.
+type RemoteAddr struct {
+	Addr uint64
+	RKey uint32
+}

@@ -1,0 +1,90 @@
+package verbs
+
+import "github.com/goverbs/verbs/internal/prov"
+
+// Single-request helpers. Each posts one work request with one provider
+// call; for many requests, a batch is faster. flags may be 0, Signaled,
+// Fenced, Solicited, Inline or a combination.
+
+// PostSend posts a send of sgl.
+func (q *RCQueuePair) PostSend(wrid uint64, flags SendFlags, sgl ...SGE) error {
+	wr := sendWR(prov.WRSend, wrid)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postOne(wr, sgl)
+}
+
+// PostSendImm posts a send with immediate data.
+func (q *RCQueuePair) PostSendImm(wrid uint64, flags SendFlags, imm uint32, sgl ...SGE) error {
+	wr := sendWR(prov.WRSendImm, wrid)
+	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
+	return q.postOne(wr, sgl)
+}
+
+// PostWrite posts an RDMA write of sgl to dst.
+func (q *RCQueuePair) PostWrite(wrid uint64, flags SendFlags, dst RemoteAddr, sgl ...SGE) error {
+	wr := rdmaWR(prov.WRWrite, wrid, dst)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postOne(wr, sgl)
+}
+
+// PostWriteImm posts an RDMA write with immediate data.
+func (q *RCQueuePair) PostWriteImm(wrid uint64, flags SendFlags, dst RemoteAddr, imm uint32, sgl ...SGE) error {
+	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
+	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
+	return q.postOne(wr, sgl)
+}
+
+// PostRead posts an RDMA read of src into sgl.
+func (q *RCQueuePair) PostRead(wrid uint64, flags SendFlags, src RemoteAddr, sgl ...SGE) error {
+	wr := rdmaWR(prov.WRRead, wrid, src)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postOne(wr, sgl)
+}
+
+// PostCompareSwap posts an atomic compare-and-swap (see RCBatch.CompareSwap).
+func (q *RCQueuePair) PostCompareSwap(wrid uint64, flags SendFlags, dst RemoteAddr, compare, swap uint64, result SGE) error {
+	wr := rdmaWR(prov.WRAtomicCAS, wrid, dst)
+	wr.Flags, wr.CompareAdd, wr.Swap = prov.SendFlags(flags), compare, swap
+	return q.postOne(wr, []SGE{result})
+}
+
+// PostFetchAdd posts an atomic fetch-and-add (see RCBatch.FetchAdd).
+func (q *RCQueuePair) PostFetchAdd(wrid uint64, flags SendFlags, dst RemoteAddr, add uint64, result SGE) error {
+	wr := rdmaWR(prov.WRAtomicFAA, wrid, dst)
+	wr.Flags, wr.CompareAdd = prov.SendFlags(flags), add
+	return q.postOne(wr, []SGE{result})
+}
+
+// PostSend posts a send of sgl.
+func (q *UCQueuePair) PostSend(wrid uint64, flags SendFlags, sgl ...SGE) error {
+	wr := sendWR(prov.WRSend, wrid)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postOne(wr, sgl)
+}
+
+// PostWrite posts an RDMA write of sgl to dst.
+func (q *UCQueuePair) PostWrite(wrid uint64, flags SendFlags, dst RemoteAddr, sgl ...SGE) error {
+	wr := rdmaWR(prov.WRWrite, wrid, dst)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postOne(wr, sgl)
+}
+
+// PostSend posts a datagram to the destination.
+func (q *UDQueuePair) PostSend(wrid uint64, flags SendFlags, to Destination, sgl ...SGE) error {
+	if to.AH == nil {
+		return opErr("post send", q.devNm, errNoAH)
+	}
+	wr := udWR(prov.WRSend, wrid, to)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postOne(wr, sgl)
+}
+
+// PostSendImm posts a datagram with immediate data.
+func (q *UDQueuePair) PostSendImm(wrid uint64, flags SendFlags, to Destination, imm uint32, sgl ...SGE) error {
+	if to.AH == nil {
+		return opErr("post send", q.devNm, errNoAH)
+	}
+	wr := udWR(prov.WRSendImm, wrid, to)
+	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
+	return q.postOne(wr, sgl)
+}

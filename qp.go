@@ -1,0 +1,583 @@
+package verbs
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"fmt"
+	"sync"
+	"syscall"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// DefaultQKey is the Q_Key UD queue pairs use unless QPSpec.QKey says otherwise.
+const DefaultQKey = 0x11111111
+
+// QPSpec describes a queue pair. Zero values select the documented defaults.
+type QPSpec struct {
+	// SendCQ receives the completions of send work requests. Required.
+	SendCQ *CompletionQueue
+	// RecvCQ receives the completions of receives; default SendCQ.
+	RecvCQ *CompletionQueue
+	// SRQ, when set, supplies the receive buffers (RC and UD).
+	SRQ *SharedReceiveQueue
+
+	MaxSendWR     int // outstanding send requests; default 256
+	MaxRecvWR     int // outstanding receives; default 256 (ignored with SRQ)
+	MaxSendSGE    int // SGEs per send request; default 4
+	MaxRecvSGE    int // SGEs per receive; default 4
+	MaxInlineData int // bytes a send may inline; default 64, -1 for none
+
+	// SignalAll makes every send request generate a completion. Otherwise
+	// only requests marked Signaled (and failures) do.
+	SignalAll bool
+
+	// Access is the remote access the QP grants to its peer (RC: write,
+	// read, atomic; UC: write). Default: all the transport supports. The
+	// MR's own access flags must allow the operation too.
+	Access Access
+	// DenyRemote grants no remote access at all (Access is ignored).
+	DenyRemote bool
+
+	// Port is the device port; default 1.
+	Port uint8
+	// GIDIndex selects the source GID when FixedGID is set. Otherwise the
+	// GID is chosen automatically: on Ethernet a RoCE v2 GID, IPv4-mapped
+	// first, then global, then link-local.
+	GIDIndex int
+	FixedGID bool
+
+	// MTU is the path MTU; default: the smaller active MTU of the two ports.
+	MTU MTU
+	// PSN is the initial send packet sequence number (24 bits); default random.
+	PSN uint32
+	// QKey is the UD queue key; default DefaultQKey.
+	QKey uint32
+
+	// Timeout is the RC local ACK timeout exponent (4.096 µs × 2^Timeout);
+	// default 14 (about 67 ms). TimeoutInfinite waits forever.
+	Timeout uint8
+	// RetryCount is how often RC retransmits on timeout; default 7.
+	// Use -1 for no retries.
+	RetryCount int
+	// RNRRetry is how often RC retries when the peer has no receive posted:
+	// default 7, which means forever. Use -1 for no retries.
+	RNRRetry int
+	// MinRNRTimer is the RNR back-off this QP asks its peers for, in the IB
+	// encoding (1 = 0.01 ms … 12 = 0.64 ms … 31 = 491.52 ms); default 12.
+	MinRNRTimer uint8
+	// MaxRDAtomic is the number of outstanding RDMA reads and atomics, both
+	// as initiator and responder; default min(16, device limit).
+	MaxRDAtomic int
+}
+
+// TimeoutInfinite for QPSpec.Timeout disables the RC ACK timeout.
+const TimeoutInfinite = 0xff
+
+func orDefault(v, d int) int {
+	if v == 0 {
+		return d
+	}
+	if v < 0 {
+		return 0
+	}
+	return v
+}
+
+// qpCore is the part shared by every queue pair type.
+type qpCore struct {
+	res       resource
+	pd        *ProtectionDomain
+	qp        prov.QP
+	transport Transport
+	spec      QPSpec
+	cap       QPCap
+	psn       uint32
+	port      PortAttr
+	gid       GIDEntry
+	hasGID    bool
+
+	mu    sync.Mutex // single-request helpers
+	oneW  [1]prov.SendWR
+	oneR  [1]prov.RecvWR
+	sgeW  []prov.SGE
+	sgeR  []prov.SGE
+	devNm string
+}
+
+// initQP creates the provider QP into q, the core of owner, and moves it
+// to INIT.
+func initQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, t Transport, spec QPSpec) error {
+	op := "create " + t.String() + " qp"
+	if err := pd.check(op); err != nil {
+		return err
+	}
+	name := pd.c.name
+	if spec.SendCQ == nil {
+		return opErr(op, name, fmt.Errorf("QPSpec.SendCQ is required: %w", syscall.EINVAL))
+	}
+	if spec.RecvCQ == nil {
+		spec.RecvCQ = spec.SendCQ
+	}
+	for _, cq := range []*CompletionQueue{spec.SendCQ, spec.RecvCQ} {
+		if cq.c != pd.c {
+			return opErr(op, name, fmt.Errorf("cq belongs to device %s: %w", cq.c.name, syscall.EINVAL))
+		}
+		if err := cq.check(op); err != nil {
+			return err
+		}
+	}
+	if spec.SRQ != nil && t == TransportUC {
+		// Verbs allows it, but the soft provider models RC/UD only.
+		return opErr(op, name, fmt.Errorf("SRQ with UC: %w", ErrNotSupported))
+	}
+	if spec.Port == 0 {
+		spec.Port = 1
+	}
+	port, err := pd.c.QueryPort(spec.Port)
+	if err != nil {
+		return err
+	}
+	dev, err := pd.c.QueryDevice()
+	if err != nil {
+		return err
+	}
+	cap := prov.QPCap{
+		MaxSendWR:     orDefault(spec.MaxSendWR, 256),
+		MaxRecvWR:     orDefault(spec.MaxRecvWR, 256),
+		MaxSendSGE:    orDefault(spec.MaxSendSGE, 4),
+		MaxRecvSGE:    orDefault(spec.MaxRecvSGE, 4),
+		MaxInlineData: orDefault(spec.MaxInlineData, 64),
+	}
+	if dev.MaxSGE > 0 {
+		cap.MaxSendSGE = min(cap.MaxSendSGE, dev.MaxSGE)
+		cap.MaxRecvSGE = min(cap.MaxRecvSGE, dev.MaxSGE)
+	}
+	if dev.MaxInlineData > 0 && spec.MaxInlineData == 0 {
+		cap.MaxInlineData = min(cap.MaxInlineData, dev.MaxInlineData)
+	}
+	init := prov.QPInitAttr{Type: prov.QPType(t), SendCQ: spec.SendCQ.cq, RecvCQ: spec.RecvCQ.cq, Cap: cap, SignalAll: spec.SignalAll}
+	if spec.SRQ != nil {
+		if err := spec.SRQ.check(op); err != nil {
+			return err
+		}
+		init.SRQ = spec.SRQ.srq
+		init.Cap.MaxRecvWR, init.Cap.MaxRecvSGE = 0, 0
+	}
+	pq, err := pd.pd.CreateQP(init)
+	if err != nil {
+		return opErr(op, name, fmt.Errorf("caps %+v: %w", cap, err))
+	}
+	q.pd, q.qp, q.transport, q.port, q.devNm = pd, pq, t, port, name
+	if spec.MaxRDAtomic == 0 {
+		spec.MaxRDAtomic = 16
+		if dev.MaxQPRDAtom > 0 {
+			spec.MaxRDAtomic = min(16, dev.MaxQPRDAtom, max(dev.MaxQPInitRDAtom, 1))
+		}
+	}
+	if spec.QKey == 0 {
+		spec.QKey = DefaultQKey
+	}
+	if spec.MinRNRTimer == 0 {
+		spec.MinRNRTimer = 12
+	}
+	if spec.Timeout == 0 {
+		spec.Timeout = 14
+	}
+	if spec.PSN == 0 {
+		var b [4]byte
+		rand.Read(b[:])
+		spec.PSN = binary.LittleEndian.Uint32(b[:]) & 0xFFFFFF
+	}
+	spec.PSN &= 0xFFFFFF
+	q.spec, q.psn = spec, spec.PSN
+	if _, ia, err := pq.Query(); err == nil {
+		q.cap = QPCap(ia.Cap)
+	} else {
+		q.cap = QPCap(cap)
+	}
+	q.sgeW = make([]prov.SGE, max(q.cap.MaxSendSGE, 1))
+	q.sgeR = make([]prov.SGE, max(q.cap.MaxRecvSGE, 1))
+	// The CQs (and SRQ) count the QP as a child too, so they refuse to
+	// close under it.
+	parents := []*resource{&pd.res, &spec.SendCQ.res}
+	if spec.RecvCQ != spec.SendCQ {
+		parents = append(parents, &spec.RecvCQ.res)
+	}
+	if spec.SRQ != nil {
+		parents = append(parents, &spec.SRQ.res)
+	}
+	if err := initResource(owner, &q.res, t.String()+" queue pair", fmt.Sprintf("qpn %d", pq.QPN()), parents...); err != nil {
+		pq.Close()
+		return err
+	}
+	// RESET -> INIT.
+	a := QPAttr{State: StateInit, PKeyIndex: 0, Port: spec.Port}
+	mask := AttrState | AttrPKeyIndex | AttrPort
+	if t == TransportUD {
+		a.QKey = spec.QKey
+		mask |= AttrQKey
+	} else {
+		a.Access = q.remoteAccess()
+		mask |= AttrAccessFlags
+	}
+	if err := q.Modify(a, mask); err != nil {
+		q.Close()
+		return err
+	}
+	return nil
+}
+
+func (q *qpCore) remoteAccess() Access {
+	if q.spec.DenyRemote {
+		return 0
+	}
+	if q.spec.Access != 0 {
+		return q.spec.Access
+	}
+	if q.transport == TransportUC {
+		return AccessRemoteWrite
+	}
+	return AccessRemoteWrite | AccessRemoteRead | AccessRemoteAtomic
+}
+
+// QPN returns the queue pair number.
+func (q *qpCore) QPN() uint32 { return q.qp.QPN() }
+
+// Cap returns the capacities the device granted.
+func (q *qpCore) Cap() QPCap { return q.cap }
+
+// PD returns the protection domain of the QP.
+func (q *qpCore) PD() *ProtectionDomain { return q.pd }
+
+// Close destroys the QP; outstanding work requests are dropped without
+// completions (like ibv_destroy_qp). Idempotent.
+func (q *qpCore) Close() error {
+	return q.res.close(func() error { return opErr("destroy qp", q.devNm, q.qp.Close()) })
+}
+
+// Query returns the current attributes of the QP.
+func (q *qpCore) Query() (QPAttr, error) {
+	if q.res.isClosed() {
+		return QPAttr{}, q.res.errClosed("query qp")
+	}
+	a, _, err := q.qp.Query()
+	if err != nil {
+		return QPAttr{}, opErr("query qp", q.devNm, err)
+	}
+	return qpAttrFromProv(a), nil
+}
+
+// State returns the current state of the QP.
+func (q *qpCore) State() (QPState, error) {
+	a, err := q.Query()
+	return a.State, err
+}
+
+// Modify changes the attributes selected by mask, and the state when mask
+// has AttrState. The transition and its required attributes are checked
+// against the verbs state table before the device sees them.
+func (q *qpCore) Modify(attr QPAttr, mask QPAttrMask) error {
+	if q.res.isClosed() {
+		return q.res.errClosed("modify qp")
+	}
+	cur, _, err := q.qp.Query()
+	if err != nil {
+		return opErr("modify qp", q.devNm, err)
+	}
+	if err := validateTransition(q.transport, QPState(cur.State), &attr, mask); err != nil {
+		return opErr("modify qp", q.devNm, fmt.Errorf("qpn %d: %v: %w", q.QPN(), err, syscall.EINVAL))
+	}
+	pa := attr.prov()
+	if err := q.qp.Modify(&pa, prov.QPAttrMask(mask)); err != nil {
+		return opErr("modify qp", q.devNm, fmt.Errorf("qpn %d to %s: %w", q.QPN(), attr.State, err))
+	}
+	return nil
+}
+
+// sourceGID picks the GID this QP sends from.
+func (q *qpCore) sourceGID() (GIDEntry, error) {
+	if q.hasGID {
+		return q.gid, nil
+	}
+	table, err := q.pd.c.GIDTable(q.spec.Port)
+	if err != nil {
+		return GIDEntry{}, err
+	}
+	e, err := chooseGID(table, q.port.LinkLayer, q.spec.FixedGID, q.spec.GIDIndex)
+	if err != nil {
+		return GIDEntry{}, opErr("choose source gid", q.devNm, fmt.Errorf("port %d: %w", q.spec.Port, err))
+	}
+	q.gid, q.hasGID = e, true
+	return e, nil
+}
+
+// chooseGID selects the source GID: the fixed index if asked for; on
+// InfiniBand index 0; on Ethernet RoCE v2 before v1, and within a type
+// IPv4-mapped, then global, then link-local.
+func chooseGID(table []GIDEntry, ll LinkLayer, fixed bool, index int) (GIDEntry, error) {
+	if fixed {
+		for _, e := range table {
+			if e.Index == index {
+				return e, nil
+			}
+		}
+		return GIDEntry{}, fmt.Errorf("gid index %d is not a valid entry of the GID table (%d valid entries; see `goverbs devinfo -v`)", index, len(table))
+	}
+	if len(table) == 0 {
+		if ll == LinkLayerInfiniBand {
+			return GIDEntry{}, nil // LID routing works without a GID
+		}
+		return GIDEntry{}, fmt.Errorf("the GID table is empty: on RoCE, give the network device an IP address or bring it up")
+	}
+	if ll != LinkLayerEthernet {
+		return table[0], nil
+	}
+	rank := func(e GIDEntry) int {
+		r := 0
+		if e.Type != GIDTypeRoCEv2 {
+			r += 10
+		}
+		switch {
+		case e.GID.IsIPv4Mapped():
+		case !e.GID.IsLinkLocal():
+			r += 1
+		default:
+			r += 2
+		}
+		return r
+	}
+	best := table[0]
+	for _, e := range table[1:] {
+		if rank(e) < rank(best) {
+			best = e
+		}
+	}
+	return best, nil
+}
+
+// Endpoint returns what a peer needs to connect to (or address) this QP.
+func (q *qpCore) Endpoint() (Endpoint, error) {
+	if q.res.isClosed() {
+		return Endpoint{}, q.res.errClosed("endpoint")
+	}
+	g, err := q.sourceGID()
+	if err != nil {
+		return Endpoint{}, err
+	}
+	mtu := q.port.ActiveMTU
+	if q.spec.MTU != 0 {
+		mtu = min(mtu, q.spec.MTU)
+	}
+	e := Endpoint{
+		Version: EndpointVersion, Transport: q.transport, LinkLayer: q.port.LinkLayer, Port: q.spec.Port,
+		GIDIndex: uint8(g.Index), GID: g.GID, LID: q.port.LID, QPN: q.QPN(), PSN: q.psn, MTU: mtu,
+		Addr: q.qp.Address(),
+	}
+	if q.transport == TransportUD {
+		e.QKey = q.spec.QKey
+	}
+	return e, nil
+}
+
+// ConnectOptions adjust how Connect addresses the peer. The zero value is
+// automatic addressing.
+type ConnectOptions struct {
+	// ForceGRH adds a GRH even on InfiniBand (needed across subnets).
+	ForceGRH bool
+	// HopLimit of the GRH; default 64.
+	HopLimit uint8
+	// TrafficClass of the GRH.
+	TrafficClass uint8
+	// ServiceLevel on InfiniBand (RoCE: priority).
+	ServiceLevel uint8
+}
+
+// addressTo builds the address vector to reach remote.
+func (q *qpCore) addressTo(remote Endpoint, o ConnectOptions) (AHAttr, error) {
+	ah := AHAttr{Port: q.spec.Port, SL: o.ServiceLevel, ProviderAddr: remote.Addr}
+	useGRH := o.ForceGRH || q.port.LinkLayer != LinkLayerInfiniBand || remote.LinkLayer != LinkLayerInfiniBand
+	if q.port.LinkLayer == LinkLayerInfiniBand && remote.LinkLayer == LinkLayerEthernet {
+		return ah, fmt.Errorf("local port %d is InfiniBand but the peer is on Ethernet (RoCE): they cannot reach each other", q.spec.Port)
+	}
+	if q.port.LinkLayer == LinkLayerEthernet && remote.LinkLayer == LinkLayerInfiniBand {
+		return ah, fmt.Errorf("local port %d is Ethernet (RoCE) but the peer is on InfiniBand: they cannot reach each other", q.spec.Port)
+	}
+	if !useGRH {
+		if remote.LID == 0 {
+			return ah, fmt.Errorf("peer on InfiniBand has LID 0 (is its subnet manager running?)")
+		}
+		ah.DLID = remote.LID
+		return ah, nil
+	}
+	if remote.GID.IsZero() {
+		return ah, fmt.Errorf("peer endpoint has no GID but the path needs a GRH (RoCE or ForceGRH)")
+	}
+	g, err := q.sourceGID()
+	if err != nil {
+		return ah, err
+	}
+	ah.IsGlobal = true
+	ah.DGID = remote.GID
+	ah.SGIDIndex = uint8(g.Index)
+	ah.HopLimit = o.HopLimit
+	if ah.HopLimit == 0 {
+		ah.HopLimit = 64
+	}
+	ah.TrafficClass = o.TrafficClass
+	ah.DLID = remote.LID
+	return ah, nil
+}
+
+func (q *qpCore) connect(remote Endpoint, o ConnectOptions) error {
+	op := "connect qp"
+	if q.res.isClosed() {
+		return q.res.errClosed(op)
+	}
+	if err := remote.Validate(); err != nil {
+		return opErr(op, q.devNm, err)
+	}
+	if remote.Transport != q.transport {
+		return opErr(op, q.devNm, fmt.Errorf("peer is a %s queue pair, this is %s: %w", remote.Transport, q.transport, syscall.EINVAL))
+	}
+	ah, err := q.addressTo(remote, o)
+	if err != nil {
+		return opErr(op, q.devNm, fmt.Errorf("route to %s: %w", remote.GID, err))
+	}
+	mtu := min(q.port.ActiveMTU, remote.MTU)
+	if q.spec.MTU != 0 {
+		mtu = min(mtu, q.spec.MTU)
+	}
+	rtr := QPAttr{State: StateRTR, PathMTU: mtu, DestQPN: remote.QPN, RQPSN: remote.PSN, AH: ah}
+	mask := AttrState | AttrAV | AttrPathMTU | AttrDestQPN | AttrRQPSN
+	if q.transport == TransportRC {
+		rtr.MaxDestRDAtomic = uint8(q.spec.MaxRDAtomic)
+		rtr.MinRNRTimer = q.spec.MinRNRTimer
+		mask |= AttrMaxDestAtomic | AttrMinRNRTimer
+	}
+	if err := q.Modify(rtr, mask); err != nil {
+		return err
+	}
+	rts := QPAttr{State: StateRTS, SQPSN: q.psn}
+	mask = AttrState | AttrSQPSN
+	if q.transport == TransportRC {
+		rts.Timeout = q.spec.Timeout
+		if rts.Timeout == TimeoutInfinite {
+			rts.Timeout = 0
+		}
+		rts.RetryCount = uint8(orDefault(q.spec.RetryCount, 7))
+		rts.RNRRetry = uint8(orDefault(q.spec.RNRRetry, 7))
+		rts.MaxRDAtomic = uint8(q.spec.MaxRDAtomic)
+		mask |= AttrTimeout | AttrRetryCount | AttrRNRRetry | AttrMaxRDAtomic
+	}
+	return q.Modify(rts, mask)
+}
+
+// PostRecv posts one receive whose buffer is the scatter list sgl.
+func (q *qpCore) PostRecv(wrid uint64, sgl ...SGE) error {
+	if q.res.isClosed() {
+		return q.res.errClosed("post recv")
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(sgl) > len(q.sgeR) {
+		return opErr("post recv", q.devNm, fmt.Errorf("%d SGEs exceed max_recv_sge %d: %w", len(sgl), len(q.sgeR), syscall.EINVAL))
+	}
+	for i, s := range sgl {
+		q.sgeR[i] = prov.SGE(s)
+	}
+	q.oneR[0] = prov.RecvWR{WRID: wrid, NumSGE: uint32(len(sgl))}
+	if _, err := q.qp.PostRecv(q.oneR[:], q.sgeR); err != nil {
+		return opErr("post recv", q.devNm, err)
+	}
+	return nil
+}
+
+// postOne posts a single send request built by the caller in q.oneW.
+func (q *qpCore) postOne(wr prov.SendWR, sgl []SGE) error {
+	if q.res.isClosed() {
+		return q.res.errClosed("post send")
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(sgl) > len(q.sgeW) {
+		return opErr("post send", q.devNm, fmt.Errorf("%d SGEs exceed max_send_sge %d: %w", len(sgl), len(q.sgeW), syscall.EINVAL))
+	}
+	for i, s := range sgl {
+		q.sgeW[i] = prov.SGE(s)
+	}
+	wr.SGEIndex, wr.NumSGE = 0, uint32(len(sgl))
+	q.oneW[0] = wr
+	if _, err := q.qp.PostSend(q.oneW[:], q.sgeW); err != nil {
+		return opErr("post send", q.devNm, err)
+	}
+	return nil
+}
+
+// RCQueuePair is a reliable connected queue pair: send and receive with
+// immediate data, RDMA write (with immediate), RDMA read and atomics. It is
+// safe for concurrent use.
+type RCQueuePair struct{ qpCore }
+
+// UCQueuePair is an unreliable connected queue pair: send and RDMA write
+// (with immediate); no reads, no atomics, no retries: lost or rejected
+// messages are dropped silently.
+type UCQueuePair struct{ qpCore }
+
+// UDQueuePair is an unreliable datagram queue pair: sends to any UD QP,
+// named by an AddressHandle, QPN and Q_Key, each message at most one MTU.
+// Receive buffers must start with 40 bytes of room for the GRH.
+type UDQueuePair struct{ qpCore }
+
+// NewRCQueuePair creates a reliable connected QP in the INIT state. Hand
+// its Endpoint to the peer and Connect it to the peer's endpoint.
+func (pd *ProtectionDomain) NewRCQueuePair(spec QPSpec) (*RCQueuePair, error) {
+	q := new(RCQueuePair)
+	if err := initQP(q, &q.qpCore, pd, TransportRC, spec); err != nil {
+		return nil, err
+	}
+	return q, nil
+}
+
+// NewUCQueuePair creates an unreliable connected QP in the INIT state.
+func (pd *ProtectionDomain) NewUCQueuePair(spec QPSpec) (*UCQueuePair, error) {
+	q := new(UCQueuePair)
+	if err := initQP(q, &q.qpCore, pd, TransportUC, spec); err != nil {
+		return nil, err
+	}
+	return q, nil
+}
+
+// NewUDQueuePair creates an unreliable datagram QP and brings it to RTS:
+// it needs no connection. Address peers with Destination values.
+func (pd *ProtectionDomain) NewUDQueuePair(spec QPSpec) (*UDQueuePair, error) {
+	u := new(UDQueuePair)
+	if err := initQP(u, &u.qpCore, pd, TransportUD, spec); err != nil {
+		return nil, err
+	}
+	if err := u.Modify(QPAttr{State: StateRTR}, AttrState); err != nil {
+		u.Close()
+		return nil, err
+	}
+	if err := u.Modify(QPAttr{State: StateRTS, SQPSN: u.psn}, AttrState|AttrSQPSN); err != nil {
+		u.Close()
+		return nil, err
+	}
+	return u, nil
+}
+
+// Connect moves the QP to RTR and RTS, connected to remote.
+func (q *RCQueuePair) Connect(remote Endpoint) error { return q.connect(remote, ConnectOptions{}) }
+
+// ConnectWith is Connect with addressing options.
+func (q *RCQueuePair) ConnectWith(remote Endpoint, o ConnectOptions) error {
+	return q.connect(remote, o)
+}
+
+// Connect moves the QP to RTR and RTS, connected to remote.
+func (q *UCQueuePair) Connect(remote Endpoint) error { return q.connect(remote, ConnectOptions{}) }
+
+// ConnectWith is Connect with addressing options.
+func (q *UCQueuePair) ConnectWith(remote Endpoint, o ConnectOptions) error {
+	return q.connect(remote, o)
+}

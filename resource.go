@@ -1,0 +1,117 @@
+package verbs
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/goverbs/verbs/internal/leak"
+)
+
+// resource tracks the lifetime of one verbs object. Its state lives in a
+// separately allocated node that never points back at the object, so a
+// parent's list of children does not keep a leaked child reachable and the
+// leak tracer can see it.
+type resource struct{ n *node }
+
+type node struct {
+	kind   string
+	desc   string
+	closed atomic.Bool
+
+	mu       sync.Mutex
+	parents  []*node
+	children map[*node]struct{}
+}
+
+func (n *node) String() string {
+	if n.desc == "" {
+		return n.kind
+	}
+	return n.kind + " (" + n.desc + ")"
+}
+
+func (r *resource) String() string { return r.n.String() }
+
+// initResource links r under its parents (the first is the owner's main
+// parent; all must be open) and arranges leak tracing for owner.
+func initResource[T any](owner *T, r *resource, kind, desc string, parents ...*resource) error {
+	n := &node{kind: kind, desc: desc}
+	for i, p := range parents {
+		if err := p.n.add(n); err != nil {
+			for _, q := range parents[:i] {
+				q.n.remove(n)
+			}
+			return err
+		}
+		n.parents = append(n.parents, p.n)
+	}
+	r.n = n
+	leak.Track(owner, n.String()+" was garbage-collected without Close", &n.closed)
+	return nil
+}
+
+func (p *node) add(c *node) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed.Load() {
+		return fmt.Errorf("verbs: %s is closed: %w", p, ErrClosed)
+	}
+	if p.children == nil {
+		p.children = make(map[*node]struct{})
+	}
+	p.children[c] = struct{}{}
+	return nil
+}
+
+func (p *node) remove(c *node) {
+	p.mu.Lock()
+	delete(p.children, c)
+	p.mu.Unlock()
+}
+
+// close runs release once, if r has no live children. It is idempotent:
+// later calls return nil.
+func (r *resource) close(release func() error) error {
+	n := r.n
+	if n == nil {
+		return nil
+	}
+	n.mu.Lock()
+	if n.closed.Load() {
+		n.mu.Unlock()
+		return nil
+	}
+	if len(n.children) > 0 {
+		names := make([]string, 0, len(n.children))
+		for c := range n.children {
+			names = append(names, c.String())
+		}
+		n.mu.Unlock()
+		sort.Strings(names)
+		return fmt.Errorf("verbs: close %s: still in use by %d object(s): %s", n, len(names), strings.Join(names, ", "))
+	}
+	if release != nil {
+		if err := release(); err != nil {
+			n.mu.Unlock()
+			return err
+		}
+	}
+	n.closed.Store(true)
+	n.mu.Unlock()
+	for _, p := range n.parents {
+		p.remove(n)
+	}
+	return nil
+}
+
+func (r *resource) isClosed() bool { return r.n == nil || r.n.closed.Load() }
+
+func (r *resource) errClosed(op string) error {
+	if r.n == nil {
+		return fmt.Errorf("verbs: %s: object not initialised: %w", op, ErrClosed)
+	}
+	return fmt.Errorf("verbs: %s: %s is closed: %w", op, r.n, ErrClosed)
+}

@@ -1,0 +1,152 @@
+package verbs
+
+import (
+	"fmt"
+	"sync"
+	"syscall"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// SRQSpec describes a shared receive queue. Zero values select defaults.
+type SRQSpec struct {
+	MaxWR  int // outstanding receives; default 1024
+	MaxSGE int // SGEs per receive; default 4
+	// Limit arms the low-watermark event: when fewer than Limit receives
+	// remain posted, the device raises EventSRQLimitReached once. 0: unarmed.
+	Limit int
+}
+
+// SharedReceiveQueue supplies receive buffers to many queue pairs. It is
+// safe for concurrent use.
+type SharedReceiveQueue struct {
+	res   resource
+	pd    *ProtectionDomain
+	srq   prov.SRQ
+	spec  SRQSpec
+	mu    sync.Mutex
+	oneR  [1]prov.RecvWR
+	sgeR  []prov.SGE
+	devNm string
+}
+
+// NewSharedReceiveQueue creates an SRQ.
+func (pd *ProtectionDomain) NewSharedReceiveQueue(spec SRQSpec) (*SharedReceiveQueue, error) {
+	if err := pd.check("create srq"); err != nil {
+		return nil, err
+	}
+	spec.MaxWR = orDefault(spec.MaxWR, 1024)
+	spec.MaxSGE = orDefault(spec.MaxSGE, 4)
+	ps, err := pd.pd.CreateSRQ(prov.SRQAttr{MaxWR: spec.MaxWR, MaxSGE: spec.MaxSGE, SRQLimit: spec.Limit})
+	if err != nil {
+		return nil, opErr("create srq", pd.c.name, fmt.Errorf("%+v: %w", spec, err))
+	}
+	s := &SharedReceiveQueue{pd: pd, srq: ps, spec: spec, sgeR: make([]prov.SGE, spec.MaxSGE), devNm: pd.c.name}
+	if err := initResource(s, &s.res, "shared receive queue", "", &pd.res); err != nil {
+		ps.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *SharedReceiveQueue) check(op string) error {
+	if s.res.isClosed() {
+		return s.res.errClosed(op)
+	}
+	return nil
+}
+
+// PostRecv posts one receive buffer.
+func (s *SharedReceiveQueue) PostRecv(wrid uint64, sgl ...SGE) error {
+	if err := s.check("post srq recv"); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(sgl) > len(s.sgeR) {
+		return opErr("post srq recv", s.devNm, fmt.Errorf("%d SGEs exceed max_sge %d: %w", len(sgl), len(s.sgeR), syscall.EINVAL))
+	}
+	for i, g := range sgl {
+		s.sgeR[i] = prov.SGE(g)
+	}
+	s.oneR[0] = prov.RecvWR{WRID: wrid, NumSGE: uint32(len(sgl))}
+	_, err := s.srq.PostRecv(s.oneR[:], s.sgeR)
+	return opErr("post srq recv", s.devNm, err)
+}
+
+// ArmLimit sets the low-watermark (see SRQSpec.Limit) and arms its event.
+func (s *SharedReceiveQueue) ArmLimit(limit int) error {
+	if err := s.check("modify srq"); err != nil {
+		return err
+	}
+	return opErr("modify srq", s.devNm, s.srq.Modify(prov.SRQAttr{SRQLimit: limit}, true))
+}
+
+// Query returns the SRQ's current MaxWR, MaxSGE and Limit.
+func (s *SharedReceiveQueue) Query() (SRQSpec, error) {
+	if err := s.check("query srq"); err != nil {
+		return SRQSpec{}, err
+	}
+	a, err := s.srq.Query()
+	if err != nil {
+		return SRQSpec{}, opErr("query srq", s.devNm, err)
+	}
+	return SRQSpec{MaxWR: a.MaxWR, MaxSGE: a.MaxSGE, Limit: a.SRQLimit}, nil
+}
+
+// NewRecvBatch returns a batch of up to n receives for the SRQ.
+func (s *SharedReceiveQueue) NewRecvBatch(n int) *RecvBatch {
+	b := newRecvBatch(s.srq, n, s.spec.MaxSGE, s.devNm)
+	b.closed = s.res.isClosed
+	return b
+}
+
+// Close destroys the SRQ. It fails while QPs use it. Idempotent.
+func (s *SharedReceiveQueue) Close() error {
+	return s.res.close(func() error { return opErr("destroy srq", s.devNm, s.srq.Close()) })
+}
+
+// AddressHandle names a remote port for UD sends. Safe for concurrent use.
+type AddressHandle struct {
+	res resource
+	pd  *ProtectionDomain
+	ah  prov.AH
+}
+
+// NewAddressHandle creates an address handle from an address vector.
+func (pd *ProtectionDomain) NewAddressHandle(attr AHAttr) (*AddressHandle, error) {
+	if err := pd.check("create ah"); err != nil {
+		return nil, err
+	}
+	if attr.Port == 0 {
+		attr.Port = 1
+	}
+	pa, err := pd.pd.CreateAH(attr.prov())
+	if err != nil {
+		return nil, opErr("create ah", pd.c.name, err)
+	}
+	a := &AddressHandle{pd: pd, ah: pa}
+	if err := initResource(a, &a.res, "address handle", attr.DGID.String(), &pd.res); err != nil {
+		pa.Close()
+		return nil, err
+	}
+	return a, nil
+}
+
+// AddressHandleTo creates an address handle that reaches the port of the
+// remote endpoint, addressed from q (its port and source GID).
+func (q *UDQueuePair) AddressHandleTo(remote Endpoint) (*AddressHandle, error) {
+	if err := remote.Validate(); err != nil {
+		return nil, opErr("create ah", q.devNm, err)
+	}
+	attr, err := q.addressTo(remote, ConnectOptions{})
+	if err != nil {
+		return nil, opErr("create ah", q.devNm, err)
+	}
+	return q.pd.NewAddressHandle(attr)
+}
+
+// Close destroys the address handle. Idempotent.
+func (a *AddressHandle) Close() error {
+	return a.res.close(func() error { return opErr("destroy ah", a.pd.c.name, a.ah.Close()) })
+}
