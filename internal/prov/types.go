@@ -213,7 +213,7 @@ type SGE struct {
 
 // SendWR is one send work request. Its scatter/gather list is
 // SGEs[SGEIndex : SGEIndex+NumSGE] of the slice passed next to it to
-// QP.PostSend. The layout is fixed (64 bytes) and pointer-free.
+// QP.PostSend. The layout is fixed (72 bytes) and pointer-free.
 type SendWR struct {
 	WRID       uint64
 	RemoteAddr uint64 // RDMA and atomic operations

@@ -18,8 +18,9 @@
 #   exits with CMD's exit status.
 #
 # Options:
-#   --timeout SECS   kill the VM after SECS seconds (default 600, or
-#                    $GOVERBS_VM_TIMEOUT); exit status 124 then
+#   --timeout SECS   kill the VM after SECS seconds (default: $GOVERBS_VM_TIMEOUT,
+#                    else a Go test binary's -test.timeout + 60, else 600);
+#                    exit status 124 then
 #   --env NAME[=VAL] pass NAME (from this environment, or set to VAL) into the
 #                    guest; repeatable. GOVERBS_*, GOTRACEBACK, GODEBUG,
 #                    GOMAXPROCS, GOGC, GOMEMLIMIT, GORACE, PATH, LANG, LC_ALL
@@ -76,6 +77,7 @@ MODULES=(virtio_pci 9pnet_virtio 9p virtio_rng crc32_generic rdma_rxe rdma_ucm v
 PASS_ENV_RE='^(GOVERBS_[A-Za-z0-9_]*|GOTRACEBACK|GODEBUG|GOMAXPROCS|GOGC|GOMEMLIMIT|GORACE|PATH|LANG|LC_ALL|TZ)$'
 
 timeout_s=${GOVERBS_VM_TIMEOUT:-600}
+timeout_set=${GOVERBS_VM_TIMEOUT:+1}
 mtu=${GOVERBS_VM_MTU:-1500}
 mem=2G
 smp=2
@@ -96,8 +98,8 @@ usage() {
 
 while (($#)); do
 	case $1 in
-	--timeout) (($# >= 2)) || die "--timeout needs a value"; timeout_s=$2; shift 2 ;;
-	--timeout=*) timeout_s=${1#*=}; shift ;;
+	--timeout) (($# >= 2)) || die "--timeout needs a value"; timeout_s=$2; timeout_set=1; shift 2 ;;
+	--timeout=*) timeout_s=${1#*=}; timeout_set=1; shift ;;
 	--env) (($# >= 2)) || die "--env needs a value"; extra_env+=("$2"); shift 2 ;;
 	--env=*) extra_env+=("${1#*=}"); shift ;;
 	--mtu) (($# >= 2)) || die "--mtu needs a value"; mtu=$2; shift 2 ;;
@@ -121,15 +123,47 @@ if ((!prepare_only)) && (($# == 0)); then
 	die "no command given (usage: run.sh [OPTIONS] -- CMD [ARGS...])"
 fi
 
+# go_seconds prints a Go duration ("10m0s", "1h", "90s") in whole seconds.
+go_seconds() {
+	awk -v d="$1" 'BEGIN {
+		if (d !~ /^([0-9.]+(h|m|s|ms|us|µs|ns))+$/) exit 1
+		t = 0
+		while (match(d, /^[0-9.]+(h|ms|m|s|us|µs|ns)/)) {
+			tok = substr(d, 1, RLENGTH); d = substr(d, RLENGTH + 1)
+			n = tok + 0; u = tok; sub(/^[0-9.]+/, "", u)
+			t += n * (u == "h" ? 3600 : u == "m" ? 60 : u == "s" ? 1 : u == "ms" ? 0.001 : 0)
+		}
+		printf "%d\n", t + 0.999
+	}'
+}
+
+# A Go test binary run by `go test -exec` gets -test.timeout (10m by
+# default): unless --timeout was given, let the VM outlive it by a minute so
+# that the test's own timeout panic (with its goroutine dump) is seen.
+if ((!timeout_set)); then
+	for ((i = 2; i <= $#; i++)); do
+		a=${!i}
+		case $a in
+		-test.timeout=* | --test.timeout=*) d=${a#*=} ;;
+		-test.timeout | --test.timeout) j=$((i + 1)); d=${!j:-} ;;
+		*) continue ;;
+		esac
+		if s=$(go_seconds "$d") && ((s > 0)); then timeout_s=$((s + 60)); fi
+	done
+fi
+
 mkdir -p "$CACHE" || die "cannot create cache directory $CACHE"
 [[ -e $CACHE/.gitignore ]] || echo '*' >"$CACHE/.gitignore"
+# Run directories of failed runs are kept for a day.
+find "$CACHE" -maxdepth 1 -name 'out-*' -type d -mmin +1440 -exec rm -rf {} + 2>/dev/null || true
 
 # ---------------------------------------------------------------- packages --
 
 ensure_packages() {
-	local missing=() p
+	local missing=() p installed
+	installed=" $(dpkg-query -W -f='${Package}=${db:Status-Status} ' "${PACKAGES[@]}" 2>/dev/null || true)"
 	for p in "${PACKAGES[@]}"; do
-		[[ $(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null) == installed ]] || missing+=("$p")
+		[[ $installed == *" $p=installed "* ]] || missing+=("$p")
 	done
 	((${#missing[@]})) || return 0
 	((EUID == 0)) || die "missing Debian packages: ${missing[*]} (run once as root, or: sudo apt-get install ${missing[*]})"
@@ -369,6 +403,7 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT
+trap 'exit 131' QUIT
 trap 'exit 143' TERM
 
 case $cmd in
@@ -423,7 +458,9 @@ qemu_args=(
 )
 info "booting (timeout ${timeout_s}s)"
 t_boot=$(date +%s.%N)
-timeout -k 5 "$timeout_s" qemu-system-x86_64 "${qemu_args[@]}" </dev/null >"$OUT/qemu.log" 2>&1 &
+# setpriv --pdeathsig: if this script is killed (even with SIGKILL), timeout
+# gets SIGTERM and passes it on to qemu, so no VM outlives its caller.
+setpriv --pdeathsig TERM timeout -k 5 "$timeout_s" qemu-system-x86_64 "${qemu_args[@]}" </dev/null >"$OUT/qemu.log" 2>&1 &
 qemu_pid=$!
 tail -n +1 -s 0.2 -f --pid="$qemu_pid" "$OUT/stdout" &
 tail_out=$!

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# scripts/test.sh — THE test command of the project (CI runs it via .ci/run).
+#
+#   1. scripts/deps.sh   install what is missing (idempotent)
+#   2. scripts/lint.sh   static checks; any failure stops here
+#   3. the test tiers, in order; each prints
+#        tier NAME: N passed, N failed, N skipped
+#      with every skipped test and its reason, and tiers not run print
+#        tier NAME: not run (REASON)
+#   4. one closing line, the sum over all tiers, read by CI:
+#        N passed, N failed, N skipped
+#
+# Exit status: non-zero if lint, a build, a test or a package failed.
+#
+# Adding a tier: define a function tier_NAME that runs its tests through
+# run_go_tests (or feeds `go test -json` into the summarizer itself), add
+# NAME to ALL_TIERS, and to TIERS once it should run by default. Override the
+# tier list with GOVERBS_TIERS="unit multiprocess" ./scripts/test.sh.
+#
+# How tests are counted (see internal/tools/testsummary): every test and
+# every subtest counts once; a failing subtest also fails its parent; a test
+# that never reported a result (panic elsewhere, timeout) counts as failed.
+set -euo pipefail
+
+# Tiers that run, in order.
+TIERS="${GOVERBS_TIERS:-unit}"
+# Every tier the project knows, in order; those not in TIERS are reported as
+# not run, with the reason below.
+ALL_TIERS="unit multiprocess vm"
+declare -A NOT_RUN_REASON=(
+	[multiprocess]="not wired into scripts/test.sh yet"
+	[vm]="not wired into scripts/test.sh yet"
+)
+
+# Timeout of each test binary (go test -timeout). CI allows 90 minutes in all.
+GO_TEST_TIMEOUT="${GO_TEST_TIMEOUT:-20m}"
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+command -v go >/dev/null 2>&1 || export PATH=/usr/local/go/bin:$PATH
+
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+COUNTS="$WORK/counts" # one line per tier run: NAME PASSED FAILED SKIPPED PKGFAILS
+SUMMARY="$WORK/testsummary"
+: >"$COUNTS"
+
+# run_go_tests TIER [go test args...] — run `go test -race -count=1 -json`
+# with the given arguments and summarize it as tier TIER.
+run_go_tests() {
+	local tier=$1
+	shift
+	local go_rc sum_rc
+	echo "==== tier $tier: go test -race -count=1 -timeout $GO_TEST_TIMEOUT $*"
+	# stderr is merged: go's own errors (bad go.mod, ...) are echoed unchanged.
+	set +e
+	go test -race -count=1 -json -timeout "$GO_TEST_TIMEOUT" "$@" 2>&1 |
+		"$SUMMARY" -tier "$tier" -counts "$COUNTS"
+	go_rc=${PIPESTATUS[0]} sum_rc=${PIPESTATUS[1]}
+	set -e
+	# The summarizer knows about failed tests and packages; go test's own
+	# status also catches what it could not see.
+	if ((go_rc != 0 && sum_rc == 0)); then
+		echo "tier $tier: go test exited with status $go_rc (see output above)"
+		# Record it so that the closing line cannot read as a clean run.
+		echo "$tier-go-test 0 0 0 1" >>"$COUNTS"
+		return 1
+	fi
+	((sum_rc == 0))
+}
+
+# ---- tiers -------------------------------------------------------------------
+
+# Tier 1: unit tests of every package, under the race detector.
+tier_unit() {
+	run_go_tests unit ./...
+}
+
+# Tier 2 (multiprocess) and tier 3 (vm) are added here as tier_multiprocess
+# and tier_vm.
+
+# ---- main --------------------------------------------------------------------
+
+./scripts/deps.sh
+./scripts/lint.sh
+
+# Build the summarizer once; it is stdlib-only, so it builds even while
+# other packages of the repo do not.
+go build -o "$SUMMARY" ./internal/tools/testsummary
+
+status=0
+for tier in $ALL_TIERS; do
+	if [[ " $TIERS " != *" $tier "* ]]; then
+		echo "tier $tier: not run (${NOT_RUN_REASON[$tier]:-not in TIERS})"
+		continue
+	fi
+	if ! declare -F "tier_$tier" >/dev/null; then
+		echo "tier $tier: not run (no function tier_$tier in scripts/test.sh)"
+		status=1
+		continue
+	fi
+	"tier_$tier" || status=1
+done
+# A tier named in TIERS but unknown to ALL_TIERS is a typo: fail loudly.
+for tier in $TIERS; do
+	if [[ " $ALL_TIERS " != *" $tier "* ]]; then
+		echo "tier $tier: unknown tier (known: $ALL_TIERS)"
+		status=1
+	fi
+done
+
+# The closing line: the sum over all tiers that ran, alone on its line.
+read -r passed failed skipped pkgfails < <(
+	awk '{p += $2; f += $3; s += $4; k += $5} END {print p + 0, f + 0, s + 0, k + 0}' "$COUNTS"
+)
+if ((failed + pkgfails > 0)); then
+	status=1
+fi
+if ((pkgfails > 0)); then
+	echo "$pkgfails package or build failure(s) outside any test: see the tier summaries above"
+fi
+echo
+echo "$passed passed, $failed failed, $skipped skipped"
+exit "$status"
