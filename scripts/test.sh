@@ -81,7 +81,10 @@ tier_unit() {
 # ---- main --------------------------------------------------------------------
 
 ./scripts/deps.sh
-./scripts/lint.sh
+if ! ./scripts/lint.sh; then
+	echo "test: lint failed (see above); tests not run"
+	exit 1
+fi
 
 # Build the summarizer once; it is stdlib-only, so it builds even while
 # other packages of the repo do not.

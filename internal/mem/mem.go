@@ -12,8 +12,9 @@ import (
 
 // Region is an anonymous shared mapping of a memfd.
 type Region struct {
-	b  []byte
-	fd int
+	b    []byte
+	full []byte // the whole mapping (whole pages)
+	fd   int
 }
 
 // PageSize is the system page size.
@@ -50,7 +51,7 @@ func Alloc(n int, name string, dontfork bool) (*Region, error) {
 			return nil, fmt.Errorf("madvise(MADV_DONTFORK): %w", err)
 		}
 	}
-	return &Region{b: b[:n:n], fd: fd}, nil
+	return &Region{b: b[:n:n], full: b, fd: fd}, nil
 }
 
 // Bytes returns the memory.
@@ -67,8 +68,8 @@ func (r *Region) Free() error {
 	if r.b == nil {
 		return nil
 	}
-	b := r.b[:RoundUp(cap(r.b)):RoundUp(cap(r.b))]
-	r.b = nil
+	b := r.full
+	r.b, r.full = nil, nil
 	err := unix.Munmap(b)
 	if cerr := unix.Close(r.fd); err == nil {
 		err = cerr

@@ -1,5 +1,49 @@
-// Package soft is the pure-Go software provider: device soft0 with verbs
-// semantics over in-process memory.
+// Package soft is the pure-Go software provider: device soft0 with the
+// semantics of RC, UC and UD verbs over in-process memory.
+//
+// Every context opened in a process is attached to the same fabric, so QPs
+// of different contexts can connect. Requests run in the poster's goroutine
+// where possible: PostSend executes the work requests it queued (copying
+// memory directly between registered regions) unless another goroutine is
+// already running that QP's send queue. The target side of every request
+// (key, bounds and access checks, PSN check, receive matching, atomics) is
+// done by the responder in responder.go, which sees only a
+// transport-independent request (see link in transport.go).
+//
+// Where hardware behaviour varies or cannot be reproduced exactly, soft0
+// does the following:
+//
+//   - A RC request to a QP that does not exist, was destroyed, is in ERR,
+//     is connected to another QP, or expects another PSN gets no answer on
+//     hardware and fails with RETRY_EXC_ERR after timeout × retry_cnt;
+//     soft0 fails it at once with RETRY_EXC_ERR. A target in RESET or INIT
+//     is retried per timeout/retry_cnt (timeout 0: forever) and the retry
+//     happens at once when the target reaches RTR.
+//   - An RNR-NAKed request is retried when the target posts a receive (to
+//     its RQ or SRQ) without using a retry; each expiry of the target's
+//     min_rnr_timer uses one of rnr_retry (7: infinite).
+//   - Missing REMOTE_WRITE/READ/ATOMIC in the target QP's access flags,
+//     a read or atomic to a QP with max_dest_rd_atomic 0, and a misaligned
+//     atomic give REM_INV_REQ_ERR (rxe and hfi1 do the same); rkey, bounds,
+//     PD or MR-access violations give REM_ACCESS_ERR. Both move the target
+//     QP to ERR. Misaligned atomics and atomics whose SGE is not exactly 8
+//     bytes are already refused by PostSend (EINVAL), like rxe.
+//   - A receive buffer that is too small gives LOC_LEN_ERR at the receiver;
+//     for RC the sender gets REM_INV_REQ_ERR and both QPs go to ERR, for UC
+//     and UD the receiving QP stays operational and the sender succeeds.
+//   - A UD message longer than the port MTU (4096) completes with
+//     LOC_LEN_ERR at the sender (rxe silently drops it per C10-93.1.1).
+//   - Every requester-side error completion moves the QP to ERR (also for
+//     UC and UD, which on some hardware go to SQE) and reports an async
+//     QP_FATAL event; responder-side errors report QP_REQ_ERR or
+//     QP_ACCESS_ERR.
+//   - A UD work request with an unknown or destroyed AH is refused by
+//     PostSend with EINVAL.
+//   - Send completions carry ByteLen (the message length) for every
+//     opcode, like rxe.
+//   - Requests execute as soon as they are posted, so max_rd_atomic never
+//     limits anything; the send queue stops between messages in SQD, so
+//     SQ_DRAINED is reported at the transition.
 package soft
 
 import (
@@ -17,9 +61,17 @@ func New() prov.Provider { return provider{} }
 type provider struct{}
 
 func (provider) Name() string { return "soft" }
+
 func (provider) Devices() ([]prov.DeviceInfo, error) {
-	return []prov.DeviceInfo{{Name: DeviceName, Transport: "software", Provider: "soft"}}, nil
+	f := getFabric()
+	return []prov.DeviceInfo{{Name: DeviceName, GUID: f.guid, Transport: "software", Provider: "soft"}}, nil
 }
+
 func (provider) Open(name string) (prov.Context, error) {
-	return nil, fmt.Errorf("soft: open %q: %w", name, prov.ErrNotSupported)
+	if name != DeviceName {
+		return nil, fmt.Errorf("soft: open %q: %w", name, prov.ErrNoDevice)
+	}
+	c := &devContext{f: getFabric()}
+	c.events.init()
+	return c, nil
 }

@@ -1,0 +1,275 @@
+package soft
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"unsafe"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// cq is a completion queue: a ring of completions filled by requesters and
+// responders and drained by Poll.
+type cq struct {
+	ctx *devContext
+	ch  *compChannel
+
+	mu       sync.Mutex
+	ring     []prov.Completion
+	head     int
+	n        int
+	overflow bool
+	armed    uint8 // armNone, armNext or armSolicited
+	users    int   // QPs using the CQ
+	closed   bool
+}
+
+const (
+	armNone = iota
+	armNext
+	armSolicited
+)
+
+var _ prov.CQ = (*cq)(nil)
+
+// push appends completions. solicited marks them as solicited for the
+// purpose of a solicited-only arm (an error completion always is).
+func (c *cq) push(cs []prov.Completion, solicited bool) {
+	c.mu.Lock()
+	if c.closed || c.overflow {
+		c.mu.Unlock()
+		return
+	}
+	fire := false
+	for i := range cs {
+		if c.n == len(c.ring) {
+			c.overflowLocked()
+			return
+		}
+		c.ring[(c.head+c.n)%len(c.ring)] = cs[i]
+		c.n++
+		if c.armed == armNext || (c.armed == armSolicited && (solicited || cs[i].Status != prov.StatusSuccess)) {
+			fire = true
+		}
+	}
+	if fire {
+		c.armed = armNone
+		if c.ch != nil {
+			c.ch.notify(c)
+		}
+	}
+	c.mu.Unlock()
+}
+
+// push1 appends one completion.
+func (c *cq) push1(comp *prov.Completion, solicited bool) {
+	c.push(unsafeSlice1(comp), solicited)
+}
+
+func unsafeSlice1(c *prov.Completion) []prov.Completion {
+	return unsafe.Slice(c, 1)
+}
+
+// overflowLocked moves the CQ to the error state; called with c.mu held,
+// returns with it released.
+func (c *cq) overflowLocked() {
+	c.overflow = true
+	c.armed = armNone
+	c.mu.Unlock()
+	c.ctx.events.push(prov.AsyncEvent{Type: evCQErr, Element: prov.CQ(c)})
+}
+
+// Poll fills dst with up to len(dst) completions. After an overflow it
+// fails with an error wrapping EOVERFLOW.
+func (c *cq) Poll(dst []prov.Completion) (int, error) {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return 0, errPollClosed
+	}
+	if c.overflow {
+		c.mu.Unlock()
+		return 0, errCQOverflow
+	}
+	n := min(len(dst), c.n)
+	if n > 0 {
+		k := copy(dst[:n], c.ring[c.head:])
+		if k < n {
+			copy(dst[k:n], c.ring)
+		}
+		c.head = (c.head + n) % len(c.ring)
+		c.n -= n
+	}
+	c.mu.Unlock()
+	return n, nil
+}
+
+// Arm requests one event on the CQ's channel for the next completion (any,
+// or with solicitedOnly a solicited or error completion).
+func (c *cq) Arm(solicitedOnly bool) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return closedErr("arm cq")
+	}
+	if c.ch == nil {
+		return errnof(einval, "arm cq: the CQ has no completion channel")
+	}
+	if solicitedOnly {
+		if c.armed != armNext {
+			c.armed = armSolicited
+		}
+	} else {
+		c.armed = armNext
+	}
+	return nil
+}
+
+func (c *cq) Cap() int { return len(c.ring) }
+
+// Close destroys the CQ; it fails with EBUSY while QPs use it.
+func (c *cq) Close() error {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	if c.users > 0 {
+		err := busyErr("destroy cq", c.users, "queue pairs")
+		c.mu.Unlock()
+		return err
+	}
+	c.closed = true
+	c.mu.Unlock()
+	if c.ch != nil {
+		c.ch.detach(c)
+	}
+	c.ctx.release(&c.ctx.ncq)
+	return nil
+}
+
+func (c *cq) use() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return closedErr("create qp: completion queue")
+	}
+	c.users++
+	return nil
+}
+
+func (c *cq) unuse() {
+	c.mu.Lock()
+	c.users--
+	c.mu.Unlock()
+}
+
+// compChannel delivers CQ events to Wait. Events are queued in order; Wait
+// blocks on Go channels only.
+type compChannel struct {
+	ctx *devContext
+
+	mu     sync.Mutex
+	queue  []*cq
+	ncq    int
+	closed bool
+	sig    chan struct{} // token: events may be queued
+	done   chan struct{} // closed by Close
+}
+
+var _ prov.CompChannel = (*compChannel)(nil)
+
+func (ch *compChannel) attach() error {
+	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	if ch.closed {
+		return closedErr("create cq: completion channel")
+	}
+	ch.ncq++
+	return nil
+}
+
+// detach forgets c (its pending events are dropped).
+func (ch *compChannel) detach(c *cq) {
+	ch.mu.Lock()
+	ch.ncq--
+	if c != nil {
+		q := ch.queue[:0]
+		for _, x := range ch.queue {
+			if x != c {
+				q = append(q, x)
+			}
+		}
+		clear(ch.queue[len(q):])
+		ch.queue = q
+	}
+	ch.mu.Unlock()
+}
+
+// notify queues one event for c. Called with c.mu held.
+func (ch *compChannel) notify(c *cq) {
+	ch.mu.Lock()
+	if !ch.closed {
+		ch.queue = append(ch.queue, c)
+	}
+	ch.mu.Unlock()
+	select {
+	case ch.sig <- struct{}{}:
+	default:
+	}
+}
+
+// Wait returns the CQ of the next event, blocking until there is one or
+// ctx ends. The event is acknowledged.
+func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
+	for {
+		ch.mu.Lock()
+		if ch.closed {
+			ch.mu.Unlock()
+			return nil, closedErr("wait for completion event")
+		}
+		if len(ch.queue) > 0 {
+			c := ch.queue[0]
+			copy(ch.queue, ch.queue[1:])
+			ch.queue[len(ch.queue)-1] = nil
+			ch.queue = ch.queue[:len(ch.queue)-1]
+			more := len(ch.queue) > 0
+			ch.mu.Unlock()
+			if more {
+				select {
+				case ch.sig <- struct{}{}:
+				default:
+				}
+			}
+			return c, nil
+		}
+		ch.mu.Unlock()
+		select {
+		case <-ch.sig:
+		case <-ch.done:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("soft: wait for completion event: %w", ctx.Err())
+		}
+	}
+}
+
+// Close destroys the channel; it fails with EBUSY while CQs use it.
+func (ch *compChannel) Close() error {
+	ch.mu.Lock()
+	if ch.closed {
+		ch.mu.Unlock()
+		return nil
+	}
+	if ch.ncq > 0 {
+		err := busyErr("destroy completion channel", ch.ncq, "completion queues")
+		ch.mu.Unlock()
+		return err
+	}
+	ch.closed = true
+	ch.queue = nil
+	close(ch.done)
+	ch.mu.Unlock()
+	ch.ctx.release(&ch.ctx.nch)
+	return nil
+}

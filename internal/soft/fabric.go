@@ -1,0 +1,336 @@
+package soft
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"fmt"
+	"os"
+	"sync"
+	"syscall"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// fabric is what every soft0 context in this process is attached to: the
+// process is one fabric. QPs created in different contexts reach each other
+// through it. It holds the process-wide name spaces (QP numbers, memory
+// keys, address handles) and this process' provider address.
+//
+// It is created on first use and lives as long as the process: it is the
+// device, not mutable configuration.
+type fabric struct {
+	id   uint64 // random; identifies this process' fabric in provider addresses
+	pid  uint32
+	guid uint64
+	gids [numGIDs][16]byte
+	addr []byte // encoded provider address (see encodeAddr)
+
+	local localLink // the in-process transport
+
+	keysMu  sync.Mutex
+	keyPerm perm32
+	keyIdx  indexPool
+	keyGen  []uint16
+	mrs     table[mr]
+
+	qpMu    sync.Mutex
+	nextQPN uint32
+	qps     table[qp]
+
+	ahMu  sync.Mutex
+	ahIdx indexPool
+	ahGen []uint32
+	ahs   table[ah]
+}
+
+const (
+	numGIDs = 2
+
+	mrIndexBits = 20 // 1M live MRs
+	mrIndexMask = 1<<mrIndexBits - 1
+	mrGenMask   = 1<<(32-mrIndexBits) - 1
+
+	maxQPN   = 1<<24 - 1
+	firstQPN = 0x11 // QPN 0 and 1 are the special QPs; rxe also starts at 17
+)
+
+var (
+	fabricOnce sync.Once
+	theFabric  *fabric
+)
+
+func getFabric() *fabric {
+	fabricOnce.Do(func() { theFabric = newFabric() })
+	return theFabric
+}
+
+func newFabric() *fabric {
+	var seed [8 + 6*4]byte
+	if _, err := rand.Read(seed[:]); err != nil {
+		panic("soft: crypto/rand: " + err.Error())
+	}
+	f := &fabric{
+		id:      binary.LittleEndian.Uint64(seed[:8]),
+		pid:     uint32(os.Getpid()),
+		nextQPN: firstQPN,
+	}
+	for i := range f.keyPerm.k {
+		f.keyPerm.k[i] = binary.LittleEndian.Uint32(seed[8+4*i:])
+	}
+	f.keyIdx.limit = 1 << mrIndexBits
+	f.ahIdx.limit = 1 << tblIndexBits
+	f.local.f = f
+	// A locally administered EUI-64 node GUID derived from the fabric id.
+	f.guid = (f.id&0x0000ffffffffffff | 0x0200000000000000) &^ 0x0100000000000000
+	// GID 0: link-local fe80::/64 with the GUID as interface identifier.
+	f.gids[0][0], f.gids[0][1] = 0xfe, 0x80
+	binary.BigEndian.PutUint64(f.gids[0][8:], f.guid)
+	// GID 1: IPv4-mapped ::ffff:127.0.0.1.
+	f.gids[1][10], f.gids[1][11] = 0xff, 0xff
+	copy(f.gids[1][12:], []byte{127, 0, 0, 1})
+	f.addr = encodeAddr(f.id, f.pid)
+	return f
+}
+
+// --- memory keys ---
+
+func (f *fabric) addMR(m *mr) error {
+	f.keysMu.Lock()
+	defer f.keysMu.Unlock()
+	for {
+		idx, ok := f.keyIdx.get()
+		if !ok {
+			return errnof(syscall.ENOMEM, "register mr: too many memory regions (%d)", 1<<mrIndexBits)
+		}
+		for int(idx) >= len(f.keyGen) {
+			f.keyGen = append(f.keyGen, 0)
+		}
+		f.keyGen[idx] = (f.keyGen[idx] + 1) & mrGenMask
+		key := f.keyPerm.encrypt(uint32(f.keyGen[idx])<<mrIndexBits | idx)
+		if key == 0 {
+			// Avoid handing out key 0, which programs use as "no key".
+			f.keyIdx.put(idx)
+			continue
+		}
+		m.key = key
+		f.mrs.store(idx, m)
+		return nil
+	}
+}
+
+func (f *fabric) removeMR(m *mr) {
+	idx := f.keyPerm.decrypt(m.key) & mrIndexMask
+	f.keysMu.Lock()
+	if f.mrs.load(idx) == m {
+		f.mrs.store(idx, nil)
+		f.keyIdx.put(idx)
+	}
+	f.keysMu.Unlock()
+}
+
+// lookupMR returns the live MR whose key is key, or nil. Lock-free.
+func (f *fabric) lookupMR(key uint32) *mr {
+	m := f.mrs.load(f.keyPerm.decrypt(key) & mrIndexMask)
+	if m == nil || m.key != key {
+		return nil
+	}
+	return m
+}
+
+// lookupMRCached is lookupMR with a one-entry cache owned by the caller. A
+// cached MR is valid while it is not closed: its key cannot be reused
+// before Close removes it from the table.
+func (f *fabric) lookupMRCached(key uint32, cache **mr) *mr {
+	if m := *cache; m != nil && m.key == key && !m.closed.Load() {
+		return m
+	}
+	m := f.lookupMR(key)
+	*cache = m
+	return m
+}
+
+// --- QP numbers ---
+
+func (f *fabric) addQP(q *qp) error {
+	f.qpMu.Lock()
+	defer f.qpMu.Unlock()
+	for range maxQPN {
+		n := f.nextQPN
+		f.nextQPN++
+		if f.nextQPN > maxQPN {
+			f.nextQPN = firstQPN
+		}
+		if f.qps.load(n) == nil {
+			q.qpn = n
+			f.qps.store(n, q)
+			return nil
+		}
+	}
+	return errnof(syscall.ENOMEM, "create qp: out of QP numbers")
+}
+
+func (f *fabric) removeQP(q *qp) {
+	f.qpMu.Lock()
+	if f.qps.load(q.qpn) == q {
+		f.qps.store(q.qpn, nil)
+	}
+	f.qpMu.Unlock()
+}
+
+// --- address handles ---
+
+func (f *fabric) addAH(a *ah) error {
+	f.ahMu.Lock()
+	defer f.ahMu.Unlock()
+	idx, ok := f.ahIdx.get()
+	if !ok {
+		return errnof(syscall.ENOMEM, "create ah: too many address handles")
+	}
+	for int(idx) >= len(f.ahGen) {
+		f.ahGen = append(f.ahGen, 0)
+	}
+	f.ahGen[idx]++
+	if f.ahGen[idx] == 0 {
+		f.ahGen[idx] = 1
+	}
+	a.handle = uint64(f.ahGen[idx])<<32 | uint64(idx)
+	f.ahs.store(idx, a)
+	return nil
+}
+
+func (f *fabric) removeAH(a *ah) {
+	idx := uint32(a.handle)
+	f.ahMu.Lock()
+	if f.ahs.load(idx) == a {
+		f.ahs.store(idx, nil)
+		f.ahIdx.put(idx)
+	}
+	f.ahMu.Unlock()
+}
+
+func (f *fabric) lookupAH(h uint64) *ah {
+	a := f.ahs.load(uint32(h))
+	if a == nil || a.handle != h {
+		return nil
+	}
+	return a
+}
+
+// --- provider addresses ---
+//
+// A provider address says how to reach the process that owns a QP. Layout
+// (version 1, little endian):
+//
+//	[0]     version (1)
+//	[1]     transport kind: 1 = same process (in-process fabric)
+//	[2:10]  fabric id: random per process
+//	[10:14] process id (informational)
+//	[14:]   optional transport-specific data (TLVs), ignored by version 1
+//	        readers; later shared-memory and TCP transports append their
+//	        endpoints here.
+//
+// Every QP of a process has the same address; the QPN selects the QP.
+
+const (
+	addrVersion     = 1
+	addrKindProcess = 1
+	addrMinLen      = 14
+)
+
+func encodeAddr(id uint64, pid uint32) []byte {
+	b := make([]byte, addrMinLen)
+	b[0] = addrVersion
+	b[1] = addrKindProcess
+	binary.LittleEndian.PutUint64(b[2:], id)
+	binary.LittleEndian.PutUint32(b[10:], pid)
+	return b
+}
+
+// resolve finds the transport to the port named by dgid and a peer's
+// provider address. A nil link with a nil error means the destination is
+// well-formed but unreachable (like an unresolvable RoCE GID): RC requests
+// to it fail with RETRY_EXC_ERR, UC/UD ones are dropped.
+func (f *fabric) resolve(dgid [16]byte, paddr []byte) (link, error) {
+	if len(paddr) == 0 {
+		// No provider address: route by GID, like hardware. Only this
+		// process' own port is known.
+		for i := range f.gids {
+			if dgid == f.gids[i] {
+				return &f.local, nil
+			}
+		}
+		return nil, nil
+	}
+	if len(paddr) < addrMinLen || paddr[0] == 0 {
+		return nil, fmt.Errorf("malformed soft provider address (%d bytes): %w", len(paddr), syscall.EINVAL)
+	}
+	if paddr[0] != addrVersion {
+		return nil, fmt.Errorf("soft provider address version %d is not supported by this version (%d): %w", paddr[0], addrVersion, syscall.EINVAL)
+	}
+	if binary.LittleEndian.Uint64(paddr[2:]) == f.id {
+		return &f.local, nil
+	}
+	// Another process: no cross-process transport yet.
+	return nil, nil
+}
+
+func (f *fabric) deviceAttr() prov.DeviceAttr {
+	return prov.DeviceAttr{
+		FWVersion:         "1.0.0",
+		NodeGUID:          f.guid,
+		SysImageGUID:      f.guid,
+		MaxMRSize:         1 << 47,
+		PageSizeCap:       0xfffff000,
+		VendorID:          0xffffff, // like rxe: no IEEE OUI
+		VendorPartID:      0,
+		HWVersion:         0,
+		MaxQP:             1 << 16,
+		MaxQPWR:           maxQPWR,
+		MaxSGE:            maxSGE,
+		MaxSGERD:          maxSGE,
+		MaxCQ:             1 << 16,
+		MaxCQE:            maxCQE,
+		MaxMR:             1 << mrIndexBits,
+		MaxPD:             1 << 16,
+		MaxQPRDAtom:       maxRDAtomic,
+		MaxQPInitRDAtom:   maxRDAtomic,
+		MaxSRQ:            1 << 16,
+		MaxSRQWR:          maxQPWR,
+		MaxSRQSGE:         maxSGE,
+		MaxAH:             1 << 16,
+		MaxPKeys:          1,
+		MaxInlineData:     maxInline,
+		AtomicCap:         1,
+		PhysPortCnt:       1,
+		LocalCACKDelay:    15,
+		CompletionVectors: 1,
+	}
+}
+
+const (
+	maxQPWR     = 16384
+	maxSGE      = 32
+	maxCQE      = 65536
+	maxRDAtomic = 16
+	maxInline   = 1024
+	maxMsgSize  = 1 << 31
+	portMTU     = prov.MTU4096
+
+	portCapCMSup = 1 << 16
+)
+
+func (f *fabric) portAttr() prov.PortAttr {
+	return prov.PortAttr{
+		State:        prov.PortActive,
+		MaxMTU:       portMTU,
+		ActiveMTU:    portMTU,
+		GIDTableLen:  numGIDs,
+		PKeyTableLen: 1,
+		MaxMsgSize:   maxMsgSize,
+		ActiveWidth:  2,  // 4x
+		ActiveSpeed:  32, // EDR
+		PhysState:    5,  // LinkUp
+		LinkLayer:    prov.LinkLayerEthernet,
+		PortCapFlags: portCapCMSup,
+	}
+}

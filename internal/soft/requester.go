@@ -1,0 +1,354 @@
+package soft
+
+import (
+	"encoding/binary"
+	"time"
+	"unsafe"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// kick runs the send queue unless another goroutine is running it, in which
+// case that goroutine is told to look again before it stops.
+func (q *qp) kick() {
+	for {
+		if !q.progMu.TryLock() {
+			q.pending.Store(true)
+			// The runner may have finished between the TryLock and the
+			// Store; if so, take over.
+			if !q.progMu.TryLock() {
+				return
+			}
+		}
+		q.pending.Store(false)
+		more := q.progress()
+		q.progMu.Unlock()
+		if more {
+			// Other goroutines keep the queue busy: hand the work to a
+			// new goroutine so that this caller's PostSend returns.
+			go q.kick()
+			return
+		}
+		if !q.pending.Load() {
+			return
+		}
+	}
+}
+
+// wake is called when a condition this QP waits for may have cleared (a
+// receive was posted at the target, the target reached RTR).
+func (q *qp) wake() {
+	q.wakeSeq.Add(1)
+	q.kick()
+}
+
+func (q *qp) onTimer() {
+	q.timerFired.Store(true)
+	q.kick()
+}
+
+// progress executes queued send work requests in order until the queue is
+// empty, the head must wait (RNR, target not ready) or the QP leaves RTS.
+// In ERR it flushes them. It returns true if it stopped because it did its
+// share of work while others kept posting. Called with progMu held.
+func (q *qp) progress() bool {
+	if q.closed.Load() {
+		return false
+	}
+	budget := 4*len(q.sq.slots) + 256
+	for {
+		q.smu.Lock()
+		n, head := q.sq.count, q.sq.head
+		q.smu.Unlock()
+		if n == 0 {
+			return false
+		}
+		if budget <= 0 {
+			return true
+		}
+		budget -= n
+		size := len(q.sq.slots)
+		done := 0 // executed, not yet retired
+		for i := 0; i < n; i++ {
+			j := head + i
+			if j >= size {
+				j -= size
+			}
+			w := &q.sq.slots[j]
+			var status prov.Status
+			var length uint32
+			switch prov.QPState(q.state.Load()) {
+			case prov.QPStateErr:
+				status = prov.StatusWRFlushErr
+			case prov.QPStateRTS:
+				if q.blocked {
+					if q.wakeSeq.Load() == q.blockedSeq && !q.timerFired.Load() {
+						q.commit(done)
+						return false
+					}
+					q.blocked = false
+				}
+				var blocked bool
+				status, length, blocked = q.execute(w)
+				if blocked {
+					q.commit(done)
+					return false
+				}
+			default: // SQD (or SQE): stop between messages
+				q.commit(done)
+				return false
+			}
+			if q.retrying {
+				q.stopRetry()
+			}
+			if status != prov.StatusSuccess || q.sigAll || w.wr.Flags&prov.SendSignaled != 0 {
+				q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: status,
+					Opcode: wcOpcodes[w.op], ByteLen: length, QPN: q.qpn}
+				q.ncbuf++
+			}
+			w.ud = nil
+			done++
+			if status != prov.StatusSuccess && status != prov.StatusWRFlushErr {
+				q.commit(done)
+				done = 0
+				q.fail(evQPFatal)
+			} else if q.ncbuf == cbufLen {
+				q.commit(done)
+				done = 0
+			}
+		}
+		q.commit(done)
+	}
+}
+
+var wcOpcodes = [...]prov.WCOpcode{
+	opSend:     prov.WCSend,
+	opSendImm:  prov.WCSend,
+	opWrite:    prov.WCWrite,
+	opWriteImm: prov.WCWrite,
+	opRead:     prov.WCRead,
+	opCAS:      prov.WCCompSwap,
+	opFAA:      prov.WCFetchAdd,
+}
+
+// commit retires n executed requests from the send queue, then delivers
+// their completions (so that a slot is free before its completion can be
+// polled).
+func (q *qp) commit(n int) {
+	if n > 0 {
+		q.smu.Lock()
+		q.sq.head += n
+		if q.sq.head >= len(q.sq.slots) {
+			q.sq.head -= len(q.sq.slots)
+		}
+		q.sq.count -= n
+		q.smu.Unlock()
+	}
+	if q.ncbuf > 0 {
+		q.scq.push(q.cbuf[:q.ncbuf], false)
+		q.ncbuf = 0
+	}
+}
+
+// execute runs one send work request: gathers local memory, sends the
+// request over the link and interprets the response. blocked means the
+// request must be retried later (RNR or target not ready); otherwise
+// status is its completion status and length its byte count.
+func (q *qp) execute(w *sendWQE) (status prov.Status, length uint32, blocked bool) {
+	wr := &w.wr
+	op := w.op
+
+	// Local memory.
+	var data []span
+	nlocked := 0
+	var total uint64
+	if w.isInline {
+		if len(w.inline) > 0 {
+			q.spans[0] = span{unsafe.Pointer(unsafe.SliceData(w.inline)), len(w.inline)}
+			data = q.spans[:1]
+		}
+		total = uint64(len(w.inline))
+	} else {
+		var need prov.Access
+		if op >= opRead {
+			need = prov.AccessLocalWrite // read and atomic results land here
+		}
+		for _, s := range w.sge[:wr.NumSGE] {
+			if s.Length == 0 {
+				continue
+			}
+			m := q.f.lookupMRCached(s.LKey, &q.lcache)
+			if m == nil || m.pd != q.pd || m.access&need != need {
+				q.releaseLocal(nlocked)
+				return prov.StatusLocProtErr, 0, false
+			}
+			p, ok := m.acquire(s.Addr, uint64(s.Length))
+			if !ok {
+				q.releaseLocal(nlocked)
+				return prov.StatusLocProtErr, 0, false
+			}
+			q.locked[nlocked] = m
+			q.spans[nlocked] = span{p, int(s.Length)}
+			nlocked++
+			total += uint64(s.Length)
+		}
+		data = q.spans[:nlocked]
+	}
+	if total > maxMsgSize || (q.typ == prov.QPTypeUD && total > uint64(q.mtu)) {
+		q.releaseLocal(nlocked)
+		return prov.StatusLocLenErr, 0, false
+	}
+	length = uint32(total)
+
+	// Destination.
+	var l link
+	req := &q.req
+	if q.typ == prov.QPTypeUD {
+		d := w.ud
+		l = d.l
+		req.dstQPN = wr.RemoteQPN
+		req.qkey = wr.RemoteQKey
+		if req.qkey&0x80000000 != 0 {
+			req.qkey = q.attr.QKey // high bit: use the QP's own Q_Key
+		}
+		req.sgid, req.dgid = d.sgid, d.dgid
+		req.tclass, req.hopLimit, req.flow = d.tclass, d.hopLimit, d.flow
+		req.npkts = 1
+	} else {
+		l = q.route
+		req.dstQPN = q.attr.DestQPN
+		npkts := uint32(1)
+		if op <= opRead && length > q.mtu {
+			npkts = (length + q.mtu - 1) / q.mtu
+		}
+		req.npkts = npkts
+	}
+	if l == nil {
+		// Unreachable destination: RC times out, UC/UD packets vanish.
+		q.releaseLocal(nlocked)
+		if q.typ == prov.QPTypeRC {
+			return prov.StatusRetryExcErr, length, false
+		}
+		return prov.StatusSuccess, length, false
+	}
+	req.op = op
+	req.solicited = wr.Flags&prov.SendSolicited != 0
+	req.psn = q.sqPSN
+	req.mtu = q.mtu
+	req.length = length
+	req.raddr = wr.RemoteAddr
+	req.rkey = wr.RKey
+	req.imm = wr.Imm
+	req.compare = wr.CompareAdd
+	req.swap = wr.Swap
+	seq := q.wakeSeq.Load()
+	q.resp = response{}
+	l.exec(req, data, &q.resp)
+
+	status = prov.StatusSuccess
+	rc := q.typ == prov.QPTypeRC
+	switch q.resp.code {
+	case respACK:
+		if op == opCAS || op == opFAA {
+			binary.NativeEndian.PutUint64(data[0].bytes(), q.resp.orig)
+		}
+		if q.typ != prov.QPTypeUD {
+			q.sqPSN = (q.sqPSN + req.npkts) & psnMask
+			q.sqPSNPub.Store(q.sqPSN)
+		}
+	case respDropped, respNoQP, respSeqErr:
+		if rc {
+			status = prov.StatusRetryExcErr
+		}
+	case respNotReady:
+		if rc {
+			d := transportTimeout(q.attr.Timeout)
+			if q.backoff(d, &q.retryLeft, d == 0, seq) {
+				blocked = true
+			} else {
+				status = prov.StatusRetryExcErr
+			}
+		}
+	case respRNR:
+		if q.backoff(rnrDelay(q.resp.rnrTimer), &q.rnrLeft, q.attr.RNRRetry == 7, seq) {
+			blocked = true
+		} else {
+			status = prov.StatusRNRRetryExcErr
+		}
+	case respInvReq:
+		status = prov.StatusRemInvReqErr
+	case respAccess:
+		status = prov.StatusRemAccessErr
+	case respOpErr:
+		status = prov.StatusRemOpErr
+	}
+	q.releaseLocal(nlocked)
+	return status, length, blocked
+}
+
+func (q *qp) releaseLocal(n int) {
+	for i := 0; i < n; i++ {
+		q.locked[i].release()
+		q.locked[i] = nil
+	}
+}
+
+// backoff makes the head request wait after an RNR NAK or a silent target.
+// A wake-up (receive posted, target ready) retries at once without using a
+// retry; each expiry of the timer d uses one of *left (unless infinite).
+// It returns false when the retries are exhausted.
+func (q *qp) backoff(d time.Duration, left *int, infinite bool, seq uint64) bool {
+	q.retrying = true
+	if !q.timerArmed || q.timerFired.Load() {
+		q.timerArmed = false
+		if !infinite {
+			if *left <= 0 {
+				return false
+			}
+			*left--
+		}
+		if d > 0 {
+			q.timerFired.Store(false)
+			q.timerArmed = true
+			if q.timer == nil {
+				q.timer = time.AfterFunc(d, q.onTimer)
+			} else {
+				q.timer.Reset(d)
+			}
+		}
+	}
+	q.blocked = true
+	q.blockedSeq = seq
+	return true
+}
+
+// stopRetry ends the waiting of the head request and restores the retry
+// budgets for the next one.
+func (q *qp) stopRetry() {
+	if q.timerArmed {
+		q.timer.Stop()
+		q.timerArmed = false
+	}
+	q.timerFired.Store(false)
+	q.blocked = false
+	q.retrying = false
+	q.rnrLeft, q.retryLeft = int(q.attr.RNRRetry), int(q.attr.RetryCnt)
+}
+
+// rnrTimerMicros is the IB encoding of the RNR NAK timer.
+var rnrTimerMicros = [32]uint32{655360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960,
+	1280, 1920, 2560, 3840, 5120, 7680, 10240, 15360, 20480, 30720, 40960, 61440, 81920, 122880,
+	163840, 245760, 327680, 491520}
+
+func rnrDelay(code uint8) time.Duration {
+	return time.Duration(rnrTimerMicros[code&31]) * time.Microsecond
+}
+
+// transportTimeout is the local ACK timeout 4.096µs * 2^t; 0 means
+// infinite (returned as 0).
+func transportTimeout(t uint8) time.Duration {
+	if t == 0 {
+		return 0
+	}
+	return time.Duration(4096<<min(t, 31)) * time.Nanosecond
+}

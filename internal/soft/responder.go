@@ -1,0 +1,417 @@
+package soft
+
+import (
+	"encoding/binary"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// respond executes req at this (target) QP and fills resp. It is the
+// responder of every transport: the checks a NIC does on the receive side
+// happen here, at the target. Class C errors (invalid request, remote
+// access) move this QP to ERR like a real responder.
+func (t *qp) respond(req *request, data []span, resp *response) {
+	resp.code = respACK
+	t.rmu.Lock()
+	toErr := t.respondLocked(req, data, resp)
+	t.rmu.Unlock()
+	if toErr {
+		t.drainWaiters()
+		t.kick() // flush the send queue
+	}
+}
+
+func (t *qp) respondLocked(req *request, data []span, resp *response) bool {
+	if t.closed.Load() {
+		resp.code = respNoQP
+		return false
+	}
+	switch prov.QPState(t.state.Load()) {
+	case prov.QPStateRTR, prov.QPStateRTS, prov.QPStateSQD:
+	case prov.QPStateErr:
+		resp.code = respDropped
+		return false
+	default: // RESET, INIT: packets are dropped; wake the requester at RTR
+		resp.code = respNotReady
+		if req.waker != nil {
+			t.waiters = addWaiter(t.waiters, req.waker)
+		}
+		return false
+	}
+	if uint8(t.typ) != req.qpType {
+		resp.code = respDropped
+		return false
+	}
+	switch t.typ {
+	case prov.QPTypeRC:
+		return t.respondRC(req, data, resp)
+	case prov.QPTypeUC:
+		return t.respondUC(req, data, resp)
+	default:
+		return t.respondUD(req, data, resp)
+	}
+}
+
+// fromPeer reports whether req comes from the QP this connected QP is
+// connected to. A responder sends its ACKs to its own destination, so a
+// stranger's requests never get an answer.
+func (t *qp) fromPeer(req *request) bool {
+	return req.srcQPN == t.attr.DestQPN && req.srcFabric == t.destFabric
+}
+
+func (t *qp) respondRC(req *request, data []span, resp *response) bool {
+	if !t.fromPeer(req) {
+		resp.code = respDropped
+		return false
+	}
+	if req.psn != t.rqPSN {
+		resp.code = respSeqErr
+		return false
+	}
+	op := req.op
+	if op <= opWriteImm && req.mtu != t.mtu && req.length > min(req.mtu, t.mtu) {
+		// The requester's packets do not fit this QP's path MTU.
+		return t.classC(resp, respInvReq, evQPReqErr)
+	}
+	switch op {
+	case opSend, opSendImm:
+		wrid, sges, rpd, ok := t.takeRecv(req.waker)
+		if !ok {
+			resp.code = respRNR
+			resp.rnrTimer = t.attr.MinRNRTimer
+			return false
+		}
+		switch st := t.scatter(sges, rpd, data, req.length, false); st {
+		case prov.StatusSuccess:
+			t.completeRecv(wrid, st, req, req.length)
+		case prov.StatusLocLenErr:
+			t.completeRecv(wrid, st, req, 0)
+			return t.classC(resp, respInvReq, evQPReqErr)
+		default:
+			t.completeRecv(wrid, st, req, 0)
+			return t.classC(resp, respOpErr, evQPFatal)
+		}
+	case opWrite, opWriteImm:
+		if t.attr.Access&prov.AccessRemoteWrite == 0 {
+			return t.classC(resp, respInvReq, evQPReqErr)
+		}
+		var m *mr
+		if req.length > 0 {
+			var p unsafe.Pointer
+			if p, m = t.remote(req.rkey, req.raddr, uint64(req.length), prov.AccessRemoteWrite); m == nil {
+				return t.classC(resp, respAccess, evQPAccessErr)
+			}
+			t.rspans[0] = span{p, int(req.length)}
+		}
+		var wrid uint64
+		if op == opWriteImm {
+			var ok bool
+			if wrid, _, _, ok = t.takeRecv(req.waker); !ok {
+				if m != nil {
+					m.release()
+				}
+				resp.code = respRNR
+				resp.rnrTimer = t.attr.MinRNRTimer
+				return false
+			}
+		}
+		if m != nil {
+			copySpans(t.rspans[:1], 0, data)
+			m.release()
+		}
+		if op == opWriteImm {
+			t.completeRecv(wrid, prov.StatusSuccess, req, req.length)
+		}
+	case opRead:
+		if t.attr.MaxDestRDAtom == 0 || t.attr.Access&prov.AccessRemoteRead == 0 {
+			return t.classC(resp, respInvReq, evQPReqErr)
+		}
+		if req.length > 0 {
+			p, m := t.remote(req.rkey, req.raddr, uint64(req.length), prov.AccessRemoteRead)
+			if m == nil {
+				return t.classC(resp, respAccess, evQPAccessErr)
+			}
+			t.rspans[0] = span{p, int(req.length)}
+			copySpans(data, 0, t.rspans[:1])
+			m.release()
+		}
+	case opCAS, opFAA:
+		if t.attr.MaxDestRDAtom == 0 || t.attr.Access&prov.AccessRemoteAtomic == 0 {
+			return t.classC(resp, respInvReq, evQPReqErr)
+		}
+		p, m := t.remote(req.rkey, req.raddr, 8, prov.AccessRemoteAtomic)
+		if m == nil {
+			return t.classC(resp, respAccess, evQPAccessErr)
+		}
+		if req.raddr&7 != 0 {
+			m.release()
+			return t.classC(resp, respInvReq, evQPReqErr) // like rxe: misaligned atomic
+		}
+		w := (*uint64)(p)
+		if op == opFAA {
+			resp.orig = atomic.AddUint64(w, req.compare) - req.compare
+		} else {
+			for {
+				old := atomic.LoadUint64(w)
+				if old != req.compare || atomic.CompareAndSwapUint64(w, old, req.swap) {
+					resp.orig = old
+					break
+				}
+			}
+		}
+		m.release()
+	default:
+		return t.classC(resp, respInvReq, evQPReqErr)
+	}
+	t.rqPSN = (t.rqPSN + req.npkts) & psnMask
+	resp.code = respACK
+	return false
+}
+
+// classC answers with a NAK and moves the responder QP to ERR.
+func (t *qp) classC(resp *response, code respCode, ev int) bool {
+	resp.code = code
+	return t.toErrLocked(ev)
+}
+
+func (t *qp) respondUC(req *request, data []span, resp *response) bool {
+	resp.code = respDropped // the requester does not learn the outcome
+	if !t.fromPeer(req) {
+		return false
+	}
+	switch req.op {
+	case opSend, opSendImm:
+		wrid, sges, rpd, ok := t.takeRecv(nil)
+		if !ok {
+			return false
+		}
+		st := t.scatter(sges, rpd, data, req.length, false)
+		if st == prov.StatusSuccess {
+			t.completeRecv(wrid, st, req, req.length)
+			return false
+		}
+		t.completeRecv(wrid, st, req, 0)
+		if st == prov.StatusLocProtErr {
+			return t.toErrLocked(evQPFatal)
+		}
+	case opWrite, opWriteImm:
+		if t.attr.Access&prov.AccessRemoteWrite == 0 {
+			return false
+		}
+		var m *mr
+		if req.length > 0 {
+			var p unsafe.Pointer
+			if p, m = t.remote(req.rkey, req.raddr, uint64(req.length), prov.AccessRemoteWrite); m == nil {
+				return false
+			}
+			t.rspans[0] = span{p, int(req.length)}
+		}
+		var wrid uint64
+		if req.op == opWriteImm {
+			var ok bool
+			if wrid, _, _, ok = t.takeRecv(nil); !ok {
+				if m != nil {
+					m.release()
+				}
+				return false
+			}
+		}
+		if m != nil {
+			copySpans(t.rspans[:1], 0, data)
+			m.release()
+		}
+		if req.op == opWriteImm {
+			t.completeRecv(wrid, prov.StatusSuccess, req, req.length)
+		}
+	}
+	return false
+}
+
+func (t *qp) respondUD(req *request, data []span, resp *response) bool {
+	resp.code = respDropped
+	if req.qkey != t.attr.QKey || (req.op != opSend && req.op != opSendImm) {
+		return false
+	}
+	wrid, sges, rpd, ok := t.takeRecv(nil)
+	if !ok {
+		return false
+	}
+	t.buildGRH(req)
+	st := t.scatter(sges, rpd, data, req.length, true)
+	if st == prov.StatusSuccess {
+		t.completeRecv(wrid, st, req, req.length+grhLen)
+		return false
+	}
+	t.completeRecv(wrid, st, req, 0)
+	if st == prov.StatusLocProtErr {
+		return t.toErrLocked(evQPFatal)
+	}
+	return false
+}
+
+// remote looks up rkey for an access of n > 0 bytes at addr needing the
+// access right need. On success the MR is pinned (release it).
+func (t *qp) remote(rkey uint32, addr, n uint64, need prov.Access) (unsafe.Pointer, *mr) {
+	m := t.f.lookupMRCached(rkey, &t.rcache)
+	if m == nil || m.pd != t.pd || m.access&need == 0 {
+		return nil, nil
+	}
+	p, ok := m.acquire(addr, n)
+	if !ok {
+		return nil, nil
+	}
+	return p, m
+}
+
+// takeRecv consumes the next receive (from the SRQ, if any). When there is
+// none, w (if not nil) is registered to be woken by the next post.
+func (t *qp) takeRecv(w waker) (wrid uint64, sges []prov.SGE, rpd *pd, ok bool) {
+	if t.srq != nil {
+		wrid, sges, ok = t.srq.take(t.rsges[:], w)
+		return wrid, sges, t.srq.pd, ok
+	}
+	if t.rq.count == 0 {
+		if w != nil {
+			t.waiters = addWaiter(t.waiters, w)
+		}
+		return 0, nil, nil, false
+	}
+	// The slot stays intact until rmu is released: posts need rmu.
+	wrid, sges = t.rq.front()
+	t.rq.pop()
+	return wrid, sges, t.pd, true
+}
+
+// scatter writes the message (after the GRH, if grh) into the receive
+// buffer sges. The buffer is checked like hardware does: too small gives
+// LOC_LEN_ERR, an SGE with a bad lkey, outside its MR or without local
+// write access gives LOC_PROT_ERR; in both cases nothing is written.
+func (t *qp) scatter(sges []prov.SGE, rpd *pd, data []span, length uint32, grh bool) prov.Status {
+	need := uint64(length)
+	if grh {
+		need += grhLen
+	}
+	var total uint64
+	for i := range sges {
+		total += uint64(sges[i].Length)
+	}
+	if total < need {
+		return prov.StatusLocLenErr
+	}
+	n := 0
+	for i := range sges {
+		if need == 0 {
+			break
+		}
+		s := &sges[i]
+		if s.Length == 0 {
+			continue
+		}
+		take := min(uint64(s.Length), need)
+		m := t.f.lookupMRCached(s.LKey, &t.rcache)
+		var p unsafe.Pointer
+		ok := m != nil && m.pd == rpd && m.access&prov.AccessLocalWrite != 0
+		if ok {
+			p, ok = m.acquire(s.Addr, take)
+		}
+		if !ok {
+			t.releaseRemote(n)
+			return prov.StatusLocProtErr
+		}
+		t.rlocked[n] = m
+		t.rspans[n] = span{p, int(take)}
+		n++
+		need -= take
+	}
+	off := 0
+	if grh {
+		g := [1]span{{unsafe.Pointer(&t.grh), grhLen}}
+		copySpans(t.rspans[:n], 0, g[:])
+		off = grhLen
+	}
+	copySpans(t.rspans[:n], off, data)
+	t.releaseRemote(n)
+	return prov.StatusSuccess
+}
+
+func (t *qp) releaseRemote(n int) {
+	for i := 0; i < n; i++ {
+		t.rlocked[i].release()
+		t.rlocked[i] = nil
+	}
+}
+
+// completeRecv delivers a receive completion to the receive CQ.
+func (t *qp) completeRecv(wrid uint64, st prov.Status, req *request, byteLen uint32) {
+	c := &t.rcomp
+	*c = prov.Completion{WRID: wrid, Status: st, Opcode: prov.WCRecv, ByteLen: byteLen, QPN: t.qpn, SrcQP: req.srcQPN}
+	switch req.op {
+	case opSendImm:
+		c.Flags |= prov.WCWithImm
+		c.Imm = req.imm
+	case opWriteImm:
+		c.Opcode = prov.WCRecvRDMAImm
+		c.Flags |= prov.WCWithImm
+		c.Imm = req.imm
+	}
+	if t.typ == prov.QPTypeUD {
+		c.Flags |= prov.WCWithGRH
+	}
+	t.rcq.push1(c, req.solicited)
+}
+
+const grhLen = 40
+
+// buildGRH fills t.grh with the header a RoCE v2 receiver finds in the
+// first 40 bytes of a UD receive buffer: an IPv6 header, or for IPv4-mapped
+// GIDs 20 unused bytes followed by the IPv4 header.
+func (t *qp) buildGRH(req *request) {
+	g := &t.grh
+	*g = [grhLen]byte{}
+	// BTH + DETH + payload (+ immediate) + ICRC, after the UDP header.
+	ib := 12 + 8 + req.length + 4
+	if req.op == opSendImm {
+		ib += 4
+	}
+	if isV4Mapped(&req.sgid) && isV4Mapped(&req.dgid) {
+		h := g[20:]
+		h[0] = 0x45
+		h[1] = req.tclass
+		binary.BigEndian.PutUint16(h[2:], uint16(20+8+ib))
+		binary.BigEndian.PutUint16(h[6:], 0x4000) // DF
+		h[8] = req.hopLimit
+		h[9] = 17 // UDP
+		copy(h[12:16], req.sgid[12:])
+		copy(h[16:20], req.dgid[12:])
+		binary.BigEndian.PutUint16(h[10:], ipv4Checksum(h[:20]))
+		return
+	}
+	binary.BigEndian.PutUint32(g[0:], 6<<28|uint32(req.tclass)<<20|req.flow&0xfffff)
+	binary.BigEndian.PutUint16(g[4:], uint16(8+ib))
+	g[6] = 17 // next header: UDP (RoCE v2)
+	g[7] = req.hopLimit
+	copy(g[8:24], req.sgid[:])
+	copy(g[24:40], req.dgid[:])
+}
+
+func isV4Mapped(g *[16]byte) bool {
+	for _, b := range g[:10] {
+		if b != 0 {
+			return false
+		}
+	}
+	return g[10] == 0xff && g[11] == 0xff
+}
+
+func ipv4Checksum(h []byte) uint16 {
+	var s uint32
+	for i := 0; i+1 < len(h); i += 2 {
+		s += uint32(h[i])<<8 | uint32(h[i+1])
+	}
+	for s>>16 != 0 {
+		s = s&0xffff + s>>16
+	}
+	return ^uint16(s)
+}
