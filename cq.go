@@ -26,7 +26,7 @@ type Completion struct {
 	SLID         uint16
 	SL           uint8
 	DLIDPathBits uint8
-	_            [6]byte
+	_            [2]byte
 }
 
 // Err returns nil for a successful completion and a *CompletionError
@@ -91,6 +91,9 @@ func (ch *CompletionChannel) Wait(ctx context.Context) (*CompletionQueue, error)
 	}
 	pcq, err := ch.ch.Wait(ctx)
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil, opErr("wait for completion event", ch.c.name, fmt.Errorf("%w: %w", ErrTimeout, ctx.Err()))
+		}
 		return nil, opErr("wait for completion event", ch.c.name, err)
 	}
 	if v, ok := ch.cqs.Load(pcq); ok {
@@ -195,6 +198,10 @@ func (cq *CompletionQueue) Cap() int { return cq.cq.Cap() }
 func (cq *CompletionQueue) Poll(dst []Completion) (int, error) {
 	if len(dst) == 0 {
 		return 0, nil
+	}
+	if cq.res.isClosed() {
+		// Never hand a destroyed CQ to the provider (use after free in C).
+		return 0, cq.res.errClosed("poll cq")
 	}
 	n := 0
 	if cq.stashed.Load() {

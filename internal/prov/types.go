@@ -238,7 +238,7 @@ type RecvWR struct {
 }
 
 // Completion is one work completion (struct ibv_wc, host byte order).
-// The layout is fixed (48 bytes) and pointer-free; the public
+// The layout is that of struct ibv_wc (48 bytes), pointer-free; the public
 // verbs.Completion has the same layout.
 type Completion struct {
 	WRID      uint64
@@ -254,5 +254,5 @@ type Completion struct {
 	SLID      uint16
 	SL        uint8
 	DLIDBits  uint8
-	_         [6]byte
+	_         [2]byte
 }

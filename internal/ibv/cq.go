@@ -1,0 +1,154 @@
+//go:build ibverbs && linux && cgo
+
+package ibv
+
+/*
+#include "shim.h"
+#cgo noescape gv_poll_cq
+#cgo nocallback gv_poll_cq
+#cgo noescape gv_req_notify_cq
+#cgo nocallback gv_req_notify_cq
+#cgo nocallback gv_get_cq_event
+*/
+import "C"
+
+import (
+	"context"
+	"fmt"
+	"syscall"
+	"unsafe"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// compChannel is a completion channel whose fd waits on the Go poller.
+type compChannel struct {
+	c  *devContext
+	ch *C.struct_ibv_comp_channel
+	ev *evFD
+
+	closer closer
+}
+
+func (c *devContext) CreateCompChannel() (prov.CompChannel, error) {
+	ch, err := C.ibv_create_comp_channel(c.ctx)
+	if ch == nil {
+		return nil, wrapErr("ibv_create_comp_channel", err)
+	}
+	ev, err := newEvFD(int(ch.fd), "ibv-comp-channel")
+	if err != nil {
+		C.ibv_destroy_comp_channel(ch)
+		return nil, err
+	}
+	return &compChannel{c: c, ch: ch, ev: ev}, nil
+}
+
+// Wait returns the CQ of the next completion event; the event is
+// acknowledged in the shim as soon as it is read. Events of CQs that were
+// closed in the meantime are skipped.
+func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
+	for {
+		var (
+			h  C.uint64_t
+			rc C.int
+		)
+		err := ch.ev.wait(ctx, func() bool {
+			rc = C.gv_get_cq_event(ch.ch, &h)
+			return rc != C.int(syscall.EAGAIN)
+		})
+		if err != nil {
+			return nil, err
+		}
+		if rc != 0 {
+			return nil, errnoErr("ibv_get_cq_event", rc)
+		}
+		if cq, ok := ch.c.lookup(uint64(h)).(*compQueue); ok {
+			return cq, nil
+		}
+	}
+}
+
+func (ch *compChannel) Close() error {
+	return ch.closer.do(func() error {
+		if ch.ch.refcnt > 0 {
+			return fmt.Errorf("ibv_destroy_comp_channel: %d CQs still use the channel: %w", int(ch.ch.refcnt), syscall.EBUSY)
+		}
+		ch.ev.close()
+		if rc := C.ibv_destroy_comp_channel(ch.ch); rc != 0 {
+			return errnoErr("ibv_destroy_comp_channel", rc)
+		}
+		return nil
+	})
+}
+
+// compQueue is a CQ (prov.CQ).
+type compQueue struct {
+	c      *devContext
+	cq     C.gv_cq
+	handle uint64
+	cap    int
+
+	closer closer
+}
+
+func (c *devContext) CreateCQ(cqe int, ch prov.CompChannel, vector int) (prov.CQ, error) {
+	var cch *C.struct_ibv_comp_channel
+	if ch != nil {
+		x, ok := ch.(*compChannel)
+		if !ok {
+			return nil, fmt.Errorf("ibv_create_cq: completion channel of another provider: %w", syscall.EINVAL)
+		}
+		cch = x.ch
+	}
+	q := &compQueue{c: c}
+	q.handle = c.addHandle(nil) // reserve; published after creation
+	useEx := C.int(0)
+	if c.cqEx {
+		useEx = 1
+	}
+	if rc := C.gv_create_cq(c.ctx, C.int(cqe), cch, C.int(vector), C.uint64_t(q.handle), useEx, &q.cq); rc != 0 {
+		c.dropHandle(q.handle)
+		return nil, errnoErr("ibv_create_cq", rc)
+	}
+	q.cap = int(q.cq.cq.cqe)
+	c.setHandle(q.handle, q)
+	return q, nil
+}
+
+// Extended reports whether the CQ is polled with ibv_start_poll/next_poll.
+func (q *compQueue) Extended() bool { return q.cq.cqx != nil }
+
+// Poll is one cgo call: the shim polls straight into dst.
+func (q *compQueue) Poll(dst []prov.Completion) (int, error) {
+	if len(dst) == 0 {
+		return 0, nil
+	}
+	n := C.gv_poll_cq(&q.cq, (*C.gv_wc)(unsafe.Pointer(&dst[0])), C.int(len(dst)))
+	if n < 0 {
+		return 0, errnoErr("ibv_poll_cq", -n)
+	}
+	return int(n), nil
+}
+
+func (q *compQueue) Arm(solicitedOnly bool) error {
+	so := C.int(0)
+	if solicitedOnly {
+		so = 1
+	}
+	if rc := C.gv_req_notify_cq(&q.cq, so); rc != 0 {
+		return errnoErr("ibv_req_notify_cq", rc)
+	}
+	return nil
+}
+
+func (q *compQueue) Cap() int { return q.cap }
+
+func (q *compQueue) Close() error {
+	return q.closer.do(func() error {
+		if rc := C.gv_destroy_cq(&q.cq); rc != 0 {
+			return errnoErr("ibv_destroy_cq", rc)
+		}
+		q.c.dropHandle(q.handle)
+		return nil
+	})
+}
