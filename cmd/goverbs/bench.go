@@ -1,0 +1,199 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+
+	"github.com/goverbs/verbs"
+)
+
+// benchConfig is the parsed command line of goverbs bench.
+type benchConfig struct {
+	op      string // "write", "read" or "send"
+	lat     bool
+	sizes   []int
+	iters   int
+	dev     string
+	dev2    string
+	batch   int
+	txDepth int
+	rxDepth int
+	mtu     verbs.MTU
+	json    bool
+
+	badRKey bool // tests: use a wrong rkey, so that completions fail
+}
+
+const (
+	defaultBWSize   = 65536
+	defaultLatSize  = 2
+	defaultBWIters  = 5000
+	defaultLatIters = 1000
+	maxSweepShift   = 23 // --all: 2 .. 8 MiB
+	maxMessageSize  = 1 << 30
+)
+
+func runBench(args []string, stdout, stderr io.Writer) int {
+	fs := newFlagSet("bench", "write|read|send [--lat] [-s size] [-n iters] [-d dev] [--dev2 dev] [--batch N] [--tx-depth N] [--all] [--json]", stderr)
+	var cfg benchConfig
+	var size string
+	fs.BoolVar(&cfg.lat, "lat", false, "measure latency instead of bandwidth")
+	fs.StringVar(&size, "s", "", "message `size` in bytes (K, M, G suffixes; default 65536 for bandwidth, 2 for latency)")
+	fs.StringVar(&size, "size", "", "same as -s")
+	fs.IntVar(&cfg.iters, "n", 0, "`iterations` per size (default 5000 for bandwidth, 1000 for latency)")
+	fs.IntVar(&cfg.iters, "iters", 0, "same as -n")
+	fs.StringVar(&cfg.dev, "d", "", "`device` of both queue pairs (default: the default device, see goverbs devices)")
+	fs.StringVar(&cfg.dev, "ib-dev", "", "same as -d")
+	fs.StringVar(&cfg.dev2, "dev2", "", "`device` of the second queue pair (default: the first's)")
+	fs.IntVar(&cfg.batch, "batch", 16, "requests per doorbell batch; the last of each batch is signaled")
+	fs.IntVar(&cfg.txDepth, "tx-depth", 128, "send requests kept outstanding")
+	fs.IntVar(&cfg.rxDepth, "rx-depth", 512, "receives kept posted (send test)")
+	mtu := fs.Int("mtu", 0, "path MTU in `bytes` (256..4096; default: the port's active MTU)")
+	all := fs.Bool("all", false, "sweep message sizes 2 .. 8M in powers of two")
+	fs.BoolVar(&cfg.json, "json", false, "print one JSON object per result row instead of the table")
+	pos, st := parseFlags(fs, args)
+	if st >= 0 {
+		return st
+	}
+	switch {
+	case len(pos) == 0:
+		return usageErr(stderr, "bench", "missing test: write, read or send")
+	case len(pos) > 1:
+		return usageErr(stderr, "bench", "unexpected argument %q", pos[1])
+	}
+	cfg.op = pos[0]
+	switch cfg.op {
+	case "write", "read", "send":
+	default:
+		return usageErr(stderr, "bench", "unknown test %q (want write, read or send)", cfg.op)
+	}
+	if cfg.iters == 0 {
+		cfg.iters = defaultBWIters
+		if cfg.lat {
+			cfg.iters = defaultLatIters
+		}
+	}
+	if cfg.iters < 1 {
+		return usageErr(stderr, "bench", "-n must be at least 1, not %d", cfg.iters)
+	}
+	if cfg.txDepth < 1 {
+		return usageErr(stderr, "bench", "--tx-depth must be at least 1, not %d", cfg.txDepth)
+	}
+	if cfg.rxDepth < 1 {
+		return usageErr(stderr, "bench", "--rx-depth must be at least 1, not %d", cfg.rxDepth)
+	}
+	if cfg.batch < 1 || cfg.batch > cfg.txDepth {
+		return usageErr(stderr, "bench", "--batch must be between 1 and --tx-depth (%d), not %d", cfg.txDepth, cfg.batch)
+	}
+	if *mtu != 0 {
+		m, err := verbs.MTUFromBytes(*mtu)
+		if err != nil {
+			return usageErr(stderr, "bench", "--mtu: %v", strings.TrimPrefix(err.Error(), "verbs: "))
+		}
+		cfg.mtu = m
+	}
+	switch {
+	case *all && size != "":
+		return usageErr(stderr, "bench", "--all and -s exclude each other")
+	case *all:
+		for s := 1; s <= maxSweepShift; s++ {
+			cfg.sizes = append(cfg.sizes, 1<<s)
+		}
+	case size != "":
+		n, err := parseSize(size)
+		if err != nil {
+			return usageErr(stderr, "bench", "-s: %v", err)
+		}
+		cfg.sizes = []int{n}
+	case cfg.lat:
+		cfg.sizes = []int{defaultLatSize}
+	default:
+		cfg.sizes = []int{defaultBWSize}
+	}
+	if err := bench(cfg, stdout); err != nil {
+		return fail(stderr, "bench", err)
+	}
+	return exitOK
+}
+
+// parseSize parses a byte count with an optional binary suffix (K, M, G,
+// optionally followed by B or iB).
+func parseSize(s string) (int, error) {
+	t := strings.ToUpper(strings.TrimSpace(s))
+	t = strings.TrimSuffix(strings.TrimSuffix(t, "B"), "I")
+	mult := 1
+	if t != "" {
+		switch t[len(t)-1] {
+		case 'K':
+			mult = 1 << 10
+		case 'M':
+			mult = 1 << 20
+		case 'G':
+			mult = 1 << 30
+		}
+		if mult != 1 {
+			t = t[:len(t)-1]
+		}
+	}
+	n, err := strconv.Atoi(t)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("invalid size %q (want a positive number of bytes, e.g. 4096 or 64K)", s)
+	}
+	if n > maxMessageSize/mult {
+		return 0, fmt.Errorf("size %q exceeds the largest message of %d bytes", s, maxMessageSize)
+	}
+	return n * mult, nil
+}
+
+// bench runs the configured test for every size and prints the results.
+func bench(cfg benchConfig, w io.Writer) (err error) {
+	maxSize := 0
+	for _, s := range cfg.sizes {
+		maxSize = max(maxSize, s)
+	}
+	lb, err := newLoopback(cfg, maxSize)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if cerr := lb.Close(); cerr != nil && err == nil {
+			err = cerr
+		}
+	}()
+	out := newReporter(w, cfg, lb)
+	out.header()
+	for _, size := range cfg.sizes {
+		if cfg.lat {
+			res, err := lb.latency(cfg, size)
+			if err != nil {
+				return err
+			}
+			out.latRow(res)
+		} else {
+			res, err := lb.bandwidth(cfg, size)
+			if err != nil {
+				return err
+			}
+			out.bwRow(res)
+		}
+	}
+	out.footer()
+	return nil
+}
+
+// testName is perftest's name of the test.
+func testName(op string) string {
+	switch op {
+	case "write":
+		return "RDMA_Write"
+	case "read":
+		return "RDMA_Read"
+	}
+	return "Send"
+}
+
+// errNoProgress is returned when the loopback stops making progress.
+var errNoProgress = errors.New("no progress")

@@ -1,0 +1,162 @@
+package main
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/goverbs/verbs"
+)
+
+// bwResult is one row of a bandwidth test.
+type bwResult struct {
+	Size    int
+	Iters   int
+	PeakMB  float64 // MB/s, MB = 2^20 bytes
+	AvgMB   float64
+	MsgRate float64 // million messages per second
+	Elapsed time.Duration
+}
+
+const mb = 1 << 20
+
+// bandwidth streams iters messages of size bytes from a to b (write and
+// send) or from b to a (read), keeping up to tx-depth requests outstanding,
+// posting batches of --batch requests with one Submit each (the last one
+// signaled) and polling completions into a preallocated slice.
+func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
+	a, b := lb.a, lb.b
+	iters := cfg.iters
+	// Touch the buffers so that page faults stay out of the measurement.
+	// write, send: a's first half → b's second half; read: b's first half
+	// → a's second half.
+	fillPattern(a.mr.Bytes()[:size])
+	fillPattern(b.mr.Bytes()[:size])
+	clear(a.mr.Bytes()[a.half : a.half+size])
+	clear(b.mr.Bytes()[b.half : b.half+size])
+	local := a.mr.SGE(0, size)
+	remote := b.mr.Remote().At(uint64(b.half))
+	if cfg.op == "read" {
+		local = a.mr.SGE(a.half, size)
+		remote = b.mr.Remote().At(0)
+	}
+	if cfg.badRKey {
+		remote.RKey = ^remote.RKey
+	}
+	if cfg.op == "send" {
+		if err := b.fillRecvs(cfg.rxDepth); err != nil {
+			return bwResult{}, err
+		}
+	}
+	a.lastWRID, a.outstanding = 0, 0
+	b.recvs = 0
+
+	posted, completed := 0, 0
+	window := max(iters/16, 1)
+	nextMark := window
+	peak := 0.0
+	wd := newWatchdog(fmt.Sprintf("%s of %d bytes", cfg.op, size))
+
+	start := time.Now()
+	markT, markN := start, 0
+	for completed < iters || (cfg.op == "send" && b.recvs < iters) {
+		// Post as many batches as the send queue (and, for send, the
+		// receiver's posted receives) allow.
+		progress := false
+		for posted < iters {
+			k := min(cfg.batch, iters-posted)
+			if posted+k-completed > cfg.txDepth {
+				break
+			}
+			if cfg.op == "send" && posted+k-b.recvs > cfg.rxDepth {
+				break
+			}
+			for j := range k {
+				id := uint64(posted + j + 1)
+				var r *verbs.Request
+				switch cfg.op {
+				case "write":
+					r = a.batch.Write(id, remote, local)
+				case "read":
+					r = a.batch.Read(id, remote, local)
+				default:
+					r = a.batch.Send(id, local)
+				}
+				if j == k-1 {
+					r.Signaled()
+				}
+			}
+			if err := a.batch.Submit(); err != nil {
+				return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
+			}
+			posted += k
+			progress = true
+		}
+		n, err := a.reap()
+		if err != nil {
+			return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
+		}
+		if n > 0 {
+			completed = int(a.lastWRID)
+			progress = true
+			if completed >= nextMark || completed == iters {
+				now := time.Now()
+				if dt := now.Sub(markT).Seconds(); dt > 0 {
+					peak = max(peak, float64(completed-markN)*float64(size)/dt/mb)
+				}
+				markT, markN = now, completed
+				nextMark = completed + window
+			}
+		}
+		if cfg.op == "send" {
+			before := b.recvs
+			if _, err := b.reap(); err != nil {
+				return bwResult{}, fmt.Errorf("%s of %d bytes: receiver: %w", cfg.op, size, err)
+			}
+			if b.recvs > before {
+				progress = true
+				if err := b.fillRecvs(cfg.rxDepth); err != nil {
+					return bwResult{}, fmt.Errorf("%s of %d bytes: receiver: %w", cfg.op, size, err)
+				}
+			}
+		}
+		if progress {
+			wd.progress()
+		} else if err := wd.stalled(); err != nil {
+			return bwResult{}, err
+		}
+	}
+	elapsed := time.Since(start)
+	if err := lb.verify(cfg.op, size); err != nil {
+		return bwResult{}, err
+	}
+	sec := elapsed.Seconds()
+	res := bwResult{Size: size, Iters: iters, Elapsed: elapsed}
+	if sec > 0 {
+		res.AvgMB = float64(iters) * float64(size) / sec / mb
+		res.MsgRate = float64(iters) / sec / 1e6
+	}
+	res.PeakMB = max(peak, res.AvgMB)
+	return res, nil
+}
+
+// fillPattern writes a recognisable pattern (and faults the pages in).
+func fillPattern(b []byte) {
+	for i := range b {
+		b[i] = byte(i*7 + 1)
+	}
+}
+
+// verify checks that the data arrived: the destination holds the pattern.
+func (lb *loopback) verify(op string, size int) error {
+	dst := lb.b
+	if op == "read" {
+		dst = lb.a
+	}
+	got := dst.mr.Bytes()[dst.half : dst.half+size]
+	for i, c := range got {
+		if c != byte(i*7+1) {
+			return fmt.Errorf("%s of %d bytes: data check failed at byte %d: got %#x, want %#x", op, size, i, c, byte(i*7+1))
+		}
+	}
+	return nil
+}

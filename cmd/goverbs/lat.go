@@ -1,0 +1,274 @@
+package main
+
+import (
+	"fmt"
+	"math"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/HdrHistogram/hdrhistogram-go"
+	"github.com/goverbs/verbs"
+)
+
+// latResult is one row of a latency test, in microseconds.
+type latResult struct {
+	Size                        int
+	Iters                       int
+	Min, Max, Typical, Avg, Std float64
+	P99, P999                   float64
+	Inline                      bool // sent inline
+}
+
+// latencyMethod describes how the test measures, for the output header.
+func latencyMethod(op string) string {
+	switch op {
+	case "write":
+		return "RDMA write ping-pong, each side polling the last byte of its buffer; latency = round trip / 2"
+	case "read":
+		return "RDMA read, post to completion"
+	}
+	return "send ping-pong, each side polling its receive completion; latency = round trip / 2"
+}
+
+const latWarmup = 16
+
+// latency runs iters ping-pongs (write, send) or reads of size bytes.
+func (lb *loopback) latency(cfg benchConfig, size int) (latResult, error) {
+	a, b := lb.a, lb.b
+	fillPattern(a.mr.Bytes()[:size])
+	fillPattern(b.mr.Bytes()[:size])
+	clear(a.mr.Bytes()[a.half : a.half+size])
+	clear(b.mr.Bytes()[b.half : b.half+size])
+	inline := size <= lb.inline && cfg.op != "read"
+	var flags verbs.SendFlags = verbs.Signaled
+	if inline {
+		flags |= verbs.Inline
+	}
+	if cfg.op == "send" {
+		for _, s := range []*side{a, b} {
+			if err := s.fillRecvs(cfg.rxDepth); err != nil {
+				return latResult{}, err
+			}
+			s.recvs = 0
+		}
+	}
+
+	hist := hdrhistogram.New(1, int64(time.Minute), 3)
+	var sum, sumSq float64
+	minNS, maxNS := int64(math.MaxInt64), int64(0)
+	div := int64(2)
+	if cfg.op == "read" {
+		div = 1
+	}
+	what := fmt.Sprintf("%s latency of %d bytes", cfg.op, size)
+	for i := -latWarmup; i < cfg.iters; i++ {
+		v := byte((i+latWarmup)%255 + 1) // never 0, never the previous value
+		var rtt time.Duration
+		var err error
+		switch cfg.op {
+		case "write":
+			rtt, err = lb.writePingPong(size, v, flags, cfg.txDepth)
+		case "send":
+			rtt, err = lb.sendPingPong(size, flags, cfg.txDepth, cfg.rxDepth)
+		default:
+			rtt, err = lb.readOnce(size, cfg.txDepth)
+		}
+		if err != nil {
+			return latResult{}, fmt.Errorf("%s, iteration %d: %w", what, i, err)
+		}
+		if i < 0 {
+			continue
+		}
+		ns := int64(rtt)
+		if err := hist.RecordValue(max(ns, 1)); err != nil {
+			return latResult{}, fmt.Errorf("%s: %w", what, err)
+		}
+		x := float64(ns)
+		sum += x
+		sumSq += x * x
+		minNS, maxNS = min(minNS, ns), max(maxNS, ns)
+	}
+	n := float64(cfg.iters)
+	mean := sum / n
+	std := math.Sqrt(max(sumSq/n-mean*mean, 0))
+	us := func(ns float64) float64 { return ns / float64(div) / 1e3 }
+	return latResult{
+		Size: size, Iters: cfg.iters,
+		Min: us(float64(minNS)), Max: us(float64(maxNS)),
+		Typical: us(float64(hist.ValueAtQuantile(50))),
+		Avg:     us(mean), Std: us(std),
+		P99:    us(float64(hist.ValueAtQuantile(99))),
+		P999:   us(float64(hist.ValueAtQuantile(99.9))),
+		Inline: inline,
+	}, nil
+}
+
+// lastByte returns an aligned 32-bit word holding b[i] and the shift of
+// that byte in it, so that a spinning reader can load it atomically while
+// the device writes the buffer. b must extend to the end of the word.
+func lastByte(b []byte, i int) (*uint32, uint) {
+	w := i &^ 3
+	p := (*uint32)(unsafe.Pointer(&b[w]))
+	if littleEndian {
+		return p, uint(i-w) * 8
+	}
+	return p, uint(3-(i-w)) * 8
+}
+
+var littleEndian = func() bool { x := uint32(1); return *(*byte)(unsafe.Pointer(&x)) == 1 }()
+
+// waitByte spins until the byte (p, shift) equals v, reaping both sides'
+// completions now and then so that errors surface.
+func (lb *loopback) waitByte(p *uint32, shift uint, v byte) error {
+	for spins := 1; ; spins++ {
+		if byte(atomic.LoadUint32(p)>>shift) == v {
+			return nil
+		}
+		if spins&63 == 0 {
+			if err := lb.reapBoth(); err != nil {
+				return err
+			}
+			if spins&(1<<16-1) == 0 {
+				if err := lb.checkStall(); err != nil {
+					return err
+				}
+			}
+		}
+	}
+}
+
+func (lb *loopback) reapBoth() error {
+	if _, err := lb.a.reap(); err != nil {
+		return err
+	}
+	_, err := lb.b.reap()
+	return err
+}
+
+// checkStall fails when the current operation has been waiting too long.
+func (lb *loopback) checkStall() error {
+	if time.Since(lb.opStart) > progressTimeout {
+		return fmt.Errorf("%w for %v: the peer queue pair stopped answering", errNoProgress, progressTimeout)
+	}
+	return nil
+}
+
+// room waits until s may post one more signaled request.
+func (lb *loopback) room(s *side, txDepth int) error {
+	for s.outstanding >= txDepth {
+		if err := lb.reapBoth(); err != nil {
+			return err
+		}
+		if err := lb.checkStall(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// writePingPong: a writes to b, b sees the last byte change and writes
+// back, a sees it. Returns the round trip.
+func (lb *loopback) writePingPong(size int, v byte, flags verbs.SendFlags, txDepth int) (time.Duration, error) {
+	a, b := lb.a, lb.b
+	aSrc, bSrc := a.mr.Bytes()[:size], b.mr.Bytes()[:size]
+	aDst, aShift := lastByte(a.mr.Bytes(), a.half+size-1)
+	bDst, bShift := lastByte(b.mr.Bytes(), b.half+size-1)
+	lb.opStart = time.Now()
+	if err := lb.room(a, txDepth); err != nil {
+		return 0, err
+	}
+	if err := lb.room(b, txDepth); err != nil {
+		return 0, err
+	}
+	t0 := time.Now()
+	aSrc[size-1] = v
+	if err := a.qp.PostWrite(uint64(v), flags, b.mr.Remote().At(uint64(b.half)), a.mr.SGE(0, size)); err != nil {
+		return 0, err
+	}
+	a.outstanding++
+	if err := lb.waitByte(bDst, bShift, v); err != nil {
+		return 0, err
+	}
+	bSrc[size-1] = v
+	if err := b.qp.PostWrite(uint64(v), flags, a.mr.Remote().At(uint64(a.half)), b.mr.SGE(0, size)); err != nil {
+		return 0, err
+	}
+	b.outstanding++
+	if err := lb.waitByte(aDst, aShift, v); err != nil {
+		return 0, err
+	}
+	rtt := time.Since(t0)
+	return rtt, lb.reapBoth()
+}
+
+// waitRecv spins until s has a receive completion and consumes it,
+// reposting one receive.
+func (lb *loopback) waitRecv(s *side, rxDepth int) error {
+	for spins := 1; s.recvs == 0; spins++ {
+		if err := lb.reapBoth(); err != nil {
+			return err
+		}
+		if spins&(1<<14-1) == 0 {
+			if err := lb.checkStall(); err != nil {
+				return err
+			}
+		}
+	}
+	s.recvs--
+	return s.fillRecvs(rxDepth)
+}
+
+// sendPingPong: a sends to b, b receives and sends back, a receives.
+func (lb *loopback) sendPingPong(size int, flags verbs.SendFlags, txDepth, rxDepth int) (time.Duration, error) {
+	a, b := lb.a, lb.b
+	lb.opStart = time.Now()
+	if err := lb.room(a, txDepth); err != nil {
+		return 0, err
+	}
+	if err := lb.room(b, txDepth); err != nil {
+		return 0, err
+	}
+	t0 := time.Now()
+	if err := a.qp.PostSend(1, flags, a.mr.SGE(0, size)); err != nil {
+		return 0, err
+	}
+	a.outstanding++
+	if err := lb.waitRecv(b, rxDepth); err != nil {
+		return 0, err
+	}
+	if err := b.qp.PostSend(2, flags, b.mr.SGE(0, size)); err != nil {
+		return 0, err
+	}
+	b.outstanding++
+	if err := lb.waitRecv(a, rxDepth); err != nil {
+		return 0, err
+	}
+	return time.Since(t0), nil
+}
+
+// readOnce: a reads size bytes of b and waits for the completion.
+func (lb *loopback) readOnce(size, txDepth int) (time.Duration, error) {
+	a, b := lb.a, lb.b
+	lb.opStart = time.Now()
+	if err := lb.room(a, txDepth); err != nil {
+		return 0, err
+	}
+	done := a.sendDone
+	t0 := time.Now()
+	if err := a.qp.PostRead(3, verbs.Signaled, b.mr.Remote().At(0), a.mr.SGE(a.half, size)); err != nil {
+		return 0, err
+	}
+	a.outstanding++
+	for spins := 1; a.sendDone == done; spins++ {
+		if _, err := a.reap(); err != nil {
+			return 0, err
+		}
+		if spins&(1<<14-1) == 0 {
+			if err := lb.checkStall(); err != nil {
+				return 0, err
+			}
+		}
+	}
+	return time.Since(t0), nil
+}
