@@ -73,6 +73,7 @@ type Context struct {
 	ctx      prov.Context
 	name     string
 	provider string
+	dev      Device
 	locks    bool // the provider pins memory (memlock applies)
 }
 
@@ -96,7 +97,8 @@ func Open(name string) (*Context, error) {
 			if err != nil {
 				return nil, opErr("open device", name, err)
 			}
-			c := &Context{ctx: pc, name: name, provider: p.Name(), locks: p.Name() != "soft"}
+			c := &Context{ctx: pc, name: name, provider: p.Name(), locks: p.Name() != "soft",
+				dev: Device{Name: d.Name, GUID: d.GUID, Transport: d.Transport, Provider: p.Name()}}
 			if err := initResource(c, &c.res, "device context", name); err != nil {
 				pc.Close()
 				return nil, err
@@ -117,6 +119,9 @@ func Open(name string) (*Context, error) {
 
 // Name returns the device name.
 func (c *Context) Name() string { return c.name }
+
+// Device describes the open device.
+func (c *Context) Device() Device { return c.dev }
 
 // Provider returns "ibverbs" or "soft".
 func (c *Context) Provider() string { return c.provider }
