@@ -2,6 +2,7 @@ package verbs
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -91,8 +92,8 @@ func (ch *CompletionChannel) Wait(ctx context.Context) (*CompletionQueue, error)
 	}
 	pcq, err := ch.ch.Wait(ctx)
 	if err != nil {
-		if ctx.Err() != nil {
-			return nil, opErr("wait for completion event", ch.c.name, fmt.Errorf("%w: %w", ErrTimeout, ctx.Err()))
+		if cerr := waitEnded(ctx, err); cerr != nil {
+			return nil, opErr("wait for completion event", ch.c.name, fmt.Errorf("%w: %w", ErrTimeout, cerr))
 		}
 		return nil, opErr("wait for completion event", ch.c.name, err)
 	}
@@ -100,6 +101,21 @@ func (ch *CompletionChannel) Wait(ctx context.Context) (*CompletionQueue, error)
 		return v.(*CompletionQueue), nil
 	}
 	return nil, opErr("wait for completion event", ch.c.name, fmt.Errorf("event for an unknown cq"))
+}
+
+// waitEnded returns the context error that ended a wait that failed with
+// err, or nil if the wait failed for another reason. A provider may see the
+// deadline (through the runtime poller) a moment before ctx.Err() is set.
+func waitEnded(ctx context.Context, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		return cerr
+	}
+	for _, cerr := range []error{context.DeadlineExceeded, context.Canceled} {
+		if errors.Is(err, cerr) {
+			return cerr
+		}
+	}
+	return nil
 }
 
 // Close destroys the channel. It fails while CQs use it. Idempotent.
@@ -275,8 +291,8 @@ func (cq *CompletionQueue) Wait(ctx context.Context) error {
 			return nil
 		}
 		if _, err := cq.ownCh.Wait(ctx); err != nil {
-			if ctx.Err() != nil {
-				return opErr("wait on cq", cq.c.name, fmt.Errorf("%w: %w", ErrTimeout, ctx.Err()))
+			if cerr := waitEnded(ctx, err); cerr != nil {
+				return opErr("wait on cq", cq.c.name, fmt.Errorf("%w: %w", ErrTimeout, cerr))
 			}
 			return opErr("wait on cq", cq.c.name, err)
 		}
