@@ -29,6 +29,10 @@ const EnvVM = "GOVERBS_VM"
 // EnvDevices lists the guest's RDMA devices, comma-separated.
 const EnvDevices = "GOVERBS_VM_DEVICES"
 
+// EnvAddrs maps each device to the IPv6 link-local address (with zone) of
+// its netdev, for RDMA CM: "rxe0=fe80::1%veth0,rxe1=fe80::2%veth1".
+const EnvAddrs = "GOVERBS_VM_ADDRS"
+
 // InVM reports whether the process runs inside the SoftRoCE VM.
 func InVM() bool { return os.Getenv(EnvVM) == "1" }
 
@@ -56,4 +60,19 @@ func Require(t testing.TB) []string {
 		t.Skip("needs the SoftRoCE VM: run with scripts/vm/run.sh (go test -exec \"$PWD/scripts/vm/run.sh --\")")
 	}
 	return devs
+}
+
+// Addr returns the IPv6 link-local address, with zone ("fe80::1%veth0"), of
+// the netdev under RDMA device dev, for RDMA CM; "" outside the VM or for an
+// unknown device. RDMA CM cannot use 127.0.0.1 in the VM.
+func Addr(dev string) string {
+	if !InVM() {
+		return ""
+	}
+	for _, kv := range strings.Split(os.Getenv(EnvAddrs), ",") {
+		if k, v, ok := strings.Cut(strings.TrimSpace(kv), "="); ok && k == dev {
+			return v
+		}
+	}
+	return ""
 }

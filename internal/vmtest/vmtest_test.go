@@ -19,6 +19,13 @@ func TestDevicesOutsideVM(t *testing.T) {
 	if got := strings.Join(Devices(), "|"); got != "rxe0|rxe1" {
 		t.Fatalf("Devices() = %q, want rxe0|rxe1", got)
 	}
+	t.Setenv(EnvAddrs, "rxe0=fe80::1%veth0,rxe1=fe80::2%veth1")
+	if got := Addr("rxe1"); got != "fe80::2%veth1" {
+		t.Fatalf("Addr(rxe1) = %q", got)
+	}
+	if got := Addr("rxe9"); got != "" {
+		t.Fatalf("Addr(rxe9) = %q, want empty", got)
+	}
 }
 
 // TestGuestEnvironment checks, inside the VM, what the hardware-provider
@@ -47,6 +54,12 @@ func TestGuestEnvironment(t *testing.T) {
 		}
 		t.Logf("%s: %s, gid 0 %s (%s)", d, strings.TrimSpace(string(state)),
 			strings.TrimSpace(string(gid)), strings.TrimSpace(string(typ)))
+	}
+	for _, d := range devs {
+		addr := Addr(d)
+		if !strings.HasPrefix(addr, "fe80::") || !strings.Contains(addr, "%veth") {
+			t.Errorf("Addr(%s) = %q, want fe80::...%%vethN", d, addr)
+		}
 	}
 	if _, err := os.Stat("/dev/infiniband/uverbs0"); err != nil {
 		t.Errorf("uverbs device: %v", err)

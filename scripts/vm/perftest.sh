@@ -3,7 +3,7 @@
 # inside the SoftRoCE VM of scripts/vm/run.sh and print their output.
 #
 # Usage:
-#   scripts/vm/perftest.sh [RUN_OPTIONS --] TEST [ARGS...] [+ TEST [ARGS...]]...
+#   scripts/vm/perftest.sh [-q] [RUN_OPTIONS --] TEST [ARGS...] [+ TEST [ARGS...]]...
 #
 #   TEST is a perftest program (ib_write_bw, ib_write_lat, ib_send_lat,
 #   ib_send_bw, ib_read_bw, ib_read_lat, ib_atomic_bw, ...). ARGS go to both
@@ -15,8 +15,10 @@
 #   with `--`.
 #
 #   For each test the client's output is printed under "== TEST ARGS (client)"
-#   and the server's under "== TEST ARGS (server)". The exit status is
-#   non-zero when any test failed.
+#   and the server's under "== TEST ARGS (server)"; with -q (or
+#   GOVERBS_PERFTEST_QUIET=1) only the client's results table is printed
+#   (full output still for a failed test). The exit status is non-zero when
+#   any test failed.
 #
 # Examples:
 #   scripts/vm/perftest.sh ib_write_bw -s 65536
@@ -29,6 +31,11 @@
 set -euo pipefail
 
 self=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)/$(basename -- "${BASH_SOURCE[0]}")
+
+if [[ ${1:-} == -q ]]; then
+	export GOVERBS_PERFTEST_QUIET=1
+	shift
+fi
 
 if [[ ${GOVERBS_VM:-} != 1 ]]; then
 	# On the host: boot the VM and run this script inside it.
@@ -57,8 +64,8 @@ run_pair() {
 	command -v "$test" >/dev/null || { echo "== $name: $test not found (perftest installed?)"; return 1; }
 	port=$((port + 1))
 	timeout "$limit" "$test" -d rxe0 -x 0 -p "$port" "$@" >"$work/server" 2>&1 &
-	local spid=$! crc=1 try
-	for try in $(seq 1 30); do
+	local spid=$! crc=1
+	for _ in $(seq 1 30); do
 		sleep 0.5
 		if ! kill -0 "$spid" 2>/dev/null; then
 			break # server died: report below
@@ -73,9 +80,23 @@ run_pair() {
 	done
 	local src=0
 	wait "$spid" || src=$?
-	echo "== $name (client, exit $crc)"
+	# perftest's closing handshake over the socket occasionally fails on the
+	# server after both sides have measured and printed their results (seen
+	# once under heavy host load): the client's numbers stand, with a warning.
+	if ((crc == 0 && src != 0 && src != 124)) && grep -q '#bytes' "$work/server"; then
+		echo "== $name: warning: server exited $src after its report:"
+		grep -v '^[[:space:]]*$' "$work/server" | tail -n 3 | sed 's/^/   server: /'
+		src=0
+	fi
+	if [[ ${GOVERBS_PERFTEST_QUIET:-} == 1 ]] && ((crc == 0 && src == 0)); then
+		echo "== $name"
+		awk '/#bytes/ { on = 1 } on && /^-+$/ { exit } on' "$work/client"
+		return 0
+	fi
+	local to=" (timed out after ${limit}s: GOVERBS_PERFTEST_TIMEOUT)"
+	echo "== $name (client, exit $crc$( ((crc == 124)) && echo "$to"))"
 	cat "$work/client" 2>/dev/null || true
-	echo "== $name (server, exit $src)"
+	echo "== $name (server, exit $src$( ((src == 124)) && echo "$to"))"
 	cat "$work/server"
 	((crc == 0 && src == 0))
 }

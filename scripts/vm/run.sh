@@ -28,6 +28,9 @@
 #   --mtu N          MTU of veth0/veth1 (default 1500 -> rxe active_mtu 1024;
 #                    use 4200+ for active_mtu 4096), or $GOVERBS_VM_MTU
 #   --mem SIZE       guest memory (default 2G), --smp N guest CPUs (default 2)
+#   --cpu MODEL      QEMU CPU model (default qemu64: x86-64-v1, no SSE4/AVX, so
+#                    binaries built with GOAMD64=v2+ need --cpu max; max makes
+#                    rxe ~35% slower under TCG, hence not the default)
 #   --keep           keep the per-run directory .cache/vm/out-* (always kept
 #                    when the VM itself fails)
 #   -v, --verbose    print progress and the guest's console log on stderr
@@ -41,11 +44,19 @@
 #   - root, `ulimit -l unlimited`, HOME=/tmp; /tmp, /var/tmp, /run, /dev/shm
 #     are the guest's own tmpfs (empty, writable); everything else is the
 #     host's filesystem, read-only, except the per-run directory.
-#   - GOVERBS_VM=1 and GOVERBS_VM_DEVICES=rxe0,rxe1 are set.
+#   - GOVERBS_VM=1, GOVERBS_VM_DEVICES=rxe0,rxe1 and
+#     GOVERBS_VM_ADDRS=rxe0=fe80::..%veth0,rxe1=fe80::..%veth1 are set. The
+#     latter are the IPv6 link-local addresses for RDMA CM (rdma_cm cannot use
+#     127.0.0.1 here); IPv6 duplicate address detection is off, so they (and
+#     GID 0) are usable as soon as CMD starts.
 #   - Host files under /tmp, /var/tmp, /run or /dev/shm are not visible, so a
 #     CMD under those is copied into the per-run directory first (this is
 #     what makes `go test -exec` work); other binaries should live in the
 #     repository, e.g. .cache/vm/bin.
+#   - Output-file flags of Go test binaries (-test.coverprofile=, -test.gocoverdir=,
+#     -test.cpuprofile=, -test.outputdir=, ...; `=` form only) are redirected
+#     into the per-run directory and copied back afterwards, so
+#     `go test -cover -exec ...` works.
 #
 # Examples:
 #   scripts/vm/run.sh -- ibv_devinfo
@@ -53,13 +64,25 @@
 #     scripts/vm/run.sh --timeout 300 -- .cache/vm/bin/ibv.test -test.v
 #   go test -tags ibverbs -exec "$PWD/scripts/vm/run.sh --" ./internal/ibv/...
 #   scripts/vm/perftest.sh ib_write_bw -s 65536
+#   scripts/vm/selftest.sh          # the harness's own end-to-end check
 #
 # First run on a fresh Debian 12 machine (as root): apt-get installs the
 # packages below, one Debian kernel package (linux-image-6.1.0-NN-amd64, the
 # one linux-image-amd64 depends on, or $GOVERBS_VM_KERNEL) is downloaded and
 # unpacked into .cache/vm/, and an initramfs is built there; later runs reuse
-# the cache and need neither root nor apt. Boot under TCG takes ~10-15 s (KVM
-# is not used: a KVM guest hangs on these machines).
+# the cache and need neither root nor apt (~30-50 s cold, with downloads).
+# A warm run costs ~5 s of boot and setup under TCG (the kernel boots by PVH
+# from an uncompressed vmlinux extracted into the cache); KVM is not used: a
+# KVM guest hangs on these machines. Everything is slow under TCG (perftest
+# ib_write_bw ~50 MB/s, ~16 us write latency), and noisy when the host is
+# busy: compare numbers only within one run.
+#
+# GOVERBS_VM_CACHE=DIR moves the cache (default .cache/vm in the repository),
+# e.g. to share it between clones; it must not be under /tmp, /var/tmp, /run
+# or /dev/shm.
+#
+# Concurrent runs are fine (each has its own run directory; the cache is built
+# under a lock), e.g. `go test -exec` over several packages.
 #
 # Exit status: CMD's, or 124 on timeout, or 125 when the harness or the VM
 # failed (the message names what failed).
@@ -68,10 +91,20 @@ set -euo pipefail
 
 SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
 REPO_ROOT=$(cd -- "$SCRIPT_DIR/../.." && pwd -P)
-CACHE=$REPO_ROOT/.cache/vm
+CACHE=${GOVERBS_VM_CACHE:-$REPO_ROOT/.cache/vm}
+case $CACHE in
+/*) ;;
+*) CACHE=$PWD/$CACHE ;;
+esac
+case $CACHE in
+/tmp | /tmp/* | /var/tmp | /var/tmp/* | /run | /run/* | /dev/shm | /dev/shm/*)
+	echo "vm: error: GOVERBS_VM_CACHE=$CACHE: the guest cannot see /tmp, /var/tmp, /run or /dev/shm of the host" >&2
+	exit 125
+	;;
+esac
 
 PACKAGES=(qemu-system-x86 busybox-static cpio kmod libibverbs-dev ibverbs-providers
-	ibverbs-utils librdmacm-dev rdmacm-utils perftest iproute2)
+	ibverbs-utils librdmacm-dev rdmacm-utils perftest iproute2 xz-utils)
 # Loaded in this order (with their dependencies) by the initramfs.
 MODULES=(virtio_pci 9pnet_virtio 9p virtio_rng crc32_generic rdma_rxe rdma_ucm veth)
 PASS_ENV_RE='^(GOVERBS_[A-Za-z0-9_]*|GOTRACEBACK|GODEBUG|GOMAXPROCS|GOGC|GOMEMLIMIT|GORACE|PATH|LANG|LC_ALL|TZ)$'
@@ -81,6 +114,7 @@ timeout_set=${GOVERBS_VM_TIMEOUT:+1}
 mtu=${GOVERBS_VM_MTU:-1500}
 mem=2G
 smp=2
+cpu=qemu64
 keep=0
 verbose=0
 prepare_only=0
@@ -106,6 +140,7 @@ while (($#)); do
 	--mtu=*) mtu=${1#*=}; shift ;;
 	--mem) (($# >= 2)) || die "--mem needs a value"; mem=$2; shift 2 ;;
 	--smp) (($# >= 2)) || die "--smp needs a value"; smp=$2; shift 2 ;;
+	--cpu) (($# >= 2)) || die "--cpu needs a value"; cpu=$2; shift 2 ;;
 	--keep) keep=1; shift ;;
 	-v | --verbose) verbose=1; shift ;;
 	--prepare) prepare_only=1; shift ;;
@@ -194,7 +229,7 @@ ensure_kernel() {
 	if [[ -n $KPKG && -e $CACHE/$KPKG/.complete ]]; then
 		KDIR=$CACHE/$KPKG
 		KVER=${KPKG#linux-image-}
-		echo "$KPKG" >"$CACHE/kernel.pkg"
+		[[ $(<"$CACHE/kernel.pkg") == "$KPKG" ]] 2>/dev/null || echo "$KPKG" >"$CACHE/kernel.pkg"
 		return 0
 	fi
 	if [[ -z $KPKG ]]; then
@@ -211,10 +246,19 @@ ensure_kernel() {
 	say "fetching kernel package $KPKG"
 	local tmp
 	tmp=$(mktemp -d "$CACHE/dl.XXXXXX")
-	(cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root "$KPKG" >"$tmp/log" 2>&1) ||
-		{ cat "$tmp/log" >&2; rm -rf "$tmp"; die "kernel package not found or download failed: $KPKG"; }
+	if ! (cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root "$KPKG" >"$tmp/log" 2>&1); then
+		# Stale package lists name a file the archive no longer has: refresh once.
+		if ((EUID == 0)) && apt-get update -q >>"$tmp/log" 2>&1 &&
+			(cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root "$KPKG" >>"$tmp/log" 2>&1); then
+			:
+		else
+			sed 's/^/vm: apt: /' "$tmp/log" >&2
+			rm -rf "$tmp"
+			die "kernel package not found or download failed: $KPKG (set GOVERBS_VM_KERNEL=linux-image-6.1.0-NN-amd64 to choose another)"
+		fi
+	fi
 	local deb
-	deb=$(ls "$tmp"/*.deb 2>/dev/null | head -n1)
+	deb=$(find "$tmp" -maxdepth 1 -name '*.deb' -print -quit)
 	[[ -n $deb ]] || { rm -rf "$tmp"; die "apt-get download $KPKG produced no .deb"; }
 	dpkg -x "$deb" "$tmp/root" || { rm -rf "$tmp"; die "dpkg -x failed on $deb"; }
 	dpkg-deb -f "$deb" Version >"$tmp/root/.version"
@@ -227,6 +271,34 @@ ensure_kernel() {
 	mv "$tmp/root" "$KDIR"
 	rm -rf "$tmp"
 	echo "$KPKG" >"$CACHE/kernel.pkg"
+}
+
+# ensure_boot_image sets BOOTIMG: the uncompressed vmlinux when the kernel
+# supports PVH boot (QEMU then skips the BIOS and the in-guest XZ
+# decompression, which under TCG saves 2-3 s a boot), else the bzImage.
+ensure_boot_image() {
+	BOOTIMG=$KDIR/boot/vmlinuz-$KVER
+	local pvh=$KDIR/boot/vmlinux-$KVER.pvh
+	if [[ -s $pvh ]]; then
+		BOOTIMG=$pvh
+		return 0
+	fi
+	[[ ! -e $pvh.none ]] || return 0
+	if grep -q '^CONFIG_PVH=y' "$KDIR/boot/config-$KVER" 2>/dev/null; then
+		local off
+		off=$(LC_ALL=C grep -m1 -obUa $'\xfd7zXZ' "$BOOTIMG" | cut -d: -f1) || true
+		# (xz stops at the end of the stream: tail's SIGPIPE is expected.)
+		if [[ -n $off ]] &&
+			xz -dc --single-stream <(tail -c +$((off + 1)) "$BOOTIMG") >"$pvh.tmp" 2>/dev/null &&
+			[[ $(head -c4 "$pvh.tmp" | od -An -tx1 | tr -d ' ') == 7f454c46 ]]; then
+			mv "$pvh.tmp" "$pvh"
+			BOOTIMG=$pvh
+			return 0
+		fi
+	fi
+	rm -f "$pvh.tmp"
+	info "no PVH vmlinux could be extracted from $BOOTIMG; booting the bzImage"
+	touch "$pvh.none"
 }
 
 # --------------------------------------------------------------- initramfs --
@@ -287,6 +359,9 @@ done
 [ -x /host/usr/bin/env ] || fail "/usr/bin/env missing on the host"
 
 hrun ip link set lo up || fail "ip link set lo up failed"
+# No IPv6 duplicate address detection: the veth link-local addresses (which
+# RoCE v2 GID 0 resolves through) are usable at once, not tentative for ~2 s.
+echo 0 >/proc/sys/net/ipv6/conf/default/accept_dad || fail "disabling IPv6 DAD failed"
 hrun ip link add veth0 mtu "$GV_MTU" type veth peer name veth1 mtu "$GV_MTU" || fail "creating veth0/veth1 failed"
 hrun ip link set veth0 up || fail "ip link set veth0 up failed"
 hrun ip link set veth1 up || fail "ip link set veth1 up failed"
@@ -300,6 +375,12 @@ for d in rxe0 rxe1; do
 		[ $n -lt 100 ] || fail "$d port did not become ACTIVE with a GID"
 		sleep 0.1
 	done
+done
+# GID 0 is resolved through the veth's IPv6 link-local address: wait for it.
+while [ "$(grep -c ' veth[01]$' /proc/net/if_inet6)" -lt 2 ]; do
+	n=$((n + 1))
+	[ $n -lt 100 ] || fail "veth0/veth1 got no IPv6 link-local address"
+	sleep 0.1
 done
 [ -e /host/dev/infiniband/uverbs0 ] || fail "/dev/infiniband/uverbs0 missing (ib_uverbs)"
 ulimit -l unlimited || fail "ulimit -l unlimited failed"
@@ -315,12 +396,12 @@ EOF
 
 # ensure_initramfs sets INITRD (cached by content hash of its inputs).
 ensure_initramfs() {
-	local mods=() m out deps
+	local mods=() m deps w path
 	for m in "${MODULES[@]}"; do
 		deps=$(modprobe -d "$KDIR" -S "$KVER" --show-depends "$m" 2>&1) ||
 			die "module $m not found in $KPKG: $deps"
 		while read -r w path _; do
-			[[ $w == insmod ]] && mods+=("${path#"$KDIR"/lib/modules/$KVER/}")
+			[[ $w == insmod ]] && mods+=("${path#"$KDIR/lib/modules/$KVER/"}")
 		done <<<"$deps"
 	done
 	local key
@@ -358,6 +439,7 @@ ensure_initramfs() {
 		die "building the initramfs (cpio) failed"
 	mv "$INITRD.tmp" "$INITRD"
 	rm -rf "$st"
+	find "$CACHE" -maxdepth 1 -name 'initramfs-*.cpio.gz' ! -name "$(basename "$INITRD")" -delete
 }
 
 prepare() {
@@ -365,13 +447,14 @@ prepare() {
 	flock 9 || die "cannot lock $CACHE/.lock"
 	ensure_packages
 	ensure_kernel
+	ensure_boot_image
 	ensure_initramfs
 	exec 9>&-
 }
 
 t_start=$(date +%s.%N)
 prepare
-info "kernel $KPKG ($(cat "$KDIR/.version" 2>/dev/null)), initramfs $(basename "$INITRD")"
+info "kernel $KPKG ($(cat "$KDIR/.version" 2>/dev/null)), $(basename "$BOOTIMG"), initramfs $(basename "$INITRD")"
 if ((prepare_only)); then
 	echo "vm: ready: $KPKG $(cat "$KDIR/.version" 2>/dev/null), $(basename "$INITRD")" >&2
 	exit 0
@@ -392,6 +475,7 @@ fi
 OUT=$(mktemp -d "$CACHE/out-XXXXXX") || die "cannot create a run directory in $CACHE"
 chmod 755 "$OUT"
 qemu_pid=
+# shellcheck disable=SC2317 # called by the EXIT trap
 cleanup() {
 	local rc=$?
 	[[ -n $qemu_pid ]] && kill "$qemu_pid" 2>/dev/null
@@ -417,6 +501,46 @@ esac
 guest_cwd=$PWD
 case $guest_cwd in /tmp | /tmp/* | /var/tmp/* | /run/* | /dev/shm/*) guest_cwd=/ ;; esac
 
+# The guest can write nowhere on the host but in the run directory, so the
+# output files of a Go test binary (-test.coverprofile=F, -test.gocoverdir=D,
+# ... as `go test -cover -exec` passes them) are redirected there and copied
+# back to where they were asked for once the VM is done.
+copy_back=() # pairs: guest path, host path
+outputdir=
+for a in "$@"; do
+	case $a in -test.outputdir=* | --test.outputdir=*) outputdir=${a#*=} ;; esac
+done
+[[ -z $outputdir || $outputdir == /* ]] || outputdir=$PWD/$outputdir
+args=()
+n=0
+for a in "$@"; do
+	case $a in
+	-test.gocoverdir=?* | --test.gocoverdir=?* | -test.outputdir=?* | --test.outputdir=?*)
+		n=$((n + 1))
+		host=${a#*=}
+		[[ $host == /* ]] || host=$PWD/$host
+		mkdir -p "$OUT/files/$n"
+		copy_back+=("$OUT/files/$n/." "$host/")
+		a=${a%%=*}=$OUT/files/$n
+		;;
+	-test.coverprofile=?* | --test.coverprofile=?* | -test.cpuprofile=?* | --test.cpuprofile=?* | \
+		-test.memprofile=?* | --test.memprofile=?* | -test.blockprofile=?* | --test.blockprofile=?* | \
+		-test.mutexprofile=?* | --test.mutexprofile=?* | -test.trace=?* | --test.trace=?* | \
+		-test.testlogfile=?* | --test.testlogfile=?*)
+		n=$((n + 1))
+		host=${a#*=}
+		if [[ $host != /* ]]; then
+			if [[ -n $outputdir ]]; then host=$outputdir/$host; else host=$PWD/$host; fi
+		fi
+		mkdir -p "$OUT/files/$n"
+		copy_back+=("$OUT/files/$n/$(basename -- "$host")" "$host")
+		a=${a%%=*}=$OUT/files/$n/$(basename -- "$host")
+		;;
+	esac
+	args+=("$a")
+done
+set -- "${args[@]+"${args[@]}"}"
+
 q() { printf '%q' "$1"; }
 [[ $OUT != *"'"* ]] || die "the repository path must not contain a single quote: $OUT"
 {
@@ -437,6 +561,13 @@ q() { printf '%q' "$1"; }
 	done
 	echo "[[ -n \${PATH:-} ]] || export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 	echo "export HOME=/tmp USER=root LOGNAME=root GOVERBS_VM=1 GOVERBS_VM_DEVICES=rxe0,rxe1"
+	# The IPv6 link-local address of each rxe's netdev, with its zone, for
+	# RDMA CM (rdma_cm does not work over 127.0.0.1 here: no RDMA device on lo).
+	cat <<'EOS'
+_vm_ll() { ip -6 -o addr show dev "$1" scope link 2>/dev/null | awk -v d="$1" '{sub(/\/.*/, "", $4); print $4 "%" d; exit}'; }
+export GOVERBS_VM_ADDRS="rxe0=$(_vm_ll veth0),rxe1=$(_vm_ll veth1)"
+unset -f _vm_ll
+EOS
 	echo "cd $(q "$guest_cwd") 2>/dev/null || cd /"
 	printf 'exec'
 	printf ' %q' "$cmd" "$@"
@@ -445,12 +576,11 @@ q() { printf '%q' "$1"; }
 : >"$OUT/stdout"
 : >"$OUT/stderr"
 
-vmlinuz=$KDIR/boot/vmlinuz-$KVER
 qemu_args=(
-	-accel tcg -machine pc -m "$mem" -smp "$smp"
+	-accel tcg -cpu "$cpu" -machine pc -m "$mem" -smp "$smp"
 	-nodefaults -no-user-config -display none -nic none -no-reboot
 	-serial "file:$OUT/console.log"
-	-kernel "$vmlinuz" -initrd "$INITRD"
+	-kernel "$BOOTIMG" -initrd "$INITRD"
 	-append "console=ttyS0 quiet loglevel=4 panic=-1 oops=panic"
 	-device virtio-rng-pci
 	-virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap,id=hostroot"
@@ -501,4 +631,12 @@ if [[ ! -s $OUT/status ]]; then
 	((verbose)) || console_tail
 	exit 125
 fi
+for ((i = 0; i < ${#copy_back[@]}; i += 2)); do
+	src=${copy_back[i]} dst=${copy_back[i + 1]}
+	if [[ $dst == */ ]]; then
+		if ! { mkdir -p "$dst" && cp -R "$src" "$dst"; }; then say "error: cannot copy $src to $dst"; fi
+	elif [[ -e $src ]]; then
+		if ! { mkdir -p "$(dirname -- "$dst")" && cp "$src" "$dst"; }; then say "error: cannot copy $src to $dst"; fi
+	fi
+done
 exit "$(<"$OUT/status")"
