@@ -23,13 +23,12 @@
 set -euo pipefail
 
 # Tiers that run, in order.
-TIERS="${GOVERBS_TIERS:-unit}"
+TIERS="${GOVERBS_TIERS:-unit vm}"
 # Every tier the project knows, in order; those not in TIERS are reported as
 # not run, with the reason below.
 ALL_TIERS="unit multiprocess vm"
 declare -A NOT_RUN_REASON=(
 	[multiprocess]="not wired into scripts/test.sh yet"
-	[vm]="not wired into scripts/test.sh yet"
 )
 
 # Timeout of each test binary (go test -timeout). CI allows 90 minutes in all.
@@ -75,8 +74,22 @@ tier_unit() {
 	run_go_tests unit ./...
 }
 
-# Tier 2 (multiprocess) and tier 3 (vm) are added here as tier_multiprocess
-# and tier_vm.
+# Tier 2 (multiprocess) is added here as tier_multiprocess.
+
+# Tier 3: the hardware provider (-tags ibverbs) against the kernel's
+# SoftRoCE driver, in a QEMU/TCG guest with two rxe devices (scripts/vm).
+# Each test binary is built on the host and run in the guest through
+# go test -exec; tests that need the VM skip (with the reason) elsewhere.
+# The guest is 10-50x slower than the host, so only the packages that touch
+# the hardware provider run there: the provider's own tests, the
+# conformance suite on rxe0/rxe1 (TestConformanceDevices) and the goverbs
+# command on rxe.
+tier_vm() {
+	local exec=(-tags ibverbs -p 1 -exec "$PWD/scripts/vm/run.sh --")
+	./scripts/vm/run.sh --prepare
+	run_go_tests vm "${exec[@]}" ./internal/ibv/... ./internal/vmtest/ ./cmd/goverbs/ &&
+		run_go_tests vm-conformance "${exec[@]}" -run "TestConformanceDevices" .
+}
 
 # ---- main --------------------------------------------------------------------
 
