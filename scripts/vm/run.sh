@@ -77,7 +77,8 @@
 # ib_write_bw ~50 MB/s, ~16 us write latency), and noisy when the host is
 # busy: compare numbers only within one run.
 #
-# GOVERBS_VM_CACHE=DIR moves the cache (default .cache/vm in the repository),
+# GOVERBS_VM_CACHE=DIR moves the cache (default .cache/vm in the repository,
+# or /var/cache/goverbs-vm when the repository is where the guest cannot see it),
 # e.g. to share it between clones; it must not be under /tmp, /var/tmp, /run
 # or /dev/shm.
 #
@@ -91,17 +92,36 @@ set -euo pipefail
 
 SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
 REPO_ROOT=$(cd -- "$SCRIPT_DIR/../.." && pwd -P)
-CACHE=${GOVERBS_VM_CACHE:-$REPO_ROOT/.cache/vm}
-case $CACHE in
-/*) ;;
-*) CACHE=$PWD/$CACHE ;;
-esac
-case $CACHE in
-/tmp | /tmp/* | /var/tmp | /var/tmp/* | /run | /run/* | /dev/shm | /dev/shm/*)
-	echo "vm: error: GOVERBS_VM_CACHE=$CACHE: the guest cannot see /tmp, /var/tmp, /run or /dev/shm of the host" >&2
-	exit 125
-	;;
-esac
+# hidden_from_guest PATH: the guest mounts its own /tmp, /var/tmp, /run and
+# /dev/shm over the host's, so it cannot see paths below them.
+hidden_from_guest() {
+	case $1 in
+	/tmp | /tmp/* | /var/tmp | /var/tmp/* | /run | /run/* | /dev/shm | /dev/shm/*) return 0 ;;
+	esac
+	return 1
+}
+if [[ -n ${GOVERBS_VM_CACHE:-} ]]; then
+	CACHE=$GOVERBS_VM_CACHE
+	case $CACHE in
+	/*) ;;
+	*) CACHE=$PWD/$CACHE ;;
+	esac
+	if hidden_from_guest "$CACHE"; then
+		echo "vm: error: GOVERBS_VM_CACHE=$CACHE: the guest cannot see /tmp, /var/tmp, /run or /dev/shm of the host" >&2
+		exit 125
+	fi
+else
+	CACHE=$REPO_ROOT/.cache/vm
+	# A checkout under /tmp (CI may clone there): keep the cache where the
+	# guest can see it.
+	if hidden_from_guest "$CACHE"; then
+		if [[ -w /var/cache ]]; then
+			CACHE=/var/cache/goverbs-vm
+		else
+			CACHE=${HOME:?}/.cache/goverbs-vm
+		fi
+	fi
+fi
 
 PACKAGES=(qemu-system-x86 busybox-static cpio kmod libibverbs-dev ibverbs-providers
 	ibverbs-utils librdmacm-dev rdmacm-utils perftest iproute2 xz-utils)
