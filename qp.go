@@ -105,42 +105,52 @@ type qpCore struct {
 	devNm string
 }
 
-// initQP creates the provider QP into q, the core of owner, and moves it
-// to INIT.
-func initQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, t Transport, spec QPSpec) error {
+// qpPlan is a validated queue pair request: the defaulted spec and the
+// provider's creation attributes.
+type qpPlan struct {
+	op   string
+	t    Transport
+	spec QPSpec
+	init prov.QPInitAttr
+	port PortAttr
+}
+
+// planQP validates spec for a QP of transport t in pd and fills in the
+// defaults. It creates nothing.
+func planQP(pd *ProtectionDomain, t Transport, spec QPSpec) (qpPlan, error) {
 	op := "create " + t.String() + " qp"
 	if err := pd.check(op); err != nil {
-		return err
+		return qpPlan{}, err
 	}
 	name := pd.c.name
 	if spec.SendCQ == nil {
-		return opErr(op, name, fmt.Errorf("QPSpec.SendCQ is required: %w", syscall.EINVAL))
+		return qpPlan{}, opErr(op, name, fmt.Errorf("QPSpec.SendCQ is required: %w", syscall.EINVAL))
 	}
 	if spec.RecvCQ == nil {
 		spec.RecvCQ = spec.SendCQ
 	}
 	for _, cq := range []*CompletionQueue{spec.SendCQ, spec.RecvCQ} {
 		if cq.c != pd.c {
-			return opErr(op, name, fmt.Errorf("cq belongs to device %s: %w", cq.c.name, syscall.EINVAL))
+			return qpPlan{}, opErr(op, name, fmt.Errorf("cq belongs to device %s: %w", cq.c.name, syscall.EINVAL))
 		}
 		if err := cq.check(op); err != nil {
-			return err
+			return qpPlan{}, err
 		}
 	}
 	if spec.SRQ != nil && t == TransportUC {
 		// Verbs allows it, but the soft provider models RC/UD only.
-		return opErr(op, name, fmt.Errorf("SRQ with UC: %w", ErrNotSupported))
+		return qpPlan{}, opErr(op, name, fmt.Errorf("SRQ with UC: %w", ErrNotSupported))
 	}
 	if spec.Port == 0 {
 		spec.Port = 1
 	}
 	port, err := pd.c.QueryPort(spec.Port)
 	if err != nil {
-		return err
+		return qpPlan{}, err
 	}
 	dev, err := pd.c.QueryDevice()
 	if err != nil {
-		return err
+		return qpPlan{}, err
 	}
 	cap := prov.QPCap{
 		MaxSendWR:     orDefault(spec.MaxSendWR, 256),
@@ -159,16 +169,11 @@ func initQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, t Transport, spec 
 	init := prov.QPInitAttr{Type: prov.QPType(t), SendCQ: spec.SendCQ.cq, RecvCQ: spec.RecvCQ.cq, Cap: cap, SignalAll: spec.SignalAll}
 	if spec.SRQ != nil {
 		if err := spec.SRQ.check(op); err != nil {
-			return err
+			return qpPlan{}, err
 		}
 		init.SRQ = spec.SRQ.srq
 		init.Cap.MaxRecvWR, init.Cap.MaxRecvSGE = 0, 0
 	}
-	pq, err := pd.pd.CreateQP(init)
-	if err != nil {
-		return opErr(op, name, fmt.Errorf("caps %+v: %w", cap, err))
-	}
-	q.pd, q.qp, q.transport, q.port, q.devNm = pd, pq, t, port, name
 	if spec.MaxRDAtomic == 0 {
 		spec.MaxRDAtomic = 16
 		if dev.MaxQPRDAtom > 0 {
@@ -190,11 +195,30 @@ func initQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, t Transport, spec 
 		spec.PSN = binary.LittleEndian.Uint32(b[:]) & 0xFFFFFF
 	}
 	spec.PSN &= 0xFFFFFF
+	return qpPlan{op: op, t: t, spec: spec, init: init, port: port}, nil
+}
+
+// createProvQP creates the provider QP of a plan.
+func (pd *ProtectionDomain) createProvQP(p *qpPlan) (prov.QP, error) {
+	pq, err := pd.pd.CreateQP(p.init)
+	if err != nil {
+		return nil, opErr(p.op, pd.c.name, fmt.Errorf("caps %+v: %w", p.init.Cap, err))
+	}
+	return pq, nil
+}
+
+// adoptQP makes pq, a provider QP created for plan p in pd (by
+// createProvQP, or by the connection manager), the QP of q, the core of
+// owner: capacities, lifetime tracking under the PD, CQs and SRQ, and
+// leak tracing. It leaves the QP's state alone. On failure it closes pq.
+func adoptQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, p *qpPlan, pq prov.QP) error {
+	spec := p.spec
+	q.pd, q.qp, q.transport, q.port, q.devNm = pd, pq, p.t, p.port, pd.c.name
 	q.spec, q.psn = spec, spec.PSN
 	if _, ia, err := pq.Query(); err == nil {
 		q.cap = QPCap(ia.Cap)
 	} else {
-		q.cap = QPCap(cap)
+		q.cap = QPCap(p.init.Cap)
 	}
 	q.sgeW = make([]prov.SGE, max(q.cap.MaxSendSGE, 1))
 	q.sgeR = make([]prov.SGE, max(q.cap.MaxRecvSGE, 1))
@@ -207,15 +231,32 @@ func initQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, t Transport, spec 
 	if spec.SRQ != nil {
 		parents = append(parents, &spec.SRQ.res)
 	}
-	if err := initResource(owner, &q.res, t.String()+" queue pair", fmt.Sprintf("qpn %d", pq.QPN()), parents...); err != nil {
+	if err := initResource(owner, &q.res, p.t.String()+" queue pair", fmt.Sprintf("qpn %d", pq.QPN()), parents...); err != nil {
 		pq.Close()
 		return err
 	}
+	return nil
+}
+
+// initQP creates the provider QP into q, the core of owner, and moves it
+// to INIT.
+func initQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, t Transport, spec QPSpec) error {
+	p, err := planQP(pd, t, spec)
+	if err != nil {
+		return err
+	}
+	pq, err := pd.createProvQP(&p)
+	if err != nil {
+		return err
+	}
+	if err := adoptQP(owner, q, pd, &p, pq); err != nil {
+		return err
+	}
 	// RESET -> INIT.
-	a := QPAttr{State: StateInit, PKeyIndex: 0, Port: spec.Port}
+	a := QPAttr{State: StateInit, PKeyIndex: 0, Port: q.spec.Port}
 	mask := AttrState | AttrPKeyIndex | AttrPort
 	if t == TransportUD {
-		a.QKey = spec.QKey
+		a.QKey = q.spec.QKey
 		mask |= AttrQKey
 	} else {
 		a.Access = q.remoteAccess()

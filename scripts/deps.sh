@@ -7,6 +7,7 @@
 #   go              /usr/local/go (not installed here: the machine provides it)
 #   gcc, libc6-dev  cgo, which `go test -race` needs on linux
 #   libibverbs-dev  optional: headers for `go vet -tags ibverbs` (internal/ibv)
+#   librdmacm-dev   optional: headers for the RDMA CM part of internal/ibv
 set -euo pipefail
 
 if ! command -v go >/dev/null 2>&1; then
@@ -24,6 +25,7 @@ optional=()
 command -v gcc >/dev/null 2>&1 || required+=(gcc)
 [[ -e /usr/include/stdio.h ]] || required+=(libc6-dev)
 [[ -e /usr/include/infiniband/verbs.h ]] || optional+=(libibverbs-dev)
+[[ -e /usr/include/rdma/rdma_cma.h ]] || optional+=(librdmacm-dev)
 
 if ((${#required[@]} + ${#optional[@]} == 0)); then
 	echo "deps: all present ($(go version))"

@@ -16,6 +16,7 @@ import (
 	"net"
 	"net/netip"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -53,6 +54,8 @@ type Conn struct {
 	peerQPN uint32
 
 	disconnected chan struct{}
+	discOnce     sync.Once // closes disconnected
+	localDisc    sync.Once // Disconnect
 	closer       closer
 }
 
@@ -93,23 +96,34 @@ func (c *Conn) WaitDisconnect(ctx context.Context) error {
 func (c *Conn) handle(ev *C.gv_cm_event) {
 	switch ev.event {
 	case C.RDMA_CM_EVENT_DISCONNECTED, C.RDMA_CM_EVENT_DEVICE_REMOVAL:
-		select {
-		case <-c.disconnected:
-		default:
-			close(c.disconnected)
-		}
+		c.discOnce.Do(func() { close(c.disconnected) })
 	}
 }
 
-// Close disconnects (moving the QP to the error state, which flushes its
-// outstanding work requests) and releases the CM resources. The QP stays
-// with the caller.
+// Disconnect sends a disconnect request to the peer and moves the QP to
+// the error state, which flushes its outstanding work requests; the QP
+// and the CM resources stay until Close. Only the first call acts.
+func (c *Conn) Disconnect() error {
+	var err error
+	c.localDisc.Do(func() {
+		if rc := C.gv_cm_disconnect(c.id); rc != 0 && rc != C.int(syscall.EINVAL) {
+			// EINVAL: the peer disconnected first.
+			err = cmErr("rdma_disconnect", rc)
+		}
+		if c.qp != nil {
+			if merr := c.qp.Modify(&prov.QPAttr{State: prov.QPStateErr}, prov.AttrState); merr != nil && err == nil {
+				err = merr
+			}
+		}
+	})
+	return err
+}
+
+// Close disconnects (see Disconnect) and releases the CM resources. The QP
+// stays with the caller.
 func (c *Conn) Close() error {
 	return c.closer.do(func() error {
-		C.gv_cm_disconnect(c.id)
-		if c.qp != nil {
-			c.qp.Modify(&prov.QPAttr{State: prov.QPStateErr}, prov.AttrState)
-		}
+		c.Disconnect()
 		destroyCM(c.id, c.ch, c.ev)
 		return nil
 	})
@@ -122,10 +136,21 @@ type Listener struct {
 	ev     *evFD
 	addr   netip.AddrPort
 	closer closer
+
+	// busy is read-held by Next from its wait until the request it
+	// returns is in pending, and write-held by Close while it rejects the
+	// pending requests and destroys the channel: a request's cm_id uses
+	// the listener's channel until Accept migrates it.
+	busy    sync.RWMutex
+	closed  bool // under busy (write)
+	pmu     sync.Mutex
+	pending map[*ConnRequest]struct{}
 }
 
 // ConnRequest is a pending connection request.
 type ConnRequest struct {
+	l       *Listener
+	mu      sync.Mutex // guards done and the cm_id until migrated or destroyed
 	id      *C.struct_rdma_cm_id
 	device  string
 	port    uint8
@@ -354,18 +379,48 @@ func Listen(ctx context.Context, addr string, backlog int) (*Listener, error) {
 // Addr is the bound address (with the port chosen when 0 was asked).
 func (l *Listener) Addr() netip.AddrPort { return l.addr }
 
-// Close stops listening. Pending requests not yet returned by Next are
-// rejected by the kernel.
+// Close stops listening. Requests returned by Next that are not yet
+// accepted or rejected are rejected (their Accept and Reject then fail
+// with ErrClosed); requests not yet returned by Next are rejected by the
+// kernel.
 func (l *Listener) Close() error {
 	return l.closer.do(func() error {
-		destroyCM(l.id, l.ch, l.ev)
+		l.ev.close() // wakes the waiters of Next
+		l.busy.Lock()
+		defer l.busy.Unlock()
+		l.closed = true
+		l.pmu.Lock()
+		pending := l.pending
+		l.pending = nil
+		l.pmu.Unlock()
+		for r := range pending {
+			r.mu.Lock()
+			if !r.done {
+				r.done = true
+				r.rejectQuiet()
+			}
+			r.mu.Unlock()
+		}
+		destroyCM(l.id, l.ch, nil)
 		return nil
 	})
+}
+
+// forget drops r from the pending requests.
+func (l *Listener) forget(r *ConnRequest) {
+	l.pmu.Lock()
+	delete(l.pending, r)
+	l.pmu.Unlock()
 }
 
 // Next waits for the next connection request. The caller must Accept or
 // Reject it.
 func (l *Listener) Next(ctx context.Context) (*ConnRequest, error) {
+	l.busy.RLock()
+	defer l.busy.RUnlock()
+	if l.closed {
+		return nil, fmt.Errorf("rdma_cm accept: %w", prov.ErrClosed)
+	}
 	for {
 		e, err := cmWait(ctx, l.ev, l.ch)
 		if err != nil {
@@ -375,6 +430,7 @@ func (l *Listener) Next(ctx context.Context) (*ConnRequest, error) {
 			continue // e.g. events of requests being torn down
 		}
 		r := &ConnRequest{
+			l:         l,
 			id:        e.id,
 			pdata:     privateData(&e),
 			peerQPN:   uint32(e.qp_num),
@@ -386,6 +442,12 @@ func (l *Listener) Next(ctx context.Context) (*ConnRequest, error) {
 		var local, peer C.gv_sockaddr
 		C.gv_cm_addrs(e.id, &local, &peer)
 		r.local, r.remote = toAddrPort(&local), toAddrPort(&peer)
+		l.pmu.Lock()
+		if l.pending == nil {
+			l.pending = make(map[*ConnRequest]struct{})
+		}
+		l.pending[r] = struct{}{}
+		l.pmu.Unlock()
 		return r, nil
 	}
 }
@@ -399,12 +461,22 @@ func (l *Listener) Accept(ctx context.Context, p CMParams) (*Conn, error) {
 	return r.Accept(ctx, p)
 }
 
-// Reject refuses the request with optional private data.
+// Reject refuses the request with optional private data (at most 148
+// bytes).
 func (r *ConnRequest) Reject(privateData []byte) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	if r.done {
 		return prov.ErrClosed
 	}
 	r.done = true
+	if r.l != nil {
+		r.l.forget(r)
+	}
+	if len(privateData) > 148 {
+		r.rejectQuiet()
+		return fmt.Errorf("rdma_reject: %d bytes of private data, at most 148: %w", len(privateData), syscall.EINVAL)
+	}
 	p, n := bytesArg(privateData)
 	rc := C.gv_cm_reject(r.id, p, n)
 	C.gv_cm_destroy_id(r.id)
@@ -418,18 +490,31 @@ func (p *CMParams) defaults() {
 	if p.Access == 0 {
 		p.Access = prov.AccessLocalWrite | prov.AccessRemoteWrite | prov.AccessRemoteRead | prov.AccessRemoteAtomic
 	}
-	if p.RetryCount == 0 {
-		p.RetryCount = 7
+	retries := func(v int) int {
+		switch {
+		case v == 0:
+			return 7
+		case v < 0:
+			return 0
+		}
+		return min(v, 7)
 	}
-	if p.RNRRetryCount == 0 {
-		p.RNRRetryCount = 7
-	}
+	p.RetryCount = retries(p.RetryCount)
+	p.RNRRetryCount = retries(p.RNRRetryCount)
 }
 
-// createQP makes the RC QP for a connection on device/port.
-func (p *CMParams) createQP(device string, port uint8) (*queuePair, bool, error) {
+// createQP makes the RC QP for a connection over route r, then fills in
+// the defaults of p.
+func (p *CMParams) createQP(r Route) (*queuePair, bool, error) {
+	q, own, err := p.createQP1(r)
+	p.defaults()
+	return q, own, err
+}
+
+func (p *CMParams) createQP1(r Route) (*queuePair, bool, error) {
+	device := r.Device
 	if p.NewQP != nil {
-		qp, err := p.NewQP(device, port)
+		qp, err := p.NewQP(r, p)
 		if err != nil {
 			return nil, false, err
 		}
@@ -470,15 +555,39 @@ func rdDepth(want uint8, q *queuePair, init bool) uint8 {
 	return want
 }
 
-// cmModify moves q to state with the attributes the CM computes for id.
-func cmModify(id *C.struct_rdma_cm_id, q *queuePair, state prov.QPState, access prov.Access) error {
+// cmModify moves q to state with the attributes the CM computes for id,
+// adjusted by the local choices of p (access, timers, retries, MTU).
+func cmModify(id *C.struct_rdma_cm_id, q *queuePair, state prov.QPState, p *CMParams) error {
 	var a C.struct_ibv_qp_attr
 	var mask C.int
 	if rc := C.gv_cm_init_qp_attr(id, C.int(state), &a, &mask); rc != 0 {
 		return cmErr(fmt.Sprintf("rdma_init_qp_attr (state %d)", state), rc)
 	}
-	if state == prov.QPStateInit {
-		a.qp_access_flags |= C.uint(access)
+	switch state {
+	case prov.QPStateInit:
+		a.qp_access_flags = C.uint(p.Access &^ prov.AccessLocalWrite)
+		mask |= C.IBV_QP_ACCESS_FLAGS
+	case prov.QPStateRTR:
+		if p.MinRNRTimer != 0 {
+			a.min_rnr_timer = C.uint8_t(p.MinRNRTimer)
+			mask |= C.IBV_QP_MIN_RNR_TIMER
+		}
+		if p.MaxMTU != 0 && mask&C.IBV_QP_PATH_MTU != 0 && prov.MTU(a.path_mtu) > p.MaxMTU {
+			a.path_mtu = C.enum_ibv_mtu(p.MaxMTU)
+		}
+	case prov.QPStateRTS:
+		switch p.Timeout {
+		case 0:
+		case 0xff:
+			a.timeout = 0
+			mask |= C.IBV_QP_TIMEOUT
+		default:
+			a.timeout = C.uint8_t(p.Timeout)
+			mask |= C.IBV_QP_TIMEOUT
+		}
+		a.retry_cnt = C.uint8_t(p.RetryCount)
+		a.rnr_retry = C.uint8_t(p.RNRRetryCount)
+		mask |= C.IBV_QP_RETRY_CNT | C.IBV_QP_RNR_RETRY
 	}
 	if rc := C.ibv_modify_qp(q.q.qp, &a, mask); rc != 0 {
 		return errnoErr(fmt.Sprintf("ibv_modify_qp (QPN %d, to state %d, mask %#x)", q.qpn, state, uint32(mask)), rc)
@@ -502,26 +611,9 @@ func connParam(p *CMParams, q *queuePair, respRes, initDepth uint8) C.gv_conn_pa
 // Accept creates the QP (see CMParams), brings it to RTS, replies with
 // p.PrivateData and waits until the connection is established.
 func (r *ConnRequest) Accept(ctx context.Context, p CMParams) (conn *Conn, err error) {
-	if r.done {
-		return nil, prov.ErrClosed
-	}
-	r.done = true
-	if len(p.PrivateData) > 196 {
-		r.rejectQuiet()
-		return nil, fmt.Errorf("rdma_accept: %d bytes of private data, at most 196: %w", len(p.PrivateData), syscall.EINVAL)
-	}
-	p.defaults()
-	// The request's own events (ESTABLISHED, DISCONNECTED) go to a channel
-	// of its own, so that connections do not share the listener's.
-	ch, ev, err := newCMChannel()
+	ch, ev, err := r.take(len(p.PrivateData))
 	if err != nil {
-		r.rejectQuiet()
 		return nil, err
-	}
-	if rc := C.gv_cm_migrate_id(r.id, ch); rc != 0 {
-		destroyCM(nil, ch, ev)
-		r.rejectQuiet()
-		return nil, cmErr("rdma_migrate_id", rc)
 	}
 	c := &Conn{id: r.id, ch: ch, ev: ev, device: r.device, port: r.port, local: r.local, remote: r.remote,
 		pdata: r.pdata, peerQPN: r.peerQPN, disconnected: make(chan struct{})}
@@ -533,14 +625,14 @@ func (r *ConnRequest) Accept(ctx context.Context, p CMParams) (conn *Conn, err e
 			destroyCM(c.id, c.ch, c.ev)
 		}
 	}()
-	q, own, err := p.createQP(r.device, r.port)
+	q, own, err := p.createQP(Route{Device: r.device, Port: r.port, Local: r.local, Remote: r.remote})
 	if err != nil {
 		C.gv_cm_reject(r.id, nil, 0)
 		return nil, err
 	}
 	c.qp, c.ownQP = q, own
 	for _, st := range []prov.QPState{prov.QPStateInit, prov.QPStateRTR, prov.QPStateRTS} {
-		if err := cmModify(r.id, q, st, p.Access); err != nil {
+		if err := cmModify(r.id, q, st, &p); err != nil {
 			C.gv_cm_reject(r.id, nil, 0)
 			return nil, err
 		}
@@ -560,6 +652,36 @@ func (r *ConnRequest) Accept(ctx context.Context, p CMParams) (conn *Conn, err e
 	return c, nil
 }
 
+// take marks r done and moves its cm_id from the listener's event channel
+// to a new one of its own (for ESTABLISHED and DISCONNECTED), so that the
+// connection no longer depends on the listener. On failure r is rejected.
+func (r *ConnRequest) take(pdLen int) (*C.struct_rdma_event_channel, *evFD, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.done {
+		return nil, nil, prov.ErrClosed
+	}
+	r.done = true
+	if r.l != nil {
+		r.l.forget(r)
+	}
+	if pdLen > 196 {
+		r.rejectQuiet()
+		return nil, nil, fmt.Errorf("rdma_accept: %d bytes of private data, at most 196: %w", pdLen, syscall.EINVAL)
+	}
+	ch, ev, err := newCMChannel()
+	if err != nil {
+		r.rejectQuiet()
+		return nil, nil, err
+	}
+	if rc := C.gv_cm_migrate_id(r.id, ch); rc != 0 {
+		destroyCM(nil, ch, ev)
+		r.rejectQuiet()
+		return nil, nil, cmErr("rdma_migrate_id", rc)
+	}
+	return ch, ev, nil
+}
+
 func (r *ConnRequest) rejectQuiet() {
 	C.gv_cm_reject(r.id, nil, 0)
 	C.gv_cm_destroy_id(r.id)
@@ -574,7 +696,6 @@ func Dial(ctx context.Context, addr string, p CMParams) (conn *Conn, err error) 
 	if len(p.PrivateData) > 56 {
 		return nil, fmt.Errorf("rdma_connect: %d bytes of private data, at most 56: %w", len(p.PrivateData), syscall.EINVAL)
 	}
-	p.defaults()
 	sa, _, err := parseAddr(ctx, addr)
 	if err != nil {
 		return nil, fmt.Errorf("rdma_cm dial %s: %w", addr, err)
@@ -592,37 +713,15 @@ func Dial(ctx context.Context, addr string, p CMParams) (conn *Conn, err error) 
 			destroyCM(c.id, c.ch, c.ev)
 		}
 	}()
-	if rc := C.gv_cm_create_id(ch, &c.id); rc != 0 {
-		return nil, cmErr("rdma_create_id", rc)
-	}
-	timeout := C.int(2000)
-	if dl, ok := ctx.Deadline(); ok {
-		if ms := timeUntilMS(dl); ms < 2000 {
-			timeout = C.int(max(ms, 1))
-		}
-	}
-	if rc := C.gv_cm_resolve_addr(c.id, &sa, timeout); rc != 0 {
-		return nil, cmErr("rdma_resolve_addr "+addr, rc)
-	}
-	if _, err := expect(ctx, "rdma_resolve_addr "+addr, ev, ch, C.RDMA_CM_EVENT_ADDR_RESOLVED); err != nil {
+	if err := c.resolve(ctx, addr, sa); err != nil {
 		return nil, err
 	}
-	if rc := C.gv_cm_resolve_route(c.id, timeout); rc != 0 {
-		return nil, cmErr("rdma_resolve_route "+addr, rc)
-	}
-	if _, err := expect(ctx, "rdma_resolve_route "+addr, ev, ch, C.RDMA_CM_EVENT_ROUTE_RESOLVED); err != nil {
-		return nil, err
-	}
-	c.device, c.port = deviceOf(c.id)
-	var local, peer C.gv_sockaddr
-	C.gv_cm_addrs(c.id, &local, &peer)
-	c.local, c.remote = toAddrPort(&local), toAddrPort(&peer)
-	q, own, err := p.createQP(c.device, c.port)
+	q, own, err := p.createQP(Route{Device: c.device, Port: c.port, Local: c.local, Remote: c.remote})
 	if err != nil {
 		return nil, err
 	}
 	c.qp, c.ownQP = q, own
-	if err := cmModify(c.id, q, prov.QPStateInit, p.Access); err != nil {
+	if err := cmModify(c.id, q, prov.QPStateInit, &p); err != nil {
 		return nil, err
 	}
 	cp := connParam(&p, q, rdDepth(p.ResponderResources, q, false), rdDepth(p.InitiatorDepth, q, true))
@@ -644,7 +743,7 @@ func Dial(ctx context.Context, addr string, p CMParams) (conn *Conn, err error) 
 	c.pdata = privateData(&e)
 	c.peerQPN = uint32(e.qp_num)
 	for _, st := range []prov.QPState{prov.QPStateRTR, prov.QPStateRTS} {
-		if err := cmModify(c.id, q, st, p.Access); err != nil {
+		if err := cmModify(c.id, q, st, &p); err != nil {
 			C.gv_cm_reject(c.id, nil, 0)
 			return nil, err
 		}
@@ -654,6 +753,56 @@ func Dial(ctx context.Context, addr string, p CMParams) (conn *Conn, err error) 
 	}
 	c.ownQP = false
 	return c, nil
+}
+
+// resolve creates c.id on c.ch and resolves the address and route to sa,
+// filling in the device, port and addresses.
+func (c *Conn) resolve(ctx context.Context, addr string, sa C.gv_sockaddr) error {
+	if rc := C.gv_cm_create_id(c.ch, &c.id); rc != 0 {
+		return cmErr("rdma_create_id", rc)
+	}
+	timeout := C.int(2000)
+	if dl, ok := ctx.Deadline(); ok {
+		if ms := timeUntilMS(dl); ms < 2000 {
+			timeout = C.int(max(ms, 1))
+		}
+	}
+	if rc := C.gv_cm_resolve_addr(c.id, &sa, timeout); rc != 0 {
+		return cmErr("rdma_resolve_addr "+addr, rc)
+	}
+	if _, err := expect(ctx, "rdma_resolve_addr "+addr, c.ev, c.ch, C.RDMA_CM_EVENT_ADDR_RESOLVED); err != nil {
+		return err
+	}
+	if rc := C.gv_cm_resolve_route(c.id, timeout); rc != 0 {
+		return cmErr("rdma_resolve_route "+addr, rc)
+	}
+	if _, err := expect(ctx, "rdma_resolve_route "+addr, c.ev, c.ch, C.RDMA_CM_EVENT_ROUTE_RESOLVED); err != nil {
+		return err
+	}
+	c.device, c.port = deviceOf(c.id)
+	var local, peer C.gv_sockaddr
+	C.gv_cm_addrs(c.id, &local, &peer)
+	c.local, c.remote = toAddrPort(&local), toAddrPort(&peer)
+	return nil
+}
+
+// Resolve resolves addr ("ip:port") to the local RDMA device and port a
+// Dial to it would use, without connecting.
+func Resolve(ctx context.Context, addr string) (Route, error) {
+	sa, _, err := parseAddr(ctx, addr)
+	if err != nil {
+		return Route{}, fmt.Errorf("rdma_cm resolve %s: %w", addr, err)
+	}
+	ch, ev, err := newCMChannel()
+	if err != nil {
+		return Route{}, err
+	}
+	c := &Conn{ch: ch, ev: ev}
+	defer func() { destroyCM(c.id, c.ch, c.ev) }() // c.id is set by resolve
+	if err := c.resolve(ctx, addr, sa); err != nil {
+		return Route{}, err
+	}
+	return Route{Device: c.device, Port: c.port, Local: c.local, Remote: c.remote}, nil
 }
 
 func timeUntilMS(t time.Time) int { return int(time.Until(t) / time.Millisecond) }

@@ -25,6 +25,7 @@ func (c *Conn) LocalAddr() netip.AddrPort                { return netip.AddrPort
 func (c *Conn) RemoteAddr() netip.AddrPort               { return netip.AddrPort{} }
 func (c *Conn) RemoteQPN() uint32                        { return 0 }
 func (c *Conn) WaitDisconnect(ctx context.Context) error { return errNoCM("rdma_cm") }
+func (c *Conn) Disconnect() error                        { return nil }
 func (c *Conn) Close() error                             { return nil }
 
 // Listener accepts RDMA CM connection requests (not available in this build).
@@ -51,6 +52,10 @@ func (r *ConnRequest) LocalAddr() netip.AddrPort       { return netip.AddrPort{}
 func (r *ConnRequest) Reject(privateData []byte) error { return errNoCM("rdma_reject") }
 func (r *ConnRequest) Accept(ctx context.Context, p CMParams) (*Conn, error) {
 	return nil, errNoCM("rdma_accept")
+}
+
+func Resolve(ctx context.Context, addr string) (Route, error) {
+	return Route{}, errNoCM("rdma_cm resolve " + addr)
 }
 
 func Dial(ctx context.Context, addr string, p CMParams) (*Conn, error) {

@@ -67,8 +67,8 @@ func (p *cmPool) get(dev string) *cmRes {
 }
 
 // newQP is a CMParams.NewQP that records the QPs for closing.
-func (p *cmPool) newQP(dev string, port uint8) (prov.QP, error) {
-	r := p.get(dev)
+func (p *cmPool) newQP(rt Route, _ *CMParams) (prov.QP, error) {
+	r := p.get(rt.Device)
 	qp, err := r.pd.CreateQP(prov.QPInitAttr{Type: prov.QPTypeRC, SendCQ: r.cq, RecvCQ: r.cq,
 		Cap: prov.QPCap{MaxSendWR: 16, MaxRecvWR: 16, MaxSendSGE: 1, MaxRecvSGE: 1}})
 	if err == nil {

@@ -4,6 +4,7 @@ package ibv
 
 import (
 	"errors"
+	"net/netip"
 
 	"github.com/goverbs/verbs/internal/prov"
 )
@@ -20,9 +21,13 @@ type CMParams struct {
 	Cap            prov.QPCap
 	SignalAll      bool
 	// NewQP, when set, replaces PD/SendCQ/RecvCQ/SRQ/Cap: it creates the RC
-	// QP once the device is known (e.g. to pick a context per device).
-	NewQP func(device string, port uint8) (prov.QP, error)
-	// Access is the QP's remote access; zero means local write and remote
+	// QP once the route is known (e.g. to pick a context per device). It
+	// may also set the other fields of *p, except PrivateData, before they
+	// are used. A QP it returns stays the caller's, even when the
+	// connection fails.
+	NewQP func(r Route, p *CMParams) (prov.QP, error)
+	// Access is the QP's access flags, set exactly (replacing the CM's
+	// choice) when the QP enters INIT; zero means local write and remote
 	// read, write and atomic.
 	Access prov.Access
 	// PrivateData goes with the request (Dial), the reply (Accept).
@@ -30,8 +35,25 @@ type CMParams struct {
 	// ResponderResources and InitiatorDepth bound outstanding RDMA reads
 	// and atomics (zero: 16, within the device's limits).
 	ResponderResources, InitiatorDepth uint8
-	// RetryCount and RNRRetryCount: zero means 7 (7 = infinite RNR retry).
-	RetryCount, RNRRetryCount uint8
+	// RetryCount and RNRRetryCount are sent to the peer and set on the
+	// local QP at RTS: zero means 7 (7 = infinite RNR retry), -1 none.
+	RetryCount, RNRRetryCount int
+	// MinRNRTimer, when not zero, replaces the CM's RNR NAK timer (IB
+	// encoding; the kernel CM uses 0 = 655 ms) at RTR.
+	MinRNRTimer uint8
+	// Timeout, when not zero, replaces the CM's local ACK timeout
+	// exponent at RTS; 0xff means no timeout.
+	Timeout uint8
+	// MaxMTU, when not zero, caps the path MTU the route gives.
+	MaxMTU prov.MTU
+}
+
+// Route is where an address resolves to: the local RDMA device and port
+// and the IP endpoints.
+type Route struct {
+	Device        string
+	Port          uint8
+	Local, Remote netip.AddrPort
 }
 
 // RejectError is a connection request the peer rejected.
