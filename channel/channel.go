@@ -1,0 +1,403 @@
+package channel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/goverbs/verbs"
+)
+
+// Channel is a reliable connected channel to one peer: one RC queue pair
+// and the completion queue that serves it. A Channel is safe for
+// concurrent use: blocking calls, posts and Batch scopes may run in many
+// goroutines at once, each waiting only for its own completions.
+//
+// A Channel is built in two phases, like its queue pair: New creates it
+// (INIT), Endpoint describes it, the endpoints are exchanged out of band,
+// and Connect connects it (RTR, RTS).
+type Channel struct {
+	e   *engine
+	p   *peer
+	idx int   // peer number
+	own bool  // Close closes the engine
+	err error // an invalid peer view: every operation fails with it
+}
+
+// New creates a channel in the protection domain pd. Memory registered in
+// pd serves every operation of the channel.
+func New(pd *verbs.ProtectionDomain, opts Options) (*Channel, error) {
+	e, err := newEngine(pd, 1, -1, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Channel{e: e, p: e.peers[0], own: true}, nil
+}
+
+func (c *Channel) opErr(op string, err error) error {
+	if err == nil {
+		return nil
+	}
+	var oe *OpError
+	if errors.As(err, &oe) && oe.Peer == c.idx {
+		return err
+	}
+	return &OpError{Op: op, Peer: c.idx, Err: err}
+}
+
+// Endpoint returns what the peer needs to connect to this channel.
+func (c *Channel) Endpoint() (verbs.Endpoint, error) {
+	if c.err != nil {
+		return verbs.Endpoint{}, c.opErr("endpoint", c.err)
+	}
+	ep, err := c.p.qp.Endpoint()
+	return ep, c.opErr("endpoint", err)
+}
+
+// Connect connects the channel to the peer's endpoint. It may be called
+// once; a failed Connect leaves the channel unusable.
+func (c *Channel) Connect(remote verbs.Endpoint) error {
+	if c.err != nil {
+		return c.opErr("connect", c.err)
+	}
+	return c.p.connect(remote)
+}
+
+func (p *peer) connect(remote verbs.Endpoint) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.e.closed.Load() {
+		return &OpError{Op: "connect", Peer: p.idx, Err: ErrClosed}
+	}
+	if st := p.state.Load(); st != peerInit {
+		if st == peerBroken {
+			return &OpError{Op: "connect", Peer: p.idx, Err: &brokenError{cause: p.cause()}}
+		}
+		return &OpError{Op: "connect", Peer: p.idx, Err: errors.New("already connected")}
+	}
+	if err := p.qp.ConnectWith(remote, p.e.opts.Connect); err != nil {
+		p.fail(err)
+		return &OpError{Op: "connect", Peer: p.idx, Err: err}
+	}
+	p.state.CompareAndSwap(peerInit, peerConnected)
+	return nil
+}
+
+// QueuePair returns the channel's queue pair, for inspection (Query,
+// Cap). Posting to it directly bypasses the channel's completion routing:
+// do not.
+func (c *Channel) QueuePair() *verbs.RCQueuePair {
+	if c.p == nil {
+		return nil
+	}
+	return c.p.qp
+}
+
+// PD returns the protection domain of the channel.
+func (c *Channel) PD() *verbs.ProtectionDomain { return c.e.pd }
+
+// Peer returns the peer number of the channel: 0 for a Channel of its
+// own, the peer's index for MultiChannel.Peer.
+func (c *Channel) Peer() int { return c.idx }
+
+// MaxInline returns the largest payload WriteInline accepts.
+func (c *Channel) MaxInline() int {
+	if c.p == nil {
+		return 0
+	}
+	return c.p.inlineMax
+}
+
+// Err returns why the channel is broken (an error wrapping ErrBroken and
+// the cause), or nil while it works.
+func (c *Channel) Err() error {
+	if c.err != nil {
+		return c.opErr("channel", c.err)
+	}
+	if c.p.state.Load() == peerBroken {
+		return &brokenError{cause: c.p.cause()}
+	}
+	return nil
+}
+
+// Break moves the queue pair to the error state: every operation in flight
+// completes with a flush error, and the channel is broken for good. Use
+// it to abandon operations whose buffers must be reclaimed.
+func (c *Channel) Break() {
+	if c.p != nil {
+		c.p.breakQP(errors.New("broken by the caller"))
+	}
+}
+
+// Drain waits until no operation of the channel that generates a
+// completion is in flight (including detached handles and posted
+// receives), or ctx ends.
+func (c *Channel) Drain(ctx context.Context) error {
+	if c.err != nil {
+		return c.opErr("drain", c.err)
+	}
+	return c.opErr("drain", c.e.drain(ctx, []*peer{c.p}))
+}
+
+// Progress polls the completion queue once, unless another goroutine is
+// polling it, and routes the completions to their operations. It never
+// blocks. Waiting calls poll by themselves; Progress serves callers that
+// poll Handles or memory in a loop of their own.
+func (c *Channel) Progress() error { return c.e.progress() }
+
+// Close breaks the channel (flushing what is in flight, waiting at most
+// Options.FlushGrace for the flushes) and destroys its queue pair,
+// completion queue and scratch memory. Close is idempotent. Closing a
+// peer view of a MultiChannel does nothing: close the MultiChannel.
+func (c *Channel) Close() error {
+	if !c.own {
+		return nil
+	}
+	return c.e.close()
+}
+
+// --- blocking operations ---
+
+// run posts one operation and waits for its completion. If ctx ends
+// first, the channel is broken, which flushes the request: when run
+// returns, the device no longer uses its buffers (unless even the flush
+// did not come within the flush grace, which the error then says).
+func (c *Channel) run(ctx context.Context, w work) (*slot, error) {
+	if c.err != nil {
+		return nil, c.err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, waitErr(err)
+	}
+	if err := c.p.usable(w.kind == opRecv); err != nil {
+		return nil, err
+	}
+	s, err := c.e.acquire(ctx, c.p, w.kind)
+	if err != nil {
+		return nil, err
+	}
+	w.s = s
+	ws := [1]work{w}
+	if n, err := c.p.post(ctx, true, ws[:]); n == 0 {
+		c.e.release(s)
+		return nil, err
+	}
+	if err := c.e.waitSlot(ctx, s); err != nil {
+		return nil, c.abandon(s, err)
+	}
+	return s, nil
+}
+
+// abandon breaks the peer of a slot whose wait ended, waits for the flush
+// and releases (or, failing that, detaches) the slot.
+func (c *Channel) abandon(s *slot, cause error) error {
+	c.p.breakQP(fmt.Errorf("a blocking %s was cancelled: %w", s.kind, cause))
+	ctx, cancel := context.WithTimeout(context.Background(), c.e.opts.FlushGrace)
+	defer cancel()
+	if c.e.waitSlot(ctx, s) == nil {
+		c.e.release(s)
+		return fmt.Errorf("%w (the channel is now broken: the request was flushed: %w)", cause, ErrBroken)
+	}
+	c.e.detach(s)
+	return fmt.Errorf("%w (the channel is now broken, and the request was not flushed within %v: the device may still use its buffers: %w)",
+		cause, c.e.opts.FlushGrace, ErrBroken)
+}
+
+// finish returns the result of a completed slot and releases it.
+func (c *Channel) finish(s *slot) error {
+	err := s.result()
+	c.e.release(s)
+	return err
+}
+
+// Send sends the data of sgl as one message and waits for its completion
+// (the peer has received it). The peer must have a receive posted; until
+// it does, the queue pair retries (Options.QP.RNRRetry, forever by
+// default).
+//
+// Like every blocking method: the memory of sgl belongs to the device
+// until the call returns. If ctx ends first, the call fails with an error
+// wrapping verbs.ErrTimeout and ctx.Err(), and the channel is broken
+// (the only way to take a request back from an RDMA device); use
+// PostSend and Handle.Wait for a wait that can time out and be resumed.
+func (c *Channel) Send(ctx context.Context, sgl ...verbs.SGE) error {
+	s, err := c.run(ctx, work{kind: opSend, sgl: sgl})
+	if err != nil {
+		return c.opErr(opSend.String(), err)
+	}
+	return c.finish(s)
+}
+
+// SendImm sends a message with 32 bits of immediate data.
+func (c *Channel) SendImm(ctx context.Context, imm uint32, sgl ...verbs.SGE) error {
+	s, err := c.run(ctx, work{kind: opSendImm, imm: imm, sgl: sgl})
+	if err != nil {
+		return c.opErr(opSendImm.String(), err)
+	}
+	return c.finish(s)
+}
+
+// Receive posts sgl as a receive buffer and waits for a message: a send,
+// a send with immediate, or an RDMA write with immediate (whose data went
+// to the target address of the write; only the immediate arrives here).
+// The buffer's MR needs verbs.AccessLocalWrite.
+func (c *Channel) Receive(ctx context.Context, sgl ...verbs.SGE) (Received, error) {
+	s, err := c.run(ctx, work{kind: opRecv, sgl: sgl})
+	if err != nil {
+		return Received{}, c.opErr(opRecv.String(), err)
+	}
+	r := receivedOf(&s.wc)
+	if err := c.finish(s); err != nil {
+		return Received{}, err
+	}
+	return r, nil
+}
+
+// Write writes the data of sgl to dst, in the peer's memory, and waits for
+// its completion. The peer is not notified.
+func (c *Channel) Write(ctx context.Context, dst verbs.RemoteAddr, sgl ...verbs.SGE) error {
+	s, err := c.run(ctx, work{kind: opWrite, remote: dst, sgl: sgl})
+	if err != nil {
+		return c.opErr(opWrite.String(), err)
+	}
+	return c.finish(s)
+}
+
+// WriteImm writes the data of sgl to dst and delivers imm to the peer,
+// consuming one of its receives.
+func (c *Channel) WriteImm(ctx context.Context, dst verbs.RemoteAddr, imm uint32, sgl ...verbs.SGE) error {
+	s, err := c.run(ctx, work{kind: opWriteImm, remote: dst, imm: imm, sgl: sgl})
+	if err != nil {
+		return c.opErr(opWriteImm.String(), err)
+	}
+	return c.finish(s)
+}
+
+// Read reads len(sgl) bytes from src, in the peer's memory, into sgl (its
+// MR needs verbs.AccessLocalWrite).
+func (c *Channel) Read(ctx context.Context, src verbs.RemoteAddr, sgl ...verbs.SGE) error {
+	s, err := c.run(ctx, work{kind: opRead, remote: src, sgl: sgl})
+	if err != nil {
+		return c.opErr(opRead.String(), err)
+	}
+	return c.finish(s)
+}
+
+// CompareSwap atomically replaces the 8-byte word at dst (8-byte aligned,
+// in an MR with verbs.AccessRemoteAtomic) with swap if it equals compare,
+// and returns its prior value: the swap happened if prior == compare.
+func (c *Channel) CompareSwap(ctx context.Context, dst verbs.RemoteAddr, compare, swap uint64) (prior uint64, err error) {
+	s, err := c.run(ctx, work{kind: opCAS, remote: dst, a: compare, b: swap})
+	if err != nil {
+		return 0, c.opErr(opCAS.String(), err)
+	}
+	v := c.e.atomicResult(s)
+	if err := c.finish(s); err != nil {
+		return 0, err
+	}
+	return v, nil
+}
+
+// FetchAdd atomically adds add to the 8-byte word at dst and returns its
+// prior value.
+func (c *Channel) FetchAdd(ctx context.Context, dst verbs.RemoteAddr, add uint64) (prior uint64, err error) {
+	s, err := c.run(ctx, work{kind: opFAA, remote: dst, a: add})
+	if err != nil {
+		return 0, c.opErr(opFAA.String(), err)
+	}
+	v := c.e.atomicResult(s)
+	if err := c.finish(s); err != nil {
+		return 0, err
+	}
+	return v, nil
+}
+
+// WriteInline writes data (at most MaxInline bytes, copied before the call
+// returns) to dst without waiting for, or even generating, a completion:
+// the cheapest RDMA write, made for flags and doorbells. Writes on a
+// channel arrive in order. If one fails, the channel breaks, and Err and
+// every later call report the cause. ctx bounds only the wait for room in
+// the send queue.
+func (c *Channel) WriteInline(ctx context.Context, dst verbs.RemoteAddr, data []byte) error {
+	if c.err != nil {
+		return c.opErr(opWriteInline.String(), c.err)
+	}
+	return c.opErr(opWriteInline.String(), c.p.writeInline(ctx, dst, data))
+}
+
+// --- unpolled operations ---
+
+// post posts one operation and returns its handle without waiting. It
+// never blocks: with no free slot or no room in the queue it fails with an
+// error wrapping verbs.ErrQueueFull.
+func (c *Channel) post(w work) (Handle, error) {
+	if c.err != nil {
+		return Handle{}, c.opErr(w.kind.String(), c.err)
+	}
+	if err := c.p.usable(w.kind == opRecv); err != nil {
+		return Handle{}, c.opErr(w.kind.String(), err)
+	}
+	s, err := c.e.tryAcquire(c.p, w.kind)
+	if err != nil {
+		return Handle{}, c.opErr(w.kind.String(), err)
+	}
+	w.s = s
+	ws := [1]work{w}
+	if n, err := c.p.post(context.Background(), false, ws[:]); n == 0 {
+		c.e.release(s)
+		return Handle{}, c.opErr(w.kind.String(), err)
+	}
+	return handleOf(s), nil
+}
+
+// PostSend posts a send and returns at once with its Handle.
+//
+// The Post methods are for callers that manage completions themselves.
+// Their contract: the memory of sgl belongs to the device until the
+// handle reports completion (Wait, Poll, Done); every handle must be
+// released with Release once its result has been read, or it holds one of
+// the channel's MaxOutstanding slots forever; releasing a handle still in
+// flight detaches it (see Handle.Release). A Post method never blocks: with
+// no free slot or no room in the queue it fails with an error wrapping
+// verbs.ErrQueueFull.
+func (c *Channel) PostSend(sgl ...verbs.SGE) (Handle, error) {
+	return c.post(work{kind: opSend, sgl: sgl})
+}
+
+// PostSendImm posts a send with immediate data (see PostSend).
+func (c *Channel) PostSendImm(imm uint32, sgl ...verbs.SGE) (Handle, error) {
+	return c.post(work{kind: opSendImm, imm: imm, sgl: sgl})
+}
+
+// PostReceive posts a receive buffer (see PostSend). Receives may be
+// posted before Connect, so that the peer's first message finds one.
+func (c *Channel) PostReceive(sgl ...verbs.SGE) (Handle, error) {
+	return c.post(work{kind: opRecv, sgl: sgl})
+}
+
+// PostWrite posts an RDMA write (see PostSend).
+func (c *Channel) PostWrite(dst verbs.RemoteAddr, sgl ...verbs.SGE) (Handle, error) {
+	return c.post(work{kind: opWrite, remote: dst, sgl: sgl})
+}
+
+// PostWriteImm posts an RDMA write with immediate data (see PostSend).
+func (c *Channel) PostWriteImm(dst verbs.RemoteAddr, imm uint32, sgl ...verbs.SGE) (Handle, error) {
+	return c.post(work{kind: opWriteImm, remote: dst, imm: imm, sgl: sgl})
+}
+
+// PostRead posts an RDMA read (see PostSend).
+func (c *Channel) PostRead(src verbs.RemoteAddr, sgl ...verbs.SGE) (Handle, error) {
+	return c.post(work{kind: opRead, remote: src, sgl: sgl})
+}
+
+// PostCompareSwap posts an atomic compare-and-swap; Handle.Value returns
+// the prior value (see PostSend).
+func (c *Channel) PostCompareSwap(dst verbs.RemoteAddr, compare, swap uint64) (Handle, error) {
+	return c.post(work{kind: opCAS, remote: dst, a: compare, b: swap})
+}
+
+// PostFetchAdd posts an atomic fetch-and-add; Handle.Value returns the
+// prior value (see PostSend).
+func (c *Channel) PostFetchAdd(dst verbs.RemoteAddr, add uint64) (Handle, error) {
+	return c.post(work{kind: opFAA, remote: dst, a: add})
+}

@@ -1,0 +1,91 @@
+// Package channel provides reliable connected channels over RDMA: a
+// Channel to one peer and a MultiChannel to many, with blocking
+// operations, scoped batches of operations, and handles for callers that
+// manage completions themselves.
+//
+// # Model
+//
+// A Channel is one RC queue pair and the completion queue that serves it.
+// A MultiChannel is one RC queue pair per peer, all in one protection
+// domain (memory registered once serves every peer) and all served by one
+// completion queue. Peers are numbered; MultiChannel.Peer(i) is the
+// Channel view of peer i.
+//
+// Both are built in two phases, like queue pairs: New or NewMulti creates
+// the queue pairs (INIT); Endpoint or Endpoints describe them; the program
+// exchanges the endpoints out of band (package cluster does it over TCP);
+// Connect brings them to RTS. Receives may be posted before Connect.
+//
+// Operations:
+//
+//   - Blocking: Send, SendImm, Receive, Write, WriteImm, Read, CompareSwap,
+//     FetchAdd post one request and wait for its completion. They take a
+//     context: if it ends first, the call fails with an error wrapping
+//     verbs.ErrTimeout and the context's error, and the channel is broken
+//     (moved to the error state, which flushes the request), because an
+//     RDMA device cannot give a posted request back any other way. When a
+//     blocking call returns, the device no longer uses its buffers.
+//   - Scoped: Batch runs a function in which operations are queued, get
+//     Handles, are posted in doorbell batches (one provider call per run of
+//     requests to one peer), and are waited for with Wait, WaitAny or
+//     WaitAll. When the function returns, with an error, or panics, every
+//     operation of the scope still in flight is polled before Batch
+//     returns: no buffer of the scope is left to the device.
+//   - Unpolled: the Post methods return a Handle at once. The caller owns
+//     its completion: wait for it (Handle.Wait, which may time out and be
+//     resumed without breaking anything), read its result, and Release it.
+//     The buffers belong to the device until the handle has completed.
+//   - Fire and forget: WriteInline posts an unsignaled inline write of a few
+//     bytes (flags, doorbells). It generates no completion unless it
+//     fails, which breaks the channel.
+//   - Collective, on a MultiChannel: ScatterSend, GatherReceive,
+//     ScatterWrite, GatherRead and MulticastSend post one request per peer
+//     at once and wait for all; failures name their peers (*OpError).
+//
+// RemoteRef and RemoteArray address values, array elements and struct
+// fields inside a peer's region by their Go type, without hand-computed
+// offsets.
+//
+// # Completions
+//
+// Every signaled request carries a work request id that encodes the index
+// and generation of an operation slot, so that a completion is routed to
+// its waiter with one array lookup. Slots are allocated when the channel
+// is built (Options.MaxOutstanding of them) and recycled: posting,
+// completing and waiting allocate nothing on the data path. One waiting
+// goroutine at a time polls the completion queue for all of them (it
+// spins for Options.SpinPolls empty polls, then sleeps on the completion
+// channel); the others sleep until their completion is routed to them.
+// Atomic results land in per-slot scratch memory owned by the channel.
+//
+// # Lifetimes
+//
+// Memory named by an operation belongs to the device from the call that
+// posts it until its completion: the return of a blocking call, the end
+// of a Batch scope (or an earlier wait that reports it), or a completed
+// Handle. The MRs must stay registered that long, and must outlive the
+// channel's use of them. Close breaks the channel, waits (at most
+// Options.FlushGrace) for the flushes of whatever is in flight, and
+// destroys the queue pairs, the completion queue and the scratch memory;
+// close the channel before the protection domain.
+//
+// # Concurrency
+//
+// Channel and MultiChannel are safe for concurrent use: blocking calls,
+// Post methods and Batch scopes may run in many goroutines at once; each
+// waits only for its own completions. A Batch (and a MultiBatch) belongs
+// to the goroutine running its scope. A Handle must be used by one
+// goroutine at a time. Requests to one peer from one goroutine are posted
+// in program order and RC executes them in order; requests from different
+// goroutines are ordered only by when they are posted.
+//
+// # Errors
+//
+// Operations fail with *OpError (operation, peer, cause). The cause is a
+// *verbs.CompletionError for a failed completion, a *verbs.OpError for a
+// rejected post, a context error (also matching verbs.ErrTimeout), or one
+// of ErrBroken, ErrNotConnected, ErrStale, ErrNoPeer, ErrNotPosted,
+// ErrClosed, verbs.ErrQueueFull. A failed completion moves the queue pair
+// to the error state: the channel is broken from then on, and every later
+// operation fails with ErrBroken wrapping the first failure.
+package channel

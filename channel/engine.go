@@ -1,0 +1,573 @@
+package channel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/goverbs/verbs"
+)
+
+// opKind is the operation of a work request.
+type opKind uint8
+
+const (
+	opSend opKind = iota
+	opSendImm
+	opWrite
+	opWriteImm
+	opRead
+	opCAS
+	opFAA
+	opRecv
+	opWriteInline
+)
+
+var opNames = [...]string{
+	opSend:        "send",
+	opSendImm:     "send with immediate",
+	opWrite:       "write",
+	opWriteImm:    "write with immediate",
+	opRead:        "read",
+	opCAS:         "compare-and-swap",
+	opFAA:         "fetch-and-add",
+	opRecv:        "receive",
+	opWriteInline: "inline write",
+}
+
+func (k opKind) String() string { return opNames[k] }
+
+// Work request ids. The top byte tags who owns the completion; a slot's id
+// carries its index and a 24-bit generation, so a completion is routed to
+// its waiter with one array index, and a completion that arrives for an
+// earlier use of the slot is recognised and dropped.
+const (
+	tagSlot  = 0xC5 // bits 55..32 generation, 31..0 slot index
+	tagUnsig = 0xC6 // unsignaled request: bits 31..0 peer number
+	genMask  = 1<<24 - 1
+)
+
+func slotWRID(idx, gen uint32) uint64 {
+	return uint64(tagSlot)<<56 | uint64(gen&genMask)<<32 | uint64(idx)
+}
+
+func unsigWRID(peer int) uint64 { return uint64(tagUnsig)<<56 | uint64(uint32(peer)) }
+
+// Slot states.
+const (
+	slotFree     uint32 = iota
+	slotPosted          // owned by the device; an owner will collect it
+	slotDone            // completed; the owner has not released it yet
+	slotDetached        // owned by the device; nobody collects it: free it on completion
+)
+
+// slot is one operation in flight. Slots are allocated once, when the
+// engine is built, and recycled: posting and completing an operation
+// allocates nothing.
+type slot struct {
+	idx    uint32
+	marker bool // a peer's periodic signaled request, never in the free list
+	gen    atomic.Uint32
+	state  atomic.Uint32
+	kind   opKind
+	p      *peer
+	rel    int32            // send-queue entries this completion retires
+	wc     verbs.Completion // written by the poller before state becomes slotDone
+	err    error            // failure before the device saw the request
+	ch     chan struct{}    // capacity 1: the completion arrived
+	wake   atomic.Pointer[chan struct{}]
+
+	// Scope bookkeeping (owned by the scope's goroutine).
+	seen bool // the scope's caller observed the result
+}
+
+func (s *slot) notify() {
+	select {
+	case s.ch <- struct{}{}:
+	default:
+	}
+	if w := s.wake.Load(); w != nil {
+		select {
+		case *w <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// engine is the completion side shared by every queue pair of a Channel
+// or MultiChannel: one CQ, a pool of slots, and the poller election.
+type engine struct {
+	opts    Options
+	dev     string
+	pd      *verbs.ProtectionDomain
+	cq      *verbs.CompletionQueue
+	scratch *verbs.MemoryRegion // 8 bytes of atomic result per slot, then each peer's inline staging area
+	slots   []slot
+	nslots  int // slots in the free pool (markers follow)
+	peers   []*peer
+	self    int
+
+	freeMu sync.Mutex
+	free   []uint32
+	freed  chan struct{} // capacity 1: a slot went back to the pool
+
+	pollMu   sync.Mutex // the right to poll the CQ and sleep on it
+	waiters  atomic.Int32
+	pollFree chan struct{} // capacity 1: the poller left; someone else should poll
+	wcs      []verbs.Completion
+
+	bcMu      sync.Mutex
+	bc        chan struct{} // closed when completions were dispatched (condition waiters)
+	bcWaiters atomic.Int32
+
+	scopes sync.Pool // *scope
+
+	closeMu sync.Mutex
+	closed  atomic.Bool
+	done    chan struct{}
+}
+
+// newEngine creates the CQ, one RC queue pair per peer (none for self),
+// the slot pool and the scratch memory.
+func newEngine(pd *verbs.ProtectionDomain, npeers, self int, opts Options) (e *engine, err error) {
+	if pd == nil {
+		return nil, errors.New("channel: nil protection domain")
+	}
+	opts, err = opts.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	dev := pd.Context()
+	attr, err := dev.QueryDevice()
+	if err != nil {
+		return nil, fmt.Errorf("channel: %w", err)
+	}
+	nqp := npeers
+	if self >= 0 && self < npeers {
+		nqp--
+	}
+	total := nqp * (opts.QP.MaxSendWR + opts.QP.MaxRecvWR)
+	if attr.MaxCQE > 0 {
+		total = min(total, attr.MaxCQE)
+	}
+	total = max(total, 16)
+	e = &engine{opts: opts, dev: dev.Name(), pd: pd, self: self,
+		freed: make(chan struct{}, 1), pollFree: make(chan struct{}, 1), done: make(chan struct{}),
+		wcs: make([]verbs.Completion, 32), peers: make([]*peer, npeers)}
+	var closers []func() error
+	defer func() {
+		if err != nil {
+			for i := len(closers) - 1; i >= 0; i-- {
+				closers[i]()
+			}
+		}
+	}()
+	if e.cq, err = dev.NewCompletionQueue(verbs.CQSpec{Entries: total}); err != nil {
+		return nil, fmt.Errorf("channel: %w", err)
+	}
+	closers = append(closers, e.cq.Close)
+	e.nslots = opts.MaxOutstanding
+	if e.nslots == 0 {
+		e.nslots = min(e.cq.Cap(), defaultMaxOutstanding)
+	}
+	e.nslots = min(e.nslots, e.cq.Cap())
+	spec := opts.QP
+	spec.SendCQ = e.cq
+	for i := range npeers {
+		if i == self {
+			continue
+		}
+		q, err := pd.NewRCQueuePair(spec)
+		if err != nil {
+			return nil, fmt.Errorf("channel: queue pair for peer %d: %w", i, err)
+		}
+		closers = append(closers, q.Close)
+		e.peers[i] = newPeer(e, i, q)
+	}
+	inline := 0
+	for _, p := range e.peers {
+		if p != nil {
+			p.inlineOff = 8*e.nslots + inline
+			inline += p.inlineMax
+		}
+	}
+	if e.scratch, err = pd.Alloc(max(8*e.nslots+inline, 8), verbs.AccessLocalWrite); err != nil {
+		return nil, fmt.Errorf("channel: scratch memory: %w", err)
+	}
+	closers = append(closers, e.scratch.Close)
+	e.slots = make([]slot, e.nslots+nqp)
+	e.free = make([]uint32, 0, e.nslots)
+	for i := range e.slots {
+		s := &e.slots[i]
+		s.idx = uint32(i)
+		s.ch = make(chan struct{}, 1)
+		if i < e.nslots {
+			e.free = append(e.free, uint32(e.nslots-1-i)) // pop order 0, 1, 2...
+		}
+	}
+	m := e.nslots
+	for _, p := range e.peers {
+		if p != nil {
+			p.marker = &e.slots[m]
+			p.marker.marker = true
+			p.marker.p = p
+			m++
+		}
+	}
+	return e, nil
+}
+
+// acquire takes a slot from the pool, waiting (polling the CQ, so that
+// completions free slots) until one is free or ctx ends.
+func (e *engine) acquire(ctx context.Context, p *peer, kind opKind) (*slot, error) {
+	return e.take(ctx, true, p, kind)
+}
+
+// tryAcquire takes a slot from the pool, or fails at once with an error
+// wrapping verbs.ErrQueueFull when none is free.
+func (e *engine) tryAcquire(p *peer, kind opKind) (*slot, error) {
+	return e.take(context.Background(), false, p, kind)
+}
+
+func (e *engine) take(ctx context.Context, wait bool, p *peer, kind opKind) (*slot, error) {
+	for {
+		if e.closed.Load() {
+			return nil, ErrClosed
+		}
+		e.freeMu.Lock()
+		if n := len(e.free); n > 0 {
+			idx := e.free[n-1]
+			e.free = e.free[:n-1]
+			e.freeMu.Unlock()
+			s := &e.slots[idx]
+			s.gen.Add(1)
+			s.kind, s.p, s.rel, s.err, s.seen = kind, p, 0, nil, false
+			s.wc = verbs.Completion{}
+			s.wake.Store(nil)
+			select { // a token left by an earlier use
+			case <-s.ch:
+			default:
+			}
+			s.state.Store(slotPosted)
+			return s, nil
+		}
+		e.freeMu.Unlock()
+		if !wait {
+			return nil, fmt.Errorf("%d operations in flight (Options.MaxOutstanding): %w", e.nslots, verbs.ErrQueueFull)
+		}
+		if err := e.wait(ctx, e.hasFree, e.freed); err != nil {
+			return nil, err
+		}
+	}
+}
+
+func (e *engine) hasFree() bool {
+	e.freeMu.Lock()
+	n := len(e.free)
+	e.freeMu.Unlock()
+	return n > 0 || e.closed.Load()
+}
+
+// release returns a slot whose completion arrived (or that was never
+// posted) to the pool.
+func (e *engine) release(s *slot) {
+	s.gen.Add(1) // handles to it are stale from now on
+	s.err = nil
+	s.state.Store(slotFree)
+	if s.marker {
+		return
+	}
+	e.freeMu.Lock()
+	e.free = append(e.free, s.idx)
+	e.freeMu.Unlock()
+	select {
+	case e.freed <- struct{}{}:
+	default:
+	}
+}
+
+// detach gives up ownership of a posted slot: the poller frees it when its
+// completion arrives. If it already arrived, detach frees it now.
+func (e *engine) detach(s *slot) {
+	if s.state.CompareAndSwap(slotPosted, slotDetached) {
+		return
+	}
+	e.release(s)
+}
+
+// poll moves completions from the CQ to their slots. Called with pollMu.
+func (e *engine) poll() (int, error) {
+	n, err := e.cq.Poll(e.wcs)
+	for i := range e.wcs[:n] {
+		e.dispatch(&e.wcs[i])
+	}
+	if n > 0 && e.bcWaiters.Load() > 0 {
+		e.broadcast()
+	}
+	return n, err
+}
+
+// bcChan returns the channel the next broadcast closes.
+func (e *engine) bcChan() chan struct{} {
+	e.bcMu.Lock()
+	defer e.bcMu.Unlock()
+	if e.bc == nil {
+		e.bc = make(chan struct{})
+	}
+	return e.bc
+}
+
+// broadcast wakes every goroutine that waits for a condition (queue room,
+// drained peers) rather than for a slot of its own.
+func (e *engine) broadcast() {
+	e.bcMu.Lock()
+	if e.bc != nil {
+		close(e.bc)
+		e.bc = nil
+	}
+	e.bcMu.Unlock()
+}
+
+func (e *engine) dispatch(wc *verbs.Completion) {
+	switch wc.WRID >> 56 {
+	case tagUnsig:
+		// Unsignaled requests complete only when they fail (or are flushed).
+		if i := int(uint32(wc.WRID)); i < len(e.peers) && e.peers[i] != nil && wc.Status != verbs.StatusSuccess {
+			e.peers[i].fail(&OpError{Op: opWriteInline.String(), Peer: i, Err: wc.Err()})
+		}
+	case tagSlot:
+		idx := uint32(wc.WRID)
+		if int(idx) >= len(e.slots) {
+			return
+		}
+		s := &e.slots[idx]
+		if s.gen.Load()&genMask != uint32(wc.WRID>>32)&genMask {
+			return // for an earlier use of the slot
+		}
+		st := s.state.Load()
+		if st != slotPosted && st != slotDetached {
+			return
+		}
+		p := s.p
+		if s.kind == opRecv {
+			p.rqUsed.Add(-1)
+		} else {
+			p.sqUsed.Add(-s.rel)
+		}
+		p.pending.Add(-1)
+		if wc.Status != verbs.StatusSuccess {
+			p.fail(&OpError{Op: s.kind.String(), Peer: p.idx, Err: wc.Err()})
+		}
+		s.wc = *wc
+		if s.state.CompareAndSwap(slotPosted, slotDone) {
+			s.notify()
+			return
+		}
+		e.release(s) // detached
+	}
+}
+
+// unlockPoll gives up the poller role and, if others wait, wakes one of
+// them to take it over.
+func (e *engine) unlockPoll() {
+	e.pollMu.Unlock()
+	if e.waiters.Load() > 0 {
+		select {
+		case e.pollFree <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// nudge wakes waiters so that they look at their condition again.
+func (e *engine) nudge() {
+	select {
+	case e.freed <- struct{}{}:
+	default:
+	}
+	select {
+	case e.pollFree <- struct{}{}:
+	default:
+	}
+}
+
+// progress polls the CQ once if no other goroutine is polling it. It
+// never blocks.
+func (e *engine) progress() error {
+	if e.closed.Load() {
+		return ErrClosed
+	}
+	if !e.pollMu.TryLock() {
+		return nil
+	}
+	_, err := e.poll()
+	e.unlockPoll()
+	if err != nil {
+		return fmt.Errorf("channel: %w", err)
+	}
+	return nil
+}
+
+// wait blocks until ready reports true, ctx ends or the engine closes.
+// One waiting goroutine at a time polls the CQ and dispatches completions
+// for everyone (spinning a little, then sleeping on the CQ's completion
+// channel); the others sleep until their completion arrives (ch), the
+// poller leaves, or, with a nil ch, any completion is dispatched. ready
+// must be cheap and must not block.
+func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) error {
+	spins := 0
+	for {
+		if ready() {
+			return nil
+		}
+		if e.closed.Load() {
+			return ErrClosed
+		}
+		if !e.pollMu.TryLock() {
+			if polling, err := e.sleep(ctx, ready, ch); err != nil {
+				return err
+			} else if !polling {
+				continue
+			}
+		}
+		// This goroutine is the poller.
+		n, err := e.poll()
+		if err == nil && n == 0 && !ready() {
+			if spins < e.opts.SpinPolls {
+				spins++
+				e.unlockPoll()
+				runtime.Gosched()
+				continue
+			}
+			err = e.cq.Wait(ctx)
+		}
+		e.unlockPoll()
+		if err != nil {
+			if ready() {
+				return nil
+			}
+			if ctx.Err() != nil {
+				return waitErr(ctx.Err())
+			}
+			if e.closed.Load() {
+				return ErrClosed
+			}
+			return fmt.Errorf("channel: %w", err)
+		}
+	}
+}
+
+// sleep waits, while another goroutine polls, for ch (or any dispatch,
+// with a nil ch), for the poller to leave, or for ctx to end. If the
+// poller left before this goroutine went to sleep it returns polling=true
+// with pollMu held.
+func (e *engine) sleep(ctx context.Context, ready func() bool, ch chan struct{}) (polling bool, err error) {
+	e.waiters.Add(1)
+	defer e.waiters.Add(-1)
+	wake := ch
+	if ch == nil {
+		e.bcWaiters.Add(1)
+		defer e.bcWaiters.Add(-1)
+		wake = e.bcChan()
+	}
+	// Registered as a waiter: a poller that leaves from now on wakes us.
+	if ready() {
+		return false, nil
+	}
+	if e.pollMu.TryLock() {
+		return true, nil
+	}
+	select {
+	case <-wake:
+	case <-e.pollFree:
+	case <-ctx.Done():
+		err = ctx.Err()
+	case <-e.done:
+		err = ErrClosed
+	}
+	if err != nil && ready() {
+		err = nil
+	}
+	if err != nil && err != ErrClosed {
+		err = waitErr(err)
+	}
+	return false, err
+}
+
+// waitErr wraps the error that ended a wait: a context error also matches
+// verbs.ErrTimeout.
+func waitErr(err error) error {
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		return fmt.Errorf("%w: %w", verbs.ErrTimeout, err)
+	}
+	return err
+}
+
+// waitSlot waits for one slot's completion.
+func (e *engine) waitSlot(ctx context.Context, s *slot) error {
+	return e.wait(ctx, func() bool { return s.state.Load() == slotDone }, s.ch)
+}
+
+// drain waits until no signaled request of the peers is in flight.
+func (e *engine) drain(ctx context.Context, peers []*peer) error {
+	return e.wait(ctx, func() bool {
+		for _, p := range peers {
+			if p != nil && p.pending.Load() > 0 {
+				return false
+			}
+		}
+		return true
+	}, e.freed)
+}
+
+// close breaks every queue pair, waits (at most the flush grace) for the
+// flushes, and destroys everything.
+func (e *engine) close() error {
+	e.closeMu.Lock()
+	defer e.closeMu.Unlock()
+	if e.closed.Load() {
+		return nil
+	}
+	for _, p := range e.peers {
+		if p != nil {
+			p.breakQP(ErrClosed)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), e.opts.FlushGrace)
+	e.drain(ctx, e.peers)
+	cancel()
+	e.closed.Store(true)
+	close(e.done)
+	// Wait for a poller that is inside the CQ to leave it: with every queue
+	// pair in the error state, whatever it waits for has been flushed.
+	// (Closing the CQ wakes it in any case.)
+	deadline := time.Now().Add(e.opts.FlushGrace)
+	for !e.pollMu.TryLock() {
+		if time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	var errs []error
+	for _, p := range e.peers {
+		if p != nil {
+			if err := p.qp.Close(); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	if err := e.scratch.Close(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := e.cq.Close(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("channel: close: %w", err)
+	}
+	return nil
+}

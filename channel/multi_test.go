@@ -1,0 +1,292 @@
+package channel_test
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+	"github.com/goverbs/verbs/verbstest"
+)
+
+// rank is one member of an in-process group for MultiChannel tests.
+type rank struct {
+	id  int
+	dev *verbs.Context
+	pd  *verbs.ProtectionDomain
+	mc  *channel.MultiChannel
+	buf *verbs.MemoryRegion
+}
+
+// newGroup builds n ranks, each with its own device context, and connects
+// every pair.
+func newGroup(t *testing.T, n int) []*rank {
+	t.Helper()
+	verbstest.CheckLeaks(t)
+	rs := make([]*rank, n)
+	for i := range rs {
+		r := &rank{id: i}
+		var err error
+		if r.dev, err = verbs.Open(verbs.SoftDevice); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { closeOrFail(t, "device", r.dev.Close) })
+		if r.pd, err = r.dev.AllocPD(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { closeOrFail(t, "pd", r.pd.Close) })
+		if r.buf, err = r.pd.Alloc(64<<10, verbs.AccessRemoteAll); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { closeOrFail(t, "mr", r.buf.Close) })
+		if r.mc, err = channel.NewMulti(r.pd, n, i, channel.Options{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { closeOrFail(t, "multichannel", r.mc.Close) })
+		rs[i] = r
+	}
+	eps := make([][]verbs.Endpoint, n)
+	for i, r := range rs {
+		var err error
+		if eps[i], err = r.mc.Endpoints(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, r := range rs {
+		mine := make([]verbs.Endpoint, n)
+		for j := range n {
+			mine[j] = eps[j][i] // what peer j created for rank i
+		}
+		if err := r.mc.Connect(mine); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return rs
+}
+
+// forAll runs f for every rank concurrently.
+func forAll(t *testing.T, rs []*rank, f func(r *rank) error) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for _, r := range rs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := f(r); err != nil {
+				t.Errorf("rank %d: %v", r.id, err)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+func TestMultiChannelCollectives(t *testing.T) {
+	const n = 4
+	rs := newGroup(t, n)
+	ctx := testCtx(t)
+	regions := make([]verbs.RemoteRegion, n)
+	for i, r := range rs {
+		regions[i] = r.buf.Remote()
+	}
+
+	t.Run("scatter write", func(t *testing.T) {
+		// Rank i writes i*10+j into slot i of rank j.
+		forAll(t, rs, func(r *rank) error {
+			dsts := make([]verbs.RemoteAddr, n)
+			bufs := make([]verbs.SGE, n)
+			for j := range n {
+				binary.NativeEndian.PutUint64(r.buf.Bytes()[8*j:], uint64(r.id*10+j))
+				dsts[j] = regions[j].At(uint64(1024 + 8*r.id))
+				bufs[j] = r.buf.SGE(8*j, 8)
+			}
+			return r.mc.ScatterWrite(ctx, nil, dsts, bufs)
+		})
+		for j, r := range rs {
+			for i := range n {
+				if i == j {
+					continue
+				}
+				if got := binary.NativeEndian.Uint64(r.buf.Bytes()[1024+8*i:]); got != uint64(i*10+j) {
+					t.Errorf("rank %d slot %d = %d, want %d", j, i, got, i*10+j)
+				}
+			}
+		}
+	})
+
+	t.Run("gather read", func(t *testing.T) {
+		forAll(t, rs, func(r *rank) error {
+			binary.NativeEndian.PutUint64(r.buf.Bytes()[2048:], uint64(100+r.id))
+			return nil
+		})
+		forAll(t, rs, func(r *rank) error {
+			peers := r.mc.Peers()
+			srcs := make([]verbs.RemoteAddr, len(peers))
+			bufs := make([]verbs.SGE, len(peers))
+			for k, p := range peers {
+				srcs[k] = regions[p].At(2048)
+				bufs[k] = r.buf.SGE(3072+8*p, 8)
+			}
+			if err := r.mc.GatherRead(ctx, peers, srcs, bufs); err != nil {
+				return err
+			}
+			for _, p := range peers {
+				if got := binary.NativeEndian.Uint64(r.buf.Bytes()[3072+8*p:]); got != uint64(100+p) {
+					return fmt.Errorf("read %d from peer %d", got, p)
+				}
+			}
+			return nil
+		})
+	})
+
+	t.Run("scatter send and gather receive", func(t *testing.T) {
+		forAll(t, rs, func(r *rank) error {
+			bufs := make([]verbs.SGE, n)
+			for j := range n {
+				binary.NativeEndian.PutUint64(r.buf.Bytes()[4096+8*j:], uint64(1000*r.id+j))
+				bufs[j] = r.buf.SGE(4096+8*j, 8)
+			}
+			recv := make([]verbs.SGE, n)
+			for j := range n {
+				recv[j] = r.buf.SGE(5120+64*j, 64)
+			}
+			got := make([]channel.Received, n)
+			errc := make(chan error, 1)
+			go func() { errc <- r.mc.GatherReceive(ctx, nil, recv, got) }()
+			if err := r.mc.ScatterSend(ctx, nil, bufs); err != nil {
+				return err
+			}
+			if err := <-errc; err != nil {
+				return err
+			}
+			for j := range n {
+				if j == r.id {
+					continue
+				}
+				if v := binary.NativeEndian.Uint64(r.buf.Bytes()[5120+64*j:]); got[j].Len != 8 || v != uint64(1000*j+r.id) {
+					return fmt.Errorf("from peer %d: %+v value %d", j, got[j], v)
+				}
+			}
+			return nil
+		})
+	})
+
+	t.Run("multicast send", func(t *testing.T) {
+		root := rs[0]
+		copy(root.buf.Bytes()[8192:], "to everyone")
+		errs := make(chan error, n)
+		for _, r := range rs[1:] {
+			go func() {
+				_, err := r.mc.Peer(0).Receive(ctx, r.buf.SGE(9000, 64))
+				errs <- err
+			}()
+		}
+		if err := root.mc.MulticastSend(ctx, nil, root.buf.SGE(8192, 11)); err != nil {
+			t.Fatal(err)
+		}
+		for range n - 1 {
+			if err := <-errs; err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, r := range rs[1:] {
+			if got := string(r.buf.Bytes()[9000:9011]); got != "to everyone" {
+				t.Errorf("rank %d got %q", r.id, got)
+			}
+		}
+	})
+
+	t.Run("peer-indexed batch", func(t *testing.T) {
+		// Every rank fetch-and-adds a counter on every other rank.
+		forAll(t, rs, func(r *rank) error {
+			return r.mc.Batch(ctx, func(b *channel.MultiBatch) error {
+				for _, p := range r.mc.Peers() {
+					b.Peer(p).FetchAdd(regions[p].At(12288), 1)
+				}
+				return b.WaitAll()
+			})
+		})
+		for _, r := range rs {
+			if got := binary.NativeEndian.Uint64(r.buf.Bytes()[12288:]); got != n-1 {
+				t.Errorf("rank %d counter = %d, want %d", r.id, got, n-1)
+			}
+		}
+	})
+}
+
+func TestMultiChannelBadInput(t *testing.T) {
+	rs := newGroup(t, 3)
+	ctx := testCtx(t)
+	r := rs[1]
+	for _, tc := range []struct {
+		name string
+		err  error
+	}{
+		{"self", r.mc.Peer(1).Write(ctx, rs[0].buf.Remote().At(0), r.buf.SGE(0, 1))},
+		{"negative peer", r.mc.Peer(-1).Write(ctx, rs[0].buf.Remote().At(0), r.buf.SGE(0, 1))},
+		{"peer out of range", r.mc.Peer(3).Send(ctx, r.buf.SGE(0, 1))},
+		{"scatter to self", r.mc.ScatterWrite(ctx, []int{1}, []verbs.RemoteAddr{{}}, []verbs.SGE{{}})},
+		{"batch to self", r.mc.Batch(ctx, func(b *channel.MultiBatch) error {
+			return b.Wait(b.Peer(1).Send(r.buf.SGE(0, 1)))
+		})},
+		{"batch to nobody", r.mc.Batch(ctx, func(b *channel.MultiBatch) error {
+			b.Peer(7).Send(r.buf.SGE(0, 1))
+			return nil
+		})},
+	} {
+		if !errors.Is(tc.err, channel.ErrNoPeer) {
+			t.Errorf("%s: %v, want ErrNoPeer", tc.name, tc.err)
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		err  error
+	}{
+		{"argument count", r.mc.ScatterWrite(ctx, nil, make([]verbs.RemoteAddr, 2), make([]verbs.SGE, 2))},
+		{"mismatched lists", r.mc.GatherRead(ctx, []int{0}, make([]verbs.RemoteAddr, 1), make([]verbs.SGE, 2))},
+		{"results", r.mc.GatherReceive(ctx, nil, make([]verbs.SGE, 3), make([]channel.Received, 1))},
+		{"connect", r.mc.Connect(nil)},
+	} {
+		if tc.err == nil {
+			t.Errorf("%s: no error", tc.name)
+		}
+	}
+	if _, err := channel.NewMulti(r.pd, 0, -1, channel.Options{}); err == nil {
+		t.Error("NewMulti with 0 peers succeeded")
+	}
+	if _, err := channel.NewMulti(r.pd, 2, 2, channel.Options{}); err == nil {
+		t.Error("NewMulti with self out of range succeeded")
+	}
+	if got := r.mc.Peers(); fmt.Sprint(got) != "[0 2]" || r.mc.Len() != 3 || r.mc.Self() != 1 {
+		t.Errorf("Peers %v Len %d Self %d", got, r.mc.Len(), r.mc.Self())
+	}
+	if err := r.mc.Err(); err != nil {
+		t.Errorf("Err() = %v", err)
+	}
+}
+
+func TestMultiChannelOneRegistrationServesAll(t *testing.T) {
+	rs := newGroup(t, 3)
+	ctx := testCtx(t)
+	r := rs[0]
+	// The same SGE (one MR of one PD) written to both peers.
+	copy(r.buf.Bytes(), "shared")
+	for _, p := range r.mc.Peers() {
+		if err := r.mc.Peer(p).Write(ctx, rs[p].buf.Remote().At(0), r.buf.SGE(0, 6)); err != nil {
+			t.Fatal(err)
+		}
+		if got := string(rs[p].buf.Bytes()[:6]); got != "shared" {
+			t.Errorf("peer %d got %q", p, got)
+		}
+	}
+	if r.mc.PD() != r.pd {
+		t.Error("PD() is not the PD of the multichannel")
+	}
+	if err := r.mc.Drain(ctx); err != nil {
+		t.Error(err)
+	}
+	_ = context.Background
+}

@@ -1,0 +1,279 @@
+package channel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/goverbs/verbs"
+)
+
+// Peer states.
+const (
+	peerInit uint32 = iota
+	peerConnected
+	peerBroken
+)
+
+// peer is the queue pair to one peer and its posting state.
+type peer struct {
+	e         *engine
+	idx       int
+	qp        *verbs.RCQueuePair
+	sqCap     int32
+	rqCap     int32
+	inlineMax int
+	inlineOff int // of the staging area in e.scratch
+
+	mu     sync.Mutex // posting: sb, rb, unsig, marker use
+	sb     *verbs.RCBatch
+	rb     *verbs.RecvBatch
+	unsig  int32 // unsignaled requests posted since the last signaled one
+	marker *slot // the signaled request that retires unsignaled ones
+
+	sqUsed  atomic.Int32 // send-queue entries in use
+	rqUsed  atomic.Int32 // receives posted
+	pending atomic.Int32 // signaled requests in flight
+	state   atomic.Uint32
+
+	errMu sync.Mutex
+	err   error // why the peer is broken
+}
+
+func newPeer(e *engine, idx int, q *verbs.RCQueuePair) *peer {
+	c := q.Cap()
+	p := &peer{e: e, idx: idx, qp: q, sqCap: int32(c.MaxSendWR), rqCap: int32(c.MaxRecvWR),
+		inlineMax: min(max(c.MaxInlineData, 0), 256)}
+	p.sb = q.NewBatch(c.MaxSendWR)
+	p.rb = q.NewRecvBatch(c.MaxRecvWR)
+	return p
+}
+
+// fail records why the peer broke; the first cause wins.
+func (p *peer) fail(cause error) {
+	p.errMu.Lock()
+	if p.err == nil {
+		p.err = cause
+	}
+	p.errMu.Unlock()
+	p.state.Store(peerBroken)
+}
+
+// cause returns the error that broke the peer, or nil.
+func (p *peer) cause() error {
+	p.errMu.Lock()
+	defer p.errMu.Unlock()
+	return p.err
+}
+
+// breakQP moves the queue pair to the error state, which flushes every
+// outstanding request: the only way to take requests back from a device.
+// It does not take p.mu: a poster waiting for queue room must not keep the
+// queue pair from breaking (queue pairs are safe for concurrent use).
+func (p *peer) breakQP(cause error) {
+	p.fail(cause)
+	if st, err := p.qp.State(); err == nil && st != verbs.StateError && st != verbs.StateReset {
+		p.qp.Modify(verbs.QPAttr{State: verbs.StateError}, verbs.AttrState)
+	}
+	p.e.nudge()
+}
+
+// usable reports why requests cannot be posted, or nil. Receives may be
+// posted before the peer is connected.
+func (p *peer) usable(recv bool) error {
+	if p.e.closed.Load() {
+		return ErrClosed
+	}
+	switch p.state.Load() {
+	case peerBroken:
+		return &brokenError{cause: p.cause()}
+	case peerInit:
+		if !recv {
+			return ErrNotConnected
+		}
+	}
+	return nil
+}
+
+// work is one operation to post.
+type work struct {
+	kind   opKind
+	remote verbs.RemoteAddr
+	imm    uint32
+	a, b   uint64 // compare or add, swap
+	sgl    []verbs.SGE
+	s      *slot
+}
+
+// add puts a signaled send-side request into the batch. Called with p.mu.
+func (p *peer) add(w *work) {
+	s := w.s
+	s.rel = p.unsig + 1
+	p.unsig = 0
+	wrid := slotWRID(s.idx, s.gen.Load())
+	var r *verbs.Request
+	switch w.kind {
+	case opSend:
+		r = p.sb.Send(wrid, w.sgl...)
+	case opSendImm:
+		r = p.sb.SendImm(wrid, w.imm, w.sgl...)
+	case opWrite:
+		r = p.sb.Write(wrid, w.remote, w.sgl...)
+	case opWriteImm:
+		r = p.sb.WriteImm(wrid, w.remote, w.imm, w.sgl...)
+	case opRead:
+		r = p.sb.Read(wrid, w.remote, w.sgl...)
+	case opCAS:
+		r = p.sb.CompareSwap(wrid, w.remote, w.a, w.b, p.e.scratch.SGE(8*int(s.idx), 8))
+	case opFAA:
+		r = p.sb.FetchAdd(wrid, w.remote, w.a, p.e.scratch.SGE(8*int(s.idx), 8))
+	}
+	r.Signaled()
+	p.sqUsed.Add(1)
+	p.pending.Add(1)
+}
+
+// postedOf returns how many requests of a failed Submit were accepted.
+func postedOf(err error) int {
+	var pe *verbs.PostError
+	if errors.As(err, &pe) {
+		return pe.Posted
+	}
+	return 0
+}
+
+// post posts ws (all send-side, or all receives) with as few provider
+// calls as the queue depth allows. When the queue is full it waits for
+// room (until ctx ends) if wait is set and fails with verbs.ErrQueueFull
+// otherwise. It
+// returns how many of ws were posted; the slots of the others are
+// untouched (the caller fails them).
+func (p *peer) post(ctx context.Context, wait bool, ws []work) (int, error) {
+	if len(ws) == 0 {
+		return 0, nil
+	}
+	recv := ws[0].kind == opRecv
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	used, capacity := &p.sqUsed, p.sqCap
+	if recv {
+		used, capacity = &p.rqUsed, p.rqCap
+	}
+	n := 0
+	for n < len(ws) {
+		if err := p.usable(recv); err != nil {
+			return n, err
+		}
+		k := 0
+		for n+k < len(ws) && used.Load() < capacity {
+			w := &ws[n+k]
+			if recv {
+				p.rb.Recv(slotWRID(w.s.idx, w.s.gen.Load()), w.sgl...)
+				p.rqUsed.Add(1)
+				p.pending.Add(1)
+			} else {
+				p.add(w)
+			}
+			k++
+		}
+		if k > 0 {
+			var err error
+			if recv {
+				err = p.rb.Submit()
+			} else {
+				err = p.sb.Submit()
+			}
+			if err != nil {
+				ok := postedOf(err)
+				for i := n + ok; i < n+k; i++ {
+					p.pending.Add(-1)
+					if recv {
+						p.rqUsed.Add(-1)
+					} else {
+						p.sqUsed.Add(-1)
+						p.unsig += ws[i].s.rel - 1
+					}
+				}
+				return n + ok, err
+			}
+			n += k
+			continue
+		}
+		if !wait {
+			q := "send"
+			if recv {
+				q = "receive"
+			}
+			return n, fmt.Errorf("the %s queue is full (%d requests): %w", q, capacity, verbs.ErrQueueFull)
+		}
+		// Full: completions free entries (they are dispatched without p.mu).
+		if err := p.e.wait(ctx, func() bool { return used.Load() < capacity || p.state.Load() == peerBroken }, p.e.freed); err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// writeInline posts an unsignaled inline RDMA write of data (copied at
+// post). Every so often the request is signaled instead, with the peer's
+// marker slot, so that the send queue entries of unsignaled requests are
+// retired. A failure surfaces as a broken peer.
+func (p *peer) writeInline(ctx context.Context, dst verbs.RemoteAddr, data []byte) error {
+	if len(data) > p.inlineMax {
+		return fmt.Errorf("%d bytes exceed the inline limit of %d: %w", len(data), p.inlineMax, verbs.ErrNotSupported)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for {
+		if err := p.usable(false); err != nil {
+			return err
+		}
+		if p.sqUsed.Load() < p.sqCap {
+			break
+		}
+		if err := ctx.Err(); err != nil {
+			return waitErr(err)
+		}
+		if err := p.e.wait(ctx, func() bool { return p.sqUsed.Load() < p.sqCap || p.state.Load() == peerBroken }, p.e.freed); err != nil {
+			return err
+		}
+	}
+	buf := p.e.scratch.Bytes()[p.inlineOff : p.inlineOff+len(data)]
+	copy(buf, data)
+	sge := p.e.scratch.SGE(p.inlineOff, len(data))
+	m := p.marker
+	signal := m.state.Load() == slotFree &&
+		(p.unsig+1 >= max(p.sqCap/2, 1) || p.sqUsed.Load()+1 >= p.sqCap)
+	var wrid uint64
+	if signal {
+		m.gen.Add(1)
+		m.kind = opWriteInline
+		m.rel = p.unsig + 1
+		m.state.Store(slotDetached)
+		wrid = slotWRID(m.idx, m.gen.Load())
+	} else {
+		wrid = unsigWRID(p.idx)
+	}
+	r := p.sb.Write(wrid, dst, sge).Inline()
+	if signal {
+		r.Signaled()
+		p.pending.Add(1)
+	}
+	p.sqUsed.Add(1)
+	if err := p.sb.Submit(); err != nil {
+		p.sqUsed.Add(-1)
+		if signal {
+			p.pending.Add(-1)
+			m.state.Store(slotFree)
+		}
+		return err
+	}
+	if signal {
+		p.unsig = 0
+	} else {
+		p.unsig++
+	}
+	return nil
+}
