@@ -82,13 +82,14 @@ tier_unit() {
 # go test -exec; tests that need the VM skip (with the reason) elsewhere.
 # The guest is 10-50x slower than the host, so only the packages that touch
 # the hardware provider run there: the provider's own tests, the
-# conformance suite on rxe0/rxe1 (TestConformanceDevices) and the goverbs
+# conformance suite on rxe0/rxe1 (TestConformanceDevices), the RDMA CM API
+# across rxe0 and rxe1 (TestCMDevices, TestCMNotSupported) and the goverbs
 # command on rxe.
 tier_vm() {
 	local exec=(-tags ibverbs -p 1 -exec "$PWD/scripts/vm/run.sh --")
 	./scripts/vm/run.sh --prepare
 	run_go_tests vm "${exec[@]}" ./internal/ibv/... ./internal/vmtest/ ./cmd/goverbs/ &&
-		run_go_tests vm-conformance "${exec[@]}" -run "TestConformanceDevices" .
+		run_go_tests vm-conformance "${exec[@]}" -run "^(TestConformanceDevices|TestCMDevices|TestCMNotSupported)$" .
 }
 
 # ---- main --------------------------------------------------------------------
