@@ -1,0 +1,243 @@
+package cluster
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strconv"
+)
+
+// Config errors. A *ConfigError wraps one of them; test with errors.Is.
+var (
+	// ErrNoHosts: the configuration lists no host.
+	ErrNoHosts = errors.New("cluster: config: no hosts")
+	// ErrFirstRank: the first host is not rank 0.
+	ErrFirstRank = errors.New("cluster: config: first host is not rank 0")
+	// ErrRankGap: ranks are not 0, 1, 2, ... in the order of the hosts.
+	ErrRankGap = errors.New("cluster: config: ranks are not contiguous")
+	// ErrDuplicateRank: two hosts have the same rank.
+	ErrDuplicateRank = errors.New("cluster: config: duplicate rank")
+	// ErrMissingRank: a host has no rank field.
+	ErrMissingRank = errors.New("cluster: config: host has no rank")
+	// ErrBadPort: a port is missing or outside 1..65535.
+	ErrBadPort = errors.New("cluster: config: bad port")
+	// ErrBadHostname: a hostname is empty or is not a host name or IP
+	// address.
+	ErrBadHostname = errors.New("cluster: config: bad hostname")
+	// ErrDuplicateAddress: two hosts have the same hostname and port.
+	ErrDuplicateAddress = errors.New("cluster: config: duplicate address")
+	// ErrSyntax: the configuration is not the JSON object described by
+	// Config (bad JSON, unknown field, wrong type, trailing data).
+	ErrSyntax = errors.New("cluster: config: syntax")
+)
+
+// MaxConfigSize bounds the size of a configuration file (ReadConfig,
+// LoadConfig).
+const MaxConfigSize = 16 << 20
+
+// Config is a network configuration: one Host per rank, in rank order.
+// Its JSON form is
+//
+//	{"hosts": [
+//	  {"hostname": "node1", "port": 18515, "device": "mlx5_0", "rank": 0},
+//	  {"hostname": "node2", "port": 18515, "device": "mlx5_0", "rank": 1}
+//	]}
+//
+// Every rank listens on its host's port for the endpoint exchange (only
+// rank 0's in the Rendezvous mode).
+type Config struct {
+	Hosts []Host `json:"hosts"`
+}
+
+// Host is one rank of a Config.
+type Host struct {
+	// Hostname is a host name or an IP address (IPv6 without brackets).
+	Hostname string `json:"hostname"`
+	// Port is the TCP port of the endpoint exchange, 1 to 65535.
+	Port int `json:"port"`
+	// Device is the RDMA device of the rank; empty means
+	// verbs.DefaultDevice.
+	Device string `json:"device,omitempty"`
+	// Rank is the rank, equal to the index of the host in Config.Hosts.
+	Rank int `json:"rank"`
+}
+
+// Addr returns hostname:port.
+func (h Host) Addr() string { return net.JoinHostPort(h.Hostname, strconv.Itoa(h.Port)) }
+
+// Size returns the world size, the number of hosts.
+func (c *Config) Size() int { return len(c.Hosts) }
+
+// Addrs returns the exchange address of every rank, indexed by rank.
+func (c *Config) Addrs() []string {
+	a := make([]string, len(c.Hosts))
+	for i, h := range c.Hosts {
+		a[i] = h.Addr()
+	}
+	return a
+}
+
+// ConfigError is a validation or syntax error of a Config: the host
+// (index in the hosts list, or -1 for the whole configuration), and the
+// cause, one of the Err* values of this file (possibly wrapping more).
+type ConfigError struct {
+	Index int
+	Err   error
+}
+
+func (e *ConfigError) Error() string {
+	if e.Index < 0 {
+		return e.Err.Error()
+	}
+	return fmt.Sprintf("%v (hosts[%d])", e.Err, e.Index)
+}
+
+func (e *ConfigError) Unwrap() error { return e.Err }
+
+func cfgErr(i int, sentinel error, format string, args ...any) error {
+	if format == "" {
+		return &ConfigError{Index: i, Err: sentinel}
+	}
+	return &ConfigError{Index: i, Err: fmt.Errorf("%w: "+format, append([]any{sentinel}, args...)...)}
+}
+
+// Validate checks the configuration: at least one host, ranks 0, 1, 2, ...
+// in order without duplicates, valid hostnames, ports from 1 to 65535,
+// no address used twice. The error is a *ConfigError.
+func (c *Config) Validate() error {
+	if len(c.Hosts) == 0 {
+		return cfgErr(-1, ErrNoHosts, "")
+	}
+	seen := make(map[int]int, len(c.Hosts))
+	addrs := make(map[string]int, len(c.Hosts))
+	for i, h := range c.Hosts {
+		if j, dup := seen[h.Rank]; dup {
+			return cfgErr(i, ErrDuplicateRank, "rank %d is also hosts[%d]", h.Rank, j)
+		}
+		seen[h.Rank] = i
+		switch {
+		case i == 0 && h.Rank != 0:
+			return cfgErr(i, ErrFirstRank, "rank %d", h.Rank)
+		case h.Rank != i:
+			return cfgErr(i, ErrRankGap, "rank %d where %d was expected (hosts must be listed in rank order)", h.Rank, i)
+		}
+		if err := checkHostname(h.Hostname); err != nil {
+			return cfgErr(i, ErrBadHostname, "%v", err)
+		}
+		if h.Port < 1 || h.Port > 65535 {
+			return cfgErr(i, ErrBadPort, "%d (want 1 to 65535)", h.Port)
+		}
+		a := h.Addr()
+		if j, dup := addrs[a]; dup {
+			return cfgErr(i, ErrDuplicateAddress, "%s is also hosts[%d]", a, j)
+		}
+		addrs[a] = i
+	}
+	return nil
+}
+
+// checkHostname accepts IP addresses and RFC 1123 host names.
+func checkHostname(s string) error {
+	if s == "" {
+		return errors.New("empty")
+	}
+	if net.ParseIP(s) != nil {
+		return nil
+	}
+	if len(s) > 253 {
+		return fmt.Errorf("%d characters (at most 253)", len(s))
+	}
+	label := 0
+	for i := 0; i < len(s); i++ {
+		ch := s[i]
+		switch {
+		case ch == '.':
+			if label == 0 {
+				return fmt.Errorf("%q has an empty label", s)
+			}
+			label = 0
+			continue
+		case ch >= 'a' && ch <= 'z', ch >= 'A' && ch <= 'Z', ch >= '0' && ch <= '9', ch == '-', ch == '_':
+		default:
+			return fmt.Errorf("%q has the character %q", s, ch)
+		}
+		label++
+		if label > 63 {
+			return fmt.Errorf("%q has a label longer than 63 characters", s)
+		}
+	}
+	if label == 0 {
+		return fmt.Errorf("%q ends with a dot", s)
+	}
+	return nil
+}
+
+// hostJSON detects a missing rank or port.
+type hostJSON struct {
+	Hostname string `json:"hostname"`
+	Port     *int   `json:"port"`
+	Device   string `json:"device"`
+	Rank     *int   `json:"rank"`
+}
+
+// ParseConfig decodes and validates a JSON configuration. Unknown fields,
+// trailing data, missing ranks or ports, and every condition of Validate
+// are errors (*ConfigError).
+func ParseConfig(data []byte) (*Config, error) {
+	if len(data) > MaxConfigSize {
+		return nil, cfgErr(-1, ErrSyntax, "%d bytes (at most %d)", len(data), MaxConfigSize)
+	}
+	var raw struct {
+		Hosts []hostJSON `json:"hosts"`
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&raw); err != nil {
+		return nil, cfgErr(-1, ErrSyntax, "%v", err)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return nil, cfgErr(-1, ErrSyntax, "trailing data after the configuration object")
+	}
+	c := &Config{Hosts: make([]Host, len(raw.Hosts))}
+	for i, h := range raw.Hosts {
+		if h.Rank == nil {
+			return nil, cfgErr(i, ErrMissingRank, "")
+		}
+		if h.Port == nil {
+			return nil, cfgErr(i, ErrBadPort, "missing")
+		}
+		c.Hosts[i] = Host{Hostname: h.Hostname, Port: *h.Port, Device: h.Device, Rank: *h.Rank}
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// ReadConfig reads a configuration (at most MaxConfigSize bytes) from r
+// and parses it.
+func ReadConfig(r io.Reader) (*Config, error) {
+	data, err := io.ReadAll(io.LimitReader(r, MaxConfigSize+1))
+	if err != nil {
+		return nil, fmt.Errorf("cluster: config: %w", err)
+	}
+	return ParseConfig(data)
+}
+
+// LoadConfig reads and parses the configuration file at path.
+func LoadConfig(path string) (*Config, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("cluster: config: %w", err)
+	}
+	defer f.Close()
+	c, err := ReadConfig(f)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return c, nil
+}

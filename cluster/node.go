@@ -1,0 +1,341 @@
+package cluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+)
+
+// ErrNodeState: a Node method was called in the wrong phase (Connect
+// before LocalEndpoints, twice, or a barrier before Connect).
+var ErrNodeState = errors.New("cluster: node: wrong phase")
+
+// NodeOptions configure a Node. The zero value is usable.
+type NodeOptions struct {
+	// Channel configures the MultiChannel (queue depths, polling...).
+	Channel channel.Options
+	// Barrier is the barrier algorithm; every rank must use the same one.
+	// Default BinaryTree.
+	Barrier BarrierAlgorithm
+}
+
+// Node is one rank of a world of ranks: its rank, the world size, a
+// MultiChannel with a reliable connected queue pair to every other rank,
+// and a barrier.
+//
+// A Node is built in phases: NewNode creates the queue pairs and the
+// barrier's flags; LocalEndpoints returns what this rank must send to
+// every other; the program exchanges them (Exchange, or any other way);
+// Connect takes what every other rank sent and brings the queue pairs up.
+// Join and FromEnv do all of it.
+//
+// After Connect, a Node is safe for concurrent use (barriers are
+// serialised; see Barrier).
+type Node struct {
+	rank, size int
+	mc         *channel.MultiChannel
+	bar        *barrier
+
+	mu        sync.Mutex
+	phase     int // 0 built, 1 endpoints given, 2 connected, 3 closed
+	peerData  [][]byte
+	owned     []func() error // closed after the channel, in order
+	closeErr  error
+	closeOnce sync.Once
+}
+
+// NewNode creates the node of rank in a world of size ranks: a
+// MultiChannel in pd (which the caller keeps and closes after the Node)
+// and a barrier.
+func NewNode(pd *verbs.ProtectionDomain, rank, size int, opts NodeOptions) (*Node, error) {
+	if size < 1 {
+		return nil, fmt.Errorf("cluster: node: world size %d (want at least 1)", size)
+	}
+	if rank < 0 || rank >= size {
+		return nil, fmt.Errorf("cluster: node: rank %d outside [0, %d)", rank, size)
+	}
+	if pd == nil {
+		return nil, errors.New("cluster: node: nil protection domain")
+	}
+	mc, err := channel.NewMulti(pd, size, rank, opts.Channel)
+	if err != nil {
+		return nil, fmt.Errorf("cluster: node: %w", err)
+	}
+	bar, err := newBarrier(mc, opts.Barrier)
+	if err != nil {
+		mc.Close()
+		return nil, fmt.Errorf("cluster: node: %w", err)
+	}
+	return &Node{rank: rank, size: size, mc: mc, bar: bar}, nil
+}
+
+// Rank returns this node's rank.
+func (n *Node) Rank() int { return n.rank }
+
+// Size returns the world size.
+func (n *Node) Size() int { return n.size }
+
+// Channel returns the MultiChannel to every rank (peer number = rank; the
+// entry of this rank is self).
+func (n *Node) Channel() *channel.MultiChannel { return n.mc }
+
+// PD returns the protection domain of the channel: memory registered in
+// it serves every peer.
+func (n *Node) PD() *verbs.ProtectionDomain { return n.mc.PD() }
+
+// Peer message (what rank i sends to rank j in the exchange):
+//
+//	magic "GVND" | version u8 | vector of 3 entries: endpoint of the queue
+//	pair of i for j (binary, empty for i == j) | barrier info of i |
+//	application data of i
+const (
+	nodeMagic   = "GVND"
+	nodeVersion = 1
+)
+
+// LocalEndpoints returns what this rank must send to every rank, indexed
+// by rank: the endpoint of its queue pair for that rank, its barrier
+// flags, and data, application bytes that every peer will see as
+// PeerData (for example the address and key of a memory region; it may
+// be nil). The entry of this rank itself must be handed back to Connect
+// too (Exchange does).
+func (n *Node) LocalEndpoints(data []byte) ([][]byte, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.phase >= 2 {
+		return nil, fmt.Errorf("%w: LocalEndpoints after Connect or Close", ErrNodeState)
+	}
+	eps, err := n.mc.Endpoints()
+	if err != nil {
+		return nil, fmt.Errorf("cluster: node: %w", err)
+	}
+	info := n.bar.localInfo()
+	out := make([][]byte, n.size)
+	for j := range n.size {
+		var ep []byte
+		if j != n.rank {
+			if ep, err = eps[j].MarshalBinary(); err != nil {
+				return nil, fmt.Errorf("cluster: node: endpoint for rank %d: %w", j, err)
+			}
+		}
+		out[j] = append(append([]byte(nodeMagic), nodeVersion), encodeVector([][]byte{ep, info, data})...)
+	}
+	n.phase = 1
+	return out, nil
+}
+
+// decodePeer decodes the message of rank j.
+func decodePeer(b []byte, j, self int) (ep verbs.Endpoint, info, data []byte, err error) {
+	if len(b) < 5 || string(b[:4]) != nodeMagic {
+		return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's message is not a node message", j)
+	}
+	if b[4] != nodeVersion {
+		return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's message has version %d (want %d)", j, b[4], nodeVersion)
+	}
+	v, err := decodeVector(b[5:], 3)
+	if err != nil {
+		return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's message: %w", j, err)
+	}
+	if j != self {
+		if err := ep.UnmarshalBinary(v[0]); err != nil {
+			return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's endpoint: %w", j, err)
+		}
+	}
+	return ep, v[1], v[2], nil
+}
+
+// Connect connects the queue pair to every rank j to remote[j], what rank j
+// sent this one (remote[Rank()] is this rank's own entry, as Exchange
+// returns it), and sets up the barrier. On error the node is unusable:
+// close it.
+func (n *Node) Connect(remote [][]byte) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.phase != 1 {
+		return fmt.Errorf("%w: Connect must follow LocalEndpoints, once", ErrNodeState)
+	}
+	if len(remote) != n.size {
+		return fmt.Errorf("cluster: node: connect: %d messages for a world of %d", len(remote), n.size)
+	}
+	eps := make([]verbs.Endpoint, n.size)
+	infos := make([][]byte, n.size)
+	data := make([][]byte, n.size)
+	for j, b := range remote {
+		var err error
+		if eps[j], infos[j], data[j], err = decodePeer(b, j, n.rank); err != nil {
+			return err
+		}
+	}
+	if err := n.bar.setRemote(infos); err != nil {
+		return fmt.Errorf("cluster: node: %w", err)
+	}
+	if err := n.mc.Connect(eps); err != nil {
+		return fmt.Errorf("cluster: node: connect: %w", err)
+	}
+	n.peerData = data
+	n.phase = 2
+	return nil
+}
+
+// PeerData returns the application data rank j passed to LocalEndpoints
+// (nil before Connect, or for an out-of-range j). The caller must not
+// modify it.
+func (n *Node) PeerData(j int) []byte {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if j < 0 || j >= len(n.peerData) {
+		return nil
+	}
+	return n.peerData[j]
+}
+
+// Barrier returns once every rank of the group has entered it: the whole
+// world when peers is nil, otherwise peers, a list of distinct ranks in
+// ascending order that includes this rank. Every member must call Barrier
+// with the same group, and ranks must enter the barriers of overlapping
+// groups in the same order. Calls on one node are serialised.
+//
+// It fails with a *BarrierError: ErrNotInGroup or ErrBadGroup for a bad
+// group; a timeout (wrapping verbs.ErrTimeout and ctx's error) when ctx
+// ends first; a transport error. After a timeout or a transport error
+// the barrier is poisoned (ErrPoisoned) until every rank calls
+// ResetBarrier.
+func (n *Node) Barrier(ctx context.Context, peers []int) error {
+	n.mu.Lock()
+	phase := n.phase
+	n.mu.Unlock()
+	if phase != 2 {
+		return fmt.Errorf("%w: barrier before Connect or after Close", ErrNodeState)
+	}
+	return n.bar.wait(ctx, peers)
+}
+
+// ResetBarrier clears a poisoned barrier. It is collective: after a
+// barrier failed on any rank, every rank calls ResetBarrier before its
+// next barrier.
+func (n *Node) ResetBarrier() error { return n.bar.reset() }
+
+// Close closes the barrier, the MultiChannel and, for a node built by
+// Join or FromEnv, the protection domain and device it opened (close the
+// memory regions registered in PD first). Idempotent.
+func (n *Node) Close() error {
+	n.closeOnce.Do(func() {
+		n.mu.Lock()
+		n.phase = 3
+		owned := n.owned
+		n.mu.Unlock()
+		errs := []error{n.bar.close(), n.mc.Close()}
+		for _, c := range owned {
+			errs = append(errs, c())
+		}
+		n.closeErr = errors.Join(errs...)
+	})
+	return n.closeErr
+}
+
+// JoinOptions configure Join and FromEnv. The zero value is usable.
+type JoinOptions struct {
+	// Node configures the node.
+	Node NodeOptions
+	// Mode is the endpoint exchange mode (Join only; FromEnv always uses
+	// Rendezvous). Default AllToAll.
+	Mode Mode
+	// Job identifies the job; ranks with another job id are refused.
+	Job string
+	// Token is the shared secret of the exchange (see ExchangeConfig).
+	Token []byte
+	// Device overrides the device of the configuration (or of the
+	// environment). Empty: the configured one, or verbs.DefaultDevice.
+	Device string
+	// Listener, if set, is the listener of this rank's exchange address.
+	Listener net.Listener
+	// MaxFrame bounds exchange frames (default DefaultMaxFrame).
+	MaxFrame int
+	// Prepare, if set, runs after the node is built and before the
+	// exchange: register memory in n.PD() there and return the bytes to
+	// publish to every peer (PeerData). If it fails, Join fails.
+	Prepare func(n *Node) ([]byte, error)
+}
+
+// Join builds the node of rank from a network configuration: it opens the
+// rank's device, allocates a protection domain, builds the node, exchanges
+// endpoints with every rank over TCP and connects. The returned node owns
+// the device and the PD (Close closes them). It fails, without hanging, by
+// ctx's deadline when a rank is missing.
+func Join(ctx context.Context, cfg *Config, rank int, opts JoinOptions) (*Node, error) {
+	if cfg == nil {
+		return nil, errors.New("cluster: join: nil config")
+	}
+	if err := cfg.Validate(); err != nil {
+		if opts.Listener != nil {
+			opts.Listener.Close()
+		}
+		return nil, err
+	}
+	if rank < 0 || rank >= cfg.Size() {
+		if opts.Listener != nil {
+			opts.Listener.Close()
+		}
+		return nil, fmt.Errorf("cluster: join: rank %d outside the configuration's [0, %d)", rank, cfg.Size())
+	}
+	dev := opts.Device
+	if dev == "" {
+		dev = cfg.Hosts[rank].Device
+	}
+	xc := ExchangeConfig{Rank: rank, Size: cfg.Size(), Mode: opts.Mode, Addrs: cfg.Addrs()}
+	return join(ctx, dev, xc, opts)
+}
+
+// join opens dev and builds, exchanges and connects a node.
+func join(ctx context.Context, dev string, xc ExchangeConfig, opts JoinOptions) (_ *Node, err error) {
+	xc.Job, xc.Token, xc.Listener, xc.MaxFrame = opts.Job, opts.Token, opts.Listener, opts.MaxFrame
+	defer func() {
+		if err != nil && xc.Listener != nil {
+			xc.Listener.Close() // Exchange closes it; closing twice is harmless
+		}
+	}()
+	vc, err := verbs.Open(dev)
+	if err != nil {
+		return nil, fmt.Errorf("cluster: join: %w", err)
+	}
+	pd, err := vc.AllocPD()
+	if err != nil {
+		vc.Close()
+		return nil, fmt.Errorf("cluster: join: %w", err)
+	}
+	n, err := NewNode(pd, xc.Rank, xc.Size, opts.Node)
+	if err != nil {
+		pd.Close()
+		vc.Close()
+		return nil, err
+	}
+	n.owned = []func() error{pd.Close, vc.Close}
+	defer func() {
+		if err != nil {
+			n.Close()
+		}
+	}()
+	var data []byte
+	if opts.Prepare != nil {
+		if data, err = opts.Prepare(n); err != nil {
+			return nil, fmt.Errorf("cluster: join: prepare: %w", err)
+		}
+	}
+	out, err := n.LocalEndpoints(data)
+	if err != nil {
+		return nil, err
+	}
+	in, err := Exchange(ctx, xc, out)
+	if err != nil {
+		return nil, err
+	}
+	if err := n.Connect(in); err != nil {
+		return nil, err
+	}
+	return n, nil
+}
