@@ -1,0 +1,609 @@
+package cluster
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+)
+
+// BarrierAlgorithm selects how a barrier synchronises its group. Every
+// rank of a world must use the same algorithm (the endpoint exchange
+// checks it). The zero value is BinaryTree.
+//
+// All three are built from one-sided RDMA writes of epoch counters into
+// flags that the receiving rank polls: no send, no receive, no atomic.
+// With p ranks and a one-way write latency L:
+//
+//   - BinaryTree: arrivals climb a binary tree to rank 0 of the group and
+//     releases come back down: about 2 × ⌈log2(p+1)⌉ × L, and at most 3
+//     writes sent by each rank.
+//   - Dissemination: ⌈log2 p⌉ rounds; in round k, position i signals
+//     position i+2^k (mod p) and waits for i−2^k: about ⌈log2 p⌉ × L, with
+//     ⌈log2 p⌉ writes sent by each rank.
+//   - Centralized: every rank signals the group's first rank, which waits
+//     for all of them and then signals each back: 2 × L plus the root's
+//     p−1 serial writes.
+type BarrierAlgorithm int
+
+const (
+	// BinaryTree gathers arrivals up a binary tree and broadcasts the
+	// release down it (the default).
+	BinaryTree BarrierAlgorithm = iota
+	// Dissemination runs ⌈log2 p⌉ rounds of pairwise signals.
+	Dissemination
+	// Centralized gathers at the group's first rank, which releases all.
+	Centralized
+)
+
+func (a BarrierAlgorithm) String() string {
+	switch a {
+	case BinaryTree:
+		return "binary tree"
+	case Dissemination:
+		return "dissemination"
+	case Centralized:
+		return "centralized"
+	}
+	return fmt.Sprintf("BarrierAlgorithm(%d)", int(a))
+}
+
+func (a BarrierAlgorithm) valid() bool { return a >= BinaryTree && a <= Centralized }
+
+// Barrier errors. A failed barrier returns a *BarrierError wrapping one of
+// them (or the transport's or the context's error); test with errors.Is.
+var (
+	// ErrNotInGroup: the calling rank is not a member of the group it
+	// asked to synchronise.
+	ErrNotInGroup = errors.New("cluster: barrier: this rank is not in the group")
+	// ErrBadGroup: the group is not a list of distinct ranks of the world in
+	// ascending order (the error says which entry is wrong and why).
+	ErrBadGroup = errors.New("cluster: barrier: bad group")
+	// ErrPoisoned: an earlier barrier failed (timed out, or the transport
+	// broke), so the flags of this rank and its peers no longer agree.
+	// Every barrier fails with it until every rank calls Reset.
+	ErrPoisoned = errors.New("cluster: barrier: poisoned by an earlier failure (every rank must reset the barrier)")
+	// ErrBarrierMismatch: a peer signalled this rank for another barrier
+	// (another group, or another epoch of the group) than the one this
+	// rank waits in: the ranks call barriers in different orders.
+	ErrBarrierMismatch = errors.New("cluster: barrier: a peer is in another barrier (the ranks call barriers in different orders)")
+)
+
+// BarrierError is the error of a failed barrier: which barrier (algorithm,
+// rank, group, epoch), which peer it was exchanging with (-1 if none), and
+// the cause. The cause is ErrNotInGroup, ErrBadGroup, ErrPoisoned or
+// ErrBarrierMismatch (wrapped with details); a timeout (wrapping both
+// verbs.ErrTimeout and the context's error); or a transport error (a
+// *channel.OpError, usually wrapping channel.ErrBroken and the completion
+// error).
+type BarrierError struct {
+	Algorithm BarrierAlgorithm
+	Rank      int    // this rank
+	Group     []int  // the group, nil for the whole world
+	Epoch     uint64 // how many barriers of this group this rank entered before (since the last reset)
+	Peer      int    // the peer involved, or -1
+	Err       error
+}
+
+func (e *BarrierError) Error() string {
+	group := "world"
+	if e.Group != nil {
+		group = fmt.Sprintf("group %v", e.Group)
+	}
+	peer := ""
+	if e.Peer >= 0 {
+		peer = fmt.Sprintf(", peer %d", e.Peer)
+	}
+	return fmt.Sprintf("cluster: barrier (%s, rank %d, %s, epoch %d%s): %v", e.Algorithm, e.Rank, group, e.Epoch, peer, e.Err)
+}
+
+func (e *BarrierError) Unwrap() error { return e.Err }
+
+// Flag memory. Every rank registers 2 words of 8 bytes per rank of the
+// world; peer j writes only words 2j and 2j+1 of it. A rank writes to a
+// given peer at most once per barrier, and cannot get two writes ahead of
+// the peer on that pair (it cannot leave the barrier after the next one
+// before the peer has entered it, which the peer does only after reading
+// the first write): so each pair alternates between its two words, by the
+// parity of the pair's write count (seq). A word holds
+//
+//	bits 63..48 generation (bumped by reset; 0 is never used)
+//	bits 47..32 seq (low 16 bits of the pair's write count since reset)
+//	bits 31..16 tag of the group (a hash of its members)
+//	bits 15..0  epoch of the group (low 16 bits)
+//
+// The reader waits until the word holds exactly the value it expects.
+// Generation and seq make a stale word (of an older barrier, or of a
+// barrier abandoned before a reset) never match; tag and epoch, checked
+// once generation and seq match, turn a mismatched call order into
+// ErrBarrierMismatch instead of a silent wrong release. Writes are 8-byte
+// aligned 8-byte RDMA writes, which neither hardware nor soft0 tears.
+const (
+	wordsPerPeer = 2
+	flagBytes    = 8
+)
+
+// barrierInfo is what a rank hands its peers about its flags (localInfo):
+//
+//	magic "GVBR" | version u16 | algorithm u16 | rank u32 | world size u32 |
+//	flag address u64 | flag length u64 | rkey u32
+//
+// little endian, 36 bytes.
+const (
+	barrierMagic    = "GVBR"
+	barrierVersion  = 1
+	barrierInfoSize = 36
+)
+
+// Polling: spin (yielding the processor) for a while, then sleep with a
+// growing pause, checking the transport and ctx as it goes.
+const (
+	pollSpins    = 2048 // empty polls before the first sleep
+	pollCheck    = 64   // check ctx and the transport every pollCheck polls
+	pollMinSleep = time.Microsecond
+	pollMaxSleep = 500 * time.Microsecond
+)
+
+// group is the state of one distinct group at this rank: its members, its
+// epoch and its schedule for the barrier's algorithm.
+type group struct {
+	members []int  // world ranks, ascending; nil for the world
+	tag     uint64 // 16 bits
+	epoch   uint64
+	steps   []step
+	size    int
+}
+
+// step is one action of a schedule: signal a peer, or wait for its signal.
+type step struct {
+	wait bool
+	peer int // world rank
+}
+
+// barrier synchronises the ranks of a MultiChannel. It is safe for
+// concurrent use, but calls are serialised: one wait at a time per rank
+// (and the ranks must enter the barriers of overlapping groups in the same
+// order).
+type barrier struct {
+	mc      *channel.MultiChannel
+	alg     BarrierAlgorithm
+	rank, n int
+
+	flags   *verbs.MemoryRegion // 2 words per world rank, written by peers
+	staging *verbs.MemoryRegion // source words, when inline writes are unavailable
+	remote  []verbs.RemoteRegion
+
+	mu      sync.Mutex
+	closed  atomic.Bool
+	gen     uint64
+	sendSeq []uint32 // writes to each peer since reset
+	recvSeq []uint32 // writes expected from each peer since reset
+	world   *group
+	groups  map[uint64][]*group // by member hash
+	poison  error
+	word    [8]byte     // source of inline writes
+	timer   *time.Timer // sleeps of long waits
+}
+
+// newBarrier creates the barrier of rank mc.Self() in a world of mc.Len()
+// ranks and registers its flags in mc.PD(). Hand localInfo to every peer
+// (with the endpoints) and pass theirs to setRemote before the first wait.
+func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error) {
+	if mc == nil {
+		return nil, errors.New("cluster: barrier: nil MultiChannel")
+	}
+	if !alg.valid() {
+		return nil, fmt.Errorf("cluster: barrier: unknown algorithm %d", int(alg))
+	}
+	n, rank := mc.Len(), mc.Self()
+	if rank < 0 || rank >= n {
+		return nil, fmt.Errorf("cluster: barrier: the MultiChannel has no self rank (self %d of %d)", rank, n)
+	}
+	flags, err := mc.PD().Alloc(n*wordsPerPeer*flagBytes, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
+	if err != nil {
+		return nil, fmt.Errorf("cluster: barrier: flag memory: %w", err)
+	}
+	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, gen: 1,
+		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), groups: make(map[uint64][]*group)}
+	for _, p := range mc.Peers() {
+		if mc.Peer(p).MaxInline() < flagBytes {
+			if b.staging, err = mc.PD().Alloc(n*flagBytes, verbs.AccessLocalWrite); err != nil {
+				flags.Close()
+				return nil, fmt.Errorf("cluster: barrier: staging memory: %w", err)
+			}
+			break
+		}
+	}
+	b.world = b.newGroup(nil)
+	return b, nil
+}
+
+// localInfo returns what the peers need to signal this rank: opaque bytes
+// for setRemote.
+func (b *barrier) localInfo() []byte {
+	r := b.flags.Remote()
+	buf := make([]byte, barrierInfoSize)
+	copy(buf, barrierMagic)
+	binary.LittleEndian.PutUint16(buf[4:], barrierVersion)
+	binary.LittleEndian.PutUint16(buf[6:], uint16(b.alg))
+	binary.LittleEndian.PutUint32(buf[8:], uint32(b.rank))
+	binary.LittleEndian.PutUint32(buf[12:], uint32(b.n))
+	binary.LittleEndian.PutUint64(buf[16:], r.Addr)
+	binary.LittleEndian.PutUint64(buf[24:], r.Len)
+	binary.LittleEndian.PutUint32(buf[32:], r.RKey)
+	return buf
+}
+
+// setRemote takes every rank's localInfo, indexed by rank (this rank's own
+// entry is checked too). It validates them all before it keeps any.
+func (b *barrier) setRemote(infos [][]byte) error {
+	if len(infos) != b.n {
+		return fmt.Errorf("cluster: barrier: %d flag descriptions for a world of %d ranks", len(infos), b.n)
+	}
+	remote := make([]verbs.RemoteRegion, b.n)
+	need := uint64(b.n * wordsPerPeer * flagBytes)
+	for j, info := range infos {
+		if len(info) != barrierInfoSize {
+			return fmt.Errorf("cluster: barrier: rank %d's flag description is %d bytes, want %d", j, len(info), barrierInfoSize)
+		}
+		if string(info[:4]) != barrierMagic {
+			return fmt.Errorf("cluster: barrier: rank %d's flag description has magic %q, want %q", j, info[:4], barrierMagic)
+		}
+		if v := binary.LittleEndian.Uint16(info[4:]); v != barrierVersion {
+			return fmt.Errorf("cluster: barrier: rank %d's flag description has version %d, want %d", j, v, barrierVersion)
+		}
+		if a := BarrierAlgorithm(binary.LittleEndian.Uint16(info[6:])); a != b.alg {
+			return fmt.Errorf("cluster: barrier: rank %d uses the %v barrier, this rank %v: every rank must use the same algorithm", j, a, b.alg)
+		}
+		if r := binary.LittleEndian.Uint32(info[8:]); r != uint32(j) {
+			return fmt.Errorf("cluster: barrier: entry %d holds the flag description of rank %d", j, r)
+		}
+		if n := binary.LittleEndian.Uint32(info[12:]); n != uint32(b.n) {
+			return fmt.Errorf("cluster: barrier: rank %d has a world of %d ranks, this rank %d", j, n, b.n)
+		}
+		r := verbs.RemoteRegion{Addr: binary.LittleEndian.Uint64(info[16:]), Len: binary.LittleEndian.Uint64(info[24:]),
+			RKey: binary.LittleEndian.Uint32(info[32:])}
+		if r.Len < need {
+			return fmt.Errorf("cluster: barrier: rank %d's flag region has %d bytes, want %d", j, r.Len, need)
+		}
+		if r.Addr%flagBytes != 0 {
+			return fmt.Errorf("cluster: barrier: rank %d's flag region at %#x is not 8-byte aligned", j, r.Addr)
+		}
+		if r.Addr+need < r.Addr {
+			return fmt.Errorf("cluster: barrier: rank %d's flag region at %#x wraps around", j, r.Addr)
+		}
+		remote[j] = r
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed.Load() {
+		return fmt.Errorf("cluster: barrier: %w", channel.ErrClosed)
+	}
+	b.remote = remote
+	return nil
+}
+
+// hashGroup hashes a member list (FNV-1a over the ranks).
+func hashGroup(members []int) uint64 {
+	h := uint64(14695981039346656037)
+	for _, m := range members {
+		for v := uint64(m); ; v >>= 8 {
+			h ^= v & 0xff
+			h *= 1099511628211
+			if v < 0x100 {
+				break
+			}
+		}
+		h ^= 0xff // separator
+		h *= 1099511628211
+	}
+	return h
+}
+
+// newGroup builds the state of a group (nil: the world) at this rank.
+func (b *barrier) newGroup(members []int) *group {
+	g := &group{size: b.n}
+	world := members
+	if members != nil {
+		g.members = append([]int(nil), members...)
+		g.size = len(members)
+	} else {
+		world = make([]int, b.n)
+		for i := range world {
+			world[i] = i
+		}
+	}
+	h := hashGroup(world)
+	g.tag = (h >> 48) ^ (h & 0xffff)
+	me := 0
+	for i, m := range world {
+		if m == b.rank {
+			me = i
+		}
+	}
+	g.steps = schedule(b.alg, world, me)
+	return g
+}
+
+// schedule returns the steps of rank members[me] in a barrier of members.
+func schedule(alg BarrierAlgorithm, members []int, me int) []step {
+	p := len(members)
+	if p <= 1 {
+		return nil
+	}
+	var s []step
+	switch alg {
+	case Dissemination:
+		for d := 1; d < p; d <<= 1 {
+			s = append(s, step{peer: members[(me+d)%p]}, step{wait: true, peer: members[(me-d+p)%p]})
+		}
+	case Centralized:
+		if me == 0 {
+			for i := 1; i < p; i++ {
+				s = append(s, step{wait: true, peer: members[i]})
+			}
+			for i := 1; i < p; i++ {
+				s = append(s, step{peer: members[i]})
+			}
+		} else {
+			s = append(s, step{peer: members[0]}, step{wait: true, peer: members[0]})
+		}
+	default: // BinaryTree: children of position i are 2i+1 and 2i+2.
+		for c := 2*me + 1; c <= 2*me+2 && c < p; c++ {
+			s = append(s, step{wait: true, peer: members[c]})
+		}
+		if me > 0 {
+			parent := members[(me-1)/2]
+			s = append(s, step{peer: parent}, step{wait: true, peer: parent})
+		}
+		for c := 2*me + 1; c <= 2*me+2 && c < p; c++ {
+			s = append(s, step{peer: members[c]})
+		}
+	}
+	return s
+}
+
+// lookup validates peers and returns the group's state (created on first
+// use).
+func (b *barrier) lookup(peers []int) (*group, error) {
+	if peers == nil {
+		return b.world, nil
+	}
+	if len(peers) == 0 {
+		return nil, fmt.Errorf("%w: empty group (pass nil for the whole world)", ErrBadGroup)
+	}
+	in := false
+	for i, p := range peers {
+		if p < 0 || p >= b.n {
+			return nil, fmt.Errorf("%w: entry %d is rank %d, outside the world [0, %d)", ErrBadGroup, i, p, b.n)
+		}
+		if i > 0 && p == peers[i-1] {
+			return nil, fmt.Errorf("%w: rank %d appears twice (entries %d and %d)", ErrBadGroup, p, i-1, i)
+		}
+		if i > 0 && p < peers[i-1] {
+			return nil, fmt.Errorf("%w: ranks not in ascending order (entry %d is rank %d, after rank %d)", ErrBadGroup, i, p, peers[i-1])
+		}
+		if p == b.rank {
+			in = true
+		}
+	}
+	if !in {
+		return nil, fmt.Errorf("%w: rank %d is not in %v", ErrNotInGroup, b.rank, peers)
+	}
+	if len(peers) == b.n {
+		return b.world, nil // every rank: the same group as nil
+	}
+	h := hashGroup(peers)
+	for _, g := range b.groups[h] {
+		if equal(g.members, peers) {
+			return g, nil
+		}
+	}
+	g := b.newGroup(peers)
+	b.groups[h] = append(b.groups[h], g)
+	return g, nil
+}
+
+func equal(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// wait returns once every rank of the group (nil: the world; otherwise a
+// sorted subgroup containing this rank) has entered this barrier, or fails
+// when ctx ends (the barrier is then poisoned), the transport breaks
+// (poisoned too), or the group is invalid (not poisoned).
+func (b *barrier) wait(ctx context.Context, peers []int) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	g, err := b.lookup(peers)
+	if err != nil {
+		return b.fail(nil, peers, -1, err)
+	}
+	if b.closed.Load() {
+		return b.fail(g, peers, -1, channel.ErrClosed)
+	}
+	if b.poison != nil {
+		return b.fail(g, peers, -1, fmt.Errorf("%w: %w", ErrPoisoned, b.poison))
+	}
+	if len(g.steps) > 0 && b.remote == nil {
+		return b.fail(g, peers, -1, fmt.Errorf("the peers' flags are not known yet (setRemote): %w", channel.ErrNotConnected))
+	}
+	for _, s := range g.steps {
+		if s.wait {
+			err = b.await(ctx, g, s.peer)
+		} else {
+			err = b.signal(ctx, g, s.peer)
+		}
+		if err != nil {
+			e := b.fail(g, peers, s.peer, err)
+			if !errors.Is(err, channel.ErrClosed) {
+				b.poison = e
+			}
+			return e
+		}
+	}
+	g.epoch++
+	return nil
+}
+
+// fail builds the error of a barrier.
+func (b *barrier) fail(g *group, peers []int, peer int, err error) error {
+	e := &BarrierError{Algorithm: b.alg, Rank: b.rank, Peer: peer, Err: err}
+	if peers != nil {
+		e.Group = append([]int(nil), peers...)
+	}
+	if g != nil {
+		e.Epoch = g.epoch
+	}
+	return e
+}
+
+// value is the word the barrier of g writes on the pair with write count
+// seq.
+func (b *barrier) value(g *group, seq uint32) uint64 {
+	return b.gen<<48 | uint64(seq&0xffff)<<32 | g.tag<<16 | g.epoch&0xffff
+}
+
+// signal writes this rank's word for g into peer's flags.
+func (b *barrier) signal(ctx context.Context, g *group, peer int) error {
+	seq := b.sendSeq[peer]
+	v := b.value(g, seq)
+	off := uint64((b.rank*wordsPerPeer + int(seq&1)) * flagBytes)
+	dst := b.remote[peer].At(off)
+	ch := b.mc.Peer(peer)
+	var err error
+	if b.staging == nil {
+		binary.NativeEndian.PutUint64(b.word[:], v)
+		err = ch.WriteInline(ctx, dst, b.word[:])
+	} else {
+		binary.NativeEndian.PutUint64(b.staging.Bytes()[peer*flagBytes:], v)
+		err = ch.Write(ctx, dst, b.staging.SGE(peer*flagBytes, flagBytes))
+	}
+	if err != nil {
+		return err
+	}
+	b.sendSeq[peer] = seq + 1
+	return nil
+}
+
+// await polls the word peer writes for g until it holds the expected
+// value, ctx ends, or the transport to peer breaks.
+func (b *barrier) await(ctx context.Context, g *group, peer int) error {
+	seq := b.recvSeq[peer]
+	want := b.value(g, seq)
+	off := (peer*wordsPerPeer + int(seq&1)) * flagBytes
+	w := (*uint64)(unsafe.Pointer(&b.flags.Bytes()[off]))
+	done := ctx.Done()
+	sleep := pollMinSleep
+	for i := 1; ; i++ {
+		v := atomic.LoadUint64(w)
+		if v == want {
+			b.recvSeq[peer] = seq + 1
+			return nil
+		}
+		if v>>32 == want>>32 {
+			return fmt.Errorf("%w: rank %d signalled group tag %#04x epoch %d, this rank waits for tag %#04x epoch %d",
+				ErrBarrierMismatch, peer, v>>16&0xffff, v&0xffff, g.tag, g.epoch&0xffff)
+		}
+		if i%pollCheck == 0 || i >= pollSpins {
+			select {
+			case <-done:
+				if atomic.LoadUint64(w) == want {
+					continue
+				}
+				return fmt.Errorf("waiting for rank %d: %w: %w", peer, verbs.ErrTimeout, ctx.Err())
+			default:
+			}
+			if b.closed.Load() {
+				return channel.ErrClosed
+			}
+			// Unsignaled writes report failures only through the CQ.
+			if err := b.mc.Progress(); err != nil {
+				return err
+			}
+			if err := b.mc.Peer(peer).Err(); err != nil {
+				return err
+			}
+		}
+		if i < pollSpins {
+			runtime.Gosched()
+			continue
+		}
+		if b.timer == nil {
+			b.timer = time.NewTimer(sleep)
+		} else {
+			b.timer.Reset(sleep)
+		}
+		select {
+		case <-done:
+		case <-b.timer.C:
+		}
+		b.timer.Stop()
+		sleep = min(2*sleep, pollMaxSleep)
+	}
+}
+
+// reset clears the poison and starts every group over at epoch 0. It is
+// collective: after a barrier failed anywhere, every rank of the world
+// calls reset (once) before its next barrier, whether or not its own
+// barrier failed. It does not communicate; signals still in flight from
+// the abandoned barriers are recognised as stale (the generation changed)
+// and ignored.
+func (b *barrier) reset() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed.Load() {
+		return fmt.Errorf("cluster: barrier: reset: %w", channel.ErrClosed)
+	}
+	b.poison = nil
+	b.gen = b.gen%0xffff + 1 // 1..65535: generation 0 would match zeroed flags
+	clear(b.sendSeq)
+	clear(b.recvSeq)
+	b.world.epoch = 0
+	for _, gs := range b.groups {
+		for _, g := range gs {
+			g.epoch = 0
+		}
+	}
+	return nil
+}
+
+// close releases the flag memory. A wait in progress fails with
+// channel.ErrClosed. Close the barrier before the MultiChannel's PD.
+// Idempotent.
+func (b *barrier) close() error {
+	if b.closed.Swap(true) {
+		return nil
+	}
+	b.mu.Lock() // a wait in progress sees closed and returns
+	defer b.mu.Unlock()
+	var errs []error
+	if err := b.flags.Close(); err != nil {
+		errs = append(errs, err)
+	}
+	if b.staging != nil {
+		if err := b.staging.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("cluster: barrier: close: %w", err)
+	}
+	return nil
+}
