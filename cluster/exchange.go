@@ -7,7 +7,6 @@ import (
 	"fmt"
 	mrand "math/rand/v2"
 	"net"
-	"os"
 	"slices"
 	"sync"
 	"time"
@@ -315,7 +314,10 @@ func newNonce() [nonceLen]byte {
 // hello, checks it with ok (which claims the peer), answers with its own.
 // A refused hello is answered with a reject frame; the error says why.
 func (x *exchange) accept(ctx context.Context, c net.Conn, ok func(peer int) error) (*conn, error) {
+	// A peer says hello at once: a connection that does not is not one.
+	c.SetReadDeadline(time.Now().Add(helloTimeout))
 	f, err := readFrame(c, x.cfg.Token, x.max)
+	c.SetReadDeadline(time.Time{})
 	if err == nil {
 		err = x.check(f, frameHello, -1)
 		if err == nil && f.typ != frameHello {
@@ -354,6 +356,9 @@ func isIOErr(err error) bool {
 	return !(errors.Is(err, ErrAuth) || errors.Is(err, ErrBadFrame) || errors.Is(err, ErrFrameTooLarge) ||
 		errors.Is(err, ErrVersion) || errors.Is(err, ErrJobMismatch))
 }
+
+// helloTimeout bounds the wait for a connecting peer's hello.
+const helloTimeout = 10 * time.Second
 
 // errRetry marks a dial attempt worth repeating.
 type errRetry struct{ err error }
@@ -536,7 +541,8 @@ func (e *peerErr) Error() string { return fmt.Sprintf("peer %d: %v", e.peer, e.e
 func (e *peerErr) Unwrap() error { return e.err }
 
 // serve accepts connections on ln until ctx ends, handing each to h in
-// its own goroutine tracked by wg.
+// its own goroutine tracked by wg. h owns the connection (serve closes
+// it when h returns) and must guard its blocking calls itself.
 func serve(ctx context.Context, ln net.Listener, wg *sync.WaitGroup, h func(c net.Conn)) {
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	wg.Add(1)
@@ -550,26 +556,19 @@ func serve(ctx context.Context, ln net.Listener, wg *sync.WaitGroup, h func(c ne
 				if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
 					return
 				}
-				var ne net.Error
-				if errors.As(err, &ne) && ne.Timeout() {
-					continue
-				}
-				if errors.Is(err, os.ErrDeadlineExceeded) {
-					continue
-				}
 				// Transient accept errors (EMFILE...): back off a little.
+				t := time.NewTimer(10 * time.Millisecond)
 				select {
 				case <-ctx.Done():
+					t.Stop()
 					return
-				case <-time.After(10 * time.Millisecond):
+				case <-t.C:
 				}
 				continue
 			}
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				stop := guard(ctx, c)
-				defer stop()
 				defer c.Close()
 				h(c)
 			}()
@@ -594,6 +593,7 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 			return nil, err
 		}
 		serve(ctx, ln, &wg, func(c net.Conn) {
+			defer guard(ctx, c)()
 			k, err := x.accept(ctx, c, func(p int) error {
 				if p < r {
 					return fmt.Errorf("%w: rank %d should be dialed by rank %d, not dial it", ErrBadFrame, p, r)
@@ -676,9 +676,12 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	release := make(chan struct{}) // closed when the root is done with the connections
 	serve(gctx, ln, &wg, func(c net.Conn) {
+		stop := guard(gctx, c)
 		k, err := x.accept(gctx, c, s.claim)
 		if err != nil {
+			stop()
 			if k == nil {
 				s.reject(err)
 			} else {
@@ -691,18 +694,27 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 		if err == nil {
 			v, err = decodeVector(data, n)
 		}
-		if err != nil {
+		if err != nil || !stop() {
+			// Failed, or gctx ended (the connection is closed).
+			if err == nil {
+				err = x.ioErr(gctx, net.ErrClosed)
+			}
 			s.fatal(&peerErr{k.peer, err})
 			return
 		}
-		// Keep the connection for the broadcast: detach it from serve's
-		// cleanup by duplicating ownership here.
+		// Keep the connection, unguarded, for the broadcast (or the
+		// abort) that follows the gather, even past the deadline.
 		mu.Lock()
 		conns[k.peer], vecs[k.peer] = k, v
 		mu.Unlock()
 		s.put(k.peer, nil)
-		<-gctx.Done() // hold the connection open until the broadcast is over
+		<-release
 	})
+	defer func() {
+		close(release)
+		cancel()
+		wg.Wait()
+	}()
 	err = s.wait(gctx, x)
 	if err != nil {
 		// Tell the connected ranks why, so that they fail now rather than
@@ -710,8 +722,6 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 		x.broadcast(conns, &mu, func(k *conn) *frame {
 			return x.frame(frameAbort, k.peer, k.theirs, []byte(sanitize(err.Error())))
 		})
-		cancel()
-		wg.Wait()
 		return nil, err
 	}
 	in := make([][]byte, n)
@@ -725,8 +735,6 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 		}
 		return x.frame(frameData, k.peer, k.theirs, encodeVector(col))
 	})
-	cancel()
-	wg.Wait()
 	for i, e := range errs {
 		if e != nil {
 			return nil, x.fail(i, nil, fmt.Errorf("%w: %w", ErrPeerLost, e))

@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -90,9 +91,9 @@ func (n *Node) PD() *verbs.ProtectionDomain { return n.mc.PD() }
 
 // Peer message (what rank i sends to rank j in the exchange):
 //
-//	magic "GVND" | version u8 | vector of 3 entries: endpoint of the queue
-//	pair of i for j (binary, empty for i == j) | barrier info of i |
-//	application data of i
+//	magic "GVND" | version u8 | i u32 | j u32 | world size u32 | vector of
+//	3 entries: endpoint of the queue pair of i for j (binary, empty for
+//	i == j) | barrier info of i | application data of i
 const (
 	nodeMagic   = "GVND"
 	nodeVersion = 1
@@ -123,21 +124,32 @@ func (n *Node) LocalEndpoints(data []byte) ([][]byte, error) {
 				return nil, fmt.Errorf("cluster: node: endpoint for rank %d: %w", j, err)
 			}
 		}
-		out[j] = append(append([]byte(nodeMagic), nodeVersion), encodeVector([][]byte{ep, info, data})...)
+		b := append([]byte(nodeMagic), nodeVersion)
+		b = binary.BigEndian.AppendUint32(b, uint32(n.rank))
+		b = binary.BigEndian.AppendUint32(b, uint32(j))
+		b = binary.BigEndian.AppendUint32(b, uint32(n.size))
+		out[j] = append(b, encodeVector([][]byte{ep, info, data})...)
 	}
 	n.phase = 1
 	return out, nil
 }
 
-// decodePeer decodes the message of rank j.
-func decodePeer(b []byte, j, self int) (ep verbs.Endpoint, info, data []byte, err error) {
-	if len(b) < 5 || string(b[:4]) != nodeMagic {
+// decodePeer decodes the message of rank j to this rank (self) in a world
+// of size ranks.
+func decodePeer(b []byte, j, self, size int) (ep verbs.Endpoint, info, data []byte, err error) {
+	const hdr = 4 + 1 + 12
+	if len(b) < hdr || string(b[:4]) != nodeMagic {
 		return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's message is not a node message", j)
 	}
 	if b[4] != nodeVersion {
 		return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's message has version %d (want %d)", j, b[4], nodeVersion)
 	}
-	v, err := decodeVector(b[5:], 3)
+	from, to, n := binary.BigEndian.Uint32(b[5:]), binary.BigEndian.Uint32(b[9:]), binary.BigEndian.Uint32(b[13:])
+	if from != uint32(j) || to != uint32(self) || n != uint32(size) {
+		return ep, nil, nil, fmt.Errorf("cluster: node: entry %d is the message of rank %d to rank %d in a world of %d, not of rank %d to rank %d in a world of %d",
+			j, from, to, n, j, self, size)
+	}
+	v, err := decodeVector(b[hdr:], 3)
 	if err != nil {
 		return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's message: %w", j, err)
 	}
@@ -167,7 +179,7 @@ func (n *Node) Connect(remote [][]byte) error {
 	data := make([][]byte, n.size)
 	for j, b := range remote {
 		var err error
-		if eps[j], infos[j], data[j], err = decodePeer(b, j, n.rank); err != nil {
+		if eps[j], infos[j], data[j], err = decodePeer(b, j, n.rank, n.size); err != nil {
 			return err
 		}
 	}

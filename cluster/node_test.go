@@ -1,0 +1,363 @@
+package cluster_test
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+	"github.com/goverbs/verbs/cluster"
+	"github.com/goverbs/verbs/verbstest"
+)
+
+// loopbackConfig opens n listeners on 127.0.0.1 (ephemeral ports) and
+// returns the configuration naming them, with the listeners by rank.
+func loopbackConfig(t testing.TB, n int) (*cluster.Config, []net.Listener) {
+	t.Helper()
+	cfg := &cluster.Config{}
+	lns := make([]net.Listener, n)
+	for i := range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ln.Close() })
+		lns[i] = ln
+		cfg.Hosts = append(cfg.Hosts, cluster.Host{Hostname: "127.0.0.1", Port: ln.Addr().(*net.TCPAddr).Port,
+			Device: verbs.SoftDevice, Rank: i})
+	}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	return cfg, lns
+}
+
+// member is one rank of a test world: its node and a region every peer
+// may write (slot j, 8 bytes, belongs to rank j).
+type member struct {
+	node *cluster.Node
+	mr   *verbs.MemoryRegion
+}
+
+// publish registers the member's region and returns its description.
+func (m *member) publish(n *cluster.Node) ([]byte, error) {
+	mr, err := n.PD().Alloc(8*n.Size()+8, verbs.AccessRemoteAll)
+	if err != nil {
+		return nil, err
+	}
+	m.mr = mr
+	r := mr.Remote()
+	b := binary.LittleEndian.AppendUint64(nil, r.Addr)
+	b = binary.LittleEndian.AppendUint64(b, r.Len)
+	return binary.LittleEndian.AppendUint32(b, r.RKey), nil
+}
+
+func (m *member) close() error {
+	var err error
+	if m.mr != nil {
+		err = m.mr.Close()
+	}
+	return errors.Join(err, m.node.Close())
+}
+
+func remoteOf(b []byte) (verbs.RemoteRegion, error) {
+	if len(b) != 20 {
+		return verbs.RemoteRegion{}, fmt.Errorf("peer data of %d bytes", len(b))
+	}
+	return verbs.RemoteRegion{Addr: binary.LittleEndian.Uint64(b), Len: binary.LittleEndian.Uint64(b[8:]),
+		RKey: binary.LittleEndian.Uint32(b[16:])}, nil
+}
+
+// joinWorld runs Join for every rank of a loopback world in goroutines
+// and returns the members by rank. It fails the test if any rank fails.
+func joinWorld(t *testing.T, n int, mode cluster.Mode, opts cluster.JoinOptions) []*member {
+	t.Helper()
+	verbstest.CheckLeaks(t)
+	cfg, lns := loopbackConfig(t, n)
+	ms := make([]*member, n)
+	errs := make([]error, n)
+	ctx := testContext(t)
+	var wg sync.WaitGroup
+	for i := range n {
+		ms[i] = &member{}
+		o := opts
+		o.Mode, o.Listener = mode, lns[i]
+		o.Prepare = ms[i].publish
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ms[i].node, errs[i] = cluster.Join(ctx, cfg, i, o)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("rank %d: join: %v", i, err)
+		}
+	}
+	t.Cleanup(func() {
+		for i, m := range ms {
+			if m.node == nil {
+				if m.mr != nil {
+					t.Errorf("rank %d: join failed but left its region open", i)
+				}
+				continue
+			}
+			if err := m.close(); err != nil {
+				t.Errorf("rank %d: close: %v", i, err)
+			}
+		}
+	})
+	if t.Failed() {
+		t.FailNow()
+	}
+	return ms
+}
+
+func testContext(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// forEach runs f for every member concurrently and reports failures.
+func forEach(t *testing.T, ms []*member, f func(i int, m *member) error) {
+	t.Helper()
+	var wg sync.WaitGroup
+	errs := make([]error, len(ms))
+	for i, m := range ms {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = f(i, m)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("rank %d: %v", i, err)
+		}
+	}
+}
+
+var worldSizes = []int{1, 2, 3, 4, 7, 8}
+
+// TestWorld builds worlds of every size in both exchange modes, checks
+// ranks and published data, writes from every rank to every rank
+// (all-to-all), and runs barriers asserting that no rank leaves before
+// every rank has arrived.
+func TestWorld(t *testing.T) {
+	for _, mode := range []cluster.Mode{cluster.AllToAll, cluster.Rendezvous} {
+		for _, n := range worldSizes {
+			t.Run(fmt.Sprintf("%v/%d", mode, n), func(t *testing.T) {
+				ms := joinWorld(t, n, mode, cluster.JoinOptions{Job: "test-world", Token: []byte("secret")})
+				ctx := testContext(t)
+				for i, m := range ms {
+					if m.node.Rank() != i || m.node.Size() != n {
+						t.Fatalf("rank %d: node says rank %d of %d", i, m.node.Rank(), m.node.Size())
+					}
+					if got := m.node.Channel().Len(); got != n {
+						t.Fatalf("rank %d: channel to %d peers", i, got)
+					}
+				}
+				// All-to-all write: rank i writes 1000*i+j into slot i of
+				// rank j's region.
+				forEach(t, ms, func(i int, m *member) error {
+					src, err := m.node.PD().Alloc(8*n, verbs.AccessLocalWrite)
+					if err != nil {
+						return err
+					}
+					defer src.Close()
+					var peers []int
+					var dsts []verbs.RemoteAddr
+					var bufs []verbs.SGE
+					for j := range n {
+						r, err := remoteOf(m.node.PeerData(j))
+						if err != nil {
+							return fmt.Errorf("rank %d's data: %w", j, err)
+						}
+						binary.LittleEndian.PutUint64(src.Bytes()[8*j:], uint64(1000*i+j))
+						if j == i {
+							binary.LittleEndian.PutUint64(m.mr.Bytes()[8*i:], uint64(1000*i+j))
+							continue
+						}
+						peers = append(peers, j)
+						dsts = append(dsts, r.At(uint64(8*i)))
+						bufs = append(bufs, src.SGE(8*j, 8))
+					}
+					if len(peers) > 0 {
+						if err := m.node.Channel().ScatterWrite(ctx, peers, dsts, bufs); err != nil {
+							return err
+						}
+					}
+					// Once every rank passed this barrier, every write to
+					// this rank has completed at its writer.
+					return m.node.Barrier(ctx, nil)
+				})
+				for j, m := range ms {
+					for i := range n {
+						if got, want := binary.LittleEndian.Uint64(m.mr.Bytes()[8*i:]), uint64(1000*i+j); got != want {
+							t.Errorf("rank %d, slot %d: %d, want %d", j, i, got, want)
+						}
+					}
+				}
+				// Barrier correctness: in round k every rank counts its
+				// arrival, then waits; after the barrier the count must be
+				// complete.
+				const rounds = 20
+				var arrived [rounds]atomic.Int64
+				forEach(t, ms, func(i int, m *member) error {
+					for k := range rounds {
+						arrived[k].Add(1)
+						if err := m.node.Barrier(ctx, nil); err != nil {
+							return err
+						}
+						if got := arrived[k].Load(); got != int64(n) {
+							return fmt.Errorf("round %d: left the barrier after %d of %d arrivals", k, got, n)
+						}
+					}
+					return nil
+				})
+			})
+		}
+	}
+}
+
+// TestWorldAlgorithms checks that Join passes the barrier algorithm on
+// (every algorithm synchronises a world of 4).
+func TestWorldAlgorithms(t *testing.T) {
+	for _, alg := range []cluster.BarrierAlgorithm{cluster.BinaryTree, cluster.Dissemination, cluster.Centralized} {
+		t.Run(alg.String(), func(t *testing.T) {
+			const n = 4
+			ms := joinWorld(t, n, cluster.AllToAll, cluster.JoinOptions{Node: cluster.NodeOptions{Barrier: alg}})
+			ctx := testContext(t)
+			var arrived atomic.Int64
+			forEach(t, ms, func(i int, m *member) error {
+				arrived.Add(1)
+				if err := m.node.Barrier(ctx, nil); err != nil {
+					return err
+				}
+				if got := arrived.Load(); got != n {
+					return fmt.Errorf("left after %d of %d arrivals", got, n)
+				}
+				return nil
+			})
+		})
+	}
+}
+
+// TestNodePhases checks the two-phase construction by hand (NewNode,
+// LocalEndpoints, an in-memory exchange, Connect), the phase errors, and
+// a subgroup barrier.
+func TestNodePhases(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	const n = 3
+	nodes := make([]*cluster.Node, n)
+	for i := range n {
+		dev, err := verbs.Open(verbs.SoftDevice)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { dev.Close() })
+		pd, err := dev.AllocPD()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { pd.Close() })
+		if nodes[i], err = cluster.NewNode(pd, i, n, cluster.NodeOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { nodes[i].Close() })
+	}
+	ctx := testContext(t)
+	if err := nodes[0].Connect(make([][]byte, n)); !errors.Is(err, cluster.ErrNodeState) {
+		t.Errorf("Connect before LocalEndpoints: %v, want ErrNodeState", err)
+	}
+	if err := nodes[0].Barrier(ctx, nil); !errors.Is(err, cluster.ErrNodeState) {
+		t.Errorf("Barrier before Connect: %v, want ErrNodeState", err)
+	}
+	out := make([][][]byte, n)
+	for i, nd := range nodes {
+		var err error
+		if out[i], err = nd.LocalEndpoints([]byte{byte(10 + i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A message meant for another rank is refused.
+	bad := make([][]byte, n)
+	for j := range n {
+		bad[j] = out[j][0] // what rank j sent rank 0, handed to rank 1
+	}
+	bad[1] = out[1][1]
+	if err := nodes[1].Connect(bad); err == nil {
+		t.Error("Connect with another rank's messages succeeded")
+	} else {
+		t.Logf("Connect with another rank's messages: %v", err)
+	}
+	for i, nd := range nodes {
+		in := make([][]byte, n)
+		for j := range n {
+			in[j] = out[j][i]
+		}
+		if i == 1 {
+			// The refused Connect changed nothing: the right messages
+			// still connect.
+			if err := nd.Connect(in); err != nil {
+				t.Fatalf("rank 1: Connect after a refused Connect: %v", err)
+			}
+			continue
+		}
+		if err := nd.Connect(in); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := nodes[2].Connect(nil); !errors.Is(err, cluster.ErrNodeState) {
+		t.Errorf("second Connect: %v, want ErrNodeState", err)
+	}
+	for i, nd := range nodes {
+		for j := range n {
+			if got := nd.PeerData(j); len(got) != 1 || got[0] != byte(10+j) {
+				t.Errorf("rank %d: PeerData(%d) = %v", i, j, got)
+			}
+		}
+	}
+	// A subgroup of ranks 0 and 2; rank 1 is not involved.
+	var wg sync.WaitGroup
+	for _, i := range []int{0, 2} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := nodes[i].Barrier(ctx, []int{0, 2}); err != nil {
+				t.Errorf("rank %d: %v", i, err)
+			}
+		}()
+	}
+	wg.Wait()
+	var be *cluster.BarrierError
+	if err := nodes[1].Barrier(ctx, []int{0, 2}); !errors.Is(err, cluster.ErrNotInGroup) || !errors.As(err, &be) {
+		t.Errorf("barrier of a group without this rank: %v, want ErrNotInGroup", err)
+	}
+	// A peer's queue pair works: rank 0 reads rank 2's barrier-free data
+	// path through the channel (ErrNoPeer for itself).
+	if err := nodes[0].Channel().Peer(0).Err(); !errors.Is(err, channel.ErrNoPeer) {
+		t.Errorf("self peer: %v, want ErrNoPeer", err)
+	}
+	for _, nd := range nodes {
+		if err := nd.Close(); err != nil {
+			t.Error(err)
+		}
+		if err := nd.Close(); err != nil {
+			t.Errorf("second Close: %v", err)
+		}
+	}
+	if err := nodes[0].Barrier(ctx, nil); !errors.Is(err, cluster.ErrNodeState) {
+		t.Errorf("Barrier after Close: %v, want ErrNodeState", err)
+	}
+}
