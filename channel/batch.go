@@ -61,6 +61,9 @@ func (e *engine) run(ctx context.Context, fn func(sc *scope) error) (err error) 
 	if ctx == nil {
 		return errors.New("channel: Batch: nil context")
 	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("channel: batch: %w", waitErr(err))
+	}
 	sc := e.getScope(ctx)
 	defer func() {
 		r := recover()
@@ -435,7 +438,9 @@ func (sc *scope) waitAllOp(hs []Handle) error {
 // whose result fn never looked at (through Wait, WaitAny, WaitAll or
 // Handle.Err). ctx bounds every wait of the scope; if it ends while
 // operations are still in flight at the end, the queue pairs concerned are
-// broken to flush them (like a cancelled blocking call).
+// broken to flush them (like a cancelled blocking call). If ctx has ended
+// before the call, Batch does not run fn and returns an error wrapping
+// verbs.ErrTimeout and ctx.Err().
 func (c *Channel) Batch(ctx context.Context, fn func(b *Batch) error) error {
 	if c.err != nil {
 		return c.opErr("batch", c.err)
