@@ -1,11 +1,16 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"os/signal"
 	"strconv"
 	"strings"
+	"syscall"
+	"time"
 
 	"github.com/goverbs/verbs"
 )
@@ -19,10 +24,19 @@ type benchConfig struct {
 	dev     string
 	dev2    string
 	batch   int
+	cqMod   int // signal every cqMod-th request (bandwidth)
 	txDepth int
 	rxDepth int
 	mtu     verbs.MTU
 	json    bool
+
+	// Two-process mode (perftest's topology): the server listens on
+	// bind:port for one client; the client connects to host:port.
+	server  bool
+	host    string
+	port    int
+	bind    string
+	timeout time.Duration // connecting and exchanging the parameters
 
 	badRKey bool // tests: use a wrong rkey, so that completions fail
 }
@@ -37,7 +51,7 @@ const (
 )
 
 func runBench(args []string, stdout, stderr io.Writer) int {
-	fs := newFlagSet("bench", "write|read|send [--lat] [-s size] [-n iters] [-d dev] [--dev2 dev] [--batch N] [--tx-depth N] [--all] [--json]", stderr)
+	fs := newFlagSet("bench", "write|read|send [--lat] [-s size] [-n iters] [-d dev] [--dev2 dev] [--batch N] [--tx-depth N] [--all] [--json] [--server | HOST] [-p port]", stderr)
 	var cfg benchConfig
 	var size string
 	fs.BoolVar(&cfg.lat, "lat", false, "measure latency instead of bandwidth")
@@ -49,11 +63,18 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&cfg.dev, "ib-dev", "", "same as -d")
 	fs.StringVar(&cfg.dev2, "dev2", "", "`device` of the second queue pair (default: the first's)")
 	fs.IntVar(&cfg.batch, "batch", 16, "requests per doorbell batch; the last of each batch is signaled")
+	fs.IntVar(&cfg.cqMod, "cq-mod", 0, "bandwidth: signal every `N`th request (perftest -Q; default --batch)")
 	fs.IntVar(&cfg.txDepth, "tx-depth", 128, "send requests kept outstanding")
+	fs.IntVar(&cfg.txDepth, "t", 128, "same as --tx-depth")
 	fs.IntVar(&cfg.rxDepth, "rx-depth", 512, "receives kept posted (send test)")
 	mtu := fs.Int("mtu", 0, "path MTU in `bytes` (256..4096; default: the port's active MTU)")
 	all := fs.Bool("all", false, "sweep message sizes 2 .. 8M in powers of two")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON object per result row instead of the table")
+	fs.BoolVar(&cfg.server, "server", false, "run the server side of a two-process test: wait for one client (goverbs bench ... HOST)")
+	fs.IntVar(&cfg.port, "p", 18515, "TCP `port` of the server's out-of-band exchange (two-process mode)")
+	fs.IntVar(&cfg.port, "port", 18515, "same as -p")
+	fs.StringVar(&cfg.bind, "bind", "", "`address` the server listens on (default: all)")
+	fs.DurationVar(&cfg.timeout, "timeout", time.Minute, "how long to wait for the peer to connect and exchange parameters")
 	pos, st := parseFlags(fs, args)
 	if st >= 0 {
 		return st
@@ -61,8 +82,23 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	switch {
 	case len(pos) == 0:
 		return usageErr(stderr, "bench", "missing test: write, read or send")
-	case len(pos) > 1:
-		return usageErr(stderr, "bench", "unexpected argument %q", pos[1])
+	case len(pos) > 2:
+		return usageErr(stderr, "bench", "unexpected argument %q", pos[2])
+	case len(pos) == 2 && cfg.server:
+		return usageErr(stderr, "bench", "--server takes no HOST (%q): the server waits for the client", pos[1])
+	case len(pos) == 2:
+		cfg.host = pos[1]
+	}
+	remote := cfg.server || cfg.host != ""
+	switch {
+	case remote && cfg.dev2 != "":
+		return usageErr(stderr, "bench", "--dev2 is for the one-process loopback; with --server or HOST each process uses its own -d")
+	case cfg.port < 1 || cfg.port > 65535:
+		return usageErr(stderr, "bench", "-p must be a TCP port (1..65535), not %d", cfg.port)
+	case cfg.timeout <= 0:
+		return usageErr(stderr, "bench", "--timeout must be positive, not %v", cfg.timeout)
+	case cfg.bind != "" && !cfg.server:
+		return usageErr(stderr, "bench", "--bind is for --server")
 	}
 	cfg.op = pos[0]
 	switch cfg.op {
@@ -88,6 +124,12 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	if cfg.batch < 1 || cfg.batch > cfg.txDepth {
 		return usageErr(stderr, "bench", "--batch must be between 1 and --tx-depth (%d), not %d", cfg.txDepth, cfg.batch)
 	}
+	if cfg.cqMod == 0 {
+		cfg.cqMod = cfg.batch
+	}
+	if cfg.cqMod < 1 || cfg.cqMod > cfg.txDepth {
+		return usageErr(stderr, "bench", "--cq-mod must be between 1 and --tx-depth (%d), not %d", cfg.txDepth, cfg.cqMod)
+	}
 	if *mtu != 0 {
 		m, err := verbs.MTUFromBytes(*mtu)
 		if err != nil {
@@ -112,6 +154,14 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		cfg.sizes = []int{defaultLatSize}
 	default:
 		cfg.sizes = []int{defaultBWSize}
+	}
+	if remote {
+		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+		defer stop()
+		if err := benchRemote(ctx, cfg, stdout, stderr); err != nil {
+			return fail(stderr, "bench", err)
+		}
+		return exitOK
 	}
 	if err := bench(cfg, stdout); err != nil {
 		return fail(stderr, "bench", err)
@@ -163,7 +213,7 @@ func bench(cfg benchConfig, w io.Writer) (err error) {
 			err = cerr
 		}
 	}()
-	out := newReporter(w, cfg, lb)
+	out := newReporter(w, cfg, lb.info())
 	out.header()
 	for _, size := range cfg.sizes {
 		if cfg.lat {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"runtime"
 	"time"
 
 	"github.com/goverbs/verbs"
@@ -15,6 +16,8 @@ type bwResult struct {
 	AvgMB   float64
 	MsgRate float64 // million messages per second
 	Elapsed time.Duration
+
+	CgoPerMsg float64 // cgo calls of this process per message in the measured loop
 }
 
 const mb = 1 << 20
@@ -56,6 +59,7 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 	peak := 0.0
 	wd := newWatchdog(fmt.Sprintf("%s of %d bytes", cfg.op, size))
 
+	cgo0 := runtime.NumCgoCall()
 	start := time.Now()
 	markT, markN := start, 0
 	for completed < iters || (cfg.op == "send" && b.recvs < iters) {
@@ -67,7 +71,7 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 			if posted+k-completed > cfg.txDepth {
 				break
 			}
-			if cfg.op == "send" && posted+k-b.recvs > cfg.rxDepth {
+			if cfg.op == "send" && posted+k-b.recvs > b.recvPosted {
 				break
 			}
 			for j := range k {
@@ -81,7 +85,7 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 				default:
 					r = a.batch.Send(id, local)
 				}
-				if j == k-1 {
+				if int(id)%cfg.cqMod == 0 || int(id) == iters {
 					r.Signaled()
 				}
 			}
@@ -126,9 +130,18 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 		}
 	}
 	elapsed := time.Since(start)
+	cgo := runtime.NumCgoCall() - cgo0
 	if err := lb.verify(cfg.op, size); err != nil {
 		return bwResult{}, err
 	}
+	res := bwStats(size, iters, elapsed, peak)
+	res.CgoPerMsg = float64(cgo) / float64(iters)
+	return res, nil
+}
+
+// bwStats computes a bandwidth row as perftest does: bytes over the time
+// from the first post to the last completion.
+func bwStats(size, iters int, elapsed time.Duration, peak float64) bwResult {
 	sec := elapsed.Seconds()
 	res := bwResult{Size: size, Iters: iters, Elapsed: elapsed}
 	if sec > 0 {
@@ -136,7 +149,7 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 		res.MsgRate = float64(iters) / sec / 1e6
 	}
 	res.PeakMB = max(peak, res.AvgMB)
-	return res, nil
+	return res
 }
 
 // fillPattern writes a recognisable pattern (and faults the pages in).

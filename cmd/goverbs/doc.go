@@ -1,12 +1,13 @@
 // Command goverbs is the command-line companion of the goverbs RDMA library:
-// it lists devices, shows their attributes and measures loopback bandwidth
-// and latency with perftest-compatible output.
+// it lists devices, shows their attributes and measures bandwidth and
+// latency with perftest-compatible output, in one process (loopback) or
+// between a server and a client process as perftest does.
 //
 // Usage:
 //
 //	goverbs devices
 //	goverbs devinfo [-d dev] [-v] [--json]
-//	goverbs bench write|read|send [flags]
+//	goverbs bench write|read|send [flags] [--server | HOST]
 //	goverbs help [command]
 //
 // # devices
@@ -34,24 +35,53 @@
 //
 // # bench
 //
-// Measures RDMA write, RDMA read or send/receive between two RC queue pairs
-// of this process, connected to each other (loopback), on the default
-// device (the first hardware device, else soft0; GOVERBS_DEVICE overrides
-// it). The output follows perftest: ib_write_bw, ib_read_bw and ib_send_bw
-// in bandwidth mode, ib_write_lat, ib_read_lat and ib_send_lat with --lat.
+// Measures RDMA write, RDMA read or send/receive between two RC queue
+// pairs, on the default device (the first hardware device, else soft0;
+// GOVERBS_DEVICE overrides it). The output follows perftest: ib_write_bw,
+// ib_read_bw and ib_send_bw in bandwidth mode, ib_write_lat, ib_read_lat
+// and ib_send_lat with --lat.
+//
+// Without --server or HOST both queue pairs belong to this process and are
+// connected to each other (loopback). In perftest's topology, one process
+// runs the server and another, on the same or another host, the client:
+//
+//	goverbs bench write -d rxe0 -s 65536 --server          # server
+//	goverbs bench write -d rxe1 -s 65536 127.0.0.1         # client
+//
+// The client connects to the server over TCP (port -p, default 18515, as
+// perftest), the two exchange their parameters, endpoints and memory
+// regions in length-prefixed frames (magic "GVB1", type, length, JSON) and
+// then run the test against each other. The test, sizes and iterations must
+// be the same on both sides (a difference fails both with a message naming
+// it); queue depths are each side's own. The client measures; both print
+// the client's rows. Every step of the exchange honours --timeout
+// (connecting and the parameter exchange) and SIGINT; a peer that stops
+// answering during the measurement fails the run after 10 s without
+// progress. The exchange does not depend on the provider: any device whose
+// queue pairs can reach each other's endpoints works.
+//
+//	--server        run the server side; wait for one client
+//	HOST            run the client side against the server on HOST
+//	-p, --port N    TCP port of the exchange (default 18515)
+//	--bind addr     address the server listens on (default: all)
+//	--timeout d     limit for connecting and exchanging parameters (1m)
+//
+// Flags of both modes:
 //
 //	-d dev          device of both queue pairs (default: the default device)
-//	--dev2 dev      device of the second queue pair (default: -d)
+//	--dev2 dev      loopback: device of the second queue pair (default: -d)
 //	-s size         message size in bytes; K, M and G suffixes are binary
 //	                (default 65536 for bandwidth, 2 for latency)
 //	-n iters        iterations per size (default 5000 for bandwidth, 1000
 //	                for latency)
 //	--all           sweep sizes 2, 4, 8, ... 8M (2^1 to 2^23)
 //	--lat           measure latency instead of bandwidth
-//	--tx-depth N    send requests kept outstanding (default 128)
+//	-t, --tx-depth N  send requests kept outstanding (default 128)
 //	--rx-depth N    receives kept posted for send (default 512)
-//	--batch N       requests per doorbell (RCBatch.Submit); the last
-//	                request of each batch is signaled (default 16)
+//	--batch N       requests per doorbell (RCBatch.Submit, perftest's
+//	                --post_list) (default 16)
+//	--cq-mod N      bandwidth: every Nth request is signaled (perftest -Q;
+//	                default --batch)
 //	--mtu N         path MTU in bytes (default: the port's active MTU)
 //	--json          print one JSON object per result row (JSON lines)
 //	                instead of the table
@@ -68,7 +98,14 @@
 // half the round trip; read latency is the time from posting an RDMA read
 // to its completion. Sizes up to the queue pair's max inline data are sent
 // inline. Percentiles come from an HDR histogram (3 significant digits);
-// t_typical is the median.
+// t_typical is the median. In the latency loops of the two-process mode
+// every tx-depth/4th request (at most every 64th) is signaled, so an
+// iteration costs one post and the polls of the wait.
+//
+// On hardware devices the table is followed by the cgo calls the measuring
+// process made per message in its measured loop (runtime.NumCgoCall): one
+// per Submit of a batch and one per Poll, so idle polls while waiting count
+// too.
 //
 // A failed completion, a failed post or a peer that stops answering prints
 // the error and exits with status 1; bad flags exit with status 2.

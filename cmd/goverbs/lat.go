@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"math"
+	"runtime"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -17,7 +18,8 @@ type latResult struct {
 	Iters                       int
 	Min, Max, Typical, Avg, Std float64
 	P99, P999                   float64
-	Inline                      bool // sent inline
+	Inline                      bool    // sent inline
+	CgoPerMsg                   float64 // cgo calls of this process per iteration
 }
 
 // latencyMethod describes how the test measures, for the output header.
@@ -54,14 +56,9 @@ func (lb *loopback) latency(cfg benchConfig, size int) (latResult, error) {
 		}
 	}
 
-	hist := hdrhistogram.New(1, int64(time.Minute), 3)
-	var sum, sumSq float64
-	minNS, maxNS := int64(math.MaxInt64), int64(0)
-	div := int64(2)
-	if cfg.op == "read" {
-		div = 1
-	}
+	st := newLatStats(cfg.op)
 	what := fmt.Sprintf("%s latency of %d bytes", cfg.op, size)
+	cgo0 := runtime.NumCgoCall()
 	for i := -latWarmup; i < cfg.iters; i++ {
 		v := byte((i+latWarmup)%255 + 1) // never 0, never the previous value
 		var rtt time.Duration
@@ -80,28 +77,58 @@ func (lb *loopback) latency(cfg benchConfig, size int) (latResult, error) {
 		if i < 0 {
 			continue
 		}
-		ns := int64(rtt)
-		if err := hist.RecordValue(max(ns, 1)); err != nil {
+		if err := st.add(rtt); err != nil {
 			return latResult{}, fmt.Errorf("%s: %w", what, err)
 		}
-		x := float64(ns)
-		sum += x
-		sumSq += x * x
-		minNS, maxNS = min(minNS, ns), max(maxNS, ns)
 	}
-	n := float64(cfg.iters)
-	mean := sum / n
-	std := math.Sqrt(max(sumSq/n-mean*mean, 0))
-	us := func(ns float64) float64 { return ns / float64(div) / 1e3 }
+	res := st.result(size, cfg.iters, inline)
+	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(cfg.iters+latWarmup)
+	return res, nil
+}
+
+// latStats accumulates the samples of a latency test.
+type latStats struct {
+	hist         *hdrhistogram.Histogram
+	sum, sumSq   float64
+	minNS, maxNS int64
+	div          int64 // 2 for ping-pongs: latency = round trip / 2
+}
+
+func newLatStats(op string) *latStats {
+	st := &latStats{hist: hdrhistogram.New(1, int64(time.Minute), 3), minNS: math.MaxInt64, div: 2}
+	if op == "read" {
+		st.div = 1
+	}
+	return st
+}
+
+func (st *latStats) add(d time.Duration) error {
+	ns := int64(d)
+	if err := st.hist.RecordValue(max(ns, 1)); err != nil {
+		return err
+	}
+	x := float64(ns)
+	st.sum += x
+	st.sumSq += x * x
+	st.minNS, st.maxNS = min(st.minNS, ns), max(st.maxNS, ns)
+	return nil
+}
+
+// result is the row: t_typical is the median, as perftest's.
+func (st *latStats) result(size, iters int, inline bool) latResult {
+	n := float64(iters)
+	mean := st.sum / n
+	std := math.Sqrt(max(st.sumSq/n-mean*mean, 0))
+	us := func(ns float64) float64 { return ns / float64(st.div) / 1e3 }
 	return latResult{
-		Size: size, Iters: cfg.iters,
-		Min: us(float64(minNS)), Max: us(float64(maxNS)),
-		Typical: us(float64(hist.ValueAtQuantile(50))),
+		Size: size, Iters: iters,
+		Min: us(float64(st.minNS)), Max: us(float64(st.maxNS)),
+		Typical: us(float64(st.hist.ValueAtQuantile(50))),
 		Avg:     us(mean), Std: us(std),
-		P99:    us(float64(hist.ValueAtQuantile(99))),
-		P999:   us(float64(hist.ValueAtQuantile(99.9))),
+		P99:    us(float64(st.hist.ValueAtQuantile(99))),
+		P999:   us(float64(st.hist.ValueAtQuantile(99.9))),
 		Inline: inline,
-	}, nil
+	}
 }
 
 // lastByte returns an aligned 32-bit word holding b[i] and the shift of

@@ -109,28 +109,43 @@ func newLoopback(cfg benchConfig, maxSize int) (_ *loopback, err error) {
 	return lb, nil
 }
 
+// info describes the loopback for the report.
+func (lb *loopback) info() *benchInfo {
+	return &benchInfo{
+		dev: lb.a.ctx.Name(), dev2: lb.b.ctx.Name(), provider: lb.a.ctx.Provider(),
+		transport: lb.transport, mode: "ON (one process)", pathMTU: lb.pathMTU, port: lb.port,
+		inline: lb.inline, local: lb.a.ep, remote: lb.b.ep,
+	}
+}
+
 func roundUp(n, to int) int { return (n + to - 1) / to * to }
 
 func (lb *loopback) newSide(name, dev string, cfg benchConfig, maxSize int) (*side, error) {
+	return openSide(name, dev, cfg, maxSize, &lb.closers)
+}
+
+// openSide opens dev and creates one side's PD, CQ, memory and RC queue
+// pair, appending their Close methods to closers.
+func openSide(name, dev string, cfg benchConfig, maxSize int, closers *[]func() error) (*side, error) {
 	s := &side{name: name, maxSize: maxSize, half: roundUp(maxSize, 4096)}
 	var err error
 	if s.ctx, err = verbs.Open(dev); err != nil {
 		return nil, err
 	}
-	lb.closers = append(lb.closers, s.ctx.Close)
+	*closers = append(*closers, s.ctx.Close)
 	if s.pd, err = s.ctx.AllocPD(); err != nil {
 		return nil, err
 	}
-	lb.closers = append(lb.closers, s.pd.Close)
+	*closers = append(*closers, s.pd.Close)
 	if s.cq, err = s.ctx.NewCompletionQueue(verbs.CQSpec{Entries: cfg.txDepth + cfg.rxDepth + 64, NoChannel: true}); err != nil {
 		return nil, err
 	}
-	lb.closers = append(lb.closers, s.cq.Close)
+	*closers = append(*closers, s.cq.Close)
 	// Two halves: latency tests write from the first into the peer's second.
 	if s.mr, err = s.pd.Alloc(2*s.half, verbs.AccessRemoteAll); err != nil {
 		return nil, err
 	}
-	lb.closers = append(lb.closers, s.mr.Close)
+	*closers = append(*closers, s.mr.Close)
 	spec := verbs.QPSpec{
 		SendCQ:     s.cq,
 		MaxSendWR:  cfg.txDepth,
@@ -145,7 +160,7 @@ func (lb *loopback) newSide(name, dev string, cfg benchConfig, maxSize int) (*si
 	if s.qp, err = s.pd.NewRCQueuePair(spec); err != nil {
 		return nil, err
 	}
-	lb.closers = append(lb.closers, s.qp.Close)
+	*closers = append(*closers, s.qp.Close)
 	s.batch = s.qp.NewBatch(cfg.batch)
 	s.recv = s.qp.NewRecvBatch(64)
 	s.wcs = make([]verbs.Completion, 64)
@@ -187,9 +202,17 @@ func (s *side) reap() (int, error) {
 	return n, nil
 }
 
+// recvRefill is how many receives fillRecvs lets complete before it posts
+// again (capped at a quarter of the receives kept posted): one Submit then
+// posts them all, instead of one call per received message.
+const recvRefill = 16
+
 // fillRecvs posts receives (each large enough for the largest message)
-// until want are posted.
+// until want are posted, once at least min(recvRefill, want/4) are missing.
 func (s *side) fillRecvs(want int) error {
+	if s.recvPosted > 0 && want-s.recvPosted < min(recvRefill, max(want/4, 1)) {
+		return nil
+	}
 	for s.recvPosted < want {
 		k := min(want-s.recvPosted, 64)
 		for range k {

@@ -30,7 +30,7 @@ func commands() []command {
 	return []command{
 		{"devices", "list RDMA devices and compiled-in providers", runDevices},
 		{"devinfo", "show device and port attributes (like ibv_devinfo)", runDevinfo},
-		{"bench", "loopback bandwidth or latency of write, read or send (like perftest)", runBench},
+		{"bench", "bandwidth or latency of write, read or send, loopback or server/client (like perftest)", runBench},
 	}
 }
 

@@ -279,7 +279,7 @@ func TestBenchJSON(t *testing.T) {
 
 // A failed completion ends the run with an error that names the status.
 func TestBenchCompletionError(t *testing.T) {
-	cfg := benchConfig{op: "write", sizes: []int{64}, iters: 100, dev: verbs.SoftDevice, batch: 4, txDepth: 16, rxDepth: 16, badRKey: true}
+	cfg := benchConfig{op: "write", sizes: []int{64}, iters: 100, dev: verbs.SoftDevice, batch: 4, cqMod: 4, txDepth: 16, rxDepth: 16, badRKey: true}
 	err := bench(cfg, io.Discard)
 	var ce *verbs.CompletionError
 	if !errors.As(err, &ce) || ce.Status != verbs.StatusRemAccessErr {
@@ -302,7 +302,13 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"devinfo", "-d", "nosuch0"}, exitError, `no device "nosuch0"`},
 		{[]string{"bench"}, exitUsage, "missing test"},
 		{[]string{"bench", "frob"}, exitUsage, `unknown test "frob"`},
-		{[]string{"bench", "write", "extra"}, exitUsage, `unexpected argument "extra"`},
+		{[]string{"bench", "write", "127.0.0.1", "extra"}, exitUsage, `unexpected argument "extra"`},
+		{[]string{"bench", "write", "--server", "127.0.0.1"}, exitUsage, "--server takes no HOST"},
+		{[]string{"bench", "write", "--dev2", "soft0", "127.0.0.1"}, exitUsage, "--dev2 is for the one-process loopback"},
+		{[]string{"bench", "write", "--server", "-p", "0"}, exitUsage, "-p must be a TCP port"},
+		{[]string{"bench", "write", "--cq-mod", "200"}, exitUsage, "--cq-mod must be between 1 and --tx-depth"},
+		{[]string{"bench", "write", "--server", "--timeout", "0s"}, exitUsage, "--timeout must be positive"},
+		{[]string{"bench", "write", "--bind", "127.0.0.1", "127.0.0.1"}, exitUsage, "--bind is for --server"},
 		{[]string{"bench", "write", "-s", "abc"}, exitUsage, `invalid size "abc"`},
 		{[]string{"bench", "write", "-s", "0"}, exitUsage, `invalid size "0"`},
 		{[]string{"bench", "write", "-n", "-1"}, exitUsage, "-n must be at least 1"},

@@ -4,7 +4,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strings"
 	"text/tabwriter"
+
+	"github.com/goverbs/verbs"
 )
 
 const rule = "---------------------------------------------------------------------------------------"
@@ -13,12 +16,26 @@ const rule = "------------------------------------------------------------------
 type reporter struct {
 	w   io.Writer
 	cfg benchConfig
-	lb  *loopback
+	in  *benchInfo
 	enc *json.Encoder
+	cgo []string // cgo calls per message of each row, for the footer
 }
 
-func newReporter(w io.Writer, cfg benchConfig, lb *loopback) *reporter {
-	r := &reporter{w: w, cfg: cfg, lb: lb}
+// benchInfo describes the queue pairs of a run for the report.
+type benchInfo struct {
+	dev, dev2 string // local device, peer's device
+	provider  string
+	transport string
+	mode      string // the "Loopback" line: how the two sides run
+	pathMTU   verbs.MTU
+	port      verbs.PortAttr
+	inline    int // max inline data of the QPs
+	local     verbs.Endpoint
+	remote    verbs.Endpoint
+}
+
+func newReporter(w io.Writer, cfg benchConfig, in *benchInfo) *reporter {
+	r := &reporter{w: w, cfg: cfg, in: in}
 	if cfg.json {
 		r.enc = json.NewEncoder(w)
 	}
@@ -31,29 +48,29 @@ func (r *reporter) header() {
 	if r.enc != nil {
 		return
 	}
-	lb, cfg := r.lb, r.cfg
+	in, cfg := r.in, r.cfg
 	kind := "BW"
 	if cfg.lat {
 		kind = "Latency"
 	}
 	fmt.Fprintln(r.w, rule)
 	fmt.Fprintf(r.w, "%*s\n", 20+len(testName(cfg.op))+len(kind)+6, testName(cfg.op)+" "+kind+" Test")
-	dev := lb.a.ctx.Name()
-	if lb.b.ctx.Name() != dev {
-		dev += " -> " + lb.b.ctx.Name()
+	dev := in.dev
+	if in.dev2 != "" && in.dev2 != dev {
+		dev += " -> " + in.dev2
 	}
 	inline := 0
 	if cfg.lat && cfg.op != "read" {
-		inline = lb.inline
+		inline = in.inline
 	}
 	pairs := [][2]string{
 		{"Device", dev},
-		{"Provider", lb.a.ctx.Provider()},
+		{"Provider", in.provider},
 		{"Number of qps", "1"},
-		{"Transport type", lb.transport},
+		{"Transport type", in.transport},
 		{"Connection type", "RC"},
 		{"Using SRQ", "OFF"},
-		{"Loopback", "ON (one process)"},
+		{"Loopback", in.mode},
 		{"TX depth", fmt.Sprint(cfg.txDepth)},
 	}
 	if cfg.lat {
@@ -67,9 +84,9 @@ func (r *reporter) header() {
 		}
 	}
 	pairs = append(pairs,
-		[2]string{"Mtu", fmt.Sprintf("%d[B]", lb.pathMTU.Bytes())},
-		[2]string{"Link type", lb.port.LinkLayer.String()},
-		[2]string{"GID index", fmt.Sprint(lb.a.ep.GIDIndex)},
+		[2]string{"Mtu", fmt.Sprintf("%d[B]", in.pathMTU.Bytes())},
+		[2]string{"Link type", in.port.LinkLayer.String()},
+		[2]string{"GID index", fmt.Sprint(in.local.GIDIndex)},
 		[2]string{"Max inline data", fmt.Sprintf("%d[B]", inline)},
 	)
 	if len(pairs)%2 == 1 {
@@ -89,12 +106,12 @@ func (r *reporter) header() {
 		fmt.Fprintf(r.w, " %-16s: %s\n", "Method", latencyMethod(cfg.op))
 	}
 	fmt.Fprintln(r.w, rule)
-	for _, s := range []*side{lb.a, lb.b} {
+	for i, ep := range []verbs.Endpoint{in.local, in.remote} {
 		label := "local address"
-		if s == lb.b {
+		if i == 1 {
 			label = "remote address"
 		}
-		fmt.Fprintf(r.w, " %s: LID %#04x QPN %#06x PSN %#06x GID %s\n", label, s.ep.LID, s.ep.QPN, s.ep.PSN, s.ep.GID)
+		fmt.Fprintf(r.w, " %s: LID %#04x QPN %#06x PSN %#06x GID %s\n", label, ep.LID, ep.QPN, ep.PSN, ep.GID)
 	}
 	fmt.Fprintln(r.w, rule)
 	cols := bwColumns
@@ -147,6 +164,7 @@ type bwRow struct {
 	BWAverageMBps float64 `json:"bw_average_mb_per_sec"`
 	MsgRateMpps   float64 `json:"msg_rate_mpps"`
 	ElapsedSec    float64 `json:"elapsed_sec"`
+	CgoPerMsg     float64 `json:"cgo_calls_per_msg"`
 }
 
 // latRow is the JSON form of a latency row.
@@ -168,6 +186,7 @@ type latRow struct {
 	TStdevUs   float64 `json:"t_stdev_usec"`
 	P99Us      float64 `json:"p99_usec"`
 	P999Us     float64 `json:"p99_9_usec"`
+	CgoPerMsg  float64 `json:"cgo_calls_per_msg"`
 }
 
 func round(x float64, digits int) float64 {
@@ -181,28 +200,32 @@ func round(x float64, digits int) float64 {
 func (r *reporter) bwRow(res bwResult) {
 	if r.enc != nil {
 		r.enc.Encode(bwRow{
-			Test: r.cfg.op, Mode: "bw", Device: r.lb.a.ctx.Name(), Device2: r.lb.b.ctx.Name(),
-			Provider: r.lb.a.ctx.Provider(), Bytes: res.Size, Iterations: res.Iters,
-			TxDepth: r.cfg.txDepth, Batch: r.cfg.batch, MTU: r.lb.pathMTU.Bytes(),
+			Test: r.cfg.op, Mode: "bw", Device: r.in.dev, Device2: r.in.dev2,
+			Provider: r.in.provider, Bytes: res.Size, Iterations: res.Iters,
+			TxDepth: r.cfg.txDepth, Batch: r.cfg.batch, MTU: r.in.pathMTU.Bytes(),
 			BWPeakMBps: round(res.PeakMB, 2), BWAverageMBps: round(res.AvgMB, 2),
 			MsgRateMpps: round(res.MsgRate, 6), ElapsedSec: round(res.Elapsed.Seconds(), 6),
+			CgoPerMsg: round(res.CgoPerMsg, 3),
 		})
 		return
 	}
+	r.cgo = append(r.cgo, fmt.Sprintf("%d B: %.2f", res.Size, res.CgoPerMsg))
 	r.row(bwColumns, fmt.Sprint(res.Size), fmt.Sprint(res.Iters), f2(res.PeakMB), f2(res.AvgMB), fmt.Sprintf("%.6f", res.MsgRate))
 }
 
 func (r *reporter) latRow(res latResult) {
 	if r.enc != nil {
 		r.enc.Encode(latRow{
-			Test: r.cfg.op, Mode: "lat", Method: latencyMethod(r.cfg.op), Device: r.lb.a.ctx.Name(),
-			Device2: r.lb.b.ctx.Name(), Provider: r.lb.a.ctx.Provider(), Bytes: res.Size,
-			Iterations: res.Iters, MTU: r.lb.pathMTU.Bytes(), Inline: res.Inline,
+			Test: r.cfg.op, Mode: "lat", Method: latencyMethod(r.cfg.op), Device: r.in.dev,
+			Device2: r.in.dev2, Provider: r.in.provider, Bytes: res.Size,
+			Iterations: res.Iters, MTU: r.in.pathMTU.Bytes(), Inline: res.Inline,
 			TMinUs: round(res.Min, 3), TMaxUs: round(res.Max, 3), TTypicalUs: round(res.Typical, 3),
 			TAvgUs: round(res.Avg, 3), TStdevUs: round(res.Std, 3), P99Us: round(res.P99, 3), P999Us: round(res.P999, 3),
+			CgoPerMsg: round(res.CgoPerMsg, 3),
 		})
 		return
 	}
+	r.cgo = append(r.cgo, fmt.Sprintf("%d B: %.2f", res.Size, res.CgoPerMsg))
 	r.row(latColumns, fmt.Sprint(res.Size), fmt.Sprint(res.Iters), f2(res.Min), f2(res.Max), f2(res.Typical),
 		f2(res.Avg), f2(res.Std), f2(res.P99), f2(res.P999))
 }
@@ -212,4 +235,13 @@ func (r *reporter) footer() {
 		return
 	}
 	fmt.Fprintln(r.w, rule)
+	// runtime.NumCgoCall over the measured loop of the measuring process
+	// (both sides in loopback), per message (per iteration for latency).
+	if len(r.cgo) > 0 && r.in.provider != "soft" {
+		who := "both queue pairs"
+		if strings.HasPrefix(r.in.mode, "OFF") {
+			who = "client"
+		}
+		fmt.Fprintf(r.w, " cgo calls per message (%s): %s\n", who, strings.Join(r.cgo, ", "))
+	}
 }

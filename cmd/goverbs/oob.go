@@ -1,0 +1,198 @@
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"syscall"
+	"time"
+)
+
+// Out-of-band exchange of a two-process bench (server and client), over
+// one TCP connection. Every message is a frame:
+//
+//	magic   4 bytes  "GVB1" (the last byte is the protocol version)
+//	type    1 byte   frameHello, frameWelcome, frameSync, frameResult, frameError
+//	zero    3 bytes
+//	length  4 bytes  big endian, at most maxFrame
+//	payload length bytes of JSON
+//
+// The client sends hello (its parameters, endpoint and memory region), the
+// server answers welcome (its own) or error. Then, for every message size:
+// client sync{start} → server sync{ready} → both measure → client
+// sync{done} → server sync{ok} (after checking the data it received) →
+// client result (the row the server prints too). An error frame, from
+// either side at any point, ends the run on both with its message.
+
+const (
+	frameMagic = "GVB1"
+	maxFrame   = 1 << 20
+
+	frameHello   = 1
+	frameWelcome = 2
+	frameSync    = 3
+	frameResult  = 4
+	frameError   = 5
+)
+
+var frameNames = map[byte]string{frameHello: "hello", frameWelcome: "welcome", frameSync: "sync", frameResult: "result", frameError: "error"}
+
+// oobConn is the framed connection. Every call takes a context: its end
+// (and deadline) interrupts a blocked read or write.
+type oobConn struct {
+	c    net.Conn
+	peer string
+}
+
+// errPeer is wrapped by the errors the peer reported in an error frame.
+var errPeer = errors.New("the peer failed")
+
+func (o *oobConn) Close() error { return o.c.Close() }
+
+// withCtx arranges for ctx's end or deadline to interrupt I/O on o until
+// the returned function is called.
+func (o *oobConn) withCtx(ctx context.Context) func() {
+	dl, _ := ctx.Deadline()
+	o.c.SetDeadline(dl)
+	stop := context.AfterFunc(ctx, func() { o.c.SetDeadline(time.Unix(1, 0)) })
+	return func() { stop() }
+}
+
+// ctxErr prefers ctx's error over the I/O error it caused.
+func ctxErr(ctx context.Context, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		return fmt.Errorf("%w (%v)", cerr, err)
+	}
+	return err
+}
+
+func (o *oobConn) send(ctx context.Context, typ byte, v any) error {
+	payload, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	if len(payload) > maxFrame {
+		return fmt.Errorf("out-of-band %s message of %d bytes exceeds %d", frameNames[typ], len(payload), maxFrame)
+	}
+	buf := make([]byte, 12, 12+len(payload))
+	copy(buf, frameMagic)
+	buf[4] = typ
+	binary.BigEndian.PutUint32(buf[8:], uint32(len(payload)))
+	buf = append(buf, payload...)
+	defer o.withCtx(ctx)()
+	if _, err := o.c.Write(buf); err != nil {
+		return fmt.Errorf("sending %s to %s: %w", frameNames[typ], o.peer, ctxErr(ctx, err))
+	}
+	return nil
+}
+
+// recv reads the next frame into v, which must be of type want. An error
+// frame is returned as an error wrapping errPeer.
+func (o *oobConn) recv(ctx context.Context, want byte, v any) error {
+	defer o.withCtx(ctx)()
+	var hdr [12]byte
+	if _, err := io.ReadFull(o.c, hdr[:]); err != nil {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
+			return fmt.Errorf("waiting for %s from %s: the peer closed the connection", frameNames[want], o.peer)
+		}
+		return fmt.Errorf("waiting for %s from %s: %w", frameNames[want], o.peer, ctxErr(ctx, err))
+	}
+	if string(hdr[:4]) != frameMagic {
+		if string(hdr[:3]) == frameMagic[:3] {
+			return fmt.Errorf("%s speaks version %d of the goverbs bench protocol, this is version %d", o.peer, hdr[3]-'0', frameMagic[3]-'0')
+		}
+		return fmt.Errorf("%s is not a goverbs bench (frame starts with %q, want %q)", o.peer, hdr[:4], frameMagic)
+	}
+	typ := hdr[4]
+	n := binary.BigEndian.Uint32(hdr[8:])
+	if n > maxFrame || hdr[5]|hdr[6]|hdr[7] != 0 {
+		return fmt.Errorf("malformed frame from %s (type %d, length %d)", o.peer, typ, n)
+	}
+	payload := make([]byte, n)
+	if _, err := io.ReadFull(o.c, payload); err != nil {
+		return fmt.Errorf("reading %s from %s: %w", frameNames[typ], o.peer, ctxErr(ctx, err))
+	}
+	if typ == frameError {
+		var e errorMsg
+		if err := json.Unmarshal(payload, &e); err != nil {
+			return fmt.Errorf("%w: malformed error message: %v", errPeer, err)
+		}
+		return fmt.Errorf("%w: %s", errPeer, e.Error)
+	}
+	if typ != want {
+		return fmt.Errorf("protocol error: %s sent %s, want %s", o.peer, frameNames[typ], frameNames[want])
+	}
+	if err := json.Unmarshal(payload, v); err != nil {
+		return fmt.Errorf("malformed %s from %s: %w", frameNames[typ], o.peer, err)
+	}
+	return nil
+}
+
+// fail tells the peer why this side gives up (best effort, bounded) and
+// returns err.
+func (o *oobConn) fail(err error) error {
+	if errors.Is(err, errPeer) {
+		return err // the peer knows
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	o.send(ctx, frameError, errorMsg{Error: err.Error()})
+	return err
+}
+
+type errorMsg struct {
+	Error string `json:"error"`
+}
+
+// dialOOB connects to addr, retrying while nothing listens there yet (the
+// server may start a moment after the client), until ctx ends.
+func dialOOB(ctx context.Context, addr string) (*oobConn, error) {
+	var d net.Dialer
+	for {
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err == nil {
+			return &oobConn{c: c, peer: "server " + addr}, nil
+		}
+		var ne net.Error
+		if ctx.Err() != nil || (errors.As(err, &ne) && ne.Timeout()) {
+			cerr := ctx.Err()
+			if cerr == nil {
+				cerr = context.DeadlineExceeded // the dialer saw the deadline first
+			}
+			return nil, fmt.Errorf("connecting to the server: nothing listens on %s (%v): %w", addr, err, cerr)
+		}
+		if !errors.Is(err, syscall.ECONNREFUSED) {
+			return nil, fmt.Errorf("connecting to the server: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("connecting to the server: nothing listens on %s: %w", addr, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// acceptOOB listens on addr and accepts one client, or fails when ctx
+// ends. ready is called with the bound address once listening.
+func acceptOOB(ctx context.Context, addr string, ready func(net.Addr)) (*oobConn, error) {
+	var lc net.ListenConfig
+	l, err := lc.Listen(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("listening for the client: %w", err)
+	}
+	defer l.Close()
+	if ready != nil {
+		ready(l.Addr())
+	}
+	stop := context.AfterFunc(ctx, func() { l.Close() })
+	defer stop()
+	c, err := l.Accept()
+	if err != nil {
+		return nil, fmt.Errorf("waiting for a client on %s: %w", l.Addr(), ctxErr(ctx, err))
+	}
+	return &oobConn{c: c, peer: "client " + c.RemoteAddr().String()}, nil
+}

@@ -1,0 +1,681 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"runtime"
+	"slices"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/goverbs/verbs"
+)
+
+// Two-process bench, in perftest's topology: a server (--server) and a
+// client (given the server's host) each own one RC queue pair on their
+// device, exchange endpoints and memory regions over TCP (oob.go) and run
+// the test against each other. The client measures and prints the
+// results; the server prints the same rows, received from the client.
+
+// remoteVersion is the version of the hello/welcome parameters.
+const remoteVersion = 1
+
+// peerParams is the hello (client) and welcome (server) message: what the
+// two sides must agree on, and what the peer needs to reach this side.
+type peerParams struct {
+	Version  int                `json:"version"`
+	Test     string             `json:"test"`
+	Lat      bool               `json:"lat"`
+	Sizes    []int              `json:"sizes"`
+	Iters    int                `json:"iters"`
+	Device   string             `json:"device"`
+	Provider string             `json:"provider"`
+	Endpoint []byte             `json:"endpoint"` // verbs.Endpoint.MarshalBinary
+	Region   verbs.RemoteRegion `json:"region"`
+	// DstOffset is where in Region the peer writes (and, for read,
+	// SrcOffset where it reads from).
+	DstOffset uint64 `json:"dst_offset"`
+	SrcOffset uint64 `json:"src_offset"`
+}
+
+// syncMsg paces the sizes: start, ready, done, ok.
+type syncMsg struct {
+	Phase string `json:"phase"`
+	Size  int    `json:"size"`
+}
+
+// resultMsg is a result row, sent by the client to the server.
+type resultMsg struct {
+	BW  *bwResult  `json:"bw,omitempty"`
+	Lat *latResult `json:"lat,omitempty"`
+}
+
+// remote is this process's side of a two-process bench.
+type remote struct {
+	cfg     benchConfig
+	server  bool
+	s       *side
+	oob     *oobConn
+	closers []func() error
+
+	peer      peerParams
+	peerEP    verbs.Endpoint
+	transport string
+	pathMTU   verbs.MTU
+	port      verbs.PortAttr
+	inline    int
+}
+
+func (r *remote) Close() error {
+	var errs []error
+	for i := len(r.closers) - 1; i >= 0; i-- {
+		errs = append(errs, r.closers[i]())
+	}
+	r.closers = nil
+	return errors.Join(errs...)
+}
+
+// params returns this side's hello/welcome.
+func (r *remote) params() (peerParams, error) {
+	wire, err := r.s.ep.MarshalBinary()
+	if err != nil {
+		return peerParams{}, err
+	}
+	return peerParams{
+		Version: remoteVersion, Test: r.cfg.op, Lat: r.cfg.lat, Sizes: r.cfg.sizes, Iters: r.cfg.iters,
+		Device: r.s.ctx.Name(), Provider: r.s.ctx.Provider(), Endpoint: wire,
+		Region: r.s.mr.Remote(), DstOffset: uint64(r.s.half), SrcOffset: 0,
+	}, nil
+}
+
+// agree checks that the peer runs the same test.
+func (r *remote) agree(p peerParams) error {
+	cfg := r.cfg
+	mode := func(lat bool) string {
+		if lat {
+			return "latency (--lat)"
+		}
+		return "bandwidth"
+	}
+	switch {
+	case p.Version != remoteVersion:
+		return fmt.Errorf("the peer speaks version %d of the bench parameters, this is version %d", p.Version, remoteVersion)
+	case p.Test != cfg.op || p.Lat != cfg.lat:
+		return fmt.Errorf("the peer runs the %s %s test, this side %s %s: run both with the same test", p.Test, mode(p.Lat), cfg.op, mode(cfg.lat))
+	case !slices.Equal(p.Sizes, cfg.sizes):
+		return fmt.Errorf("message sizes differ: the peer uses %s, this side %s: give both the same -s or --all", sizesString(p.Sizes), sizesString(cfg.sizes))
+	case p.Iters != cfg.iters:
+		return fmt.Errorf("iterations differ: the peer uses -n %d, this side -n %d", p.Iters, cfg.iters)
+	case p.Region.Len < p.DstOffset+uint64(slices.Max(p.Sizes)) || p.SrcOffset+uint64(slices.Max(p.Sizes)) > p.Region.Len:
+		return fmt.Errorf("the peer's memory region (%d bytes) is too small for its offsets", p.Region.Len)
+	}
+	return nil
+}
+
+func sizesString(s []int) string {
+	if len(s) == 1 {
+		return "-s " + strconv.Itoa(s[0])
+	}
+	return fmt.Sprintf("%d sizes from %d to %d", len(s), s[0], s[len(s)-1])
+}
+
+// benchRemote runs the server or client side of cfg.
+func benchRemote(ctx context.Context, cfg benchConfig, w, log io.Writer) (err error) {
+	r := &remote{cfg: cfg, server: cfg.server}
+	defer func() {
+		if cerr := r.Close(); cerr != nil && err == nil {
+			err = cerr
+		}
+	}()
+	// The handshake is bounded by --timeout; the measurement only by ctx
+	// and the progress watchdogs.
+	hctx, hcancel := context.WithTimeout(ctx, cfg.timeout)
+	defer hcancel()
+	if r.server {
+		addr := net.JoinHostPort(cfg.bind, strconv.Itoa(cfg.port))
+		r.oob, err = acceptOOB(hctx, addr, func(a net.Addr) {
+			fmt.Fprintf(log, "goverbs bench: waiting for a client on %v (%s)\n", a, cfg.op)
+		})
+	} else {
+		r.oob, err = dialOOB(hctx, net.JoinHostPort(cfg.host, strconv.Itoa(cfg.port)))
+	}
+	if err != nil {
+		return err
+	}
+	r.closers = append(r.closers, r.oob.Close)
+	if err := r.setup(hctx); err != nil {
+		return r.oob.fail(err)
+	}
+	out := newReporter(w, cfg, r.info())
+	out.header()
+	for _, size := range cfg.sizes {
+		res, err := r.runSize(ctx, size)
+		if err != nil {
+			return r.oob.fail(err)
+		}
+		if res.BW != nil {
+			out.bwRow(*res.BW)
+		} else {
+			out.latRow(*res.Lat)
+		}
+	}
+	out.footer()
+	return nil
+}
+
+// setup opens the device, creates the QP, exchanges the parameters and
+// connects.
+func (r *remote) setup(ctx context.Context) error {
+	cfg := r.cfg
+	dev := cfg.dev
+	if dev == "" {
+		dev = verbs.DefaultDevice()
+	}
+	role := "client"
+	if r.server {
+		role = "server"
+	}
+	s, err := openSide(role, dev, cfg, slices.Max(cfg.sizes), &r.closers)
+	if err != nil {
+		return err
+	}
+	r.s = s
+	if s.ep, err = s.qp.Endpoint(); err != nil {
+		return err
+	}
+	mine, err := r.params()
+	if err != nil {
+		return err
+	}
+	if r.server {
+		if err := r.oob.recv(ctx, frameHello, &r.peer); err != nil {
+			return err
+		}
+		if err := r.agree(r.peer); err != nil {
+			return err
+		}
+		if err := r.oob.send(ctx, frameWelcome, mine); err != nil {
+			return err
+		}
+	} else {
+		if err := r.oob.send(ctx, frameHello, mine); err != nil {
+			return err
+		}
+		if err := r.oob.recv(ctx, frameWelcome, &r.peer); err != nil {
+			return err
+		}
+		if err := r.agree(r.peer); err != nil {
+			return err
+		}
+	}
+	if err := r.peerEP.UnmarshalBinary(r.peer.Endpoint); err != nil {
+		return fmt.Errorf("the peer's endpoint: %w", err)
+	}
+	if err := s.qp.Connect(r.peerEP); err != nil {
+		return err
+	}
+	attr, err := s.qp.Query()
+	if err != nil {
+		return err
+	}
+	r.pathMTU = attr.PathMTU
+	if r.port, err = s.ctx.QueryPort(s.ep.Port); err != nil {
+		return err
+	}
+	r.inline = s.qp.Cap().MaxInlineData
+	if devs, _ := verbs.Devices(); devs != nil {
+		for _, d := range devs {
+			if d.Name == s.ctx.Name() {
+				r.transport = d.Transport
+			}
+		}
+	}
+	return nil
+}
+
+func (r *remote) info() *benchInfo {
+	mode := "OFF (server; client " + r.oob.c.RemoteAddr().String() + ")"
+	if !r.server {
+		mode = "OFF (client of " + r.oob.c.RemoteAddr().String() + ")"
+	}
+	return &benchInfo{
+		dev: r.s.ctx.Name(), dev2: r.peer.Device, provider: r.s.ctx.Provider(), transport: r.transport,
+		mode: mode, pathMTU: r.pathMTU, port: r.port, inline: r.inline, local: r.s.ep, remote: r.peerEP,
+	}
+}
+
+// sync sends this side's phase and waits for the peer's.
+func (r *remote) sync(ctx context.Context, send, want string, size int) error {
+	if err := r.oob.send(ctx, frameSync, syncMsg{Phase: send, Size: size}); err != nil {
+		return err
+	}
+	return r.expect(ctx, want, size)
+}
+
+func (r *remote) expect(ctx context.Context, want string, size int) error {
+	var m syncMsg
+	if err := r.oob.recv(ctx, frameSync, &m); err != nil {
+		return err
+	}
+	if m.Phase != want || m.Size != size {
+		return fmt.Errorf("protocol error: %s sent %s for %d bytes, want %s for %d bytes", r.oob.peer, m.Phase, m.Size, want, size)
+	}
+	return nil
+}
+
+// runSize runs one message size; both sides return the client's results.
+func (r *remote) runSize(ctx context.Context, size int) (resultMsg, error) {
+	s, cfg := r.s, r.cfg
+	// Prepare: the source holds the pattern, the destination is clear,
+	// receives are posted.
+	fillPattern(s.mr.Bytes()[:size])
+	clear(s.mr.Bytes()[s.half : s.half+size])
+	s.lastWRID, s.outstanding, s.sendDone, s.recvs = 0, 0, 0, 0
+	if cfg.op == "send" {
+		if err := s.fillRecvs(cfg.rxDepth); err != nil {
+			return resultMsg{}, err
+		}
+	}
+	var res resultMsg
+	var err error
+	if r.server {
+		if err := r.expect(ctx, "start", size); err != nil {
+			return res, err
+		}
+		if err := r.oob.send(ctx, frameSync, syncMsg{Phase: "ready", Size: size}); err != nil {
+			return res, err
+		}
+		switch {
+		case cfg.lat && cfg.op == "write":
+			_, err = r.writeLat(size)
+		case cfg.lat && cfg.op == "send":
+			_, err = r.sendLat(size)
+		case !cfg.lat && cfg.op == "send":
+			err = r.recvBW(ctx, size)
+		}
+		if err != nil {
+			return res, err
+		}
+		if err := r.expect(ctx, "done", size); err != nil {
+			return res, err
+		}
+		if !cfg.lat && cfg.op != "read" {
+			if err := verifyPattern(cfg.op, s.mr.Bytes()[s.half:s.half+size]); err != nil {
+				return res, err
+			}
+		}
+		if err := r.oob.send(ctx, frameSync, syncMsg{Phase: "ok", Size: size}); err != nil {
+			return res, err
+		}
+		if err := r.oob.recv(ctx, frameResult, &res); err != nil {
+			return res, err
+		}
+		if (res.BW == nil) == (res.Lat == nil) {
+			return res, fmt.Errorf("protocol error: %s sent a result without exactly one row", r.oob.peer)
+		}
+		return res, nil
+	}
+
+	if err := r.sync(ctx, "start", "ready", size); err != nil {
+		return res, err
+	}
+	switch {
+	case cfg.lat && cfg.op == "write":
+		var l latResult
+		l, err = r.writeLat(size)
+		res.Lat = &l
+	case cfg.lat && cfg.op == "send":
+		var l latResult
+		l, err = r.sendLat(size)
+		res.Lat = &l
+	case cfg.lat:
+		var l latResult
+		l, err = r.readLat(size)
+		res.Lat = &l
+	default:
+		var b bwResult
+		b, err = r.streamBW(size)
+		res.BW = &b
+	}
+	if err != nil {
+		return res, err
+	}
+	if err := r.sync(ctx, "done", "ok", size); err != nil {
+		return res, err
+	}
+	if cfg.op == "read" && !cfg.lat {
+		if err := verifyPattern(cfg.op, s.mr.Bytes()[s.half:s.half+size]); err != nil {
+			return res, err
+		}
+	}
+	return res, r.oob.send(ctx, frameResult, res)
+}
+
+// verifyPattern checks that the destination holds fillPattern's bytes.
+func verifyPattern(op string, got []byte) error {
+	for i, c := range got {
+		if c != byte(i*7+1) {
+			return fmt.Errorf("%s of %d bytes: data check failed at byte %d: got %#x, want %#x", op, len(got), i, c, byte(i*7+1))
+		}
+	}
+	return nil
+}
+
+// streamBW is the client's bandwidth loop: iters messages, up to tx-depth
+// outstanding, batches of --batch requests posted with one Submit each
+// (the last one signaled), completions polled into a preallocated slice.
+// For send, the server keeps receives posted; RNR retries cover a server
+// that falls behind.
+func (r *remote) streamBW(size int) (bwResult, error) {
+	s, cfg := r.s, r.cfg
+	iters := cfg.iters
+	local := s.mr.SGE(0, size)
+	remote := r.peer.Region.At(r.peer.DstOffset)
+	if cfg.op == "read" {
+		local = s.mr.SGE(s.half, size)
+		remote = r.peer.Region.At(r.peer.SrcOffset)
+	}
+	posted, completed := 0, 0
+	window := max(iters/16, 1)
+	nextMark := window
+	peak := 0.0
+	wd := newWatchdog(fmt.Sprintf("%s of %d bytes", cfg.op, size))
+	cgo0 := runtime.NumCgoCall()
+	start := time.Now()
+	markT, markN := start, 0
+	for completed < iters {
+		progress := false
+		for posted < iters {
+			k := min(cfg.batch, iters-posted)
+			if posted+k-completed > cfg.txDepth {
+				break
+			}
+			for j := range k {
+				id := uint64(posted + j + 1)
+				var rq *verbs.Request
+				switch cfg.op {
+				case "write":
+					rq = s.batch.Write(id, remote, local)
+				case "read":
+					rq = s.batch.Read(id, remote, local)
+				default:
+					rq = s.batch.Send(id, local)
+				}
+				if int(id)%cfg.cqMod == 0 || int(id) == iters {
+					rq.Signaled()
+				}
+			}
+			if err := s.batch.Submit(); err != nil {
+				return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
+			}
+			posted += k
+			progress = true
+		}
+		n, err := s.reap()
+		if err != nil {
+			return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
+		}
+		if n > 0 {
+			completed = int(s.lastWRID)
+			progress = true
+			if completed >= nextMark || completed == iters {
+				now := time.Now()
+				if dt := now.Sub(markT).Seconds(); dt > 0 {
+					peak = max(peak, float64(completed-markN)*float64(size)/dt/mb)
+				}
+				markT, markN = now, completed
+				nextMark = completed + window
+			}
+		}
+		if progress {
+			wd.progress()
+		} else if err := wd.stalled(); err != nil {
+			return bwResult{}, err
+		}
+	}
+	elapsed := time.Since(start)
+	res := bwStats(size, iters, elapsed, peak)
+	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(iters)
+	return res, nil
+}
+
+// recvBW is the server's side of the send bandwidth test: it receives
+// iters messages, keeping rx-depth receives posted.
+func (r *remote) recvBW(ctx context.Context, size int) error {
+	s, cfg := r.s, r.cfg
+	wd := newWatchdog(fmt.Sprintf("receiving %d messages of %d bytes", cfg.iters, size))
+	for s.recvs < cfg.iters {
+		n, err := s.reap()
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			if err := wd.stalled(); err != nil {
+				return err
+			}
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			continue
+		}
+		wd.progress()
+		if err := s.fillRecvs(cfg.rxDepth); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// latFlags returns the flags of a latency request of size bytes and
+// whether it is sent inline.
+func (r *remote) latFlags(size int) (verbs.SendFlags, bool) {
+	if size <= r.inline && r.cfg.op != "read" {
+		return verbs.Inline, true
+	}
+	return 0, false
+}
+
+// signalEvery is how often a latency loop signals a request: signaling
+// every request would cost a completion and a poll per iteration; every
+// tx-depth/4th (at most 64th) keeps the send queue from filling.
+func (r *remote) signalEvery() int { return max(min(r.cfg.txDepth/4, 64), 1) }
+
+// post posts one latency request on s, signaled every signalEvery
+// requests. Before a signaled one it reaps completions until the send
+// queue has room for it and the unsignaled requests that follow: each
+// outstanding signaled request stands for signalEvery requests.
+func (r *remote) post(i int, flags verbs.SendFlags, op func(verbs.SendFlags) error) error {
+	s := r.s
+	every := r.signalEvery()
+	if (i+1)%every == 0 {
+		flags |= verbs.Signaled
+		for s.outstanding >= max(r.cfg.txDepth/every-1, 1) {
+			if _, err := s.reap(); err != nil {
+				return err
+			}
+		}
+		s.outstanding++
+	}
+	return op(flags)
+}
+
+// writeLat is the RDMA write ping-pong of both sides (ib_write_lat): the
+// client writes iteration i's value into the last byte of the server's
+// buffer, the server sees it and writes it back, the client sees it. The
+// client's samples are the round trips; the server returns no result.
+func (r *remote) writeLat(size int) (latResult, error) {
+	s := r.s
+	flags, inline := r.latFlags(size)
+	src := s.mr.Bytes()[:size]
+	dst, shift := lastByte(s.mr.Bytes(), s.half+size-1)
+	remote := r.peer.Region.At(r.peer.DstOffset)
+	sge := s.mr.SGE(0, size)
+	write := func(f verbs.SendFlags) error { return s.qp.PostWrite(0, f, remote, sge) }
+	st := newLatStats("write")
+	n := latWarmup + r.cfg.iters
+	cgo0 := runtime.NumCgoCall()
+	for i := range n {
+		v := byte(i%255 + 1)
+		if r.server {
+			if err := r.waitByte(dst, shift, v); err != nil {
+				return latResult{}, fmt.Errorf("write latency, iteration %d: %w", i, err)
+			}
+		}
+		t0 := time.Now()
+		src[size-1] = v
+		if err := r.post(i, flags, write); err != nil {
+			return latResult{}, fmt.Errorf("write latency, iteration %d: %w", i, err)
+		}
+		if r.server {
+			continue
+		}
+		if err := r.waitByte(dst, shift, v); err != nil {
+			return latResult{}, fmt.Errorf("write latency, iteration %d: %w", i, err)
+		}
+		if i >= latWarmup {
+			if err := st.add(time.Since(t0)); err != nil {
+				return latResult{}, err
+			}
+		}
+	}
+	res := st.result(size, r.cfg.iters, inline)
+	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(n)
+	return res, r.drain()
+}
+
+// waitByte spins until the byte (p, shift) is v, reaping completions now
+// and then so that a failed request surfaces, and failing when the peer
+// stops answering.
+func (r *remote) waitByte(p *uint32, shift uint, v byte) error {
+	wd := newWatchdog("waiting for the peer's write")
+	for spins := 1; ; spins++ {
+		if byte(atomic.LoadUint32(p)>>shift) == v {
+			return nil
+		}
+		if spins&255 == 0 {
+			if _, err := r.s.reap(); err != nil {
+				return err
+			}
+			if err := wd.stalled(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// sendLat is the send ping-pong of both sides (ib_send_lat): the client
+// sends, the server receives and sends back, the client receives.
+func (r *remote) sendLat(size int) (latResult, error) {
+	s := r.s
+	flags, inline := r.latFlags(size)
+	sge := s.mr.SGE(0, size)
+	send := func(f verbs.SendFlags) error { return s.qp.PostSend(0, f, sge) }
+	st := newLatStats("send")
+	n := latWarmup + r.cfg.iters
+	cgo0 := runtime.NumCgoCall()
+	for i := range n {
+		if r.server {
+			if err := r.waitRecv(); err != nil {
+				return latResult{}, fmt.Errorf("send latency, iteration %d: %w", i, err)
+			}
+		}
+		t0 := time.Now()
+		if err := r.post(i, flags, send); err != nil {
+			return latResult{}, fmt.Errorf("send latency, iteration %d: %w", i, err)
+		}
+		if r.server {
+			continue
+		}
+		if err := r.waitRecv(); err != nil {
+			return latResult{}, fmt.Errorf("send latency, iteration %d: %w", i, err)
+		}
+		if i >= latWarmup {
+			if err := st.add(time.Since(t0)); err != nil {
+				return latResult{}, err
+			}
+		}
+	}
+	res := st.result(size, r.cfg.iters, inline)
+	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(n)
+	return res, r.drain()
+}
+
+// waitRecv polls until a message arrived, consumes it and keeps rx-depth
+// receives posted.
+func (r *remote) waitRecv() error {
+	s := r.s
+	wd := newWatchdog("waiting for the peer's send")
+	for s.recvs == 0 {
+		n, err := s.reap()
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			if err := wd.stalled(); err != nil {
+				return err
+			}
+		}
+	}
+	s.recvs--
+	return s.fillRecvs(r.cfg.rxDepth)
+}
+
+// readLat is the client's RDMA read loop (ib_read_lat): post a read, poll
+// its completion.
+func (r *remote) readLat(size int) (latResult, error) {
+	s := r.s
+	remote := r.peer.Region.At(r.peer.SrcOffset)
+	sge := s.mr.SGE(s.half, size)
+	st := newLatStats("read")
+	n := latWarmup + r.cfg.iters
+	cgo0 := runtime.NumCgoCall()
+	for i := range n {
+		done := s.sendDone
+		t0 := time.Now()
+		if err := s.qp.PostRead(uint64(i), verbs.Signaled, remote, sge); err != nil {
+			return latResult{}, fmt.Errorf("read latency, iteration %d: %w", i, err)
+		}
+		s.outstanding++
+		wd := newWatchdog("waiting for the read")
+		for s.sendDone == done {
+			m, err := s.reap()
+			if err != nil {
+				return latResult{}, fmt.Errorf("read latency, iteration %d: %w", i, err)
+			}
+			if m == 0 {
+				if err := wd.stalled(); err != nil {
+					return latResult{}, err
+				}
+			}
+		}
+		if i >= latWarmup {
+			if err := st.add(time.Since(t0)); err != nil {
+				return latResult{}, err
+			}
+		}
+	}
+	res := st.result(size, r.cfg.iters, false)
+	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(n)
+	return res, nil
+}
+
+// drain waits for the signaled requests still outstanding.
+func (r *remote) drain() error {
+	wd := newWatchdog("waiting for the last completions")
+	for r.s.outstanding > 0 {
+		n, err := r.s.reap()
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			if err := wd.stalled(); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
