@@ -361,3 +361,9 @@ func TestNodePhases(t *testing.T) {
 		t.Errorf("Barrier after Close: %v, want ErrNodeState", err)
 	}
 }
+
+// contextWithTimeoutOf derives a context that ends after the given
+// number of seconds (a deadline for the exchange, not an assertion).
+func contextWithTimeoutOf(ctx context.Context, seconds int) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, time.Duration(seconds)*time.Second)
+}

@@ -1,0 +1,120 @@
+package cluster
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// MaxNodeList bounds the number of host names ExpandNodeList produces.
+const MaxNodeList = 1 << 16
+
+// ExpandNodeList expands a Slurm node list (SLURM_JOB_NODELIST) into host
+// names, in order: "node[01-03,07],login,rack[1-2]-n[1-2]" gives node01,
+// node02, node03, node07, login, rack1-n1, rack1-n2, rack2-n1, rack2-n2.
+// A range keeps the zero padding of its lower bound. Lists of more than
+// MaxNodeList names, unbalanced brackets, empty names and reversed ranges
+// are errors.
+func ExpandNodeList(s string) ([]string, error) {
+	if strings.TrimSpace(s) == "" {
+		return nil, fmt.Errorf("cluster: node list: empty")
+	}
+	var out []string
+	for _, item := range splitTop(s) {
+		if item == "" {
+			return nil, fmt.Errorf("cluster: node list %q: empty name", s)
+		}
+		names, err := expandItem(item, MaxNodeList-len(out))
+		if err != nil {
+			return nil, fmt.Errorf("cluster: node list %q: %w", s, err)
+		}
+		out = append(out, names...)
+	}
+	return out, nil
+}
+
+// splitTop splits s at the commas outside brackets.
+func splitTop(s string) []string {
+	var parts []string
+	depth, start := 0, 0
+	for i := 0; i < len(s); i++ {
+		switch s[i] {
+		case '[':
+			depth++
+		case ']':
+			depth--
+		case ',':
+			if depth == 0 {
+				parts = append(parts, s[start:i])
+				start = i + 1
+			}
+		}
+	}
+	return append(parts, s[start:])
+}
+
+// expandItem expands one name with bracket groups, producing at most
+// limit names.
+func expandItem(item string, limit int) ([]string, error) {
+	open := strings.IndexByte(item, '[')
+	if open < 0 {
+		if strings.ContainsAny(item, "] \t") {
+			return nil, fmt.Errorf("bad name %q", item)
+		}
+		if limit < 1 {
+			return nil, fmt.Errorf("more than %d names", MaxNodeList)
+		}
+		return []string{item}, nil
+	}
+	end := strings.IndexByte(item[open:], ']')
+	if end < 0 {
+		return nil, fmt.Errorf("unbalanced '[' in %q", item)
+	}
+	end += open
+	prefix, body, rest := item[:open], item[open+1:end], item[end+1:]
+	if strings.ContainsAny(prefix, "] \t") || strings.ContainsRune(body, '[') {
+		return nil, fmt.Errorf("bad name %q", item)
+	}
+	var heads []string
+	for _, r := range strings.Split(body, ",") {
+		lo, hi, ok := strings.Cut(r, "-")
+		if !ok {
+			hi = lo
+		}
+		a, err1 := strconv.ParseUint(lo, 10, 32)
+		b, err2 := strconv.ParseUint(hi, 10, 32)
+		if err1 != nil || err2 != nil || lo == "" || hi == "" {
+			return nil, fmt.Errorf("bad range %q in %q", r, item)
+		}
+		if b < a {
+			return nil, fmt.Errorf("reversed range %q in %q", r, item)
+		}
+		if b-a >= uint64(limit) || len(heads)+int(b-a+1) > limit {
+			return nil, fmt.Errorf("more than %d names", MaxNodeList)
+		}
+		for v := a; v <= b; v++ {
+			num := strconv.FormatUint(v, 10)
+			if pad := len(lo) - len(num); pad > 0 {
+				num = strings.Repeat("0", pad) + num
+			}
+			heads = append(heads, prefix+num)
+		}
+	}
+	tails := []string{""}
+	if rest != "" {
+		var err error
+		if tails, err = expandItem(rest, max(1, limit/len(heads))); err != nil {
+			return nil, err
+		}
+	}
+	if len(heads)*len(tails) > limit {
+		return nil, fmt.Errorf("more than %d names", MaxNodeList)
+	}
+	out := make([]string, 0, len(heads)*len(tails))
+	for _, h := range heads {
+		for _, t := range tails {
+			out = append(out, h+t)
+		}
+	}
+	return out, nil
+}
