@@ -196,7 +196,7 @@ func TestCompletionErrorsBreakTheChannel(t *testing.T) {
 }
 
 func TestCancelledBlockingCallBreaks(t *testing.T) {
-	a, b := newPair(t, channel.Options{})
+	_, b := newPair(t, channel.Options{})
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	start := time.Now()
@@ -214,7 +214,6 @@ func TestCancelledBlockingCallBreaks(t *testing.T) {
 	if _, err := b.ch.Receive(testCtx(t), b.buf.SGE(0, 64)); !errors.Is(err, channel.ErrBroken) {
 		t.Errorf("receive after the break: %v", err)
 	}
-	_ = a
 	// An already-cancelled context fails without posting or breaking.
 	a2, b2 := newPair(t, channel.Options{})
 	done, cancel2 := context.WithCancel(context.Background())

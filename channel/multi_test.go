@@ -1,7 +1,6 @@
 package channel_test
 
 import (
-	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -288,5 +287,54 @@ func TestMultiChannelOneRegistrationServesAll(t *testing.T) {
 	if err := r.mc.Drain(ctx); err != nil {
 		t.Error(err)
 	}
-	_ = context.Background
+}
+
+// TestMultiChannelConcurrentPeers: on every rank, one goroutine per peer
+// runs blocking atomics and batches against that peer while the others do
+// the same, all completions arriving on the one shared CQ; the counters
+// must add up exactly.
+func TestMultiChannelConcurrentPeers(t *testing.T) {
+	const n, rounds = 4, 100
+	rs := newGroup(t, n)
+	ctx := testCtx(t)
+	var wg sync.WaitGroup
+	for _, r := range rs {
+		for _, p := range r.mc.Peers() {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ch := r.mc.Peer(p)
+				counter := rs[p].buf.Remote().At(uint64(16384 + 8*r.id)) // one word per writer
+				for i := range rounds {
+					if i%2 == 0 {
+						if _, err := ch.FetchAdd(ctx, counter, 1); err != nil {
+							t.Errorf("rank %d to %d: %v", r.id, p, err)
+							return
+						}
+						continue
+					}
+					err := r.mc.Batch(ctx, func(b *channel.MultiBatch) error {
+						h := b.Peer(p).FetchAdd(counter, 2)
+						return b.Wait(h)
+					})
+					if err != nil {
+						t.Errorf("rank %d to %d (batch): %v", r.id, p, err)
+						return
+					}
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	for _, r := range rs {
+		for j := range n {
+			want := uint64(0)
+			if j != r.id {
+				want = rounds/2*1 + rounds/2*2
+			}
+			if got := binary.NativeEndian.Uint64(r.buf.Bytes()[16384+8*j:]); got != want {
+				t.Errorf("rank %d counter of writer %d = %d, want %d", r.id, j, got, want)
+			}
+		}
+	}
 }
