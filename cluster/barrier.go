@@ -426,8 +426,9 @@ func equal(a, b []int) bool {
 
 // wait returns once every rank of the group (nil: the world; otherwise a
 // sorted subgroup containing this rank) has entered this barrier, or fails
-// when ctx ends (the barrier is then poisoned), the transport breaks
-// (poisoned too), or the group is invalid (not poisoned).
+// when ctx ends (the barrier is then poisoned, unless ctx had ended before
+// the call), the transport breaks (poisoned too), or the group is invalid
+// (not poisoned).
 func (b *barrier) wait(ctx context.Context, peers []int) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -440,6 +441,9 @@ func (b *barrier) wait(ctx context.Context, peers []int) error {
 	}
 	if b.poison != nil {
 		return b.fail(g, peers, -1, fmt.Errorf("%w: %w", ErrPoisoned, b.poison))
+	}
+	if err := ctx.Err(); err != nil { // nothing signalled yet: not poisoned
+		return b.fail(g, peers, -1, fmt.Errorf("%w: %w", verbs.ErrTimeout, err))
 	}
 	if len(g.steps) > 0 && b.remote == nil {
 		return b.fail(g, peers, -1, fmt.Errorf("the peers' flags are not known yet (setRemote): %w", channel.ErrNotConnected))

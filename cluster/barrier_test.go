@@ -304,6 +304,12 @@ func TestBarrierBadGroups(t *testing.T) {
 			}
 		})
 	}
+	// Neither does a context that ended before the call.
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := r.b.wait(ended, nil); !errors.Is(err, context.Canceled) || !errors.Is(err, verbs.ErrTimeout) {
+		t.Errorf("wait with an ended context: %v, want Canceled and ErrTimeout", err)
+	}
 	// Bad groups do not poison: the world still synchronises.
 	barNoErrors(t, barRounds(ctx, rs, nil, 3))
 }
