@@ -58,10 +58,12 @@ func (lb *loopback) latency(cfg benchConfig, size int) (latResult, error) {
 
 	st := newLatStats(cfg.op)
 	what := fmt.Sprintf("%s latency of %d bytes", cfg.op, size)
+	samples := make([]uint64, 0, cfg.iters)
+	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := -latWarmup; i < cfg.iters; i++ {
 		v := byte((i+latWarmup)%255 + 1) // never 0, never the previous value
-		var rtt time.Duration
+		var rtt uint64
 		var err error
 		switch cfg.op {
 		case "write":
@@ -74,15 +76,19 @@ func (lb *loopback) latency(cfg benchConfig, size int) (latResult, error) {
 		if err != nil {
 			return latResult{}, fmt.Errorf("%s, iteration %d: %w", what, i, err)
 		}
-		if i < 0 {
-			continue
+		if i >= 0 {
+			samples = append(samples, rtt)
 		}
-		if err := st.add(rtt); err != nil {
+	}
+	cgo := runtime.NumCgoCall() - cgo0
+	clk.stop()
+	for _, d := range samples {
+		if err := st.add(clk.dur(d)); err != nil {
 			return latResult{}, fmt.Errorf("%s: %w", what, err)
 		}
 	}
 	res := st.result(size, cfg.iters, inline)
-	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(cfg.iters+latWarmup)
+	res.CgoPerMsg = float64(cgo) / float64(cfg.iters+latWarmup)
 	return res, nil
 }
 
@@ -173,8 +179,14 @@ func (lb *loopback) reapBoth() error {
 	return err
 }
 
-// checkStall fails when the current operation has been waiting too long.
+// checkStall fails when the current operation has been waiting too long:
+// the first call of an operation starts its clock (the fast path reads no
+// clock).
 func (lb *loopback) checkStall() error {
+	if lb.opStart.IsZero() {
+		lb.opStart = time.Now()
+		return nil
+	}
 	if time.Since(lb.opStart) > progressTimeout {
 		return fmt.Errorf("%w for %v: the peer queue pair stopped answering", errNoProgress, progressTimeout)
 	}
@@ -195,20 +207,20 @@ func (lb *loopback) room(s *side, txDepth int) error {
 }
 
 // writePingPong: a writes to b, b sees the last byte change and writes
-// back, a sees it. Returns the round trip.
-func (lb *loopback) writePingPong(size int, v byte, flags verbs.SendFlags, txDepth int) (time.Duration, error) {
+// back, a sees it. Returns the round trip in cycles() ticks.
+func (lb *loopback) writePingPong(size int, v byte, flags verbs.SendFlags, txDepth int) (uint64, error) {
 	a, b := lb.a, lb.b
 	aSrc, bSrc := a.mr.Bytes()[:size], b.mr.Bytes()[:size]
 	aDst, aShift := lastByte(a.mr.Bytes(), a.half+size-1)
 	bDst, bShift := lastByte(b.mr.Bytes(), b.half+size-1)
-	lb.opStart = time.Now()
+	lb.opStart = time.Time{}
 	if err := lb.room(a, txDepth); err != nil {
 		return 0, err
 	}
 	if err := lb.room(b, txDepth); err != nil {
 		return 0, err
 	}
-	t0 := time.Now()
+	t0 := cycles()
 	aSrc[size-1] = v
 	if err := a.qp.PostWrite(uint64(v), flags, b.mr.Remote().At(uint64(b.half)), a.mr.SGE(0, size)); err != nil {
 		return 0, err
@@ -225,7 +237,7 @@ func (lb *loopback) writePingPong(size int, v byte, flags verbs.SendFlags, txDep
 	if err := lb.waitByte(aDst, aShift, v); err != nil {
 		return 0, err
 	}
-	rtt := time.Since(t0)
+	rtt := cycles() - t0
 	return rtt, lb.reapBoth()
 }
 
@@ -247,16 +259,16 @@ func (lb *loopback) waitRecv(s *side, rxDepth int) error {
 }
 
 // sendPingPong: a sends to b, b receives and sends back, a receives.
-func (lb *loopback) sendPingPong(size int, flags verbs.SendFlags, txDepth, rxDepth int) (time.Duration, error) {
+func (lb *loopback) sendPingPong(size int, flags verbs.SendFlags, txDepth, rxDepth int) (uint64, error) {
 	a, b := lb.a, lb.b
-	lb.opStart = time.Now()
+	lb.opStart = time.Time{}
 	if err := lb.room(a, txDepth); err != nil {
 		return 0, err
 	}
 	if err := lb.room(b, txDepth); err != nil {
 		return 0, err
 	}
-	t0 := time.Now()
+	t0 := cycles()
 	if err := a.qp.PostSend(1, flags, a.mr.SGE(0, size)); err != nil {
 		return 0, err
 	}
@@ -271,18 +283,18 @@ func (lb *loopback) sendPingPong(size int, flags verbs.SendFlags, txDepth, rxDep
 	if err := lb.waitRecv(a, rxDepth); err != nil {
 		return 0, err
 	}
-	return time.Since(t0), nil
+	return cycles() - t0, nil
 }
 
 // readOnce: a reads size bytes of b and waits for the completion.
-func (lb *loopback) readOnce(size, txDepth int) (time.Duration, error) {
+func (lb *loopback) readOnce(size, txDepth int) (uint64, error) {
 	a, b := lb.a, lb.b
-	lb.opStart = time.Now()
+	lb.opStart = time.Time{}
 	if err := lb.room(a, txDepth); err != nil {
 		return 0, err
 	}
 	done := a.sendDone
-	t0 := time.Now()
+	t0 := cycles()
 	if err := a.qp.PostRead(3, verbs.Signaled, b.mr.Remote().At(0), a.mr.SGE(a.half, size)); err != nil {
 		return 0, err
 	}
@@ -297,5 +309,5 @@ func (lb *loopback) readOnce(size, txDepth int) (time.Duration, error) {
 			}
 		}
 	}
-	return time.Since(t0), nil
+	return cycles() - t0, nil
 }

@@ -234,7 +234,9 @@ type watchdog struct {
 	what string
 }
 
-func newWatchdog(what string) watchdog { return watchdog{last: time.Now(), what: what} }
+// newWatchdog does not read the clock (which may be slow, see cycles): the
+// first stalled check after 1024 idle rounds starts the timeout.
+func newWatchdog(what string) watchdog { return watchdog{what: what} }
 
 func (w *watchdog) progress() { w.idle = 0; w.last = time.Time{} }
 

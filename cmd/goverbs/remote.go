@@ -515,8 +515,9 @@ func (r *remote) writeLat(size int) (latResult, error) {
 	remote := r.peer.Region.At(r.peer.DstOffset)
 	sge := s.mr.SGE(0, size)
 	write := func(f verbs.SendFlags) error { return s.qp.PostWrite(0, f, remote, sge) }
-	st := newLatStats("write")
 	n := latWarmup + r.cfg.iters
+	samples := make([]uint64, 0, r.cfg.iters)
+	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := range n {
 		v := byte(i%255 + 1)
@@ -525,7 +526,7 @@ func (r *remote) writeLat(size int) (latResult, error) {
 				return latResult{}, fmt.Errorf("write latency, iteration %d: %w", i, err)
 			}
 		}
-		t0 := time.Now()
+		t0 := cycles()
 		src[size-1] = v
 		if err := r.post(i, flags, write); err != nil {
 			return latResult{}, fmt.Errorf("write latency, iteration %d: %w", i, err)
@@ -537,14 +538,33 @@ func (r *remote) writeLat(size int) (latResult, error) {
 			return latResult{}, fmt.Errorf("write latency, iteration %d: %w", i, err)
 		}
 		if i >= latWarmup {
-			if err := st.add(time.Since(t0)); err != nil {
-				return latResult{}, err
-			}
+			samples = append(samples, cycles()-t0)
 		}
 	}
-	res := st.result(size, r.cfg.iters, inline)
-	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(n)
+	res, err := latSummary(r.cfg.op, size, r.cfg.iters, inline, samples, &clk, cgo0)
+	if err != nil {
+		return res, err
+	}
 	return res, r.drain()
+}
+
+// latSummary turns the samples (cycles() ticks, the client's; none on the
+// server) into a result row.
+func latSummary(op string, size, iters int, inline bool, samples []uint64, clk *tickClock, cgo0 int64) (latResult, error) {
+	cgo := runtime.NumCgoCall() - cgo0
+	clk.stop()
+	st := newLatStats(op)
+	for _, d := range samples {
+		if err := st.add(clk.dur(d)); err != nil {
+			return latResult{}, err
+		}
+	}
+	res := latResult{Size: size, Iters: iters, Inline: inline}
+	if len(samples) > 0 {
+		res = st.result(size, iters, inline)
+	}
+	res.CgoPerMsg = float64(cgo) / float64(iters+latWarmup)
+	return res, nil
 }
 
 // waitByte spins until the byte (p, shift) is v, reaping completions now
@@ -574,8 +594,9 @@ func (r *remote) sendLat(size int) (latResult, error) {
 	flags, inline := r.latFlags(size)
 	sge := s.mr.SGE(0, size)
 	send := func(f verbs.SendFlags) error { return s.qp.PostSend(0, f, sge) }
-	st := newLatStats("send")
 	n := latWarmup + r.cfg.iters
+	samples := make([]uint64, 0, r.cfg.iters)
+	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := range n {
 		if r.server {
@@ -583,7 +604,7 @@ func (r *remote) sendLat(size int) (latResult, error) {
 				return latResult{}, fmt.Errorf("send latency, iteration %d: %w", i, err)
 			}
 		}
-		t0 := time.Now()
+		t0 := cycles()
 		if err := r.post(i, flags, send); err != nil {
 			return latResult{}, fmt.Errorf("send latency, iteration %d: %w", i, err)
 		}
@@ -594,13 +615,13 @@ func (r *remote) sendLat(size int) (latResult, error) {
 			return latResult{}, fmt.Errorf("send latency, iteration %d: %w", i, err)
 		}
 		if i >= latWarmup {
-			if err := st.add(time.Since(t0)); err != nil {
-				return latResult{}, err
-			}
+			samples = append(samples, cycles()-t0)
 		}
 	}
-	res := st.result(size, r.cfg.iters, inline)
-	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(n)
+	res, err := latSummary(r.cfg.op, size, r.cfg.iters, inline, samples, &clk, cgo0)
+	if err != nil {
+		return res, err
+	}
 	return res, r.drain()
 }
 
@@ -630,12 +651,13 @@ func (r *remote) readLat(size int) (latResult, error) {
 	s := r.s
 	remote := r.peer.Region.At(r.peer.SrcOffset)
 	sge := s.mr.SGE(s.half, size)
-	st := newLatStats("read")
 	n := latWarmup + r.cfg.iters
+	samples := make([]uint64, 0, r.cfg.iters)
+	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := range n {
 		done := s.sendDone
-		t0 := time.Now()
+		t0 := cycles()
 		if err := s.qp.PostRead(uint64(i), verbs.Signaled, remote, sge); err != nil {
 			return latResult{}, fmt.Errorf("read latency, iteration %d: %w", i, err)
 		}
@@ -653,14 +675,10 @@ func (r *remote) readLat(size int) (latResult, error) {
 			}
 		}
 		if i >= latWarmup {
-			if err := st.add(time.Since(t0)); err != nil {
-				return latResult{}, err
-			}
+			samples = append(samples, cycles()-t0)
 		}
 	}
-	res := st.result(size, r.cfg.iters, false)
-	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(n)
-	return res, nil
+	return latSummary("read", size, r.cfg.iters, false, samples, &clk, cgo0)
 }
 
 // drain waits for the signaled requests still outstanding.
