@@ -83,13 +83,15 @@ tier_unit() {
 # The guest is 10-50x slower than the host, so only the packages that touch
 # the hardware provider run there: the provider's own tests, the
 # conformance suite on rxe0/rxe1 (TestConformanceDevices), the RDMA CM API
-# across rxe0 and rxe1 (TestCMDevices, TestCMNotSupported) and the goverbs
-# command on rxe.
+# across rxe0 and rxe1 (TestCMDevices, TestCMNotSupported), the goverbs
+# command on rxe, and the cgo crossings of the data path once more with the
+# shim's per-call counters compiled in (-tags ibv_count, TestCgoCrossings).
 tier_vm() {
 	local exec=(-tags ibverbs -p 1 -exec "$PWD/scripts/vm/run.sh --")
 	./scripts/vm/run.sh --prepare
 	run_go_tests vm "${exec[@]}" ./internal/ibv/... ./internal/vmtest/ ./cmd/goverbs/ &&
-		run_go_tests vm-conformance "${exec[@]}" -run "^(TestConformanceDevices|TestCMDevices|TestCMNotSupported)$" .
+		run_go_tests vm-conformance "${exec[@]}" -run "^(TestConformanceDevices|TestCMDevices|TestCMNotSupported)$" . &&
+		run_go_tests vm-cgo-count -tags ibverbs,ibv_count -p 1 -exec "$PWD/scripts/vm/run.sh --" -run "^TestCgoCrossings$" ./internal/ibv/
 }
 
 # ---- main --------------------------------------------------------------------

@@ -123,6 +123,7 @@ func (q *compQueue) Poll(dst []prov.Completion) (int, error) {
 	if len(dst) == 0 {
 		return 0, nil
 	}
+	countCall(callPollCQ)
 	n := C.gv_poll_cq(&q.cq, (*C.gv_wc)(unsafe.Pointer(&dst[0])), C.int(len(dst)))
 	if n < 0 {
 		return 0, errnoErr("ibv_poll_cq", -n)

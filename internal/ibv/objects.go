@@ -107,6 +107,7 @@ func (s *sharedRQ) PostRecv(wrs []prov.RecvWR, sges []prov.SGE) (int, error) {
 		return 0, nil
 	}
 	var acc C.int
+	countCall(callPostSRQRecv)
 	rc := C.gv_post_srq_recv(s.srq, (*C.gv_recv_wr)(unsafe.Pointer(&wrs[0])), C.int(len(wrs)), sgePtr(sges), C.int(len(sges)), &acc)
 	if rc != 0 {
 		return int(acc), postErr("ibv_post_srq_recv", rc)

@@ -127,6 +127,7 @@ func (q *queuePair) PostSend(wrs []prov.SendWR, sges []prov.SGE) (int, error) {
 	var acc C.int
 	var rc C.int
 	wp := (*C.gv_send_wr)(unsafe.Pointer(&wrs[0]))
+	countCall(callPostSend)
 	if q.q.qpx != nil {
 		rc = C.gv_post_send_wr(&q.q, wp, C.int(len(wrs)), sgePtr(sges), C.int(len(sges)), &acc)
 	} else {
@@ -144,6 +145,7 @@ func (q *queuePair) PostRecv(wrs []prov.RecvWR, sges []prov.SGE) (int, error) {
 		return 0, nil
 	}
 	var acc C.int
+	countCall(callPostRecv)
 	rc := C.gv_post_recv(&q.q, (*C.gv_recv_wr)(unsafe.Pointer(&wrs[0])), C.int(len(wrs)), sgePtr(sges), C.int(len(sges)), &acc)
 	if rc != 0 {
 		return int(acc), postErr("ibv_post_recv", rc)
