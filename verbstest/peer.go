@@ -310,12 +310,12 @@ func (s *peerSide) post(req *PeerReq) error {
 
 // Peer is a running peer process (see ServePeerIfRequested).
 type Peer struct {
-	t     testing.TB
-	cmd   *exec.Cmd
-	in    io.WriteCloser
-	dec   *json.Decoder
-	enc   *json.Encoder
-	mu    sync.Mutex
+	t      testing.TB
+	cmd    *exec.Cmd
+	in     io.WriteCloser
+	dec    *json.Decoder
+	enc    *json.Encoder
+	mu     sync.Mutex
 	Stderr *lockedBuffer
 }
 
