@@ -23,13 +23,11 @@
 set -euo pipefail
 
 # Tiers that run, in order.
-TIERS="${GOVERBS_TIERS:-unit vm}"
+TIERS="${GOVERBS_TIERS:-unit multiprocess vm}"
 # Every tier the project knows, in order; those not in TIERS are reported as
 # not run, with the reason below.
 ALL_TIERS="unit multiprocess vm"
-declare -A NOT_RUN_REASON=(
-	[multiprocess]="not wired into scripts/test.sh yet"
-)
+declare -A NOT_RUN_REASON=()
 
 # Timeout of each test binary (go test -timeout). CI allows 90 minutes in all.
 GO_TEST_TIMEOUT="${GO_TEST_TIMEOUT:-20m}"
@@ -69,12 +67,25 @@ run_go_tests() {
 
 # ---- tiers -------------------------------------------------------------------
 
-# Tier 1: unit tests of every package, under the race detector.
+# Tier 1: unit tests of every package, under the race detector. The
+# cross-process tests run in tier 2.
 tier_unit() {
-	run_go_tests unit ./...
+	run_go_tests unit -skip "CrossProcess" ./...
 }
 
-# Tier 2 (multiprocess) is added here as tier_multiprocess.
+# Tier 2: several OS processes on loopback. The cross-process conformance
+# cases and fault tests of soft0 (verbstest: the test binary re-executes
+# itself as the peer process) over TCP and unix sockets, then the whole
+# conformance suite with every connection forced through the inter-process
+# transports of soft0 (GOVERBS_SOFT_TRANSPORT).
+tier_multiprocess() {
+	local rc=0
+	run_go_tests multiprocess -run "CrossProcess" ./verbstest/ || rc=1
+	for tr in tcp unix; do
+		GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr" -run "TestConformanceSoft" . || rc=1
+	done
+	return $rc
+}
 
 # Tier 3: the hardware provider (-tags ibverbs) against the kernel's
 # SoftRoCE driver, in a QEMU/TCG guest with two rxe devices (scripts/vm).

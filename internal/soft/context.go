@@ -134,6 +134,7 @@ func (c *devContext) Close() error {
 	c.dead = true
 	c.closed.Store(true)
 	c.events.close()
+	c.f.closeContext()
 	return nil
 }
 

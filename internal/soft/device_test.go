@@ -167,18 +167,23 @@ func TestAddress(t *testing.T) {
 		t.Fatalf("address % x", addr)
 	}
 	f := getFabric()
-	if l, err := f.resolve([16]byte{}, addr); err != nil || l == nil {
-		t.Errorf("resolve own address: %v %v", l, err)
+	if l, fab, err := f.resolve([16]byte{}, addr); err != nil || l != &f.local || fab != f.id {
+		t.Errorf("resolve own address: %v %x %v", l, fab, err)
 	}
-	other := append([]byte(nil), addr...)
-	other[2] ^= 1
-	if l, err := f.resolve([16]byte{}, other); err != nil || l != nil {
-		t.Errorf("resolve other fabric: %v %v", l, err)
+	pa, err := parseAddr(addr)
+	if err != nil {
+		t.Fatalf("parse own address: %v", err)
 	}
-	if _, err := f.resolve([16]byte{}, []byte{1, 2}); !errors.Is(err, syscall.EINVAL) {
+	pa.fabric ^= 1
+	if l, fab, err := f.resolve([16]byte{}, encodePeerAddr(&pa)); err != nil || fab != pa.fabric {
+		t.Errorf("resolve other fabric: %v %x %v", l, fab, err)
+	} else if _, ok := l.(*peer); !ok {
+		t.Errorf("resolve other fabric: link %T, want a *peer", l)
+	}
+	if _, _, err := f.resolve([16]byte{}, []byte{1, 2}); !errors.Is(err, syscall.EINVAL) {
 		t.Errorf("resolve malformed: %v", err)
 	}
-	if l, _ := f.resolve(f.gids[0], nil); l == nil {
+	if l, _, _ := f.resolve(f.gids[0], nil); l == nil {
 		t.Errorf("resolve by local GID failed")
 	}
 }

@@ -3,9 +3,9 @@ package soft
 import (
 	"crypto/rand"
 	"encoding/binary"
-	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/goverbs/verbs/internal/prov"
@@ -41,6 +41,12 @@ type fabric struct {
 	ahIdx indexPool
 	ahGen []uint32
 	ahs   table[ah]
+
+	// The service that connects this process to others (service.go): it
+	// runs while a device context is open and someone needed it.
+	svcMu sync.Mutex
+	nctx  int
+	svc   atomic.Pointer[service]
 }
 
 const (
@@ -216,62 +222,44 @@ func (f *fabric) lookupAH(h uint64) *ah {
 	return a
 }
 
-// --- provider addresses ---
-//
-// A provider address says how to reach the process that owns a QP. Layout
-// (version 1, little endian):
-//
-//	[0]     version (1)
-//	[1]     transport kind: 1 = same process (in-process fabric)
-//	[2:10]  fabric id: random per process
-//	[10:14] process id (informational)
-//	[14:]   optional transport-specific data (TLVs), ignored by version 1
-//	        readers; later shared-memory and TCP transports append their
-//	        endpoints here.
-//
-// Every QP of a process has the same address; the QPN selects the QP.
-
-const (
-	addrVersion     = 1
-	addrKindProcess = 1
-	addrMinLen      = 14
-)
-
-func encodeAddr(id uint64, pid uint32) []byte {
-	b := make([]byte, addrMinLen)
-	b[0] = addrVersion
-	b[1] = addrKindProcess
-	binary.LittleEndian.PutUint64(b[2:], id)
-	binary.LittleEndian.PutUint32(b[10:], pid)
-	return b
-}
-
 // resolve finds the transport to the port named by dgid and a peer's
-// provider address. A nil link with a nil error means the destination is
-// well-formed but unreachable (like an unresolvable RoCE GID): RC requests
-// to it fail with RETRY_EXC_ERR, UC/UD ones are dropped.
-func (f *fabric) resolve(dgid [16]byte, paddr []byte) (link, error) {
+// provider address, and the fabric id of the destination. A nil link with
+// a nil error means the destination is well-formed but unreachable (like an
+// unresolvable RoCE GID): RC requests to it fail with RETRY_EXC_ERR, UC/UD
+// ones are dropped.
+//
+// QPs of this process are reached directly unless a transport is forced
+// (see ForceTransport); QPs of other processes through the service.
+func (f *fabric) resolve(dgid [16]byte, paddr []byte) (link, uint64, error) {
 	if len(paddr) == 0 {
 		// No provider address: route by GID, like hardware. Only this
 		// process' own port is known.
 		for i := range f.gids {
 			if dgid == f.gids[i] {
-				return &f.local, nil
+				return &f.local, f.id, nil
 			}
 		}
-		return nil, nil
+		return nil, 0, nil
 	}
-	if len(paddr) < addrMinLen || paddr[0] == 0 {
-		return nil, fmt.Errorf("malformed soft provider address (%d bytes): %w", len(paddr), syscall.EINVAL)
+	pa, err := parseAddr(paddr)
+	if err != nil {
+		return nil, 0, err
 	}
-	if paddr[0] != addrVersion {
-		return nil, fmt.Errorf("soft provider address version %d is not supported by this version (%d): %w", paddr[0], addrVersion, syscall.EINVAL)
+	kind, err := transportChoice()
+	if err != nil {
+		return nil, 0, err
 	}
-	if binary.LittleEndian.Uint64(paddr[2:]) == f.id {
-		return &f.local, nil
+	if pa.fabric == f.id && (kind == transportAuto || kind == transportDirect) {
+		return &f.local, f.id, nil
 	}
-	// Another process: no cross-process transport yet.
-	return nil, nil
+	if kind == transportDirect {
+		return nil, 0, nil
+	}
+	s := f.service()
+	if s == nil {
+		return nil, 0, nil
+	}
+	return s.peerFor(&pa, kind), pa.fabric, nil
 }
 
 func (f *fabric) deviceAttr() prov.DeviceAttr {

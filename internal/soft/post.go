@@ -115,6 +115,9 @@ func (q *qp) enqueue(wr *prov.SendWR, sges []prov.SGE) error {
 			return errnof(einval, "post send: remote QPN %#x exceeds 24 bits", wr.RemoteQPN)
 		}
 		ud = &a.dest
+		if _, ok := ud.l.(*peer); ok {
+			q.setRemote()
+		}
 	}
 	if q.sq.count == len(q.sq.slots) {
 		return q.sqFull

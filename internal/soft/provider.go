@@ -73,5 +73,6 @@ func (provider) Open(name string) (prov.Context, error) {
 	}
 	c := &devContext{f: getFabric()}
 	c.events.init()
+	c.f.openContext()
 	return c, nil
 }

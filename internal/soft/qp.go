@@ -79,6 +79,16 @@ type qp struct {
 	timerFired atomic.Bool
 	wakeSeq    atomic.Uint64
 
+	// Cross-process requests (conn.go). Once a request of this QP goes to
+	// another process, xproc is set and the send queue runs in the QP's
+	// own goroutine (workLoop), which may wait for the peer.
+	x        *xstate
+	xproc    atomic.Bool
+	workOnce sync.Once
+	workCh   chan struct{}
+	workDone chan struct{}
+	closing  chan struct{} // closed when Close starts
+
 	// Responder scratch (rmu).
 	rspans  [maxSGE]span
 	rlocked [maxSGE]*mr
@@ -211,6 +221,9 @@ func newQP(p *pd, attr prov.QPInitAttr) (*qp, error) {
 	if q.typ == prov.QPTypeRC {
 		q.req.waker = q // only RC requesters wait for a receive or a ready target
 	}
+	q.req.owner = q
+	q.x = &xstate{done: make(chan struct{}, 1)}
+	q.closing = make(chan struct{})
 	if err := q.f.addQP(q); err != nil {
 		return fail(err)
 	}
@@ -225,7 +238,7 @@ func newQP(p *pd, attr prov.QPInitAttr) (*qp, error) {
 func (q *qp) QPN() uint32 { return q.qpn }
 
 // Address returns this process' provider address (see encodeAddr).
-func (q *qp) Address() []byte { return append([]byte(nil), q.f.addr...) }
+func (q *qp) Address() []byte { return append([]byte(nil), q.f.address()...) }
 
 // Query returns the current attributes and the creation attributes with
 // the capabilities granted.
@@ -251,6 +264,7 @@ func (q *qp) Close() error {
 	if !q.closed.CompareAndSwap(false, true) {
 		return nil
 	}
+	close(q.closing) // ends a wait for a peer process
 	q.progMu.Lock()
 	q.rmu.Lock()
 	q.smu.Lock()
@@ -262,9 +276,14 @@ func (q *qp) Close() error {
 	if q.timer != nil {
 		q.timer.Stop()
 	}
+	remote := q.xproc.Load()
 	q.smu.Unlock()
 	q.rmu.Unlock()
 	q.progMu.Unlock()
+	if remote {
+		<-q.workDone
+		q.x.timer.Stop()
+	}
 	for _, w := range ws {
 		w.wake()
 	}
@@ -465,14 +484,11 @@ func (q *qp) modifyLocked(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 		if err := checkAV(&attr.AH, fmt.Sprintf("modify qp %d", q.qpn)); err != nil {
 			return err
 		}
-		l, err := q.f.resolve(attr.AH.DGID, attr.AH.ProviderAddr)
+		l, fab, err := q.f.resolve(attr.AH.DGID, attr.AH.ProviderAddr)
 		if err != nil {
 			return fmt.Errorf("soft: modify qp %d: address vector: %w", q.qpn, err)
 		}
-		route, destFabric = l, 0
-		if l != nil {
-			destFabric = q.f.id
-		}
+		route, destFabric = l, fab
 		na.AH = attr.AH
 		na.AH.ProviderAddr = append([]byte(nil), attr.AH.ProviderAddr...)
 		if na.AH.Port == 0 {
@@ -543,6 +559,9 @@ func (q *qp) modifyLocked(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 	}
 	q.attr = na
 	q.route, q.destFabric = route, destFabric
+	if p, ok := route.(*peer); ok && p != nil {
+		q.setRemote()
+	}
 	if mask&prov.AttrPathMTU != 0 {
 		q.mtu = uint32(na.PathMTU.Bytes())
 	}

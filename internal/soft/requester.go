@@ -9,8 +9,46 @@ import (
 )
 
 // kick runs the send queue unless another goroutine is running it, in which
-// case that goroutine is told to look again before it stops.
+// case that goroutine is told to look again before it stops. The send queue
+// of a QP that sends to another process runs in the QP's own goroutine,
+// since a request may wait there for the peer: kick only signals it.
 func (q *qp) kick() {
+	if q.xproc.Load() {
+		select {
+		case q.workCh <- struct{}{}:
+		default:
+		}
+		return
+	}
+	q.runQueue()
+}
+
+// setRemote makes the send queue run in the QP's own goroutine from now on.
+// Called with progMu or smu held (so not concurrently with Close's check).
+func (q *qp) setRemote() {
+	q.workOnce.Do(func() {
+		q.workCh = make(chan struct{}, 1)
+		q.workDone = make(chan struct{})
+		q.x.timer = time.NewTimer(time.Hour)
+		q.x.timer.Stop()
+		go q.workLoop()
+		q.xproc.Store(true)
+	})
+}
+
+func (q *qp) workLoop() {
+	defer close(q.workDone)
+	for {
+		select {
+		case <-q.closing:
+			return
+		case <-q.workCh:
+			q.runQueue()
+		}
+	}
+}
+
+func (q *qp) runQueue() {
 	for {
 		if !q.progMu.TryLock() {
 			q.pending.Store(true)

@@ -10,10 +10,10 @@ package soft
 //
 // The in-process transport calls the target's respond directly, with data
 // pointing at the requester's registered memory, so bytes move with one
-// copy. A cross-process transport (shared memory, TCP) implements link by
-// marshalling the request and the gathered payload, running respond in the
+// copy. The cross-process transport (peer in service.go, conn in conn.go)
+// marshals the request and the gathered payload, runs respond in the
 // target process against a span over the received payload (or, for reads,
-// over a reply buffer) and returning the response; nothing else changes.
+// over a reply buffer) and returns the response; nothing else changes.
 
 // link carries one request to the responder side of a remote QP and
 // returns its response. exec must not retain req, data or resp.
@@ -76,6 +76,9 @@ type request struct {
 	// waker is notified when an RNR or not-ready condition may have
 	// cleared (nil: do not notify).
 	waker waker
+
+	// owner is the requester QP (nil for requests from another process).
+	owner *qp
 }
 
 // respCode is the responder's answer.

@@ -1,0 +1,707 @@
+package soft
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/bits"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// conn is a connection (TCP or unix socket) to another process, or with a
+// forced transport to this one. It carries the requests of this process'
+// QPs to the peer's QPs and back their responses, and the other way round.
+//
+// Requests. A requester QP whose destination is in another process runs
+// its send queue in a goroutine of its own (see qp.kick), which writes the
+// request frame (with the payload of sends and writes taken directly from
+// the registered memory) and, for RC, waits for the response. The wait
+// ends with the response, the loss of the connection, the QP's Close, or
+// the QP's transport timeout (timeout × (retry_cnt+1), at least
+// minRespTimeout): everything but the response makes the request fail with
+// RETRY_EXC_ERR, as on a RC QP whose peer stopped answering. UC and UD
+// requests get no response.
+//
+// Responses. One goroutine per connection reads frames. It runs every
+// request from the peer at the target QP (qp.respond, which does the rkey,
+// bounds, access and PSN checks: the payload is in a buffer of this
+// process, so memory outside an MR is never touched), answers it, and hands
+// responses and wake-ups to the waiting requesters. It never waits for the
+// peer: a frame it sends is written without blocking as far as the socket
+// takes it, and the rest is queued for a flusher goroutine. So two
+// processes never wait for each other.
+//
+// Failure. End of file, a read or write error, a write timeout, or a
+// malformed frame takes the connection down: it is closed, waiting
+// requesters fail, and the next request to the peer connects again.
+type conn struct {
+	s       *service
+	f       *fabric
+	kind    uint8 // kindTCP or kindUnix
+	peerFab uint64
+	peerPID uint32
+	nc      net.Conn
+	raw     syscall.RawConn
+
+	dead  atomic.Bool
+	done  chan struct{}
+	errMu sync.Mutex
+	err   error
+
+	nextID atomic.Uint64
+
+	// wmu is the right to write to nc. Whoever holds it writes the queue
+	// first: it may hold the rest of a partly written frame.
+	wmu   sync.Mutex
+	wbufs net.Buffers
+	twBuf [][]byte // tryWrite's argument and results (wmu)
+	twN   int
+	twErr error
+	twFn  func(fd uintptr) bool
+
+	qmu    sync.Mutex
+	queue  [][]byte // pooled buffers
+	qbytes int
+	qwake  chan struct{}
+
+	// Reader state (the reader goroutine only).
+	rhdr  [hdrLen + respBodyLen]byte
+	rbufs [2][]byte
+
+	wkMu   sync.Mutex
+	wakers map[uint32]*remoteWaker
+}
+
+const (
+	// minRespTimeout bounds the RC response timeout from below: the peer's
+	// goroutines can be descheduled on a loaded host, where a NIC would
+	// answer in hardware.
+	minRespTimeout = 2 * time.Second
+	// writeTimeout bounds a write to a peer that reads nothing for QPs
+	// without a transport timeout, and for the flusher.
+	writeTimeout = 60 * time.Second
+	// maxQueued is how much a peer may leave unread before the connection
+	// is dropped.
+	maxQueued = 512 << 20
+)
+
+var errConnDown = errors.New("soft: connection to the peer process lost")
+
+func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn) *conn {
+	c := &conn{s: s, f: s.f, kind: kind, peerFab: peerFab, peerPID: peerPID, nc: nc,
+		done: make(chan struct{}), qwake: make(chan struct{}, 1), wakers: map[uint32]*remoteWaker{}}
+	if tc, ok := nc.(*net.TCPConn); ok {
+		tc.SetNoDelay(true)
+	}
+	if sc, ok := nc.(syscall.Conn); ok {
+		c.raw, _ = sc.SyscallConn()
+	}
+	c.twFn = c.tryWriteFD
+	return c
+}
+
+// fail takes the connection down (once).
+func (c *conn) fail(err error) {
+	if !c.dead.CompareAndSwap(false, true) {
+		return
+	}
+	c.errMu.Lock()
+	c.err = err
+	c.errMu.Unlock()
+	close(c.done)
+	c.nc.Close()
+	c.s.removeConn(c)
+}
+
+// --- requester side ---
+
+// exec carries req to the peer and, for RC, waits for its response (see
+// conn). Called by the requester's runner (progMu held).
+func (c *conn) exec(req *request, data []span, resp *response) {
+	q := req.owner
+	rc := req.qpType == uint8(prov.QPTypeRC)
+	var flags uint8
+	if !rc {
+		flags = reqNoResp
+	}
+	plen := 0
+	if hasPayload(req.op) {
+		plen = int(req.length)
+	}
+	id := c.nextID.Add(1)
+	x := q.x
+	putHdr(x.frame[:], frReq, uint32(reqBodyLen+plen), id)
+	putReq(x.frame[hdrLen:], req, flags)
+	bufs := append(x.bufs[:0], x.frame[:])
+	if plen > 0 {
+		for _, s := range data {
+			if s.n > 0 {
+				bufs = append(bufs, s.bytes())
+			}
+		}
+	}
+	timeout := q.respTimeout()
+	if rc {
+		x.mu.Lock()
+		x.id, x.conn, x.got = id, c, false
+		x.data, x.dlen = nil, 0
+		if req.op == opRead {
+			x.data, x.dlen = data, int(req.length)
+		}
+		x.mu.Unlock()
+		select {
+		case <-x.done:
+		default:
+		}
+	}
+	wt := timeout
+	if wt == 0 {
+		wt = writeTimeout
+	}
+	err := c.writeFrame(bufs, wt)
+	clear(x.bufs[:len(bufs)])
+	if err != nil {
+		if rc {
+			x.abandon()
+		}
+		resp.code = respNoQP
+		return
+	}
+	if !rc {
+		resp.code = respDropped // the requester does not learn the outcome
+		return
+	}
+	var tc <-chan time.Time
+	if timeout > 0 {
+		x.timer.Reset(timeout)
+		tc = x.timer.C
+	}
+	select {
+	case <-x.done:
+	case <-c.done:
+	case <-q.closing:
+	case <-tc:
+	}
+	if timeout > 0 {
+		x.timer.Stop()
+	}
+	if !x.abandon() {
+		resp.code = respNoQP // no answer: RETRY_EXC_ERR
+		return
+	}
+	*resp = x.resp
+}
+
+// respTimeout is how long a RC request waits for its response: the QP's
+// transport timeout × (retry_cnt+1), at least minRespTimeout; 0: forever.
+func (q *qp) respTimeout() time.Duration {
+	d := transportTimeout(q.attr.Timeout)
+	if d == 0 {
+		return 0
+	}
+	return max(d*time.Duration(q.attr.RetryCnt+1), minRespTimeout)
+}
+
+// xstate is the cross-process state of a requester QP (see conn.exec).
+type xstate struct {
+	frame [hdrLen + reqBodyLen]byte
+	bufs  [maxSGE + 1][]byte
+	timer *time.Timer
+
+	mu   sync.Mutex
+	id   uint64 // the request waiting for its response (0: none)
+	conn *conn
+	data []span // RDMA read: where the data goes
+	dlen int
+	got  bool
+	resp response
+	done chan struct{} // a token when got is set
+}
+
+// abandon ends the wait for a response and reports whether it arrived.
+func (x *xstate) abandon() bool {
+	x.mu.Lock()
+	got := x.got
+	x.id, x.conn, x.data, x.got = 0, nil, nil, false
+	x.mu.Unlock()
+	return got
+}
+
+// writeFrame writes one frame, waiting for room (at most timeout: then the
+// connection fails, since a frame cannot be left half written).
+func (c *conn) writeFrame(bufs [][]byte, timeout time.Duration) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if c.dead.Load() {
+		return errConnDown
+	}
+	c.nc.SetWriteDeadline(time.Now().Add(timeout))
+	if err := c.flushQueueLocked(); err != nil {
+		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
+		return err
+	}
+	c.wbufs = append(c.wbufs[:0], bufs...)
+	_, err := c.wbufs.WriteTo(c.nc)
+	clear(c.wbufs[:cap(c.wbufs)])
+	if err != nil {
+		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
+		return err
+	}
+	return nil
+}
+
+// flushQueueLocked writes the queued frames (wmu held).
+func (c *conn) flushQueueLocked() error {
+	for {
+		c.qmu.Lock()
+		q := c.queue
+		c.queue = nil
+		c.qmu.Unlock()
+		if len(q) == 0 {
+			return nil
+		}
+		n := 0
+		for _, b := range q {
+			n += len(b)
+		}
+		c.wbufs = append(c.wbufs[:0], q...)
+		_, err := c.wbufs.WriteTo(c.nc)
+		clear(c.wbufs[:cap(c.wbufs)])
+		for _, b := range q {
+			putBuf(b)
+		}
+		c.qmu.Lock()
+		c.qbytes -= n
+		c.qmu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// flushLoop writes what the reader queued until the connection fails.
+func (c *conn) flushLoop() {
+	for {
+		select {
+		case <-c.done:
+			c.qmu.Lock()
+			for _, b := range c.queue {
+				putBuf(b)
+			}
+			c.queue, c.qbytes = nil, 0
+			c.qmu.Unlock()
+			return
+		case <-c.qwake:
+		}
+		c.wmu.Lock()
+		if !c.dead.Load() {
+			c.nc.SetWriteDeadline(time.Now().Add(writeTimeout))
+			if err := c.flushQueueLocked(); err != nil {
+				c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
+			}
+		}
+		c.wmu.Unlock()
+	}
+}
+
+// sendAsync sends a frame without waiting: what the socket does not take
+// now is queued for the flusher. bufs may be reused when it returns.
+func (c *conn) sendAsync(bufs [][]byte) {
+	if c.dead.Load() {
+		return
+	}
+	written := 0
+	if c.wmu.TryLock() {
+		c.qmu.Lock()
+		empty := len(c.queue) == 0
+		c.qmu.Unlock()
+		if empty {
+			n, err := c.tryWrite(bufs)
+			if err != nil {
+				c.wmu.Unlock()
+				c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
+				return
+			}
+			written = n
+		}
+		if written < total(bufs) {
+			c.enqueue(bufs, written)
+		}
+		c.wmu.Unlock()
+		if written == total(bufs) {
+			return
+		}
+	} else {
+		c.enqueue(bufs, 0)
+	}
+	select {
+	case c.qwake <- struct{}{}:
+	default:
+	}
+}
+
+// enqueue queues a copy of bufs after their first skip bytes.
+func (c *conn) enqueue(bufs [][]byte, skip int) {
+	n := total(bufs) - skip
+	b := getBuf(n)[:0]
+	for _, p := range bufs {
+		if skip >= len(p) {
+			skip -= len(p)
+			continue
+		}
+		b = append(b, p[skip:]...)
+		skip = 0
+	}
+	c.qmu.Lock()
+	c.queue = append(c.queue, b)
+	c.qbytes += n
+	over := c.qbytes > maxQueued
+	c.qmu.Unlock()
+	if over {
+		c.fail(fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued", c.peerPID, maxQueued>>20))
+	}
+}
+
+func total(bufs [][]byte) int {
+	n := 0
+	for _, b := range bufs {
+		n += len(b)
+	}
+	return n
+}
+
+// tryWrite writes a prefix of bufs without waiting and returns its length
+// (wmu held).
+func (c *conn) tryWrite(bufs [][]byte) (int, error) {
+	if c.raw == nil {
+		return 0, nil
+	}
+	c.twBuf, c.twN, c.twErr = bufs, 0, nil
+	err := c.raw.Write(c.twFn)
+	n, werr := c.twN, c.twErr
+	c.twBuf, c.twErr = nil, nil
+	if werr == unix.EAGAIN {
+		return 0, nil
+	}
+	if werr != nil {
+		return 0, werr
+	}
+	if err != nil {
+		return 0, err
+	}
+	return max(n, 0), nil
+}
+
+func (c *conn) tryWriteFD(fd uintptr) bool {
+	for {
+		c.twN, c.twErr = unix.Writev(int(fd), c.twBuf)
+		if c.twErr != unix.EINTR {
+			return true
+		}
+	}
+}
+
+// --- reader side ---
+
+// readLoop reads and handles frames until the connection fails.
+func (c *conn) readLoop() {
+	r := bufio.NewReaderSize(c.nc, 256<<10)
+	var hb [hdrLen]byte
+	var body [reqBodyLen]byte
+	for {
+		if _, err := io.ReadFull(r, hb[:]); err != nil {
+			c.fail(readErr(c, err))
+			return
+		}
+		h, err := parseHdr(hb[:])
+		if err == nil {
+			err = c.checkType(h)
+		}
+		if err != nil {
+			c.fail(fmt.Errorf("soft: malformed frame from process %d: %w", c.peerPID, err))
+			return
+		}
+		bl := bodyLen(h)
+		if _, err := io.ReadFull(r, body[:bl]); err != nil {
+			c.fail(readErr(c, err))
+			return
+		}
+		var payload []byte
+		if n := int(h.length) - bl; n > 0 {
+			if payload, err = readPayload(r, n); err != nil {
+				c.fail(readErr(c, err))
+				return
+			}
+		}
+		err = c.handle(h, body[:bl], payload)
+		putBuf(payload)
+		if err != nil {
+			c.fail(fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err))
+			return
+		}
+	}
+}
+
+func readErr(c *conn, err error) error {
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+		return fmt.Errorf("soft: process %d closed the connection: %w", c.peerPID, errConnDown)
+	}
+	return fmt.Errorf("soft: read from process %d: %w", c.peerPID, err)
+}
+
+// checkType refuses frames that have no place on a running connection.
+func (c *conn) checkType(h frameHdr) error {
+	switch h.typ {
+	case frReq, frResp, frWake:
+		return nil
+	}
+	return fmt.Errorf("%w: type %d on a running connection", errBadType, h.typ)
+}
+
+// bodyLen is the fixed body length of a frame (the rest is payload).
+func bodyLen(h frameHdr) int {
+	switch h.typ {
+	case frReq:
+		return reqBodyLen
+	case frResp:
+		return respBodyLen
+	}
+	return int(min(h.length, reqBodyLen))
+}
+
+// handle processes one frame.
+func (c *conn) handle(h frameHdr, body, payload []byte) error {
+	switch h.typ {
+	case frReq:
+		return c.handleReq(h.id, body, payload)
+	case frResp:
+		return c.handleResp(h.id, body, payload)
+	case frWake:
+		if q := c.f.qps.load(binary.LittleEndian.Uint32(body) & maxQPN); q != nil {
+			q.wake()
+		}
+		return nil
+	}
+	return fmt.Errorf("%w: type %d", errBadType, h.typ)
+}
+
+// handleReq runs a request from the peer at the target QP (which does
+// every check) and answers it.
+func (c *conn) handleReq(id uint64, body, payload []byte) error {
+	var req request
+	flags, err := parseReq(body, uint32(len(payload)), &req)
+	if err != nil {
+		return err
+	}
+	req.srcFabric = c.peerFab // who the peer is, not what it says
+	if req.qpType == uint8(prov.QPTypeRC) {
+		req.waker = c.waker(req.srcQPN)
+	}
+	var one [1]span
+	var data []span
+	var rbuf []byte
+	switch req.op {
+	case opRead:
+		// Allocate the reply only for a read the region could serve; the
+		// responder decides.
+		if m := c.f.lookupMR(req.rkey); req.length > 0 && m != nil && uint64(req.length) <= m.length {
+			rbuf = getBuf(int(req.length))
+			one[0] = span{unsafe.Pointer(unsafe.SliceData(rbuf)), len(rbuf)}
+			data = one[:]
+		}
+	case opCAS, opFAA:
+	default:
+		if len(payload) > 0 {
+			one[0] = span{unsafe.Pointer(unsafe.SliceData(payload)), len(payload)}
+			data = one[:]
+		}
+	}
+	var resp response
+	if t := c.f.qps.load(req.dstQPN); t == nil {
+		resp.code = respNoQP
+	} else {
+		t.respond(&req, data, &resp)
+	}
+	if flags&reqNoResp == 0 {
+		var out []byte
+		if resp.code == respACK && req.op == opRead {
+			out = rbuf
+		}
+		putHdr(c.rhdr[:], frResp, uint32(respBodyLen+len(out)), id)
+		putResp(c.rhdr[hdrLen:], req.srcQPN, &resp)
+		c.rbufs[0], c.rbufs[1] = c.rhdr[:], out
+		n := 2
+		if len(out) == 0 {
+			n = 1
+		}
+		c.sendAsync(c.rbufs[:n])
+		c.rbufs[1] = nil
+	}
+	putBuf(rbuf)
+	return nil
+}
+
+// handleResp hands a response to its requester.
+func (c *conn) handleResp(id uint64, body, payload []byte) error {
+	var r response
+	qpn, err := parseResp(body, &r)
+	if err != nil {
+		return err
+	}
+	if len(payload) > 0 && r.code != respACK {
+		return fmt.Errorf("%w: data on a negative response", errBadResp)
+	}
+	q := c.f.qps.load(qpn)
+	if q == nil || q.x == nil {
+		return nil // the requester is gone
+	}
+	x := q.x
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.id != id || x.conn != c || x.got {
+		return nil // abandoned (timeout, close)
+	}
+	if r.code == respACK && len(payload) != x.dlen {
+		return fmt.Errorf("%w: %d bytes of data, the request wants %d", errBadResp, len(payload), x.dlen)
+	}
+	if len(payload) > 0 {
+		copySpans(x.data, 0, []span{{unsafe.Pointer(unsafe.SliceData(payload)), len(payload)}})
+	}
+	x.resp, x.got = r, true
+	select {
+	case x.done <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// --- wake-ups of the peer's requesters ---
+
+// remoteWaker is the waker of a requester in the peer process: waking it
+// sends a WAKE frame.
+type remoteWaker struct {
+	c   *conn
+	qpn uint32
+}
+
+func (c *conn) waker(qpn uint32) waker {
+	c.wkMu.Lock()
+	defer c.wkMu.Unlock()
+	w := c.wakers[qpn]
+	if w == nil {
+		if len(c.wakers) >= 1<<16 {
+			clear(c.wakers)
+		}
+		w = &remoteWaker{c: c, qpn: qpn}
+		c.wakers[qpn] = w
+	}
+	return w
+}
+
+func (w *remoteWaker) wake() {
+	var b [hdrLen + wakeLen]byte
+	putHdr(b[:], frWake, wakeLen, 0)
+	binary.LittleEndian.PutUint32(b[hdrLen:], w.qpn)
+	w.c.sendAsync([][]byte{b[:]})
+}
+
+// --- buffers ---
+
+// Payload buffers come from size-classed pools (powers of two from 4 KiB to
+// 4 MiB); larger ones are allocated.
+var bufPools [11]sync.Pool
+
+const (
+	minBufShift = 12
+	maxBufShift = 22
+)
+
+func getBuf(n int) []byte {
+	if n > 1<<maxBufShift {
+		return make([]byte, n)
+	}
+	c := 0
+	if n > 1<<minBufShift {
+		c = bits.Len(uint(n-1)) - minBufShift
+	}
+	if p, _ := bufPools[c].Get().(*[]byte); p != nil {
+		return (*p)[:n]
+	}
+	return make([]byte, n, 1<<(c+minBufShift))
+}
+
+func putBuf(b []byte) {
+	c := cap(b)
+	if c < 1<<minBufShift || c > 1<<maxBufShift || c&(c-1) != 0 {
+		return
+	}
+	b = b[:0]
+	bufPools[bits.Len(uint(c))-1-minBufShift].Put(&b)
+}
+
+// readPayload reads n bytes, growing the buffer as data arrives so that a
+// length in a hostile frame cannot make the reader allocate more than the
+// peer sends.
+func readPayload(r io.Reader, n int) ([]byte, error) {
+	if n <= 1<<maxBufShift {
+		b := getBuf(n)
+		if _, err := io.ReadFull(r, b); err != nil {
+			putBuf(b)
+			return nil, err
+		}
+		return b, nil
+	}
+	b := make([]byte, 0, 1<<maxBufShift)
+	for len(b) < n {
+		k := min(n-len(b), max(len(b), 1<<maxBufShift))
+		if cap(b)-len(b) < k {
+			nb := make([]byte, len(b), len(b)+k)
+			copy(nb, b)
+			b = nb
+		}
+		m, err := io.ReadFull(r, b[len(b):len(b)+k])
+		b = b[:len(b)+m]
+		if err != nil {
+			return nil, err
+		}
+	}
+	return b, nil
+}
+
+// checkPeerCred checks that the process at the other end of c has the given
+// pid and this process' uid.
+func checkPeerCred(c *net.UnixConn, pid uint32) error {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return err
+	}
+	if cerr != nil {
+		return cerr
+	}
+	if uint32(cred.Pid) != pid {
+		return fmt.Errorf("the peer is process %d, not %d", cred.Pid, pid)
+	}
+	if cred.Uid != uint32(os.Getuid()) {
+		return fmt.Errorf("the peer runs as uid %d, not %d", cred.Uid, os.Getuid())
+	}
+	return nil
+}

@@ -1,0 +1,314 @@
+package soft
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/goverbs/verbs/internal/mem"
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// hostile is a target QP and a raw, handshaken TCP connection to its
+// process' service, posing as the QP it is connected to.
+type hostile struct {
+	nc     net.Conn
+	qpn    uint32 // the target QP
+	srcQPN uint32 // the QP the target is connected to
+	page   []byte // three pages; the MR is the middle one
+	mr     prov.MR
+}
+
+const fakeSrcQPN = 0x77
+
+func newHostile(t *testing.T) *hostile {
+	t.Helper()
+	restore, err := ForceTransport("auto")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(restore)
+	e := newEnv(t)
+	b := e.newQP(prov.QPTypeRC, defaultCaps(), nil)
+	r := must(mem.Alloc(3*4096, "test", false))
+	t.Cleanup(func() { r.Free() })
+	m := must(e.pd.RegMR(prov.Mem{Ptr: unsafe.Add(r.Ptr(), 4096), Len: 4096, FD: -1}, allAccess))
+	t.Cleanup(func() { m.Close() })
+
+	// Connect the target to a QP of a made-up process.
+	pa, err := parseAddr(b.qp.Address())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fake := peerAddr{fabric: pa.fabric ^ 0xdead, pid: 1, tcp: "127.0.0.1:1"}
+	toInit(t, b.qp, prov.QPTypeRC, defaultConn())
+	av := prov.AHAttr{DGID: getFabric().gids[1], SGIDIndex: 1, HopLimit: 64, IsGlobal: true, Port: 1,
+		ProviderAddr: encodePeerAddr(&fake)}
+	rtr := prov.QPAttr{State: prov.QPStateRTR, PathMTU: prov.MTU4096, DestQPN: fakeSrcQPN, MaxDestRDAtom: 16, MinRNRTimer: 1, AH: av}
+	if err := b.qp.Modify(&rtr, prov.AttrState|prov.AttrAV|prov.AttrPathMTU|prov.AttrDestQPN|prov.AttrRQPSN|
+		prov.AttrMaxDestRDAtom|prov.AttrMinRNRTimer); err != nil {
+		t.Fatal(err)
+	}
+
+	nc, err := net.Dial("tcp", pa.tcp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { nc.Close() })
+	nc.SetDeadline(time.Now().Add(hangGuard))
+	hb := make([]byte, hdrLen+helloLen)
+	putHdr(hb, frHello, helloLen, 0)
+	putHello(hb[hdrLen:], &hello{kind: kindTCP, pid: 1, fabric: fake.fabric, target: pa.fabric,
+		secret: pa.secret, job: jobIdentity(), host: hostIdentity()})
+	if _, err := nc.Write(hb); err != nil {
+		t.Fatal(err)
+	}
+	ab := make([]byte, hdrLen+ackLen)
+	if _, err := io.ReadFull(nc, ab); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkAck(ab, &pa); err != nil {
+		t.Fatal(err)
+	}
+	return &hostile{nc: nc, qpn: b.qp.QPN(), srcQPN: fakeSrcQPN, page: r.Bytes(), mr: m}
+}
+
+// reqFrame encodes a request frame; payload is appended as is.
+func (h *hostile) reqFrame(op reqOp, raddr uint64, length uint32, payload []byte) []byte {
+	req := request{op: op, qpType: uint8(prov.QPTypeRC), srcQPN: h.srcQPN, dstQPN: h.qpn, npkts: 1, mtu: 4096,
+		length: length, raddr: raddr, rkey: h.mr.RKey()}
+	b := make([]byte, hdrLen+reqBodyLen, hdrLen+reqBodyLen+len(payload))
+	putHdr(b, frReq, uint32(reqBodyLen+len(payload)), 1)
+	putReq(b[hdrLen:], &req, 0)
+	return append(b, payload...)
+}
+
+// expectDropped reads until the service closes the connection.
+func expectDropped(t *testing.T, nc net.Conn) {
+	t.Helper()
+	_, err := io.Copy(io.Discard, nc)
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		t.Fatalf("the service did not drop the connection")
+	}
+}
+
+// readResp reads one response frame.
+func readResp(t *testing.T, nc net.Conn) response {
+	t.Helper()
+	b := make([]byte, hdrLen+respBodyLen)
+	if _, err := io.ReadFull(nc, b); err != nil {
+		t.Fatalf("read response: %v", err)
+	}
+	h, err := parseHdr(b)
+	if err != nil || h.typ != frResp || h.length != respBodyLen {
+		t.Fatalf("response header %+v, %v", h, err)
+	}
+	var r response
+	if qpn, err := parseResp(b[hdrLen:], &r); err != nil || qpn != fakeSrcQPN {
+		t.Fatalf("response for QP %#x, %v", qpn, err)
+	}
+	return r
+}
+
+// TestHostileFrames sends malformed and hostile frames to the service: the
+// connection must be dropped (or the request refused), and no byte outside
+// the target MR may change.
+func TestHostileFrames(t *testing.T) {
+	big := make([]byte, hdrLen)
+	putHdr(big, frReq, reqBodyLen+maxPayload, 1)
+	for _, tc := range []struct {
+		name  string
+		frame func(h *hostile) []byte
+		// drop: the connection must be closed; otherwise the service
+		// answers with code want.
+		drop bool
+		want respCode
+	}{
+		{"BadMagic", func(h *hostile) []byte { return bytes.Repeat([]byte{0xff}, 64) }, true, 0},
+		{"UnknownType", func(h *hostile) []byte {
+			b := make([]byte, hdrLen)
+			putHdr(b, 99, 0, 0)
+			return b
+		}, true, 0},
+		{"HelloAgain", func(h *hostile) []byte {
+			b := make([]byte, hdrLen+helloLen)
+			putHdr(b, frHello, helloLen, 0)
+			return b
+		}, true, 0},
+		{"PayloadShorterThanLength", func(h *hostile) []byte {
+			b := h.reqFrame(opWrite, h.mr.Addr(), 100, make([]byte, 50))
+			return b
+		}, true, 0},
+		{"ReadWithPayload", func(h *hostile) []byte {
+			return h.reqFrame(opRead, h.mr.Addr(), 8, make([]byte, 8))
+		}, true, 0},
+		{"BadOpcode", func(h *hostile) []byte {
+			b := h.reqFrame(opWrite, h.mr.Addr(), 0, nil)
+			b[hdrLen] = 200
+			return b
+		}, true, 0},
+		{"HugeLengthThenEOF", func(h *hostile) []byte { return big }, true, 0},
+		{"WritePastTheEnd", func(h *hostile) []byte {
+			return h.reqFrame(opWrite, h.mr.Addr()+4096-10, 100, bytes.Repeat([]byte{0xAB}, 100))
+		}, false, respAccess},
+		{"WriteBeforeTheStart", func(h *hostile) []byte {
+			return h.reqFrame(opWrite, h.mr.Addr()-10, 20, bytes.Repeat([]byte{0xAB}, 20))
+		}, false, respAccess},
+		{"WriteWrapsAround", func(h *hostile) []byte {
+			return h.reqFrame(opWrite, ^uint64(0)-5, 20, bytes.Repeat([]byte{0xAB}, 20))
+		}, false, respAccess},
+		{"ReadPastTheEnd", func(h *hostile) []byte {
+			return h.reqFrame(opRead, h.mr.Addr()+4000, 200, nil)
+		}, false, respAccess},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHostile(t)
+			for i := range h.page {
+				h.page[i] = byte(i * 13)
+			}
+			before := bytes.Clone(h.page)
+			if _, err := h.nc.Write(tc.frame(h)); err != nil {
+				t.Fatal(err)
+			}
+			if tc.drop {
+				if tc.name == "HugeLengthThenEOF" {
+					h.nc.(*net.TCPConn).CloseWrite()
+				}
+				expectDropped(t, h.nc)
+			} else if r := readResp(t, h.nc); r.code != tc.want {
+				t.Errorf("response code %d, want %d", r.code, tc.want)
+			}
+			if !bytes.Equal(h.page, before) {
+				t.Errorf("memory changed")
+			}
+		})
+	}
+}
+
+// TestHostileWriteInBounds checks the other side of TestHostileFrames: a
+// well-formed write from the connected QP lands exactly in the MR.
+func TestHostileWriteInBounds(t *testing.T) {
+	h := newHostile(t)
+	before := bytes.Clone(h.page)
+	data := bytes.Repeat([]byte{0xCD}, 100)
+	if _, err := h.nc.Write(h.reqFrame(opWrite, h.mr.Addr()+4096-100, 100, data)); err != nil {
+		t.Fatal(err)
+	}
+	if r := readResp(t, h.nc); r.code != respACK {
+		t.Fatalf("response code %d, want ACK", r.code)
+	}
+	want := before
+	copy(want[2*4096-100:], data)
+	if !bytes.Equal(h.page, want) {
+		t.Errorf("memory after the write differs from the expectation")
+	}
+}
+
+// --- fuzzing ---
+
+func validReqFrame() []byte {
+	h := &hostile{qpn: 0x11, srcQPN: 0x12}
+	req := request{op: opWrite, qpType: uint8(prov.QPTypeRC), srcQPN: h.srcQPN, dstQPN: h.qpn, npkts: 1, mtu: 4096,
+		length: 4, raddr: 0x1000, rkey: 7}
+	b := make([]byte, hdrLen+reqBodyLen+4)
+	putHdr(b, frReq, reqBodyLen+4, 1)
+	putReq(b[hdrLen:], &req, 0)
+	return b
+}
+
+// FuzzFrame feeds arbitrary bytes to the frame decoders the connection
+// reader uses: they must not panic, and what they accept must be
+// self-consistent.
+func FuzzFrame(f *testing.F) {
+	f.Add(validReqFrame())
+	var r [hdrLen + respBodyLen]byte
+	putHdr(r[:], frResp, respBodyLen, 3)
+	putResp(r[hdrLen:], 0x12, &response{code: respRNR, rnrTimer: 4})
+	f.Add(r[:])
+	var w [hdrLen + wakeLen]byte
+	putHdr(w[:], frWake, wakeLen, 0)
+	f.Add(w[:])
+	f.Add([]byte{})
+	f.Add(bytes.Repeat([]byte{0xff}, hdrLen+reqBodyLen))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		h, err := parseHdr(b)
+		if err != nil {
+			return
+		}
+		if h.typ == frReq && (h.length < reqBodyLen || h.length-reqBodyLen > maxPayload) {
+			t.Fatalf("accepted a request frame of %d bytes", h.length)
+		}
+		body := b[hdrLen:]
+		bl := bodyLen(h)
+		if len(body) < bl {
+			return
+		}
+		payload := uint32(min(len(body)-bl, int(h.length)-bl))
+		switch h.typ {
+		case frReq:
+			var req request
+			if _, err := parseReq(body[:bl], payload, &req); err == nil {
+				if req.length > maxMsgSize || req.dstQPN > maxQPN || (hasPayload(req.op) && req.length != payload) {
+					t.Fatalf("accepted an inconsistent request %+v with %d payload bytes", req, payload)
+				}
+			}
+		case frResp:
+			var r response
+			if _, err := parseResp(body[:bl], &r); err == nil && r.code > respOpErr {
+				t.Fatalf("accepted response code %d", r.code)
+			}
+		}
+	})
+}
+
+// FuzzHandshake feeds arbitrary bytes to the handshake decoders.
+func FuzzHandshake(f *testing.F) {
+	hb := make([]byte, hdrLen+helloLen)
+	putHdr(hb, frHello, helloLen, 0)
+	putHello(hb[hdrLen:], &hello{kind: kindUnix, pid: 42, fabric: 1, target: 2})
+	f.Add(hb)
+	ab := make([]byte, hdrLen+ackLen)
+	putHdr(ab, frHelloAck, ackLen, 0)
+	putHelloAck(ab[hdrLen:], &helloAck{status: ackBadJob, pid: 3, fabric: 2})
+	f.Add(ab)
+	f.Add([]byte("GET / HTTP/1.1\r\n\r\n"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if len(b) >= hdrLen+helloLen {
+			if h, err := decodeHello(b[:hdrLen+helloLen]); err == nil && h.kind != kindTCP && h.kind != kindUnix {
+				t.Fatalf("accepted link kind %d", h.kind)
+			}
+		}
+		if len(b) >= hdrLen+ackLen {
+			pa := peerAddr{fabric: 2, pid: 3}
+			if err := checkAck(b[:hdrLen+ackLen], &pa); err == nil {
+				a, _ := parseHelloAck(b[hdrLen:])
+				if a.status != ackOK || a.fabric != 2 {
+					t.Fatalf("accepted ack %+v", a)
+				}
+			}
+		}
+	})
+}
+
+// FuzzAddr feeds arbitrary provider addresses to the decoder; what it
+// accepts must encode back to an address that decodes the same.
+func FuzzAddr(f *testing.F) {
+	f.Add(encodePeerAddr(&peerAddr{fabric: 1, pid: 2, hasHost: true, hasSecret: true, unix: "@x", tcp: "127.0.0.1:9"}))
+	f.Add(encodeAddr(5, 6))
+	f.Add([]byte{1, 1})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		a, err := parseAddr(b)
+		if err != nil {
+			return
+		}
+		a2, err := parseAddr(encodePeerAddr(&a))
+		if err != nil || a2 != a {
+			t.Fatalf("address %+v re-encodes to %+v, %v", a, a2, err)
+		}
+	})
+}

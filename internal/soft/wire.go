@@ -1,0 +1,347 @@
+package soft
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// The wire protocol of the cross-process transports. Every message is a
+// frame: a 16-byte header followed by a body whose layout depends on the
+// type, and for some types a payload. The same frames travel over TCP and over
+// unix sockets.
+// All integers are little endian.
+//
+//	header  [0:2]  magic 0x4756 ("VG")
+//	        [2]    version (1)
+//	        [3]    type
+//	        [4:8]  length of body and payload
+//	        [8:16] id: request sequence number (REQ, RESP)
+//
+// Decoders reject frames with another magic or version, an unknown type, a
+// length that does not suit the type or exceeds its maximum, and bodies with
+// invalid field values; the connection is then dropped.
+
+const (
+	wireMagic   = 0x4756
+	wireVersion = 1
+	hdrLen      = 16
+)
+
+type frameType uint8
+
+const (
+	frHello    frameType = 1 // client → server: handshake (body helloLen)
+	frHelloAck frameType = 2 // server → client: handshake reply (body ackLen)
+	frReq      frameType = 3 // request: body reqBodyLen, then the payload of sends and writes
+	frResp     frameType = 4 // response: body respBodyLen, then the data of reads
+	frWake     frameType = 5 // a waiting requester may retry (body wakeLen)
+)
+
+const (
+	helloLen    = 72
+	ackLen      = 16
+	reqBodyLen  = 104
+	respBodyLen = 16
+	wakeLen     = 8
+
+	// maxPayload is the largest payload of a request or response: the
+	// largest message.
+	maxPayload = maxMsgSize
+)
+
+type frameHdr struct {
+	typ    frameType
+	length uint32
+	id     uint64
+}
+
+func putHdr(b []byte, typ frameType, length uint32, id uint64) {
+	binary.LittleEndian.PutUint16(b[0:], wireMagic)
+	b[2] = wireVersion
+	b[3] = byte(typ)
+	binary.LittleEndian.PutUint32(b[4:], length)
+	binary.LittleEndian.PutUint64(b[8:], id)
+}
+
+var (
+	errBadMagic   = errors.New("bad frame magic")
+	errBadVersion = errors.New("unsupported frame version")
+	errBadType    = errors.New("unknown frame type")
+	errBadLength  = errors.New("frame length does not suit its type")
+)
+
+// parseHdr decodes and checks a frame header.
+func parseHdr(b []byte) (frameHdr, error) {
+	var h frameHdr
+	if len(b) < hdrLen {
+		return h, errBadLength
+	}
+	if binary.LittleEndian.Uint16(b[0:]) != wireMagic {
+		return h, errBadMagic
+	}
+	if b[2] != wireVersion {
+		return h, errBadVersion
+	}
+	h.typ = frameType(b[3])
+	h.length = binary.LittleEndian.Uint32(b[4:])
+	h.id = binary.LittleEndian.Uint64(b[8:])
+	var ok bool
+	switch h.typ {
+	case frHello:
+		ok = h.length == helloLen
+	case frHelloAck:
+		ok = h.length == ackLen
+	case frReq:
+		ok = h.length >= reqBodyLen && h.length-reqBodyLen <= maxPayload
+	case frResp:
+		ok = h.length >= respBodyLen && h.length-respBodyLen <= maxPayload
+	case frWake:
+		ok = h.length == wakeLen
+	default:
+		return h, errBadType
+	}
+	if !ok {
+		return h, fmt.Errorf("%w: type %d, %d bytes", errBadLength, h.typ, h.length)
+	}
+	return h, nil
+}
+
+// --- REQ ---
+
+const (
+	reqSolicited = 1 << 0
+	reqNoResp    = 1 << 1 // UC, UD: the requester wants no response
+)
+
+// hasPayload reports whether a request of op carries its message.
+func hasPayload(op reqOp) bool { return op <= opWriteImm }
+
+// putReq encodes the body of req (the payload follows it on the wire).
+func putReq(b []byte, req *request, flags uint8) {
+	b[0] = byte(req.op)
+	b[1] = req.qpType
+	if req.solicited {
+		flags |= reqSolicited
+	}
+	b[2] = flags
+	b[3] = req.tclass
+	b[4] = req.hopLimit
+	b[5], b[6], b[7] = 0, 0, 0
+	le := binary.LittleEndian
+	le.PutUint32(b[8:], req.srcQPN)
+	le.PutUint32(b[12:], req.dstQPN)
+	le.PutUint32(b[16:], req.psn)
+	le.PutUint32(b[20:], req.npkts)
+	le.PutUint32(b[24:], req.mtu)
+	le.PutUint32(b[28:], req.length)
+	le.PutUint32(b[32:], req.rkey)
+	le.PutUint32(b[36:], req.imm)
+	le.PutUint32(b[40:], req.qkey)
+	le.PutUint32(b[44:], req.flow)
+	le.PutUint64(b[48:], req.raddr)
+	le.PutUint64(b[56:], req.compare)
+	le.PutUint64(b[64:], req.swap)
+	copy(b[72:88], req.sgid[:])
+	copy(b[88:104], req.dgid[:])
+}
+
+var errBadReq = errors.New("malformed request")
+
+// parseReq decodes a request body and checks it against the payload length
+// of its frame. It sets no srcFabric and no waker: the receiver knows the
+// peer and decides.
+func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
+	if len(b) < reqBodyLen {
+		return 0, errBadReq
+	}
+	le := binary.LittleEndian
+	*req = request{
+		op:        reqOp(b[0]),
+		qpType:    b[1],
+		solicited: b[2]&reqSolicited != 0,
+		tclass:    b[3],
+		hopLimit:  b[4],
+		srcQPN:    le.Uint32(b[8:]),
+		dstQPN:    le.Uint32(b[12:]),
+		psn:       le.Uint32(b[16:]),
+		npkts:     le.Uint32(b[20:]),
+		mtu:       le.Uint32(b[24:]),
+		length:    le.Uint32(b[28:]),
+		rkey:      le.Uint32(b[32:]),
+		imm:       le.Uint32(b[36:]),
+		qkey:      le.Uint32(b[40:]),
+		flow:      le.Uint32(b[44:]),
+		raddr:     le.Uint64(b[48:]),
+		compare:   le.Uint64(b[56:]),
+		swap:      le.Uint64(b[64:]),
+	}
+	copy(req.sgid[:], b[72:88])
+	copy(req.dgid[:], b[88:104])
+	flags = b[2]
+	switch {
+	case req.op > opFAA:
+		return 0, fmt.Errorf("%w: operation %d", errBadReq, req.op)
+	case req.qpType != uint8(prov.QPTypeRC) && req.qpType != uint8(prov.QPTypeUC) && req.qpType != uint8(prov.QPTypeUD):
+		return 0, fmt.Errorf("%w: QP type %d", errBadReq, req.qpType)
+	case flags&^(reqSolicited|reqNoResp) != 0:
+		return 0, fmt.Errorf("%w: flags %#x", errBadReq, flags)
+	case req.srcQPN > maxQPN || req.dstQPN > maxQPN || req.psn > psnMask:
+		return 0, fmt.Errorf("%w: QPN or PSN exceeds 24 bits", errBadReq)
+	case req.length > maxMsgSize:
+		return 0, fmt.Errorf("%w: length %d", errBadReq, req.length)
+	case req.npkts == 0 || req.npkts > 1<<23:
+		return 0, fmt.Errorf("%w: %d packets", errBadReq, req.npkts)
+	case req.mtu < 256 || req.mtu > 4096 || req.mtu&(req.mtu-1) != 0:
+		return 0, fmt.Errorf("%w: MTU %d", errBadReq, req.mtu)
+	}
+	if hasPayload(req.op) {
+		if payload != req.length {
+			return 0, fmt.Errorf("%w: payload of %d bytes for a message of %d", errBadReq, payload, req.length)
+		}
+	} else {
+		if payload != 0 {
+			return 0, fmt.Errorf("%w: payload on a read or atomic", errBadReq)
+		}
+		if req.op != opRead && req.length != 8 {
+			return 0, fmt.Errorf("%w: atomic of %d bytes", errBadReq, req.length)
+		}
+	}
+	return flags, nil
+}
+
+// --- RESP ---
+
+func putResp(b []byte, qpn uint32, r *response) {
+	b[0] = byte(r.code)
+	b[1] = r.rnrTimer
+	b[2], b[3] = 0, 0
+	binary.LittleEndian.PutUint32(b[4:], qpn)
+	binary.LittleEndian.PutUint64(b[8:], r.orig)
+}
+
+var errBadResp = errors.New("malformed response")
+
+func parseResp(b []byte, r *response) (qpn uint32, err error) {
+	if len(b) < respBodyLen {
+		return 0, errBadResp
+	}
+	r.code = respCode(b[0])
+	r.rnrTimer = b[1]
+	qpn = binary.LittleEndian.Uint32(b[4:])
+	r.orig = binary.LittleEndian.Uint64(b[8:])
+	if r.code > respOpErr || r.rnrTimer > 31 || qpn > maxQPN {
+		return 0, fmt.Errorf("%w: code %d, RNR timer %d, QPN %#x", errBadResp, r.code, r.rnrTimer, qpn)
+	}
+	return qpn, nil
+}
+
+// --- HELLO, HELLO_ACK ---
+
+// Link kinds in HELLO.
+const (
+	kindTCP  = 1
+	kindUnix = 2
+)
+
+type hello struct {
+	kind   uint8
+	pid    uint32
+	fabric uint64   // the client's fabric id
+	target uint64   // the server's fabric id, from its address
+	secret [16]byte // the server's secret, from its address
+	job    [16]byte
+	host   [16]byte
+}
+
+func putHello(b []byte, h *hello) {
+	b[0] = h.kind
+	b[1], b[2], b[3] = 0, 0, 0
+	binary.LittleEndian.PutUint32(b[4:], h.pid)
+	binary.LittleEndian.PutUint64(b[8:], h.fabric)
+	binary.LittleEndian.PutUint64(b[16:], h.target)
+	copy(b[24:40], h.secret[:])
+	copy(b[40:56], h.job[:])
+	copy(b[56:72], h.host[:])
+}
+
+var errBadHello = errors.New("malformed hello")
+
+func parseHello(b []byte) (hello, error) {
+	var h hello
+	if len(b) < helloLen {
+		return h, errBadHello
+	}
+	h.kind = b[0]
+	h.pid = binary.LittleEndian.Uint32(b[4:])
+	h.fabric = binary.LittleEndian.Uint64(b[8:])
+	h.target = binary.LittleEndian.Uint64(b[16:])
+	copy(h.secret[:], b[24:40])
+	copy(h.job[:], b[40:56])
+	copy(h.host[:], b[56:72])
+	if h.kind != kindTCP && h.kind != kindUnix {
+		return h, fmt.Errorf("%w: link kind %d", errBadHello, h.kind)
+	}
+	return h, nil
+}
+
+// Handshake results in HELLO_ACK.
+const (
+	ackOK        = 0
+	ackBadTarget = 1 // the client named another fabric
+	ackBadSecret = 2
+	ackBadJob    = 3
+	ackBadPeer   = 4 // credentials do not match (unix socket)
+	ackClosing   = 5 // the service is stopping
+)
+
+var ackReasons = [...]string{
+	ackOK:        "ok",
+	ackBadTarget: "the address names another process (stale endpoint?)",
+	ackBadSecret: "wrong secret (the endpoint did not come from this process)",
+	ackBadJob:    "the processes belong to different jobs (GOVERBS_SOFT_JOB)",
+	ackBadPeer:   "the peer's credentials do not match its hello",
+	ackClosing:   "the service is stopping",
+}
+
+func ackReason(s uint8) string {
+	if int(s) < len(ackReasons) {
+		return ackReasons[s]
+	}
+	return fmt.Sprintf("status %d", s)
+}
+
+type helloAck struct {
+	status uint8
+	pid    uint32
+	fabric uint64
+}
+
+func putHelloAck(b []byte, a *helloAck) {
+	b[0] = a.status
+	b[1], b[2], b[3] = 0, 0, 0
+	binary.LittleEndian.PutUint32(b[4:], a.pid)
+	binary.LittleEndian.PutUint64(b[8:], a.fabric)
+}
+
+func parseHelloAck(b []byte) (helloAck, error) {
+	var a helloAck
+	if len(b) < ackLen {
+		return a, errBadHello
+	}
+	a.status = b[0]
+	a.pid = binary.LittleEndian.Uint32(b[4:])
+	a.fabric = binary.LittleEndian.Uint64(b[8:])
+	return a, nil
+}
+
+func randomBytes(n int) []byte {
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		panic("soft: crypto/rand: " + err.Error())
+	}
+	return b
+}

@@ -1,0 +1,115 @@
+package verbstest
+
+import (
+	"os"
+	"testing"
+
+	"go.uber.org/goleak"
+
+	"github.com/goverbs/verbs"
+)
+
+func TestMain(m *testing.M) {
+	ServePeerIfRequested()
+	os.Exit(m.Run())
+}
+
+// crossTransports are the inter-process transports of soft0 under test.
+var crossTransports = []string{"tcp", "unix"}
+
+// TestCrossProcess runs the cross-process conformance cases with the peer
+// in another process, over each transport.
+func TestCrossProcess(t *testing.T) {
+	for _, tr := range crossTransports {
+		t.Run(tr, func(t *testing.T) {
+			t.Setenv("GOVERBS_SOFT_TRANSPORT", tr)
+			RunCrossProcess(t, "GOVERBS_SOFT_TRANSPORT="+tr)
+		})
+	}
+}
+
+// openFDs counts this process' open descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("cannot count descriptors: %v", err)
+	}
+	return len(ents)
+}
+
+// TestCrossProcessPeerKilled kills the peer process while requests to it
+// are outstanding: each of them must complete with an error (the one in
+// progress with RETRY_EXC_ERR, the rest flushed), and once everything is
+// closed no goroutine or descriptor of the transport may be left.
+func TestCrossProcessPeerKilled(t *testing.T) {
+	for _, tr := range crossTransports {
+		t.Run(tr, func(t *testing.T) {
+			t.Setenv("GOVERBS_SOFT_TRANSPORT", tr)
+			for _, mode := range []string{"WaitingForReceive", "MidTransfer"} {
+				t.Run(mode, func(t *testing.T) {
+					ign := goleak.IgnoreCurrent()
+					fds := openFDs(t)
+					t.Run("run", func(t *testing.T) { peerKilled(t, mode, "GOVERBS_SOFT_TRANSPORT="+tr) })
+					if n := openFDs(t); n != fds {
+						t.Errorf("%d descriptors open after the test, %d before", n, fds)
+					}
+					goleak.VerifyNone(t, ign)
+				})
+			}
+		})
+	}
+}
+
+func peerKilled(t *testing.T, mode string, env string) {
+	CheckLeaks(t)
+	c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults()}, peer: StartPeer(t, env)}
+	const size = 1 << 20
+	const n = 200
+	p := newXRC(t, c, verbs.QPSpec{RNRRetry: 7, MinRNRTimer: 20, MaxSendWR: n + 1}, size, accessAll)
+	src := p.a.Alloc(t, size, accessLocal)
+	first := 0
+	if mode == "WaitingForReceive" {
+		// The peer has no receive posted: the send waits (infinite RNR
+		// retries), and the writes queue behind it.
+		must(t, "post send", p.qa.PostSend(0, verbs.Signaled, src.SGE(0, 64)))
+		first = 1
+	}
+	for i := first; i < n; i++ {
+		must(t, "post write", p.qa.PostWrite(uint64(i), verbs.Signaled, p.rb.At(0), src.All()))
+	}
+	var wcs []verbs.Completion
+	if mode == "MidTransfer" {
+		wcs = c.poll(t, p.a.CQ, 1)
+	}
+	c.peer.Kill()
+	wcs = append(wcs, c.poll(t, p.a.CQ, n-len(wcs))...)
+	ok, failed := 0, 0
+	for i, wc := range wcs {
+		if wc.WRID != uint64(i) {
+			t.Fatalf("completion %d has wr_id %d", i, wc.WRID)
+		}
+		switch {
+		case wc.Status == verbs.StatusSuccess:
+			if failed > 0 {
+				t.Errorf("completion %d succeeded after a failure", i)
+			}
+			ok++
+		case failed == 0:
+			if wc.Status != verbs.StatusRetryExcErr {
+				t.Errorf("first failure %v: status %s, want %s", wc, wc.Status, verbs.StatusRetryExcErr)
+			}
+			failed++
+		default:
+			if wc.Status != verbs.StatusWRFlushErr {
+				t.Errorf("completion %v after the failure: status %s, want %s", wc, wc.Status, verbs.StatusWRFlushErr)
+			}
+			failed++
+		}
+	}
+	t.Logf("%d requests succeeded before the peer died, %d failed", ok, failed)
+	if mode == "WaitingForReceive" && failed != n {
+		t.Errorf("%d of %d requests failed, want all", failed, n)
+	}
+	c.waitState(t, "survivor", p.qa, verbs.StateError)
+}
