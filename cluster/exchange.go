@@ -495,9 +495,14 @@ func (s *state) fatal(err error) {
 	}
 }
 
+// reject records a refused connection. A refusal for a protocol reason
+// (token, job, rank...) is kept over a later one for an I/O error (a
+// connection closed before its hello).
 func (s *state) reject(err error) {
 	s.mu.Lock()
-	s.rejected = err
+	if s.rejected == nil || !isIOErr(err) || isIOErr(s.rejected) {
+		s.rejected = err
+	}
 	s.mu.Unlock()
 }
 

@@ -11,7 +11,15 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 )
+
+// xNoLeaks fails the test if it leaves goroutines behind (checked after
+// every other cleanup).
+func xNoLeaks(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+}
 
 // xListeners opens n loopback listeners and returns them with their
 // addresses.
@@ -51,6 +59,7 @@ func xContext(t testing.TB, d time.Duration) context.Context {
 // by rank.
 func xRun(t *testing.T, n int, mode Mode, ranks []int, cfgFor func(r int, c *ExchangeConfig) context.Context) ([][][]byte, []error) {
 	t.Helper()
+	xNoLeaks(t)
 	lns, addrs := xListeners(t, n)
 	ins := make([][][]byte, n)
 	errs := make([]error, n)
@@ -129,20 +138,26 @@ func TestExchangeRefusals(t *testing.T) {
 				if !errors.Is(errs[2], tc.want) {
 					t.Errorf("refused rank: %v, want %v", errs[2], tc.want)
 				}
-				// The rank that refused the connection names the reason.
-				if !errors.Is(errs[0], ErrPeerMissing) || !errors.Is(errs[0], tc.want) {
-					t.Errorf("rank 0: %v, want ErrPeerMissing and %v", errs[0], tc.want)
-				}
+				// The others fail by their deadline, and the ranks that
+				// refused the connection name the reason. In all-to-all,
+				// rank 2 dials 0 and 1 at once and gives up on the first
+				// refusal, so only one of them may have seen its hello.
 				var xe *ExchangeError
-				if !errors.As(errs[0], &xe) || !slices.Equal(xe.Missing, []int{2}) {
-					t.Errorf("rank 0: %v, want rank 2 missing", errs[0])
+				if !errors.Is(errs[0], ErrPeerMissing) || !errors.As(errs[0], &xe) || !slices.Equal(xe.Missing, []int{2}) {
+					t.Errorf("rank 0: %v, want ErrPeerMissing with rank 2 missing", errs[0])
 				}
 				switch mode {
 				case AllToAll:
-					if !errors.Is(errs[1], ErrPeerMissing) || !errors.Is(errs[1], tc.want) {
-						t.Errorf("rank 1: %v, want ErrPeerMissing and %v", errs[1], tc.want)
+					if !errors.Is(errs[1], ErrPeerMissing) {
+						t.Errorf("rank 1: %v, want ErrPeerMissing", errs[1])
+					}
+					if !errors.Is(errs[0], tc.want) && !errors.Is(errs[1], tc.want) {
+						t.Errorf("neither rank 0 nor rank 1 names %v", tc.want)
 					}
 				case Rendezvous:
+					if !errors.Is(errs[0], tc.want) {
+						t.Errorf("rank 0: %v does not name %v", errs[0], tc.want)
+					}
 					if !errors.Is(errs[1], ErrAborted) {
 						t.Errorf("rank 1: %v, want ErrAborted", errs[1])
 					}
@@ -186,15 +201,6 @@ func TestExchangeMissingRank(t *testing.T) {
 	}
 }
 
-// xFake is a hand-driven peer: it speaks the protocol through the
-// package's frame functions.
-type xFake struct {
-	t    testing.TB
-	c    net.Conn
-	x    *exchange
-	peer int
-}
-
 func xFakeRank(t testing.TB, rank, n int, token string) *exchange {
 	x, err := newExchange(ExchangeConfig{Rank: rank, Size: n, Addrs: make([]string, n), Root: "unused", Job: "job", Token: []byte(token)}, make([][]byte, n))
 	if err != nil {
@@ -219,6 +225,7 @@ func TestExchangePeerDies(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
+			xNoLeaks(t)
 			lns, addrs := xListeners(t, 2)
 			fake := 1 - tc.real
 			fx := xFakeRank(t, fake, 2, "token")
@@ -269,6 +276,7 @@ func TestExchangePeerDies(t *testing.T) {
 func TestExchangeStrangers(t *testing.T) {
 	for _, mode := range xModes {
 		t.Run(mode.String(), func(t *testing.T) {
+			xNoLeaks(t)
 			lns, addrs := xListeners(t, 2)
 			ctx := xContext(t, time.Minute)
 			type result struct {
@@ -327,6 +335,7 @@ func TestExchangeStrangers(t *testing.T) {
 // TestExchangeStaleNonce: a data frame that does not echo the receiver's
 // nonce (a replay) fails authentication.
 func TestExchangeStaleNonce(t *testing.T) {
+	xNoLeaks(t)
 	lns, addrs := xListeners(t, 2)
 	done := make(chan error, 1)
 	go func() {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"time"
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
@@ -23,7 +24,13 @@ type NodeOptions struct {
 	// Barrier is the barrier algorithm; every rank must use the same one.
 	// Default BinaryTree.
 	Barrier BarrierAlgorithm
+	// CloseGrace bounds how long Close waits for this rank's last
+	// unsignaled writes (a barrier's final signals) to reach the peers
+	// (see Close). Default 1s; negative: do not wait.
+	CloseGrace time.Duration
 }
+
+const defaultCloseGrace = time.Second
 
 // Node is one rank of a world of ranks: its rank, the world size, a
 // MultiChannel with a reliable connected queue pair to every other rank,
@@ -41,6 +48,9 @@ type Node struct {
 	rank, size int
 	mc         *channel.MultiChannel
 	bar        *barrier
+	probe      *verbs.MemoryRegion // 8 bytes per rank: peers read slot 0, our reads land in slot j
+	probes     []verbs.RemoteRegion
+	grace      time.Duration
 
 	mu        sync.Mutex
 	phase     int // 0 built, 1 endpoints given, 2 connected, 3 closed
@@ -72,7 +82,17 @@ func NewNode(pd *verbs.ProtectionDomain, rank, size int, opts NodeOptions) (*Nod
 		mc.Close()
 		return nil, fmt.Errorf("cluster: node: %w", err)
 	}
-	return &Node{rank: rank, size: size, mc: mc, bar: bar}, nil
+	probe, err := pd.Alloc(8*size, verbs.AccessLocalWrite|verbs.AccessRemoteRead)
+	if err != nil {
+		bar.close()
+		mc.Close()
+		return nil, fmt.Errorf("cluster: node: %w", err)
+	}
+	grace := opts.CloseGrace
+	if grace == 0 {
+		grace = defaultCloseGrace
+	}
+	return &Node{rank: rank, size: size, mc: mc, bar: bar, probe: probe, grace: grace}, nil
 }
 
 // Rank returns this node's rank.
@@ -92,8 +112,9 @@ func (n *Node) PD() *verbs.ProtectionDomain { return n.mc.PD() }
 // Peer message (what rank i sends to rank j in the exchange):
 //
 //	magic "GVND" | version u8 | i u32 | j u32 | world size u32 | vector of
-//	3 entries: endpoint of the queue pair of i for j (binary, empty for
-//	i == j) | barrier info of i | application data of i
+//	4 entries: endpoint of the queue pair of i for j (binary, empty for
+//	i == j) | barrier info of i | application data of i | probe region
+//	of i (address u64, length u64, rkey u32)
 const (
 	nodeMagic   = "GVND"
 	nodeVersion = 1
@@ -116,6 +137,10 @@ func (n *Node) LocalEndpoints(data []byte) ([][]byte, error) {
 		return nil, fmt.Errorf("cluster: node: %w", err)
 	}
 	info := n.bar.localInfo()
+	pr := n.probe.Remote()
+	probe := binary.BigEndian.AppendUint64(nil, pr.Addr)
+	probe = binary.BigEndian.AppendUint64(probe, pr.Len)
+	probe = binary.BigEndian.AppendUint32(probe, pr.RKey)
 	out := make([][]byte, n.size)
 	for j := range n.size {
 		var ep []byte
@@ -128,7 +153,7 @@ func (n *Node) LocalEndpoints(data []byte) ([][]byte, error) {
 		b = binary.BigEndian.AppendUint32(b, uint32(n.rank))
 		b = binary.BigEndian.AppendUint32(b, uint32(j))
 		b = binary.BigEndian.AppendUint32(b, uint32(n.size))
-		out[j] = append(b, encodeVector([][]byte{ep, info, data})...)
+		out[j] = append(b, encodeVector([][]byte{ep, info, data, probe})...)
 	}
 	n.phase = 1
 	return out, nil
@@ -136,29 +161,36 @@ func (n *Node) LocalEndpoints(data []byte) ([][]byte, error) {
 
 // decodePeer decodes the message of rank j to this rank (self) in a world
 // of size ranks.
-func decodePeer(b []byte, j, self, size int) (ep verbs.Endpoint, info, data []byte, err error) {
+func decodePeer(b []byte, j, self, size int) (ep verbs.Endpoint, info, data []byte, probe verbs.RemoteRegion, err error) {
 	const hdr = 4 + 1 + 12
 	if len(b) < hdr || string(b[:4]) != nodeMagic {
-		return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's message is not a node message", j)
+		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's message is not a node message", j)
 	}
 	if b[4] != nodeVersion {
-		return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's message has version %d (want %d)", j, b[4], nodeVersion)
+		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's message has version %d (want %d)", j, b[4], nodeVersion)
 	}
 	from, to, n := binary.BigEndian.Uint32(b[5:]), binary.BigEndian.Uint32(b[9:]), binary.BigEndian.Uint32(b[13:])
 	if from != uint32(j) || to != uint32(self) || n != uint32(size) {
-		return ep, nil, nil, fmt.Errorf("cluster: node: entry %d is the message of rank %d to rank %d in a world of %d, not of rank %d to rank %d in a world of %d",
+		return ep, nil, nil, probe, fmt.Errorf("cluster: node: entry %d is the message of rank %d to rank %d in a world of %d, not of rank %d to rank %d in a world of %d",
 			j, from, to, n, j, self, size)
 	}
-	v, err := decodeVector(b[hdr:], 3)
+	v, err := decodeVector(b[hdr:], 4)
 	if err != nil {
-		return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's message: %w", j, err)
+		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's message: %w", j, err)
 	}
 	if j != self {
 		if err := ep.UnmarshalBinary(v[0]); err != nil {
-			return ep, nil, nil, fmt.Errorf("cluster: node: rank %d's endpoint: %w", j, err)
+			return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's endpoint: %w", j, err)
 		}
 	}
-	return ep, v[1], v[2], nil
+	if len(v[3]) != 20 {
+		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's probe region is %d bytes, want 20", j, len(v[3]))
+	}
+	probe = verbs.RemoteRegion{Addr: binary.BigEndian.Uint64(v[3]), Len: binary.BigEndian.Uint64(v[3][8:]), RKey: binary.BigEndian.Uint32(v[3][16:])}
+	if probe.Len < 8 {
+		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's probe region is %d bytes long, want at least 8", j, probe.Len)
+	}
+	return ep, v[1], v[2], probe, nil
 }
 
 // Connect connects the queue pair to every rank j to remote[j], what rank j
@@ -177,9 +209,10 @@ func (n *Node) Connect(remote [][]byte) error {
 	eps := make([]verbs.Endpoint, n.size)
 	infos := make([][]byte, n.size)
 	data := make([][]byte, n.size)
+	probes := make([]verbs.RemoteRegion, n.size)
 	for j, b := range remote {
 		var err error
-		if eps[j], infos[j], data[j], err = decodePeer(b, j, n.rank, n.size); err != nil {
+		if eps[j], infos[j], data[j], probes[j], err = decodePeer(b, j, n.rank, n.size); err != nil {
 			return err
 		}
 	}
@@ -189,7 +222,7 @@ func (n *Node) Connect(remote [][]byte) error {
 	if err := n.mc.Connect(eps); err != nil {
 		return fmt.Errorf("cluster: node: connect: %w", err)
 	}
-	n.peerData = data
+	n.peerData, n.probes = data, probes
 	n.phase = 2
 	return nil
 }
@@ -235,19 +268,54 @@ func (n *Node) ResetBarrier() error { return n.bar.reset() }
 // Close closes the barrier, the MultiChannel and, for a node built by
 // Join or FromEnv, the protection domain and device it opened (close the
 // memory regions registered in PD first). Idempotent.
+//
+// Before it destroys the queue pairs, Close makes sure that what this
+// rank posted has reached the peers: a barrier's last signals are
+// unsignaled writes, which a rank leaving right after its last barrier
+// would otherwise take down with its queue pairs, leaving its peers
+// waiting in that barrier. It reads one word from every peer that is
+// still connected (RC completes requests in order, so the read's
+// completion means every earlier write was delivered), waiting at most
+// NodeOptions.CloseGrace.
 func (n *Node) Close() error {
 	n.closeOnce.Do(func() {
 		n.mu.Lock()
+		connected := n.phase == 2
 		n.phase = 3
 		owned := n.owned
 		n.mu.Unlock()
-		errs := []error{n.bar.close(), n.mc.Close()}
+		if connected && n.grace > 0 {
+			n.quiesce()
+		}
+		errs := []error{n.bar.close(), n.mc.Close(), n.probe.Close()}
 		for _, c := range owned {
 			errs = append(errs, c())
 		}
 		n.closeErr = errors.Join(errs...)
 	})
 	return n.closeErr
+}
+
+// quiesce reads a word from every healthy peer (see Close). Failures are
+// ignored: a peer that is gone has nothing left to receive.
+func (n *Node) quiesce() {
+	var peers []int
+	var srcs []verbs.RemoteAddr
+	var bufs []verbs.SGE
+	for _, j := range n.mc.Peers() {
+		if n.mc.Peer(j).Err() != nil {
+			continue
+		}
+		peers = append(peers, j)
+		srcs = append(srcs, n.probes[j].At(0))
+		bufs = append(bufs, n.probe.SGE(8*j, 8))
+	}
+	if len(peers) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), n.grace)
+	defer cancel()
+	n.mc.GatherRead(ctx, peers, srcs, bufs)
 }
 
 // JoinOptions configure Join and FromEnv. The zero value is usable.
