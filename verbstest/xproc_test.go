@@ -1,8 +1,12 @@
 package verbstest
 
 import (
+	"bytes"
+	"fmt"
 	"os"
+	"syscall"
 	"testing"
+	"time"
 
 	"go.uber.org/goleak"
 
@@ -112,4 +116,53 @@ func peerKilled(t *testing.T, mode string, env string) {
 		t.Errorf("%d of %d requests failed, want all", failed, n)
 	}
 	c.waitState(t, "survivor", p.qa, verbs.StateError)
+}
+
+// TestCrossProcessPeerStopped stops the peer process (SIGSTOP): a request
+// that gets no response fails with RETRY_EXC_ERR once the QP's transport
+// timeout has passed, and the ones behind it are flushed.
+func TestCrossProcessPeerStopped(t *testing.T) {
+	for _, tr := range crossTransports {
+		t.Run(tr, func(t *testing.T) {
+			t.Setenv("GOVERBS_SOFT_TRANSPORT", tr)
+			CheckLeaks(t)
+			c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults()}, peer: StartPeer(t, "GOVERBS_SOFT_TRANSPORT="+tr)}
+			p := newXRC(t, c, verbs.QPSpec{Timeout: 8, RetryCount: 1}, 4096, accessAll)
+			src := p.a.Alloc(t, 4096, accessLocal)
+			// A first write makes sure the connection is up.
+			must(t, "post write", p.qa.PostWrite(1, verbs.Signaled, p.rb.At(0), src.All()))
+			expectOK(t, "write", c.pollOne(t, p.a.CQ), 1, verbs.OpWrite, p.qa.QPN())
+			if err := syscall.Kill(c.peer.PID(), syscall.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { syscall.Kill(c.peer.PID(), syscall.SIGCONT) })
+			waitStopped(t, c.peer.PID())
+			must(t, "post write", p.qa.PostWrite(2, verbs.Signaled, p.rb.At(0), src.All()))
+			must(t, "post write", p.qa.PostWrite(3, verbs.Signaled, p.rb.At(0), src.All()))
+			wcs := c.poll(t, p.a.CQ, 2)
+			expectStatus(t, "write to a stopped peer", wcs[0], 2, verbs.StatusRetryExcErr, p.qa.QPN())
+			expectStatus(t, "write behind it", wcs[1], 3, verbs.StatusWRFlushErr, p.qa.QPN())
+			c.waitState(t, "requester", p.qa, verbs.StateError)
+		})
+	}
+}
+
+// waitStopped waits until the process pid is stopped (state T).
+func waitStopped(t *testing.T, pid int) {
+	t.Helper()
+	deadline := time.Now().Add(DefaultTimeout)
+	for {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			t.Skipf("cannot read the state of process %d: %v", pid, err)
+		}
+		// pid (comm) state ...: the state follows the last ')'.
+		if i := bytes.LastIndexByte(b, ')'); i > 0 && i+2 < len(b) && b[i+2] == 'T' {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d did not stop", pid)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }

@@ -70,6 +70,7 @@ type conn struct {
 	twN   int
 	twErr error
 	twFn  func(fd uintptr) bool
+	iov   [maxSGE + 2]unix.Iovec
 
 	qmu    sync.Mutex
 	queue  [][]byte // pooled buffers
@@ -82,6 +83,9 @@ type conn struct {
 
 	wkMu   sync.Mutex
 	wakers map[uint32]*remoteWaker
+
+	usersMu sync.Mutex
+	users   map[*qp]struct{} // requesters with requests in flight
 }
 
 const (
@@ -95,6 +99,8 @@ const (
 	// maxQueued is how much a peer may leave unread before the connection
 	// is dropped.
 	maxQueued = 512 << 20
+	// sendHigh: above this much queued, requesters write with waiting.
+	sendHigh = 4 << 20
 )
 
 var errConnDown = errors.New("soft: connection to the peer process lost")
@@ -123,27 +129,51 @@ func (c *conn) fail(err error) {
 	close(c.done)
 	c.nc.Close()
 	c.s.removeConn(c)
+	c.usersMu.Lock()
+	users := c.users
+	c.users = nil
+	c.usersMu.Unlock()
+	for q := range users {
+		q.x.push(rresp{c: c, down: true}, 0)
+		q.runQueue(false)
+	}
+}
+
+// addUser registers q, which has requests in flight on c, to learn of
+// the connection's failure. It fails if the connection is down.
+func (c *conn) addUser(q *qp) bool {
+	c.usersMu.Lock()
+	defer c.usersMu.Unlock()
+	if c.dead.Load() {
+		return false
+	}
+	if c.users == nil {
+		c.users = map[*qp]struct{}{}
+	}
+	c.users[q] = struct{}{}
+	return true
+}
+
+func (c *conn) removeUser(q *qp) {
+	c.usersMu.Lock()
+	delete(c.users, q)
+	c.usersMu.Unlock()
 }
 
 // --- requester side ---
 
-// exec carries req to the peer and, for RC, waits for its response (see
-// conn). Called by the requester's runner (progMu held).
+// exec carries a UC or UD request to the peer (RC requests are pipelined
+// by progressRemote). The requester learns nothing of its outcome. Called
+// by the QP's goroutine, which may wait.
 func (c *conn) exec(req *request, data []span, resp *response) {
 	q := req.owner
-	rc := req.qpType == uint8(prov.QPTypeRC)
-	var flags uint8
-	if !rc {
-		flags = reqNoResp
-	}
 	plen := 0
 	if hasPayload(req.op) {
 		plen = int(req.length)
 	}
-	id := c.nextID.Add(1)
 	x := q.x
-	putHdr(x.frame[:], frReq, uint32(reqBodyLen+plen), id)
-	putReq(x.frame[hdrLen:], req, flags)
+	putHdr(x.frame[:], frReq, uint32(reqBodyLen+plen), c.nextID.Add(1))
+	putReq(x.frame[hdrLen:], req, reqNoResp)
 	bufs := append(x.bufs[:0], x.frame[:])
 	if plen > 0 {
 		for _, s := range data {
@@ -152,56 +182,9 @@ func (c *conn) exec(req *request, data []span, resp *response) {
 			}
 		}
 	}
-	timeout := q.respTimeout()
-	if rc {
-		x.mu.Lock()
-		x.id, x.conn, x.got = id, c, false
-		x.data, x.dlen = nil, 0
-		if req.op == opRead {
-			x.data, x.dlen = data, int(req.length)
-		}
-		x.mu.Unlock()
-		select {
-		case <-x.done:
-		default:
-		}
-	}
-	wt := timeout
-	if wt == 0 {
-		wt = writeTimeout
-	}
-	err := c.writeFrame(bufs, wt)
+	c.writeFrame(bufs, writeTimeout)
 	clear(x.bufs[:len(bufs)])
-	if err != nil {
-		if rc {
-			x.abandon()
-		}
-		resp.code = respNoQP
-		return
-	}
-	if !rc {
-		resp.code = respDropped // the requester does not learn the outcome
-		return
-	}
-	var tc <-chan time.Time
-	if timeout > 0 {
-		x.timer.Reset(timeout)
-		tc = x.timer.C
-	}
-	select {
-	case <-x.done:
-	case <-c.done:
-	case <-q.closing:
-	case <-tc:
-	}
-	if timeout > 0 {
-		x.timer.Stop()
-	}
-	if !x.abandon() {
-		resp.code = respNoQP // no answer: RETRY_EXC_ERR
-		return
-	}
-	*resp = x.resp
+	resp.code = respDropped
 }
 
 // respTimeout is how long a RC request waits for its response: the QP's
@@ -214,52 +197,45 @@ func (q *qp) respTimeout() time.Duration {
 	return max(d*time.Duration(q.attr.RetryCnt+1), minRespTimeout)
 }
 
-// xstate is the cross-process state of a requester QP (see conn.exec).
-type xstate struct {
-	frame [hdrLen + reqBodyLen]byte
-	bufs  [maxSGE + 1][]byte
-	timer *time.Timer
-
-	mu   sync.Mutex
-	id   uint64 // the request waiting for its response (0: none)
-	conn *conn
-	data []span // RDMA read: where the data goes
-	dlen int
-	got  bool
-	resp response
-	done chan struct{} // a token when got is set
-}
-
-// abandon ends the wait for a response and reports whether it arrived.
-func (x *xstate) abandon() bool {
-	x.mu.Lock()
-	got := x.got
-	x.id, x.conn, x.data, x.got = 0, nil, nil, false
-	x.mu.Unlock()
-	return got
-}
-
 // writeFrame writes one frame, waiting for room (at most timeout: then the
 // connection fails, since a frame cannot be left half written).
 func (c *conn) writeFrame(bufs [][]byte, timeout time.Duration) error {
 	c.wmu.Lock()
-	defer c.wmu.Unlock()
 	if c.dead.Load() {
+		c.wmu.Unlock()
 		return errConnDown
 	}
 	c.nc.SetWriteDeadline(time.Now().Add(timeout))
-	if err := c.flushQueueLocked(); err != nil {
-		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
-		return err
+	err := c.flushQueueLocked()
+	if err == nil {
+		c.wbufs = append(c.wbufs[:0], bufs...)
+		_, err = c.wbufs.WriteTo(c.nc)
+		clear(c.wbufs[:cap(c.wbufs)])
 	}
-	c.wbufs = append(c.wbufs[:0], bufs...)
-	_, err := c.wbufs.WriteTo(c.nc)
-	clear(c.wbufs[:cap(c.wbufs)])
+	c.wmu.Unlock()
 	if err != nil {
 		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
-		return err
 	}
-	return nil
+	return err
+}
+
+// trySendFrame sends a frame without waiting (see sendAsync) unless the
+// connection is congested; ok false means the caller must use writeFrame.
+func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
+	if c.dead.Load() {
+		return false, errConnDown
+	}
+	c.qmu.Lock()
+	congested := c.qbytes > sendHigh
+	c.qmu.Unlock()
+	if congested {
+		return false, nil
+	}
+	c.sendAsync(bufs)
+	if c.dead.Load() {
+		return false, errConnDown
+	}
+	return true, nil
 }
 
 // flushQueueLocked writes the queued frames (wmu held).
@@ -305,14 +281,16 @@ func (c *conn) flushLoop() {
 			return
 		case <-c.qwake:
 		}
+		var err error
 		c.wmu.Lock()
 		if !c.dead.Load() {
 			c.nc.SetWriteDeadline(time.Now().Add(writeTimeout))
-			if err := c.flushQueueLocked(); err != nil {
-				c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
-			}
+			err = c.flushQueueLocked()
 		}
 		c.wmu.Unlock()
+		if err != nil {
+			c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
+		}
 	}
 }
 
@@ -336,15 +314,21 @@ func (c *conn) sendAsync(bufs [][]byte) {
 			}
 			written = n
 		}
+		over := false
 		if written < total(bufs) {
-			c.enqueue(bufs, written)
+			over = c.enqueue(bufs, written)
 		}
 		c.wmu.Unlock()
+		if over {
+			c.failOverflow()
+			return
+		}
 		if written == total(bufs) {
 			return
 		}
-	} else {
-		c.enqueue(bufs, 0)
+	} else if c.enqueue(bufs, 0) {
+		c.failOverflow()
+		return
 	}
 	select {
 	case c.qwake <- struct{}{}:
@@ -352,8 +336,10 @@ func (c *conn) sendAsync(bufs [][]byte) {
 	}
 }
 
-// enqueue queues a copy of bufs after their first skip bytes.
-func (c *conn) enqueue(bufs [][]byte, skip int) {
+// enqueue queues a copy of bufs after their first skip bytes. It reports
+// whether the queue is over its limit (the caller must fail the
+// connection, without wmu).
+func (c *conn) enqueue(bufs [][]byte, skip int) bool {
 	n := total(bufs) - skip
 	b := getBuf(n)[:0]
 	for _, p := range bufs {
@@ -369,9 +355,11 @@ func (c *conn) enqueue(bufs [][]byte, skip int) {
 	c.qbytes += n
 	over := c.qbytes > maxQueued
 	c.qmu.Unlock()
-	if over {
-		c.fail(fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued", c.peerPID, maxQueued>>20))
-	}
+	return over
+}
+
+func (c *conn) failOverflow() {
+	c.fail(fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued", c.peerPID, maxQueued>>20))
 }
 
 func total(bufs [][]byte) int {
@@ -405,12 +393,27 @@ func (c *conn) tryWrite(bufs [][]byte) (int, error) {
 }
 
 func (c *conn) tryWriteFD(fd uintptr) bool {
+	n := 0
+	for _, b := range c.twBuf {
+		if len(b) == 0 || n == len(c.iov) {
+			continue
+		}
+		c.iov[n].Base = &b[0]
+		c.iov[n].SetLen(len(b))
+		n++
+	}
 	for {
-		c.twN, c.twErr = unix.Writev(int(fd), c.twBuf)
-		if c.twErr != unix.EINTR {
-			return true
+		r, _, errno := unix.Syscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&c.iov[0])), uintptr(n))
+		c.twN, c.twErr = int(r), nil
+		if errno != 0 {
+			c.twN, c.twErr = 0, errno
+		}
+		if errno != unix.EINTR {
+			break
 		}
 	}
+	clear(c.iov[:n])
+	return true
 }
 
 // --- reader side ---
@@ -445,7 +448,7 @@ func (c *conn) readLoop() {
 				return
 			}
 		}
-		err = c.handle(h, body[:bl], payload)
+		err = c.handle(h, body[:bl], &payload)
 		putBuf(payload)
 		if err != nil {
 			c.fail(fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err))
@@ -482,10 +485,10 @@ func bodyLen(h frameHdr) int {
 }
 
 // handle processes one frame.
-func (c *conn) handle(h frameHdr, body, payload []byte) error {
+func (c *conn) handle(h frameHdr, body []byte, payload *[]byte) error {
 	switch h.typ {
 	case frReq:
-		return c.handleReq(h.id, body, payload)
+		return c.handleReq(h.id, body, *payload)
 	case frResp:
 		return c.handleResp(h.id, body, payload)
 	case frWake:
@@ -553,39 +556,30 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 	return nil
 }
 
-// handleResp hands a response to its requester.
-func (c *conn) handleResp(id uint64, body, payload []byte) error {
+// handleResp hands a response to its requester, with the payload (which
+// it takes over).
+func (c *conn) handleResp(id uint64, body []byte, payload *[]byte) error {
 	var r response
 	qpn, err := parseResp(body, &r)
 	if err != nil {
 		return err
 	}
-	if len(payload) > 0 && r.code != respACK {
+	if len(*payload) > 0 && r.code != respACK {
 		return fmt.Errorf("%w: data on a negative response", errBadResp)
 	}
 	q := c.f.qps.load(qpn)
-	if q == nil || q.x == nil {
+	if q == nil {
 		return nil // the requester is gone
 	}
-	x := q.x
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	if x.id != id || x.conn != c || x.got {
-		return nil // abandoned (timeout, close)
+	if !q.x.push(rresp{c: c, id: id, resp: r, data: *payload}, 2*len(q.sq.slots)+64) {
+		return fmt.Errorf("%w: more responses than requests", errBadResp)
 	}
-	if r.code == respACK && len(payload) != x.dlen {
-		return fmt.Errorf("%w: %d bytes of data, the request wants %d", errBadResp, len(payload), x.dlen)
-	}
-	if len(payload) > 0 {
-		copySpans(x.data, 0, []span{{unsafe.Pointer(unsafe.SliceData(payload)), len(payload)}})
-	}
-	x.resp, x.got = r, true
-	select {
-	case x.done <- struct{}{}:
-	default:
-	}
+	*payload = nil
+	q.runQueue(false)
 	return nil
 }
+
+var errBadReadResp = fmt.Errorf("%w: RDMA read data of the wrong length", errBadResp)
 
 // --- wake-ups of the peer's requesters ---
 
@@ -619,13 +613,17 @@ func (w *remoteWaker) wake() {
 
 // --- buffers ---
 
-// Payload buffers come from size-classed pools (powers of two from 4 KiB to
-// 4 MiB); larger ones are allocated.
-var bufPools [11]sync.Pool
+// Payload buffers come from size-classed free lists (powers of two from
+// 4 KiB to 4 MiB, at most bufListMax each); larger ones are allocated.
+var bufLists [maxBufShift - minBufShift + 1]struct {
+	mu   sync.Mutex
+	free [][]byte
+}
 
 const (
 	minBufShift = 12
 	maxBufShift = 22
+	bufListMax  = 32
 )
 
 func getBuf(n int) []byte {
@@ -636,9 +634,16 @@ func getBuf(n int) []byte {
 	if n > 1<<minBufShift {
 		c = bits.Len(uint(n-1)) - minBufShift
 	}
-	if p, _ := bufPools[c].Get().(*[]byte); p != nil {
-		return (*p)[:n]
+	l := &bufLists[c]
+	l.mu.Lock()
+	if k := len(l.free); k > 0 {
+		b := l.free[k-1]
+		l.free[k-1] = nil
+		l.free = l.free[:k-1]
+		l.mu.Unlock()
+		return b[:n]
 	}
+	l.mu.Unlock()
 	return make([]byte, n, 1<<(c+minBufShift))
 }
 
@@ -647,8 +652,12 @@ func putBuf(b []byte) {
 	if c < 1<<minBufShift || c > 1<<maxBufShift || c&(c-1) != 0 {
 		return
 	}
-	b = b[:0]
-	bufPools[bits.Len(uint(c))-1-minBufShift].Put(&b)
+	l := &bufLists[bits.Len(uint(c))-1-minBufShift]
+	l.mu.Lock()
+	if len(l.free) < bufListMax {
+		l.free = append(l.free, b[:0])
+	}
+	l.mu.Unlock()
 }
 
 // readPayload reads n bytes, growing the buffer as data arrives so that a

@@ -118,6 +118,15 @@ type sendWQE struct {
 	inline   []byte  // inline payload (slot-owned buffer)
 	ud       *udDest // UD: resolved address handle (immutable)
 	op       reqOp
+
+	// In flight to another process (xreq.go; progMu).
+	fid    uint64
+	fconn  *conn
+	fpsn   uint32
+	fnpkts uint32
+	flen   uint32
+	fseq   uint64
+	fsent  time.Time
 }
 
 func (s *sendQueue) init(depth, maxSGE int) {
@@ -133,6 +142,7 @@ func (s *sendQueue) init(depth, maxSGE int) {
 func (s *sendQueue) reset() {
 	for i := range s.slots {
 		s.slots[i].ud = nil
+		s.slots[i].fconn = nil
 	}
 	s.head, s.count = 0, 0
 }
@@ -222,7 +232,7 @@ func newQP(p *pd, attr prov.QPInitAttr) (*qp, error) {
 		q.req.waker = q // only RC requesters wait for a receive or a ready target
 	}
 	q.req.owner = q
-	q.x = &xstate{done: make(chan struct{}, 1)}
+	q.x = &xstate{}
 	q.closing = make(chan struct{})
 	if err := q.f.addQP(q); err != nil {
 		return fail(err)
@@ -282,8 +292,17 @@ func (q *qp) Close() error {
 	q.progMu.Unlock()
 	if remote {
 		<-q.workDone
-		q.x.timer.Stop()
 	}
+	q.progMu.Lock()
+	if q.x.rtimer != nil {
+		q.x.rtimer.Stop()
+	}
+	if c := q.x.userOf; c != nil {
+		c.removeUser(q)
+		q.x.userOf = nil
+	}
+	q.x.nfl = 0
+	q.progMu.Unlock()
 	for _, w := range ws {
 		w.wake()
 	}

@@ -13,24 +13,21 @@ import (
 // of a QP that sends to another process runs in the QP's own goroutine,
 // since a request may wait there for the peer: kick only signals it.
 func (q *qp) kick() {
-	if q.xproc.Load() {
-		select {
-		case q.workCh <- struct{}{}:
-		default:
-		}
+	if q.xproc.Load() && q.typ != prov.QPTypeRC {
+		q.needWorker()
 		return
 	}
-	q.runQueue()
+	q.runQueue(false)
 }
 
-// setRemote makes the send queue run in the QP's own goroutine from now on.
-// Called with progMu or smu held (so not concurrently with Close's check).
+// setRemote starts the QP's own goroutine, which runs the send queue when
+// that may mean waiting for another process (UC and UD QPs: always; RC:
+// see xreq.go). Called with progMu or smu held (so not concurrently with
+// Close's check).
 func (q *qp) setRemote() {
 	q.workOnce.Do(func() {
 		q.workCh = make(chan struct{}, 1)
 		q.workDone = make(chan struct{})
-		q.x.timer = time.NewTimer(time.Hour)
-		q.x.timer.Stop()
 		go q.workLoop()
 		q.xproc.Store(true)
 	})
@@ -43,12 +40,14 @@ func (q *qp) workLoop() {
 		case <-q.closing:
 			return
 		case <-q.workCh:
-			q.runQueue()
+			q.runQueue(true)
 		}
 	}
 }
 
-func (q *qp) runQueue() {
+// runQueue runs the send queue unless another goroutine does. mayBlock
+// says whether the caller may wait for another process.
+func (q *qp) runQueue(mayBlock bool) {
 	for {
 		if !q.progMu.TryLock() {
 			q.pending.Store(true)
@@ -59,7 +58,7 @@ func (q *qp) runQueue() {
 			}
 		}
 		q.pending.Store(false)
-		more := q.progress()
+		more := q.progress(mayBlock)
 		q.progMu.Unlock()
 		if more {
 			// Other goroutines keep the queue busy: hand the work to a
@@ -89,9 +88,12 @@ func (q *qp) onTimer() {
 // empty, the head must wait (RNR, target not ready) or the QP leaves RTS.
 // In ERR it flushes them. It returns true if it stopped because it did its
 // share of work while others kept posting. Called with progMu held.
-func (q *qp) progress() bool {
+func (q *qp) progress(mayBlock bool) bool {
 	if q.closed.Load() {
 		return false
+	}
+	if p, ok := q.route.(*peer); ok && q.typ == prov.QPTypeRC {
+		return q.progressRemote(p, mayBlock)
 	}
 	budget := 4*len(q.sq.slots) + 256
 	for {
@@ -193,44 +195,12 @@ func (q *qp) commit(n int) {
 // request must be retried later (RNR or target not ready); otherwise
 // status is its completion status and length its byte count.
 func (q *qp) execute(w *sendWQE) (status prov.Status, length uint32, blocked bool) {
-	wr := &w.wr
 	op := w.op
 
 	// Local memory.
-	var data []span
-	nlocked := 0
-	var total uint64
-	if w.isInline {
-		if len(w.inline) > 0 {
-			q.spans[0] = span{unsafe.Pointer(unsafe.SliceData(w.inline)), len(w.inline)}
-			data = q.spans[:1]
-		}
-		total = uint64(len(w.inline))
-	} else {
-		var need prov.Access
-		if op >= opRead {
-			need = prov.AccessLocalWrite // read and atomic results land here
-		}
-		for _, s := range w.sge[:wr.NumSGE] {
-			if s.Length == 0 {
-				continue
-			}
-			m := q.f.lookupMRCached(s.LKey, &q.lcache)
-			if m == nil || m.pd != q.pd || m.access&need != need {
-				q.releaseLocal(nlocked)
-				return prov.StatusLocProtErr, 0, false
-			}
-			p, ok := m.acquire(s.Addr, uint64(s.Length))
-			if !ok {
-				q.releaseLocal(nlocked)
-				return prov.StatusLocProtErr, 0, false
-			}
-			q.locked[nlocked] = m
-			q.spans[nlocked] = span{p, int(s.Length)}
-			nlocked++
-			total += uint64(s.Length)
-		}
-		data = q.spans[:nlocked]
+	data, total, nlocked, st := q.gather(w)
+	if st != prov.StatusSuccess {
+		return st, 0, false
 	}
 	if total > maxMsgSize || (q.typ == prov.QPTypeUD && total > uint64(q.mtu)) {
 		q.releaseLocal(nlocked)
@@ -239,28 +209,7 @@ func (q *qp) execute(w *sendWQE) (status prov.Status, length uint32, blocked boo
 	length = uint32(total)
 
 	// Destination.
-	var l link
-	req := &q.req
-	if q.typ == prov.QPTypeUD {
-		d := w.ud
-		l = d.l
-		req.dstQPN = wr.RemoteQPN
-		req.qkey = wr.RemoteQKey
-		if req.qkey&0x80000000 != 0 {
-			req.qkey = q.attr.QKey // high bit: use the QP's own Q_Key
-		}
-		req.sgid, req.dgid = d.sgid, d.dgid
-		req.tclass, req.hopLimit, req.flow = d.tclass, d.hopLimit, d.flow
-		req.npkts = 1
-	} else {
-		l = q.route
-		req.dstQPN = q.attr.DestQPN
-		npkts := uint32(1)
-		if op <= opRead && length > q.mtu {
-			npkts = (length + q.mtu - 1) / q.mtu
-		}
-		req.npkts = npkts
-	}
+	l, req := q.buildReq(w, length)
 	if l == nil {
 		// Unreachable destination: RC times out, UC/UD packets vanish.
 		q.releaseLocal(nlocked)
@@ -269,16 +218,6 @@ func (q *qp) execute(w *sendWQE) (status prov.Status, length uint32, blocked boo
 		}
 		return prov.StatusSuccess, length, false
 	}
-	req.op = op
-	req.solicited = wr.Flags&prov.SendSolicited != 0
-	req.psn = q.sqPSN
-	req.mtu = q.mtu
-	req.length = length
-	req.raddr = wr.RemoteAddr
-	req.rkey = wr.RKey
-	req.imm = wr.Imm
-	req.compare = wr.CompareAdd
-	req.swap = wr.Swap
 	seq := q.wakeSeq.Load()
 	q.resp = response{}
 	l.exec(req, data, &q.resp)
@@ -322,6 +261,81 @@ func (q *qp) execute(w *sendWQE) (status prov.Status, length uint32, blocked boo
 	}
 	q.releaseLocal(nlocked)
 	return status, length, blocked
+}
+
+// buildReq fills q.req for w (a message of length bytes) and returns the
+// link to its destination.
+func (q *qp) buildReq(w *sendWQE, length uint32) (link, *request) {
+	wr := &w.wr
+	var l link
+	req := &q.req
+	if q.typ == prov.QPTypeUD {
+		d := w.ud
+		l = d.l
+		req.dstQPN = wr.RemoteQPN
+		req.qkey = wr.RemoteQKey
+		if req.qkey&0x80000000 != 0 {
+			req.qkey = q.attr.QKey // high bit: use the QP's own Q_Key
+		}
+		req.sgid, req.dgid = d.sgid, d.dgid
+		req.tclass, req.hopLimit, req.flow = d.tclass, d.hopLimit, d.flow
+		req.npkts = 1
+	} else {
+		l = q.route
+		req.dstQPN = q.attr.DestQPN
+		npkts := uint32(1)
+		if w.op <= opRead && length > q.mtu {
+			npkts = (length + q.mtu - 1) / q.mtu
+		}
+		req.npkts = npkts
+	}
+	req.op = w.op
+	req.solicited = wr.Flags&prov.SendSolicited != 0
+	req.psn = q.sqPSN
+	req.mtu = q.mtu
+	req.length = length
+	req.raddr = wr.RemoteAddr
+	req.rkey = wr.RKey
+	req.imm = wr.Imm
+	req.compare = wr.CompareAdd
+	req.swap = wr.Swap
+	return l, req
+}
+
+// gather resolves the local memory of w: its inline data, or its SGEs
+// (checked against their MRs; the MRs are held until releaseLocal(n)).
+func (q *qp) gather(w *sendWQE) (data []span, total uint64, n int, st prov.Status) {
+	if w.isInline {
+		if len(w.inline) > 0 {
+			q.spans[0] = span{unsafe.Pointer(unsafe.SliceData(w.inline)), len(w.inline)}
+			data = q.spans[:1]
+		}
+		return data, uint64(len(w.inline)), 0, prov.StatusSuccess
+	}
+	var need prov.Access
+	if w.op >= opRead {
+		need = prov.AccessLocalWrite // read and atomic results land here
+	}
+	for _, s := range w.sge[:w.wr.NumSGE] {
+		if s.Length == 0 {
+			continue
+		}
+		m := q.f.lookupMRCached(s.LKey, &q.lcache)
+		if m == nil || m.pd != q.pd || m.access&need != need {
+			q.releaseLocal(n)
+			return nil, 0, 0, prov.StatusLocProtErr
+		}
+		p, ok := m.acquire(s.Addr, uint64(s.Length))
+		if !ok {
+			q.releaseLocal(n)
+			return nil, 0, 0, prov.StatusLocProtErr
+		}
+		q.locked[n] = m
+		q.spans[n] = span{p, int(s.Length)}
+		n++
+		total += uint64(s.Length)
+	}
+	return q.spans[:n], total, n, prov.StatusSuccess
 }
 
 func (q *qp) releaseLocal(n int) {

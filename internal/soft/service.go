@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -287,7 +288,7 @@ type peer struct {
 	addr peerAddr
 
 	mu       sync.Mutex // held while dialing
-	cur      *conn
+	cur      atomic.Pointer[conn]
 	lastErr  error
 	lastFail time.Time
 }
@@ -315,10 +316,10 @@ const redialDelay = 50 * time.Millisecond
 func (p *peer) conn() *conn {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if c := p.cur; c != nil && !c.dead.Load() {
+	if c := p.current(); c != nil {
 		return c
 	}
-	p.cur = nil
+	p.cur.Store(nil)
 	if !p.lastFail.IsZero() && time.Since(p.lastFail) < redialDelay {
 		return nil
 	}
@@ -327,8 +328,18 @@ func (p *peer) conn() *conn {
 		p.lastErr, p.lastFail = err, time.Now()
 		return nil
 	}
-	p.cur, p.lastErr, p.lastFail = c, nil, time.Time{}
+	p.cur.Store(c)
+	p.lastErr, p.lastFail = nil, time.Time{}
 	return c
+}
+
+// current returns the live connection to the peer, or nil (without
+// connecting).
+func (p *peer) current() *conn {
+	if c := p.cur.Load(); c != nil && !c.dead.Load() {
+		return c
+	}
+	return nil
 }
 
 // exec carries req over the current connection (see conn.exec). A peer

@@ -1,0 +1,436 @@
+package soft
+
+import (
+	"encoding/binary"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// The requester of a RC QP whose destination is in another process. It
+// pipelines: progressRemote writes the requests of the send queue to the
+// connection one after the other without waiting for their responses (the
+// first x.nfl requests of the send queue are in flight), and retire
+// consumes the responses, which the connection's reader queues in x,
+// strictly in order, completing the requests. Like a RC NIC:
+//
+//   - an RNR NAK or a target that is not ready rewinds the send queue to
+//     the NAKed request (go-back-N: the responder drops what follows with
+//     a sequence error, and those responses are ignored), which waits and
+//     is sent again;
+//   - any other NAK, a lost connection or a response that does not come
+//     within the transport timeout fails the oldest request in flight and
+//     moves the QP to ERR, which flushes the others.
+//
+// The payload of sends and writes is written to the socket when the
+// request is posted; the local memory of reads and atomics is looked up
+// again when the response arrives. Whoever runs the send queue may be the
+// application (PostSend), a connection's reader or a timer, none of which
+// may wait for a peer: they write a request only if the socket takes it
+// (or the rest fits the connection's queue), and otherwise leave it to the
+// QP's own goroutine (workLoop), which may wait.
+
+// maxNBFrame is the largest request frame written without the QP's
+// goroutine; larger ones are written by it, straight from the registered
+// memory.
+const maxNBFrame = 128 << 10
+
+// xstate is the cross-process state of a requester QP.
+type xstate struct {
+	frame [hdrLen + reqBodyLen]byte
+	bufs  [maxSGE + 1][]byte
+
+	nfl     int   // requests in flight (progMu)
+	userOf  *conn // the connection this QP is registered with (progMu)
+	rtimer  *time.Timer
+	rtArmed bool // progMu
+	rtFired atomic.Bool
+
+	mu      sync.Mutex
+	resps   []rresp // queued by readers
+	spare   []rresp
+	hasResp atomic.Bool
+}
+
+// rresp is a response (or the loss of a connection) for the requester.
+type rresp struct {
+	c    *conn
+	id   uint64
+	resp response
+	data []byte // RDMA read data (pooled buffer)
+	down bool   // c failed
+}
+
+// push queues a response; it fails if the QP has far more than it could
+// have asked for (a hostile peer).
+func (x *xstate) push(r rresp, limit int) bool {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if !r.down && len(x.resps) >= limit {
+		return false
+	}
+	x.resps = append(x.resps, r)
+	x.hasResp.Store(true)
+	return true
+}
+
+// needWorker hands the send queue to the QP's goroutine.
+func (q *qp) needWorker() {
+	select {
+	case q.workCh <- struct{}{}:
+	default:
+	}
+}
+
+type postResult uint8
+
+const (
+	postSent   postResult = iota // in flight
+	postLater                    // try again later (someone will kick)
+	postFailed                   // complete the request with the status
+)
+
+// progressRemote is progress for a RC QP whose destination is the peer p.
+// Called with progMu held.
+func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
+	x := q.x
+	size := len(q.sq.slots)
+	budget := 4*size + 256
+	for {
+		q.retire()
+		q.smu.Lock()
+		n, head := q.sq.count, q.sq.head
+		q.smu.Unlock()
+		st := prov.QPState(q.state.Load())
+		if st == prov.QPStateErr {
+			if n == 0 {
+				return false
+			}
+			x.nfl = 0
+			q.flushSQ(n, head)
+			continue
+		}
+		if n == 0 || x.nfl >= n || st != prov.QPStateRTS {
+			return false
+		}
+		if budget <= 0 {
+			return true
+		}
+		budget--
+		if q.blocked {
+			if x.nfl > 0 || q.wakeSeq.Load() == q.blockedSeq && !q.timerFired.Load() {
+				return false
+			}
+			q.blocked = false
+		}
+		j := head + x.nfl
+		if j >= size {
+			j -= size
+		}
+		w := &q.sq.slots[j]
+		res, status := q.postRemote(p, w, mayBlock)
+		switch res {
+		case postSent:
+			x.nfl++
+		case postLater:
+			return false
+		case postFailed:
+			// Only the head fails this way (nothing in flight).
+			q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: status, Opcode: wcOpcodes[w.op], QPN: q.qpn}
+			q.ncbuf++
+			q.commit(1)
+			q.fail(evQPFatal)
+		}
+	}
+}
+
+// flushSQ completes the n requests from head with WR_FLUSH_ERR.
+func (q *qp) flushSQ(n, head int) {
+	size := len(q.sq.slots)
+	done := 0
+	for i := 0; i < n; i++ {
+		j := head + i
+		if j >= size {
+			j -= size
+		}
+		w := &q.sq.slots[j]
+		q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: prov.StatusWRFlushErr, Opcode: wcOpcodes[w.op], QPN: q.qpn}
+		q.ncbuf++
+		w.fconn = nil
+		done++
+		if q.ncbuf == cbufLen {
+			q.commit(done)
+			done = 0
+		}
+	}
+	q.commit(done)
+}
+
+// postRemote writes w to the peer.
+func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.Status) {
+	x := q.x
+	c := p.current()
+	if c == nil {
+		if !mayBlock {
+			q.needWorker()
+			return postLater, 0
+		}
+		if c = p.conn(); c == nil {
+			if x.nfl > 0 {
+				return postLater, 0
+			}
+			return postFailed, prov.StatusRetryExcErr
+		}
+	}
+	data, total, nlocked, st := q.gather(w)
+	if st == prov.StatusSuccess && total > maxMsgSize {
+		q.releaseLocal(nlocked)
+		st = prov.StatusLocLenErr
+	}
+	if st != prov.StatusSuccess {
+		if x.nfl > 0 {
+			return postLater, 0 // fail it once the requests before it are done
+		}
+		return postFailed, st
+	}
+	length := uint32(total)
+	_, req := q.buildReq(w, length)
+	plen := 0
+	if hasPayload(req.op) {
+		plen = int(length)
+	}
+	if !mayBlock && hdrLen+reqBodyLen+plen > maxNBFrame {
+		q.releaseLocal(nlocked)
+		q.needWorker()
+		return postLater, 0
+	}
+	if x.userOf != c {
+		if x.userOf != nil {
+			x.userOf.removeUser(q)
+		}
+		x.userOf = nil
+		if !c.addUser(q) {
+			q.releaseLocal(nlocked)
+			if x.nfl > 0 {
+				return postLater, 0
+			}
+			return postFailed, prov.StatusRetryExcErr
+		}
+		x.userOf = c
+	}
+	id := c.nextID.Add(1)
+	putHdr(x.frame[:], frReq, uint32(reqBodyLen+plen), id)
+	putReq(x.frame[hdrLen:], req, 0)
+	bufs := append(x.bufs[:0], x.frame[:])
+	if plen > 0 {
+		for _, s := range data {
+			if s.n > 0 {
+				bufs = append(bufs, s.bytes())
+			}
+		}
+	}
+	ok := true
+	var err error
+	timeout := q.respTimeout()
+	if mayBlock {
+		wt := timeout
+		if wt == 0 {
+			wt = writeTimeout
+		}
+		err = c.writeFrame(bufs, wt)
+	} else {
+		ok, err = c.trySendFrame(bufs)
+	}
+	clear(x.bufs[:len(bufs)])
+	q.releaseLocal(nlocked)
+	if err == nil && !ok {
+		q.needWorker()
+		return postLater, 0
+	}
+	// On a write error the connection has failed and queued a "down"
+	// record for this QP, which fails the request like a lost response.
+	w.fid, w.fconn, w.fpsn, w.fnpkts, w.flen = id, c, q.sqPSN, req.npkts, length
+	w.fseq = q.wakeSeq.Load()
+	w.fsent = time.Now()
+	q.sqPSN = (q.sqPSN + req.npkts) & psnMask
+	q.sqPSNPub.Store(q.sqPSN)
+	if timeout > 0 && !x.rtArmed {
+		q.armRespTimer(timeout)
+	}
+	return postSent, 0
+}
+
+func (q *qp) armRespTimer(d time.Duration) {
+	x := q.x
+	x.rtArmed = true
+	x.rtFired.Store(false)
+	if x.rtimer == nil {
+		x.rtimer = time.AfterFunc(d, func() {
+			x.rtFired.Store(true)
+			q.kick()
+		})
+	} else {
+		x.rtimer.Reset(d)
+	}
+}
+
+// retire consumes the queued responses. Called with progMu held.
+func (q *qp) retire() {
+	x := q.x
+	if !x.hasResp.Load() && !x.rtFired.Load() {
+		return
+	}
+	x.mu.Lock()
+	rs := x.resps
+	x.resps, x.spare = x.spare[:0], nil
+	x.hasResp.Store(false)
+	x.mu.Unlock()
+	retired := 0
+	failed := false
+	for i := range rs {
+		r := &rs[i]
+		if !failed {
+			failed = q.retireOne(r, &retired)
+		}
+		putBuf(r.data)
+		rs[i] = rresp{}
+	}
+	x.mu.Lock()
+	x.spare = rs[:0]
+	x.mu.Unlock()
+	if x.rtFired.Load() && !failed {
+		x.rtFired.Store(false)
+		x.rtArmed = false
+		if x.nfl > 0 {
+			w := q.flight(retired)
+			d := q.respTimeout()
+			if age := time.Since(w.fsent); d > 0 && age >= d {
+				q.failFlight(w, prov.StatusRetryExcErr, &retired)
+				failed = true
+			} else if d > 0 {
+				q.armRespTimer(d - age)
+			}
+		}
+	}
+	if x.nfl == 0 && x.rtArmed {
+		x.rtimer.Stop()
+		x.rtArmed = false
+	}
+	q.commit(retired)
+	if failed {
+		q.fail(evQPFatal)
+	}
+}
+
+// flight returns the k-th request in flight after the retired ones.
+func (q *qp) flight(retired int) *sendWQE {
+	j := q.sq.head + retired
+	if j >= len(q.sq.slots) {
+		j -= len(q.sq.slots)
+	}
+	return &q.sq.slots[j]
+}
+
+// failFlight completes the oldest request in flight with status and
+// abandons the others (the QP is about to go to ERR).
+func (q *qp) failFlight(w *sendWQE, status prov.Status, retired *int) {
+	q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: status, Opcode: wcOpcodes[w.op], QPN: q.qpn}
+	q.ncbuf++
+	w.fconn = nil
+	*retired++
+	q.x.nfl = 0
+	if q.ncbuf == cbufLen {
+		q.commit(*retired)
+		*retired = 0
+	}
+}
+
+// retireOne applies one response to the oldest request in flight. It
+// reports whether the request failed (the QP must go to ERR).
+func (q *qp) retireOne(r *rresp, retired *int) bool {
+	x := q.x
+	if x.nfl == 0 {
+		return false
+	}
+	w := q.flight(*retired)
+	if r.down {
+		if w.fconn != r.c {
+			return false
+		}
+		q.failFlight(w, prov.StatusRetryExcErr, retired)
+		return true
+	}
+	if r.id != w.fid || r.c != w.fconn {
+		return false // a response to a request that was abandoned
+	}
+	status := prov.StatusSuccess
+	switch r.resp.code {
+	case respACK:
+		if w.op >= opRead {
+			data, total, n, st := q.gather(w)
+			switch {
+			case st != prov.StatusSuccess:
+				status = st
+			case w.op == opRead && uint64(len(r.data)) != total:
+				q.releaseLocal(n)
+				r.c.fail(errBadReadResp)
+				status = prov.StatusRetryExcErr
+			case w.op == opRead:
+				copySpans(data, 0, []span{{unsafe.Pointer(unsafe.SliceData(r.data)), len(r.data)}})
+				q.releaseLocal(n)
+			default:
+				binary.NativeEndian.PutUint64(data[0].bytes(), r.resp.orig)
+				q.releaseLocal(n)
+			}
+		}
+	case respRNR, respNotReady:
+		var ok bool
+		if r.resp.code == respRNR {
+			ok = q.backoff(rnrDelay(r.resp.rnrTimer), &q.rnrLeft, q.attr.RNRRetry == 7, w.fseq)
+		} else {
+			d := transportTimeout(q.attr.Timeout)
+			ok = q.backoff(d, &q.retryLeft, d == 0, w.fseq)
+		}
+		if ok {
+			// Go back to this request; what followed it is dropped.
+			q.sqPSN = w.fpsn
+			q.sqPSNPub.Store(q.sqPSN)
+			x.nfl = 0
+			return false
+		}
+		status = prov.StatusRNRRetryExcErr
+		if r.resp.code == respNotReady {
+			status = prov.StatusRetryExcErr
+		}
+	case respDropped, respNoQP, respSeqErr:
+		status = prov.StatusRetryExcErr
+	case respInvReq:
+		status = prov.StatusRemInvReqErr
+	case respAccess:
+		status = prov.StatusRemAccessErr
+	default:
+		status = prov.StatusRemOpErr
+	}
+	if status != prov.StatusSuccess {
+		q.failFlight(w, status, retired)
+		return true
+	}
+	if q.retrying {
+		q.stopRetry()
+	}
+	if q.sigAll || w.wr.Flags&prov.SendSignaled != 0 {
+		q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: status, Opcode: wcOpcodes[w.op], ByteLen: w.flen, QPN: q.qpn}
+		q.ncbuf++
+	}
+	w.fconn = nil
+	x.nfl--
+	*retired++
+	if q.ncbuf == cbufLen {
+		q.commit(*retired)
+		*retired = 0
+	}
+	return false
+}
