@@ -55,6 +55,7 @@ type Node struct {
 	mu        sync.Mutex
 	phase     int // 0 built, 1 endpoints given, 2 connected, 3 closed
 	peerData  [][]byte
+	onClose   []func() error // OnClose functions, run in reverse order
 	owned     []func() error // closed after the channel, in order
 	closeErr  error
 	closeOnce sync.Once
@@ -265,9 +266,21 @@ func (n *Node) Barrier(ctx context.Context, peers []int) error {
 // next barrier.
 func (n *Node) ResetBarrier() error { return n.bar.reset() }
 
-// Close closes the barrier, the MultiChannel and, for a node built by
-// Join or FromEnv, the protection domain and device it opened (close the
-// memory regions registered in PD first). Idempotent.
+// OnClose registers f to run when the node closes: after the barrier and
+// the MultiChannel, before the protection domain and device the node owns
+// (Join, FromEnv), in the reverse order of registration. Hand the node the
+// memory regions registered in its PD this way (OnClose(mr.Close)); Join
+// then also releases them when it fails.
+func (n *Node) OnClose(f func() error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.onClose = append(n.onClose, f)
+}
+
+// Close closes the barrier, the MultiChannel, runs the OnClose functions
+// and, for a node built by Join or FromEnv, closes the protection domain
+// and device it opened (memory regions registered in PD must be closed
+// first, or handed to OnClose). Idempotent.
 //
 // Before it destroys the queue pairs, Close makes sure that what this
 // rank posted has reached the peers: a barrier's last signals are
@@ -282,12 +295,15 @@ func (n *Node) Close() error {
 		n.mu.Lock()
 		connected := n.phase == 2
 		n.phase = 3
-		owned := n.owned
+		owned, onClose := n.owned, n.onClose
 		n.mu.Unlock()
 		if connected && n.grace > 0 {
 			n.quiesce()
 		}
 		errs := []error{n.bar.close(), n.mc.Close(), n.probe.Close()}
+		for i := len(onClose) - 1; i >= 0; i-- {
+			errs = append(errs, onClose[i]())
+		}
 		for _, c := range owned {
 			errs = append(errs, c())
 		}
@@ -337,8 +353,9 @@ type JoinOptions struct {
 	// MaxFrame bounds exchange frames (default DefaultMaxFrame).
 	MaxFrame int
 	// Prepare, if set, runs after the node is built and before the
-	// exchange: register memory in n.PD() there and return the bytes to
-	// publish to every peer (PeerData). If it fails, Join fails.
+	// exchange: register memory in n.PD() there (and hand it to
+	// n.OnClose, so that a failed Join releases it too) and return the
+	// bytes to publish to every peer (PeerData). If it fails, Join fails.
 	Prepare func(n *Node) ([]byte, error)
 }
 

@@ -203,6 +203,7 @@ func (e *example) prepare(n *cluster.Node) ([]byte, error) {
 		return nil, err
 	}
 	e.mr = mr
+	n.OnClose(mr.Close)
 	r := mr.Remote()
 	b := binary.LittleEndian.AppendUint64(nil, r.Addr)
 	b = binary.LittleEndian.AppendUint64(b, r.Len)
@@ -210,11 +211,8 @@ func (e *example) prepare(n *cluster.Node) ([]byte, error) {
 }
 
 func (e *example) close() {
-	if e.mr != nil {
-		e.mr.Close()
-	}
 	if e.node != nil {
-		e.node.Close()
+		e.node.Close() // and the region (OnClose)
 	}
 }
 
