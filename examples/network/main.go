@@ -25,7 +25,15 @@
 //	rank 1/3: all-to-all write: received 0x0000000000000001 from rank 0, 0x0000000200000001 from rank 2
 //	rank 1/3: ok
 //
-// Flags: -config and -rank (required); -mode all-to-all|rendezvous; -job
+// Under a launcher, every rank takes its rank, the world size and rank 0's
+// address from the environment instead (cluster.FromEnv), and prints
+// which launcher it found first:
+//
+//	GOVERBS_ROOT=127.0.0.1:18515 mpirun -np 4 ./network -launcher
+//	srun -n 8 ./network -launcher        # rank 0 on the step's first node
+//	torchrun --nproc-per-node 4 --no-python ./network -launcher
+//
+// Flags: -config and -rank (required without -launcher); -mode all-to-all|rendezvous; -job
 // and -token (or GOVERBS_TOKEN) which every rank must share; -barriers;
 // -algorithm binary-tree|dissemination|centralized; -timeout for the
 // whole run; -listen-fd to use an inherited listening socket for the
@@ -131,6 +139,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ln net.Li
 		if *configPath != "" || *rank >= 0 {
 			return usage("-launcher excludes -config and -rank")
 		}
+		m = cluster.Rendezvous // FromEnv's mode
+		l, perr := cluster.ParseLaunch(cluster.EnvOptions{})
+		if perr != nil {
+			return fail(stderr, -1, perr)
+		}
+		fmt.Fprintf(stdout, "rank %d/%d: launched by %s (local rank %d, job %q, rank 0 at %s)\n", l.Rank, l.Size, l.Launcher, l.LocalRank, l.Job, l.Root)
 		node, err = cluster.FromEnv(ctx, cluster.EnvOptions{Join: opts})
 	default:
 		if *configPath == "" || *rank < 0 {

@@ -206,3 +206,60 @@ func runProcesses(t *testing.T, mode string, n int) {
 		checkOutput(t, res.rank, n, res.out)
 	}
 }
+
+// freePort returns a loopback port that was free a moment ago (the
+// launchers below cannot hand a listening socket to their ranks).
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// TestRealLaunchers starts the program's ranks through real launchers:
+// Open MPI's mpirun (OMPI_COMM_WORLD_* variables) and MPICH's Hydra
+// (PMI_RANK, PMI_SIZE). Each rank finds its place with cluster.FromEnv
+// (-launcher) and meets rank 0 at GOVERBS_ROOT. A launcher that is not
+// installed is skipped (Debian: openmpi-bin, mpich).
+func TestRealLaunchers(t *testing.T) {
+	for _, tc := range []struct {
+		name, bin string
+		args      []string
+		launcher  string // as cluster.ParseLaunch names it
+	}{
+		{"openmpi", "mpirun.openmpi", []string{"--allow-run-as-root", "--oversubscribe", "--bind-to", "none"}, cluster.LauncherOpenMPI},
+		{"mpich-hydra", "mpiexec.hydra", nil, cluster.LauncherPMI},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			bin, err := exec.LookPath(tc.bin)
+			if err != nil {
+				t.Skipf("%s is not installed (apt-get install openmpi-bin mpich): %v", tc.bin, err)
+			}
+			const n = 4
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			root := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+			args := append(append([]string{}, tc.args...), "-np", strconv.Itoa(n), os.Args[0], "-launcher", "-timeout", "90s")
+			cmd := exec.CommandContext(ctx, bin, args...)
+			cmd.Env = append(os.Environ(), childEnv+"=1", "GOVERBS_ROOT="+root, "GOVERBS_TOKEN=launcher-secret",
+				"GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
+			out, err := cmd.CombinedOutput()
+			if err != nil {
+				t.Fatalf("%s: %v\n%s", tc.bin, err, out)
+			}
+			for r := range n {
+				checkOutput(t, r, n, string(out))
+				if want := fmt.Sprintf("rank %d/%d: launched by %s (local rank %d,", r, n, tc.launcher, r); !strings.Contains(string(out), want) {
+					t.Errorf("output lacks %q", want)
+				}
+			}
+			if !strings.Contains(string(out), "rendezvous exchange") {
+				t.Errorf("the ranks did not use the rendezvous:\n%s", out)
+			}
+			t.Logf("%s printed:\n%s", tc.bin, out)
+		})
+	}
+}
