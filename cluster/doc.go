@@ -75,7 +75,10 @@
 // A Node built by NewNode uses the caller's protection domain, which must
 // outlive it; one built by Join or FromEnv owns its device context and
 // protection domain and closes them in Close. Memory the application
-// registers in Node.PD must be closed before the Node. LocalEndpoints and
+// registers in Node.PD must be closed before the Node, or handed to it
+// with OnClose. Close first makes sure this rank's last barrier signals
+// reached its peers (at most NodeOptions.CloseGrace), so a rank may leave
+// right after its last barrier. LocalEndpoints and
 // Connect are called once each, in that order, by one goroutine; after
 // Connect, a Node is safe for concurrent use: channel operations run
 // concurrently, barriers are serialised. Close is idempotent.
