@@ -8,6 +8,7 @@
 #   gcc, libc6-dev  cgo, which `go test -race` needs on linux
 #   libibverbs-dev  optional: headers for `go vet -tags ibverbs` (internal/ibv)
 #   librdmacm-dev   optional: headers for the RDMA CM part of internal/ibv
+#   openmpi-bin, mpich  optional: real launchers for the examples/network tests
 set -euo pipefail
 
 if ! command -v go >/dev/null 2>&1; then
@@ -26,6 +27,8 @@ command -v gcc >/dev/null 2>&1 || required+=(gcc)
 [[ -e /usr/include/stdio.h ]] || required+=(libc6-dev)
 [[ -e /usr/include/infiniband/verbs.h ]] || optional+=(libibverbs-dev)
 [[ -e /usr/include/rdma/rdma_cma.h ]] || optional+=(librdmacm-dev)
+[[ -e /usr/bin/mpirun.openmpi ]] || optional+=(openmpi-bin)
+[[ -e /usr/bin/mpiexec.hydra ]] || optional+=(mpich)
 
 if ((${#required[@]} + ${#optional[@]} == 0)); then
 	echo "deps: all present ($(go version))"

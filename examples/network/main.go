@@ -49,7 +49,6 @@ package main
 import (
 	"context"
 	"encoding/binary"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -71,11 +70,8 @@ const (
 	exitOK          = 0
 	exitFail        = 1
 	exitUsage       = 2
-	exitUnreachable = 3
 )
 
-// ErrUnreachable: the device cannot reach ranks in other processes.
-var errUnreachable = errors.New("the device cannot reach ranks in other processes")
 
 // run runs the program with args; ln, if not nil, is the listener of the
 // rank's exchange address (like -listen-fd, for tests running ranks in
@@ -165,31 +161,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ln net.Li
 	prefix := fmt.Sprintf("rank %d/%d: ", node.Rank(), node.Size())
 	dev := node.PD().Context().Name()
 	fmt.Fprintf(stdout, "%sconnected (device %s, %v exchange)\n", prefix, dev, m)
-	if first, err := ex.exercise(ctx, *barriers, alg, stdout, prefix); err != nil {
-		if first && dev == verbs.SoftDevice && isUnreachable(err) {
-			err = fmt.Errorf("%w: %w", errUnreachable, err)
-		}
+	if _, err := ex.exercise(ctx, *barriers, alg, stdout, prefix); err != nil {
 		return fail(stderr, node.Rank(), err)
 	}
 	fmt.Fprintf(stdout, "%sok\n", prefix)
 	return exitOK
 }
 
-// isUnreachable tells whether err, the failure of the first RDMA
-// operation of the run, says that a peer could not be reached at all: the
-// device does not support the path (ErrNotSupported), or soft0 found no
-// transport to the peer's process, which it reports at once as a
-// retry-exhausted completion (a destination without a route).
-func isUnreachable(err error) bool {
-	var ce *verbs.CompletionError
-	return errors.Is(err, verbs.ErrNotSupported) || (errors.As(err, &ce) && ce.Status == verbs.StatusRetryExcErr)
-}
 
 func fail(stderr io.Writer, rank int, err error) int {
 	fmt.Fprintf(stderr, "network: rank %d: %v\n", rank, err)
-	if errors.Is(err, errUnreachable) || errors.Is(err, verbs.ErrNotSupported) {
-		return exitUnreachable
-	}
 	return exitFail
 }
 

@@ -181,22 +181,10 @@ func runProcesses(t *testing.T, mode string, n int) {
 			results <- result{r, code, out.String(), errb.String()}
 		}()
 	}
-	var unreachable *result
 	got := make([]result, n)
 	for range n {
 		res := <-results
 		got[res.rank] = res
-		if res.code == exitUnreachable && unreachable == nil {
-			unreachable = &res
-			// The others would only wait for their deadline: stop them.
-			for _, c := range cmds {
-				c.Process.Kill()
-			}
-		}
-	}
-	if unreachable != nil {
-		t.Skipf("soft0 cannot connect queue pairs across processes in this build (its cross-process transport is not there): rank %d: %s",
-			unreachable.rank, strings.TrimSpace(unreachable.err))
 	}
 	for _, res := range got {
 		if res.code != exitOK {
