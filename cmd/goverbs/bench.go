@@ -17,18 +17,19 @@ import (
 
 // benchConfig is the parsed command line of goverbs bench.
 type benchConfig struct {
-	op      string // "write", "read" or "send"
-	lat     bool
-	sizes   []int
-	iters   int
-	dev     string
-	dev2    string
-	batch   int
-	cqMod   int // signal every cqMod-th request (bandwidth)
-	txDepth int
-	rxDepth int
-	mtu     verbs.MTU
-	json    bool
+	op         string // "write", "read" or "send"
+	lat        bool
+	sizes      []int
+	iters      int
+	dev        string
+	dev2       string
+	batch      int
+	cqMod      int // signal every cqMod-th request (bandwidth)
+	txDepth    int
+	rxDepth    int
+	mtu        verbs.MTU
+	timeoutExp int // QP ACK timeout exponent (perftest -u); 0: the QPSpec default
+	json       bool
 
 	// Two-process mode (perftest's topology): the server listens on
 	// bind:port for one client; the client connects to host:port.
@@ -67,6 +68,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.txDepth, "tx-depth", 128, "send requests kept outstanding")
 	fs.IntVar(&cfg.txDepth, "t", 128, "same as --tx-depth")
 	fs.IntVar(&cfg.rxDepth, "rx-depth", 512, "receives kept posted (send test)")
+	fs.IntVar(&cfg.timeoutExp, "u", 0, "QP ACK timeout `exponent`: 4.096 us * 2^N (perftest -u; default 14)")
+	fs.IntVar(&cfg.timeoutExp, "qp-timeout", 0, "same as -u")
 	mtu := fs.Int("mtu", 0, "path MTU in `bytes` (256..4096; default: the port's active MTU)")
 	all := fs.Bool("all", false, "sweep message sizes 2 .. 8M in powers of two")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON object per result row instead of the table")
@@ -114,6 +117,9 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	}
 	if cfg.iters < 1 {
 		return usageErr(stderr, "bench", "-n must be at least 1, not %d", cfg.iters)
+	}
+	if cfg.timeoutExp < 0 || cfg.timeoutExp > 31 {
+		return usageErr(stderr, "bench", "-u must be between 1 and 31 (0: the default, 14), not %d", cfg.timeoutExp)
 	}
 	if cfg.txDepth < 1 {
 		return usageErr(stderr, "bench", "--tx-depth must be at least 1, not %d", cfg.txDepth)

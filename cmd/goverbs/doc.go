@@ -83,6 +83,7 @@
 //	--cq-mod N      bandwidth: every Nth request is signaled (perftest -Q;
 //	                default --batch)
 //	--mtu N         path MTU in bytes (default: the port's active MTU)
+//	-u, --qp-timeout N  RC ACK timeout exponent, 4.096 us * 2^N (default 14)
 //	--json          print one JSON object per result row (JSON lines)
 //	                instead of the table
 //

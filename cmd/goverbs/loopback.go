@@ -153,6 +153,7 @@ func openSide(name, dev string, cfg benchConfig, maxSize int, closers *[]func() 
 		MaxSendSGE: 1,
 		MaxRecvSGE: 1,
 		MTU:        cfg.mtu,
+		Timeout:    uint8(cfg.timeoutExp),
 	}
 	if !cfg.lat {
 		spec.MaxInlineData = -1

@@ -307,6 +307,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"bench", "write", "--dev2", "soft0", "127.0.0.1"}, exitUsage, "--dev2 is for the one-process loopback"},
 		{[]string{"bench", "write", "--server", "-p", "0"}, exitUsage, "-p must be a TCP port"},
 		{[]string{"bench", "write", "--cq-mod", "200"}, exitUsage, "--cq-mod must be between 1 and --tx-depth"},
+		{[]string{"bench", "write", "-u", "32"}, exitUsage, "-u must be between 1 and 31"},
 		{[]string{"bench", "write", "--server", "--timeout", "0s"}, exitUsage, "--timeout must be positive"},
 		{[]string{"bench", "write", "--bind", "127.0.0.1", "127.0.0.1"}, exitUsage, "--bind is for --server"},
 		{[]string{"bench", "write", "-s", "abc"}, exitUsage, `invalid size "abc"`},

@@ -568,15 +568,16 @@ func latSummary(op string, size, iters int, inline bool, samples []uint64, clk *
 }
 
 // waitByte spins until the byte (p, shift) is v, reaping completions now
-// and then so that a failed request surfaces, and failing when the peer
-// stops answering.
+// and then (every 4096 spins: a Poll is a cgo call, and the byte landing
+// during one is seen only after it) so that a failed request surfaces, and
+// failing when the peer stops answering.
 func (r *remote) waitByte(p *uint32, shift uint, v byte) error {
 	wd := newWatchdog("waiting for the peer's write")
 	for spins := 1; ; spins++ {
 		if byte(atomic.LoadUint32(p)>>shift) == v {
 			return nil
 		}
-		if spins&255 == 0 {
+		if spins&4095 == 0 {
 			if _, err := r.s.reap(); err != nil {
 				return err
 			}
