@@ -212,6 +212,9 @@ func (c *conn) writeFrame(bufs [][]byte, timeout time.Duration) error {
 		_, err = c.wbufs.WriteTo(c.nc)
 		clear(c.wbufs[:cap(c.wbufs)])
 	}
+	// A deadline left behind would fail the next write that must not
+	// wait (tryWrite).
+	c.nc.SetWriteDeadline(time.Time{})
 	c.wmu.Unlock()
 	if err != nil {
 		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
@@ -286,6 +289,7 @@ func (c *conn) flushLoop() {
 		if !c.dead.Load() {
 			c.nc.SetWriteDeadline(time.Now().Add(writeTimeout))
 			err = c.flushQueueLocked()
+			c.nc.SetWriteDeadline(time.Time{})
 		}
 		c.wmu.Unlock()
 		if err != nil {

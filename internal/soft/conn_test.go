@@ -312,3 +312,38 @@ func FuzzAddr(f *testing.F) {
 		}
 	})
 }
+
+// TestBlockingWriteLeavesNoDeadline: a large write goes through the QP's
+// goroutine with a write deadline; once the deadline has passed, small
+// requests (written without waiting) must still go out. (A deadline left
+// on the socket failed them with a timeout and took the connection down.)
+func TestBlockingWriteLeavesNoDeadline(t *testing.T) {
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			forceTransport(t, kind)
+			o := defaultConn()
+			o.timeout, o.retryCnt = 1, 0 // the shortest response timeout: minRespTimeout
+			e, a, b := pair(t, prov.QPTypeRC, o, o)
+			_ = b
+			src := e.alloc(1<<20, allAccess)
+			dst := e.alloc(1<<20, allAccess)
+			wr := []prov.SendWR{{Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
+				RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}
+			if _, err := a.qp.PostSend(wr, []prov.SGE{src.sge(0, 1<<20)}); err != nil {
+				t.Fatal(err)
+			}
+			if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+				t.Fatalf("large write: %+v", c)
+			}
+			time.Sleep(minRespTimeout + 100*time.Millisecond)
+			for i := range 3 {
+				if _, err := a.qp.PostSend(wr, []prov.SGE{src.sge(0, 64)}); err != nil {
+					t.Fatal(err)
+				}
+				if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+					t.Fatalf("small write %d after the deadline: %+v", i, c)
+				}
+			}
+		})
+	}
+}
