@@ -8,10 +8,12 @@
 // address (in its endpoint) names the process, a secret, and the
 // transports it offers (an abstract unix socket for the same host, and a
 // TCP address). The transport is chosen per connection: direct memory in
-// the same process, the unix socket on the same host, TCP otherwise.
+// the same process; on the same host, shared memory (rings in a memfd
+// segment set up over the unix socket, see shm.go), falling back to the
+// unix socket and then TCP; TCP otherwise.
 // GOVERBS_SOFT_TRANSPORT=inproc|shm|unix|tcp (or ForceTransport) forces
 // one, also between QPs of one process, so that every transport can be
-// tested on one machine; "shm" currently means the unix socket.
+// tested on one machine.
 // GOVERBS_SOFT_LISTEN sets the TCP listen address (default 127.0.0.1:0;
 // "off" disables TCP); name a routable address to reach other hosts.
 // GOVERBS_SOFT_JOB (or SLURM_JOB_ID) names the job: processes of different

@@ -28,7 +28,12 @@ func forceTransport(tb testing.TB, kind string) {
 	tb.Cleanup(restore)
 }
 
-var xprocKinds = []string{"tcp", "unix"}
+// The transports, and the sockets of the baselines (shm compares with
+// BenchmarkCopy and the unix socket).
+var (
+	xprocKinds = []string{"tcp", "unix", "shm"}
+	rawKinds   = []string{"tcp", "unix"}
+)
 
 // BenchmarkXprocWriteBandwidth: RDMA writes of size bytes, 16 at a time,
 // one completion per batch; the poster sleeps in the CQ's completion
@@ -154,7 +159,7 @@ func socketPair(tb testing.TB, kind string) (net.Conn, net.Conn) {
 // goroutine writes chunks of size bytes to a loopback socket, another reads
 // them into a buffer.
 func BenchmarkRawStream(b *testing.B) {
-	for _, kind := range xprocKinds {
+	for _, kind := range rawKinds {
 		for _, size := range []int{64 << 10, 1 << 20} {
 			b.Run(fmt.Sprintf("%s/size=%dKiB", kind, size>>10), func(b *testing.B) {
 				c1, c2 := socketPair(b, kind)
@@ -227,7 +232,7 @@ func BenchmarkXprocSendRTT(b *testing.B) {
 // BenchmarkRawPingPong is the baseline of BenchmarkXprocSendRTT: 8 bytes
 // over a loopback socket to an echoing goroutine and back.
 func BenchmarkRawPingPong(b *testing.B) {
-	for _, kind := range xprocKinds {
+	for _, kind := range rawKinds {
 		b.Run(kind, func(b *testing.B) {
 			c1, c2 := socketPair(b, kind)
 			go func() {
