@@ -75,13 +75,13 @@ tier_unit() {
 
 # Tier 2: several OS processes on loopback. The cross-process conformance
 # cases and fault tests of soft0 (verbstest: the test binary re-executes
-# itself as the peer process) over TCP and unix sockets, then the whole
+# itself as the peer process) over TCP, unix sockets and shared memory, then the whole
 # conformance suite with every connection forced through the inter-process
 # transports of soft0 (GOVERBS_SOFT_TRANSPORT).
 tier_multiprocess() {
 	local rc=0
 	run_go_tests multiprocess -run "CrossProcess" ./verbstest/ || rc=1
-	for tr in tcp unix; do
+	for tr in tcp unix shm; do
 		GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr" -run "TestConformanceSoft" . || rc=1
 	done
 	return $rc

@@ -19,7 +19,7 @@ func TestMain(m *testing.M) {
 }
 
 // crossTransports are the inter-process transports of soft0 under test.
-var crossTransports = []string{"tcp", "unix"}
+var crossTransports = []string{"tcp", "unix", "shm"}
 
 // TestCrossProcess runs the cross-process conformance cases with the peer
 // in another process, over each transport.

@@ -147,11 +147,11 @@ func parseAddr(b []byte) (peerAddr, error) {
 // Transport kinds. The environment variable GOVERBS_SOFT_TRANSPORT (or
 // ForceTransport) forces one for every connection set up afterwards:
 //
-//	auto    (default) same process: direct; same host: unix socket,
-//	        falling back to TCP; otherwise TCP
+//	auto    (default) same process: direct; same host: shared memory,
+//	        falling back to the unix socket, then TCP; otherwise TCP
 //	direct  (or inproc) only QPs of the same process are reachable
-//	shm     same-host transport (today the unix socket), also between QPs
-//	        of one process; other hosts are unreachable
+//	shm     shared memory (shm.go), also between QPs of one process;
+//	        other hosts are unreachable
 //	unix    the unix socket, also between QPs of one process
 //	tcp     TCP, also between QPs of one process or one host
 const (

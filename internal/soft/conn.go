@@ -54,6 +54,8 @@ type conn struct {
 	peerPID uint32
 	nc      net.Conn
 	raw     syscall.RawConn
+	shm     *shmLink // the rings (nil: frames go over nc)
+	loops   sync.WaitGroup
 
 	dead  atomic.Bool
 	done  chan struct{}
@@ -64,13 +66,14 @@ type conn struct {
 
 	// wmu is the right to write to nc. Whoever holds it writes the queue
 	// first: it may hold the rest of a partly written frame.
-	wmu   sync.Mutex
-	wbufs net.Buffers
-	twBuf [][]byte // tryWrite's argument and results (wmu)
-	twN   int
-	twErr error
-	twFn  func(fd uintptr) bool
-	iov   [maxSGE + 2]unix.Iovec
+	wmu       sync.Mutex
+	wbufs     net.Buffers
+	wdeadline time.Time // shm
+	twBuf     [][]byte  // tryWrite's argument and results (wmu)
+	twN       int
+	twErr     error
+	twFn      func(fd uintptr) bool
+	iov       [maxSGE + 2]unix.Iovec
 
 	qmu    sync.Mutex
 	queue  [][]byte // pooled buffers
@@ -105,8 +108,8 @@ const (
 
 var errConnDown = errors.New("soft: connection to the peer process lost")
 
-func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn) *conn {
-	c := &conn{s: s, f: s.f, kind: kind, peerFab: peerFab, peerPID: peerPID, nc: nc,
+func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn, shm *shmLink) *conn {
+	c := &conn{s: s, f: s.f, kind: kind, peerFab: peerFab, peerPID: peerPID, nc: nc, shm: shm,
 		done: make(chan struct{}), qwake: make(chan struct{}, 1), wakers: map[uint32]*remoteWaker{}}
 	if tc, ok := nc.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
@@ -128,6 +131,9 @@ func (c *conn) fail(err error) {
 	c.errMu.Unlock()
 	close(c.done)
 	c.nc.Close()
+	if c.shm != nil {
+		c.shm.close()
+	}
 	c.s.removeConn(c)
 	c.usersMu.Lock()
 	users := c.users
@@ -205,13 +211,14 @@ func (c *conn) writeFrame(bufs [][]byte, timeout time.Duration) error {
 		c.wmu.Unlock()
 		return errConnDown
 	}
-	c.nc.SetWriteDeadline(time.Now().Add(timeout))
+	c.setDeadline(time.Now().Add(timeout))
 	err := c.flushQueueLocked()
 	if err == nil {
-		c.wbufs = append(c.wbufs[:0], bufs...)
-		_, err = c.wbufs.WriteTo(c.nc)
-		clear(c.wbufs[:cap(c.wbufs)])
+		err = c.writeAllLocked(bufs)
 	}
+	// A deadline left behind would fail the next write that must not
+	// wait (tryWrite).
+	c.setDeadline(time.Time{})
 	c.wmu.Unlock()
 	if err != nil {
 		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
@@ -238,6 +245,32 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	return true, nil
 }
 
+// setDeadline sets the deadline of writeAllLocked (wmu held).
+func (c *conn) setDeadline(t time.Time) {
+	if c.shm != nil {
+		c.wdeadline = t
+		return
+	}
+	c.nc.SetWriteDeadline(t)
+}
+
+// writeAllLocked writes bufs, waiting for room (wmu held).
+func (c *conn) writeAllLocked(bufs [][]byte) error {
+	c.wbufs = append(c.wbufs[:0], bufs...)
+	var err error
+	if c.shm != nil {
+		d := c.wdeadline
+		if d.IsZero() {
+			d = time.Now().Add(writeTimeout)
+		}
+		err = c.shm.writeAll(c.wbufs, d, &c.dead)
+	} else {
+		_, err = c.wbufs.WriteTo(c.nc)
+	}
+	clear(c.wbufs[:cap(c.wbufs)])
+	return err
+}
+
 // flushQueueLocked writes the queued frames (wmu held).
 func (c *conn) flushQueueLocked() error {
 	for {
@@ -252,9 +285,7 @@ func (c *conn) flushQueueLocked() error {
 		for _, b := range q {
 			n += len(b)
 		}
-		c.wbufs = append(c.wbufs[:0], q...)
-		_, err := c.wbufs.WriteTo(c.nc)
-		clear(c.wbufs[:cap(c.wbufs)])
+		err := c.writeAllLocked(q)
 		for _, b := range q {
 			putBuf(b)
 		}
@@ -284,8 +315,9 @@ func (c *conn) flushLoop() {
 		var err error
 		c.wmu.Lock()
 		if !c.dead.Load() {
-			c.nc.SetWriteDeadline(time.Now().Add(writeTimeout))
+			c.setDeadline(time.Now().Add(writeTimeout))
 			err = c.flushQueueLocked()
+			c.setDeadline(time.Time{})
 		}
 		c.wmu.Unlock()
 		if err != nil {
@@ -373,6 +405,12 @@ func total(bufs [][]byte) int {
 // tryWrite writes a prefix of bufs without waiting and returns its length
 // (wmu held).
 func (c *conn) tryWrite(bufs [][]byte) (int, error) {
+	if c.dead.Load() {
+		return 0, errConnDown
+	}
+	if c.shm != nil {
+		return c.shm.tryWrite(bufs)
+	}
 	if c.raw == nil {
 		return 0, nil
 	}
@@ -420,10 +458,14 @@ func (c *conn) tryWriteFD(fd uintptr) bool {
 
 // readLoop reads and handles frames until the connection fails.
 func (c *conn) readLoop() {
-	r := bufio.NewReaderSize(c.nc, 256<<10)
+	var src io.Reader = c.nc
+	if c.shm != nil {
+		src = c.shm
+	}
+	r := bufio.NewReaderSize(src, 256<<10)
 	var hb [hdrLen]byte
 	var body [reqBodyLen]byte
-	for {
+	for !c.dead.Load() {
 		if _, err := io.ReadFull(r, hb[:]); err != nil {
 			c.fail(readErr(c, err))
 			return
@@ -455,6 +497,17 @@ func (c *conn) readLoop() {
 			return
 		}
 	}
+}
+
+// watchSocket waits for the end of the unix socket of a shared-memory
+// connection (nothing else comes over it): the peer died or closed it.
+func (c *conn) watchSocket() {
+	var b [1]byte
+	_, err := c.nc.Read(b[:])
+	if err == nil {
+		err = errors.New("unexpected data on the socket of a shared-memory connection")
+	}
+	c.fail(readErr(c, err))
 }
 
 func readErr(c *conn, err error) error {

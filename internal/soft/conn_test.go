@@ -5,9 +5,12 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"testing"
 	"time"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/prov"
@@ -311,4 +314,161 @@ func FuzzAddr(f *testing.F) {
 			t.Fatalf("address %+v re-encodes to %+v, %v", a, a2, err)
 		}
 	})
+}
+
+// TestBlockingWriteLeavesNoDeadline: a large write goes through the QP's
+// goroutine with a write deadline; once the deadline has passed, small
+// requests (written without waiting) must still go out. (A deadline left
+// on the socket failed them with a timeout and took the connection down.)
+func TestBlockingWriteLeavesNoDeadline(t *testing.T) {
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			forceTransport(t, kind)
+			o := defaultConn()
+			o.timeout, o.retryCnt = 1, 0 // the shortest response timeout: minRespTimeout
+			e, a, b := pair(t, prov.QPTypeRC, o, o)
+			_ = b
+			src := e.alloc(1<<20, allAccess)
+			dst := e.alloc(1<<20, allAccess)
+			wr := []prov.SendWR{{Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
+				RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}
+			if _, err := a.qp.PostSend(wr, []prov.SGE{src.sge(0, 1<<20)}); err != nil {
+				t.Fatal(err)
+			}
+			if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+				t.Fatalf("large write: %+v", c)
+			}
+			time.Sleep(minRespTimeout + 100*time.Millisecond)
+			for i := range 3 {
+				if _, err := a.qp.PostSend(wr, []prov.SGE{src.sge(0, 64)}); err != nil {
+					t.Fatal(err)
+				}
+				if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+					t.Fatalf("small write %d after the deadline: %+v", i, c)
+				}
+			}
+		})
+	}
+}
+
+// TestShmDescriptorChecks: the acceptor refuses descriptors that are not a
+// sealed segment of the right size and two eventfds.
+func TestShmDescriptorChecks(t *testing.T) {
+	good, err := newShmFDs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeFDs(good[:])
+	if err := checkShmFDs(good[:]); err != nil {
+		t.Fatalf("good descriptors refused: %v", err)
+	}
+	unsealed := must(unix.MemfdCreate("x", unix.MFD_CLOEXEC))
+	defer unix.Close(unsealed)
+	if err := unix.Ftruncate(unsealed, segSize); err != nil {
+		t.Fatal(err)
+	}
+	small := must(unix.MemfdCreate("x", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING))
+	defer unix.Close(small)
+	unix.Ftruncate(small, 4096)
+	unix.FcntlInt(uintptr(small), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW)
+	var pipe [2]int
+	if err := unix.Pipe2(pipe[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	defer closeFDs(pipe[:])
+	for _, tc := range []struct {
+		name string
+		fds  []int
+	}{
+		{"TooFew", good[:2]},
+		{"Unsealed", []int{unsealed, good[1], good[2]}},
+		{"WrongSize", []int{small, good[1], good[2]}},
+		{"PipeForEventfd", []int{good[0], pipe[0], good[2]}},
+		{"SegmentForEventfd", []int{good[0], good[0], good[2]}},
+	} {
+		if err := checkShmFDs(tc.fds); err == nil {
+			t.Errorf("%s: accepted", tc.name)
+		}
+	}
+}
+
+// TestRingCorruption: indices a peer scribbled on make the ring fail
+// instead of reading or writing outside it.
+func TestRingCorruption(t *testing.T) {
+	seg := make([]byte, segSize)
+	for _, tc := range []struct {
+		name  string
+		setup func(in, out *ring)
+	}{
+		{"TailFarAhead", func(in, out *ring) { *in.tail = 1 << 40 }},
+		{"TailBehindHead", func(in, out *ring) { in.pos = 100; *in.tail = 50 }},
+		{"HeadAhead", func(in, out *ring) { out.pos = 10; *out.head = 1 << 40 }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clear(seg)
+			in, out := newRing(seg, 0), newRing(seg, 1)
+			tc.setup(&in, &out)
+			var p [64]byte
+			_, errIn := in.get(p[:])
+			_, _, errOut := out.put([][]byte{p[:]})
+			if errIn == nil && errOut == nil {
+				t.Errorf("corruption not detected")
+			}
+		})
+	}
+	// And a ring that works: bytes across the wrap-around point.
+	clear(seg)
+	in := newRing(seg, 0)
+	out := newRing(seg, 0)
+	out.pos, in.pos = ringCap-10, ringCap-10
+	*out.tail, *out.head = ringCap-10, ringCap-10
+	msg := []byte("across the end of the ring")
+	if n, _, err := out.put([][]byte{msg}); err != nil || n != len(msg) {
+		t.Fatalf("put %d, %v", n, err)
+	}
+	got := make([]byte, 64)
+	n, err := in.get(got)
+	if err != nil || string(got[:n]) != string(msg) {
+		t.Fatalf("get %q, %v", got[:n], err)
+	}
+}
+
+// TestShmHandshakeRefused: a shared-memory HELLO without usable
+// descriptors is refused with a reason.
+func TestShmHandshakeRefused(t *testing.T) {
+	restore, err := ForceTransport("auto")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer restore()
+	e := newEnv(t)
+	q := e.newQP(prov.QPTypeRC, defaultCaps(), nil)
+	pa, err := parseAddr(q.qp.Address())
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, err := net.Dial("unix", pa.unix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	nc.SetDeadline(time.Now().Add(hangGuard))
+	hb := make([]byte, hdrLen+helloLen)
+	putHdr(hb, frHello, helloLen, 0)
+	putHello(hb[hdrLen:], &hello{kind: kindShm, pid: uint32(os.Getpid()), fabric: 7, target: pa.fabric,
+		secret: pa.secret, job: jobIdentity(), host: hostIdentity()})
+	if _, err := nc.Write(hb); err != nil {
+		t.Fatal(err)
+	}
+	ab := make([]byte, hdrLen+ackLen)
+	if _, err := io.ReadFull(nc, ab); err != nil {
+		t.Fatal(err)
+	}
+	a, err := parseHelloAck(ab[hdrLen:])
+	if err != nil || a.status != ackBadShm {
+		t.Errorf("ack %+v, %v; want status %d (%s)", a, err, ackBadShm, ackReason(ackBadShm))
+	}
+	if err := checkAck(ab, &pa); err == nil {
+		t.Errorf("checkAck accepted a refusal")
+	}
 }

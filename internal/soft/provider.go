@@ -1,8 +1,35 @@
 // Package soft is the pure-Go software provider: device soft0 with the
-// semantics of RC, UC and UD verbs over in-process memory.
+// semantics of RC, UC and UD verbs, between QPs of one process and between
+// processes.
 //
 // Every context opened in a process is attached to the same fabric, so QPs
-// of different contexts can connect. Requests run in the poster's goroutine
+// of different contexts can connect. QPs of other processes are reached
+// through the process' service (service.go, conn.go): a QP's provider
+// address (in its endpoint) names the process, a secret, and the
+// transports it offers (an abstract unix socket for the same host, and a
+// TCP address). The transport is chosen per connection: direct memory in
+// the same process; on the same host, shared memory (rings in a memfd
+// segment set up over the unix socket, see shm.go), falling back to the
+// unix socket and then TCP; TCP otherwise.
+// GOVERBS_SOFT_TRANSPORT=inproc|shm|unix|tcp (or ForceTransport) forces
+// one, also between QPs of one process, so that every transport can be
+// tested on one machine.
+// GOVERBS_SOFT_LISTEN sets the TCP listen address (default 127.0.0.1:0;
+// "off" disables TCP); name a routable address to reach other hosts.
+// GOVERBS_SOFT_JOB (or SLURM_JOB_ID) names the job: processes of different
+// jobs refuse each other. The service starts when a QP's address is first
+// asked for and stops, closing every connection, when the last context of
+// the process closes.
+//
+// Between processes the target side of every request runs in the target
+// process, in the reader goroutine of the connection, through the same
+// responder as in-process requests; payloads land in a buffer of the
+// target process first, so a hostile peer cannot reach memory outside an
+// MR. RC requests are pipelined (see xreq.go). A connection that fails
+// (the peer died, a malformed frame, a write that times out) fails the
+// oldest RC request in flight on it with RETRY_EXC_ERR and the QP flushes
+// the rest, as a RC QP whose retries are exhausted; so does a request
+// without a response after timeout × (retry_cnt+1), but at least 2 s. Requests run in the poster's goroutine
 // where possible: PostSend executes the work requests it queued (copying
 // memory directly between registered regions) unless another goroutine is
 // already running that QP's send queue. The target side of every request

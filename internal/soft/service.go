@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // The soft service of a process: what lets QPs of other processes reach this
@@ -206,15 +208,33 @@ func (s *service) addConn(c *conn) bool {
 		return false
 	}
 	s.conns[c] = struct{}{}
-	s.wg.Add(2)
-	go func() {
-		defer s.wg.Done()
-		c.readLoop()
-	}()
-	go func() {
-		defer s.wg.Done()
-		c.flushLoop()
-	}()
+	loops := []func(){c.readLoop, c.flushLoop}
+	if c.shm != nil {
+		loops = append(loops, c.watchSocket)
+	}
+	s.wg.Add(len(loops))
+	c.loops.Add(len(loops))
+	for _, f := range loops {
+		go func() {
+			defer s.wg.Done()
+			defer c.loops.Done()
+			f()
+		}()
+	}
+	if c.shm != nil {
+		// Unmap once the connection is down and nothing uses the
+		// segment: the loops have ended, and writers hold wmu (and
+		// check dead under it).
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			<-c.done
+			c.loops.Wait()
+			c.wmu.Lock()
+			c.shm.unmap()
+			c.wmu.Unlock()
+		}()
+	}
 	return true
 }
 
@@ -228,7 +248,16 @@ func (s *service) removeConn(c *conn) {
 func (s *service) serveHandshake(nc net.Conn) {
 	nc.SetDeadline(time.Now().Add(handshakeTimeout))
 	var buf [hdrLen + helloLen]byte
-	if _, err := io.ReadFull(nc, buf[:]); err != nil {
+	uc, isUnix := nc.(*net.UnixConn)
+	var fds []int
+	var err error
+	if isUnix {
+		fds, err = readMsgFDs(uc, buf[:], shmFDs)
+	} else {
+		_, err = io.ReadFull(nc, buf[:])
+	}
+	defer func() { closeFDs(fds) }()
+	if err != nil {
 		nc.Close()
 		return
 	}
@@ -237,7 +266,6 @@ func (s *service) serveHandshake(nc net.Conn) {
 		nc.Close()
 		return
 	}
-	uc, isUnix := nc.(*net.UnixConn)
 	ack := helloAck{status: ackOK, pid: s.f.pid, fabric: s.f.id}
 	switch {
 	case hl.target != s.f.id:
@@ -246,22 +274,42 @@ func (s *service) serveHandshake(nc net.Conn) {
 		ack.status = ackBadSecret
 	case hl.job != s.job:
 		ack.status = ackBadJob
-	case isUnix != (hl.kind == kindUnix):
+	case isUnix != (hl.kind == kindUnix || hl.kind == kindShm):
 		ack.status = ackBadPeer
 	case isUnix && checkPeerCred(uc, hl.pid) != nil:
 		ack.status = ackBadPeer
+	case hl.kind == kindShm && checkShmFDs(fds) != nil,
+		hl.kind != kindShm && len(fds) > 0:
+		ack.status = ackBadShm
+	}
+	var shm *shmLink
+	if ack.status == ackOK && hl.kind == kindShm {
+		if shm, err = newShmLink(fds[0], fds[1], fds[2], false); err != nil {
+			ack.status = ackBadShm
+		} else {
+			unix.Close(fds[0])
+			fds = nil // fds[1] and fds[2] belong to shm now
+		}
 	}
 	var out [hdrLen + ackLen]byte
 	putHdr(out[:], frHelloAck, ackLen, 0)
 	putHelloAck(out[hdrLen:], &ack)
 	if _, err := nc.Write(out[:]); err != nil || ack.status != ackOK {
 		nc.Close()
+		if shm != nil {
+			shm.close()
+			shm.unmap()
+		}
 		return
 	}
 	nc.SetDeadline(time.Time{})
-	c := newConn(s, hl.kind, hl.fabric, hl.pid, nc)
+	c := newConn(s, hl.kind, hl.fabric, hl.pid, nc, shm)
 	if !s.addConn(c) {
 		nc.Close()
+		if shm != nil {
+			shm.close()
+			shm.unmap()
+		}
 	}
 }
 
@@ -359,7 +407,11 @@ func (s *service) dial(pa *peerAddr, kind string) (*conn, error) {
 	sameHost := pa.hasHost && pa.host == s.host
 	var errs []error
 	if (kind == transportShm || kind == transportUnix || kind == transportAuto && sameHost) && pa.unix != "" {
-		c, err := s.dialKind(pa, kindUnix)
+		k := uint8(kindShm)
+		if kind == transportUnix {
+			k = kindUnix
+		}
+		c, err := s.dialKind(pa, k)
 		if err == nil {
 			return c, nil
 		}
@@ -386,42 +438,65 @@ func (s *service) dial(pa *peerAddr, kind string) (*conn, error) {
 func (s *service) dialKind(pa *peerAddr, kind uint8) (*conn, error) {
 	d := net.Dialer{Timeout: dialTimeout}
 	network, address := "tcp", pa.tcp
-	if kind == kindUnix {
+	if kind != kindTCP {
 		network, address = "unix", pa.unix
 	}
 	nc, err := d.Dial(network, address)
 	if err != nil {
 		return nil, fmt.Errorf("soft: connect to process %d: %w", pa.pid, err)
 	}
-	if kind == kindUnix {
+	if kind != kindTCP {
 		if err := checkPeerCred(nc.(*net.UnixConn), pa.pid); err != nil {
 			nc.Close()
 			return nil, fmt.Errorf("soft: connect to process %d: %w", pa.pid, err)
 		}
+	}
+	var shm *shmLink
+	var fds [shmFDs]int
+	if kind == kindShm {
+		if fds, err = newShmFDs(); err != nil {
+			nc.Close()
+			return nil, err
+		}
+		defer closeFDs(fds[:1]) // the mapping keeps the segment
+		if shm, err = newShmLink(fds[0], fds[2], fds[1], true); err != nil {
+			closeFDs(fds[1:])
+			nc.Close()
+			return nil, err
+		}
+	}
+	fail := func(err error) (*conn, error) {
+		nc.Close()
+		if shm != nil {
+			shm.close()
+			shm.unmap()
+		}
+		return nil, err
 	}
 	nc.SetDeadline(time.Now().Add(handshakeTimeout))
 	b := make([]byte, hdrLen+helloLen)
 	putHdr(b, frHello, helloLen, 0)
 	putHello(b[hdrLen:], &hello{kind: kind, pid: s.f.pid, fabric: s.f.id, target: pa.fabric,
 		secret: pa.secret, job: s.job, host: s.host})
-	if _, err := nc.Write(b); err != nil {
-		nc.Close()
-		return nil, fmt.Errorf("soft: connect to process %d: %w", pa.pid, err)
+	if kind == kindShm {
+		_, _, err = nc.(*net.UnixConn).WriteMsgUnix(b, unix.UnixRights(fds[:]...), nil)
+	} else {
+		_, err = nc.Write(b)
+	}
+	if err != nil {
+		return fail(fmt.Errorf("soft: connect to process %d: %w", pa.pid, err))
 	}
 	var ab [hdrLen + ackLen]byte
 	if _, err := io.ReadFull(nc, ab[:]); err != nil {
-		nc.Close()
-		return nil, fmt.Errorf("soft: connect to process %d: handshake: %w", pa.pid, err)
+		return fail(fmt.Errorf("soft: connect to process %d: handshake: %w", pa.pid, err))
 	}
 	if err := checkAck(ab[:], pa); err != nil {
-		nc.Close()
-		return nil, err
+		return fail(err)
 	}
 	nc.SetDeadline(time.Time{})
-	c := newConn(s, kind, pa.fabric, pa.pid, nc)
+	c := newConn(s, kind, pa.fabric, pa.pid, nc, shm)
 	if !s.addConn(c) {
-		nc.Close()
-		return nil, errors.New("soft: the service of this process is stopping")
+		return fail(errors.New("soft: the service of this process is stopping"))
 	}
 	return c, nil
 }

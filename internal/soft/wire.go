@@ -245,6 +245,7 @@ func parseResp(b []byte, r *response) (qpn uint32, err error) {
 const (
 	kindTCP  = 1
 	kindUnix = 2
+	kindShm  = 3 // unix socket for the handshake, rings in shared memory
 )
 
 type hello struct {
@@ -282,7 +283,7 @@ func parseHello(b []byte) (hello, error) {
 	copy(h.secret[:], b[24:40])
 	copy(h.job[:], b[40:56])
 	copy(h.host[:], b[56:72])
-	if h.kind != kindTCP && h.kind != kindUnix {
+	if h.kind != kindTCP && h.kind != kindUnix && h.kind != kindShm {
 		return h, fmt.Errorf("%w: link kind %d", errBadHello, h.kind)
 	}
 	return h, nil
@@ -296,6 +297,7 @@ const (
 	ackBadJob    = 3
 	ackBadPeer   = 4 // credentials do not match (unix socket)
 	ackClosing   = 5 // the service is stopping
+	ackBadShm    = 6 // the shared memory descriptors are unusable
 )
 
 var ackReasons = [...]string{
@@ -305,6 +307,7 @@ var ackReasons = [...]string{
 	ackBadJob:    "the processes belong to different jobs (GOVERBS_SOFT_JOB)",
 	ackBadPeer:   "the peer's credentials do not match its hello",
 	ackClosing:   "the service is stopping",
+	ackBadShm:    "the shared memory segment or eventfds sent are unusable",
 }
 
 func ackReason(s uint8) string {

@@ -28,24 +28,93 @@ func forceTransport(tb testing.TB, kind string) {
 	tb.Cleanup(restore)
 }
 
-var xprocKinds = []string{"tcp", "unix"}
+// The transports, and the sockets of the baselines (shm compares with
+// BenchmarkCopy and the unix socket).
+var (
+	xprocKinds = []string{"tcp", "unix", "shm"}
+	rawKinds   = []string{"tcp", "unix"}
+)
 
-// BenchmarkXprocWriteBandwidth: RDMA writes of size bytes, batch at a
-// time, one completion per batch. Baseline: BenchmarkRawStream.
+// BenchmarkXprocWriteBandwidth: RDMA writes of size bytes, 16 at a time,
+// one completion per batch; the poster sleeps in the CQ's completion
+// channel while it waits, as the baseline's reader sleeps in its reads.
+// Baseline: BenchmarkRawStream.
 func BenchmarkXprocWriteBandwidth(b *testing.B) {
 	for _, kind := range xprocKinds {
 		for _, size := range []int{64 << 10, 1 << 20} {
 			b.Run(fmt.Sprintf("%s/size=%dKiB", kind, size>>10), func(b *testing.B) {
 				forceTransport(b, kind)
-				w := newWriteBench(b, 16, size)
-				w.run(b)
-				b.SetBytes(int64(16 * size))
+				const batch = 16
+				e := newEnv(b)
+				qa, cqa, cha := xprocSide(b, e)
+				qb, _, _ := xprocSide(b, e)
+				connectOne(b, qa, qb, prov.QPTypeRC, defaultConn())
+				connectOne(b, qb, qa, prov.QPTypeRC, defaultConn())
+				src, dst := e.alloc(size, allAccess), e.alloc(size, allAccess)
+				wrs := make([]prov.SendWR, batch)
+				for i := range wrs {
+					wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: prov.WRWrite, NumSGE: 1,
+						RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}
+				}
+				wrs[batch-1].Flags = prov.SendSignaled
+				sges := []prov.SGE{src.sge(0, size)}
+				var wcs [4]prov.Completion
+				run := func() {
+					if n, err := qa.PostSend(wrs, sges); err != nil || n != batch {
+						b.Fatalf("post: %d %v", n, err)
+					}
+					waitCQ(b, cqa, cha, wcs[:], 1)
+				}
+				run()
+				b.SetBytes(int64(batch * size))
 				b.ReportAllocs()
 				b.ResetTimer()
 				for b.Loop() {
-					w.run(b)
+					run()
 				}
 			})
+		}
+	}
+}
+
+// xprocSide creates a RC QP whose send and receive CQ has a completion
+// channel.
+func xprocSide(b *testing.B, e *env) (prov.QP, prov.CQ, prov.CompChannel) {
+	ch := must(e.ctx.CreateCompChannel())
+	b.Cleanup(func() { ch.Close() })
+	cq := must(e.ctx.CreateCQ(256, ch, 0))
+	b.Cleanup(func() { cq.Close() })
+	caps := defaultCaps()
+	caps.MaxSendWR = 256
+	q := must(e.pd.CreateQP(prov.QPInitAttr{Type: prov.QPTypeRC, SendCQ: cq, RecvCQ: cq, Cap: caps}))
+	b.Cleanup(func() { q.Close() })
+	return q, cq, ch
+}
+
+// waitCQ takes n successful completions from cq, sleeping in its channel
+// when it is empty.
+func waitCQ(b *testing.B, cq prov.CQ, ch prov.CompChannel, dst []prov.Completion, n int) {
+	for n > 0 {
+		k, err := cq.Poll(dst[:min(n, len(dst))])
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, c := range dst[:k] {
+			if c.Status != prov.StatusSuccess {
+				b.Fatalf("%+v", c)
+			}
+		}
+		n -= k
+		if n == 0 || k > 0 {
+			continue
+		}
+		cq.Arm(false)
+		if k, _ = cq.Poll(dst[:min(n, len(dst))]); k > 0 {
+			n -= k
+			continue
+		}
+		if _, err := ch.Wait(context.Background()); err != nil {
+			b.Fatal(err)
 		}
 	}
 }
@@ -90,7 +159,7 @@ func socketPair(tb testing.TB, kind string) (net.Conn, net.Conn) {
 // goroutine writes chunks of size bytes to a loopback socket, another reads
 // them into a buffer.
 func BenchmarkRawStream(b *testing.B) {
-	for _, kind := range xprocKinds {
+	for _, kind := range rawKinds {
 		for _, size := range []int{64 << 10, 1 << 20} {
 			b.Run(fmt.Sprintf("%s/size=%dKiB", kind, size>>10), func(b *testing.B) {
 				c1, c2 := socketPair(b, kind)
@@ -130,17 +199,8 @@ func BenchmarkXprocSendRTT(b *testing.B) {
 		b.Run(kind, func(b *testing.B) {
 			forceTransport(b, kind)
 			e := newEnv(b)
-			side := func() (prov.QP, prov.CQ, prov.CompChannel) {
-				ch := must(e.ctx.CreateCompChannel())
-				b.Cleanup(func() { ch.Close() })
-				cq := must(e.ctx.CreateCQ(64, ch, 0))
-				b.Cleanup(func() { cq.Close() })
-				q := must(e.pd.CreateQP(prov.QPInitAttr{Type: prov.QPTypeRC, SendCQ: cq, RecvCQ: cq, Cap: defaultCaps()}))
-				b.Cleanup(func() { q.Close() })
-				return q, cq, ch
-			}
-			qa, cqa, cha := side()
-			qb, cqb, chb := side()
+			qa, cqa, cha := xprocSide(b, e)
+			qb, cqb, chb := xprocSide(b, e)
 			connectOne(b, qa, qb, prov.QPTypeRC, defaultConn())
 			connectOne(b, qb, qa, prov.QPTypeRC, defaultConn())
 			m := e.alloc(4096, allAccess)
@@ -149,35 +209,7 @@ func BenchmarkXprocSendRTT(b *testing.B) {
 			sg := []prov.SGE{m.sge(0, 8)}
 			rsg := []prov.SGE{m.sge(1024, 8)}
 			var dst [4]prov.Completion
-			ctx := context.Background()
-			wait := func(cq prov.CQ, ch prov.CompChannel, n int) {
-				for n > 0 {
-					k, err := cq.Poll(dst[:n])
-					if err != nil {
-						b.Fatal(err)
-					}
-					for _, c := range dst[:k] {
-						if c.Status != prov.StatusSuccess {
-							b.Fatalf("%+v", c)
-						}
-					}
-					n -= k
-					if n == 0 {
-						return
-					}
-					if k > 0 {
-						continue
-					}
-					cq.Arm(false)
-					if k, _ = cq.Poll(dst[:n]); k > 0 {
-						n -= k
-						continue
-					}
-					if _, err := ch.Wait(ctx); err != nil {
-						b.Fatal(err)
-					}
-				}
-			}
+			wait := func(cq prov.CQ, ch prov.CompChannel, n int) { waitCQ(b, cq, ch, dst[:], n) }
 			rtt := func() {
 				qb.PostRecv(rwr, rsg)
 				qa.PostRecv(rwr, rsg)
@@ -200,7 +232,7 @@ func BenchmarkXprocSendRTT(b *testing.B) {
 // BenchmarkRawPingPong is the baseline of BenchmarkXprocSendRTT: 8 bytes
 // over a loopback socket to an echoing goroutine and back.
 func BenchmarkRawPingPong(b *testing.B) {
-	for _, kind := range xprocKinds {
+	for _, kind := range rawKinds {
 		b.Run(kind, func(b *testing.B) {
 			c1, c2 := socketPair(b, kind)
 			go func() {

@@ -1,0 +1,342 @@
+package soft
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// The shared-memory transport (processes of one host): the frames of a
+// connection go through two byte rings in a shared memory segment instead
+// of a socket, with an eventfd per direction to wake a reader that sleeps.
+//
+// Handshake. The dialer connects to the target's abstract unix socket and
+// checks the target's credentials (SO_PEERCRED) like the unix transport;
+// it creates the segment (a sealed memfd: it can neither shrink nor grow)
+// and two eventfds and sends them with HELLO (SCM_RIGHTS). The acceptor
+// checks the peer as usual, and that the memfd is sealed and of the
+// expected size, before it maps it. The unix socket stays open for the life
+// of the connection: its end of file is how a process learns that its peer
+// died.
+//
+// Rings. Ring 0 carries the dialer's frames, ring 1 the acceptor's. Each is
+// a single-producer single-consumer byte stream: the producer copies bytes
+// in and publishes them by storing tail, the consumer copies them out and
+// stores head. Both keep their own index privately and only read the
+// other's from shared memory, checking it, so a peer that scribbles on the
+// segment can garble frames (which the decoders reject) but never make
+// this process read or write outside the segment. A consumer that finds
+// its ring empty stores sleeping = 1, looks again and waits on its eventfd;
+// a producer that finds sleeping = 1 after storing tail clears it and
+// writes the eventfd. A producer that finds its ring full polls for room.
+//
+//	ring header  [0:8] tail   [64:72] head   [128:132] sleeping
+//	data         [ringHdr:ringHdr+ringCap]
+
+const (
+	ringHdr  = 4096
+	ringCap  = 4 << 20
+	ringSize = ringHdr + ringCap
+	segSize  = 2 * ringSize
+
+	shmFDs = 3 // memfd, eventfd of ring 0, eventfd of ring 1
+)
+
+// ring is one direction of a segment, as seen by one process.
+type ring struct {
+	tail  *uint64
+	head  *uint64
+	sleep *uint32
+	data  []byte
+	pos   uint64 // the private index: tail for the producer, head for the consumer
+}
+
+func newRing(seg []byte, i int) ring {
+	base := unsafe.Pointer(&seg[i*ringSize])
+	return ring{
+		tail:  (*uint64)(base),
+		head:  (*uint64)(unsafe.Add(base, 64)),
+		sleep: (*uint32)(unsafe.Add(base, 128)),
+		data:  seg[i*ringSize+ringHdr : (i+1)*ringSize : (i+1)*ringSize],
+	}
+}
+
+var errRingCorrupt = errors.New("soft: shared memory ring corrupted by the peer")
+
+// put copies a prefix of bufs into the ring (producer) and returns its
+// length and whether the consumer must be woken.
+func (r *ring) put(bufs [][]byte) (int, bool, error) {
+	head := atomic.LoadUint64(r.head)
+	used := r.pos - head
+	if used > ringCap {
+		return 0, false, errRingCorrupt
+	}
+	free := ringCap - used
+	n := 0
+	for _, b := range bufs {
+		for len(b) > 0 && free > 0 {
+			off := r.pos & (ringCap - 1)
+			k := copy(r.data[off:min(uint64(len(r.data)), off+free)], b)
+			b = b[k:]
+			r.pos += uint64(k)
+			free -= uint64(k)
+			n += k
+		}
+		if free == 0 {
+			break
+		}
+	}
+	if n == 0 {
+		return 0, false, nil
+	}
+	atomic.StoreUint64(r.tail, r.pos)
+	wake := atomic.LoadUint32(r.sleep) == 1 && atomic.CompareAndSwapUint32(r.sleep, 1, 0)
+	return n, wake, nil
+}
+
+// get copies available bytes into p (consumer); 0 means the ring is empty.
+func (r *ring) get(p []byte) (int, error) {
+	tail := atomic.LoadUint64(r.tail)
+	avail := tail - r.pos
+	if avail > ringCap {
+		return 0, errRingCorrupt
+	}
+	n := 0
+	for avail > 0 && n < len(p) {
+		off := r.pos & (ringCap - 1)
+		k := copy(p[n:], r.data[off:min(uint64(len(r.data)), off+avail)])
+		r.pos += uint64(k)
+		avail -= uint64(k)
+		n += k
+	}
+	if n > 0 {
+		atomic.StoreUint64(r.head, r.pos)
+	}
+	return n, nil
+}
+
+// shmLink is the shared-memory part of a connection.
+type shmLink struct {
+	seg     []byte
+	in, out ring
+	efdIn   *os.File // waited on (poller)
+	efdOut  int      // written to wake the peer
+}
+
+// newShmLink maps the segment of memfd; dialer says which side this is.
+func newShmLink(memfd, efdIn, efdOut int, dialer bool) (*shmLink, error) {
+	seg, err := unix.Mmap(memfd, 0, segSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("soft: map shared memory segment: %w", err)
+	}
+	if err := unix.SetNonblock(efdIn, true); err != nil {
+		unix.Munmap(seg)
+		return nil, err
+	}
+	l := &shmLink{seg: seg, efdIn: os.NewFile(uintptr(efdIn), "eventfd"), efdOut: efdOut}
+	if dialer {
+		l.out, l.in = newRing(seg, 0), newRing(seg, 1)
+	} else {
+		l.out, l.in = newRing(seg, 1), newRing(seg, 0)
+	}
+	// Both sides start at 0; a peer's later scribbling is caught by the
+	// checks in put and get.
+	return l, nil
+}
+
+// Read reads from the inbound ring, sleeping on the eventfd while it is
+// empty. It fails once the eventfd is closed (the connection failed).
+func (l *shmLink) Read(p []byte) (int, error) {
+	for spins := 0; ; spins++ {
+		n, err := l.in.get(p)
+		if n > 0 || err != nil {
+			return n, err
+		}
+		if spins < 64 {
+			continue
+		}
+		atomic.StoreUint32(l.in.sleep, 1)
+		if atomic.LoadUint64(l.in.tail) != l.in.pos {
+			atomic.StoreUint32(l.in.sleep, 0)
+			continue
+		}
+		var b [8]byte
+		if _, err := l.efdIn.Read(b[:]); err != nil {
+			return 0, err
+		}
+	}
+}
+
+// tryWrite writes a prefix of bufs without waiting (wmu held).
+func (l *shmLink) tryWrite(bufs [][]byte) (int, error) {
+	n, wake, err := l.out.put(bufs)
+	if wake {
+		l.signal()
+	}
+	return n, err
+}
+
+// writeAll writes all of bufs, polling for room until the deadline or
+// until dead is set (wmu held).
+func (l *shmLink) writeAll(bufs [][]byte, deadline time.Time, dead *atomic.Bool) error {
+	for {
+		n, err := l.tryWrite(bufs)
+		if err != nil {
+			return err
+		}
+		for n > 0 && len(bufs) > 0 {
+			k := min(n, len(bufs[0]))
+			bufs[0] = bufs[0][k:]
+			n -= k
+			if len(bufs[0]) == 0 {
+				bufs = bufs[1:]
+			}
+		}
+		for len(bufs) > 0 && len(bufs[0]) == 0 {
+			bufs = bufs[1:]
+		}
+		if len(bufs) == 0 {
+			return nil
+		}
+		if dead.Load() {
+			return errConnDown
+		}
+		if time.Now().After(deadline) {
+			return os.ErrDeadlineExceeded
+		}
+		time.Sleep(20 * time.Microsecond)
+	}
+}
+
+func (l *shmLink) signal() {
+	var one = [8]byte{1}
+	for {
+		_, err := unix.Write(l.efdOut, one[:])
+		if err != unix.EINTR {
+			return
+		}
+	}
+}
+
+// close wakes the reader (its eventfd closes); unmap releases the rest
+// once nobody uses the segment.
+func (l *shmLink) close() { l.efdIn.Close() }
+
+func (l *shmLink) unmap() {
+	unix.Close(l.efdOut)
+	unix.Munmap(l.seg)
+	l.seg = nil
+}
+
+// --- handshake helpers ---
+
+// newShmFDs creates a sealed segment and two eventfds.
+func newShmFDs() (fds [shmFDs]int, err error) {
+	fds = [shmFDs]int{-1, -1, -1}
+	defer func() {
+		if err != nil {
+			closeFDs(fds[:])
+			fds = [shmFDs]int{-1, -1, -1}
+		}
+	}()
+	if fds[0], err = unix.MemfdCreate("goverbs-soft-link", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING); err != nil {
+		return fds, fmt.Errorf("soft: memfd_create: %w", err)
+	}
+	if err = unix.Ftruncate(fds[0], segSize); err != nil {
+		return fds, fmt.Errorf("soft: size shared memory segment: %w", err)
+	}
+	if _, err = unix.FcntlInt(uintptr(fds[0]), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+		return fds, fmt.Errorf("soft: seal shared memory segment: %w", err)
+	}
+	for i := 1; i < shmFDs; i++ {
+		if fds[i], err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+			return fds, fmt.Errorf("soft: eventfd: %w", err)
+		}
+	}
+	return fds, nil
+}
+
+// checkShmFDs checks descriptors received from a peer: a sealed memfd of
+// the segment's size and two eventfds.
+func checkShmFDs(fds []int) error {
+	if len(fds) != shmFDs {
+		return fmt.Errorf("%d descriptors, want %d", len(fds), shmFDs)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fds[0], &st); err != nil {
+		return err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size != segSize {
+		return fmt.Errorf("the segment is not a %d-byte file", segSize)
+	}
+	seals, err := unix.FcntlInt(uintptr(fds[0]), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return fmt.Errorf("the segment is not a memfd: %w", err)
+	}
+	if seals&(unix.F_SEAL_SHRINK|unix.F_SEAL_GROW) != unix.F_SEAL_SHRINK|unix.F_SEAL_GROW {
+		return errors.New("the segment is not sealed against resizing")
+	}
+	for _, fd := range fds[1:] {
+		link, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", fd))
+		if err != nil || link != "anon_inode:[eventfd]" {
+			return fmt.Errorf("descriptor %d is not an eventfd (%q)", fd, link)
+		}
+	}
+	return nil
+}
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+	}
+}
+
+// readMsgFDs fills b from c, collecting the descriptors that come with it
+// (at most max; more are closed and make it fail).
+func readMsgFDs(c *net.UnixConn, b []byte, max int) ([]int, error) {
+	oob := make([]byte, unix.CmsgSpace(4*(max+1)))
+	var fds []int
+	got := 0
+	for got < len(b) {
+		n, oobn, flags, _, err := c.ReadMsgUnix(b[got:], oob)
+		if oobn > 0 {
+			fds = append(fds, parseRights(oob[:oobn])...)
+		}
+		if err != nil {
+			closeFDs(fds)
+			return nil, err
+		}
+		if flags&unix.MSG_CTRUNC != 0 || len(fds) > max {
+			closeFDs(fds)
+			return nil, errors.New("too many descriptors")
+		}
+		if n == 0 {
+			closeFDs(fds)
+			return nil, errors.New("unexpected end of file")
+		}
+		got += n
+	}
+	return fds, nil
+}
+
+func parseRights(oob []byte) []int {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil
+	}
+	var fds []int
+	for i := range msgs {
+		if r, err := unix.ParseUnixRights(&msgs[i]); err == nil {
+			fds = append(fds, r...)
+		}
+	}
+	return fds
+}
