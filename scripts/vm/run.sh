@@ -64,6 +64,7 @@
 #     scripts/vm/run.sh --timeout 300 -- .cache/vm/bin/ibv.test -test.v
 #   go test -tags ibverbs -exec "$PWD/scripts/vm/run.sh --" ./internal/ibv/...
 #   scripts/vm/perftest.sh ib_write_bw -s 65536
+#   scripts/vm/compare.sh           # goverbs bench vs perftest, ratios, one boot
 #   scripts/vm/selftest.sh          # the harness's own end-to-end check
 #
 # First run on a fresh Debian 12 machine (as root): apt-get installs the
