@@ -89,6 +89,13 @@ type conn struct {
 
 	usersMu sync.Mutex
 	users   map[*qp]struct{} // requesters with requests in flight
+
+	// Direct writes (shm.go).
+	sockMu  sync.Mutex // writes to nc
+	callMu  sync.Mutex
+	calls   map[uint64]chan mapReply
+	impMu   sync.RWMutex
+	imports map[uint32]*mrImport // nil once unmapped
 }
 
 const (
@@ -118,6 +125,9 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 		c.raw, _ = sc.SyscallConn()
 	}
 	c.twFn = c.tryWriteFD
+	if shm != nil {
+		c.imports = map[uint32]*mrImport{}
+	}
 	return c
 }
 
@@ -499,17 +509,6 @@ func (c *conn) readLoop() {
 	}
 }
 
-// watchSocket waits for the end of the unix socket of a shared-memory
-// connection (nothing else comes over it): the peer died or closed it.
-func (c *conn) watchSocket() {
-	var b [1]byte
-	_, err := c.nc.Read(b[:])
-	if err == nil {
-		err = errors.New("unexpected data on the socket of a shared-memory connection")
-	}
-	c.fail(readErr(c, err))
-}
-
 func readErr(c *conn, err error) error {
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		return fmt.Errorf("soft: process %d closed the connection: %w", c.peerPID, errConnDown)
@@ -522,6 +521,10 @@ func (c *conn) checkType(h frameHdr) error {
 	switch h.typ {
 	case frReq, frResp, frWake:
 		return nil
+	case frMap:
+		if c.shm != nil {
+			return nil
+		}
 	}
 	return fmt.Errorf("%w: type %d on a running connection", errBadType, h.typ)
 }
@@ -549,6 +552,8 @@ func (c *conn) handle(h frameHdr, body []byte, payload *[]byte) error {
 			q.wake()
 		}
 		return nil
+	case frMap:
+		return c.serveMap(h.id, body)
 	}
 	return fmt.Errorf("%w: type %d", errBadType, h.typ)
 }
@@ -585,11 +590,15 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 		}
 	}
 	var resp response
+	if req.direct && c.shm == nil {
+		return fmt.Errorf("%w: a direct write on a connection without shared memory", errBadReq)
+	}
 	if t := c.f.qps.load(req.dstQPN); t == nil {
 		resp.code = respNoQP
 	} else {
 		t.respond(&req, data, &resp)
 	}
+
 	if flags&reqNoResp == 0 {
 		var out []byte
 		if resp.code == respACK && req.op == opRead {

@@ -118,7 +118,9 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			}
 		}
 		if m != nil {
-			copySpans(t.rspans[:1], 0, data)
+			if !req.direct { // direct: the requester copies (shm.go)
+				copySpans(t.rspans[:1], 0, data)
+			}
 			m.release()
 		}
 		if op == opWriteImm {
