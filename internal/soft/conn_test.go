@@ -156,6 +156,21 @@ func TestHostileFrames(t *testing.T) {
 			return b
 		}, true, 0},
 		{"HugeLengthThenEOF", func(h *hostile) []byte { return big }, true, 0},
+		{"MapOnTCP", func(h *hostile) []byte {
+			b := make([]byte, hdrLen+mapLen)
+			putHdr(b, frMap, mapLen, 1)
+			return b
+		}, true, 0},
+		{"DirectWriteOnTCP", func(h *hostile) []byte {
+			b := h.reqFrame(opWrite, h.mr.Addr(), 64, nil)
+			b[hdrLen+2] |= reqDirect
+			return b
+		}, true, 0},
+		{"DirectRead", func(h *hostile) []byte {
+			b := h.reqFrame(opRead, h.mr.Addr(), 64, nil)
+			b[hdrLen+2] |= reqDirect
+			return b
+		}, true, 0},
 		{"WritePastTheEnd", func(h *hostile) []byte {
 			return h.reqFrame(opWrite, h.mr.Addr()+4096-10, 100, bytes.Repeat([]byte{0xAB}, 100))
 		}, false, respAccess},
@@ -238,6 +253,10 @@ func FuzzFrame(f *testing.F) {
 	f.Add(w[:])
 	f.Add([]byte{})
 	f.Add(bytes.Repeat([]byte{0xff}, hdrLen+reqBodyLen))
+	var ma [hdrLen + mapAckLen]byte
+	putHdr(ma[:], frMapAck, mapAckLen, 9)
+	putMapAck(ma[hdrLen:], &mapAck{status: mapOK, addr: 0x10000, length: 4096})
+	f.Add(ma[:])
 	f.Fuzz(func(t *testing.T, b []byte) {
 		h, err := parseHdr(b)
 		if err != nil {
@@ -264,6 +283,10 @@ func FuzzFrame(f *testing.F) {
 			var r response
 			if _, err := parseResp(body[:bl], &r); err == nil && r.code > respOpErr {
 				t.Fatalf("accepted response code %d", r.code)
+			}
+		case frMapAck:
+			if m, err := parseMapAck(body[:bl]); err == nil && m.status == mapOK && (m.length == 0 || m.addr+m.length < m.addr) {
+				t.Fatalf("accepted map answer %+v", m)
 			}
 		}
 	})
