@@ -56,6 +56,7 @@ var xcases = []xcaseDef{
 	{"PipelinedRNR", xPipelinedRNR},
 	{"LargeWritesThenSend", xLargeWritesThenSend},
 	{"LargeWriteErrors", xLargeWriteErrors},
+	{"LargeReads", xLargeReads},
 	{"FlushAfterError", xFlushAfterError},
 	{"UDSend", xUDSend},
 	{"UCSendWrite", xUCSendWrite},
@@ -466,4 +467,34 @@ func xLargeWriteErrors(t *testing.T, c *xcase) {
 			xremoteErr(t, c, tc.access, tc.dst, size)
 		})
 	}
+}
+
+// xLargeReads reads large blocks (direct copies over shared memory) from
+// a region the peer allows only remote reads on, and reads back what a
+// large write just wrote.
+func xLargeReads(t *testing.T, c *xcase) {
+	const size = 1 << 20
+	t.Run("ReadOnlyRegion", func(t *testing.T) {
+		p := newXRC(t, c, verbs.QPSpec{}, size, accessLocal|verbs.AccessRemoteRead)
+		c.peerFill(t, p.b, 0, pattern(size, 0x5E))
+		dst := p.a.Alloc(t, size+8192, accessLocal)
+		Pattern(dst.Bytes(), 0xEE)
+		want := pattern(size+8192, 0xEE)
+		must(t, "post read", p.qa.PostRead(1, verbs.Signaled, p.rb.At(4096), dst.SGE(4096, size-8192)))
+		must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(0), dst.SGE(size, 4096)))
+		expectOK(t, "large read", c.pollOne(t, p.a.CQ), 1, verbs.OpRead, p.qa.QPN())
+		expectOK(t, "small read", c.pollOne(t, p.a.CQ), 2, verbs.OpRead, p.qa.QPN())
+		copy(want[4096:size-4096], pattern(size, 0x5E)[4096:size-4096])
+		copy(want[size:size+4096], pattern(size, 0x5E)[:4096])
+		checkBytes(t, "local MR after the reads", dst.Bytes(), want)
+	})
+	t.Run("ReadBackAWrite", func(t *testing.T) {
+		p := newXRC(t, c, verbs.QPSpec{}, size, accessAll)
+		src := p.a.Alloc(t, 2*size, accessLocal)
+		Pattern(src.Bytes()[:size], 0x6A)
+		must(t, "post write", p.qa.PostWrite(1, 0, p.rb.At(0), src.SGE(0, size)))
+		must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(0), src.SGE(size, size)))
+		expectOK(t, "read", c.pollOne(t, p.a.CQ), 2, verbs.OpRead, p.qa.QPN())
+		checkBytes(t, "read back", src.Bytes()[size:], src.Bytes()[:size])
+	})
 }

@@ -577,7 +577,7 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 	case opRead:
 		// Allocate the reply only for a read the region could serve; the
 		// responder decides.
-		if m := c.f.lookupMR(req.rkey); req.length > 0 && m != nil && uint64(req.length) <= m.length {
+		if m := c.f.lookupMR(req.rkey); !req.direct && req.length > 0 && m != nil && uint64(req.length) <= m.length {
 			rbuf = getBuf(int(req.length))
 			one[0] = span{unsafe.Pointer(unsafe.SliceData(rbuf)), len(rbuf)}
 			data = one[:]

@@ -495,3 +495,42 @@ func TestShmHandshakeRefused(t *testing.T) {
 		t.Errorf("checkAck accepted a refusal")
 	}
 }
+
+// TestShmDirectReadOnlyRegion: a large read from a region that allows
+// only remote reads is copied from a mapping that cannot be made writable
+// (the region's descriptor was handed out read-only).
+func TestShmDirectReadOnlyRegion(t *testing.T) {
+	forceTransport(t, "shm")
+	e, a, _ := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	src := e.alloc(1<<20, prov.AccessLocalWrite|prov.AccessRemoteRead)
+	dst := e.alloc(1<<20, allAccess)
+	for i := range src.b {
+		src.b[i] = byte(i * 3)
+	}
+	wr := []prov.SendWR{{Opcode: prov.WRRead, NumSGE: 1, Flags: prov.SendSignaled, RemoteAddr: src.addr(0), RKey: src.mr.RKey()}}
+	if _, err := a.qp.PostSend(wr, []prov.SGE{dst.sge(0, 1<<20)}); err != nil {
+		t.Fatal(err)
+	}
+	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+		t.Fatalf("read: %+v", c)
+	}
+	if !bytes.Equal(src.b, dst.b) {
+		t.Fatal("read data differs")
+	}
+	cn := a.qp.(*qp).route.(*peer).current()
+	if cn == nil {
+		t.Fatal("no connection")
+	}
+	cn.impMu.RLock()
+	defer cn.impMu.RUnlock()
+	imp := cn.imports[src.mr.RKey()]
+	if imp == nil || imp.mem == nil {
+		t.Fatal("the read did not map the region (not a direct copy)")
+	}
+	if imp.writable {
+		t.Error("a read-only region is mapped writable")
+	}
+	if err := unix.Mprotect(imp.mem, unix.PROT_READ|unix.PROT_WRITE); err == nil {
+		t.Error("the mapping of a read-only region could be made writable")
+	}
+}

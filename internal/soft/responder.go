@@ -135,8 +135,10 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			if m == nil {
 				return t.classC(resp, respAccess, evQPAccessErr)
 			}
-			t.rspans[0] = span{p, int(req.length)}
-			copySpans(data, 0, t.rspans[:1])
+			if !req.direct { // direct: the requester copies (shm.go)
+				t.rspans[0] = span{p, int(req.length)}
+				copySpans(data, 0, t.rspans[:1])
+			}
 			m.release()
 		}
 	case opCAS, opFAA:

@@ -347,18 +347,21 @@ func parseRights(oob []byte) []int {
 
 // --- direct writes ---
 //
-// A RC write of at least directMin bytes into a region that the target
-// can share (memory from Alloc: a memfd that the region covers from its
-// start, registered with remote write access) becomes a direct copy: the
-// requester asks the target once for the region (MAP through the ring;
-// MAP_ACK with the memfd over the unix socket) and maps it. Each write then
-// goes as a request without payload through the ring; the target's
-// responder does every check as for any request (QP state, PSN, access,
-// rkey, bounds) and answers; on ACK the requester copies the bytes into
-// its mapping and completes the write. Requests that follow a direct write
-// in the send queue are sent only once its copy is done, so that RC
-// ordering holds. Reads, atomics and everything else go through the
-// target's service. The copy is checked against the bounds the target
+// A RC write or read of at least directMin bytes on a region that the
+// target can share (memory from Alloc: a memfd that the region covers from
+// its start, registered with remote read access) becomes a direct copy:
+// the requester asks the target once for the region (MAP through the
+// ring; MAP_ACK with a descriptor over the unix socket) and maps it,
+// read-only unless the region allows remote writes (the descriptor of a
+// region without remote write access is opened read-only, so the peer
+// cannot map it writable). Each request then goes without data through
+// the ring; the target's responder does every check as for any request
+// (QP state, PSN, access, rkey, bounds) and answers; on ACK the requester
+// copies the bytes (into its mapping for a write, out of it for a read)
+// and completes the request. Requests that are not direct wait until the
+// direct ones before them in the send queue are copied, so that RC
+// ordering holds. Atomics and everything else go through the target's
+// service. The copy is checked against the bounds the target
 // gave. A copy can land after the target deregistered the region (which
 // frees its memory): it then reaches only pages that the requester's
 // mapping keeps alive, never memory the target uses. A peer that shrinks
@@ -374,6 +377,7 @@ const (
 type mrImport struct {
 	addr, length uint64
 	mem          []byte // nil: the region cannot be mapped (go through the service)
+	writable     bool   // mapped writable (the region allows remote writes)
 }
 
 type mapReply struct {
@@ -397,9 +401,13 @@ func (c *conn) importRegion(rkey uint32, wait bool) *mrImport {
 	if r.err == nil && r.ack.status == mapOK && r.fd >= 0 {
 		var st unix.Stat_t
 		if unix.Fstat(r.fd, &st) == nil && uint64(st.Size) >= r.ack.length {
-			prot := unix.PROT_READ | unix.PROT_WRITE
+			prot := unix.PROT_READ
+			if r.ack.access&prov.AccessRemoteWrite != 0 {
+				prot |= unix.PROT_WRITE
+			}
 			if mem, err := unix.Mmap(r.fd, 0, int(r.ack.length), prot, unix.MAP_SHARED); err == nil {
 				imp.addr, imp.length, imp.mem = r.ack.addr, r.ack.length, mem
+				imp.writable = prot&unix.PROT_WRITE != 0
 			}
 		}
 	}
@@ -464,11 +472,20 @@ func (c *conn) serveMap(id uint64, body []byte) error {
 	rkey := binary.LittleEndian.Uint32(body)
 	ack := mapAck{status: mapNotShare}
 	var fds []int
-	if m := c.f.lookupMR(rkey); m != nil && m.fd >= 0 && m.off == 0 && m.access&prov.AccessRemoteWrite != 0 {
+	if m := c.f.lookupMR(rkey); m != nil && m.fd >= 0 && m.off == 0 && m.access&prov.AccessRemoteRead != 0 {
 		var st unix.Stat_t
 		if unix.Fstat(m.fd, &st) == nil && uint64(st.Size) == uint64(mem.RoundUp(int(m.length))) {
-			ack = mapAck{status: mapOK, addr: m.addr, length: m.length}
-			fds = []int{m.fd}
+			if m.access&prov.AccessRemoteWrite != 0 {
+				fds = []int{m.fd}
+			} else if fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", m.fd), unix.O_RDONLY|unix.O_CLOEXEC, 0); err == nil {
+				// Remote read only: a descriptor that cannot map the
+				// memory writable.
+				fds = []int{fd}
+				defer unix.Close(fd)
+			}
+			if fds != nil {
+				ack = mapAck{status: mapOK, access: m.access, addr: m.addr, length: m.length}
+			}
 		}
 	}
 	var b [hdrLen + mapAckLen]byte
@@ -521,23 +538,32 @@ func (c *conn) unmapImports() {
 	c.imports = nil
 }
 
-// copyDirect copies src into the peer's region at raddr; false if the
-// mapping is gone or the range is outside it.
-func (c *conn) copyDirect(imp *mrImport, raddr uint64, src []span) bool {
+// copyDirect copies between local (the requester's SGEs) and the peer's
+// region at raddr: into the region for a write, out of it for a read. It
+// fails if the mapping is gone, the range is outside it, or a write meets
+// a read-only mapping.
+func (c *conn) copyDirect(imp *mrImport, raddr uint64, local []span, write bool) bool {
 	c.impMu.RLock()
 	defer c.impMu.RUnlock()
-	if c.imports == nil || imp.mem == nil {
+	if c.imports == nil || imp.mem == nil || write && !imp.writable {
 		return false
 	}
 	n := 0
-	for _, s := range src {
+	for _, s := range local {
 		n += s.n
+	}
+	if n == 0 {
+		return true
 	}
 	if raddr < imp.addr || uint64(n) > imp.length || raddr-imp.addr > imp.length-uint64(n) {
 		return false
 	}
-	dst := [1]span{{unsafe.Pointer(&imp.mem[raddr-imp.addr]), n}}
-	copySpans(dst[:], 0, src)
+	remote := [1]span{{unsafe.Pointer(&imp.mem[raddr-imp.addr]), n}}
+	if write {
+		copySpans(remote[:], 0, local)
+	} else {
+		copySpans(local, 0, remote[:])
+	}
 	return true
 }
 

@@ -123,7 +123,7 @@ func parseHdr(b []byte) (frameHdr, error) {
 const (
 	reqSolicited = 1 << 0
 	reqNoResp    = 1 << 1 // UC, UD: the requester wants no response
-	reqDirect    = 1 << 2 // shm RC write: no payload, the requester copies after the ACK
+	reqDirect    = 1 << 2 // shm RC write or read: no data, the requester copies after the ACK
 )
 
 // hasPayload reports whether a request of op carries its message.
@@ -198,8 +198,8 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return 0, fmt.Errorf("%w: QP type %d", errBadReq, req.qpType)
 	case flags&^(reqSolicited|reqNoResp|reqDirect) != 0:
 		return 0, fmt.Errorf("%w: flags %#x", errBadReq, flags)
-	case flags&reqDirect != 0 && (req.op != opWrite || req.qpType != uint8(prov.QPTypeRC) || flags&reqNoResp != 0 || payload != 0):
-		return 0, fmt.Errorf("%w: a direct request must be a RC write without payload", errBadReq)
+	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead || req.qpType != uint8(prov.QPTypeRC) || flags&reqNoResp != 0 || payload != 0):
+		return 0, fmt.Errorf("%w: a direct request must be a RC write or read without payload", errBadReq)
 	case req.srcQPN > maxQPN || req.dstQPN > maxQPN || req.psn > psnMask:
 		return 0, fmt.Errorf("%w: QPN or PSN exceeds 24 bits", errBadReq)
 	case req.length > maxMsgSize:
@@ -366,13 +366,15 @@ const (
 
 type mapAck struct {
 	status uint8
-	addr   uint64 // the region's address (iova)
-	length uint64 // its length; the memfd maps it from offset 0
+	access prov.Access // the region's access flags
+	addr   uint64      // the region's address (iova)
+	length uint64      // its length; the memfd maps it from offset 0
 }
 
 func putMapAck(b []byte, m *mapAck) {
 	clear(b[:mapAckLen])
 	b[0] = m.status
+	binary.LittleEndian.PutUint32(b[4:], uint32(m.access))
 	binary.LittleEndian.PutUint64(b[8:], m.addr)
 	binary.LittleEndian.PutUint64(b[16:], m.length)
 }
@@ -385,6 +387,7 @@ func parseMapAck(b []byte) (mapAck, error) {
 		return m, errBadMap
 	}
 	m.status = b[0]
+	m.access = prov.Access(binary.LittleEndian.Uint32(b[4:]))
 	m.addr = binary.LittleEndian.Uint64(b[8:])
 	m.length = binary.LittleEndian.Uint64(b[16:])
 	if m.status > mapNotShare || m.status == mapOK && (m.length == 0 || m.length > 1<<40 || m.addr+m.length < m.addr) {

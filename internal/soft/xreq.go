@@ -186,11 +186,11 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 			return postFailed, prov.StatusRetryExcErr
 		}
 	}
-	// A large write into a region the peer shares becomes a direct copy
-	// (shm.go). Other requests wait until the direct writes before them
+	// A large write or read on a region the peer shares becomes a direct
+	// copy (shm.go). Other requests wait until the direct writes before them
 	// are copied.
 	var imp *mrImport
-	if c.shm != nil && w.op == opWrite && !w.isInline && w.wr.NumSGE > 0 {
+	if c.shm != nil && (w.op == opWrite || w.op == opRead) && !w.isInline && w.wr.NumSGE > 0 {
 		var n uint64
 		for _, s := range w.sge[:w.wr.NumSGE] {
 			n += uint64(s.Length)
@@ -204,7 +204,8 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 				imp = c.importRegion(w.wr.RKey, true)
 			}
 			raddr := w.wr.RemoteAddr
-			if imp != nil && (imp.mem == nil || raddr < imp.addr || n > imp.length || raddr-imp.addr > imp.length-n) {
+			if imp != nil && (imp.mem == nil || w.op == opWrite && !imp.writable ||
+				raddr < imp.addr || n > imp.length || raddr-imp.addr > imp.length-n) {
 				imp = nil
 			}
 		}
@@ -407,7 +408,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 			data, _, n, st := q.gather(w)
 			if st != prov.StatusSuccess {
 				status = st
-			} else if !r.c.copyDirect(w.fimp, w.wr.RemoteAddr, data) {
+			} else if !r.c.copyDirect(w.fimp, w.wr.RemoteAddr, data, w.op == opWrite) {
 				status = prov.StatusRetryExcErr
 			}
 			q.releaseLocal(n)
