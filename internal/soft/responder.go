@@ -118,7 +118,9 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			}
 		}
 		if m != nil {
-			if !req.direct { // direct: the requester copies (shm.go)
+			if req.direct { // the requester copies (shm.go)
+				resp.orig = m.serial
+			} else {
 				copySpans(t.rspans[:1], 0, data)
 			}
 			m.release()
@@ -135,7 +137,9 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			if m == nil {
 				return t.classC(resp, respAccess, evQPAccessErr)
 			}
-			if !req.direct { // direct: the requester copies (shm.go)
+			if req.direct { // the requester copies (shm.go)
+				resp.orig = m.serial
+			} else {
 				t.rspans[0] = span{p, int(req.length)}
 				copySpans(data, 0, t.rspans[:1])
 			}

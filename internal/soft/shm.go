@@ -358,7 +358,10 @@ func parseRights(oob []byte) []int {
 // the ring; the target's responder does every check as for any request
 // (QP state, PSN, access, rkey, bounds) and answers; on ACK the requester
 // copies the bytes (into its mapping for a write, out of it for a read)
-// and completes the request. Requests that are not direct wait until the
+// and completes the request. The responder names the region it accepted
+// (its serial number); if it is not the mapped one (the key was reused
+// for another region), the mapping is dropped and the request fails with
+// RETRY_EXC_ERR. Requests that are not direct wait until the
 // direct ones before them in the send queue are copied, so that RC
 // ordering holds. Atomics and everything else go through the target's
 // service. The copy is checked against the bounds the target
@@ -378,6 +381,7 @@ type mrImport struct {
 	addr, length uint64
 	mem          []byte // nil: the region cannot be mapped (go through the service)
 	writable     bool   // mapped writable (the region allows remote writes)
+	serial       uint64 // the region's serial in the peer
 }
 
 type mapReply struct {
@@ -406,7 +410,7 @@ func (c *conn) importRegion(rkey uint32, wait bool) *mrImport {
 				prot |= unix.PROT_WRITE
 			}
 			if mem, err := unix.Mmap(r.fd, 0, int(r.ack.length), prot, unix.MAP_SHARED); err == nil {
-				imp.addr, imp.length, imp.mem = r.ack.addr, r.ack.length, mem
+				imp.addr, imp.length, imp.mem, imp.serial = r.ack.addr, r.ack.length, mem, r.ack.serial
 				imp.writable = prot&unix.PROT_WRITE != 0
 			}
 		}
@@ -484,7 +488,7 @@ func (c *conn) serveMap(id uint64, body []byte) error {
 				defer unix.Close(fd)
 			}
 			if fds != nil {
-				ack = mapAck{status: mapOK, access: m.access, addr: m.addr, length: m.length}
+				ack = mapAck{status: mapOK, access: m.access, addr: m.addr, length: m.length, serial: m.serial}
 			}
 		}
 	}
@@ -536,6 +540,21 @@ func (c *conn) unmapImports() {
 		}
 	}
 	c.imports = nil
+}
+
+// dropImport forgets the mapping of rkey: the peer accepted a direct
+// request for another region with the same key (the key was reused).
+// Copies into it fail from now on.
+func (c *conn) dropImport(rkey uint32, imp *mrImport) {
+	c.impMu.Lock()
+	defer c.impMu.Unlock()
+	if c.imports != nil && c.imports[rkey] == imp {
+		delete(c.imports, rkey)
+	}
+	if imp.mem != nil {
+		unix.Munmap(imp.mem)
+		imp.mem = nil
+	}
 }
 
 // copyDirect copies between local (the requester's SGEs) and the peer's

@@ -50,7 +50,7 @@ const (
 	respBodyLen = 16
 	wakeLen     = 8
 	mapLen      = 8
-	mapAckLen   = 24
+	mapAckLen   = 32
 
 	// maxPayload is the largest payload of a request or response: the
 	// largest message.
@@ -368,6 +368,7 @@ type mapAck struct {
 	status uint8
 	access prov.Access // the region's access flags
 	addr   uint64      // the region's address (iova)
+	serial uint64      // the region's serial number (see respond)
 	length uint64      // its length; the memfd maps it from offset 0
 }
 
@@ -377,6 +378,7 @@ func putMapAck(b []byte, m *mapAck) {
 	binary.LittleEndian.PutUint32(b[4:], uint32(m.access))
 	binary.LittleEndian.PutUint64(b[8:], m.addr)
 	binary.LittleEndian.PutUint64(b[16:], m.length)
+	binary.LittleEndian.PutUint64(b[24:], m.serial)
 }
 
 var errBadMap = errors.New("malformed map answer")
@@ -390,6 +392,7 @@ func parseMapAck(b []byte) (mapAck, error) {
 	m.access = prov.Access(binary.LittleEndian.Uint32(b[4:]))
 	m.addr = binary.LittleEndian.Uint64(b[8:])
 	m.length = binary.LittleEndian.Uint64(b[16:])
+	m.serial = binary.LittleEndian.Uint64(b[24:])
 	if m.status > mapNotShare || m.status == mapOK && (m.length == 0 || m.length > 1<<40 || m.addr+m.length < m.addr) {
 		return m, fmt.Errorf("%w: status %d, %d bytes at %#x", errBadMap, m.status, m.length, m.addr)
 	}

@@ -408,6 +408,9 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 			data, _, n, st := q.gather(w)
 			if st != prov.StatusSuccess {
 				status = st
+			} else if r.resp.orig != w.fimp.serial {
+				r.c.dropImport(w.wr.RKey, w.fimp)
+				status = prov.StatusRetryExcErr
 			} else if !r.c.copyDirect(w.fimp, w.wr.RemoteAddr, data, w.op == opWrite) {
 				status = prov.StatusRetryExcErr
 			}
