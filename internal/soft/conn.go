@@ -83,6 +83,7 @@ type conn struct {
 	// Reader state (the reader goroutine only).
 	rhdr  [hdrLen + respBodyLen]byte
 	rbufs [2][]byte
+	resps []byte // responses held back (see readLoop)
 
 	wkMu   sync.Mutex
 	wakers map[uint32]*remoteWaker
@@ -125,6 +126,7 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 		c.raw, _ = sc.SyscallConn()
 	}
 	c.twFn = c.tryWriteFD
+	c.resps = make([]byte, 0, 64*(hdrLen+respBodyLen))
 	if shm != nil {
 		c.imports = map[uint32]*mrImport{}
 	}
@@ -476,6 +478,11 @@ func (c *conn) readLoop() {
 	var hb [hdrLen]byte
 	var body [reqBodyLen]byte
 	for !c.dead.Load() {
+		// Responses are held while more requests are buffered, and sent
+		// together before the reader can block.
+		if r.Buffered() < hdrLen {
+			c.flushResps()
+		}
 		if _, err := io.ReadFull(r, hb[:]); err != nil {
 			c.fail(readErr(c, err))
 			return
@@ -495,6 +502,9 @@ func (c *conn) readLoop() {
 		}
 		var payload []byte
 		if n := int(h.length) - bl; n > 0 {
+			if r.Buffered() < n {
+				c.flushResps()
+			}
 			if payload, err = readPayload(r, n); err != nil {
 				c.fail(readErr(c, err))
 				return
@@ -604,18 +614,37 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 		if resp.code == respACK && req.op == opRead {
 			out = rbuf
 		}
-		putHdr(c.rhdr[:], frResp, uint32(respBodyLen+len(out)), id)
-		putResp(c.rhdr[hdrLen:], req.srcQPN, &resp)
-		c.rbufs[0], c.rbufs[1] = c.rhdr[:], out
-		n := 2
 		if len(out) == 0 {
-			n = 1
+			// Held (see readLoop), up to a limit.
+			k := len(c.resps)
+			c.resps = c.resps[:k+hdrLen+respBodyLen]
+			putHdr(c.resps[k:], frResp, respBodyLen, id)
+			putResp(c.resps[k+hdrLen:], req.srcQPN, &resp)
+			if len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
+				c.flushResps()
+			}
+		} else {
+			c.flushResps()
+			putHdr(c.rhdr[:], frResp, uint32(respBodyLen+len(out)), id)
+			putResp(c.rhdr[hdrLen:], req.srcQPN, &resp)
+			c.rbufs[0], c.rbufs[1] = c.rhdr[:], out
+			c.sendAsync(c.rbufs[:2])
+			c.rbufs[1] = nil
 		}
-		c.sendAsync(c.rbufs[:n])
-		c.rbufs[1] = nil
 	}
 	putBuf(rbuf)
 	return nil
+}
+
+// flushResps sends the held responses (reader goroutine).
+func (c *conn) flushResps() {
+	if len(c.resps) == 0 {
+		return
+	}
+	c.rbufs[0] = c.resps
+	c.sendAsync(c.rbufs[:1])
+	c.rbufs[0] = nil
+	c.resps = c.resps[:0]
 }
 
 // handleResp hands a response to its requester, with the payload (which
