@@ -54,6 +54,9 @@ var xcases = []xcaseDef{
 	{"ErrRNRRetryExceeded", xErrRNRRetryExceeded},
 	{"RNRWaitsForReceive", xRNRWaitsForReceive},
 	{"PipelinedRNR", xPipelinedRNR},
+	{"LargeWritesThenSend", xLargeWritesThenSend},
+	{"LargeWriteErrors", xLargeWriteErrors},
+	{"LargeReads", xLargeReads},
 	{"FlushAfterError", xFlushAfterError},
 	{"UDSend", xUDSend},
 	{"UCSendWrite", xUCSendWrite},
@@ -247,11 +250,11 @@ func xPeerWritesAndReads(t *testing.T, c *xcase) {
 // xremoteErr posts a write from A that the peer must refuse, and checks
 // the statuses, the states and that the peer's memory is untouched.
 func xremoteErr(t *testing.T, c *xcase, access verbs.Access, dst func(r verbs.RemoteRegion) verbs.RemoteAddr, n int) {
-	const size = 4096
+	size := max(4096, n)
 	p := newXRC(t, c, verbs.QPSpec{}, size, access)
 	before := pattern(size, 0xEE)
 	c.peerFill(t, p.b, 0, before)
-	src := p.a.Alloc(t, 8192, accessLocal)
+	src := p.a.Alloc(t, max(8192, n), accessLocal)
 	Pattern(src.Bytes(), 0x99)
 	must(t, "post write", p.qa.PostWrite(1, verbs.Signaled, dst(p.rb), src.SGE(0, n)))
 	expectStatus(t, "write completion", c.pollOne(t, p.a.CQ), 1, verbs.StatusRemAccessErr, p.qa.QPN())
@@ -423,4 +426,75 @@ func xPipelinedRNR(t *testing.T, c *xcase) {
 	got := c.peerBytes(t, p.b, 0, n*size)
 	checkBytes(t, "messages after the first quarter", got[n/4*size:], src.Bytes()[n/4*size:])
 	checkBytes(t, "last message of the first quarter", got[:size], src.Bytes()[(n/4-1)*size:n/4*size])
+}
+
+// xLargeWritesThenSend writes large blocks (direct copies over shared
+// memory) and then sends: when the send arrives, every written byte must
+// be there (RC ordering).
+func xLargeWritesThenSend(t *testing.T, c *xcase) {
+	const size = 1 << 20
+	p := newXRC(t, c, verbs.QPSpec{}, 4*size, accessAll)
+	src := p.a.Alloc(t, 4*size, accessLocal)
+	for round := range 3 {
+		Pattern(src.Bytes(), byte(0x40+round))
+		c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: uint64(round)})
+		for i := range 4 {
+			must(t, "post write", p.qa.PostWrite(uint64(10*round+i), 0, p.rb.At(uint64(i*size)), src.SGE(i*size, size)))
+		}
+		must(t, "post send", p.qa.PostSend(uint64(10*round+9), verbs.Signaled))
+		expectOK(t, "send after the writes", c.pollOne(t, p.a.CQ), uint64(10*round+9), verbs.OpSend, p.qa.QPN())
+		expectOK(t, "receive", c.peerPoll(t, p.b, 1)[0], uint64(round), verbs.OpRecv, p.qpnB)
+		checkBytes(t, fmt.Sprintf("round %d: peer MR when the send arrived", round), c.peerBytes(t, p.b, 0, 4*size), src.Bytes())
+	}
+}
+
+// xLargeWriteErrors: large writes that the peer must refuse (bad rkey,
+// out of bounds, to a region without remote write) fail with
+// REM_ACCESS_ERR and leave the peer's memory alone, whatever the
+// transport does with large writes.
+func xLargeWriteErrors(t *testing.T, c *xcase) {
+	const size = 256 << 10
+	for _, tc := range []struct {
+		name   string
+		access verbs.Access
+		dst    func(r verbs.RemoteRegion) verbs.RemoteAddr
+	}{
+		{"BadRKey", accessAll, func(r verbs.RemoteRegion) verbs.RemoteAddr { a := r.At(0); a.RKey ^= 0x77; return a }},
+		{"PastTheEnd", accessAll, func(r verbs.RemoteRegion) verbs.RemoteAddr { return r.At(size / 2) }},
+		{"ReadOnlyRegion", accessLocal | verbs.AccessRemoteRead, func(r verbs.RemoteRegion) verbs.RemoteAddr { return r.At(0) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			xremoteErr(t, c, tc.access, tc.dst, size)
+		})
+	}
+}
+
+// xLargeReads reads large blocks (direct copies over shared memory) from
+// a region the peer allows only remote reads on, and reads back what a
+// large write just wrote.
+func xLargeReads(t *testing.T, c *xcase) {
+	const size = 1 << 20
+	t.Run("ReadOnlyRegion", func(t *testing.T) {
+		p := newXRC(t, c, verbs.QPSpec{}, size, accessLocal|verbs.AccessRemoteRead)
+		c.peerFill(t, p.b, 0, pattern(size, 0x5E))
+		dst := p.a.Alloc(t, size+8192, accessLocal)
+		Pattern(dst.Bytes(), 0xEE)
+		want := pattern(size+8192, 0xEE)
+		must(t, "post read", p.qa.PostRead(1, verbs.Signaled, p.rb.At(4096), dst.SGE(4096, size-8192)))
+		must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(0), dst.SGE(size, 4096)))
+		expectOK(t, "large read", c.pollOne(t, p.a.CQ), 1, verbs.OpRead, p.qa.QPN())
+		expectOK(t, "small read", c.pollOne(t, p.a.CQ), 2, verbs.OpRead, p.qa.QPN())
+		copy(want[4096:size-4096], pattern(size, 0x5E)[4096:size-4096])
+		copy(want[size:size+4096], pattern(size, 0x5E)[:4096])
+		checkBytes(t, "local MR after the reads", dst.Bytes(), want)
+	})
+	t.Run("ReadBackAWrite", func(t *testing.T) {
+		p := newXRC(t, c, verbs.QPSpec{}, size, accessAll)
+		src := p.a.Alloc(t, 2*size, accessLocal)
+		Pattern(src.Bytes()[:size], 0x6A)
+		must(t, "post write", p.qa.PostWrite(1, 0, p.rb.At(0), src.SGE(0, size)))
+		must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(0), src.SGE(size, size)))
+		expectOK(t, "read", c.pollOne(t, p.a.CQ), 2, verbs.OpRead, p.qa.QPN())
+		checkBytes(t, "read back", src.Bytes()[size:], src.Bytes()[:size])
+	})
 }

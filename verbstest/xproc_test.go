@@ -53,16 +53,30 @@ func TestCrossProcessPeerKilled(t *testing.T) {
 			for _, mode := range []string{"WaitingForReceive", "MidTransfer"} {
 				t.Run(mode, func(t *testing.T) {
 					ign := goleak.IgnoreCurrent()
-					fds := openFDs(t)
+					fds, maps := openFDs(t), memfdMappings(t)
 					t.Run("run", func(t *testing.T) { peerKilled(t, mode, "GOVERBS_SOFT_TRANSPORT="+tr) })
 					if n := openFDs(t); n != fds {
 						t.Errorf("%d descriptors open after the test, %d before", n, fds)
+					}
+					if n := memfdMappings(t); n != maps {
+						t.Errorf("%d memfd mappings after the test, %d before", n, maps)
 					}
 					goleak.VerifyNone(t, ign)
 				})
 			}
 		})
 	}
+}
+
+// memfdMappings counts this process' mappings of goverbs memfds (memory
+// regions and shared-memory segments, its own and its peers').
+func memfdMappings(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		t.Skipf("cannot read the mappings: %v", err)
+	}
+	return bytes.Count(b, []byte("/memfd:goverbs"))
 }
 
 func peerKilled(t *testing.T, mode string, env string) {

@@ -83,12 +83,20 @@ type conn struct {
 	// Reader state (the reader goroutine only).
 	rhdr  [hdrLen + respBodyLen]byte
 	rbufs [2][]byte
+	resps []byte // responses held back (see readLoop)
 
 	wkMu   sync.Mutex
 	wakers map[uint32]*remoteWaker
 
 	usersMu sync.Mutex
 	users   map[*qp]struct{} // requesters with requests in flight
+
+	// Direct writes (shm.go).
+	sockMu  sync.Mutex // writes to nc
+	callMu  sync.Mutex
+	calls   map[uint64]chan mapReply
+	impMu   sync.RWMutex
+	imports map[uint32]*mrImport // nil once unmapped
 }
 
 const (
@@ -118,6 +126,10 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 		c.raw, _ = sc.SyscallConn()
 	}
 	c.twFn = c.tryWriteFD
+	c.resps = make([]byte, 0, 64*(hdrLen+respBodyLen))
+	if shm != nil {
+		c.imports = map[uint32]*mrImport{}
+	}
 	return c
 }
 
@@ -466,6 +478,11 @@ func (c *conn) readLoop() {
 	var hb [hdrLen]byte
 	var body [reqBodyLen]byte
 	for !c.dead.Load() {
+		// Responses are held while more requests are buffered, and sent
+		// together before the reader can block.
+		if r.Buffered() < hdrLen {
+			c.flushResps()
+		}
 		if _, err := io.ReadFull(r, hb[:]); err != nil {
 			c.fail(readErr(c, err))
 			return
@@ -485,6 +502,9 @@ func (c *conn) readLoop() {
 		}
 		var payload []byte
 		if n := int(h.length) - bl; n > 0 {
+			if r.Buffered() < n {
+				c.flushResps()
+			}
 			if payload, err = readPayload(r, n); err != nil {
 				c.fail(readErr(c, err))
 				return
@@ -499,17 +519,6 @@ func (c *conn) readLoop() {
 	}
 }
 
-// watchSocket waits for the end of the unix socket of a shared-memory
-// connection (nothing else comes over it): the peer died or closed it.
-func (c *conn) watchSocket() {
-	var b [1]byte
-	_, err := c.nc.Read(b[:])
-	if err == nil {
-		err = errors.New("unexpected data on the socket of a shared-memory connection")
-	}
-	c.fail(readErr(c, err))
-}
-
 func readErr(c *conn, err error) error {
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		return fmt.Errorf("soft: process %d closed the connection: %w", c.peerPID, errConnDown)
@@ -522,6 +531,10 @@ func (c *conn) checkType(h frameHdr) error {
 	switch h.typ {
 	case frReq, frResp, frWake:
 		return nil
+	case frMap:
+		if c.shm != nil {
+			return nil
+		}
 	}
 	return fmt.Errorf("%w: type %d on a running connection", errBadType, h.typ)
 }
@@ -549,6 +562,8 @@ func (c *conn) handle(h frameHdr, body []byte, payload *[]byte) error {
 			q.wake()
 		}
 		return nil
+	case frMap:
+		return c.serveMap(h.id, body)
 	}
 	return fmt.Errorf("%w: type %d", errBadType, h.typ)
 }
@@ -572,7 +587,7 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 	case opRead:
 		// Allocate the reply only for a read the region could serve; the
 		// responder decides.
-		if m := c.f.lookupMR(req.rkey); req.length > 0 && m != nil && uint64(req.length) <= m.length {
+		if m := c.f.lookupMR(req.rkey); !req.direct && req.length > 0 && m != nil && uint64(req.length) <= m.length {
 			rbuf = getBuf(int(req.length))
 			one[0] = span{unsafe.Pointer(unsafe.SliceData(rbuf)), len(rbuf)}
 			data = one[:]
@@ -585,28 +600,51 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 		}
 	}
 	var resp response
+	if req.direct && c.shm == nil {
+		return fmt.Errorf("%w: a direct write on a connection without shared memory", errBadReq)
+	}
 	if t := c.f.qps.load(req.dstQPN); t == nil {
 		resp.code = respNoQP
 	} else {
 		t.respond(&req, data, &resp)
 	}
+
 	if flags&reqNoResp == 0 {
 		var out []byte
 		if resp.code == respACK && req.op == opRead {
 			out = rbuf
 		}
-		putHdr(c.rhdr[:], frResp, uint32(respBodyLen+len(out)), id)
-		putResp(c.rhdr[hdrLen:], req.srcQPN, &resp)
-		c.rbufs[0], c.rbufs[1] = c.rhdr[:], out
-		n := 2
 		if len(out) == 0 {
-			n = 1
+			// Held (see readLoop), up to a limit.
+			k := len(c.resps)
+			c.resps = c.resps[:k+hdrLen+respBodyLen]
+			putHdr(c.resps[k:], frResp, respBodyLen, id)
+			putResp(c.resps[k+hdrLen:], req.srcQPN, &resp)
+			if len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
+				c.flushResps()
+			}
+		} else {
+			c.flushResps()
+			putHdr(c.rhdr[:], frResp, uint32(respBodyLen+len(out)), id)
+			putResp(c.rhdr[hdrLen:], req.srcQPN, &resp)
+			c.rbufs[0], c.rbufs[1] = c.rhdr[:], out
+			c.sendAsync(c.rbufs[:2])
+			c.rbufs[1] = nil
 		}
-		c.sendAsync(c.rbufs[:n])
-		c.rbufs[1] = nil
 	}
 	putBuf(rbuf)
 	return nil
+}
+
+// flushResps sends the held responses (reader goroutine).
+func (c *conn) flushResps() {
+	if len(c.resps) == 0 {
+		return
+	}
+	c.rbufs[0] = c.resps
+	c.sendAsync(c.rbufs[:1])
+	c.rbufs[0] = nil
+	c.resps = c.resps[:0]
 }
 
 // handleResp hands a response to its requester, with the payload (which

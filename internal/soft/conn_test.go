@@ -156,6 +156,21 @@ func TestHostileFrames(t *testing.T) {
 			return b
 		}, true, 0},
 		{"HugeLengthThenEOF", func(h *hostile) []byte { return big }, true, 0},
+		{"MapOnTCP", func(h *hostile) []byte {
+			b := make([]byte, hdrLen+mapLen)
+			putHdr(b, frMap, mapLen, 1)
+			return b
+		}, true, 0},
+		{"DirectWriteOnTCP", func(h *hostile) []byte {
+			b := h.reqFrame(opWrite, h.mr.Addr(), 64, nil)
+			b[hdrLen+2] |= reqDirect
+			return b
+		}, true, 0},
+		{"DirectRead", func(h *hostile) []byte {
+			b := h.reqFrame(opRead, h.mr.Addr(), 64, nil)
+			b[hdrLen+2] |= reqDirect
+			return b
+		}, true, 0},
 		{"WritePastTheEnd", func(h *hostile) []byte {
 			return h.reqFrame(opWrite, h.mr.Addr()+4096-10, 100, bytes.Repeat([]byte{0xAB}, 100))
 		}, false, respAccess},
@@ -238,6 +253,10 @@ func FuzzFrame(f *testing.F) {
 	f.Add(w[:])
 	f.Add([]byte{})
 	f.Add(bytes.Repeat([]byte{0xff}, hdrLen+reqBodyLen))
+	var ma [hdrLen + mapAckLen]byte
+	putHdr(ma[:], frMapAck, mapAckLen, 9)
+	putMapAck(ma[hdrLen:], &mapAck{status: mapOK, addr: 0x10000, length: 4096})
+	f.Add(ma[:])
 	f.Fuzz(func(t *testing.T, b []byte) {
 		h, err := parseHdr(b)
 		if err != nil {
@@ -264,6 +283,10 @@ func FuzzFrame(f *testing.F) {
 			var r response
 			if _, err := parseResp(body[:bl], &r); err == nil && r.code > respOpErr {
 				t.Fatalf("accepted response code %d", r.code)
+			}
+		case frMapAck:
+			if m, err := parseMapAck(body[:bl]); err == nil && m.status == mapOK && (m.length == 0 || m.addr+m.length < m.addr) {
+				t.Fatalf("accepted map answer %+v", m)
 			}
 		}
 	})
@@ -470,5 +493,44 @@ func TestShmHandshakeRefused(t *testing.T) {
 	}
 	if err := checkAck(ab, &pa); err == nil {
 		t.Errorf("checkAck accepted a refusal")
+	}
+}
+
+// TestShmDirectReadOnlyRegion: a large read from a region that allows
+// only remote reads is copied from a mapping that cannot be made writable
+// (the region's descriptor was handed out read-only).
+func TestShmDirectReadOnlyRegion(t *testing.T) {
+	forceTransport(t, "shm")
+	e, a, _ := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	src := e.alloc(1<<20, prov.AccessLocalWrite|prov.AccessRemoteRead)
+	dst := e.alloc(1<<20, allAccess)
+	for i := range src.b {
+		src.b[i] = byte(i * 3)
+	}
+	wr := []prov.SendWR{{Opcode: prov.WRRead, NumSGE: 1, Flags: prov.SendSignaled, RemoteAddr: src.addr(0), RKey: src.mr.RKey()}}
+	if _, err := a.qp.PostSend(wr, []prov.SGE{dst.sge(0, 1<<20)}); err != nil {
+		t.Fatal(err)
+	}
+	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+		t.Fatalf("read: %+v", c)
+	}
+	if !bytes.Equal(src.b, dst.b) {
+		t.Fatal("read data differs")
+	}
+	cn := a.qp.(*qp).route.(*peer).current()
+	if cn == nil {
+		t.Fatal("no connection")
+	}
+	cn.impMu.RLock()
+	defer cn.impMu.RUnlock()
+	imp := cn.imports[src.mr.RKey()]
+	if imp == nil || imp.mem == nil {
+		t.Fatal("the read did not map the region (not a direct copy)")
+	}
+	if imp.writable {
+		t.Error("a read-only region is mapped writable")
+	}
+	if err := unix.Mprotect(imp.mem, unix.PROT_READ|unix.PROT_WRITE); err == nil {
+		t.Error("the mapping of a read-only region could be made writable")
 	}
 }

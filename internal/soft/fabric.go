@@ -27,11 +27,12 @@ type fabric struct {
 
 	local localLink // the in-process transport
 
-	keysMu  sync.Mutex
-	keyPerm perm32
-	keyIdx  indexPool
-	keyGen  []uint16
-	mrs     table[mr]
+	keysMu   sync.Mutex
+	keyPerm  perm32
+	keyIdx   indexPool
+	keyGen   []uint16
+	mrs      table[mr]
+	mrSerial uint64 // keysMu
 
 	qpMu    sync.Mutex
 	nextQPN uint32
@@ -119,6 +120,8 @@ func (f *fabric) addMR(m *mr) error {
 			continue
 		}
 		m.key = key
+		f.mrSerial++
+		m.serial = f.mrSerial
 		f.mrs.store(idx, m)
 		return nil
 	}

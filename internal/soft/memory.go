@@ -63,6 +63,7 @@ type mr struct {
 	length uint64
 	access prov.Access
 	key    uint32 // lkey == rkey
+	serial uint64 // unique in the process (shm.go tells regions apart by it)
 	fd     int
 	off    int64
 

@@ -25,7 +25,11 @@
 // process, in the reader goroutine of the connection, through the same
 // responder as in-process requests; payloads land in a buffer of the
 // target process first, so a hostile peer cannot reach memory outside an
-// MR. RC requests are pipelined (see xreq.go). A connection that fails
+// MR. Over shared memory, a large RC write into a region from Alloc
+// registered with remote write access is copied by the requester itself
+// into its mapping of the region, after the target's responder accepted
+// the request (shm.go); regions from Register (Go memory) are never
+// shared. RC requests are pipelined (see xreq.go). A connection that fails
 // (the peer died, a malformed frame, a write that times out) fails the
 // oldest RC request in flight on it with RETRY_EXC_ERR and the QP flushes
 // the rest, as a RC QP whose retries are exhausted; so does a request

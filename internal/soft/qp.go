@@ -127,6 +127,7 @@ type sendWQE struct {
 	flen   uint32
 	fseq   uint64
 	fsent  time.Time
+	fimp   *mrImport // a direct write's target mapping (nil: not direct)
 }
 
 func (s *sendQueue) init(depth, maxSGE int) {

@@ -118,7 +118,11 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			}
 		}
 		if m != nil {
-			copySpans(t.rspans[:1], 0, data)
+			if req.direct { // the requester copies (shm.go)
+				resp.orig = m.serial
+			} else {
+				copySpans(t.rspans[:1], 0, data)
+			}
 			m.release()
 		}
 		if op == opWriteImm {
@@ -133,8 +137,12 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			if m == nil {
 				return t.classC(resp, respAccess, evQPAccessErr)
 			}
-			t.rspans[0] = span{p, int(req.length)}
-			copySpans(data, 0, t.rspans[:1])
+			if req.direct { // the requester copies (shm.go)
+				resp.orig = m.serial
+			} else {
+				t.rspans[0] = span{p, int(req.length)}
+				copySpans(data, 0, t.rspans[:1])
+			}
 			m.release()
 		}
 	case opCAS, opFAA:

@@ -230,6 +230,7 @@ func (s *service) addConn(c *conn) bool {
 			defer s.wg.Done()
 			<-c.done
 			c.loops.Wait()
+			c.unmapImports()
 			c.wmu.Lock()
 			c.shm.unmap()
 			c.wmu.Unlock()

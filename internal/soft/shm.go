@@ -1,6 +1,7 @@
 package soft
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -10,6 +11,9 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/mem"
+	"github.com/goverbs/verbs/internal/prov"
 )
 
 // The shared-memory transport (processes of one host): the frames of a
@@ -339,4 +343,280 @@ func parseRights(oob []byte) []int {
 		}
 	}
 	return fds
+}
+
+// --- direct writes ---
+//
+// A RC write or read of at least directMin bytes on a region that the
+// target can share (memory from Alloc: a memfd that the region covers from
+// its start, registered with remote read access) becomes a direct copy:
+// the requester asks the target once for the region (MAP through the
+// ring; MAP_ACK with a descriptor over the unix socket) and maps it,
+// read-only unless the region allows remote writes (the descriptor of a
+// region without remote write access is opened read-only, so the peer
+// cannot map it writable). Each request then goes without data through
+// the ring; the target's responder does every check as for any request
+// (QP state, PSN, access, rkey, bounds) and answers; on ACK the requester
+// copies the bytes (into its mapping for a write, out of it for a read)
+// and completes the request. The responder names the region it accepted
+// (its serial number); if it is not the mapped one (the key was reused
+// for another region), the mapping is dropped and the request fails with
+// RETRY_EXC_ERR. Requests that are not direct wait until the
+// direct ones before them in the send queue are copied, so that RC
+// ordering holds. Atomics and everything else go through the target's
+// service. The copy is checked against the bounds the target
+// gave. A copy can land after the target deregistered the region (which
+// frees its memory): it then reaches only pages that the requester's
+// mapping keeps alive, never memory the target uses. A peer that shrinks
+// its memfd under the mapping can make this process fault, which only a
+// process of the same user and job can do.
+
+const (
+	directMin  = 16 << 10
+	maxImports = 256 // mapped regions per connection
+)
+
+// mrImport is a peer's region mapped in this process.
+type mrImport struct {
+	addr, length uint64
+	mem          []byte // nil: the region cannot be mapped (go through the service)
+	writable     bool   // mapped writable (the region allows remote writes)
+	serial       uint64 // the region's serial in the peer
+}
+
+type mapReply struct {
+	ack mapAck
+	fd  int
+	err error
+}
+
+// importRegion returns the mapping of the peer's region rkey, asking the
+// peer for it if needed (this waits: only the QP's goroutine may call it
+// with wait). nil means: not mapped (yet).
+func (c *conn) importRegion(rkey uint32, wait bool) *mrImport {
+	c.impMu.RLock()
+	imp := c.imports[rkey]
+	c.impMu.RUnlock()
+	if imp != nil || !wait {
+		return imp
+	}
+	r := c.callMap(rkey)
+	imp = &mrImport{}
+	if r.err == nil && r.ack.status == mapOK && r.fd >= 0 {
+		var st unix.Stat_t
+		if unix.Fstat(r.fd, &st) == nil && uint64(st.Size) >= r.ack.length {
+			prot := unix.PROT_READ
+			if r.ack.access&prov.AccessRemoteWrite != 0 {
+				prot |= unix.PROT_WRITE
+			}
+			if mem, err := unix.Mmap(r.fd, 0, int(r.ack.length), prot, unix.MAP_SHARED); err == nil {
+				imp.addr, imp.length, imp.mem, imp.serial = r.ack.addr, r.ack.length, mem, r.ack.serial
+				imp.writable = prot&unix.PROT_WRITE != 0
+			}
+		}
+	}
+	if r.fd >= 0 {
+		unix.Close(r.fd)
+	}
+	c.impMu.Lock()
+	defer c.impMu.Unlock()
+	if c.imports == nil || len(c.imports) >= maxImports || c.dead.Load() {
+		if imp.mem != nil {
+			unix.Munmap(imp.mem)
+		}
+		return nil
+	}
+	if old := c.imports[rkey]; old != nil {
+		if imp.mem != nil {
+			unix.Munmap(imp.mem)
+		}
+		return old
+	}
+	c.imports[rkey] = imp
+	return imp
+}
+
+// callMap sends MAP for rkey and waits for MAP_ACK.
+func (c *conn) callMap(rkey uint32) mapReply {
+	ch := make(chan mapReply, 1)
+	c.callMu.Lock()
+	if c.dead.Load() {
+		c.callMu.Unlock()
+		return mapReply{fd: -1, err: errConnDown}
+	}
+	id := c.nextID.Add(1)
+	if c.calls == nil {
+		c.calls = map[uint64]chan mapReply{}
+	}
+	c.calls[id] = ch
+	c.callMu.Unlock()
+	var b [hdrLen + mapLen]byte
+	putHdr(b[:], frMap, mapLen, id)
+	binary.LittleEndian.PutUint32(b[hdrLen:], rkey)
+	if err := c.writeFrame([][]byte{b[:]}, handshakeTimeout); err != nil {
+		return mapReply{fd: -1, err: err}
+	}
+	t := time.NewTimer(handshakeTimeout)
+	defer t.Stop()
+	select {
+	case r := <-ch:
+		return r
+	case <-c.done:
+		return mapReply{fd: -1, err: errConnDown}
+	case <-t.C:
+		c.callMu.Lock()
+		delete(c.calls, id)
+		c.callMu.Unlock()
+		return mapReply{fd: -1, err: errors.New("soft: no answer to MAP")}
+	}
+}
+
+// serveMap answers MAP (target side, reader goroutine).
+func (c *conn) serveMap(id uint64, body []byte) error {
+	rkey := binary.LittleEndian.Uint32(body)
+	ack := mapAck{status: mapNotShare}
+	var fds []int
+	if m := c.f.lookupMR(rkey); m != nil && m.fd >= 0 && m.off == 0 && m.access&prov.AccessRemoteRead != 0 {
+		var st unix.Stat_t
+		if unix.Fstat(m.fd, &st) == nil && uint64(st.Size) == uint64(mem.RoundUp(int(m.length))) {
+			if m.access&prov.AccessRemoteWrite != 0 {
+				fds = []int{m.fd}
+			} else if fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", m.fd), unix.O_RDONLY|unix.O_CLOEXEC, 0); err == nil {
+				// Remote read only: a descriptor that cannot map the
+				// memory writable.
+				fds = []int{fd}
+				defer unix.Close(fd)
+			}
+			if fds != nil {
+				ack = mapAck{status: mapOK, access: m.access, addr: m.addr, length: m.length, serial: m.serial}
+			}
+		}
+	}
+	var b [hdrLen + mapAckLen]byte
+	putHdr(b[:], frMapAck, mapAckLen, id)
+	putMapAck(b[hdrLen:], &ack)
+	c.sockMu.Lock()
+	defer c.sockMu.Unlock()
+	c.nc.SetWriteDeadline(time.Now().Add(handshakeTimeout))
+	_, _, err := c.nc.(*net.UnixConn).WriteMsgUnix(b[:], unix.UnixRights(fds...), nil)
+	c.nc.SetWriteDeadline(time.Time{})
+	return err
+}
+
+// handleMapAck hands a MAP_ACK (with its descriptor, if any) to its caller.
+func (c *conn) handleMapAck(id uint64, body []byte, fds []int) error {
+	ack, err := parseMapAck(body)
+	if err != nil || len(fds) > 1 || (ack.status == mapOK) != (len(fds) == 1) {
+		closeFDs(fds)
+		if err == nil {
+			err = fmt.Errorf("%w: %d descriptors with status %d", errBadMap, len(fds), ack.status)
+		}
+		return err
+	}
+	fd := -1
+	if len(fds) == 1 {
+		fd = fds[0]
+	}
+	c.callMu.Lock()
+	ch := c.calls[id]
+	delete(c.calls, id)
+	c.callMu.Unlock()
+	if ch == nil {
+		closeFDs(fds)
+		return nil
+	}
+	ch <- mapReply{ack: ack, fd: fd}
+	return nil
+}
+
+// unmapImports releases the peer's regions (the connection is down and
+// nobody copies: see copyDirect).
+func (c *conn) unmapImports() {
+	c.impMu.Lock()
+	defer c.impMu.Unlock()
+	for _, imp := range c.imports {
+		if imp.mem != nil {
+			unix.Munmap(imp.mem)
+		}
+	}
+	c.imports = nil
+}
+
+// dropImport forgets the mapping of rkey: the peer accepted a direct
+// request for another region with the same key (the key was reused).
+// Copies into it fail from now on.
+func (c *conn) dropImport(rkey uint32, imp *mrImport) {
+	c.impMu.Lock()
+	defer c.impMu.Unlock()
+	if c.imports != nil && c.imports[rkey] == imp {
+		delete(c.imports, rkey)
+	}
+	if imp.mem != nil {
+		unix.Munmap(imp.mem)
+		imp.mem = nil
+	}
+}
+
+// copyDirect copies between local (the requester's SGEs) and the peer's
+// region at raddr: into the region for a write, out of it for a read. It
+// fails if the mapping is gone, the range is outside it, or a write meets
+// a read-only mapping.
+func (c *conn) copyDirect(imp *mrImport, raddr uint64, local []span, write bool) bool {
+	c.impMu.RLock()
+	defer c.impMu.RUnlock()
+	if c.imports == nil || imp.mem == nil || write && !imp.writable {
+		return false
+	}
+	n := 0
+	for _, s := range local {
+		n += s.n
+	}
+	if n == 0 {
+		return true
+	}
+	if raddr < imp.addr || uint64(n) > imp.length || raddr-imp.addr > imp.length-uint64(n) {
+		return false
+	}
+	remote := [1]span{{unsafe.Pointer(&imp.mem[raddr-imp.addr]), n}}
+	if write {
+		copySpans(remote[:], 0, local)
+	} else {
+		copySpans(local, 0, remote[:])
+	}
+	return true
+}
+
+// watchSocket reads the unix socket of a shared-memory connection: only
+// MAP_ACK frames come over it. Its end is how a process learns that its
+// peer died or closed the connection.
+func (c *conn) watchSocket() {
+	uc := c.nc.(*net.UnixConn)
+	var b [hdrLen + mapAckLen]byte
+	for {
+		fds, err := readMsgFDs(uc, b[:hdrLen], 1)
+		if err != nil {
+			c.fail(readErr(c, err))
+			return
+		}
+		h, err := parseHdr(b[:hdrLen])
+		if err == nil && h.typ != frMapAck {
+			err = fmt.Errorf("%w: type %d on the socket of a shared-memory connection", errBadType, h.typ)
+		}
+		if err != nil {
+			closeFDs(fds)
+			c.fail(fmt.Errorf("soft: malformed frame from process %d: %w", c.peerPID, err))
+			return
+		}
+		more, err := readMsgFDs(uc, b[hdrLen:], 1-len(fds))
+		fds = append(fds, more...)
+		if err == nil {
+			err = c.handleMapAck(h.id, b[hdrLen:], fds)
+		} else {
+			closeFDs(fds)
+		}
+		if err != nil {
+			c.fail(fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err))
+			return
+		}
+	}
 }

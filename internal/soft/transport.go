@@ -79,6 +79,10 @@ type request struct {
 
 	// owner is the requester QP (nil for requests from another process).
 	owner *qp
+
+	// direct: a RC write whose bytes the requester copies into the
+	// region itself once the responder accepted it (shared memory).
+	direct bool
 }
 
 // respCode is the responder's answer.

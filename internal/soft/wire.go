@@ -39,6 +39,8 @@ const (
 	frReq      frameType = 3 // request: body reqBodyLen, then the payload of sends and writes
 	frResp     frameType = 4 // response: body respBodyLen, then the data of reads
 	frWake     frameType = 5 // a waiting requester may retry (body wakeLen)
+	frMap      frameType = 6 // shm: ask for the memory of an rkey (body mapLen)
+	frMapAck   frameType = 7 // shm, over the socket: the answer, with the memfd (body mapAckLen)
 )
 
 const (
@@ -47,6 +49,8 @@ const (
 	reqBodyLen  = 104
 	respBodyLen = 16
 	wakeLen     = 8
+	mapLen      = 8
+	mapAckLen   = 32
 
 	// maxPayload is the largest payload of a request or response: the
 	// largest message.
@@ -101,6 +105,10 @@ func parseHdr(b []byte) (frameHdr, error) {
 		ok = h.length >= respBodyLen && h.length-respBodyLen <= maxPayload
 	case frWake:
 		ok = h.length == wakeLen
+	case frMap:
+		ok = h.length == mapLen
+	case frMapAck:
+		ok = h.length == mapAckLen
 	default:
 		return h, errBadType
 	}
@@ -115,6 +123,7 @@ func parseHdr(b []byte) (frameHdr, error) {
 const (
 	reqSolicited = 1 << 0
 	reqNoResp    = 1 << 1 // UC, UD: the requester wants no response
+	reqDirect    = 1 << 2 // shm RC write or read: no data, the requester copies after the ACK
 )
 
 // hasPayload reports whether a request of op carries its message.
@@ -187,8 +196,10 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return 0, fmt.Errorf("%w: operation %d", errBadReq, req.op)
 	case req.qpType != uint8(prov.QPTypeRC) && req.qpType != uint8(prov.QPTypeUC) && req.qpType != uint8(prov.QPTypeUD):
 		return 0, fmt.Errorf("%w: QP type %d", errBadReq, req.qpType)
-	case flags&^(reqSolicited|reqNoResp) != 0:
+	case flags&^(reqSolicited|reqNoResp|reqDirect) != 0:
 		return 0, fmt.Errorf("%w: flags %#x", errBadReq, flags)
+	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead || req.qpType != uint8(prov.QPTypeRC) || flags&reqNoResp != 0 || payload != 0):
+		return 0, fmt.Errorf("%w: a direct request must be a RC write or read without payload", errBadReq)
 	case req.srcQPN > maxQPN || req.dstQPN > maxQPN || req.psn > psnMask:
 		return 0, fmt.Errorf("%w: QPN or PSN exceeds 24 bits", errBadReq)
 	case req.length > maxMsgSize:
@@ -197,6 +208,10 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return 0, fmt.Errorf("%w: %d packets", errBadReq, req.npkts)
 	case req.mtu < 256 || req.mtu > 4096 || req.mtu&(req.mtu-1) != 0:
 		return 0, fmt.Errorf("%w: MTU %d", errBadReq, req.mtu)
+	}
+	req.direct = flags&reqDirect != 0
+	if req.direct {
+		return flags, nil // checked above: a RC write without payload
 	}
 	if hasPayload(req.op) {
 		if payload != req.length {
@@ -339,6 +354,49 @@ func parseHelloAck(b []byte) (helloAck, error) {
 	a.pid = binary.LittleEndian.Uint32(b[4:])
 	a.fabric = binary.LittleEndian.Uint64(b[8:])
 	return a, nil
+}
+
+// --- MAP, MAP_ACK (shared memory) ---
+
+// MAP_ACK results.
+const (
+	mapOK       = 0
+	mapNotShare = 1 // no such region, or it cannot be mapped: go through the service
+)
+
+type mapAck struct {
+	status uint8
+	access prov.Access // the region's access flags
+	addr   uint64      // the region's address (iova)
+	serial uint64      // the region's serial number (see respond)
+	length uint64      // its length; the memfd maps it from offset 0
+}
+
+func putMapAck(b []byte, m *mapAck) {
+	clear(b[:mapAckLen])
+	b[0] = m.status
+	binary.LittleEndian.PutUint32(b[4:], uint32(m.access))
+	binary.LittleEndian.PutUint64(b[8:], m.addr)
+	binary.LittleEndian.PutUint64(b[16:], m.length)
+	binary.LittleEndian.PutUint64(b[24:], m.serial)
+}
+
+var errBadMap = errors.New("malformed map answer")
+
+func parseMapAck(b []byte) (mapAck, error) {
+	var m mapAck
+	if len(b) < mapAckLen {
+		return m, errBadMap
+	}
+	m.status = b[0]
+	m.access = prov.Access(binary.LittleEndian.Uint32(b[4:]))
+	m.addr = binary.LittleEndian.Uint64(b[8:])
+	m.length = binary.LittleEndian.Uint64(b[16:])
+	m.serial = binary.LittleEndian.Uint64(b[24:])
+	if m.status > mapNotShare || m.status == mapOK && (m.length == 0 || m.length > 1<<40 || m.addr+m.length < m.addr) {
+		return m, fmt.Errorf("%w: status %d, %d bytes at %#x", errBadMap, m.status, m.length, m.addr)
+	}
+	return m, nil
 }
 
 func randomBytes(n int) []byte {

@@ -40,8 +40,9 @@ const maxNBFrame = 128 << 10
 
 // xstate is the cross-process state of a requester QP.
 type xstate struct {
-	frame [hdrLen + reqBodyLen]byte
-	bufs  [maxSGE + 1][]byte
+	frame   [hdrLen + reqBodyLen]byte
+	bufs    [maxSGE + 1][]byte
+	ndirect int // direct writes in flight (progMu)
 
 	nfl     int   // requests in flight (progMu)
 	userOf  *conn // the connection this QP is registered with (progMu)
@@ -109,7 +110,7 @@ func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 			if n == 0 {
 				return false
 			}
-			x.nfl = 0
+			x.nfl, x.ndirect = 0, 0
 			q.flushSQ(n, head)
 			continue
 		}
@@ -185,6 +186,33 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 			return postFailed, prov.StatusRetryExcErr
 		}
 	}
+	// A large write or read on a region the peer shares becomes a direct
+	// copy (shm.go). Other requests wait until the direct writes before them
+	// are copied.
+	var imp *mrImport
+	if c.shm != nil && (w.op == opWrite || w.op == opRead) && !w.isInline && w.wr.NumSGE > 0 {
+		var n uint64
+		for _, s := range w.sge[:w.wr.NumSGE] {
+			n += uint64(s.Length)
+		}
+		if n >= directMin {
+			if imp = c.importRegion(w.wr.RKey, false); imp == nil {
+				if !mayBlock {
+					q.needWorker()
+					return postLater, 0
+				}
+				imp = c.importRegion(w.wr.RKey, true)
+			}
+			raddr := w.wr.RemoteAddr
+			if imp != nil && (imp.mem == nil || w.op == opWrite && !imp.writable ||
+				raddr < imp.addr || n > imp.length || raddr-imp.addr > imp.length-n) {
+				imp = nil
+			}
+		}
+	}
+	if imp == nil && x.ndirect > 0 {
+		return postLater, 0
+	}
 	data, total, nlocked, st := q.gather(w)
 	if st == prov.StatusSuccess && total > maxMsgSize {
 		q.releaseLocal(nlocked)
@@ -199,7 +227,10 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	length := uint32(total)
 	_, req := q.buildReq(w, length)
 	plen := 0
-	if hasPayload(req.op) {
+	var flags uint8
+	if imp != nil {
+		flags = reqDirect
+	} else if hasPayload(req.op) {
 		plen = int(length)
 	}
 	if !mayBlock && hdrLen+reqBodyLen+plen > maxNBFrame {
@@ -223,7 +254,7 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	}
 	id := c.nextID.Add(1)
 	putHdr(x.frame[:], frReq, uint32(reqBodyLen+plen), id)
-	putReq(x.frame[hdrLen:], req, 0)
+	putReq(x.frame[hdrLen:], req, flags)
 	bufs := append(x.bufs[:0], x.frame[:])
 	if plen > 0 {
 		for _, s := range data {
@@ -255,6 +286,10 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	w.fid, w.fconn, w.fpsn, w.fnpkts, w.flen = id, c, q.sqPSN, req.npkts, length
 	w.fseq = q.wakeSeq.Load()
 	w.fsent = time.Now()
+	w.fimp = imp
+	if imp != nil {
+		x.ndirect++
+	}
 	q.sqPSN = (q.sqPSN + req.npkts) & psnMask
 	q.sqPSNPub.Store(q.sqPSN)
 	if timeout > 0 && !x.rtArmed {
@@ -341,7 +376,7 @@ func (q *qp) failFlight(w *sendWQE, status prov.Status, retired *int) {
 	q.ncbuf++
 	w.fconn = nil
 	*retired++
-	q.x.nfl = 0
+	q.x.nfl, q.x.ndirect = 0, 0
 	if q.ncbuf == cbufLen {
 		q.commit(*retired)
 		*retired = 0
@@ -369,7 +404,20 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 	status := prov.StatusSuccess
 	switch r.resp.code {
 	case respACK:
-		if w.op >= opRead {
+		if w.fimp != nil {
+			data, _, n, st := q.gather(w)
+			if st != prov.StatusSuccess {
+				status = st
+			} else if r.resp.orig != w.fimp.serial {
+				r.c.dropImport(w.wr.RKey, w.fimp)
+				status = prov.StatusRetryExcErr
+			} else if !r.c.copyDirect(w.fimp, w.wr.RemoteAddr, data, w.op == opWrite) {
+				status = prov.StatusRetryExcErr
+			}
+			q.releaseLocal(n)
+			w.fimp = nil
+			x.ndirect--
+		} else if w.op >= opRead {
 			data, total, n, st := q.gather(w)
 			switch {
 			case st != prov.StatusSuccess:
@@ -398,7 +446,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 			// Go back to this request; what followed it is dropped.
 			q.sqPSN = w.fpsn
 			q.sqPSNPub.Store(q.sqPSN)
-			x.nfl = 0
+			x.nfl, x.ndirect = 0, 0
 			return false
 		}
 		status = prov.StatusRNRRetryExcErr
