@@ -29,6 +29,7 @@ type benchConfig struct {
 	rxDepth    int
 	mtu        verbs.MTU
 	timeoutExp int // QP ACK timeout exponent (perftest -u); 0: the QPSpec default
+	inline     int // max inline data (perftest -I); -1: 64 for latency, none for bandwidth
 	json       bool
 
 	// Two-process mode (perftest's topology): the server listens on
@@ -68,6 +69,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.txDepth, "tx-depth", 128, "send requests kept outstanding")
 	fs.IntVar(&cfg.txDepth, "t", 128, "same as --tx-depth")
 	fs.IntVar(&cfg.rxDepth, "rx-depth", 512, "receives kept posted (send test)")
+	fs.IntVar(&cfg.inline, "I", -1, "max inline data in `bytes` (perftest -I; default 64 for latency, 0 for bandwidth)")
+	fs.IntVar(&cfg.inline, "inline-size", -1, "same as -I")
 	fs.IntVar(&cfg.timeoutExp, "u", 0, "QP ACK timeout `exponent`: 4.096 us * 2^N (perftest -u; default 14)")
 	fs.IntVar(&cfg.timeoutExp, "qp-timeout", 0, "same as -u")
 	mtu := fs.Int("mtu", 0, "path MTU in `bytes` (256..4096; default: the port's active MTU)")
@@ -117,6 +120,9 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	}
 	if cfg.iters < 1 {
 		return usageErr(stderr, "bench", "-n must be at least 1, not %d", cfg.iters)
+	}
+	if cfg.inline < -1 || cfg.inline > 1024 {
+		return usageErr(stderr, "bench", "-I must be between 0 and 1024 bytes, not %d", cfg.inline)
 	}
 	if cfg.timeoutExp < 0 || cfg.timeoutExp > 31 {
 		return usageErr(stderr, "bench", "-u must be between 1 and 31 (0: the default, 14), not %d", cfg.timeoutExp)

@@ -84,6 +84,8 @@
 //	                default --batch)
 //	--mtu N         path MTU in bytes (default: the port's active MTU)
 //	-u, --qp-timeout N  RC ACK timeout exponent, 4.096 us * 2^N (default 14)
+//	-I, --inline-size N max inline data; messages up to N bytes are sent
+//	                inline (default 64 for latency, 0 for bandwidth)
 //	--json          print one JSON object per result row (JSON lines)
 //	                instead of the table
 //

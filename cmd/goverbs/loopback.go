@@ -155,7 +155,13 @@ func openSide(name, dev string, cfg benchConfig, maxSize int, closers *[]func() 
 		MTU:        cfg.mtu,
 		Timeout:    uint8(cfg.timeoutExp),
 	}
-	if !cfg.lat {
+	switch {
+	case cfg.inline >= 0:
+		spec.MaxInlineData = cfg.inline
+		if cfg.inline == 0 {
+			spec.MaxInlineData = -1
+		}
+	case !cfg.lat:
 		spec.MaxInlineData = -1
 	}
 	if s.qp, err = s.pd.NewRCQueuePair(spec); err != nil {

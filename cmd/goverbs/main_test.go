@@ -279,7 +279,7 @@ func TestBenchJSON(t *testing.T) {
 
 // A failed completion ends the run with an error that names the status.
 func TestBenchCompletionError(t *testing.T) {
-	cfg := benchConfig{op: "write", sizes: []int{64}, iters: 100, dev: verbs.SoftDevice, batch: 4, cqMod: 4, txDepth: 16, rxDepth: 16, badRKey: true}
+	cfg := benchConfig{op: "write", sizes: []int{64}, iters: 100, dev: verbs.SoftDevice, batch: 4, cqMod: 4, txDepth: 16, rxDepth: 16, inline: -1, badRKey: true}
 	err := bench(cfg, io.Discard)
 	var ce *verbs.CompletionError
 	if !errors.As(err, &ce) || ce.Status != verbs.StatusRemAccessErr {
@@ -308,6 +308,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"bench", "write", "--server", "-p", "0"}, exitUsage, "-p must be a TCP port"},
 		{[]string{"bench", "write", "--cq-mod", "200"}, exitUsage, "--cq-mod must be between 1 and --tx-depth"},
 		{[]string{"bench", "write", "-u", "32"}, exitUsage, "-u must be between 1 and 31"},
+		{[]string{"bench", "write", "-I", "5000"}, exitUsage, "-I must be between 0 and 1024"},
 		{[]string{"bench", "write", "--server", "--timeout", "0s"}, exitUsage, "--timeout must be positive"},
 		{[]string{"bench", "write", "--bind", "127.0.0.1", "127.0.0.1"}, exitUsage, "--bind is for --server"},
 		{[]string{"bench", "write", "-s", "abc"}, exitUsage, `invalid size "abc"`},
