@@ -67,11 +67,10 @@ func main() {
 
 // Exit statuses.
 const (
-	exitOK          = 0
-	exitFail        = 1
-	exitUsage       = 2
+	exitOK    = 0
+	exitFail  = 1
+	exitUsage = 2
 )
-
 
 // run runs the program with args; ln, if not nil, is the listener of the
 // rank's exchange address (like -listen-fd, for tests running ranks in
@@ -167,7 +166,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ln net.Li
 	fmt.Fprintf(stdout, "%sok\n", prefix)
 	return exitOK
 }
-
 
 func fail(stderr io.Writer, rank int, err error) int {
 	fmt.Fprintf(stderr, "network: rank %d: %v\n", rank, err)
