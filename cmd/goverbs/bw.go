@@ -74,21 +74,7 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 			if cfg.op == "send" && posted+k-b.recvs > b.recvPosted {
 				break
 			}
-			for j := range k {
-				id := uint64(posted + j + 1)
-				var r *verbs.Request
-				switch cfg.op {
-				case "write":
-					r = a.batch.Write(id, remote, local)
-				case "read":
-					r = a.batch.Read(id, remote, local)
-				default:
-					r = a.batch.Send(id, local)
-				}
-				if int(id)%cfg.cqMod == 0 || int(id) == iters {
-					r.Signaled()
-				}
-			}
+			queueBW(a.batch, &cfg, posted, k, iters, remote, local)
 			if err := a.batch.Submit(); err != nil {
 				return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
 			}
@@ -172,4 +158,25 @@ func (lb *loopback) verify(op string, size int) error {
 		}
 	}
 	return nil
+}
+
+// queueBW queues the bandwidth test's requests posted+1 .. posted+k of
+// iters on batch (ids are 1-based), signaling every cfg.cqMod-th one and
+// the last.
+func queueBW(batch *verbs.RCBatch, cfg *benchConfig, posted, k, iters int, remote verbs.RemoteAddr, local verbs.SGE) {
+	for j := range k {
+		id := uint64(posted + j + 1)
+		var r *verbs.Request
+		switch cfg.op {
+		case "write":
+			r = batch.Write(id, remote, local)
+		case "read":
+			r = batch.Read(id, remote, local)
+		default:
+			r = batch.Send(id, local)
+		}
+		if int(id)%cfg.cqMod == 0 || int(id) == iters {
+			r.Signaled()
+		}
+	}
 }

@@ -394,21 +394,7 @@ func (r *remote) streamBW(size int) (bwResult, error) {
 			if posted+k-completed > cfg.txDepth {
 				break
 			}
-			for j := range k {
-				id := uint64(posted + j + 1)
-				var rq *verbs.Request
-				switch cfg.op {
-				case "write":
-					rq = s.batch.Write(id, remote, local)
-				case "read":
-					rq = s.batch.Read(id, remote, local)
-				default:
-					rq = s.batch.Send(id, local)
-				}
-				if int(id)%cfg.cqMod == 0 || int(id) == iters {
-					rq.Signaled()
-				}
-			}
+			queueBW(s.batch, &cfg, posted, k, iters, remote, local)
 			if err := s.batch.Submit(); err != nil {
 				return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
 			}
