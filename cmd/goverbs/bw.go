@@ -54,14 +54,11 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 	b.recvs = 0
 
 	posted, completed := 0, 0
-	window := max(iters/16, 1)
-	nextMark := window
-	peak := 0.0
 	wd := newWatchdog(fmt.Sprintf("%s of %d bytes", cfg.op, size))
 
 	cgo0 := runtime.NumCgoCall()
 	start := time.Now()
-	markT, markN := start, 0
+	meter := newPeakMeter(start, iters, size)
 	for completed < iters || (cfg.op == "send" && b.recvs < iters) {
 		// Post as many batches as the send queue (and, for send, the
 		// receiver's posted receives) allow.
@@ -88,14 +85,7 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 		if n > 0 {
 			completed = int(a.lastWRID)
 			progress = true
-			if completed >= nextMark || completed == iters {
-				now := time.Now()
-				if dt := now.Sub(markT).Seconds(); dt > 0 {
-					peak = max(peak, float64(completed-markN)*float64(size)/dt/mb)
-				}
-				markT, markN = now, completed
-				nextMark = completed + window
-			}
+			meter.update(completed)
 		}
 		if cfg.op == "send" {
 			before := b.recvs
@@ -120,7 +110,7 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 	if err := lb.verify(cfg.op, size); err != nil {
 		return bwResult{}, err
 	}
-	res := bwStats(size, iters, elapsed, peak)
+	res := bwStats(size, iters, elapsed, meter.peak)
 	res.CgoPerMsg = float64(cgo) / float64(iters)
 	return res, nil
 }
@@ -179,4 +169,33 @@ func queueBW(batch *verbs.RCBatch, cfg *benchConfig, posted, k, iters int, remot
 			r.Signaled()
 		}
 	}
+}
+
+// peakMeter tracks perftest's BW peak: the best bandwidth over windows of
+// about a sixteenth of the iterations, sampled as completions arrive.
+type peakMeter struct {
+	iters, size  int
+	window, next int
+	markT        time.Time
+	markN        int
+	peak         float64 // MB/s
+}
+
+func newPeakMeter(start time.Time, iters, size int) peakMeter {
+	w := max(iters/16, 1)
+	return peakMeter{iters: iters, size: size, window: w, next: w, markT: start}
+}
+
+// update records that completed requests have completed; it reads the
+// clock only when a window ends.
+func (m *peakMeter) update(completed int) {
+	if completed < m.next && completed != m.iters {
+		return
+	}
+	now := time.Now()
+	if dt := now.Sub(m.markT).Seconds(); dt > 0 {
+		m.peak = max(m.peak, float64(completed-m.markN)*float64(m.size)/dt/mb)
+	}
+	m.markT, m.markN = now, completed
+	m.next = completed + m.window
 }

@@ -380,13 +380,10 @@ func (r *remote) streamBW(size int) (bwResult, error) {
 		remote = r.peer.Region.At(r.peer.SrcOffset)
 	}
 	posted, completed := 0, 0
-	window := max(iters/16, 1)
-	nextMark := window
-	peak := 0.0
 	wd := newWatchdog(fmt.Sprintf("%s of %d bytes", cfg.op, size))
 	cgo0 := runtime.NumCgoCall()
 	start := time.Now()
-	markT, markN := start, 0
+	meter := newPeakMeter(start, iters, size)
 	for completed < iters {
 		progress := false
 		for posted < iters {
@@ -408,14 +405,7 @@ func (r *remote) streamBW(size int) (bwResult, error) {
 		if n > 0 {
 			completed = int(s.lastWRID)
 			progress = true
-			if completed >= nextMark || completed == iters {
-				now := time.Now()
-				if dt := now.Sub(markT).Seconds(); dt > 0 {
-					peak = max(peak, float64(completed-markN)*float64(size)/dt/mb)
-				}
-				markT, markN = now, completed
-				nextMark = completed + window
-			}
+			meter.update(completed)
 		}
 		if progress {
 			wd.progress()
@@ -424,7 +414,7 @@ func (r *remote) streamBW(size int) (bwResult, error) {
 		}
 	}
 	elapsed := time.Since(start)
-	res := bwStats(size, iters, elapsed, peak)
+	res := bwStats(size, iters, elapsed, meter.peak)
 	res.CgoPerMsg = float64(runtime.NumCgoCall()-cgo0) / float64(iters)
 	return res, nil
 }
