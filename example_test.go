@@ -281,6 +281,51 @@ func ExampleRCQueuePair_PostWrite() {
 	// remote access error (remote error)
 }
 
+// Handing out a region: the target encodes dst.Remote() in 25 bytes and
+// sends them out of band; the initiator decodes them (UnmarshalBinary
+// rejects anything but one well-formed encoding) and writes into it.
+func ExampleRemoteRegion_MarshalBinary() {
+	l, err := newLoopback()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer l.Close()
+	dst, err := l.alloc(4096, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
+	if err != nil {
+		log.Fatal(err)
+	}
+	msg, err := dst.Remote().MarshalBinary() // the target's side
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(len(msg), "bytes")
+
+	var remote verbs.RemoteRegion // the initiator's side
+	if err := remote.UnmarshalBinary(msg); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("region of", remote.Len, "bytes")
+	src, err := l.alloc(64, verbs.AccessLocalWrite)
+	if err != nil {
+		log.Fatal(err)
+	}
+	n := copy(src.Bytes(), "hello")
+	if err := l.a.PostWrite(1, verbs.Signaled, remote.At(0), src.SGE(0, n)); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := wait(l.cqA); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Printf("%q\n", dst.Bytes()[:n])
+
+	fmt.Println(remote.UnmarshalBinary(msg[:20]))
+	// Output:
+	// 25 bytes
+	// region of 4096 bytes
+	// "hello"
+	// verbs: remote region: 20 bytes, want 25
+}
+
 // RDMA read: fetch bytes of a remote region into local memory.
 func ExampleRCQueuePair_PostRead() {
 	l, err := newLoopback()

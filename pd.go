@@ -1,7 +1,10 @@
 package verbs
 
 import (
+	"encoding/binary"
+	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"unsafe"
 
@@ -217,6 +220,8 @@ type SGE struct {
 }
 
 // RemoteRegion is a peer's memory region as handed out by MemoryRegion.Remote.
+// Exchange it out of band: it marshals to a compact binary form
+// (MarshalBinary, AppendBinary) and to JSON.
 type RemoteRegion struct {
 	Addr uint64 `json:"addr"`
 	Len  uint64 `json:"len"`
@@ -228,6 +233,73 @@ type RemoteRegion struct {
 // access error.
 func (r RemoteRegion) At(off uint64) RemoteAddr {
 	return RemoteAddr{Addr: r.Addr + off, RKey: r.RKey}
+}
+
+// The binary encoding of a RemoteRegion: magic "GVRR", version, then
+// Addr, Len and RKey in network byte order.
+const (
+	remoteRegionMagic   = "GVRR"
+	remoteRegionVersion = 1
+	remoteRegionSize    = 4 + 1 + 8 + 8 + 4
+)
+
+// validate checks what every registered region satisfies: it is not
+// empty (Alloc and Register refuse empty memory) and does not wrap
+// around the end of the address space.
+func (r RemoteRegion) validate() error {
+	switch {
+	case r.Len == 0:
+		return errors.New("empty region")
+	case r.Addr > math.MaxUint64-r.Len:
+		return fmt.Errorf("region of %d bytes at %#x wraps around the address space", r.Len, r.Addr)
+	}
+	return nil
+}
+
+// AppendBinary implements encoding.BinaryAppender: it appends the
+// region's binary encoding (see MarshalBinary) to b. It allocates only
+// when b lacks the capacity, and on error returns b unchanged.
+func (r RemoteRegion) AppendBinary(b []byte) ([]byte, error) {
+	if err := r.validate(); err != nil {
+		return b, fmt.Errorf("verbs: remote region: %w", err)
+	}
+	b = append(b, remoteRegionMagic...)
+	b = append(b, remoteRegionVersion)
+	b = binary.BigEndian.AppendUint64(b, r.Addr)
+	b = binary.BigEndian.AppendUint64(b, r.Len)
+	return binary.BigEndian.AppendUint32(b, r.RKey), nil
+}
+
+// MarshalBinary encodes the region in 25 bytes (magic "GVRR", version,
+// Addr, Len and RKey in network byte order), for a peer to decode with
+// UnmarshalBinary. An empty region, or one that wraps around the address
+// space, is an error.
+func (r RemoteRegion) MarshalBinary() ([]byte, error) {
+	return r.AppendBinary(make([]byte, 0, remoteRegionSize))
+}
+
+// UnmarshalBinary decodes and validates a region encoded by MarshalBinary.
+// data must be exactly one encoding; on error r is unchanged.
+func (r *RemoteRegion) UnmarshalBinary(data []byte) error {
+	if len(data) != remoteRegionSize {
+		return fmt.Errorf("verbs: remote region: %d bytes, want %d", len(data), remoteRegionSize)
+	}
+	if string(data[:4]) != remoteRegionMagic {
+		return fmt.Errorf("verbs: remote region: bad magic %q", data[:4])
+	}
+	if v := data[4]; v != remoteRegionVersion {
+		return fmt.Errorf("verbs: remote region: version %d not supported (want %d)", v, remoteRegionVersion)
+	}
+	v := RemoteRegion{
+		Addr: binary.BigEndian.Uint64(data[5:]),
+		Len:  binary.BigEndian.Uint64(data[13:]),
+		RKey: binary.BigEndian.Uint32(data[21:]),
+	}
+	if err := v.validate(); err != nil {
+		return fmt.Errorf("verbs: remote region: %w", err)
+	}
+	*r = v
+	return nil
 }
 
 // RemoteAddr is the target of an RDMA read, write or atomic.
