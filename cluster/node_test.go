@@ -54,20 +54,15 @@ func (m *member) publish(n *cluster.Node) ([]byte, error) {
 	}
 	m.mr = mr
 	n.OnClose(mr.Close)
-	r := mr.Remote()
-	b := binary.LittleEndian.AppendUint64(nil, r.Addr)
-	b = binary.LittleEndian.AppendUint64(b, r.Len)
-	return binary.LittleEndian.AppendUint32(b, r.RKey), nil
+	return mr.Remote().MarshalBinary()
 }
 
 func (m *member) close() error { return m.node.Close() }
 
 func remoteOf(b []byte) (verbs.RemoteRegion, error) {
-	if len(b) != 20 {
-		return verbs.RemoteRegion{}, fmt.Errorf("peer data of %d bytes", len(b))
-	}
-	return verbs.RemoteRegion{Addr: binary.LittleEndian.Uint64(b), Len: binary.LittleEndian.Uint64(b[8:]),
-		RKey: binary.LittleEndian.Uint32(b[16:])}, nil
+	var r verbs.RemoteRegion
+	err := r.UnmarshalBinary(b)
+	return r, err
 }
 
 // joinWorld runs Join for every rank of a loopback world in goroutines

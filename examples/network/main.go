@@ -197,10 +197,7 @@ func (e *example) prepare(n *cluster.Node) ([]byte, error) {
 	}
 	e.mr = mr
 	n.OnClose(mr.Close)
-	r := mr.Remote()
-	b := binary.LittleEndian.AppendUint64(nil, r.Addr)
-	b = binary.LittleEndian.AppendUint64(b, r.Len)
-	return binary.LittleEndian.AppendUint32(b, r.RKey), nil
+	return mr.Remote().MarshalBinary()
 }
 
 func (e *example) close() {
@@ -238,11 +235,10 @@ func (e *example) exercise(ctx context.Context, barriers int, alg cluster.Barrie
 		if j == me {
 			continue
 		}
-		d := n.PeerData(j)
-		if len(d) != 20 {
-			return false, fmt.Errorf("rank %d published %d bytes, want 20", j, len(d))
+		var r verbs.RemoteRegion
+		if err := r.UnmarshalBinary(n.PeerData(j)); err != nil {
+			return false, fmt.Errorf("rank %d's region: %w", j, err)
 		}
-		r := verbs.RemoteRegion{Addr: binary.LittleEndian.Uint64(d), Len: binary.LittleEndian.Uint64(d[8:]), RKey: binary.LittleEndian.Uint32(d[16:])}
 		binary.LittleEndian.PutUint64(src.Bytes()[8*j:], word(me, j))
 		peers = append(peers, j)
 		dsts = append(dsts, r.At(uint64(8*me)))
