@@ -160,7 +160,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ln net.Li
 	prefix := fmt.Sprintf("rank %d/%d: ", node.Rank(), node.Size())
 	dev := node.PD().Context().Name()
 	fmt.Fprintf(stdout, "%sconnected (device %s, %v exchange)\n", prefix, dev, m)
-	if _, err := ex.exercise(ctx, *barriers, alg, stdout, prefix); err != nil {
+	if err := ex.exercise(ctx, *barriers, alg, stdout, prefix); err != nil {
 		return fail(stderr, node.Rank(), err)
 	}
 	fmt.Fprintf(stdout, "%sok\n", prefix)
@@ -209,13 +209,12 @@ func (e *example) close() {
 // word is what rank i writes to rank j.
 func word(i, j int) uint64 { return uint64(i)<<32 | uint64(j) }
 
-// exercise runs the barriers and the all-to-all write. first reports
-// whether the error (if any) came from the first RDMA operation.
-func (e *example) exercise(ctx context.Context, barriers int, alg cluster.BarrierAlgorithm, out io.Writer, prefix string) (first bool, err error) {
+// exercise runs the barriers and the all-to-all write.
+func (e *example) exercise(ctx context.Context, barriers int, alg cluster.BarrierAlgorithm, out io.Writer, prefix string) error {
 	n := e.node
 	for i := range barriers {
 		if err := n.Barrier(ctx, nil); err != nil {
-			return i == 0, fmt.Errorf("barrier %d: %w", i, err)
+			return fmt.Errorf("barrier %d: %w", i, err)
 		}
 	}
 	fmt.Fprintf(out, "%s%d barriers (%v) done\n", prefix, barriers, alg)
@@ -224,7 +223,7 @@ func (e *example) exercise(ctx context.Context, barriers int, alg cluster.Barrie
 	me, size := n.Rank(), n.Size()
 	src, err := n.PD().Alloc(8*size, verbs.AccessLocalWrite)
 	if err != nil {
-		return false, err
+		return err
 	}
 	defer src.Close()
 	binary.LittleEndian.PutUint64(e.mr.Bytes()[8*me:], word(me, me))
@@ -237,7 +236,7 @@ func (e *example) exercise(ctx context.Context, barriers int, alg cluster.Barrie
 		}
 		var r verbs.RemoteRegion
 		if err := r.UnmarshalBinary(n.PeerData(j)); err != nil {
-			return false, fmt.Errorf("rank %d's region: %w", j, err)
+			return fmt.Errorf("rank %d's region: %w", j, err)
 		}
 		binary.LittleEndian.PutUint64(src.Bytes()[8*j:], word(me, j))
 		peers = append(peers, j)
@@ -246,12 +245,12 @@ func (e *example) exercise(ctx context.Context, barriers int, alg cluster.Barrie
 	}
 	if len(peers) > 0 {
 		if err := n.Channel().ScatterWrite(ctx, peers, dsts, sges); err != nil {
-			return barriers == 0, fmt.Errorf("all-to-all write: %w", err)
+			return fmt.Errorf("all-to-all write: %w", err)
 		}
 	}
 	// After this barrier every rank's writes to this one have completed.
 	if err := n.Barrier(ctx, nil); err != nil {
-		return false, fmt.Errorf("barrier after the writes: %w", err)
+		return fmt.Errorf("barrier after the writes: %w", err)
 	}
 	var got []string
 	var bad []string
@@ -270,7 +269,7 @@ func (e *example) exercise(ctx context.Context, barriers int, alg cluster.Barrie
 	}
 	fmt.Fprintf(out, "%sall-to-all write: received %s\n", prefix, strings.Join(got, ", "))
 	if len(bad) > 0 {
-		return false, fmt.Errorf("all-to-all write: %s", strings.Join(bad, "; "))
+		return fmt.Errorf("all-to-all write: %s", strings.Join(bad, "; "))
 	}
-	return false, nil
+	return nil
 }
