@@ -34,10 +34,13 @@ import (
 // RETRY_EXC_ERR, as on a RC QP whose peer stopped answering. UC and UD
 // requests get no response.
 //
-// Responses. One goroutine per connection reads frames. It runs every
+// Responses. One goroutine per connection reads frames, unless an
+// application's CQ poll does it in its place (progress.go). It runs every
 // request from the peer at the target QP (qp.respond, which does the rkey,
-// bounds, access and PSN checks: the payload is in a buffer of this
-// process, so memory outside an MR is never touched), answers it, and hands
+// bounds, access and PSN checks on a private copy of the header, so memory
+// outside an MR is never touched; the payload is in a buffer of this
+// process, or on shared memory read in place from the ring, where the
+// peer can change its bytes but not its length), answers it, and hands
 // responses and wake-ups to the waiting requesters. It never waits for the
 // peer: a frame it sends is written without blocking as far as the socket
 // takes it, and the rest is queued for a flusher goroutine. So two
@@ -80,7 +83,9 @@ type conn struct {
 	qbytes int
 	qwake  chan struct{}
 
-	// Reader state (the reader goroutine only).
+	// Reader state (the reader goroutine, or on shared memory whoever
+	// holds rmu).
+	pollState
 	rhdr  [hdrLen + respBodyLen]byte
 	rbufs [2][]byte
 	resps []byte // responses held back (see readLoop)
@@ -119,6 +124,7 @@ var errConnDown = errors.New("soft: connection to the peer process lost")
 func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn, shm *shmLink) *conn {
 	c := &conn{s: s, f: s.f, kind: kind, peerFab: peerFab, peerPID: peerPID, nc: nc, shm: shm,
 		done: make(chan struct{}), qwake: make(chan struct{}, 1), wakers: map[uint32]*remoteWaker{}}
+	c.kick = make(chan struct{}, 1)
 	if tc, ok := nc.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
@@ -129,6 +135,10 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 	c.resps = make([]byte, 0, 64*(hdrLen+respBodyLen))
 	if shm != nil {
 		c.imports = map[uint32]*mrImport{}
+		c.rx = shm
+	} else if c.raw != nil {
+		c.sock = newSockRx(nc, c.raw)
+		c.rx = c.sock
 	}
 	return c
 }
@@ -470,11 +480,11 @@ func (c *conn) tryWriteFD(fd uintptr) bool {
 
 // readLoop reads and handles frames until the connection fails.
 func (c *conn) readLoop() {
-	var src io.Reader = c.nc
-	if c.shm != nil {
-		src = c.shm
+	if c.rx != nil {
+		c.rxLoop()
+		return
 	}
-	r := bufio.NewReaderSize(src, 256<<10)
+	r := bufio.NewReaderSize(c.nc, 256<<10)
 	var hb [hdrLen]byte
 	var body [reqBodyLen]byte
 	for !c.dead.Load() {

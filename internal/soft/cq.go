@@ -83,6 +83,17 @@ func (c *cq) overflowLocked() {
 // Poll fills dst with up to len(dst) completions. After an overflow it
 // fails with an error wrapping EOVERFLOW.
 func (c *cq) Poll(dst []prov.Completion) (int, error) {
+	n, err := c.poll(dst)
+	if n == 0 && err == nil {
+		// Empty: handle what waits in shared memory (progress.go).
+		if s := c.ctx.f.svc.Load(); s != nil && s.pc.poll() {
+			n, err = c.poll(dst)
+		}
+	}
+	return n, err
+}
+
+func (c *cq) poll(dst []prov.Completion) (int, error) {
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
@@ -115,6 +126,9 @@ func (c *cq) Arm(solicitedOnly bool) error {
 	}
 	if c.ch == nil {
 		return errnof(einval, "arm cq: the CQ has no completion channel")
+	}
+	if s := c.ctx.f.svc.Load(); s != nil {
+		s.pc.pollersGone() // the application is about to sleep
 	}
 	if solicitedOnly {
 		if c.armed != armNext {

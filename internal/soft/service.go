@@ -54,6 +54,7 @@ type service struct {
 	closed bool
 	peers  map[peerKey]*peer
 	conns  map[*conn]struct{}
+	pc     pollConns      // the shared-memory ones, for polls
 	wg     sync.WaitGroup // every goroutine of the service
 }
 
@@ -208,6 +209,7 @@ func (s *service) addConn(c *conn) bool {
 		return false
 	}
 	s.conns[c] = struct{}{}
+	s.pc.set(s.conns)
 	loops := []func(){c.readLoop, c.flushLoop}
 	if c.shm != nil {
 		loops = append(loops, c.watchSocket)
@@ -230,10 +232,12 @@ func (s *service) addConn(c *conn) bool {
 			defer s.wg.Done()
 			<-c.done
 			c.loops.Wait()
+			c.rmu.Lock() // pollers
 			c.unmapImports()
 			c.wmu.Lock()
 			c.shm.unmap()
 			c.wmu.Unlock()
+			c.rmu.Unlock()
 		}()
 	}
 	return true
@@ -242,6 +246,7 @@ func (s *service) addConn(c *conn) bool {
 func (s *service) removeConn(c *conn) {
 	s.mu.Lock()
 	delete(s.conns, c)
+	s.pc.set(s.conns)
 	s.mu.Unlock()
 }
 

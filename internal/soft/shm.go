@@ -125,6 +125,43 @@ func (r *ring) get(p []byte) (int, error) {
 	return n, nil
 }
 
+// avail is how many bytes the consumer may read.
+func (r *ring) avail() (uint64, error) {
+	a := atomic.LoadUint64(r.tail) - r.pos
+	if a > ringCap {
+		return 0, errRingCorrupt
+	}
+	return a, nil
+}
+
+// peek copies the len(p) bytes at off past the consumer's position, which
+// the caller knows are available, without consuming them.
+func (r *ring) peek(off uint64, p []byte) {
+	pos := r.pos + off
+	for n := 0; n < len(p); {
+		k := copy(p[n:], r.data[pos&(ringCap-1):])
+		n += k
+		pos += uint64(k)
+	}
+}
+
+// contiguous returns the n available bytes at off past the consumer's
+// position if they do not wrap around the end of the ring. They stay
+// valid until skip consumes them.
+func (r *ring) contiguous(off, n uint64) ([]byte, bool) {
+	o := (r.pos + off) & (ringCap - 1)
+	if o+n > ringCap {
+		return nil, false
+	}
+	return r.data[o : o+n : o+n], true
+}
+
+// skip consumes n available bytes.
+func (r *ring) skip(n uint64) {
+	r.pos += n
+	atomic.StoreUint64(r.head, r.pos)
+}
+
 // shmLink is the shared-memory part of a connection.
 type shmLink struct {
 	seg     []byte

@@ -6,7 +6,10 @@ import (
 	"io"
 	"net"
 	"os"
+	"syscall"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/goverbs/verbs/internal/prov"
 )
@@ -190,43 +193,152 @@ func BenchmarkRawStream(b *testing.B) {
 }
 
 // BenchmarkXprocSendRTT: an 8-byte send from A to B answered by an 8-byte
-// send from B to A. One goroutine drives both sides and sleeps in the
-// completion channels while it waits, as the baseline's goroutines sleep
-// in their reads (spinning would measure the host's scheduler). Baseline:
-// BenchmarkRawPingPong.
+// send from B to A. One goroutine drives both sides. As in perftest's
+// ib_send_lat, every 16th send is signaled and send completions are
+// reaped as they come; an iteration waits for its two receives. With
+// wait=sleep the goroutine sleeps in the completion channels while it
+// waits, as the baseline's goroutines sleep in their reads; with
+// wait=spin it polls the CQs, as an RDMA application on its latency path
+// does, which lets the polls carry the messages (progress.go). Baselines:
+// BenchmarkRawPingPong (sleeping) and BenchmarkRawSpinPingPong (spinning).
 func BenchmarkXprocSendRTT(b *testing.B) {
-	for _, kind := range xprocKinds {
-		b.Run(kind, func(b *testing.B) {
-			forceTransport(b, kind)
-			e := newEnv(b)
-			qa, cqa, cha := xprocSide(b, e)
-			qb, cqb, chb := xprocSide(b, e)
-			connectOne(b, qa, qb, prov.QPTypeRC, defaultConn())
-			connectOne(b, qb, qa, prov.QPTypeRC, defaultConn())
-			m := e.alloc(4096, allAccess)
-			swr := []prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}
-			rwr := []prov.RecvWR{{NumSGE: 1}}
-			sg := []prov.SGE{m.sge(0, 8)}
-			rsg := []prov.SGE{m.sge(1024, 8)}
-			var dst [4]prov.Completion
-			wait := func(cq prov.CQ, ch prov.CompChannel, n int) { waitCQ(b, cq, ch, dst[:], n) }
-			rtt := func() {
-				qb.PostRecv(rwr, rsg)
-				qa.PostRecv(rwr, rsg)
-				qa.PostSend(swr, sg)
-				wait(cqb, chb, 1) // B's receive
-				qb.PostSend(swr, sg)
-				wait(cqa, cha, 2) // A's send and receive
-				wait(cqb, chb, 1) // B's send
+	for _, mode := range []string{"sleep", "spin"} {
+		for _, kind := range xprocKinds {
+			b.Run(fmt.Sprintf("wait=%s/%s", mode, kind), func(b *testing.B) { benchSendRTT(b, kind, mode == "spin") })
+		}
+	}
+}
+
+// rttSide is one side of BenchmarkXprocSendRTT.
+type rttSide struct {
+	qp      prov.QP
+	cq      prov.CQ
+	ch      prov.CompChannel
+	pending int // signaled sends not completed yet
+	recvs   int // receives completed, not consumed
+}
+
+func benchSendRTT(b *testing.B, kind string, spin bool) {
+	forceTransport(b, kind)
+	e := newEnv(b)
+	var a, z rttSide
+	a.qp, a.cq, a.ch = xprocSide(b, e)
+	z.qp, z.cq, z.ch = xprocSide(b, e)
+	connectOne(b, a.qp, z.qp, prov.QPTypeRC, defaultConn())
+	connectOne(b, z.qp, a.qp, prov.QPTypeRC, defaultConn())
+	m := e.alloc(4096, allAccess)
+	swr := []prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1}}
+	rwr := []prov.RecvWR{{NumSGE: 1}}
+	sg := []prov.SGE{m.sge(0, 8)}
+	rsg := []prov.SGE{m.sge(1024, 8)}
+	var dst [8]prov.Completion
+	reap := func(s *rttSide) int {
+		k, err := s.cq.Poll(dst[:])
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, c := range dst[:k] {
+			if c.Status != prov.StatusSuccess {
+				b.Fatalf("%+v", c)
 			}
-			rtt()
-			b.ReportAllocs()
+			if c.Opcode == prov.WCRecv {
+				s.recvs++
+			} else {
+				s.pending--
+			}
+		}
+		return k
+	}
+	// wait reaps s's completions until one of its receives completed.
+	wait := func(s *rttSide) {
+		for s.recvs == 0 {
+			if reap(s) > 0 || spin {
+				continue
+			}
+			s.cq.Arm(false)
+			if reap(s) == 0 {
+				if _, err := s.ch.Wait(context.Background()); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		s.recvs--
+	}
+	send := func(s *rttSide, i int) {
+		swr[0].Flags = 0
+		if i%16 == 15 {
+			swr[0].Flags = prov.SendSignaled
+			s.pending++
+		}
+		if n, err := s.qp.PostSend(swr, sg); err != nil || n != 1 {
+			b.Fatalf("post send: %d %v", n, err)
+		}
+	}
+	i := 0
+	rtt := func() {
+		z.qp.PostRecv(rwr, rsg)
+		a.qp.PostRecv(rwr, rsg)
+		send(&a, i)
+		wait(&z)
+		send(&z, i)
+		wait(&a)
+		i++
+	}
+	rtt()
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		rtt()
+	}
+	b.StopTimer()
+	for _, s := range []*rttSide{&a, &z} {
+		for s.pending > 0 {
+			reap(s)
+		}
+	}
+}
+
+// BenchmarkRawSpinPingPong is the spinning baseline of
+// BenchmarkXprocSendRTT: 8 bytes over a loopback socket and back, both
+// ends reading without blocking in a loop (one goroutine drives both, as
+// in BenchmarkXprocSendRTT/wait=spin).
+func BenchmarkRawSpinPingPong(b *testing.B) {
+	for _, kind := range rawKinds {
+		b.Run(kind, func(b *testing.B) {
+			c1, c2 := socketPair(b, kind)
+			r1, r2 := rawOf(b, c1), rawOf(b, c2)
+			var p [8]byte
+			spinRead := func(rc syscall.RawConn) {
+				for n := 0; n < len(p); {
+					var k int
+					var err error
+					rc.Control(func(fd uintptr) { k, err = unix.Read(int(fd), p[n:]) })
+					if err == unix.EAGAIN {
+						continue
+					}
+					if err != nil || k == 0 {
+						b.Fatal("read:", err)
+					}
+					n += k
+				}
+			}
 			b.ResetTimer()
 			for b.Loop() {
-				rtt()
+				c1.Write(p[:])
+				spinRead(r2)
+				c2.Write(p[:])
+				spinRead(r1)
 			}
 		})
 	}
+}
+
+func rawOf(tb testing.TB, c net.Conn) syscall.RawConn {
+	rc, err := c.(syscall.Conn).SyscallConn()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return rc
 }
 
 // BenchmarkRawPingPong is the baseline of BenchmarkXprocSendRTT: 8 bytes

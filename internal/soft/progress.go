@@ -1,0 +1,443 @@
+package soft
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Progress driven by polling (shared-memory connections).
+//
+// A process that polls a CQ wants its completions now, and a NIC would
+// have produced them without waking anybody. So a Poll that finds its CQ
+// empty first handles the complete frames waiting in the inbound rings of
+// the process' shared-memory connections itself (service.poll): requests
+// run at their target QP and are answered, responses complete their
+// requests, exactly as the connection's reader goroutine would do it, but
+// without the two wake-ups (the reader's, then the poller's) that a
+// message costs otherwise. Whoever holds the connection's rmu is its
+// consumer: the reader, or one poller (which only tries the lock, so Poll
+// never waits for another goroutine).
+//
+// While applications poll, the reader stays out of their way: seeing the
+// poll count move, it sleeps on a timer (pollerGrace) instead of its
+// eventfd, so producers find no sleeper to wake and make no system call.
+// When the polling stops the reader takes over again within pollerGrace;
+// an application that arms a CQ to sleep on its channel (cq.Arm) ends the
+// grace at once (service.pollersGone), and no grace starts for the polls
+// before the arm, so a message for a sleeping application does not wait
+// for the timer.
+
+// pollerGrace is how long the reader leaves a ring to the pollers after
+// it saw them poll.
+const pollerGrace = 200 * time.Microsecond
+
+// pollState is the polling part of a connection.
+type pollState struct {
+	rmu     sync.Mutex    // the right to consume the inbound ring
+	polls   atomic.Uint64 // polls so far (a hint for the reader)
+	grace   atomic.Bool   // the reader sleeps on its timer
+	armedAt atomic.Uint64 // polls when a CQ was last armed: no grace for those
+	bigWait atomic.Bool   // a frame waits for the reader to stream it: no grace
+	kick    chan struct{} // ends the reader's grace
+	rx      rxSource      // the inbound bytes (rmu)
+	sock    *sockRx       // rx of a socket connection
+	big     bool          // the next frame is larger than rx holds (rmu)
+	seen    uint64        // shared memory: the ring's tail drain last saw (rmu)
+
+	rxHdr  [hdrLen]byte // drain's (rmu)
+	rxBody [reqBodyLen]byte
+}
+
+// poll handles the complete frames that have arrived unless another
+// goroutine is at it. It reports whether it handled any.
+func (c *conn) poll() bool {
+	c.polls.Add(1)
+	if !c.rmu.TryLock() {
+		return false
+	}
+	// A shared-memory segment stays mapped while rmu is held and the
+	// connection is up (see service.addConn).
+	if c.dead.Load() {
+		c.rmu.Unlock()
+		return false
+	}
+	n, err := c.drain()
+	c.flushResps()
+	if c.big && !c.bigWait.Load() {
+		// Only the reader streams a frame this large: no grace for it.
+		c.bigWait.Store(true)
+		c.kickReader()
+	}
+	c.rmu.Unlock()
+	if err != nil {
+		c.fail(err)
+	}
+	return n > 0
+}
+
+// drain handles the complete frames that have arrived (rmu held) and
+// returns how many. c.seen is left at the ring's tail it last saw; c.big
+// is set when the next frame is larger than the source can hold, and the
+// reader must stream it.
+func (c *conn) drain() (n int, err error) {
+	src := c.rx
+	hb, body := &c.rxHdr, &c.rxBody
+	filled := false
+	for !c.dead.Load() {
+		a, err := src.avail()
+		if err != nil {
+			return n, fmt.Errorf("soft: connection to process %d: %w", c.peerPID, err)
+		}
+		if c.shm != nil {
+			c.seen = c.shm.in.pos + a
+		}
+		complete := false
+		var h frameHdr
+		if a >= hdrLen {
+			src.peek(0, hb[:])
+			h, err = parseHdr(hb[:])
+			if err == nil {
+				err = c.checkType(h)
+			}
+			if err != nil {
+				return n, fmt.Errorf("soft: malformed frame from process %d: %w", c.peerPID, err)
+			}
+			need := uint64(hdrLen) + uint64(h.length)
+			complete = a >= need
+			if c.big = need > src.room(); c.big {
+				return n, nil
+			}
+		}
+		if !complete {
+			if filled {
+				return n, nil
+			}
+			if err := src.fill(); err != nil {
+				return n, readErr(c, err)
+			}
+			filled = true
+			continue
+		}
+		// One read per drain unless it filled the buffer: the next poll
+		// takes what came since.
+		filled = filled && !src.more()
+		bl := bodyLen(h)
+		src.peek(hdrLen, body[:bl])
+		var payload []byte
+		pooled := false
+		if plen := uint64(h.length) - uint64(bl); plen > 0 {
+			// A request's payload is used in place (the responder copies
+			// it before the space is released); a response's is taken
+			// over by the requester, so it is copied.
+			var ok bool
+			if h.typ == frReq {
+				payload, ok = src.contiguous(uint64(hdrLen+bl), plen)
+			}
+			if !ok {
+				payload = getBuf(int(plen))
+				src.peek(uint64(hdrLen+bl), payload)
+				pooled = true
+			}
+		}
+		err = c.handle(h, body[:bl], &payload)
+		if pooled {
+			putBuf(payload)
+		}
+		src.skip(uint64(hdrLen) + uint64(h.length))
+		n++
+		if err != nil {
+			return n, fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
+		}
+	}
+	return n, nil
+}
+
+// streamFrame reads and handles the next frame, which is larger than the
+// source can hold, waiting for the peer to write it (rmu held).
+func (c *conn) streamFrame() error {
+	c.big = false
+	var hb [hdrLen]byte
+	var body [reqBodyLen]byte
+	if _, err := io.ReadFull(c.rx, hb[:]); err != nil {
+		return readErr(c, err)
+	}
+	h, err := parseHdr(hb[:])
+	if err != nil {
+		return fmt.Errorf("soft: malformed frame from process %d: %w", c.peerPID, err)
+	}
+	bl := bodyLen(h)
+	if _, err := io.ReadFull(c.rx, body[:bl]); err != nil {
+		return readErr(c, err)
+	}
+	payload, err := readPayload(c.rx, int(h.length)-bl)
+	if err != nil {
+		return readErr(c, err)
+	}
+	err = c.handle(h, body[:bl], &payload)
+	putBuf(payload)
+	if err != nil {
+		return fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
+	}
+	return nil
+}
+
+// rxLoop is the reader of a connection: it handles frames whenever no
+// poller does, until the connection fails.
+func (c *conn) rxLoop() {
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	var lastPolls uint64
+	for !c.dead.Load() {
+		c.rmu.Lock()
+		if c.dead.Load() {
+			c.rmu.Unlock()
+			return
+		}
+		_, err := c.drain()
+		if err == nil && c.big {
+			c.bigWait.Store(false)
+			err = c.streamFrame()
+			if c.shm != nil {
+				c.seen = c.shm.in.pos
+			}
+		}
+		c.flushResps()
+		seen := c.seen
+		c.rmu.Unlock()
+		if err != nil {
+			c.fail(err)
+			return
+		}
+		if err := c.waitRx(seen, &lastPolls, timer); err != nil {
+			c.fail(readErr(c, err))
+			return
+		}
+	}
+}
+
+// waitRx waits until more bytes arrive (on shared memory: until the
+// ring's tail moves past seen): on the grace timer while pollers are
+// active, else spinning a little and then on the eventfd, or on the
+// socket.
+func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
+	for spins := 0; ; spins++ {
+		if c.dead.Load() || c.shm != nil && atomic.LoadUint64(c.shm.in.tail) != seen {
+			return nil
+		}
+		if c.shm != nil && spins < 64 {
+			continue
+		}
+		if p := c.polls.Load(); p != *lastPolls && p != c.armedAt.Load() && !c.bigWait.Load() {
+			*lastPolls = p
+			c.grace.Store(true)
+			timer.Reset(pollerGrace)
+			select {
+			case <-timer.C:
+			case <-c.kick:
+				timer.Stop()
+				*lastPolls = c.polls.Load()
+			case <-c.done:
+			}
+			c.grace.Store(false)
+			continue
+		}
+		if c.shm == nil {
+			return c.sock.waitReadable()
+		}
+		in := &c.shm.in
+		atomic.StoreUint32(in.sleep, 1)
+		if atomic.LoadUint64(in.tail) != seen {
+			atomic.StoreUint32(in.sleep, 0)
+			return nil
+		}
+		var b [8]byte
+		if _, err := c.shm.efdIn.Read(b[:]); err != nil {
+			return err
+		}
+	}
+}
+
+// endGrace wakes the reader from its grace: the pollers stopped.
+func (c *conn) endGrace() {
+	c.armedAt.Store(c.polls.Load())
+	c.kickReader()
+}
+
+func (c *conn) kickReader() {
+	if c.grace.Load() {
+		select {
+		case c.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// pollConns is the set of connections that polls drive.
+type pollConns struct {
+	list atomic.Pointer[[]*conn]
+}
+
+// set publishes the connections (service.mu held).
+func (p *pollConns) set(conns map[*conn]struct{}) {
+	l := make([]*conn, 0, len(conns))
+	for c := range conns {
+		if c.rx != nil {
+			l = append(l, c)
+		}
+	}
+	p.list.Store(&l)
+}
+
+// poll drives every connection once; it reports whether
+// any frame was handled.
+func (p *pollConns) poll() bool {
+	l := p.list.Load()
+	if l == nil {
+		return false
+	}
+	any := false
+	for _, c := range *l {
+		if c.poll() {
+			any = true
+		}
+	}
+	return any
+}
+
+// pollersGone ends the readers' grace: an application is about to sleep.
+func (p *pollConns) pollersGone() {
+	if l := p.list.Load(); l != nil {
+		for _, c := range *l {
+			c.endGrace()
+		}
+	}
+}
+
+// rxSource is the consumer's view of a connection's inbound bytes: the
+// ring of a shared-memory connection, or the receive buffer of a socket.
+type rxSource interface {
+	io.Reader                                // blocking, for frames larger than the source holds
+	fill() error                             // takes in what arrived, without waiting
+	avail() (uint64, error)                  // bytes available
+	peek(off uint64, p []byte)               // copies available bytes without consuming them
+	contiguous(off, n uint64) ([]byte, bool) // available bytes in place, valid until skip
+	skip(n uint64)                           // consumes available bytes
+	room() uint64                            // the most it can hold
+	more() bool                              // the last fill may have left bytes behind
+}
+
+func (l *shmLink) fill() error                             { return nil }
+func (l *shmLink) avail() (uint64, error)                  { return l.in.avail() }
+func (l *shmLink) peek(off uint64, p []byte)               { l.in.peek(off, p) }
+func (l *shmLink) contiguous(off, n uint64) ([]byte, bool) { return l.in.contiguous(off, n) }
+func (l *shmLink) skip(n uint64)                           { l.in.skip(n) }
+func (l *shmLink) room() uint64                            { return ringCap }
+func (l *shmLink) more() bool                              { return true }
+
+// sockRx is the receive buffer of a socket connection: bytes [r:w) of buf
+// are unconsumed.
+type sockRx struct {
+	nc   net.Conn
+	raw  syscall.RawConn
+	buf  []byte
+	r, w int
+
+	fillFn func(fd uintptr)
+	fillN  int
+	fillE  error
+	full   bool // the last fill filled buf
+	peekFn func(fd uintptr) bool
+}
+
+const sockRxSize = 256 << 10
+
+func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
+	x := &sockRx{nc: nc, raw: raw, buf: make([]byte, sockRxSize)}
+	x.fillFn = x.readFD
+	x.peekFn = x.peekFD
+	return x
+}
+
+// readFD reads what the (non-blocking) socket holds into the free end of
+// buf, once. It runs under raw.Control, not raw.Read: the reader holds
+// the descriptor's read lock while it waits in waitReadable.
+func (x *sockRx) readFD(fd uintptr) {
+	for {
+		n, err := unix.Read(int(fd), x.buf[x.w:])
+		if err == unix.EINTR {
+			continue
+		}
+		x.fillN, x.fillE = n, err
+		return
+	}
+}
+
+// peekFD reports whether the socket is readable (or at its end): a false
+// makes raw.Read wait for it.
+func (x *sockRx) peekFD(fd uintptr) bool {
+	var b [1]byte
+	for {
+		_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		if err == unix.EINTR {
+			continue
+		}
+		return err != unix.EAGAIN
+	}
+}
+
+func (x *sockRx) fill() error {
+	if x.r == x.w {
+		x.r, x.w = 0, 0
+	} else if x.w == len(x.buf) && x.r > 0 {
+		x.w = copy(x.buf, x.buf[x.r:x.w])
+		x.r = 0
+	}
+	if x.w == len(x.buf) {
+		return nil
+	}
+	x.fillN, x.fillE = 0, nil
+	if err := x.raw.Control(x.fillFn); err != nil {
+		return err
+	}
+	switch {
+	case x.fillE == unix.EAGAIN:
+	case x.fillE != nil:
+		return x.fillE
+	case x.fillN == 0:
+		return io.EOF
+	default:
+		x.w += x.fillN
+	}
+	x.full = x.w == len(x.buf)
+	return nil
+}
+
+// waitReadable waits until the socket has bytes (or is at its end).
+func (x *sockRx) waitReadable() error { return x.raw.Read(x.peekFn) }
+
+func (x *sockRx) avail() (uint64, error)    { return uint64(x.w - x.r), nil }
+func (x *sockRx) peek(off uint64, p []byte) { copy(p, x.buf[x.r+int(off):]) }
+func (x *sockRx) contiguous(off, n uint64) ([]byte, bool) {
+	o := x.r + int(off)
+	return x.buf[o : o+int(n) : o+int(n)], true
+}
+func (x *sockRx) skip(n uint64) { x.r += int(n) }
+func (x *sockRx) room() uint64  { return uint64(len(x.buf)) }
+func (x *sockRx) more() bool    { return x.full }
+
+// Read reads the buffered bytes first, then from the socket, waiting.
+func (x *sockRx) Read(p []byte) (int, error) {
+	if x.r < x.w {
+		n := copy(p, x.buf[x.r:x.w])
+		x.r += n
+		return n, nil
+	}
+	return x.nc.Read(p)
+}
