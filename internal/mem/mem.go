@@ -10,6 +10,15 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// Seals are the seals of a Region's memfd: its size is fixed for good.
+const Seals = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
+
+// Sealed reports whether fd is a memfd whose size can never change.
+func Sealed(fd int) bool {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	return err == nil && seals&(unix.F_SEAL_SHRINK|unix.F_SEAL_GROW) == unix.F_SEAL_SHRINK|unix.F_SEAL_GROW
+}
+
 // Region is an anonymous shared mapping of a memfd.
 type Region struct {
 	b    []byte
@@ -23,7 +32,8 @@ var PageSize = os.Getpagesize()
 // RoundUp rounds n up to a multiple of the page size.
 func RoundUp(n int) int { return (n + PageSize - 1) &^ (PageSize - 1) }
 
-// Alloc maps n bytes (rounded up to whole pages) of zeroed memory. With
+// Alloc maps n bytes (rounded up to whole pages) of zeroed memory, backed
+// by a memfd sealed at that size (Seals). With
 // dontfork, the mapping is not inherited by child processes (MADV_DONTFORK,
 // required by RDMA hardware). The returned slice has length n.
 func Alloc(n int, name string, dontfork bool) (*Region, error) {
@@ -31,13 +41,20 @@ func Alloc(n int, name string, dontfork bool) (*Region, error) {
 		return nil, fmt.Errorf("allocate %d bytes: %w", n, unix.EINVAL)
 	}
 	size := RoundUp(n)
-	fd, err := unix.MemfdCreate("goverbs:"+name, unix.MFD_CLOEXEC)
+	fd, err := unix.MemfdCreate("goverbs:"+name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
 	}
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
 		unix.Close(fd)
 		return nil, fmt.Errorf("ftruncate memfd to %d bytes: %w", size, err)
+	}
+	// Sealed at its size: whoever holds the descriptor (a peer process
+	// the memory is shared with) cannot truncate it under a mapping,
+	// which would make accesses to the lost pages fault.
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, Seals); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("seal memfd: %w", err)
 	}
 	b, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {

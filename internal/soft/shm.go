@@ -316,11 +316,10 @@ func checkShmFDs(fds []int) error {
 	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size != segSize {
 		return fmt.Errorf("the segment is not a %d-byte file", segSize)
 	}
-	seals, err := unix.FcntlInt(uintptr(fds[0]), unix.F_GET_SEALS, 0)
-	if err != nil {
+	if _, err := unix.FcntlInt(uintptr(fds[0]), unix.F_GET_SEALS, 0); err != nil {
 		return fmt.Errorf("the segment is not a memfd: %w", err)
 	}
-	if seals&(unix.F_SEAL_SHRINK|unix.F_SEAL_GROW) != unix.F_SEAL_SHRINK|unix.F_SEAL_GROW {
+	if !mem.Sealed(fds[0]) {
 		return errors.New("the segment is not sealed against resizing")
 	}
 	for _, fd := range fds[1:] {
@@ -441,7 +440,9 @@ func (c *conn) importRegion(rkey uint32, wait bool) *mrImport {
 	imp = &mrImport{}
 	if r.err == nil && r.ack.status == mapOK && r.fd >= 0 {
 		var st unix.Stat_t
-		if unix.Fstat(r.fd, &st) == nil && uint64(st.Size) >= r.ack.length {
+		// Only a sealed memfd: a peer that could shrink it would make the
+		// copies into the mapping fault.
+		if unix.Fstat(r.fd, &st) == nil && uint64(st.Size) >= r.ack.length && mem.Sealed(r.fd) {
 			prot := unix.PROT_READ
 			if r.ack.access&prov.AccessRemoteWrite != 0 {
 				prot |= unix.PROT_WRITE
@@ -515,7 +516,7 @@ func (c *conn) serveMap(id uint64, body []byte) error {
 	var fds []int
 	if m := c.f.lookupMR(rkey); m != nil && m.fd >= 0 && m.off == 0 && m.access&prov.AccessRemoteRead != 0 {
 		var st unix.Stat_t
-		if unix.Fstat(m.fd, &st) == nil && uint64(st.Size) == uint64(mem.RoundUp(int(m.length))) {
+		if unix.Fstat(m.fd, &st) == nil && uint64(st.Size) == uint64(mem.RoundUp(int(m.length))) && mem.Sealed(m.fd) {
 			if m.access&prov.AccessRemoteWrite != 0 {
 				fds = []int{m.fd}
 			} else if fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", m.fd), unix.O_RDONLY|unix.O_CLOEXEC, 0); err == nil {
