@@ -58,7 +58,12 @@ type pollState struct {
 // poll handles the complete frames that have arrived unless another
 // goroutine is at it. It reports whether it handled any.
 func (c *conn) poll() bool {
-	c.polls.Add(1)
+	p := c.polls.Add(1)
+	if c.sock != nil && !c.spinning(p) {
+		// A read costs a system call: not for the poll or two around
+		// an arm (the reader is awake for a sleeping application).
+		return false
+	}
 	if !c.rmu.TryLock() {
 		return false
 	}
@@ -209,6 +214,22 @@ func (c *conn) rxLoop() {
 			}
 		}
 		c.flushResps()
+		if err == nil && c.sock != nil && !c.graceDue(&lastPolls) {
+			// A socket is waited on with rmu held (the wait reads the
+			// bytes in): pollers leave it to the reader meanwhile. The
+			// wait must read: with the readiness of the socket alone, a
+			// poller's read in between can leave the reader waiting
+			// for an edge that went to the poller.
+			if err = c.sock.fillWait(); err != nil {
+				err = readErr(c, err)
+			}
+			c.rmu.Unlock()
+			if err != nil {
+				c.fail(err)
+				return
+			}
+			continue
+		}
 		seen := c.seen
 		c.rmu.Unlock()
 		if err != nil {
@@ -222,10 +243,10 @@ func (c *conn) rxLoop() {
 	}
 }
 
-// waitRx waits until more bytes arrive (on shared memory: until the
-// ring's tail moves past seen): on the grace timer while pollers are
-// active, else spinning a little and then on the eventfd, or on the
-// socket.
+// waitRx waits until more bytes arrive in the ring (its tail moves past
+// seen), spinning a little, then on the grace timer while pollers are
+// active, else on the eventfd. For a socket it is one grace (rxLoop waits
+// on the socket itself).
 func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 	for spins := 0; ; spins++ {
 		if c.dead.Load() || c.shm != nil && atomic.LoadUint64(c.shm.in.tail) != seen {
@@ -234,8 +255,7 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 		if c.shm != nil && spins < 64 {
 			continue
 		}
-		if p := c.polls.Load(); p != *lastPolls && p != c.armedAt.Load() && !c.bigWait.Load() {
-			*lastPolls = p
+		if c.sock != nil || c.graceDue(lastPolls) {
 			c.grace.Store(true)
 			timer.Reset(pollerGrace)
 			select {
@@ -246,10 +266,10 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 			case <-c.done:
 			}
 			c.grace.Store(false)
+			if c.sock != nil {
+				return nil // the reader looks again
+			}
 			continue
-		}
-		if c.shm == nil {
-			return c.sock.waitReadable()
 		}
 		in := &c.shm.in
 		atomic.StoreUint32(in.sleep, 1)
@@ -263,6 +283,22 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 		}
 	}
 }
+
+// graceDue reports whether the reader should leave the connection to
+// the pollers for a while: they polled since it last looked, spinning.
+func (c *conn) graceDue(lastPolls *uint64) bool {
+	p := c.polls.Load()
+	if p == *lastPolls || !c.spinning(p) || c.bigWait.Load() {
+		return false
+	}
+	*lastPolls = p
+	return true
+}
+
+// spinning reports whether the application polls rather than sleeps: p,
+// the poll count, is past the poll that follows an arm (the usual arm,
+// poll again, wait).
+func (c *conn) spinning(p uint64) bool { return p-c.armedAt.Load() > 2 }
 
 // endGrace wakes the reader from its grace: the pollers stopped.
 func (c *conn) endGrace() {
@@ -353,7 +389,7 @@ type sockRx struct {
 	fillN  int
 	fillE  error
 	full   bool // the last fill filled buf
-	peekFn func(fd uintptr) bool
+	waitFn func(fd uintptr) bool
 }
 
 const sockRxSize = 256 << 10
@@ -361,7 +397,10 @@ const sockRxSize = 256 << 10
 func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
 	x := &sockRx{nc: nc, raw: raw, buf: make([]byte, sockRxSize)}
 	x.fillFn = x.readFD
-	x.peekFn = x.peekFD
+	x.waitFn = func(fd uintptr) bool {
+		x.readFD(fd)
+		return x.fillE != unix.EAGAIN
+	}
 	return x
 }
 
@@ -379,20 +418,13 @@ func (x *sockRx) readFD(fd uintptr) {
 	}
 }
 
-// peekFD reports whether the socket is readable (or at its end): a false
-// makes raw.Read wait for it.
-func (x *sockRx) peekFD(fd uintptr) bool {
-	var b [1]byte
-	for {
-		_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
-		if err == unix.EINTR {
-			continue
-		}
-		return err != unix.EAGAIN
-	}
-}
+// fill takes in what the socket holds, without waiting.
+func (x *sockRx) fill() error { return x.fillMode(false) }
 
-func (x *sockRx) fill() error {
+// fillWait takes in what the socket holds, waiting until it holds some.
+func (x *sockRx) fillWait() error { return x.fillMode(true) }
+
+func (x *sockRx) fillMode(wait bool) error {
 	if x.r == x.w {
 		x.r, x.w = 0, 0
 	} else if x.w == len(x.buf) && x.r > 0 {
@@ -403,7 +435,13 @@ func (x *sockRx) fill() error {
 		return nil
 	}
 	x.fillN, x.fillE = 0, nil
-	if err := x.raw.Control(x.fillFn); err != nil {
+	var err error
+	if wait {
+		err = x.raw.Read(x.waitFn)
+	} else {
+		err = x.raw.Control(x.fillFn)
+	}
+	if err != nil {
 		return err
 	}
 	switch {
@@ -418,9 +456,6 @@ func (x *sockRx) fill() error {
 	x.full = x.w == len(x.buf)
 	return nil
 }
-
-// waitReadable waits until the socket has bytes (or is at its end).
-func (x *sockRx) waitReadable() error { return x.raw.Read(x.peekFn) }
 
 func (x *sockRx) avail() (uint64, error)    { return uint64(x.w - x.r), nil }
 func (x *sockRx) peek(off uint64, p []byte) { copy(p, x.buf[x.r+int(off):]) }

@@ -195,7 +195,8 @@ func BenchmarkRawStream(b *testing.B) {
 // BenchmarkXprocSendRTT: an 8-byte send from A to B answered by an 8-byte
 // send from B to A. One goroutine drives both sides. As in perftest's
 // ib_send_lat, every 16th send is signaled and send completions are
-// reaped as they come; an iteration waits for its two receives. With
+// reaped as they come (waiting for them only when the send queue would
+// fill); an iteration waits for its two receives. With
 // wait=sleep the goroutine sleeps in the completion channels while it
 // waits, as the baseline's goroutines sleep in their reads; with
 // wait=spin it polls the CQs, as an RDMA application on its latency path
@@ -217,6 +218,11 @@ type rttSide struct {
 	pending int // signaled sends not completed yet
 	recvs   int // receives completed, not consumed
 }
+
+// rttSignal is how often a send of BenchmarkXprocSendRTT is signaled; at
+// most rttSignal*rttMaxPending sends are outstanding (the send queue
+// holds 256).
+const rttSignal, rttMaxPending = 16, 8
 
 func benchSendRTT(b *testing.B, kind string, spin bool) {
 	forceTransport(b, kind)
@@ -249,9 +255,9 @@ func benchSendRTT(b *testing.B, kind string, spin bool) {
 		}
 		return k
 	}
-	// wait reaps s's completions until one of its receives completed.
-	wait := func(s *rttSide) {
-		for s.recvs == 0 {
+	// waitFor reaps s's completions until done.
+	waitFor := func(s *rttSide, done func() bool) {
+		for !done() {
 			if reap(s) > 0 || spin {
 				continue
 			}
@@ -262,11 +268,18 @@ func benchSendRTT(b *testing.B, kind string, spin bool) {
 				}
 			}
 		}
+	}
+	// wait waits for a receive of s.
+	wait := func(s *rttSide) {
+		waitFor(s, func() bool { return s.recvs > 0 })
 		s.recvs--
 	}
 	send := func(s *rttSide, i int) {
 		swr[0].Flags = 0
-		if i%16 == 15 {
+		if i%rttSignal == rttSignal-1 {
+			// As perftest, wait for the send queue to have room: the
+			// acknowledgements may lag behind the answers.
+			waitFor(s, func() bool { return s.pending < rttMaxPending })
 			swr[0].Flags = prov.SendSignaled
 			s.pending++
 		}
