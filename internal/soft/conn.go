@@ -260,7 +260,21 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	if congested {
 		return false, nil
 	}
-	c.sendAsync(bufs)
+	if c.rx != nil && c.rmu.TryLock() {
+		// Held responses go first, in the same write (progress.go).
+		if len(c.resps) > 0 && len(bufs) < len(c.pbufs) {
+			c.pbufs[0] = c.resps
+			n := copy(c.pbufs[1:], bufs)
+			c.sendAsync(c.pbufs[:n+1])
+			clear(c.pbufs[:n+1])
+			c.resps = c.resps[:0]
+		} else {
+			c.sendAsync(bufs)
+		}
+		c.rmu.Unlock()
+	} else {
+		c.sendAsync(bufs)
+	}
 	if c.dead.Load() {
 		return false, errConnDown
 	}
@@ -617,6 +631,10 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 		resp.code = respNoQP
 	} else {
 		t.respond(&req, data, &resp)
+		// An acknowledged request comes from t's destination (fromPeer).
+		if resp.code == respACK && t.typ == prov.QPTypeRC && t.x.rev.Load() != c {
+			t.x.rev.Store(c)
+		}
 	}
 
 	if flags&reqNoResp == 0 {

@@ -25,6 +25,14 @@ import (
 // consumer: the reader, or one poller (which only tries the lock, so Poll
 // never waits for another goroutine).
 //
+// The responses a poll produces are held while the reader is in its
+// grace, and leave with the next request written on the connection
+// (trySendFrame), with the next poll that finds nothing new, or when the
+// grace ends. A RC QP writes its requests on the connection its
+// destination's requests arrive on (qp.pickConn), so in a ping-pong each
+// message carries the acknowledgement of the one before: one write per
+// message, as on a socket of one's own.
+//
 // While applications poll, the reader stays out of their way: seeing the
 // poll count move, it sleeps on a timer (pollerGrace) instead of its
 // eventfd, so producers find no sleeper to wake and make no system call.
@@ -51,7 +59,8 @@ type pollState struct {
 	big     bool          // the next frame is larger than rx holds (rmu)
 	seen    uint64        // shared memory: the ring's tail drain last saw (rmu)
 
-	rxHdr  [hdrLen]byte // drain's (rmu)
+	rxHdr  [hdrLen]byte       // drain's (rmu)
+	pbufs  [maxSGE + 2][]byte // trySendFrame's (rmu)
 	rxBody [reqBodyLen]byte
 }
 
@@ -74,7 +83,13 @@ func (c *conn) poll() bool {
 		return false
 	}
 	n, err := c.drain()
-	c.flushResps()
+	// While the reader is in its grace (it sends them when the grace
+	// ends), the responses of what this poll handled are held: the next
+	// request on the connection takes them along (trySendFrame), or the
+	// next poll that finds nothing new sends them.
+	if n == 0 || err != nil || !c.grace.Load() {
+		c.flushResps()
+	}
 	if c.big && !c.bigWait.Load() {
 		// Only the reader streams a frame this large: no grace for it.
 		c.bigWait.Store(true)
@@ -266,10 +281,7 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 			case <-c.done:
 			}
 			c.grace.Store(false)
-			if c.sock != nil {
-				return nil // the reader looks again
-			}
-			continue
+			return nil // the reader sends what pollers held, looks again
 		}
 		in := &c.shm.in
 		atomic.StoreUint32(in.sleep, 1)

@@ -50,6 +50,11 @@ type xstate struct {
 	rtArmed bool // progMu
 	rtFired atomic.Bool
 
+	// rev is the connection the destination's own requests arrive on
+	// (conn.handleReq): this QP's requests go there too, so that each
+	// side's acknowledgements ride on its next request (progress.go).
+	rev atomic.Pointer[conn]
+
 	mu      sync.Mutex
 	resps   []rresp // queued by readers
 	spare   []rresp
@@ -170,10 +175,38 @@ func (q *qp) flushSQ(n, head int) {
 	q.commit(done)
 }
 
+// pickConn returns the connection for the next request to p: the one
+// the requests in flight went on (they stay in order), else the one the
+// destination's requests arrive on (x.rev), else p's own. nil: none is up.
+func (q *qp) pickConn(p *peer) *conn {
+	x := q.x
+	if c := x.userOf; x.nfl > 0 && c != nil && !c.dead.Load() {
+		return c
+	}
+	if c := x.rev.Load(); c != nil && !c.dead.Load() && c.peerFab == p.key.fabric && kindAllowed(p.key.kind, c.kind) {
+		return c
+	}
+	return p.current()
+}
+
+// kindAllowed reports whether a connection of kind suits the transport
+// choice tr.
+func kindAllowed(tr string, kind uint8) bool {
+	switch tr {
+	case transportTCP:
+		return kind == kindTCP
+	case transportUnix:
+		return kind == kindUnix
+	case transportShm:
+		return kind == kindShm
+	}
+	return true
+}
+
 // postRemote writes w to the peer.
 func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.Status) {
 	x := q.x
-	c := p.current()
+	c := q.pickConn(p)
 	if c == nil {
 		if !mayBlock {
 			q.needWorker()
