@@ -22,10 +22,17 @@
 // the process closes.
 //
 // Between processes the target side of every request runs in the target
-// process, in the reader goroutine of the connection, through the same
-// responder as in-process requests; payloads land in a buffer of the
-// target process first, so a hostile peer cannot reach memory outside an
-// MR. Over shared memory, a large RC write into a region from Alloc
+// process, through the same responder as in-process requests: in the
+// reader goroutine of the connection, or, while the application polls a
+// CQ, in its poll (progress.go: an empty Poll handles the frames waiting
+// on the connections, so a polling application gets its completions
+// without a goroutine wake-up, and each side's acknowledgements ride on
+// its next request). Payloads land in a buffer of the target process
+// (over shared memory: are read from the ring, whose bytes the peer may
+// change but not their length), and keys and bounds are checked on a
+// private copy of the header, so a hostile peer cannot reach memory
+// outside an MR. Region memfds are sealed at their size (a peer cannot
+// truncate them under a mapping). Over shared memory, a large RC write into a region from Alloc
 // registered with remote write access is copied by the requester itself
 // into its mapping of the region, after the target's responder accepted
 // the request (shm.go); regions from Register (Go memory) are never
@@ -33,7 +40,8 @@
 // (the peer died, a malformed frame, a write that times out) fails the
 // oldest RC request in flight on it with RETRY_EXC_ERR and the QP flushes
 // the rest, as a RC QP whose retries are exhausted; so does a request
-// without a response after timeout × (retry_cnt+1), but at least 2 s. Requests run in the poster's goroutine
+// without a response after timeout × (retry_cnt+1), but at least 2 s.
+// Requests run in the poster's goroutine
 // where possible: PostSend executes the work requests it queued (copying
 // memory directly between registered regions) unless another goroutine is
 // already running that QP's send queue. The target side of every request
