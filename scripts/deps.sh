@@ -9,6 +9,8 @@
 #   libibverbs-dev  optional: headers for `go vet -tags ibverbs` (internal/ibv)
 #   librdmacm-dev   optional: headers for the RDMA CM part of internal/ibv
 #   openmpi-bin, mpich  optional: real launchers for the examples/network tests
+#   iproute2        optional: ip(8), for the two-host test of soft0 over TCP
+#                   (network namespaces, verbstest TestCrossProcessHosts)
 set -euo pipefail
 
 if ! command -v go >/dev/null 2>&1; then
@@ -29,6 +31,7 @@ command -v gcc >/dev/null 2>&1 || required+=(gcc)
 [[ -e /usr/include/rdma/rdma_cma.h ]] || optional+=(librdmacm-dev)
 [[ -e /usr/bin/mpirun.openmpi ]] || optional+=(openmpi-bin)
 [[ -e /usr/bin/mpiexec.hydra ]] || optional+=(mpich)
+command -v ip >/dev/null 2>&1 || [[ -x /usr/sbin/ip || -x /sbin/ip ]] || optional+=(iproute2)
 
 if ((${#required[@]} + ${#optional[@]} == 0)); then
 	echo "deps: all present ($(go version))"

@@ -341,11 +341,19 @@ func (l *lockedBuffer) String() string {
 // to the environment, and stops it when the test ends.
 func StartPeer(t testing.TB, env ...string) *Peer {
 	t.Helper()
+	return startPeer(t, nil, env...)
+}
+
+// startPeer starts the peer under the command prefix wrap (such as
+// ip netns exec NAME), if any.
+func startPeer(t testing.TB, wrap []string, env ...string) *Peer {
+	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatalf("verbstest: start peer: %v", err)
 	}
-	cmd := exec.Command(exe, "-test.run=^$")
+	args := append(append(wrap[:len(wrap):len(wrap)], exe), "-test.run=^$")
+	cmd := exec.Command(args[0], args[1:]...)
 	cmd.Env = append(append(os.Environ(), EnvPeer+"=1"), env...)
 	in, err := cmd.StdinPipe()
 	if err != nil {
