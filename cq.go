@@ -212,6 +212,29 @@ func (cq *CompletionQueue) Cap() int { return cq.cq.Cap() }
 // Poll moves up to len(dst) completions into dst and returns how many. It
 // never blocks and does not allocate; it makes one provider call.
 func (cq *CompletionQueue) Poll(dst []Completion) (int, error) {
+	return cq.poll(dst, 0)
+}
+
+// PollBusy is Poll for busy-polling loops: it polls until the CQ yields at
+// least one completion, or until spins polls in a row found it empty
+// (spins below 1 count as 1), and moves up to len(dst) completions into
+// dst. It returns at the first non-empty poll, so a completion is taken as
+// soon as a poll sees it, and it returns 0 with a nil error when all spins
+// polls found nothing.
+//
+// Like Poll, it is one provider call and does not allocate: the hardware
+// provider repeats the poll in C, so a loop waiting for a completion
+// crosses from Go into C once per spins empty polls instead of once per
+// poll. The calling goroutine keeps its OS thread for the whole call; choose
+// spins so that an empty call stays short (an empty poll of a hardware CQ
+// takes tens to hundreds of nanoseconds) and check deadlines or contexts
+// between calls.
+func (cq *CompletionQueue) PollBusy(dst []Completion, spins int) (int, error) {
+	return cq.poll(dst, max(spins, 1))
+}
+
+// poll is Poll (spins 0) and PollBusy.
+func (cq *CompletionQueue) poll(dst []Completion, spins int) (int, error) {
 	if len(dst) == 0 {
 		return 0, nil
 	}
@@ -232,7 +255,14 @@ func (cq *CompletionQueue) Poll(dst []Completion) (int, error) {
 			return n, nil
 		}
 	}
-	m, err := cq.cq.Poll(provCompletions(dst[n:]))
+	var m int
+	var err error
+	if spins > 0 && n == 0 {
+		m, err = cq.cq.PollBusy(provCompletions(dst), spins)
+	} else {
+		// Poll; or PollBusy that already has the stashed completion.
+		m, err = cq.cq.Poll(provCompletions(dst[n:]))
+	}
 	if err != nil {
 		if cq.res.isClosed() {
 			return n, cq.res.errClosed("poll cq")

@@ -77,8 +77,10 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 			}
 			posted += k
 			progress = true
+			a.yield()
 		}
 		n, err := a.reap()
+		a.yield()
 		if err != nil {
 			return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
 		}

@@ -62,6 +62,7 @@ func (lb *loopback) latency(cfg benchConfig, size int) (latResult, error) {
 	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := -latWarmup; i < cfg.iters; i++ {
+		a.yield()
 		v := byte((i+latWarmup)%255 + 1) // never 0, never the previous value
 		var rtt uint64
 		var err error

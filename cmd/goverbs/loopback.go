@@ -3,6 +3,8 @@ package main
 import (
 	"errors"
 	"fmt"
+	"runtime"
+	"sync"
 	"time"
 
 	"github.com/goverbs/verbs"
@@ -31,6 +33,8 @@ type side struct {
 	outstanding int    // signaled send requests not completed yet
 	recvPosted  int    // receives posted and not completed
 	recvs       int    // receive completions not yet consumed
+
+	lastYield uint64 // cycles() of the last yield
 }
 
 // loopback is two RC queue pairs of this process connected to each other.
@@ -184,10 +188,57 @@ func (lb *loopback) Close() error {
 	return errors.Join(errs...)
 }
 
+// busySpins is how many empty polls reapBusy makes in one provider call
+// (CompletionQueue.PollBusy): a loop that waits for a completion crosses
+// into C once per busySpins empty polls instead of once per poll, and takes
+// a completion as soon as a poll sees it. An empty poll of a hardware CQ
+// costs tens to hundreds of nanoseconds, so one call stays far below the
+// 20 us after which the Go runtime may consider the thread blocked.
+const busySpins = 64
+
 // reap polls the side's CQ once and accounts for what it found. A failed
 // completion is returned as an error naming the operation.
-func (s *side) reap() (int, error) {
-	n, err := s.cq.Poll(s.wcs)
+func (s *side) reap() (int, error) { return s.account(s.cq.Poll(s.wcs)) }
+
+// reapBusy is reap for a latency loop that has nothing else to do until a
+// completion arrives: it polls up to busySpins times in one call. (The
+// bandwidth loops poll once per round, as perftest does: they post
+// whenever the send queue has room.)
+func (s *side) reapBusy() (int, error) { return s.account(s.cq.PollBusy(s.wcs, busySpins)) }
+
+// yieldPeriod is how often a measured loop lets the Go scheduler run
+// (see yield).
+const yieldPeriod = 2 * time.Millisecond
+
+// yieldTicks is yieldPeriod in cycles() ticks, measured once.
+var yieldTicks = sync.OnceValue(func() uint64 {
+	t0, c0 := time.Now(), cycles()
+	for time.Since(t0) < 200*time.Microsecond {
+	}
+	dt, dc := time.Since(t0), cycles()-c0
+	return uint64(float64(dc) / float64(dt) * float64(yieldPeriod))
+})
+
+// yield calls runtime.Gosched when yieldPeriod has passed since the last
+// time, between the operations of a measured loop (never inside a timed
+// one); it reads only the tick counter. A goroutine that never blocks runs
+// on the same scheduling tick for ever: after 10 ms of it the runtime's
+// monitor thread tries to preempt it and, when it finds it inside a cgo
+// call (a post, a poll), takes its P away instead and hands it to another
+// thread, again on every tick, waking up every 20 us to do so: the loop
+// and the runtime's threads keep switching. A Gosched starts a new tick.
+// It is cheap with one P (GOMAXPROCS=1, as in a process pinned to one CPU:
+// nothing else to run); with idle Ps it may wake a thread to look for
+// work, hence every few milliseconds rather than every iteration.
+func (s *side) yield() {
+	if c := cycles(); c-s.lastYield >= yieldTicks() {
+		runtime.Gosched()
+		s.lastYield = cycles()
+	}
+}
+
+// account records the completions of a poll.
+func (s *side) account(n int, err error) (int, error) {
 	if err != nil {
 		return 0, err
 	}

@@ -397,8 +397,10 @@ func (r *remote) streamBW(size int) (bwResult, error) {
 			}
 			posted += k
 			progress = true
+			s.yield()
 		}
 		n, err := s.reap()
+		s.yield()
 		if err != nil {
 			return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
 		}
@@ -426,6 +428,7 @@ func (r *remote) recvBW(ctx context.Context, size int) error {
 	wd := newWatchdog(fmt.Sprintf("receiving %d messages of %d bytes", cfg.iters, size))
 	for s.recvs < cfg.iters {
 		n, err := s.reap()
+		s.yield()
 		if err != nil {
 			return err
 		}
@@ -470,7 +473,7 @@ func (r *remote) post(i int, flags verbs.SendFlags, op func(verbs.SendFlags) err
 	if (i+1)%every == 0 {
 		flags |= verbs.Signaled
 		for s.outstanding >= max(r.cfg.txDepth/every-1, 1) {
-			if _, err := s.reap(); err != nil {
+			if _, err := s.reapBusy(); err != nil {
 				return err
 			}
 		}
@@ -496,6 +499,7 @@ func (r *remote) writeLat(size int) (latResult, error) {
 	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := range n {
+		s.yield()
 		v := byte(i%255 + 1)
 		if r.server {
 			if err := r.waitByte(dst, shift, v); err != nil {
@@ -576,6 +580,7 @@ func (r *remote) sendLat(size int) (latResult, error) {
 	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := range n {
+		s.yield()
 		if r.server {
 			if err := r.waitRecv(); err != nil {
 				return latResult{}, fmt.Errorf("send latency, iteration %d: %w", i, err)
@@ -608,7 +613,7 @@ func (r *remote) waitRecv() error {
 	s := r.s
 	wd := newWatchdog("waiting for the peer's send")
 	for s.recvs == 0 {
-		n, err := s.reap()
+		n, err := s.reapBusy()
 		if err != nil {
 			return err
 		}
@@ -633,6 +638,7 @@ func (r *remote) readLat(size int) (latResult, error) {
 	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := range n {
+		s.yield()
 		done := s.sendDone
 		t0 := cycles()
 		if err := s.qp.PostRead(uint64(i), verbs.Signaled, remote, sge); err != nil {
@@ -641,7 +647,7 @@ func (r *remote) readLat(size int) (latResult, error) {
 		s.outstanding++
 		wd := newWatchdog("waiting for the read")
 		for s.sendDone == done {
-			m, err := s.reap()
+			m, err := s.reapBusy()
 			if err != nil {
 				return latResult{}, fmt.Errorf("read latency, iteration %d: %w", i, err)
 			}
@@ -662,7 +668,7 @@ func (r *remote) readLat(size int) (latResult, error) {
 func (r *remote) drain() error {
 	wd := newWatchdog("waiting for the last completions")
 	for r.s.outstanding > 0 {
-		n, err := r.s.reap()
+		n, err := r.s.reapBusy()
 		if err != nil {
 			return err
 		}

@@ -9,7 +9,7 @@ const (
 	callPostSend    callKind = iota // gv_post_send, gv_post_send_wr: one per Submit
 	callPostRecv                    // gv_post_recv: one per receive batch
 	callPostSRQRecv                 // gv_post_srq_recv: one per SRQ receive batch
-	callPollCQ                      // gv_poll_cq: one per Poll
+	callPollCQ                      // gv_poll_cq, gv_poll_cq_busy: one per Poll or PollBusy
 	numCallKinds
 )
 

@@ -6,6 +6,8 @@ package ibv
 #include "shim.h"
 #cgo noescape gv_poll_cq
 #cgo nocallback gv_poll_cq
+#cgo noescape gv_poll_cq_busy
+#cgo nocallback gv_poll_cq_busy
 #cgo noescape gv_req_notify_cq
 #cgo nocallback gv_req_notify_cq
 #cgo nocallback gv_get_cq_event
@@ -125,6 +127,24 @@ func (q *compQueue) Poll(dst []prov.Completion) (int, error) {
 	}
 	countCall(callPollCQ)
 	n := C.gv_poll_cq(&q.cq, (*C.gv_wc)(unsafe.Pointer(&dst[0])), C.int(len(dst)))
+	if n < 0 {
+		return 0, errnoErr("ibv_poll_cq", -n)
+	}
+	return int(n), nil
+}
+
+// maxSpins bounds the spins of one PollBusy (they are a C int).
+const maxSpins = 1 << 30
+
+// PollBusy is one cgo call too: the shim repeats the poll, up to spins
+// times, until it finds completions.
+func (q *compQueue) PollBusy(dst []prov.Completion, spins int) (int, error) {
+	if len(dst) == 0 {
+		return 0, nil
+	}
+	spins = min(max(spins, 1), maxSpins)
+	countCall(callPollCQ)
+	n := C.gv_poll_cq_busy(&q.cq, (*C.gv_wc)(unsafe.Pointer(&dst[0])), C.int(len(dst)), C.int(spins))
 	if n < 0 {
 		return 0, errnoErr("ibv_poll_cq", -n)
 	}

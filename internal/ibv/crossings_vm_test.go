@@ -26,8 +26,8 @@ func crossings(f func()) (int64, ibv.Calls) {
 
 // TestCgoCrossings proves the data-path contract of the hardware provider
 // on the VM's rxe devices: a Submit of a batch of N work requests is one
-// cgo crossing whatever N is, a receive batch too, and so is a Poll,
-// whether it finds completions or not. It counts with the Go runtime's
+// cgo crossing whatever N is, a receive batch too, and so is a Poll or a
+// PollBusy, whether it finds completions or not. It counts with the Go runtime's
 // own counter of cgo calls, which sees every crossing of the process, and,
 // built with -tags ibverbs,ibv_count, with the shim's per-call counters.
 func TestCgoCrossings(t *testing.T) {
@@ -178,6 +178,35 @@ func TestCgoCrossings(t *testing.T) {
 			got += n
 			if n == 0 {
 				runtime.Gosched()
+			}
+		}
+	})
+
+	t.Run("PollBusy", func(t *testing.T) {
+		// A busy poll is one crossing whether its spins all find the CQ
+		// empty or it returns completions.
+		check("PollBusy of an empty CQ, 1000 spins", ibv.Calls{PollCQ: 1}, func() {
+			if n, err := acq.PollBusy(wcs, 1000); err != nil || n != 0 {
+				t.Fatalf("PollBusy: %d, %v", n, err)
+			}
+		})
+		if err := qa.PostWrite(8, verbs.Signaled, dst.Remote().At(0), src.SGE(0, 64)); err != nil {
+			t.Fatal(err)
+		}
+		for got := 0; got == 0; {
+			var err error
+			c, _ := crossings(func() { got, err = acq.PollBusy(wcs, 1<<16) })
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c != 1 {
+				t.Errorf("PollBusy returning %d completions: %d cgo calls, want 1", got, c)
+			}
+			if ctx.Err() != nil {
+				t.Fatal("no completion")
+			}
+			if got == 1 && wcs[0].Status != verbs.StatusSuccess {
+				t.Fatalf("completion %v", wcs[0])
 			}
 		}
 	})

@@ -364,6 +364,18 @@ int gv_poll_cq(gv_cq *c, gv_wc *dst, int n)
 	return i;
 }
 
+// gv_poll_cq_busy repeats gv_poll_cq until it finds completions (or an
+// error) or spins polls found the CQ empty: a busy-polling loop that
+// crosses from Go into C once per spins empty polls.
+int gv_poll_cq_busy(gv_cq *c, gv_wc *dst, int n, int spins)
+{
+	int got;
+	do
+		got = gv_poll_cq(c, dst, n);
+	while (got == 0 && --spins > 0);
+	return got;
+}
+
 int gv_req_notify_cq(gv_cq *c, int solicited_only)
 {
 	int rc = ibv_req_notify_cq(c->cq, solicited_only);

@@ -220,6 +220,9 @@ type CompChannel interface {
 type CQ interface {
 	// Poll fills dst with up to len(dst) completions, in one provider call.
 	Poll(dst []Completion) (int, error)
+	// PollBusy is Poll repeated until it finds completions or spins
+	// polls (at least one) found the CQ empty, still in one provider call.
+	PollBusy(dst []Completion, spins int) (int, error)
 	// Arm requests a completion event on the CQ's channel for the next
 	// completion (ibv_req_notify_cq).
 	Arm(solicitedOnly bool) error

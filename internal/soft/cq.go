@@ -3,6 +3,7 @@ package soft
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"sync"
 	"unsafe"
 
@@ -114,6 +115,19 @@ func (c *cq) poll(dst []prov.Completion) (int, error) {
 	}
 	c.mu.Unlock()
 	return n, nil
+}
+
+// PollBusy polls until it finds completions (or fails) or spins polls
+// found the CQ empty, yielding the processor between polls so that the
+// goroutines that complete requests run.
+func (c *cq) PollBusy(dst []prov.Completion, spins int) (int, error) {
+	for i := 1; ; i++ {
+		n, err := c.Poll(dst)
+		if n > 0 || err != nil || len(dst) == 0 || i >= spins {
+			return n, err
+		}
+		runtime.Gosched()
+	}
 }
 
 // Arm requests one event on the CQ's channel for the next completion (any,
