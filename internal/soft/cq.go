@@ -86,7 +86,7 @@ func (c *cq) overflowLocked() {
 func (c *cq) Poll(dst []prov.Completion) (int, error) {
 	n, err := c.poll(dst)
 	if n == 0 && err == nil {
-		// Empty: handle what waits in shared memory (progress.go).
+		// Empty: handle what waits on the connections (progress.go).
 		if s := c.ctx.f.svc.Load(); s != nil && s.pc.poll() {
 			n, err = c.poll(dst)
 		}
