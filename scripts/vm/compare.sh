@@ -207,8 +207,10 @@ echo
 printf '%-20s %-16s %12s %12s %8s %8s %s\n' "case" "metric" "perftest" "goverbs" "ratio" "paired" "target (on paired)"
 printf '%s\n' "-----------------------------------------------------------------------------------------------"
 while IFS='|' read -r label metric kind pm gm pr; do
-	mratio=$(awk -v p="$pm" -v g="$gm" 'BEGIN { if (p + 0 > 0 && g == g + 0) printf "%.3f", g / p; else print "n/a" }')
-	ratio=$(awk -v r="$pr" 'BEGIN { if (r == r + 0) printf "%.3f", r; else print "n/a" }')
+	# A failed run leaves "nan" or nothing: that ratio is unknown ("?"),
+	# never a pass.
+	mratio=$(awk -v p="$pm" -v g="$gm" 'BEGIN { num = "^[0-9]*[.]?[0-9]+([eE][-+]?[0-9]+)?$"; if (p ~ num && g ~ num && p + 0 > 0) printf "%.3f", g / p; else print "n/a" }')
+	ratio=$(awk -v r="$pr" 'BEGIN { num = "^[0-9]*[.]?[0-9]+([eE][-+]?[0-9]+)?$"; if (r ~ num) printf "%.3f", r; else print "n/a" }')
 	target="" verdict=""
 	case $metric in
 	"BW avg"* | "MsgRate"*)
