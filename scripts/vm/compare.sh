@@ -18,6 +18,9 @@
 #     send lat 2,16,64 B  ib_send_lat -s S          goverbs bench send --lat -s S
 #     write msg rate 64 B ib_write_bw -s 64 -l 16 -Q 16   goverbs bench write -s 64 --batch 16 --cq-mod 16
 #
+#   goverbs sends inline as much as perftest reports it did ("Max inline
+#   data" in perftest's header becomes goverbs' -I), so both tools post the
+#   same requests.
 #   (perftest's defaults elsewhere: -t 128; bandwidth -n 5000, except the
 #   message rate -n 20000; latency -n 2000.) Bandwidth and message rate
 #   compare BW average and MsgRate (higher is better; target ratio >= 0.95),
@@ -152,16 +155,23 @@ run_case() {
 	while [[ $1 != -- ]]; do pargs+=("$1"); shift; done
 	shift
 	gargs=("$@")
-	local i p g
-	local -a pv=() gvv=()
+	local i p g inl
+	local -a pv=() gvv=() gi=()
 	for ((i = 1; i <= reps; i++)); do
 		if p=$(pair "$ptest ${pargs[*]}" "$ptest" -d rxe0 -x 0 "${pargs[@]}" -- "$ptest" -d rxe1 -x 0 "${pargs[@]}"); then
 			pv+=("$p")
 			[[ $quiet == 1 ]] || printf '%-22s perftest #%d: %s\n' "$label" "$i" "$p" >&2
+			# Send inline exactly as much as perftest did ("Max inline
+			# data: N[B]" in its header), so both post the same requests.
+			inl=$(sed -n 's/.*Max inline data *: *\([0-9][0-9]*\).*/\1/p' "$work/client" | head -n 1)
+			if [[ -n $inl && ${#gi[@]} -eq 0 ]]; then
+				gi=(-I "$inl")
+				[[ $quiet == 1 ]] || echo "   ($label: perftest sends up to $inl B inline; goverbs gets -I $inl)" >&2
+			fi
 		else
 			failed=1
 		fi
-		if g=$(pair "goverbs ${gargs[*]}" "$gv" bench "${gargs[@]}" -d rxe0 --server -- "$gv" bench "${gargs[@]}" -d rxe1); then
+		if g=$(pair "goverbs ${gargs[*]} ${gi[*]}" "$gv" bench "${gargs[@]}" "${gi[@]+"${gi[@]}"}" -d rxe0 --server -- "$gv" bench "${gargs[@]}" "${gi[@]+"${gi[@]}"}" -d rxe1); then
 			gvv+=("$g")
 			[[ $quiet == 1 ]] || printf '%-22s goverbs  #%d: %s\n' "$label" "$i" "$g" >&2
 		else
