@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/verbstest"
 )
 
 // pollBusyN calls PollBusy until it returns completions, failing when ctx
@@ -99,61 +100,12 @@ func TestPollBusy(t *testing.T) {
 func TestPollBusyAfterWait(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	// A QP with a waitable CQ (the default CQSpec) writes to a peer QP.
-	dev, err := verbs.Open(verbs.SoftDevice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
-	pd, err := dev.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pd.Close()
-	cq, err := dev.NewCompletionQueue(verbs.CQSpec{Entries: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cq.Close()
-	spec := verbs.QPSpec{SendCQ: cq, MaxSendWR: 4, MaxRecvWR: 4}
-	qp, err := pd.NewRCQueuePair(spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer qp.Close()
-	if spec.SendCQ, err = dev.NewCompletionQueue(verbs.CQSpec{Entries: 16, NoChannel: true}); err != nil {
-		t.Fatal(err)
-	}
-	defer spec.SendCQ.Close()
-	peer, err := pd.NewRCQueuePair(spec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer peer.Close()
-	epQP, err := qp.Endpoint()
-	if err != nil {
-		t.Fatal(err)
-	}
-	epPeer, err := peer.Endpoint()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := qp.Connect(epPeer); err != nil {
-		t.Fatal(err)
-	}
-	if err := peer.Connect(epQP); err != nil {
-		t.Fatal(err)
-	}
-	src, err := pd.Alloc(64, verbs.AccessLocalWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer src.Close()
-	dst, err := pd.Alloc(64, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dst.Close()
+	// A QP whose CQ is waitable (verbstest's nodes use the default
+	// CQSpec) writes to a peer QP.
+	p := verbstest.NewLoopbackRC(t, verbstest.Config{DeviceA: verbs.SoftDevice}, verbs.QPSpec{MaxSendWR: 4, MaxRecvWR: 4})
+	qp, cq := p.QA, p.A.CQ
+	src := p.A.Alloc(t, 64, verbs.AccessLocalWrite)
+	dst := p.B.Alloc(t, 64, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
 	for i := range 2 {
 		if err := qp.PostWrite(uint64(20+i), verbs.Signaled, dst.Remote().At(0), src.SGE(0, 64)); err != nil {
 			t.Fatal(err)
