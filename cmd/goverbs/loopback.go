@@ -210,13 +210,14 @@ func (s *side) reapBusy() (int, error) { return s.account(s.cq.PollBusy(s.wcs, b
 // (see yield).
 const yieldPeriod = 2 * time.Millisecond
 
-// yieldTicks is yieldPeriod in cycles() ticks, measured once.
+// yieldTicks is yieldPeriod in cycles() ticks, calibrated once (tickClock)
+// over 200 us.
 var yieldTicks = sync.OnceValue(func() uint64 {
-	t0, c0 := time.Now(), cycles()
-	for time.Since(t0) < 200*time.Microsecond {
+	clk := startTicks()
+	for time.Since(clk.w0) < 200*time.Microsecond {
 	}
-	dt, dc := time.Since(t0), cycles()-c0
-	return uint64(float64(dc) / float64(dt) * float64(yieldPeriod))
+	clk.stop()
+	return uint64(float64(yieldPeriod) / clk.nsPT)
 })
 
 // yield calls runtime.Gosched when yieldPeriod has passed since the last
