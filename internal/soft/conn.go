@@ -1,7 +1,6 @@
 package soft
 
 import (
-	"bufio"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -88,7 +87,7 @@ type conn struct {
 	pollState
 	rhdr  [hdrLen + respBodyLen]byte
 	rbufs [2][]byte
-	resps []byte // responses held back (see readLoop)
+	resps []byte // responses held back (progress.go)
 
 	wkMu   sync.Mutex
 	wakers map[uint32]*remoteWaker
@@ -492,55 +491,15 @@ func (c *conn) tryWriteFD(fd uintptr) bool {
 
 // --- reader side ---
 
-// readLoop reads and handles frames until the connection fails.
+// readLoop reads and handles frames until the connection fails (rxLoop,
+// progress.go). Every connection has a receive source: a shared-memory
+// ring, or the buffer of a socket read through its descriptor.
 func (c *conn) readLoop() {
-	if c.rx != nil {
-		c.rxLoop()
+	if c.rx == nil {
+		c.fail(fmt.Errorf("soft: connection to process %d has no descriptor to read", c.peerPID))
 		return
 	}
-	r := bufio.NewReaderSize(c.nc, 256<<10)
-	var hb [hdrLen]byte
-	var body [reqBodyLen]byte
-	for !c.dead.Load() {
-		// Responses are held while more requests are buffered, and sent
-		// together before the reader can block.
-		if r.Buffered() < hdrLen {
-			c.flushResps()
-		}
-		if _, err := io.ReadFull(r, hb[:]); err != nil {
-			c.fail(readErr(c, err))
-			return
-		}
-		h, err := parseHdr(hb[:])
-		if err == nil {
-			err = c.checkType(h)
-		}
-		if err != nil {
-			c.fail(fmt.Errorf("soft: malformed frame from process %d: %w", c.peerPID, err))
-			return
-		}
-		bl := bodyLen(h)
-		if _, err := io.ReadFull(r, body[:bl]); err != nil {
-			c.fail(readErr(c, err))
-			return
-		}
-		var payload []byte
-		if n := int(h.length) - bl; n > 0 {
-			if r.Buffered() < n {
-				c.flushResps()
-			}
-			if payload, err = readPayload(r, n); err != nil {
-				c.fail(readErr(c, err))
-				return
-			}
-		}
-		err = c.handle(h, body[:bl], &payload)
-		putBuf(payload)
-		if err != nil {
-			c.fail(fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err))
-			return
-		}
-	}
+	c.rxLoop()
 }
 
 func readErr(c *conn, err error) error {
@@ -643,7 +602,7 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 			out = rbuf
 		}
 		if len(out) == 0 {
-			// Held (see readLoop), up to a limit.
+			// Held (progress.go), up to a limit.
 			k := len(c.resps)
 			c.resps = c.resps[:k+hdrLen+respBodyLen]
 			putHdr(c.resps[k:], frResp, respBodyLen, id)

@@ -12,12 +12,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Progress driven by polling (shared-memory connections).
+// Progress driven by polling.
 //
 // A process that polls a CQ wants its completions now, and a NIC would
 // have produced them without waking anybody. So a Poll that finds its CQ
-// empty first handles the complete frames waiting in the inbound rings of
-// the process' shared-memory connections itself (service.poll): requests
+// empty first handles the complete frames waiting on the process'
+// connections itself (pollConns.poll; the inbound ring of a shared-memory
+// connection, or a non-blocking read of a socket): requests
 // run at their target QP and are answered, responses complete their
 // requests, exactly as the connection's reader goroutine would do it, but
 // without the two wake-ups (the reader's, then the poller's) that a
@@ -35,10 +36,11 @@ import (
 //
 // While applications poll, the reader stays out of their way: seeing the
 // poll count move, it sleeps on a timer (pollerGrace) instead of its
-// eventfd, so producers find no sleeper to wake and make no system call.
+// eventfd or socket, so producers find no sleeper to wake and make no
+// system call.
 // When the polling stops the reader takes over again within pollerGrace;
 // an application that arms a CQ to sleep on its channel (cq.Arm) ends the
-// grace at once (service.pollersGone), and no grace starts for the polls
+// grace at once (pollConns.pollersGone), and no grace starts for the polls
 // before the arm, so a message for a sleeping application does not wait
 // for the timer.
 
@@ -417,8 +419,8 @@ func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
 }
 
 // readFD reads what the (non-blocking) socket holds into the free end of
-// buf, once. It runs under raw.Control, not raw.Read: the reader holds
-// the descriptor's read lock while it waits in waitReadable.
+// buf, once. fill runs it under raw.Control, not raw.Read: the reader
+// holds the descriptor's read lock while it waits in fillWait.
 func (x *sockRx) readFD(fd uintptr) {
 	for {
 		n, err := unix.Read(int(fd), x.buf[x.w:])
