@@ -125,9 +125,7 @@ func TestCrossProcessHosts(t *testing.T) {
 			}
 			pattern := func(n int, seed byte) []byte {
 				d := make([]byte, n)
-				for i := range d {
-					d[i] = byte(i*13) ^ seed
-				}
+				Pattern(d, seed)
 				return d
 			}
 
