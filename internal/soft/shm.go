@@ -106,23 +106,16 @@ func (r *ring) put(bufs [][]byte) (int, bool, error) {
 
 // get copies available bytes into p (consumer); 0 means the ring is empty.
 func (r *ring) get(p []byte) (int, error) {
-	tail := atomic.LoadUint64(r.tail)
-	avail := tail - r.pos
-	if avail > ringCap {
-		return 0, errRingCorrupt
+	a, err := r.avail()
+	if err != nil {
+		return 0, err
 	}
-	n := 0
-	for avail > 0 && n < len(p) {
-		off := r.pos & (ringCap - 1)
-		k := copy(p[n:], r.data[off:min(uint64(len(r.data)), off+avail)])
-		r.pos += uint64(k)
-		avail -= uint64(k)
-		n += k
-	}
+	n := min(a, uint64(len(p)))
 	if n > 0 {
-		atomic.StoreUint64(r.head, r.pos)
+		r.peek(0, p[:n])
+		r.skip(n)
 	}
-	return n, nil
+	return int(n), nil
 }
 
 // avail is how many bytes the consumer may read.
