@@ -54,7 +54,7 @@ type service struct {
 	closed bool
 	peers  map[peerKey]*peer
 	conns  map[*conn]struct{}
-	pc     pollConns      // the shared-memory ones, for polls
+	pc     pollConns      // the same, for polls (progress.go)
 	wg     sync.WaitGroup // every goroutine of the service
 }
 
