@@ -56,7 +56,8 @@ type conn struct {
 	peerPID uint32
 	nc      net.Conn
 	raw     syscall.RawConn
-	shm     *shmLink // the rings (nil: frames go over nc)
+	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
+	shm     *shmLink   // the rings (nil: frames go over nc)
 	loops   sync.WaitGroup
 
 	dead  atomic.Bool
@@ -127,7 +128,15 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 	if tc, ok := nc.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
-	if sc, ok := nc.(syscall.Conn); ok {
+	if shm == nil {
+		// Frames go over the socket: out of the runtime's poller with it
+		// (quiet.go). Should that fail, the socket works as it is, with
+		// the wake-ups.
+		if q, err := newQuietSock(nc); err == nil {
+			c.nc, c.raw, c.quiet = q.conn(), q, q
+		}
+	}
+	if sc, ok := c.nc.(syscall.Conn); ok && c.raw == nil {
 		c.raw, _ = sc.SyscallConn()
 	}
 	c.twFn = c.tryWriteFD
@@ -136,7 +145,7 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 		c.imports = map[uint32]*mrImport{}
 		c.rx = shm
 	} else if c.raw != nil {
-		c.sock = newSockRx(nc, c.raw)
+		c.sock = newSockRx(c.nc, c.raw)
 		c.rx = c.sock
 	}
 	return c

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/goverbs/verbs/internal/prov"
@@ -24,6 +25,8 @@ type cq struct {
 	armed    uint8 // armNone, armNext or armSolicited
 	users    int   // QPs using the CQ
 	closed   bool
+
+	hot atomic.Pointer[conn] // the connection that last fed the CQ (progress.go)
 }
 
 const (
@@ -87,8 +90,8 @@ func (c *cq) Poll(dst []prov.Completion) (int, error) {
 	n, err := c.poll(dst)
 	if n == 0 && err == nil {
 		// Empty: handle what waits on the connections (progress.go).
-		if s := c.ctx.f.svc.Load(); s != nil && s.pc.poll() {
-			n, err = c.poll(dst)
+		if s := c.ctx.f.svc.Load(); s != nil {
+			n, err = s.pc.pollFor(c, dst)
 		}
 	}
 	return n, err

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/prov"
 )
 
 // Progress driven by polling.
@@ -273,6 +275,14 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 			continue
 		}
 		if c.sock != nil || c.graceDue(lastPolls) {
+			if c.quiet != nil {
+				// The pollers read the socket: its segments need
+				// not wake anybody (quiet.go). The next fillWait
+				// listens again.
+				if err := c.quiet.silence(); err != nil {
+					return err
+				}
+			}
 			c.grace.Store(true)
 			timer.Reset(pollerGrace)
 			select {
@@ -345,20 +355,36 @@ func (p *pollConns) set(conns map[*conn]struct{}) {
 	p.list.Store(&l)
 }
 
-// poll drives every connection once; it reports whether
-// any frame was handled.
-func (p *pollConns) poll() bool {
+// pollFor drives the connections for an empty CQ until one of them
+// produced completions on it, which it polls into dst. The connection that
+// fed the CQ last goes first: in a conversation with one peer it is the
+// one the next message comes on, and the others, which would cost a
+// read each, are not polled when it has one.
+func (p *pollConns) pollFor(q *cq, dst []prov.Completion) (int, error) {
 	l := p.list.Load()
 	if l == nil {
-		return false
+		return 0, nil
 	}
-	any := false
-	for _, c := range *l {
-		if c.poll() {
-			any = true
+	hot := q.hot.Load()
+	if hot != nil && hot.dead.Load() {
+		q.hot.CompareAndSwap(hot, nil) // not to keep it from the collector
+		hot = nil
+	}
+	if hot != nil && hot.poll() {
+		if n, err := q.poll(dst); n > 0 || err != nil {
+			return n, err
 		}
 	}
-	return any
+	for _, c := range *l {
+		if c == hot || !c.poll() {
+			continue
+		}
+		if n, err := q.poll(dst); n > 0 || err != nil {
+			q.hot.Store(c)
+			return n, err
+		}
+	}
+	return 0, nil
 }
 
 // pollersGone ends the readers' grace: an application is about to sleep.

@@ -311,7 +311,7 @@ func (s *service) serveHandshake(nc net.Conn) {
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, hl.kind, hl.fabric, hl.pid, nc, shm)
 	if !s.addConn(c) {
-		nc.Close()
+		c.nc.Close()
 		if shm != nil {
 			shm.close()
 			shm.unmap()
@@ -502,6 +502,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8) (*conn, error) {
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, kind, pa.fabric, pa.pid, nc, shm)
 	if !s.addConn(c) {
+		nc = c.nc // newConn may have moved the socket
 		return fail(errors.New("soft: the service of this process is stopping"))
 	}
 	return c, nil

@@ -1,0 +1,322 @@
+package soft
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// A socket outside the Go runtime's poller.
+//
+// The runtime watches the descriptors of net.Conns edge-triggered in its
+// epoll instance, and a thread of the process sleeps in that instance
+// whenever a P is idle and a timer or a network wait is pending. Every
+// segment that arrives on such a socket then wakes that thread: the
+// sending CPU pays for the wake-up (an inter-processor interrupt, a VM exit
+// in a guest), the woken thread finds nobody to run. While the
+// application polls its CQs, the polls read the socket (progress.go), and
+// every message paid that wake-up for nothing.
+//
+// A quietSock takes the socket out of the runtime's instance. It is
+// watched instead by two epoll instances of its own, one for reading and
+// one for writing, which are in the runtime's poller themselves (an epoll
+// descriptor is readable while one of its sockets is ready). A goroutine
+// waits for the socket through them, as through a net.Conn. The reading
+// instance can be silenced (quiet): while pollers read the socket, its
+// segments wake nobody; the next wait arms it again. Errors and hang-ups
+// are always watched.
+//
+// Methods are the net.Conn ones the connection uses (Read, Write,
+// SetWriteDeadline, Close) and those of syscall.RawConn. Reads and the
+// arming are for one goroutine at a time (the connection's consumer);
+// writes for one at a time (wmu).
+type quietSock struct {
+	f     *os.File // the socket, not in the runtime's poller
+	rc    syscall.RawConn
+	in    quietWait // readable
+	out   quietWait // writable
+	laddr net.Addr
+	raddr net.Addr
+	quiet atomic.Bool // in does not watch EPOLLIN
+}
+
+// quietWait is an epoll instance watching the socket for one direction,
+// and the state of the one goroutine waiting through it.
+type quietWait struct {
+	ep *os.File // in the runtime's poller
+	rc syscall.RawConn
+
+	f     func(fd uintptr) bool // the caller's try
+	done  bool
+	cerr  error
+	try   func(uintptr) bool // runs f on the socket (made once: no allocation per wait)
+	inner func(uintptr)
+}
+
+const quietIn = unix.EPOLLIN | unix.EPOLLRDHUP
+
+// newQuietSock moves the socket of nc into a quietSock; nc is closed. On
+// failure nc is left as it was.
+func newQuietSock(nc net.Conn) (*quietSock, error) {
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return nil, errors.New("soft: not a socket")
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	fd := -1
+	var derr error
+	if err := raw.Control(func(s uintptr) { fd, derr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
+		return nil, err
+	}
+	if derr != nil {
+		return nil, os.NewSyscallError("fcntl", derr)
+	}
+	q := &quietSock{laddr: nc.LocalAddr(), raddr: nc.RemoteAddr()}
+	if err := q.init(fd); err != nil {
+		q.Close()
+		return nil, err
+	}
+	// The duplicate keeps the socket open; closing nc takes the original
+	// descriptor out of the runtime's poller.
+	nc.Close()
+	return q, nil
+}
+
+// init takes over fd, a non-blocking socket.
+func (q *quietSock) init(fd int) error {
+	// A descriptor in blocking mode is not put in the runtime's poller
+	// by os.NewFile; it is made non-blocking again behind its back: only
+	// Control touches it.
+	if err := unix.SetNonblock(fd, false); err != nil {
+		unix.Close(fd)
+		return os.NewSyscallError("fcntl", err)
+	}
+	q.f = os.NewFile(uintptr(fd), "soft-socket")
+	var err error
+	if q.rc, err = q.f.SyscallConn(); err != nil {
+		return err
+	}
+	var nerr error
+	if err := q.rc.Control(func(s uintptr) { nerr = unix.SetNonblock(int(s), true) }); err != nil {
+		return err
+	}
+	if nerr != nil {
+		return os.NewSyscallError("fcntl", nerr)
+	}
+	if err := q.in.init(q, quietIn); err != nil {
+		return err
+	}
+	return q.out.init(q, unix.EPOLLOUT)
+}
+
+func (w *quietWait) init(q *quietSock, events uint32) error {
+	w.inner = func(s uintptr) { w.done = w.f(s) }
+	w.try = func(uintptr) bool {
+		w.cerr = q.rc.Control(w.inner)
+		return w.done || w.cerr != nil
+	}
+	ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return os.NewSyscallError("epoll_create1", err)
+	}
+	// Non-blocking: os.NewFile puts it in the runtime's poller.
+	if err := unix.SetNonblock(ep, true); err != nil {
+		unix.Close(ep)
+		return os.NewSyscallError("fcntl", err)
+	}
+	w.ep = os.NewFile(uintptr(ep), "soft-socket-epoll")
+	if w.rc, err = w.ep.SyscallConn(); err != nil {
+		return err
+	}
+	return q.ctl(w, unix.EPOLL_CTL_ADD, events)
+}
+
+// ctl changes what w's instance watches on the socket (ERR and HUP
+// always).
+func (q *quietSock) ctl(w *quietWait, op int, events uint32) error {
+	var err error
+	cerr := w.rc.Control(func(ep uintptr) {
+		err = q.rc.Control(func(s uintptr) {
+			ev := unix.EpollEvent{Events: events, Fd: int32(s)}
+			err = unix.EpollCtl(int(ep), op, int(s), &ev)
+		})
+	})
+	if cerr != nil {
+		return cerr
+	}
+	if err != nil {
+		return os.NewSyscallError("epoll_ctl", err)
+	}
+	return nil
+}
+
+// silence stops waking readers for data (the caller reads the socket
+// without waiting for a while); the next read that waits watches again.
+func (q *quietSock) silence() error {
+	if q.quiet.Load() {
+		return nil
+	}
+	q.quiet.Store(true)
+	return q.ctl(&q.in, unix.EPOLL_CTL_MOD, 0)
+}
+
+func (q *quietSock) listen() error {
+	if !q.quiet.Load() {
+		return nil
+	}
+	q.quiet.Store(false)
+	return q.ctl(&q.in, unix.EPOLL_CTL_MOD, quietIn)
+}
+
+// wait runs f on the socket until it reports done, waiting on w between
+// tries. Every event of the socket after a try reaches w's instance, and
+// through it the runtime's poller, so a wait cannot miss one.
+func (q *quietSock) wait(w *quietWait, f func(fd uintptr) bool) error {
+	w.f, w.done, w.cerr = f, false, nil
+	// The first try goes straight to the socket: most do not wait.
+	var err error
+	if !w.try(0) {
+		err = w.rc.Read(w.try)
+	}
+	cerr := w.cerr
+	w.f, w.cerr = nil, nil
+	if err != nil {
+		return mapClosed(err)
+	}
+	return cerr
+}
+
+// mapClosed reports a wait ended by Close as net.ErrClosed, and a
+// deadline as os.ErrDeadlineExceeded (which it is already).
+func mapClosed(err error) error {
+	if errors.Is(err, os.ErrClosed) {
+		return net.ErrClosed
+	}
+	return err
+}
+
+// Control runs f on the socket (syscall.RawConn).
+func (q *quietSock) Control(f func(fd uintptr)) error { return q.rc.Control(f) }
+
+// Read runs f until it reports done, waiting for the socket to be
+// readable between tries (syscall.RawConn).
+func (q *quietSock) Read(f func(fd uintptr) bool) error {
+	if err := q.listen(); err != nil {
+		return err
+	}
+	return q.wait(&q.in, f)
+}
+
+// Write runs f until it reports done, waiting for the socket to be
+// writable between tries (syscall.RawConn).
+func (q *quietSock) Write(f func(fd uintptr) bool) error { return q.wait(&q.out, f) }
+
+// conn is the net.Conn view of the socket, for io.ReadFull and the
+// writes that wait.
+func (q *quietSock) conn() net.Conn { return (*quietConn)(q) }
+
+// quietConn is a quietSock as a net.Conn.
+type quietConn quietSock
+
+var _ net.Conn = (*quietConn)(nil)
+
+func (c *quietConn) q() *quietSock { return (*quietSock)(c) }
+
+// Read reads into p, waiting until the socket holds something.
+func (c *quietConn) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	var n int
+	var err error
+	werr := c.q().Read(func(fd uintptr) bool {
+		n, err = ignoringEINTR(func() (int, error) { return unix.Read(int(fd), p) })
+		return err != unix.EAGAIN
+	})
+	if werr != nil {
+		return 0, werr
+	}
+	if err != nil {
+		return 0, os.NewSyscallError("read", err)
+	}
+	if n == 0 {
+		return 0, io.EOF
+	}
+	return n, nil
+}
+
+// Write writes all of p, waiting for room (until the write deadline).
+func (c *quietConn) Write(p []byte) (int, error) {
+	done := 0
+	var err error
+	werr := c.q().Write(func(fd uintptr) bool {
+		for done < len(p) {
+			var n int
+			n, err = ignoringEINTR(func() (int, error) { return unix.Write(int(fd), p[done:]) })
+			if err != nil {
+				return err != unix.EAGAIN
+			}
+			done += n
+		}
+		return true
+	})
+	if werr != nil {
+		return done, werr
+	}
+	if err != nil {
+		return done, os.NewSyscallError("write", err)
+	}
+	return done, nil
+}
+
+// Close closes the socket; waiting reads and writes fail with
+// net.ErrClosed.
+func (c *quietConn) Close() error { return c.q().Close() }
+
+// Close closes the socket and its epoll instances.
+func (q *quietSock) Close() error {
+	var err error
+	for _, f := range []*os.File{q.in.ep, q.out.ep, q.f} {
+		if f != nil {
+			if e := f.Close(); e != nil && err == nil && !errors.Is(e, os.ErrClosed) {
+				err = e
+			}
+		}
+	}
+	return err
+}
+
+func (c *quietConn) LocalAddr() net.Addr  { return c.laddr }
+func (c *quietConn) RemoteAddr() net.Addr { return c.raddr }
+
+func (c *quietConn) SetDeadline(t time.Time) error {
+	if err := c.SetReadDeadline(t); err != nil {
+		return err
+	}
+	return c.SetWriteDeadline(t)
+}
+
+// SetReadDeadline bounds the reads that wait.
+func (c *quietConn) SetReadDeadline(t time.Time) error { return c.in.ep.SetReadDeadline(t) }
+
+// SetWriteDeadline bounds the writes that wait.
+func (c *quietConn) SetWriteDeadline(t time.Time) error { return c.out.ep.SetReadDeadline(t) }
+
+// ignoringEINTR retries f while it fails with EINTR.
+func ignoringEINTR(f func() (int, error)) (int, error) {
+	for {
+		n, err := f()
+		if err != unix.EINTR {
+			return n, err
+		}
+	}
+}
