@@ -37,13 +37,14 @@ import (
 // arming are for one goroutine at a time (the connection's consumer);
 // writes for one at a time (wmu).
 type quietSock struct {
-	f     *os.File // the socket, not in the runtime's poller
-	rc    syscall.RawConn
-	in    quietWait // readable
-	out   quietWait // writable
-	laddr net.Addr
-	raddr net.Addr
-	quiet atomic.Bool // in does not watch EPOLLIN
+	f      *os.File // the socket, not in the runtime's poller
+	rc     syscall.RawConn
+	in     quietWait // readable
+	out    quietWait // writable
+	laddr  net.Addr
+	raddr  net.Addr
+	quiet  atomic.Bool // in does not watch EPOLLIN
+	closed atomic.Bool
 }
 
 // quietWait is an epoll instance watching the socket for one direction,
@@ -151,7 +152,7 @@ func (q *quietSock) ctl(w *quietWait, op int, events uint32) error {
 		})
 	})
 	if cerr != nil {
-		return cerr
+		return q.mapClosed(cerr)
 	}
 	if err != nil {
 		return os.NewSyscallError("epoll_ctl", err)
@@ -189,23 +190,23 @@ func (q *quietSock) wait(w *quietWait, f func(fd uintptr) bool) error {
 	}
 	cerr := w.cerr
 	w.f, w.cerr = nil, nil
-	if err != nil {
-		return mapClosed(err)
+	if err == nil {
+		err = cerr
 	}
-	return cerr
+	return q.mapClosed(err)
 }
 
-// mapClosed reports a wait ended by Close as net.ErrClosed, and a
-// deadline as os.ErrDeadlineExceeded (which it is already).
-func mapClosed(err error) error {
-	if errors.Is(err, os.ErrClosed) {
+// mapClosed reports an operation ended by Close as net.ErrClosed (the
+// descriptors report their own "use of closed file").
+func (q *quietSock) mapClosed(err error) error {
+	if err != nil && q.closed.Load() {
 		return net.ErrClosed
 	}
 	return err
 }
 
 // Control runs f on the socket (syscall.RawConn).
-func (q *quietSock) Control(f func(fd uintptr)) error { return q.rc.Control(f) }
+func (q *quietSock) Control(f func(fd uintptr)) error { return q.mapClosed(q.rc.Control(f)) }
 
 // Read runs f until it reports done, waiting for the socket to be
 // readable between tries (syscall.RawConn).
@@ -284,6 +285,7 @@ func (c *quietConn) Close() error { return c.q().Close() }
 
 // Close closes the socket and its epoll instances.
 func (q *quietSock) Close() error {
+	q.closed.Store(true)
 	var err error
 	for _, f := range []*os.File{q.in.ep, q.out.ep, q.f} {
 		if f != nil {
