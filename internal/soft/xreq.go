@@ -383,10 +383,10 @@ func (q *qp) retire() {
 			}
 		}
 	}
-	if x.nfl == 0 && x.rtArmed {
-		x.rtimer.Stop()
-		x.rtArmed = false
-	}
+	// With nothing in flight the timer is left to run out (it finds
+	// nothing to fail): stopping it here and starting it again for the
+	// next request would cost two timer operations per request in a
+	// ping-pong.
 	q.commit(retired)
 	if failed {
 		q.fail(evQPFatal)
