@@ -308,6 +308,8 @@ func (c *conn) writeAllLocked(bufs [][]byte) error {
 			d = time.Now().Add(writeTimeout)
 		}
 		err = c.shm.writeAll(c.wbufs, d, &c.dead)
+	} else if c.quiet != nil {
+		_, err = c.quiet.writeAll(c.wbufs)
 	} else {
 		_, err = c.wbufs.WriteTo(c.nc)
 	}
@@ -710,7 +712,7 @@ var bufLists [maxBufShift - minBufShift + 1]struct {
 const (
 	minBufShift = 12
 	maxBufShift = 22
-	bufListMax  = 32
+	bufListMax  = 128
 )
 
 func getBuf(n int) []byte {

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -43,6 +44,8 @@ type quietSock struct {
 	out    quietWait // writable
 	laddr  net.Addr
 	raddr  net.Addr
+	rd     quietRead   // Read's (one reader at a time)
+	wr     quietWrite  // writeAll's (one writer at a time)
 	quiet  atomic.Bool // in does not watch EPOLLIN
 	closed atomic.Bool
 }
@@ -113,6 +116,7 @@ func (q *quietSock) init(fd int) error {
 	if nerr != nil {
 		return os.NewSyscallError("fcntl", nerr)
 	}
+	q.rd.fn, q.wr.fn = q.rd.try, q.wr.try // made once: no allocation per call
 	if err := q.in.init(q, quietIn); err != nil {
 		return err
 	}
@@ -237,12 +241,12 @@ func (c *quietConn) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
-	var n int
-	var err error
-	werr := c.q().Read(func(fd uintptr) bool {
-		n, err = ignoringEINTR(func() (int, error) { return unix.Read(int(fd), p) })
-		return err != unix.EAGAIN
-	})
+	q := c.q()
+	r := &q.rd
+	r.p, r.n, r.err = p, 0, nil
+	werr := q.Read(r.fn)
+	n, err := r.n, r.err
+	r.p, r.err = nil, nil
 	if werr != nil {
 		return 0, werr
 	}
@@ -257,26 +261,91 @@ func (c *quietConn) Read(p []byte) (int, error) {
 
 // Write writes all of p, waiting for room (until the write deadline).
 func (c *quietConn) Write(p []byte) (int, error) {
-	done := 0
-	var err error
-	werr := c.q().Write(func(fd uintptr) bool {
-		for done < len(p) {
-			var n int
-			n, err = ignoringEINTR(func() (int, error) { return unix.Write(int(fd), p[done:]) })
-			if err != nil {
-				return err != unix.EAGAIN
-			}
-			done += n
-		}
-		return true
-	})
+	q := c.q()
+	q.wr.one[0] = p
+	n, err := q.writeAll(q.wr.one[:])
+	q.wr.one[0] = nil
+	return n, err
+}
+
+// writeAll writes all of bufs, waiting for room (until the write
+// deadline), with as few writev calls as the socket allows.
+func (q *quietSock) writeAll(bufs [][]byte) (int, error) {
+	w := &q.wr
+	w.bufs, w.n, w.err = bufs, 0, nil
+	werr := q.Write(w.fn)
+	n, err := w.n, w.err
+	w.bufs, w.err = nil, nil
 	if werr != nil {
-		return done, werr
+		return n, werr
 	}
 	if err != nil {
-		return done, os.NewSyscallError("write", err)
+		return n, os.NewSyscallError("writev", err)
 	}
-	return done, nil
+	return n, nil
+}
+
+// quietRead is the state of the reader's Read (one at a time).
+type quietRead struct {
+	p   []byte
+	n   int
+	err error
+	fn  func(fd uintptr) bool
+}
+
+func (r *quietRead) try(fd uintptr) bool {
+	for {
+		r.n, r.err = unix.Read(int(fd), r.p)
+		if r.err != unix.EINTR {
+			return r.err != unix.EAGAIN
+		}
+	}
+}
+
+// quietWrite is the state of the writer's writeAll (one at a time).
+type quietWrite struct {
+	one  [1][]byte
+	bufs [][]byte
+	n    int // bytes of bufs written
+	err  error
+	iov  [64]unix.Iovec
+	fn   func(fd uintptr) bool
+}
+
+// try writes what remains of bufs until it is all written (done), the
+// socket is full (not done: wait) or fails (done, with err).
+func (w *quietWrite) try(fd uintptr) bool {
+	for {
+		skip, k := w.n, 0
+		for _, b := range w.bufs {
+			if skip >= len(b) {
+				skip -= len(b)
+				continue
+			}
+			if k == len(w.iov) {
+				break
+			}
+			w.iov[k].Base = &b[skip]
+			w.iov[k].SetLen(len(b) - skip)
+			skip = 0
+			k++
+		}
+		if k == 0 {
+			return true
+		}
+		r, _, errno := unix.Syscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&w.iov[0])), uintptr(k))
+		clear(w.iov[:k])
+		switch errno {
+		case 0:
+			w.n += int(r)
+		case unix.EINTR:
+		case unix.EAGAIN:
+			return false
+		default:
+			w.err = errno
+			return true
+		}
+	}
 }
 
 // Close closes the socket; waiting reads and writes fail with
@@ -312,13 +381,3 @@ func (c *quietConn) SetReadDeadline(t time.Time) error { return c.in.ep.SetReadD
 
 // SetWriteDeadline bounds the writes that wait.
 func (c *quietConn) SetWriteDeadline(t time.Time) error { return c.out.ep.SetReadDeadline(t) }
-
-// ignoringEINTR retries f while it fails with EINTR.
-func ignoringEINTR(f func() (int, error)) (int, error) {
-	for {
-		n, err := f()
-		if err != unix.EINTR {
-			return n, err
-		}
-	}
-}

@@ -39,10 +39,10 @@ var (
 )
 
 // BenchmarkXprocWriteBandwidth: RDMA writes of size bytes, 16 at a time,
-// one completion per batch, two batches in flight (as perftest keeps its
-// send queue full: the next batch is posted before the previous one
-// completes); the poster sleeps in the CQ's completion channel while it
-// waits, as the baseline's reader sleeps in its reads.
+// one completion per batch, 128 writes in flight (perftest's default
+// ib_write_bw send queue depth, -t 128: the next batch is posted before
+// the oldest one completes); the poster sleeps in the CQ's completion
+// channel while it waits, as the baseline's reader sleeps in its reads.
 // Baseline: BenchmarkRawStream.
 func BenchmarkXprocWriteBandwidth(b *testing.B) {
 	for _, kind := range xprocKinds {
@@ -69,7 +69,7 @@ func BenchmarkXprocWriteBandwidth(b *testing.B) {
 					if n, err := qa.PostSend(wrs, sges); err != nil || n != batch {
 						b.Fatalf("post: %d %v", n, err)
 					}
-					if inflight++; inflight == 2 {
+					if inflight++; inflight == bwDepth/batch {
 						waitCQ(b, cqa, cha, wcs[:], 1)
 						inflight--
 					}
@@ -86,6 +86,10 @@ func BenchmarkXprocWriteBandwidth(b *testing.B) {
 		}
 	}
 }
+
+// bwDepth is how many writes BenchmarkXprocWriteBandwidth keeps in
+// flight.
+const bwDepth = 128
 
 // xprocSide creates a RC QP whose send and receive CQ has a completion
 // channel.
