@@ -88,7 +88,13 @@ type conn struct {
 	pollState
 	rhdr  [hdrLen + respBodyLen]byte
 	rbufs [2][]byte
-	resps []byte // responses held back (progress.go)
+
+	// Responses held back (progress.go): appended by the consumer,
+	// taken by whoever writes to the connection next.
+	respMu sync.Mutex
+	resps  []byte
+	pbufs  [maxSGE + 2][]byte // trySendFrame's (respMu)
+	fbufs  [1][]byte          // flushResps' (respMu)
 
 	wkMu   sync.Mutex
 	wakers map[uint32]*remoteWaker
@@ -268,21 +274,18 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	if congested {
 		return false, nil
 	}
-	if c.rx != nil && c.rmu.TryLock() {
-		// Held responses go first, in the same write (progress.go).
-		if len(c.resps) > 0 && len(bufs) < len(c.pbufs) {
-			c.pbufs[0] = c.resps
-			n := copy(c.pbufs[1:], bufs)
-			c.sendAsync(c.pbufs[:n+1])
-			clear(c.pbufs[:n+1])
-			c.resps = c.resps[:0]
-		} else {
-			c.sendAsync(bufs)
-		}
-		c.rmu.Unlock()
+	// Held responses go first, in the same write (progress.go).
+	c.respMu.Lock()
+	if len(c.resps) > 0 && len(bufs) < len(c.pbufs) {
+		c.pbufs[0] = c.resps
+		n := copy(c.pbufs[1:], bufs)
+		c.sendAsync(c.pbufs[:n+1])
+		clear(c.pbufs[:n+1])
+		c.resps = c.resps[:0]
 	} else {
 		c.sendAsync(bufs)
 	}
+	c.respMu.Unlock()
 	if c.dead.Load() {
 		return false, errConnDown
 	}
@@ -614,13 +617,15 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 		}
 		if len(out) == 0 {
 			// Held (progress.go), up to a limit.
+			c.respMu.Lock()
 			k := len(c.resps)
 			c.resps = c.resps[:k+hdrLen+respBodyLen]
 			putHdr(c.resps[k:], frResp, respBodyLen, id)
 			putResp(c.resps[k+hdrLen:], req.srcQPN, &resp)
 			if len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
-				c.flushResps()
+				c.flushRespsLocked()
 			}
+			c.respMu.Unlock()
 		} else {
 			c.flushResps()
 			putHdr(c.rhdr[:], frResp, uint32(respBodyLen+len(out)), id)
@@ -634,15 +639,28 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 	return nil
 }
 
-// flushResps sends the held responses (reader goroutine).
+// flushResps sends the held responses.
 func (c *conn) flushResps() {
+	c.respMu.Lock()
+	c.flushRespsLocked()
+	c.respMu.Unlock()
+}
+
+func (c *conn) flushRespsLocked() {
 	if len(c.resps) == 0 {
 		return
 	}
-	c.rbufs[0] = c.resps
-	c.sendAsync(c.rbufs[:1])
-	c.rbufs[0] = nil
+	c.fbufs[0] = c.resps
+	c.sendAsync(c.fbufs[:1])
+	c.fbufs[0] = nil
 	c.resps = c.resps[:0]
+}
+
+// holdsResps reports whether responses are held.
+func (c *conn) holdsResps() bool {
+	c.respMu.Lock()
+	defer c.respMu.Unlock()
+	return len(c.resps) > 0
 }
 
 // handleResp hands a response to its requester, with the payload (which

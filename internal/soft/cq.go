@@ -61,6 +61,7 @@ func (c *cq) push(cs []prov.Completion, solicited bool) {
 		c.armed = armNone
 		if c.ch != nil {
 			c.ch.notify(c)
+			c.ctx.f.wakes.Add(1)
 		}
 	}
 	c.mu.Unlock()

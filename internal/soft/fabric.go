@@ -27,6 +27,8 @@ type fabric struct {
 
 	local localLink // the in-process transport
 
+	wakes atomic.Uint64 // completion events delivered (cq.push)
+
 	keysMu   sync.Mutex
 	keyPerm  perm32
 	keyIdx   indexPool

@@ -1,9 +1,11 @@
 package soft
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -19,8 +21,10 @@ import (
 // A process that polls a CQ wants its completions now, and a NIC would
 // have produced them without waking anybody. So a Poll that finds its CQ
 // empty first handles the complete frames waiting on the process'
-// connections itself (pollConns.poll; the inbound ring of a shared-memory
-// connection, or a non-blocking read of a socket): requests
+// connections itself (pollConns.pollFor; the inbound ring of a
+// shared-memory connection, or a non-blocking read of a socket; the
+// connection that fed the CQ last first, and the others only when it
+// brought nothing for this CQ, since each costs a read): requests
 // run at their target QP and are answered, responses complete their
 // requests, exactly as the connection's reader goroutine would do it, but
 // without the two wake-ups (the reader's, then the poller's) that a
@@ -39,7 +43,8 @@ import (
 // While applications poll, the reader stays out of their way: seeing the
 // poll count move, it sleeps on a timer (pollerGrace) instead of its
 // eventfd or socket, so producers find no sleeper to wake and make no
-// system call.
+// system call; a socket is silenced meanwhile (quiet.go), so that its
+// segments do not wake the runtime's poller either.
 // When the polling stops the reader takes over again within pollerGrace;
 // an application that arms a CQ to sleep on its channel (cq.Arm) ends the
 // grace at once (pollConns.pollersGone), and no grace starts for the polls
@@ -63,8 +68,7 @@ type pollState struct {
 	big     bool          // the next frame is larger than rx holds (rmu)
 	seen    uint64        // shared memory: the ring's tail drain last saw (rmu)
 
-	rxHdr  [hdrLen]byte       // drain's (rmu)
-	pbufs  [maxSGE + 2][]byte // trySendFrame's (rmu)
+	rxHdr  [hdrLen]byte // drain's (rmu)
 	rxBody [reqBodyLen]byte
 }
 
@@ -86,7 +90,7 @@ func (c *conn) poll() bool {
 		c.rmu.Unlock()
 		return false
 	}
-	n, err := c.drain()
+	n, err := c.drain(false)
 	// While the reader is in its grace (it sends them when the grace
 	// ends), the responses of what this poll handled are held: the next
 	// request on the connection takes them along (trySendFrame), or the
@@ -109,11 +113,12 @@ func (c *conn) poll() bool {
 // drain handles the complete frames that have arrived (rmu held) and
 // returns how many. c.seen is left at the ring's tail it last saw; c.big
 // is set when the next frame is larger than the source can hold, and the
-// reader must stream it.
-func (c *conn) drain() (n int, err error) {
+// reader must stream it. justFilled says the source was just filled (by
+// the reader's wait): it is not read again unless that filled it up.
+func (c *conn) drain(justFilled bool) (n int, err error) {
 	src := c.rx
 	hb, body := &c.rxHdr, &c.rxBody
-	filled := false
+	filled := justFilled && !src.more()
 	for !c.dead.Load() {
 		a, err := src.avail()
 		if err != nil {
@@ -218,13 +223,16 @@ func (c *conn) rxLoop() {
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	var lastPolls uint64
+	justFilled := false
 	for !c.dead.Load() {
 		c.rmu.Lock()
 		if c.dead.Load() {
 			c.rmu.Unlock()
 			return
 		}
-		_, err := c.drain()
+		wakes := c.f.wakes.Load()
+		_, err := c.drain(justFilled)
+		justFilled = false
 		if err == nil && c.big {
 			c.bigWait.Store(false)
 			err = c.streamFrame()
@@ -232,16 +240,14 @@ func (c *conn) rxLoop() {
 				c.seen = c.shm.in.pos
 			}
 		}
-		c.flushResps()
 		if err == nil && c.sock != nil && !c.graceDue(&lastPolls) {
 			// A socket is waited on with rmu held (the wait reads the
 			// bytes in): pollers leave it to the reader meanwhile. The
 			// wait must read: with the readiness of the socket alone, a
 			// poller's read in between can leave the reader waiting
 			// for an edge that went to the poller.
-			if err = c.sock.fillWait(); err != nil {
-				err = readErr(c, err)
-			}
+			err = c.waitSock(c.f.wakes.Load() != wakes)
+			justFilled = err == nil
 			c.rmu.Unlock()
 			if err != nil {
 				c.fail(err)
@@ -249,6 +255,7 @@ func (c *conn) rxLoop() {
 			}
 			continue
 		}
+		c.flushResps()
 		seen := c.seen
 		c.rmu.Unlock()
 		if err != nil {
@@ -260,6 +267,42 @@ func (c *conn) rxLoop() {
 			return
 		}
 	}
+}
+
+// ackDelay is how long a sleeping reader holds the responses to requests
+// that woke an application, for the answer it is likely to send.
+const ackDelay = 50 * time.Microsecond
+
+// waitSock waits for the socket to bring more bytes and reads them in
+// (rmu held). The responses of the last drain are sent first, unless it
+// woke an application (woke) that sleeps on a completion channel: that
+// one probably answers within microseconds, and its request takes the
+// responses along (trySendFrame), one write and one wake-up of the peer
+// instead of two, as TCP delays its acknowledgements. They are held
+// for ackDelay at most.
+func (c *conn) waitSock(woke bool) error {
+	hold := woke && c.quiet != nil && c.holdsResps()
+	if !hold {
+		c.flushResps()
+		return readErr0(c, c.sock.fillWait())
+	}
+	nc := c.quiet.conn()
+	nc.SetReadDeadline(time.Now().Add(ackDelay))
+	err := c.sock.fillWait()
+	nc.SetReadDeadline(time.Time{})
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		err = nil // nothing came: the loop drains nothing and waits again
+	}
+	c.flushResps()
+	return readErr0(c, err)
+}
+
+// readErr0 is readErr of a non-nil error.
+func readErr0(c *conn, err error) error {
+	if err != nil {
+		return readErr(c, err)
+	}
+	return nil
 }
 
 // waitRx waits until more bytes arrive in the ring (its tail moves past

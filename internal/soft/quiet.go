@@ -185,11 +185,14 @@ func (q *quietSock) listen() error {
 // wait runs f on the socket until it reports done, waiting on w between
 // tries. Every event of the socket after a try reaches w's instance, and
 // through it the runtime's poller, so a wait cannot miss one.
-func (q *quietSock) wait(w *quietWait, f func(fd uintptr) bool) error {
+func (q *quietSock) wait(w *quietWait, f func(fd uintptr) bool, direct bool) error {
 	w.f, w.done, w.cerr = f, false, nil
-	// The first try goes straight to the socket: most do not wait.
+	// With direct, the first try goes straight to the socket, not through
+	// the poller's bookkeeping: most writes do not wait. (The poller's
+	// Read tries first too, so a read that usually waits would pay for
+	// a try more.)
 	var err error
-	if !w.try(0) {
+	if !direct || !w.try(0) {
 		err = w.rc.Read(w.try)
 	}
 	cerr := w.cerr
@@ -218,12 +221,12 @@ func (q *quietSock) Read(f func(fd uintptr) bool) error {
 	if err := q.listen(); err != nil {
 		return err
 	}
-	return q.wait(&q.in, f)
+	return q.wait(&q.in, f, false)
 }
 
 // Write runs f until it reports done, waiting for the socket to be
 // writable between tries (syscall.RawConn).
-func (q *quietSock) Write(f func(fd uintptr) bool) error { return q.wait(&q.out, f) }
+func (q *quietSock) Write(f func(fd uintptr) bool) error { return q.wait(&q.out, f, true) }
 
 // conn is the net.Conn view of the socket, for io.ReadFull and the
 // writes that wait.
