@@ -275,7 +275,10 @@ func FuzzFrame(f *testing.F) {
 		case frReq:
 			var req request
 			if _, err := parseReq(body[:bl], payload, &req); err == nil {
-				if req.length > maxMsgSize || req.dstQPN > maxQPN || (hasPayload(req.op) && req.length != payload) {
+				// A direct write carries no payload: the requester
+				// copies into the shared mapping (shm.go).
+				if req.length > maxMsgSize || req.dstQPN > maxQPN || (hasPayload(req.op) && !req.direct && req.length != payload) ||
+					(req.direct && payload != 0) {
 					t.Fatalf("accepted an inconsistent request %+v with %d payload bytes", req, payload)
 				}
 			}
@@ -305,7 +308,7 @@ func FuzzHandshake(f *testing.F) {
 	f.Add([]byte("GET / HTTP/1.1\r\n\r\n"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if len(b) >= hdrLen+helloLen {
-			if h, err := decodeHello(b[:hdrLen+helloLen]); err == nil && h.kind != kindTCP && h.kind != kindUnix {
+			if h, err := decodeHello(b[:hdrLen+helloLen]); err == nil && h.kind != kindTCP && h.kind != kindUnix && h.kind != kindShm {
 				t.Fatalf("accepted link kind %d", h.kind)
 			}
 		}
