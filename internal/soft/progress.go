@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -246,7 +247,14 @@ func (c *conn) rxLoop() {
 			// wait must read: with the readiness of the socket alone, a
 			// poller's read in between can leave the reader waiting
 			// for an edge that went to the poller.
-			err = c.waitSock(c.f.wakes.Load() != wakes)
+			woke := c.f.wakes.Load() != wakes
+			if woke {
+				// Let the woken application run before this reader's
+				// own wait: its answer leaves a system call or two
+				// sooner, with the acknowledgements.
+				runtime.Gosched()
+			}
+			err = c.waitSock(woke)
 			justFilled = err == nil
 			c.rmu.Unlock()
 			if err != nil {
