@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -49,6 +50,7 @@ type PeerReq struct {
 	Type   string          `json:"type,omitempty"`   // new: "rc", "uc" or "ud"
 	Size   int             `json:"size,omitempty"`   // new: MR size
 	Access verbs.Access    `json:"access,omitempty"` // new: MR access
+	Go     bool            `json:"go,omitempty"`     // new: the MR is Go memory (Register), not Alloc
 	Spec   *verbs.QPSpec   `json:"spec,omitempty"`   // new: QP spec (CQ fields ignored)
 	EP     *verbs.Endpoint `json:"ep,omitempty"`     // connect, ah
 	WRID   uint64          `json:"wrid,omitempty"`
@@ -91,10 +93,35 @@ type peerSide struct {
 }
 
 func (s *peerSide) close() {
-	for _, c := range []interface{ Close() error }{s.ah, s.rc, s.uc, s.ud, s.mr, s.cq, s.pd, s.ctx} {
-		if c != nil {
-			c.Close()
-		}
+	// Each is checked before it goes into an interface: a nil pointer in
+	// one is not a nil interface.
+	var cs []interface{ Close() error }
+	if s.ah != nil {
+		cs = append(cs, s.ah)
+	}
+	if s.rc != nil {
+		cs = append(cs, s.rc)
+	}
+	if s.uc != nil {
+		cs = append(cs, s.uc)
+	}
+	if s.ud != nil {
+		cs = append(cs, s.ud)
+	}
+	if s.mr != nil {
+		cs = append(cs, s.mr)
+	}
+	if s.cq != nil {
+		cs = append(cs, s.cq)
+	}
+	if s.pd != nil {
+		cs = append(cs, s.pd)
+	}
+	if s.ctx != nil {
+		cs = append(cs, s.ctx)
+	}
+	for _, c := range cs {
+		c.Close()
 	}
 }
 
@@ -161,7 +188,12 @@ func newPeerSide(req *PeerReq) (s *peerSide, resp PeerResp, err error) {
 		return
 	}
 	if req.Size > 0 {
-		if s.mr, err = s.pd.Alloc(req.Size, req.Access); err != nil {
+		if req.Go {
+			s.mr, err = s.pd.Register(make([]byte, req.Size), req.Access)
+		} else {
+			s.mr, err = s.pd.Alloc(req.Size, req.Access)
+		}
+		if err != nil {
 			return
 		}
 		resp.Region = s.mr.Remote()
@@ -317,6 +349,7 @@ type Peer struct {
 	enc    *json.Encoder
 	mu     sync.Mutex
 	Stderr *lockedBuffer
+	killed bool
 }
 
 type lockedBuffer struct {
@@ -354,7 +387,11 @@ func startPeer(t testing.TB, wrap []string, env ...string) *Peer {
 	}
 	args := append(append(wrap[:len(wrap):len(wrap)], exe), "-test.run=^$")
 	cmd := exec.Command(args[0], args[1:]...)
-	cmd.Env = append(append(os.Environ(), EnvPeer+"=1"), env...)
+	// Under the race detector a program that exits cleanly waits a second
+	// for late reports (GORACE atexit_sleep_ms): not the peer, which has
+	// closed everything by then.
+	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
+	cmd.Env = append(append(os.Environ(), EnvPeer+"=1", "GORACE="+gorace), env...)
 	in, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatalf("verbstest: start peer: %v", err)
@@ -377,6 +414,7 @@ func (p *Peer) PID() int { return p.cmd.Process.Pid }
 
 // Kill kills the peer with SIGKILL and waits for it.
 func (p *Peer) Kill() {
+	p.killed = true
 	p.cmd.Process.Kill()
 	p.cmd.Wait()
 }
@@ -395,6 +433,14 @@ func (p *Peer) Stop() {
 	case <-time.After(DefaultTimeout):
 		p.cmd.Process.Kill()
 		<-done
+		p.t.Errorf("verbstest: the peer did not exit within %v of its input closing; stderr:\n%s", DefaultTimeout, p.Stderr)
+		return
+	}
+	// A peer that was not killed must have closed everything cleanly: a
+	// failure, a panic or a data race it found (the race detector makes
+	// it exit with status 66) fails the test.
+	if !p.killed && !p.cmd.ProcessState.Success() {
+		p.t.Errorf("verbstest: the peer %s; stderr:\n%s", p.cmd.ProcessState, p.Stderr)
 	}
 }
 

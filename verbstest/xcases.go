@@ -60,6 +60,8 @@ var xcases = []xcaseDef{
 	{"FlushAfterError", xFlushAfterError},
 	{"UDSend", xUDSend},
 	{"UCSendWrite", xUCSendWrite},
+	{"GoMemoryTarget", xGoMemoryTarget},
+	{"PeerOnGoMemory", xPeerOnGoMemory},
 }
 
 // XCases returns the names of the cross-process cases.
@@ -86,10 +88,17 @@ type xrc struct {
 // size bytes with access.
 func newXRC(t *testing.T, c *xcase, spec verbs.QPSpec, size int, access verbs.Access) *xrc {
 	t.Helper()
+	return newXRCMem(t, c, spec, size, access, false)
+}
+
+// newXRCMem is newXRC with the peer's MR in Go memory (Register) when
+// goMem is set.
+func newXRCMem(t *testing.T, c *xcase, spec verbs.QPSpec, size int, access verbs.Access, goMem bool) *xrc {
+	t.Helper()
 	a, _ := NewNodes(t, c.cfg)
 	qa := a.NewRC(t, spec)
 	pspec := spec
-	r := c.peer.Do(PeerReq{Op: "new", Type: "rc", Size: size, Access: access, Spec: &pspec})
+	r := c.peer.Do(PeerReq{Op: "new", Type: "rc", Size: size, Access: access, Go: goMem, Spec: &pspec})
 	ea := Endpoint(t, qa)
 	must(t, "connect A", qa.Connect(*r.EP))
 	c.peer.Do(PeerReq{Op: "connect", ID: r.ID, EP: &ea})
@@ -245,6 +254,69 @@ func xPeerWritesAndReads(t *testing.T, c *xcase) {
 	c.peer.Do(PeerReq{Op: "post", ID: p.b, Kind: "read", WRID: 2, Off: 4096, Len: 4096, Remote: m.Remote().At(0)})
 	expectOK(t, "peer read", c.peerPoll(t, p.b, 1)[0], 2, verbs.OpRead, p.qpnB)
 	checkBytes(t, "peer's MR after its read", c.peerBytes(t, p.b, 4096, 4096), want[:4096])
+}
+
+// xGoMemoryTarget runs one-sided operations on a peer MR of Go memory
+// (Register): the peer cannot share it, so on shared memory too they
+// are served by its service goroutine rather than by direct copies. The
+// peer looks at its memory only after a message sent behind them, as an
+// application must (the race detector watches Go memory).
+func xGoMemoryTarget(t *testing.T, c *xcase) {
+	const size = 16384
+	p := newXRCMem(t, c, verbs.QPSpec{}, size, accessAll, true)
+	want := pattern(size, 0xEE)
+	var v [8]byte
+	binary.NativeEndian.PutUint64(v[:], 40)
+	copy(want[size-8:], v[:])
+	c.peerFill(t, p.b, 0, want)
+	src := p.a.Alloc(t, size, accessLocal)
+	Pattern(src.Bytes(), 0x52)
+	must(t, "post write", p.qa.PostWrite(1, verbs.Signaled, p.rb.At(100), src.SGE(0, 5000)))
+	expectOK(t, "write completion", c.pollOne(t, p.a.CQ), 1, verbs.OpWrite, p.qa.QPN())
+	copy(want[100:5100], src.Bytes()[:5000])
+	dst := p.a.Alloc(t, 8192, accessLocal)
+	must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(4096), dst.SGE(0, 8192)))
+	expectOK(t, "read completion", c.pollOne(t, p.a.CQ), 2, verbs.OpRead, p.qa.QPN())
+	checkBytes(t, "data read from remote Go memory", dst.Bytes(), want[4096:12288])
+	must(t, "post faa", p.qa.PostFetchAdd(3, verbs.Signaled, p.rb.At(size-8), 2, dst.SGE(0, 8)))
+	expectOK(t, "faa completion", c.pollOne(t, p.a.CQ), 3, verbs.OpFetchAdd, p.qa.QPN())
+	if got := binary.NativeEndian.Uint64(dst.Bytes()[:8]); got != 40 {
+		t.Errorf("fetch-add returned %d, want 40", got)
+	}
+	binary.NativeEndian.PutUint64(want[size-8:], 42)
+	// The note, into a spare part of the region (its first 100 bytes).
+	c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 7, Off: 0, Len: 8})
+	must(t, "post note", p.qa.PostSend(4, verbs.Signaled, src.SGE(0, 8)))
+	expectOK(t, "note completion", c.pollOne(t, p.a.CQ), 4, verbs.OpSend, p.qa.QPN())
+	expectOK(t, "peer's recv of the note", c.peerPoll(t, p.b, 1)[0], 7, verbs.OpRecv, p.qpnB)
+	copy(want[:8], src.Bytes()[:8])
+	checkBytes(t, "remote Go memory after the operations", c.peerBytes(t, p.b, 0, size), want)
+}
+
+// xPeerOnGoMemory makes the peer the requester of one-sided operations on
+// an MR of this process' Go memory. As an application must, this side
+// learns that the write is done from a message the peer sends after it
+// (a RC QP delivers it after the write), not from the peer's completion,
+// which it could not see: Go memory is watched by the race detector.
+func xPeerOnGoMemory(t *testing.T, c *xcase) {
+	p := newXRC(t, c, verbs.QPSpec{}, 8192, accessAll)
+	buf := pattern(8192, 0xEE)
+	m := p.a.Register(t, buf, accessAll)
+	want := bytes.Clone(buf)
+	note := p.a.Alloc(t, 64, accessLocal)
+	must(t, "post recv", p.qa.PostRecv(9, note.All()))
+	c.peerFill(t, p.b, 0, pattern(8192, 0x4D))
+	c.peer.Do(PeerReq{Op: "post", ID: p.b, Kind: "write", WRID: 1, Off: 0, Len: 3000, Remote: m.Remote().At(1000)})
+	c.peer.Do(PeerReq{Op: "post", ID: p.b, Kind: "send", WRID: 3, Off: 0, Len: 8})
+	for _, wc := range c.peerPoll(t, p.b, 2) {
+		expectStatus(t, "peer write and send", wc, wc.WRID, verbs.StatusSuccess, p.qpnB)
+	}
+	expectOK(t, "recv of the peer's note", c.pollOne(t, p.a.CQ), 9, verbs.OpRecv, p.qa.QPN())
+	copy(want[1000:4000], pattern(8192, 0x4D)[:3000])
+	checkBytes(t, "Go memory after the peer's write", m.Bytes(), want)
+	c.peer.Do(PeerReq{Op: "post", ID: p.b, Kind: "read", WRID: 2, Off: 4096, Len: 4096, Remote: m.Remote().At(0)})
+	expectOK(t, "peer read", c.peerPoll(t, p.b, 1)[0], 2, verbs.OpRead, p.qpnB)
+	checkBytes(t, "peer's MR after its read of Go memory", c.peerBytes(t, p.b, 4096, 4096), want[:4096])
 }
 
 // xremoteErr posts a write from A that the peer must refuse, and checks

@@ -28,7 +28,7 @@ func copySpans(dst []span, off int, src []span) int {
 	si, soff, total := 0, 0, 0
 	for di < len(dst) && si < len(src) {
 		d, s := dst[di], src[si]
-		n := copy(unsafe.Slice((*byte)(unsafe.Add(d.p, doff)), d.n-doff),
+		n := dmaCopy(unsafe.Slice((*byte)(unsafe.Add(d.p, doff)), d.n-doff),
 			unsafe.Slice((*byte)(unsafe.Add(s.p, soff)), s.n-soff))
 		total += n
 		doff += n

@@ -83,6 +83,14 @@
 //   - Requests execute as soon as they are posted, so max_rd_atomic never
 //     limits anything; the send queue stops between messages in SQD, so
 //     SQ_DRAINED is reported at the transition.
+//   - Its copies and atomics on registered memory on behalf of requests
+//     stand for a NIC's DMA: in race builds the race detector does not
+//     see them (dma_race.go), for Go memory (Register) as for memory
+//     outside the Go heap (Alloc), since applications synchronize with
+//     them through completions and their peers' messages, which the
+//     detector cannot follow across processes. Remote atomics on Go
+//     memory are atomic among the provider's own operations
+//     (IBV_ATOMIC_HCA), not with the CPU's.
 package soft
 
 import (

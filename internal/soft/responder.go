@@ -158,9 +158,12 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			return t.classC(resp, respInvReq, evQPReqErr) // like rxe: misaligned atomic
 		}
 		w := (*uint64)(p)
-		if op == opFAA {
+		switch {
+		case m.fd >= 0 && op == opFAA:
+			// Shared memory (Alloc): the CPU's atomics, like every
+			// process mapping it.
 			resp.orig = atomic.AddUint64(w, req.compare) - req.compare
-		} else {
+		case m.fd >= 0:
 			for {
 				old := atomic.LoadUint64(w)
 				if old != req.compare || atomic.CompareAndSwapUint64(w, old, req.swap) {
@@ -168,6 +171,10 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 					break
 				}
 			}
+		case op == opFAA:
+			resp.orig = dmaFetchAdd(w, req.compare) // Go memory (dma_race.go)
+		default:
+			resp.orig = dmaCompareSwap(w, req.compare, req.swap)
 		}
 		m.release()
 	default:
