@@ -93,34 +93,23 @@ type peerSide struct {
 }
 
 func (s *peerSide) close() {
-	// Each is checked before it goes into an interface: a nil pointer in
-	// one is not a nil interface.
-	var cs []interface{ Close() error }
-	if s.ah != nil {
-		cs = append(cs, s.ah)
-	}
-	if s.rc != nil {
-		cs = append(cs, s.rc)
-	}
-	if s.uc != nil {
-		cs = append(cs, s.uc)
-	}
-	if s.ud != nil {
-		cs = append(cs, s.ud)
-	}
-	if s.mr != nil {
-		cs = append(cs, s.mr)
-	}
-	if s.cq != nil {
-		cs = append(cs, s.cq)
-	}
-	if s.pd != nil {
-		cs = append(cs, s.pd)
-	}
-	if s.ctx != nil {
-		cs = append(cs, s.ctx)
-	}
-	for _, c := range cs {
+	closeIf(s.ah)
+	closeIf(s.rc)
+	closeIf(s.uc)
+	closeIf(s.ud)
+	closeIf(s.mr)
+	closeIf(s.cq)
+	closeIf(s.pd)
+	closeIf(s.ctx)
+}
+
+// closeIf closes c unless it is nil (a nil pointer in an interface is not
+// a nil interface, so the check needs the pointer type).
+func closeIf[P interface {
+	*E
+	Close() error
+}, E any](c P) {
+	if c != nil {
 		c.Close()
 	}
 }
