@@ -8,8 +8,15 @@ import (
 
 	"github.com/goverbs/verbs/internal/ibv"
 	"github.com/goverbs/verbs/internal/prov"
+	"github.com/goverbs/verbs/internal/provhook"
 	"github.com/goverbs/verbs/internal/soft"
 )
+
+func init() {
+	provhook.NewContext = func(pc prov.Context, dev prov.DeviceInfo, providerName string) (any, error) {
+		return newContext(pc, dev, providerName)
+	}
+}
 
 // SoftDevice is the name of the software device, present in every build.
 const SoftDevice = soft.DeviceName
@@ -97,9 +104,8 @@ func Open(name string) (*Context, error) {
 			if err != nil {
 				return nil, opErr("open device", name, err)
 			}
-			c := &Context{ctx: pc, name: name, provider: p.Name(), locks: p.Name() != "soft",
-				dev: Device{Name: d.Name, GUID: d.GUID, Transport: d.Transport, Provider: p.Name()}}
-			if err := initResource(c, &c.res, "device context", name); err != nil {
+			c, err := newContext(pc, d, p.Name())
+			if err != nil {
 				pc.Close()
 				return nil, err
 			}
@@ -115,6 +121,17 @@ func Open(name string) (*Context, error) {
 		err = fmt.Errorf("%w; this binary has no hardware provider: build with -tags ibverbs", ErrNoDevice)
 	}
 	return nil, opErr("open device", name, err)
+}
+
+// newContext makes the Context of pc, an open context of device d of the
+// provider named provider. On error the caller closes pc.
+func newContext(pc prov.Context, d prov.DeviceInfo, provider string) (*Context, error) {
+	c := &Context{ctx: pc, name: d.Name, provider: provider, locks: provider != "soft",
+		dev: Device{Name: d.Name, GUID: d.GUID, Transport: d.Transport, Provider: provider}}
+	if err := initResource(c, &c.res, "device context", d.Name); err != nil {
+		return nil, err
+	}
+	return c, nil
 }
 
 // Name returns the device name.
