@@ -40,6 +40,32 @@
 // decides whether the two sides share one verbs.Context or open the device
 // twice (as two processes would).
 //
+// # Side B in a peer process
+//
+// With Config.PeerProcessB, every NewNodes call (so every case, or every
+// check that opens its own nodes) starts a peer process, the test binary
+// re-executed, that opens DeviceB with the soft provider and holds side
+// B's objects: its queue pairs, completion queues, keys and the data
+// movement. Side B's verbs objects in the test process forward every call
+// to it (internal/provproxy), and the memory side B allocates is mapped in
+// both processes, so the unchanged cases check their bytes, completions and
+// states while every byte between the sides crosses soft0's real
+// inter-process transport (GOVERBS_SOFT_TRANSPORT, inherited by the peer,
+// forces shm, unix or tcp). The peer exits when the test ends, after
+// everything was closed; a peer that exits with an error, panics or reports
+// a data race fails the test. The checks that need what a peer process
+// cannot do are skipped with their reason, and only in this mode: they
+// are listed by PeerProcessLimits (registering Go memory of the test
+// process on side B).
+//
+// A test binary that uses PeerProcessB, StartPeer or RunCrossProcess must
+// call ServePeerIfRequested first thing in its TestMain:
+//
+//	func TestMain(m *testing.M) {
+//		verbstest.ServePeerIfRequested()
+//		os.Exit(m.Run())
+//	}
+//
 // # Helpers
 //
 // The helpers used by the suite are exported for other tests: NewNodes opens

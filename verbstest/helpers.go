@@ -101,6 +101,7 @@ const (
 	levelChannel
 	levelPD
 	levelContext
+	levelProcess // a peer process, once everything in it is closed
 	numLevels
 )
 
@@ -157,14 +158,18 @@ type Node struct {
 
 // NewNodes opens the two sides described by cfg. Side A opens cfg.DeviceA;
 // side B opens cfg.DeviceB, sharing A's context when the devices are the
-// same and cfg.SeparateContexts is false. Each side gets its own PD and CQ.
+// same and cfg.SeparateContexts is false, or in a peer process of its own
+// with cfg.PeerProcessB. Each side gets its own PD and CQ.
 func NewNodes(t testing.TB, cfg Config) (a, b *Node) {
 	t.Helper()
 	cfg = cfg.withDefaults()
 	tr := newTracker(t)
 	ctxA := openDevice(t, tr, cfg.DeviceA, "A")
 	ctxB := ctxA
-	if cfg.DeviceB != cfg.DeviceA || cfg.SeparateContexts {
+	switch {
+	case cfg.PeerProcessB:
+		ctxB = openPeerDevice(t, tr, cfg.DeviceB)
+	case cfg.DeviceB != cfg.DeviceA || cfg.SeparateContexts:
 		ctxB = openDevice(t, tr, cfg.DeviceB, "B")
 	}
 	return newNode(t, tr, cfg, "A", ctxA), newNode(t, tr, cfg, "B", ctxB)

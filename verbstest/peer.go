@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/provproxy"
+	"github.com/goverbs/verbs/internal/soft"
 )
 
 // A peer process for cross-process tests: the test binary re-executed with
@@ -30,9 +32,19 @@ import (
 // EnvPeer is the environment variable that makes a test binary a peer.
 const EnvPeer = "GOVERBS_VERBSTEST_PEER"
 
-// ServePeerIfRequested serves peer commands and exits if the process was
-// started as a peer by StartPeer; otherwise it returns at once.
+// ServePeerIfRequested serves and exits if the process was started as a
+// peer: by StartPeer (peer commands), or as the peer process of side B
+// (Config.PeerProcessB: the soft provider's objects, see
+// internal/provproxy). Otherwise it returns at once. Call it first thing
+// in TestMain.
 func ServePeerIfRequested() {
+	if served, err := provproxy.ServeEnv(soft.New()); served {
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "verbstest peer process:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if os.Getenv(EnvPeer) != "1" {
 		return
 	}

@@ -2,6 +2,7 @@ package verbstest
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -39,6 +40,53 @@ type Config struct {
 	// against hangs (never an assertion about speed); default
 	// DefaultTimeout.
 	Timeout time.Duration
+	// PeerProcessB puts side B of every case in a peer process: each
+	// NewNodes call re-executes the test binary, which opens DeviceB
+	// with the soft provider and serves it to this process over a unix
+	// socket (internal/provproxy). Side B's verbs objects in this process
+	// are ordinary ones whose every call runs in the peer: the peer holds
+	// the queue pairs, completion queues and keys, side B's memory (from
+	// Alloc) is mapped in both processes, and every byte between the
+	// sides crosses the provider's inter-process transport (shared
+	// memory, unix socket or TCP: GOVERBS_SOFT_TRANSPORT, which the peer
+	// inherits, forces one). The peer exits when the test ends; one that
+	// does not exit cleanly (an error, a panic, a data race) fails the
+	// test. The test binary's TestMain must call ServePeerIfRequested
+	// first. SeparateContexts does not matter then. The few checks that
+	// need what a peer process cannot do are skipped with the reason
+	// (PeerProcessLimits).
+	PeerProcessB bool
+}
+
+// goMemoryLimit is why a check that registers Go memory on side B cannot
+// run with side B in a peer process.
+const goMemoryLimit = "side B registers Go memory of the test process (Register) and checks the bytes around it: " +
+	"Go memory of one process cannot be registered with a device context in another process"
+
+// peerProcessLimits lists the checks that cannot run with side B in a
+// peer process (Config.PeerProcessB), each with the reason.
+var peerProcessLimits = map[string]string{
+	"ErrOutOfBounds/WriteAcrossEnd":   goMemoryLimit,
+	"ErrOutOfBounds/WriteBeforeStart": goMemoryLimit,
+	"ErrOutOfBounds/WritePastEnd":     goMemoryLimit,
+	"ErrOutOfBounds/ReadAcrossEnd":    goMemoryLimit,
+	"ErrOutOfBounds/AtomicPastEnd":    goMemoryLimit,
+}
+
+// PeerProcessLimits returns the cases or checks ("Case/Check") that are
+// skipped when side B is in a peer process (Config.PeerProcessB), each
+// mapped to the reason.
+func PeerProcessLimits() map[string]string { return maps.Clone(peerProcessLimits) }
+
+// skipReason says why the case or check name is skipped under c, if it is.
+func (c Config) skipReason(name string) (string, bool) {
+	if reason, ok := c.Deviations[name]; ok {
+		return "deviation of this provider: " + reason, true
+	}
+	if reason, ok := peerProcessLimits[name]; ok && c.PeerProcessB {
+		return "side B in a peer process: " + reason, true
+	}
+	return "", false
 }
 
 func (c Config) withDefaults() Config {
@@ -124,7 +172,8 @@ func Cases() []string {
 
 // Run runs every conformance case against the devices of cfg, each as a
 // subtest named after the case. Cases listed in cfg.Deviations are skipped
-// with their reason. Run does not call t.Parallel; the cases run one after
+// with their reason, and so are, with cfg.PeerProcessB, those of
+// PeerProcessLimits. Run does not call t.Parallel; the cases run one after
 // the other.
 func Run(t *testing.T, cfg Config) {
 	t.Helper()
@@ -140,8 +189,8 @@ func Run(t *testing.T, cfg Config) {
 	}
 	for _, def := range cases {
 		t.Run(def.name, func(t *testing.T) {
-			if reason, ok := cfg.Deviations[def.name]; ok {
-				t.Skipf("deviation of this provider: %s", reason)
+			if reason, ok := cfg.skipReason(def.name); ok {
+				t.Skip(reason)
 			}
 			CheckLeaks(t)
 			def.fn(t, &tcase{cfg: cfg, name: def.name})
@@ -156,12 +205,13 @@ type tcase struct {
 }
 
 // check runs f as a named check of the case (a subtest), skipped when the
-// Config lists "Case/name" as a deviation.
+// Config lists "Case/name" as a deviation, or side B is in a peer process
+// and the check cannot run there.
 func (c *tcase) check(t *testing.T, name string, f func(t *testing.T)) bool {
 	t.Helper()
 	return t.Run(name, func(t *testing.T) {
-		if reason, ok := c.cfg.Deviations[c.name+"/"+name]; ok {
-			t.Skipf("deviation of this provider: %s", reason)
+		if reason, ok := c.cfg.skipReason(c.name + "/" + name); ok {
+			t.Skip(reason)
 		}
 		f(t)
 	})

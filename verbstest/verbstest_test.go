@@ -3,6 +3,8 @@ package verbstest
 import (
 	"context"
 	"errors"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -16,6 +18,32 @@ func TestCaseNamesUnique(t *testing.T) {
 			t.Errorf("case name %q is empty or repeated", n)
 		}
 		seen[n] = true
+	}
+}
+
+// TestPeerProcessLimits checks that every check skipped with side B in a
+// peer process names a case of the suite, and says why.
+func TestPeerProcessLimits(t *testing.T) {
+	limits := PeerProcessLimits()
+	if len(limits) == 0 {
+		t.Fatal("no limits: update this test and the README if none are needed any more")
+	}
+	for name, reason := range limits {
+		c, check, ok := strings.Cut(name, "/")
+		if !slices.Contains(Cases(), c) || (ok && check == "") || reason == "" {
+			t.Errorf("limit %q (%q) does not name a case or check of the suite with a reason", name, reason)
+		}
+	}
+	cfg := Config{DeviceA: "x", PeerProcessB: true, Deviations: map[string]string{"SendRecv": "r"}}
+	if r, ok := cfg.skipReason("ErrOutOfBounds/WritePastEnd"); !ok || !strings.Contains(r, "peer process") {
+		t.Errorf("skipReason with PeerProcessB = %q, %v", r, ok)
+	}
+	if r, ok := cfg.skipReason("SendRecv"); !ok || !strings.Contains(r, "deviation") {
+		t.Errorf("skipReason of a deviation = %q, %v", r, ok)
+	}
+	cfg.PeerProcessB = false
+	if _, ok := cfg.skipReason("ErrOutOfBounds/WritePastEnd"); ok {
+		t.Errorf("a peer-process limit skips without PeerProcessB")
 	}
 }
 

@@ -1,0 +1,116 @@
+package provproxy_test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/provhook"
+	"github.com/goverbs/verbs/internal/provproxy"
+)
+
+const timeout = 30 * time.Second
+
+// peer is a peer process serving soft0.
+type peer struct {
+	t      testing.TB
+	c      *provproxy.Client
+	cmd    *exec.Cmd
+	stderr *syncBuffer
+	killed bool
+	once   sync.Once
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startPeer re-executes the test binary as a peer process and stops it
+// when the test ends: a peer that does not exit cleanly fails the test.
+func startPeer(t testing.TB) *peer {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe, "-test.run=^$")
+	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
+	cmd.Env = append(os.Environ(), "GORACE="+gorace)
+	p := &peer{t: t, cmd: cmd, stderr: &syncBuffer{}}
+	cmd.Stderr = p.stderr
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	if p.c, err = provproxy.Start(ctx, cmd); err != nil {
+		t.Fatalf("%v; stderr:\n%s", err, p.stderr)
+	}
+	t.Cleanup(p.stop)
+	return p
+}
+
+// kill kills the peer with SIGKILL and waits for it.
+func (p *peer) kill() {
+	p.killed = true
+	p.cmd.Process.Signal(syscall.SIGKILL)
+	p.cmd.Wait()
+}
+
+// stop closes the client and waits for the peer to exit.
+func (p *peer) stop() {
+	p.once.Do(func() {
+		p.c.Close()
+		if p.killed {
+			return
+		}
+		done := make(chan error, 1)
+		go func() { done <- p.cmd.Wait() }()
+		select {
+		case err := <-done:
+			if err != nil {
+				p.t.Errorf("peer process: %v; stderr:\n%s", err, p.stderr)
+			}
+		case <-time.After(timeout):
+			p.cmd.Process.Kill()
+			<-done
+			p.t.Errorf("the peer process did not exit within %v; stderr:\n%s", timeout, p.stderr)
+		}
+	})
+}
+
+// open opens soft0 in the peer as a *verbs.Context, closed when the test
+// ends.
+func (p *peer) open(t testing.TB) *verbs.Context {
+	t.Helper()
+	devs, _ := p.c.Devices()
+	if len(devs) == 0 {
+		t.Fatal("the peer lists no device")
+	}
+	pc, err := p.c.Open(devs[0].Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := provhook.NewContext(pc, devs[0], p.c.Name())
+	if err != nil {
+		pc.Close()
+		t.Fatal(err)
+	}
+	return v.(*verbs.Context)
+}
