@@ -49,6 +49,29 @@ func TestConformanceSoft(t *testing.T) {
 	})
 }
 
+// TestConformanceSoftCrossProcess runs the conformance suite on soft0 with
+// side B of every case in a peer process (the test binary re-executed, see
+// verbstest.Config.PeerProcessB), so that every byte between the two sides
+// crosses soft0's inter-process transport. GOVERBS_SOFT_TRANSPORT chooses
+// the transport (the peer inherits it); unset, the test runs once over
+// each of tcp, unix and shm. Like every cross-process test it runs in the
+// multiprocess tier of scripts/test.sh, not in the unit tier.
+func TestConformanceSoftCrossProcess(t *testing.T) {
+	run := func(t *testing.T) {
+		verbstest.Run(t, verbstest.Config{DeviceA: verbs.SoftDevice, PeerProcessB: true, Deviations: softDeviations})
+	}
+	if os.Getenv("GOVERBS_SOFT_TRANSPORT") != "" {
+		run(t)
+		return
+	}
+	for _, tr := range []string{"tcp", "unix", "shm"} {
+		t.Run(tr, func(t *testing.T) {
+			t.Setenv("GOVERBS_SOFT_TRANSPORT", tr)
+			run(t)
+		})
+	}
+}
+
 // TestConformanceDevices runs the conformance suite on the devices named
 // by the environment, for hardware and the VM test tier:
 //

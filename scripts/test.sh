@@ -68,21 +68,24 @@ run_go_tests() {
 # ---- tiers -------------------------------------------------------------------
 
 # Tier 1: unit tests of every package, under the race detector. The
-# cross-process tests run in tier 2.
+# cross-process tests (every test named *CrossProcess*) run in tier 2.
 tier_unit() {
 	run_go_tests unit -skip "CrossProcess" ./...
 }
 
 # Tier 2: several OS processes on loopback. The cross-process conformance
 # cases and fault tests of soft0 (verbstest: the test binary re-executes
-# itself as the peer process) over TCP, unix sockets and shared memory, then the whole
-# conformance suite with every connection forced through the inter-process
-# transports of soft0 (GOVERBS_SOFT_TRANSPORT).
+# itself as the peer process) over TCP, unix sockets and shared memory, then,
+# per inter-process transport of soft0 (GOVERBS_SOFT_TRANSPORT), the whole
+# conformance suite twice: with both QPs in one process and every connection
+# forced through the transport (TestConformanceSoft), and with side B of
+# every case in a peer process (TestConformanceSoftCrossProcess).
 tier_multiprocess() {
 	local rc=0
 	run_go_tests multiprocess -run "CrossProcess" ./verbstest/ || rc=1
 	for tr in tcp unix shm; do
-		GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr" -run "TestConformanceSoft" . || rc=1
+		GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr" \
+			-run "^TestConformanceSoft(CrossProcess)?\$" . || rc=1
 	done
 	return $rc
 }

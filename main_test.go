@@ -1,0 +1,16 @@
+package verbs_test
+
+import (
+	"os"
+	"testing"
+
+	"github.com/goverbs/verbs/verbstest"
+)
+
+// TestMain serves as a peer process when the conformance suite started
+// the test binary as one (TestConformanceSoftCrossProcess), and otherwise
+// runs the tests.
+func TestMain(m *testing.M) {
+	verbstest.ServePeerIfRequested()
+	os.Exit(m.Run())
+}
