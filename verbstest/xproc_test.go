@@ -11,6 +11,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/soft"
 )
 
 func TestMain(m *testing.M) {
@@ -190,5 +191,36 @@ func waitStopped(t *testing.T, pid int) {
 			t.Fatalf("process %d did not stop", pid)
 		}
 		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestCrossProcessPeerSideB checks that Config.PeerProcessB really puts
+// side B in another process: the soft0 address in the endpoint of a queue
+// pair of side B names the peer process, not this one, while side A's
+// names this process.
+func TestCrossProcessPeerSideB(t *testing.T) {
+	CheckLeaks(t)
+	for _, peer := range []bool{false, true} {
+		t.Run(fmt.Sprintf("PeerProcessB=%v", peer), func(t *testing.T) {
+			a, b := NewNodes(t, Config{DeviceA: verbs.SoftDevice, SeparateContexts: true, PeerProcessB: peer})
+			pidOf := func(n *Node) int {
+				ep := Endpoint(t, n.NewRC(t, verbs.QPSpec{}))
+				pid, err := soft.AddrPID(ep.Addr)
+				if err != nil {
+					t.Fatalf("side %s: endpoint address: %v", n.Name, err)
+				}
+				return pid
+			}
+			if pa := pidOf(a); pa != os.Getpid() {
+				t.Errorf("side A's QP is in process %d, want this process %d", pa, os.Getpid())
+			}
+			pb := pidOf(b)
+			if peer && pb == os.Getpid() {
+				t.Errorf("with PeerProcessB, side B's QP is in this process %d", pb)
+			}
+			if !peer && pb != os.Getpid() {
+				t.Errorf("without PeerProcessB, side B's QP is in process %d, not this one %d", pb, os.Getpid())
+			}
+		})
 	}
 }

@@ -251,3 +251,14 @@ func jobIdentity() [16]byte {
 	copy(id[:], sum[:16])
 	return id
 }
+
+// AddrPID returns the id of the process that owns the QP whose provider
+// address (as in its endpoint) is b, for tests that must know which
+// process holds a queue pair.
+func AddrPID(b []byte) (int, error) {
+	a, err := parseAddr(b)
+	if err != nil {
+		return 0, err
+	}
+	return int(a.pid), nil
+}
