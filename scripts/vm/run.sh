@@ -28,6 +28,9 @@
 #   --mtu N          MTU of veth0/veth1 (default 1500 -> rxe active_mtu 1024;
 #                    use 4200+ for active_mtu 4096), or $GOVERBS_VM_MTU
 #   --mem SIZE       guest memory (default 2G), --smp N guest CPUs (default 2)
+#   --kernel-args A  more guest kernel command-line arguments (appended), or
+#                    $GOVERBS_VM_KARGS; e.g. "clocksource=hpet" for the
+#                    clock source the guest picks by itself (see below)
 #   --cpu MODEL      QEMU CPU model (default qemu64: x86-64-v1, no SSE4/AVX, so
 #                    binaries built with GOAMD64=v2+ need --cpu max; max makes
 #                    rxe ~35% slower under TCG, hence not the default)
@@ -44,6 +47,15 @@
 #   - root, `ulimit -l unlimited`, HOME=/tmp; /tmp, /var/tmp, /run, /dev/shm
 #     are the guest's own tmpfs (empty, writable); everything else is the
 #     host's filesystem, read-only, except the per-run directory.
+#   - The guest's clock source is the TSC (clocksource=tsc tsc=reliable),
+#     as on any current real machine: qemu64 does not announce an
+#     invariant TSC, so the guest would fall back to the HPET, where every
+#     clock_gettime/gettimeofday is a system call of ~2 us instead of a
+#     vDSO read. That taxes programs by how often they read the clock (the
+#     Go runtime's scheduler and sysmon read it often; perftest reads it
+#     per BW sample), not by what they do with RDMA. TCG derives the guest
+#     TSC from the host clock, so it is monotonic and the same on every
+#     vCPU.
 #   - GOVERBS_VM=1, GOVERBS_VM_DEVICES=rxe0,rxe1 and
 #     GOVERBS_VM_ADDRS=rxe0=fe80::..%veth0,rxe1=fe80::..%veth1 are set. The
 #     latter are the IPv6 link-local addresses for RDMA CM (rdma_cm cannot use
@@ -136,6 +148,7 @@ mtu=${GOVERBS_VM_MTU:-1500}
 mem=2G
 smp=2
 cpu=qemu64
+kargs=${GOVERBS_VM_KARGS:-}
 keep=0
 verbose=0
 prepare_only=0
@@ -162,6 +175,8 @@ while (($#)); do
 	--mem) (($# >= 2)) || die "--mem needs a value"; mem=$2; shift 2 ;;
 	--smp) (($# >= 2)) || die "--smp needs a value"; smp=$2; shift 2 ;;
 	--cpu) (($# >= 2)) || die "--cpu needs a value"; cpu=$2; shift 2 ;;
+	--kernel-args) (($# >= 2)) || die "--kernel-args needs a value"; kargs=$2; shift 2 ;;
+	--kernel-args=*) kargs=${1#*=}; shift ;;
 	--keep) keep=1; shift ;;
 	-v | --verbose) verbose=1; shift ;;
 	--prepare) prepare_only=1; shift ;;
@@ -602,7 +617,7 @@ qemu_args=(
 	-nodefaults -no-user-config -display none -nic none -no-reboot
 	-serial "file:$OUT/console.log"
 	-kernel "$BOOTIMG" -initrd "$INITRD"
-	-append "console=ttyS0 quiet loglevel=4 panic=-1 oops=panic"
+	-append "console=ttyS0 quiet loglevel=4 panic=-1 oops=panic clocksource=tsc tsc=reliable${kargs:+ $kargs}"
 	-device virtio-rng-pci
 	-virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap,id=hostroot"
 	-virtfs "local,path=$OUT,mount_tag=results,security_model=none,id=results"
