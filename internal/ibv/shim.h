@@ -113,6 +113,9 @@ int gv_post_recv(gv_qp *q, const gv_recv_wr *wrs, int n, const gv_sge *sges, int
 int gv_post_srq_recv(struct ibv_srq *srq, const gv_recv_wr *wrs, int n, const gv_sge *sges, int nsge, int *accepted);
 int gv_poll_cq(gv_cq *c, gv_wc *dst, int n);
 int gv_poll_cq_busy(gv_cq *c, gv_wc *dst, int n, int spins);
+
+// gv_nop does nothing: the unit of a cgo crossing (CgoNop).
+void gv_nop(void);
 int gv_req_notify_cq(gv_cq *c, int solicited_only);
 
 // Events (non-blocking fds; EAGAIN when nothing is pending).

@@ -30,6 +30,12 @@
 #   the median over the runs of goverbs run i / perftest run i, which ran
 #   back to back: the host's load drifts, and a pair shares it.
 #
+#   Below the table it prints the cost of one cgo crossing in the same
+#   guest, hot and right after kernel work (internal/ibv's
+#   BenchmarkCgoCrossing): the unit of what goverbs adds to a message
+#   ("cgo calls per message" in the rows), which TCG inflates far beyond
+#   what it costs on hardware (tens of nanoseconds).
+#
 #   -r N   repetitions of each pair (median reported)
 #   -q     print only the table (not every run's row)
 #   RUN_OPTIONS are scripts/vm/run.sh options and must end with `--`.
@@ -72,8 +78,10 @@ if [[ ${GOVERBS_VM:-} != 1 ]]; then
 	mkdir -p "$bindir"
 	export PATH=$PATH:/usr/local/go/bin
 	(cd "$repo" && go build -tags ibverbs -o "$bindir/goverbs" ./cmd/goverbs) || { echo "compare: building goverbs failed" >&2; exit 1; }
+	(cd "$repo" && go test -c -tags ibverbs -o "$bindir/ibv.test" ./internal/ibv) || { echo "compare: building the internal/ibv test binary failed" >&2; exit 1; }
 	exec "$(dirname -- "$self")/run.sh" --timeout "${GOVERBS_COMPARE_TIMEOUT:-1800}" "${run_opts[@]+"${run_opts[@]}"}" \
-		--env GOVERBS_COMPARE_BIN="$bindir/goverbs" --env GOVERBS_COMPARE_REPS="$reps" --env GOVERBS_COMPARE_QUIET="$quiet" \
+		--env GOVERBS_COMPARE_BIN="$bindir/goverbs" --env GOVERBS_COMPARE_IBVTEST="$bindir/ibv.test" \
+		--env GOVERBS_COMPARE_REPS="$reps" --env GOVERBS_COMPARE_QUIET="$quiet" \
 		-- "$self"
 fi
 
@@ -204,6 +212,19 @@ run_case() {
 
 echo "goverbs vs perftest on rxe0 (server) <-> rxe1 (client), $reps run(s) each, medians; $(uname -r), $(nproc) vCPUs" >&2
 
+# Baseline: the cost of one cgo crossing in this guest (internal/ibv's
+# BenchmarkCgoCrossing, on the client's vCPU), hot and right after a system
+# call that did kernel work, as every Submit's doorbell does on rxe. goverbs
+# crosses into C once per Submit and once per Poll ("cgo calls per message"
+# in the rows); perftest calls libibverbs directly.
+cgo_hot=? cgo_cold=?
+if [[ -x ${GOVERBS_COMPARE_IBVTEST:-} ]]; then
+	taskset -c "$cpu_cli" "$GOVERBS_COMPARE_IBVTEST" -test.run '^$' -test.bench '^BenchmarkCgoCrossing$' -test.benchtime 20000x >"$work/cgo" 2>&1 || true
+	cgo_hot=$(awk '/CgoCrossing\/hot/ { for (i = 1; i < NF; i++) if ($(i + 1) == "ns/op") printf "%.3f", $i / 1000 }' "$work/cgo")
+	cgo_cold=$(awk '/CgoCrossing\/after-syscall/ { for (i = 1; i < NF; i++) if ($(i + 1) == "ns/crossing") printf "%.3f", $i / 1000 }' "$work/cgo")
+	[[ -n $cgo_hot && -n $cgo_cold ]] || { cgo_hot=? cgo_cold=?; cat "$work/cgo" >&2; }
+fi
+
 run_case "write bw 64K" bw ib_write_bw -s 65536 -n 5000 -- write -s 65536 -n 5000 --batch 1 --cq-mod 100
 for s in 2 16 64; do
 	run_case "write lat ${s}B" lat ib_write_lat -s "$s" -n 2000 -- write --lat -s "$s" -n 2000
@@ -236,4 +257,6 @@ while IFS='|' read -r label metric kind pm gm pr; do
 	esac
 	printf '%-20s %-16s %12s %12s %8s %8s %s\n' "$label" "$metric" "$pm" "$gm" "$mratio" "$ratio" "${target:+$target $verdict}"
 done <"$results"
+echo
+echo "one cgo crossing in this guest: ${cgo_hot} us hot, ${cgo_cold} us right after kernel work (BenchmarkCgoCrossing)"
 exit "$failed"
