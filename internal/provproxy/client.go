@@ -9,6 +9,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/goverbs/verbs/internal/prov"
 )
@@ -18,6 +19,16 @@ import (
 // without Client.Close (the peer process exited or was killed, or broke
 // the protocol).
 var ErrConnLost = errors.New("connection to the peer process lost")
+
+// DefaultCallGuard bounds how long a call waits for the server's answer
+// when nothing else bounds it: a call that cannot block in the provider
+// (every call but the waits for completion and asynchronous events) whose
+// ctx has no deadline, and the answer to a cancellation. A server that has
+// not answered by then is taken for stopped or hung: the connection ends,
+// failing every call with an error wrapping ErrConnLost, as a RC queue
+// pair fails its requests when the peer stops answering. Client.SetCallGuard
+// changes it.
+const DefaultCallGuard = 30 * time.Second
 
 // errClientClosed is the error of calls made after Client.Close.
 var errClientClosed = fmt.Errorf("provproxy: client closed: %w", prov.ErrClosed)
@@ -37,6 +48,7 @@ type Client struct {
 	devices  []prov.DeviceInfo
 
 	nextID atomic.Uint64
+	guard  atomic.Int64 // time.Duration; <= 0: no guard
 
 	mu      sync.Mutex
 	pending map[uint64]*call
@@ -67,6 +79,7 @@ func NewClient(ctx context.Context, f *os.File) (*Client, error) {
 		return nil, err
 	}
 	c := &Client{conn: cn, pending: map[uint64]*call{}, objs: map[uint64]any{}, readerDone: make(chan struct{})}
+	c.guard.Store(int64(DefaultCallGuard))
 	go c.read()
 	var r helloResp
 	if err := c.call(ctx, opHello, helloReq{Version: protocolVersion}, &r); err != nil {
@@ -102,6 +115,11 @@ func (c *Client) Open(name string) (prov.Context, error) {
 	c.register(r.ID, x)
 	return x, nil
 }
+
+// SetCallGuard sets how long a call waits for an answer when nothing else
+// bounds it (see DefaultCallGuard); d <= 0 lets such calls wait for ever.
+// It applies to calls made after it returns.
+func (c *Client) SetCallGuard(d time.Duration) { c.guard.Store(int64(d)) }
 
 // Err returns why the connection ended, or nil while it is up.
 func (c *Client) Err() error {
@@ -224,6 +242,13 @@ func (c *Client) call(ctx context.Context, op opcode, req, resp any, fds ...int)
 	}
 	var r result
 	cancelled := false
+	var guard <-chan time.Time
+	if _, ok := ctx.Deadline(); !ok && op != opChanWait && op != opAsyncEvent {
+		if t := c.guardTimer(); t != nil {
+			defer t.Stop()
+			guard = t.C
+		}
+	}
 	select {
 	case r = <-cl.ch:
 	case <-ctx.Done():
@@ -231,6 +256,9 @@ func (c *Client) call(ctx context.Context, op opcode, req, resp any, fds ...int)
 		// Best effort: if the send fails, the connection is ending and
 		// the reader fails the call.
 		c.conn.send(appendHeader(make([]byte, 0, headerLen), header{kind: kindCancel, id: id}))
+		r = c.await(cl, "the cancellation of "+op.String())
+	case <-guard:
+		c.unresponsive(op.String())
 		r = <-cl.ch
 	}
 	if r.err != nil {
@@ -248,6 +276,37 @@ func (c *Client) call(ctx context.Context, op opcode, req, resp any, fds ...int)
 		return fmt.Errorf("provproxy: %s in the peer process: %w", op, err)
 	}
 	return nil
+}
+
+// guardTimer returns a timer of the call guard, or nil if there is none.
+func (c *Client) guardTimer() *time.Timer {
+	if g := time.Duration(c.guard.Load()); g > 0 {
+		return time.NewTimer(g)
+	}
+	return nil
+}
+
+// await waits for the result of cl, at most for the call guard; what
+// names what is awaited.
+func (c *Client) await(cl *call, what string) result {
+	t := c.guardTimer()
+	if t == nil {
+		return <-cl.ch
+	}
+	defer t.Stop()
+	select {
+	case r := <-cl.ch:
+		return r
+	case <-t.C:
+		c.unresponsive(what)
+		return <-cl.ch
+	}
+}
+
+// unresponsive ends the connection because the server did not answer
+// what within the call guard; every outstanding call fails.
+func (c *Client) unresponsive(what string) {
+	c.end(fmt.Errorf("no answer to %s within %v: the peer process is stopped or hung", what, time.Duration(c.guard.Load())))
 }
 
 func (c *Client) register(id uint64, o any) {

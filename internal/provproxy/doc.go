@@ -64,7 +64,12 @@
 // and make its test fail. When the connection ends on the client's side
 // without Client.Close (the peer process exited, was killed or sent a
 // malformed packet), every outstanding and later call fails with an error
-// wrapping ErrConnLost and the cause. Malformed messages never panic:
+// wrapping ErrConnLost and the cause. A peer that is alive but does not
+// answer (stopped, hung) ends the connection the same way once the call
+// guard has passed (DefaultCallGuard, Client.SetCallGuard): it bounds every
+// call that cannot block in the provider and whose ctx has no deadline,
+// and the answer to a cancellation, so no call waits for ever on a peer.
+// Malformed messages never panic:
 // a payload that does not decode fails its call; a packet that cannot be
 // attributed to a call ends the connection.
 //

@@ -2,6 +2,7 @@ package provproxy_test
 
 import (
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"strings"
@@ -113,4 +114,45 @@ func (p *peer) open(t testing.TB) *verbs.Context {
 		t.Fatal(err)
 	}
 	return v.(*verbs.Context)
+}
+
+// TestPeerStopped stops the peer process (SIGSTOP): a call that cannot
+// block in the provider gets no answer, and once the call guard has passed
+// it fails with ErrConnLost, as does every later call, instead of waiting
+// for ever; so does the answer to a cancelled wait.
+func TestPeerStopped(t *testing.T) {
+	for _, what := range []string{"Poll", "CancelledWait"} {
+		t.Run(what, func(t *testing.T) {
+			p := startPeer(t)
+			ctx := p.open(t)
+			cq, err := ctx.NewCompletionQueue(verbs.CQSpec{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			p.c.SetCallGuard(200 * time.Millisecond)
+			if err := p.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			// The client's objects are closed after the peer is killed:
+			// their Close fails (the connection is gone), which is what
+			// this test is about, so errors of Close are not checked.
+			t.Cleanup(func() { cq.Close(); ctx.Close() })
+			defer p.kill()
+			switch what {
+			case "Poll":
+				var wc [4]verbs.Completion
+				_, err = cq.Poll(wc[:])
+			default:
+				wctx, cancel := context.WithCancel(context.Background())
+				cancel()
+				err = cq.Wait(wctx)
+			}
+			if !errors.Is(err, provproxy.ErrConnLost) || !strings.Contains(err.Error(), "stopped or hung") {
+				t.Fatalf("%s on a stopped peer: %v, want an error wrapping ErrConnLost that says the peer is stopped or hung", what, err)
+			}
+			if _, err := ctx.QueryDevice(); !errors.Is(err, provproxy.ErrConnLost) {
+				t.Errorf("a later call: %v, want an error wrapping ErrConnLost", err)
+			}
+		})
+	}
 }
