@@ -335,14 +335,17 @@ type obj struct {
 }
 
 // close destroys the server's object; once that succeeded, close does
-// nothing.
+// nothing. Once the connection has ended, the object is gone with it (the
+// server closes every object when the connection ends, or died with
+// them): close then releases it on this side and returns nil, since a
+// retry could never succeed.
 func (o *obj) close() error {
 	o.closeMu.Lock()
 	defer o.closeMu.Unlock()
 	if o.closed {
 		return nil
 	}
-	if err := o.c.call(context.Background(), opClose, idReq{ID: o.id}, &empty{}); err != nil {
+	if err := o.c.call(context.Background(), opClose, idReq{ID: o.id}, &empty{}); err != nil && o.c.Err() == nil {
 		return err
 	}
 	o.closed = true

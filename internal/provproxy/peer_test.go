@@ -133,10 +133,6 @@ func TestPeerStopped(t *testing.T) {
 			if err := p.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 				t.Fatal(err)
 			}
-			// The client's objects are closed after the peer is killed:
-			// their Close fails (the connection is gone), which is what
-			// this test is about, so errors of Close are not checked.
-			t.Cleanup(func() { cq.Close(); ctx.Close() })
 			defer p.kill()
 			switch what {
 			case "Poll":
@@ -152,6 +148,14 @@ func TestPeerStopped(t *testing.T) {
 			}
 			if _, err := ctx.QueryDevice(); !errors.Is(err, provproxy.ErrConnLost) {
 				t.Errorf("a later call: %v, want an error wrapping ErrConnLost", err)
+			}
+			// The objects went with the connection: closing them
+			// releases them here.
+			if err := cq.Close(); err != nil {
+				t.Errorf("close the CQ after the connection ended: %v", err)
+			}
+			if err := ctx.Close(); err != nil {
+				t.Errorf("close the context after the connection ended: %v", err)
 			}
 		})
 	}
