@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/goverbs/verbs/internal/fdpass"
 	"io"
 	"net"
 	"os"
@@ -151,7 +152,7 @@ func (c *Client) read() {
 	for {
 		p, fds, err := c.conn.recv()
 		if err == nil && len(fds) > 0 {
-			closeFDs(fds)
+			fdpass.Close(fds)
 			err = fmt.Errorf("%w: %d file descriptors sent to the client", errMalformed, len(fds))
 		}
 		var h header

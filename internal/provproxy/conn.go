@@ -2,6 +2,7 @@ package provproxy
 
 import (
 	"fmt"
+	"github.com/goverbs/verbs/internal/fdpass"
 	"net"
 	"os"
 
@@ -75,41 +76,20 @@ func (c *conn) recv() ([]byte, []int, error) {
 	n, oobn, flags, _, err := c.uc.ReadMsgUnix(c.rbuf, c.oob)
 	var fds []int
 	if oobn > 0 {
-		fds = parseRights(c.oob[:oobn])
+		fds = fdpass.Rights(c.oob[:oobn])
 	}
 	switch {
 	case err != nil:
-		closeFDs(fds)
+		fdpass.Close(fds)
 		return nil, nil, err
 	case flags&unix.MSG_TRUNC != 0:
-		closeFDs(fds)
+		fdpass.Close(fds)
 		return nil, nil, fmt.Errorf("%w: packet longer than %d bytes", errMalformed, maxMsg)
 	case flags&unix.MSG_CTRUNC != 0:
-		closeFDs(fds)
+		fdpass.Close(fds)
 		return nil, nil, fmt.Errorf("%w: more file descriptors than expected", errMalformed)
 	}
 	return c.rbuf[:n], fds, nil
 }
 
 func (c *conn) close() error { return c.uc.Close() }
-
-// parseRights returns the descriptors of the SCM_RIGHTS messages in oob.
-func parseRights(oob []byte) []int {
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil
-	}
-	var fds []int
-	for i := range msgs {
-		if f, err := unix.ParseUnixRights(&msgs[i]); err == nil {
-			fds = append(fds, f...)
-		}
-	}
-	return fds
-}
-
-func closeFDs(fds []int) {
-	for _, fd := range fds {
-		unix.Close(fd)
-	}
-}

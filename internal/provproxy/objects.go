@@ -333,24 +333,14 @@ func (q *qp) Address() []byte {
 func (q *qp) PostSend(wrs []prov.SendWR, sges []prov.SGE) (int, error) {
 	q.smu.Lock()
 	defer q.smu.Unlock()
-	posted := 0
-	for posted < len(wrs) {
-		req := postSendReq{QP: q.id}
-		k, bad := split(wrs[posted:], sges, sendWRSize, func(wr prov.SendWR, sgl []prov.SGE) {
+	return postAll(&q.obj, opPostSend, wrs, sges, sendWRSize, func() (any, func(prov.SendWR, []prov.SGE)) {
+		req := &postSendReq{QP: q.id}
+		return req, func(wr prov.SendWR, sgl []prov.SGE) {
 			wr.SGEIndex = uint32(len(req.SGEs))
 			req.SGEs = append(req.SGEs, sgl...)
 			req.WRs = append(req.WRs, wr)
-		})
-		n, err := q.post(opPostSend, req, k)
-		posted += n
-		if err != nil {
-			return posted, err
 		}
-		if bad != nil {
-			return posted, bad
-		}
-	}
-	return posted, nil
+	})
 }
 
 func (q *qp) PostRecv(wrs []prov.RecvWR, sges []prov.SGE) (int, error) {
@@ -410,16 +400,16 @@ func split[W prov.SendWR | prov.RecvWR](wrs []W, sges []prov.SGE, wrSize int, ad
 	return k, nil
 }
 
-// postRecv posts receives to the QP or SRQ o (op says which).
-func postRecv(o *obj, op opcode, wrs []prov.RecvWR, sges []prov.SGE) (int, error) {
+// postAll posts wrs through o in as few messages as fit (split): for each
+// message, next returns a new request and the function that adds a work
+// request with its SGEs to it. It returns how many the server accepted;
+// the error is that of the first message that failed, or of the first
+// work request that cannot be sent.
+func postAll[W prov.SendWR | prov.RecvWR](o *obj, op opcode, wrs []W, sges []prov.SGE, wrSize int, next func() (req any, add func(W, []prov.SGE))) (int, error) {
 	posted := 0
 	for posted < len(wrs) {
-		req := postRecvReq{ID: o.id}
-		k, bad := split(wrs[posted:], sges, recvWRSize, func(wr prov.RecvWR, sgl []prov.SGE) {
-			wr.SGEIndex = uint32(len(req.SGEs))
-			req.SGEs = append(req.SGEs, sgl...)
-			req.WRs = append(req.WRs, wr)
-		})
+		req, add := next()
+		k, bad := split(wrs[posted:], sges, wrSize, add)
 		n, err := o.post(op, req, k)
 		posted += n
 		if err != nil {
@@ -430,6 +420,18 @@ func postRecv(o *obj, op opcode, wrs []prov.RecvWR, sges []prov.SGE) (int, error
 		}
 	}
 	return posted, nil
+}
+
+// postRecv posts receives to the QP or SRQ o (op says which).
+func postRecv(o *obj, op opcode, wrs []prov.RecvWR, sges []prov.SGE) (int, error) {
+	return postAll(o, op, wrs, sges, recvWRSize, func() (any, func(prov.RecvWR, []prov.SGE)) {
+		req := &postRecvReq{ID: o.id}
+		return req, func(wr prov.RecvWR, sgl []prov.SGE) {
+			wr.SGEIndex = uint32(len(req.SGEs))
+			req.SGEs = append(req.SGEs, sgl...)
+			req.WRs = append(req.WRs, wr)
+		}
+	})
 }
 
 type srq struct {

@@ -1,10 +1,13 @@
 package provproxy_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -119,44 +122,87 @@ func (p *peer) open(t testing.TB) *verbs.Context {
 // TestPeerStopped stops the peer process (SIGSTOP): a call that cannot
 // block in the provider gets no answer, and once the call guard has passed
 // it fails with ErrConnLost, as does every later call, instead of waiting
-// for ever; so does the answer to a cancelled wait.
+// for ever; so does a wait whose ctx ended, whose cancellation gets no
+// answer either. Objects closed afterwards are released.
 func TestPeerStopped(t *testing.T) {
-	for _, what := range []string{"Poll", "CancelledWait"} {
-		t.Run(what, func(t *testing.T) {
-			p := startPeer(t)
-			ctx := p.open(t)
-			cq, err := ctx.NewCompletionQueue(verbs.CQSpec{})
-			if err != nil {
-				t.Fatal(err)
+	t.Run("Poll", func(t *testing.T) {
+		p := startPeer(t)
+		ctx := p.open(t)
+		cq, err := ctx.NewCompletionQueue(verbs.CQSpec{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.c.SetCallGuard(200 * time.Millisecond)
+		p.stopProcess(t)
+		var wc [4]verbs.Completion
+		_, err = cq.Poll(wc[:])
+		expectUnresponsive(t, "Poll on a stopped peer", err)
+		if _, err := ctx.QueryDevice(); !errors.Is(err, provproxy.ErrConnLost) {
+			t.Errorf("a later call: %v, want an error wrapping ErrConnLost", err)
+		}
+		// The objects went with the connection: closing them releases
+		// them here.
+		if err := cq.Close(); err != nil {
+			t.Errorf("close the CQ after the connection ended: %v", err)
+		}
+		if err := ctx.Close(); err != nil {
+			t.Errorf("close the context after the connection ended: %v", err)
+		}
+	})
+	t.Run("CancelledWait", func(t *testing.T) {
+		p := startPeer(t)
+		c, err := p.c.Open(verbs.SoftDevice)
+		must(t, err)
+		ch, err := c.CreateCompChannel()
+		must(t, err)
+		p.c.SetCallGuard(200 * time.Millisecond)
+		p.stopProcess(t)
+		wctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		done := waitResult(t, func() error { _, err := ch.Wait(wctx); return err })
+		for provproxy.Outstanding(p.c) < 1 {
+			if guard(t).Err() != nil {
+				t.Fatal("the wait was not sent within the hang guard")
 			}
-			p.c.SetCallGuard(200 * time.Millisecond)
-			if err := p.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
-				t.Fatal(err)
-			}
-			defer p.kill()
-			switch what {
-			case "Poll":
-				var wc [4]verbs.Completion
-				_, err = cq.Poll(wc[:])
-			default:
-				wctx, cancel := context.WithCancel(context.Background())
-				cancel()
-				err = cq.Wait(wctx)
-			}
-			if !errors.Is(err, provproxy.ErrConnLost) || !strings.Contains(err.Error(), "stopped or hung") {
-				t.Fatalf("%s on a stopped peer: %v, want an error wrapping ErrConnLost that says the peer is stopped or hung", what, err)
-			}
-			if _, err := ctx.QueryDevice(); !errors.Is(err, provproxy.ErrConnLost) {
-				t.Errorf("a later call: %v, want an error wrapping ErrConnLost", err)
-			}
-			// The objects went with the connection: closing them
-			// releases them here.
-			if err := cq.Close(); err != nil {
-				t.Errorf("close the CQ after the connection ended: %v", err)
-			}
-			if err := ctx.Close(); err != nil {
-				t.Errorf("close the context after the connection ended: %v", err)
-			}
-		})
+			runtime.Gosched()
+		}
+		cancel()
+		expectUnresponsive(t, "a cancelled wait on a stopped peer", expectReturn(t, "channel Wait", done))
+		must(t, ch.Close())
+		must(t, c.Close())
+	})
+}
+
+// expectUnresponsive checks that err says the connection ended because
+// the peer did not answer.
+func expectUnresponsive(t *testing.T, what string, err error) {
+	t.Helper()
+	if !errors.Is(err, provproxy.ErrConnLost) || !strings.Contains(err.Error(), "stopped or hung") {
+		t.Fatalf("%s: %v, want an error wrapping ErrConnLost that says the peer is stopped or hung", what, err)
+	}
+}
+
+// stopProcess stops the peer (SIGSTOP), waits until it is stopped, and
+// kills it when the test ends.
+func (p *peer) stopProcess(t *testing.T) {
+	t.Helper()
+	pid := p.cmd.Process.Pid
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.kill)
+	for {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			t.Skipf("cannot read the state of the peer process: %v", err)
+		}
+		// pid (comm) state ...: the state follows the last ')'.
+		if i := bytes.LastIndexByte(b, ')'); i > 0 && i+2 < len(b) && b[i+2] == 'T' {
+			return
+		}
+		if guard(t).Err() != nil {
+			t.Fatalf("the peer process did not stop within the hang guard")
+		}
+		time.Sleep(time.Millisecond)
 	}
 }

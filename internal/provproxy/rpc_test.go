@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"github.com/goverbs/verbs/internal/fdpass"
 	"io"
 	"os"
 	"strings"
@@ -239,7 +240,7 @@ func fakeServer(t *testing.T, reply func(h header, payload []byte) ([]byte, []in
 			if err != nil {
 				return
 			}
-			closeFDs(fds)
+			fdpass.Close(fds)
 			h, payload, err := parseHeader(p)
 			if err != nil || h.kind != kindRequest {
 				continue

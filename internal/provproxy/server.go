@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/goverbs/verbs/internal/fdpass"
 	"io"
 	"os"
 	"slices"
@@ -96,12 +97,12 @@ func (s *server) loop() error {
 		}
 		h, payload, err := parseHeader(p)
 		if err != nil {
-			closeFDs(fds)
+			fdpass.Close(fds)
 			return fmt.Errorf("provproxy: serve: %w", err)
 		}
 		switch h.kind {
 		case kindCancel:
-			closeFDs(fds)
+			fdpass.Close(fds)
 			s.mu.Lock()
 			if cancel := s.inflight[h.id]; cancel != nil {
 				cancel()
@@ -110,7 +111,7 @@ func (s *server) loop() error {
 		case kindRequest:
 			s.start(h, payload, fds)
 		default:
-			closeFDs(fds)
+			fdpass.Close(fds)
 			return fmt.Errorf("provproxy: serve: %w: message kind %d sent to the server", errMalformed, h.kind)
 		}
 	}
@@ -120,12 +121,12 @@ func (s *server) loop() error {
 func (s *server) start(h header, payload []byte, fds []int) {
 	req := reqType(h.op)
 	if req == nil {
-		closeFDs(fds)
+		fdpass.Close(fds)
 		s.respond(h, nil, fmt.Errorf("provproxy: %w: unknown operation %d", errMalformed, uint8(h.op)))
 		return
 	}
 	if err := unmarshal(payload, req); err != nil {
-		closeFDs(fds)
+		fdpass.Close(fds)
 		s.respond(h, nil, fmt.Errorf("provproxy: %s: request: %w", h.op, err))
 		return
 	}
@@ -134,7 +135,7 @@ func (s *server) start(h header, payload []byte, fds []int) {
 		want = 1
 	}
 	if len(fds) != want {
-		closeFDs(fds)
+		fdpass.Close(fds)
 		s.respond(h, nil, errnof(syscall.EINVAL, "%s: %d file descriptors with the request, want %d", h.op, len(fds), want))
 		return
 	}
@@ -143,7 +144,7 @@ func (s *server) start(h header, payload []byte, fds []int) {
 	if s.inflight[h.id] != nil {
 		s.mu.Unlock()
 		cancel()
-		closeFDs(fds)
+		fdpass.Close(fds)
 		s.respond(h, nil, fmt.Errorf("provproxy: %s: %w: request id %d is already in flight", h.op, errMalformed, h.id))
 		return
 	}

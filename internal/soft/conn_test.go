@@ -3,6 +3,7 @@ package soft
 import (
 	"bytes"
 	"errors"
+	"github.com/goverbs/verbs/internal/fdpass"
 	"io"
 	"net"
 	"os"
@@ -384,7 +385,7 @@ func TestShmDescriptorChecks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer closeFDs(good[:])
+	defer fdpass.Close(good[:])
 	if err := checkShmFDs(good[:]); err != nil {
 		t.Fatalf("good descriptors refused: %v", err)
 	}
@@ -401,7 +402,7 @@ func TestShmDescriptorChecks(t *testing.T) {
 	if err := unix.Pipe2(pipe[:], unix.O_CLOEXEC); err != nil {
 		t.Fatal(err)
 	}
-	defer closeFDs(pipe[:])
+	defer fdpass.Close(pipe[:])
 	for _, tc := range []struct {
 		name string
 		fds  []int

@@ -4,6 +4,7 @@ import (
 	"crypto/subtle"
 	"errors"
 	"fmt"
+	"github.com/goverbs/verbs/internal/fdpass"
 	"io"
 	"net"
 	"os"
@@ -262,7 +263,7 @@ func (s *service) serveHandshake(nc net.Conn) {
 	} else {
 		_, err = io.ReadFull(nc, buf[:])
 	}
-	defer func() { closeFDs(fds) }()
+	defer func() { fdpass.Close(fds) }()
 	if err != nil {
 		nc.Close()
 		return
@@ -464,9 +465,9 @@ func (s *service) dialKind(pa *peerAddr, kind uint8) (*conn, error) {
 			nc.Close()
 			return nil, err
 		}
-		defer closeFDs(fds[:1]) // the mapping keeps the segment
+		defer fdpass.Close(fds[:1]) // the mapping keeps the segment
 		if shm, err = newShmLink(fds[0], fds[2], fds[1], true); err != nil {
-			closeFDs(fds[1:])
+			fdpass.Close(fds[1:])
 			nc.Close()
 			return nil, err
 		}

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/goverbs/verbs/internal/fdpass"
 	"net"
 	"os"
 	"sync/atomic"
@@ -275,7 +276,7 @@ func newShmFDs() (fds [shmFDs]int, err error) {
 	fds = [shmFDs]int{-1, -1, -1}
 	defer func() {
 		if err != nil {
-			closeFDs(fds[:])
+			fdpass.Close(fds[:])
 			fds = [shmFDs]int{-1, -1, -1}
 		}
 	}()
@@ -324,14 +325,6 @@ func checkShmFDs(fds []int) error {
 	return nil
 }
 
-func closeFDs(fds []int) {
-	for _, fd := range fds {
-		if fd >= 0 {
-			unix.Close(fd)
-		}
-	}
-}
-
 // readMsgFDs fills b from c, collecting the descriptors that come with it
 // (at most max; more are closed and make it fail).
 func readMsgFDs(c *net.UnixConn, b []byte, max int) ([]int, error) {
@@ -341,37 +334,23 @@ func readMsgFDs(c *net.UnixConn, b []byte, max int) ([]int, error) {
 	for got < len(b) {
 		n, oobn, flags, _, err := c.ReadMsgUnix(b[got:], oob)
 		if oobn > 0 {
-			fds = append(fds, parseRights(oob[:oobn])...)
+			fds = append(fds, fdpass.Rights(oob[:oobn])...)
 		}
 		if err != nil {
-			closeFDs(fds)
+			fdpass.Close(fds)
 			return nil, err
 		}
 		if flags&unix.MSG_CTRUNC != 0 || len(fds) > max {
-			closeFDs(fds)
+			fdpass.Close(fds)
 			return nil, errors.New("too many descriptors")
 		}
 		if n == 0 {
-			closeFDs(fds)
+			fdpass.Close(fds)
 			return nil, errors.New("unexpected end of file")
 		}
 		got += n
 	}
 	return fds, nil
-}
-
-func parseRights(oob []byte) []int {
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil
-	}
-	var fds []int
-	for i := range msgs {
-		if r, err := unix.ParseUnixRights(&msgs[i]); err == nil {
-			fds = append(fds, r...)
-		}
-	}
-	return fds
 }
 
 // --- direct writes ---
@@ -538,7 +517,7 @@ func (c *conn) serveMap(id uint64, body []byte) error {
 func (c *conn) handleMapAck(id uint64, body []byte, fds []int) error {
 	ack, err := parseMapAck(body)
 	if err != nil || len(fds) > 1 || (ack.status == mapOK) != (len(fds) == 1) {
-		closeFDs(fds)
+		fdpass.Close(fds)
 		if err == nil {
 			err = fmt.Errorf("%w: %d descriptors with status %d", errBadMap, len(fds), ack.status)
 		}
@@ -553,7 +532,7 @@ func (c *conn) handleMapAck(id uint64, body []byte, fds []int) error {
 	delete(c.calls, id)
 	c.callMu.Unlock()
 	if ch == nil {
-		closeFDs(fds)
+		fdpass.Close(fds)
 		return nil
 	}
 	ch <- mapReply{ack: ack, fd: fd}
@@ -634,7 +613,7 @@ func (c *conn) watchSocket() {
 			err = fmt.Errorf("%w: type %d on the socket of a shared-memory connection", errBadType, h.typ)
 		}
 		if err != nil {
-			closeFDs(fds)
+			fdpass.Close(fds)
 			c.fail(fmt.Errorf("soft: malformed frame from process %d: %w", c.peerPID, err))
 			return
 		}
@@ -643,7 +622,7 @@ func (c *conn) watchSocket() {
 		if err == nil {
 			err = c.handleMapAck(h.id, b[hdrLen:], fds)
 		} else {
-			closeFDs(fds)
+			fdpass.Close(fds)
 		}
 		if err != nil {
 			c.fail(fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err))
