@@ -89,18 +89,29 @@ func (pd *ProtectionDomain) Alloc(n int, access Access) (*MemoryRegion, error) {
 	if err != nil {
 		return nil, opErr("allocate mr", pd.c.name, err)
 	}
-	m, err := pd.register(r.Bytes(), r.FD(), access, "allocate mr")
+	m, err := pd.register(r.Bytes(), r.FD(), 0, access, "allocate mr")
 	if err != nil {
 		r.Free()
 		return nil, err
 	}
 	m.region = r
+	// Register finds the MR through its memory (memoryOf): the lifetime
+	// node, not the MR, so that the registry of regions does not keep a
+	// leaked MR reachable.
+	r.SetOwner(m.res.n)
 	return m, nil
 }
 
 // Register registers caller memory. Go memory is pinned (runtime.Pinner)
 // until Close; the caller must keep buf alive and must not let the device
 // write into it after Close.
+//
+// buf may also be part of the memory of MRs from Alloc (a window of an
+// arena, with keys and access of its own): the new MR then keeps their
+// memory mapped, so closing one of them fails, naming it, until it is
+// closed. A window that lies in one such MR is registered with its memfd,
+// so the soft provider can share it with other processes as it shares
+// memory from Alloc.
 func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, error) {
 	if err := pd.check("register mr"); err != nil {
 		return nil, err
@@ -113,9 +124,10 @@ func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, 
 			return nil, err
 		}
 	}
+	fd, off, owners := memoryOf(buf)
 	p := new(runtime.Pinner)
 	p.Pin(unsafe.SliceData(buf))
-	m, err := pd.register(buf, -1, access, "register mr")
+	m, err := pd.register(buf, fd, off, access, "register mr", owners...)
 	if err != nil {
 		p.Unpin()
 		return nil, err
@@ -124,15 +136,39 @@ func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, 
 	return m, nil
 }
 
-func (pd *ProtectionDomain) register(buf []byte, fd int, access Access, op string) (*MemoryRegion, error) {
-	pm, err := pd.pd.RegMR(prov.Mem{Ptr: unsafe.Pointer(unsafe.SliceData(buf)), Len: len(buf), FD: fd}, prov.Access(access))
+// memoryOf returns what backs caller memory buf: the memfd and offset of
+// the region from Alloc that holds all of it (fd -1 if none does), and the
+// lifetimes of the MRs from Alloc whose memory it overlaps, which the MR
+// of buf must keep from unmapping it.
+func memoryOf(buf []byte) (fd int, off int64, owners []*resource) {
+	fd = -1
+	p := unsafe.Pointer(unsafe.SliceData(buf))
+	rs := mem.Overlapping(p, len(buf))
+	for _, r := range rs {
+		n, ok := r.Owner().(*node)
+		if !ok {
+			continue
+		}
+		owners = append(owners, &resource{n: n})
+		if o, ok := r.Offset(p, len(buf)); ok && len(rs) == 1 {
+			fd, off = r.FD(), o
+		}
+	}
+	return fd, off, owners
+}
+
+// register registers buf (backed by the memfd fd at off, or fd -1) under
+// the PD and the lifetimes in owners.
+func (pd *ProtectionDomain) register(buf []byte, fd int, off int64, access Access, op string, owners ...*resource) (*MemoryRegion, error) {
+	pm, err := pd.pd.RegMR(prov.Mem{Ptr: unsafe.Pointer(unsafe.SliceData(buf)), Len: len(buf), FD: fd, Offset: off}, prov.Access(access))
 	if err != nil {
 		return nil, opErr(op, pd.c.name, fmt.Errorf("%d bytes, access %v: %w", len(buf), access, err))
 	}
 	m := &MemoryRegion{pd: pd, mr: pm, access: access, buf: buf}
-	if err := initResource(m, &m.res, "memory region", fmt.Sprintf("lkey %#x, %d bytes", pm.LKey(), len(buf)), &pd.res); err != nil {
+	parents := append([]*resource{&pd.res}, owners...)
+	if err := initResource(m, &m.res, "memory region", fmt.Sprintf("lkey %#x, %d bytes", pm.LKey(), len(buf)), parents...); err != nil {
 		pm.Close()
-		return nil, err
+		return nil, opErr(op, pd.c.name, err)
 	}
 	return m, nil
 }
@@ -193,7 +229,8 @@ func (m *MemoryRegion) Remote() RemoteRegion {
 }
 
 // Close deregisters the MR, unpins Go memory and frees memory from Alloc.
-// It is idempotent.
+// It fails, naming them, while MRs registered on part of its memory
+// (Register) are open. It is idempotent.
 func (m *MemoryRegion) Close() error {
 	return m.res.close(func() error {
 		if err := m.mr.Close(); err != nil {

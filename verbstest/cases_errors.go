@@ -70,7 +70,9 @@ func testErrBadRKey(t *testing.T, c *tcase) {
 
 // testErrOutOfBounds accesses a registered sub-range of a larger buffer
 // just past its end and just before its start: REM_ACCESS_ERR, and the
-// memory around the MR (and in it) is untouched.
+// memory around the MR (and in it) is untouched. The buffer is Go memory,
+// and then ("Window...") the memory of an MR from Alloc, whose middle page
+// is registered as an MR of its own.
 func testErrOutOfBounds(t *testing.T, c *tcase) {
 	const page = 4096
 	type access struct {
@@ -79,37 +81,55 @@ func testErrOutOfBounds(t *testing.T, c *tcase) {
 		n    int
 		op   string
 	}
-	for _, x := range []access{
-		{"WriteAcrossEnd", page - 8, 16, "write"},
-		{"WriteBeforeStart", -8, 8, "write"},
-		{"WritePastEnd", page, 8, "write"},
-		{"ReadAcrossEnd", page - 8, 16, "read"},
-		{"AtomicPastEnd", page, 8, "atomic"},
-	} {
-		c.check(t, x.name, func(t *testing.T) {
-			p := NewLoopbackRC(t, c.cfg, verbs.QPSpec{})
-			buf := make([]byte, 3*page)
-			Pattern(buf, 0xEE)
-			before := bytes.Clone(buf)
-			remote := p.B.Register(t, buf[page:2*page], accessAll)
-			local := p.A.Alloc(t, 64, accessLocal)
-			Pattern(local.Bytes(), 0x11)
-			dst := verbs.RemoteAddr{Addr: uint64(int64(remote.Addr()) + x.off), RKey: remote.RKey()}
-			c.expectFailure(t, p, fmt.Sprintf("%s of %d bytes at MR offset %d", x.op, x.n, x.off), verbs.StatusRemAccessErr,
-				func(wrid uint64) error {
-					switch x.op {
-					case "write":
-						return p.QA.PostWrite(wrid, verbs.Signaled, dst, local.SGE(0, x.n))
-					case "read":
-						return p.QA.PostRead(wrid, verbs.Signaled, dst, local.SGE(0, x.n))
-					}
-					return p.QA.PostFetchAdd(wrid, verbs.Signaled, dst, 1, local.SGE(0, 8))
-				})
-			checkBytes(t, "memory before the MR", buf[:page], before[:page])
-			checkBytes(t, "memory after the MR", buf[2*page:], before[2*page:])
-			checkBytes(t, "the MR itself", buf[page:2*page], before[page:2*page])
-		})
+	for _, window := range []bool{false, true} {
+		for _, x := range []access{
+			{"WriteAcrossEnd", page - 8, 16, "write"},
+			{"WriteBeforeStart", -8, 8, "write"},
+			{"WritePastEnd", page, 8, "write"},
+			{"ReadAcrossEnd", page - 8, 16, "read"},
+			{"AtomicPastEnd", page, 8, "atomic"},
+		} {
+			name := x.name
+			if window {
+				name = "Window" + name
+			}
+			c.check(t, name, func(t *testing.T) { outOfBounds(t, c, window, x.off, x.n, x.op) })
+		}
 	}
+}
+
+// outOfBounds is one check of testErrOutOfBounds: an op of n bytes at
+// off from the start of a one-page MR in the middle of a three-page buffer
+// of side B (Go memory, or the memory of an MR from Alloc when window is
+// set): REM_ACCESS_ERR, and not one byte of the buffer changes.
+func outOfBounds(t *testing.T, c *tcase, window bool, off int64, n int, op string) {
+	const page = 4096
+	p := NewLoopbackRC(t, c.cfg, verbs.QPSpec{})
+	var buf []byte
+	if window {
+		buf = p.B.Alloc(t, 3*page, accessAll).Bytes()
+	} else {
+		buf = make([]byte, 3*page)
+	}
+	Pattern(buf, 0xEE)
+	before := bytes.Clone(buf)
+	remote := p.B.Register(t, buf[page:2*page], accessAll)
+	local := p.A.Alloc(t, 64, accessLocal)
+	Pattern(local.Bytes(), 0x11)
+	dst := verbs.RemoteAddr{Addr: uint64(int64(remote.Addr()) + off), RKey: remote.RKey()}
+	c.expectFailure(t, p, fmt.Sprintf("%s of %d bytes at MR offset %d", op, n, off), verbs.StatusRemAccessErr,
+		func(wrid uint64) error {
+			switch op {
+			case "write":
+				return p.QA.PostWrite(wrid, verbs.Signaled, dst, local.SGE(0, n))
+			case "read":
+				return p.QA.PostRead(wrid, verbs.Signaled, dst, local.SGE(0, n))
+			}
+			return p.QA.PostFetchAdd(wrid, verbs.Signaled, dst, 1, local.SGE(0, 8))
+		})
+	checkBytes(t, "memory before the MR", buf[:page], before[:page])
+	checkBytes(t, "memory after the MR", buf[2*page:], before[2*page:])
+	checkBytes(t, "the MR itself", buf[page:2*page], before[page:2*page])
 }
 
 // testErrNoRemotePermission accesses MRs registered without the remote

@@ -61,7 +61,8 @@ type Config struct {
 // goMemoryLimit is why a check that registers Go memory on side B cannot
 // run with side B in a peer process.
 const goMemoryLimit = "side B registers Go memory of the test process (Register) and checks the bytes around it: " +
-	"Go memory of one process cannot be registered with a device context in another process"
+	"Go memory of one process cannot be registered with a device context in another process " +
+	"(the same checks on a window of memory from Alloc, ErrOutOfBounds/Window*, run)"
 
 // peerProcessLimits lists the checks that cannot run with side B in a
 // peer process (Config.PeerProcessB), each with the reason.

@@ -5,6 +5,7 @@ package mem
 import (
 	"fmt"
 	"os"
+	"sync"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -24,6 +25,17 @@ type Region struct {
 	b    []byte
 	full []byte // the whole mapping (whole pages)
 	fd   int
+
+	owner any // guarded by live.mu
+}
+
+// live holds the regions mapped and not yet freed, for Overlapping: a
+// mapping belongs to the whole process, and so does the question which
+// region an address lies in (memory from one device context may be
+// registered with another).
+var live struct {
+	mu sync.Mutex
+	rs map[*Region]struct{}
 }
 
 // PageSize is the system page size.
@@ -68,7 +80,59 @@ func Alloc(n int, name string, dontfork bool) (*Region, error) {
 			return nil, fmt.Errorf("madvise(MADV_DONTFORK): %w", err)
 		}
 	}
-	return &Region{b: b[:n:n], full: b, fd: fd}, nil
+	r := &Region{b: b[:n:n], full: b, fd: fd}
+	live.mu.Lock()
+	if live.rs == nil {
+		live.rs = make(map[*Region]struct{})
+	}
+	live.rs[r] = struct{}{}
+	live.mu.Unlock()
+	return r, nil
+}
+
+// Overlapping returns the live regions whose mapping overlaps the n bytes
+// at p (none for memory that no region maps, such as Go memory). The
+// regions may be freed at any time after it returns; callers that must
+// keep one mapped arrange it with the region's owner.
+func Overlapping(p unsafe.Pointer, n int) []*Region {
+	lo := uintptr(p)
+	hi := lo + uintptr(n)
+	live.mu.Lock()
+	defer live.mu.Unlock()
+	var rs []*Region
+	for r := range live.rs {
+		start := uintptr(unsafe.Pointer(unsafe.SliceData(r.full)))
+		if lo < start+uintptr(len(r.full)) && start < hi {
+			rs = append(rs, r)
+		}
+	}
+	return rs
+}
+
+// Offset returns the offset in the region's memfd of the n bytes at p, and
+// whether the region maps all of them.
+func (r *Region) Offset(p unsafe.Pointer, n int) (int64, bool) {
+	start := uintptr(unsafe.Pointer(unsafe.SliceData(r.full)))
+	lo := uintptr(p)
+	if n < 0 || lo < start || lo-start > uintptr(len(r.full)) || uintptr(n) > uintptr(len(r.full))-(lo-start) {
+		return 0, false
+	}
+	return int64(lo - start), true
+}
+
+// SetOwner records what owns the region (for the verbs package, the
+// lifetime of the memory region whose memory it is), for Owner.
+func (r *Region) SetOwner(v any) {
+	live.mu.Lock()
+	r.owner = v
+	live.mu.Unlock()
+}
+
+// Owner returns what SetOwner recorded, or nil.
+func (r *Region) Owner() any {
+	live.mu.Lock()
+	defer live.mu.Unlock()
+	return r.owner
 }
 
 // Bytes returns the memory.
@@ -85,6 +149,9 @@ func (r *Region) Free() error {
 	if r.b == nil {
 		return nil
 	}
+	live.mu.Lock()
+	delete(live.rs, r)
+	live.mu.Unlock()
 	b := r.full
 	r.b, r.full = nil, nil
 	err := unix.Munmap(b)

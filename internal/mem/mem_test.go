@@ -1,7 +1,9 @@
 package mem
 
 import (
+	"slices"
 	"testing"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -76,5 +78,55 @@ func TestAllocSealed(t *testing.T) {
 	}
 	if Sealed(-1) {
 		t.Error("a bad descriptor is reported sealed")
+	}
+}
+
+func TestOverlappingOffsetOwner(t *testing.T) {
+	r, err := Alloc(3*PageSize, "test", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Free()
+	base := unsafe.Pointer(unsafe.SliceData(r.Bytes()))
+	goMem := make([]byte, 64)
+	tests := []struct {
+		name    string
+		p       unsafe.Pointer
+		n       int
+		overlap bool
+		off     int64
+		inside  bool
+	}{
+		{"whole", base, 3 * PageSize, true, 0, true},
+		{"middle page", unsafe.Add(base, PageSize), PageSize, true, int64(PageSize), true},
+		{"unaligned", unsafe.Add(base, 100), 7, true, 100, true},
+		{"last byte", unsafe.Add(base, 3*PageSize-1), 1, true, int64(3*PageSize - 1), true},
+		{"past the end", unsafe.Add(base, 3*PageSize-1), 2, true, 0, false},
+		{"go memory", unsafe.Pointer(&goMem[0]), len(goMem), false, 0, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rs := Overlapping(tt.p, tt.n)
+			if got := slices.Contains(rs, r); got != tt.overlap {
+				t.Errorf("Overlapping contains the region: %v, want %v", got, tt.overlap)
+			}
+			off, ok := r.Offset(tt.p, tt.n)
+			if ok != tt.inside || (ok && off != tt.off) {
+				t.Errorf("Offset = %d, %v; want %d, %v", off, ok, tt.off, tt.inside)
+			}
+		})
+	}
+	if r.Owner() != nil {
+		t.Errorf("Owner of a new region = %v, want nil", r.Owner())
+	}
+	r.SetOwner("mr")
+	if r.Owner() != "mr" {
+		t.Errorf("Owner = %v, want what SetOwner recorded", r.Owner())
+	}
+	if err := r.Free(); err != nil {
+		t.Fatal(err)
+	}
+	if rs := Overlapping(base, 3*PageSize); slices.Contains(rs, r) {
+		t.Errorf("a freed region is still found by Overlapping")
 	}
 }
