@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/goverbs/verbs/internal/fdpass"
 	"io"
 	"net"
 	"os"
@@ -12,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/goverbs/verbs/internal/fdpass"
 	"github.com/goverbs/verbs/internal/prov"
 )
 

@@ -2,11 +2,12 @@ package provproxy
 
 import (
 	"fmt"
-	"github.com/goverbs/verbs/internal/fdpass"
 	"net"
 	"os"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/fdpass"
 )
 
 // Pair returns the two ends of a new connection between a client and a

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"github.com/goverbs/verbs/internal/fdpass"
 	"io"
 	"os"
 	"strings"
@@ -16,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/goverbs/verbs/internal/fdpass"
 	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/prov"
 	"github.com/goverbs/verbs/internal/soft"

@@ -3,7 +3,6 @@ package soft
 import (
 	"bytes"
 	"errors"
-	"github.com/goverbs/verbs/internal/fdpass"
 	"io"
 	"net"
 	"os"
@@ -13,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/goverbs/verbs/internal/fdpass"
 	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/prov"
 )

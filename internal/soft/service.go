@@ -4,7 +4,6 @@ import (
 	"crypto/subtle"
 	"errors"
 	"fmt"
-	"github.com/goverbs/verbs/internal/fdpass"
 	"io"
 	"net"
 	"os"
@@ -14,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/fdpass"
 )
 
 // The soft service of a process: what lets QPs of other processes reach this
