@@ -362,14 +362,17 @@ func (s *server) handle(ctx context.Context, op opcode, req any, fds []int) (any
 	return nil, fmt.Errorf("provproxy: %s: %w: no handler", op, errMalformed)
 }
 
+// idOpKinds is the kind of object that each operation whose request names
+// one object (handleID) acts on; objNone: any kind.
+var idOpKinds = map[opcode]int{
+	opQueryDevice: objContext, opAllocPD: objContext,
+	opCreateCompChannel: objContext, opAsyncEvent: objContext, opClose: objNone, opChanWait: objCompChannel,
+	opQueryQP: objQP, opQPAddress: objQP, opSRQQuery: objSRQ,
+}
+
 // handleID runs the operations whose request names one object.
 func (s *server) handleID(ctx context.Context, op opcode, id uint64) (any, error) {
-	kind := map[opcode]int{
-		opQueryDevice: objContext, opAllocPD: objContext,
-		opCreateCompChannel: objContext, opAsyncEvent: objContext, opClose: objNone, opChanWait: objCompChannel,
-		opQueryQP: objQP, opQPAddress: objQP, opSRQQuery: objSRQ,
-	}[op]
-	o, err := s.get(id, kind)
+	o, err := s.get(id, idOpKinds[op])
 	if err != nil {
 		return nil, err
 	}
