@@ -382,17 +382,10 @@ func StartPeer(t testing.TB, env ...string) *Peer {
 // ip netns exec NAME), if any.
 func startPeer(t testing.TB, wrap []string, env ...string) *Peer {
 	t.Helper()
-	exe, err := os.Executable()
+	cmd, err := peerCommand(wrap, append([]string{EnvPeer + "=1"}, env...)...)
 	if err != nil {
 		t.Fatalf("verbstest: start peer: %v", err)
 	}
-	args := append(append(wrap[:len(wrap):len(wrap)], exe), "-test.run=^$")
-	cmd := exec.Command(args[0], args[1:]...)
-	// Under the race detector a program that exits cleanly waits a second
-	// for late reports (GORACE atexit_sleep_ms): not the peer, which has
-	// closed everything by then.
-	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
-	cmd.Env = append(append(os.Environ(), EnvPeer+"=1", "GORACE="+gorace), env...)
 	in, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatalf("verbstest: start peer: %v", err)
@@ -424,25 +417,51 @@ func (p *Peer) Kill() {
 // everything and exit) and waits for it.
 func (p *Peer) Stop() {
 	p.in.Close()
+	if err := waitPeer(p.cmd, p.Stderr, "its input closing", p.killed); err != nil {
+		p.t.Errorf("verbstest: %v", err)
+	}
+}
+
+// peerCommand is the command that re-executes the test binary, running no
+// test, as a peer process: under the command prefix wrap (such as ip netns
+// exec NAME), if any, and with env added to the environment.
+func peerCommand(wrap []string, env ...string) (*exec.Cmd, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	args := append(append(wrap[:len(wrap):len(wrap)], exe), "-test.run=^$")
+	cmd := exec.Command(args[0], args[1:]...)
+	// Under the race detector a program that exits cleanly waits a second
+	// for late reports (GORACE atexit_sleep_ms): not the peer, which has
+	// closed everything by then.
+	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
+	cmd.Env = append(append(os.Environ(), "GORACE="+gorace), env...)
+	return cmd, nil
+}
+
+// waitPeer waits for the peer process cmd, told to exit by what happened
+// (for the message), and kills it if it has not exited within
+// DefaultTimeout. Unless it was killed on purpose (killed), a peer that
+// did not exit cleanly (a failure, a panic, objects left open, a data race
+// it found: the race detector makes it exit with status 66) is an error.
+func waitPeer(cmd *exec.Cmd, stderr *lockedBuffer, what string, killed bool) error {
 	done := make(chan struct{})
 	go func() {
-		p.cmd.Wait()
+		cmd.Wait()
 		close(done)
 	}()
 	select {
 	case <-done:
 	case <-time.After(DefaultTimeout):
-		p.cmd.Process.Kill()
+		cmd.Process.Kill()
 		<-done
-		p.t.Errorf("verbstest: the peer did not exit within %v of its input closing; stderr:\n%s", DefaultTimeout, p.Stderr)
-		return
+		return fmt.Errorf("the peer process did not exit within %v of %s; stderr:\n%s", DefaultTimeout, what, stderr)
 	}
-	// A peer that was not killed must have closed everything cleanly: a
-	// failure, a panic or a data race it found (the race detector makes
-	// it exit with status 66) fails the test.
-	if !p.killed && !p.cmd.ProcessState.Success() {
-		p.t.Errorf("verbstest: the peer %s; stderr:\n%s", p.cmd.ProcessState, p.Stderr)
+	if !killed && !cmd.ProcessState.Success() {
+		return fmt.Errorf("the peer process %s; stderr:\n%s", cmd.ProcessState, stderr)
 	}
+	return nil
 }
 
 // Do sends a command and returns the answer; a failed command fails the

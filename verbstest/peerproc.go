@@ -3,12 +3,9 @@ package verbstest
 import (
 	"context"
 	"fmt"
-	"os"
 	"os/exec"
 	"slices"
-	"strings"
 	"testing"
-	"time"
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/internal/prov"
@@ -34,15 +31,10 @@ type peerProcess struct {
 // the test ends.
 func openPeerDevice(t testing.TB, tr *tracker, name string) *verbs.Context {
 	t.Helper()
-	exe, err := os.Executable()
+	cmd, err := peerCommand(nil)
 	if err != nil {
 		t.Fatalf("verbstest: side B: start the peer process: %v", err)
 	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	// Under the race detector a program that exits cleanly waits a
-	// second for late reports: not the peer, which has closed everything
-	// by then.
-	cmd.Env = append(os.Environ(), "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
 	p := &peerProcess{cmd: cmd, stderr: &lockedBuffer{}}
 	cmd.Stderr = p.stderr
 	ctx, cancel := context.WithTimeout(context.Background(), DefaultTimeout)
@@ -73,22 +65,9 @@ func openPeerDevice(t testing.TB, tr *tracker, name string) *verbs.Context {
 }
 
 // Close ends the connection, which makes the peer close what is left and
-// exit, and waits for it. A peer that does not exit cleanly (a failure, a
-// panic, objects left open, a data race: the race detector makes it exit
-// with status 66) is an error.
+// exit, and waits for it (waitPeer: a peer that does not exit cleanly is an
+// error).
 func (p *peerProcess) Close() error {
 	p.client.Close()
-	done := make(chan error, 1)
-	go func() { done <- p.cmd.Wait() }()
-	select {
-	case <-done:
-	case <-time.After(DefaultTimeout):
-		p.cmd.Process.Kill()
-		<-done
-		return fmt.Errorf("the peer process did not exit within %v of its connection closing; stderr:\n%s", DefaultTimeout, p.stderr)
-	}
-	if !p.cmd.ProcessState.Success() {
-		return fmt.Errorf("the peer process %s; stderr:\n%s", p.cmd.ProcessState, p.stderr)
-	}
-	return nil
+	return waitPeer(p.cmd, p.stderr, "its connection closing", false)
 }
