@@ -11,6 +11,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/soft"
 )
 
@@ -73,11 +74,11 @@ func TestCrossProcessPeerKilled(t *testing.T) {
 // regions and shared-memory segments, its own and its peers').
 func memfdMappings(t *testing.T) int {
 	t.Helper()
-	b, err := os.ReadFile("/proc/self/maps")
+	n, err := mem.Mappings()
 	if err != nil {
 		t.Skipf("cannot read the mappings: %v", err)
 	}
-	return bytes.Count(b, []byte("/memfd:goverbs"))
+	return n
 }
 
 func peerKilled(t *testing.T, mode string, env string) {

@@ -3,6 +3,7 @@
 package mem
 
 import (
+	"bytes"
 	"fmt"
 	"os"
 	"sync"
@@ -88,6 +89,19 @@ func Alloc(n int, name string, dontfork bool) (*Region, error) {
 	live.rs[r] = struct{}{}
 	live.mu.Unlock()
 	return r, nil
+}
+
+// Mappings counts this process' mappings of the module's memfds: regions
+// ("goverbs:NAME") and the soft provider's shared-memory links
+// ("goverbs-soft-link"), its own and those mapped from peer processes, as
+// /proc/self/maps lists them. Tests use it to check that nothing is left
+// mapped.
+func Mappings() (int, error) {
+	b, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		return 0, err
+	}
+	return bytes.Count(b, []byte("/memfd:goverbs")), nil
 }
 
 // Overlapping returns the live regions whose mapping overlaps the n bytes
