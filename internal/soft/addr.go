@@ -28,10 +28,17 @@ import (
 //
 //	1 host     16 bytes: host identity (boot id and machine id, hashed);
 //	           equal identities mean the shared-memory transport may work
-//	2 secret   16 bytes: random per fabric; a connecting process must show
-//	           it, so only holders of one of this process' endpoints connect
+//	2 secret   16 bytes: random per fabric; a connecting process must
+//	           prove that it holds it (handshake.go: it never crosses the
+//	           wire), so only holders of one of this process' endpoints
+//	           connect. An endpoint is a credential: exchange it only
+//	           with the peers it is meant for, confidentially.
 //	3 unix     abstract unix socket name (same-host transport)
-//	4 tcp      host:port of the TCP transport
+//	4 tcp      the TCP transport: host:port, or several separated by
+//	           commas (a service listening on every interface advertises
+//	           each of them; see advertisedTCP)
+//	5 cert     32 bytes: SHA-256 of the process' TLS certificate, pinned
+//	           by a dialer that encrypts (tls.go)
 //
 // Every QP of a process has the same address; the QPN selects the QP.
 
@@ -44,8 +51,10 @@ const (
 	tlvSecret = 2
 	tlvUnix   = 3
 	tlvTCP    = 4
+	tlvCert   = 5
 
 	maxTLVString = 255
+	maxTCPList   = 1024
 )
 
 // peerAddr is a decoded provider address.
@@ -57,7 +66,9 @@ type peerAddr struct {
 	secret    [16]byte
 	hasSecret bool
 	unix      string
-	tcp       string
+	tcp       string // comma-separated host:port list
+	cert      [32]byte
+	hasCert   bool
 }
 
 func encodeAddr(id uint64, pid uint32) []byte {
@@ -89,6 +100,9 @@ func encodePeerAddr(a *peerAddr) []byte {
 	}
 	if a.tcp != "" {
 		b = appendTLV(b, tlvTCP, []byte(a.tcp))
+	}
+	if a.hasCert {
+		b = appendTLV(b, tlvCert, a.cert[:])
 	}
 	return b
 }
@@ -129,7 +143,11 @@ func parseAddr(b []byte) (peerAddr, error) {
 				a.hasSecret = true
 			}
 		case tlvUnix, tlvTCP:
-			if n == 0 || n > maxTLVString || bytes.IndexByte(v, 0) >= 0 {
+			limit := maxTLVString
+			if typ == tlvTCP {
+				limit = maxTCPList
+			}
+			if n == 0 || n > limit || bytes.IndexByte(v, 0) >= 0 {
 				return a, fmt.Errorf("malformed soft provider address: option %d of %d bytes: %w", typ, n, syscall.EINVAL)
 			}
 			if typ == tlvUnix {
@@ -137,6 +155,12 @@ func parseAddr(b []byte) (peerAddr, error) {
 			} else {
 				a.tcp = string(v)
 			}
+		case tlvCert:
+			if n != len(a.cert) {
+				return a, fmt.Errorf("malformed soft provider address: certificate fingerprint of %d bytes, want %d: %w", n, len(a.cert), syscall.EINVAL)
+			}
+			copy(a.cert[:], v)
+			a.hasCert = true
 		}
 	}
 	return a, nil

@@ -58,6 +58,8 @@ type conn struct {
 	raw     syscall.RawConn
 	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
 	shm     *shmLink   // the rings (nil: frames go over nc)
+	link    io.Closer  // closed with nc: the TLS pipe nc is the inner end of (tls.go), or nil
+	auth    peerAuth   // what the peer proved of its identity (handshake.go)
 	loops   sync.WaitGroup
 
 	dead  atomic.Bool
@@ -167,6 +169,9 @@ func (c *conn) fail(err error) {
 	c.errMu.Unlock()
 	close(c.done)
 	c.nc.Close()
+	if c.link != nil {
+		c.link.Close()
+	}
 	if c.shm != nil {
 		c.shm.close()
 	}
@@ -573,7 +578,8 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 	if err != nil {
 		return err
 	}
-	req.srcFabric = c.peerFab // who the peer is, not what it says
+	req.srcFabric = c.peerFab // who the peer claims to be: fromPeer checks the claim
+	req.srcConn = c
 	if req.qpType == uint8(prov.QPTypeRC) {
 		req.waker = c.waker(req.srcQPN)
 	}

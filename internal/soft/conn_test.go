@@ -48,7 +48,9 @@ func newHostile(t *testing.T) *hostile {
 	if err != nil {
 		t.Fatal(err)
 	}
-	fake := peerAddr{fabric: pa.fabric ^ 0xdead, pid: 1, tcp: "127.0.0.1:1"}
+	fakePeer := &rawPeer{fabric: pa.fabric ^ 0xdead, pid: 1}
+	copy(fakePeer.secret[:], randomBytes(16))
+	fake := fakePeer.addr()
 	toInit(t, b.qp, prov.QPTypeRC, defaultConn())
 	av := prov.AHAttr{DGID: getFabric().gids[1], SGIDIndex: 1, HopLimit: 64, IsGlobal: true, Port: 1,
 		ProviderAddr: encodePeerAddr(&fake)}
@@ -58,26 +60,7 @@ func newHostile(t *testing.T) *hostile {
 		t.Fatal(err)
 	}
 
-	nc, err := net.Dial("tcp", pa.tcp)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { nc.Close() })
-	nc.SetDeadline(time.Now().Add(hangGuard))
-	hb := make([]byte, hdrLen+helloLen)
-	putHdr(hb, frHello, helloLen, 0)
-	putHello(hb[hdrLen:], &hello{kind: kindTCP, pid: 1, fabric: fake.fabric, target: pa.fabric,
-		secret: pa.secret, job: jobIdentity(), host: hostIdentity()})
-	if _, err := nc.Write(hb); err != nil {
-		t.Fatal(err)
-	}
-	ab := make([]byte, hdrLen+ackLen)
-	if _, err := io.ReadFull(nc, ab); err != nil {
-		t.Fatal(err)
-	}
-	if err := checkAck(ab, &pa); err != nil {
-		t.Fatal(err)
-	}
+	nc := rawConnect(t, &pa, fakePeer)
 	return &hostile{nc: nc, qpn: b.qp.QPN(), srcQPN: fakeSrcQPN, page: r.Bytes(), mr: m}
 }
 
@@ -296,16 +279,25 @@ func FuzzFrame(f *testing.F) {
 	})
 }
 
-// FuzzHandshake feeds arbitrary bytes to the handshake decoders.
+// FuzzHandshake feeds arbitrary bytes to the handshake decoders: they
+// must not panic, and what they accept must be self-consistent.
 func FuzzHandshake(f *testing.F) {
 	hb := make([]byte, hdrLen+helloLen)
 	putHdr(hb, frHello, helloLen, 0)
 	putHello(hb[hdrLen:], &hello{kind: kindUnix, pid: 42, fabric: 1, target: 2})
 	f.Add(hb)
-	ab := make([]byte, hdrLen+ackLen)
-	putHdr(ab, frHelloAck, ackLen, 0)
-	putHelloAck(ab[hdrLen:], &helloAck{status: ackBadJob, pid: 3, fabric: 2})
+	cb := make([]byte, hdrLen+challengeLen)
+	putHdr(cb, frChallenge, challengeLen, 0)
+	putChallenge(cb[hdrLen:], &challenge{status: ackBadJob, pid: 3, fabric: 2})
+	f.Add(cb)
+	ab := make([]byte, hdrLen+authLen)
+	putHdr(ab, frAuth, authLen, 0)
+	putAuth(ab[hdrLen:], &auth{})
 	f.Add(ab)
+	aa := make([]byte, hdrLen+authAckLen)
+	putHdr(aa, frAuthAck, authAckLen, 0)
+	putAuthAck(aa[hdrLen:], ackBadSecret)
+	f.Add(aa)
 	f.Add([]byte("GET / HTTP/1.1\r\n\r\n"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if len(b) >= hdrLen+helloLen {
@@ -313,13 +305,38 @@ func FuzzHandshake(f *testing.F) {
 				t.Fatalf("accepted link kind %d", h.kind)
 			}
 		}
-		if len(b) >= hdrLen+ackLen {
-			pa := peerAddr{fabric: 2, pid: 3}
-			if err := checkAck(b[:hdrLen+ackLen], &pa); err == nil {
-				a, _ := parseHelloAck(b[hdrLen:])
-				if a.status != ackOK || a.fabric != 2 {
-					t.Fatalf("accepted ack %+v", a)
-				}
+		for _, k := range []struct {
+			typ frameType
+			n   int
+		}{{frChallenge, challengeLen}, {frAuth, authLen}, {frAuthAck, authAckLen}} {
+			if len(b) < hdrLen+k.n {
+				continue
+			}
+			body, err := handshakeBody(b[:hdrLen+k.n], k.typ)
+			if err != nil {
+				continue
+			}
+			if h, _ := parseHdr(b); h.typ != k.typ || int(h.length) != k.n {
+				t.Fatalf("accepted frame %+v as type %d", h, k.typ)
+			}
+			switch k.typ {
+			case frChallenge:
+				parseChallenge(body)
+			case frAuth:
+				parseAuth(body)
+			case frAuthAck:
+				parseAuthAck(body)
+			}
+		}
+		// A proof over arbitrary bytes never matches another secret's.
+		if len(b) >= helloLen {
+			var n [hsNonceLen]byte
+			tr := transcript(b[:helloLen], 1, 2, &n, nil)
+			var s1, s2 [16]byte
+			s2[0] = 1
+			m1, m2 := handshakeMAC(&s1, labelDialer, &tr), handshakeMAC(&s2, labelDialer, &tr)
+			if macEqual(&m1, &m2) {
+				t.Fatalf("two secrets give the same proof")
 			}
 		}
 	})
@@ -483,20 +500,24 @@ func TestShmHandshakeRefused(t *testing.T) {
 	hb := make([]byte, hdrLen+helloLen)
 	putHdr(hb, frHello, helloLen, 0)
 	putHello(hb[hdrLen:], &hello{kind: kindShm, pid: uint32(os.Getpid()), fabric: 7, target: pa.fabric,
-		secret: pa.secret, job: jobIdentity(), host: hostIdentity()})
+		job: jobIdentity(), host: hostIdentity()})
 	if _, err := nc.Write(hb); err != nil {
 		t.Fatal(err)
 	}
-	ab := make([]byte, hdrLen+ackLen)
-	if _, err := io.ReadFull(nc, ab); err != nil {
+	cb := make([]byte, hdrLen+challengeLen)
+	if _, err := io.ReadFull(nc, cb); err != nil {
 		t.Fatal(err)
 	}
-	a, err := parseHelloAck(ab[hdrLen:])
-	if err != nil || a.status != ackBadShm {
-		t.Errorf("ack %+v, %v; want status %d (%s)", a, err, ackBadShm, ackReason(ackBadShm))
+	body, err := handshakeBody(cb, frChallenge)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if err := checkAck(ab, &pa); err == nil {
-		t.Errorf("checkAck accepted a refusal")
+	ch, err := parseChallenge(body)
+	if err != nil || ch.status != ackBadShm {
+		t.Errorf("challenge %+v, %v; want status %d (%s)", ch, err, ackBadShm, ackReason(ackBadShm))
+	}
+	if ch.proof != [hsMACLen]byte{} {
+		t.Errorf("a refusal carries a proof")
 	}
 }
 

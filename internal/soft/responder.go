@@ -56,9 +56,20 @@ func (t *qp) respondLocked(req *request, data []span, resp *response) bool {
 
 // fromPeer reports whether req comes from the QP this connected QP is
 // connected to. A responder sends its ACKs to its own destination, so a
-// stranger's requests never get an answer.
+// stranger's requests never get an answer. A request from another process
+// claims its fabric id: the claim holds only if the connection's peer has
+// proven that it holds the connection secret of the destination's
+// endpoint (peerAuth.proves), so a process that claims another's identity
+// cannot act for its QPs.
 func (t *qp) fromPeer(req *request) bool {
-	return req.srcQPN == t.attr.DestQPN && req.srcFabric == t.destFabric
+	if req.srcQPN != t.attr.DestQPN || req.srcFabric != t.destFabric {
+		return false
+	}
+	if req.srcConn == nil {
+		return true // this process
+	}
+	p, ok := t.route.(*peer)
+	return ok && p != nil && req.srcConn.auth.proves(&p.addr)
 }
 
 func (t *qp) respondRC(req *request, data []span, resp *response) bool {

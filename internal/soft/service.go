@@ -1,12 +1,14 @@
 package soft
 
 import (
-	"crypto/subtle"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -26,20 +28,34 @@ import (
 // goroutine it started, when the last device context of the process
 // closes.
 //
-// Handshake. The dialer sends HELLO: its fabric id, pid, job and host
-// identity, and the target's fabric id and secret taken from the target's
-// provider address (so only a holder of one of the target's endpoints can
-// connect). The acceptor checks them, and on a unix socket also checks with
-// SO_PEERCRED that the peer runs as the same user with the pid it claims;
-// the dialer checks the acceptor's credentials against the address the
-// same way. The acceptor answers HELLO_ACK with a status. Both sides then
-// run the connection (conn.go).
+// Handshake: see handshake.go (who may connect and how identities are
+// proven) and tls.go (encryption off the host). Strangers: at most
+// maxHandshakes connections, and maxHandshakesPerSource of one source
+// address, may be in their handshake at once; past that the oldest is
+// closed. A handshake holds a goroutine and a few hundred bytes (tens of
+// KiB with TLS) for at most handshakeTimeout; nothing else is allocated
+// or parsed for a peer before it has proven that it holds one of this
+// process' endpoints.
+//
+// Accept errors: a temporary one (too many open files, out of buffers, a
+// connection aborted before it was accepted) is logged (log/slog) and
+// retried after a pause that doubles from 5 ms to 1 s, as net/http's
+// Server does; only the listener's Close ends the loop.
 
 const envListen = "GOVERBS_SOFT_LISTEN"
+
+// envAdvertise names the TCP addresses to advertise in endpoints
+// (host or host:port, comma-separated; the port defaults to the
+// listener's), for a listener on an unspecified address behind NAT or
+// with interfaces peers cannot reach.
+const envAdvertise = "GOVERBS_SOFT_ADVERTISE"
 
 const (
 	dialTimeout      = 5 * time.Second
 	handshakeTimeout = 5 * time.Second
+
+	maxHandshakes          = 64
+	maxHandshakesPerSource = 16
 )
 
 type service struct {
@@ -47,10 +63,18 @@ type service struct {
 	secret [16]byte
 	job    [16]byte
 	host   [16]byte
-	addr   []byte // this process' provider address
+	addr   []byte       // this process' provider address
+	tlsID  *tlsIdentity // nil: no TCP listener
 
-	tcpLn  net.Listener
-	unixLn net.Listener
+	tcpLn   net.Listener
+	unixLn  net.Listener
+	stopped chan struct{} // closed by stop
+
+	hsMu     sync.Mutex
+	hs       []*handshaking // connections in their handshake, oldest first
+	hsBySrc  map[string]int // how many per source address (TCP)
+	hsDrops  atomic.Uint64  // handshakes ended early: too many at once
+	acceptEr atomic.Uint64  // temporary accept errors
 
 	mu     sync.Mutex
 	closed bool
@@ -119,8 +143,8 @@ func (f *fabric) address() []byte {
 }
 
 func startService(f *fabric) *service {
-	s := &service{f: f, job: jobIdentity(), host: hostIdentity(),
-		peers: map[peerKey]*peer{}, conns: map[*conn]struct{}{}}
+	s := &service{f: f, job: jobIdentity(), host: hostIdentity(), stopped: make(chan struct{}),
+		hsBySrc: map[string]int{}, peers: map[peerKey]*peer{}, conns: map[*conn]struct{}{}}
 	copy(s.secret[:], randomBytes(16))
 	pa := peerAddr{fabric: f.id, pid: f.pid, host: s.host, hasHost: true, secret: s.secret, hasSecret: true}
 
@@ -134,9 +158,15 @@ func startService(f *fabric) *service {
 		la = "127.0.0.1:0"
 	}
 	if la != "off" && la != "none" {
-		if ln, err := net.Listen("tcp", la); err == nil {
-			s.tcpLn = ln
-			pa.tcp = ln.Addr().String()
+		id, err := newTLSIdentity()
+		if err != nil {
+			slog.Warn("soft: no TCP transport: cannot make a TLS identity", "err", err)
+		} else if ln, err := net.Listen("tcp", la); err != nil {
+			slog.Warn("soft: no TCP transport", "listen", la, "err", err)
+		} else {
+			s.tcpLn, s.tlsID = ln, id
+			pa.tcp = advertisedTCP(ln.Addr().(*net.TCPAddr), os.Getenv(envAdvertise))
+			pa.cert, pa.hasCert = id.fp, true
 		}
 	}
 	s.addr = encodePeerAddr(&pa)
@@ -157,6 +187,7 @@ func (s *service) stop() {
 		conns = append(conns, c)
 	}
 	s.mu.Unlock()
+	close(s.stopped)
 	if s.unixLn != nil {
 		s.unixLn.Close()
 	}
@@ -169,25 +200,119 @@ func (s *service) stop() {
 	s.wg.Wait()
 }
 
+// Pauses after a temporary accept error (see the package comment).
+const (
+	minAcceptPause = 5 * time.Millisecond
+	maxAcceptPause = time.Second
+)
+
 func (s *service) acceptLoop(ln net.Listener) {
 	defer s.wg.Done()
+	var pause time.Duration
 	for {
 		c, err := ln.Accept()
 		if err != nil {
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				continue
+			if errors.Is(err, net.ErrClosed) {
+				return
 			}
-			return
+			// Every other error is taken for a temporary one: a
+			// listener that stops accepting for good would leave
+			// every later peer hanging in the backlog.
+			pause = min(max(2*pause, minAcceptPause), maxAcceptPause)
+			s.acceptEr.Add(1)
+			slog.Warn("soft: accept failed; retrying", "listener", ln.Addr().String(), "err", err, "pause", pause)
+			t := time.NewTimer(pause)
+			select {
+			case <-t.C:
+			case <-s.stopped:
+				t.Stop()
+				return
+			}
+			continue
 		}
+		pause = 0
 		if !s.track() {
 			c.Close()
 			return
 		}
+		h := s.startHandshake(c, sourceKey(c))
 		go func() {
 			defer s.wg.Done()
+			defer s.endHandshake(h)
 			s.serveHandshake(c)
 		}()
+	}
+}
+
+// sourceKey is what the per-source handshake limit counts: the remote IP
+// of a TCP connection ("" for unix sockets, which only the global limit
+// bounds).
+func sourceKey(c net.Conn) string {
+	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+		return a.IP.String()
+	}
+	return ""
+}
+
+// handshaking is a connection in its handshake.
+type handshaking struct {
+	nc  net.Conn
+	src string
+}
+
+// startHandshake counts a connection in its handshake. Over a limit (all
+// of them, or those of its source) the oldest one is closed, which ends
+// its handshake: a stranger that opens connections without finishing
+// their handshakes makes the others wait at most as long as it keeps
+// opening new ones, and holds at most maxHandshakes of them.
+func (s *service) startHandshake(nc net.Conn, src string) *handshaking {
+	h := &handshaking{nc: nc, src: src}
+	s.hsMu.Lock()
+	var drop *handshaking
+	if src != "" && s.hsBySrc[src] >= maxHandshakesPerSource {
+		for _, o := range s.hs {
+			if o.src == src {
+				drop = o
+				break
+			}
+		}
+	} else if len(s.hs) >= maxHandshakes {
+		drop = s.hs[0]
+	}
+	if drop != nil {
+		s.removeHandshakeLocked(drop)
+	}
+	s.hs = append(s.hs, h)
+	if src != "" {
+		s.hsBySrc[src]++
+	}
+	s.hsMu.Unlock()
+	if drop != nil {
+		drop.nc.Close()
+		if n := s.hsDrops.Add(1); n&(n-1) == 0 { // logged at 1, 2, 4, 8, ... drops
+			slog.Warn("soft: too many connections in their handshake; closed the oldest", "source", drop.src, "dropped", n)
+		}
+	}
+	return h
+}
+
+// endHandshake uncounts h (the handshake ended, or h was dropped).
+func (s *service) endHandshake(h *handshaking) {
+	s.hsMu.Lock()
+	s.removeHandshakeLocked(h)
+	s.hsMu.Unlock()
+}
+
+func (s *service) removeHandshakeLocked(h *handshaking) {
+	i := slices.Index(s.hs, h)
+	if i < 0 {
+		return
+	}
+	s.hs = slices.Delete(s.hs, i, i+1)
+	if h.src != "" {
+		if s.hsBySrc[h.src]--; s.hsBySrc[h.src] <= 0 {
+			delete(s.hsBySrc, h.src)
+		}
 	}
 }
 
@@ -252,17 +377,34 @@ func (s *service) removeConn(c *conn) {
 	s.mu.Unlock()
 }
 
-// serveHandshake runs the acceptor side of a handshake on a new connection.
+// serveHandshake runs the acceptor side of a handshake on a new
+// connection (handshake.go).
 func (s *service) serveHandshake(nc net.Conn) {
-	nc.SetDeadline(time.Now().Add(handshakeTimeout))
+	deadline := time.Now().Add(handshakeTimeout)
+	nc.SetDeadline(deadline)
 	var buf [hdrLen + helloLen]byte
 	uc, isUnix := nc.(*net.UnixConn)
+	var rw io.ReadWriter = nc
+	var tc *tls.Conn
+	var binding []byte
 	var fds []int
 	var err error
 	if isUnix {
 		fds, err = readMsgFDs(uc, buf[:], shmFDs)
-	} else {
-		_, err = io.ReadFull(nc, buf[:])
+	} else if _, err = io.ReadFull(nc, buf[:1]); err == nil {
+		// TCP: a TLS ClientHello (a handshake record) or a plain HELLO.
+		if buf[0] == tlsRecordHandshake && s.tlsID != nil {
+			tc = tls.Server(&prefixConn{Conn: nc, pre: buf[:1:1]}, s.tlsID.serverConfig())
+			rw = tc
+			if err = tlsHandshake(tc, time.Until(deadline)); err == nil {
+				binding, err = tlsBinding(tc)
+			}
+			if err == nil {
+				_, err = io.ReadFull(tc, buf[:])
+			}
+		} else {
+			_, err = io.ReadFull(nc, buf[1:])
+		}
 	}
 	defer func() { fdpass.Close(fds) }()
 	if err != nil {
@@ -274,35 +416,67 @@ func (s *service) serveHandshake(nc net.Conn) {
 		nc.Close()
 		return
 	}
-	ack := helloAck{status: ackOK, pid: s.f.pid, fabric: s.f.id}
+	ch := challenge{status: ackOK, pid: s.f.pid, fabric: s.f.id}
+	policy, perr := tlsPolicy()
 	switch {
 	case hl.target != s.f.id:
-		ack.status = ackBadTarget
-	case subtle.ConstantTimeCompare(hl.secret[:], s.secret[:]) != 1:
-		ack.status = ackBadSecret
+		ch.status = ackBadTarget
 	case hl.job != s.job:
-		ack.status = ackBadJob
+		ch.status = ackBadJob
 	case isUnix != (hl.kind == kindUnix || hl.kind == kindShm):
-		ack.status = ackBadPeer
+		ch.status = ackBadPeer
 	case isUnix && checkPeerCred(uc, hl.pid) != nil:
-		ack.status = ackBadPeer
+		ch.status = ackBadPeer
 	case hl.kind == kindShm && checkShmFDs(fds) != nil,
 		hl.kind != kindShm && len(fds) > 0:
-		ack.status = ackBadShm
+		ch.status = ackBadShm
+	case !isUnix && tc == nil && (perr != nil || needTLS(policy, nc.RemoteAddr())):
+		ch.status = ackNeedTLS
+	}
+	var t [32]byte
+	if ch.status == ackOK {
+		copy(ch.nonce[:], randomBytes(hsNonceLen))
+		t = transcript(buf[hdrLen:], ch.pid, ch.fabric, &ch.nonce, binding)
+		ch.proof = handshakeMAC(&s.secret, labelAcceptor, &t)
+	}
+	var out [hdrLen + challengeLen]byte
+	putHdr(out[:], frChallenge, challengeLen, 0)
+	putChallenge(out[hdrLen:], &ch)
+	if _, err := rw.Write(out[:]); err != nil || ch.status != ackOK {
+		nc.Close()
+		return
+	}
+	var ab [hdrLen + authLen]byte
+	if _, err := io.ReadFull(rw, ab[:]); err != nil {
+		nc.Close()
+		return
+	}
+	body, err := handshakeBody(ab[:], frAuth)
+	var a auth
+	if err == nil {
+		a, err = parseAuth(body)
+	}
+	if err != nil {
+		nc.Close()
+		return
+	}
+	status := uint8(ackOK)
+	if want := handshakeMAC(&s.secret, labelDialer, &t); !macEqual(&want, &a.proof) {
+		status = ackBadSecret
 	}
 	var shm *shmLink
-	if ack.status == ackOK && hl.kind == kindShm {
+	if status == ackOK && hl.kind == kindShm {
 		if shm, err = newShmLink(fds[0], fds[1], fds[2], false); err != nil {
-			ack.status = ackBadShm
+			status = ackBadShm
 		} else {
 			unix.Close(fds[0])
 			fds = nil // fds[1] and fds[2] belong to shm now
 		}
 	}
-	var out [hdrLen + ackLen]byte
-	putHdr(out[:], frHelloAck, ackLen, 0)
-	putHelloAck(out[hdrLen:], &ack)
-	if _, err := nc.Write(out[:]); err != nil || ack.status != ackOK {
+	var aa [hdrLen + authAckLen]byte
+	putHdr(aa[:], frAuthAck, authAckLen, 0)
+	putAuthAck(aa[hdrLen:], status)
+	if _, err := rw.Write(aa[:]); err != nil || status != ackOK {
 		nc.Close()
 		if shm != nil {
 			shm.close()
@@ -311,9 +485,19 @@ func (s *service) serveHandshake(nc net.Conn) {
 		return
 	}
 	nc.SetDeadline(time.Time{})
-	c := newConn(s, hl.kind, hl.fabric, hl.pid, nc, shm)
+	cnc, link, err := s.dataSocket(nc, tc)
+	if err != nil {
+		nc.Close()
+		return
+	}
+	c := newConn(s, hl.kind, hl.fabric, hl.pid, cnc, shm)
+	c.link = link
+	c.auth.ident, c.auth.t = a.ident, t
 	if !s.addConn(c) {
 		c.nc.Close()
+		if link != nil {
+			link.Close()
+		}
 		if shm != nil {
 			shm.close()
 			shm.unmap()
@@ -321,16 +505,21 @@ func (s *service) serveHandshake(nc net.Conn) {
 	}
 }
 
-// decodeHello checks a HELLO frame (header and body).
-func decodeHello(b []byte) (hello, error) {
-	h, err := parseHdr(b)
-	if err == nil && h.typ != frHello {
-		err = fmt.Errorf("%w: frame type %d", errBadHello, h.typ)
+// tlsRecordHandshake is the first byte of a TLS ClientHello.
+const tlsRecordHandshake = 0x16
+
+// dataSocket returns the socket a connection runs on once its handshake
+// is done: nc itself, or with TLS the inner end of a pipe (tls.go), whose
+// closer the connection closes when it fails.
+func (s *service) dataSocket(nc net.Conn, tc *tls.Conn) (net.Conn, io.Closer, error) {
+	if tc == nil {
+		return nc, nil, nil
 	}
+	inner, pipe, err := s.newTLSPipe(tc)
 	if err != nil {
-		return hello{}, err
+		return nil, nil, err
 	}
-	return parseHello(b[hdrLen:])
+	return inner, pipe, nil
 }
 
 // --- peers ---
@@ -355,7 +544,7 @@ func (s *service) peerFor(pa *peerAddr, kind string) *peer {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	p := s.peers[k]
-	if p == nil || p.addr.secret != pa.secret || p.addr.unix != pa.unix || p.addr.tcp != pa.tcp {
+	if p == nil || p.addr != *pa {
 		p = &peer{s: s, key: k, addr: *pa}
 		s.peers[k] = p
 	}
@@ -381,6 +570,11 @@ func (p *peer) conn() *conn {
 	}
 	c, err := p.s.dial(&p.addr, p.key.kind)
 	if err != nil {
+		if p.lastErr == nil || p.lastErr.Error() != err.Error() {
+			// Requests to the peer fail with RETRY_EXC_ERR, which
+			// cannot say why: the log does, once per new reason.
+			slog.Warn("soft: cannot connect to a peer process", "pid", p.addr.pid, "err", err)
+		}
 		p.lastErr, p.lastFail = err, time.Now()
 		return nil
 	}
@@ -419,7 +613,7 @@ func (s *service) dial(pa *peerAddr, kind string) (*conn, error) {
 		if kind == transportUnix {
 			k = kindUnix
 		}
-		c, err := s.dialKind(pa, k)
+		c, err := s.dialKind(pa, k, pa.unix)
 		if err == nil {
 			return c, nil
 		}
@@ -431,23 +625,46 @@ func (s *service) dial(pa *peerAddr, kind string) (*conn, error) {
 	if kind == transportShm || kind == transportUnix {
 		return nil, fmt.Errorf("soft: process %d offers no unix socket transport", pa.pid)
 	}
-	if pa.tcp == "" {
-		errs = append(errs, fmt.Errorf("soft: process %d offers no TCP transport", pa.pid))
+	cands := tcpCandidates(pa.tcp, sameHost)
+	if len(cands) == 0 {
+		errs = append(errs, fmt.Errorf("soft: process %d offers no TCP transport this host can use", pa.pid))
 		return nil, errors.Join(errs...)
 	}
-	c, err := s.dialKind(pa, kindTCP)
-	if err != nil {
+	for _, addr := range cands {
+		c, err := s.dialKind(pa, kindTCP, addr)
+		if err == nil {
+			return c, nil
+		}
 		errs = append(errs, err)
-		return nil, errors.Join(errs...)
+		var re *refusedError
+		if errors.As(err, &re) && re.status != ackBadTarget {
+			break // the process answered: another address reaches the same one
+		}
 	}
-	return c, nil
+	return nil, errors.Join(errs...)
 }
 
-func (s *service) dialKind(pa *peerAddr, kind uint8) (*conn, error) {
+// refusedError: the peer process answered the handshake and refused.
+type refusedError struct {
+	pid    uint32
+	status uint8
+}
+
+func (e *refusedError) Error() string {
+	return fmt.Sprintf("soft: process %d refused the connection: %s", e.pid, ackReason(e.status))
+}
+
+// dialKind connects to the process at pa over one link kind, at address
+// (a unix socket name or a TCP host:port), and runs the dialer's side of
+// the handshake (handshake.go).
+func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, error) {
+	if !pa.hasSecret {
+		return nil, fmt.Errorf("soft: connect to process %d: its endpoint carries no connection secret", pa.pid)
+	}
 	d := net.Dialer{Timeout: dialTimeout}
-	network, address := "tcp", pa.tcp
+	network := "tcp"
 	if kind != kindTCP {
-		network, address = "unix", pa.unix
+		network = "unix"
 	}
 	nc, err := d.Dial(network, address)
 	if err != nil {
@@ -457,6 +674,33 @@ func (s *service) dialKind(pa *peerAddr, kind uint8) (*conn, error) {
 		if err := checkPeerCred(nc.(*net.UnixConn), pa.pid); err != nil {
 			nc.Close()
 			return nil, fmt.Errorf("soft: connect to process %d: %w", pa.pid, err)
+		}
+	}
+	deadline := time.Now().Add(handshakeTimeout)
+	nc.SetDeadline(deadline)
+	var rw io.ReadWriter = nc
+	var tc *tls.Conn
+	var binding []byte
+	if kind == kindTCP {
+		policy, err := tlsPolicy()
+		if err != nil {
+			nc.Close()
+			return nil, err
+		}
+		if needTLS(policy, nc.RemoteAddr()) {
+			if !pa.hasCert {
+				nc.Close()
+				return nil, fmt.Errorf("soft: connect to process %d at %s: the connection must be encrypted (%s=%s) and its endpoint carries no certificate fingerprint", pa.pid, address, envTLS, policy)
+			}
+			tc = tls.Client(nc, clientTLSConfig(pa.cert))
+			rw = tc
+			if err = tlsHandshake(tc, time.Until(deadline)); err == nil {
+				binding, err = tlsBinding(tc)
+			}
+			if err != nil {
+				nc.Close()
+				return nil, fmt.Errorf("soft: connect to process %d at %s: TLS: %w", pa.pid, address, err)
+			}
 		}
 	}
 	var shm *shmLink
@@ -481,53 +725,84 @@ func (s *service) dialKind(pa *peerAddr, kind uint8) (*conn, error) {
 		}
 		return nil, err
 	}
-	nc.SetDeadline(time.Now().Add(handshakeTimeout))
+	hsErr := func(err error) (*conn, error) {
+		return fail(fmt.Errorf("soft: connect to process %d: handshake: %w", pa.pid, err))
+	}
+
 	b := make([]byte, hdrLen+helloLen)
 	putHdr(b, frHello, helloLen, 0)
-	putHello(b[hdrLen:], &hello{kind: kind, pid: s.f.pid, fabric: s.f.id, target: pa.fabric,
-		secret: pa.secret, job: s.job, host: s.host})
+	hl := hello{kind: kind, pid: s.f.pid, fabric: s.f.id, target: pa.fabric, job: s.job, host: s.host}
+	copy(hl.nonce[:], randomBytes(hsNonceLen))
+	putHello(b[hdrLen:], &hl)
 	if kind == kindShm {
 		_, _, err = nc.(*net.UnixConn).WriteMsgUnix(b, unix.UnixRights(fds[:]...), nil)
 	} else {
-		_, err = nc.Write(b)
+		_, err = rw.Write(b)
 	}
 	if err != nil {
-		return fail(fmt.Errorf("soft: connect to process %d: %w", pa.pid, err))
+		return hsErr(err)
 	}
-	var ab [hdrLen + ackLen]byte
-	if _, err := io.ReadFull(nc, ab[:]); err != nil {
-		return fail(fmt.Errorf("soft: connect to process %d: handshake: %w", pa.pid, err))
+	var cb [hdrLen + challengeLen]byte
+	if _, err := io.ReadFull(rw, cb[:]); err != nil {
+		return hsErr(err)
 	}
-	if err := checkAck(ab[:], pa); err != nil {
-		return fail(err)
+	body, err := handshakeBody(cb[:], frChallenge)
+	var ch challenge
+	if err == nil {
+		ch, err = parseChallenge(body)
+	}
+	if err != nil {
+		return hsErr(err)
+	}
+	if ch.status != ackOK {
+		return fail(&refusedError{pa.pid, ch.status})
+	}
+	if ch.fabric != pa.fabric {
+		return hsErr(errors.New("it is another soft fabric"))
+	}
+	t := transcript(b[hdrLen:], ch.pid, ch.fabric, &ch.nonce, binding)
+	if want := handshakeMAC(&pa.secret, labelAcceptor, &t); !macEqual(&want, &ch.proof) {
+		return hsErr(errors.New("the process that answered does not hold the endpoint's connection secret"))
+	}
+	var a auth
+	a.proof = handshakeMAC(&pa.secret, labelDialer, &t)
+	a.ident = handshakeMAC(&s.secret, labelIdentity, &t)
+	ab := make([]byte, hdrLen+authLen)
+	putHdr(ab, frAuth, authLen, 0)
+	putAuth(ab[hdrLen:], &a)
+	if _, err := rw.Write(ab); err != nil {
+		return hsErr(err)
+	}
+	var aa [hdrLen + authAckLen]byte
+	if _, err := io.ReadFull(rw, aa[:]); err != nil {
+		return hsErr(err)
+	}
+	body, err = handshakeBody(aa[:], frAuthAck)
+	var status uint8
+	if err == nil {
+		status, err = parseAuthAck(body)
+	}
+	if err != nil {
+		return hsErr(err)
+	}
+	if status != ackOK {
+		return fail(&refusedError{pa.pid, status})
 	}
 	nc.SetDeadline(time.Time{})
-	c := newConn(s, kind, pa.fabric, pa.pid, nc, shm)
+	cnc, link, err := s.dataSocket(nc, tc)
+	if err != nil {
+		return fail(err)
+	}
+	c := newConn(s, kind, pa.fabric, pa.pid, cnc, shm)
+	c.link = link
+	secret := pa.secret
+	c.auth.proven.Store(&secret)
 	if !s.addConn(c) {
+		if link != nil {
+			link.Close()
+		}
 		nc = c.nc // newConn may have moved the socket
 		return fail(errors.New("soft: the service of this process is stopping"))
 	}
 	return c, nil
-}
-
-// checkAck checks a HELLO_ACK frame from the process at pa.
-func checkAck(b []byte, pa *peerAddr) error {
-	h, err := parseHdr(b)
-	if err == nil && h.typ != frHelloAck {
-		err = fmt.Errorf("%w: frame type %d", errBadHello, h.typ)
-	}
-	var a helloAck
-	if err == nil {
-		a, err = parseHelloAck(b[hdrLen:])
-	}
-	if err != nil {
-		return fmt.Errorf("soft: handshake with process %d: %w", pa.pid, err)
-	}
-	if a.status != ackOK {
-		return fmt.Errorf("soft: process %d refused the connection: %s", pa.pid, ackReason(a.status))
-	}
-	if a.fabric != pa.fabric {
-		return fmt.Errorf("soft: handshake with process %d: it is another soft fabric", pa.pid)
-	}
-	return nil
 }

@@ -55,6 +55,7 @@ type request struct {
 	srcQPN    uint32
 	dstQPN    uint32
 	srcFabric uint64 // the requester's fabric id
+	srcConn   *conn  // the connection it came on (nil: from this process)
 	psn       uint32 // first PSN of the message (RC)
 	npkts     uint32 // packets (PSNs) the message uses
 	mtu       uint32 // requester's path MTU in bytes

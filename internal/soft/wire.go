@@ -16,7 +16,7 @@ import (
 // All integers are little endian.
 //
 //	header  [0:2]  magic 0x4756 ("VG")
-//	        [2]    version (1)
+//	        [2]    version (2)
 //	        [3]    type
 //	        [4:8]  length of body and payload
 //	        [8:16] id: request sequence number (REQ, RESP)
@@ -27,25 +27,25 @@ import (
 
 const (
 	wireMagic   = 0x4756
-	wireVersion = 1
+	wireVersion = 2 // 2: the handshake of handshake.go
 	hdrLen      = 16
 )
 
 type frameType uint8
 
 const (
-	frHello    frameType = 1 // client → server: handshake (body helloLen)
-	frHelloAck frameType = 2 // server → client: handshake reply (body ackLen)
-	frReq      frameType = 3 // request: body reqBodyLen, then the payload of sends and writes
-	frResp     frameType = 4 // response: body respBodyLen, then the data of reads
-	frWake     frameType = 5 // a waiting requester may retry (body wakeLen)
-	frMap      frameType = 6 // shm: ask for the memory of an rkey (body mapLen)
-	frMapAck   frameType = 7 // shm, over the socket: the answer, with the memfd (body mapAckLen)
+	frHello     frameType = 1 // dialer → acceptor: handshake (body helloLen; handshake.go)
+	frChallenge frameType = 2 // acceptor → dialer: handshake (body challengeLen)
+	frReq       frameType = 3 // request: body reqBodyLen, then the payload of sends and writes
+	frResp      frameType = 4 // response: body respBodyLen, then the data of reads
+	frWake      frameType = 5 // a waiting requester may retry (body wakeLen)
+	frMap       frameType = 6 // shm: ask for the memory of an rkey (body mapLen)
+	frMapAck    frameType = 7 // shm, over the socket: the answer, with the memfd (body mapAckLen)
+	frAuth      frameType = 8 // dialer → acceptor: handshake (body authLen)
+	frAuthAck   frameType = 9 // acceptor → dialer: handshake (body authAckLen)
 )
 
 const (
-	helloLen    = 72
-	ackLen      = 16
 	reqBodyLen  = 104
 	respBodyLen = 16
 	wakeLen     = 8
@@ -97,8 +97,12 @@ func parseHdr(b []byte) (frameHdr, error) {
 	switch h.typ {
 	case frHello:
 		ok = h.length == helloLen
-	case frHelloAck:
-		ok = h.length == ackLen
+	case frChallenge:
+		ok = h.length == challengeLen
+	case frAuth:
+		ok = h.length == authLen
+	case frAuthAck:
+		ok = h.length == authAckLen
 	case frReq:
 		ok = h.length >= reqBodyLen && h.length-reqBodyLen <= maxPayload
 	case frResp:
@@ -252,108 +256,6 @@ func parseResp(b []byte, r *response) (qpn uint32, err error) {
 		return 0, fmt.Errorf("%w: code %d, RNR timer %d, QPN %#x", errBadResp, r.code, r.rnrTimer, qpn)
 	}
 	return qpn, nil
-}
-
-// --- HELLO, HELLO_ACK ---
-
-// Link kinds in HELLO.
-const (
-	kindTCP  = 1
-	kindUnix = 2
-	kindShm  = 3 // unix socket for the handshake, rings in shared memory
-)
-
-type hello struct {
-	kind   uint8
-	pid    uint32
-	fabric uint64   // the client's fabric id
-	target uint64   // the server's fabric id, from its address
-	secret [16]byte // the server's secret, from its address
-	job    [16]byte
-	host   [16]byte
-}
-
-func putHello(b []byte, h *hello) {
-	b[0] = h.kind
-	b[1], b[2], b[3] = 0, 0, 0
-	binary.LittleEndian.PutUint32(b[4:], h.pid)
-	binary.LittleEndian.PutUint64(b[8:], h.fabric)
-	binary.LittleEndian.PutUint64(b[16:], h.target)
-	copy(b[24:40], h.secret[:])
-	copy(b[40:56], h.job[:])
-	copy(b[56:72], h.host[:])
-}
-
-var errBadHello = errors.New("malformed hello")
-
-func parseHello(b []byte) (hello, error) {
-	var h hello
-	if len(b) < helloLen {
-		return h, errBadHello
-	}
-	h.kind = b[0]
-	h.pid = binary.LittleEndian.Uint32(b[4:])
-	h.fabric = binary.LittleEndian.Uint64(b[8:])
-	h.target = binary.LittleEndian.Uint64(b[16:])
-	copy(h.secret[:], b[24:40])
-	copy(h.job[:], b[40:56])
-	copy(h.host[:], b[56:72])
-	if h.kind != kindTCP && h.kind != kindUnix && h.kind != kindShm {
-		return h, fmt.Errorf("%w: link kind %d", errBadHello, h.kind)
-	}
-	return h, nil
-}
-
-// Handshake results in HELLO_ACK.
-const (
-	ackOK        = 0
-	ackBadTarget = 1 // the client named another fabric
-	ackBadSecret = 2
-	ackBadJob    = 3
-	ackBadPeer   = 4 // credentials do not match (unix socket)
-	ackClosing   = 5 // the service is stopping
-	ackBadShm    = 6 // the shared memory descriptors are unusable
-)
-
-var ackReasons = [...]string{
-	ackOK:        "ok",
-	ackBadTarget: "the address names another process (stale endpoint?)",
-	ackBadSecret: "wrong secret (the endpoint did not come from this process)",
-	ackBadJob:    "the processes belong to different jobs (GOVERBS_SOFT_JOB)",
-	ackBadPeer:   "the peer's credentials do not match its hello",
-	ackClosing:   "the service is stopping",
-	ackBadShm:    "the shared memory segment or eventfds sent are unusable",
-}
-
-func ackReason(s uint8) string {
-	if int(s) < len(ackReasons) {
-		return ackReasons[s]
-	}
-	return fmt.Sprintf("status %d", s)
-}
-
-type helloAck struct {
-	status uint8
-	pid    uint32
-	fabric uint64
-}
-
-func putHelloAck(b []byte, a *helloAck) {
-	b[0] = a.status
-	b[1], b[2], b[3] = 0, 0, 0
-	binary.LittleEndian.PutUint32(b[4:], a.pid)
-	binary.LittleEndian.PutUint64(b[8:], a.fabric)
-}
-
-func parseHelloAck(b []byte) (helloAck, error) {
-	var a helloAck
-	if len(b) < ackLen {
-		return a, errBadHello
-	}
-	a.status = b[0]
-	a.pid = binary.LittleEndian.Uint32(b[4:])
-	a.fabric = binary.LittleEndian.Uint64(b[8:])
-	return a, nil
 }
 
 // --- MAP, MAP_ACK (shared memory) ---

@@ -183,7 +183,7 @@ func (q *qp) pickConn(p *peer) *conn {
 	if c := x.userOf; x.nfl > 0 && c != nil && !c.dead.Load() {
 		return c
 	}
-	if c := x.rev.Load(); c != nil && !c.dead.Load() && c.peerFab == p.key.fabric && kindAllowed(p.key.kind, c.kind) {
+	if c := x.rev.Load(); c != nil && !c.dead.Load() && c.peerFab == p.key.fabric && kindAllowed(p.key.kind, c.kind) && c.auth.proves(&p.addr) {
 		return c
 	}
 	return p.current()
