@@ -2,6 +2,7 @@ package soft
 
 import (
 	"context"
+	"os"
 	"testing"
 	"time"
 	"unsafe"
@@ -13,6 +14,11 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	if mode := os.Getenv(envTestChild); mode != "" {
+		// The test binary re-executed as a child process of a test
+		// (child_test.go).
+		os.Exit(runChild(mode))
+	}
 	goleak.VerifyTestMain(m)
 }
 

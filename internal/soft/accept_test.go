@@ -1,0 +1,148 @@
+package soft
+
+import (
+	"encoding/hex"
+	"io"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// TestAcceptAfterEMFILE: a soft0 process runs out of file descriptors
+// (its RLIMIT_NOFILE is lowered with prlimit while strangers connect),
+// so its listener's accept fails with EMFILE. Once descriptors are free
+// again, new connections must be accepted and answered: the listener
+// retries with a pause and logs it (before, one accept error ended the
+// accept loop for good, and every later peer hung in the backlog).
+func TestAcceptAfterEMFILE(t *testing.T) {
+	c := startChild(t, "listener", envTLS+"=off")
+	pa, err := parseChildAddr(c.line(t, "addr"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := c.cmd.Process.Pid
+	open := countFDs(t, pid)
+	// Only the soft limit moves, so that it can be raised again.
+	var old unix.Rlimit
+	if err := unix.Prlimit(pid, unix.RLIMIT_NOFILE, nil, &old); err != nil {
+		t.Fatal(err)
+	}
+	lim := unix.Rlimit{Cur: uint64(open + 2), Max: old.Max}
+	if err := unix.Prlimit(pid, unix.RLIMIT_NOFILE, &lim, nil); err != nil {
+		t.Fatalf("prlimit on the child: %v", err)
+	}
+	// Strangers that say nothing: the first ones take the child's last
+	// descriptors, the next ones make its accept fail.
+	var strangers []net.Conn
+	for range 8 {
+		nc, err := net.Dial("tcp", pa.tcp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		strangers = append(strangers, nc)
+	}
+	deadline := time.Now().Add(hangGuard)
+	for !strings.Contains(c.stderr.String(), "accept failed") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the child's accept did not fail (stderr: %s)", c.stderr.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// Free the descriptors: the strangers leave, the limit is restored.
+	for _, nc := range strangers {
+		nc.Close()
+	}
+	if err := unix.Prlimit(pid, unix.RLIMIT_NOFILE, &old, nil); err != nil {
+		t.Fatal(err)
+	}
+	// A new peer is answered (its hello names another process: the
+	// refusal proves that the listener runs and handshakes).
+	nc, err := net.Dial("tcp", pa.tcp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	nc.SetDeadline(time.Now().Add(hangGuard))
+	wrong := pa
+	wrong.fabric ^= 1
+	rp := &rawPeer{fabric: 3, pid: 1}
+	if r := rawHandshake(t, nc, rp, &wrong, pa.secret, nil); r.status != ackBadTarget {
+		t.Fatalf("status %d (%s), want %s", r.status, ackReason(r.status), ackReason(ackBadTarget))
+	}
+	c.stop(t)
+}
+
+func parseChildAddr(s string) (peerAddr, error) {
+	b, err := hex.DecodeString(s)
+	if err != nil {
+		return peerAddr{}, err
+	}
+	return parseAddr(b)
+}
+
+// countFDs returns the number of open descriptors of process pid.
+func countFDs(t *testing.T, pid int) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/" + strconv.Itoa(pid) + "/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// TestHandshakeFlood: strangers open many TCP connections and say
+// nothing. The service keeps at most maxHandshakesPerSource of one source
+// address (the oldest are closed), and a real peer still connects while
+// they hang on. (Before, every one was held for the handshake timeout.)
+func TestHandshakeFlood(t *testing.T) {
+	forceTransport(t, "tcp")
+	forceTLS(t, tlsOff)
+	e, a, _ := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	s := e.ctx.(*devContext).f.service()
+	pa, err := parseAddr(s.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 100
+	strangers := make([]net.Conn, n)
+	for i := range strangers {
+		nc, err := net.Dial("tcp", pa.tcp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer nc.Close()
+		strangers[i] = nc
+	}
+	// All but the last maxHandshakesPerSource see the end of the stream.
+	for i, nc := range strangers[:n-maxHandshakesPerSource] {
+		nc.SetReadDeadline(time.Now().Add(hangGuard))
+		if _, err := io.ReadFull(nc, make([]byte, 1)); err != io.EOF {
+			t.Fatalf("stranger %d: %v, want the end of the stream", i, err)
+		}
+	}
+	s.hsMu.Lock()
+	held := len(s.hs)
+	s.hsMu.Unlock()
+	if held > maxHandshakesPerSource {
+		t.Fatalf("%d connections in their handshake, want at most %d", held, maxHandshakesPerSource)
+	}
+	// A real peer connects meanwhile.
+	src := e.alloc(64, allAccess)
+	dst := e.alloc(64, allAccess)
+	copy(src.b, "through the flood")
+	wr := []prov.SendWR{{Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled, RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}
+	postSend(t, a.qp, wr, []prov.SGE{src.sge(0, 17)})
+	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+		t.Fatalf("write during the flood: %+v", c)
+	}
+	if string(dst.b[:17]) != "through the flood" {
+		t.Fatalf("the write did not arrive")
+	}
+}
