@@ -90,6 +90,7 @@ type PeerResp struct {
 	Data   []byte             `json:"data,omitempty"`
 	State  string             `json:"state,omitempty"`
 	PID    int                `json:"pid,omitempty"`
+	Links  []soft.LinkInfo    `json:"links,omitempty"`
 }
 
 // peerSide is one side held by a peer.
@@ -147,7 +148,9 @@ func ServePeer(r io.Reader, w io.Writer) error {
 		}
 		var resp PeerResp
 		var err error
-		if req.Op == "new" {
+		if req.Op == "links" {
+			resp.Links = soft.Links()
+		} else if req.Op == "new" {
 			var s *peerSide
 			s, resp, err = newPeerSide(&req)
 			if err == nil {

@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"fmt"
 	"os"
+	"net"
 	"os/exec"
 	"strings"
 	"testing"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/soft"
 )
 
 // hostPair is two network namespaces joined by a veth pair: two hosts, as
@@ -72,12 +74,16 @@ func newHostPair(t *testing.T) *hostPair {
 	return h
 }
 
-// peer starts a peer process on host i, listening on its address, with the
-// transport choice tr ("" for automatic).
-func (h *hostPair) peer(t *testing.T, i int, tr string) *Peer {
+// peerListen starts a peer process on host i, listening on listen (""
+// for the host's address), with the transport choice tr ("" for
+// automatic).
+func (h *hostPair) peerListen(t *testing.T, i int, tr, listen string) *Peer {
 	t.Helper()
+	if listen == "" {
+		listen = h.addr[i]
+	}
 	return startPeer(t, []string{"ip", "netns", "exec", h.ns[i]},
-		"GOVERBS_SOFT_TRANSPORT="+tr, "GOVERBS_SOFT_LISTEN="+h.addr[i]+":0")
+		"GOVERBS_SOFT_TRANSPORT="+tr, "GOVERBS_SOFT_LISTEN="+net.JoinHostPort(listen, "0"))
 }
 
 // TestCrossProcessHosts runs RC traffic between two peer processes on two
@@ -86,15 +92,25 @@ func (h *hostPair) peer(t *testing.T, i int, tr string) *Peer {
 // reads, atomics, then the loss of one host's process mid-transfer. With
 // the automatic choice, the unix socket of the other host is not reachable
 // and soft0 falls back to TCP.
+//
+// Between hosts, soft0's TCP connections are encrypted by default (TLS
+// with the certificate pinned by the endpoint): the links of both peers
+// say so. A peer listening on every interface (0.0.0.0) advertises its
+// interface address, not the unspecified one, which the other host would
+// take for itself.
 func TestCrossProcessHosts(t *testing.T) {
 	h := newHostPair(t)
-	for _, tr := range []string{"tcp", "auto"} {
-		t.Run(tr, func(t *testing.T) {
-			env := tr
-			if tr == "auto" {
+	for _, tc := range []struct{ tr, listen string }{{"tcp", ""}, {"auto", ""}, {"tcp", "0.0.0.0"}} {
+		name := tc.tr
+		if tc.listen != "" {
+			name += "-listen-" + tc.listen
+		}
+		t.Run(name, func(t *testing.T) {
+			env := tc.tr
+			if tc.tr == "auto" {
 				env = ""
 			}
-			a, b := h.peer(t, 0, env), h.peer(t, 1, env)
+			a, b := h.peerListen(t, 0, env, tc.listen), h.peerListen(t, 1, env, tc.listen)
 			netns := func(p *Peer) string {
 				t.Helper()
 				l, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", p.Do(PeerReq{Op: "pid"}).PID))
@@ -111,6 +127,15 @@ func TestCrossProcessHosts(t *testing.T) {
 			access := verbs.AccessLocalWrite | verbs.AccessRemoteWrite | verbs.AccessRemoteRead | verbs.AccessRemoteAtomic
 			sa := a.Do(PeerReq{Op: "new", Type: "rc", Size: size, Access: access})
 			sb := b.Do(PeerReq{Op: "new", Type: "rc", Size: size, Access: access})
+			for i, ep := range []*verbs.Endpoint{sa.EP, sb.EP} {
+				tcp, err := soft.AddrTCP(ep.Addr)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !strings.Contains(tcp, h.addr[i]+":") || strings.Contains(tcp, "0.0.0.0") || strings.Contains(tcp, "[::]") {
+					t.Fatalf("host %d advertises TCP %q, want its address %s", i, tcp, h.addr[i])
+				}
+			}
 			a.Do(PeerReq{Op: "connect", ID: sa.ID, EP: sb.EP})
 			b.Do(PeerReq{Op: "connect", ID: sb.ID, EP: sa.EP})
 			poll := func(p *Peer, id, n int) []verbs.Completion {
@@ -140,6 +165,17 @@ func TestCrossProcessHosts(t *testing.T) {
 			poll(a, sa.ID, 1)
 			if got := b.Do(PeerReq{Op: "read", ID: sb.ID, Len: len(msg)}).Data; !bytes.Equal(got, msg) {
 				t.Fatal("the received message differs from the one sent")
+			}
+			for i, p := range []*Peer{a, b} {
+				links := p.Do(PeerReq{Op: "links"}).Links
+				if len(links) == 0 {
+					t.Fatalf("host %d has no soft0 connection", i)
+				}
+				for _, l := range links {
+					if l.Kind != "tcp" || !l.Encrypted {
+						t.Errorf("host %d: link %+v between hosts, want encrypted TCP", i, l)
+					}
+				}
 			}
 
 			// A 2 MiB write from A into the second half of B's region, read

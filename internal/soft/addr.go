@@ -54,7 +54,7 @@ const (
 	tlvCert   = 5
 
 	maxTLVString = 255
-	maxTCPList   = 1024
+	maxTCPList   = 512 // the whole address must fit an Endpoint (1024 bytes)
 )
 
 // peerAddr is a decoded provider address.
@@ -285,4 +285,14 @@ func AddrPID(b []byte) (int, error) {
 		return 0, err
 	}
 	return int(a.pid), nil
+}
+
+// AddrTCP returns the TCP addresses (comma-separated) that the provider
+// address b advertises, for tests.
+func AddrTCP(b []byte) (string, error) {
+	a, err := parseAddr(b)
+	if err != nil {
+		return "", err
+	}
+	return a.tcp, nil
 }

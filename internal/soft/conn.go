@@ -59,6 +59,7 @@ type conn struct {
 	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
 	shm     *shmLink   // the rings (nil: frames go over nc)
 	link    io.Closer  // closed with nc: the TLS pipe nc is the inner end of (tls.go), or nil
+	remote  net.Addr   // the peer's socket address (for Links)
 	auth    peerAuth   // what the peer proved of its identity (handshake.go)
 	loops   sync.WaitGroup
 

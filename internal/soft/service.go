@@ -491,7 +491,7 @@ func (s *service) serveHandshake(nc net.Conn) {
 		return
 	}
 	c := newConn(s, hl.kind, hl.fabric, hl.pid, cnc, shm)
-	c.link = link
+	c.link, c.remote = link, nc.RemoteAddr()
 	c.auth.ident, c.auth.t = a.ident, t
 	if !s.addConn(c) {
 		c.nc.Close()
@@ -794,7 +794,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 		return fail(err)
 	}
 	c := newConn(s, kind, pa.fabric, pa.pid, cnc, shm)
-	c.link = link
+	c.link, c.remote = link, nc.RemoteAddr()
 	secret := pa.secret
 	c.auth.proven.Store(&secret)
 	if !s.addConn(c) {
@@ -806,3 +806,37 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	}
 	return c, nil
 }
+
+// LinkInfo describes one live connection of the soft service to another
+// process (or, with a forced transport, to this one), for tests and
+// diagnostics.
+type LinkInfo struct {
+	Kind      string `json:"kind"`      // "tcp", "unix" or "shm"
+	Encrypted bool   `json:"encrypted"` // TLS (tls.go)
+	PeerPID   uint32 `json:"peer_pid"`  // the process id the peer claimed
+	Remote    string `json:"remote"`    // the peer's socket address, if any
+}
+
+// Links returns the live connections of this process' soft service.
+func Links() []LinkInfo {
+	s := getFabric().svc.Load()
+	if s == nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []LinkInfo
+	for c := range s.conns {
+		if c.dead.Load() {
+			continue
+		}
+		li := LinkInfo{Kind: kindNames[c.kind], Encrypted: c.link != nil, PeerPID: c.peerPID}
+		if c.remote != nil {
+			li.Remote = c.remote.String()
+		}
+		out = append(out, li)
+	}
+	return out
+}
+
+var kindNames = [...]string{kindTCP: "tcp", kindUnix: "unix", kindShm: "shm"}
