@@ -210,7 +210,7 @@ func viaProxy(t *testing.T, addr []byte, proxy string) []byte {
 	return encodePeerAddr(&pa)
 }
 
-func forceTLS(t *testing.T, policy string) {
+func forceTLS(t testing.TB, policy string) {
 	t.Helper()
 	restore, err := ForceTLS(policy)
 	if err != nil {

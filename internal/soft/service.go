@@ -394,7 +394,7 @@ func (s *service) serveHandshake(nc net.Conn) {
 	} else if _, err = io.ReadFull(nc, buf[:1]); err == nil {
 		// TCP: a TLS ClientHello (a handshake record) or a plain HELLO.
 		if buf[0] == tlsRecordHandshake && s.tlsID != nil {
-			tc = tls.Server(&prefixConn{Conn: nc, pre: buf[:1:1]}, s.tlsID.serverConfig())
+			tc = tls.Server(&prefixConn{Conn: nc, Pre: buf[:1:1]}, s.tlsID.serverConfig())
 			rw = tc
 			if err = tlsHandshake(tc, time.Until(deadline)); err == nil {
 				binding, err = tlsBinding(tc)

@@ -2,18 +2,9 @@ package soft
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/sha256"
-	"crypto/subtle"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"errors"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
 	"os"
 	"strings"
@@ -22,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/pintls"
 )
 
 // Encryption of soft0 traffic that leaves the host.
@@ -139,105 +132,40 @@ func isLoopback(addr net.Addr) bool {
 
 // tlsIdentity is a process' ephemeral TLS identity.
 type tlsIdentity struct {
-	cert tls.Certificate
-	fp   [32]byte // SHA-256 of the certificate (DER)
+	*pintls.Identity
+	fp [32]byte // its fingerprint, as endpoints carry it
 }
 
-const tlsServerName = "goverbs-soft"
-
-// newTLSIdentity makes a fresh key and a self-signed certificate for it.
 func newTLSIdentity() (*tlsIdentity, error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	id, err := pintls.NewIdentity()
 	if err != nil {
-		return nil, fmt.Errorf("soft: TLS key: %w", err)
+		return nil, fmt.Errorf("soft: TLS identity: %w", err)
 	}
-	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 127))
-	if err != nil {
-		return nil, fmt.Errorf("soft: TLS certificate serial: %w", err)
-	}
-	now := time.Now()
-	tmpl := &x509.Certificate{
-		SerialNumber: serial,
-		Subject:      pkix.Name{CommonName: tlsServerName},
-		DNSNames:     []string{tlsServerName},
-		NotBefore:    now.Add(-time.Hour),
-		NotAfter:     now.Add(100 * 365 * 24 * time.Hour), // pinned, not validated: the lifetime is the process'
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		return nil, fmt.Errorf("soft: TLS certificate: %w", err)
-	}
-	return &tlsIdentity{
-		cert: tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key},
-		fp:   sha256.Sum256(der),
-	}, nil
+	return &tlsIdentity{Identity: id, fp: id.Fingerprint()}, nil
 }
 
-func (id *tlsIdentity) serverConfig() *tls.Config {
-	return &tls.Config{
-		MinVersion:   tls.VersionTLS13,
-		Certificates: []tls.Certificate{id.cert},
-		ClientAuth:   tls.NoClientCert, // the dialer proves itself in the handshake
-	}
-}
+func (id *tlsIdentity) serverConfig() *tls.Config { return id.ServerConfig() }
 
 // errFingerprint: the acceptor's certificate is not the one the endpoint
 // names.
-var errFingerprint = errors.New("the peer's TLS certificate does not match the fingerprint in its endpoint")
+var errFingerprint = pintls.ErrFingerprint
 
-// clientConfig accepts only the certificate whose SHA-256 is fp.
-func clientTLSConfig(fp [32]byte) *tls.Config {
-	return &tls.Config{
-		MinVersion: tls.VersionTLS13,
-		ServerName: tlsServerName,
-		// The certificate is pinned by its fingerprint, which came with
-		// the endpoint; there is no CA to verify a chain against.
-		InsecureSkipVerify: true,
-		VerifyConnection: func(cs tls.ConnectionState) error {
-			if len(cs.PeerCertificates) == 0 {
-				return errFingerprint
-			}
-			got := sha256.Sum256(cs.PeerCertificates[0].Raw)
-			if subtle.ConstantTimeCompare(got[:], fp[:]) != 1 {
-				return errFingerprint
-			}
-			return nil
-		},
-	}
-}
+// clientTLSConfig accepts only the certificate whose SHA-256 is fp.
+func clientTLSConfig(fp [32]byte) *tls.Config { return pintls.ClientConfig(fp) }
 
 // tlsExporterLabel labels the keying material that binds the handshake
 // proofs to a TLS session.
 const tlsExporterLabel = "EXPORTER-goverbs-soft-handshake-v2"
 
-func tlsBinding(tc *tls.Conn) ([]byte, error) {
-	cs := tc.ConnectionState()
-	return cs.ExportKeyingMaterial(tlsExporterLabel, nil, 32)
-}
+func tlsBinding(tc *tls.Conn) ([]byte, error) { return pintls.Binding(tc, tlsExporterLabel) }
 
 // tlsHandshake runs the TLS handshake of tc within timeout.
 func tlsHandshake(tc *tls.Conn, timeout time.Duration) error {
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	return tc.HandshakeContext(ctx)
+	return pintls.Handshake(context.Background(), tc, timeout)
 }
 
 // prefixConn is a net.Conn whose first bytes were already read.
-type prefixConn struct {
-	net.Conn
-	pre []byte
-}
-
-func (c *prefixConn) Read(p []byte) (int, error) {
-	if len(c.pre) > 0 {
-		n := copy(p, c.pre)
-		c.pre = c.pre[n:]
-		return n, nil
-	}
-	return c.Conn.Read(p)
-}
+type prefixConn = pintls.PrefixConn
 
 // tlsPipe carries a connection's bytes through a TLS session: the
 // connection reads and writes inner (one end of a socket pair, a plain

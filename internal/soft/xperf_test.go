@@ -43,12 +43,19 @@ var (
 // ib_write_bw send queue depth, -t 128: the next batch is posted before
 // the oldest one completes); the poster sleeps in the CQ's completion
 // channel while it waits, as the baseline's reader sleeps in its reads.
-// Baseline: BenchmarkRawStream.
+// Baseline: BenchmarkRawStream. Kind tls is tcp encrypted (tls.go, as
+// between hosts); its baseline is tcp in the same run.
 func BenchmarkXprocWriteBandwidth(b *testing.B) {
-	for _, kind := range xprocKinds {
+	for _, kind := range append(xprocKinds, "tls") {
 		for _, size := range []int{64 << 10, 1 << 20} {
 			b.Run(fmt.Sprintf("%s/size=%dKiB", kind, size>>10), func(b *testing.B) {
-				forceTransport(b, kind)
+				if kind == "tls" {
+					forceTransport(b, "tcp")
+					forceTLS(b, tlsOn)
+				} else {
+					forceTransport(b, kind)
+					forceTLS(b, tlsOff)
+				}
 				const batch = 16
 				e := newEnv(b)
 				qa, cqa, cha := xprocSide(b, e)
