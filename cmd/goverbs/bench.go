@@ -38,10 +38,14 @@ type benchConfig struct {
 	host    string
 	port    int
 	bind    string
+	token   string        // shared secret of server and client (oob.go); "": none
 	timeout time.Duration // connecting and exchanging the parameters
 
 	badRKey bool // tests: use a wrong rkey, so that completions fail
 }
+
+// envBenchToken is the default of --token.
+const envBenchToken = "GOVERBS_BENCH_TOKEN"
 
 const (
 	defaultBWSize   = 65536
@@ -81,6 +85,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.port, "port", 18515, "same as -p")
 	fs.StringVar(&cfg.bind, "bind", "", "`address` the server listens on (default: all)")
 	fs.DurationVar(&cfg.timeout, "timeout", time.Minute, "how long to wait for the peer to connect and exchange parameters")
+	fs.StringVar(&cfg.token, "token", os.Getenv(envBenchToken), "shared `secret` of server and client: the exchange is encrypted and only a client that proves it is served (default $"+envBenchToken+", which keeps it out of the process list)")
 	pos, st := parseFlags(fs, args)
 	if st >= 0 {
 		return st
@@ -105,6 +110,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return usageErr(stderr, "bench", "--timeout must be positive, not %v", cfg.timeout)
 	case cfg.bind != "" && !cfg.server:
 		return usageErr(stderr, "bench", "--bind is for --server")
+	case cfg.token != "" && !remote:
+		return usageErr(stderr, "bench", "--token is for the two-process mode (--server or HOST)")
 	}
 	cfg.op = pos[0]
 	switch cfg.op {

@@ -65,6 +65,19 @@
 //	-p, --port N    TCP port of the exchange (default 18515)
 //	--bind addr     address the server listens on (default: all)
 //	--timeout d     limit for connecting and exchanging parameters (1m)
+//	--token secret  shared secret of server and client (default
+//	                $GOVERBS_BENCH_TOKEN, which keeps it out of ps)
+//
+// What the server exposes: its endpoint (for soft0 it carries the
+// connection secret of the server process) and the address, length and
+// rkey of its memory region, which the client then writes and reads.
+// Without a token, the first client to connect gets them, in clear text;
+// a server that listens on a non-loopback address says so on stderr. With
+// --token on both sides the exchange runs in TLS 1.3 and the client must
+// prove the token (an HMAC over keying material of the TLS session; the
+// token never crosses the wire) before the server sends anything of its
+// own; clients that fail are dropped and reported, and the server waits
+// for the next.
 //
 // Flags of both modes:
 //

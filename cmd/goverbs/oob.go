@@ -149,13 +149,21 @@ type errorMsg struct {
 }
 
 // dialOOB connects to addr, retrying while nothing listens there yet (the
-// server may start a moment after the client), until ctx ends.
-func dialOOB(ctx context.Context, addr string) (*oobConn, error) {
+// server may start a moment after the client), until ctx ends. With a
+// token, it authenticates the server (see above).
+func dialOOB(ctx context.Context, addr, token string) (*oobConn, error) {
 	var d net.Dialer
 	for {
 		c, err := d.DialContext(ctx, "tcp", addr)
 		if err == nil {
-			return &oobConn{c: c, peer: "server " + addr}, nil
+			o := &oobConn{c: c, peer: "server " + addr}
+			if token != "" {
+				if o.c, err = secureClient(ctx, c, token); err != nil {
+					c.Close()
+					return nil, fmt.Errorf("connecting to the server %s: %w", addr, err)
+				}
+			}
+			return o, nil
 		}
 		var ne net.Error
 		if ctx.Err() != nil || (errors.As(err, &ne) && ne.Timeout()) {
@@ -177,8 +185,10 @@ func dialOOB(ctx context.Context, addr string) (*oobConn, error) {
 }
 
 // acceptOOB listens on addr and accepts one client, or fails when ctx
-// ends. ready is called with the bound address once listening.
-func acceptOOB(ctx context.Context, addr string, ready func(net.Addr)) (*oobConn, error) {
+// ends. ready is called with the bound address once listening. With a
+// token, clients that do not prove it are dropped (and reported to log)
+// until one does.
+func acceptOOB(ctx context.Context, addr, token string, ready func(net.Addr), log io.Writer) (*oobConn, error) {
 	var lc net.ListenConfig
 	l, err := lc.Listen(ctx, "tcp", addr)
 	if err != nil {
@@ -190,9 +200,19 @@ func acceptOOB(ctx context.Context, addr string, ready func(net.Addr)) (*oobConn
 	}
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
-	c, err := l.Accept()
-	if err != nil {
-		return nil, fmt.Errorf("waiting for a client on %s: %w", l.Addr(), ctxErr(ctx, err))
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return nil, fmt.Errorf("waiting for a client on %s: %w", l.Addr(), ctxErr(ctx, err))
+		}
+		o := &oobConn{c: c, peer: "client " + c.RemoteAddr().String()}
+		if token == "" {
+			return o, nil
+		}
+		if o.c, err = secureServer(ctx, c, token); err == nil {
+			return o, nil
+		}
+		c.Close()
+		fmt.Fprintf(log, "goverbs bench: dropped %s: %v\n", o.peer, err)
 	}
-	return &oobConn{c: c, peer: "client " + c.RemoteAddr().String()}, nil
 }

@@ -137,11 +137,14 @@ func benchRemote(ctx context.Context, cfg benchConfig, w, log io.Writer) (err er
 	defer hcancel()
 	if r.server {
 		addr := net.JoinHostPort(cfg.bind, strconv.Itoa(cfg.port))
-		r.oob, err = acceptOOB(hctx, addr, func(a net.Addr) {
+		r.oob, err = acceptOOB(hctx, addr, cfg.token, func(a net.Addr) {
+			if cfg.token == "" && !isLoopbackAddr(a) {
+				fmt.Fprintf(log, "goverbs bench: warning: no --token: the first client to connect on %v gets this process' endpoint and memory region key, in clear text\n", a)
+			}
 			fmt.Fprintf(log, "goverbs bench: waiting for a client on %v (%s)\n", a, cfg.op)
-		})
+		}, log)
 	} else {
-		r.oob, err = dialOOB(hctx, net.JoinHostPort(cfg.host, strconv.Itoa(cfg.port)))
+		r.oob, err = dialOOB(hctx, net.JoinHostPort(cfg.host, strconv.Itoa(cfg.port)), cfg.token)
 	}
 	if err != nil {
 		return err
@@ -679,4 +682,10 @@ func (r *remote) drain() error {
 		}
 	}
 	return nil
+}
+
+// isLoopbackAddr reports whether a is a loopback IP address.
+func isLoopbackAddr(a net.Addr) bool {
+	t, ok := a.(*net.TCPAddr)
+	return ok && t.IP.IsLoopback()
 }
