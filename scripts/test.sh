@@ -79,7 +79,8 @@ tier_unit() {
 # per inter-process transport of soft0 (GOVERBS_SOFT_TRANSPORT), the whole
 # conformance suite twice: with both QPs in one process and every connection
 # forced through the transport (TestConformanceSoft), and with side B of
-# every case in a peer process (TestConformanceSoftCrossProcess).
+# every case in a peer process (TestConformanceSoftCrossProcess). The
+# last run (tls) is TCP encrypted as between hosts (GOVERBS_SOFT_TLS=on).
 tier_multiprocess() {
 	local rc=0
 	run_go_tests multiprocess -run "CrossProcess" ./verbstest/ || rc=1
@@ -87,6 +88,8 @@ tier_multiprocess() {
 		GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr" \
 			-run "^TestConformanceSoft(CrossProcess)?\$" . || rc=1
 	done
+	GOVERBS_SOFT_TRANSPORT=tcp GOVERBS_SOFT_TLS=on run_go_tests "multiprocess-conformance-tls" \
+		-run "^TestConformanceSoft(CrossProcess)?\$" . || rc=1
 	return $rc
 }
 
