@@ -44,7 +44,7 @@ func procChild(spec string) int {
 		if parts[4] == "data" {
 			// A leaf of a rendezvous: send its entries, then wait for
 			// the root's answer.
-			if err := x.write(k.c, x.frame(frameData, 0, k.theirs, encodeVector(make([][]byte, size)))); err != nil {
+			if err := x.send(k, encodeVector(make([][]byte, size))); err != nil {
 				fmt.Println("error:", err)
 				return 1
 			}
@@ -62,7 +62,7 @@ func procChild(spec string) int {
 			fmt.Println("error:", err)
 			return 1
 		}
-		if _, err := procExchange(rank, size).accept(ctx, c, func(int) error { return nil }); err != nil {
+		if _, err := procExchange(rank, size).accept(ctx, c, nil, nil, func(int) error { return nil }); err != nil {
 			fmt.Println("error:", err)
 			return 1
 		}
