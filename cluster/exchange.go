@@ -737,11 +737,15 @@ func (e *peerErr) Unwrap() error { return e.err }
 // gate bounds the strangers of a listener: the connections accepted and
 // not yet authenticated. Over MaxStrangersPerHost from one source address,
 // or MaxStrangers in all, it drops the oldest (from that address first),
-// by closing it: its handler's reads fail at once. It is safe for
-// concurrent use. A nil gate (a test's acceptor) promotes every stranger
-// and drops none.
+// by closing it: its handler's reads fail at once. The goroutines that
+// serve strangers, dropped or not, are bounded too: admit waits for a
+// slot, which a handler returns once its peer authenticated or it
+// returned, so that a flood of connections costs at most MaxStrangers
+// goroutines at a time. It is safe for concurrent use. A nil gate (a
+// test's acceptor) promotes every stranger and drops none.
 type gate struct {
 	max, perHost int
+	slots        chan struct{} // one per stranger's goroutine
 	mu           sync.Mutex
 	list         []*stranger // by age, oldest first
 	hosts        map[string]int
@@ -750,18 +754,21 @@ type gate struct {
 
 // stranger is an accepted connection that has not authenticated yet.
 type stranger struct {
-	c       net.Conn
-	host    string
-	out     bool // dropped, promoted, or gone
-	dropped bool
+	c        net.Conn
+	host     string
+	out      bool // dropped, promoted, or gone
+	dropped  bool
+	released bool // its slot returned
 }
 
 func newGate(max, perHost int) *gate {
-	return &gate{max: max, perHost: perHost, hosts: make(map[string]int)}
+	return &gate{max: max, perHost: perHost, slots: make(chan struct{}, max), hosts: make(map[string]int)}
 }
 
-// admit registers c, dropping older strangers over the limits.
-func (g *gate) admit(c net.Conn) *stranger {
+// admit registers c, dropping older strangers over the limits, and waits
+// for a slot for its goroutine. It fails only when ctx ends (c is then
+// closed).
+func (g *gate) admit(ctx context.Context, c net.Conn) (*stranger, error) {
 	host := c.RemoteAddr().String()
 	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
 		host = a.IP.String()
@@ -789,7 +796,17 @@ func (g *gate) admit(c net.Conn) *stranger {
 	for _, c := range drop {
 		c.Close()
 	}
-	return st
+	select {
+	case g.slots <- struct{}{}:
+		return st, nil
+	case <-ctx.Done():
+		g.mu.Lock()
+		g.removeLocked(st)
+		st.released = true
+		g.mu.Unlock()
+		c.Close()
+		return nil, ctx.Err()
+	}
 }
 
 func (g *gate) removeLocked(st *stranger) {
@@ -800,6 +817,13 @@ func (g *gate) removeLocked(st *stranger) {
 	g.list = slices.DeleteFunc(g.list, func(o *stranger) bool { return o == st })
 	if g.hosts[st.host]--; g.hosts[st.host] == 0 {
 		delete(g.hosts, st.host)
+	}
+}
+
+func (g *gate) releaseLocked(st *stranger) {
+	if !st.released {
+		st.released = true
+		<-g.slots
 	}
 }
 
@@ -815,6 +839,7 @@ func (g *gate) promote(st *stranger) bool {
 		return false
 	}
 	g.removeLocked(st)
+	g.releaseLocked(st)
 	return true
 }
 
@@ -822,6 +847,7 @@ func (g *gate) promote(st *stranger) bool {
 func (g *gate) leave(st *stranger) {
 	g.mu.Lock()
 	g.removeLocked(st)
+	g.releaseLocked(st)
 	g.mu.Unlock()
 }
 
@@ -887,7 +913,10 @@ func serve(ctx context.Context, ln net.Listener, g *gate, wg *sync.WaitGroup, h 
 				}
 				continue
 			}
-			st := g.admit(c)
+			st, err := g.admit(ctx, c)
+			if err != nil {
+				return
+			}
 			wg.Add(1)
 			go func() {
 				defer wg.Done()

@@ -14,10 +14,11 @@ import (
 	"time"
 )
 
-// procChildEnv makes the test binary a helper process: "dial:ADDR:RANK:SIZE"
-// says hello to ADDR as rank RANK of SIZE; "accept:RANK:SIZE" accepts one
+// procChildEnv makes the test binary a helper process: "dial,ADDR,RANK,SIZE"
+// says hello to ADDR as rank RANK of SIZE; "accept,RANK,SIZE" accepts one
 // hello on the listener inherited as fd 3. Either way it then prints
-// "ready" and waits to be killed.
+// "ready" and waits to be killed. "attack,MODE,SIZE" is the root of
+// TestExchangeStrangerMemory (see attackRoot).
 const procChildEnv = "GOVERBS_CLUSTER_TEST_CHILD"
 
 func TestMain(m *testing.M) {
@@ -49,6 +50,8 @@ func procChild(spec string) int {
 				return 1
 			}
 		}
+	case "attack":
+		return attackRoot(parts[1], atoi(parts[2]))
 	case "accept":
 		rank, size := atoi(parts[1]), atoi(parts[2])
 		f := os.NewFile(3, "listener")
