@@ -427,7 +427,7 @@ func (x *exchange) local(err error) error {
 }
 
 // errDropped: a stranger dropped over the limits of MaxStrangers.
-var errDropped = errors.New("dropped before its handshake ended (over the limits of unauthenticated connections, or the hello timeout)")
+var errDropped = errors.New("dropped before its handshake ended (over MaxStrangers or MaxStrangersPerHost, or past HelloTimeout)")
 
 // accept runs the acceptor side of a handshake on c, registered as the
 // stranger st of g: it reads the peer's hello, answers with its own,
@@ -484,6 +484,9 @@ func (x *exchange) accept(ctx context.Context, c net.Conn, g *gate, st *stranger
 			c.Write(rej[:])
 		}
 		err = x.local(err)
+		if errors.Is(err, errDropped) {
+			return nil, fmt.Errorf("connection from %s %w", c.RemoteAddr(), err)
+		}
 		if h != nil && !errors.Is(err, ErrAuth) {
 			return nil, fmt.Errorf("connection from %s (claiming rank %d) refused: %w", c.RemoteAddr(), h.from, err)
 		}
