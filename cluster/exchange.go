@@ -957,9 +957,9 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 				return s.claim(p)
 			})
 			if err != nil {
-				if k == nil {
+				if k == nil && ctx.Err() == nil {
 					s.reject(err)
-				} else {
+				} else if k != nil {
 					s.fatal(&peerErr{k.peer, err})
 				}
 				return
@@ -1037,9 +1037,9 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 		k, err := x.accept(gctx, c, s.gate, st, s.claim)
 		if err != nil {
 			stop()
-			if k == nil {
-				s.reject(err)
-			} else {
+			if k == nil && gctx.Err() == nil {
+				s.reject(err) // (not a connection closed as the root gives up)
+			} else if k != nil {
 				s.fatal(&peerErr{k.peer, err})
 			}
 			return

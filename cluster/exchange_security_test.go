@@ -164,6 +164,7 @@ func TestExchangeVersion(t *testing.T) {
 		if r, err := decodeReject(b); err != nil || r.code != rejectVersion {
 			t.Errorf("reject %+v, %v; want a version reject", r, err)
 		}
+		io.ReadAll(c) // closed once the refusal is on record
 		cancel()
 		err = <-done
 		var xe *ExchangeError
