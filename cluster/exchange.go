@@ -146,7 +146,7 @@ func (e *ExchangeError) Error() string {
 	}
 	s += ": " + e.Err.Error()
 	if e.Refused > 0 || e.Dropped > 0 {
-		s += fmt.Sprintf(" (%d connections refused, %d strangers dropped over the limits or the hello timeout)", e.Refused, e.Dropped)
+		s += fmt.Sprintf(" (unauthenticated connections: %d refused, %d dropped over the limits or the hello timeout)", e.Refused, e.Dropped)
 	}
 	return s
 }
