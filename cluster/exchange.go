@@ -101,12 +101,16 @@ type ExchangeConfig struct {
 	// they authenticate, and MaxStrangersPerHost those from one source
 	// address. Over either limit the oldest such connection (from that
 	// address, for the second) is dropped: a real peer completes its
-	// handshake in a round trip, and one that is dropped dials again.
+	// handshake in a round trip, and one that is dropped dials again (a
+	// large world whose ranks all dial one root at once retries less
+	// with MaxStrangers near its size). The limits bound what strangers
+	// cost: a goroutine, a socket and a few hundred bytes each.
 	// Defaults DefaultMaxStrangers and DefaultMaxStrangersPerHost.
 	MaxStrangers, MaxStrangersPerHost int
-	// HelloTimeout bounds the handshake of an accepted connection (a
-	// dialer waits twice as long for the answer before it dials again).
-	// Default DefaultHelloTimeout.
+	// HelloTimeout bounds the handshake of an accepted connection, and
+	// the context's deadline bounds it too (a dialer waits twice as long
+	// for the answers before it dials again). Default
+	// DefaultHelloTimeout.
 	HelloTimeout time.Duration
 	// MinBackoff and MaxBackoff bound the delay between attempts to
 	// connect to a peer that is not listening yet. Defaults 10ms and
@@ -476,7 +480,7 @@ func (x *exchange) accept(ctx context.Context, c net.Conn, g *gate, st *stranger
 		if errors.Is(err, os.ErrDeadlineExceeded) {
 			g.drop(st)
 		}
-		if g.dropped(st) {
+		if g.dropped(st) && !errors.Is(err, errDropped) {
 			err = fmt.Errorf("%w (%w)", errDropped, err)
 		}
 		if !isIOErr(err) {

@@ -122,13 +122,13 @@ const (
 
 // Labels of the MACs and keys: every use of the token has its own.
 const (
-	labelMACKey     = "goverbs/cluster/v2 handshake MAC key"
-	labelJob        = "goverbs/cluster/v2 job\x00"
-	labelDialHello  = "goverbs/cluster/v2 dialer hello\x00"
-	labelAcceptHelo = "goverbs/cluster/v2 acceptor hello\x00"
-	labelProof      = "goverbs/cluster/v2 dialer proof\x00"
-	labelDialKey    = "goverbs/cluster/v2 dialer to acceptor"
-	labelAcceptKey  = "goverbs/cluster/v2 acceptor to dialer"
+	labelMACKey      = "goverbs/cluster/v2 handshake MAC key"
+	labelJob         = "goverbs/cluster/v2 job\x00"
+	labelDialHello   = "goverbs/cluster/v2 dialer hello\x00"
+	labelAcceptHello = "goverbs/cluster/v2 acceptor hello\x00"
+	labelProof       = "goverbs/cluster/v2 dialer proof\x00"
+	labelDialKey     = "goverbs/cluster/v2 dialer to acceptor"
+	labelAcceptKey   = "goverbs/cluster/v2 acceptor to dialer"
 )
 
 // macKey derives the key of the handshake MACs from the token.
@@ -191,7 +191,7 @@ func helloMAC(mk, dialer, body []byte) []byte {
 	if dialer == nil {
 		return mac(mk, []byte(labelDialHello), body)
 	}
-	return mac(mk, []byte(labelAcceptHelo), dialer, body)
+	return mac(mk, []byte(labelAcceptHello), dialer, body)
 }
 
 // decodeHello authenticates and decodes a hello read by readControl (see
