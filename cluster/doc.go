@@ -23,7 +23,8 @@
 //
 // # Endpoint exchange
 //
-// Exchange is a personalised all-to-all over TCP, in one of two modes:
+// Exchange is a personalised all-to-all over TCP, authenticated and
+// encrypted, in one of two modes:
 //
 //   - AllToAll: every rank listens on its configured address; rank i
 //     dials every rank below it. N(N−1)/2 connections, each carrying only
@@ -34,20 +35,79 @@
 //     0's address (MASTER_ADDR, the first node of a Slurm job).
 //
 // Dialers retry with a growing, jittered backoff until the context ends,
-// so ranks may start in any order. Every frame carries a magic number, a
-// protocol version, the sender's and receiver's ranks, the world size, the
-// job id and an HMAC-SHA256 over a token the ranks share; data frames
-// echo a nonce the receiver chose for the connection, so frames cannot be
-// replayed. Frames above a maximum size are refused from their header. A
-// connection that fails the handshake (another token: ErrAuth; another
-// job: ErrJobMismatch; garbage: ErrBadFrame) is answered with a short
-// unauthenticated reject, so that a misconfigured rank fails at once with
-// the reason, and dropped; the exchange goes on waiting for the real
-// peer and names the refusal if the peer never comes. A rank that is
-// missing makes the others fail with ErrPeerMissing by their deadline; a
-// rank that dies after its handshake makes them fail at once with
-// ErrPeerLost; in a rendezvous, rank 0 tells every waiting rank why it
-// gave up (ErrAborted). Nothing waits past the context.
+// so ranks may start in any order. A rank that is missing makes the
+// others fail with ErrPeerMissing by their deadline; a rank that dies
+// after its handshake makes them fail at once with ErrPeerLost; in a
+// rendezvous, rank 0 tells every waiting rank why it gave up
+// (ErrAborted). Nothing waits past the context.
+//
+// # Wire protocol (version 2)
+//
+// Every connection starts with a handshake of fixed-size messages, each
+// beginning with the magic "GVCX", the protocol version and a type, so
+// that a peer of another version is refused with ErrVersion from its
+// first 8 bytes (version 1 peers, which read a 44-byte header and check
+// the version byte first, report ErrVersion too):
+//
+//  1. The dialer sends its hello (100 bytes): its rank, the rank it
+//     dials, the world size, a job tag, a fresh 32-byte nonce, and an
+//     HMAC-SHA256 of all that under a key derived from the token (HKDF).
+//     The job tag is an HMAC of the job id under the same key: the hello
+//     stays fixed-size and the job id does not travel.
+//  2. The acceptor checks the MAC, then the job tag (ErrJobMismatch), the
+//     world size and the ranks (ErrBadFrame), and answers with its own
+//     hello, with its own fresh nonce, whose MAC also covers the dialer's
+//     hello: it proves the acceptor knows the token now.
+//  3. The dialer checks it and sends its proof (40 bytes): an HMAC under
+//     the token's key over both hellos, hence over the acceptor's fresh
+//     nonce. The acceptor checks it in constant time: a recorded hello
+//     replayed by someone who does not know the token stops here.
+//  4. The acceptor claims the rank and sends an 8-byte accept. Until then
+//     an I/O failure makes the dialer dial again.
+//
+// A refusal is answered with an unauthenticated reject (277 bytes: a code
+// and a short text) so that a misconfigured rank fails at once with the
+// reason; the connection is then dropped and the exchange goes on
+// waiting for the real peer, naming the last refusal if it never comes.
+// The token itself never crosses the wire.
+//
+// After the accept, the entries travel in records of at most 16 KiB,
+// sealed with AES-256-GCM. Each direction of each connection has its own
+// key, derived by HKDF-SHA256 from the token and a hash of both hellos
+// (both nonces), and each record's nonce is its sequence number in its
+// direction: a record cannot be altered, replayed, reordered, reflected
+// or moved to another connection without failing with ErrAuth. A
+// message (an entry; a vector of entries in a rendezvous; the root's
+// abort reason) may span records; it is refused with ErrFrameTooLarge as
+// soon as it would exceed ExchangeConfig.MaxFrame, and is held only as
+// its records arrive and authenticate.
+//
+// # Security
+//
+// An exchange listens on the network, so anyone who reaches its port may
+// connect. A connection that has not completed the handshake (a
+// stranger) costs a goroutine, a socket and at most 277 bytes of message;
+// nothing is allocated from a length it declares, and nothing but the
+// fixed-size handshake is read from it. A listener holds at most
+// ExchangeConfig.MaxStrangers strangers (MaxStrangersPerHost from one
+// source address); over either limit it drops the oldest, and it drops
+// every stranger that has not completed the handshake within
+// HelloTimeout (or by the context's deadline). The exchange's error
+// counts the connections refused and dropped (ExchangeError.Refused,
+// Dropped).
+//
+// With a token, only holders of the token can join, and someone who
+// sees the traffic learns the ranks, the world size and the sizes of the
+// messages, but not the entries (the endpoints, with the addresses and
+// secrets they carry), the job id or the token; someone on the path can
+// break connections or forge the unauthenticated rejects (a denial of
+// service), but not read, alter or redirect what they carry. In a
+// rendezvous, rank 0 sees every entry, as any rank could. An empty token
+// authenticates nothing: the keys then derive from values on the wire,
+// so that anyone who knows the protocol can read the entries, join, or
+// impersonate a rank. Exchange logs a warning (log/slog), once per
+// process, when it runs without a token on an address that is not
+// loopback.
 //
 // # Launchers
 //

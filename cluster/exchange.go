@@ -5,9 +5,12 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"log/slog"
 	mrand "math/rand/v2"
 	"net"
+	"os"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 )
@@ -80,26 +83,60 @@ type ExchangeConfig struct {
 	Listener net.Listener
 	// Job identifies the job: ranks of other jobs are refused.
 	Job string
-	// Token is the shared secret every frame is authenticated with
-	// (HMAC-SHA256). Ranks with different tokens refuse each other. An
+	// Token is the secret the ranks share: they prove it to each other
+	// (it never crosses the wire) and every connection's encryption keys
+	// derive from it. Ranks with different tokens refuse each other. An
 	// empty token still detects accidents (other jobs, other programs on
-	// the port) but authenticates nothing.
+	// the port) but authenticates nothing, and the keys derive from
+	// public values: nothing is confidential (see the package
+	// documentation). Exchange logs a warning, once per process, when it
+	// runs without a token on an address that is not loopback.
 	Token []byte
-	// MaxFrame bounds the size of a frame; larger frames are refused
-	// before they are read. Default DefaultMaxFrame.
+	// MaxFrame bounds the size of one message (an entry, or in the
+	// Rendezvous mode a rank's vector of entries); larger messages are
+	// refused as soon as a record would exceed it. Default
+	// DefaultMaxFrame.
 	MaxFrame int
+	// MaxStrangers bounds the connections a listening rank holds before
+	// they authenticate, and MaxStrangersPerHost those from one source
+	// address. Over either limit the oldest such connection (from that
+	// address, for the second) is dropped: a real peer completes its
+	// handshake in a round trip, and one that is dropped dials again (a
+	// large world whose ranks all dial one root at once retries less
+	// with MaxStrangers near its size). The limits bound what strangers
+	// cost: a goroutine, a socket and a few hundred bytes each.
+	// Defaults DefaultMaxStrangers and DefaultMaxStrangersPerHost.
+	MaxStrangers, MaxStrangersPerHost int
+	// HelloTimeout bounds the handshake of an accepted connection, and
+	// the context's deadline bounds it too (a dialer waits twice as long
+	// for the answers before it dials again). Default
+	// DefaultHelloTimeout.
+	HelloTimeout time.Duration
 	// MinBackoff and MaxBackoff bound the delay between attempts to
 	// connect to a peer that is not listening yet. Defaults 10ms and
 	// 500ms. Attempts go on until the context ends.
 	MinBackoff, MaxBackoff time.Duration
 }
 
+// Defaults of ExchangeConfig.
+const (
+	DefaultMaxStrangers        = 128
+	DefaultMaxStrangersPerHost = 32
+	DefaultHelloTimeout        = 2 * time.Second
+)
+
 // ExchangeError is the error of Exchange: this rank, the peer concerned
-// (-1 if none), the peers that never connected, and the cause.
+// (-1 if none), the peers that never connected, and the cause. Refused
+// counts the connections refused during the handshake (another token,
+// job, version, or garbage), Dropped those dropped before their
+// handshake ended because they exceeded MaxStrangers or
+// MaxStrangersPerHost, or HelloTimeout.
 type ExchangeError struct {
 	Rank    int
 	Peer    int
 	Missing []int
+	Refused int
+	Dropped int
 	Err     error
 }
 
@@ -111,7 +148,11 @@ func (e *ExchangeError) Error() string {
 	if len(e.Missing) > 0 {
 		s += fmt.Sprintf(": ranks %v did not connect", e.Missing)
 	}
-	return s + ": " + e.Err.Error()
+	s += ": " + e.Err.Error()
+	if e.Refused > 0 || e.Dropped > 0 {
+		s += fmt.Sprintf(" (unauthenticated connections: %d refused, %d dropped over the limits or the hello timeout)", e.Refused, e.Dropped)
+	}
+	return s
 }
 
 func (e *ExchangeError) Unwrap() error { return e.Err }
@@ -124,7 +165,8 @@ func (e *ExchangeError) Unwrap() error { return e.Err }
 // rank makes it fail (with ErrPeerMissing, ErrPeerLost or ErrAborted)
 // by ctx's deadline at the latest, never hang. Connections that fail the
 // handshake (wrong token, job or rank) are refused and dropped; they do
-// not end the exchange, but the error at the deadline names the reason.
+// not end the exchange, but the error at the deadline names the reason
+// and counts them.
 func Exchange(ctx context.Context, cfg ExchangeConfig, out [][]byte) ([][]byte, error) {
 	x, err := newExchange(cfg, out)
 	if err != nil {
@@ -139,6 +181,7 @@ func Exchange(ctx context.Context, cfg ExchangeConfig, out [][]byte) ([][]byte, 
 		}
 		return [][]byte{out[0]}, nil
 	}
+	x.warnNoToken()
 	if cfg.Mode == Rendezvous {
 		if cfg.Rank == 0 {
 			return x.root(ctx)
@@ -153,6 +196,9 @@ type exchange struct {
 	out        [][]byte
 	max        int
 	minB, maxB time.Duration
+	helloT     time.Duration // HelloTimeout
+	mk         []byte        // key of the handshake MACs
+	job        [tagLen]byte  // the job id as it travels
 }
 
 func newExchange(cfg ExchangeConfig, out [][]byte) (*exchange, error) {
@@ -172,6 +218,10 @@ func newExchange(cfg ExchangeConfig, out [][]byte) (*exchange, error) {
 		return nil, bad("unknown mode %v", cfg.Mode)
 	case cfg.MaxFrame < 0:
 		return nil, bad("negative MaxFrame")
+	case cfg.MaxStrangers < 0 || cfg.MaxStrangersPerHost < 0:
+		return nil, bad("negative MaxStrangers or MaxStrangersPerHost")
+	case cfg.HelloTimeout < 0:
+		return nil, bad("negative HelloTimeout")
 	}
 	if cfg.Mode == AllToAll && len(cfg.Addrs) != cfg.Size && cfg.Size > 1 {
 		return nil, bad("%d addresses for world size %d", len(cfg.Addrs), cfg.Size)
@@ -184,7 +234,7 @@ func newExchange(cfg ExchangeConfig, out [][]byte) (*exchange, error) {
 			cfg.Root = cfg.Addrs[0]
 		}
 	}
-	x := &exchange{cfg: cfg, out: out, max: cfg.MaxFrame, minB: cfg.MinBackoff, maxB: cfg.MaxBackoff}
+	x := &exchange{cfg: cfg, out: out, max: cfg.MaxFrame, minB: cfg.MinBackoff, maxB: cfg.MaxBackoff, helloT: cfg.HelloTimeout}
 	if x.max == 0 {
 		x.max = DefaultMaxFrame
 	}
@@ -194,12 +244,91 @@ func newExchange(cfg ExchangeConfig, out [][]byte) (*exchange, error) {
 	if x.maxB < x.minB {
 		x.maxB = max(500*time.Millisecond, x.minB)
 	}
-	for j, o := range out {
-		if frameSize(len(cfg.Job), len(o)) > x.max {
-			return nil, fmt.Errorf("cluster: exchange: entry for rank %d: %w: %d bytes (at most %d)", j, ErrFrameTooLarge, len(o), x.max)
+	if x.helloT == 0 {
+		x.helloT = DefaultHelloTimeout
+	}
+	if x.cfg.MaxStrangers == 0 {
+		x.cfg.MaxStrangers = DefaultMaxStrangers
+	}
+	if x.cfg.MaxStrangersPerHost == 0 {
+		x.cfg.MaxStrangersPerHost = DefaultMaxStrangersPerHost
+	}
+	if cfg.Mode == Rendezvous {
+		if n := vectorSize(out); n > x.max {
+			return nil, fmt.Errorf("cluster: exchange: entries: %w: %d bytes (at most %d)", ErrFrameTooLarge, n, x.max)
 		}
 	}
+	for j, o := range out {
+		if n := wireSize(len(o)); n > x.max {
+			return nil, fmt.Errorf("cluster: exchange: entry for rank %d: %w: %d bytes (at most %d)", j, ErrFrameTooLarge, n, x.max)
+		}
+	}
+	x.mk = macKey(cfg.Token)
+	x.job = jobTag(x.mk, cfg.Job)
 	return x, nil
+}
+
+// warnedNoToken makes the warning of warnNoToken once per process.
+var warnedNoToken sync.Once
+
+// warnNoToken warns, once per process, that an exchange without a token
+// on an address that is not loopback is open to anyone who can reach it,
+// and readable by anyone who sees its traffic.
+func (x *exchange) warnNoToken() {
+	if len(x.cfg.Token) != 0 {
+		return
+	}
+	for _, a := range x.addrs() {
+		if !isLoopback(a) {
+			warnedNoToken.Do(func() {
+				slog.Warn("cluster: exchange without a token on a non-loopback address: any host that reaches it can join, "+
+					"and its endpoints are not confidential (set ExchangeConfig.Token, or GOVERBS_TOKEN)", "addr", a, "rank", x.cfg.Rank)
+			})
+			return
+		}
+	}
+}
+
+// addrs lists the addresses this rank listens on or dials.
+func (x *exchange) addrs() []string {
+	var a []string
+	r := x.cfg.Rank
+	listens := r == 0 || (x.cfg.Mode == AllToAll && r < x.cfg.Size-1)
+	switch {
+	case !listens:
+	case x.cfg.Listener != nil:
+		a = append(a, x.cfg.Listener.Addr().String())
+	case x.cfg.Listen != "":
+		a = append(a, x.cfg.Listen)
+	case x.cfg.Mode == Rendezvous:
+		a = append(a, x.cfg.Root)
+	default:
+		a = append(a, x.cfg.Addrs[r])
+	}
+	if x.cfg.Mode == Rendezvous {
+		if r != 0 {
+			a = append(a, x.cfg.Root)
+		}
+		return a
+	}
+	return append(a, x.cfg.Addrs[:r]...)
+}
+
+// isLoopback reports whether addr (host:port) is a loopback address or
+// localhost; a wildcard address is not.
+func isLoopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	if i := strings.IndexByte(host, '%'); i >= 0 {
+		host = host[:i]
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 func (x *exchange) fail(peer int, missing []int, err error) error {
@@ -229,8 +358,7 @@ func (x *exchange) listen() (net.Listener, error) {
 type conn struct {
 	c         net.Conn
 	peer      int
-	mine      [nonceLen]byte // our nonce: the peer echoes it in its frames
-	theirs    [nonceLen]byte
+	s         *session
 	stopWatch func() bool
 }
 
@@ -240,57 +368,22 @@ func guard(ctx context.Context, c net.Conn) func() bool {
 	return context.AfterFunc(ctx, func() { c.Close() })
 }
 
-func (x *exchange) frame(typ byte, to int, nonce [nonceLen]byte, payload []byte) *frame {
-	return &frame{typ: typ, from: uint32(x.cfg.Rank), to: uint32(to), size: uint32(x.cfg.Size),
-		nonce: nonce, job: x.cfg.Job, payload: payload}
+// send sends a data message to k's peer.
+func (x *exchange) send(k *conn, payload []byte) error {
+	return k.s.writeMsg(k.c, recData, payload)
 }
 
-func (x *exchange) write(c net.Conn, f *frame) error {
-	b, err := encodeFrame(f, x.cfg.Token)
-	if err != nil {
-		return err
-	}
-	_, err = c.Write(b)
-	return err
-}
-
-// check validates an authenticated frame from peer (-1: any) to this
-// rank.
-func (x *exchange) check(f *frame, typ byte, peer int) error {
-	switch {
-	case f.job != x.cfg.Job:
-		return fmt.Errorf("%w: peer's job %q, this rank's %q", ErrJobMismatch, sanitize(f.job), x.cfg.Job)
-	case f.size != uint32(x.cfg.Size):
-		return fmt.Errorf("%w: peer's world size %d, this rank's %d", ErrBadFrame, f.size, x.cfg.Size)
-	case f.to != uint32(x.cfg.Rank):
-		return fmt.Errorf("%w: frame for rank %d reached rank %d", ErrBadFrame, f.to, x.cfg.Rank)
-	case f.from >= uint32(x.cfg.Size) || f.from == uint32(x.cfg.Rank):
-		return fmt.Errorf("%w: frame from rank %d", ErrBadFrame, f.from)
-	case peer >= 0 && f.from != uint32(peer):
-		return fmt.Errorf("%w: frame from rank %d, expected %d", ErrBadFrame, f.from, peer)
-	case f.typ != typ && f.typ != frameAbort:
-		return fmt.Errorf("%w: frame type %d, expected %d", ErrBadFrame, f.typ, typ)
-	}
-	return nil
-}
-
-// recv reads the next frame of an established connection: a data frame
-// echoing our nonce. An abort frame becomes ErrAborted.
+// recv reads the next message of an established connection: a data
+// message. An abort becomes ErrAborted.
 func (x *exchange) recv(ctx context.Context, k *conn) ([]byte, error) {
-	f, err := readFrame(k.c, x.cfg.Token, x.max)
+	typ, msg, err := k.s.readMsg(k.c, x.max)
 	if err != nil {
 		return nil, x.ioErr(ctx, err)
 	}
-	if err := x.check(f, frameData, k.peer); err != nil {
-		return nil, err
+	if typ == recAbort {
+		return nil, fmt.Errorf("%w: %s", ErrAborted, sanitize(string(msg)))
 	}
-	if f.nonce != k.mine {
-		return nil, fmt.Errorf("%w: stale nonce (replayed frame?)", ErrAuth)
-	}
-	if f.typ == frameAbort {
-		return nil, fmt.Errorf("%w: %s", ErrAborted, sanitize(string(f.payload)))
-	}
-	return f.payload, nil
+	return msg, nil
 }
 
 // ioErr describes a read or write failure on an established connection.
@@ -298,7 +391,7 @@ func (x *exchange) ioErr(ctx context.Context, err error) error {
 	if ctx.Err() != nil {
 		return fmt.Errorf("%w (%w)", context.Cause(ctx), err)
 	}
-	if errors.Is(err, ErrAuth) || errors.Is(err, ErrBadFrame) || errors.Is(err, ErrFrameTooLarge) || errors.Is(err, ErrVersion) {
+	if !isIOErr(err) {
 		return err
 	}
 	return fmt.Errorf("%w: %w", ErrPeerLost, err)
@@ -310,43 +403,104 @@ func newNonce() [nonceLen]byte {
 	return n
 }
 
-// accept runs the acceptor side of a handshake on c: it reads the peer's
-// hello, checks it with ok (which claims the peer), answers with its own.
-// A refused hello is answered with a reject frame; the error says why.
-func (x *exchange) accept(ctx context.Context, c net.Conn, ok func(peer int) error) (*conn, error) {
-	// A peer says hello at once: a connection that does not is not one.
-	c.SetReadDeadline(time.Now().Add(helloTimeout))
-	f, err := readFrame(c, x.cfg.Token, x.max)
-	c.SetReadDeadline(time.Time{})
+// checkHello validates an authenticated hello from peer (-1: any) to
+// this rank. Its errors carry nothing secret: they go back to the peer in
+// a reject.
+func (x *exchange) checkHello(h *hello, peer int) error {
+	switch {
+	case h.job != x.job:
+		return fmt.Errorf("%w: the peer's job tag is %x, this rank's %x", ErrJobMismatch, h.job[:4], x.job[:4])
+	case h.size != uint32(x.cfg.Size):
+		return fmt.Errorf("%w: peer's world size %d, this rank's %d", ErrBadFrame, h.size, x.cfg.Size)
+	case h.to != uint32(x.cfg.Rank):
+		return fmt.Errorf("%w: hello for rank %d reached rank %d", ErrBadFrame, h.to, x.cfg.Rank)
+	case h.from >= uint32(x.cfg.Size) || h.from == uint32(x.cfg.Rank):
+		return fmt.Errorf("%w: hello from rank %d", ErrBadFrame, h.from)
+	case peer >= 0 && h.from != uint32(peer):
+		return fmt.Errorf("%w: hello from rank %d, expected %d", ErrBadFrame, h.from, peer)
+	}
+	return nil
+}
+
+// local adds to a handshake error what only this rank should know.
+func (x *exchange) local(err error) error {
+	if errors.Is(err, ErrJobMismatch) {
+		return fmt.Errorf("%w (this rank's job is %q)", err, x.cfg.Job)
+	}
+	return err
+}
+
+// errDropped: a stranger dropped over the limits of MaxStrangers.
+var errDropped = errors.New("dropped before its handshake ended (over MaxStrangers or MaxStrangersPerHost, or past HelloTimeout)")
+
+// accept runs the acceptor side of a handshake on c, registered as the
+// stranger st of g: it reads the peer's hello, answers with its own,
+// checks the peer's proof, then (the peer authenticated) promotes it out
+// of the strangers, checks it with ok (which claims the peer) and accepts
+// it. Nothing but fixed-size control messages is read before the proof.
+// A refused connection is answered with a reject; the error says why.
+// The error comes with a conn only if the peer was claimed.
+func (x *exchange) accept(ctx context.Context, c net.Conn, g *gate, st *stranger, ok func(peer int) error) (*conn, error) {
+	// A peer says hello at once and proves itself one round trip later:
+	// a connection that does not is not one.
+	deadline := time.Now().Add(x.helloT)
+	if d, has := ctx.Deadline(); has && d.Before(deadline) {
+		deadline = d
+	}
+	c.SetDeadline(deadline)
+	var buf [rejectLen]byte
+	var h *hello
+	var dh, ah [helloLen]byte
+	b, err := readControl(c, &buf, msgHello)
 	if err == nil {
-		err = x.check(f, frameHello, -1)
-		if err == nil && f.typ != frameHello {
-			err = fmt.Errorf("%w: expected a hello", ErrBadFrame)
+		copy(dh[:], b)
+		if h, err = decodeHello(dh[:], x.mk, nil); err == nil {
+			err = x.checkHello(h, -1)
 		}
-		if err == nil {
-			err = ok(int(f.from))
+	}
+	if err == nil {
+		ah = encodeHello(&hello{from: uint32(x.cfg.Rank), to: h.from, size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, dh[:])
+		if _, err = c.Write(ah[:]); err == nil {
+			if b, err = readControl(c, &buf, msgProof); err == nil {
+				err = checkProof(b, x.mk, dh[:], ah[:])
+			}
 		}
+	}
+	if err == nil && !g.promote(st) {
+		err = errDropped
+	}
+	if err == nil {
+		err = ok(int(h.from))
 	}
 	if err != nil {
 		var from uint32
-		if f != nil {
-			from = f.from
+		if h != nil {
+			from = h.from
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			g.drop(st)
+		}
+		if g.dropped(st) && !errors.Is(err, errDropped) {
+			err = fmt.Errorf("%w (%w)", errDropped, err)
 		}
 		if !isIOErr(err) {
-			msg := err.Error()
-			if len(msg) > maxRejectText {
-				msg = msg[:maxRejectText]
-			}
-			rej := x.frame(frameReject, int(from), [nonceLen]byte{}, append([]byte{rejectCode(err)}, msg...))
-			x.write(c, rej)
+			rej := encodeReject(&reject{from: uint32(x.cfg.Rank), to: from, size: uint32(x.cfg.Size), code: rejectCode(err), text: err.Error()})
+			c.Write(rej[:])
 		}
-		if f != nil && !errors.Is(err, ErrAuth) {
-			return nil, fmt.Errorf("connection from %s (claiming rank %d) refused: %w", c.RemoteAddr(), f.from, err)
+		err = x.local(err)
+		if errors.Is(err, errDropped) {
+			return nil, fmt.Errorf("connection from %s %w", c.RemoteAddr(), err)
+		}
+		if h != nil && !errors.Is(err, ErrAuth) {
+			return nil, fmt.Errorf("connection from %s (claiming rank %d) refused: %w", c.RemoteAddr(), h.from, err)
 		}
 		return nil, fmt.Errorf("connection from %s refused: %w", c.RemoteAddr(), err)
 	}
-	k := &conn{c: c, peer: int(f.from), mine: newNonce(), theirs: f.nonce}
-	if err := x.write(c, x.frame(frameHello, k.peer, k.mine, nil)); err != nil {
+	c.SetDeadline(time.Time{})
+	d2a, a2d := sessionKeys(x.cfg.Token, dh[:], ah[:])
+	k := &conn{c: c, peer: int(h.from), s: newSession(a2d, d2a)}
+	a := acceptMsg()
+	if _, err := c.Write(a[:]); err != nil {
 		return k, x.ioErr(ctx, err)
 	}
 	return k, nil
@@ -357,9 +511,6 @@ func isIOErr(err error) bool {
 		errors.Is(err, ErrVersion) || errors.Is(err, ErrJobMismatch))
 }
 
-// helloTimeout bounds the wait for a connecting peer's hello.
-const helloTimeout = 10 * time.Second
-
 // errRetry marks a dial attempt worth repeating.
 type errRetry struct{ err error }
 
@@ -367,7 +518,8 @@ func (e errRetry) Error() string { return e.err.Error() }
 func (e errRetry) Unwrap() error { return e.err }
 
 // dial connects to peer at addr and runs the dialer side of the
-// handshake, retrying with backoff while the peer is not there yet.
+// handshake, retrying with backoff while the peer is not there yet (or
+// dropped the connection before accepting it).
 func (x *exchange) dial(ctx context.Context, peer int, addr string) (*conn, error) {
 	var d net.Dialer
 	backoff := x.minB
@@ -376,7 +528,7 @@ func (x *exchange) dial(ctx context.Context, peer int, addr string) (*conn, erro
 		c, err := d.DialContext(ctx, "tcp", addr)
 		if err == nil {
 			stop := guard(ctx, c)
-			k, err := x.hello(ctx, c, peer)
+			k, err := x.handshake(ctx, c, peer)
 			if err == nil {
 				k.stopWatch = stop
 				return k, nil
@@ -405,35 +557,66 @@ func (x *exchange) dial(ctx context.Context, peer int, addr string) (*conn, erro
 	}
 }
 
-// hello sends our hello on a fresh connection and reads the answer.
-func (x *exchange) hello(ctx context.Context, c net.Conn, peer int) (*conn, error) {
-	k := &conn{c: c, peer: peer, mine: newNonce()}
-	if err := x.write(c, x.frame(frameHello, peer, k.mine, nil)); err != nil {
+// handshake runs the dialer side of the handshake on a fresh connection:
+// hello, the acceptor's hello (which proves it knows the token), our
+// proof, and the acceptor's verdict. Until the acceptor accepts, an I/O
+// error is worth a retry: the acceptor may have dropped us as a stranger.
+func (x *exchange) handshake(ctx context.Context, c net.Conn, peer int) (*conn, error) {
+	c.SetDeadline(time.Now().Add(2 * x.helloT))
+	retry := func(err error) error {
+		if ctx.Err() != nil {
+			return fmt.Errorf("%w: rank %d: %w", ErrPeerMissing, peer, context.Cause(ctx))
+		}
+		if isIOErr(err) {
+			// Closed without a word: a listener that went away, one that
+			// is not ours yet, or one that dropped us. Try again.
+			return errRetry{err}
+		}
+		return fmt.Errorf("rank %d answered with a bad message: %w", peer, err)
+	}
+	dh := encodeHello(&hello{from: uint32(x.cfg.Rank), to: uint32(peer), size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, nil)
+	if _, err := c.Write(dh[:]); err != nil {
 		return nil, errRetry{err}
 	}
-	f, err := readFrame(c, x.cfg.Token, x.max)
+	var buf [rejectLen]byte
+	b, err := readControl(c, &buf, msgHello, msgReject)
 	if err != nil {
-		if isIOErr(err) && ctx.Err() == nil {
-			// Closed without a word: a listener that went away, or one
-			// that is not ours yet. Try again.
-			return nil, errRetry{err}
-		}
-		if ctx.Err() != nil {
-			return nil, fmt.Errorf("%w: rank %d: %w", ErrPeerMissing, peer, context.Cause(ctx))
-		}
-		return nil, fmt.Errorf("rank %d answered with a bad frame: %w", peer, err)
+		return nil, retry(err)
 	}
-	if f.typ == frameReject {
-		return nil, rejectError(f)
+	if b[5] == msgReject {
+		return nil, x.rejected(b)
 	}
-	if err := x.check(f, frameHello, peer); err != nil {
-		return nil, err
+	var ah [helloLen]byte
+	copy(ah[:], b)
+	h, err := decodeHello(ah[:], x.mk, dh[:])
+	if err != nil {
+		return nil, fmt.Errorf("rank %d's answer: %w", peer, err)
 	}
-	if f.typ != frameHello {
-		return nil, fmt.Errorf("%w: expected a hello from rank %d", ErrBadFrame, peer)
+	if err := x.checkHello(h, peer); err != nil {
+		return nil, fmt.Errorf("rank %d's answer: %w", peer, x.local(err))
 	}
-	k.theirs = f.nonce
-	return k, nil
+	p := proof(x.mk, dh[:], ah[:])
+	if _, err := c.Write(p[:]); err != nil {
+		return nil, retry(err)
+	}
+	if b, err = readControl(c, &buf, msgAccept, msgReject); err != nil {
+		return nil, retry(err)
+	}
+	if b[5] == msgReject {
+		return nil, x.rejected(b)
+	}
+	c.SetDeadline(time.Time{})
+	d2a, a2d := sessionKeys(x.cfg.Token, dh[:], ah[:])
+	return &conn{c: c, peer: peer, s: newSession(d2a, a2d)}, nil
+}
+
+// rejected is the error for a reject b.
+func (x *exchange) rejected(b []byte) error {
+	r, err := decodeReject(b)
+	if err != nil {
+		return fmt.Errorf("a bad reject: %w", err)
+	}
+	return x.local(rejectError(r))
 }
 
 // state collects the shares of an exchange.
@@ -445,7 +628,9 @@ type state struct {
 	left     int
 	err      error // first fatal error
 	rejected error // last refused connection
+	refused  int   // connections refused during their handshake
 	done     chan struct{}
+	gate     *gate
 }
 
 func newState(size, self int, expect func(int) bool) *state {
@@ -497,9 +682,13 @@ func (s *state) fatal(err error) {
 
 // reject records a refused connection. A refusal for a protocol reason
 // (token, job, rank...) is kept over a later one for an I/O error (a
-// connection closed before its hello).
+// connection closed before its hello). Dropped strangers are counted by
+// the gate, not here.
 func (s *state) reject(err error) {
 	s.mu.Lock()
+	if !errors.Is(err, errDropped) {
+		s.refused++
+	}
 	if s.rejected == nil || !isIOErr(err) || isIOErr(s.rejected) {
 		s.rejected = err
 	}
@@ -514,27 +703,34 @@ func (s *state) wait(ctx context.Context, x *exchange) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	var xe *ExchangeError
 	if s.err != nil {
 		var pe *peerErr
 		if errors.As(s.err, &pe) {
-			return x.fail(pe.peer, nil, pe.err)
+			xe = &ExchangeError{Rank: x.cfg.Rank, Peer: pe.peer, Err: pe.err}
+		} else {
+			xe = &ExchangeError{Rank: x.cfg.Rank, Peer: -1, Err: s.err}
 		}
-		return x.fail(-1, nil, s.err)
-	}
-	if s.left == 0 {
+	} else if s.left == 0 {
 		return nil
-	}
-	var missing []int
-	for j, ok := range s.have {
-		if !ok && j != x.cfg.Rank {
-			missing = append(missing, j)
+	} else {
+		var missing []int
+		for j, ok := range s.have {
+			if !ok && j != x.cfg.Rank {
+				missing = append(missing, j)
+			}
 		}
+		err := fmt.Errorf("%w (%w)", ErrPeerMissing, context.Cause(ctx))
+		if s.rejected != nil {
+			err = fmt.Errorf("%w; last refused connection: %w", err, s.rejected)
+		}
+		xe = &ExchangeError{Rank: x.cfg.Rank, Peer: -1, Missing: missing, Err: err}
 	}
-	err := fmt.Errorf("%w (%w)", ErrPeerMissing, context.Cause(ctx))
-	if s.rejected != nil {
-		err = fmt.Errorf("%w; last refused connection: %w", err, s.rejected)
+	xe.Refused = s.refused
+	if s.gate != nil {
+		xe.Dropped = s.gate.droppedCount()
 	}
-	return x.fail(-1, missing, err)
+	return xe
 }
 
 type peerErr struct {
@@ -545,10 +741,163 @@ type peerErr struct {
 func (e *peerErr) Error() string { return fmt.Sprintf("peer %d: %v", e.peer, e.err) }
 func (e *peerErr) Unwrap() error { return e.err }
 
-// serve accepts connections on ln until ctx ends, handing each to h in
-// its own goroutine tracked by wg. h owns the connection (serve closes
-// it when h returns) and must guard its blocking calls itself.
-func serve(ctx context.Context, ln net.Listener, wg *sync.WaitGroup, h func(c net.Conn)) {
+// gate bounds the strangers of a listener: the connections accepted and
+// not yet authenticated. Over MaxStrangersPerHost from one source address,
+// or MaxStrangers in all, it drops the oldest (from that address first),
+// by closing it: its handler's reads fail at once. The goroutines that
+// serve strangers, dropped or not, are bounded too: admit waits for a
+// slot, which a handler returns once its peer authenticated or it
+// returned, so that a flood of connections costs at most MaxStrangers
+// goroutines at a time. It is safe for concurrent use. A nil gate (a
+// test's acceptor) promotes every stranger and drops none.
+type gate struct {
+	max, perHost int
+	slots        chan struct{} // one per stranger's goroutine
+	mu           sync.Mutex
+	list         []*stranger // by age, oldest first
+	hosts        map[string]int
+	drops        int
+}
+
+// stranger is an accepted connection that has not authenticated yet.
+type stranger struct {
+	c        net.Conn
+	host     string
+	out      bool // dropped, promoted, or gone
+	dropped  bool
+	released bool // its slot returned
+}
+
+func newGate(max, perHost int) *gate {
+	return &gate{max: max, perHost: perHost, slots: make(chan struct{}, max), hosts: make(map[string]int)}
+}
+
+// admit registers c, dropping older strangers over the limits, and waits
+// for a slot for its goroutine. It fails only when ctx ends (c is then
+// closed).
+func (g *gate) admit(ctx context.Context, c net.Conn) (*stranger, error) {
+	host := c.RemoteAddr().String()
+	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+		host = a.IP.String()
+	}
+	st := &stranger{c: c, host: host}
+	var drop []net.Conn
+	g.mu.Lock()
+	if g.hosts[host] >= g.perHost {
+		for _, o := range g.list {
+			if o.host == host {
+				g.dropLocked(o)
+				drop = append(drop, o.c)
+				break
+			}
+		}
+	}
+	if len(g.list) >= g.max {
+		o := g.list[0]
+		g.dropLocked(o)
+		drop = append(drop, o.c)
+	}
+	g.list = append(g.list, st)
+	g.hosts[host]++
+	g.mu.Unlock()
+	for _, c := range drop {
+		c.Close()
+	}
+	select {
+	case g.slots <- struct{}{}:
+		return st, nil
+	case <-ctx.Done():
+		g.mu.Lock()
+		g.removeLocked(st)
+		st.released = true
+		g.mu.Unlock()
+		c.Close()
+		return nil, ctx.Err()
+	}
+}
+
+func (g *gate) removeLocked(st *stranger) {
+	if st.out {
+		return
+	}
+	st.out = true
+	g.list = slices.DeleteFunc(g.list, func(o *stranger) bool { return o == st })
+	if g.hosts[st.host]--; g.hosts[st.host] == 0 {
+		delete(g.hosts, st.host)
+	}
+}
+
+func (g *gate) releaseLocked(st *stranger) {
+	if !st.released {
+		st.released = true
+		<-g.slots
+	}
+}
+
+// promote takes an authenticated st out of the strangers; false if it was
+// dropped meanwhile.
+func (g *gate) promote(st *stranger) bool {
+	if g == nil {
+		return true
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if st.out {
+		return false
+	}
+	g.removeLocked(st)
+	g.releaseLocked(st)
+	return true
+}
+
+// leave forgets st (its handler returned).
+func (g *gate) leave(st *stranger) {
+	g.mu.Lock()
+	g.removeLocked(st)
+	g.releaseLocked(st)
+	g.mu.Unlock()
+}
+
+func (g *gate) dropLocked(st *stranger) {
+	if !st.out {
+		g.removeLocked(st)
+		st.dropped = true
+		g.drops++
+	}
+}
+
+// drop counts st, which did not finish its handshake in time, as
+// dropped. Its handler closes it.
+func (g *gate) drop(st *stranger) {
+	if g == nil {
+		return
+	}
+	g.mu.Lock()
+	g.dropLocked(st)
+	g.mu.Unlock()
+}
+
+// dropped reports whether st was dropped.
+func (g *gate) dropped(st *stranger) bool {
+	if g == nil {
+		return false
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return st.dropped
+}
+
+func (g *gate) droppedCount() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.drops
+}
+
+// serve accepts connections on ln until ctx ends, registering each with g
+// and handing it to h in its own goroutine tracked by wg. h owns the
+// connection (serve closes it when h returns) and must guard its blocking
+// calls itself.
+func serve(ctx context.Context, ln net.Listener, g *gate, wg *sync.WaitGroup, h func(c net.Conn, st *stranger)) {
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	wg.Add(1)
 	go func() {
@@ -571,11 +920,16 @@ func serve(ctx context.Context, ln net.Listener, wg *sync.WaitGroup, h func(c ne
 				}
 				continue
 			}
+			st, err := g.admit(ctx, c)
+			if err != nil {
+				return
+			}
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
 				defer c.Close()
-				h(c)
+				defer g.leave(st)
+				h(c, st)
 			}()
 		}
 	}()
@@ -597,26 +951,26 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 		if err != nil {
 			return nil, err
 		}
-		serve(ctx, ln, &wg, func(c net.Conn) {
+		s.gate = newGate(x.cfg.MaxStrangers, x.cfg.MaxStrangersPerHost)
+		serve(ctx, ln, s.gate, &wg, func(c net.Conn, st *stranger) {
 			defer guard(ctx, c)()
-			k, err := x.accept(ctx, c, func(p int) error {
+			k, err := x.accept(ctx, c, s.gate, st, func(p int) error {
 				if p < r {
 					return fmt.Errorf("%w: rank %d should be dialed by rank %d, not dial it", ErrBadFrame, p, r)
 				}
 				return s.claim(p)
 			})
 			if err != nil {
-				if k == nil {
+				if k == nil && ctx.Err() == nil {
 					s.reject(err)
-				} else {
+				} else if k != nil {
 					s.fatal(&peerErr{k.peer, err})
 				}
 				return
 			}
 			data, err := x.recv(ctx, k)
 			if err == nil {
-				err = x.write(c, x.frame(frameData, k.peer, k.theirs, x.out[k.peer]))
-				if err != nil {
+				if err = x.send(k, x.out[k.peer]); err != nil {
 					err = x.ioErr(ctx, err)
 				}
 			}
@@ -642,8 +996,7 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 			}
 			defer k.stopWatch()
 			defer k.c.Close()
-			err = x.write(k.c, x.frame(frameData, j, k.theirs, x.out[j]))
-			if err != nil {
+			if err = x.send(k, x.out[j]); err != nil {
 				err = x.ioErr(ctx, err)
 			} else {
 				var data []byte
@@ -672,6 +1025,7 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 	defer cancel()
 	var wg sync.WaitGroup
 	s := newState(n, 0, func(j int) bool { return j != 0 })
+	s.gate = newGate(x.cfg.MaxStrangers, x.cfg.MaxStrangersPerHost)
 	var mu sync.Mutex
 	conns := make([]*conn, n)
 	vecs := make([][][]byte, n)
@@ -682,14 +1036,14 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 		return nil, err
 	}
 	release := make(chan struct{}) // closed when the root is done with the connections
-	serve(gctx, ln, &wg, func(c net.Conn) {
+	serve(gctx, ln, s.gate, &wg, func(c net.Conn, st *stranger) {
 		stop := guard(gctx, c)
-		k, err := x.accept(gctx, c, s.claim)
+		k, err := x.accept(gctx, c, s.gate, st, s.claim)
 		if err != nil {
 			stop()
-			if k == nil {
-				s.reject(err)
-			} else {
+			if k == nil && gctx.Err() == nil {
+				s.reject(err) // (not a connection closed as the root gives up)
+			} else if k != nil {
 				s.fatal(&peerErr{k.peer, err})
 			}
 			return
@@ -724,21 +1078,20 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 	if err != nil {
 		// Tell the connected ranks why, so that they fail now rather than
 		// at their deadline.
-		x.broadcast(conns, &mu, func(k *conn) *frame {
-			return x.frame(frameAbort, k.peer, k.theirs, []byte(sanitize(err.Error())))
-		})
+		why := []byte(sanitize(err.Error()))
+		x.broadcast(conns, &mu, func(*conn) (byte, []byte) { return recAbort, why })
 		return nil, err
 	}
 	in := make([][]byte, n)
 	for j := range n {
 		in[j] = vecs[j][0]
 	}
-	errs := x.broadcast(conns, &mu, func(k *conn) *frame {
+	errs := x.broadcast(conns, &mu, func(k *conn) (byte, []byte) {
 		col := make([][]byte, n)
 		for j := range n {
 			col[j] = vecs[j][k.peer]
 		}
-		return x.frame(frameData, k.peer, k.theirs, encodeVector(col))
+		return recData, encodeVector(col)
 	})
 	for i, e := range errs {
 		if e != nil {
@@ -748,9 +1101,10 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 	return in, nil
 }
 
-// broadcast writes mk(k) to every connection, concurrently, each with a
-// bounded deadline, and returns the write errors indexed by peer.
-func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) *frame) []error {
+// broadcast writes the message mk(k) to every connection, concurrently,
+// each with a bounded deadline, and returns the write errors indexed by
+// peer.
+func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) (byte, []byte)) []error {
 	mu.Lock()
 	list := slices.Clone(conns)
 	mu.Unlock()
@@ -764,7 +1118,11 @@ func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) *fr
 		go func() {
 			defer wg.Done()
 			k.c.SetWriteDeadline(time.Now().Add(broadcastGrace))
-			errs[i] = x.write(k.c, mk(k))
+			typ, msg := mk(k)
+			if typ == recAbort && len(msg) > maxAbortText {
+				msg = msg[:maxAbortText]
+			}
+			errs[i] = k.s.writeMsg(k.c, typ, msg)
 		}()
 	}
 	wg.Wait()
@@ -787,7 +1145,7 @@ func (x *exchange) leaf(ctx context.Context) ([][]byte, error) {
 	}
 	defer k.stopWatch()
 	defer k.c.Close()
-	if err := x.write(k.c, x.frame(frameData, 0, k.theirs, encodeVector(x.out))); err != nil {
+	if err := x.send(k, encodeVector(x.out)); err != nil {
 		return nil, x.fail(0, nil, x.ioErr(ctx, err))
 	}
 	data, err := x.recv(ctx, k)

@@ -1,53 +1,118 @@
 package cluster
 
 import (
+	"crypto/aes"
+	"crypto/cipher"
+	"crypto/hkdf"
 	"crypto/hmac"
 	"crypto/sha256"
+	"crypto/subtle"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
+	"math"
 )
 
 // Exchange protocol errors. Errors of the exchange wrap them; test with
 // errors.Is.
 var (
-	// ErrAuth: a frame's HMAC does not match: the peer uses another token
-	// (or the frame was altered). The connection is dropped.
-	ErrAuth = errors.New("cluster: exchange: authentication failed (HMAC mismatch: do the ranks share the token?)")
+	// ErrAuth: a message does not authenticate: the peer uses another
+	// token, does not know it (a replayed handshake), or the message was
+	// altered in transit. The connection is dropped.
+	ErrAuth = errors.New("cluster: exchange: authentication failed")
 	// ErrJobMismatch: the peer belongs to another job.
 	ErrJobMismatch = errors.New("cluster: exchange: job id mismatch")
-	// ErrBadFrame: a frame is malformed (magic, reserved bits, lengths,
+	// ErrBadFrame: a message is malformed (magic, reserved bits, lengths,
 	// type, ranks).
 	ErrBadFrame = errors.New("cluster: exchange: malformed frame")
-	// ErrFrameTooLarge: a frame exceeds the maximum frame size.
+	// ErrFrameTooLarge: a message exceeds the maximum size
+	// (ExchangeConfig.MaxFrame).
 	ErrFrameTooLarge = errors.New("cluster: exchange: frame too large")
 	// ErrVersion: the peer speaks another version of the protocol.
 	ErrVersion = errors.New("cluster: exchange: unsupported protocol version")
 )
 
+// DefaultMaxFrame is the default maximum size of one message of the
+// exchange (ExchangeConfig.MaxFrame).
+const DefaultMaxFrame = 64 << 20
+
+// Wire protocol, version 2. See the package documentation for the
+// exchange of messages; this file has their encodings.
+//
+// The handshake is made of fixed-size control messages, each starting
+// with an 8-byte prefix (big endian throughout):
+//
+//	[0:4]  magic "GVCX"
+//	[4]    version (2)
+//	[5]    type: msgHello, msgProof, msgAccept, msgReject
+//	[6:8]  reserved, zero
+//
+// A reader checks the magic and the version from the prefix alone, so a
+// peer of another version fails with ErrVersion whatever it sends next;
+// the rest of a control message has a size fixed by its type.
+//
+//	hello (100 bytes):  prefix, sender rank [8:12], receiver rank [12:16],
+//	                    world size [16:20], job tag [20:36], nonce [36:68],
+//	                    MAC [68:100]
+//	proof (40 bytes):   prefix, MAC [8:40]
+//	accept (8 bytes):   prefix
+//	reject (277 bytes): prefix, sender rank, receiver rank, world size
+//	                    [8:20], code [20], text length [21], text [22:277]
+//	                    (zero padded)
+//
+// After the handshake every message travels in records, sealed with
+// AES-256-GCM under a key per direction:
+//
+//	[0]    record type: recData or recAbort
+//	[1]    flags: recFinal on the last record of a message
+//	[2:4]  plaintext length, at most recordMax
+//	[4:]   ciphertext and 16-byte tag; the 4 header bytes are the
+//	       additional data, the nonce is 4 zero bytes and the record's
+//	       sequence number in its direction (64 bits, from 0)
+//
+// A message is one or more records of one type: every record but the
+// last holds exactly recordMax bytes, and only a message's single record
+// may be empty.
 const (
-	frameMagic    = "GVCX"
-	frameVersion  = 1
-	frameHeader   = 44 // fixed part, see encodeFrame
-	frameMAC      = sha256.Size
-	nonceLen      = 16
+	frameMagic   = "GVCX"
+	frameVersion = 2
+
+	prefixLen = 8
+	nonceLen  = 32
+	tagLen    = 16 // job tag
+	macLen    = sha256.Size
+	helloLen  = prefixLen + 12 + tagLen + nonceLen + macLen // 100
+	proofLen  = prefixLen + macLen                          // 40
+	acceptLen = prefixLen                                   // 8
+	rejectLen = prefixLen + 12 + 2 + maxRejectText          // 277
+
+	maxRejectText = 255
 	maxJobLen     = 255
-	maxRejectText = 256
+	maxAbortText  = 1024
 
-	// DefaultMaxFrame is the default maximum frame size.
-	DefaultMaxFrame = 64 << 20
+	recordHeader = 4
+	recordMax    = 16 << 10
+	aeadOverhead = 16
 )
 
-// Frame types.
+// Control message types.
 const (
-	frameHello  = 1 // nonce: the sender's fresh nonce; no payload
-	frameData   = 2 // nonce: the receiver's nonce; payload: data
-	frameAbort  = 3 // nonce: the receiver's nonce; payload: reason text
-	frameReject = 4 // unauthenticated; payload: reject code + text
+	msgHello  = 1 // a dialer's or an acceptor's hello
+	msgProof  = 2 // the dialer proves the token over both hellos
+	msgAccept = 3 // the acceptor took the peer: records follow
+	msgReject = 4 // unauthenticated: why the acceptor refused
 )
 
-// Reject codes, sent unauthenticated to a dialer whose hello was refused.
+// Record types.
+const (
+	recData  = 1 // an entry (or a vector of entries)
+	recAbort = 2 // the reason the root gave up
+)
+
+const recFinal = 1 // record flag: last record of its message
+
+// Reject codes, sent unauthenticated to a dialer that was refused.
 const (
 	rejectAuth    = 1
 	rejectJob     = 2
@@ -55,132 +120,363 @@ const (
 	rejectRank    = 4
 )
 
-// frame is one message of the exchange protocol. Layout (big endian):
-//
-//	[0:4]    magic "GVCX"
-//	[4]      version
-//	[5]      type
-//	[6:8]    reserved, zero
-//	[8:12]   sender rank
-//	[12:16]  receiver rank
-//	[16:20]  world size
-//	[20:22]  job id length (at most 255)
-//	[22:24]  reserved, zero
-//	[24:28]  payload length
-//	[28:44]  nonce
-//	[44:]    job id, payload
-//	[end-32:] HMAC-SHA256 (key: the token) of everything before it
-//
-// A reject frame carries a zero MAC and is not authenticated: it only
-// tells a dialer why it was refused.
-type frame struct {
-	typ      byte
-	from, to uint32
-	size     uint32
-	nonce    [nonceLen]byte
-	job      string
-	payload  []byte
+// Labels of the MACs and keys: every use of the token has its own.
+const (
+	labelMACKey      = "goverbs/cluster/v2 handshake MAC key"
+	labelJob         = "goverbs/cluster/v2 job\x00"
+	labelDialHello   = "goverbs/cluster/v2 dialer hello\x00"
+	labelAcceptHello = "goverbs/cluster/v2 acceptor hello\x00"
+	labelProof       = "goverbs/cluster/v2 dialer proof\x00"
+	labelDialKey     = "goverbs/cluster/v2 dialer to acceptor"
+	labelAcceptKey   = "goverbs/cluster/v2 acceptor to dialer"
+)
+
+// macKey derives the key of the handshake MACs from the token.
+func macKey(token []byte) []byte {
+	k, err := hkdf.Key(sha256.New, token, nil, labelMACKey, sha256.Size)
+	if err != nil {
+		panic(err) // only for lengths above 255 hashes
+	}
+	return k
 }
 
-// encodeFrame returns the wire form of f, authenticated with key.
-func encodeFrame(f *frame, key []byte) ([]byte, error) {
-	if len(f.job) > maxJobLen {
-		return nil, fmt.Errorf("%w: job id of %d bytes (at most %d)", ErrBadFrame, len(f.job), maxJobLen)
+// jobTag is the job id as it travels: a MAC under the token, so that the
+// job id stays private to the holders of the token and the hello stays
+// fixed-size.
+func jobTag(mk []byte, job string) [tagLen]byte {
+	m := hmac.New(sha256.New, mk)
+	m.Write([]byte(labelJob))
+	m.Write([]byte(job))
+	var t [tagLen]byte
+	copy(t[:], m.Sum(nil))
+	return t
+}
+
+func mac(mk []byte, parts ...[]byte) []byte {
+	m := hmac.New(sha256.New, mk)
+	for _, p := range parts {
+		m.Write(p)
 	}
-	if uint64(len(f.payload)) > 1<<32-1 {
-		return nil, fmt.Errorf("%w: payload of %d bytes", ErrFrameTooLarge, len(f.payload))
-	}
-	b := make([]byte, frameHeader, frameHeader+len(f.job)+len(f.payload)+frameMAC)
+	return m.Sum(nil)
+}
+
+func putPrefix(b []byte, typ byte) {
 	copy(b, frameMagic)
-	b[4], b[5] = frameVersion, f.typ
-	binary.BigEndian.PutUint32(b[8:], f.from)
-	binary.BigEndian.PutUint32(b[12:], f.to)
-	binary.BigEndian.PutUint32(b[16:], f.size)
-	binary.BigEndian.PutUint16(b[20:], uint16(len(f.job)))
-	binary.BigEndian.PutUint32(b[24:], uint32(len(f.payload)))
-	copy(b[28:], f.nonce[:])
-	b = append(b, f.job...)
-	b = append(b, f.payload...)
-	if f.typ == frameReject {
-		return append(b, make([]byte, frameMAC)...), nil
-	}
-	m := hmac.New(sha256.New, key)
-	m.Write(b)
-	return m.Sum(b), nil
+	b[4], b[5], b[6], b[7] = frameVersion, typ, 0, 0
 }
 
-// frameSize returns the encoded size of a frame with a job id of jobLen
-// bytes and a payload of n bytes.
-func frameSize(jobLen, n int) int { return frameHeader + jobLen + n + frameMAC }
+// hello is a decoded hello message.
+type hello struct {
+	from, to, size uint32
+	job            [tagLen]byte
+	nonce          [nonceLen]byte
+}
 
-// readFrame reads and authenticates one frame. Frames larger than max
-// bytes are refused before their body is read. A reject frame is returned
-// without authentication; every other frame must carry a valid HMAC.
-func readFrame(r io.Reader, key []byte, max int) (*frame, error) {
-	var h [frameHeader]byte
-	if _, err := io.ReadFull(r, h[:]); err != nil {
+// encodeHello returns the wire form of h. A dialer's hello (dialer nil)
+// is authenticated on its own; an acceptor's also covers the dialer's
+// hello it answers, which proves the acceptor knows the token now.
+func encodeHello(h *hello, mk []byte, dialer []byte) [helloLen]byte {
+	var b [helloLen]byte
+	putPrefix(b[:], msgHello)
+	binary.BigEndian.PutUint32(b[8:], h.from)
+	binary.BigEndian.PutUint32(b[12:], h.to)
+	binary.BigEndian.PutUint32(b[16:], h.size)
+	copy(b[20:], h.job[:])
+	copy(b[36:], h.nonce[:])
+	copy(b[68:], helloMAC(mk, dialer, b[:68]))
+	return b
+}
+
+func helloMAC(mk, dialer, body []byte) []byte {
+	if dialer == nil {
+		return mac(mk, []byte(labelDialHello), body)
+	}
+	return mac(mk, []byte(labelAcceptHello), dialer, body)
+}
+
+// decodeHello authenticates and decodes a hello read by readControl (see
+// encodeHello for dialer). The MAC is checked before any field is used.
+func decodeHello(b []byte, mk []byte, dialer []byte) (*hello, error) {
+	if len(b) != helloLen || b[5] != msgHello {
+		return nil, fmt.Errorf("%w: not a hello", ErrBadFrame)
+	}
+	if !hmac.Equal(helloMAC(mk, dialer, b[:68]), b[68:]) {
+		return nil, fmt.Errorf("%w: the hello's MAC does not match (do the ranks share the token?)", ErrAuth)
+	}
+	h := &hello{
+		from: binary.BigEndian.Uint32(b[8:]),
+		to:   binary.BigEndian.Uint32(b[12:]),
+		size: binary.BigEndian.Uint32(b[16:]),
+	}
+	copy(h.job[:], b[20:36])
+	copy(h.nonce[:], b[36:68])
+	return h, nil
+}
+
+// proof is the dialer's answer to the acceptor's challenge: a MAC under
+// the token over both hellos, hence over both fresh nonces.
+func proof(mk, dialer, acceptor []byte) [proofLen]byte {
+	var b [proofLen]byte
+	putPrefix(b[:], msgProof)
+	copy(b[8:], mac(mk, []byte(labelProof), dialer, acceptor))
+	return b
+}
+
+// checkProof verifies a proof read by readControl, in constant time.
+func checkProof(b []byte, mk, dialer, acceptor []byte) error {
+	want := proof(mk, dialer, acceptor)
+	if len(b) != proofLen || subtle.ConstantTimeCompare(b, want[:]) != 1 {
+		return fmt.Errorf("%w: the dialer's proof does not match (a replayed hello?)", ErrAuth)
+	}
+	return nil
+}
+
+func acceptMsg() [acceptLen]byte {
+	var b [acceptLen]byte
+	putPrefix(b[:], msgAccept)
+	return b
+}
+
+// reject is a decoded reject message.
+type reject struct {
+	from, to, size uint32
+	code           byte
+	text           string
+}
+
+func encodeReject(r *reject) [rejectLen]byte {
+	var b [rejectLen]byte
+	putPrefix(b[:], msgReject)
+	binary.BigEndian.PutUint32(b[8:], r.from)
+	binary.BigEndian.PutUint32(b[12:], r.to)
+	binary.BigEndian.PutUint32(b[16:], r.size)
+	text := r.text
+	if len(text) > maxRejectText {
+		text = text[:maxRejectText]
+	}
+	b[20], b[21] = r.code, byte(len(text))
+	copy(b[22:], text)
+	return b
+}
+
+func decodeReject(b []byte) (*reject, error) {
+	if len(b) != rejectLen || b[5] != msgReject {
+		return nil, fmt.Errorf("%w: not a reject", ErrBadFrame)
+	}
+	n := int(b[21])
+	if b[20] < rejectAuth || b[20] > rejectRank {
+		return nil, fmt.Errorf("%w: reject code %d", ErrBadFrame, b[20])
+	}
+	for _, c := range b[22+n:] {
+		if c != 0 {
+			return nil, fmt.Errorf("%w: reject padding not zero", ErrBadFrame)
+		}
+	}
+	return &reject{
+		from: binary.BigEndian.Uint32(b[8:]),
+		to:   binary.BigEndian.Uint32(b[12:]),
+		size: binary.BigEndian.Uint32(b[16:]),
+		code: b[20],
+		text: string(b[22 : 22+n]),
+	}, nil
+}
+
+// controlLen is the size of a control message of type typ.
+func controlLen(typ byte) int {
+	switch typ {
+	case msgHello:
+		return helloLen
+	case msgProof:
+		return proofLen
+	case msgAccept:
+		return acceptLen
+	case msgReject:
+		return rejectLen
+	}
+	return 0
+}
+
+// readControl reads one control message of one of the types in want into
+// buf and returns it. It reads the prefix first: a peer speaking another
+// version (or not this protocol) is refused from its first 8 bytes, and
+// nothing beyond the fixed size of the message is ever read.
+func readControl(r io.Reader, buf *[rejectLen]byte, want ...byte) ([]byte, error) {
+	b := buf[:prefixLen]
+	if _, err := io.ReadFull(r, b); err != nil {
 		return nil, err
 	}
-	if string(h[:4]) != frameMagic {
-		return nil, fmt.Errorf("%w: bad magic %q", ErrBadFrame, h[:4])
+	if string(b[:4]) != frameMagic {
+		return nil, fmt.Errorf("%w: bad magic %q", ErrBadFrame, b[:4])
 	}
-	if h[4] != frameVersion {
-		return nil, fmt.Errorf("%w: version %d (this side speaks %d)", ErrVersion, h[4], frameVersion)
+	if b[4] != frameVersion {
+		return nil, fmt.Errorf("%w: the peer speaks version %d, this rank %d", ErrVersion, b[4], frameVersion)
 	}
-	f := &frame{typ: h[5]}
-	if f.typ < frameHello || f.typ > frameReject {
-		return nil, fmt.Errorf("%w: unknown type %d", ErrBadFrame, f.typ)
-	}
-	if h[6] != 0 || h[7] != 0 || h[22] != 0 || h[23] != 0 {
+	if b[6] != 0 || b[7] != 0 {
 		return nil, fmt.Errorf("%w: reserved bits set", ErrBadFrame)
 	}
-	f.from = binary.BigEndian.Uint32(h[8:])
-	f.to = binary.BigEndian.Uint32(h[12:])
-	f.size = binary.BigEndian.Uint32(h[16:])
-	jobLen := int(binary.BigEndian.Uint16(h[20:]))
-	n := uint64(binary.BigEndian.Uint32(h[24:]))
-	copy(f.nonce[:], h[28:])
-	if jobLen > maxJobLen {
-		return nil, fmt.Errorf("%w: job id of %d bytes (at most %d)", ErrBadFrame, jobLen, maxJobLen)
+	ok := false
+	for _, t := range want {
+		ok = ok || b[5] == t
 	}
-	if total := uint64(frameSize(jobLen, 0)) + n; total > uint64(max) {
-		return nil, fmt.Errorf("%w: %d bytes (at most %d)", ErrFrameTooLarge, total, max)
+	if !ok {
+		return nil, fmt.Errorf("%w: message type %d, expected one of %v", ErrBadFrame, b[5], want)
 	}
-	if f.typ == frameHello && n != 0 {
-		return nil, fmt.Errorf("%w: hello with a payload", ErrBadFrame)
-	}
-	if f.typ == frameReject && n > maxRejectText+1 {
-		return nil, fmt.Errorf("%w: reject of %d bytes", ErrBadFrame, n)
-	}
-	b := make([]byte, frameHeader+jobLen+int(n)+frameMAC)
-	copy(b, h[:])
-	if _, err := io.ReadFull(r, b[frameHeader:]); err != nil {
+	b = buf[:controlLen(b[5])]
+	if _, err := io.ReadFull(r, b[prefixLen:]); err != nil {
 		if err == io.EOF {
 			err = io.ErrUnexpectedEOF
 		}
 		return nil, err
 	}
-	body, mac := b[:len(b)-frameMAC], b[len(b)-frameMAC:]
-	if f.typ != frameReject {
-		m := hmac.New(sha256.New, key)
-		m.Write(body)
-		if !hmac.Equal(m.Sum(nil), mac) {
-			return nil, ErrAuth
-		}
-	}
-	f.job = string(body[frameHeader : frameHeader+jobLen])
-	f.payload = body[frameHeader+jobLen:]
-	if f.typ == frameReject && len(f.payload) == 0 {
-		return nil, fmt.Errorf("%w: reject without a code", ErrBadFrame)
-	}
-	return f, nil
+	return b, nil
 }
 
-// rejectError turns a reject frame into the error the dialer reports.
-func rejectError(f *frame) error {
-	code, text := f.payload[0], string(f.payload[1:])
+// sessionKeys derives the record keys of a connection from the token and
+// the transcript of its handshake (both hellos, hence both nonces): every
+// connection, and each direction of it, has its own keys.
+func sessionKeys(token, dialer, acceptor []byte) (d2a, a2d []byte) {
+	th := sha256.New()
+	th.Write(dialer)
+	th.Write(acceptor)
+	salt := th.Sum(nil)
+	d2a, err1 := hkdf.Key(sha256.New, token, salt, labelDialKey, 32)
+	a2d, err2 := hkdf.Key(sha256.New, token, salt, labelAcceptKey, 32)
+	if err := errors.Join(err1, err2); err != nil {
+		panic(err)
+	}
+	return d2a, a2d
+}
+
+func newAEAD(key []byte) cipher.AEAD {
+	b, err := aes.NewCipher(key)
+	if err != nil {
+		panic(err) // 32-byte keys only
+	}
+	g, err := cipher.NewGCM(b)
+	if err != nil {
+		panic(err)
+	}
+	return g
+}
+
+// session seals and opens the records of an authenticated connection.
+// Writing and reading may run concurrently, each in one goroutine at a
+// time.
+type session struct {
+	send, recv       cipher.AEAD
+	sendSeq, recvSeq uint64
+}
+
+func newSession(sendKey, recvKey []byte) *session {
+	return &session{send: newAEAD(sendKey), recv: newAEAD(recvKey)}
+}
+
+func seqNonce(seq uint64) []byte {
+	var n [12]byte
+	binary.BigEndian.PutUint64(n[4:], seq)
+	return n[:]
+}
+
+// writeMsg sends payload as a message of type typ, in records of at most
+// recordMax bytes.
+func (s *session) writeMsg(w io.Writer, typ byte, payload []byte) error {
+	buf := make([]byte, recordHeader+min(len(payload), recordMax)+aeadOverhead)
+	for first := true; first || len(payload) > 0; first = false {
+		n := min(len(payload), recordMax)
+		if s.sendSeq == math.MaxUint64 {
+			return fmt.Errorf("cluster: exchange: record sequence exhausted")
+		}
+		h := buf[:recordHeader]
+		h[0], h[1] = typ, 0
+		if n == len(payload) {
+			h[1] = recFinal
+		}
+		binary.BigEndian.PutUint16(h[2:], uint16(n))
+		rec := s.send.Seal(h, seqNonce(s.sendSeq), payload[:n], h)
+		s.sendSeq++
+		if _, err := w.Write(rec); err != nil {
+			return err
+		}
+		payload = payload[n:]
+	}
+	return nil
+}
+
+// readMsg reads one message, of at most max bytes (maxAbortText for an
+// abort). Each record is authenticated before its plaintext is kept, and
+// the message grows only as records arrive: a declared length is never
+// allocated ahead.
+func (s *session) readMsg(r io.Reader, max int) (typ byte, msg []byte, err error) {
+	var h [recordHeader]byte
+	var buf []byte
+	for first := true; ; first = false {
+		if _, err := io.ReadFull(r, h[:]); err != nil {
+			if err == io.EOF && !first {
+				err = io.ErrUnexpectedEOF
+			}
+			return 0, nil, err
+		}
+		t, flags, n := h[0], h[1], int(binary.BigEndian.Uint16(h[2:]))
+		switch {
+		case t != recData && t != recAbort:
+			return 0, nil, fmt.Errorf("%w: record type %d", ErrBadFrame, t)
+		case !first && t != typ:
+			return 0, nil, fmt.Errorf("%w: record of type %d in a message of type %d", ErrBadFrame, t, typ)
+		case flags&^recFinal != 0:
+			return 0, nil, fmt.Errorf("%w: record flags %#x", ErrBadFrame, flags)
+		case n > recordMax:
+			return 0, nil, fmt.Errorf("%w: record of %d bytes (at most %d)", ErrBadFrame, n, recordMax)
+		case flags&recFinal == 0 && n != recordMax:
+			return 0, nil, fmt.Errorf("%w: short record of %d bytes inside a message", ErrBadFrame, n)
+		case n == 0 && !first:
+			return 0, nil, fmt.Errorf("%w: empty record ending a message", ErrBadFrame)
+		}
+		typ = t
+		limit := max
+		if t == recAbort {
+			limit = maxAbortText
+		}
+		if len(msg)+n > limit {
+			return 0, nil, fmt.Errorf("%w: message of more than %d bytes (at most %d)", ErrFrameTooLarge, len(msg)+n, limit)
+		}
+		if buf == nil {
+			buf = make([]byte, recordMax+aeadOverhead)
+		}
+		ct := buf[:n+aeadOverhead]
+		if _, err := io.ReadFull(r, ct); err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return 0, nil, err
+		}
+		if s.recvSeq == math.MaxUint64 {
+			return 0, nil, fmt.Errorf("cluster: exchange: record sequence exhausted")
+		}
+		pt, err := s.recv.Open(ct[:0], seqNonce(s.recvSeq), ct, h[:])
+		if err != nil {
+			return 0, nil, fmt.Errorf("%w: record %d does not authenticate (altered in transit, or not from the peer)", ErrAuth, s.recvSeq)
+		}
+		s.recvSeq++
+		if msg == nil {
+			msg = make([]byte, 0, n)
+		}
+		msg = append(msg, pt...)
+		if flags&recFinal != 0 {
+			return typ, msg, nil
+		}
+	}
+}
+
+// wireSize is the size on the wire of a message of n bytes.
+func wireSize(n int) int {
+	records := max(1, (n+recordMax-1)/recordMax)
+	return n + records*(recordHeader+aeadOverhead)
+}
+
+// rejectError turns a reject into the error the dialer reports.
+func rejectError(r *reject) error {
 	var cause error
-	switch code {
+	switch r.code {
 	case rejectAuth:
 		cause = ErrAuth
 	case rejectJob:
@@ -190,7 +486,7 @@ func rejectError(f *frame) error {
 	default:
 		cause = ErrBadFrame
 	}
-	return fmt.Errorf("rank %d refused the connection: %w (%q)", f.from, cause, sanitize(text))
+	return fmt.Errorf("rank %d refused the connection: %w (%q)", r.from, cause, sanitize(r.text))
 }
 
 // rejectCode is the reject code for a handshake error.
@@ -208,8 +504,8 @@ func rejectCode(err error) byte {
 
 // sanitize keeps printable ASCII of a peer-supplied text.
 func sanitize(s string) string {
-	if len(s) > maxRejectText {
-		s = s[:maxRejectText]
+	if len(s) > maxAbortText {
+		s = s[:maxAbortText]
 	}
 	b := []byte(s)
 	for i, c := range b {
@@ -223,17 +519,21 @@ func sanitize(s string) string {
 // encodeVector encodes a list of byte strings: count, then length and
 // bytes of each (big endian uint32s).
 func encodeVector(v [][]byte) []byte {
-	n := 4
-	for _, e := range v {
-		n += 4 + len(e)
-	}
-	b := make([]byte, 0, n)
+	b := make([]byte, 0, vectorSize(v))
 	b = binary.BigEndian.AppendUint32(b, uint32(len(v)))
 	for _, e := range v {
 		b = binary.BigEndian.AppendUint32(b, uint32(len(e)))
 		b = append(b, e...)
 	}
 	return b
+}
+
+func vectorSize(v [][]byte) int {
+	n := 4
+	for _, e := range v {
+		n += 4 + len(e)
+	}
+	return n
 }
 
 // decodeVector decodes encodeVector's output, which must hold exactly

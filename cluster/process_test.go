@@ -14,10 +14,11 @@ import (
 	"time"
 )
 
-// procChildEnv makes the test binary a helper process: "dial:ADDR:RANK:SIZE"
-// says hello to ADDR as rank RANK of SIZE; "accept:RANK:SIZE" accepts one
+// procChildEnv makes the test binary a helper process: "dial,ADDR,RANK,SIZE"
+// says hello to ADDR as rank RANK of SIZE; "accept,RANK,SIZE" accepts one
 // hello on the listener inherited as fd 3. Either way it then prints
-// "ready" and waits to be killed.
+// "ready" and waits to be killed. "attack,MODE,SIZE" is the root of
+// TestExchangeStrangerMemory (see attackRoot).
 const procChildEnv = "GOVERBS_CLUSTER_TEST_CHILD"
 
 func TestMain(m *testing.M) {
@@ -44,11 +45,13 @@ func procChild(spec string) int {
 		if parts[4] == "data" {
 			// A leaf of a rendezvous: send its entries, then wait for
 			// the root's answer.
-			if err := x.write(k.c, x.frame(frameData, 0, k.theirs, encodeVector(make([][]byte, size)))); err != nil {
+			if err := x.send(k, encodeVector(make([][]byte, size))); err != nil {
 				fmt.Println("error:", err)
 				return 1
 			}
 		}
+	case "attack":
+		return attackRoot(parts[1], atoi(parts[2]))
 	case "accept":
 		rank, size := atoi(parts[1]), atoi(parts[2])
 		f := os.NewFile(3, "listener")
@@ -62,7 +65,7 @@ func procChild(spec string) int {
 			fmt.Println("error:", err)
 			return 1
 		}
-		if _, err := procExchange(rank, size).accept(ctx, c, func(int) error { return nil }); err != nil {
+		if _, err := procExchange(rank, size).accept(ctx, c, nil, nil, func(int) error { return nil }); err != nil {
 			fmt.Println("error:", err)
 			return 1
 		}
