@@ -129,9 +129,9 @@ func (b *sendBatch) addData(wr prov.SendWR, data []byte) *Request {
 		return &b.scratch
 	}
 	i := len(b.wrs)
-	wr.Flags |= prov.SendInline
 	wr.SGEIndex, wr.NumSGE = uint32(len(b.sges)), 0
-	if len(data) > 0 {
+	if len(data) > 0 { // empty: a plain send or write of nothing
+		wr.Flags |= prov.SendInline
 		if len(b.staging)-b.staged < len(data) {
 			// Only without staging memory: each request's share is
 			// MaxInlineData bytes.

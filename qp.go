@@ -574,9 +574,9 @@ func (q *qpCore) postData(wr prov.SendWR, data []byte) error {
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	wr.Flags |= prov.SendInline
 	wr.SGEIndex, wr.NumSGE = 0, 0
-	if len(data) > 0 {
+	if len(data) > 0 { // empty: a plain send or write of nothing
+		wr.Flags |= prov.SendInline
 		p := unsafe.Pointer(unsafe.SliceData(data))
 		q.pin.Pin(p)
 		defer q.pin.Unpin()
