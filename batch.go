@@ -219,7 +219,10 @@ func rdmaWR(op prov.WROpcode, wrid uint64, r RemoteAddr) prov.SendWR {
 // It is not safe for concurrent use; use one batch per goroutine.
 type RCBatch struct{ sendBatch }
 
-// NewBatch returns a batch of up to n work requests (default 64) for the QP.
+// NewBatch returns a batch of up to n work requests (default 64) for the
+// QP. The batch keeps its requests, and room for n times the QP's
+// MaxInlineData bytes of inline data (SendInline and its kin), in memory
+// outside the Go heap, freed when the batch is garbage-collected.
 func (q *RCQueuePair) NewBatch(n int) *RCBatch {
 	b := new(RCBatch)
 	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
@@ -306,7 +309,8 @@ func (b *RCBatch) FetchAdd(wrid uint64, dst RemoteAddr, add uint64, result SGE) 
 // UCBatch collects work requests for a UC queue pair.
 type UCBatch struct{ sendBatch }
 
-// NewBatch returns a batch of up to n work requests (default 64) for the QP.
+// NewBatch returns a batch of up to n work requests (default 64) for the
+// QP (see RCQueuePair.NewBatch).
 func (q *UCQueuePair) NewBatch(n int) *UCBatch {
 	b := new(UCBatch)
 	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
@@ -374,7 +378,8 @@ type Destination struct {
 // UDBatch collects sends for a UD queue pair.
 type UDBatch struct{ sendBatch }
 
-// NewBatch returns a batch of up to n sends (default 64) for the QP.
+// NewBatch returns a batch of up to n sends (default 64) for the QP (see
+// RCQueuePair.NewBatch).
 func (q *UDQueuePair) NewBatch(n int) *UDBatch {
 	b := new(UDBatch)
 	newSendBatch(b, &b.sendBatch, &q.qpCore, n)

@@ -248,9 +248,10 @@ func (m *MemoryRegion) Remote() RemoteRegion {
 // It fails, naming them, while MRs registered on part of its memory
 // (Register) are open. It waits for posts that are copying inline data
 // from the MR (a post holds the MRs of its inline SGEs until its provider
-// has copied the data, which it does before the post returns); posts
-// that start later and name the MR fail with an error wrapping ErrClosed.
-// It is idempotent.
+// has copied the data, which it does before the post returns); inline
+// posts that name the MR later fail, with an error wrapping ErrClosed
+// while Close runs and EINVAL (no open MR has the lkey) after it. It is
+// idempotent.
 func (m *MemoryRegion) Close() error {
 	return m.res.close(func() error {
 		if r := m.inl; r != nil {
