@@ -35,8 +35,13 @@ func (r *Request) Fenced() *Request { r.wr.Flags |= prov.SendFence; return r }
 func (r *Request) Solicited() *Request { r.wr.Flags |= prov.SendSolicited; return r }
 
 // Inline copies the payload into the request at Submit: the buffer may be
-// reused as soon as Submit returns, needs no lkey, and must not exceed the
-// QP's MaxInlineData.
+// reused as soon as Submit returns. The request must be a send or a
+// write of at most the QP's MaxInlineData bytes, and, unlike what
+// libibverbs requires, every SGE must still name memory registered in the
+// QP's PD with its lkey and lie inside it: Submit checks it before
+// anything is posted, so that a bad SGE is an error, not a read of
+// arbitrary memory. For bytes that are not in a memory region, use
+// SendInline, WriteInline and their kin.
 func (r *Request) Inline() *Request { r.wr.Flags |= prov.SendInline; return r }
 
 // WithFlags adds send flags.
@@ -51,6 +56,16 @@ type sendBatch struct {
 	maxSGE  int
 	err     error
 	scratch Request // target of modifiers after an overflow
+
+	// Inline payloads of SendInline and its kin, copied into staging (n
+	// times MaxInlineData bytes outside the Go heap, next to the requests)
+	// up to staged. Bit i of own marks request i as one of them: its SGE
+	// names staging, not memory of an MR.
+	staging []byte
+	staged  int
+	own     []uint64
+	nown    int
+	hold    inlineHold // MRs read by the inline requests of a Submit
 }
 
 func newSendBatch[T any](owner *T, b *sendBatch, q *qpCore, n int) {
@@ -59,11 +74,14 @@ func newSendBatch[T any](owner *T, b *sendBatch, q *qpCore, n int) {
 	}
 	b.q = q
 	b.maxSGE = max(q.cap.MaxSendSGE, 1)
+	b.own = make([]uint64, (n+63)/64)
 	wrSize := int(unsafe.Sizeof(prov.SendWR{}))
 	sgeSize := int(unsafe.Sizeof(prov.SGE{}))
-	r, err := mem.Alloc(n*wrSize+n*b.maxSGE*sgeSize, "batch", false)
+	inline := n * max(q.cap.MaxInlineData, 0)
+	r, err := mem.Alloc(n*wrSize+n*b.maxSGE*sgeSize+inline, "batch", false)
 	if err != nil {
-		// Fall back to the Go heap: still correct, just not off-heap.
+		// Fall back to the Go heap: still correct, just not off-heap
+		// (and without staging: SendInline and its kin fail).
 		b.wrs = make([]prov.SendWR, 0, n)
 		b.sges = make([]prov.SGE, 0, n*b.maxSGE)
 		return
@@ -71,6 +89,7 @@ func newSendBatch[T any](owner *T, b *sendBatch, q *qpCore, n int) {
 	base := r.Ptr()
 	b.wrs = unsafe.Slice((*prov.SendWR)(base), n)[:0]
 	b.sges = unsafe.Slice((*prov.SGE)(unsafe.Add(base, n*wrSize)), n*b.maxSGE)[:0]
+	b.staging = r.Bytes()[n*wrSize+n*b.maxSGE*sgeSize:][:inline:inline]
 	runtime.AddCleanup(owner, func(r *mem.Region) { r.Free() }, r)
 }
 
@@ -94,6 +113,43 @@ func (b *sendBatch) add(wr prov.SendWR, sgl []SGE) *Request {
 	return (*Request)(unsafe.Pointer(&b.wrs[len(b.wrs)-1]))
 }
 
+// addData adds wr as an inline request whose payload is a copy of data
+// in the batch's staging memory.
+func (b *sendBatch) addData(wr prov.SendWR, data []byte) *Request {
+	if b.err != nil {
+		return &b.scratch
+	}
+	if len(b.wrs) == cap(b.wrs) {
+		b.err = fmt.Errorf("%w (%d requests)", errBatchFull, cap(b.wrs))
+		return &b.scratch
+	}
+	if len(data) > b.q.cap.MaxInlineData {
+		b.err = fmt.Errorf("request %d: %d bytes of inline data, the queue pair allows %d (max_inline_data): %w",
+			len(b.wrs), len(data), max(b.q.cap.MaxInlineData, 0), syscall.EINVAL)
+		return &b.scratch
+	}
+	i := len(b.wrs)
+	wr.SGEIndex, wr.NumSGE = uint32(len(b.sges)), 0
+	if len(data) > 0 { // empty: a plain send or write of nothing
+		wr.Flags |= prov.SendInline
+		if len(b.staging)-b.staged < len(data) {
+			// Only without staging memory: each request's share is
+			// MaxInlineData bytes.
+			b.err = fmt.Errorf("request %d: no memory to stage %d bytes of inline data: %w", i, len(data), ErrQueueFull)
+			return &b.scratch
+		}
+		dst := b.staging[b.staged : b.staged+len(data)]
+		copy(dst, data)
+		b.staged += len(data)
+		b.sges = append(b.sges, prov.SGE{Addr: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(dst)))), Length: uint32(len(data))})
+		wr.NumSGE = 1
+	}
+	b.own[i>>6] |= 1 << (i & 63)
+	b.nown++
+	b.wrs = append(b.wrs, wr)
+	return (*Request)(unsafe.Pointer(&b.wrs[i]))
+}
+
 func (b *sendBatch) submit() error {
 	if err := b.err; err != nil {
 		b.reset()
@@ -106,8 +162,20 @@ func (b *sendBatch) submit() error {
 		b.reset()
 		return b.q.res.errClosed("post send")
 	}
-	n, err := b.q.qp.PostSend(b.wrs, b.sges)
+	var own []uint64
+	if b.nown > 0 {
+		own = b.own
+	}
+	k, bad := checkInline(&b.q.pd.mrs, &b.hold, b.wrs, b.sges, own, b.q.cap.MaxInlineData)
+	n, err := 0, error(nil)
+	if k > 0 {
+		n, err = b.q.qp.PostSend(b.wrs[:k], b.sges)
+	}
+	b.hold.release()
 	b.reset()
+	if err == nil && bad != nil {
+		n, err = k, bad
+	}
 	if err != nil {
 		return &PostError{Posted: n, Err: opErr("post send", b.q.devNm, err)}
 	}
@@ -115,6 +183,10 @@ func (b *sendBatch) submit() error {
 }
 
 func (b *sendBatch) reset() {
+	if b.nown > 0 {
+		clear(b.own)
+		b.nown, b.staged = 0, 0
+	}
 	b.wrs, b.sges, b.err = b.wrs[:0], b.sges[:0], nil
 	b.scratch = Request{}
 }
@@ -131,7 +203,10 @@ func (b *sendBatch) Reset() { b.reset() }
 // Submit posts every request of the batch with one provider call and
 // empties the batch. If the device rejects a request, the error is a
 // *PostError saying how many were accepted (those will complete); the rest
-// were not posted. Overfilling the batch is reported here too.
+// were not posted. Overfilling the batch, and inline data that is too
+// long, are reported here too, with nothing posted. Inline requests are
+// checked first (see Request.Inline): the requests before the first that
+// fails the check are posted, and a *PostError names it.
 func (b *sendBatch) Submit() error { return b.submit() }
 
 func sendWR(op prov.WROpcode, wrid uint64) prov.SendWR { return prov.SendWR{WRID: wrid, Opcode: op} }
@@ -144,7 +219,10 @@ func rdmaWR(op prov.WROpcode, wrid uint64, r RemoteAddr) prov.SendWR {
 // It is not safe for concurrent use; use one batch per goroutine.
 type RCBatch struct{ sendBatch }
 
-// NewBatch returns a batch of up to n work requests (default 64) for the QP.
+// NewBatch returns a batch of up to n work requests (default 64) for the
+// QP. The batch keeps its requests, and room for n times the QP's
+// MaxInlineData bytes of inline data (SendInline and its kin), in memory
+// outside the Go heap, freed when the batch is garbage-collected.
 func (q *RCQueuePair) NewBatch(n int) *RCBatch {
 	b := new(RCBatch)
 	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
@@ -175,6 +253,37 @@ func (b *RCBatch) WriteImm(wrid uint64, dst RemoteAddr, imm uint32, sgl ...SGE) 
 	return b.add(wr, sgl)
 }
 
+// SendInline adds an inline send of data, which needs no memory region:
+// it may be any Go memory. SendInline copies data into the batch (memory
+// outside the Go heap, MaxInlineData bytes per request), so data may be
+// reused as soon as it returns; Submit copies it into the work request.
+// More than the QP's MaxInlineData bytes is an error, reported by Submit
+// before anything is posted.
+func (b *RCBatch) SendInline(wrid uint64, data []byte) *Request {
+	return b.addData(sendWR(prov.WRSend, wrid), data)
+}
+
+// SendImmInline adds an inline send of data with immediate data (see
+// SendInline).
+func (b *RCBatch) SendImmInline(wrid uint64, imm uint32, data []byte) *Request {
+	wr := sendWR(prov.WRSendImm, wrid)
+	wr.Imm = imm
+	return b.addData(wr, data)
+}
+
+// WriteInline adds an inline RDMA write of data to dst (see SendInline).
+func (b *RCBatch) WriteInline(wrid uint64, dst RemoteAddr, data []byte) *Request {
+	return b.addData(rdmaWR(prov.WRWrite, wrid, dst), data)
+}
+
+// WriteImmInline adds an inline RDMA write of data to dst with immediate
+// data (see SendInline).
+func (b *RCBatch) WriteImmInline(wrid uint64, dst RemoteAddr, imm uint32, data []byte) *Request {
+	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
+	wr.Imm = imm
+	return b.addData(wr, data)
+}
+
 // Read adds an RDMA read from src into sgl (the local MR needs AccessLocalWrite).
 func (b *RCBatch) Read(wrid uint64, src RemoteAddr, sgl ...SGE) *Request {
 	return b.add(rdmaWR(prov.WRRead, wrid, src), sgl)
@@ -200,7 +309,8 @@ func (b *RCBatch) FetchAdd(wrid uint64, dst RemoteAddr, add uint64, result SGE) 
 // UCBatch collects work requests for a UC queue pair.
 type UCBatch struct{ sendBatch }
 
-// NewBatch returns a batch of up to n work requests (default 64) for the QP.
+// NewBatch returns a batch of up to n work requests (default 64) for the
+// QP (see RCQueuePair.NewBatch).
 func (q *UCQueuePair) NewBatch(n int) *UCBatch {
 	b := new(UCBatch)
 	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
@@ -231,6 +341,33 @@ func (b *UCBatch) WriteImm(wrid uint64, dst RemoteAddr, imm uint32, sgl ...SGE) 
 	return b.add(wr, sgl)
 }
 
+// SendInline adds an inline send of data (see RCBatch.SendInline).
+func (b *UCBatch) SendInline(wrid uint64, data []byte) *Request {
+	return b.addData(sendWR(prov.WRSend, wrid), data)
+}
+
+// SendImmInline adds an inline send of data with immediate data (see
+// RCBatch.SendInline).
+func (b *UCBatch) SendImmInline(wrid uint64, imm uint32, data []byte) *Request {
+	wr := sendWR(prov.WRSendImm, wrid)
+	wr.Imm = imm
+	return b.addData(wr, data)
+}
+
+// WriteInline adds an inline RDMA write of data to dst (see
+// RCBatch.SendInline).
+func (b *UCBatch) WriteInline(wrid uint64, dst RemoteAddr, data []byte) *Request {
+	return b.addData(rdmaWR(prov.WRWrite, wrid, dst), data)
+}
+
+// WriteImmInline adds an inline RDMA write of data to dst with immediate
+// data (see RCBatch.SendInline).
+func (b *UCBatch) WriteImmInline(wrid uint64, dst RemoteAddr, imm uint32, data []byte) *Request {
+	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
+	wr.Imm = imm
+	return b.addData(wr, data)
+}
+
 // Destination addresses a UD send: the remote port (AH), QP number and Q_Key.
 type Destination struct {
 	AH   *AddressHandle
@@ -241,7 +378,8 @@ type Destination struct {
 // UDBatch collects sends for a UD queue pair.
 type UDBatch struct{ sendBatch }
 
-// NewBatch returns a batch of up to n sends (default 64) for the QP.
+// NewBatch returns a batch of up to n sends (default 64) for the QP (see
+// RCQueuePair.NewBatch).
 func (q *UDQueuePair) NewBatch(n int) *UDBatch {
 	b := new(UDBatch)
 	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
@@ -256,12 +394,20 @@ func udWR(op prov.WROpcode, wrid uint64, to Destination) prov.SendWR {
 	return wr
 }
 
+// noAH records errNoAH unless to has an address handle.
+func (b *UDBatch) noAH(to Destination) bool {
+	if to.AH != nil {
+		return false
+	}
+	if b.err == nil {
+		b.err = errNoAH
+	}
+	return true
+}
+
 // Send adds a datagram to the destination.
 func (b *UDBatch) Send(wrid uint64, to Destination, sgl ...SGE) *Request {
-	if to.AH == nil {
-		if b.err == nil {
-			b.err = errNoAH
-		}
+	if b.noAH(to) {
 		return &b.scratch
 	}
 	return b.add(udWR(prov.WRSend, wrid, to), sgl)
@@ -269,15 +415,32 @@ func (b *UDBatch) Send(wrid uint64, to Destination, sgl ...SGE) *Request {
 
 // SendImm adds a datagram with immediate data.
 func (b *UDBatch) SendImm(wrid uint64, to Destination, imm uint32, sgl ...SGE) *Request {
-	if to.AH == nil {
-		if b.err == nil {
-			b.err = errNoAH
-		}
+	if b.noAH(to) {
 		return &b.scratch
 	}
 	wr := udWR(prov.WRSendImm, wrid, to)
 	wr.Imm = imm
 	return b.add(wr, sgl)
+}
+
+// SendInline adds an inline datagram of data to the destination (see
+// RCBatch.SendInline).
+func (b *UDBatch) SendInline(wrid uint64, to Destination, data []byte) *Request {
+	if b.noAH(to) {
+		return &b.scratch
+	}
+	return b.addData(udWR(prov.WRSend, wrid, to), data)
+}
+
+// SendImmInline adds an inline datagram of data with immediate data (see
+// RCBatch.SendInline).
+func (b *UDBatch) SendImmInline(wrid uint64, to Destination, imm uint32, data []byte) *Request {
+	if b.noAH(to) {
+		return &b.scratch
+	}
+	wr := udWR(prov.WRSendImm, wrid, to)
+	wr.Imm = imm
+	return b.addData(wr, data)
 }
 
 // recvPoster is a QP or an SRQ.

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/verbstest"
 )
 
 // benchPair is two connected RC queue pairs on soft0 with poll-only CQs, a
@@ -13,6 +14,7 @@ type benchPair struct {
 	a, b     *verbs.RCQueuePair
 	cqA, cqB *verbs.CompletionQueue
 	src, dst *verbs.MemoryRegion
+	chunks   []verbs.SGE // src in 64-byte pieces
 }
 
 const benchDepth = 256 // send queue depth of the benchmark QPs
@@ -61,6 +63,9 @@ func newBenchPair(tb testing.TB, size int) *benchPair {
 	for i := range p.src.Bytes() {
 		p.src.Bytes()[i] = byte(i)
 	}
+	for off := 0; off+64 <= size; off += 64 {
+		p.chunks = append(p.chunks, verbstest.SGE(tb, p.src, off, 64))
+	}
 	clear(p.dst.Bytes()) // fault the pages in
 	return p
 }
@@ -70,7 +75,7 @@ func newBenchPair(tb testing.TB, size int) *benchPair {
 func submitPoll(p *benchPair, batch *verbs.RCBatch, wcs []verbs.Completion, n int) error {
 	remote := p.dst.Remote()
 	for i := range n {
-		r := batch.Write(uint64(i), remote.At(uint64(i*64)), p.src.SGE(i*64, 64))
+		r := batch.Write(uint64(i), remote.At(uint64(i*64)), p.chunks[i])
 		if i == n-1 {
 			r.Signaled()
 		}
@@ -128,7 +133,10 @@ func TestSubmitPollNoAlloc(t *testing.T) {
 // the last of each signaled.
 func stream(p *benchPair, batch *verbs.RCBatch, wcs []verbs.Completion, n, size, per int) error {
 	remote := p.dst.Remote().At(0)
-	sge := p.src.SGE(0, size)
+	sge, err := p.src.SGE(0, size)
+	if err != nil {
+		return err
+	}
 	posted, done := 0, 0
 	for done < n {
 		for posted < n {
@@ -217,5 +225,94 @@ func BenchmarkCopy(b *testing.B) {
 				copy(dst, src)
 			}
 		})
+	}
+}
+
+// submitPollInline is submitPoll with inline writes: of SGEs of the
+// source MR (Inline: each SGE is checked against its MR at Submit), or,
+// with data, of Go memory (WriteInline: pinned during Submit).
+func submitPollInline(p *benchPair, batch *verbs.RCBatch, wcs []verbs.Completion, n int, data [][]byte) error {
+	remote := p.dst.Remote()
+	for i := range n {
+		var r *verbs.Request
+		if data != nil {
+			r = batch.WriteInline(uint64(i), remote.At(uint64(i*64)), data[i])
+		} else {
+			r = batch.Write(uint64(i), remote.At(uint64(i*64)), p.chunks[i]).Inline()
+		}
+		if i == n-1 {
+			r.Signaled()
+		}
+	}
+	if err := batch.Submit(); err != nil {
+		return err
+	}
+	for {
+		k, err := p.cqA.Poll(wcs)
+		if err != nil {
+			return err
+		}
+		if k > 0 {
+			return wcs[0].Err()
+		}
+	}
+}
+
+// inlineData returns n 64-byte buffers of Go memory.
+func inlineData(n int) [][]byte {
+	d := make([][]byte, n)
+	for i := range d {
+		d[i] = make([]byte, 64)
+	}
+	return d
+}
+
+// BenchmarkSubmitPollInline is BenchmarkSubmitPoll with inline writes,
+// from the source MR ("SGE") and from Go memory ("Data").
+func BenchmarkSubmitPollInline(b *testing.B) {
+	for _, kind := range []string{"SGE", "Data"} {
+		b.Run(kind, func(b *testing.B) {
+			p := newBenchPair(b, 16*64)
+			batch := p.a.NewBatch(16)
+			wcs := make([]verbs.Completion, 16)
+			var data [][]byte
+			if kind == "Data" {
+				data = inlineData(16)
+			}
+			b.ReportAllocs()
+			for b.Loop() {
+				if err := submitPollInline(p, batch, wcs, 16, data); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// Inline batches, from an MR or from Go memory, do not allocate either.
+func TestSubmitPollInlineNoAlloc(t *testing.T) {
+	p := newBenchPair(t, 16*64)
+	batch := p.a.NewBatch(16)
+	wcs := make([]verbs.Completion, 16)
+	for _, data := range [][][]byte{nil, inlineData(16)} {
+		// Warm up: soft0 gives each send queue slot its inline buffer
+		// when the slot is first used.
+		for range 2 * benchDepth / 16 {
+			if err := submitPollInline(p, batch, wcs, 16, data); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var err error
+		allocs := testing.AllocsPerRun(200, func() {
+			if e := submitPollInline(p, batch, wcs, 16, data); e != nil && err == nil {
+				err = e
+			}
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if allocs != 0 {
+			t.Errorf("a batch of 16 inline writes (Go memory: %v) plus Poll allocates %v times per run, want 0", data != nil, allocs)
+		}
 	}
 }

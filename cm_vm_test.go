@@ -236,15 +236,15 @@ func TestCMDevices(t *testing.T) {
 		cb, sb := cli.mr.Bytes(), srv.mr.Bytes()
 		copy(cb[0:], wdata)
 		copy(cb[4096:], sdata)
-		if err := ac.QP().PostRecv(100, srv.mr.SGE(8192, 64)); err != nil {
+		if err := ac.QP().PostRecv(100, verbstest.SGE(t, srv.mr, 8192, 64)); err != nil {
 			t.Fatal(err)
 		}
-		if err := dc.QP().PostRecv(200, cli.mr.SGE(8192, 64)); err != nil {
+		if err := dc.QP().PostRecv(200, verbstest.SGE(t, cli.mr, 8192, 64)); err != nil {
 			t.Fatal(err)
 		}
 		b := dc.QP().NewBatch(2)
-		b.Write(1, peer.At(1024), cli.mr.SGE(0, len(wdata))).Signaled()
-		b.Send(2, cli.mr.SGE(4096, len(sdata))).Signaled()
+		b.Write(1, peer.At(1024), verbstest.SGE(t, cli.mr, 0, len(wdata))).Signaled()
+		b.Send(2, verbstest.SGE(t, cli.mr, 4096, len(sdata))).Signaled()
 		if err := b.Submit(); err != nil {
 			t.Fatalf("submit write+send: %v", err)
 		}
@@ -282,7 +282,7 @@ func TestCMDevices(t *testing.T) {
 		// Acceptor → dialer: a send.
 		reply := []byte("reply from the acceptor")
 		copy(sb[4096:], reply)
-		if err := ac.QP().PostSend(3, verbs.Signaled, srv.mr.SGE(4096, len(reply))); err != nil {
+		if err := ac.QP().PostSend(3, verbs.Signaled, verbstest.SGE(t, srv.mr, 4096, len(reply))); err != nil {
 			t.Fatal(err)
 		}
 		if c, err := verbstest.PollN(ctx, srv.cq, 1); err != nil {
@@ -300,10 +300,10 @@ func TestCMDevices(t *testing.T) {
 		}
 
 		// Disconnect: the peer sees it, outstanding work is flushed.
-		if err := ac.QP().PostRecv(101, srv.mr.SGE(8192, 64)); err != nil {
+		if err := ac.QP().PostRecv(101, verbstest.SGE(t, srv.mr, 8192, 64)); err != nil {
 			t.Fatal(err)
 		}
-		if err := dc.QP().PostRecv(201, cli.mr.SGE(8192, 64)); err != nil {
+		if err := dc.QP().PostRecv(201, verbstest.SGE(t, cli.mr, 8192, 64)); err != nil {
 			t.Fatal(err)
 		}
 		if err := dc.Disconnect(); err != nil {

@@ -48,6 +48,22 @@
 // an unsignaled request, a later signaled completion on the same QP): do not
 // touch it in between. Inline sends copy the data at Submit.
 //
+// # Memory safety
+//
+// Whatever its SGEs hold, a work request reads or writes only memory of
+// the open memory regions it names, or the byte slices given to it
+// (SendInline and its kin). Devices check non-inline SGEs against their
+// lkeys; inline data, whose lkey libibverbs ignores, is checked by this
+// package before any provider sees it: every inline SGE must lie inside
+// an open memory region of the queue pair's protection domain, named by
+// its lkey, or the post fails with an error wrapping syscall.EINVAL (the
+// requests of a batch before it are posted; a *PostError says how many).
+// The regions named stay mapped until the provider has copied the data:
+// MemoryRegion.Close waits for such posts. Bytes in no memory region are
+// sent inline with RCBatch.SendInline, WriteInline and their kin, and the
+// Post...Inline helpers, up to the queue pair's MaxInlineData.
+// MemoryRegion.SGE refuses a range outside the region.
+//
 // # Errors
 //
 // Calls fail with *OpError (operation, device, cause; errors.Is matches

@@ -247,6 +247,9 @@ const (
 	// Solicited: set the solicited-event bit at the receiver.
 	Solicited = SendFlags(prov.SendSolicited)
 	// Inline: copy the payload into the work request at post time; the
-	// buffer may be reused when Submit returns and needs no lkey.
+	// buffer may be reused when Submit returns. Its SGEs must still lie
+	// in memory regions of the QP's PD, named by their lkeys (the post
+	// checks them; see Request.Inline). For bytes in no memory region,
+	// use SendInline, WriteInline and their kin.
 	Inline = SendFlags(prov.SendInline)
 )

@@ -13,6 +13,7 @@ import (
 	"os"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/goverbs/verbs"
@@ -80,7 +81,11 @@ func Example() {
 	// RDMA-write 11 bytes of src into dst through a, and wait for the
 	// completion.
 	n := copy(src.Bytes(), "hello, RDMA")
-	if err := a.PostWrite(1, verbs.Signaled, dst.Remote().At(0), src.SGE(0, n)); err != nil {
+	sge, err := src.SGE(0, n) // the n bytes at offset 0 of src
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := a.PostWrite(1, verbs.Signaled, dst.Remote().At(0), sge); err != nil {
 		log.Fatal(err)
 	}
 	if err := cq.Wait(context.Background()); err != nil {
@@ -213,11 +218,15 @@ func ExampleRCQueuePair_PostSend() {
 	}
 
 	// Post the receive before the peer sends.
-	if err := l.b.PostRecv(7, rbuf.SGE(0, 64)); err != nil {
+	if err := l.b.PostRecv(7, rbuf.All()); err != nil {
 		log.Fatal(err)
 	}
 	n := copy(sbuf.Bytes(), "ping")
-	if err := l.a.PostSendImm(8, verbs.Signaled, 0xcafe, sbuf.SGE(0, n)); err != nil {
+	sge, err := sbuf.SGE(0, n)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := l.a.PostSendImm(8, verbs.Signaled, 0xcafe, sge); err != nil {
 		log.Fatal(err)
 	}
 	sent, err := wait(l.cqA)
@@ -255,7 +264,11 @@ func ExampleRCQueuePair_PostWrite() {
 	remote := dst.Remote() // what b's owner would send to a's owner
 
 	n := copy(src.Bytes(), "written remotely")
-	if err := l.a.PostWrite(1, verbs.Signaled, remote.At(100), src.SGE(0, n)); err != nil {
+	sge, err := src.SGE(0, n)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := l.a.PostWrite(1, verbs.Signaled, remote.At(100), sge); err != nil {
 		log.Fatal(err)
 	}
 	wc, err := wait(l.cqA)
@@ -267,7 +280,7 @@ func ExampleRCQueuePair_PostWrite() {
 
 	// A write outside the remote region fails at the target with a
 	// remote access error, and nothing outside the region is touched.
-	if err := l.a.PostWrite(2, verbs.Signaled, remote.At(4090), src.SGE(0, n)); err != nil {
+	if err := l.a.PostWrite(2, verbs.Signaled, remote.At(4090), sge); err != nil {
 		log.Fatal(err)
 	}
 	_, err = wait(l.cqA)
@@ -310,7 +323,11 @@ func ExampleRemoteRegion_MarshalBinary() {
 		log.Fatal(err)
 	}
 	n := copy(src.Bytes(), "hello")
-	if err := l.a.PostWrite(1, verbs.Signaled, remote.At(0), src.SGE(0, n)); err != nil {
+	sge, err := src.SGE(0, n)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := l.a.PostWrite(1, verbs.Signaled, remote.At(0), sge); err != nil {
 		log.Fatal(err)
 	}
 	if _, err := wait(l.cqA); err != nil {
@@ -343,7 +360,11 @@ func ExampleRCQueuePair_PostRead() {
 	}
 	copy(remote.Bytes()[512:], "read me")
 
-	if err := l.a.PostRead(1, verbs.Signaled, remote.Remote().At(512), local.SGE(0, 7)); err != nil {
+	sge, err := local.SGE(0, 7)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := l.a.PostRead(1, verbs.Signaled, remote.Remote().At(512), sge); err != nil {
 		log.Fatal(err)
 	}
 	wc, err := wait(l.cqA)
@@ -377,9 +398,13 @@ func ExampleRCQueuePair_atomics() {
 	binary.NativeEndian.PutUint64(word, 10)
 	prior := func() uint64 { return binary.NativeEndian.Uint64(result.Bytes()[:8]) }
 	target := counter.Remote().At(0)
+	into, err := result.SGE(0, 8) // where the prior value lands
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	// Fetch-and-add 5: prior value 10.
-	if err := l.a.PostFetchAdd(1, verbs.Signaled, target, 5, result.SGE(0, 8)); err != nil {
+	if err := l.a.PostFetchAdd(1, verbs.Signaled, target, 5, into); err != nil {
 		log.Fatal(err)
 	}
 	if _, err := wait(l.cqA); err != nil {
@@ -390,7 +415,7 @@ func ExampleRCQueuePair_atomics() {
 	// Compare-and-swap 15 -> 100 succeeds; 15 -> 7 then fails: the word
 	// is 100, which the prior value shows.
 	for _, swap := range []uint64{100, 7} {
-		if err := l.a.PostCompareSwap(2, verbs.Signaled, target, 15, swap, result.SGE(0, 8)); err != nil {
+		if err := l.a.PostCompareSwap(2, verbs.Signaled, target, 15, swap, into); err != nil {
 			log.Fatal(err)
 		}
 		if _, err := wait(l.cqA); err != nil {
@@ -426,7 +451,11 @@ func ExampleRCBatch() {
 	// Eight 1-byte writes, scattering src into every other byte of dst.
 	b := l.a.NewBatch(8)
 	for i := range 8 {
-		req := b.Write(uint64(i), dst.Remote().At(uint64(2*i)), src.SGE(i, 1))
+		sge, err := src.SGE(i, 1)
+		if err != nil {
+			log.Fatal(err)
+		}
+		req := b.Write(uint64(i), dst.Remote().At(uint64(2*i)), sge)
 		if i == 7 {
 			req.Signaled()
 		}
@@ -447,6 +476,66 @@ func ExampleRCBatch() {
 	// requests in batch: 8
 	// completions: 1 wr_id 7 success
 	// "a.b.c.d.e.f.g.h."
+}
+
+// An SGE names bytes of a memory region; SGE refuses a range that does
+// not lie inside it.
+func ExampleMemoryRegion_SGE() {
+	l, err := newLoopback()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer l.Close()
+	mr, err := l.alloc(4096, verbs.AccessLocalWrite)
+	if err != nil {
+		log.Fatal(err)
+	}
+	sge, err := mr.SGE(4000, 96)
+	fmt.Println(sge.Length, sge.Addr == mr.Addr()+4000, err)
+	_, err = mr.SGE(4000, 97)
+	fmt.Println(errors.Is(err, syscall.EINVAL))
+	// Output:
+	// 96 true <nil>
+	// true
+}
+
+// Inline data needs no memory region: small messages from Go memory are
+// copied into the work request when it is posted, so the buffer may be
+// reused as soon as the call returns.
+func ExampleRCQueuePair_PostSendInline() {
+	l, err := newLoopback()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer l.Close()
+	rbuf, err := l.alloc(4096, verbs.AccessLocalWrite)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := l.b.PostRecv(1, rbuf.All()); err != nil {
+		log.Fatal(err)
+	}
+	msg := []byte("small and inline")
+	if err := l.a.PostSendInline(2, verbs.Signaled, msg); err != nil {
+		log.Fatal(err)
+	}
+	copy(msg, "overwritten now!") // the bytes were copied at the post
+	if _, err := wait(l.cqA); err != nil {
+		log.Fatal(err)
+	}
+	got, err := wait(l.cqB)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Printf("%q\n", rbuf.Bytes()[:got.ByteLen])
+
+	// More than the queue pair's MaxInlineData is refused before
+	// anything is posted.
+	err = l.a.PostSendInline(3, verbs.Signaled, make([]byte, l.a.Cap().MaxInlineData+1))
+	fmt.Println(errors.Is(err, syscall.EINVAL))
+	// Output:
+	// "small and inline"
+	// true
 }
 
 // TestReadmeExample checks that README.md shows the code of Example: the

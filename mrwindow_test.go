@@ -63,7 +63,7 @@ func TestRegisterWindow(t *testing.T) {
 				before := bytes.Clone(arena.Bytes())
 				src := p.A.Alloc(t, 64, verbs.AccessLocalWrite)
 				verbstest.Pattern(src.Bytes(), 0x11)
-				if err := p.QA.PostWrite(1, verbs.Signaled, win.Remote().At(10), src.SGE(0, 64)); err != nil {
+				if err := p.QA.PostWrite(1, verbs.Signaled, win.Remote().At(10), verbstest.SGE(t, src, 0, 64)); err != nil {
 					t.Fatal(err)
 				}
 				ctx, cancel := context.WithTimeout(context.Background(), verbstest.DefaultTimeout)

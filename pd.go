@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"syscall"
 	"unsafe"
 
 	"github.com/goverbs/verbs/internal/mem"
@@ -19,6 +20,7 @@ type ProtectionDomain struct {
 	res resource
 	c   *Context
 	pd  prov.PD
+	mrs mrIndex // open MRs by lkey, for the inline check of posts
 }
 
 // AllocPD allocates a protection domain.
@@ -67,6 +69,7 @@ type MemoryRegion struct {
 	buf    []byte      // nil for dma-buf
 	region *mem.Region // owned memory (Alloc)
 	pin    *runtime.Pinner
+	inl    *inlineRef // in pd.mrs while open; nil for dma-buf
 }
 
 // Alloc allocates n bytes of zeroed, page-aligned memory outside the Go heap
@@ -170,6 +173,8 @@ func (pd *ProtectionDomain) register(buf []byte, fd int, off int64, access Acces
 		pm.Close()
 		return nil, opErr(op, pd.c.name, err)
 	}
+	m.inl = &inlineRef{lkey: pm.LKey(), lo: pm.Addr(), hi: pm.Addr() + uint64(pm.Len()), keep: buf}
+	pd.mrs.insert(m.inl)
 	return m, nil
 }
 
@@ -213,15 +218,26 @@ func (m *MemoryRegion) Access() Access { return m.access }
 // PD returns the protection domain of the MR.
 func (m *MemoryRegion) PD() *ProtectionDomain { return m.pd }
 
-// SGE returns a scatter/gather element for n bytes at offset off. It does
-// not check bounds: like hardware, an element outside the MR fails the work
-// request that uses it with a local protection error.
-func (m *MemoryRegion) SGE(off, n int) SGE {
-	return SGE{Addr: m.mr.Addr() + uint64(off), Length: uint32(n), LKey: m.mr.LKey()}
+// SGE returns a scatter/gather element for the n bytes at offset off of
+// the MR. It fails at once, with an error wrapping syscall.EINVAL that
+// names off, n and the MR's length, if off or n is negative, off+n
+// exceeds Len, or n does not fit an SGE's 32-bit length; the SGE is then
+// zero.
+func (m *MemoryRegion) SGE(off, n int) (SGE, error) {
+	l := m.mr.Len()
+	if off < 0 || n < 0 || off > l || n > l-off || uint64(n) > math.MaxUint32 {
+		return SGE{}, fmt.Errorf("verbs: sge of %d bytes at offset %d: outside the memory region (lkey %#x, %d bytes): %w",
+			n, off, m.mr.LKey(), l, syscall.EINVAL)
+	}
+	return SGE{Addr: m.mr.Addr() + uint64(off), Length: uint32(n), LKey: m.mr.LKey()}, nil
 }
 
-// All returns one SGE covering the whole MR.
-func (m *MemoryRegion) All() SGE { return m.SGE(0, m.mr.Len()) }
+// All returns one SGE covering the whole MR. An SGE's length has 32 bits:
+// for an MR of 4 GiB or more, All covers its first 4 GiB - 1 bytes (use
+// SGE for the rest).
+func (m *MemoryRegion) All() SGE {
+	return SGE{Addr: m.mr.Addr(), Length: uint32(min(uint64(m.mr.Len()), math.MaxUint32)), LKey: m.mr.LKey()}
+}
 
 // Remote returns what a peer needs to access the MR with RDMA operations.
 func (m *MemoryRegion) Remote() RemoteRegion {
@@ -230,11 +246,29 @@ func (m *MemoryRegion) Remote() RemoteRegion {
 
 // Close deregisters the MR, unpins Go memory and frees memory from Alloc.
 // It fails, naming them, while MRs registered on part of its memory
-// (Register) are open. It is idempotent.
+// (Register) are open. It waits for posts that are copying inline data
+// from the MR (a post holds the MRs of its inline SGEs until its provider
+// has copied the data, which it does before the post returns); inline
+// posts that name the MR later fail, with an error wrapping ErrClosed
+// while Close runs and EINVAL (no open MR has the lkey) after it. It is
+// idempotent.
 func (m *MemoryRegion) Close() error {
 	return m.res.close(func() error {
+		if r := m.inl; r != nil {
+			// Wait for the posts reading inline data from the MR, and
+			// make later ones fail, before the memory can go away.
+			r.use.Lock()
+			defer r.use.Unlock()
+			m.pd.mrs.remove(r)
+		}
 		if err := m.mr.Close(); err != nil {
+			if m.inl != nil {
+				m.pd.mrs.insert(m.inl)
+			}
 			return opErr("deregister mr", m.pd.c.name, err)
+		}
+		if m.inl != nil {
+			m.inl.dead = true
 		}
 		if m.pin != nil {
 			m.pin.Unpin()

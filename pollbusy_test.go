@@ -46,7 +46,7 @@ func TestPollBusy(t *testing.T) {
 	remote := p.dst.Remote()
 	batch := p.a.NewBatch(3)
 	for i := range 3 {
-		batch.Write(uint64(10+i), remote.At(uint64(i*64)), p.src.SGE(i*64, 64)).Signaled()
+		batch.Write(uint64(10+i), remote.At(uint64(i*64)), p.chunks[i]).Signaled()
 	}
 	if err := batch.Submit(); err != nil {
 		t.Fatal(err)
@@ -107,7 +107,7 @@ func TestPollBusyAfterWait(t *testing.T) {
 	src := p.A.Alloc(t, 64, verbs.AccessLocalWrite)
 	dst := p.B.Alloc(t, 64, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
 	for i := range 2 {
-		if err := qp.PostWrite(uint64(20+i), verbs.Signaled, dst.Remote().At(0), src.SGE(0, 64)); err != nil {
+		if err := qp.PostWrite(uint64(20+i), verbs.Signaled, dst.Remote().At(0), verbstest.SGE(t, src, 0, 64)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -143,7 +143,7 @@ func TestPollBusyNoAlloc(t *testing.T) {
 	var err error
 	allocs := testing.AllocsPerRun(200, func() {
 		for i := range 16 {
-			r := batch.Write(uint64(i), remote.At(uint64(i*64)), p.src.SGE(i*64, 64))
+			r := batch.Write(uint64(i), remote.At(uint64(i*64)), p.chunks[i])
 			if i == 15 {
 				r.Signaled()
 			}

@@ -4,7 +4,11 @@ import "github.com/goverbs/verbs/internal/prov"
 
 // Single-request helpers. Each posts one work request with one provider
 // call; for many requests, a batch is faster. flags may be 0, Signaled,
-// Fenced, Solicited, Inline or a combination.
+// Fenced, Solicited, Inline or a combination. With Inline, the SGEs are
+// checked against their memory regions as in a batch (Request.Inline);
+// the ...Inline helpers send bytes that are in no memory region (see
+// RCBatch.SendInline): data is pinned while the provider copies it and
+// may be reused when the call returns.
 
 // PostSend posts a send of sgl.
 func (q *RCQueuePair) PostSend(wrid uint64, flags SendFlags, sgl ...SGE) error {
@@ -32,6 +36,36 @@ func (q *RCQueuePair) PostWriteImm(wrid uint64, flags SendFlags, dst RemoteAddr,
 	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
 	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
 	return q.postOne(wr, sgl)
+}
+
+// PostSendInline posts an inline send of data, which needs no memory
+// region (at most the QP's MaxInlineData bytes).
+func (q *RCQueuePair) PostSendInline(wrid uint64, flags SendFlags, data []byte) error {
+	wr := sendWR(prov.WRSend, wrid)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postData(wr, data)
+}
+
+// PostSendImmInline posts an inline send of data with immediate data.
+func (q *RCQueuePair) PostSendImmInline(wrid uint64, flags SendFlags, imm uint32, data []byte) error {
+	wr := sendWR(prov.WRSendImm, wrid)
+	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
+	return q.postData(wr, data)
+}
+
+// PostWriteInline posts an inline RDMA write of data to dst.
+func (q *RCQueuePair) PostWriteInline(wrid uint64, flags SendFlags, dst RemoteAddr, data []byte) error {
+	wr := rdmaWR(prov.WRWrite, wrid, dst)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postData(wr, data)
+}
+
+// PostWriteImmInline posts an inline RDMA write of data to dst with
+// immediate data.
+func (q *RCQueuePair) PostWriteImmInline(wrid uint64, flags SendFlags, dst RemoteAddr, imm uint32, data []byte) error {
+	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
+	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
+	return q.postData(wr, data)
 }
 
 // PostRead posts an RDMA read of src into sgl.
@@ -69,6 +103,20 @@ func (q *UCQueuePair) PostWrite(wrid uint64, flags SendFlags, dst RemoteAddr, sg
 	return q.postOne(wr, sgl)
 }
 
+// PostSendInline posts an inline send of data (see RCQueuePair.PostSendInline).
+func (q *UCQueuePair) PostSendInline(wrid uint64, flags SendFlags, data []byte) error {
+	wr := sendWR(prov.WRSend, wrid)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postData(wr, data)
+}
+
+// PostWriteInline posts an inline RDMA write of data to dst.
+func (q *UCQueuePair) PostWriteInline(wrid uint64, flags SendFlags, dst RemoteAddr, data []byte) error {
+	wr := rdmaWR(prov.WRWrite, wrid, dst)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postData(wr, data)
+}
+
 // PostSend posts a datagram to the destination.
 func (q *UDQueuePair) PostSend(wrid uint64, flags SendFlags, to Destination, sgl ...SGE) error {
 	if to.AH == nil {
@@ -87,4 +135,25 @@ func (q *UDQueuePair) PostSendImm(wrid uint64, flags SendFlags, to Destination, 
 	wr := udWR(prov.WRSendImm, wrid, to)
 	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
 	return q.postOne(wr, sgl)
+}
+
+// PostSendInline posts an inline datagram of data to the destination
+// (see RCQueuePair.PostSendInline).
+func (q *UDQueuePair) PostSendInline(wrid uint64, flags SendFlags, to Destination, data []byte) error {
+	if to.AH == nil {
+		return opErr("post send", q.devNm, errNoAH)
+	}
+	wr := udWR(prov.WRSend, wrid, to)
+	wr.Flags = prov.SendFlags(flags)
+	return q.postData(wr, data)
+}
+
+// PostSendImmInline posts an inline datagram of data with immediate data.
+func (q *UDQueuePair) PostSendImmInline(wrid uint64, flags SendFlags, to Destination, imm uint32, data []byte) error {
+	if to.AH == nil {
+		return opErr("post send", q.devNm, errNoAH)
+	}
+	wr := udWR(prov.WRSendImm, wrid, to)
+	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
+	return q.postData(wr, data)
 }

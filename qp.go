@@ -4,8 +4,10 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"fmt"
+	"runtime"
 	"sync"
 	"syscall"
+	"unsafe"
 
 	"github.com/goverbs/verbs/internal/prov"
 )
@@ -102,6 +104,8 @@ type qpCore struct {
 	oneR  [1]prov.RecvWR
 	sgeW  []prov.SGE
 	sgeR  []prov.SGE
+	pin   runtime.Pinner // the payload of postData
+	hold  inlineHold     // the MRs of postOne's inline SGEs
 	devNm string
 }
 
@@ -534,7 +538,8 @@ func (q *qpCore) PostRecv(wrid uint64, sgl ...SGE) error {
 	return nil
 }
 
-// postOne posts a single send request built by the caller in q.oneW.
+// postOne posts a single send request wr with the scatter list sgl. An
+// inline request is checked first, like those of a batch.
 func (q *qpCore) postOne(wr prov.SendWR, sgl []SGE) error {
 	if q.res.isClosed() {
 		return q.res.errClosed("post send")
@@ -549,10 +554,38 @@ func (q *qpCore) postOne(wr prov.SendWR, sgl []SGE) error {
 	}
 	wr.SGEIndex, wr.NumSGE = 0, uint32(len(sgl))
 	q.oneW[0] = wr
-	if _, err := q.qp.PostSend(q.oneW[:], q.sgeW); err != nil {
-		return opErr("post send", q.devNm, err)
+	_, err := checkInline(&q.pd.mrs, &q.hold, q.oneW[:], q.sgeW, nil, q.cap.MaxInlineData)
+	if err == nil {
+		_, err = q.qp.PostSend(q.oneW[:], q.sgeW)
 	}
-	return nil
+	q.hold.release()
+	return opErr("post send", q.devNm, err)
+}
+
+// postData posts a single inline send request wr whose payload is data,
+// pinned while the provider copies it.
+func (q *qpCore) postData(wr prov.SendWR, data []byte) error {
+	if q.res.isClosed() {
+		return q.res.errClosed("post send")
+	}
+	if len(data) > q.cap.MaxInlineData {
+		return opErr("post send", q.devNm, fmt.Errorf("%d bytes of inline data, the queue pair allows %d (max_inline_data): %w",
+			len(data), max(q.cap.MaxInlineData, 0), syscall.EINVAL))
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	wr.SGEIndex, wr.NumSGE = 0, 0
+	if len(data) > 0 { // empty: a plain send or write of nothing
+		wr.Flags |= prov.SendInline
+		p := unsafe.Pointer(unsafe.SliceData(data))
+		q.pin.Pin(p)
+		defer q.pin.Unpin()
+		q.sgeW[0] = prov.SGE{Addr: uint64(uintptr(p)), Length: uint32(len(data))}
+		wr.NumSGE = 1
+	}
+	q.oneW[0] = wr
+	_, err := q.qp.PostSend(q.oneW[:], q.sgeW)
+	return opErr("post send", q.devNm, err)
 }
 
 // RCQueuePair is a reliable connected queue pair: send and receive with

@@ -29,13 +29,13 @@ func TestBlockingOperations(t *testing.T) {
 			n := copy(a.buf.Bytes(), "hello")
 			recv := make(chan channel.Received, 1)
 			go func() {
-				r, err := b.ch.Receive(ctx, b.buf.SGE(1024, 64))
+				r, err := b.ch.Receive(ctx, b.sge(1024, 64))
 				if err != nil {
 					t.Error(err)
 				}
 				recv <- r
 			}()
-			if err := a.ch.Send(ctx, a.buf.SGE(0, n)); err != nil {
+			if err := a.ch.Send(ctx, a.sge(0, n)); err != nil {
 				t.Fatal(err)
 			}
 			r := <-recv
@@ -44,12 +44,12 @@ func TestBlockingOperations(t *testing.T) {
 			}
 		}},
 		{name: "send with immediate", run: func(t *testing.T) {
-			h, err := b.ch.PostReceive(b.buf.SGE(1024, 64))
+			h, err := b.ch.PostReceive(b.sge(1024, 64))
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer h.Release()
-			if err := a.ch.SendImm(ctx, 0xfeed, a.buf.SGE(0, 3)); err != nil {
+			if err := a.ch.SendImm(ctx, 0xfeed, a.sge(0, 3)); err != nil {
 				t.Fatal(err)
 			}
 			if err := h.Wait(ctx); err != nil {
@@ -61,7 +61,7 @@ func TestBlockingOperations(t *testing.T) {
 		}},
 		{name: "write", run: func(t *testing.T) {
 			copy(a.buf.Bytes()[100:], "written")
-			if err := a.ch.Write(ctx, b.buf.Remote().At(2000), a.buf.SGE(100, 7)); err != nil {
+			if err := a.ch.Write(ctx, b.buf.Remote().At(2000), a.sge(100, 7)); err != nil {
 				t.Fatal(err)
 			}
 			if got := string(b.buf.Bytes()[2000:2007]); got != "written" {
@@ -75,7 +75,7 @@ func TestBlockingOperations(t *testing.T) {
 			}
 			defer h.Release()
 			copy(a.buf.Bytes()[100:], "imm-data")
-			if err := a.ch.WriteImm(ctx, b.buf.Remote().At(3000), 42, a.buf.SGE(100, 8)); err != nil {
+			if err := a.ch.WriteImm(ctx, b.buf.Remote().At(3000), 42, a.sge(100, 8)); err != nil {
 				t.Fatal(err)
 			}
 			if err := h.Wait(ctx); err != nil {
@@ -90,7 +90,7 @@ func TestBlockingOperations(t *testing.T) {
 		}},
 		{name: "read", run: func(t *testing.T) {
 			copy(b.buf.Bytes()[4000:], "remote bytes")
-			if err := a.ch.Read(ctx, b.buf.Remote().At(4000), a.buf.SGE(5000, 12)); err != nil {
+			if err := a.ch.Read(ctx, b.buf.Remote().At(4000), a.sge(5000, 12)); err != nil {
 				t.Fatal(err)
 			}
 			if got := string(a.buf.Bytes()[5000:5012]); got != "remote bytes" {
@@ -99,7 +99,7 @@ func TestBlockingOperations(t *testing.T) {
 		}},
 		{name: "read into several SGEs", run: func(t *testing.T) {
 			copy(b.buf.Bytes()[4000:], "abcdefgh")
-			if err := a.ch.Read(ctx, b.buf.Remote().At(4000), a.buf.SGE(6000, 4), a.buf.SGE(7000, 4)); err != nil {
+			if err := a.ch.Read(ctx, b.buf.Remote().At(4000), a.sge(6000, 4), a.sge(7000, 4)); err != nil {
 				t.Fatal(err)
 			}
 			if got := string(a.buf.Bytes()[6000:6004]) + string(a.buf.Bytes()[7000:7004]); got != "abcdefgh" {
@@ -134,7 +134,7 @@ func TestBlockingOperations(t *testing.T) {
 			}
 			// Writes arrive in order: a signaled write after it completes
 			// only after the inline one did.
-			if err := a.ch.Write(ctx, b.buf.Remote().At(9100), a.buf.SGE(0, 1)); err != nil {
+			if err := a.ch.Write(ctx, b.buf.Remote().At(9100), a.sge(0, 1)); err != nil {
 				t.Fatal(err)
 			}
 			if got := string(b.buf.Bytes()[9000:9005]); got != "flag!" {
@@ -162,7 +162,7 @@ func TestWriteInlineRecyclesSendQueue(t *testing.T) {
 			t.Fatalf("write %d: %v", i, err)
 		}
 	}
-	if err := a.ch.Write(ctx, b.buf.Remote().At(64), a.buf.SGE(0, 8)); err != nil {
+	if err := a.ch.Write(ctx, b.buf.Remote().At(64), a.sge(0, 8)); err != nil {
 		t.Fatal(err)
 	}
 	if got := binary.NativeEndian.Uint64(b.buf.Bytes()); got != 1000 {
@@ -178,7 +178,7 @@ func TestCompletionErrorsBreakTheChannel(t *testing.T) {
 	ctx := testCtx(t)
 	bad := b.buf.Remote()
 	bad.RKey ^= 0x5a5a
-	err := a.ch.Write(ctx, bad.At(0), a.buf.SGE(0, 8))
+	err := a.ch.Write(ctx, bad.At(0), a.sge(0, 8))
 	var ce *verbs.CompletionError
 	var oe *channel.OpError
 	if !errors.As(err, &ce) || ce.Status != verbs.StatusRemAccessErr || !errors.As(err, &oe) || oe.Op != "write" {
@@ -187,10 +187,10 @@ func TestCompletionErrorsBreakTheChannel(t *testing.T) {
 	if err := a.ch.Err(); !errors.Is(err, channel.ErrBroken) || !errors.As(err, &ce) {
 		t.Errorf("Err() = %v, want ErrBroken wrapping the completion error", err)
 	}
-	if err := a.ch.Send(ctx, a.buf.SGE(0, 1)); !errors.Is(err, channel.ErrBroken) {
+	if err := a.ch.Send(ctx, a.sge(0, 1)); !errors.Is(err, channel.ErrBroken) {
 		t.Errorf("send on a broken channel: %v, want ErrBroken", err)
 	}
-	if _, err := a.ch.PostWrite(b.buf.Remote().At(0), a.buf.SGE(0, 1)); !errors.Is(err, channel.ErrBroken) {
+	if _, err := a.ch.PostWrite(b.buf.Remote().At(0), a.sge(0, 1)); !errors.Is(err, channel.ErrBroken) {
 		t.Errorf("post on a broken channel: %v, want ErrBroken", err)
 	}
 }
@@ -200,7 +200,7 @@ func TestCancelledBlockingCallBreaks(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	_, err := b.ch.Receive(ctx, b.buf.SGE(0, 64)) // nobody sends
+	_, err := b.ch.Receive(ctx, b.sge(0, 64)) // nobody sends
 	if !errors.Is(err, verbs.ErrTimeout) || !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, channel.ErrBroken) {
 		t.Fatalf("receive: %v, want ErrTimeout, DeadlineExceeded and ErrBroken", err)
 	}
@@ -211,14 +211,14 @@ func TestCancelledBlockingCallBreaks(t *testing.T) {
 		t.Errorf("Err() = %v, want ErrBroken", err)
 	}
 	// The peer's queue pair is fine; ours flushes.
-	if _, err := b.ch.Receive(testCtx(t), b.buf.SGE(0, 64)); !errors.Is(err, channel.ErrBroken) {
+	if _, err := b.ch.Receive(testCtx(t), b.sge(0, 64)); !errors.Is(err, channel.ErrBroken) {
 		t.Errorf("receive after the break: %v", err)
 	}
 	// An already-cancelled context fails without posting or breaking.
 	a2, b2 := newPair(t, channel.Options{})
 	done, cancel2 := context.WithCancel(context.Background())
 	cancel2()
-	if err := a2.ch.Write(done, b2.buf.Remote().At(0), a2.buf.SGE(0, 1)); !errors.Is(err, context.Canceled) {
+	if err := a2.ch.Write(done, b2.buf.Remote().At(0), a2.sge(0, 1)); !errors.Is(err, context.Canceled) {
 		t.Errorf("write with a cancelled context: %v", err)
 	}
 	if err := a2.ch.Err(); err != nil {
@@ -229,7 +229,7 @@ func TestCancelledBlockingCallBreaks(t *testing.T) {
 func TestHandleWaitTimesOutAndResumes(t *testing.T) {
 	a, b := newPair(t, channel.Options{})
 	ctx := testCtx(t)
-	h, err := b.ch.PostReceive(b.buf.SGE(0, 64))
+	h, err := b.ch.PostReceive(b.sge(0, 64))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -248,7 +248,7 @@ func TestHandleWaitTimesOutAndResumes(t *testing.T) {
 		t.Fatalf("a handle wait that timed out broke the channel: %v", err)
 	}
 	copy(a.buf.Bytes(), "late")
-	if err := a.ch.Send(ctx, a.buf.SGE(0, 4)); err != nil {
+	if err := a.ch.Send(ctx, a.sge(0, 4)); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.Wait(ctx); err != nil {
@@ -277,7 +277,7 @@ func TestHandleWaitTimesOutAndResumes(t *testing.T) {
 func TestDetachedHandleAndDrain(t *testing.T) {
 	a, b := newPair(t, channel.Options{})
 	ctx := testCtx(t)
-	h, err := b.ch.PostReceive(b.buf.SGE(0, 64))
+	h, err := b.ch.PostReceive(b.sge(0, 64))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -287,7 +287,7 @@ func TestDetachedHandleAndDrain(t *testing.T) {
 	if err := b.ch.Drain(short); !errors.Is(err, verbs.ErrTimeout) {
 		t.Fatalf("drain with a posted receive: %v, want ErrTimeout", err)
 	}
-	if err := a.ch.Send(ctx, a.buf.SGE(0, 4)); err != nil {
+	if err := a.ch.Send(ctx, a.sge(0, 4)); err != nil {
 		t.Fatal(err)
 	}
 	if err := b.ch.Drain(ctx); err != nil {
@@ -298,11 +298,11 @@ func TestDetachedHandleAndDrain(t *testing.T) {
 func TestNotConnected(t *testing.T) {
 	s := newSide(t, channel.Options{})
 	ctx := testCtx(t)
-	if err := s.ch.Write(ctx, s.buf.Remote().At(0), s.buf.SGE(0, 1)); !errors.Is(err, channel.ErrNotConnected) {
+	if err := s.ch.Write(ctx, s.buf.Remote().At(0), s.sge(0, 1)); !errors.Is(err, channel.ErrNotConnected) {
 		t.Errorf("write before connect: %v, want ErrNotConnected", err)
 	}
 	// Receives may be posted before Connect.
-	h, err := s.ch.PostReceive(s.buf.SGE(0, 8))
+	h, err := s.ch.PostReceive(s.sge(0, 8))
 	if err != nil {
 		t.Fatalf("post receive before connect: %v", err)
 	}
@@ -310,7 +310,7 @@ func TestNotConnected(t *testing.T) {
 	if err := s.ch.Connect(verbs.Endpoint{}); err == nil {
 		t.Error("connect to the zero endpoint succeeded")
 	}
-	if err := s.ch.Write(ctx, s.buf.Remote().At(0), s.buf.SGE(0, 1)); !errors.Is(err, channel.ErrBroken) {
+	if err := s.ch.Write(ctx, s.buf.Remote().At(0), s.sge(0, 1)); !errors.Is(err, channel.ErrBroken) {
 		t.Errorf("write after a failed connect: %v, want ErrBroken", err)
 	}
 }
@@ -344,18 +344,18 @@ func TestQueueFull(t *testing.T) {
 	a, b := newPair(t, channel.Options{MaxOutstanding: 4})
 	var hs []channel.Handle
 	for range 4 {
-		h, err := b.ch.PostReceive(b.buf.SGE(0, 8))
+		h, err := b.ch.PostReceive(b.sge(0, 8))
 		if err != nil {
 			t.Fatal(err)
 		}
 		hs = append(hs, h)
 	}
-	if _, err := b.ch.PostReceive(b.buf.SGE(0, 8)); !errors.Is(err, verbs.ErrQueueFull) {
+	if _, err := b.ch.PostReceive(b.sge(0, 8)); !errors.Is(err, verbs.ErrQueueFull) {
 		t.Errorf("fifth post: %v, want ErrQueueFull", err)
 	}
 	ctx := testCtx(t)
 	for range 4 {
-		if err := a.ch.Send(ctx, a.buf.SGE(0, 1)); err != nil {
+		if err := a.ch.Send(ctx, a.sge(0, 1)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -365,7 +365,7 @@ func TestQueueFull(t *testing.T) {
 		}
 		h.Release()
 	}
-	if _, err := b.ch.PostReceive(b.buf.SGE(0, 8)); err != nil {
+	if _, err := b.ch.PostReceive(b.sge(0, 8)); err != nil {
 		t.Errorf("post after releasing: %v", err)
 	}
 }
@@ -387,11 +387,11 @@ func TestConcurrentOperations(t *testing.T) {
 					return
 				}
 				binary.NativeEndian.PutUint64(a.buf.Bytes()[off:], uint64(i))
-				if err := a.ch.Write(ctx, b.buf.Remote().At(uint64(off)), a.buf.SGE(off, 8)); err != nil {
+				if err := a.ch.Write(ctx, b.buf.Remote().At(uint64(off)), a.sge(off, 8)); err != nil {
 					t.Error(err)
 					return
 				}
-				if err := a.ch.Read(ctx, b.buf.Remote().At(uint64(off)), a.buf.SGE(off+64, 8)); err != nil {
+				if err := a.ch.Read(ctx, b.buf.Remote().At(uint64(off)), a.sge(off+64, 8)); err != nil {
 					t.Error(err)
 					return
 				}
@@ -412,13 +412,13 @@ func TestCloseWithOperationsInFlight(t *testing.T) {
 	s1 := newSide(t, channel.Options{})
 	s2 := newSide(t, channel.Options{})
 	connect(t, s1.ch, s2.ch)
-	h, err := s1.ch.PostReceive(s1.buf.SGE(0, 8))
+	h, err := s1.ch.PostReceive(s1.sge(0, 8))
 	if err != nil {
 		t.Fatal(err)
 	}
 	errc := make(chan error, 1)
 	go func() {
-		_, err := s2.ch.Receive(context.Background(), s2.buf.SGE(0, 8))
+		_, err := s2.ch.Receive(context.Background(), s2.sge(0, 8))
 		errc <- err
 	}()
 	time.Sleep(10 * time.Millisecond)
@@ -439,7 +439,7 @@ func TestCloseWithOperationsInFlight(t *testing.T) {
 	if err := h.Wait(testCtx(t)); err == nil {
 		t.Error("wait on a handle of a closed channel succeeded")
 	}
-	if err := s1.ch.Write(testCtx(t), s2.buf.Remote().At(0), s1.buf.SGE(0, 1)); !errors.Is(err, channel.ErrClosed) {
+	if err := s1.ch.Write(testCtx(t), s2.buf.Remote().At(0), s1.sge(0, 1)); !errors.Is(err, channel.ErrClosed) {
 		t.Errorf("write after close: %v, want ErrClosed", err)
 	}
 	if err := s1.ch.Close(); err != nil {
@@ -457,7 +457,7 @@ func TestBatch(t *testing.T) {
 	err := a.ch.Batch(ctx, func(bt *channel.Batch) error {
 		var hs []channel.Handle
 		for i := range 64 {
-			hs = append(hs, bt.Write(b.buf.Remote().At(uint64(2*i)), a.buf.SGE(i, 1)))
+			hs = append(hs, bt.Write(b.buf.Remote().At(uint64(2*i)), a.sge(i, 1)))
 		}
 		faa := bt.FetchAdd(b.buf.Remote().At(1024), 3)
 		cas := bt.CompareSwap(b.buf.Remote().At(1032), 0, 9)
@@ -473,7 +473,7 @@ func TestBatch(t *testing.T) {
 		if faa.Value() != 0 {
 			return fmt.Errorf("fetch-and-add prior %d", faa.Value())
 		}
-		rd := bt.Read(b.buf.Remote().At(0), a.buf.SGE(4096, 128))
+		rd := bt.Read(b.buf.Remote().At(0), a.sge(4096, 128))
 		if err := bt.Wait(rd); err != nil {
 			return err
 		}
@@ -510,23 +510,23 @@ func TestBatchEndsPollEverything(t *testing.T) {
 	}{
 		{name: "return without waiting", fn: func(bt *channel.Batch) error {
 			for i := range 16 {
-				leaked = append(leaked, bt.Write(b.buf.Remote().At(uint64(i)), a.buf.SGE(i, 1)))
+				leaked = append(leaked, bt.Write(b.buf.Remote().At(uint64(i)), a.sge(i, 1)))
 			}
 			return nil // never flushed: posted and polled at the end
 		}},
 		{name: "error after flush", wantErr: errors.New("boom"), fn: func(bt *channel.Batch) error {
 			for i := range 16 {
-				leaked = append(leaked, bt.Write(b.buf.Remote().At(uint64(i)), a.buf.SGE(i, 1)))
+				leaked = append(leaked, bt.Write(b.buf.Remote().At(uint64(i)), a.sge(i, 1)))
 			}
 			if err := bt.Flush(); err != nil {
 				return err
 			}
-			leaked = append(leaked, bt.Write(b.buf.Remote().At(0), a.buf.SGE(0, 1))) // dropped
+			leaked = append(leaked, bt.Write(b.buf.Remote().At(0), a.sge(0, 1))) // dropped
 			return errors.New("boom")
 		}},
 		{name: "panic", panics: true, fn: func(bt *channel.Batch) error {
 			for i := range 16 {
-				leaked = append(leaked, bt.Read(b.buf.Remote().At(uint64(i)), a.buf.SGE(i, 1)))
+				leaked = append(leaked, bt.Read(b.buf.Remote().At(uint64(i)), a.sge(i, 1)))
 			}
 			bt.Flush()
 			panic("in the scope")
@@ -574,7 +574,7 @@ func TestBatchReportsUnobservedFailures(t *testing.T) {
 	bad := b.buf.Remote()
 	bad.RKey++
 	err := a.ch.Batch(ctx, func(bt *channel.Batch) error {
-		bt.Write(bad.At(0), a.buf.SGE(0, 8))
+		bt.Write(bad.At(0), a.sge(0, 8))
 		return nil
 	})
 	var ce *verbs.CompletionError
@@ -589,7 +589,7 @@ func TestBatchCancelledBreaks(t *testing.T) {
 	defer cancel()
 	start := time.Now()
 	err := b.ch.Batch(ctx, func(bt *channel.Batch) error {
-		bt.Receive(b.buf.SGE(0, 8)) // nobody sends
+		bt.Receive(b.sge(0, 8)) // nobody sends
 		return bt.WaitAll()
 	})
 	if !errors.Is(err, verbs.ErrTimeout) {
@@ -612,7 +612,7 @@ func TestBatchSendReceive(t *testing.T) {
 		errc <- b.ch.Batch(ctx, func(bt *channel.Batch) error {
 			hs := make([]channel.Handle, n)
 			for i := range hs {
-				hs[i] = bt.Receive(b.buf.SGE(64*i, 64))
+				hs[i] = bt.Receive(b.sge(64*i, 64))
 			}
 			if err := bt.WaitAll(); err != nil {
 				return err
@@ -628,7 +628,7 @@ func TestBatchSendReceive(t *testing.T) {
 	err := a.ch.Batch(ctx, func(bt *channel.Batch) error {
 		for i := range n {
 			binary.NativeEndian.PutUint64(a.buf.Bytes()[8*i:], uint64(i))
-			bt.Send(a.buf.SGE(8*i, 8))
+			bt.Send(a.sge(8*i, 8))
 		}
 		return bt.WaitAll()
 	})
@@ -644,9 +644,9 @@ func TestBatchHoldsAllSlots(t *testing.T) {
 	a, b := newPair(t, channel.Options{MaxOutstanding: 8})
 	err := a.ch.Batch(testCtx(t), func(bt *channel.Batch) error {
 		for i := range 8 {
-			bt.Write(b.buf.Remote().At(uint64(i)), a.buf.SGE(i, 1))
+			bt.Write(b.buf.Remote().At(uint64(i)), a.sge(i, 1))
 		}
-		h := bt.Write(b.buf.Remote().At(9), a.buf.SGE(9, 1))
+		h := bt.Write(b.buf.Remote().At(9), a.sge(9, 1))
 		if err := h.Err(); !errors.Is(err, verbs.ErrQueueFull) {
 			return fmt.Errorf("ninth operation: %v, want ErrQueueFull", err)
 		}
@@ -666,7 +666,7 @@ func TestBlockingWriteAllocatesNothing(t *testing.T) {
 	}
 	a, b := newPair(t, channel.Options{})
 	ctx := testCtx(t)
-	dst, src := b.buf.Remote().At(0), a.buf.SGE(0, 64)
+	dst, src := b.buf.Remote().At(0), a.sge(0, 64)
 	allocs := testing.AllocsPerRun(200, func() {
 		if err := a.ch.Write(ctx, dst, src); err != nil {
 			t.Fatal(err)

@@ -29,19 +29,19 @@ func TestOperationErrors(t *testing.T) {
 			run: func(ctx context.Context, a, b *side) error {
 				r := b.buf.Remote()
 				r.RKey ^= 0x5a5a
-				return a.ch.Write(ctx, r.At(0), a.buf.SGE(0, 8))
+				return a.ch.Write(ctx, r.At(0), a.sge(0, 8))
 			}},
 		{name: "write past the end of the region", status: verbs.StatusRemAccessErr, posted: true, broken: true,
 			run: func(ctx context.Context, a, b *side) error {
-				return a.ch.Write(ctx, b.buf.Remote().At(size-4), a.buf.SGE(0, 8))
+				return a.ch.Write(ctx, b.buf.Remote().At(size-4), a.sge(0, 8))
 			}},
 		{name: "read past the end of the region", status: verbs.StatusRemAccessErr, posted: true, broken: true,
 			run: func(ctx context.Context, a, b *side) error {
-				return a.ch.Read(ctx, b.buf.Remote().At(size), a.buf.SGE(0, 1))
+				return a.ch.Read(ctx, b.buf.Remote().At(size), a.sge(0, 1))
 			}},
 		{name: "read before the region", status: verbs.StatusRemAccessErr, posted: true, broken: true,
 			run: func(ctx context.Context, a, b *side) error {
-				return a.ch.Read(ctx, verbs.RemoteAddr{Addr: b.buf.Remote().Addr - 8, RKey: b.buf.RKey()}, a.buf.SGE(0, 8))
+				return a.ch.Read(ctx, verbs.RemoteAddr{Addr: b.buf.Remote().Addr - 8, RKey: b.buf.RKey()}, a.sge(0, 8))
 			}},
 		{name: "fetch-and-add with a wrong rkey", status: verbs.StatusRemAccessErr, posted: true, broken: true,
 			run: func(ctx context.Context, a, b *side) error {
@@ -57,25 +57,27 @@ func TestOperationErrors(t *testing.T) {
 					return err
 				}
 				defer ro.Close()
-				return a.ch.Write(ctx, ro.Remote().At(0), a.buf.SGE(0, 8))
+				return a.ch.Write(ctx, ro.Remote().At(0), a.sge(0, 8))
 			}},
 		{name: "local buffer outside its region", status: verbs.StatusLocProtErr, posted: true, broken: true,
 			run: func(ctx context.Context, a, b *side) error {
-				return a.ch.Write(ctx, b.buf.Remote().At(0), a.buf.SGE(size-4, 8))
+				// 8 bytes from 4 before the end: SGE would refuse it.
+				sge := verbs.SGE{Addr: a.buf.Addr() + size - 4, Length: 8, LKey: a.buf.LKey()}
+				return a.ch.Write(ctx, b.buf.Remote().At(0), sge)
 			}},
 		{name: "send without a receive and no RNR retries", status: verbs.StatusRNRRetryExcErr, posted: true, broken: true,
 			opts: channel.Options{QP: verbs.QPSpec{RNRRetry: -1}},
 			run: func(ctx context.Context, a, b *side) error {
-				return a.ch.Send(ctx, a.buf.SGE(0, 8))
+				return a.ch.Send(ctx, a.sge(0, 8))
 			}},
 		{name: "send larger than the receive buffer", status: verbs.StatusRemInvReqErr, posted: true, broken: true,
 			run: func(ctx context.Context, a, b *side) error {
-				h, err := b.ch.PostReceive(b.buf.SGE(0, 4))
+				h, err := b.ch.PostReceive(b.sge(0, 4))
 				if err != nil {
 					return err
 				}
 				defer h.Release()
-				serr := a.ch.Send(ctx, a.buf.SGE(0, 8))
+				serr := a.ch.Send(ctx, a.sge(0, 8))
 				// The receiver gets a local length error.
 				var ce *verbs.CompletionError
 				if err := h.Wait(ctx); !errors.As(err, &ce) || ce.Status != verbs.StatusLocLenErr {
@@ -88,7 +90,7 @@ func TestOperationErrors(t *testing.T) {
 				if err := b.ch.Close(); err != nil {
 					return err
 				}
-				return a.ch.Write(ctx, b.buf.Remote().At(0), a.buf.SGE(0, 8))
+				return a.ch.Write(ctx, b.buf.Remote().At(0), a.sge(0, 8))
 			}},
 		{name: "misaligned atomic is refused", posted: false, broken: false,
 			run: func(ctx context.Context, a, b *side) error {
@@ -99,7 +101,7 @@ func TestOperationErrors(t *testing.T) {
 			run: func(ctx context.Context, a, b *side) error {
 				sgl := make([]verbs.SGE, a.ch.QueuePair().Cap().MaxSendSGE+1)
 				for i := range sgl {
-					sgl[i] = a.buf.SGE(i, 1)
+					sgl[i] = a.sge(i, 1)
 				}
 				return a.ch.Write(ctx, b.buf.Remote().At(0), sgl...)
 			}},
@@ -132,11 +134,11 @@ func TestOperationErrors(t *testing.T) {
 			}
 			if tc.broken {
 				// Broken for good: later operations fail at once with the cause.
-				err := a.ch.Write(ctx, b.buf.Remote().At(0), a.buf.SGE(0, 1))
+				err := a.ch.Write(ctx, b.buf.Remote().At(0), a.sge(0, 1))
 				if !errors.Is(err, channel.ErrBroken) || !errors.As(err, &ce) || ce.Status != tc.status {
 					t.Errorf("write on the broken channel: %v, want ErrBroken wrapping the first failure", err)
 				}
-			} else if err := a.ch.Write(ctx, b.buf.Remote().At(0), a.buf.SGE(0, 1)); err != nil {
+			} else if err := a.ch.Write(ctx, b.buf.Remote().At(0), a.sge(0, 1)); err != nil {
 				t.Errorf("the channel does not work after a refused post: %v", err)
 			}
 			if tc.posted && tc.name != "peer closed" {
@@ -160,17 +162,17 @@ func TestCancellation(t *testing.T) {
 		run  func(ctx context.Context, a, b *side) error
 	}{
 		{"receive, nobody sends", func(ctx context.Context, a, b *side) error {
-			_, err := b.ch.Receive(ctx, b.buf.SGE(0, 8))
+			_, err := b.ch.Receive(ctx, b.sge(0, 8))
 			return err
 		}},
 		{"send, no receive posted", func(ctx context.Context, a, b *side) error {
-			return a.ch.Send(ctx, a.buf.SGE(0, 8))
+			return a.ch.Send(ctx, a.sge(0, 8))
 		}},
 		{"send with immediate, no receive posted", func(ctx context.Context, a, b *side) error {
-			return a.ch.SendImm(ctx, 7, a.buf.SGE(0, 8))
+			return a.ch.SendImm(ctx, 7, a.sge(0, 8))
 		}},
 		{"write with immediate, no receive posted", func(ctx context.Context, a, b *side) error {
-			return a.ch.WriteImm(ctx, b.buf.Remote().At(0), 7, a.buf.SGE(0, 8))
+			return a.ch.WriteImm(ctx, b.buf.Remote().At(0), 7, a.sge(0, 8))
 		}},
 	}
 	for _, tc := range blocking {
@@ -211,17 +213,17 @@ func TestCancellation(t *testing.T) {
 		name string
 		run  func() error
 	}{
-		{"send", func() error { return a.ch.Send(ended, a.buf.SGE(0, 1)) }},
-		{"send with immediate", func() error { return a.ch.SendImm(ended, 1, a.buf.SGE(0, 1)) }},
-		{"receive", func() error { _, err := a.ch.Receive(ended, a.buf.SGE(0, 1)); return err }},
-		{"write", func() error { return a.ch.Write(ended, b.buf.Remote().At(0), a.buf.SGE(0, 1)) }},
-		{"write with immediate", func() error { return a.ch.WriteImm(ended, b.buf.Remote().At(0), 1, a.buf.SGE(0, 1)) }},
-		{"read", func() error { return a.ch.Read(ended, b.buf.Remote().At(0), a.buf.SGE(0, 1)) }},
+		{"send", func() error { return a.ch.Send(ended, a.sge(0, 1)) }},
+		{"send with immediate", func() error { return a.ch.SendImm(ended, 1, a.sge(0, 1)) }},
+		{"receive", func() error { _, err := a.ch.Receive(ended, a.sge(0, 1)); return err }},
+		{"write", func() error { return a.ch.Write(ended, b.buf.Remote().At(0), a.sge(0, 1)) }},
+		{"write with immediate", func() error { return a.ch.WriteImm(ended, b.buf.Remote().At(0), 1, a.sge(0, 1)) }},
+		{"read", func() error { return a.ch.Read(ended, b.buf.Remote().At(0), a.sge(0, 1)) }},
 		{"compare-and-swap", func() error { _, err := a.ch.CompareSwap(ended, b.buf.Remote().At(0), 0, 1); return err }},
 		{"fetch-and-add", func() error { _, err := a.ch.FetchAdd(ended, b.buf.Remote().At(0), 1); return err }},
 		{"batch wait", func() error {
 			return a.ch.Batch(ended, func(bt *channel.Batch) error {
-				return bt.Wait(bt.Write(b.buf.Remote().At(0), a.buf.SGE(0, 1)))
+				return bt.Wait(bt.Write(b.buf.Remote().At(0), a.sge(0, 1)))
 			})
 		}},
 	}
@@ -233,7 +235,7 @@ func TestCancellation(t *testing.T) {
 		})
 	}
 	// Calls with an ended context never post: the channel is fine.
-	if err := a.ch.Write(testCtx(t), b.buf.Remote().At(0), a.buf.SGE(0, 1)); err != nil {
+	if err := a.ch.Write(testCtx(t), b.buf.Remote().At(0), a.sge(0, 1)); err != nil {
 		t.Errorf("write after the ended calls: %v", err)
 	}
 }
@@ -243,7 +245,7 @@ func TestCancellation(t *testing.T) {
 func TestPeerClosedWhileBlocked(t *testing.T) {
 	a, b := newPair(t, channel.Options{})
 	errc := make(chan error, 1)
-	go func() { errc <- a.ch.Send(testCtx(t), a.buf.SGE(0, 8)) }() // no receive: RNR retries
+	go func() { errc <- a.ch.Send(testCtx(t), a.sge(0, 8)) }() // no receive: RNR retries
 	time.Sleep(20 * time.Millisecond)
 	if err := b.ch.Close(); err != nil {
 		t.Fatal(err)
@@ -271,7 +273,7 @@ func TestMultiBatchPanicPollsEverything(t *testing.T) {
 		r.mc.Batch(ctx, func(b *channel.MultiBatch) error {
 			for i := range 32 {
 				p := 1 + i%2
-				hs = append(hs, b.Peer(p).Write(rs[p].buf.Remote().At(uint64(8*i)), r.buf.SGE(8*i, 8)))
+				hs = append(hs, b.Peer(p).Write(rs[p].buf.Remote().At(uint64(8*i)), r.sge(8*i, 8)))
 			}
 			if err := b.Flush(); err != nil {
 				return err
@@ -305,7 +307,7 @@ func TestCollectiveFailureNamesPeer(t *testing.T) {
 	bufs := make([]verbs.SGE, 4)
 	for j := 1; j < 4; j++ {
 		dsts[j] = rs[j].buf.Remote().At(100)
-		bufs[j] = r.buf.SGE(0, 8)
+		bufs[j] = r.sge(0, 8)
 	}
 	dsts[2].RKey ^= 0xff
 	err := r.mc.ScatterWrite(ctx, nil, dsts, bufs)

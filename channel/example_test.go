@@ -19,6 +19,15 @@ type endpoint struct {
 	ch  *channel.Channel
 }
 
+// sge returns the SGE of the n bytes at off of e.mem.
+func (e *endpoint) sge(off, n int) verbs.SGE {
+	s, err := e.mem.SGE(off, n)
+	if err != nil {
+		log.Fatal(err)
+	}
+	return s
+}
+
 func openEndpoint() *endpoint {
 	dev, err := verbs.Open(verbs.SoftDevice)
 	if err != nil {
@@ -78,12 +87,12 @@ func ExampleChannel() {
 	peer := b.mem.Remote() // handed out by b
 
 	copy(a.mem.Bytes(), "written by a")
-	if err := a.ch.Write(ctx, peer.At(100), a.mem.SGE(0, 12)); err != nil {
+	if err := a.ch.Write(ctx, peer.At(100), a.sge(0, 12)); err != nil {
 		log.Fatal(err)
 	}
 	fmt.Printf("b's memory: %q\n", b.mem.Bytes()[100:112])
 
-	if err := a.ch.Read(ctx, peer.At(100), a.mem.SGE(1000, 7)); err != nil {
+	if err := a.ch.Read(ctx, peer.At(100), a.sge(1000, 7)); err != nil {
 		log.Fatal(err)
 	}
 	fmt.Printf("read back: %q\n", a.mem.Bytes()[1000:1007])
@@ -96,13 +105,13 @@ func ExampleChannel() {
 	fmt.Println("counter:", binary.NativeEndian.Uint64(b.mem.Bytes()[512:]))
 
 	// A send needs a receive posted by the peer.
-	h, err := b.ch.PostReceive(b.mem.SGE(2048, 64))
+	h, err := b.ch.PostReceive(b.sge(2048, 64))
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer h.Release()
 	copy(a.mem.Bytes()[3000:], "hello")
-	if err := a.ch.SendImm(ctx, 42, a.mem.SGE(3000, 5)); err != nil {
+	if err := a.ch.SendImm(ctx, 42, a.sge(3000, 5)); err != nil {
 		log.Fatal(err)
 	}
 	if err := h.Wait(ctx); err != nil {
@@ -132,7 +141,7 @@ func ExampleChannel_Batch() {
 	var prior channel.Handle
 	err := a.ch.Batch(context.Background(), func(bt *channel.Batch) error {
 		for i := range 8 {
-			bt.Write(peer.At(uint64(16*i)), a.mem.SGE(i, 1)) // 8 writes...
+			bt.Write(peer.At(uint64(16*i)), a.sge(i, 1)) // 8 writes...
 		}
 		prior = bt.FetchAdd(peer.At(1024), 1) // ...and an atomic, posted together
 		if err := bt.WaitAll(); err != nil {
@@ -161,7 +170,7 @@ func ExampleChannel_PostReceive() {
 	defer b.close()
 	ctx := context.Background()
 
-	h, err := b.ch.PostReceive(b.mem.SGE(0, 64))
+	h, err := b.ch.PostReceive(b.sge(0, 64))
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -170,7 +179,7 @@ func ExampleChannel_PostReceive() {
 	fmt.Println("done before the send:", done)
 
 	copy(a.mem.Bytes(), "ping")
-	if err := a.ch.Send(ctx, a.mem.SGE(0, 4)); err != nil {
+	if err := a.ch.Send(ctx, a.sge(0, 4)); err != nil {
 		log.Fatal(err)
 	}
 	if err := h.Wait(ctx); err != nil {
@@ -271,9 +280,13 @@ func ExampleMultiChannel() {
 		r.mem.Bytes()[0] = byte('A' + i)
 		dsts := make([]verbs.RemoteAddr, n) // indexed by peer; the entry of self is ignored
 		bufs := make([]verbs.SGE, n)
+		first, err := r.mem.SGE(0, 1)
+		if err != nil {
+			log.Fatal(err)
+		}
 		for j := range n {
 			dsts[j] = ranks[j].mem.Remote().At(uint64(100 + i))
-			bufs[j] = r.mem.SGE(0, 1)
+			bufs[j] = first
 		}
 		if err := r.mc.ScatterWrite(ctx, nil, dsts, bufs); err != nil {
 			log.Fatal(err)

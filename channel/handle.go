@@ -179,6 +179,13 @@ func (s *slot) result() error {
 	return &OpError{Op: s.kind.String(), Peer: s.p.idx, Err: err}
 }
 
+// resultSGE is the 8 bytes of scratch memory where the atomic operation
+// of slot s returns the prior value (slot indexes are below e.nslots, so
+// it lies inside the scratch MR).
+func (e *engine) resultSGE(s *slot) verbs.SGE {
+	return verbs.SGE{Addr: e.scratch.Addr() + 8*uint64(s.idx), Length: 8, LKey: e.scratch.LKey()}
+}
+
 func (e *engine) atomicResult(s *slot) uint64 {
 	if e.closed.Load() {
 		return 0

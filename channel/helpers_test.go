@@ -12,15 +12,19 @@ import (
 
 // side is one end of a test: its own device context, PD and memory.
 type side struct {
+	t   testing.TB
 	dev *verbs.Context
 	pd  *verbs.ProtectionDomain
 	ch  *channel.Channel
 	buf *verbs.MemoryRegion // 64 KiB, every access
 }
 
+// sge returns the SGE of n bytes at off of s.buf, or fails the test.
+func (s *side) sge(off, n int) verbs.SGE { return verbstest.SGE(s.t, s.buf, off, n) }
+
 func newSide(t testing.TB, opts channel.Options) *side {
 	t.Helper()
-	s := &side{}
+	s := &side{t: t}
 	var err error
 	if s.dev, err = verbs.Open(verbs.SoftDevice); err != nil {
 		t.Fatal(err)

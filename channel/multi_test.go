@@ -14,12 +14,16 @@ import (
 
 // rank is one member of an in-process group for MultiChannel tests.
 type rank struct {
+	t   testing.TB
 	id  int
 	dev *verbs.Context
 	pd  *verbs.ProtectionDomain
 	mc  *channel.MultiChannel
 	buf *verbs.MemoryRegion
 }
+
+// sge returns the SGE of n bytes at off of r.buf, or fails the test.
+func (r *rank) sge(off, n int) verbs.SGE { return verbstest.SGE(r.t, r.buf, off, n) }
 
 // newGroup builds n ranks, each with its own device context, and connects
 // every pair.
@@ -28,7 +32,7 @@ func newGroup(t *testing.T, n int) []*rank {
 	verbstest.CheckLeaks(t)
 	rs := make([]*rank, n)
 	for i := range rs {
-		r := &rank{id: i}
+		r := &rank{t: t, id: i}
 		var err error
 		if r.dev, err = verbs.Open(verbs.SoftDevice); err != nil {
 			t.Fatal(err)
@@ -100,7 +104,7 @@ func TestMultiChannelCollectives(t *testing.T) {
 			for j := range n {
 				binary.NativeEndian.PutUint64(r.buf.Bytes()[8*j:], uint64(r.id*10+j))
 				dsts[j] = regions[j].At(uint64(1024 + 8*r.id))
-				bufs[j] = r.buf.SGE(8*j, 8)
+				bufs[j] = r.sge(8*j, 8)
 			}
 			return r.mc.ScatterWrite(ctx, nil, dsts, bufs)
 		})
@@ -127,7 +131,7 @@ func TestMultiChannelCollectives(t *testing.T) {
 			bufs := make([]verbs.SGE, len(peers))
 			for k, p := range peers {
 				srcs[k] = regions[p].At(2048)
-				bufs[k] = r.buf.SGE(3072+8*p, 8)
+				bufs[k] = r.sge(3072+8*p, 8)
 			}
 			if err := r.mc.GatherRead(ctx, peers, srcs, bufs); err != nil {
 				return err
@@ -146,11 +150,11 @@ func TestMultiChannelCollectives(t *testing.T) {
 			bufs := make([]verbs.SGE, n)
 			for j := range n {
 				binary.NativeEndian.PutUint64(r.buf.Bytes()[4096+8*j:], uint64(1000*r.id+j))
-				bufs[j] = r.buf.SGE(4096+8*j, 8)
+				bufs[j] = r.sge(4096+8*j, 8)
 			}
 			recv := make([]verbs.SGE, n)
 			for j := range n {
-				recv[j] = r.buf.SGE(5120+64*j, 64)
+				recv[j] = r.sge(5120+64*j, 64)
 			}
 			got := make([]channel.Received, n)
 			errc := make(chan error, 1)
@@ -179,11 +183,11 @@ func TestMultiChannelCollectives(t *testing.T) {
 		errs := make(chan error, n)
 		for _, r := range rs[1:] {
 			go func() {
-				_, err := r.mc.Peer(0).Receive(ctx, r.buf.SGE(9000, 64))
+				_, err := r.mc.Peer(0).Receive(ctx, r.sge(9000, 64))
 				errs <- err
 			}()
 		}
-		if err := root.mc.MulticastSend(ctx, nil, root.buf.SGE(8192, 11)); err != nil {
+		if err := root.mc.MulticastSend(ctx, nil, root.sge(8192, 11)); err != nil {
 			t.Fatal(err)
 		}
 		for range n - 1 {
@@ -224,15 +228,15 @@ func TestMultiChannelBadInput(t *testing.T) {
 		name string
 		err  error
 	}{
-		{"self", r.mc.Peer(1).Write(ctx, rs[0].buf.Remote().At(0), r.buf.SGE(0, 1))},
-		{"negative peer", r.mc.Peer(-1).Write(ctx, rs[0].buf.Remote().At(0), r.buf.SGE(0, 1))},
-		{"peer out of range", r.mc.Peer(3).Send(ctx, r.buf.SGE(0, 1))},
+		{"self", r.mc.Peer(1).Write(ctx, rs[0].buf.Remote().At(0), r.sge(0, 1))},
+		{"negative peer", r.mc.Peer(-1).Write(ctx, rs[0].buf.Remote().At(0), r.sge(0, 1))},
+		{"peer out of range", r.mc.Peer(3).Send(ctx, r.sge(0, 1))},
 		{"scatter to self", r.mc.ScatterWrite(ctx, []int{1}, []verbs.RemoteAddr{{}}, []verbs.SGE{{}})},
 		{"batch to self", r.mc.Batch(ctx, func(b *channel.MultiBatch) error {
-			return b.Wait(b.Peer(1).Send(r.buf.SGE(0, 1)))
+			return b.Wait(b.Peer(1).Send(r.sge(0, 1)))
 		})},
 		{"batch to nobody", r.mc.Batch(ctx, func(b *channel.MultiBatch) error {
-			b.Peer(7).Send(r.buf.SGE(0, 1))
+			b.Peer(7).Send(r.sge(0, 1))
 			return nil
 		})},
 	} {
@@ -274,7 +278,7 @@ func TestMultiChannelOneRegistrationServesAll(t *testing.T) {
 	// The same SGE (one MR of one PD) written to both peers.
 	copy(r.buf.Bytes(), "shared")
 	for _, p := range r.mc.Peers() {
-		if err := r.mc.Peer(p).Write(ctx, rs[p].buf.Remote().At(0), r.buf.SGE(0, 6)); err != nil {
+		if err := r.mc.Peer(p).Write(ctx, rs[p].buf.Remote().At(0), r.sge(0, 6)); err != nil {
 			t.Fatal(err)
 		}
 		if got := string(rs[p].buf.Bytes()[:6]); got != "shared" {

@@ -126,9 +126,9 @@ func (p *peer) add(w *work) {
 	case opRead:
 		r = p.sb.Read(wrid, w.remote, w.sgl...)
 	case opCAS:
-		r = p.sb.CompareSwap(wrid, w.remote, w.a, w.b, p.e.scratch.SGE(8*int(s.idx), 8))
+		r = p.sb.CompareSwap(wrid, w.remote, w.a, w.b, p.e.resultSGE(s))
 	case opFAA:
-		r = p.sb.FetchAdd(wrid, w.remote, w.a, p.e.scratch.SGE(8*int(s.idx), 8))
+		r = p.sb.FetchAdd(wrid, w.remote, w.a, p.e.resultSGE(s))
 	}
 	r.Signaled()
 	p.sqUsed.Add(1)
@@ -242,7 +242,10 @@ func (p *peer) writeInline(ctx context.Context, dst verbs.RemoteAddr, data []byt
 	}
 	buf := p.e.scratch.Bytes()[p.inlineOff : p.inlineOff+len(data)]
 	copy(buf, data)
-	sge := p.e.scratch.SGE(p.inlineOff, len(data))
+	sge, err := p.e.scratch.SGE(p.inlineOff, len(data))
+	if err != nil {
+		return err
+	}
 	m := p.marker
 	signal := m.state.Load() == slotFree &&
 		(p.unsig+1 >= max(p.sqCap/2, 1) || p.sqUsed.Load()+1 >= p.sqCap)

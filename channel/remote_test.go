@@ -73,10 +73,10 @@ func TestRemoteRefs(t *testing.T) {
 		t.Fatal(err)
 	}
 	binary.NativeEndian.PutUint64(a.buf.Bytes(), 0xabcdef)
-	if err := a.ch.Write(ctx, val2.Addr(), a.buf.SGE(0, val2.Size())); err != nil {
+	if err := a.ch.Write(ctx, val2.Addr(), a.sge(0, val2.Size())); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.ch.Write(ctx, tail.Addr(), a.buf.SGE(0, tail.Size())); err != nil {
+	if err := a.ch.Write(ctx, tail.Addr(), a.sge(0, tail.Size())); err != nil {
 		t.Fatal(err)
 	}
 	// ...and look at the peer's memory as the Go type.

@@ -497,7 +497,10 @@ func (b *barrier) signal(ctx context.Context, g *group, peer int) error {
 		err = ch.WriteInline(ctx, dst, b.word[:])
 	} else {
 		binary.NativeEndian.PutUint64(b.staging.Bytes()[peer*flagBytes:], v)
-		err = ch.Write(ctx, dst, b.staging.SGE(peer*flagBytes, flagBytes))
+		var src verbs.SGE
+		if src, err = b.staging.SGE(peer*flagBytes, flagBytes); err == nil {
+			err = ch.Write(ctx, dst, src)
+		}
 	}
 	if err != nil {
 		return err

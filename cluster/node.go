@@ -322,9 +322,13 @@ func (n *Node) quiesce() {
 		if n.mc.Peer(j).Err() != nil {
 			continue
 		}
+		buf, err := n.probe.SGE(8*j, 8)
+		if err != nil {
+			continue
+		}
 		peers = append(peers, j)
 		srcs = append(srcs, n.probes[j].At(0))
-		bufs = append(bufs, n.probe.SGE(8*j, 8))
+		bufs = append(bufs, buf)
 	}
 	if len(peers) == 0 {
 		return

@@ -177,7 +177,11 @@ func TestWorld(t *testing.T) {
 						}
 						peers = append(peers, j)
 						dsts = append(dsts, r.At(uint64(8*i)))
-						bufs = append(bufs, src.SGE(8*j, 8))
+						buf, err := src.SGE(8*j, 8)
+						if err != nil {
+							return err
+						}
+						bufs = append(bufs, buf)
 					}
 					if len(peers) > 0 {
 						if err := m.node.Channel().ScatterWrite(ctx, peers, dsts, bufs); err != nil {

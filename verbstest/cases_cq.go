@@ -41,7 +41,7 @@ func testCQWait(t *testing.T, c *tcase) {
 	src := p.A.Alloc(t, 64, accessLocal)
 	dst := p.B.Alloc(t, 64, accessLocal)
 	must(t, "post recv", p.QB.PostRecv(1, dst.All()))
-	must(t, "post send", p.QA.PostSend(2, verbs.Signaled, src.SGE(0, 8)))
+	must(t, "post send", p.QA.PostSend(2, verbs.Signaled, SGE(t, src, 0, 8)))
 	select {
 	case err := <-done:
 		if err != nil {
@@ -88,8 +88,8 @@ func testChannelShared(t *testing.T, c *tcase) {
 	must(t, "arm recv cq", cqRecv.RequestNotify(false))
 
 	// A receive at B: an event for the receive CQ.
-	must(t, "post recv at B", qb.PostRecv(1, mb.SGE(0, 32)))
-	must(t, "post send from A", qa.PostSend(2, verbs.Signaled, ma.SGE(0, 8)))
+	must(t, "post recv at B", qb.PostRecv(1, SGE(t, mb, 0, 32)))
+	must(t, "post send from A", qa.PostSend(2, verbs.Signaled, SGE(t, ma, 0, 8)))
 	got, err := ch.Wait(guard)
 	must(t, "wait on the shared channel", err)
 	if got != cqRecv {
@@ -100,8 +100,8 @@ func testChannelShared(t *testing.T, c *tcase) {
 	expectEmpty(t, "send CQ of B", cqSend)
 
 	// A send from B: an event for the send CQ, armed since the start.
-	must(t, "post recv at A", qa.PostRecv(3, ma.SGE(32, 32)))
-	must(t, "post send from B", qb.PostSend(4, verbs.Signaled, mb.SGE(0, 8)))
+	must(t, "post recv at A", qa.PostRecv(3, SGE(t, ma, 32, 32)))
+	must(t, "post send from B", qb.PostSend(4, verbs.Signaled, SGE(t, mb, 0, 8)))
 	got, err = ch.Wait(guard)
 	must(t, "wait on the shared channel", err)
 	if got != cqSend {

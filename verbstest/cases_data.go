@@ -50,7 +50,7 @@ func testSendRecvMultiSGE(t *testing.T, c *tcase) {
 	s2 := p.A.Alloc(t, 4096, accessLocal)
 	Pattern(s1.Bytes(), 0x21)
 	Pattern(s2.Bytes(), 0x42)
-	gather := []verbs.SGE{s1.SGE(100, 10), s2.SGE(7, 3000), s1.SGE(5000, 7)}
+	gather := []verbs.SGE{SGE(t, s1, 100, 10), SGE(t, s2, 7, 3000), SGE(t, s1, 5000, 7)}
 	var msg []byte
 	msg = append(msg, s1.Bytes()[100:110]...)
 	msg = append(msg, s2.Bytes()[7:3007]...)
@@ -61,7 +61,7 @@ func testSendRecvMultiSGE(t *testing.T, c *tcase) {
 	before := bytes.Clone(r.Bytes())
 	// Receive pieces of 5, 100, 4000 and 8 bytes at scattered offsets: the
 	// 3017-byte message fills the first two and 2912 bytes of the third.
-	scatter := []verbs.SGE{r.SGE(0, 5), r.SGE(1000, 100), r.SGE(2000, 4000), r.SGE(9000, 8)}
+	scatter := []verbs.SGE{SGE(t, r, 0, 5), SGE(t, r, 1000, 100), SGE(t, r, 2000, 4000), SGE(t, r, 9000, 8)}
 
 	must(t, "post recv", p.QB.PostRecv(7, scatter...))
 	must(t, "post send", p.QA.PostSend(8, verbs.Signaled, gather...))
@@ -114,14 +114,14 @@ func testWrite(t *testing.T, c *tcase) {
 	want := bytes.Clone(dst.Bytes())
 
 	// 5000 bytes (more than one packet at any MTU) at offset 100.
-	must(t, "post write", p.QA.PostWrite(10, verbs.Signaled, dst.Remote().At(100), src.SGE(0, 5000)))
+	must(t, "post write", p.QA.PostWrite(10, verbs.Signaled, dst.Remote().At(100), SGE(t, src, 0, 5000)))
 	expectOK(t, "write completion", c.pollOne(t, p.A.CQ), 10, verbs.OpWrite, p.QA.QPN())
 	copy(want[100:5100], src.Bytes()[:5000])
 	checkBytes(t, "remote MR after write", dst.Bytes(), want)
 
 	// Gather three SGEs into one write at offset 8000.
 	must(t, "post multi-SGE write", p.QA.PostWrite(11, verbs.Signaled, dst.Remote().At(8000),
-		src.SGE(6000, 33), src.SGE(7000, 1000), src.SGE(9000, 1)))
+		SGE(t, src, 6000, 33), SGE(t, src, 7000, 1000), SGE(t, src, 9000, 1)))
 	expectOK(t, "multi-SGE write completion", c.pollOne(t, p.A.CQ), 11, verbs.OpWrite, p.QA.QPN())
 	copy(want[8000:], src.Bytes()[6000:6033])
 	copy(want[8033:], src.Bytes()[7000:8000])
@@ -146,7 +146,7 @@ func testWriteImm(t *testing.T, c *tcase) {
 	const imm = 0xDEADBEEF
 
 	must(t, "post recv", p.QB.PostRecv(70, rbuf.All()))
-	must(t, "post write imm", p.QA.PostWriteImm(71, verbs.Signaled, dst.Remote().At(512), imm, src.SGE(0, 300)))
+	must(t, "post write imm", p.QA.PostWriteImm(71, verbs.Signaled, dst.Remote().At(512), imm, SGE(t, src, 0, 300)))
 	expectOK(t, "write-imm completion", c.pollOne(t, p.A.CQ), 71, verbs.OpWrite, p.QA.QPN())
 	wc := c.pollOne(t, p.B.CQ)
 	expectOK(t, "target completion", wc, 70, verbs.OpRecvWriteImm, p.QB.QPN())
@@ -165,13 +165,13 @@ func testRead(t *testing.T, c *tcase) {
 	Pattern(local.Bytes(), 0xEE)
 	want := bytes.Clone(local.Bytes())
 
-	must(t, "post read", p.QA.PostRead(20, verbs.Signaled, remote.Remote().At(1000), local.SGE(0, 4196)))
+	must(t, "post read", p.QA.PostRead(20, verbs.Signaled, remote.Remote().At(1000), SGE(t, local, 0, 4196)))
 	expectOK(t, "read completion", c.pollOne(t, p.A.CQ), 20, verbs.OpRead, p.QA.QPN())
 	copy(want, remote.Bytes()[1000:5196])
 	checkBytes(t, "local MR after read", local.Bytes(), want)
 
 	must(t, "post scatter read", p.QA.PostRead(21, verbs.Signaled, remote.Remote().At(7),
-		local.SGE(8000, 17), local.SGE(12000, 3000)))
+		SGE(t, local, 8000, 17), SGE(t, local, 12000, 3000)))
 	expectOK(t, "scatter read completion", c.pollOne(t, p.A.CQ), 21, verbs.OpRead, p.QA.QPN())
 	copy(want[8000:], remote.Bytes()[7:24])
 	copy(want[12000:], remote.Bytes()[24:3024])
@@ -200,7 +200,7 @@ func testCompareSwap(t *testing.T, c *tcase) {
 	putWord(remote.Bytes(), 8, initial)
 	want := bytes.Clone(remote.Bytes())
 
-	must(t, "post compare-swap", p.QA.PostCompareSwap(30, verbs.Signaled, remote.Remote().At(8), initial, swap1, res.SGE(0, 8)))
+	must(t, "post compare-swap", p.QA.PostCompareSwap(30, verbs.Signaled, remote.Remote().At(8), initial, swap1, SGE(t, res, 0, 8)))
 	expectOK(t, "matching compare-swap", c.pollOne(t, p.A.CQ), 30, verbs.OpCompareSwap, p.QA.QPN())
 	if got := word(res.Bytes(), 0); got != initial {
 		t.Errorf("matching compare-swap returned %#x, want the prior value %#x", got, initial)
@@ -208,7 +208,7 @@ func testCompareSwap(t *testing.T, c *tcase) {
 	putWord(want, 8, swap1)
 	checkBytes(t, "remote MR after matching compare-swap", remote.Bytes(), want)
 
-	must(t, "post compare-swap", p.QA.PostCompareSwap(31, verbs.Signaled, remote.Remote().At(8), initial, swap2, res.SGE(8, 8)))
+	must(t, "post compare-swap", p.QA.PostCompareSwap(31, verbs.Signaled, remote.Remote().At(8), initial, swap2, SGE(t, res, 8, 8)))
 	expectOK(t, "failing compare-swap", c.pollOne(t, p.A.CQ), 31, verbs.OpCompareSwap, p.QA.QPN())
 	if got := word(res.Bytes(), 8); got != swap1 {
 		t.Errorf("failing compare-swap returned %#x, want the current value %#x", got, swap1)
@@ -225,7 +225,7 @@ func testFetchAdd(t *testing.T, c *tcase) {
 	putWord(remote.Bytes(), 16, 100)
 	want := bytes.Clone(remote.Bytes())
 
-	must(t, "post fetch-add", p.QA.PostFetchAdd(40, verbs.Signaled, remote.Remote().At(16), 5, res.SGE(0, 8)))
+	must(t, "post fetch-add", p.QA.PostFetchAdd(40, verbs.Signaled, remote.Remote().At(16), 5, SGE(t, res, 0, 8)))
 	expectOK(t, "fetch-add", c.pollOne(t, p.A.CQ), 40, verbs.OpFetchAdd, p.QA.QPN())
 	if got := word(res.Bytes(), 0); got != 100 {
 		t.Errorf("fetch-add returned %d, want the prior value 100", got)
@@ -234,7 +234,7 @@ func testFetchAdd(t *testing.T, c *tcase) {
 	checkBytes(t, "remote MR after fetch-add", remote.Bytes(), want)
 
 	// Adding 2^64-1 subtracts one.
-	must(t, "post fetch-add", p.QA.PostFetchAdd(41, verbs.Signaled, remote.Remote().At(16), ^uint64(0), res.SGE(8, 8)))
+	must(t, "post fetch-add", p.QA.PostFetchAdd(41, verbs.Signaled, remote.Remote().At(16), ^uint64(0), SGE(t, res, 8, 8)))
 	expectOK(t, "wrapping fetch-add", c.pollOne(t, p.A.CQ), 41, verbs.OpFetchAdd, p.QA.QPN())
 	if got := word(res.Bytes(), 8); got != 105 {
 		t.Errorf("wrapping fetch-add returned %d, want the prior value 105", got)
@@ -253,7 +253,7 @@ func testAtomicMisaligned(t *testing.T, c *tcase) {
 	Pattern(remote.Bytes(), 0xEE)
 	want := bytes.Clone(remote.Bytes())
 
-	err := p.QA.PostFetchAdd(50, verbs.Signaled, remote.Remote().At(4), 1, res.SGE(0, 8))
+	err := p.QA.PostFetchAdd(50, verbs.Signaled, remote.Remote().At(4), 1, SGE(t, res, 0, 8))
 	if err == nil {
 		wc := c.pollOne(t, p.A.CQ)
 		if wc.Status == verbs.StatusSuccess {
@@ -275,8 +275,8 @@ func testInlineSend(t *testing.T, c *tcase) {
 	Pattern(src.Bytes(), 0x81)
 	orig := bytes.Clone(src.Bytes()[:48])
 
-	must(t, "post recv", p.QB.PostRecv(1, dst.SGE(0, 64)))
-	must(t, "post inline send", p.QA.PostSend(2, verbs.Signaled|verbs.Inline, src.SGE(0, 48)))
+	must(t, "post recv", p.QB.PostRecv(1, SGE(t, dst, 0, 64)))
+	must(t, "post inline send", p.QA.PostSend(2, verbs.Signaled|verbs.Inline, SGE(t, src, 0, 48)))
 	for i := range src.Bytes() {
 		src.Bytes()[i] = 0xFF
 	}
@@ -289,9 +289,9 @@ func testInlineSend(t *testing.T, c *tcase) {
 	// The same through a batch, with the Inline modifier.
 	Pattern(src.Bytes(), 0x82)
 	orig = bytes.Clone(src.Bytes()[:32])
-	must(t, "post recv", p.QB.PostRecv(3, dst.SGE(64, 64)))
+	must(t, "post recv", p.QB.PostRecv(3, SGE(t, dst, 64, 64)))
 	b := p.QA.NewBatch(4)
-	b.Send(4, src.SGE(0, 32)).Inline().Signaled()
+	b.Send(4, SGE(t, src, 0, 32)).Inline().Signaled()
 	must(t, "submit inline batch", b.Submit())
 	for i := range src.Bytes() {
 		src.Bytes()[i] = 0xFF
@@ -319,9 +319,9 @@ func testBatchWrites(t *testing.T, c *tcase) {
 	for i := range n {
 		// Reverse order of offsets, so a provider that reorders is caught.
 		off := (n - 1 - i) * size
-		b.Write(uint64(i), dst.Remote().At(uint64(off)), src.SGE(off, size))
+		b.Write(uint64(i), dst.Remote().At(uint64(off)), SGE(t, src, off, size))
 	}
-	b.SendImm(n, 0x600D, src.SGE(0, 16)).Signaled()
+	b.SendImm(n, 0x600D, SGE(t, src, 0, 16)).Signaled()
 	if b.Len() != n+1 {
 		t.Fatalf("batch holds %d requests, want %d", b.Len(), n+1)
 	}

@@ -157,7 +157,7 @@ func testMRRegistration(t *testing.T, c *tcase) {
 	if r := mr.Remote(); r.Addr != mr.Addr() || r.Len != n || r.RKey != mr.RKey() {
 		t.Errorf("Remote() = %+v, want addr %#x, len %d, rkey %#x", r, mr.Addr(), n, mr.RKey())
 	}
-	if s := mr.SGE(10, 20); s.Addr != mr.Addr()+10 || s.Length != 20 || s.LKey != mr.LKey() {
+	if s := SGE(t, mr, 10, 20); s.Addr != mr.Addr()+10 || s.Length != 20 || s.LKey != mr.LKey() {
 		t.Errorf("SGE(10, 20) = %+v", s)
 	}
 	if mr.Access() != accessAll || mr.PD() != a.PD {
@@ -265,15 +265,15 @@ func testCloseOrdering(t *testing.T, c *tcase) {
 	for i := range 2 {
 		must(t, fmt.Sprintf("close qp (%d)", i+1), qp.Close())
 	}
-	expectClosed(t, "post send on a closed qp", qp.PostSend(1, verbs.Signaled, mr.SGE(0, 8)))
-	expectClosed(t, "post recv on a closed qp", qp.PostRecv(1, mr.SGE(0, 8)))
+	expectClosed(t, "post send on a closed qp", qp.PostSend(1, verbs.Signaled, SGE(t, mr, 0, 8)))
+	expectClosed(t, "post recv on a closed qp", qp.PostRecv(1, SGE(t, mr, 0, 8)))
 	_, err = qp.Query()
 	expectClosed(t, "query a closed qp", err)
 	expectClosed(t, "modify a closed qp", qp.Modify(verbs.QPAttr{State: verbs.StateError}, verbs.AttrState))
 	_, err = qp.Endpoint()
 	expectClosed(t, "endpoint of a closed qp", err)
 	bt := qp.NewBatch(1)
-	bt.Send(1, mr.SGE(0, 8))
+	bt.Send(1, SGE(t, mr, 0, 8))
 	expectClosed(t, "submit a batch to a closed qp", bt.Submit())
 
 	for i := range 2 {

@@ -57,11 +57,11 @@ func testErrBadRKey(t *testing.T, c *tcase) {
 			c.expectFailure(t, p, op+" with a bad rkey", verbs.StatusRemAccessErr, func(wrid uint64) error {
 				switch op {
 				case "write":
-					return p.QA.PostWrite(wrid, verbs.Signaled, dst, local.SGE(0, 64))
+					return p.QA.PostWrite(wrid, verbs.Signaled, dst, SGE(t, local, 0, 64))
 				case "read":
-					return p.QA.PostRead(wrid, verbs.Signaled, dst, local.SGE(0, 64))
+					return p.QA.PostRead(wrid, verbs.Signaled, dst, SGE(t, local, 0, 64))
 				}
-				return p.QA.PostFetchAdd(wrid, verbs.Signaled, dst, 1, local.SGE(0, 8))
+				return p.QA.PostFetchAdd(wrid, verbs.Signaled, dst, 1, SGE(t, local, 0, 8))
 			})
 			checkBytes(t, "target MR", remote.Bytes(), before)
 		})
@@ -121,11 +121,11 @@ func outOfBounds(t *testing.T, c *tcase, window bool, off int64, n int, op strin
 		func(wrid uint64) error {
 			switch op {
 			case "write":
-				return p.QA.PostWrite(wrid, verbs.Signaled, dst, local.SGE(0, n))
+				return p.QA.PostWrite(wrid, verbs.Signaled, dst, SGE(t, local, 0, n))
 			case "read":
-				return p.QA.PostRead(wrid, verbs.Signaled, dst, local.SGE(0, n))
+				return p.QA.PostRead(wrid, verbs.Signaled, dst, SGE(t, local, 0, n))
 			}
-			return p.QA.PostFetchAdd(wrid, verbs.Signaled, dst, 1, local.SGE(0, 8))
+			return p.QA.PostFetchAdd(wrid, verbs.Signaled, dst, 1, SGE(t, local, 0, 8))
 		})
 	checkBytes(t, "memory before the MR", buf[:page], before[:page])
 	checkBytes(t, "memory after the MR", buf[2*page:], before[2*page:])
@@ -158,11 +158,11 @@ func testErrNoRemotePermission(t *testing.T, c *tcase) {
 				func(wrid uint64) error {
 					switch x.op {
 					case "write":
-						return p.QA.PostWrite(wrid, verbs.Signaled, dst, local.SGE(0, 64))
+						return p.QA.PostWrite(wrid, verbs.Signaled, dst, SGE(t, local, 0, 64))
 					case "read":
-						return p.QA.PostRead(wrid, verbs.Signaled, dst, local.SGE(0, 64))
+						return p.QA.PostRead(wrid, verbs.Signaled, dst, SGE(t, local, 0, 64))
 					}
-					return p.QA.PostCompareSwap(wrid, verbs.Signaled, dst, word(before, 64), 1, local.SGE(0, 8))
+					return p.QA.PostCompareSwap(wrid, verbs.Signaled, dst, word(before, 64), 1, SGE(t, local, 0, 8))
 				})
 			checkBytes(t, "target MR", remote.Bytes(), before)
 		})
@@ -181,17 +181,17 @@ func testErrLocalProtection(t *testing.T, c *tcase) {
 			return p.QA.PostSend(wrid, verbs.Signaled, verbs.SGE{Addr: local.Addr(), Length: 64, LKey: badLKey(local, remote)})
 		}},
 		{"SendPastMREnd", func(p *RCPair, local, _, _ *verbs.MemoryRegion, wrid uint64) error {
-			return p.QA.PostSend(wrid, verbs.Signaled, local.SGE(local.Len()-32, 64))
+			return p.QA.PostSend(wrid, verbs.Signaled, rawSGE(local, local.Len()-32, 64))
 		}},
 		{"WritePastMREnd", func(p *RCPair, local, _, remote *verbs.MemoryRegion, wrid uint64) error {
-			return p.QA.PostWrite(wrid, verbs.Signaled, remote.Remote().At(0), local.SGE(local.Len()-32, 64))
+			return p.QA.PostWrite(wrid, verbs.Signaled, remote.Remote().At(0), rawSGE(local, local.Len()-32, 64))
 		}},
 		{"ReadIntoMRWithoutLocalWrite", func(p *RCPair, _, readOnly, remote *verbs.MemoryRegion, wrid uint64) error {
-			return p.QA.PostRead(wrid, verbs.Signaled, remote.Remote().At(0), readOnly.SGE(0, 64))
+			return p.QA.PostRead(wrid, verbs.Signaled, remote.Remote().At(0), SGE(t, readOnly, 0, 64))
 		}},
 		{"SendFromOtherPD", func(p *RCPair, _, _, remote *verbs.MemoryRegion, wrid uint64) error {
 			// remote belongs to side B's PD (and maybe another device).
-			return p.QA.PostSend(wrid, verbs.Signaled, remote.SGE(0, 64))
+			return p.QA.PostSend(wrid, verbs.Signaled, SGE(t, remote, 0, 64))
 		}},
 	} {
 		c.check(t, x.name, func(t *testing.T) {
@@ -219,8 +219,8 @@ func testErrRecvTooSmall(t *testing.T, c *tcase) {
 	p := NewLoopbackRC(t, c.cfg, verbs.QPSpec{})
 	src := p.A.Alloc(t, 64, accessLocal)
 	dst := p.B.Alloc(t, 64, accessLocal)
-	must(t, "post recv", p.QB.PostRecv(1, dst.SGE(0, 16)))
-	must(t, "post send", p.QA.PostSend(2, verbs.Signaled, src.SGE(0, 64)))
+	must(t, "post recv", p.QB.PostRecv(1, SGE(t, dst, 0, 16)))
+	must(t, "post send", p.QA.PostSend(2, verbs.Signaled, SGE(t, src, 0, 64)))
 	sender := c.pollOne(t, p.A.CQ)
 	receiver := c.pollOne(t, p.B.CQ)
 	c.check(t, "SenderStatus", func(t *testing.T) {
@@ -239,7 +239,7 @@ func testErrRNRRetryExceeded(t *testing.T, c *tcase) {
 	p := NewLoopbackRC(t, c.cfg, verbs.QPSpec{RNRRetry: 1, MinRNRTimer: 1})
 	src := p.A.Alloc(t, 64, accessLocal)
 	c.expectFailure(t, p, "send without a receive", verbs.StatusRNRRetryExcErr, func(wrid uint64) error {
-		return p.QA.PostSend(wrid, verbs.Signaled, src.SGE(0, 32))
+		return p.QA.PostSend(wrid, verbs.Signaled, SGE(t, src, 0, 32))
 	})
 	expectEmpty(t, "receiver cq", p.B.CQ)
 }
@@ -265,9 +265,9 @@ func testErrPostWrongState(t *testing.T, c *tcase) {
 	expectState(t, "new RC QP", qa, verbs.StateInit)
 
 	c.check(t, "SendInInit", func(t *testing.T) {
-		expectEINVAL(t, "post send in INIT", qa.PostSend(1, verbs.Signaled, src.SGE(0, 8)))
+		expectEINVAL(t, "post send in INIT", qa.PostSend(1, verbs.Signaled, SGE(t, src, 0, 8)))
 		bt := qa.NewBatch(2)
-		bt.Send(2, src.SGE(0, 8)).Signaled()
+		bt.Send(2, SGE(t, src, 0, 8)).Signaled()
 		err := bt.Submit()
 		expectEINVAL(t, "submit a send batch in INIT", err)
 		var pe *verbs.PostError
@@ -275,22 +275,22 @@ func testErrPostWrongState(t *testing.T, c *tcase) {
 			t.Errorf("submit a send batch in INIT: PostError.Posted = %d, want 0", pe.Posted)
 		}
 	})
-	must(t, "post recv in INIT (allowed)", qa.PostRecv(3, rbuf.SGE(0, 32)))
+	must(t, "post recv in INIT (allowed)", qa.PostRecv(3, SGE(t, rbuf, 0, 32)))
 
 	must(t, "modify to RTR", qa.Modify(rtrAttr(t, a, qa, Endpoint(t, qb))))
 	expectState(t, "after the move to RTR", qa, verbs.StateRTR)
 	c.check(t, "SendInRTR", func(t *testing.T) {
-		expectEINVAL(t, "post send in RTR", qa.PostSend(4, verbs.Signaled, src.SGE(0, 8)))
+		expectEINVAL(t, "post send in RTR", qa.PostSend(4, verbs.Signaled, SGE(t, src, 0, 8)))
 	})
-	must(t, "post recv in RTR (allowed)", qa.PostRecv(5, rbuf.SGE(32, 32)))
+	must(t, "post recv in RTR (allowed)", qa.PostRecv(5, SGE(t, rbuf, 32, 32)))
 
 	must(t, "modify to RESET", qa.Modify(verbs.QPAttr{State: verbs.StateReset}, verbs.AttrState))
 	expectState(t, "after the move to RESET", qa, verbs.StateReset)
 	c.check(t, "RecvInReset", func(t *testing.T) {
-		expectEINVAL(t, "post recv in RESET", qa.PostRecv(6, rbuf.SGE(0, 32)))
+		expectEINVAL(t, "post recv in RESET", qa.PostRecv(6, SGE(t, rbuf, 0, 32)))
 	})
 	c.check(t, "SendInReset", func(t *testing.T) {
-		expectEINVAL(t, "post send in RESET", qa.PostSend(7, verbs.Signaled, src.SGE(0, 8)))
+		expectEINVAL(t, "post send in RESET", qa.PostSend(7, verbs.Signaled, SGE(t, src, 0, 8)))
 	})
 	// Moving to RESET discards outstanding requests without completions.
 	expectEmpty(t, "cq after RESET", a.CQ)
@@ -306,14 +306,14 @@ func testFlushAfterError(t *testing.T, c *tcase) {
 	remote := p.B.Alloc(t, 4096, accessAll)
 	rbuf := p.B.Alloc(t, 4096, accessLocal)
 	must(t, "post recv at B", p.QB.PostRecv(0xB1, rbuf.All()))
-	must(t, "post recv at A", p.QA.PostRecv(50, local.SGE(2048, 64)))
-	must(t, "post recv at A", p.QA.PostRecv(51, local.SGE(3072, 64)))
+	must(t, "post recv at A", p.QA.PostRecv(50, SGE(t, local, 2048, 64)))
+	must(t, "post recv at A", p.QA.PostRecv(51, SGE(t, local, 3072, 64)))
 
 	b := p.QA.NewBatch(4)
-	b.Write(1, verbs.RemoteAddr{Addr: remote.Addr(), RKey: badRKey(remote, local)}, local.SGE(0, 64)).Signaled()
-	b.Write(2, remote.Remote().At(0), local.SGE(0, 64)).Signaled()
-	b.Write(3, remote.Remote().At(64), local.SGE(0, 64)) // unsignaled
-	b.Send(4, local.SGE(0, 64)).Signaled()
+	b.Write(1, verbs.RemoteAddr{Addr: remote.Addr(), RKey: badRKey(remote, local)}, SGE(t, local, 0, 64)).Signaled()
+	b.Write(2, remote.Remote().At(0), SGE(t, local, 0, 64)).Signaled()
+	b.Write(3, remote.Remote().At(64), SGE(t, local, 0, 64)) // unsignaled
+	b.Send(4, SGE(t, local, 0, 64)).Signaled()
 	must(t, "submit batch", b.Submit())
 
 	wcs := c.poll(t, p.A.CQ, 6)
@@ -344,8 +344,8 @@ func testFlushAfterError(t *testing.T, c *tcase) {
 
 	// Requests posted in ERR are accepted and flushed, even unsignaled ones.
 	c.check(t, "PostedInErr", func(t *testing.T) {
-		must(t, "post send in ERR", p.QA.PostSend(5, 0, local.SGE(0, 8)))
-		must(t, "post recv in ERR", p.QA.PostRecv(52, local.SGE(2048, 64)))
+		must(t, "post send in ERR", p.QA.PostSend(5, 0, SGE(t, local, 0, 8)))
+		must(t, "post recv in ERR", p.QA.PostRecv(52, SGE(t, local, 2048, 64)))
 		got := map[uint64]verbs.Completion{}
 		for _, wc := range c.poll(t, p.A.CQ, 2) {
 			got[wc.WRID] = wc

@@ -49,10 +49,10 @@ func (c *tcase) pingPong(t *testing.T, a, b *Node, qa, qb *verbs.RCQueuePair, se
 	mb := b.Alloc(t, 128, accessLocal)
 	Pattern(ma.Bytes()[:64], seed)
 	Pattern(mb.Bytes()[:64], seed+1)
-	must(t, "post recv at B", qb.PostRecv(0xB00, mb.SGE(64, 64)))
-	must(t, "post recv at A", qa.PostRecv(0xA00, ma.SGE(64, 64)))
-	must(t, "post send from A", qa.PostSend(0xA01, verbs.Signaled, ma.SGE(0, 64)))
-	must(t, "post send from B", qb.PostSend(0xB01, verbs.Signaled, mb.SGE(0, 64)))
+	must(t, "post recv at B", qb.PostRecv(0xB00, SGE(t, mb, 64, 64)))
+	must(t, "post recv at A", qa.PostRecv(0xA00, SGE(t, ma, 64, 64)))
+	must(t, "post send from A", qa.PostSend(0xA01, verbs.Signaled, SGE(t, ma, 0, 64)))
+	must(t, "post send from B", qb.PostSend(0xB01, verbs.Signaled, SGE(t, mb, 0, 64)))
 	for _, wc := range c.poll(t, a.CQ, 2) {
 		if wc.WRID == 0xA01 {
 			expectOK(t, "send completion at A", wc, 0xA01, verbs.OpSend, qa.QPN())
@@ -183,7 +183,7 @@ func testQPResetReuse(t *testing.T, c *tcase) {
 	local := p.A.Alloc(t, 64, accessLocal)
 	remote := p.B.Alloc(t, 64, accessAll)
 	c.expectFailure(t, p, "write with a bad rkey", verbs.StatusRemAccessErr, func(wrid uint64) error {
-		return p.QA.PostWrite(wrid, verbs.Signaled, verbs.RemoteAddr{Addr: remote.Addr(), RKey: badRKey(remote, local)}, local.SGE(0, 8))
+		return p.QA.PostWrite(wrid, verbs.Signaled, verbs.RemoteAddr{Addr: remote.Addr(), RKey: badRKey(remote, local)}, SGE(t, local, 0, 8))
 	})
 
 	for _, q := range []*verbs.RCQueuePair{p.QA, p.QB} {
@@ -211,7 +211,7 @@ func testQPResetReuse(t *testing.T, c *tcase) {
 	c.pingPong(t, p.A, p.B, p.QA, p.QB, 0x30)
 
 	// The new access flags hold: RDMA write is still allowed.
-	must(t, "post write", p.QA.PostWrite(1, verbs.Signaled, remote.Remote().At(0), local.SGE(0, 8)))
+	must(t, "post write", p.QA.PostWrite(1, verbs.Signaled, remote.Remote().At(0), SGE(t, local, 0, 8)))
 	expectOK(t, "write after reconnect", c.pollOne(t, p.A.CQ), 1, verbs.OpWrite, p.QA.QPN())
 	checkBytes(t, "written data", remote.Bytes()[:8], local.Bytes()[:8])
 }

@@ -45,20 +45,20 @@ func testSendQueueFull(t *testing.T, c *tcase) {
 	src := p.A.Alloc(t, 64, accessLocal)
 	Pattern(src.Bytes(), 0xA1)
 	for i := range depth - 1 {
-		must(t, fmt.Sprintf("post send %d of %d", i+1, depth), p.QA.PostSend(uint64(i), verbs.Signaled, src.SGE(0, 8)))
+		must(t, fmt.Sprintf("post send %d of %d", i+1, depth), p.QA.PostSend(uint64(i), verbs.Signaled, SGE(t, src, 0, 8)))
 	}
 	// A batch of two with room for one: the first is accepted.
 	b := p.QA.NewBatch(2)
-	b.Send(uint64(depth-1), src.SGE(0, 8)).Signaled()
-	b.Send(uint64(depth), src.SGE(0, 8)).Signaled()
+	b.Send(uint64(depth-1), SGE(t, src, 0, 8)).Signaled()
+	b.Send(uint64(depth), SGE(t, src, 0, 8)).Signaled()
 	expectPartialPost(t, "batch of 2 with one free slot", b.Submit(), 1)
-	expectQueueFull(t, "post send to a full queue", p.QA.PostSend(uint64(depth), verbs.Signaled, src.SGE(0, 8)))
+	expectQueueFull(t, "post send to a full queue", p.QA.PostSend(uint64(depth), verbs.Signaled, SGE(t, src, 0, 8)))
 
 	// Let the sends complete.
 	dst := p.B.Alloc(t, depth*8, accessLocal)
 	rb := p.QB.NewRecvBatch(depth)
 	for i := range depth {
-		rb.Recv(uint64(1000+i), dst.SGE(i*8, 8))
+		rb.Recv(uint64(1000+i), SGE(t, dst, i*8, 8))
 	}
 	must(t, "post receives", rb.Submit())
 	for i, wc := range c.poll(t, p.A.CQ, depth) {
@@ -69,8 +69,8 @@ func testSendQueueFull(t *testing.T, c *tcase) {
 		expectByteLen(t, fmt.Sprintf("recv completion %d", i), wc, 8)
 	}
 	// Completed requests free their slots.
-	must(t, "post recv", p.QB.PostRecv(2000, dst.SGE(0, 8)))
-	must(t, "post send after the queue drained", p.QA.PostSend(2001, verbs.Signaled, src.SGE(0, 8)))
+	must(t, "post recv", p.QB.PostRecv(2000, SGE(t, dst, 0, 8)))
+	must(t, "post send after the queue drained", p.QA.PostSend(2001, verbs.Signaled, SGE(t, src, 0, 8)))
 	expectOK(t, "send completion after drain", c.pollOne(t, p.A.CQ), 2001, verbs.OpSend, p.QA.QPN())
 	expectOK(t, "recv completion after drain", c.pollOne(t, p.B.CQ), 2000, verbs.OpRecv, p.QB.QPN())
 }
@@ -86,23 +86,23 @@ func testRecvQueueFull(t *testing.T, c *tcase) {
 	}
 	dst := p.B.Alloc(t, (depth+1)*64, accessLocal)
 	for i := range depth - 1 {
-		must(t, fmt.Sprintf("post recv %d of %d", i+1, depth), p.QB.PostRecv(uint64(i), dst.SGE(i*64, 64)))
+		must(t, fmt.Sprintf("post recv %d of %d", i+1, depth), p.QB.PostRecv(uint64(i), SGE(t, dst, i*64, 64)))
 	}
 	rb := p.QB.NewRecvBatch(2)
-	rb.Recv(uint64(depth-1), dst.SGE((depth-1)*64, 64))
-	rb.Recv(uint64(depth), dst.SGE(depth*64, 64))
+	rb.Recv(uint64(depth-1), SGE(t, dst, (depth-1)*64, 64))
+	rb.Recv(uint64(depth), SGE(t, dst, depth*64, 64))
 	expectPartialPost(t, "receive batch of 2 with one free slot", rb.Submit(), 1)
-	expectQueueFull(t, "post recv to a full queue", p.QB.PostRecv(uint64(depth), dst.SGE(depth*64, 64)))
+	expectQueueFull(t, "post recv to a full queue", p.QB.PostRecv(uint64(depth), SGE(t, dst, depth*64, 64)))
 
 	src := p.A.Alloc(t, 64, accessLocal)
 	Pattern(src.Bytes(), 0xA2)
-	must(t, "post send", p.QA.PostSend(500, verbs.Signaled, src.SGE(0, 10)))
+	must(t, "post send", p.QA.PostSend(500, verbs.Signaled, SGE(t, src, 0, 10)))
 	expectOK(t, "send completion", c.pollOne(t, p.A.CQ), 500, verbs.OpSend, p.QA.QPN())
 	wc := c.pollOne(t, p.B.CQ)
 	expectOK(t, "recv completion (the first receive posted)", wc, 0, verbs.OpRecv, p.QB.QPN())
 	checkBytes(t, "received data", dst.Bytes()[:10], src.Bytes()[:10])
-	must(t, "post recv after one was consumed", p.QB.PostRecv(uint64(depth), dst.SGE(0, 64)))
-	expectQueueFull(t, "post recv to the full queue again", p.QB.PostRecv(uint64(depth+1), dst.SGE(0, 64)))
+	must(t, "post recv after one was consumed", p.QB.PostRecv(uint64(depth), SGE(t, dst, 0, 64)))
+	expectQueueFull(t, "post recv to the full queue again", p.QB.PostRecv(uint64(depth+1), SGE(t, dst, 0, 64)))
 }
 
 // testSelectiveSignaling posts writes of which only some are signaled:
@@ -119,7 +119,7 @@ func testSelectiveSignaling(t *testing.T, c *tcase) {
 		if signaled[i] {
 			f = verbs.Signaled
 		}
-		must(t, "post write", p.QA.PostWrite(uint64(i), f, dst.Remote().At(uint64(i*64)), src.SGE(i*64, 64)))
+		must(t, "post write", p.QA.PostWrite(uint64(i), f, dst.Remote().At(uint64(i*64)), SGE(t, src, i*64, 64)))
 	}
 	for i, wc := range c.poll(t, p.A.CQ, 3) {
 		expectOK(t, fmt.Sprintf("completion %d", i), wc, []uint64{2, 5, 9}[i], verbs.OpWrite, p.QA.QPN())
@@ -132,7 +132,7 @@ func testSelectiveSignaling(t *testing.T, c *tcase) {
 	// The same with one batch: only the requests marked Signaled complete.
 	b := p.QA.NewBatch(n)
 	for i := range n {
-		r := b.Write(uint64(100+i), dst.Remote().At(uint64((n+i)*64)), src.SGE((n+i)*64, 64))
+		r := b.Write(uint64(100+i), dst.Remote().At(uint64((n+i)*64)), SGE(t, src, (n+i)*64, 64))
 		if i == 3 || i == n-1 {
 			r.Signaled()
 		}
@@ -153,10 +153,10 @@ func testSignalAll(t *testing.T, c *tcase) {
 	dst := p.B.Alloc(t, 256, accessAll)
 	Pattern(src.Bytes(), 0xC1)
 	for i := range 3 {
-		must(t, "post write", p.QA.PostWrite(uint64(i), 0, dst.Remote().At(uint64(i*64)), src.SGE(i*64, 64)))
+		must(t, "post write", p.QA.PostWrite(uint64(i), 0, dst.Remote().At(uint64(i*64)), SGE(t, src, i*64, 64)))
 	}
 	b := p.QA.NewBatch(1)
-	b.Write(3, dst.Remote().At(192), src.SGE(192, 64))
+	b.Write(3, dst.Remote().At(192), SGE(t, src, 192, 64))
 	must(t, "submit batch", b.Submit())
 	for i, wc := range c.poll(t, p.A.CQ, 4) {
 		expectOK(t, fmt.Sprintf("completion %d", i), wc, uint64(i), verbs.OpWrite, p.QA.QPN())
@@ -177,25 +177,25 @@ func testLimitsEnforced(t *testing.T, c *tcase) {
 
 	sgl := make([]verbs.SGE, capA.MaxSendSGE+1)
 	for i := range sgl {
-		sgl[i] = src.SGE(i, 1)
+		sgl[i] = SGE(t, src, i, 1)
 	}
 	if err := p.QA.PostSend(1, verbs.Signaled, sgl...); !errors.Is(err, syscall.EINVAL) {
 		t.Errorf("send with %d SGEs (max_send_sge %d): %v, want EINVAL", len(sgl), capA.MaxSendSGE, err)
 	}
 	rsgl := make([]verbs.SGE, capB.MaxRecvSGE+1)
 	for i := range rsgl {
-		rsgl[i] = dst.SGE(i*16, 16)
+		rsgl[i] = SGE(t, dst, i*16, 16)
 	}
 	if err := p.QB.PostRecv(2, rsgl...); !errors.Is(err, syscall.EINVAL) {
 		t.Errorf("receive with %d SGEs (max_recv_sge %d): %v, want EINVAL", len(rsgl), capB.MaxRecvSGE, err)
 	}
-	if err := p.QA.PostSend(3, verbs.Signaled|verbs.Inline, src.SGE(0, capA.MaxInlineData+1)); err == nil {
+	if err := p.QA.PostSend(3, verbs.Signaled|verbs.Inline, SGE(t, src, 0, capA.MaxInlineData+1)); err == nil {
 		t.Errorf("inline send of %d bytes (max_inline_data %d) was accepted", capA.MaxInlineData+1, capA.MaxInlineData)
 	}
 
 	// Nothing was posted, and the QPs still work.
-	must(t, "post recv", p.QB.PostRecv(4, dst.SGE(0, 64)))
-	must(t, "post send", p.QA.PostSend(5, verbs.Signaled, src.SGE(0, 20)))
+	must(t, "post recv", p.QB.PostRecv(4, SGE(t, dst, 0, 64)))
+	must(t, "post send", p.QA.PostSend(5, verbs.Signaled, SGE(t, src, 0, 20)))
 	expectOK(t, "send completion", c.pollOne(t, p.A.CQ), 5, verbs.OpSend, p.QA.QPN())
 	wc := c.pollOne(t, p.B.CQ)
 	expectOK(t, "recv completion", wc, 4, verbs.OpRecv, p.QB.QPN())
@@ -218,13 +218,13 @@ func testSRQShared(t *testing.T, c *tcase) {
 	const slot = 128
 	bufs := b.Alloc(t, 4*slot, accessLocal)
 	for i := range 4 {
-		must(t, "post srq recv", srq.PostRecv(uint64(100+i), bufs.SGE(i*slot, slot)))
+		must(t, "post srq recv", srq.PostRecv(uint64(100+i), SGE(t, bufs, i*slot, slot)))
 	}
 	src := a.Alloc(t, 256, accessLocal)
 	Pattern(src.Bytes()[:128], 0x01)
 	Pattern(src.Bytes()[128:], 0x02)
-	must(t, "post send on qp 1", qa1.PostSend(1, verbs.Signaled, src.SGE(0, 40)))
-	must(t, "post send on qp 2", qa2.PostSend(2, verbs.Signaled, src.SGE(128, 90)))
+	must(t, "post send on qp 1", qa1.PostSend(1, verbs.Signaled, SGE(t, src, 0, 40)))
+	must(t, "post send on qp 2", qa2.PostSend(2, verbs.Signaled, SGE(t, src, 128, 90)))
 
 	sends := c.poll(t, a.CQ, 2)
 	for _, wc := range sends {
@@ -280,7 +280,7 @@ func testSRQLimitEvent(t *testing.T, c *tcase) {
 	ConnectRC(t, qa, qb)
 	bufs := b.Alloc(t, 8*64, accessLocal)
 	for i := range 8 {
-		must(t, "post srq recv", srq.PostRecv(uint64(i), bufs.SGE(i*64, 64)))
+		must(t, "post srq recv", srq.PostRecv(uint64(i), SGE(t, bufs, i*64, 64)))
 	}
 	must(t, "arm srq limit", srq.ArmLimit(4))
 	q, err := srq.Query()
@@ -292,7 +292,7 @@ func testSRQLimitEvent(t *testing.T, c *tcase) {
 	// Consuming 5 of 8 leaves 3 < 4.
 	src := a.Alloc(t, 64, accessLocal)
 	for i := range 5 {
-		must(t, "post send", qa.PostSend(uint64(i), verbs.Signaled, src.SGE(0, 16)))
+		must(t, "post send", qa.PostSend(uint64(i), verbs.Signaled, SGE(t, src, 0, 16)))
 	}
 	for i, wc := range c.poll(t, a.CQ, 5) {
 		expectOK(t, "send completion", wc, uint64(i), verbs.OpSend, qa.QPN())

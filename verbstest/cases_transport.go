@@ -39,11 +39,11 @@ func testUDSend(t *testing.T, c *tcase) {
 	dst := b.Alloc(t, 2*(grhLen+256), accessLocal)
 	Pattern(src.Bytes(), 0xE1)
 	Pattern(dst.Bytes(), 0xEE)
-	must(t, "post recv", qb.PostRecv(1, dst.SGE(0, grhLen+256)))
-	must(t, "post recv", qb.PostRecv(2, dst.SGE(grhLen+256, grhLen+256)))
+	must(t, "post recv", qb.PostRecv(1, SGE(t, dst, 0, grhLen+256)))
+	must(t, "post recv", qb.PostRecv(2, SGE(t, dst, grhLen+256, grhLen+256)))
 
 	const n = 200
-	must(t, "post UD send", qa.PostSend(10, verbs.Signaled, to, src.SGE(0, n)))
+	must(t, "post UD send", qa.PostSend(10, verbs.Signaled, to, SGE(t, src, 0, n)))
 	expectOK(t, "UD send completion", c.pollOne(t, a.CQ), 10, verbs.OpSend, qa.QPN())
 	wc := c.pollOne(t, b.CQ)
 	expectOK(t, "UD recv completion", wc, 1, verbs.OpRecv, qb.QPN())
@@ -75,7 +75,7 @@ func testUDSend(t *testing.T, c *tcase) {
 	})
 
 	const imm = 0x0BADCAFE
-	must(t, "post UD send imm", qa.PostSendImm(11, verbs.Signaled, to, imm, src.SGE(0, 17)))
+	must(t, "post UD send imm", qa.PostSendImm(11, verbs.Signaled, to, imm, SGE(t, src, 0, 17)))
 	expectOK(t, "UD send-imm completion", c.pollOne(t, a.CQ), 11, verbs.OpSend, qa.QPN())
 	wc = c.pollOne(t, b.CQ)
 	expectOK(t, "UD recv completion", wc, 2, verbs.OpRecv, qb.QPN())
@@ -97,13 +97,13 @@ func testUDQKeyMismatch(t *testing.T, c *tcase) {
 	dst := b.Alloc(t, 2*(grhLen+128), accessLocal)
 	Pattern(src.Bytes()[:64], 0x0B)
 	Pattern(src.Bytes()[64:], 0x60)
-	must(t, "post recv", qb.PostRecv(1, dst.SGE(0, grhLen+128)))
-	must(t, "post recv", qb.PostRecv(2, dst.SGE(grhLen+128, grhLen+128)))
+	must(t, "post recv", qb.PostRecv(1, SGE(t, dst, 0, grhLen+128)))
+	must(t, "post recv", qb.PostRecv(2, SGE(t, dst, grhLen+128, grhLen+128)))
 
 	wrong := verbs.Destination{AH: ah, QPN: eb.QPN, QKey: eb.QKey ^ 0x1}
 	right := verbs.Destination{AH: ah, QPN: eb.QPN, QKey: eb.QKey}
-	must(t, "post send with wrong Q_Key", qa.PostSend(1, verbs.Signaled, wrong, src.SGE(0, 30)))
-	must(t, "post send with right Q_Key", qa.PostSend(2, verbs.Signaled, right, src.SGE(64, 50)))
+	must(t, "post send with wrong Q_Key", qa.PostSend(1, verbs.Signaled, wrong, SGE(t, src, 0, 30)))
+	must(t, "post send with right Q_Key", qa.PostSend(2, verbs.Signaled, right, SGE(t, src, 64, 50)))
 	for i, wc := range c.poll(t, a.CQ, 2) {
 		expectOK(t, "UD send completion", wc, uint64(i+1), verbs.OpSend, qa.QPN())
 	}
@@ -131,11 +131,11 @@ func testUDOversize(t *testing.T, c *tcase) {
 	dst := b.Alloc(t, 2*(grhLen+2*mtu), accessLocal)
 	Pattern(src.Bytes(), 0x0F)
 	// Room for the oversized message, in case the provider delivers it.
-	must(t, "post recv", qb.PostRecv(1, dst.SGE(0, grhLen+2*mtu)))
-	must(t, "post recv", qb.PostRecv(2, dst.SGE(grhLen+2*mtu, grhLen+2*mtu)))
+	must(t, "post recv", qb.PostRecv(1, SGE(t, dst, 0, grhLen+2*mtu)))
+	must(t, "post recv", qb.PostRecv(2, SGE(t, dst, grhLen+2*mtu, grhLen+2*mtu)))
 
 	to := verbs.Destination{AH: ah, QPN: eb.QPN, QKey: eb.QKey}
-	if err := qa.PostSend(1, verbs.Signaled, to, src.SGE(0, mtu+1)); err != nil {
+	if err := qa.PostSend(1, verbs.Signaled, to, SGE(t, src, 0, mtu+1)); err != nil {
 		t.Logf("oversized UD send refused at post: %v", err)
 	} else {
 		wc := c.pollOne(t, a.CQ)
@@ -144,7 +144,7 @@ func testUDOversize(t *testing.T, c *tcase) {
 			t.Errorf("oversized UD send completion has wr_id %#x, want 1", wc.WRID)
 		}
 	}
-	must(t, "post UD send from a second QP", qa2.PostSend(2, verbs.Signaled, to, src.SGE(64, 33)))
+	must(t, "post UD send from a second QP", qa2.PostSend(2, verbs.Signaled, to, SGE(t, src, 64, 33)))
 	expectOK(t, "UD send completion", c.pollOne(t, a.CQ), 2, verbs.OpSend, qa2.QPN())
 	wc := c.pollOne(t, b.CQ)
 	expectOK(t, "first UD receive", wc, 1, verbs.OpRecv, qb.QPN())
@@ -166,7 +166,7 @@ func testUCSendWrite(t *testing.T, c *tcase) {
 	want := bytes.Clone(dst.Bytes())
 
 	must(t, "post recv", p.QB.PostRecv(1, rbuf.All()))
-	must(t, "post UC send", p.QA.PostSend(2, verbs.Signaled, src.SGE(0, 3000)))
+	must(t, "post UC send", p.QA.PostSend(2, verbs.Signaled, SGE(t, src, 0, 3000)))
 	expectOK(t, "UC send completion", c.pollOne(t, p.A.CQ), 2, verbs.OpSend, p.QA.QPN())
 	wc := c.pollOne(t, p.B.CQ)
 	expectOK(t, "UC recv completion", wc, 1, verbs.OpRecv, p.QB.QPN())
@@ -176,10 +176,10 @@ func testUCSendWrite(t *testing.T, c *tcase) {
 	// A UC write completes at the sender when sent, not when placed: the
 	// write with immediate that follows it on the same QP completes at the
 	// target only after both were placed.
-	must(t, "post recv", p.QB.PostRecv(3, rbuf.SGE(0, 16)))
+	must(t, "post recv", p.QB.PostRecv(3, SGE(t, rbuf, 0, 16)))
 	b := p.QA.NewBatch(2)
-	b.Write(4, dst.Remote().At(10), src.SGE(100, 5000)).Signaled()
-	b.WriteImm(5, dst.Remote().At(6000), 0x00C0FFEE, src.SGE(6000, 100)).Signaled()
+	b.Write(4, dst.Remote().At(10), SGE(t, src, 100, 5000)).Signaled()
+	b.WriteImm(5, dst.Remote().At(6000), 0x00C0FFEE, SGE(t, src, 6000, 100)).Signaled()
 	must(t, "submit UC writes", b.Submit())
 	expectOK(t, "UC write completion", c.pollOne(t, p.A.CQ), 4, verbs.OpWrite, p.QA.QPN())
 	expectOK(t, "UC write-imm completion", c.pollOne(t, p.A.CQ), 5, verbs.OpWrite, p.QA.QPN())

@@ -325,6 +325,23 @@ func Endpoint(t testing.TB, q interface {
 	return e
 }
 
+// SGE returns m.SGE(off, n) or fails the test.
+func SGE(t testing.TB, m *verbs.MemoryRegion, off, n int) verbs.SGE {
+	t.Helper()
+	s, err := m.SGE(off, n)
+	if err != nil {
+		t.Fatalf("verbstest: %v", err)
+	}
+	return s
+}
+
+// rawSGE is an SGE of n bytes at off of m that MemoryRegion.SGE would
+// refuse (it lies partly or wholly outside m): for the checks of what a
+// device does with such an element.
+func rawSGE(m *verbs.MemoryRegion, off, n int) verbs.SGE {
+	return verbs.SGE{Addr: uint64(int64(m.Addr()) + int64(off)), Length: uint32(n), LKey: m.LKey()}
+}
+
 // ConnectRC connects a and b to each other (INIT → RTR → RTS).
 func ConnectRC(t testing.TB, a, b *verbs.RCQueuePair) {
 	t.Helper()

@@ -228,11 +228,15 @@ func newPeerSide(req *PeerReq) (s *peerSide, resp PeerResp, err error) {
 	return
 }
 
-func (s *peerSide) sge(req *PeerReq) []verbs.SGE {
+func (s *peerSide) sge(req *PeerReq) ([]verbs.SGE, error) {
 	if req.Len == 0 || s.mr == nil {
-		return nil
+		return nil, nil
 	}
-	return []verbs.SGE{s.mr.SGE(req.Off, req.Len)}
+	g, err := s.mr.SGE(req.Off, req.Len)
+	if err != nil {
+		return nil, err
+	}
+	return []verbs.SGE{g}, nil
 }
 
 func (s *peerSide) do(req *PeerReq, resp *PeerResp) error {
@@ -252,7 +256,10 @@ func (s *peerSide) do(req *PeerReq, resp *PeerResp) error {
 			return err
 		}
 	case "recv":
-		sgl := s.sge(req)
+		sgl, err := s.sge(req)
+		if err != nil {
+			return err
+		}
 		for range max(req.Count, 1) {
 			var err error
 			switch {
@@ -308,7 +315,10 @@ func (s *peerSide) do(req *PeerReq, resp *PeerResp) error {
 }
 
 func (s *peerSide) post(req *PeerReq) error {
-	sgl := s.sge(req)
+	sgl, err := s.sge(req)
+	if err != nil {
+		return err
+	}
 	f := verbs.Signaled
 	switch {
 	case s.rc != nil:

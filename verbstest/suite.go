@@ -125,6 +125,7 @@ var cases = []caseDef{
 	{"FetchAdd", testFetchAdd},
 	{"AtomicMisaligned", testAtomicMisaligned},
 	{"InlineSend", testInlineSend},
+	{"InlineData", testInlineData},
 	{"BatchWrites", testBatchWrites},
 	// Queues and signaling.
 	{"SendQueueFull", testSendQueueFull},
@@ -144,6 +145,7 @@ var cases = []caseDef{
 	{"ErrOutOfBounds", testErrOutOfBounds},
 	{"ErrNoRemotePermission", testErrNoRemotePermission},
 	{"ErrLocalProtection", testErrLocalProtection},
+	{"ErrInlineSGE", testErrInlineSGE},
 	{"ErrRecvTooSmall", testErrRecvTooSmall},
 	{"ErrRNRRetryExceeded", testErrRNRRetryExceeded},
 	{"ErrPostWrongState", testErrPostWrongState},
@@ -157,6 +159,7 @@ var cases = []caseDef{
 	// Devices, memory and object lifetimes.
 	{"DeviceQuery", testDeviceQuery},
 	{"MRRegistration", testMRRegistration},
+	{"SGEBounds", testSGEBounds},
 	{"CloseOrdering", testCloseOrdering},
 	{"EndpointEncoding", testEndpointEncoding},
 }

@@ -67,7 +67,7 @@ func TestPollN(t *testing.T) {
 		ConnectRC(t, qa, qb)
 		m := a.Alloc(t, 64, verbs.AccessRemoteAll)
 		for i := range 3 {
-			if err := qa.PostWrite(uint64(i), verbs.Signaled, m.Remote().At(0), m.SGE(8, 8)); err != nil {
+			if err := qa.PostWrite(uint64(i), verbs.Signaled, m.Remote().At(0), SGE(t, m, 8, 8)); err != nil {
 				t.Fatal(err)
 			}
 		}

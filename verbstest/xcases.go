@@ -151,7 +151,7 @@ func xPeerSends(t *testing.T, c *xcase) {
 	p := newXRC(t, c, verbs.QPSpec{}, 4096, accessLocal)
 	dst := p.a.Alloc(t, 4*4096, accessLocal)
 	for i := range 4 {
-		must(t, "post recv", p.qa.PostRecv(uint64(i), dst.SGE(i*4096, 4096)))
+		must(t, "post recv", p.qa.PostRecv(uint64(i), SGE(t, dst, i*4096, 4096)))
 	}
 	c.peerFill(t, p.b, 0, pattern(4096, 0x5A))
 	c.peer.Do(PeerReq{Op: "post", ID: p.b, Kind: "send", WRID: 7, Len: 4096, Count: 4})
@@ -186,7 +186,7 @@ func xWrite(t *testing.T, c *xcase) {
 	Pattern(src.Bytes(), 0x51)
 	want := pattern(16384, 0xEE)
 	c.peerFill(t, p.b, 0, want)
-	must(t, "post write", p.qa.PostWrite(10, verbs.Signaled, p.rb.At(100), src.SGE(0, 5000)))
+	must(t, "post write", p.qa.PostWrite(10, verbs.Signaled, p.rb.At(100), SGE(t, src, 0, 5000)))
 	expectOK(t, "write completion", c.pollOne(t, p.a.CQ), 10, verbs.OpWrite, p.qa.QPN())
 	copy(want[100:5100], src.Bytes()[:5000])
 	checkBytes(t, "remote MR after write", c.peerBytes(t, p.b, 0, 16384), want)
@@ -211,7 +211,7 @@ func xRead(t *testing.T, c *xcase) {
 	c.peerFill(t, p.b, 0, pattern(n, 0x71))
 	dst := p.a.Alloc(t, n+64, accessLocal)
 	Pattern(dst.Bytes(), 0xEE)
-	must(t, "post read", p.qa.PostRead(5, verbs.Signaled, p.rb.At(0), dst.SGE(32, n)))
+	must(t, "post read", p.qa.PostRead(5, verbs.Signaled, p.rb.At(0), SGE(t, dst, 32, n)))
 	expectOK(t, "read completion", c.pollOne(t, p.a.CQ), 5, verbs.OpRead, p.qa.QPN())
 	checkBytes(t, "read data", dst.Bytes()[32:32+n], pattern(n, 0x71))
 	checkBytes(t, "bytes before the read", dst.Bytes()[:32], pattern(n+64, 0xEE)[:32])
@@ -224,9 +224,9 @@ func xAtomics(t *testing.T, c *xcase) {
 	binary.NativeEndian.PutUint64(v[:], 100)
 	c.peerFill(t, p.b, 8, v[:])
 	res := p.a.Alloc(t, 16, accessLocal)
-	must(t, "post faa", p.qa.PostFetchAdd(1, verbs.Signaled, p.rb.At(8), 5, res.SGE(0, 8)))
+	must(t, "post faa", p.qa.PostFetchAdd(1, verbs.Signaled, p.rb.At(8), 5, SGE(t, res, 0, 8)))
 	expectOK(t, "faa completion", c.pollOne(t, p.a.CQ), 1, verbs.OpFetchAdd, p.qa.QPN())
-	must(t, "post cas", p.qa.PostCompareSwap(2, verbs.Signaled, p.rb.At(8), 105, 7, res.SGE(8, 8)))
+	must(t, "post cas", p.qa.PostCompareSwap(2, verbs.Signaled, p.rb.At(8), 105, 7, SGE(t, res, 8, 8)))
 	expectOK(t, "cas completion", c.pollOne(t, p.a.CQ), 2, verbs.OpCompareSwap, p.qa.QPN())
 	if got := binary.NativeEndian.Uint64(res.Bytes()[0:8]); got != 100 {
 		t.Errorf("fetch-add returned %d, want 100", got)
@@ -271,14 +271,14 @@ func xGoMemoryTarget(t *testing.T, c *xcase) {
 	c.peerFill(t, p.b, 0, want)
 	src := p.a.Alloc(t, size, accessLocal)
 	Pattern(src.Bytes(), 0x52)
-	must(t, "post write", p.qa.PostWrite(1, verbs.Signaled, p.rb.At(100), src.SGE(0, 5000)))
+	must(t, "post write", p.qa.PostWrite(1, verbs.Signaled, p.rb.At(100), SGE(t, src, 0, 5000)))
 	expectOK(t, "write completion", c.pollOne(t, p.a.CQ), 1, verbs.OpWrite, p.qa.QPN())
 	copy(want[100:5100], src.Bytes()[:5000])
 	dst := p.a.Alloc(t, 8192, accessLocal)
-	must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(4096), dst.SGE(0, 8192)))
+	must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(4096), SGE(t, dst, 0, 8192)))
 	expectOK(t, "read completion", c.pollOne(t, p.a.CQ), 2, verbs.OpRead, p.qa.QPN())
 	checkBytes(t, "data read from remote Go memory", dst.Bytes(), want[4096:12288])
-	must(t, "post faa", p.qa.PostFetchAdd(3, verbs.Signaled, p.rb.At(size-8), 2, dst.SGE(0, 8)))
+	must(t, "post faa", p.qa.PostFetchAdd(3, verbs.Signaled, p.rb.At(size-8), 2, SGE(t, dst, 0, 8)))
 	expectOK(t, "faa completion", c.pollOne(t, p.a.CQ), 3, verbs.OpFetchAdd, p.qa.QPN())
 	if got := binary.NativeEndian.Uint64(dst.Bytes()[:8]); got != 40 {
 		t.Errorf("fetch-add returned %d, want 40", got)
@@ -286,7 +286,7 @@ func xGoMemoryTarget(t *testing.T, c *xcase) {
 	binary.NativeEndian.PutUint64(want[size-8:], 42)
 	// The note, into a spare part of the region (its first 100 bytes).
 	c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 7, Off: 0, Len: 8})
-	must(t, "post note", p.qa.PostSend(4, verbs.Signaled, src.SGE(0, 8)))
+	must(t, "post note", p.qa.PostSend(4, verbs.Signaled, SGE(t, src, 0, 8)))
 	expectOK(t, "note completion", c.pollOne(t, p.a.CQ), 4, verbs.OpSend, p.qa.QPN())
 	expectOK(t, "peer's recv of the note", c.peerPoll(t, p.b, 1)[0], 7, verbs.OpRecv, p.qpnB)
 	copy(want[:8], src.Bytes()[:8])
@@ -328,7 +328,7 @@ func xremoteErr(t *testing.T, c *xcase, access verbs.Access, dst func(r verbs.Re
 	c.peerFill(t, p.b, 0, before)
 	src := p.a.Alloc(t, max(8192, n), accessLocal)
 	Pattern(src.Bytes(), 0x99)
-	must(t, "post write", p.qa.PostWrite(1, verbs.Signaled, dst(p.rb), src.SGE(0, n)))
+	must(t, "post write", p.qa.PostWrite(1, verbs.Signaled, dst(p.rb), SGE(t, src, 0, n)))
 	expectStatus(t, "write completion", c.pollOne(t, p.a.CQ), 1, verbs.StatusRemAccessErr, p.qa.QPN())
 	c.waitState(t, "requester", p.qa, verbs.StateError)
 	if st := c.peer.Do(PeerReq{Op: "state", ID: p.b}).State; st != verbs.StateError.String() {
@@ -406,7 +406,7 @@ func xUDSend(t *testing.T, c *xcase) {
 	src := a.Alloc(t, 256, accessLocal)
 	Pattern(src.Bytes(), 0xE1)
 	c.peer.Do(PeerReq{Op: "recv", ID: r.ID, WRID: 1, Len: grhLen + 256})
-	must(t, "post UD send", qa.PostSend(10, verbs.Signaled, verbs.Destination{AH: ah, QPN: r.EP.QPN, QKey: r.EP.QKey}, src.SGE(0, 200)))
+	must(t, "post UD send", qa.PostSend(10, verbs.Signaled, verbs.Destination{AH: ah, QPN: r.EP.QPN, QKey: r.EP.QKey}, SGE(t, src, 0, 200)))
 	expectOK(t, "UD send completion", c.pollOne(t, a.CQ), 10, verbs.OpSend, qa.QPN())
 	wc := c.peerPoll(t, r.ID, 1)[0]
 	expectOK(t, "UD recv completion", wc, 1, verbs.OpRecv, r.EP.QPN)
@@ -437,12 +437,12 @@ func xUCSendWrite(t *testing.T, c *xcase) {
 	src := a.Alloc(t, 1024, accessLocal)
 	Pattern(src.Bytes(), 0xC1)
 	c.peer.Do(PeerReq{Op: "recv", ID: r.ID, WRID: 1, Len: 1024})
-	must(t, "post UC send", qa.PostSend(2, verbs.Signaled, src.SGE(0, 512)))
+	must(t, "post UC send", qa.PostSend(2, verbs.Signaled, SGE(t, src, 0, 512)))
 	expectOK(t, "UC send completion", c.pollOne(t, a.CQ), 2, verbs.OpSend, qa.QPN())
 	wc := c.peerPoll(t, r.ID, 1)[0]
 	expectOK(t, "UC recv completion", wc, 1, verbs.OpRecv, r.EP.QPN)
 	checkBytes(t, "UC payload", c.peerBytes(t, r.ID, 0, 512), src.Bytes()[:512])
-	must(t, "post UC write", qa.PostWrite(3, verbs.Signaled, r.Region.At(2048), src.SGE(512, 512)))
+	must(t, "post UC write", qa.PostWrite(3, verbs.Signaled, r.Region.At(2048), SGE(t, src, 512, 512)))
 	expectOK(t, "UC write completion", c.pollOne(t, a.CQ), 3, verbs.OpWrite, qa.QPN())
 	// UC gives the writer no acknowledgement: the bytes show up when the
 	// peer's service has run the request. Poll the peer's memory.
@@ -468,8 +468,8 @@ func xPipelinedRNR(t *testing.T, c *xcase) {
 	// Receives for the first quarter only.
 	c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 100, Len: size, Count: n / 4})
 	for i := range n {
-		must(t, "post send", p.qa.PostSend(uint64(2*i), verbs.Signaled, src.SGE(i*size, size)))
-		must(t, "post write", p.qa.PostWrite(uint64(2*i+1), verbs.Signaled, p.rb.At(uint64(n*size+i%16*8)), src.SGE(i*size, 8)))
+		must(t, "post send", p.qa.PostSend(uint64(2*i), verbs.Signaled, SGE(t, src, i*size, size)))
+		must(t, "post write", p.qa.PostWrite(uint64(2*i+1), verbs.Signaled, p.rb.At(uint64(n*size+i%16*8)), SGE(t, src, i*size, 8)))
 	}
 	// The rest of the receives, in small batches, each at its own offset.
 	for i := n / 4; i < n; i += 4 {
@@ -511,7 +511,7 @@ func xLargeWritesThenSend(t *testing.T, c *xcase) {
 		Pattern(src.Bytes(), byte(0x40+round))
 		c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: uint64(round)})
 		for i := range 4 {
-			must(t, "post write", p.qa.PostWrite(uint64(10*round+i), 0, p.rb.At(uint64(i*size)), src.SGE(i*size, size)))
+			must(t, "post write", p.qa.PostWrite(uint64(10*round+i), 0, p.rb.At(uint64(i*size)), SGE(t, src, i*size, size)))
 		}
 		must(t, "post send", p.qa.PostSend(uint64(10*round+9), verbs.Signaled))
 		expectOK(t, "send after the writes", c.pollOne(t, p.a.CQ), uint64(10*round+9), verbs.OpSend, p.qa.QPN())
@@ -552,8 +552,8 @@ func xLargeReads(t *testing.T, c *xcase) {
 		dst := p.a.Alloc(t, size+8192, accessLocal)
 		Pattern(dst.Bytes(), 0xEE)
 		want := pattern(size+8192, 0xEE)
-		must(t, "post read", p.qa.PostRead(1, verbs.Signaled, p.rb.At(4096), dst.SGE(4096, size-8192)))
-		must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(0), dst.SGE(size, 4096)))
+		must(t, "post read", p.qa.PostRead(1, verbs.Signaled, p.rb.At(4096), SGE(t, dst, 4096, size-8192)))
+		must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(0), SGE(t, dst, size, 4096)))
 		expectOK(t, "large read", c.pollOne(t, p.a.CQ), 1, verbs.OpRead, p.qa.QPN())
 		expectOK(t, "small read", c.pollOne(t, p.a.CQ), 2, verbs.OpRead, p.qa.QPN())
 		copy(want[4096:size-4096], pattern(size, 0x5E)[4096:size-4096])
@@ -564,8 +564,8 @@ func xLargeReads(t *testing.T, c *xcase) {
 		p := newXRC(t, c, verbs.QPSpec{}, size, accessAll)
 		src := p.a.Alloc(t, 2*size, accessLocal)
 		Pattern(src.Bytes()[:size], 0x6A)
-		must(t, "post write", p.qa.PostWrite(1, 0, p.rb.At(0), src.SGE(0, size)))
-		must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(0), src.SGE(size, size)))
+		must(t, "post write", p.qa.PostWrite(1, 0, p.rb.At(0), SGE(t, src, 0, size)))
+		must(t, "post read", p.qa.PostRead(2, verbs.Signaled, p.rb.At(0), SGE(t, src, size, size)))
 		expectOK(t, "read", c.pollOne(t, p.a.CQ), 2, verbs.OpRead, p.qa.QPN())
 		checkBytes(t, "read back", src.Bytes()[size:], src.Bytes()[:size])
 	})

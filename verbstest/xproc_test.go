@@ -92,7 +92,7 @@ func peerKilled(t *testing.T, mode string, env string) {
 	if mode == "WaitingForReceive" {
 		// The peer has no receive posted: the send waits (infinite RNR
 		// retries), and the writes queue behind it.
-		must(t, "post send", p.qa.PostSend(0, verbs.Signaled, src.SGE(0, 64)))
+		must(t, "post send", p.qa.PostSend(0, verbs.Signaled, SGE(t, src, 0, 64)))
 		first = 1
 	}
 	for i := first; i < n; i++ {

@@ -36,11 +36,13 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 	fillPattern(b.mr.Bytes()[:size])
 	clear(a.mr.Bytes()[a.half : a.half+size])
 	clear(b.mr.Bytes()[b.half : b.half+size])
-	local := a.mr.SGE(0, size)
-	remote := b.mr.Remote().At(uint64(b.half))
+	localOff, remote := 0, b.mr.Remote().At(uint64(b.half))
 	if cfg.op == "read" {
-		local = a.mr.SGE(a.half, size)
-		remote = b.mr.Remote().At(0)
+		localOff, remote = a.half, b.mr.Remote().At(0)
+	}
+	local, err := a.mr.SGE(localOff, size)
+	if err != nil {
+		return bwResult{}, err
 	}
 	if cfg.badRKey {
 		remote.RKey = ^remote.RKey

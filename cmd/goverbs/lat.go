@@ -221,9 +221,17 @@ func (lb *loopback) writePingPong(size int, v byte, flags verbs.SendFlags, txDep
 	if err := lb.room(b, txDepth); err != nil {
 		return 0, err
 	}
+	aSGE, err := a.mr.SGE(0, size)
+	if err != nil {
+		return 0, err
+	}
+	bSGE, err := b.mr.SGE(0, size)
+	if err != nil {
+		return 0, err
+	}
 	t0 := cycles()
 	aSrc[size-1] = v
-	if err := a.qp.PostWrite(uint64(v), flags, b.mr.Remote().At(uint64(b.half)), a.mr.SGE(0, size)); err != nil {
+	if err := a.qp.PostWrite(uint64(v), flags, b.mr.Remote().At(uint64(b.half)), aSGE); err != nil {
 		return 0, err
 	}
 	a.outstanding++
@@ -231,7 +239,7 @@ func (lb *loopback) writePingPong(size int, v byte, flags verbs.SendFlags, txDep
 		return 0, err
 	}
 	bSrc[size-1] = v
-	if err := b.qp.PostWrite(uint64(v), flags, a.mr.Remote().At(uint64(a.half)), b.mr.SGE(0, size)); err != nil {
+	if err := b.qp.PostWrite(uint64(v), flags, a.mr.Remote().At(uint64(a.half)), bSGE); err != nil {
 		return 0, err
 	}
 	b.outstanding++
@@ -269,15 +277,23 @@ func (lb *loopback) sendPingPong(size int, flags verbs.SendFlags, txDepth, rxDep
 	if err := lb.room(b, txDepth); err != nil {
 		return 0, err
 	}
+	aSGE, err := a.mr.SGE(0, size)
+	if err != nil {
+		return 0, err
+	}
+	bSGE, err := b.mr.SGE(0, size)
+	if err != nil {
+		return 0, err
+	}
 	t0 := cycles()
-	if err := a.qp.PostSend(1, flags, a.mr.SGE(0, size)); err != nil {
+	if err := a.qp.PostSend(1, flags, aSGE); err != nil {
 		return 0, err
 	}
 	a.outstanding++
 	if err := lb.waitRecv(b, rxDepth); err != nil {
 		return 0, err
 	}
-	if err := b.qp.PostSend(2, flags, b.mr.SGE(0, size)); err != nil {
+	if err := b.qp.PostSend(2, flags, bSGE); err != nil {
 		return 0, err
 	}
 	b.outstanding++
@@ -294,9 +310,13 @@ func (lb *loopback) readOnce(size, txDepth int) (uint64, error) {
 	if err := lb.room(a, txDepth); err != nil {
 		return 0, err
 	}
+	dst, err := a.mr.SGE(a.half, size)
+	if err != nil {
+		return 0, err
+	}
 	done := a.sendDone
 	t0 := cycles()
-	if err := a.qp.PostRead(3, verbs.Signaled, b.mr.Remote().At(0), a.mr.SGE(a.half, size)); err != nil {
+	if err := a.qp.PostRead(3, verbs.Signaled, b.mr.Remote().At(0), dst); err != nil {
 		return 0, err
 	}
 	a.outstanding++

@@ -272,10 +272,14 @@ func (s *side) fillRecvs(want int) error {
 	if s.recvPosted > 0 && want-s.recvPosted < min(recvRefill, max(want/4, 1)) {
 		return nil
 	}
+	sge, err := s.mr.SGE(s.half, s.maxSize)
+	if err != nil {
+		return err
+	}
 	for s.recvPosted < want {
 		k := min(want-s.recvPosted, 64)
 		for range k {
-			s.recv.Recv(uint64(s.recvPosted), s.mr.SGE(s.half, s.maxSize))
+			s.recv.Recv(uint64(s.recvPosted), sge)
 		}
 		if err := s.recv.Submit(); err != nil {
 			return err

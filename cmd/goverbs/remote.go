@@ -376,11 +376,13 @@ func verifyPattern(op string, got []byte) error {
 func (r *remote) streamBW(size int) (bwResult, error) {
 	s, cfg := r.s, r.cfg
 	iters := cfg.iters
-	local := s.mr.SGE(0, size)
-	remote := r.peer.Region.At(r.peer.DstOffset)
+	localOff, remote := 0, r.peer.Region.At(r.peer.DstOffset)
 	if cfg.op == "read" {
-		local = s.mr.SGE(s.half, size)
-		remote = r.peer.Region.At(r.peer.SrcOffset)
+		localOff, remote = s.half, r.peer.Region.At(r.peer.SrcOffset)
+	}
+	local, err := s.mr.SGE(localOff, size)
+	if err != nil {
+		return bwResult{}, err
 	}
 	posted, completed := 0, 0
 	wd := newWatchdog(fmt.Sprintf("%s of %d bytes", cfg.op, size))
@@ -495,7 +497,10 @@ func (r *remote) writeLat(size int) (latResult, error) {
 	src := s.mr.Bytes()[:size]
 	dst, shift := lastByte(s.mr.Bytes(), s.half+size-1)
 	remote := r.peer.Region.At(r.peer.DstOffset)
-	sge := s.mr.SGE(0, size)
+	sge, err := s.mr.SGE(0, size)
+	if err != nil {
+		return latResult{}, err
+	}
 	write := func(f verbs.SendFlags) error { return s.qp.PostWrite(0, f, remote, sge) }
 	n := latWarmup + r.cfg.iters
 	samples := make([]uint64, 0, r.cfg.iters)
@@ -576,7 +581,10 @@ func (r *remote) waitByte(p *uint32, shift uint, v byte) error {
 func (r *remote) sendLat(size int) (latResult, error) {
 	s := r.s
 	flags, inline := r.latFlags(size)
-	sge := s.mr.SGE(0, size)
+	sge, err := s.mr.SGE(0, size)
+	if err != nil {
+		return latResult{}, err
+	}
 	send := func(f verbs.SendFlags) error { return s.qp.PostSend(0, f, sge) }
 	n := latWarmup + r.cfg.iters
 	samples := make([]uint64, 0, r.cfg.iters)
@@ -635,7 +643,10 @@ func (r *remote) waitRecv() error {
 func (r *remote) readLat(size int) (latResult, error) {
 	s := r.s
 	remote := r.peer.Region.At(r.peer.SrcOffset)
-	sge := s.mr.SGE(s.half, size)
+	sge, err := s.mr.SGE(s.half, size)
+	if err != nil {
+		return latResult{}, err
+	}
 	n := latWarmup + r.cfg.iters
 	samples := make([]uint64, 0, r.cfg.iters)
 	clk := startTicks()

@@ -239,9 +239,13 @@ func (e *example) exercise(ctx context.Context, barriers int, alg cluster.Barrie
 			return fmt.Errorf("rank %d's region: %w", j, err)
 		}
 		binary.LittleEndian.PutUint64(src.Bytes()[8*j:], word(me, j))
+		sge, err := src.SGE(8*j, 8)
+		if err != nil {
+			return err
+		}
 		peers = append(peers, j)
 		dsts = append(dsts, r.At(uint64(8*me)))
-		sges = append(sges, src.SGE(8*j, 8))
+		sges = append(sges, sge)
 	}
 	if len(peers) > 0 {
 		if err := n.Channel().ScatterWrite(ctx, peers, dsts, sges); err != nil {

@@ -3,6 +3,7 @@
 package ibv_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"runtime"
@@ -77,7 +78,7 @@ func TestCgoCrossings(t *testing.T) {
 		t.Run(fmt.Sprintf("Submit%d", n), func(t *testing.T) {
 			batch := qa.NewBatch(n)
 			for i := range n {
-				r := batch.Write(uint64(i), dst.Remote().At(uint64(i*64)), src.SGE(i*64, 64))
+				r := batch.Write(uint64(i), dst.Remote().At(uint64(i*64)), verbstest.SGE(t, src, i*64, 64))
 				if i == n-1 {
 					r.Signaled()
 				}
@@ -98,7 +99,7 @@ func TestCgoCrossings(t *testing.T) {
 		// Writes, reads and sends with inline data in one batch.
 		rb := qb.NewRecvBatch(8)
 		for i := range 8 {
-			rb.Recv(uint64(i), dst.SGE(32768+i*64, 64))
+			rb.Recv(uint64(i), verbstest.SGE(t, dst, 32768+i*64, 64))
 		}
 		check("Submit of 8 receives", ibv.Calls{PostRecv: 1}, func() {
 			if err := rb.Submit(); err != nil {
@@ -107,9 +108,9 @@ func TestCgoCrossings(t *testing.T) {
 		})
 		batch := qa.NewBatch(24)
 		for i := range 8 {
-			batch.Write(uint64(i), dst.Remote().At(uint64(16384+i*64)), src.SGE(i*64, 64))
-			batch.Read(uint64(100+i), dst.Remote().At(uint64(i*64)), src.SGE(8192+i*64, 64))
-			batch.Send(uint64(200+i), src.SGE(i*8, 8)).Inline()
+			batch.Write(uint64(i), dst.Remote().At(uint64(16384+i*64)), verbstest.SGE(t, src, i*64, 64))
+			batch.Read(uint64(100+i), dst.Remote().At(uint64(i*64)), verbstest.SGE(t, src, 8192+i*64, 64))
+			batch.Send(uint64(200+i), verbstest.SGE(t, src, i*8, 8)).Inline()
 		}
 		check("Submit of 24 mixed requests", ibv.Calls{PostSend: 1}, func() {
 			if err := batch.Submit(); err != nil {
@@ -127,15 +128,55 @@ func TestCgoCrossings(t *testing.T) {
 		}
 	})
 
+	t.Run("SubmitInlineData", func(t *testing.T) {
+		// Sends of Go memory (no MR) in one batch: one crossing, and the
+		// receiver gets the bytes, although the sender's buffers were
+		// overwritten as soon as Submit returned.
+		rb := qb.NewRecvBatch(8)
+		for i := range 8 {
+			rb.Recv(uint64(i), verbstest.SGE(t, dst, 40960+i*64, 64))
+		}
+		if err := rb.Submit(); err != nil {
+			t.Fatal(err)
+		}
+		batch := qa.NewBatch(8)
+		msgs := make([][]byte, 8)
+		for i := range msgs {
+			msgs[i] = fmt.Appendf(nil, "inline message %d from Go memory", i)
+			batch.SendInline(uint64(300+i), msgs[i])
+		}
+		check("Submit of 8 inline sends of Go memory", ibv.Calls{PostSend: 1}, func() {
+			if err := batch.Submit(); err != nil {
+				t.Fatal(err)
+			}
+		})
+		want := make([][]byte, 8)
+		for i, m := range msgs {
+			want[i] = bytes.Clone(m)
+			clear(m)
+		}
+		got, err := verbstest.PollN(ctx, bcq, 8)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, c := range got {
+			off := 40960 + int(c.WRID)*64
+			if c.Status != verbs.StatusSuccess || c.Opcode != verbs.OpRecv || int(c.ByteLen) != len(want[c.WRID]) ||
+				!bytes.Equal(dst.Bytes()[off:off+int(c.ByteLen)], want[c.WRID]) {
+				t.Errorf("receive %d: %v, %q; want %q", i, c, dst.Bytes()[off:off+int(c.ByteLen)], want[c.WRID])
+			}
+		}
+	})
+
 	t.Run("PostSingle", func(t *testing.T) {
 		check("PostWrite", ibv.Calls{PostSend: 1}, func() {
-			if err := qa.PostWrite(7, verbs.Signaled, dst.Remote().At(0), src.SGE(0, 64)); err != nil {
+			if err := qa.PostWrite(7, verbs.Signaled, dst.Remote().At(0), verbstest.SGE(t, src, 0, 64)); err != nil {
 				t.Fatal(err)
 			}
 		})
 		drain(1)
 		check("PostRecv", ibv.Calls{PostRecv: 1}, func() {
-			if err := qb.PostRecv(9, dst.SGE(0, 64)); err != nil {
+			if err := qb.PostRecv(9, verbstest.SGE(t, dst, 0, 64)); err != nil {
 				t.Fatal(err)
 			}
 		})
@@ -151,7 +192,7 @@ func TestCgoCrossings(t *testing.T) {
 		})
 		batch := qa.NewBatch(100)
 		for i := range 100 {
-			batch.Write(uint64(i), dst.Remote().At(uint64(i*64)), src.SGE(i*64, 64)).Signaled()
+			batch.Write(uint64(i), dst.Remote().At(uint64(i*64)), verbstest.SGE(t, src, i*64, 64)).Signaled()
 		}
 		if err := batch.Submit(); err != nil {
 			t.Fatal(err)
@@ -190,7 +231,7 @@ func TestCgoCrossings(t *testing.T) {
 				t.Fatalf("PollBusy: %d, %v", n, err)
 			}
 		})
-		if err := qa.PostWrite(8, verbs.Signaled, dst.Remote().At(0), src.SGE(0, 64)); err != nil {
+		if err := qa.PostWrite(8, verbs.Signaled, dst.Remote().At(0), verbstest.SGE(t, src, 0, 64)); err != nil {
 			t.Fatal(err)
 		}
 		for got := 0; got == 0; {
@@ -223,7 +264,7 @@ func TestCgoCrossings(t *testing.T) {
 				for posted < total && (posted-done*per) < 128-per {
 					k := min(per, total-posted)
 					for i := range k {
-						r := batch.Write(uint64(posted+i), dst.Remote().At(uint64(i*64)), src.SGE(i*64, 64))
+						r := batch.Write(uint64(posted+i), dst.Remote().At(uint64(i*64)), verbstest.SGE(t, src, i*64, 64))
 						if i == k-1 {
 							r.Signaled()
 						}

@@ -200,6 +200,9 @@ type PD interface {
 
 // MR is a registered memory region.
 type MR interface {
+	// Addr is the address of the first byte as work requests name it:
+	// for memory of this process, its virtual address, through which
+	// the provider reads inline data.
 	Addr() uint64
 	Len() int
 	LKey() uint32
@@ -238,6 +241,15 @@ type QP interface {
 	Query() (QPAttr, QPInitAttr, error)
 	// PostSend posts wrs in one provider call. It returns how many were
 	// accepted; on error, wrs[n] is the one that failed (bad_wr).
+	//
+	// A provider copies the payload of an inline request (SendInline)
+	// from its SGE addresses before PostSend returns, without checking
+	// their lkeys, as libibverbs does. The verbs package guarantees that
+	// each such range is readable for the duration of the call: it lies
+	// inside an open MR of the QP's PD (at its Addr), which cannot be
+	// closed until PostSend returns, or it holds bytes in no MR (lkey
+	// 0): a batch's copy outside the Go heap, or Go memory pinned for
+	// the call.
 	PostSend(wrs []SendWR, sges []SGE) (int, error)
 	PostRecv(wrs []RecvWR, sges []SGE) (int, error)
 	// Address is the provider address a peer needs in addition to the GID

@@ -80,7 +80,7 @@ func TestWaitCancelled(t *testing.T) {
 			verbstest.ConnectRC(t, qa, qb)
 			src := p.B.Alloc(t, 64, verbs.AccessLocalWrite)
 			dst := p.A.Alloc(t, 64, verbs.AccessRemoteAll)
-			must(t, qb.PostWrite(1, verbs.Signaled, dst.Remote().At(0), src.SGE(0, 8)))
+			must(t, qb.PostWrite(1, verbs.Signaled, dst.Remote().At(0), verbstest.SGE(t, src, 0, 8)))
 			got, err := ch.Wait(guard(t))
 			if err != nil || got != cq {
 				t.Fatalf("Wait after the cancelled one: %v, %v; want the CQ", got, err)
@@ -111,12 +111,12 @@ func TestAsyncEventCancelled(t *testing.T) {
 	verbstest.ConnectRC(t, qa, qb)
 	bufs := b.Alloc(t, 4*64, verbs.AccessLocalWrite)
 	for i := range 4 {
-		must(t, srq.PostRecv(uint64(i), bufs.SGE(i*64, 64)))
+		must(t, srq.PostRecv(uint64(i), verbstest.SGE(t, bufs, i*64, 64)))
 	}
 	must(t, srq.ArmLimit(3))
 	src := a.Alloc(t, 64, verbs.AccessLocalWrite)
 	for i := range 2 {
-		must(t, qa.PostSend(uint64(i), verbs.Signaled, src.SGE(0, 8)))
+		must(t, qa.PostSend(uint64(i), verbs.Signaled, verbstest.SGE(t, src, 0, 8)))
 	}
 	if _, err := verbstest.PollN(guard(t), b.CQ, 2); err != nil {
 		t.Fatal(err)
