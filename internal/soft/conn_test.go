@@ -58,26 +58,7 @@ func newHostile(t *testing.T) *hostile {
 		t.Fatal(err)
 	}
 
-	nc, err := net.Dial("tcp", pa.tcp)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { nc.Close() })
-	nc.SetDeadline(time.Now().Add(hangGuard))
-	hb := make([]byte, hdrLen+helloLen)
-	putHdr(hb, frHello, helloLen, 0)
-	putHello(hb[hdrLen:], &hello{kind: kindTCP, pid: 1, fabric: fake.fabric, target: pa.fabric,
-		secret: pa.secret, job: jobIdentity(), host: hostIdentity()})
-	if _, err := nc.Write(hb); err != nil {
-		t.Fatal(err)
-	}
-	ab := make([]byte, hdrLen+ackLen)
-	if _, err := io.ReadFull(nc, ab); err != nil {
-		t.Fatal(err)
-	}
-	if err := checkAck(ab, &pa); err != nil {
-		t.Fatal(err)
-	}
+	nc := rawDial(t, b.qp.Address(), "tcp", fake.fabric)
 	return &hostile{nc: nc, qpn: b.qp.QPN(), srcQPN: fakeSrcQPN, page: r.Bytes(), mr: m}
 }
 
@@ -113,7 +94,7 @@ func readResp(t *testing.T, nc net.Conn) response {
 		t.Fatalf("response header %+v, %v", h, err)
 	}
 	var r response
-	if qpn, err := parseResp(b[hdrLen:], &r); err != nil || qpn != fakeSrcQPN {
+	if qpn, err := parseResp(b[hdrLen:], 0, &r); err != nil || qpn != fakeSrcQPN {
 		t.Fatalf("response for QP %#x, %v", qpn, err)
 	}
 	return r
@@ -285,7 +266,7 @@ func FuzzFrame(f *testing.F) {
 			}
 		case frResp:
 			var r response
-			if _, err := parseResp(body[:bl], &r); err == nil && r.code > respOpErr {
+			if _, err := parseResp(body[:bl], payload, &r); err == nil && r.code > respOpErr {
 				t.Fatalf("accepted response code %d", r.code)
 			}
 		case frMapAck:

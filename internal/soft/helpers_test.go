@@ -2,6 +2,7 @@ package soft
 
 import (
 	"context"
+	"os"
 	"testing"
 	"time"
 	"unsafe"
@@ -13,6 +14,9 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	if os.Getenv(envRSSChild) != "" {
+		os.Exit(rssChild()) // a target of TestAmplification
+	}
 	goleak.VerifyTestMain(m)
 }
 
