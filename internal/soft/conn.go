@@ -448,7 +448,7 @@ type readJob struct {
 
 // jobCost is what a queued read response counts for maxQueued: about
 // the memory it takes in the queue.
-const jobCost = 2 * int(unsafe.Sizeof(outItem{}))
+const jobCost = 4 * int(unsafe.Sizeof(outItem{}))
 
 // frame puts the next frame of j's response in b (at least
 // hdrLen+respBodyLen+segMax bytes) and returns its length and whether it

@@ -23,13 +23,19 @@ type hostile struct {
 	nc     net.Conn
 	qpn    uint32 // the target QP
 	srcQPN uint32 // the QP the target is connected to
-	page   []byte // three pages; the MR is the middle one
+	page   []byte // the MR and a page on either side
 	mr     prov.MR
+	e      *env
+	q      *ep // the target QP
 }
 
 const fakeSrcQPN = 0x77
 
-func newHostile(t *testing.T) *hostile {
+func newHostile(t *testing.T) *hostile { return newHostileN(t, prov.QPTypeRC, 4096) }
+
+// newHostileN is newHostile with a target QP of type typ (RC or UC) and
+// an MR of n bytes (whole pages).
+func newHostileN(t *testing.T, typ prov.QPType, n int) *hostile {
 	t.Helper()
 	restore, err := ForceTransport("auto")
 	if err != nil {
@@ -37,10 +43,10 @@ func newHostile(t *testing.T) *hostile {
 	}
 	t.Cleanup(restore)
 	e := newEnv(t)
-	b := e.newQP(prov.QPTypeRC, defaultCaps(), nil)
-	r := must(mem.Alloc(3*4096, "test", false))
+	b := e.newQP(typ, defaultCaps(), nil)
+	r := must(mem.Alloc(n+2*4096, "test", false))
 	t.Cleanup(func() { r.Free() })
-	m := must(e.pd.RegMR(prov.Mem{Ptr: unsafe.Add(r.Ptr(), 4096), Len: 4096, FD: -1}, allAccess))
+	m := must(e.pd.RegMR(prov.Mem{Ptr: unsafe.Add(r.Ptr(), 4096), Len: n, FD: -1}, allAccess))
 	t.Cleanup(func() { m.Close() })
 
 	// Connect the target to a QP of a made-up process.
@@ -49,18 +55,24 @@ func newHostile(t *testing.T) *hostile {
 		t.Fatal(err)
 	}
 	fake := peerAddr{fabric: pa.fabric ^ 0xdead, pid: 1, tcp: "127.0.0.1:1"}
-	toInit(t, b.qp, prov.QPTypeRC, defaultConn())
+	toInit(t, b.qp, typ, defaultConn())
 	av := prov.AHAttr{DGID: getFabric().gids[1], SGIDIndex: 1, HopLimit: 64, IsGlobal: true, Port: 1,
 		ProviderAddr: encodePeerAddr(&fake)}
 	rtr := prov.QPAttr{State: prov.QPStateRTR, PathMTU: prov.MTU4096, DestQPN: fakeSrcQPN, MaxDestRDAtom: 16, MinRNRTimer: 1, AH: av}
-	if err := b.qp.Modify(&rtr, prov.AttrState|prov.AttrAV|prov.AttrPathMTU|prov.AttrDestQPN|prov.AttrRQPSN|
-		prov.AttrMaxDestRDAtom|prov.AttrMinRNRTimer); err != nil {
+	mask := prov.AttrState | prov.AttrAV | prov.AttrPathMTU | prov.AttrDestQPN | prov.AttrRQPSN
+	if typ == prov.QPTypeRC {
+		mask |= prov.AttrMaxDestRDAtom | prov.AttrMinRNRTimer
+	}
+	if err := b.qp.Modify(&rtr, mask); err != nil {
 		t.Fatal(err)
 	}
 
 	nc := rawDial(t, b.qp.Address(), "tcp", fake.fabric)
-	return &hostile{nc: nc, qpn: b.qp.QPN(), srcQPN: fakeSrcQPN, page: r.Bytes(), mr: m}
+	return &hostile{nc: nc, qpn: b.qp.QPN(), srcQPN: fakeSrcQPN, page: r.Bytes(), mr: m, e: e, q: b}
 }
+
+// peer is the raw peer of h (amplify_test.go).
+func (h *hostile) peer() *rawPeer { return &rawPeer{nc: h.nc, qpn: h.qpn, srcQPN: h.srcQPN} }
 
 // reqFrame encodes a request frame; payload is appended as is.
 func (h *hostile) reqFrame(op reqOp, raddr uint64, length uint32, payload []byte) []byte {
