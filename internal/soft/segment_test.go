@@ -483,3 +483,32 @@ func TestSegmentedMessages(t *testing.T) {
 		})
 	}
 }
+
+// TestBufPoolBound: the buffer pool keeps at most bufPoolMax bytes, of
+// buffers of its size classes only, whatever a burst put back.
+func TestBufPoolBound(t *testing.T) {
+	var bufs [][]byte
+	for _, n := range []int{100, 5000, 70000, 1 << 18, 1<<18 + 1} {
+		for range 200 {
+			bufs = append(bufs, getBuf(n))
+		}
+	}
+	for _, b := range bufs {
+		putBuf(b)
+	}
+	p := &bufPool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for i, l := range p.free {
+		for _, b := range l {
+			if cap(b) != 1<<(i+minBufShift) {
+				t.Errorf("a buffer of %d bytes in the class of %d", cap(b), 1<<(i+minBufShift))
+			}
+			n += cap(b)
+		}
+	}
+	if n != p.bytes || n > bufPoolMax {
+		t.Errorf("the pool keeps %d bytes (counted %d), at most %d allowed", n, p.bytes, bufPoolMax)
+	}
+}
