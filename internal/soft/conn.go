@@ -709,41 +709,50 @@ func (c *conn) sendRead(id uint64, qpn uint32, m *mr, addr uint64, n uint32) {
 // It reports whether the queue is over its limit (the caller must fail
 // the connection, without wmu).
 func (c *conn) enqueue(bufs [][]byte, skip int, rd *readJob, front bool) bool {
-	var items [2]outItem
-	k, n := 0, 0
-	if rest := total(bufs) - skip; rest > 0 {
-		b := getBuf(rest)
-		o := 0
-		for _, p := range bufs {
-			if skip >= len(p) {
-				skip -= len(p)
-				continue
+	// The bytes go in chunks of at most queueChunk: the pool then holds
+	// about what is queued, not twice as much for sizes just above a
+	// power of two.
+	var arr [4]outItem
+	items := arr[:0]
+	n := 0
+	bi := 0 // the next byte: bufs[bi][skip]
+	for rest := total(bufs) - skip; rest > 0; {
+		b := getBuf(min(rest, queueChunk))
+		for o := 0; o < len(b); {
+			for skip >= len(bufs[bi]) {
+				skip -= len(bufs[bi])
+				bi++
 			}
-			o += dmaCopy(b[o:], p[skip:])
-			skip = 0
+			k := dmaCopy(b[o:], bufs[bi][skip:])
+			o += k
+			skip += k
 		}
-		items[k] = outItem{b: b}
-		k++
-		n += rest
+		items = append(items, outItem{b: b})
+		rest -= len(b)
+		n += len(b)
 	}
 	if rd != nil {
-		items[k] = outItem{rd: *rd}
-		k++
+		items = append(items, outItem{rd: *rd})
 		n += jobCost
 	}
+	k := len(items)
 	c.qmu.Lock()
 	if front && len(c.queue) > 0 {
-		c.queue = append(c.queue, items[:k]...)
+		c.queue = append(c.queue, items...)
 		copy(c.queue[k:], c.queue[:len(c.queue)-k])
-		copy(c.queue, items[:k])
+		copy(c.queue, items)
 	} else {
-		c.queue = append(c.queue, items[:k]...)
+		c.queue = append(c.queue, items...)
 	}
 	c.qbytes += n
 	over := c.qbytes > maxQueued
 	c.qmu.Unlock()
+	clear(items)
 	return over
 }
+
+// queueChunk is the largest buffer of the send queue.
+const queueChunk = 64 << 10
 
 func (c *conn) failOverflow() {
 	c.fail(fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued for it", c.peerPID, maxQueued>>20))

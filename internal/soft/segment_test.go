@@ -279,6 +279,7 @@ func connOf(t *testing.T, fabric uint64) *conn {
 // which answers with segments of data: they land in the read's local
 // SGEs; data out of order or longer than the read drops the connection
 // and fails the read, and data for no read in flight is ignored.
+// (The QP's response timeout is minRespTimeout.)
 func TestReadDataFromRawPeer(t *testing.T) {
 	const n = 2*segMax + 10
 	for _, tc := range []struct {
@@ -289,6 +290,15 @@ func TestReadDataFromRawPeer(t *testing.T) {
 	}{
 		{"InOrder", func(t *testing.T, nc net.Conn, qpn uint32, id uint64) {
 			for off := 0; off < n; off += segMax {
+				readSeg(t, nc, qpn, id, off, min(segMax, n-off), off+segMax < n)
+			}
+		}, prov.StatusSuccess},
+		{"SlowerThanTheTimeout", func(t *testing.T, nc net.Conn, qpn uint32, id uint64) {
+			// The whole takes longer than the response timeout, each
+			// segment comes well within it: the timer counts from the
+			// last segment, as a NIC's from the last response packet.
+			for off := 0; off < n; off += segMax {
+				time.Sleep(minRespTimeout * 6 / 10)
 				readSeg(t, nc, qpn, id, off, min(segMax, n-off), off+segMax < n)
 			}
 		}, prov.StatusSuccess},

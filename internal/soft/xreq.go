@@ -123,6 +123,7 @@ type readSink struct {
 	got  uint32      // the bytes received so far
 	st   prov.Status // LOC_PROT_ERR: the local memory went away
 	done bool        // the last segment came
+	last time.Time   // when the last segment came
 }
 
 var errReadOrder = fmt.Errorf("%w: RDMA read data out of order or too long", errBadResp)
@@ -154,6 +155,7 @@ func (q *qp) deliver(c *conn, id uint64, off uint64, data []span) error {
 	}
 	rd.got += uint32(n)
 	rd.done = rd.got == rd.n
+	rd.last = time.Now()
 	return nil
 }
 
@@ -500,7 +502,17 @@ func (q *qp) retire() {
 		if x.nfl > 0 {
 			w := q.flight(retired)
 			d := q.respTimeout()
-			if age := time.Since(w.fsent); d > 0 && age >= d {
+			sent := w.fsent
+			if w.op == opRead {
+				// As a NIC's timer restarts with each response packet:
+				// from the last segment of data.
+				x.mu.Lock()
+				if w.rd.last.After(sent) {
+					sent = w.rd.last
+				}
+				x.mu.Unlock()
+			}
+			if age := time.Since(sent); d > 0 && age >= d {
 				q.failFlight(w, prov.StatusRetryExcErr, &retired)
 				failed = true
 			} else if d > 0 {
