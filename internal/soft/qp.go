@@ -663,7 +663,7 @@ func (q *qp) flushRecvLocked() {
 	var buf [32]prov.Completion
 	n := 0
 	// First the receive of a message that did not end: the oldest.
-	q.rmsg.active = false
+	q.rmsg.active, q.rmsg.owned = false, false
 	if r := &q.rmsg.recv; r.ok {
 		r.ok = false
 		buf[n] = prov.Completion{WRID: r.wrid, Status: prov.StatusWRFlushErr, Opcode: prov.WCRecv, QPN: q.qpn}

@@ -88,9 +88,11 @@ type rmsg struct {
 	rkey   uint32 // write: the target of the whole message
 	raddr  uint64
 	// recv is the receive that a send or write with immediate consumes,
-	// taken by its first segment. A receive that a message left here
-	// without ending (UC) is the oldest: the next message takes it.
-	recv takenRecv
+	// taken by its first segment (owned). A receive that a message left
+	// here without ending (UC) is the oldest: the next message that
+	// consumes one takes it.
+	recv  takenRecv
+	owned bool
 }
 
 // takenRecv is a receive work request taken from its queue.
@@ -106,7 +108,7 @@ type takenRecv struct {
 // written), which consumed the receive wrid (if recv).
 func (m *rmsg) begin(req *request, n int, recv bool, wrid uint64, sges []prov.SGE, rpd *pd) {
 	m.active, m.op, m.length, m.next = true, req.op, req.length, uint32(n)
-	m.rkey, m.raddr = req.rkey, req.raddr
+	m.rkey, m.raddr, m.owned = req.rkey, req.raddr, recv
 	if recv {
 		r := &m.recv
 		r.ok, r.wrid, r.pd = true, wrid, rpd
@@ -130,7 +132,7 @@ func (t *qp) continueMsg(req *request, data []span, resp *response) bool {
 		if st := t.scatter(r.sges[:r.n], r.pd, data, int(req.off), req.length, false); st != prov.StatusSuccess {
 			// The receive buffer went away (LOC_LEN_ERR was ruled out by
 			// the first segment).
-			m.active, r.ok = false, false
+			m.active, m.owned, r.ok = false, false, false
 			t.completeRecv(r.wrid, st, req, 0)
 			if !rc {
 				resp.code = respSilent
@@ -146,7 +148,7 @@ func (t *qp) continueMsg(req *request, data []span, resp *response) bool {
 			if mr != nil {
 				mr.release()
 			}
-			m.active = false
+			m.active, m.owned = false, false
 			if !rc {
 				resp.code = respSilent
 				return false
@@ -166,8 +168,8 @@ func (t *qp) continueMsg(req *request, data []span, resp *response) bool {
 		return false
 	}
 	m.active = false
-	if r.ok {
-		r.ok = false
+	if m.owned {
+		m.owned, r.ok = false, false
 		t.completeRecv(r.wrid, prov.StatusSuccess, req, req.length)
 	}
 	return false
@@ -345,8 +347,8 @@ func (t *qp) respondUC(req *request, data []span, resp *response) bool {
 		return toErr
 	}
 	// A message that never ended is dropped (its receive, if any, is
-	// this one's).
-	t.rmsg.active = false
+	// the next one's).
+	t.rmsg.active, t.rmsg.owned = false, false
 	switch req.op {
 	case opSend, opSendImm:
 		wrid, sges, rpd, ok := t.takeRecv(nil)

@@ -190,6 +190,9 @@ func TestSegmentsFromRawPeer(t *testing.T) {
 		req, id := p.msg(opSend, 0, 0, n)
 		p.seg(t, &req, id, 0)
 		waitMsg(t, h.target(), true)
+		// A write in segments between: it consumes no receive.
+		p.write(t, h.mr.Addr()+segMax, h.mr.RKey(), 2*segMax+1)
+		waitMsg(t, h.target(), false)
 		for i, size := range []int{100, n} {
 			req, id = p.msg(opSend, 0, 0, size)
 			for off := 0; off < size; off += segMax {
