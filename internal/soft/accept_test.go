@@ -72,7 +72,7 @@ func TestAcceptAfterEMFILE(t *testing.T) {
 	nc.SetDeadline(time.Now().Add(hangGuard))
 	wrong := pa
 	wrong.fabric ^= 1
-	rp := &rawPeer{fabric: 3, pid: 1}
+	rp := &fakeProc{fabric: 3, pid: 1}
 	if r := rawHandshake(t, nc, rp, &wrong, pa.secret, nil); r.status != ackBadTarget {
 		t.Fatalf("status %d (%s), want %s", r.status, ackReason(r.status), ackReason(ackBadTarget))
 	}

@@ -37,13 +37,24 @@ import (
 // application's CQ poll does it in its place (progress.go). It runs every
 // request from the peer at the target QP (qp.respond, which does the rkey,
 // bounds, access and PSN checks on a private copy of the header, so memory
-// outside an MR is never touched; the payload is in a buffer of this
-// process, or on shared memory read in place from the ring, where the
-// peer can change its bytes but not its length), answers it, and hands
-// responses and wake-ups to the waiting requesters. It never waits for the
-// peer: a frame it sends is written without blocking as far as the socket
-// takes it, and the rest is queued for a flusher goroutine. So two
-// processes never wait for each other.
+// outside an MR is never touched; the payload is read in place from the
+// connection's receive buffer, or on shared memory from the ring, where
+// the peer can change its bytes but not its length), answers it, and
+// hands responses and wake-ups to the waiting requesters, copying the data
+// of RDMA reads into their local memory. It never waits for the peer: a
+// frame it sends is written without blocking as far as the socket takes
+// it, and the rest is queued for a flusher goroutine. So two processes
+// never wait for each other.
+//
+// Memory. No frame is larger than maxFrame (a larger message travels in
+// segments, wire.go), and the consumer handles each one in place: it
+// allocates nothing for what a peer declares or sends. What it holds for
+// the peer is the send queue: copies of frames the socket did not take
+// (at most a segment of each RDMA read response: the rest of a read is
+// queued as a reference to the region, and its data is copied out segment
+// by segment as the socket takes it, see readJob), bounded by maxQueued,
+// beyond which the peer counts as reading nothing and the connection
+// fails. Pooled buffers are bounded in total (bufPoolMax).
 //
 // Failure. End of file, a read or write error, a write timeout, or a
 // malformed frame takes the connection down: it is closed, waiting
@@ -80,17 +91,22 @@ type conn struct {
 	twErr     error
 	twFn      func(fd uintptr) bool
 	iov       [maxSGE + 2]unix.Iovec
+	segHdr    [segBatch][hdrLen + reqBodyLen]byte // writeSegsLocked's (wmu)
+	segBufs   [segBatch + maxSGE + 1][]byte
+	qbufs     [][]byte // flushQueueLocked's (wmu)
+	one       [1][]byte
 
 	qmu    sync.Mutex
-	queue  [][]byte // pooled buffers
+	queue  []outItem
+	qspare []outItem // the array of the last queue written, for the next
 	qbytes int
 	qwake  chan struct{}
 
-	// Reader state (the reader goroutine, or on shared memory whoever
-	// holds rmu).
+	// Consumer state (whoever holds rmu).
 	pollState
-	rhdr  [hdrLen + respBodyLen]byte
-	rbufs [2][]byte
+	rhdr   [hdrLen + respBodyLen]byte
+	rbufs  [2][]byte
+	rxData [2]span
 
 	// Responses held back (progress.go): appended by the consumer,
 	// taken by whoever writes to the connection next.
@@ -122,10 +138,21 @@ const (
 	// without a transport timeout, and for the flusher.
 	writeTimeout = 60 * time.Second
 	// maxQueued is how much a peer may leave unread before the connection
-	// is dropped.
-	maxQueued = 512 << 20
+	// is dropped: the bytes of frames in the send queue, and jobCost for
+	// each RDMA read response queued.
+	maxQueued = 16 << 20
 	// sendHigh: above this much queued, requesters write with waiting.
 	sendHigh = 4 << 20
+	// segBatch is how many segments of a message a writer gathers into
+	// one write.
+	segBatch = 8
+)
+
+// Every frame fits in every receive buffer whole.
+var (
+	_ [sockRxSize - maxFrame]struct{}
+	_ [ringCap - maxFrame]struct{}
+	_ [hdrLen + reqBodyLen + segMax - maxNBFrame]struct{} // a frame written without waiting is one segment
 )
 
 var errConnDown = errors.New("soft: connection to the peer process lost")
@@ -214,14 +241,48 @@ func (c *conn) removeUser(q *qp) {
 // by progressRemote). The requester learns nothing of its outcome. Called
 // by the QP's goroutine, which may wait.
 func (c *conn) exec(req *request, data []span, resp *response) {
-	q := req.owner
 	plen := 0
 	if hasPayload(req.op) {
 		plen = int(req.length)
 	}
-	x := q.x
-	putHdr(x.frame[:], frReq, uint32(reqBodyLen+plen), c.nextID.Add(1))
-	putReq(x.frame[hdrLen:], req, reqNoResp)
+	c.writeReq(req.owner.x, req, reqNoResp, c.nextID.Add(1), data, plen, writeTimeout)
+	resp.code = respDropped
+}
+
+// writeReq writes the request req with its payload data (plen bytes):
+// one frame, or segments if it is longer than segMax, waiting for room
+// (at most timeout for each write: then the connection fails, since a
+// frame cannot be left half written). x is the requester's scratch.
+func (c *conn) writeReq(x *xstate, req *request, flags uint8, id uint64, data []span, plen int, timeout time.Duration) error {
+	if plen <= segMax {
+		bufs := x.reqFrame(req, flags, id, data, plen)
+		err := c.writeFrame(bufs, timeout)
+		clear(bufs)
+		return err
+	}
+	c.wmu.Lock()
+	if c.dead.Load() {
+		c.wmu.Unlock()
+		return errConnDown
+	}
+	c.setDeadline(time.Now().Add(timeout))
+	err := c.flushQueueLocked(timeout)
+	if err == nil {
+		err = c.writeSegsLocked(req, flags, id, data, plen, timeout)
+	}
+	c.setDeadline(time.Time{})
+	c.wmu.Unlock()
+	if err != nil {
+		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
+	}
+	return err
+}
+
+// reqFrame encodes req, a message of plen <= segMax bytes, as one frame:
+// the header in x.frame and the payload in place (x.bufs).
+func (x *xstate) reqFrame(req *request, flags uint8, id uint64, data []span, plen int) [][]byte {
+	putHdr(x.frame[:], frReq, uint32(reqBodyLen+plen), id)
+	putReq(x.frame[hdrLen:], req, flags)
 	bufs := append(x.bufs[:0], x.frame[:])
 	if plen > 0 {
 		for _, s := range data {
@@ -230,9 +291,54 @@ func (c *conn) exec(req *request, data []span, resp *response) {
 			}
 		}
 	}
-	c.writeFrame(bufs, writeTimeout)
-	clear(x.bufs[:len(bufs)])
-	resp.code = respDropped
+	return bufs
+}
+
+// writeSegsLocked writes req, a message of plen bytes, as segments of
+// segMax bytes, a batch of them at a time (wmu held).
+func (c *conn) writeSegsLocked(req *request, flags uint8, id uint64, data []span, plen int, timeout time.Duration) error {
+	seg := *req
+	mtu := max(req.mtu, 1)
+	si, soff := 0, 0 // the next byte: data[si] at soff
+	nb, nh := 0, 0
+	flush := func() error {
+		err := c.writeAllLocked(c.segBufs[:nb])
+		clear(c.segBufs[:nb])
+		nb, nh = 0, 0
+		c.setDeadline(time.Now().Add(timeout))
+		return err
+	}
+	for off := 0; off < plen; {
+		n := min(segMax, plen-off)
+		if nh == segBatch || nb+1+len(data)-si > len(c.segBufs) {
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+		seg.off, seg.more = uint32(off), off+n < plen
+		seg.psn = (req.psn + uint32(off)/mtu) & psnMask
+		seg.npkts = max(1, (uint32(n)+mtu-1)/mtu)
+		h := c.segHdr[nh][:]
+		nh++
+		putHdr(h, frReq, uint32(reqBodyLen+n), id)
+		putReq(h[hdrLen:], &seg, flags)
+		c.segBufs[nb] = h
+		nb++
+		for rem := n; rem > 0; {
+			s := data[si]
+			k := min(rem, s.n-soff)
+			if k > 0 {
+				c.segBufs[nb] = unsafe.Slice((*byte)(unsafe.Add(s.p, soff)), k)
+				nb++
+			}
+			rem -= k
+			if soff += k; soff == s.n {
+				si, soff = si+1, 0
+			}
+		}
+		off += n
+	}
+	return flush()
 }
 
 // respTimeout is how long a RC request waits for its response: the QP's
@@ -254,7 +360,7 @@ func (c *conn) writeFrame(bufs [][]byte, timeout time.Duration) error {
 		return errConnDown
 	}
 	c.setDeadline(time.Now().Add(timeout))
-	err := c.flushQueueLocked()
+	err := c.flushQueueLocked(timeout)
 	if err == nil {
 		err = c.writeAllLocked(bufs)
 	}
@@ -326,31 +432,130 @@ func (c *conn) writeAllLocked(bufs [][]byte) error {
 	return err
 }
 
-// flushQueueLocked writes the queued frames (wmu held).
-func (c *conn) flushQueueLocked() error {
+// outItem is an entry of the send queue: the bytes of frames (a pooled
+// buffer), or the rest of an RDMA read response (rd, when b is nil).
+type outItem struct {
+	b  []byte
+	rd readJob
+}
+
+// readJob is what remains to send of the response to an RDMA read: its
+// data, from the region m (checked by the responder when it accepted the
+// read), in segments. The data is copied out when the segment is written
+// (RDMA reads are not ordered before later writes at the responder either,
+// without a fence). A region closed meanwhile ends it with a NAK.
+type readJob struct {
+	m      *mr
+	addr   uint64 // the region's address of the byte at off
+	id     uint64
+	qpn    uint32 // the requester's
+	off, n uint32 // the next byte, the length of the data
+}
+
+// jobCost is what a queued read response counts for maxQueued: about
+// the memory it takes in the queue.
+const jobCost = 4 * int(unsafe.Sizeof(outItem{}))
+
+// frame puts the next frame of j's response in b (at least
+// hdrLen+respBodyLen+segMax bytes) and returns its length and whether it
+// is the last; the region is pinned only while its bytes are copied.
+func (j *readJob) frame(b []byte) (int, bool) {
+	k := min(segMax, j.n-j.off)
+	r := response{orig: uint64(j.off), more: j.off+k < j.n}
+	p, ok := j.m.acquire(j.addr, uint64(k))
+	if !ok {
+		r = response{code: respAccess}
+		k = 0
+	} else {
+		dmaCopy(b[hdrLen+respBodyLen:], unsafe.Slice((*byte)(p), k))
+		j.m.release()
+		j.off += k
+		j.addr += uint64(k)
+	}
+	putHdr(b, frResp, uint32(respBodyLen+k), j.id)
+	putResp(b[hdrLen:], j.qpn, &r)
+	return hdrLen + respBodyLen + int(k), !r.more
+}
+
+// flushQueueLocked writes the queued frames (wmu held), waiting at most
+// timeout for each write.
+func (c *conn) flushQueueLocked(timeout time.Duration) error {
 	for {
 		c.qmu.Lock()
 		q := c.queue
-		c.queue = nil
-		c.qmu.Unlock()
 		if len(q) == 0 {
+			c.qmu.Unlock()
 			return nil
 		}
-		n := 0
-		for _, b := range q {
-			n += len(b)
+		c.queue, c.qspare = c.qspare[:0], nil
+		c.qmu.Unlock()
+		err := c.writeItemsLocked(q, timeout)
+		for i := range q {
+			putBuf(q[i].b)
 		}
-		err := c.writeAllLocked(q)
-		for _, b := range q {
-			putBuf(b)
-		}
+		clear(q)
 		c.qmu.Lock()
-		c.qbytes -= n
+		if c.qspare == nil && cap(q) <= 1024 {
+			c.qspare = q[:0] // a small array is kept; a large one goes
+		}
 		c.qmu.Unlock()
 		if err != nil {
 			return err
 		}
 	}
+}
+
+// writeItemsLocked writes the queue q (wmu held): runs of frames in one
+// write, read responses segment by segment. Each write gives back its
+// bytes to qbytes.
+func (c *conn) writeItemsLocked(q []outItem, timeout time.Duration) error {
+	var jbuf []byte
+	defer func() { putBuf(jbuf) }()
+	for i := 0; i < len(q); {
+		if q[i].b == nil {
+			if jbuf == nil {
+				jbuf = getBuf(hdrLen + respBodyLen + segMax)
+			}
+			j := &q[i].rd
+			for {
+				c.setDeadline(time.Now().Add(timeout))
+				n, last := j.frame(jbuf)
+				c.one[0] = jbuf[:n]
+				err := c.writeAllLocked(c.one[:])
+				c.one[0] = nil
+				if err != nil {
+					return err
+				}
+				if last {
+					break
+				}
+			}
+			c.unqueue(jobCost)
+			i++
+			continue
+		}
+		n := 0
+		bufs := c.qbufs[:0]
+		for ; i < len(q) && q[i].b != nil && len(bufs) < 64; i++ {
+			bufs = append(bufs, q[i].b)
+			n += len(q[i].b)
+		}
+		c.qbufs = bufs[:0]
+		c.setDeadline(time.Now().Add(timeout))
+		err := c.writeAllLocked(bufs)
+		clear(bufs)
+		if err != nil {
+			return err
+		}
+		c.unqueue(n)
+	}
+	return nil
+}
+
+func (c *conn) unqueue(n int) {
+	c.qmu.Lock()
+	c.qbytes -= n
+	c.qmu.Unlock()
 }
 
 // flushLoop writes what the reader queued until the connection fails.
@@ -359,10 +564,10 @@ func (c *conn) flushLoop() {
 		select {
 		case <-c.done:
 			c.qmu.Lock()
-			for _, b := range c.queue {
-				putBuf(b)
+			for _, it := range c.queue {
+				putBuf(it.b)
 			}
-			c.queue, c.qbytes = nil, 0
+			c.queue, c.qspare, c.qbytes = nil, nil, 0
 			c.qmu.Unlock()
 			return
 		case <-c.qwake:
@@ -371,7 +576,7 @@ func (c *conn) flushLoop() {
 		c.wmu.Lock()
 		if !c.dead.Load() {
 			c.setDeadline(time.Now().Add(writeTimeout))
-			err = c.flushQueueLocked()
+			err = c.flushQueueLocked(writeTimeout)
 			c.setDeadline(time.Time{})
 		}
 		c.wmu.Unlock()
@@ -387,12 +592,10 @@ func (c *conn) sendAsync(bufs [][]byte) {
 	if c.dead.Load() {
 		return
 	}
-	written := 0
+	over := false
 	if c.wmu.TryLock() {
-		c.qmu.Lock()
-		empty := len(c.queue) == 0
-		c.qmu.Unlock()
-		if empty {
+		written := 0
+		if c.queueEmpty() {
 			n, err := c.tryWrite(bufs)
 			if err != nil {
 				c.wmu.Unlock()
@@ -401,52 +604,164 @@ func (c *conn) sendAsync(bufs [][]byte) {
 			}
 			written = n
 		}
-		over := false
-		if written < total(bufs) {
-			over = c.enqueue(bufs, written)
+		all := written == total(bufs)
+		if !all {
+			// The rest of a frame partly written goes before what was
+			// queued meanwhile (by those who found wmu held).
+			over = c.enqueue(bufs, written, nil, written > 0)
 		}
 		c.wmu.Unlock()
-		if over {
-			c.failOverflow()
+		if all {
 			return
 		}
-		if written == total(bufs) {
-			return
-		}
-	} else if c.enqueue(bufs, 0) {
+	} else {
+		over = c.enqueue(bufs, 0, nil, false)
+	}
+	if over {
 		c.failOverflow()
 		return
 	}
+	c.wakeFlusher()
+}
+
+func (c *conn) queueEmpty() bool {
+	c.qmu.Lock()
+	defer c.qmu.Unlock()
+	return len(c.queue) == 0
+}
+
+func (c *conn) wakeFlusher() {
 	select {
 	case c.qwake <- struct{}{}:
 	default:
 	}
 }
 
-// enqueue queues a copy of bufs after their first skip bytes. It reports
-// whether the queue is over its limit (the caller must fail the
-// connection, without wmu).
-func (c *conn) enqueue(bufs [][]byte, skip int) bool {
-	n := total(bufs) - skip
-	b := getBuf(n)[:0]
-	for _, p := range bufs {
-		if skip >= len(p) {
-			skip -= len(p)
-			continue
-		}
-		b = append(b, p[skip:]...)
-		skip = 0
+// sendRead sends the response to an RDMA read that the responder
+// accepted: its data, n > 0 bytes at addr in m, in segments. Like
+// sendAsync it does not wait: it writes segments straight from the region
+// while the socket takes them whole, and queues the rest of the response
+// as a readJob (with a copy of the part of a segment that was written).
+// Called by the consumer.
+func (c *conn) sendRead(id uint64, qpn uint32, m *mr, addr uint64, n uint32) {
+	if c.dead.Load() {
+		return
 	}
+	j := readJob{m: m, addr: addr, id: id, qpn: qpn, n: n}
+	over := false
+	if !c.wmu.TryLock() {
+		over = c.enqueue(nil, 0, &j, false)
+	} else {
+		if !c.queueEmpty() {
+			over = c.enqueue(nil, 0, &j, false)
+		} else {
+			for {
+				k := min(segMax, j.n-j.off)
+				r := response{orig: uint64(j.off), more: j.off+k < j.n}
+				bufs := c.rbufs[:1]
+				p, ok := j.m.acquire(j.addr, uint64(k))
+				if ok {
+					c.rbufs[1] = unsafe.Slice((*byte)(p), k)
+					bufs = c.rbufs[:2]
+					j.off += k
+					j.addr += uint64(k)
+				} else {
+					r, k = response{code: respAccess}, 0
+				}
+				putHdr(c.rhdr[:], frResp, uint32(respBodyLen+k), id)
+				putResp(c.rhdr[hdrLen:], qpn, &r)
+				c.rbufs[0] = c.rhdr[:]
+				w, err := c.tryWrite(bufs)
+				last := !r.more
+				var rest *readJob
+				if !last {
+					rest = &j
+				}
+				queued := false
+				if err == nil && w < total(bufs) {
+					over = c.enqueue(bufs, w, rest, w > 0)
+					queued = true
+				}
+				if ok {
+					j.m.release()
+				}
+				clear(c.rbufs[:])
+				if err != nil {
+					c.wmu.Unlock()
+					c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
+					return
+				}
+				if last && !queued {
+					c.wmu.Unlock()
+					return
+				}
+				if queued {
+					break
+				}
+			}
+		}
+		c.wmu.Unlock()
+	}
+	if over {
+		c.failOverflow()
+		return
+	}
+	c.wakeFlusher()
+}
+
+// enqueue queues a copy of bufs after their first skip bytes (if any
+// remain), then the read response rd (if not nil): at the end of the
+// queue, or at its front (the rest of a frame partly written, wmu held).
+// It reports whether the queue is over its limit (the caller must fail
+// the connection, without wmu).
+func (c *conn) enqueue(bufs [][]byte, skip int, rd *readJob, front bool) bool {
+	// The bytes go in chunks of at most queueChunk: the pool then holds
+	// about what is queued, not twice as much for sizes just above a
+	// power of two.
+	var arr [4]outItem
+	items := arr[:0]
+	n := 0
+	bi := 0 // the next byte: bufs[bi][skip]
+	for rest := total(bufs) - skip; rest > 0; {
+		b := getBuf(min(rest, queueChunk))
+		for o := 0; o < len(b); {
+			for skip >= len(bufs[bi]) {
+				skip -= len(bufs[bi])
+				bi++
+			}
+			k := dmaCopy(b[o:], bufs[bi][skip:])
+			o += k
+			skip += k
+		}
+		items = append(items, outItem{b: b})
+		rest -= len(b)
+		n += len(b)
+	}
+	if rd != nil {
+		items = append(items, outItem{rd: *rd})
+		n += jobCost
+	}
+	k := len(items)
 	c.qmu.Lock()
-	c.queue = append(c.queue, b)
+	if front && len(c.queue) > 0 {
+		c.queue = append(c.queue, items...)
+		copy(c.queue[k:], c.queue[:len(c.queue)-k])
+		copy(c.queue, items)
+	} else {
+		c.queue = append(c.queue, items...)
+	}
 	c.qbytes += n
 	over := c.qbytes > maxQueued
 	c.qmu.Unlock()
+	clear(items)
 	return over
 }
 
+// queueChunk is the largest buffer of the send queue.
+const queueChunk = 64 << 10
+
 func (c *conn) failOverflow() {
-	c.fail(fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued", c.peerPID, maxQueued>>20))
+	c.fail(fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued for it", c.peerPID, maxQueued>>20))
 }
 
 func total(bufs [][]byte) int {
@@ -553,13 +868,14 @@ func bodyLen(h frameHdr) int {
 	return int(min(h.length, reqBodyLen))
 }
 
-// handle processes one frame.
-func (c *conn) handle(h frameHdr, body []byte, payload *[]byte) error {
+// handle processes one frame; data is its payload (plen bytes in place,
+// in one or two pieces), valid until it returns.
+func (c *conn) handle(h frameHdr, body []byte, data []span, plen int) error {
 	switch h.typ {
 	case frReq:
-		return c.handleReq(h.id, body, *payload)
+		return c.handleReq(h.id, body, data, plen)
 	case frResp:
-		return c.handleResp(h.id, body, payload)
+		return c.handleResp(h.id, body, data, plen)
 	case frWake:
 		if q := c.f.qps.load(binary.LittleEndian.Uint32(body) & maxQPN); q != nil {
 			q.wake()
@@ -571,11 +887,11 @@ func (c *conn) handle(h frameHdr, body []byte, payload *[]byte) error {
 	return fmt.Errorf("%w: type %d", errBadType, h.typ)
 }
 
-// handleReq runs a request from the peer at the target QP (which does
-// every check) and answers it.
-func (c *conn) handleReq(id uint64, body, payload []byte) error {
+// handleReq runs a request (or a segment of one) from the peer at the
+// target QP (which does every check) and answers it.
+func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	var req request
-	flags, err := parseReq(body, uint32(len(payload)), &req)
+	flags, err := parseReq(body, uint32(plen), &req)
 	if err != nil {
 		return err
 	}
@@ -584,31 +900,16 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 	if req.qpType == uint8(prov.QPTypeRC) {
 		req.waker = c.waker(req.srcQPN)
 	}
-	var one [1]span
-	var data []span
-	var rbuf []byte
-	switch req.op {
-	case opRead:
-		// Allocate the reply only for a read the region could serve; the
-		// responder decides.
-		if m := c.f.lookupMR(req.rkey); !req.direct && req.length > 0 && m != nil && uint64(req.length) <= m.length {
-			rbuf = getBuf(int(req.length))
-			one[0] = span{unsafe.Pointer(unsafe.SliceData(rbuf)), len(rbuf)}
-			data = one[:]
-		}
-	case opCAS, opFAA:
-	default:
-		if len(payload) > 0 {
-			one[0] = span{unsafe.Pointer(unsafe.SliceData(payload)), len(payload)}
-			data = one[:]
-		}
-	}
-	var resp response
 	if req.direct && c.shm == nil {
 		return fmt.Errorf("%w: a direct write on a connection without shared memory", errBadReq)
 	}
+	if req.op >= opRead {
+		data = nil
+		req.deferRead = req.op == opRead && !req.direct // sendRead sends the data
+	}
+	var resp response
 	if t := c.f.qps.load(req.dstQPN); t == nil {
-		resp.code = respNoQP
+		resp.code = silentOr(&req, respNoQP)
 	} else {
 		t.respond(&req, data, &resp)
 		// An acknowledged request comes from t's destination (fromPeer).
@@ -616,33 +917,24 @@ func (c *conn) handleReq(id uint64, body, payload []byte) error {
 			t.x.rev.Store(c)
 		}
 	}
-
-	if flags&reqNoResp == 0 {
-		var out []byte
-		if resp.code == respACK && req.op == opRead {
-			out = rbuf
-		}
-		if len(out) == 0 {
-			// Held (progress.go), up to a limit.
-			c.respMu.Lock()
-			k := len(c.resps)
-			c.resps = c.resps[:k+hdrLen+respBodyLen]
-			putHdr(c.resps[k:], frResp, respBodyLen, id)
-			putResp(c.resps[k+hdrLen:], req.srcQPN, &resp)
-			if len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
-				c.flushRespsLocked()
-			}
-			c.respMu.Unlock()
-		} else {
-			c.flushResps()
-			putHdr(c.rhdr[:], frResp, uint32(respBodyLen+len(out)), id)
-			putResp(c.rhdr[hdrLen:], req.srcQPN, &resp)
-			c.rbufs[0], c.rbufs[1] = c.rhdr[:], out
-			c.sendAsync(c.rbufs[:2])
-			c.rbufs[1] = nil
-		}
+	if flags&reqNoResp != 0 || resp.code == respSilent || resp.code == respACK && req.more {
+		return nil
 	}
-	putBuf(rbuf)
+	if resp.code == respACK && resp.src != nil {
+		c.flushResps() // the responses before it go first
+		c.sendRead(id, req.srcQPN, resp.src, req.raddr, req.length)
+		return nil
+	}
+	// Held (progress.go), up to a limit.
+	c.respMu.Lock()
+	k := len(c.resps)
+	c.resps = c.resps[:k+hdrLen+respBodyLen]
+	putHdr(c.resps[k:], frResp, respBodyLen, id)
+	putResp(c.resps[k+hdrLen:], req.srcQPN, &resp)
+	if len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
+		c.flushRespsLocked()
+	}
+	c.respMu.Unlock()
 	return nil
 }
 
@@ -670,25 +962,30 @@ func (c *conn) holdsResps() bool {
 	return len(c.resps) > 0
 }
 
-// handleResp hands a response to its requester, with the payload (which
-// it takes over).
-func (c *conn) handleResp(id uint64, body []byte, payload *[]byte) error {
+// handleResp hands a response to its requester. The data of an RDMA read
+// goes straight into the read's local memory, segment by segment
+// (qp.deliver); the last segment is the response.
+func (c *conn) handleResp(id uint64, body []byte, data []span, plen int) error {
 	var r response
-	qpn, err := parseResp(body, &r)
+	qpn, err := parseResp(body, uint32(plen), &r)
 	if err != nil {
 		return err
-	}
-	if len(*payload) > 0 && r.code != respACK {
-		return fmt.Errorf("%w: data on a negative response", errBadResp)
 	}
 	q := c.f.qps.load(qpn)
 	if q == nil {
 		return nil // the requester is gone
 	}
-	if !q.x.push(rresp{c: c, id: id, resp: r, data: *payload}, 2*len(q.sq.slots)+64) {
+	if plen > 0 {
+		if err := q.deliver(c, id, r.orig, data); err != nil {
+			return err
+		}
+		if r.more {
+			return nil
+		}
+	}
+	if !q.x.push(rresp{c: c, id: id, resp: r}, 2*len(q.sq.slots)+64) {
 		return fmt.Errorf("%w: more responses than requests", errBadResp)
 	}
-	*payload = nil
 	q.runQueue(false)
 	return nil
 }
@@ -727,17 +1024,20 @@ func (w *remoteWaker) wake() {
 
 // --- buffers ---
 
-// Payload buffers come from size-classed free lists (powers of two from
-// 4 KiB to 4 MiB, at most bufListMax each); larger ones are allocated.
-var bufLists [maxBufShift - minBufShift + 1]struct {
-	mu   sync.Mutex
-	free [][]byte
+// Buffers of the send queue come from size-classed free lists (powers of
+// two from 4 KiB to 256 KiB; larger ones are allocated), which keep at
+// most bufPoolMax bytes in all: what a burst took beyond that goes back to
+// the runtime once it is over.
+var bufPool struct {
+	mu    sync.Mutex
+	bytes int
+	free  [maxBufShift - minBufShift + 1][][]byte
 }
 
 const (
 	minBufShift = 12
-	maxBufShift = 22
-	bufListMax  = 128
+	maxBufShift = 18
+	bufPoolMax  = 8 << 20
 )
 
 func getBuf(n int) []byte {
@@ -748,16 +1048,18 @@ func getBuf(n int) []byte {
 	if n > 1<<minBufShift {
 		c = bits.Len(uint(n-1)) - minBufShift
 	}
-	l := &bufLists[c]
-	l.mu.Lock()
-	if k := len(l.free); k > 0 {
-		b := l.free[k-1]
-		l.free[k-1] = nil
-		l.free = l.free[:k-1]
-		l.mu.Unlock()
+	p := &bufPool
+	p.mu.Lock()
+	l := p.free[c]
+	if k := len(l); k > 0 {
+		b := l[k-1]
+		l[k-1] = nil
+		p.free[c] = l[:k-1]
+		p.bytes -= cap(b)
+		p.mu.Unlock()
 		return b[:n]
 	}
-	l.mu.Unlock()
+	p.mu.Unlock()
 	return make([]byte, n, 1<<(c+minBufShift))
 }
 
@@ -766,41 +1068,14 @@ func putBuf(b []byte) {
 	if c < 1<<minBufShift || c > 1<<maxBufShift || c&(c-1) != 0 {
 		return
 	}
-	l := &bufLists[bits.Len(uint(c))-1-minBufShift]
-	l.mu.Lock()
-	if len(l.free) < bufListMax {
-		l.free = append(l.free, b[:0])
+	p := &bufPool
+	p.mu.Lock()
+	if p.bytes+c <= bufPoolMax {
+		i := bits.Len(uint(c)) - 1 - minBufShift
+		p.free[i] = append(p.free[i], b[:0])
+		p.bytes += c
 	}
-	l.mu.Unlock()
-}
-
-// readPayload reads n bytes, growing the buffer as data arrives so that a
-// length in a hostile frame cannot make the reader allocate more than the
-// peer sends.
-func readPayload(r io.Reader, n int) ([]byte, error) {
-	if n <= 1<<maxBufShift {
-		b := getBuf(n)
-		if _, err := io.ReadFull(r, b); err != nil {
-			putBuf(b)
-			return nil, err
-		}
-		return b, nil
-	}
-	b := make([]byte, 0, 1<<maxBufShift)
-	for len(b) < n {
-		k := min(n-len(b), max(len(b), 1<<maxBufShift))
-		if cap(b)-len(b) < k {
-			nb := make([]byte, len(b), len(b)+k)
-			copy(nb, b)
-			b = nb
-		}
-		m, err := io.ReadFull(r, b[len(b):len(b)+k])
-		b = b[:len(b)+m]
-		if err != nil {
-			return nil, err
-		}
-	}
-	return b, nil
+	p.mu.Unlock()
 }
 
 // checkPeerCred checks that the process at the other end of c has the given

@@ -23,13 +23,19 @@ type hostile struct {
 	nc     net.Conn
 	qpn    uint32 // the target QP
 	srcQPN uint32 // the QP the target is connected to
-	page   []byte // three pages; the MR is the middle one
+	page   []byte // the MR and a page on either side
 	mr     prov.MR
+	e      *env
+	q      *ep // the target QP
 }
 
 const fakeSrcQPN = 0x77
 
-func newHostile(t *testing.T) *hostile {
+func newHostile(t *testing.T) *hostile { return newHostileN(t, prov.QPTypeRC, 4096) }
+
+// newHostileN is newHostile with a target QP of type typ (RC or UC) and
+// an MR of n bytes (whole pages).
+func newHostileN(t *testing.T, typ prov.QPType, n int) *hostile {
 	t.Helper()
 	restore, err := ForceTransport("auto")
 	if err != nil {
@@ -37,10 +43,10 @@ func newHostile(t *testing.T) *hostile {
 	}
 	t.Cleanup(restore)
 	e := newEnv(t)
-	b := e.newQP(prov.QPTypeRC, defaultCaps(), nil)
-	r := must(mem.Alloc(3*4096, "test", false))
+	b := e.newQP(typ, defaultCaps(), nil)
+	r := must(mem.Alloc(n+2*4096, "test", false))
 	t.Cleanup(func() { r.Free() })
-	m := must(e.pd.RegMR(prov.Mem{Ptr: unsafe.Add(r.Ptr(), 4096), Len: 4096, FD: -1}, allAccess))
+	m := must(e.pd.RegMR(prov.Mem{Ptr: unsafe.Add(r.Ptr(), 4096), Len: n, FD: -1}, allAccess))
 	t.Cleanup(func() { m.Close() })
 
 	// Connect the target to a QP of a made-up process.
@@ -48,21 +54,25 @@ func newHostile(t *testing.T) *hostile {
 	if err != nil {
 		t.Fatal(err)
 	}
-	fakePeer := &rawPeer{fabric: pa.fabric ^ 0xdead, pid: 1}
-	copy(fakePeer.secret[:], randomBytes(16))
-	fake := fakePeer.addr()
-	toInit(t, b.qp, prov.QPTypeRC, defaultConn())
+	fake := fakeProcOf(pa.fabric ^ 0xdead).addr()
+	toInit(t, b.qp, typ, defaultConn())
 	av := prov.AHAttr{DGID: getFabric().gids[1], SGIDIndex: 1, HopLimit: 64, IsGlobal: true, Port: 1,
 		ProviderAddr: encodePeerAddr(&fake)}
 	rtr := prov.QPAttr{State: prov.QPStateRTR, PathMTU: prov.MTU4096, DestQPN: fakeSrcQPN, MaxDestRDAtom: 16, MinRNRTimer: 1, AH: av}
-	if err := b.qp.Modify(&rtr, prov.AttrState|prov.AttrAV|prov.AttrPathMTU|prov.AttrDestQPN|prov.AttrRQPSN|
-		prov.AttrMaxDestRDAtom|prov.AttrMinRNRTimer); err != nil {
+	mask := prov.AttrState | prov.AttrAV | prov.AttrPathMTU | prov.AttrDestQPN | prov.AttrRQPSN
+	if typ == prov.QPTypeRC {
+		mask |= prov.AttrMaxDestRDAtom | prov.AttrMinRNRTimer
+	}
+	if err := b.qp.Modify(&rtr, mask); err != nil {
 		t.Fatal(err)
 	}
 
-	nc := rawConnect(t, &pa, fakePeer)
-	return &hostile{nc: nc, qpn: b.qp.QPN(), srcQPN: fakeSrcQPN, page: r.Bytes(), mr: m}
+	nc := rawDial(t, b.qp.Address(), "tcp", fake.fabric)
+	return &hostile{nc: nc, qpn: b.qp.QPN(), srcQPN: fakeSrcQPN, page: r.Bytes(), mr: m, e: e, q: b}
 }
+
+// peer is the raw peer of h (amplify_test.go).
+func (h *hostile) peer() *rawPeer { return &rawPeer{nc: h.nc, qpn: h.qpn, srcQPN: h.srcQPN} }
 
 // reqFrame encodes a request frame; payload is appended as is.
 func (h *hostile) reqFrame(op reqOp, raddr uint64, length uint32, payload []byte) []byte {
@@ -96,7 +106,7 @@ func readResp(t *testing.T, nc net.Conn) response {
 		t.Fatalf("response header %+v, %v", h, err)
 	}
 	var r response
-	if qpn, err := parseResp(b[hdrLen:], &r); err != nil || qpn != fakeSrcQPN {
+	if qpn, err := parseResp(b[hdrLen:], 0, &r); err != nil || qpn != fakeSrcQPN {
 		t.Fatalf("response for QP %#x, %v", qpn, err)
 	}
 	return r
@@ -225,12 +235,21 @@ func validReqFrame() []byte {
 
 // FuzzFrame feeds arbitrary bytes to the frame decoders the connection
 // reader uses: they must not panic, and what they accept must be
-// self-consistent.
+// self-consistent: no frame larger than maxFrame, segments that tile their
+// message, data only on ACKs.
 func FuzzFrame(f *testing.F) {
 	f.Add(validReqFrame())
+	seg := make([]byte, hdrLen+reqBodyLen)
+	putHdr(seg, frReq, reqBodyLen+segMax, 2)
+	putReq(seg[hdrLen:], &request{op: opSend, qpType: uint8(prov.QPTypeRC), npkts: 32, mtu: 4096,
+		length: 3*segMax + 5, off: segMax, more: true}, 0)
+	f.Add(seg)
 	var r [hdrLen + respBodyLen]byte
 	putHdr(r[:], frResp, respBodyLen, 3)
 	putResp(r[hdrLen:], 0x12, &response{code: respRNR, rnrTimer: 4})
+	f.Add(r[:])
+	putHdr(r[:], frResp, respBodyLen+segMax, 4)
+	putResp(r[hdrLen:], 0x12, &response{orig: 2 * segMax, more: true})
 	f.Add(r[:])
 	var w [hdrLen + wakeLen]byte
 	putHdr(w[:], frWake, wakeLen, 0)
@@ -246,30 +265,52 @@ func FuzzFrame(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if h.typ == frReq && (h.length < reqBodyLen || h.length-reqBodyLen > maxPayload) {
-			t.Fatalf("accepted a request frame of %d bytes", h.length)
+		if hdrLen+int(h.length) > maxFrame {
+			t.Fatalf("accepted a frame of %d bytes", hdrLen+h.length)
+		}
+		if h.typ == frReq && h.length < reqBodyLen || h.typ == frResp && h.length < respBodyLen {
+			t.Fatalf("accepted a frame of type %d with %d bytes", h.typ, h.length)
 		}
 		body := b[hdrLen:]
 		bl := bodyLen(h)
 		if len(body) < bl {
 			return
 		}
-		payload := uint32(min(len(body)-bl, int(h.length)-bl))
+		payload := h.length - uint32(bl) // what the reader passes
 		switch h.typ {
 		case frReq:
 			var req request
-			if _, err := parseReq(body[:bl], payload, &req); err == nil {
+			if _, err := parseReq(body[:bl], payload, &req); err != nil {
+				return
+			}
+			end := uint64(req.off) + uint64(payload)
+			switch {
+			case req.length > maxMsgSize || req.dstQPN > maxQPN || req.srcQPN > maxQPN || req.psn > psnMask:
+				t.Fatalf("accepted %+v", req)
+			case req.direct && (payload != 0 || req.more || req.off != 0):
 				// A direct write carries no payload: the requester
 				// copies into the shared mapping (shm.go).
-				if req.length > maxMsgSize || req.dstQPN > maxQPN || (hasPayload(req.op) && !req.direct && req.length != payload) ||
-					(req.direct && payload != 0) {
-					t.Fatalf("accepted an inconsistent request %+v with %d payload bytes", req, payload)
-				}
+				t.Fatalf("accepted a direct request %+v with %d payload bytes", req, payload)
+			case !hasPayload(req.op) && (payload != 0 || req.more || req.off != 0):
+				t.Fatalf("accepted a read or atomic %+v with %d payload bytes", req, payload)
+			case hasPayload(req.op) && !req.direct && (req.off%segMax != 0 || end > uint64(req.length) ||
+				req.more && (payload != segMax || end == uint64(req.length)) || !req.more && end != uint64(req.length)):
+				t.Fatalf("accepted a segment %+v of %d bytes that does not tile its message", req, payload)
+			case req.qpType == uint8(prov.QPTypeUD) && (req.more || req.off != 0):
+				t.Fatalf("accepted a UD segment %+v", req)
 			}
 		case frResp:
 			var r response
-			if _, err := parseResp(body[:bl], &r); err == nil && r.code > respOpErr {
+			if _, err := parseResp(body[:bl], payload, &r); err != nil {
+				return
+			}
+			switch {
+			case r.code > respOpErr:
 				t.Fatalf("accepted response code %d", r.code)
+			case payload > 0 && r.code != respACK:
+				t.Fatalf("accepted data on a response %+v", r)
+			case r.more && payload != segMax, payload > 0 && (r.orig%segMax != 0 || r.orig+uint64(payload) > maxMsgSize):
+				t.Fatalf("accepted read data %+v of %d bytes", r, payload)
 			}
 		case frMapAck:
 			if m, err := parseMapAck(body[:bl]); err == nil && m.status == mapOK && (m.length == 0 || m.addr+m.length < m.addr) {

@@ -2,6 +2,8 @@ package soft
 
 import (
 	"bytes"
+	"cmp"
+	"crypto/sha256"
 	"crypto/tls"
 	"encoding/binary"
 	"errors"
@@ -16,19 +18,30 @@ import (
 	"github.com/goverbs/verbs/internal/prov"
 )
 
-// rawPeer is a made-up process that speaks the handshake from raw bytes:
+// fakeProc is a made-up process that speaks the handshake from raw bytes:
 // its fabric id and connection secret are the test's.
-type rawPeer struct {
+type fakeProc struct {
 	fabric uint64
 	pid    uint32
 	secret [16]byte
+	kind   uint8 // link kind of its hello (0: kindTCP)
 	// unbound: the dialer's proofs leave out the TLS binding, as a
 	// relay between two TLS sessions would have to
 	unbound bool
 }
 
+// fakeProcOf is the made-up process of fabric id fabric, with a secret
+// derived from it: a test and the child process it starts agree on it
+// without telling each other.
+func fakeProcOf(fabric uint64) *fakeProc {
+	rp := &fakeProc{fabric: fabric, pid: 1}
+	sum := sha256.Sum256(binary.LittleEndian.AppendUint64([]byte("goverbs soft test process\x00"), fabric))
+	copy(rp.secret[:], sum[:])
+	return rp
+}
+
 // addr is the provider address of the made-up process (unreachable).
-func (rp *rawPeer) addr() peerAddr {
+func (rp *fakeProc) addr() peerAddr {
 	return peerAddr{fabric: rp.fabric, pid: rp.pid, tcp: "127.0.0.1:1", secret: rp.secret, hasSecret: true}
 }
 
@@ -43,12 +56,12 @@ type handshakeResult struct {
 // towards the process at pa, proving targetSecret (the secret of pa's
 // endpoint if the dialer holds it). binding is the TLS exporter value
 // (nil: plain). It checks the acceptor's proof against pa's secret.
-func rawHandshake(t *testing.T, rw io.ReadWriter, rp *rawPeer, pa *peerAddr, targetSecret [16]byte, binding []byte) handshakeResult {
+func rawHandshake(t testing.TB, rw io.ReadWriter, rp *fakeProc, pa *peerAddr, targetSecret [16]byte, binding []byte) handshakeResult {
 	t.Helper()
 	var res handshakeResult
 	hb := make([]byte, hdrLen+helloLen)
 	putHdr(hb, frHello, helloLen, 0)
-	hl := hello{kind: kindTCP, pid: rp.pid, fabric: rp.fabric, target: pa.fabric, job: jobIdentity(), host: hostIdentity()}
+	hl := hello{kind: cmp.Or(rp.kind, kindTCP), pid: rp.pid, fabric: rp.fabric, target: pa.fabric, job: jobIdentity(), host: hostIdentity()}
 	copy(hl.nonce[:], randomBytes(hsNonceLen))
 	putHello(hb[hdrLen:], &hl)
 	if _, err := rw.Write(hb); err != nil {
@@ -105,7 +118,7 @@ func rawHandshake(t *testing.T, rw io.ReadWriter, rp *rawPeer, pa *peerAddr, tar
 // rawConnect dials the TCP listener of the process at pa and handshakes
 // as rp, proving pa's secret; it fails the test unless the acceptor
 // takes the connection.
-func rawConnect(t *testing.T, pa *peerAddr, rp *rawPeer) net.Conn {
+func rawConnect(t *testing.T, pa *peerAddr, rp *fakeProc) net.Conn {
 	t.Helper()
 	nc, err := net.Dial("tcp", pa.tcp)
 	if err != nil {
@@ -302,7 +315,7 @@ func TestHandshakeReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rp := &rawPeer{fabric: 0x1234, pid: 1}
+	rp := &fakeProc{fabric: 0x1234, pid: 1}
 	copy(rp.secret[:], randomBytes(16))
 	nc := rawConnect(t, &pa, rp)
 	nc.Close()
@@ -363,7 +376,7 @@ func TestHandshakeWrongSecret(t *testing.T) {
 	nc.SetDeadline(time.Now().Add(hangGuard))
 	var guess [16]byte
 	copy(guess[:], randomBytes(16))
-	rp := &rawPeer{fabric: 0x99, pid: 1}
+	rp := &fakeProc{fabric: 0x99, pid: 1}
 	if r := rawHandshake(t, nc, rp, &pa, guess, nil); r.status != ackBadSecret {
 		t.Fatalf("status %d (%s), want %s", r.status, ackReason(r.status), ackReason(ackBadSecret))
 	}
@@ -433,7 +446,7 @@ func TestIdentityHijack(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The real peer: a made-up process whose secret the test holds.
-	real := &rawPeer{fabric: pa.fabric ^ 0xbeef, pid: 1}
+	real := &fakeProc{fabric: pa.fabric ^ 0xbeef, pid: 1}
 	copy(real.secret[:], randomBytes(16))
 	ra := real.addr()
 	toInit(t, b.qp, prov.QPTypeRC, defaultConn())
@@ -465,7 +478,7 @@ func TestIdentityHijack(t *testing.T) {
 
 	// The impostor holds b's endpoint, claims the real peer's identity,
 	// but not its secret.
-	imp := &rawPeer{fabric: real.fabric, pid: 2}
+	imp := &fakeProc{fabric: real.fabric, pid: 2}
 	copy(imp.secret[:], randomBytes(16))
 	bad := &hostile{nc: rawConnect(t, &pa, imp), qpn: b.qp.QPN(), srcQPN: fakeSrcQPN, mr: m}
 	for _, op := range []struct {
@@ -574,7 +587,7 @@ func TestTLSPinning(t *testing.T) {
 		}
 		defer nc.Close()
 		nc.SetDeadline(time.Now().Add(hangGuard))
-		rp := &rawPeer{fabric: 7, pid: 1}
+		rp := &fakeProc{fabric: 7, pid: 1}
 		if r := rawHandshake(t, nc, rp, &pa, pa.secret, nil); r.status != ackNeedTLS {
 			t.Fatalf("plain hello with TLS required: status %d (%s)", r.status, ackReason(r.status))
 		}
@@ -606,7 +619,7 @@ func TestTLSPinning(t *testing.T) {
 		}
 		// Proofs bound to the session are accepted, proofs that are
 		// not (a relay's) are refused.
-		rp := &rawPeer{fabric: 8, pid: 1}
+		rp := &fakeProc{fabric: 8, pid: 1}
 		if r := rawHandshake(t, tc, rp, &pa, pa.secret, binding); r.status != ackOK {
 			t.Fatalf("bound proofs refused: %s", ackReason(r.status))
 		}

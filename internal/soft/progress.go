@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -62,11 +63,9 @@ type pollState struct {
 	polls   atomic.Uint64 // polls so far (a hint for the reader)
 	grace   atomic.Bool   // the reader sleeps on its timer
 	armedAt atomic.Uint64 // polls when a CQ was last armed: no grace for those
-	bigWait atomic.Bool   // a frame waits for the reader to stream it: no grace
 	kick    chan struct{} // ends the reader's grace
 	rx      rxSource      // the inbound bytes (rmu)
 	sock    *sockRx       // rx of a socket connection
-	big     bool          // the next frame is larger than rx holds (rmu)
 	seen    uint64        // shared memory: the ring's tail drain last saw (rmu)
 
 	rxHdr  [hdrLen]byte // drain's (rmu)
@@ -99,11 +98,6 @@ func (c *conn) poll() bool {
 	if n == 0 || err != nil || !c.grace.Load() {
 		c.flushResps()
 	}
-	if c.big && !c.bigWait.Load() {
-		// Only the reader streams a frame this large: no grace for it.
-		c.bigWait.Store(true)
-		c.kickReader()
-	}
 	c.rmu.Unlock()
 	if err != nil {
 		c.fail(err)
@@ -112,10 +106,10 @@ func (c *conn) poll() bool {
 }
 
 // drain handles the complete frames that have arrived (rmu held) and
-// returns how many. c.seen is left at the ring's tail it last saw; c.big
-// is set when the next frame is larger than the source can hold, and the
-// reader must stream it. justFilled says the source was just filled (by
-// the reader's wait): it is not read again unless that filled it up.
+// returns how many. c.seen is left at the ring's tail it last saw.
+// justFilled says the source was just filled (by the reader's wait): it is
+// not read again unless that filled it up. Every frame fits in the source
+// (maxFrame), and is handled in place.
 func (c *conn) drain(justFilled bool) (n int, err error) {
 	src := c.rx
 	hb, body := &c.rxHdr, &c.rxBody
@@ -141,8 +135,8 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 			}
 			need := uint64(hdrLen) + uint64(h.length)
 			complete = a >= need
-			if c.big = need > src.room(); c.big {
-				return n, nil
+			if need > src.room() { // not with parseHdr's limits
+				return n, fmt.Errorf("soft: frame of %d bytes from process %d", need, c.peerPID)
 			}
 		}
 		if !complete {
@@ -160,26 +154,22 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 		filled = filled && !src.more()
 		bl := bodyLen(h)
 		src.peek(hdrLen, body[:bl])
-		var payload []byte
-		pooled := false
-		if plen := uint64(h.length) - uint64(bl); plen > 0 {
-			// A request's payload is used in place (the responder copies
-			// it before the space is released); a response's is taken
-			// over by the requester, so it is copied.
-			var ok bool
-			if h.typ == frReq {
-				payload, ok = src.contiguous(uint64(hdrLen+bl), plen)
-			}
-			if !ok {
-				payload = getBuf(int(plen))
-				src.peek(uint64(hdrLen+bl), payload)
-				pooled = true
+		// The payload is used in place: the responder copies it into the
+		// target, the requester into a read's memory, before the space is
+		// released.
+		var data []span
+		plen := uint64(h.length) - uint64(bl)
+		if plen > 0 {
+			p0, p1 := src.payload(uint64(hdrLen+bl), plen)
+			c.rxData[0] = span{unsafe.Pointer(unsafe.SliceData(p0)), len(p0)}
+			data = c.rxData[:1]
+			if len(p1) > 0 {
+				c.rxData[1] = span{unsafe.Pointer(unsafe.SliceData(p1)), len(p1)}
+				data = c.rxData[:2]
 			}
 		}
-		err = c.handle(h, body[:bl], &payload)
-		if pooled {
-			putBuf(payload)
-		}
+		err = c.handle(h, body[:bl], data, int(plen))
+		c.rxData = [2]span{}
 		src.skip(uint64(hdrLen) + uint64(h.length))
 		n++
 		if err != nil {
@@ -187,35 +177,6 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 		}
 	}
 	return n, nil
-}
-
-// streamFrame reads and handles the next frame, which is larger than the
-// source can hold, waiting for the peer to write it (rmu held).
-func (c *conn) streamFrame() error {
-	c.big = false
-	var hb [hdrLen]byte
-	var body [reqBodyLen]byte
-	if _, err := io.ReadFull(c.rx, hb[:]); err != nil {
-		return readErr(c, err)
-	}
-	h, err := parseHdr(hb[:])
-	if err != nil {
-		return fmt.Errorf("soft: malformed frame from process %d: %w", c.peerPID, err)
-	}
-	bl := bodyLen(h)
-	if _, err := io.ReadFull(c.rx, body[:bl]); err != nil {
-		return readErr(c, err)
-	}
-	payload, err := readPayload(c.rx, int(h.length)-bl)
-	if err != nil {
-		return readErr(c, err)
-	}
-	err = c.handle(h, body[:bl], &payload)
-	putBuf(payload)
-	if err != nil {
-		return fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
-	}
-	return nil
 }
 
 // rxLoop is the reader of a connection: it handles frames whenever no
@@ -234,13 +195,6 @@ func (c *conn) rxLoop() {
 		wakes := c.f.wakes.Load()
 		_, err := c.drain(justFilled)
 		justFilled = false
-		if err == nil && c.big {
-			c.bigWait.Store(false)
-			err = c.streamFrame()
-			if c.shm != nil {
-				c.seen = c.shm.in.pos
-			}
-		}
 		if err == nil && c.sock != nil && !c.graceDue(&lastPolls) {
 			// A socket is waited on with rmu held (the wait reads the
 			// bytes in): pollers leave it to the reader meanwhile. The
@@ -363,7 +317,7 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 // the pollers for a while: they polled since it last looked, spinning.
 func (c *conn) graceDue(lastPolls *uint64) bool {
 	p := c.polls.Load()
-	if p == *lastPolls || !c.spinning(p) || c.bigWait.Load() {
+	if p == *lastPolls || !c.spinning(p) {
 		return false
 	}
 	*lastPolls = p
@@ -449,24 +403,24 @@ func (p *pollConns) pollersGone() {
 
 // rxSource is the consumer's view of a connection's inbound bytes: the
 // ring of a shared-memory connection, or the receive buffer of a socket.
+// It holds at least maxFrame bytes.
 type rxSource interface {
-	io.Reader                                // blocking, for frames larger than the source holds
-	fill() error                             // takes in what arrived, without waiting
-	avail() (uint64, error)                  // bytes available
-	peek(off uint64, p []byte)               // copies available bytes without consuming them
-	contiguous(off, n uint64) ([]byte, bool) // available bytes in place, valid until skip
-	skip(n uint64)                           // consumes available bytes
-	room() uint64                            // the most it can hold
-	more() bool                              // the last fill may have left bytes behind
+	fill() error                         // takes in what arrived, without waiting
+	avail() (uint64, error)              // bytes available
+	peek(off uint64, p []byte)           // copies available bytes without consuming them
+	payload(off, n uint64) (a, b []byte) // available bytes in place (b: after a wrap-around), valid until skip
+	skip(n uint64)                       // consumes available bytes
+	room() uint64                        // the most it can hold
+	more() bool                          // the last fill may have left bytes behind
 }
 
-func (l *shmLink) fill() error                             { return nil }
-func (l *shmLink) avail() (uint64, error)                  { return l.in.avail() }
-func (l *shmLink) peek(off uint64, p []byte)               { l.in.peek(off, p) }
-func (l *shmLink) contiguous(off, n uint64) ([]byte, bool) { return l.in.contiguous(off, n) }
-func (l *shmLink) skip(n uint64)                           { l.in.skip(n) }
-func (l *shmLink) room() uint64                            { return ringCap }
-func (l *shmLink) more() bool                              { return true }
+func (l *shmLink) fill() error                         { return nil }
+func (l *shmLink) avail() (uint64, error)              { return l.in.avail() }
+func (l *shmLink) peek(off uint64, p []byte)           { l.in.peek(off, p) }
+func (l *shmLink) payload(off, n uint64) (a, b []byte) { return l.in.pieces(off, n) }
+func (l *shmLink) skip(n uint64)                       { l.in.skip(n) }
+func (l *shmLink) room() uint64                        { return ringCap }
+func (l *shmLink) more() bool                          { return true }
 
 // sockRx is the receive buffer of a socket connection: bytes [r:w) of buf
 // are unconsumed.
@@ -483,7 +437,7 @@ type sockRx struct {
 	waitFn func(fd uintptr) bool
 }
 
-const sockRxSize = 256 << 10
+const sockRxSize = 1 << 20
 
 func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
 	x := &sockRx{nc: nc, raw: raw, buf: make([]byte, sockRxSize)}
@@ -550,20 +504,10 @@ func (x *sockRx) fillMode(wait bool) error {
 
 func (x *sockRx) avail() (uint64, error)    { return uint64(x.w - x.r), nil }
 func (x *sockRx) peek(off uint64, p []byte) { copy(p, x.buf[x.r+int(off):]) }
-func (x *sockRx) contiguous(off, n uint64) ([]byte, bool) {
+func (x *sockRx) payload(off, n uint64) (a, b []byte) {
 	o := x.r + int(off)
-	return x.buf[o : o+int(n) : o+int(n)], true
+	return x.buf[o : o+int(n) : o+int(n)], nil
 }
 func (x *sockRx) skip(n uint64) { x.r += int(n) }
 func (x *sockRx) room() uint64  { return uint64(len(x.buf)) }
 func (x *sockRx) more() bool    { return x.full }
-
-// Read reads the buffered bytes first, then from the socket, waiting.
-func (x *sockRx) Read(p []byte) (int, error) {
-	if x.r < x.w {
-		n := copy(p, x.buf[x.r:x.w])
-		x.r += n
-		return n, nil
-	}
-	return x.nc.Read(p)
-}

@@ -57,6 +57,7 @@ type qp struct {
 	rq      recvQueue
 	rqFull  error
 	rqPSN   uint32
+	rmsg    rmsg    // the message being received in segments (responder.go)
 	waiters []waker // requesters to wake when a receive is posted or the state changes
 
 	// Requester state (progMu).
@@ -128,6 +129,7 @@ type sendWQE struct {
 	fseq   uint64
 	fsent  time.Time
 	fimp   *mrImport // a direct write's target mapping (nil: not direct)
+	rd     readSink  // a read's data (xreq.go; xstate.mu)
 }
 
 func (s *sendQueue) init(depth, maxSGE int) {
@@ -282,6 +284,7 @@ func (q *qp) Close() error {
 	q.f.removeQP(q)
 	q.sq.reset()
 	q.rq.reset()
+	q.rmsg = rmsg{}
 	ws := q.waiters
 	q.waiters = nil
 	if q.timer != nil {
@@ -303,6 +306,7 @@ func (q *qp) Close() error {
 		q.x.userOf = nil
 	}
 	q.x.nfl = 0
+	q.x.dropReads()
 	q.progMu.Unlock()
 	for _, w := range ws {
 		w.wake()
@@ -615,6 +619,7 @@ func (q *qp) modifyLocked(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 func (q *qp) resetLocked() {
 	q.sq.reset()
 	q.rq.reset()
+	q.rmsg = rmsg{}
 	q.attr = prov.QPAttr{}
 	q.route, q.destFabric = nil, 0
 	if q.typ != prov.QPTypeUD {
@@ -657,6 +662,13 @@ func (q *qp) toErrLocked(ev int) bool {
 func (q *qp) flushRecvLocked() {
 	var buf [32]prov.Completion
 	n := 0
+	// First the receive of a message that did not end: the oldest.
+	q.rmsg.active, q.rmsg.owned = false, false
+	if r := &q.rmsg.recv; r.ok {
+		r.ok = false
+		buf[n] = prov.Completion{WRID: r.wrid, Status: prov.StatusWRFlushErr, Opcode: prov.WCRecv, QPN: q.qpn}
+		n++
+	}
 	for q.rq.count > 0 {
 		wrid, _ := q.rq.front()
 		q.rq.pop()

@@ -25,23 +25,23 @@ func (t *qp) respond(req *request, data []span, resp *response) {
 
 func (t *qp) respondLocked(req *request, data []span, resp *response) bool {
 	if t.closed.Load() {
-		resp.code = respNoQP
+		resp.code = silentOr(req, respNoQP)
 		return false
 	}
 	switch prov.QPState(t.state.Load()) {
 	case prov.QPStateRTR, prov.QPStateRTS, prov.QPStateSQD:
 	case prov.QPStateErr:
-		resp.code = respDropped
+		resp.code = silentOr(req, respDropped)
 		return false
 	default: // RESET, INIT: packets are dropped; wake the requester at RTR
-		resp.code = respNotReady
-		if req.waker != nil {
+		resp.code = silentOr(req, respNotReady)
+		if req.waker != nil && req.off == 0 {
 			t.waiters = addWaiter(t.waiters, req.waker)
 		}
 		return false
 	}
 	if uint8(t.typ) != req.qpType {
-		resp.code = respDropped
+		resp.code = silentOr(req, respDropped)
 		return false
 	}
 	switch t.typ {
@@ -52,6 +52,135 @@ func (t *qp) respondLocked(req *request, data []span, resp *response) bool {
 	default:
 		return t.respondUD(req, data, resp)
 	}
+}
+
+// silentOr is code for the first segment of a message, and no answer for
+// the others (see respSilent).
+func silentOr(req *request, code respCode) respCode {
+	if req.off > 0 {
+		return respSilent
+	}
+	return code
+}
+
+// Messages in segments. A message of more than segMax bytes from another
+// process arrives in segments (wire.go), each written to its place in the
+// target as it arrives, so the process never holds a message. The first
+// segment is checked as a whole message would be (PSN, access, rkey and
+// bounds of the whole message, the receive and its length) and answered
+// only if refused; the QP then remembers the message (rmsg) until its last
+// segment, which completes it and is answered. The segments in between
+// are checked again (the region or the receive buffer may have gone
+// meanwhile: the message then fails there) and answered only if refused.
+// RC PSNs advance segment by segment, like packets, so a segment that
+// does not continue the message (one whose first was refused: the rest
+// of a NAKed message) is dropped without an answer. A RC message that
+// begins before the last one ended is an invalid request (like an
+// out-of-sequence opcode); a UC one drops the unfinished message.
+
+// rmsg is the message a QP receives in segments, from its first segment
+// to its last (rmu).
+type rmsg struct {
+	active bool
+	op     reqOp
+	length uint32
+	next   uint32 // the offset of the next segment
+	rkey   uint32 // write: the target of the whole message
+	raddr  uint64
+	// recv is the receive that a send or write with immediate consumes,
+	// taken by its first segment (owned). A receive that a message left
+	// here without ending (UC) is the oldest: the next message that
+	// consumes one takes it.
+	recv  takenRecv
+	owned bool
+}
+
+// takenRecv is a receive work request taken from its queue.
+type takenRecv struct {
+	ok   bool
+	wrid uint64
+	pd   *pd
+	n    int
+	sges [maxSGE]prov.SGE
+}
+
+// begin starts receiving req (its first segment, of n bytes, was
+// written), which consumed the receive wrid (if recv).
+func (m *rmsg) begin(req *request, n int, recv bool, wrid uint64, sges []prov.SGE, rpd *pd) {
+	m.active, m.op, m.length, m.next = true, req.op, req.length, uint32(n)
+	m.rkey, m.raddr, m.owned = req.rkey, req.raddr, recv
+	if recv {
+		r := &m.recv
+		r.ok, r.wrid, r.pd = true, wrid, rpd
+		r.n = copy(r.sges[:], sges)
+	}
+}
+
+// continueMsg receives a segment after the first of the message in
+// progress. A segment that does not continue it is dropped silently.
+func (t *qp) continueMsg(req *request, data []span, resp *response) bool {
+	m := &t.rmsg
+	rc := t.typ == prov.QPTypeRC
+	n := spansLen(data)
+	if !m.active || req.op != m.op || req.off != m.next || req.length != m.length || rc && req.psn != t.rqPSN {
+		resp.code = respSilent
+		return false
+	}
+	r := &m.recv
+	switch req.op {
+	case opSend, opSendImm:
+		if st := t.scatter(r.sges[:r.n], r.pd, data, int(req.off), req.length, false); st != prov.StatusSuccess {
+			// The receive buffer went away (LOC_LEN_ERR was ruled out by
+			// the first segment).
+			m.active, m.owned, r.ok = false, false, false
+			t.completeRecv(r.wrid, st, req, 0)
+			if !rc {
+				resp.code = respSilent
+				return t.toErrLocked(evQPFatal)
+			}
+			return t.classC(resp, respOpErr, evQPFatal)
+		}
+	case opWrite, opWriteImm:
+		p, mr := t.remote(m.rkey, m.raddr, uint64(m.length), prov.AccessRemoteWrite)
+		if mr == nil || t.attr.Access&prov.AccessRemoteWrite == 0 {
+			// The region went away. A write with immediate leaves its
+			// receive to the next message (UC) or to the flush (RC).
+			if mr != nil {
+				mr.release()
+			}
+			m.active, m.owned = false, false
+			if !rc {
+				resp.code = respSilent
+				return false
+			}
+			return t.classC(resp, respAccess, evQPAccessErr)
+		}
+		t.rspans[0] = span{p, int(m.length)}
+		copySpans(t.rspans[:1], int(req.off), data)
+		mr.release()
+	}
+	m.next += uint32(n)
+	if rc {
+		t.rqPSN = (t.rqPSN + req.npkts) & psnMask
+	}
+	resp.code = respACK
+	if req.more {
+		return false
+	}
+	m.active = false
+	if m.owned {
+		m.owned, r.ok = false, false
+		t.completeRecv(r.wrid, prov.StatusSuccess, req, req.length)
+	}
+	return false
+}
+
+func spansLen(data []span) int {
+	n := 0
+	for _, s := range data {
+		n += s.n
+	}
+	return n
 }
 
 // fromPeer reports whether req comes from the QP this connected QP is
@@ -74,12 +203,19 @@ func (t *qp) fromPeer(req *request) bool {
 
 func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 	if !t.fromPeer(req) {
-		resp.code = respDropped
+		resp.code = silentOr(req, respDropped)
 		return false
+	}
+	if req.off > 0 {
+		return t.continueMsg(req, data, resp)
 	}
 	if req.psn != t.rqPSN {
 		resp.code = respSeqErr
 		return false
+	}
+	if t.rmsg.active {
+		// A message begins before the last one ended.
+		return t.classC(resp, respInvReq, evQPReqErr)
 	}
 	op := req.op
 	if op <= opWriteImm && req.mtu != t.mtu && req.length > min(req.mtu, t.mtu) {
@@ -94,9 +230,13 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			resp.rnrTimer = t.attr.MinRNRTimer
 			return false
 		}
-		switch st := t.scatter(sges, rpd, data, req.length, false); st {
+		switch st := t.scatter(sges, rpd, data, 0, req.length, false); st {
 		case prov.StatusSuccess:
-			t.completeRecv(wrid, st, req, req.length)
+			if req.more {
+				t.rmsg.begin(req, spansLen(data), true, wrid, sges, rpd)
+			} else {
+				t.completeRecv(wrid, st, req, req.length)
+			}
 		case prov.StatusLocLenErr:
 			t.completeRecv(wrid, st, req, 0)
 			return t.classC(resp, respInvReq, evQPReqErr)
@@ -136,7 +276,9 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			}
 			m.release()
 		}
-		if op == opWriteImm {
+		if req.more {
+			t.rmsg.begin(req, spansLen(data), op == opWriteImm, wrid, nil, nil)
+		} else if op == opWriteImm {
 			t.completeRecv(wrid, prov.StatusSuccess, req, req.length)
 		}
 	case opRead:
@@ -148,9 +290,12 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			if m == nil {
 				return t.classC(resp, respAccess, evQPAccessErr)
 			}
-			if req.direct { // the requester copies (shm.go)
+			switch {
+			case req.direct: // the requester copies (shm.go)
 				resp.orig = m.serial
-			} else {
+			case req.deferRead: // the connection sends the data
+				resp.src = m
+			default:
 				t.rspans[0] = span{p, int(req.length)}
 				copySpans(data, 0, t.rspans[:1])
 			}
@@ -207,15 +352,27 @@ func (t *qp) respondUC(req *request, data []span, resp *response) bool {
 	if !t.fromPeer(req) {
 		return false
 	}
+	if req.off > 0 {
+		toErr := t.continueMsg(req, data, resp)
+		resp.code = respDropped
+		return toErr
+	}
+	// A message that never ended is dropped (its receive, if any, is
+	// the next one's).
+	t.rmsg.active, t.rmsg.owned = false, false
 	switch req.op {
 	case opSend, opSendImm:
 		wrid, sges, rpd, ok := t.takeRecv(nil)
 		if !ok {
 			return false
 		}
-		st := t.scatter(sges, rpd, data, req.length, false)
+		st := t.scatter(sges, rpd, data, 0, req.length, false)
 		if st == prov.StatusSuccess {
-			t.completeRecv(wrid, st, req, req.length)
+			if req.more {
+				t.rmsg.begin(req, spansLen(data), true, wrid, sges, rpd)
+			} else {
+				t.completeRecv(wrid, st, req, req.length)
+			}
 			return false
 		}
 		t.completeRecv(wrid, st, req, 0)
@@ -248,7 +405,9 @@ func (t *qp) respondUC(req *request, data []span, resp *response) bool {
 			copySpans(t.rspans[:1], 0, data)
 			m.release()
 		}
-		if req.op == opWriteImm {
+		if req.more {
+			t.rmsg.begin(req, spansLen(data), req.op == opWriteImm, wrid, nil, nil)
+		} else if req.op == opWriteImm {
 			t.completeRecv(wrid, prov.StatusSuccess, req, req.length)
 		}
 	}
@@ -265,7 +424,7 @@ func (t *qp) respondUD(req *request, data []span, resp *response) bool {
 		return false
 	}
 	t.buildGRH(req)
-	st := t.scatter(sges, rpd, data, req.length, true)
+	st := t.scatter(sges, rpd, data, 0, req.length, true)
 	if st == prov.StatusSuccess {
 		t.completeRecv(wrid, st, req, req.length+grhLen)
 		return false
@@ -294,6 +453,12 @@ func (t *qp) remote(rkey uint32, addr, n uint64, need prov.Access) (unsafe.Point
 // takeRecv consumes the next receive (from the SRQ, if any). When there is
 // none, w (if not nil) is registered to be woken by the next post.
 func (t *qp) takeRecv(w waker) (wrid uint64, sges []prov.SGE, rpd *pd, ok bool) {
+	if r := &t.rmsg.recv; r.ok {
+		// Taken by a message that did not end: the oldest. (The SGEs
+		// stay intact until rmu is released.)
+		r.ok = false
+		return r.wrid, r.sges[:r.n], r.pd, true
+	}
 	if t.srq != nil {
 		wrid, sges, ok = t.srq.take(t.rsges[:], w)
 		return wrid, sges, t.srq.pd, ok
@@ -310,11 +475,12 @@ func (t *qp) takeRecv(w waker) (wrid uint64, sges []prov.SGE, rpd *pd, ok bool) 
 	return wrid, sges, t.pd, true
 }
 
-// scatter writes the message (after the GRH, if grh) into the receive
-// buffer sges. The buffer is checked like hardware does: too small gives
+// scatter writes data, the bytes of a message of length bytes from off on,
+// into the receive buffer sges (after the GRH, if grh). The buffer is
+// checked like hardware does: too small for the message gives
 // LOC_LEN_ERR, an SGE with a bad lkey, outside its MR or without local
 // write access gives LOC_PROT_ERR; in both cases nothing is written.
-func (t *qp) scatter(sges []prov.SGE, rpd *pd, data []span, length uint32, grh bool) prov.Status {
+func (t *qp) scatter(sges []prov.SGE, rpd *pd, data []span, off int, length uint32, grh bool) prov.Status {
 	need := uint64(length)
 	if grh {
 		need += grhLen
@@ -351,11 +517,10 @@ func (t *qp) scatter(sges []prov.SGE, rpd *pd, data []span, length uint32, grh b
 		n++
 		need -= take
 	}
-	off := 0
 	if grh {
 		g := [1]span{{unsafe.Pointer(&t.grh), grhLen}}
 		copySpans(t.rspans[:n], 0, g[:])
-		off = grhLen
+		off += grhLen
 	}
 	copySpans(t.rspans[:n], off, data)
 	t.releaseRemote(n)

@@ -139,15 +139,16 @@ func (r *ring) peek(off uint64, p []byte) {
 	}
 }
 
-// contiguous returns the n available bytes at off past the consumer's
-// position if they do not wrap around the end of the ring. They stay
-// valid until skip consumes them.
-func (r *ring) contiguous(off, n uint64) ([]byte, bool) {
+// pieces returns the n <= ringCap available bytes at off past the
+// consumer's position in place: a, and b if they wrap around the end of
+// the ring. They stay valid until skip consumes them.
+func (r *ring) pieces(off, n uint64) (a, b []byte) {
 	o := (r.pos + off) & (ringCap - 1)
-	if o+n > ringCap {
-		return nil, false
+	if o+n <= ringCap {
+		return r.data[o : o+n : o+n], nil
 	}
-	return r.data[o : o+n : o+n], true
+	k := n - (ringCap - o)
+	return r.data[o:ringCap:ringCap], r.data[:k:k]
 }
 
 // skip consumes n available bytes.
@@ -183,29 +184,6 @@ func newShmLink(memfd, efdIn, efdOut int, dialer bool) (*shmLink, error) {
 	// Both sides start at 0; a peer's later scribbling is caught by the
 	// checks in put and get.
 	return l, nil
-}
-
-// Read reads from the inbound ring, sleeping on the eventfd while it is
-// empty. It fails once the eventfd is closed (the connection failed).
-func (l *shmLink) Read(p []byte) (int, error) {
-	for spins := 0; ; spins++ {
-		n, err := l.in.get(p)
-		if n > 0 || err != nil {
-			return n, err
-		}
-		if spins < 64 {
-			continue
-		}
-		atomic.StoreUint32(l.in.sleep, 1)
-		if atomic.LoadUint64(l.in.tail) != l.in.pos {
-			atomic.StoreUint32(l.in.sleep, 0)
-			continue
-		}
-		var b [8]byte
-		if _, err := l.efdIn.Read(b[:]); err != nil {
-			return 0, err
-		}
-	}
 }
 
 // tryWrite writes a prefix of bufs without waiting (wmu held).

@@ -84,6 +84,18 @@ type request struct {
 	// direct: a RC write whose bytes the requester copies into the
 	// region itself once the responder accepted it (shared memory).
 	direct bool
+
+	// A segment of a message sent in several (wire.go): off is where its
+	// bytes start in the message, more says that more follow. psn and
+	// npkts are then those of the segment; length is the message's.
+	// The in-process transport sends whole messages (off 0, more false).
+	off  uint32
+	more bool
+
+	// deferRead: an RDMA read whose data the responder does not copy: it
+	// names the region it checked in response.src (the connection sends
+	// the data, see conn.sendRead).
+	deferRead bool
 }
 
 // respCode is the responder's answer.
@@ -99,12 +111,19 @@ const (
 	respInvReq                   // NAK: invalid request
 	respAccess                   // NAK: remote access error
 	respOpErr                    // NAK: remote operational error
+
+	// respSilent is not on the wire: the responder drops a segment
+	// without an answer (the segment of a message it refused or never
+	// saw begin, like the rest of a NAKed message's packets).
+	respSilent
 )
 
 type response struct {
 	code     respCode
 	rnrTimer uint8
-	orig     uint64 // atomics: the prior value
+	more     bool   // a segment of read data that more follow (wire.go)
+	orig     uint64 // atomics: the prior value; read data: the segment's offset
+	src      *mr    // deferRead: the region checked (not pinned)
 }
 
 // localLink is the in-process transport: the target QP is in this process'

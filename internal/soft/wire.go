@@ -36,8 +36,8 @@ type frameType uint8
 const (
 	frHello     frameType = 1 // dialer → acceptor: handshake (body helloLen; handshake.go)
 	frChallenge frameType = 2 // acceptor → dialer: handshake (body challengeLen)
-	frReq       frameType = 3 // request: body reqBodyLen, then the payload of sends and writes
-	frResp      frameType = 4 // response: body respBodyLen, then the data of reads
+	frReq       frameType = 3 // request: body reqBodyLen, then a segment of the payload of a send or write
+	frResp      frameType = 4 // response: body respBodyLen, then a segment of the data of a read
 	frWake      frameType = 5 // a waiting requester may retry (body wakeLen)
 	frMap       frameType = 6 // shm: ask for the memory of an rkey (body mapLen)
 	frMapAck    frameType = 7 // shm, over the socket: the answer, with the memfd (body mapAckLen)
@@ -46,15 +46,23 @@ const (
 )
 
 const (
-	reqBodyLen  = 104
+	reqBodyLen  = 112
 	respBodyLen = 16
 	wakeLen     = 8
 	mapLen      = 8
 	mapAckLen   = 32
 
-	// maxPayload is the largest payload of a request or response: the
-	// largest message.
-	maxPayload = maxMsgSize
+	// maxPayload is the largest payload of a frame: a message (the
+	// payload of a send or write, the data of a read) longer than that
+	// travels in several frames, its segments, as a message travels in
+	// packets on a RC or UC wire. So no frame is larger than a fixed size
+	// that every receive buffer holds whole (see rxSource), and nothing a
+	// peer declares makes a process allocate.
+	maxPayload = segMax
+	segMax     = 128 << 10
+
+	// maxFrame is the largest frame.
+	maxFrame = hdrLen + reqBodyLen + maxPayload
 )
 
 type frameHdr struct {
@@ -124,10 +132,31 @@ func parseHdr(b []byte) (frameHdr, error) {
 
 // --- REQ ---
 
+//	body    [0]      operation
+//	        [1]      QP type of the requester
+//	        [2]      flags (req*)
+//	        [3]      UD: traffic class   [4] UD: hop limit   [5:8] 0
+//	        [8:12]   source QPN          [12:16] destination QPN
+//	        [16:20]  PSN of the segment's first packet
+//	        [20:24]  packets of the segment
+//	        [24:28]  path MTU            [28:32] length of the message
+//	        [32:36]  rkey                [36:40] immediate
+//	        [40:44]  Q_Key               [44:48] UD: flow label
+//	        [48:56]  remote address of the message
+//	        [56:64]  compare (FAA: add)  [64:72] swap
+//	        [72:88]  UD: source GID      [88:104] UD: destination GID
+//	        [104:108] offset of the segment in the message  [108:112] 0
+//
+// A send or write of more than segMax bytes is a sequence of segments:
+// frames that repeat the header fields of the message and carry its bytes
+// from their offset on, segMax at a time, with reqMore set on all but the
+// last. Their PSNs follow each other like those of the message's packets.
+// Only the last segment (and a segment the responder refuses) is answered.
 const (
 	reqSolicited = 1 << 0
 	reqNoResp    = 1 << 1 // UC, UD: the requester wants no response
 	reqDirect    = 1 << 2 // shm RC write or read: no data, the requester copies after the ACK
+	reqMore      = 1 << 3 // more segments of the message follow
 )
 
 // hasPayload reports whether a request of op carries its message.
@@ -139,6 +168,9 @@ func putReq(b []byte, req *request, flags uint8) {
 	b[1] = req.qpType
 	if req.solicited {
 		flags |= reqSolicited
+	}
+	if req.more {
+		flags |= reqMore
 	}
 	b[2] = flags
 	b[3] = req.tclass
@@ -160,13 +192,16 @@ func putReq(b []byte, req *request, flags uint8) {
 	le.PutUint64(b[64:], req.swap)
 	copy(b[72:88], req.sgid[:])
 	copy(b[88:104], req.dgid[:])
+	le.PutUint32(b[104:], req.off)
+	le.PutUint32(b[108:], 0)
 }
 
 var errBadReq = errors.New("malformed request")
 
 // parseReq decodes a request body and checks it against the payload length
-// of its frame. It sets no srcFabric and no waker: the receiver knows the
-// peer and decides.
+// of its frame: a segment carries segMax bytes, or the rest of its message
+// if it is the last. It sets no srcFabric and no waker: the receiver knows
+// the peer and decides.
 func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 	if len(b) < reqBodyLen {
 		return 0, errBadReq
@@ -191,18 +226,20 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		raddr:     le.Uint64(b[48:]),
 		compare:   le.Uint64(b[56:]),
 		swap:      le.Uint64(b[64:]),
+		off:       le.Uint32(b[104:]),
 	}
 	copy(req.sgid[:], b[72:88])
 	copy(req.dgid[:], b[88:104])
 	flags = b[2]
+	req.more = flags&reqMore != 0
 	switch {
 	case req.op > opFAA:
 		return 0, fmt.Errorf("%w: operation %d", errBadReq, req.op)
 	case req.qpType != uint8(prov.QPTypeRC) && req.qpType != uint8(prov.QPTypeUC) && req.qpType != uint8(prov.QPTypeUD):
 		return 0, fmt.Errorf("%w: QP type %d", errBadReq, req.qpType)
-	case flags&^(reqSolicited|reqNoResp|reqDirect) != 0:
+	case flags&^(reqSolicited|reqNoResp|reqDirect|reqMore) != 0 || b[5]|b[6]|b[7] != 0 || le.Uint32(b[108:]) != 0:
 		return 0, fmt.Errorf("%w: flags %#x", errBadReq, flags)
-	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead || req.qpType != uint8(prov.QPTypeRC) || flags&reqNoResp != 0 || payload != 0):
+	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore) != 0 || payload != 0 || req.off != 0):
 		return 0, fmt.Errorf("%w: a direct request must be a RC write or read without payload", errBadReq)
 	case req.srcQPN > maxQPN || req.dstQPN > maxQPN || req.psn > psnMask:
 		return 0, fmt.Errorf("%w: QPN or PSN exceeds 24 bits", errBadReq)
@@ -218,11 +255,17 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return flags, nil // checked above: a RC write without payload
 	}
 	if hasPayload(req.op) {
-		if payload != req.length {
-			return 0, fmt.Errorf("%w: payload of %d bytes for a message of %d", errBadReq, payload, req.length)
+		// Segments of segMax bytes, the last with the rest.
+		want := req.length - min(req.off, req.length)
+		if req.more {
+			want = segMax
+		}
+		if req.off%segMax != 0 || req.off > req.length || payload != want || req.more && req.length-req.off <= segMax ||
+			(req.more || req.off > 0) && req.qpType == uint8(prov.QPTypeUD) {
+			return 0, fmt.Errorf("%w: a segment of %d bytes at %d (more: %v) of a message of %d", errBadReq, payload, req.off, req.more, req.length)
 		}
 	} else {
-		if payload != 0 {
+		if payload != 0 || req.more || req.off != 0 {
 			return 0, fmt.Errorf("%w: payload on a read or atomic", errBadReq)
 		}
 		if req.op != opRead && req.length != 8 {
@@ -233,27 +276,50 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 }
 
 // --- RESP ---
+//
+//	body    [0]     code (resp*)       [1] RNR NAK timer
+//	        [2]     flags (respMore)   [3] 0
+//	        [4:8]   the requester's QPN
+//	        [8:16]  atomics: the prior value; read data: the offset of the
+//	                segment in the message
+//
+// The data of an RDMA read travels in segments like the payload of a
+// write (see REQ): ACKs with respMore set and segMax bytes, then one with
+// the rest. A read whose region goes away while its data is sent ends
+// with a NAK after the segments sent so far.
+
+const respMore = 1 << 0 // read data: more segments follow
 
 func putResp(b []byte, qpn uint32, r *response) {
 	b[0] = byte(r.code)
 	b[1] = r.rnrTimer
 	b[2], b[3] = 0, 0
+	if r.more {
+		b[2] = respMore
+	}
 	binary.LittleEndian.PutUint32(b[4:], qpn)
 	binary.LittleEndian.PutUint64(b[8:], r.orig)
 }
 
 var errBadResp = errors.New("malformed response")
 
-func parseResp(b []byte, r *response) (qpn uint32, err error) {
+// parseResp decodes a response body and checks it against the payload
+// length of its frame: only an ACK carries data, and a segment that
+// announces more carries segMax bytes.
+func parseResp(b []byte, payload uint32, r *response) (qpn uint32, err error) {
 	if len(b) < respBodyLen {
 		return 0, errBadResp
 	}
 	r.code = respCode(b[0])
 	r.rnrTimer = b[1]
+	r.more = b[2]&respMore != 0
 	qpn = binary.LittleEndian.Uint32(b[4:])
 	r.orig = binary.LittleEndian.Uint64(b[8:])
-	if r.code > respOpErr || r.rnrTimer > 31 || qpn > maxQPN {
-		return 0, fmt.Errorf("%w: code %d, RNR timer %d, QPN %#x", errBadResp, r.code, r.rnrTimer, qpn)
+	if r.code > respOpErr || r.rnrTimer > 31 || qpn > maxQPN || b[2]&^respMore != 0 || b[3] != 0 {
+		return 0, fmt.Errorf("%w: code %d, RNR timer %d, flags %#x, QPN %#x", errBadResp, r.code, r.rnrTimer, b[2], qpn)
+	}
+	if payload > 0 && r.code != respACK || r.more && payload != segMax || payload > 0 && (r.orig%segMax != 0 || r.orig > maxMsgSize-uint64(payload)) {
+		return 0, fmt.Errorf("%w: %d bytes of data at %d (more: %v) with code %d", errBadResp, payload, r.orig, r.more, r.code)
 	}
 	return qpn, nil
 }

@@ -45,7 +45,14 @@ var (
 // channel while it waits, as the baseline's reader sleeps in its reads.
 // Baseline: BenchmarkRawStream. Kind tls is tcp encrypted (tls.go, as
 // between hosts); its baseline is tcp in the same run.
-func BenchmarkXprocWriteBandwidth(b *testing.B) {
+func BenchmarkXprocWriteBandwidth(b *testing.B) { benchBandwidth(b, prov.WRWrite) }
+
+// BenchmarkXprocReadBandwidth is BenchmarkXprocWriteBandwidth with RDMA
+// reads: the data comes back in the responses. Baseline:
+// BenchmarkRawStream.
+func BenchmarkXprocReadBandwidth(b *testing.B) { benchBandwidth(b, prov.WRRead) }
+
+func benchBandwidth(b *testing.B, op prov.WROpcode) {
 	for _, kind := range append(xprocKinds, "tls") {
 		for _, size := range []int{64 << 10, 1 << 20} {
 			b.Run(fmt.Sprintf("%s/size=%dKiB", kind, size>>10), func(b *testing.B) {
@@ -65,7 +72,7 @@ func BenchmarkXprocWriteBandwidth(b *testing.B) {
 				src, dst := e.alloc(size, allAccess), e.alloc(size, allAccess)
 				wrs := make([]prov.SendWR, batch)
 				for i := range wrs {
-					wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: prov.WRWrite, NumSGE: 1,
+					wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: op, NumSGE: 1,
 						RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}
 				}
 				wrs[batch-1].Flags = prov.SendSignaled

@@ -2,6 +2,7 @@ package soft
 
 import (
 	"encoding/binary"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -26,8 +27,11 @@ import (
 //     moves the QP to ERR, which flushes the others.
 //
 // The payload of sends and writes is written to the socket when the
-// request is posted; the local memory of reads and atomics is looked up
-// again when the response arrives. Whoever runs the send queue may be the
+// request is posted (in segments if it is large, wire.go). The data of a
+// read is copied into its local memory by the connection's consumer as its
+// segments arrive (deliver: the read is registered in x.reads while in
+// flight); the local memory of atomics is looked up again when the
+// response arrives. Whoever runs the send queue may be the
 // application (PostSend), a connection's reader or a timer, none of which
 // may wait for a peer: they write a request only if the socket takes it
 // (or the rest fits the connection's queue), and otherwise leave it to the
@@ -59,6 +63,7 @@ type xstate struct {
 	resps   []rresp // queued by readers
 	spare   []rresp
 	hasResp atomic.Bool
+	reads   []*sendWQE // RDMA reads in flight whose data is to come (mu)
 }
 
 // rresp is a response (or the loss of a connection) for the requester.
@@ -66,8 +71,131 @@ type rresp struct {
 	c    *conn
 	id   uint64
 	resp response
-	data []byte // RDMA read data (pooled buffer)
-	down bool   // c failed
+	down bool // c failed
+}
+
+// addRead registers w, an RDMA read of n > 0 bytes about to be sent on c
+// as request id, to receive its data (progMu held).
+func (x *xstate) addRead(w *sendWQE, c *conn, id uint64, n uint32) {
+	x.mu.Lock()
+	w.rd = readSink{c: c, id: id, n: n, st: prov.StatusSuccess}
+	x.reads = append(x.reads, w)
+	x.mu.Unlock()
+}
+
+// dropRead forgets w (its response came, or it was not sent); it returns
+// the data it received (progMu held).
+func (x *xstate) dropRead(w *sendWQE) readSink {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	for i, r := range x.reads {
+		if r == w {
+			n := len(x.reads)
+			copy(x.reads[i:], x.reads[i+1:])
+			x.reads[n-1] = nil
+			x.reads = x.reads[:n-1]
+			break
+		}
+	}
+	rd := w.rd
+	w.rd = readSink{}
+	return rd
+}
+
+// dropReads forgets every read in flight: they are abandoned (their
+// data, should it come, is dropped), and nothing writes to their memory
+// once it returns (progMu held).
+func (x *xstate) dropReads() {
+	x.mu.Lock()
+	for i, w := range x.reads {
+		w.rd = readSink{}
+		x.reads[i] = nil
+	}
+	x.reads = x.reads[:0]
+	x.mu.Unlock()
+}
+
+// readSink is where the data of an RDMA read in flight goes (xstate.mu).
+type readSink struct {
+	c    *conn // the connection and request id of the read
+	id   uint64
+	n    uint32      // the length of the read
+	got  uint32      // the bytes received so far
+	st   prov.Status // LOC_PROT_ERR: the local memory went away
+	done bool        // the last segment came
+	last time.Time   // when the last segment came
+}
+
+var errReadOrder = fmt.Errorf("%w: RDMA read data out of order or too long", errBadResp)
+
+// deliver copies data, a segment of the data of the read sent as request
+// id on c (off bytes into it), into the read's local memory. Data for a
+// read that is no longer in flight is dropped. Called by c's consumer.
+func (q *qp) deliver(c *conn, id uint64, off uint64, data []span) error {
+	x := q.x
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	var w *sendWQE
+	for _, r := range x.reads {
+		if r.rd.c == c && r.rd.id == id && !r.rd.done {
+			w = r
+			break
+		}
+	}
+	if w == nil {
+		return nil
+	}
+	rd := &w.rd
+	n := spansLen(data)
+	if off != uint64(rd.got) || uint64(n) > uint64(rd.n-rd.got) {
+		return errReadOrder
+	}
+	if rd.st == prov.StatusSuccess {
+		rd.st = q.scatterRead(w, int(off), data)
+	}
+	rd.got += uint32(n)
+	rd.done = rd.got == rd.n
+	rd.last = time.Now()
+	return nil
+}
+
+// scatterRead copies data into the local SGEs of the read w from off on,
+// checking each against its region as gather does (x.mu held: the QP's
+// runner, which owns the SGEs, only reads them meanwhile).
+func (q *qp) scatterRead(w *sendWQE, off int, data []span) prov.Status {
+	rest := spansLen(data)
+	di, doff := 0, 0 // the next byte of data
+	for _, s := range w.sge[:w.wr.NumSGE] {
+		if rest == 0 {
+			break
+		}
+		if off >= int(s.Length) {
+			off -= int(s.Length)
+			continue
+		}
+		k := min(int(s.Length)-off, rest)
+		m := q.f.lookupMR(s.LKey)
+		if m == nil || m.pd != q.pd || m.access&prov.AccessLocalWrite == 0 {
+			return prov.StatusLocProtErr
+		}
+		p, ok := m.acquire(s.Addr+uint64(off), uint64(k))
+		if !ok {
+			return prov.StatusLocProtErr
+		}
+		dst := unsafe.Slice((*byte)(p), k)
+		for o := 0; o < k; {
+			src := data[di]
+			c := dmaCopy(dst[o:], unsafe.Slice((*byte)(unsafe.Add(src.p, doff)), src.n-doff))
+			o += c
+			if doff += c; doff == src.n {
+				di, doff = di+1, 0
+			}
+		}
+		m.release()
+		rest -= k
+		off = 0
+	}
+	return prov.StatusSuccess
 }
 
 // push queues a response; it fails if the QP has far more than it could
@@ -116,6 +244,7 @@ func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 				return false
 			}
 			x.nfl, x.ndirect = 0, 0
+			x.dropReads()
 			q.flushSQ(n, head)
 			continue
 		}
@@ -286,15 +415,10 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 		x.userOf = c
 	}
 	id := c.nextID.Add(1)
-	putHdr(x.frame[:], frReq, uint32(reqBodyLen+plen), id)
-	putReq(x.frame[hdrLen:], req, flags)
-	bufs := append(x.bufs[:0], x.frame[:])
-	if plen > 0 {
-		for _, s := range data {
-			if s.n > 0 {
-				bufs = append(bufs, s.bytes())
-			}
-		}
+	isRead := req.op == opRead && imp == nil && length > 0
+	if isRead {
+		// Before the request: its data may come before the write returns.
+		x.addRead(w, c, id, length)
 	}
 	ok := true
 	var err error
@@ -304,13 +428,17 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 		if wt == 0 {
 			wt = writeTimeout
 		}
-		err = c.writeFrame(bufs, wt)
+		err = c.writeReq(x, req, flags, id, data, plen, wt)
 	} else {
+		bufs := x.reqFrame(req, flags, id, data, plen)
 		ok, err = c.trySendFrame(bufs)
+		clear(bufs)
 	}
-	clear(x.bufs[:len(bufs)])
 	q.releaseLocal(nlocked)
 	if err == nil && !ok {
+		if isRead {
+			x.dropRead(w)
+		}
 		q.needWorker()
 		return postLater, 0
 	}
@@ -363,7 +491,6 @@ func (q *qp) retire() {
 		if !failed {
 			failed = q.retireOne(r, &retired)
 		}
-		putBuf(r.data)
 		rs[i] = rresp{}
 	}
 	x.mu.Lock()
@@ -375,7 +502,17 @@ func (q *qp) retire() {
 		if x.nfl > 0 {
 			w := q.flight(retired)
 			d := q.respTimeout()
-			if age := time.Since(w.fsent); d > 0 && age >= d {
+			sent := w.fsent
+			if w.op == opRead {
+				// As a NIC's timer restarts with each response packet:
+				// from the last segment of data.
+				x.mu.Lock()
+				if w.rd.last.After(sent) {
+					sent = w.rd.last
+				}
+				x.mu.Unlock()
+			}
+			if age := time.Since(sent); d > 0 && age >= d {
 				q.failFlight(w, prov.StatusRetryExcErr, &retired)
 				failed = true
 			} else if d > 0 {
@@ -410,6 +547,7 @@ func (q *qp) failFlight(w *sendWQE, status prov.Status, retired *int) {
 	w.fconn = nil
 	*retired++
 	q.x.nfl, q.x.ndirect = 0, 0
+	q.x.dropReads()
 	if q.ncbuf == cbufLen {
 		q.commit(*retired)
 		*retired = 0
@@ -450,19 +588,21 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 			q.releaseLocal(n)
 			w.fimp = nil
 			x.ndirect--
-		} else if w.op >= opRead {
-			data, total, n, st := q.gather(w)
+		} else if w.op == opRead {
+			// The data came before (deliver).
+			rd := x.dropRead(w)
 			switch {
-			case st != prov.StatusSuccess:
-				status = st
-			case w.op == opRead && uint64(len(r.data)) != total:
-				q.releaseLocal(n)
+			case rd.got != w.flen:
 				r.c.fail(errBadReadResp)
 				status = prov.StatusRetryExcErr
-			case w.op == opRead:
-				copySpans(data, 0, []span{{unsafe.Pointer(unsafe.SliceData(r.data)), len(r.data)}})
-				q.releaseLocal(n)
-			default:
+			case w.flen > 0 && rd.st != prov.StatusSuccess:
+				status = rd.st
+			}
+		} else if w.op > opRead {
+			data, _, n, st := q.gather(w)
+			if st != prov.StatusSuccess {
+				status = st
+			} else {
 				binary.NativeEndian.PutUint64(data[0].bytes(), r.resp.orig)
 				q.releaseLocal(n)
 			}
@@ -480,6 +620,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 			q.sqPSN = w.fpsn
 			q.sqPSNPub.Store(q.sqPSN)
 			x.nfl, x.ndirect = 0, 0
+			x.dropReads()
 			return false
 		}
 		status = prov.StatusRNRRetryExcErr
