@@ -3,8 +3,8 @@ package verbstest
 import (
 	"bytes"
 	"fmt"
-	"os"
 	"net"
+	"os"
 	"os/exec"
 	"strings"
 	"testing"
