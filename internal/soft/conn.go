@@ -1,6 +1,7 @@
 package soft
 
 import (
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -69,7 +70,8 @@ type conn struct {
 	raw     syscall.RawConn
 	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
 	shm     *shmLink   // the rings (nil: frames go over nc)
-	link    io.Closer  // closed with nc: the TLS pipe nc is the inner end of (tls.go), or nil
+	link    io.Closer  // with TLS: the socket under the session, closed first (tls.go); nil otherwise
+	tlsw    *tlsWriter // with TLS: how frames are written
 	remote  net.Addr   // the peer's socket address (for Links)
 	auth    peerAuth   // what the peer proved of its identity (handshake.go)
 	loops   sync.WaitGroup
@@ -183,6 +185,10 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 	} else if c.raw != nil {
 		c.sock = newSockRx(c.nc, c.raw)
 		c.rx = c.sock
+	} else if tc, ok := nc.(*tls.Conn); ok {
+		c.sock = newStreamRx(tc)
+		c.rx = c.sock
+		c.tlsw = newTLSWriter(tc)
 	}
 	return c
 }
@@ -196,9 +202,12 @@ func (c *conn) fail(err error) {
 	c.err = err
 	c.errMu.Unlock()
 	close(c.done)
-	c.nc.Close()
 	if c.link != nil {
+		// The socket under the TLS session: the session has nothing
+		// else to release, and its Close would try to send an alert.
 		c.link.Close()
+	} else {
+		c.nc.Close()
 	}
 	if c.shm != nil {
 		c.shm.close()
@@ -425,6 +434,8 @@ func (c *conn) writeAllLocked(bufs [][]byte) error {
 		err = c.shm.writeAll(c.wbufs, d, &c.dead)
 	} else if c.quiet != nil {
 		_, err = c.quiet.writeAll(c.wbufs)
+	} else if c.tlsw != nil {
+		err = c.tlsw.writeAll(c.wbufs)
 	} else {
 		_, err = c.wbufs.WriteTo(c.nc)
 	}

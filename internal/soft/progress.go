@@ -316,6 +316,9 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 // graceDue reports whether the reader should leave the connection to
 // the pollers for a while: they polled since it last looked, spinning.
 func (c *conn) graceDue(lastPolls *uint64) bool {
+	if c.sock != nil && c.sock.src != nil {
+		return false // pollers cannot read it
+	}
 	p := c.polls.Load()
 	if p == *lastPolls || !c.spinning(p) {
 		return false
@@ -423,10 +426,12 @@ func (l *shmLink) room() uint64                        { return ringCap }
 func (l *shmLink) more() bool                          { return true }
 
 // sockRx is the receive buffer of a socket connection: bytes [r:w) of buf
-// are unconsumed.
+// are unconsumed. It reads the socket's descriptor, or a stream that can
+// only be read waiting (src: a TLS session), which only fillWait reads.
 type sockRx struct {
 	nc   net.Conn
 	raw  syscall.RawConn
+	src  io.Reader
 	buf  []byte
 	r, w int
 
@@ -447,6 +452,11 @@ func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
 		return x.fillE != unix.EAGAIN
 	}
 	return x
+}
+
+// newStreamRx is the receive buffer of a stream read waiting.
+func newStreamRx(src io.Reader) *sockRx {
+	return &sockRx{src: src, buf: make([]byte, sockRxSize)}
 }
 
 // readFD reads what the (non-blocking) socket holds into the free end of
@@ -478,6 +488,15 @@ func (x *sockRx) fillMode(wait bool) error {
 	}
 	if x.w == len(x.buf) {
 		return nil
+	}
+	if x.src != nil {
+		if !wait {
+			return nil // only the reader's wait reads it
+		}
+		n, err := x.src.Read(x.buf[x.w:])
+		x.w += n
+		x.full = x.w == len(x.buf)
+		return err
 	}
 	x.fillN, x.fillE = 0, nil
 	var err error

@@ -394,7 +394,7 @@ func (s *service) serveHandshake(nc net.Conn) {
 	} else if _, err = io.ReadFull(nc, buf[:1]); err == nil {
 		// TCP: a TLS ClientHello (a handshake record) or a plain HELLO.
 		if buf[0] == tlsRecordHandshake && s.tlsID != nil {
-			tc = tls.Server(&prefixConn{Conn: nc, Pre: buf[:1:1]}, s.tlsID.serverConfig())
+			tc = tls.Server(newBufConn(&prefixConn{Conn: nc, Pre: buf[:1:1]}), s.tlsID.serverConfig())
 			rw = tc
 			if err = tlsHandshake(tc, time.Until(deadline)); err == nil {
 				binding, err = tlsBinding(tc)
@@ -508,18 +508,16 @@ func (s *service) serveHandshake(nc net.Conn) {
 // tlsRecordHandshake is the first byte of a TLS ClientHello.
 const tlsRecordHandshake = 0x16
 
-// dataSocket returns the socket a connection runs on once its handshake
-// is done: nc itself, or with TLS the inner end of a pipe (tls.go), whose
-// closer the connection closes when it fails.
+// dataSocket returns what a connection runs on once its handshake is
+// done: nc itself, or the TLS session, with the socket under it, which
+// the connection closes first when it fails (closing the session alone
+// could wait to send its close_notify alert to a peer that reads
+// nothing).
 func (s *service) dataSocket(nc net.Conn, tc *tls.Conn) (net.Conn, io.Closer, error) {
 	if tc == nil {
 		return nc, nil, nil
 	}
-	inner, pipe, err := s.newTLSPipe(tc)
-	if err != nil {
-		return nil, nil, err
-	}
-	return inner, pipe, nil
+	return tc, tc.NetConn(), nil
 }
 
 // --- peers ---
@@ -692,7 +690,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 				nc.Close()
 				return nil, fmt.Errorf("soft: connect to process %d at %s: the connection must be encrypted (%s=%s) and its endpoint carries no certificate fingerprint", pa.pid, address, envTLS, policy)
 			}
-			tc = tls.Client(nc, clientTLSConfig(pa.cert))
+			tc = tls.Client(newBufConn(nc), clientTLSConfig(pa.cert))
 			rw = tc
 			if err = tlsHandshake(tc, time.Until(deadline)); err == nil {
 				binding, err = tlsBinding(tc)

@@ -1,18 +1,17 @@
 package soft
 
 import (
+	"bufio"
 	"context"
 	"crypto/tls"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/goverbs/verbs/internal/pintls"
 )
@@ -39,10 +38,12 @@ import (
 // The acceptor refuses plain TCP from a non-loopback address unless the
 // policy is off, and any plain TCP if it is on.
 //
-// The data path of an encrypted connection runs through a socket pair:
-// the connection (conn.go) reads and writes one end as it would a plain
-// socket, and two goroutines move the bytes between the other end and the
-// TLS session, encrypting and decrypting.
+// An encrypted connection (conn.go) reads and writes its TLS session
+// directly: its reader goroutine waits in the session's reads (pollers
+// cannot read a TLS session without waiting: they only handle what the
+// reader took in, and the reader never leaves the connection to them),
+// and every write goes through the send queue and the flusher, gathered
+// into large records (tlsWriter).
 
 const envTLS = "GOVERBS_SOFT_TLS"
 
@@ -167,98 +168,88 @@ func tlsHandshake(tc *tls.Conn, timeout time.Duration) error {
 // prefixConn is a net.Conn whose first bytes were already read.
 type prefixConn = pintls.PrefixConn
 
-// tlsPipe carries a connection's bytes through a TLS session: the
-// connection reads and writes inner (one end of a socket pair, a plain
-// socket for conn.go), and two goroutines of the service move them to
-// and from tc. Closing the pipe (or inner) ends both goroutines and
-// closes tc.
-type tlsPipe struct {
+// bufConn is the socket under a TLS session. Its reads are buffered, so
+// that the session's many small reads (a record header, then its body)
+// cost one system call per tlsBuf bytes; while a connection writes
+// (tlsWriter), its writes are gathered too, so that a write of many
+// records costs one system call.
+type bufConn struct {
+	net.Conn
+	r     *bufio.Reader
+	w     *bufio.Writer
+	batch atomic.Bool // writes go to w (set and cleared under the connection's wmu)
+}
+
+// tlsBuf is the size of the buffers of a TLS connection: 16 records.
+const tlsBuf = 256 << 10
+
+func newBufConn(c net.Conn) *bufConn {
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, tlsBuf), w: bufio.NewWriterSize(c, tlsBuf)}
+}
+
+func (c *bufConn) Read(b []byte) (int, error) { return c.r.Read(b) }
+
+func (c *bufConn) Write(b []byte) (int, error) {
+	if c.batch.Load() {
+		return c.w.Write(b)
+	}
+	return c.Conn.Write(b)
+}
+
+// tlsWriter writes a connection's frames into its TLS session (wmu
+// held). A frame's header and a small payload are separate buffers:
+// written one by one, each would be a record of its own, so small buffers
+// are gathered (stage) into records; a buffer of a record's size or more
+// is written from where it is. What the records make is sent with one
+// system call per tlsBuf bytes (bufConn).
+type tlsWriter struct {
 	tc    *tls.Conn
-	outer net.Conn
-	once  sync.Once
+	bc    *bufConn
+	stage []byte
 }
 
-// tlsPipeBuf is the size of each direction's buffer: TLS records are at
-// most 16 KiB, and a write of several records costs one system call.
-const tlsPipeBuf = 256 << 10
+// maxTLSRecord is the largest plaintext of a TLS record.
+const maxTLSRecord = 16 << 10
 
-// newTLSPipe starts the goroutines (tracked in s.wg) and returns the inner
-// end of the pair.
-func (s *service) newTLSPipe(tc *tls.Conn) (net.Conn, *tlsPipe, error) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return nil, nil, os.NewSyscallError("socketpair", err)
-	}
-	for _, fd := range fds {
-		// Room for a few records in flight each way.
-		unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUF, tlsPipeBuf)
-		unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUF, tlsPipeBuf)
-	}
-	inner, err := fdConn(fds[0], "tls-inner")
-	if err != nil {
-		unix.Close(fds[1])
-		return nil, nil, err
-	}
-	outer, err := fdConn(fds[1], "tls-outer")
-	if err != nil {
-		inner.Close()
-		return nil, nil, err
-	}
-	p := &tlsPipe{tc: tc, outer: outer}
-	s.wg.Add(2)
-	go func() {
-		defer s.wg.Done()
-		defer p.close()
-		pump(tc, outer) // what the connection writes, encrypted to the peer
-	}()
-	go func() {
-		defer s.wg.Done()
-		defer p.close()
-		pump(outer, tc) // what the peer sends, decrypted for the connection
-	}()
-	return inner, p, nil
+func newTLSWriter(tc *tls.Conn) *tlsWriter {
+	return &tlsWriter{tc: tc, bc: tc.NetConn().(*bufConn), stage: make([]byte, 0, maxTLSRecord)}
 }
 
-// fdConn makes a net.Conn of a socket descriptor (which it takes over).
-func fdConn(fd int, name string) (net.Conn, error) {
-	f := os.NewFile(uintptr(fd), name)
-	c, err := net.FileConn(f)
-	f.Close() // FileConn made its own descriptor
-	if err != nil {
-		return nil, err
-	}
-	return c, nil
-}
-
-// pump copies src to dst until either fails.
-func pump(dst io.Writer, src io.Reader) {
-	buf := make([]byte, tlsPipeBuf)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 {
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
+func (w *tlsWriter) writeAll(bufs [][]byte) error {
+	w.bc.batch.Store(true)
+	defer w.bc.batch.Store(false)
+	for _, b := range bufs {
+		if len(b) >= maxTLSRecord {
+			if err := w.flushStage(); err != nil {
+				return err
+			}
+			if _, err := w.tc.Write(b); err != nil {
+				return err
+			}
+			continue
+		}
+		for len(b) > 0 {
+			k := min(len(b), cap(w.stage)-len(w.stage))
+			w.stage = append(w.stage, b[:k]...)
+			b = b[k:]
+			if len(w.stage) == cap(w.stage) {
+				if err := w.flushStage(); err != nil {
+					return err
+				}
 			}
 		}
-		if err != nil {
-			return
-		}
 	}
+	if err := w.flushStage(); err != nil {
+		return err
+	}
+	return w.bc.w.Flush()
 }
 
-// close ends the pipe: the TLS session's socket (the peer sees the end of
-// the stream, as with a plain socket: no close_notify, which could wait
-// for a peer that reads nothing) and the outer end, which ends the
-// connection's reads of the inner one.
-func (p *tlsPipe) close() {
-	p.once.Do(func() {
-		p.tc.NetConn().Close()
-		p.outer.Close()
-	})
-}
-
-// Close implements io.Closer for the connection (conn.link).
-func (p *tlsPipe) Close() error {
-	p.close()
-	return nil
+func (w *tlsWriter) flushStage() error {
+	if len(w.stage) == 0 {
+		return nil
+	}
+	_, err := w.tc.Write(w.stage)
+	w.stage = w.stage[:0]
+	return err
 }
