@@ -387,6 +387,7 @@ func FuzzHandshake(f *testing.F) {
 // accepts must encode back to an address that decodes the same.
 func FuzzAddr(f *testing.F) {
 	f.Add(encodePeerAddr(&peerAddr{fabric: 1, pid: 2, hasHost: true, hasSecret: true, unix: "@x", tcp: "127.0.0.1:9"}))
+	f.Add(encodePeerAddr(&peerAddr{fabric: 3, pid: 4, hasSecret: true, tcp: "10.0.0.1:9,[fd00::1]:9,127.0.0.1:9", hasCert: true, cert: [32]byte{1, 2, 3}}))
 	f.Add(encodeAddr(5, 6))
 	f.Add([]byte{1, 1})
 	f.Fuzz(func(t *testing.T, b []byte) {
