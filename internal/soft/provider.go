@@ -6,8 +6,8 @@
 // of different contexts can connect. QPs of other processes are reached
 // through the process' service (service.go, conn.go): a QP's provider
 // address (in its endpoint) names the process, a secret, and the
-// transports it offers (an abstract unix socket for the same host, and a
-// TCP address). The transport is chosen per connection: direct memory in
+// transports it offers (an abstract unix socket for the same host, and
+// TCP addresses with the fingerprint of the process' TLS certificate). The transport is chosen per connection: direct memory in
 // the same process; on the same host, shared memory (rings in a memfd
 // segment set up over the unix socket, see shm.go), falling back to the
 // unix socket and then TCP; TCP otherwise.
@@ -15,7 +15,11 @@
 // one, also between QPs of one process, so that every transport can be
 // tested on one machine.
 // GOVERBS_SOFT_LISTEN sets the TCP listen address (default 127.0.0.1:0;
-// "off" disables TCP); name a routable address to reach other hosts.
+// "off" disables TCP); name a routable address, or 0.0.0.0:0, to reach
+// other hosts (GOVERBS_SOFT_ADVERTISE overrides what an unspecified one
+// advertises: advertise.go). GOVERBS_SOFT_TLS=auto|on|off (or ForceTLS)
+// says when TCP is encrypted (default: unless loopback; tls.go). Who may
+// connect, and how a peer proves it, is in handshake.go.
 // GOVERBS_SOFT_JOB (or SLURM_JOB_ID) names the job: processes of different
 // jobs refuse each other. The service starts when a QP's address is first
 // asked for and stops, closing every connection, when the last context of
