@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/goverbs/verbs/internal/testproc"
 )
 
 // This file uses only the package's public API (and the helpers of
@@ -176,16 +177,14 @@ func attackRoot(mode string, size int) int {
 
 // attackChild is the child process of TestExchangeStrangerMemory.
 type attackChild struct {
-	t     *testing.T
-	cmd   *exec.Cmd
-	in    io.Writer
-	lines *bufio.Scanner
+	t *testing.T
+	p *testproc.Proc
 }
 
 func (c *attackChild) line(prefix string) []string {
 	c.t.Helper()
-	for c.lines.Scan() {
-		l := c.lines.Text()
+	for {
+		l := c.p.Next(c.t, prefix)
 		if strings.HasPrefix(l, "skip:") {
 			c.t.Skip(l)
 		}
@@ -197,15 +196,13 @@ func (c *attackChild) line(prefix string) []string {
 		}
 		c.t.Logf("root: %s", l)
 	}
-	c.t.Fatalf("root: no %q line (%v; exit %v)", prefix, c.lines.Err(), c.cmd.Wait())
-	return nil
 }
 
 // rss reads a line of rssLine: VmRSS, VmHWM, RssAnon.
 func (c *attackChild) rss(tag string) [3]int64 {
 	c.t.Helper()
 	if tag == "sample" {
-		fmt.Fprintln(c.in, "sample")
+		c.p.Send(c.t, "sample")
 	}
 	f := c.line(tag)
 	var v [3]int64
@@ -278,27 +275,8 @@ func TestExchangeStrangerMemory(t *testing.T) {
 	for _, mode := range xModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			const n = 3
-			cmd := exec.Command(os.Args[0], "-test.run=^$")
-			cmd.Env = append(os.Environ(), fmt.Sprintf("%s=attack,%v,%d", procChildEnv, mode, n))
-			cmd.Stderr = os.Stderr
-			in, err := cmd.StdinPipe()
-			if err != nil {
-				t.Fatal(err)
-			}
-			out, err := cmd.StdoutPipe()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				in.Close()
-				if err := waitTimeout(cmd, time.Minute); err != nil {
-					t.Errorf("root: %v", err)
-				}
-			})
-			c := &attackChild{t: t, cmd: cmd, in: in, lines: bufio.NewScanner(out)}
+			p := testproc.Start(t, fmt.Sprintf("%s=attack,%v,%d", procChildEnv, mode, n))
+			c := &attackChild{t: t, p: p}
 			addr := c.line("addr")[0]
 			base := c.rss("baseline")
 
@@ -375,7 +353,8 @@ func TestExchangeStrangerMemory(t *testing.T) {
 			wg.Wait()
 			res := c.line("result")
 			after := c.rss("after")
-			fmt.Fprintln(in, "exit")
+			p.Send(t, "exit")
+			p.Stop(t)
 
 			for r := 1; r < n; r++ {
 				if errs[r] != nil {
@@ -406,11 +385,4 @@ func TestExchangeStrangerMemory(t *testing.T) {
 			}
 		})
 	}
-}
-
-// waitTimeout waits for cmd, killing it after d.
-func waitTimeout(cmd *exec.Cmd, d time.Duration) error {
-	t := time.AfterFunc(d, func() { cmd.Process.Kill() })
-	defer t.Stop()
-	return cmd.Wait()
 }

@@ -17,6 +17,8 @@ import (
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/internal/provhook"
 	"github.com/goverbs/verbs/internal/provproxy"
+
+	"github.com/goverbs/verbs/internal/testproc"
 )
 
 const timeout = 30 * time.Second
@@ -26,26 +28,9 @@ type peer struct {
 	t      testing.TB
 	c      *provproxy.Client
 	cmd    *exec.Cmd
-	stderr *syncBuffer
+	stderr *testproc.SyncBuffer
 	killed bool
 	once   sync.Once
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // startPeer re-executes the test binary as a peer process and stops it
@@ -59,7 +44,7 @@ func startPeer(t testing.TB) *peer {
 	cmd := exec.Command(exe, "-test.run=^$")
 	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
 	cmd.Env = append(os.Environ(), "GORACE="+gorace)
-	p := &peer{t: t, cmd: cmd, stderr: &syncBuffer{}}
+	p := &peer{t: t, cmd: cmd, stderr: &testproc.SyncBuffer{}}
 	cmd.Stderr = p.stderr
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/goverbs/verbs/internal/prov"
+	"github.com/goverbs/verbs/internal/testproc"
 )
 
 // TestAcceptAfterEMFILE: a soft0 process runs out of file descriptors
@@ -22,12 +23,12 @@ import (
 // retries with a pause and logs it (before, one accept error ended the
 // accept loop for good, and every later peer hung in the backlog).
 func TestAcceptAfterEMFILE(t *testing.T) {
-	c := startChild(t, "listener", envTLS+"=off")
-	pa, err := parseChildAddr(c.line(t, "addr"))
+	c := testproc.Start(t, envTestChild+"=listener", envTLS+"=off")
+	pa, err := parseChildAddr(c.Line(t, "addr")[0])
 	if err != nil {
 		t.Fatal(err)
 	}
-	pid := c.cmd.Process.Pid
+	pid := c.Cmd.Process.Pid
 	open := countFDs(t, pid)
 	// Only the soft limit moves, so that it can be raised again.
 	var old unix.Rlimit
@@ -49,9 +50,9 @@ func TestAcceptAfterEMFILE(t *testing.T) {
 		strangers = append(strangers, nc)
 	}
 	deadline := time.Now().Add(hangGuard)
-	for !strings.Contains(c.stderr.String(), "accept failed") {
+	for !strings.Contains(c.Stderr(), "accept failed") {
 		if time.Now().After(deadline) {
-			t.Fatalf("the child's accept did not fail (stderr: %s)", c.stderr.String())
+			t.Fatalf("the child's accept did not fail (stderr: %s)", c.Stderr())
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -64,19 +65,14 @@ func TestAcceptAfterEMFILE(t *testing.T) {
 	}
 	// A new peer is answered (its hello names another process: the
 	// refusal proves that the listener runs and handshakes).
-	nc, err := net.Dial("tcp", pa.tcp)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	nc.SetDeadline(time.Now().Add(hangGuard))
+	nc := dialTCP(t, pa.tcp)
 	wrong := pa
 	wrong.fabric ^= 1
 	rp := &fakeProc{fabric: 3, pid: 1}
 	if r := rawHandshake(t, nc, rp, &wrong, pa.secret, nil); r.status != ackBadTarget {
 		t.Fatalf("status %d (%s), want %s", r.status, ackReason(r.status), ackReason(ackBadTarget))
 	}
-	c.stop(t)
+	c.Stop(t)
 }
 
 func parseChildAddr(s string) (peerAddr, error) {

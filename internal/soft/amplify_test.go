@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"runtime"
 	"runtime/debug"
 	"strconv"
@@ -19,6 +18,7 @@ import (
 
 	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/prov"
+	"github.com/goverbs/verbs/internal/testproc"
 )
 
 // Memory amplification by an authenticated peer: a process that a peer
@@ -29,8 +29,6 @@ import (
 // soft service alone; the test process is the attacker, a raw peer that
 // completed the handshake (rawDial) and poses as the QP the child's QP is
 // connected to.
-
-const envRSSChild = "GOVERBS_SOFT_RSS_CHILD"
 
 // rssRegion is the size of the child's registered region: room for a
 // write of more than 256 MiB.
@@ -75,17 +73,14 @@ func raceBuild() bool {
 
 // rssTarget is what the child tells the attacker.
 type rssTarget struct {
-	addr        []byte // the child's provider address
-	qpn         uint32
-	fabric      uint64 // the fabric id the child's QP is connected to
-	srcQPN      uint32 // the QPN it is connected to
-	raddr       uint64 // the region
-	rkey        uint32
-	rss, hwm    int64 // baseline, in bytes
-	cmd         *exec.Cmd
-	in          io.WriteCloser
-	out         *bufio.Scanner
-	stderrLines *strings.Builder
+	addr     []byte // the child's provider address
+	qpn      uint32
+	fabric   uint64 // the fabric id the child's QP is connected to
+	srcQPN   uint32 // the QPN it is connected to
+	raddr    uint64 // the region
+	rkey     uint32
+	rss, hwm int64 // baseline, in bytes
+	p        *testproc.Proc
 }
 
 // TestAmplification attacks a soft service in a child process over a raw,
@@ -349,100 +344,47 @@ func (p *rawPeer) readData(t *testing.T) (int, response) {
 // startRSSChild starts the child and reads its target description.
 func startRSSChild(t *testing.T) *rssTarget {
 	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
-	cmd.Env = append(os.Environ(), envRSSChild+"=1", "GORACE="+gorace)
-	tg := &rssTarget{cmd: cmd, stderrLines: &strings.Builder{}}
-	cmd.Stderr = tg.stderrLines
-	if tg.in, err = cmd.StdinPipe(); err != nil {
-		t.Fatal(err)
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			cmd.Process.Kill()
-			cmd.Wait()
-		}
-	})
-	tg.out = bufio.NewScanner(out)
-	f := tg.line(t, "ready")
-	if len(f) != 9 {
+	tg := &rssTarget{p: testproc.Start(t, envTestChild+"=rss")}
+	f := tg.p.Line(t, "ready")
+	if len(f) != 8 {
 		t.Fatalf("child: %q", f)
 	}
-	tg.addr = must(hex.DecodeString(f[1]))
-	tg.qpn = uint32(must(strconv.ParseUint(f[2], 10, 32)))
-	tg.fabric = must(strconv.ParseUint(f[3], 10, 64))
-	tg.srcQPN = uint32(must(strconv.ParseUint(f[4], 10, 32)))
-	tg.raddr = must(strconv.ParseUint(f[5], 10, 64))
-	tg.rkey = uint32(must(strconv.ParseUint(f[6], 10, 32)))
-	tg.rss = must(strconv.ParseInt(f[7], 10, 64))
-	tg.hwm = must(strconv.ParseInt(f[8], 10, 64))
+	tg.addr = must(hex.DecodeString(f[0]))
+	tg.qpn = uint32(must(strconv.ParseUint(f[1], 10, 32)))
+	tg.fabric = must(strconv.ParseUint(f[2], 10, 64))
+	tg.srcQPN = uint32(must(strconv.ParseUint(f[3], 10, 32)))
+	tg.raddr = must(strconv.ParseUint(f[4], 10, 64))
+	tg.rkey = uint32(must(strconv.ParseUint(f[5], 10, 32)))
+	tg.rss = must(strconv.ParseInt(f[6], 10, 64))
+	tg.hwm = must(strconv.ParseInt(f[7], 10, 64))
 	return tg
-}
-
-// line reads the child's next line, which must start with word.
-func (tg *rssTarget) line(t *testing.T, word string) []string {
-	t.Helper()
-	done := make(chan bool, 1)
-	go func() { done <- tg.out.Scan() }()
-	select {
-	case ok := <-done:
-		if !ok {
-			t.Fatalf("child: no %q line (%v); stderr:\n%s", word, tg.out.Err(), tg.stderrLines)
-		}
-	case <-time.After(2 * hangGuard):
-		t.Fatalf("child: no %q line within %v; stderr:\n%s", word, 2*hangGuard, tg.stderrLines)
-	}
-	f := strings.Fields(tg.out.Text())
-	if len(f) == 0 || f[0] != word {
-		t.Fatalf("child: %q, want %q; stderr:\n%s", tg.out.Text(), word, tg.stderrLines)
-	}
-	return f
 }
 
 // report asks the child for its RSS and peak RSS (cmd "rss": now; "idle":
 // once it has no connection, after returning the freed heap to the OS).
 func (tg *rssTarget) report(t *testing.T, cmd string) (rss, hwm int64) {
 	t.Helper()
-	if _, err := fmt.Fprintln(tg.in, cmd); err != nil {
-		t.Fatal(err)
-	}
-	f := tg.line(t, "mem")
-	if len(f) != 3 {
+	tg.p.Send(t, "%s", cmd)
+	f := tg.p.Line(t, "mem")
+	if len(f) != 2 {
 		t.Fatalf("child: %q", f)
 	}
-	return must(strconv.ParseInt(f[1], 10, 64)), must(strconv.ParseInt(f[2], 10, 64))
+	return must(strconv.ParseInt(f[0], 10, 64)), must(strconv.ParseInt(f[1], 10, 64))
 }
 
-func (tg *rssTarget) stop(t *testing.T) {
-	t.Helper()
-	tg.in.Close()
-	if err := tg.cmd.Wait(); err != nil {
-		t.Errorf("child: %v; stderr:\n%s", err, tg.stderrLines)
-	}
-}
+func (tg *rssTarget) stop(t *testing.T) { tg.p.Stop(t) }
 
-// rssChild is the child: a QP connected to a made-up peer, a registered
-// region, and commands on stdin. It returns the exit status.
-func rssChild() int {
-	if err := serveRSSChild(); err != nil {
+// rssChild is the child (mode "rss"): a QP connected to a made-up peer, a
+// registered region, and commands on stdin. It returns the exit status.
+func rssChild(in *bufio.Scanner, out io.Writer) int {
+	if err := serveRSSChild(in, out); err != nil {
 		fmt.Fprintln(os.Stderr, "rss child:", err)
 		return 1
 	}
 	return 0
 }
 
-func serveRSSChild() error {
+func serveRSSChild(in *bufio.Scanner, out io.Writer) error {
 	ctx, err := New().Open(DeviceName)
 	if err != nil {
 		return err
@@ -505,9 +447,8 @@ func serveRSSChild() error {
 	// The peak from here on (Linux 4.0 and later; else the peak of the
 	// setup, which is about the baseline, stays).
 	os.WriteFile("/proc/self/clear_refs", []byte("5"), 0)
-	fmt.Printf("ready %x %d %d %d %d %d %d %d\n", q.Address(), q.QPN(), fake.fabric, fakeQPN,
+	fmt.Fprintf(out, "ready %x %d %d %d %d %d %d %d\n", q.Address(), q.QPN(), fake.fabric, fakeQPN,
 		m.Addr(), m.RKey(), rss, hwm)
-	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
 		switch in.Text() {
 		case "rss":
@@ -522,7 +463,7 @@ func serveRSSChild() error {
 		if err != nil {
 			return err
 		}
-		fmt.Printf("mem %d %d\n", rss, hwm)
+		fmt.Fprintf(out, "mem %d %d\n", rss, hwm)
 	}
 	return in.Err()
 }

@@ -115,17 +115,25 @@ func rawHandshake(t testing.TB, rw io.ReadWriter, rp *fakeProc, pa *peerAddr, ta
 	return res
 }
 
-// rawConnect dials the TCP listener of the process at pa and handshakes
-// as rp, proving pa's secret; it fails the test unless the acceptor
-// takes the connection.
-func rawConnect(t *testing.T, pa *peerAddr, rp *fakeProc) net.Conn {
+// dialTCP connects to addr, with hangGuard as the deadline; the
+// connection is closed when the test ends.
+func dialTCP(t testing.TB, addr string) net.Conn {
 	t.Helper()
-	nc, err := net.Dial("tcp", pa.tcp)
+	nc, err := net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { nc.Close() })
 	nc.SetDeadline(time.Now().Add(hangGuard))
+	return nc
+}
+
+// rawConnect dials the TCP listener of the process at pa and handshakes
+// as rp, proving pa's secret; it fails the test unless the acceptor
+// takes the connection.
+func rawConnect(t *testing.T, pa *peerAddr, rp *fakeProc) net.Conn {
+	t.Helper()
+	nc := dialTCP(t, pa.tcp)
 	if r := rawHandshake(t, nc, rp, pa, pa.secret, nil); r.status != ackOK {
 		t.Fatalf("handshake refused: %s", ackReason(r.status))
 	}
@@ -321,22 +329,13 @@ func TestHandshakeReplay(t *testing.T) {
 	nc.Close()
 
 	// Record a real handshake, then replay its bytes.
-	nc, err = net.Dial("tcp", pa.tcp)
-	if err != nil {
-		t.Fatal(err)
-	}
-	nc.SetDeadline(time.Now().Add(hangGuard))
+	nc = dialTCP(t, pa.tcp)
 	r := rawHandshake(t, nc, rp, &pa, pa.secret, nil)
 	nc.Close()
 	if r.status != ackOK {
 		t.Fatalf("handshake: %s", ackReason(r.status))
 	}
-	nc, err = net.Dial("tcp", pa.tcp)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	nc.SetDeadline(time.Now().Add(hangGuard))
+	nc = dialTCP(t, pa.tcp)
 	if _, err := nc.Write(r.sent[:hdrLen+helloLen]); err != nil {
 		t.Fatal(err)
 	}
@@ -368,12 +367,7 @@ func TestHandshakeWrongSecret(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	nc, err := net.Dial("tcp", pa.tcp)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	nc.SetDeadline(time.Now().Add(hangGuard))
+	nc := dialTCP(t, pa.tcp)
 	var guess [16]byte
 	copy(guess[:], randomBytes(16))
 	rp := &fakeProc{fabric: 0x99, pid: 1}
@@ -581,12 +575,7 @@ func TestTLSPinning(t *testing.T) {
 		}
 	})
 	t.Run("PlainRefused", func(t *testing.T) {
-		nc, err := net.Dial("tcp", pa.tcp)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer nc.Close()
-		nc.SetDeadline(time.Now().Add(hangGuard))
+		nc := dialTCP(t, pa.tcp)
 		rp := &fakeProc{fabric: 7, pid: 1}
 		if r := rawHandshake(t, nc, rp, &pa, pa.secret, nil); r.status != ackNeedTLS {
 			t.Fatalf("plain hello with TLS required: status %d (%s)", r.status, ackReason(r.status))
@@ -603,45 +592,35 @@ func TestTLSPinning(t *testing.T) {
 		c.fail(errors.New("test done"))
 	})
 	t.Run("RawTLSPeer", func(t *testing.T) {
-		nc, err := net.Dial("tcp", pa.tcp)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer nc.Close()
-		nc.SetDeadline(time.Now().Add(hangGuard))
-		tc := tls.Client(nc, clientTLSConfig(pa.cert))
-		if err := tc.Handshake(); err != nil {
-			t.Fatal(err)
-		}
-		binding, err := tlsBinding(tc)
-		if err != nil {
-			t.Fatal(err)
-		}
 		// Proofs bound to the session are accepted, proofs that are
 		// not (a relay's) are refused.
+		tc, binding := tlsSession(t, pa.tcp, pa.cert)
 		rp := &fakeProc{fabric: 8, pid: 1}
 		if r := rawHandshake(t, tc, rp, &pa, pa.secret, binding); r.status != ackOK {
 			t.Fatalf("bound proofs refused: %s", ackReason(r.status))
 		}
-		nc2, err := net.Dial("tcp", pa.tcp)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer nc2.Close()
-		nc2.SetDeadline(time.Now().Add(hangGuard))
-		tc2 := tls.Client(nc2, clientTLSConfig(pa.cert))
-		if err := tc2.Handshake(); err != nil {
-			t.Fatal(err)
-		}
-		binding2, err := tlsBinding(tc2)
-		if err != nil {
-			t.Fatal(err)
-		}
+		tc2, binding2 := tlsSession(t, pa.tcp, pa.cert)
 		rp.unbound = true
 		if r := rawHandshake(t, tc2, rp, &pa, pa.secret, binding2); r.status != ackBadSecret {
 			t.Fatalf("unbound proofs: status %d (%s), want %s", r.status, ackReason(r.status), ackReason(ackBadSecret))
 		}
 	})
+}
+
+// tlsSession opens a TLS session to the service at addr, pinning fp,
+// and returns it with its binding.
+func tlsSession(t *testing.T, addr string, fp [32]byte) (*tls.Conn, []byte) {
+	t.Helper()
+	nc := dialTCP(t, addr)
+	tc := tls.Client(nc, clientTLSConfig(fp))
+	if err := tc.Handshake(); err != nil {
+		t.Fatal(err)
+	}
+	binding, err := tlsBinding(tc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tc, binding
 }
 
 // TestTLSTraffic runs every kind of RC request over an encrypted TCP

@@ -19,9 +19,6 @@ func TestMain(m *testing.M) {
 		// (child_test.go).
 		os.Exit(runChild(mode))
 	}
-	if os.Getenv(envRSSChild) != "" {
-		os.Exit(rssChild()) // a target of TestAmplification
-	}
 	goleak.VerifyTestMain(m)
 }
 
