@@ -46,7 +46,8 @@ func advertisedTCP(laddr *net.TCPAddr, override string) string {
 	}
 	v4only := laddr.IP.To4() != nil
 	var loop []string
-	for _, ip := range interfaceIPs() {
+	for _, n := range upNets() {
+		ip := n.IP
 		if v4only && ip.To4() == nil {
 			continue
 		}
@@ -79,13 +80,14 @@ func joinTCPList(list []string) string {
 	return b.String()
 }
 
-// interfaceIPs returns the addresses of the interfaces that are up.
-func interfaceIPs() []net.IP {
+// upNets returns the addresses, with their subnets, of the interfaces
+// that are up.
+func upNets() []*net.IPNet {
 	ifs, err := net.Interfaces()
 	if err != nil {
 		return nil
 	}
-	var ips []net.IP
+	var nets []*net.IPNet
 	for _, ifc := range ifs {
 		if ifc.Flags&net.FlagUp == 0 {
 			continue
@@ -96,27 +98,6 @@ func interfaceIPs() []net.IP {
 		}
 		for _, a := range addrs {
 			if n, ok := a.(*net.IPNet); ok {
-				ips = append(ips, n.IP)
-			}
-		}
-	}
-	return ips
-}
-
-// localNets returns the subnets of the interfaces that are up.
-func localNets() []*net.IPNet {
-	ifs, err := net.Interfaces()
-	if err != nil {
-		return nil
-	}
-	var nets []*net.IPNet
-	for _, ifc := range ifs {
-		if ifc.Flags&net.FlagUp == 0 {
-			continue
-		}
-		addrs, _ := ifc.Addrs()
-		for _, a := range addrs {
-			if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() {
 				nets = append(nets, n)
 			}
 		}
@@ -156,9 +137,9 @@ func tcpCandidates(list string, sameHost bool) []string {
 				r = rankLoop
 			default:
 				if nets == nil {
-					nets = localNets()
+					nets = upNets()
 				}
-				if slices.ContainsFunc(nets, func(n *net.IPNet) bool { return n.Contains(ip) }) {
+				if slices.ContainsFunc(nets, func(n *net.IPNet) bool { return !n.IP.IsLoopback() && n.Contains(ip) }) {
 					r = rankSubnet
 				}
 			}

@@ -70,9 +70,8 @@ type conn struct {
 	raw     syscall.RawConn
 	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
 	shm     *shmLink   // the rings (nil: frames go over nc)
-	link    io.Closer  // with TLS: the socket under the session, closed first (tls.go); nil otherwise
+	link    io.Closer  // with TLS: the socket under the session (closeSocket); nil otherwise
 	tlsw    *tlsWriter // with TLS: how frames are written
-	remote  net.Addr   // the peer's socket address (for Links)
 	auth    peerAuth   // what the peer proved of its identity (handshake.go)
 	loops   sync.WaitGroup
 
@@ -189,8 +188,30 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 		c.sock = newStreamRx(tc)
 		c.rx = c.sock
 		c.tlsw = newTLSWriter(tc)
+		c.link = tc.NetConn()
 	}
 	return c
+}
+
+// closeSocket closes what the connection runs on: its socket, or with TLS
+// the socket under the session (the session has nothing else to release,
+// and its Close would try to send an alert to a peer that may read
+// nothing).
+func (c *conn) closeSocket() {
+	if c.link != nil {
+		c.link.Close()
+	} else {
+		c.nc.Close()
+	}
+}
+
+// abandon releases a connection that never ran (addConn refused it).
+func (c *conn) abandon() {
+	c.closeSocket()
+	if c.shm != nil {
+		c.shm.close()
+		c.shm.unmap()
+	}
 }
 
 // fail takes the connection down (once).
@@ -202,13 +223,7 @@ func (c *conn) fail(err error) {
 	c.err = err
 	c.errMu.Unlock()
 	close(c.done)
-	if c.link != nil {
-		// The socket under the TLS session: the session has nothing
-		// else to release, and its Close would try to send an alert.
-		c.link.Close()
-	} else {
-		c.nc.Close()
-	}
+	c.closeSocket()
 	if c.shm != nil {
 		c.shm.close()
 	}
@@ -269,22 +284,9 @@ func (c *conn) writeReq(x *xstate, req *request, flags uint8, id uint64, data []
 		clear(bufs)
 		return err
 	}
-	c.wmu.Lock()
-	if c.dead.Load() {
-		c.wmu.Unlock()
-		return errConnDown
-	}
-	c.setDeadline(time.Now().Add(timeout))
-	err := c.flushQueueLocked(timeout)
-	if err == nil {
-		err = c.writeSegsLocked(req, flags, id, data, plen, timeout)
-	}
-	c.setDeadline(time.Time{})
-	c.wmu.Unlock()
-	if err != nil {
-		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
-	}
-	return err
+	return c.writeWaiting(nil, timeout, func() error {
+		return c.writeSegsLocked(req, flags, id, data, plen, timeout)
+	})
 }
 
 // reqFrame encodes req, a message of plen <= segMax bytes, as one frame:
@@ -363,6 +365,13 @@ func (q *qp) respTimeout() time.Duration {
 // writeFrame writes one frame, waiting for room (at most timeout: then the
 // connection fails, since a frame cannot be left half written).
 func (c *conn) writeFrame(bufs [][]byte, timeout time.Duration) error {
+	return c.writeWaiting(bufs, timeout, nil)
+}
+
+// writeWaiting takes wmu and writes, waiting for room (at most timeout
+// each write): the queue, then the frame bufs, or what write (if not
+// nil) writes with wmu held. A failed write fails the connection.
+func (c *conn) writeWaiting(bufs [][]byte, timeout time.Duration, write func() error) error {
 	c.wmu.Lock()
 	if c.dead.Load() {
 		c.wmu.Unlock()
@@ -371,7 +380,11 @@ func (c *conn) writeFrame(bufs [][]byte, timeout time.Duration) error {
 	c.setDeadline(time.Now().Add(timeout))
 	err := c.flushQueueLocked(timeout)
 	if err == nil {
-		err = c.writeAllLocked(bufs)
+		if write != nil {
+			err = write()
+		} else {
+			err = c.writeAllLocked(bufs)
+		}
 	}
 	// A deadline left behind would fail the next write that must not
 	// wait (tryWrite).

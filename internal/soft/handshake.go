@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"sync/atomic"
 )
 
@@ -104,22 +105,26 @@ func parseHello(b []byte) (hello, error) {
 	if h.kind != kindTCP && h.kind != kindUnix && h.kind != kindShm {
 		return h, fmt.Errorf("%w: link kind %d", errBadHello, h.kind)
 	}
-	if b[1]|b[2]|b[3] != 0 {
-		return h, fmt.Errorf("%w: reserved bytes set", errBadHello)
+	return h, checkReserved(b[1:4])
+}
+
+// checkReserved checks that the reserved bytes b are zero.
+func checkReserved(b []byte) error {
+	for _, x := range b {
+		if x != 0 {
+			return fmt.Errorf("%w: reserved bytes set", errBadHello)
+		}
 	}
-	return h, nil
+	return nil
 }
 
 // decodeHello checks a HELLO frame (header and body).
 func decodeHello(b []byte) (hello, error) {
-	h, err := parseHdr(b)
-	if err == nil && h.typ != frHello {
-		err = fmt.Errorf("%w: frame type %d", errBadHello, h.typ)
-	}
+	body, err := handshakeBody(b, frHello)
 	if err != nil {
 		return hello{}, err
 	}
-	return parseHello(b[hdrLen:])
+	return parseHello(body)
 }
 
 // Handshake results, in CHALLENGE and AUTH_ACK.
@@ -180,10 +185,7 @@ func parseChallenge(b []byte) (challenge, error) {
 	c.fabric = binary.LittleEndian.Uint64(b[8:])
 	copy(c.nonce[:], b[16:48])
 	copy(c.proof[:], b[48:80])
-	if b[1]|b[2]|b[3] != 0 {
-		return c, fmt.Errorf("%w: reserved bytes set", errBadHello)
-	}
-	return c, nil
+	return c, checkReserved(b[1:4])
 }
 
 // auth is the dialer's answer to a CHALLENGE.
@@ -216,15 +218,19 @@ func parseAuthAck(b []byte) (uint8, error) {
 	if len(b) < authAckLen {
 		return 0, errBadHello
 	}
-	for _, x := range b[1:authAckLen] {
-		if x != 0 {
-			return 0, fmt.Errorf("%w: reserved bytes set", errBadHello)
-		}
-	}
-	return b[0], nil
+	return b[0], checkReserved(b[1:authAckLen])
 }
 
-// readFrameBody checks the header of a handshake frame of type want and
+// readHandshake reads a handshake frame of type want into b (the frame's
+// whole size) and returns its body.
+func readHandshake(r io.Reader, b []byte, want frameType) ([]byte, error) {
+	if _, err := io.ReadFull(r, b); err != nil {
+		return nil, err
+	}
+	return handshakeBody(b, want)
+}
+
+// handshakeBody checks the header of a handshake frame of type want and
 // returns its body.
 func handshakeBody(b []byte, want frameType) ([]byte, error) {
 	h, err := parseHdr(b)

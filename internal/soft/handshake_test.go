@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs/internal/mem"
+	"github.com/goverbs/verbs/internal/pintls"
 	"github.com/goverbs/verbs/internal/prov"
 )
 
@@ -312,9 +313,10 @@ func TestSnifferLearnsNothing(t *testing.T) {
 	}
 }
 
-// TestHandshakeReplay replays a recorded dialer's bytes (HELLO and AUTH)
-// to the acceptor: the fresh challenge makes its proof worthless.
-func TestHandshakeReplay(t *testing.T) {
+// plainTarget forces plain TCP for the test and returns the provider
+// address of a new RC QP, the target of a raw peer.
+func plainTarget(t *testing.T) peerAddr {
+	t.Helper()
 	forceTransport(t, "tcp")
 	forceTLS(t, tlsOff)
 	e := newEnv(t)
@@ -323,13 +325,18 @@ func TestHandshakeReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return pa
+}
+
+// TestHandshakeReplay replays a recorded dialer's bytes (HELLO and AUTH)
+// to the acceptor: the fresh challenge makes its proof worthless.
+func TestHandshakeReplay(t *testing.T) {
+	pa := plainTarget(t)
 	rp := &fakeProc{fabric: 0x1234, pid: 1}
 	copy(rp.secret[:], randomBytes(16))
-	nc := rawConnect(t, &pa, rp)
-	nc.Close()
 
 	// Record a real handshake, then replay its bytes.
-	nc = dialTCP(t, pa.tcp)
+	nc := dialTCP(t, pa.tcp)
 	r := rawHandshake(t, nc, rp, &pa, pa.secret, nil)
 	nc.Close()
 	if r.status != ackOK {
@@ -359,14 +366,7 @@ func TestHandshakeReplay(t *testing.T) {
 // TestHandshakeWrongSecret: a dialer that does not hold the secret of
 // the endpoint is refused after the challenge.
 func TestHandshakeWrongSecret(t *testing.T) {
-	forceTransport(t, "tcp")
-	forceTLS(t, tlsOff)
-	e := newEnv(t)
-	b := e.newQP(prov.QPTypeRC, defaultCaps(), nil)
-	pa, err := parseAddr(b.qp.Address())
-	if err != nil {
-		t.Fatal(err)
-	}
+	pa := plainTarget(t)
 	nc := dialTCP(t, pa.tcp)
 	var guess [16]byte
 	copy(guess[:], randomBytes(16))
@@ -555,15 +555,15 @@ func TestTLSPinning(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !pa.hasCert || pa.cert != s.tlsID.fp {
+	if !pa.hasCert || pa.cert != s.tlsID.Fingerprint() {
 		t.Fatalf("the endpoint does not carry the process' certificate fingerprint")
 	}
 	t.Run("WrongFingerprint", func(t *testing.T) {
 		wrong := pa
 		wrong.cert[0] ^= 1
 		_, err := s.dial(&wrong, transportTCP)
-		if !errors.Is(err, errFingerprint) {
-			t.Fatalf("dial with a wrong fingerprint: %v, want %v", err, errFingerprint)
+		if !errors.Is(err, pintls.ErrFingerprint) {
+			t.Fatalf("dial with a wrong fingerprint: %v, want %v", err, pintls.ErrFingerprint)
 		}
 	})
 	t.Run("NoFingerprint", func(t *testing.T) {
@@ -612,7 +612,7 @@ func TestTLSPinning(t *testing.T) {
 func tlsSession(t *testing.T, addr string, fp [32]byte) (*tls.Conn, []byte) {
 	t.Helper()
 	nc := dialTCP(t, addr)
-	tc := tls.Client(nc, clientTLSConfig(fp))
+	tc := tls.Client(nc, pintls.ClientConfig(fp))
 	if err := tc.Handshake(); err != nil {
 		t.Fatal(err)
 	}

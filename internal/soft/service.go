@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/goverbs/verbs/internal/fdpass"
+	"github.com/goverbs/verbs/internal/pintls"
 )
 
 // The soft service of a process: what lets QPs of other processes reach this
@@ -63,8 +64,8 @@ type service struct {
 	secret [16]byte
 	job    [16]byte
 	host   [16]byte
-	addr   []byte       // this process' provider address
-	tlsID  *tlsIdentity // nil: no TCP listener
+	addr   []byte           // this process' provider address
+	tlsID  *pintls.Identity // nil: no TCP listener
 
 	tcpLn   net.Listener
 	unixLn  net.Listener
@@ -158,7 +159,7 @@ func startService(f *fabric) *service {
 		la = "127.0.0.1:0"
 	}
 	if la != "off" && la != "none" {
-		id, err := newTLSIdentity()
+		id, err := pintls.NewIdentity()
 		if err != nil {
 			slog.Warn("soft: no TCP transport: cannot make a TLS identity", "err", err)
 		} else if ln, err := net.Listen("tcp", la); err != nil {
@@ -166,7 +167,7 @@ func startService(f *fabric) *service {
 		} else {
 			s.tcpLn, s.tlsID = ln, id
 			pa.tcp = advertisedTCP(ln.Addr().(*net.TCPAddr), os.Getenv(envAdvertise))
-			pa.cert, pa.hasCert = id.fp, true
+			pa.cert, pa.hasCert = id.Fingerprint(), true
 		}
 	}
 	s.addr = encodePeerAddr(&pa)
@@ -394,7 +395,7 @@ func (s *service) serveHandshake(nc net.Conn) {
 	} else if _, err = io.ReadFull(nc, buf[:1]); err == nil {
 		// TCP: a TLS ClientHello (a handshake record) or a plain HELLO.
 		if buf[0] == tlsRecordHandshake && s.tlsID != nil {
-			tc = tls.Server(newBufConn(&prefixConn{Conn: nc, Pre: buf[:1:1]}), s.tlsID.serverConfig())
+			tc = tls.Server(newBufConn(&pintls.PrefixConn{Conn: nc, Pre: buf[:1:1]}), s.tlsID.ServerConfig())
 			rw = tc
 			if err = tlsHandshake(tc, time.Until(deadline)); err == nil {
 				binding, err = tlsBinding(tc)
@@ -447,11 +448,7 @@ func (s *service) serveHandshake(nc net.Conn) {
 		return
 	}
 	var ab [hdrLen + authLen]byte
-	if _, err := io.ReadFull(rw, ab[:]); err != nil {
-		nc.Close()
-		return
-	}
-	body, err := handshakeBody(ab[:], frAuth)
+	body, err := readHandshake(rw, ab[:], frAuth)
 	var a auth
 	if err == nil {
 		a, err = parseAuth(body)
@@ -485,39 +482,23 @@ func (s *service) serveHandshake(nc net.Conn) {
 		return
 	}
 	nc.SetDeadline(time.Time{})
-	cnc, link, err := s.dataSocket(nc, tc)
-	if err != nil {
-		nc.Close()
-		return
-	}
-	c := newConn(s, hl.kind, hl.fabric, hl.pid, cnc, shm)
-	c.link, c.remote = link, nc.RemoteAddr()
+	c := newConn(s, hl.kind, hl.fabric, hl.pid, dataConn(nc, tc), shm)
 	c.auth.ident, c.auth.t = a.ident, t
 	if !s.addConn(c) {
-		c.nc.Close()
-		if link != nil {
-			link.Close()
-		}
-		if shm != nil {
-			shm.close()
-			shm.unmap()
-		}
+		c.abandon()
 	}
 }
 
 // tlsRecordHandshake is the first byte of a TLS ClientHello.
 const tlsRecordHandshake = 0x16
 
-// dataSocket returns what a connection runs on once its handshake is
-// done: nc itself, or the TLS session, with the socket under it, which
-// the connection closes first when it fails (closing the session alone
-// could wait to send its close_notify alert to a peer that reads
-// nothing).
-func (s *service) dataSocket(nc net.Conn, tc *tls.Conn) (net.Conn, io.Closer, error) {
-	if tc == nil {
-		return nc, nil, nil
+// dataConn is what a connection runs on once its handshake is done: the
+// TLS session if there is one, else the socket.
+func dataConn(nc net.Conn, tc *tls.Conn) net.Conn {
+	if tc != nil {
+		return tc
 	}
-	return tc, tc.NetConn(), nil
+	return nc
 }
 
 // --- peers ---
@@ -690,7 +671,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 				nc.Close()
 				return nil, fmt.Errorf("soft: connect to process %d at %s: the connection must be encrypted (%s=%s) and its endpoint carries no certificate fingerprint", pa.pid, address, envTLS, policy)
 			}
-			tc = tls.Client(newBufConn(nc), clientTLSConfig(pa.cert))
+			tc = tls.Client(newBufConn(nc), pintls.ClientConfig(pa.cert))
 			rw = tc
 			if err = tlsHandshake(tc, time.Until(deadline)); err == nil {
 				binding, err = tlsBinding(tc)
@@ -741,10 +722,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 		return hsErr(err)
 	}
 	var cb [hdrLen + challengeLen]byte
-	if _, err := io.ReadFull(rw, cb[:]); err != nil {
-		return hsErr(err)
-	}
-	body, err := handshakeBody(cb[:], frChallenge)
+	body, err := readHandshake(rw, cb[:], frChallenge)
 	var ch challenge
 	if err == nil {
 		ch, err = parseChallenge(body)
@@ -772,10 +750,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 		return hsErr(err)
 	}
 	var aa [hdrLen + authAckLen]byte
-	if _, err := io.ReadFull(rw, aa[:]); err != nil {
-		return hsErr(err)
-	}
-	body, err = handshakeBody(aa[:], frAuthAck)
+	body, err = readHandshake(rw, aa[:], frAuthAck)
 	var status uint8
 	if err == nil {
 		status, err = parseAuthAck(body)
@@ -787,20 +762,12 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 		return fail(&refusedError{pa.pid, status})
 	}
 	nc.SetDeadline(time.Time{})
-	cnc, link, err := s.dataSocket(nc, tc)
-	if err != nil {
-		return fail(err)
-	}
-	c := newConn(s, kind, pa.fabric, pa.pid, cnc, shm)
-	c.link, c.remote = link, nc.RemoteAddr()
+	c := newConn(s, kind, pa.fabric, pa.pid, dataConn(nc, tc), shm)
 	secret := pa.secret
 	c.auth.proven.Store(&secret)
 	if !s.addConn(c) {
-		if link != nil {
-			link.Close()
-		}
-		nc = c.nc // newConn may have moved the socket
-		return fail(errors.New("soft: the service of this process is stopping"))
+		c.abandon()
+		return nil, errors.New("soft: the service of this process is stopping")
 	}
 	return c, nil
 }
@@ -828,9 +795,9 @@ func Links() []LinkInfo {
 		if c.dead.Load() {
 			continue
 		}
-		li := LinkInfo{Kind: kindNames[c.kind], Encrypted: c.link != nil, PeerPID: c.peerPID}
-		if c.remote != nil {
-			li.Remote = c.remote.String()
+		li := LinkInfo{Kind: kindNames[c.kind], Encrypted: c.tlsw != nil, PeerPID: c.peerPID}
+		if a := c.nc.RemoteAddr(); a != nil {
+			li.Remote = a.String()
 		}
 		out = append(out, li)
 	}

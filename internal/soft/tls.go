@@ -131,29 +131,6 @@ func isLoopback(addr net.Addr) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// tlsIdentity is a process' ephemeral TLS identity.
-type tlsIdentity struct {
-	*pintls.Identity
-	fp [32]byte // its fingerprint, as endpoints carry it
-}
-
-func newTLSIdentity() (*tlsIdentity, error) {
-	id, err := pintls.NewIdentity()
-	if err != nil {
-		return nil, fmt.Errorf("soft: TLS identity: %w", err)
-	}
-	return &tlsIdentity{Identity: id, fp: id.Fingerprint()}, nil
-}
-
-func (id *tlsIdentity) serverConfig() *tls.Config { return id.ServerConfig() }
-
-// errFingerprint: the acceptor's certificate is not the one the endpoint
-// names.
-var errFingerprint = pintls.ErrFingerprint
-
-// clientTLSConfig accepts only the certificate whose SHA-256 is fp.
-func clientTLSConfig(fp [32]byte) *tls.Config { return pintls.ClientConfig(fp) }
-
 // tlsExporterLabel labels the keying material that binds the handshake
 // proofs to a TLS session.
 const tlsExporterLabel = "EXPORTER-goverbs-soft-handshake-v2"
@@ -164,9 +141,6 @@ func tlsBinding(tc *tls.Conn) ([]byte, error) { return pintls.Binding(tc, tlsExp
 func tlsHandshake(tc *tls.Conn, timeout time.Duration) error {
 	return pintls.Handshake(context.Background(), tc, timeout)
 }
-
-// prefixConn is a net.Conn whose first bytes were already read.
-type prefixConn = pintls.PrefixConn
 
 // bufConn is the socket under a TLS session. Its reads are buffered, so
 // that the session's many small reads (a record header, then its body)
