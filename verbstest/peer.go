@@ -9,7 +9,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -17,6 +16,8 @@ import (
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/internal/provproxy"
 	"github.com/goverbs/verbs/internal/soft"
+
+	"github.com/goverbs/verbs/internal/testproc"
 )
 
 // A peer process for cross-process tests: the test binary re-executed with
@@ -366,23 +367,9 @@ type Peer struct {
 	killed bool
 }
 
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  []byte
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.b = append(l.b, p...)
-	return len(p), nil
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return string(l.b)
-}
+// lockedBuffer keeps a peer's stderr, written by os/exec while tests read
+// it.
+type lockedBuffer = testproc.SyncBuffer
 
 // StartPeer re-executes the test binary as a peer process with env added
 // to the environment, and stops it when the test ends.
@@ -395,7 +382,7 @@ func StartPeer(t testing.TB, env ...string) *Peer {
 // ip netns exec NAME), if any.
 func startPeer(t testing.TB, wrap []string, env ...string) *Peer {
 	t.Helper()
-	cmd, err := peerCommand(wrap, append([]string{EnvPeer + "=1"}, env...)...)
+	cmd, err := testproc.Command(wrap, append([]string{EnvPeer + "=1"}, env...)...)
 	if err != nil {
 		t.Fatalf("verbstest: start peer: %v", err)
 	}
@@ -433,24 +420,6 @@ func (p *Peer) Stop() {
 	if err := waitPeer(p.cmd, p.Stderr, "its input closing", p.killed); err != nil {
 		p.t.Errorf("verbstest: %v", err)
 	}
-}
-
-// peerCommand is the command that re-executes the test binary, running no
-// test, as a peer process: under the command prefix wrap (such as ip netns
-// exec NAME), if any, and with env added to the environment.
-func peerCommand(wrap []string, env ...string) (*exec.Cmd, error) {
-	exe, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
-	args := append(append(wrap[:len(wrap):len(wrap)], exe), "-test.run=^$")
-	cmd := exec.Command(args[0], args[1:]...)
-	// Under the race detector a program that exits cleanly waits a second
-	// for late reports (GORACE atexit_sleep_ms): not the peer, which has
-	// closed everything by then.
-	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
-	cmd.Env = append(append(os.Environ(), "GORACE="+gorace), env...)
-	return cmd, nil
 }
 
 // waitPeer waits for the peer process cmd, told to exit by what happened

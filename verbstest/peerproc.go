@@ -11,6 +11,8 @@ import (
 	"github.com/goverbs/verbs/internal/prov"
 	"github.com/goverbs/verbs/internal/provhook"
 	"github.com/goverbs/verbs/internal/provproxy"
+
+	"github.com/goverbs/verbs/internal/testproc"
 )
 
 // Side B in a peer process (Config.PeerProcessB): the test binary
@@ -31,7 +33,7 @@ type peerProcess struct {
 // the test ends.
 func openPeerDevice(t testing.TB, tr *tracker, name string) *verbs.Context {
 	t.Helper()
-	cmd, err := peerCommand(nil)
+	cmd, err := testproc.Command(nil)
 	if err != nil {
 		t.Fatalf("verbstest: side B: start the peer process: %v", err)
 	}

@@ -37,13 +37,10 @@ type peer struct {
 // when the test ends: a peer that does not exit cleanly fails the test.
 func startPeer(t testing.TB) *peer {
 	t.Helper()
-	exe, err := os.Executable()
+	cmd, err := testproc.Command(nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
-	cmd.Env = append(os.Environ(), "GORACE="+gorace)
 	p := &peer{t: t, cmd: cmd, stderr: &testproc.SyncBuffer{}}
 	cmd.Stderr = p.stderr
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)

@@ -26,17 +26,31 @@ type Proc struct {
 	waited bool
 }
 
-// Start starts the test binary as a child with env added to this
-// process' environment.
+// Command is the command that re-executes the test binary, running no
+// test, with env added to this process' environment, under the command
+// wrap if not empty (e.g. ip netns exec NAME). Under the race detector a
+// program that exits cleanly waits a second for late reports (GORACE
+// atexit_sleep_ms): not the child, which has closed everything by then.
+func Command(wrap []string, env ...string) (*exec.Cmd, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	args := append(append(wrap[:len(wrap):len(wrap)], exe), "-test.run=^$")
+	cmd := exec.Command(args[0], args[1:]...)
+	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
+	cmd.Env = append(append(os.Environ(), "GORACE="+gorace), env...)
+	return cmd, nil
+}
+
+// Start starts the test binary as a child (Command) with env added to
+// this process' environment.
 func Start(t testing.TB, env ...string) *Proc {
 	t.Helper()
-	exe, err := os.Executable()
+	cmd, err := Command(nil, env...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
-	cmd.Env = append(append(os.Environ(), "GORACE="+gorace), env...)
 	p := &Proc{Cmd: cmd, lines: make(chan string, 64)}
 	cmd.Stderr = &p.stderr
 	if p.in, err = cmd.StdinPipe(); err != nil {
