@@ -80,18 +80,7 @@ func submitPoll(p *benchPair, batch *verbs.RCBatch, wcs []verbs.Completion, n in
 			r.Signaled()
 		}
 	}
-	if err := batch.Submit(); err != nil {
-		return err
-	}
-	for {
-		k, err := p.cqA.Poll(wcs)
-		if err != nil {
-			return err
-		}
-		if k > 0 {
-			return wcs[0].Err()
-		}
-	}
+	return submitWait(p, batch, wcs)
 }
 
 // BenchmarkSubmitPoll measures one batch of 16 64-byte writes, the last
@@ -228,9 +217,25 @@ func BenchmarkCopy(b *testing.B) {
 	}
 }
 
+// submitWait submits the batch and polls until its first completion.
+func submitWait(p *benchPair, batch *verbs.RCBatch, wcs []verbs.Completion) error {
+	if err := batch.Submit(); err != nil {
+		return err
+	}
+	for {
+		k, err := p.cqA.Poll(wcs)
+		if err != nil {
+			return err
+		}
+		if k > 0 {
+			return wcs[0].Err()
+		}
+	}
+}
+
 // submitPollInline is submitPoll with inline writes: of SGEs of the
 // source MR (Inline: each SGE is checked against its MR at Submit), or,
-// with data, of Go memory (WriteInline: pinned during Submit).
+// with data, of Go memory (WriteInline: copied into the batch).
 func submitPollInline(p *benchPair, batch *verbs.RCBatch, wcs []verbs.Completion, n int, data [][]byte) error {
 	remote := p.dst.Remote()
 	for i := range n {
@@ -244,18 +249,7 @@ func submitPollInline(p *benchPair, batch *verbs.RCBatch, wcs []verbs.Completion
 			r.Signaled()
 		}
 	}
-	if err := batch.Submit(); err != nil {
-		return err
-	}
-	for {
-		k, err := p.cqA.Poll(wcs)
-		if err != nil {
-			return err
-		}
-		if k > 0 {
-			return wcs[0].Err()
-		}
-	}
+	return submitWait(p, batch, wcs)
 }
 
 // inlineData returns n 64-byte buffers of Go memory.
