@@ -50,15 +50,7 @@ func TestExchangeReplay(t *testing.T) {
 		xNoLeaks(t)
 		lns, addrs := xListeners(t, 2)
 		ctx := xContext(t, time.Minute)
-		type result struct {
-			in  [][]byte
-			err error
-		}
-		done := make(chan result, 1)
-		go func() {
-			in, err := Exchange(ctx, ExchangeConfig{Rank: 0, Size: 2, Addrs: addrs, Listener: lns[0], Job: "job", Token: []byte("token")}, xOut(0, 2))
-			done <- result{in, err}
-		}()
+		done := xGo(ctx, ExchangeConfig{Rank: 0, Size: 2, Addrs: addrs, Listener: lns[0], Job: "job", Token: []byte("token")})
 		c, err := net.Dial("tcp", addrs[0])
 		if err != nil {
 			t.Fatal(err)
@@ -88,12 +80,8 @@ func TestExchangeReplay(t *testing.T) {
 	t.Run("acceptor", func(t *testing.T) {
 		xNoLeaks(t)
 		lns, addrs := xListeners(t, 2)
-		done := make(chan error, 1)
-		go func() {
-			_, err := Exchange(xContext(t, time.Minute), ExchangeConfig{Rank: 1, Size: 2, Addrs: addrs, Listener: lns[1],
-				Job: "job", Token: []byte("token")}, xOut(1, 2))
-			done <- err
-		}()
+		done := xGo(xContext(t, time.Minute), ExchangeConfig{Rank: 1, Size: 2, Addrs: addrs, Listener: lns[1],
+			Job: "job", Token: []byte("token")})
 		c, err := lns[0].Accept()
 		if err != nil {
 			t.Fatal(err)
@@ -103,7 +91,7 @@ func TestExchangeReplay(t *testing.T) {
 			t.Fatal(err)
 		}
 		c.Write(toD)
-		if err := <-done; !errors.Is(err, ErrAuth) {
+		if err := (<-done).err; !errors.Is(err, ErrAuth) {
 			t.Errorf("%v, want ErrAuth", err)
 		}
 	})
@@ -138,11 +126,7 @@ func TestExchangeVersion(t *testing.T) {
 		lns, addrs := xListeners(t, 2)
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
-		done := make(chan error, 1)
-		go func() {
-			_, err := Exchange(ctx, ExchangeConfig{Rank: 0, Size: 2, Addrs: addrs, Listener: lns[0], Job: "job", Token: []byte("token")}, xOut(0, 2))
-			done <- err
-		}()
+		done := xGo(ctx, ExchangeConfig{Rank: 0, Size: 2, Addrs: addrs, Listener: lns[0], Job: "job", Token: []byte("token")})
 		c, err := net.Dial("tcp", addrs[0])
 		if err != nil {
 			t.Fatal(err)
@@ -167,7 +151,7 @@ func TestExchangeVersion(t *testing.T) {
 		}
 		io.ReadAll(c) // closed once the refusal is on record
 		cancel()
-		err = <-done
+		err = (<-done).err
 		var xe *ExchangeError
 		if !errors.Is(err, ErrVersion) || !errors.As(err, &xe) || xe.Refused != 1 {
 			t.Errorf("%v, want ErrVersion and one refused connection", err)
@@ -178,13 +162,9 @@ func TestExchangeVersion(t *testing.T) {
 	t.Run("old acceptor", func(t *testing.T) {
 		xNoLeaks(t)
 		lns, addrs := xListeners(t, 2)
-		done := make(chan error, 1)
-		go func() {
-			// No deadline: the refusal must end the exchange.
-			_, err := Exchange(context.Background(), ExchangeConfig{Rank: 1, Size: 2, Addrs: addrs, Listener: lns[1],
-				Job: "job", Token: []byte("token")}, xOut(1, 2))
-			done <- err
-		}()
+		// No deadline: the refusal must end the exchange.
+		done := xGo(context.Background(), ExchangeConfig{Rank: 1, Size: 2, Addrs: addrs, Listener: lns[1],
+			Job: "job", Token: []byte("token")})
 		c, err := lns[0].Accept()
 		if err != nil {
 			t.Fatal(err)
@@ -199,8 +179,8 @@ func TestExchangeVersion(t *testing.T) {
 		}
 		c.Write(xV1Frame(4, 0, 1, 2, "job", append([]byte{3}, "cluster: exchange: unsupported protocol version: version 2 (this side speaks 1)"...), nil))
 		select {
-		case err := <-done:
-			if !errors.Is(err, ErrVersion) || errors.Is(err, ErrPeerMissing) {
+		case r := <-done:
+			if err := r.err; !errors.Is(err, ErrVersion) || errors.Is(err, ErrPeerMissing) {
 				t.Errorf("%v, want ErrVersion", err)
 			}
 			t.Log(err)
@@ -219,12 +199,8 @@ func TestExchangeStrangersDropped(t *testing.T) {
 			lns, addrs := xListeners(t, 2)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			done := make(chan error, 1)
-			go func() {
-				_, err := Exchange(ctx, ExchangeConfig{Rank: 0, Size: 2, Mode: mode, Addrs: addrs, Listener: lns[0], Job: "job",
-					Token: []byte("token"), MaxStrangers: 4, MaxStrangersPerHost: 2, HelloTimeout: time.Hour}, xOut(0, 2))
-				done <- err
-			}()
+			done := xGo(ctx, ExchangeConfig{Rank: 0, Size: 2, Mode: mode, Addrs: addrs, Listener: lns[0], Job: "job",
+				Token: []byte("token"), MaxStrangers: 4, MaxStrangersPerHost: 2, HelloTimeout: time.Hour})
 			const n = 6
 			conns := make([]net.Conn, n)
 			for i := range conns {
@@ -244,7 +220,7 @@ func TestExchangeStrangersDropped(t *testing.T) {
 				}
 			}
 			cancel()
-			err := <-done
+			err := (<-done).err
 			var xe *ExchangeError
 			if !errors.As(err, &xe) || xe.Dropped < n-2 || !strings.Contains(err.Error(), fmt.Sprint(xe.Dropped, " dropped")) {
 				t.Errorf("%v: want %d strangers dropped", err, n-2)
@@ -314,16 +290,8 @@ func TestGate(t *testing.T) {
 func TestExchangeDialerDropped(t *testing.T) {
 	xNoLeaks(t)
 	lns, addrs := xListeners(t, 2)
-	type result struct {
-		in  [][]byte
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		in, err := Exchange(xContext(t, time.Minute), ExchangeConfig{Rank: 1, Size: 2, Addrs: addrs, Listener: lns[1],
-			Job: "job", Token: []byte("token")}, xOut(1, 2))
-		done <- result{in, err}
-	}()
+	done := xGo(xContext(t, time.Minute), ExchangeConfig{Rank: 1, Size: 2, Addrs: addrs, Listener: lns[1],
+		Job: "job", Token: []byte("token")})
 	x := xFakeRank(t, 0, 2, "token")
 	// The first connection: answered, its proof read, and dropped.
 	c, err := lns[0].Accept()

@@ -229,12 +229,8 @@ func TestExchangePeerDies(t *testing.T) {
 			lns, addrs := xListeners(t, 2)
 			fake := 1 - tc.real
 			fx := xFakeRank(t, fake, 2, "token")
-			done := make(chan error, 1)
-			go func() {
-				_, err := Exchange(context.Background(), ExchangeConfig{Rank: tc.real, Size: 2, Mode: tc.mode, Addrs: addrs,
-					Listener: lns[tc.real], Job: "job", Token: []byte("token")}, xOut(tc.real, 2))
-				done <- err
-			}()
+			done := xGo(context.Background(), ExchangeConfig{Rank: tc.real, Size: 2, Mode: tc.mode, Addrs: addrs,
+				Listener: lns[tc.real], Job: "job", Token: []byte("token")})
 			ctx := xContext(t, time.Minute)
 			var c net.Conn
 			if fake == 1 {
@@ -261,13 +257,30 @@ func TestExchangePeerDies(t *testing.T) {
 				}
 			}
 			c.Close()
-			err := <-done
+			err := (<-done).err
 			if !errors.Is(err, ErrPeerLost) {
 				t.Errorf("%v, want ErrPeerLost", err)
 			}
 			t.Log(err)
 		})
 	}
+}
+
+// xResult is what an Exchange run by xGo returned.
+type xResult struct {
+	in  [][]byte
+	err error
+}
+
+// xGo runs Exchange for cfg's rank, with its xOut messages, in a
+// goroutine; the result comes on the channel.
+func xGo(ctx context.Context, cfg ExchangeConfig) <-chan xResult {
+	done := make(chan xResult, 1)
+	go func() {
+		in, err := Exchange(ctx, cfg, xOut(cfg.Rank, cfg.Size))
+		done <- xResult{in, err}
+	}()
+	return done
 }
 
 // TestExchangeStrangers: connections that are not peers (garbage, a
@@ -279,16 +292,8 @@ func TestExchangeStrangers(t *testing.T) {
 			xNoLeaks(t)
 			lns, addrs := xListeners(t, 2)
 			ctx := xContext(t, time.Minute)
-			type result struct {
-				in  [][]byte
-				err error
-			}
-			done := make(chan result, 1)
-			go func() {
-				in, err := Exchange(ctx, ExchangeConfig{Rank: 0, Size: 2, Mode: mode, Addrs: addrs, Listener: lns[0],
-					Job: "job", Token: []byte("token")}, xOut(0, 2))
-				done <- result{in, err}
-			}()
+			done := xGo(ctx, ExchangeConfig{Rank: 0, Size: 2, Mode: mode, Addrs: addrs, Listener: lns[0],
+				Job: "job", Token: []byte("token")})
 			// Garbage.
 			c, err := net.Dial("tcp", addrs[0])
 			if err != nil {
