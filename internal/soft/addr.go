@@ -188,32 +188,14 @@ const (
 
 const envTransport = "GOVERBS_SOFT_TRANSPORT"
 
-var forced struct {
-	mu   sync.Mutex
-	kind string
-	set  bool
-}
+var transportSetting = override{env: envTransport, parse: parseTransport}
 
 // ForceTransport makes every connection the soft provider sets up from now
 // on use the named transport ("inproc", "shm", "unix", "tcp" or "auto"), taking
 // precedence over GOVERBS_SOFT_TRANSPORT, until the returned function
 // restores the previous setting. It is meant for tests: established
 // connections keep their transport.
-func ForceTransport(kind string) (restore func(), err error) {
-	k, err := parseTransport(kind)
-	if err != nil {
-		return nil, err
-	}
-	forced.mu.Lock()
-	prevKind, prevSet := forced.kind, forced.set
-	forced.kind, forced.set = k, true
-	forced.mu.Unlock()
-	return func() {
-		forced.mu.Lock()
-		forced.kind, forced.set = prevKind, prevSet
-		forced.mu.Unlock()
-	}, nil
-}
+func ForceTransport(kind string) (restore func(), err error) { return transportSetting.force(kind) }
 
 func parseTransport(s string) (string, error) {
 	switch k := strings.ToLower(strings.TrimSpace(s)); k {
@@ -227,15 +209,9 @@ func parseTransport(s string) (string, error) {
 	return "", fmt.Errorf("soft: transport %q: want auto, inproc, shm, unix or tcp: %w", s, syscall.EINVAL)
 }
 
-// transportChoice returns the forced transport, if any.
+// transportChoice returns the transport in force.
 func transportChoice() (string, error) {
-	forced.mu.Lock()
-	k, set := forced.kind, forced.set
-	forced.mu.Unlock()
-	if set {
-		return k, nil
-	}
-	k, err := parseTransport(os.Getenv(envTransport))
+	k, err := transportSetting.get()
 	if err != nil {
 		return "", fmt.Errorf("%s: %w", envTransport, err)
 	}

@@ -6,9 +6,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"net"
-	"os"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -53,31 +51,13 @@ const (
 	tlsOff  = "off"
 )
 
-var forcedTLS struct {
-	mu     sync.Mutex
-	policy string
-	set    bool
-}
+var tlsSetting = override{env: envTLS, parse: parseTLSPolicy}
 
 // ForceTLS sets the encryption policy ("auto", "on" or "off") of the
 // connections set up from now on, taking precedence over
 // GOVERBS_SOFT_TLS, until the returned function restores the previous
 // setting. It is meant for tests.
-func ForceTLS(policy string) (restore func(), err error) {
-	p, err := parseTLSPolicy(policy)
-	if err != nil {
-		return nil, err
-	}
-	forcedTLS.mu.Lock()
-	prev, prevSet := forcedTLS.policy, forcedTLS.set
-	forcedTLS.policy, forcedTLS.set = p, true
-	forcedTLS.mu.Unlock()
-	return func() {
-		forcedTLS.mu.Lock()
-		forcedTLS.policy, forcedTLS.set = prev, prevSet
-		forcedTLS.mu.Unlock()
-	}, nil
-}
+func ForceTLS(policy string) (restore func(), err error) { return tlsSetting.force(policy) }
 
 func parseTLSPolicy(s string) (string, error) {
 	switch p := strings.ToLower(strings.TrimSpace(s)); p {
@@ -92,15 +72,7 @@ func parseTLSPolicy(s string) (string, error) {
 }
 
 // tlsPolicy returns the policy in force.
-func tlsPolicy() (string, error) {
-	forcedTLS.mu.Lock()
-	p, set := forcedTLS.policy, forcedTLS.set
-	forcedTLS.mu.Unlock()
-	if set {
-		return p, nil
-	}
-	return parseTLSPolicy(os.Getenv(envTLS))
-}
+func tlsPolicy() (string, error) { return tlsSetting.get() }
 
 // needTLS reports whether a TCP connection whose other end is at addr
 // must be encrypted under policy.
