@@ -127,6 +127,7 @@ var cases = []caseDef{
 	{"InlineSend", testInlineSend},
 	{"InlineData", testInlineData},
 	{"BatchWrites", testBatchWrites},
+	{"Fence", testFence},
 	// Queues and signaling.
 	{"SendQueueFull", testSendQueueFull},
 	{"RecvQueueFull", testRecvQueueFull},

@@ -88,6 +88,9 @@ func (q *qp) onTimer() {
 // empty, the head must wait (RNR, target not ready) or the QP leaves RTS.
 // In ERR it flushes them. It returns true if it stopped because it did its
 // share of work while others kept posting. Called with progMu held.
+// Each request completes (its read data or atomic result is in local
+// memory) before the next starts, so a fenced request (SendFence) waits
+// for the reads and atomics before it by construction.
 func (q *qp) progress(mayBlock bool) bool {
 	if q.closed.Load() {
 		return false

@@ -24,7 +24,11 @@ import (
 //     is sent again;
 //   - any other NAK, a lost connection or a response that does not come
 //     within the transport timeout fails the oldest request in flight and
-//     moves the QP to ERR, which flushes the others.
+//     moves the QP to ERR, which flushes the others;
+//   - a fenced request (prov.SendFence) is not written until every RDMA
+//     read and atomic before it has completed (its data or result is in
+//     local memory), so that it can send what they fetched. Other
+//     requests never wait for reads (ordering rules of RC).
 //
 // The payload of sends and writes is written to the socket when the
 // request is posted (in segments if it is large, wire.go). The data of a
@@ -266,6 +270,11 @@ func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 			j -= size
 		}
 		w := &q.sq.slots[j]
+		if w.wr.Flags&prov.SendFence != 0 && q.readsInFlight(head) {
+			// Fenced: it starts once the reads and atomics before it
+			// have completed (retire kicks the queue again).
+			return false
+		}
 		res, status := q.postRemote(p, w, mayBlock)
 		switch res {
 		case postSent:
@@ -280,6 +289,22 @@ func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 			q.fail(evQPFatal)
 		}
 	}
+}
+
+// readsInFlight reports whether an RDMA read or atomic is among the
+// requests in flight, the x.nfl from head on (progMu held).
+func (q *qp) readsInFlight(head int) bool {
+	size := len(q.sq.slots)
+	for i := 0; i < q.x.nfl; i++ {
+		j := head + i
+		if j >= size {
+			j -= size
+		}
+		if q.sq.slots[j].op >= opRead {
+			return true
+		}
+	}
+	return false
 }
 
 // flushSQ completes the n requests from head with WR_FLUSH_ERR.
