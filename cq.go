@@ -13,6 +13,13 @@ import (
 
 // Completion is one work completion. Its layout matches the provider's, so
 // Poll copies nothing twice.
+//
+// As in ibv_poll_cq(3), SrcQP, PKeyIndex, SLID, SL and DLIDPathBits are
+// valid only in receive completions of UD queue pairs: there SrcQP is the
+// sender's QPN. A connected (RC or UC) queue pair has one peer, whose QPN
+// the application gave it when it connected; its receive completions
+// carry 0 in SrcQP on soft0 and rdma_rxe; other hardware may report the
+// peer's QPN there, so portable code does not read it.
 type Completion struct {
 	WRID         uint64
 	Status       Status
@@ -21,7 +28,7 @@ type Completion struct {
 	ByteLen      uint32 // receive completions: bytes received (UD: plus 40 GRH bytes)
 	Imm          uint32 // immediate data, host byte order, when Flags has WithImm
 	QPN          uint32 // the local QP
-	SrcQP        uint32 // receive completions: the sender's QPN
+	SrcQP        uint32 // UD receive completions: the sender's QPN (0 on RC and UC, see below)
 	Flags        CompletionFlags
 	PKeyIndex    uint16
 	SLID         uint16

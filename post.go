@@ -3,36 +3,53 @@ package verbs
 import "github.com/goverbs/verbs/internal/prov"
 
 // Single-request helpers. Each posts one work request with one provider
-// call; for many requests, a batch is faster. flags may be 0, Signaled,
+// call; for many requests, a batch is faster. RC and UC queue pairs share
+// the helpers of sends and writes (connectedQP), with or without immediate
+// data; reads and atomics are RC's. flags may be 0, Signaled,
 // Fenced, Solicited, Inline or a combination. With Inline, the SGEs are
 // checked against their memory regions as in a batch (Request.Inline);
 // the ...Inline helpers send bytes that are in no memory region (see
 // RCBatch.SendInline): data is pinned while the provider copies it and
 // may be reused when the call returns.
 
+// connectedQP holds what RC and UC queue pairs share: connecting to one
+// peer, and sends and RDMA writes with or without immediate data. On UC,
+// a message that finds no receive posted (a send, or a write with
+// immediate data) or that the target rejects is dropped silently, and the
+// sender's completion reports success.
+type connectedQP struct{ qpCore }
+
+// Connect moves the QP to RTR and RTS, connected to remote.
+func (q *connectedQP) Connect(remote Endpoint) error { return q.connect(remote, ConnectOptions{}) }
+
+// ConnectWith is Connect with addressing options.
+func (q *connectedQP) ConnectWith(remote Endpoint, o ConnectOptions) error {
+	return q.connect(remote, o)
+}
+
 // PostSend posts a send of sgl.
-func (q *RCQueuePair) PostSend(wrid uint64, flags SendFlags, sgl ...SGE) error {
+func (q *connectedQP) PostSend(wrid uint64, flags SendFlags, sgl ...SGE) error {
 	wr := sendWR(prov.WRSend, wrid)
 	wr.Flags = prov.SendFlags(flags)
 	return q.postOne(wr, sgl)
 }
 
 // PostSendImm posts a send with immediate data.
-func (q *RCQueuePair) PostSendImm(wrid uint64, flags SendFlags, imm uint32, sgl ...SGE) error {
+func (q *connectedQP) PostSendImm(wrid uint64, flags SendFlags, imm uint32, sgl ...SGE) error {
 	wr := sendWR(prov.WRSendImm, wrid)
 	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
 	return q.postOne(wr, sgl)
 }
 
 // PostWrite posts an RDMA write of sgl to dst.
-func (q *RCQueuePair) PostWrite(wrid uint64, flags SendFlags, dst RemoteAddr, sgl ...SGE) error {
+func (q *connectedQP) PostWrite(wrid uint64, flags SendFlags, dst RemoteAddr, sgl ...SGE) error {
 	wr := rdmaWR(prov.WRWrite, wrid, dst)
 	wr.Flags = prov.SendFlags(flags)
 	return q.postOne(wr, sgl)
 }
 
 // PostWriteImm posts an RDMA write with immediate data.
-func (q *RCQueuePair) PostWriteImm(wrid uint64, flags SendFlags, dst RemoteAddr, imm uint32, sgl ...SGE) error {
+func (q *connectedQP) PostWriteImm(wrid uint64, flags SendFlags, dst RemoteAddr, imm uint32, sgl ...SGE) error {
 	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
 	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
 	return q.postOne(wr, sgl)
@@ -40,21 +57,21 @@ func (q *RCQueuePair) PostWriteImm(wrid uint64, flags SendFlags, dst RemoteAddr,
 
 // PostSendInline posts an inline send of data, which needs no memory
 // region (at most the QP's MaxInlineData bytes).
-func (q *RCQueuePair) PostSendInline(wrid uint64, flags SendFlags, data []byte) error {
+func (q *connectedQP) PostSendInline(wrid uint64, flags SendFlags, data []byte) error {
 	wr := sendWR(prov.WRSend, wrid)
 	wr.Flags = prov.SendFlags(flags)
 	return q.postData(wr, data)
 }
 
 // PostSendImmInline posts an inline send of data with immediate data.
-func (q *RCQueuePair) PostSendImmInline(wrid uint64, flags SendFlags, imm uint32, data []byte) error {
+func (q *connectedQP) PostSendImmInline(wrid uint64, flags SendFlags, imm uint32, data []byte) error {
 	wr := sendWR(prov.WRSendImm, wrid)
 	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
 	return q.postData(wr, data)
 }
 
 // PostWriteInline posts an inline RDMA write of data to dst.
-func (q *RCQueuePair) PostWriteInline(wrid uint64, flags SendFlags, dst RemoteAddr, data []byte) error {
+func (q *connectedQP) PostWriteInline(wrid uint64, flags SendFlags, dst RemoteAddr, data []byte) error {
 	wr := rdmaWR(prov.WRWrite, wrid, dst)
 	wr.Flags = prov.SendFlags(flags)
 	return q.postData(wr, data)
@@ -62,7 +79,7 @@ func (q *RCQueuePair) PostWriteInline(wrid uint64, flags SendFlags, dst RemoteAd
 
 // PostWriteImmInline posts an inline RDMA write of data to dst with
 // immediate data.
-func (q *RCQueuePair) PostWriteImmInline(wrid uint64, flags SendFlags, dst RemoteAddr, imm uint32, data []byte) error {
+func (q *connectedQP) PostWriteImmInline(wrid uint64, flags SendFlags, dst RemoteAddr, imm uint32, data []byte) error {
 	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
 	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
 	return q.postData(wr, data)
@@ -87,34 +104,6 @@ func (q *RCQueuePair) PostFetchAdd(wrid uint64, flags SendFlags, dst RemoteAddr,
 	wr := rdmaWR(prov.WRAtomicFAA, wrid, dst)
 	wr.Flags, wr.CompareAdd = prov.SendFlags(flags), add
 	return q.postOne(wr, []SGE{result})
-}
-
-// PostSend posts a send of sgl.
-func (q *UCQueuePair) PostSend(wrid uint64, flags SendFlags, sgl ...SGE) error {
-	wr := sendWR(prov.WRSend, wrid)
-	wr.Flags = prov.SendFlags(flags)
-	return q.postOne(wr, sgl)
-}
-
-// PostWrite posts an RDMA write of sgl to dst.
-func (q *UCQueuePair) PostWrite(wrid uint64, flags SendFlags, dst RemoteAddr, sgl ...SGE) error {
-	wr := rdmaWR(prov.WRWrite, wrid, dst)
-	wr.Flags = prov.SendFlags(flags)
-	return q.postOne(wr, sgl)
-}
-
-// PostSendInline posts an inline send of data (see RCQueuePair.PostSendInline).
-func (q *UCQueuePair) PostSendInline(wrid uint64, flags SendFlags, data []byte) error {
-	wr := sendWR(prov.WRSend, wrid)
-	wr.Flags = prov.SendFlags(flags)
-	return q.postData(wr, data)
-}
-
-// PostWriteInline posts an inline RDMA write of data to dst.
-func (q *UCQueuePair) PostWriteInline(wrid uint64, flags SendFlags, dst RemoteAddr, data []byte) error {
-	wr := rdmaWR(prov.WRWrite, wrid, dst)
-	wr.Flags = prov.SendFlags(flags)
-	return q.postData(wr, data)
 }
 
 // PostSend posts a datagram to the destination.

@@ -591,12 +591,12 @@ func (q *qpCore) postData(wr prov.SendWR, data []byte) error {
 // RCQueuePair is a reliable connected queue pair: send and receive with
 // immediate data, RDMA write (with immediate), RDMA read and atomics. It is
 // safe for concurrent use.
-type RCQueuePair struct{ qpCore }
+type RCQueuePair struct{ connectedQP }
 
 // UCQueuePair is an unreliable connected queue pair: send and RDMA write
 // (with immediate); no reads, no atomics, no retries: lost or rejected
 // messages are dropped silently.
-type UCQueuePair struct{ qpCore }
+type UCQueuePair struct{ connectedQP }
 
 // UDQueuePair is an unreliable datagram queue pair: sends to any UD QP,
 // named by an AddressHandle, QPN and Q_Key, each message at most one MTU.
@@ -638,20 +638,4 @@ func (pd *ProtectionDomain) NewUDQueuePair(spec QPSpec) (*UDQueuePair, error) {
 		return nil, err
 	}
 	return u, nil
-}
-
-// Connect moves the QP to RTR and RTS, connected to remote.
-func (q *RCQueuePair) Connect(remote Endpoint) error { return q.connect(remote, ConnectOptions{}) }
-
-// ConnectWith is Connect with addressing options.
-func (q *RCQueuePair) ConnectWith(remote Endpoint, o ConnectOptions) error {
-	return q.connect(remote, o)
-}
-
-// Connect moves the QP to RTR and RTS, connected to remote.
-func (q *UCQueuePair) Connect(remote Endpoint) error { return q.connect(remote, ConnectOptions{}) }
-
-// ConnectWith is Connect with addressing options.
-func (q *UCQueuePair) ConnectWith(remote Endpoint, o ConnectOptions) error {
-	return q.connect(remote, o)
 }

@@ -141,6 +141,8 @@ var cases = []caseDef{
 	{"UDQKeyMismatch", testUDQKeyMismatch},
 	{"UDOversize", testUDOversize},
 	{"UCSendWrite", testUCSendWrite},
+	{"UCHelpers", testUCHelpers},
+	{"SrcQP", testSrcQP},
 	// Errors.
 	{"ErrBadRKey", testErrBadRKey},
 	{"ErrOutOfBounds", testErrOutOfBounds},

@@ -537,7 +537,7 @@ func (t *qp) releaseRemote(n int) {
 // completeRecv delivers a receive completion to the receive CQ.
 func (t *qp) completeRecv(wrid uint64, st prov.Status, req *request, byteLen uint32) {
 	c := &t.rcomp
-	*c = prov.Completion{WRID: wrid, Status: st, Opcode: prov.WCRecv, ByteLen: byteLen, QPN: t.qpn, SrcQP: req.srcQPN}
+	*c = prov.Completion{WRID: wrid, Status: st, Opcode: prov.WCRecv, ByteLen: byteLen, QPN: t.qpn}
 	switch req.op {
 	case opSendImm:
 		c.Flags |= prov.WCWithImm
@@ -548,6 +548,9 @@ func (t *qp) completeRecv(wrid uint64, st prov.Status, req *request, byteLen uin
 		c.Imm = req.imm
 	}
 	if t.typ == prov.QPTypeUD {
+		// src_qp is defined for UD only; connected QPs report 0, as
+		// rdma_rxe does.
+		c.SrcQP = req.srcQPN
 		c.Flags |= prov.WCWithGRH
 	}
 	t.rcq.push1(c, req.solicited)

@@ -1,0 +1,132 @@
+package verbstest
+
+import (
+	"bytes"
+	"testing"
+
+	"github.com/goverbs/verbs"
+)
+
+// testSrcQP checks the src_qp field of receive completions: a UD receive
+// names the sender's QPN; the receives of connected (RC and UC) queue
+// pairs carry 0, as on rdma_rxe (ibv_poll_cq(3) defines src_qp for UD
+// only; see verbs.Completion).
+func testSrcQP(t *testing.T, c *tcase) {
+	c.check(t, "RC", func(t *testing.T) {
+		p := NewLoopbackRC(t, c.cfg, verbs.QPSpec{})
+		src := p.A.Alloc(t, 64, accessLocal)
+		dst := p.B.Alloc(t, 128, accessAll)
+		must(t, "post recv", p.QB.PostRecv(1, SGE(t, dst, 0, 64)))
+		must(t, "post recv", p.QB.PostRecv(2, SGE(t, dst, 64, 64)))
+		must(t, "post send", p.QA.PostSend(3, 0, SGE(t, src, 0, 16)))
+		must(t, "post write imm", p.QA.PostWriteImm(4, 0, dst.Remote().At(100), 7, SGE(t, src, 0, 8)))
+		for i, wc := range c.poll(t, p.B.CQ, 2) {
+			expectOK(t, "RC receive", wc, uint64(i+1), []verbs.Opcode{verbs.OpRecv, verbs.OpRecvWriteImm}[i], p.QB.QPN())
+			if wc.SrcQP != 0 {
+				t.Errorf("RC receive %d: src_qp %d, want 0 (the sender is QPN %d)", i+1, wc.SrcQP, p.QA.QPN())
+			}
+		}
+	})
+	c.check(t, "UC", func(t *testing.T) {
+		p := NewLoopbackUC(t, c.cfg, verbs.QPSpec{})
+		src := p.A.Alloc(t, 64, accessLocal)
+		dst := p.B.Alloc(t, 64, accessLocal)
+		must(t, "post recv", p.QB.PostRecv(1, dst.All()))
+		must(t, "post send", p.QA.PostSend(2, verbs.Signaled, SGE(t, src, 0, 16)))
+		expectOK(t, "UC send", c.pollOne(t, p.A.CQ), 2, verbs.OpSend, p.QA.QPN())
+		wc := c.pollOne(t, p.B.CQ)
+		expectOK(t, "UC receive", wc, 1, verbs.OpRecv, p.QB.QPN())
+		if wc.SrcQP != 0 {
+			t.Errorf("UC receive: src_qp %d, want 0 (the sender is QPN %d)", wc.SrcQP, p.QA.QPN())
+		}
+	})
+	c.check(t, "UD", func(t *testing.T) {
+		a, b, qa, qb, ah, eb := udSetup(t, c)
+		src := a.Alloc(t, 64, accessLocal)
+		dst := b.Alloc(t, grhLen+64, accessLocal)
+		must(t, "post recv", qb.PostRecv(1, dst.All()))
+		must(t, "post UD send", qa.PostSend(2, verbs.Signaled, verbs.Destination{AH: ah, QPN: eb.QPN, QKey: eb.QKey}, SGE(t, src, 0, 16)))
+		expectOK(t, "UD send", c.pollOne(t, a.CQ), 2, verbs.OpSend, qa.QPN())
+		wc := c.pollOne(t, b.CQ)
+		expectOK(t, "UD receive", wc, 1, verbs.OpRecv, qb.QPN())
+		if wc.SrcQP != qa.QPN() {
+			t.Errorf("UD receive: src_qp %d, want the sender's QPN %d", wc.SrcQP, qa.QPN())
+		}
+	})
+}
+
+// testUCHelpers checks the single-request helpers of UC queue pairs that
+// carry immediate data or inline payloads (the same as RC's): each
+// delivers its bytes and immediate, and a write with immediate consumes
+// a receive whose buffer it does not touch.
+func testUCHelpers(t *testing.T, c *tcase) {
+	p := NewLoopbackUC(t, c.cfg, verbs.QPSpec{MaxInlineData: 64})
+	src := p.A.Alloc(t, 256, accessLocal)
+	dst := p.B.Alloc(t, 256, accessAll)
+	rbuf := p.B.Alloc(t, 64, accessLocal)
+	Pattern(src.Bytes(), 0x3C)
+	inline := []byte("inline payload of a UC helper")
+	at := dst.Remote().At
+	tests := []struct {
+		name string
+		post func(wrid uint64) error
+		// The expected receive completion: opcode and immediate (0: none).
+		op  verbs.Opcode
+		imm uint32
+		// Where the payload lands (recv: the receive buffer, else dst at
+		// off) and what it is.
+		recv bool
+		off  int
+		want []byte
+	}{
+		{"PostSendImm", func(id uint64) error { return p.QA.PostSendImm(id, verbs.Signaled, 0x5E4D0001, SGE(t, src, 0, 40)) },
+			verbs.OpRecv, 0x5E4D0001, true, 0, src.Bytes()[:40]},
+		{"PostSendImmInline", func(id uint64) error { return p.QA.PostSendImmInline(id, verbs.Signaled, 0x5E4D0002, inline) },
+			verbs.OpRecv, 0x5E4D0002, true, 0, inline},
+		{"PostWriteImm", func(id uint64) error {
+			return p.QA.PostWriteImm(id, verbs.Signaled, at(16), 0x5E4D0003, SGE(t, src, 100, 50))
+		}, verbs.OpRecvWriteImm, 0x5E4D0003, false, 16, src.Bytes()[100:150]},
+		{"PostWriteImmInline", func(id uint64) error {
+			return p.QA.PostWriteImmInline(id, verbs.Signaled, at(128), 0x5E4D0004, inline)
+		}, verbs.OpRecvWriteImm, 0x5E4D0004, false, 128, inline},
+		{"PostWriteInline+PostSendInline", func(id uint64) error {
+			// An inline write has no completion at the target: a send
+			// after it (ordered on the QP) tells that it was placed.
+			if err := p.QA.PostWriteInline(id+100, 0, at(200), inline[:20]); err != nil {
+				return err
+			}
+			return p.QA.PostSendInline(id, verbs.Signaled, inline[20:])
+		}, verbs.OpRecv, 0, true, 0, inline[20:]},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			id := uint64(10 + i)
+			Pattern(rbuf.Bytes(), 0xEE)
+			rbefore := bytes.Clone(rbuf.Bytes())
+			must(t, "post recv", p.QB.PostRecv(id, rbuf.All()))
+			must(t, tt.name, tt.post(id))
+			sop := verbs.OpWrite
+			if tt.recv {
+				sop = verbs.OpSend
+			}
+			expectOK(t, tt.name+" completion", c.pollOne(t, p.A.CQ), id, sop, p.QA.QPN())
+			wc := c.pollOne(t, p.B.CQ)
+			expectOK(t, "receive completion", wc, id, tt.op, p.QB.QPN())
+			expectByteLen(t, "receive completion", wc, len(tt.want))
+			if tt.imm != 0 {
+				expectImm(t, "receive completion", wc, tt.imm)
+			} else {
+				expectNoImm(t, "receive completion", wc)
+			}
+			if tt.recv {
+				checkBytes(t, "received data", rbuf.Bytes()[:len(tt.want)], tt.want)
+			} else {
+				checkBytes(t, "written data", dst.Bytes()[tt.off:tt.off+len(tt.want)], tt.want)
+				checkBytes(t, "receive buffer of a write with immediate (must be untouched)", rbuf.Bytes(), rbefore)
+			}
+			if tt.name == "PostWriteInline+PostSendInline" {
+				checkBytes(t, "inline write", dst.Bytes()[200:220], inline[:20])
+			}
+		})
+	}
+}
