@@ -130,3 +130,91 @@ func testUCHelpers(t *testing.T, c *tcase) {
 		})
 	}
 }
+
+// testSolicitedEvents checks a CQ armed for solicited completions only
+// (RequestNotify(true)): an unsolicited receive does not wake its
+// channel, a solicited one does.
+//
+// "Did not wake" is not checked with a wait that must time out: B's
+// receive CQ and B's send CQ share one completion channel, whose events
+// come out in the order they were raised. After the unsolicited receive
+// has been polled from the receive CQ, B sends a message, whose
+// completion raises an event on the send CQ (armed for any completion).
+// Had the unsolicited receive raised an event, it would have been raised
+// before (when its completion was written, before it could be polled), so
+// the first event on the channel must be the send CQ's. Then a solicited
+// send must wake the receive CQ. Last, with the receive CQ armed again,
+// an unsolicited and a solicited send posted together give one event,
+// after which the receive CQ holds both completions.
+func testSolicitedEvents(t *testing.T, c *tcase) {
+	a, b := NewNodes(t, c.cfg)
+	ch := b.NewChannel(t)
+	scq := b.NewCQ(t, verbs.CQSpec{Channel: ch})
+	rcq := b.NewCQ(t, verbs.CQSpec{Channel: ch})
+	qa := a.NewRC(t, verbs.QPSpec{})
+	qb := b.NewRC(t, verbs.QPSpec{SendCQ: scq, RecvCQ: rcq})
+	ConnectRC(t, qa, qb)
+	ma := a.Alloc(t, 64, accessLocal)
+	mb := b.Alloc(t, 256, accessLocal)
+	guard := c.guard(t)
+	for i := range 4 {
+		must(t, "post recv at B", qb.PostRecv(uint64(i+1), SGE(t, mb, 64*i, 64)))
+	}
+	must(t, "post recv at A", qa.PostRecv(100, SGE(t, ma, 32, 32)))
+	must(t, "arm the receive CQ for solicited completions", rcq.RequestNotify(true))
+	must(t, "arm the send CQ", scq.RequestNotify(false))
+
+	// An unsolicited send: its receive completion raises no event.
+	must(t, "post unsolicited send", qa.PostSend(10, verbs.Signaled, SGE(t, ma, 0, 8)))
+	expectOK(t, "unsolicited send", c.pollOne(t, a.CQ), 10, verbs.OpSend, qa.QPN())
+	expectOK(t, "unsolicited receive (polled, not waited for)", c.pollOne(t, rcq), 1, verbs.OpRecv, qb.QPN())
+	must(t, "post send from B", qb.PostSend(11, verbs.Signaled, SGE(t, mb, 0, 8)))
+	got, err := ch.Wait(guard)
+	must(t, "wait on the channel", err)
+	if got != scq {
+		t.Fatalf("first event on the channel is for the %s, want the send CQ's: the unsolicited receive woke "+
+			"a CQ armed for solicited completions only", cqName(got, scq, rcq))
+	}
+	expectOK(t, "send from B", c.pollOne(t, scq), 11, verbs.OpSend, qb.QPN())
+	expectOK(t, "receive at A", c.pollOne(t, a.CQ), 100, verbs.OpRecv, qa.QPN())
+
+	// A solicited send wakes it.
+	must(t, "post solicited send", qa.PostSend(12, verbs.Signaled|verbs.Solicited, SGE(t, ma, 0, 8)))
+	got, err = ch.Wait(guard)
+	must(t, "wait for the solicited receive's event", err)
+	if got != rcq {
+		t.Fatalf("event for the %s, want the receive CQ's (solicited receive)", cqName(got, scq, rcq))
+	}
+	expectOK(t, "solicited receive", c.pollOne(t, rcq), 2, verbs.OpRecv, qb.QPN())
+	expectOK(t, "solicited send", c.pollOne(t, a.CQ), 12, verbs.OpSend, qa.QPN())
+
+	// Unsolicited then solicited, in one batch: one event, two completions.
+	must(t, "arm the receive CQ for solicited completions", rcq.RequestNotify(true))
+	bt := qa.NewBatch(2)
+	bt.Send(13, SGE(t, ma, 0, 8))
+	bt.SendImm(14, 0x50C, SGE(t, ma, 0, 8)).Solicited().Signaled()
+	must(t, "submit unsolicited and solicited sends", bt.Submit())
+	got, err = ch.Wait(guard)
+	must(t, "wait for the solicited receive's event", err)
+	if got != rcq {
+		t.Fatalf("event for the %s, want the receive CQ's", cqName(got, scq, rcq))
+	}
+	wcs := c.poll(t, rcq, 2)
+	expectOK(t, "unsolicited receive before the solicited one", wcs[0], 3, verbs.OpRecv, qb.QPN())
+	expectNoImm(t, "unsolicited receive", wcs[0])
+	expectOK(t, "solicited receive", wcs[1], 4, verbs.OpRecv, qb.QPN())
+	expectImm(t, "solicited receive", wcs[1], 0x50C)
+	expectOK(t, "solicited send", c.pollOne(t, a.CQ), 14, verbs.OpSend, qa.QPN())
+
+	// No other event is queued: the next one is the send CQ's again.
+	must(t, "post recv at A", qa.PostRecv(101, SGE(t, ma, 32, 32)))
+	must(t, "arm the send CQ", scq.RequestNotify(false))
+	must(t, "post send from B", qb.PostSend(15, verbs.Signaled, SGE(t, mb, 0, 8)))
+	got, err = ch.Wait(guard)
+	must(t, "wait on the channel", err)
+	if got != scq {
+		t.Errorf("event for the %s, want the send CQ's: the receive CQ raised more than one event for one arm", cqName(got, scq, rcq))
+	}
+	expectOK(t, "send from B", c.pollOne(t, scq), 15, verbs.OpSend, qb.QPN())
+	expectOK(t, "receive at A", c.pollOne(t, a.CQ), 101, verbs.OpRecv, qa.QPN())
+}

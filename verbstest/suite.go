@@ -159,6 +159,7 @@ var cases = []caseDef{
 	// Completion channels.
 	{"CQWait", testCQWait},
 	{"ChannelShared", testChannelShared},
+	{"SolicitedEvents", testSolicitedEvents},
 	// Devices, memory and object lifetimes.
 	{"DeviceQuery", testDeviceQuery},
 	{"MRRegistration", testMRRegistration},
