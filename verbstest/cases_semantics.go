@@ -218,3 +218,69 @@ func testSolicitedEvents(t *testing.T, c *tcase) {
 	expectOK(t, "send from B", c.pollOne(t, scq), 15, verbs.OpSend, qb.QPN())
 	expectOK(t, "receive at A", c.pollOne(t, a.CQ), 101, verbs.OpRecv, qa.QPN())
 }
+
+// testRecvMRClosed closes the memory region a posted receive points into,
+// then sends to it: as on hardware, Close succeeds, and the receive
+// completes with a local protection error (rdma_rxe: local QP operation
+// error) without writing anywhere, the receiving QP moves to ERR and the
+// sender's request fails. A region registered meanwhile, which may reuse
+// the closed one's key, is not written either. Checked on a RC and a UC
+// queue pair and on a RC queue pair with a shared receive queue.
+func testRecvMRClosed(t *testing.T, c *tcase) {
+	for _, kind := range []string{"RC", "UC", "SRQ"} {
+		c.check(t, kind, func(t *testing.T) {
+			a, b := NewNodes(t, c.cfg)
+			var srq *verbs.SharedReceiveQueue
+			if kind == "SRQ" {
+				srq = b.NewSRQ(t, verbs.SRQSpec{MaxWR: 4})
+			}
+			type poster interface {
+				PostSend(uint64, verbs.SendFlags, ...verbs.SGE) error
+				PostRecv(uint64, ...verbs.SGE) error
+				stateQuerier
+			}
+			var qa, qb poster
+			if kind == "UC" {
+				ua, ub := a.NewUC(t, verbs.QPSpec{}), b.NewUC(t, verbs.QPSpec{})
+				ConnectUC(t, ua, ub)
+				qa, qb = ua, ub
+			} else {
+				ra, rb := a.NewRC(t, verbs.QPSpec{RNRRetry: 1}), b.NewRC(t, verbs.QPSpec{SRQ: srq})
+				ConnectRC(t, ra, rb)
+				qa, qb = ra, rb
+			}
+			src := a.Alloc(t, 4096, accessLocal)
+			Pattern(src.Bytes(), 0x4D)
+			// The region is closed by hand below (the tracker's Close
+			// later does nothing).
+			gone := b.Alloc(t, 4096, accessLocal)
+			sge := gone.All()
+			if srq != nil {
+				must(t, "post srq recv", srq.PostRecv(1, sge))
+			} else {
+				must(t, "post recv", qb.PostRecv(1, sge))
+			}
+			must(t, "close the region the receive points into", gone.Close())
+			fresh := b.Alloc(t, 4096, accessLocal)
+			Pattern(fresh.Bytes(), 0xEE)
+			before := bytes.Clone(fresh.Bytes())
+
+			must(t, "post send", qa.PostSend(2, verbs.Signaled, SGE(t, src, 0, 4096)))
+			wc := c.pollOne(t, b.CQ)
+			if wc.WRID != 1 || (wc.Status != verbs.StatusLocProtErr && wc.Status != verbs.StatusLocQPOpErr) {
+				t.Errorf("receive into a closed region: %v, want wr_id 0x1 with %s (or %s)", wc, verbs.StatusLocProtErr, verbs.StatusLocQPOpErr)
+			}
+			c.waitState(t, "receiving QP after the local error", qb, verbs.StateError)
+			checkBytes(t, "region registered after the close", fresh.Bytes(), before)
+			swc := c.pollOne(t, a.CQ)
+			if kind == "UC" {
+				// UC: the message is lost; the sender completes it.
+				expectOK(t, "UC send", swc, 2, verbs.OpSend, qa.(*verbs.UCQueuePair).QPN())
+				return
+			}
+			if swc.WRID != 2 || swc.Status == verbs.StatusSuccess {
+				t.Errorf("send to a receive whose region was closed: %v, want a failure", swc)
+			}
+		})
+	}
+}

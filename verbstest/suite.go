@@ -150,6 +150,7 @@ var cases = []caseDef{
 	{"ErrLocalProtection", testErrLocalProtection},
 	{"ErrInlineSGE", testErrInlineSGE},
 	{"ErrRecvTooSmall", testErrRecvTooSmall},
+	{"RecvMRClosed", testRecvMRClosed},
 	{"ErrRNRRetryExceeded", testErrRNRRetryExceeded},
 	{"ErrPostWrongState", testErrPostWrongState},
 	{"FlushAfterError", testFlushAfterError},
