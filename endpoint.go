@@ -66,6 +66,9 @@ type Endpoint struct {
 	MTU       MTU       `json:"mtu"`
 	QKey      uint32    `json:"qkey,omitempty"`
 	// Addr is the provider address (soft provider routing); empty on hardware.
+	// It says how to reach the port that owns GID, and does not replace
+	// it: an endpoint whose GID was changed is unreachable on soft0 as on
+	// hardware.
 	Addr []byte `json:"addr,omitempty"`
 }
 

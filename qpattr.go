@@ -44,7 +44,10 @@ type AHAttr struct {
 	SrcPathBits  uint8
 	StaticRate   uint8
 	Port         uint8
-	// ProviderAddr is the peer's Endpoint.Addr (soft provider routing).
+	// ProviderAddr is the peer's Endpoint.Addr (soft provider routing):
+	// how to reach the port that owns DGID. The GID still routes: soft0
+	// refuses a DGID that is not a GID of the port the address names
+	// (an error wrapping EHOSTUNREACH), as hardware cannot route to it.
 	ProviderAddr []byte
 }
 

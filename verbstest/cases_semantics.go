@@ -2,6 +2,9 @@ package verbstest
 
 import (
 	"bytes"
+	"errors"
+	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/goverbs/verbs"
@@ -283,4 +286,76 @@ func testRecvMRClosed(t *testing.T, c *tcase) {
 			}
 		})
 	}
+}
+
+// corruptGID is a link-local GID that no port of the tests owns.
+var corruptGID = verbs.GID{0xfe, 0x80, 12: 0xde, 13: 0xad, 14: 0xbe, 15: 0xef}
+
+// testGIDRouting checks that the GID of an endpoint is what routes: with
+// the GID replaced by one that no port owns (and everything else, the
+// provider address of soft0 included, intact), a RC queue pair either
+// fails to connect, with an error (soft0: EHOSTUNREACH at RTR), or
+// connects and its first request fails with a retry-exceeded error
+// (rdma_rxe with a link-local GID); the receiver gets nothing. A UD
+// address handle to that GID either cannot be created or sends datagrams
+// that arrive nowhere: B's first receive gets the datagram sent after it
+// to B's real GID.
+func testGIDRouting(t *testing.T, c *tcase) {
+	c.check(t, "RC", func(t *testing.T) {
+		a, b := NewNodes(t, c.cfg)
+		qa := a.NewRC(t, verbs.QPSpec{RetryCount: 1, Timeout: 8})
+		qb := b.NewRC(t, verbs.QPSpec{})
+		ea, eb := Endpoint(t, qa), Endpoint(t, qb)
+		must(t, "connect B", qb.Connect(ea))
+		src := a.Alloc(t, 64, accessLocal)
+		dst := b.Alloc(t, 64, accessAll)
+		Pattern(dst.Bytes(), 0xEE)
+		before := bytes.Clone(dst.Bytes())
+		must(t, "post recv", qb.PostRecv(1, dst.All()))
+		bad := eb
+		bad.GID = corruptGID
+		if err := qa.Connect(bad); err != nil {
+			t.Logf("connect to a corrupted GID: %v", err)
+			if !errors.Is(err, syscall.EHOSTUNREACH) && !errors.Is(err, syscall.ENETUNREACH) && !errors.Is(err, syscall.ETIMEDOUT) {
+				t.Errorf("connect to GID %s: %v, want an error matching EHOSTUNREACH, ENETUNREACH or ETIMEDOUT", bad.GID, err)
+			}
+			if !strings.Contains(err.Error(), bad.GID.String()) && !strings.Contains(err.Error(), "modify") {
+				t.Errorf("connect to GID %s: error %q names neither the GID nor the failed step", bad.GID, err)
+			}
+			expectState(t, "QP that failed to connect", qa, verbs.StateInit)
+		} else {
+			must(t, "post send", qa.PostSend(2, verbs.Signaled, SGE(t, src, 0, 8)))
+			expectStatus(t, "send to a corrupted GID", c.pollOne(t, a.CQ), 2, verbs.StatusRetryExcErr, qa.QPN())
+		}
+		// Nothing reached B (the request failed, or was never sent).
+		expectEmpty(t, "B after the requests to a corrupted GID", b.CQ)
+		checkBytes(t, "B's receive buffer", dst.Bytes(), before)
+	})
+	c.check(t, "UD", func(t *testing.T) {
+		a, b, qa, qb, ah, eb := udSetup(t, c)
+		src := a.Alloc(t, 64, accessLocal)
+		dst := b.Alloc(t, grhLen+64, accessLocal)
+		Pattern(src.Bytes()[:32], 0x0B)
+		Pattern(src.Bytes()[32:], 0x60)
+		must(t, "post recv", qb.PostRecv(1, dst.All()))
+		bad := eb
+		bad.GID = corruptGID
+		badAH, err := qa.AddressHandleTo(bad)
+		if err != nil {
+			t.Logf("address handle to a corrupted GID: %v", err)
+			if !errors.Is(err, syscall.EHOSTUNREACH) && !errors.Is(err, syscall.ENETUNREACH) && !errors.Is(err, syscall.ETIMEDOUT) {
+				t.Errorf("address handle to GID %s: %v, want an error matching EHOSTUNREACH, ENETUNREACH or ETIMEDOUT", bad.GID, err)
+			}
+		} else {
+			defer badAH.Close()
+			must(t, "post UD send to a corrupted GID", qa.PostSend(2, verbs.Signaled, verbs.Destination{AH: badAH, QPN: eb.QPN, QKey: eb.QKey}, SGE(t, src, 0, 32)))
+			expectOK(t, "UD send to a corrupted GID", c.pollOne(t, a.CQ), 2, verbs.OpSend, qa.QPN())
+		}
+		must(t, "post UD send", qa.PostSend(3, verbs.Signaled, verbs.Destination{AH: ah, QPN: eb.QPN, QKey: eb.QKey}, SGE(t, src, 32, 32)))
+		expectOK(t, "UD send", c.pollOne(t, a.CQ), 3, verbs.OpSend, qa.QPN())
+		wc := c.pollOne(t, b.CQ)
+		expectOK(t, "UD receive", wc, 1, verbs.OpRecv, qb.QPN())
+		expectByteLen(t, "UD receive (must be the datagram sent to B's real GID)", wc, grhLen+32)
+		checkBytes(t, "UD payload", dst.Bytes()[grhLen:grhLen+32], src.Bytes()[32:64])
+	})
 }

@@ -143,6 +143,7 @@ var cases = []caseDef{
 	{"UCSendWrite", testUCSendWrite},
 	{"UCHelpers", testUCHelpers},
 	{"SrcQP", testSrcQP},
+	{"GIDRouting", testGIDRouting},
 	// Errors.
 	{"ErrBadRKey", testErrBadRKey},
 	{"ErrOutOfBounds", testErrOutOfBounds},

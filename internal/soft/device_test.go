@@ -167,20 +167,30 @@ func TestAddress(t *testing.T) {
 		t.Fatalf("address % x", addr)
 	}
 	f := getFabric()
-	if l, fab, err := f.resolve([16]byte{}, addr); err != nil || l != &f.local || fab != f.id {
-		t.Errorf("resolve own address: %v %x %v", l, fab, err)
+	for _, g := range f.gids {
+		if l, fab, err := f.resolve(g, addr); err != nil || l != &f.local || fab != f.id {
+			t.Errorf("resolve own address, GID %x: %v %x %v", g, l, fab, err)
+		}
 	}
 	pa, err := parseAddr(addr)
 	if err != nil {
 		t.Fatalf("parse own address: %v", err)
 	}
 	pa.fabric ^= 1
-	if l, fab, err := f.resolve([16]byte{}, encodePeerAddr(&pa)); err != nil || fab != pa.fabric {
+	other := portGIDs(pa.fabric)
+	if l, fab, err := f.resolve(other[0], encodePeerAddr(&pa)); err != nil || fab != pa.fabric {
 		t.Errorf("resolve other fabric: %v %x %v", l, fab, err)
 	} else if _, ok := l.(*peer); !ok {
 		t.Errorf("resolve other fabric: link %T, want a *peer", l)
 	}
-	if _, _, err := f.resolve([16]byte{}, []byte{1, 2}); !errors.Is(err, syscall.EINVAL) {
+	// The GID routes: one that is not a GID of the port the address
+	// names is unreachable, whatever the address.
+	for _, g := range [][16]byte{{}, f.gids[0], {0xfe, 0x80, 12: 0xde, 13: 0xad, 14: 0xbe, 15: 0xef}} {
+		if l, _, err := f.resolve(g, encodePeerAddr(&pa)); !errors.Is(err, syscall.EHOSTUNREACH) || l != nil {
+			t.Errorf("resolve GID %x with the address of another port: %v, %v; want an error matching EHOSTUNREACH", g, l, err)
+		}
+	}
+	if _, _, err := f.resolve(f.gids[1], []byte{1, 2}); !errors.Is(err, syscall.EINVAL) {
 		t.Errorf("resolve malformed: %v", err)
 	}
 	if l, _, _ := f.resolve(f.gids[0], nil); l == nil {

@@ -3,7 +3,10 @@ package soft
 import (
 	"crypto/rand"
 	"encoding/binary"
+	"fmt"
+	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -89,16 +92,30 @@ func newFabric() *fabric {
 	f.keyIdx.limit = 1 << mrIndexBits
 	f.ahIdx.limit = 1 << tblIndexBits
 	f.local.f = f
-	// A locally administered EUI-64 node GUID derived from the fabric id.
-	f.guid = (f.id&0x0000ffffffffffff | 0x0200000000000000) &^ 0x0100000000000000
-	// GID 0: link-local fe80::/64 with the GUID as interface identifier.
-	f.gids[0][0], f.gids[0][1] = 0xfe, 0x80
-	binary.BigEndian.PutUint64(f.gids[0][8:], f.guid)
-	// GID 1: IPv4-mapped ::ffff:127.0.0.1.
-	f.gids[1][10], f.gids[1][11] = 0xff, 0xff
-	copy(f.gids[1][12:], []byte{127, 0, 0, 1})
+	f.guid = fabricGUID(f.id)
+	f.gids = portGIDs(f.id)
 	f.addr = encodeAddr(f.id, f.pid)
 	return f
+}
+
+// fabricGUID is the node GUID of the fabric id: a locally administered
+// EUI-64.
+func fabricGUID(id uint64) uint64 {
+	return (id&0x0000ffffffffffff | 0x0200000000000000) &^ 0x0100000000000000
+}
+
+// portGIDs returns the GID table of the port of the fabric id, which is
+// also what a peer's provider address (which carries the fabric id) says
+// about the GIDs of its port.
+func portGIDs(id uint64) [numGIDs][16]byte {
+	var g [numGIDs][16]byte
+	// GID 0: link-local fe80::/64 with the GUID as interface identifier.
+	g[0][0], g[0][1] = 0xfe, 0x80
+	binary.BigEndian.PutUint64(g[0][8:], fabricGUID(id))
+	// GID 1: IPv4-mapped ::ffff:127.0.0.1.
+	g[1][10], g[1][11] = 0xff, 0xff
+	copy(g[1][12:], []byte{127, 0, 0, 1})
+	return g
 }
 
 // --- memory keys ---
@@ -233,6 +250,12 @@ func (f *fabric) lookupAH(h uint64) *ah {
 // unresolvable RoCE GID): RC requests to it fail with RETRY_EXC_ERR, UC/UD
 // ones are dropped.
 //
+// The GID routes, as on hardware: the provider address only says how to
+// reach the port that owns dgid. A dgid that is not in the GID table of
+// the port the address names (a GID edited in an endpoint, or the GID of
+// another port) fails with an error wrapping EHOSTUNREACH, as resolving
+// the address of an unreachable RoCE GID does.
+//
 // QPs of this process are reached directly unless a transport is forced
 // (see ForceTransport); QPs of other processes through the service.
 func (f *fabric) resolve(dgid [16]byte, paddr []byte) (link, uint64, error) {
@@ -250,6 +273,11 @@ func (f *fabric) resolve(dgid [16]byte, paddr []byte) (link, uint64, error) {
 	if err != nil {
 		return nil, 0, err
 	}
+	if gids := portGIDs(pa.fabric); !slices.Contains(gids[:], dgid) {
+		return nil, 0, fmt.Errorf("no route to GID %s: the provider address names a port whose GIDs are %s and %s "+
+			"(was the endpoint's GID changed, or taken from another endpoint?): %w",
+			gidString(dgid), gidString(gids[0]), gidString(gids[1]), syscall.EHOSTUNREACH)
+	}
 	kind, err := transportChoice()
 	if err != nil {
 		return nil, 0, err
@@ -265,6 +293,14 @@ func (f *fabric) resolve(dgid [16]byte, paddr []byte) (link, uint64, error) {
 		return nil, 0, nil
 	}
 	return s.peerFor(&pa, kind), pa.fabric, nil
+}
+
+// gidString formats a GID as an IPv6 address (IPv4-mapped ones too).
+func gidString(g [16]byte) string {
+	if isV4Mapped(&g) {
+		return "::ffff:" + net.IP(g[12:]).String()
+	}
+	return net.IP(g[:]).String()
 }
 
 func (f *fabric) deviceAttr() prov.DeviceAttr {
