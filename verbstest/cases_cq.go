@@ -73,13 +73,7 @@ func testCQWait(t *testing.T, c *tcase) {
 // testChannelShared shares one completion channel between two CQs: Wait
 // returns the CQ that has the event.
 func testChannelShared(t *testing.T, c *tcase) {
-	a, b := NewNodes(t, c.cfg)
-	ch := b.NewChannel(t)
-	cqSend := b.NewCQ(t, verbs.CQSpec{Channel: ch})
-	cqRecv := b.NewCQ(t, verbs.CQSpec{Channel: ch})
-	qa := a.NewRC(t, verbs.QPSpec{})
-	qb := b.NewRC(t, verbs.QPSpec{SendCQ: cqSend, RecvCQ: cqRecv})
-	ConnectRC(t, qa, qb)
+	a, b, ch, cqSend, cqRecv, qa, qb := channelPair(t, c)
 	ma := a.Alloc(t, 64, accessLocal)
 	mb := b.Alloc(t, 64, accessLocal)
 	guard := c.guard(t)
@@ -122,6 +116,19 @@ func testChannelShared(t *testing.T, c *tcase) {
 	if err := ch.Close(); err == nil || !strings.Contains(err.Error(), "completion queue") {
 		t.Errorf("closing a channel used by two CQs: %v, want an error naming them", err)
 	}
+}
+
+// channelPair connects a RC queue pair of A to one of B whose send and
+// receive CQs share one completion channel.
+func channelPair(t *testing.T, c *tcase) (a, b *Node, ch *verbs.CompletionChannel, scq, rcq *verbs.CompletionQueue, qa, qb *verbs.RCQueuePair) {
+	a, b = NewNodes(t, c.cfg)
+	ch = b.NewChannel(t)
+	scq = b.NewCQ(t, verbs.CQSpec{Channel: ch})
+	rcq = b.NewCQ(t, verbs.CQSpec{Channel: ch})
+	qa = a.NewRC(t, verbs.QPSpec{})
+	qb = b.NewRC(t, verbs.QPSpec{SendCQ: scq, RecvCQ: rcq})
+	ConnectRC(t, qa, qb)
+	return a, b, ch, scq, rcq, qa, qb
 }
 
 func cqName(got, send, recv *verbs.CompletionQueue) string {

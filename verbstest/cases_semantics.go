@@ -2,6 +2,7 @@ package verbstest
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"strings"
 	"syscall"
@@ -150,44 +151,36 @@ func testUCHelpers(t *testing.T, c *tcase) {
 // an unsolicited and a solicited send posted together give one event,
 // after which the receive CQ holds both completions.
 func testSolicitedEvents(t *testing.T, c *tcase) {
-	a, b := NewNodes(t, c.cfg)
-	ch := b.NewChannel(t)
-	scq := b.NewCQ(t, verbs.CQSpec{Channel: ch})
-	rcq := b.NewCQ(t, verbs.CQSpec{Channel: ch})
-	qa := a.NewRC(t, verbs.QPSpec{})
-	qb := b.NewRC(t, verbs.QPSpec{SendCQ: scq, RecvCQ: rcq})
-	ConnectRC(t, qa, qb)
+	a, b, ch, scq, rcq, qa, qb := channelPair(t, c)
 	ma := a.Alloc(t, 64, accessLocal)
 	mb := b.Alloc(t, 256, accessLocal)
 	guard := c.guard(t)
 	for i := range 4 {
 		must(t, "post recv at B", qb.PostRecv(uint64(i+1), SGE(t, mb, 64*i, 64)))
 	}
-	must(t, "post recv at A", qa.PostRecv(100, SGE(t, ma, 32, 32)))
+	// sentinel raises an event on the send CQ (a send from B) and checks
+	// that it is the next event on the channel: the receive CQ raised
+	// none before it (why says what such an event would mean).
+	sentinel := func(wrid uint64, why string) {
+		t.Helper()
+		must(t, "post recv at A", qa.PostRecv(wrid, SGE(t, ma, 32, 32)))
+		must(t, "arm the send CQ", scq.RequestNotify(false))
+		must(t, "post send from B", qb.PostSend(wrid, verbs.Signaled, SGE(t, mb, 0, 8)))
+		expectEvent(t, guard, ch, scq, scq, rcq, why)
+		expectOK(t, "send from B", c.pollOne(t, scq), wrid, verbs.OpSend, qb.QPN())
+		expectOK(t, "receive at A", c.pollOne(t, a.CQ), wrid, verbs.OpRecv, qa.QPN())
+	}
 	must(t, "arm the receive CQ for solicited completions", rcq.RequestNotify(true))
-	must(t, "arm the send CQ", scq.RequestNotify(false))
 
 	// An unsolicited send: its receive completion raises no event.
 	must(t, "post unsolicited send", qa.PostSend(10, verbs.Signaled, SGE(t, ma, 0, 8)))
 	expectOK(t, "unsolicited send", c.pollOne(t, a.CQ), 10, verbs.OpSend, qa.QPN())
 	expectOK(t, "unsolicited receive (polled, not waited for)", c.pollOne(t, rcq), 1, verbs.OpRecv, qb.QPN())
-	must(t, "post send from B", qb.PostSend(11, verbs.Signaled, SGE(t, mb, 0, 8)))
-	got, err := ch.Wait(guard)
-	must(t, "wait on the channel", err)
-	if got != scq {
-		t.Fatalf("first event on the channel is for the %s, want the send CQ's: the unsolicited receive woke "+
-			"a CQ armed for solicited completions only", cqName(got, scq, rcq))
-	}
-	expectOK(t, "send from B", c.pollOne(t, scq), 11, verbs.OpSend, qb.QPN())
-	expectOK(t, "receive at A", c.pollOne(t, a.CQ), 100, verbs.OpRecv, qa.QPN())
+	sentinel(11, "an event before it means that the unsolicited receive woke a CQ armed for solicited completions only")
 
 	// A solicited send wakes it.
 	must(t, "post solicited send", qa.PostSend(12, verbs.Signaled|verbs.Solicited, SGE(t, ma, 0, 8)))
-	got, err = ch.Wait(guard)
-	must(t, "wait for the solicited receive's event", err)
-	if got != rcq {
-		t.Fatalf("event for the %s, want the receive CQ's (solicited receive)", cqName(got, scq, rcq))
-	}
+	expectEvent(t, guard, ch, rcq, scq, rcq, "a solicited receive")
 	expectOK(t, "solicited receive", c.pollOne(t, rcq), 2, verbs.OpRecv, qb.QPN())
 	expectOK(t, "solicited send", c.pollOne(t, a.CQ), 12, verbs.OpSend, qa.QPN())
 
@@ -197,11 +190,7 @@ func testSolicitedEvents(t *testing.T, c *tcase) {
 	bt.Send(13, SGE(t, ma, 0, 8))
 	bt.SendImm(14, 0x50C, SGE(t, ma, 0, 8)).Solicited().Signaled()
 	must(t, "submit unsolicited and solicited sends", bt.Submit())
-	got, err = ch.Wait(guard)
-	must(t, "wait for the solicited receive's event", err)
-	if got != rcq {
-		t.Fatalf("event for the %s, want the receive CQ's", cqName(got, scq, rcq))
-	}
+	expectEvent(t, guard, ch, rcq, scq, rcq, "a solicited receive after an unsolicited one")
 	wcs := c.poll(t, rcq, 2)
 	expectOK(t, "unsolicited receive before the solicited one", wcs[0], 3, verbs.OpRecv, qb.QPN())
 	expectNoImm(t, "unsolicited receive", wcs[0])
@@ -209,17 +198,8 @@ func testSolicitedEvents(t *testing.T, c *tcase) {
 	expectImm(t, "solicited receive", wcs[1], 0x50C)
 	expectOK(t, "solicited send", c.pollOne(t, a.CQ), 14, verbs.OpSend, qa.QPN())
 
-	// No other event is queued: the next one is the send CQ's again.
-	must(t, "post recv at A", qa.PostRecv(101, SGE(t, ma, 32, 32)))
-	must(t, "arm the send CQ", scq.RequestNotify(false))
-	must(t, "post send from B", qb.PostSend(15, verbs.Signaled, SGE(t, mb, 0, 8)))
-	got, err = ch.Wait(guard)
-	must(t, "wait on the channel", err)
-	if got != scq {
-		t.Errorf("event for the %s, want the send CQ's: the receive CQ raised more than one event for one arm", cqName(got, scq, rcq))
-	}
-	expectOK(t, "send from B", c.pollOne(t, scq), 15, verbs.OpSend, qb.QPN())
-	expectOK(t, "receive at A", c.pollOne(t, a.CQ), 101, verbs.OpRecv, qa.QPN())
+	// No other event is queued.
+	sentinel(15, "an event before it means that the receive CQ raised more than one event for one arm")
 }
 
 // testRecvMRClosed closes the memory region a posted receive points into,
@@ -358,4 +338,15 @@ func testGIDRouting(t *testing.T, c *tcase) {
 		expectByteLen(t, "UD receive (must be the datagram sent to B's real GID)", wc, grhLen+32)
 		checkBytes(t, "UD payload", dst.Bytes()[grhLen:grhLen+32], src.Bytes()[32:64])
 	})
+}
+
+// expectEvent waits for the next event on ch, which must be for want (one
+// of the channel's CQs send and recv); why says what the event is for.
+func expectEvent(t *testing.T, ctx context.Context, ch *verbs.CompletionChannel, want, send, recv *verbs.CompletionQueue, why string) {
+	t.Helper()
+	got, err := ch.Wait(ctx)
+	must(t, "wait on the channel", err)
+	if got != want {
+		t.Fatalf("event for the %s, want the %s's: %s", cqName(got, send, recv), cqName(want, send, recv), why)
+	}
 }
