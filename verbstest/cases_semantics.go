@@ -291,10 +291,9 @@ func isRouteErr(err error) bool {
 // fails to connect, with an error (soft0: EHOSTUNREACH at RTR), or
 // connects and its first request fails with a retry-exceeded error (a
 // link-local GID on RoCE v1, whose MAC is derived from the GID); the
-// receiver gets nothing. A UD
-// address handle to that GID either cannot be created or sends datagrams
-// that arrive nowhere: B's first receive gets the datagram sent after it
-// to B's real GID.
+// receiver gets nothing. A UD address handle to that GID either cannot
+// be created or sends datagrams that arrive nowhere: B's first receive
+// gets the datagram sent after it to B's real GID.
 func testGIDRouting(t *testing.T, c *tcase) {
 	c.check(t, "RC", func(t *testing.T) {
 		a, b := NewNodes(t, c.cfg)
