@@ -28,7 +28,10 @@ type Request struct{ wr prov.SendWR }
 // Signaled asks for a completion even when the QP does not signal all requests.
 func (r *Request) Signaled() *Request { r.wr.Flags |= prov.SendSignaled; return r }
 
-// Fenced makes the request wait until prior RDMA reads and atomics completed.
+// Fenced makes the request wait until the RDMA reads and atomics posted
+// before it on the QP have completed (their data is in local memory), so
+// that it can send or write what they fetched. Without it, RC lets a send
+// or write start while a read before it is still outstanding.
 func (r *Request) Fenced() *Request { r.wr.Flags |= prov.SendFence; return r }
 
 // Solicited sets the solicited-event bit (sends and writes with immediate).

@@ -240,7 +240,8 @@ type SendFlags uint32
 
 // Send flags.
 const (
-	// Fenced: wait for prior RDMA reads and atomics to complete first.
+	// Fenced: wait for the RDMA reads and atomics posted before on the QP
+	// to complete first (see Request.Fenced).
 	Fenced = SendFlags(prov.SendFence)
 	// Signaled: generate a completion even when the QP does not signal all.
 	Signaled = SendFlags(prov.SendSignaled)
