@@ -205,11 +205,14 @@ func testSolicitedEvents(t *testing.T, c *tcase) {
 // testRecvMRClosed closes the memory region a posted receive points into,
 // then sends to it: as on hardware, Close succeeds, and the receive
 // completes with a local protection error (rdma_rxe: local QP operation
-// error) without writing anywhere, the receiving QP moves to ERR and the
-// sender's request fails. A region registered meanwhile, which may reuse
+// error) without writing anywhere, the receiving QP moves to ERR and a
+// RC sender's request fails (a UC sender's completes: the message is
+// lost). A region registered meanwhile, which may reuse
 // the closed one's key, is not written either. Checked on a RC and a UC
-// queue pair and on a RC queue pair with a shared receive queue.
+// queue pair and on a RC queue pair with a shared receive queue, with a
+// message of many packets.
 func testRecvMRClosed(t *testing.T, c *tcase) {
+	const size = 1 << 20 // many packets (and segments of soft0's transports)
 	for _, kind := range []string{"RC", "UC", "SRQ"} {
 		c.check(t, kind, func(t *testing.T) {
 			a, b := NewNodes(t, c.cfg)
@@ -232,11 +235,11 @@ func testRecvMRClosed(t *testing.T, c *tcase) {
 				ConnectRC(t, ra, rb)
 				qa, qb = ra, rb
 			}
-			src := a.Alloc(t, 4096, accessLocal)
+			src := a.Alloc(t, size, accessLocal)
 			Pattern(src.Bytes(), 0x4D)
 			// The region is closed by hand below (the tracker's Close
 			// later does nothing).
-			gone := b.Alloc(t, 4096, accessLocal)
+			gone := b.Alloc(t, size, accessLocal)
 			sge := gone.All()
 			if srq != nil {
 				must(t, "post srq recv", srq.PostRecv(1, sge))
@@ -244,11 +247,11 @@ func testRecvMRClosed(t *testing.T, c *tcase) {
 				must(t, "post recv", qb.PostRecv(1, sge))
 			}
 			must(t, "close the region the receive points into", gone.Close())
-			fresh := b.Alloc(t, 4096, accessLocal)
+			fresh := b.Alloc(t, size, accessLocal)
 			Pattern(fresh.Bytes(), 0xEE)
 			before := bytes.Clone(fresh.Bytes())
 
-			must(t, "post send", qa.PostSend(2, verbs.Signaled, SGE(t, src, 0, 4096)))
+			must(t, "post send", qa.PostSend(2, verbs.Signaled, src.All()))
 			wc := c.pollOne(t, b.CQ)
 			if wc.WRID != 1 || (wc.Status != verbs.StatusLocProtErr && wc.Status != verbs.StatusLocQPOpErr) {
 				t.Errorf("receive into a closed region: %v, want wr_id 0x1 with %s (or %s)", wc, verbs.StatusLocProtErr, verbs.StatusLocQPOpErr)
