@@ -437,7 +437,8 @@ func (q *qpCore) Endpoint() (Endpoint, error) {
 type ConnectOptions struct {
 	// ForceGRH adds a GRH even on InfiniBand (needed across subnets).
 	ForceGRH bool
-	// HopLimit of the GRH; default 64.
+	// HopLimit of the GRH; default 64. On RoCE the kernel replaces it by
+	// the hop limit of its IP route to the peer's GID.
 	HopLimit uint8
 	// TrafficClass of the GRH.
 	TrafficClass uint8
