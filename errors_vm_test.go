@@ -82,9 +82,9 @@ func TestForceGRHRXE(t *testing.T) {
 	a := openCMSide(t, devs[0])
 	b := openCMSide(t, devs[1])
 	for _, tc := range []struct {
-		name     string
-		o        verbs.ConnectOptions
-		tclass   uint8
+		name   string
+		o      verbs.ConnectOptions
+		tclass uint8
 	}{
 		{"default", verbs.ConnectOptions{}, 0},
 		{"ForceGRH", verbs.ConnectOptions{ForceGRH: true, HopLimit: 7, TrafficClass: 0x20}, 0x20},

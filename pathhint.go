@@ -73,7 +73,12 @@ func (p pathInfo) String() string {
 		from = netdev
 	}
 	b.WriteString("check that the peer's GID is the one its endpoint was made with")
-	if p.Subnet.IsValid() && !p.Subnet.Contains(gidAddr(p.AH.DGID)) {
+	dst := gidAddr(p.AH.DGID)
+	if p.HasSource && gidAddr(p.Source.GID).Is4() != dst.Is4() {
+		fam := map[bool]string{true: "IPv4", false: "IPv6"}
+		fmt.Fprintf(&b, "; the peer's GID is %s but the source GID is %s: choose a source GID of the peer's family "+
+			"(QPSpec.GIDIndex and FixedGID)", fam[dst.Is4()], fam[!dst.Is4()])
+	} else if p.Subnet.IsValid() && !p.Subnet.Contains(dst) {
 		fmt.Fprintf(&b, "; it lies outside %s, so it needs an IP route from %s, which only RoCE v2 has", p.Subnet, from)
 	} else {
 		fmt.Fprintf(&b, " and that its host answers neighbour discovery (ARP/NDP) on the link of %s", from)

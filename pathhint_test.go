@@ -49,6 +49,16 @@ func TestPathInfo(t *testing.T) {
 			"it lies outside 10.1.2.0/24, so it needs an IP route from eth1, which only RoCE v2 has"},
 		not: []string{"neighbour discovery"},
 	}, {
+		name: "RoCE IPv6 source, IPv4 peer",
+		p: pathInfo{Port: 1, LinkLayer: LinkLayerEthernet, ActiveMTU: MTU1024, PathMTU: MTU1024,
+			AH:     AHAttr{IsGlobal: true, DGID: mustGID(t, "::ffff:192.0.2.1"), HopLimit: 64},
+			Remote: Endpoint{QPN: 18, MTU: MTU1024},
+			Source: GIDEntry{GID: ll, Type: GIDTypeRoCEv2, Netdev: "veth0"}, HasSource: true,
+			Subnet: netip.MustParsePrefix("fe80::/64")},
+		want: []string{"to GID ::ffff:192.0.2.1 of QPN 18",
+			"the peer's GID is IPv4 but the source GID is IPv6: choose a source GID of the peer's family"},
+		not: []string{"outside", "neighbour"},
+	}, {
 		name: "RoCE v1 source",
 		p: pathInfo{Port: 2, LinkLayer: LinkLayerEthernet, ActiveMTU: MTU1024, PathMTU: MTU1024,
 			AH:     AHAttr{IsGlobal: true, DGID: mustGID(t, "::ffff:10.1.2.4"), SGIDIndex: 1, HopLimit: 1},
