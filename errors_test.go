@@ -39,9 +39,9 @@ func isRXE(c *verbs.Context) bool {
 	return c.Provider() == "ibverbs" && strings.HasPrefix(c.Name(), "rxe")
 }
 
-// TestQueryMissingPort asks every device for a port it does not have: the
+// TestMissingPortDevices asks every device for a port it does not have: the
 // error is EINVAL and says which ports exist, on soft0 and on hardware.
-func TestQueryMissingPort(t *testing.T) {
+func TestMissingPortDevices(t *testing.T) {
 	openEach(t, func(t *testing.T, c *verbs.Context) {
 		da, err := c.QueryDevice()
 		if err != nil {
@@ -61,11 +61,11 @@ func TestQueryMissingPort(t *testing.T) {
 	})
 }
 
-// TestRegisterDMABufBadFD registers a dma-buf with fd -1 on every device.
+// TestDMABufBadFDDevices registers a dma-buf with fd -1 on every device.
 // Neither soft0 nor SoftRoCE imports dma-bufs: both say ErrNotSupported
 // (rxe through libibverbs' EOPNOTSUPP), whatever the fd. A device that
 // does import them refuses the fd (EBADF).
-func TestRegisterDMABufBadFD(t *testing.T) {
+func TestDMABufBadFDDevices(t *testing.T) {
 	openEach(t, func(t *testing.T, c *verbs.Context) {
 		pd, err := c.AllocPD()
 		if err != nil {

@@ -16,12 +16,12 @@ import (
 	"github.com/goverbs/verbs/verbstest"
 )
 
-// TestConnectErrorRXE connects a QP on rxe0 to an endpoint of rxe1 whose
+// TestConnectErrorDevices connects a QP on rxe0 to an endpoint of rxe1 whose
 // GID was replaced by one nobody owns: SoftRoCE refuses the RTR transition
 // (ETIMEDOUT: the neighbour does not answer). The error must name the
 // transition and its attributes, and the path: source GID index and type,
 // netdev, subnet, destination and MTU.
-func TestConnectErrorRXE(t *testing.T) {
+func TestConnectErrorDevices(t *testing.T) {
 	devs := vmtest.Require(t)
 	a := openCMSide(t, devs[0])
 	b := openCMSide(t, devs[1])
@@ -70,14 +70,14 @@ func TestConnectErrorRXE(t *testing.T) {
 	}
 }
 
-// TestForceGRHRXE checks the address vector Connect programs on RoCE: a
+// TestForceGRHDevices checks the address vector Connect programs on RoCE: a
 // GRH always (IsGlobal, the peer's GID, the chosen source GID index), and
 // with ConnectOptions the given traffic class; ForceGRH changes nothing
 // there, as RoCE needs the GRH anyway. The hop limit is the kernel's: it
 // takes it from the IP route to the GID when it resolves the peer's MAC
 // (ib_resolve_eth_dmac), 64 here whatever ConnectOptions.HopLimit says.
 // Data then flows over the connection.
-func TestForceGRHRXE(t *testing.T) {
+func TestForceGRHDevices(t *testing.T) {
 	devs := vmtest.Require(t)
 	a := openCMSide(t, devs[0])
 	b := openCMSide(t, devs[1])

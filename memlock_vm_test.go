@@ -16,14 +16,14 @@ import (
 	"github.com/goverbs/verbs/internal/vmtest"
 )
 
-// TestMemlockRegistrations registers memory on rxe under a small
+// TestMemlockDevices registers memory on rxe under a small
 // RLIMIT_MEMLOCK, from a thread without CAP_IPC_LOCK (the VM runs tests as
 // root), until the kernel refuses, and checks that CheckMemlock gave the
 // kernel's answer before each registration: the memory already registered
 // counts (VmPin). The registrations are made with the provider directly,
 // so that the verbs layer's own check does not stop them first; then the
 // verbs layer's Alloc is refused with ENOMEM and the fix.
-func TestMemlockRegistrations(t *testing.T) {
+func TestMemlockDevices(t *testing.T) {
 	devs := vmtest.Require(t)
 	pc, err := ibv.New().Open(devs[0])
 	if err != nil {
