@@ -530,7 +530,8 @@ func (q *qpCore) connect(remote Endpoint, o ConnectOptions) error {
 		rts.MaxRDAtomic = uint8(q.spec.MaxRDAtomic)
 		mask |= AttrTimeout | AttrRetryCount | AttrRNRRetry | AttrMaxRDAtomic
 	}
-	return q.Modify(rts, mask)
+	_, err = q.modify(rts, mask)
+	return opErr(op, q.devNm, err)
 }
 
 // PostRecv posts one receive whose buffer is the scatter list sgl.
