@@ -116,6 +116,33 @@ func (b *sendBatch) add(wr prov.SendWR, sgl []SGE) *Request {
 	return (*Request)(unsafe.Pointer(&b.wrs[len(b.wrs)-1]))
 }
 
+// fail records err for the request the batch was asked to add next (Submit
+// returns it, posting nothing) and returns the scratch request.
+func (b *sendBatch) fail(err error) *Request {
+	if b.err == nil {
+		b.err = fmt.Errorf("request %d: %w", len(b.wrs), err)
+	}
+	return &b.scratch
+}
+
+// checkAtomic checks an atomic request in the verbs layer, before any
+// provider sees it, so that every provider refuses the same requests with
+// the same explanation: the target must be an 8-byte aligned word and the
+// result SGE must hold exactly its 8 bytes. (SoftRoCE and soft0 refuse
+// both at post with a bare EINVAL or in their own words; other devices
+// send a misaligned atomic and fail it with a remote error.)
+func checkAtomic(dst RemoteAddr, result SGE) error {
+	if dst.Addr&7 == 0 && result.Length == 8 {
+		return nil
+	}
+	if dst.Addr&7 != 0 {
+		return fmt.Errorf("atomic target address %#x is not 8-byte aligned (it is %d bytes past %#x): "+
+			"CompareSwap and FetchAdd operate on an aligned 8-byte word: %w", dst.Addr, dst.Addr&7, dst.Addr&^7, syscall.EINVAL)
+	}
+	return fmt.Errorf("atomic result SGE of %d bytes: it receives the 8-byte prior value and must be exactly 8 bytes: %w",
+		result.Length, syscall.EINVAL)
+}
+
 // addData adds wr as an inline request whose payload is a copy of data
 // in the batch's staging memory.
 func (b *sendBatch) addData(wr prov.SendWR, data []byte) *Request {
@@ -294,16 +321,25 @@ func (b *RCBatch) Read(wrid uint64, src RemoteAddr, sgl ...SGE) *Request {
 
 // CompareSwap adds an atomic compare-and-swap of the 8-byte word at dst
 // (8-byte aligned): if it equals compare it becomes swap. The prior value is
-// written to result (8 bytes).
+// written to result (8 bytes). A dst that is not 8-byte aligned, or a result
+// of another length, makes Submit fail with EINVAL, posting nothing, on
+// every device.
 func (b *RCBatch) CompareSwap(wrid uint64, dst RemoteAddr, compare, swap uint64, result SGE) *Request {
+	if err := checkAtomic(dst, result); err != nil {
+		return b.fail(err)
+	}
 	wr := rdmaWR(prov.WRAtomicCAS, wrid, dst)
 	wr.CompareAdd, wr.Swap = compare, swap
 	return b.add(wr, []SGE{result})
 }
 
 // FetchAdd adds an atomic fetch-and-add of add to the 8-byte word at dst
-// (8-byte aligned). The prior value is written to result (8 bytes).
+// (8-byte aligned). The prior value is written to result (8 bytes). The
+// request is checked as in CompareSwap.
 func (b *RCBatch) FetchAdd(wrid uint64, dst RemoteAddr, add uint64, result SGE) *Request {
+	if err := checkAtomic(dst, result); err != nil {
+		return b.fail(err)
+	}
 	wr := rdmaWR(prov.WRAtomicFAA, wrid, dst)
 	wr.CompareAdd = add
 	return b.add(wr, []SGE{result})

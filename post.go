@@ -94,6 +94,9 @@ func (q *RCQueuePair) PostRead(wrid uint64, flags SendFlags, src RemoteAddr, sgl
 
 // PostCompareSwap posts an atomic compare-and-swap (see RCBatch.CompareSwap).
 func (q *RCQueuePair) PostCompareSwap(wrid uint64, flags SendFlags, dst RemoteAddr, compare, swap uint64, result SGE) error {
+	if err := checkAtomic(dst, result); err != nil {
+		return opErr("post send", q.devNm, err)
+	}
 	wr := rdmaWR(prov.WRAtomicCAS, wrid, dst)
 	wr.Flags, wr.CompareAdd, wr.Swap = prov.SendFlags(flags), compare, swap
 	return q.postOne(wr, []SGE{result})
@@ -101,6 +104,9 @@ func (q *RCQueuePair) PostCompareSwap(wrid uint64, flags SendFlags, dst RemoteAd
 
 // PostFetchAdd posts an atomic fetch-and-add (see RCBatch.FetchAdd).
 func (q *RCQueuePair) PostFetchAdd(wrid uint64, flags SendFlags, dst RemoteAddr, add uint64, result SGE) error {
+	if err := checkAtomic(dst, result); err != nil {
+		return opErr("post send", q.devNm, err)
+	}
 	wr := rdmaWR(prov.WRAtomicFAA, wrid, dst)
 	wr.Flags, wr.CompareAdd = prov.SendFlags(flags), add
 	return q.postOne(wr, []SGE{result})

@@ -326,18 +326,25 @@ func (q *qpCore) Modify(attr QPAttr, mask QPAttrMask) error {
 	if q.res.isClosed() {
 		return q.res.errClosed("modify qp")
 	}
+	_, err := q.modify(attr, mask)
+	return opErr("modify qp", q.devNm, err)
+}
+
+// modify is Modify on an open QP, its error not yet an *OpError; byDevice
+// reports that the device refused attributes the state table allowed.
+func (q *qpCore) modify(attr QPAttr, mask QPAttrMask) (byDevice bool, err error) {
 	cur, _, err := q.qp.Query()
 	if err != nil {
-		return opErr("modify qp", q.devNm, err)
+		return false, err
 	}
 	if err := validateTransition(q.transport, QPState(cur.State), &attr, mask); err != nil {
-		return opErr("modify qp", q.devNm, fmt.Errorf("qpn %d: %v: %w", q.QPN(), err, syscall.EINVAL))
+		return false, fmt.Errorf("qpn %d: %v: %w", q.QPN(), err, syscall.EINVAL)
 	}
 	pa := attr.prov()
 	if err := q.qp.Modify(&pa, prov.QPAttrMask(mask)); err != nil {
-		return opErr("modify qp", q.devNm, fmt.Errorf("qpn %d to %s: %w", q.QPN(), attr.State, err))
+		return true, fmt.Errorf("qpn %d to %s: %w", q.QPN(), attr.State, err)
 	}
-	return nil
+	return false, nil
 }
 
 // sourceGID picks the GID this QP sends from.
@@ -430,7 +437,8 @@ func (q *qpCore) Endpoint() (Endpoint, error) {
 type ConnectOptions struct {
 	// ForceGRH adds a GRH even on InfiniBand (needed across subnets).
 	ForceGRH bool
-	// HopLimit of the GRH; default 64.
+	// HopLimit of the GRH; default 64. On RoCE the kernel replaces it by
+	// the hop limit of its IP route to the peer's GID.
 	HopLimit uint8
 	// TrafficClass of the GRH.
 	TrafficClass uint8
@@ -500,8 +508,15 @@ func (q *qpCore) connect(remote Endpoint, o ConnectOptions) error {
 		rtr.MinRNRTimer = q.spec.MinRNRTimer
 		mask |= AttrMaxDestAtomic | AttrMinRNRTimer
 	}
-	if err := q.Modify(rtr, mask); err != nil {
-		return err
+	if q.res.isClosed() {
+		return q.res.errClosed(op)
+	}
+	if byDevice, err := q.modify(rtr, mask); err != nil {
+		if byDevice {
+			// The device refused the path: say what it was.
+			err = fmt.Errorf("%w; %s", err, q.pathInfo(remote, ah, mtu))
+		}
+		return opErr(op, q.devNm, err)
 	}
 	rts := QPAttr{State: StateRTS, SQPSN: q.psn}
 	mask = AttrState | AttrSQPSN
@@ -515,7 +530,8 @@ func (q *qpCore) connect(remote Endpoint, o ConnectOptions) error {
 		rts.MaxRDAtomic = uint8(q.spec.MaxRDAtomic)
 		mask |= AttrTimeout | AttrRetryCount | AttrRNRRetry | AttrMaxRDAtomic
 	}
-	return q.Modify(rts, mask)
+	_, err = q.modify(rts, mask)
+	return opErr(op, q.devNm, err)
 }
 
 // PostRecv posts one receive whose buffer is the scatter list sgl.

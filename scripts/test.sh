@@ -98,16 +98,17 @@ tier_multiprocess() {
 # Each test binary is built on the host and run in the guest through
 # go test -exec; tests that need the VM skip (with the reason) elsewhere.
 # The guest is 10-50x slower than the host, so only the packages that touch
-# the hardware provider run there: the provider's own tests, the
-# conformance suite on rxe0/rxe1 (TestConformanceDevices), the RDMA CM API
-# across rxe0 and rxe1 (TestCMDevices, TestCMNotSupported), the goverbs
+# the hardware provider run there: the provider's own tests, the root
+# package's tests of every device (named Test...Devices: the conformance
+# suite on rxe0/rxe1, the RDMA CM API across rxe0 and rxe1, error texts,
+# addressing, memlock accounting) and TestCMNotSupported, the goverbs
 # command on rxe, and the cgo crossings of the data path once more with the
 # shim's per-call counters compiled in (-tags ibv_count, TestCgoCrossings).
 tier_vm() {
 	local exec=(-tags ibverbs -p 1 -exec "$PWD/scripts/vm/run.sh --")
 	./scripts/vm/run.sh --prepare
 	run_go_tests vm "${exec[@]}" ./internal/ibv/... ./internal/vmtest/ ./cmd/goverbs/ &&
-		run_go_tests vm-conformance "${exec[@]}" -run "^(TestConformanceDevices|TestCMDevices|TestCMNotSupported)$" . &&
+		run_go_tests vm-conformance "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" . &&
 		run_go_tests vm-cgo-count -tags ibverbs,ibv_count -p 1 -exec "$PWD/scripts/vm/run.sh --" -run "^TestCgoCrossings$" ./internal/ibv/
 }
 

@@ -3,6 +3,9 @@ package verbstest
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
+	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/goverbs/verbs"
@@ -244,8 +247,9 @@ func testFetchAdd(t *testing.T, c *tcase) {
 }
 
 // testAtomicMisaligned checks that an atomic on an address that is not
-// 8-byte aligned is refused (at post, or with an error completion) and
-// changes no memory.
+// 8-byte aligned, or with a result SGE that is not 8 bytes, is refused at
+// post by the verbs layer on every device (EINVAL, saying why), as a single
+// request and in a batch, and changes no memory.
 func testAtomicMisaligned(t *testing.T, c *tcase) {
 	p := NewLoopbackRC(t, c.cfg, verbs.QPSpec{})
 	remote := p.B.Alloc(t, 64, accessAll)
@@ -253,14 +257,33 @@ func testAtomicMisaligned(t *testing.T, c *tcase) {
 	Pattern(remote.Bytes(), 0xEE)
 	want := bytes.Clone(remote.Bytes())
 
-	err := p.QA.PostFetchAdd(50, verbs.Signaled, remote.Remote().At(4), 1, SGE(t, res, 0, 8))
-	if err == nil {
-		wc := c.pollOne(t, p.A.CQ)
-		if wc.Status == verbs.StatusSuccess {
-			t.Errorf("fetch-add on a misaligned address completed successfully: %v", wc)
+	check := func(what string, err error, why string) {
+		t.Helper()
+		if err == nil {
+			t.Errorf("%s: posted, want EINVAL at post", what)
+			wc := c.pollOne(t, p.A.CQ)
+			t.Errorf("%s: completed %v", what, wc)
+			return
+		}
+		if !errors.Is(err, syscall.EINVAL) || !strings.Contains(err.Error(), why) {
+			t.Errorf("%s: %v\nwant EINVAL saying %q", what, err, why)
 		}
 	}
-	checkBytes(t, "remote MR after misaligned fetch-add", remote.Bytes(), want)
+	const misaligned = "is not 8-byte aligned (it is 4 bytes past"
+	check("fetch-add at +4", p.QA.PostFetchAdd(50, verbs.Signaled, remote.Remote().At(4), 1, SGE(t, res, 0, 8)), misaligned)
+	check("compare-swap at +4", p.QA.PostCompareSwap(51, verbs.Signaled, remote.Remote().At(4), 0, 1, SGE(t, res, 0, 8)), misaligned)
+	check("fetch-add with a 16-byte result", p.QA.PostFetchAdd(52, verbs.Signaled, remote.Remote().At(8), 1, SGE(t, res, 0, 16)),
+		"must be exactly 8 bytes")
+	b := p.QA.NewBatch(4)
+	b.FetchAdd(53, remote.Remote().At(16), 1, SGE(t, res, 0, 8)).Signaled()
+	b.CompareSwap(54, remote.Remote().At(20), 0, 1, SGE(t, res, 8, 8)).Signaled()
+	err := b.Submit()
+	check("batch with a compare-swap at +20", err, "request 1: atomic target address")
+	var pe *verbs.PostError
+	if errors.As(err, &pe) {
+		t.Errorf("batch: %v is a *PostError; want nothing posted", err)
+	}
+	checkBytes(t, "remote MR after misaligned atomics", remote.Bytes(), want)
 }
 
 // testInlineSend sends inline data and overwrites the source buffer as soon

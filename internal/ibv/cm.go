@@ -590,7 +590,7 @@ func cmModify(id *C.struct_rdma_cm_id, q *queuePair, state prov.QPState, p *CMPa
 		mask |= C.IBV_QP_RETRY_CNT | C.IBV_QP_RNR_RETRY
 	}
 	if rc := C.ibv_modify_qp(q.q.qp, &a, mask); rc != 0 {
-		return errnoErr(fmt.Sprintf("ibv_modify_qp (QPN %d, to state %d, mask %#x)", q.qpn, state, uint32(mask)), rc)
+		return errnoErr(modifyOp(q.qpn, state, prov.QPAttrMask(mask)), rc)
 	}
 	return nil
 }

@@ -266,10 +266,21 @@ func (c *devContext) QueryDevice() (prov.DeviceAttr, error) {
 	}, nil
 }
 
+// portCount returns the number of physical ports, -1 if the device cannot
+// tell.
+func (c *devContext) portCount() int {
+	var a C.struct_ibv_device_attr
+	var ports C.uint32_t
+	if C.gv_query_device(c.ctx, &a, &ports) != 0 {
+		return -1
+	}
+	return int(ports)
+}
+
 func (c *devContext) QueryPort(port uint8) (prov.PortAttr, error) {
 	var a C.gv_port_attr
 	if rc := C.gv_query_port(c.ctx, C.uint8_t(port), &a); rc != 0 {
-		return prov.PortAttr{}, errnoErr(fmt.Sprintf("ibv_query_port %d", port), rc)
+		return prov.PortAttr{}, errnoErr(queryPortOp(c.name, port, c.portCount()), rc)
 	}
 	return prov.PortAttr{
 		State:        prov.PortState(a.state),

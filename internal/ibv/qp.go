@@ -208,7 +208,7 @@ func (q *queuePair) Modify(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 	a.retry_cnt = C.uint8_t(attr.RetryCnt)
 	a.rnr_retry = C.uint8_t(attr.RNRRetry)
 	if rc := C.ibv_modify_qp(q.q.qp, &a, C.int(mask)); rc != 0 {
-		return errnoErr(fmt.Sprintf("ibv_modify_qp (QPN %d, to state %d, mask %#x)", q.qpn, attr.State, uint32(mask)), rc)
+		return errnoErr(modifyOp(q.qpn, attr.State, mask), rc)
 	}
 	return nil
 }

@@ -40,6 +40,9 @@ func (c *devContext) QueryPort(port uint8) (prov.PortAttr, error) {
 	if port != 1 {
 		return prov.PortAttr{}, errnof(syscall.EINVAL, "query port: %s has one port (1), not %d", DeviceName, port)
 	}
+	if infiniBand() {
+		return c.f.asInfiniBand(c.f.portAttr()), nil
+	}
 	return c.f.portAttr(), nil
 }
 
@@ -49,6 +52,9 @@ func (c *devContext) QueryGIDTable(port uint8) ([]prov.GIDEntry, error) {
 	}
 	if port != 1 {
 		return nil, errnof(syscall.EINVAL, "query gid table: %s has one port (1), not %d", DeviceName, port)
+	}
+	if infiniBand() {
+		return []prov.GIDEntry{{GID: c.f.gids[0], Port: 1, Type: prov.GIDTypeIB}}, nil
 	}
 	out := make([]prov.GIDEntry, numGIDs)
 	for i := range out {

@@ -119,6 +119,9 @@ func (p *pd) CreateAH(attr prov.AHAttr) (prov.AH, error) {
 // checkAV validates an address vector for the Ethernet port.
 func checkAV(a *prov.AHAttr, op string) error {
 	if !a.IsGlobal {
+		if infiniBand() { // ForceInfiniBand: routed by LID
+			return checkLIDRoute(a, op)
+		}
 		return errnof(syscall.EINVAL, "%s: the port's link layer is Ethernet (RoCE): the address needs a GRH (IsGlobal)", op)
 	}
 	if int(a.SGIDIndex) >= numGIDs {
