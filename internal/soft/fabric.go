@@ -254,11 +254,12 @@ func (f *fabric) lookupAH(h uint64) *ah {
 // reach the port that owns dgid. A dgid that is not in the GID table of
 // the port the address names (a GID edited in an endpoint, or the GID of
 // another port) fails with an error wrapping EHOSTUNREACH, as resolving
-// the address of an unreachable RoCE GID does.
+// the address of an unreachable RoCE GID does. Without a GRH (global
+// false: an InfiniBand-like port, ibport.go) the DLID routes instead.
 //
 // QPs of this process are reached directly unless a transport is forced
 // (see ForceTransport); QPs of other processes through the service.
-func (f *fabric) resolve(dgid [16]byte, paddr []byte) (link, uint64, error) {
+func (f *fabric) resolve(dgid [16]byte, global bool, paddr []byte) (link, uint64, error) {
 	if len(paddr) == 0 {
 		// No provider address: route by GID, like hardware. Only this
 		// process' own port is known.
@@ -273,7 +274,7 @@ func (f *fabric) resolve(dgid [16]byte, paddr []byte) (link, uint64, error) {
 	if err != nil {
 		return nil, 0, err
 	}
-	if gids := portGIDs(pa.fabric); !slices.Contains(gids[:], dgid) {
+	if gids := portGIDs(pa.fabric); global && !slices.Contains(gids[:], dgid) {
 		return nil, 0, fmt.Errorf("no route to GID %s: the provider address names a port whose GIDs are %s and %s "+
 			"(was the endpoint's GID changed, or taken from another endpoint?): %w",
 			gidString(dgid), gidString(gids[0]), gidString(gids[1]), syscall.EHOSTUNREACH)

@@ -98,7 +98,7 @@ func (p *pd) CreateAH(attr prov.AHAttr) (prov.AH, error) {
 	if err := checkAV(&attr, "create ah"); err != nil {
 		return nil, err
 	}
-	l, _, err := f.resolve(attr.DGID, attr.ProviderAddr)
+	l, _, err := f.resolve(attr.DGID, attr.IsGlobal, attr.ProviderAddr)
 	if err != nil {
 		return nil, fmt.Errorf("soft: create ah: %w", err)
 	}
