@@ -433,7 +433,7 @@ func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) 
 			return ErrClosed
 		}
 		if !e.pollMu.TryLock() {
-			w.sleep() // not polling: not spinning either
+			w.yield() // not polling: not spinning either
 			if polling, err := e.sleep(ctx, ready, ch); err != nil {
 				return err
 			} else if !polling {
@@ -456,7 +456,6 @@ func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) 
 				runtime.Gosched()
 				continue
 			}
-			w.sleep()
 			err = e.cq.Wait(ctx)
 		}
 		e.unlockPoll()

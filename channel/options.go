@@ -38,7 +38,6 @@ type Options struct {
 const (
 	defaultQueueDepth     = 128
 	defaultMaxOutstanding = 4096
-	defaultSpinPolls      = 64
 	defaultFlushGrace     = time.Second
 )
 
@@ -58,10 +57,8 @@ func (o Options) withDefaults() (Options, error) {
 	if o.MaxOutstanding < 0 {
 		return o, fmt.Errorf("channel: Options.MaxOutstanding %d is negative", o.MaxOutstanding)
 	}
-	if o.SpinPolls == 0 {
-		o.SpinPolls = defaultSpinPolls
-	} else if o.SpinPolls < 0 {
-		o.SpinPolls = 0
+	if o.SpinPolls < 0 {
+		o.SpinPolls = SpinNever
 	}
 	if o.FlushGrace <= 0 {
 		o.FlushGrace = defaultFlushGrace

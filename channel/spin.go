@@ -24,29 +24,45 @@ const (
 
 // The adaptive policy (Options.SpinPolls == SpinAdaptive).
 //
-// A wait spins for a budget of time, then sleeps on the completion
-// channel. The budget follows est, an exponentially weighted moving
-// average (weight 1/8) of how long the engine's recent waits took:
-// twice est, at least spinFloor, at most spinCap. spinCap is what a
-// sleeping wait costs over a spinning one (the two wake-ups of the
-// completion channel, measured across processes: see the package
-// documentation); spinning longer than that for a completion that may
-// never come is worse than sleeping, the rule of the ski rental. When est
-// exceeds spinCap the waits are long and a wait sleeps at once, except
-// every probeEvery-th, which spins for spinCap: when completions are fast
-// again, that probe sees it and resets est to what it measured (a sleeping
-// wait measures its wake-ups too, and would keep est high by itself).
+// A wait either spins, for at most spinCap, and then sleeps on the
+// completion channel if its completion has not come; or sleeps at once.
+// The engine keeps, for each of the two, an exponentially weighted moving
+// average (weight 1/8) of how long its recent waits took, wake-ups
+// included, and uses the one that costs less, trying the other now and
+// then so that its average stays current: every probeMin-th wait at
+// first, ever more rarely (down to every probeMax-th) while the probes
+// change nothing. A probe weighs 1/2: the average it updates is old. For a client that waits for one request at
+// a time the average wait is the inverse of its throughput, so this
+// keeps whichever serves it faster:
 //
-// Spinning needs a processor: a wait spins only while fewer than
-// max(1, GOMAXPROCS-1) goroutines of the process spin (every channel of
-// the process counts), so that the goroutines that make the progress
-// being waited for, and a peer on the same host, keep one.
+//   - Spinning is chosen only if it saves at least a quarter of a
+//     sleeping wait: when waits are long both cost about the same, and
+//     sleeping does not burn a processor for it.
+//   - When the spinning waits average more than spinLong, the waits are
+//     long, or spinning does not get the processor time that would
+//     complete them (more spinners than cores, in this process or in
+//     others): sleeping is chosen whatever its average.
+//   - A spinning wait gives up after spinCap, about twice what a sleep
+//     costs over a spin on an idle machine (the two wake-ups of the
+//     completion channel, see the package documentation): spinning
+//     longer for a completion that may be far away costs more than it
+//     can save, the rule of the ski rental. Bounded spinning also bounds
+//     what spinners take from the goroutines and processes that would
+//     complete them: a spinner whose processor is wanted is descheduled
+//     for a whole time slice, and pays for it again when it sleeps.
+//   - A wait spins only while fewer than max(1, GOMAXPROCS-1) goroutines
+//     of the process spin (every channel of the process counts), so that
+//     the goroutines that make the progress waited for, and a peer on
+//     the same host, keep a processor.
 const (
-	spinFloor  = 5 * time.Microsecond
 	spinCap    = 50 * time.Microsecond
-	sampleMax  = 8 * spinCap // a longer wait counts as this long
-	probeEvery = 16
-	ewmaShift  = 3 // weight 1/8
+	spinLong   = 4 * spinCap
+	spinMargin = 4                     // spinning must save a quarter of a sleeping wait
+	sampleMax  = 10 * time.Millisecond // a longer wait counts as this long
+	probeMin   = 16                    // waits between probes, at first
+	probeMax   = 512                   // waits between probes, after many that changed nothing
+	ewmaShift  = 3                     // weight 1/8
+	probeShift = 1                     // weight 1/2
 )
 
 // spinners counts the goroutines of the process that spin in an
@@ -54,10 +70,14 @@ const (
 // process, not of one channel.
 var spinners atomic.Int32
 
-// spinStats is an engine's record of its waits.
+// spinStats is an engine's record of its waits. Updates from concurrent
+// waits may overwrite each other: they are estimates.
 type spinStats struct {
-	est   atomic.Int64  // EWMA of wait durations, ns
-	waits atomic.Uint32 // adaptive waits that found est > spinCap
+	spin  atomic.Int64  // EWMA of the durations of waits that spun, ns
+	sleep atomic.Int64  // EWMA of the durations of waits that slept at once, ns
+	waits atomic.Uint32 // adaptive waits that chose
+	next  atomic.Uint32 // the wait that probes next
+	gap   atomic.Uint32 // waits between probes
 }
 
 // waiter is the spinning state of one wait (on the waiting goroutine's
@@ -66,12 +86,14 @@ type waiter struct {
 	mode    int // Options.SpinPolls
 	polls   int // SpinPolls > 0: empty polls left
 	start   time.Time
-	budget  time.Duration
-	started bool // the budget was set
-	counted bool // counted in spinners
-	probe   bool // a probe: a successful spin resets est
-	slept   bool // the wait slept (on the completion channel, or while another goroutine polled)
-	over    bool // the spin phase is over
+	budget  time.Duration // adaptive: 0 sleeps at once
+	chose   bool          // adaptive: the budget was chosen
+	probe   bool          // adaptive: the choice was a probe
+	counted bool          // counted in spinners
+	spun    bool          // the wait spun
+	limited bool          // too many spinners: it slept without choosing to
+	other   bool          // it slept while another goroutine polled
+	over    bool          // the spin phase is over
 }
 
 func newWaiter(mode int) waiter {
@@ -99,8 +121,8 @@ func (w *waiter) spin(s *spinStats) bool {
 		w.over = true
 		return false
 	}
-	if !w.started {
-		w.started = true
+	if !w.chose {
+		w.chose = true
 		w.budget, w.probe = s.budget()
 	}
 	if w.budget > 0 && time.Since(w.start) < w.budget {
@@ -108,18 +130,18 @@ func (w *waiter) spin(s *spinStats) bool {
 			return true
 		}
 		if spinners.Add(1) <= spinLimit() {
-			w.counted = true
+			w.counted, w.spun = true, true
 			return true
 		}
 		spinners.Add(-1)
+		w.limited = !w.spun
 	}
 	w.over = true
 	w.pause()
 	return false
 }
 
-// pause takes the waiter out of the spinners while it sleeps (another
-// goroutine polls), or for good.
+// pause takes the waiter out of the spinners.
 func (w *waiter) pause() {
 	if w.counted {
 		w.counted = false
@@ -127,48 +149,78 @@ func (w *waiter) pause() {
 	}
 }
 
-// sleep notes that the wait sleeps: on the completion channel, or while
-// another goroutine polls.
-func (w *waiter) sleep() {
-	w.slept = true
+// yield notes that the wait sleeps while another goroutine polls.
+func (w *waiter) yield() {
+	w.other = true
 	w.pause()
 }
 
-// done ends a wait that saw its condition (ok) or failed, and records its
-// duration in s.
+// done ends a wait that saw its condition (ok) or failed, and records
+// its duration in s.
 func (w *waiter) done(s *spinStats, ok bool) {
 	w.pause()
-	if w.mode != SpinAdaptive || !ok {
-		return
+	if w.mode != SpinAdaptive || !ok || !w.chose || w.limited || w.other {
+		return // not a choice of this wait's own, or nothing learnt
 	}
-	s.record(time.Since(w.start), w.probe && !w.slept)
+	d := min(time.Since(w.start), sampleMax)
+	shift := ewmaShift
+	if w.probe {
+		shift = probeShift // the average of the way not chosen is old
+	}
+	if w.budget > 0 {
+		record(&s.spin, d, shift)
+	} else {
+		record(&s.sleep, d, shift)
+	}
+	if w.probe {
+		s.probed(w.budget > 0)
+	}
 }
 
 // spinLimit is how many goroutines of the process may spin at once.
 func spinLimit() int32 { return int32(max(1, runtime.GOMAXPROCS(0)-1)) }
 
-// budget returns how long the next wait may spin, and whether it is a
-// probe.
+// budget returns how long the next wait may spin, spinCap or 0 (sleep at
+// once), and whether that is a probe of the way not chosen.
 func (s *spinStats) budget() (time.Duration, bool) {
-	est := time.Duration(s.est.Load())
-	if est > spinCap {
-		if s.waits.Add(1)%probeEvery == 0 {
-			return spinCap, true
-		}
-		return 0, false
+	useSpin := s.spinWins()
+	n := s.waits.Add(1)
+	probe := int32(n-s.next.Load()) >= 0
+	if probe {
+		s.next.Store(n + max(s.gap.Load(), probeMin))
+		useSpin = !useSpin
 	}
-	return min(max(2*est, spinFloor), spinCap), false
+	if useSpin {
+		return spinCap, probe
+	}
+	return 0, probe
 }
 
-// record adds the duration d of a wait to the average. A probe that
-// found its completion while spinning replaces it: the waits are fast
-// again.
-func (s *spinStats) record(d time.Duration, reset bool) {
-	d = min(d, sampleMax)
-	if reset {
-		s.est.Store(int64(d))
+// spinWins reports whether spinning is the way that costs less.
+func (s *spinStats) spinWins() bool {
+	spin, sleep := s.spin.Load(), s.sleep.Load()
+	return spin <= int64(spinLong) && spin <= sleep-sleep/spinMargin
+}
+
+// probed adjusts the gap between probes after one: probes that change
+// nothing come ever more rarely (a probe of spinning costs up to spinCap
+// of processor time, and under contention more), one that changes the
+// choice brings them back to probeMin.
+func (s *spinStats) probed(spun bool) {
+	if s.spinWins() == spun {
+		s.gap.Store(probeMin)
+	} else {
+		s.gap.Store(min(2*max(s.gap.Load(), probeMin), probeMax))
+	}
+}
+
+// record adds d to the average a with weight 2^-shift (its first sample
+// replaces it).
+func record(a *atomic.Int64, d time.Duration, shift int) {
+	v := a.Load()
+	if v == 0 {
+		a.Store(int64(d))
 		return
 	}
-	est := s.est.Load()
-	s.est.Store(est + (int64(d)-est)>>ewmaShift)
+	a.Store(v + (int64(d)-v)>>shift)
 }
