@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -37,8 +38,8 @@ import (
 // b.N reads are shared among the clients. Besides ns/op (wall time per
 // read, all clients together), it reports the median and 99th percentile
 // of the reads' latencies over every client (p50-ns, p99-ns, from
-// hdrhistogram) and the clients' CPU time per read (cpu-ns/op: what
-// spinning costs). clients=8 puts more spinning clients than the machine
+// hdrhistogram), the clients' CPU time per read (cpu-ns/op: what
+// spinning costs) and their allocations per read (client-allocs/op). clients=8 puts more spinning clients than the machine
 // has cores.
 //
 //	go test -run '^$' -bench PollKV -benchtime 20000x ./channel/
@@ -140,6 +141,7 @@ func benchPollKV(b *testing.B, kind string, clients, spin int) {
 	}
 	all := newKVHist()
 	var cpu time.Duration
+	var mallocs uint64
 	for _, p := range procs {
 		f := p.Line(b, "hist")
 		h, err := hdrhistogram.Decode([]byte(f[0]))
@@ -152,6 +154,11 @@ func benchPollKV(b *testing.B, kind string, clients, spin int) {
 			b.Fatal(err)
 		}
 		cpu += time.Duration(ns)
+		m, err := strconv.ParseUint(f[2], 10, 64)
+		if err != nil {
+			b.Fatal(err)
+		}
+		mallocs += m
 	}
 	b.StopTimer()
 	for _, p := range procs {
@@ -159,7 +166,9 @@ func benchPollKV(b *testing.B, kind string, clients, spin int) {
 	}
 	b.ReportMetric(float64(all.ValueAtQuantile(50)), "p50-ns")
 	b.ReportMetric(float64(all.ValueAtQuantile(99)), "p99-ns")
-	b.ReportMetric(float64(cpu)/float64(max(all.TotalCount(), 1)), "cpu-ns/op")
+	n := float64(max(all.TotalCount(), 1))
+	b.ReportMetric(float64(cpu)/n, "cpu-ns/op")
+	b.ReportMetric(float64(mallocs)/n, "client-allocs/op")
 }
 
 func newKVHist() *hdrhistogram.Histogram { return hdrhistogram.New(1, int64(time.Minute), 3) }
@@ -257,6 +266,9 @@ func kvClient(spin string) error {
 		return err
 	}
 	h := newKVHist()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	mallocs := ms.Mallocs
 	cpu0 := cpuTime()
 	for range st.N {
 		t0 := time.Now()
@@ -266,11 +278,13 @@ func kvClient(spin string) error {
 		h.RecordValue(int64(time.Since(t0)))
 	}
 	cpu := cpuTime() - cpu0
+	runtime.ReadMemStats(&ms)
+	mallocs = ms.Mallocs - mallocs
 	enc, err := h.Encode(hdrhistogram.V2CompressedEncodingCookieBase)
 	if err != nil {
 		return err
 	}
-	fmt.Printf("hist %s %d\n", enc, cpu)
+	fmt.Printf("hist %s %d %d\n", enc, cpu, mallocs)
 	for in.Scan() { // until stdin closes
 	}
 	return nil

@@ -31,7 +31,8 @@ const (
 // included, and uses the one that costs less, trying the other now and
 // then so that its average stays current: every probeMin-th wait at
 // first, ever more rarely (down to every probeMax-th) while the probes
-// change nothing. A probe weighs 1/2: the average it updates is old. For a client that waits for one request at
+// change nothing. A probe replaces the average of the way it tries, which
+// is old by then; if it was a lucky one, the waits that follow correct it. For a client that waits for one request at
 // a time the average wait is the inverse of its throughput, so this
 // keeps whichever serves it faster:
 //
@@ -62,7 +63,7 @@ const (
 	probeMin   = 16                    // waits between probes, at first
 	probeMax   = 512                   // waits between probes, after many that changed nothing
 	ewmaShift  = 3                     // weight 1/8
-	probeShift = 1                     // weight 1/2
+	probeShift = 0                     // a probe replaces the average: it is old
 )
 
 // spinners counts the goroutines of the process that spin in an
@@ -185,7 +186,11 @@ func spinLimit() int32 { return int32(max(1, runtime.GOMAXPROCS(0)-1)) }
 func (s *spinStats) budget() (time.Duration, bool) {
 	useSpin := s.spinWins()
 	n := s.waits.Add(1)
-	probe := int32(n-s.next.Load()) >= 0
+	next := s.next.Load()
+	if next == 0 { // the first wait
+		s.next.CompareAndSwap(0, n+probeMin)
+	}
+	probe := next != 0 && int32(n-next) >= 0
 	if probe {
 		s.next.Store(n + max(s.gap.Load(), probeMin))
 		useSpin = !useSpin
@@ -209,6 +214,7 @@ func (s *spinStats) spinWins() bool {
 func (s *spinStats) probed(spun bool) {
 	if s.spinWins() == spun {
 		s.gap.Store(probeMin)
+		s.next.Store(s.waits.Load() + probeMin)
 	} else {
 		s.gap.Store(min(2*max(s.gap.Load(), probeMin), probeMax))
 	}
