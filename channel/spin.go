@@ -32,9 +32,10 @@ const (
 // then so that its average stays current: every probeMin-th wait at
 // first, ever more rarely (down to every probeMax-th) while the probes
 // change nothing. A probe replaces the average of the way it tries, which
-// is old by then; if it was a lucky one, the waits that follow correct it. For a client that waits for one request at
-// a time the average wait is the inverse of its throughput, so this
-// keeps whichever serves it faster:
+// is old by then; if it was a lucky one, the waits or the probe that
+// follow correct it. Before any sleeping wait, spinning is chosen. For a
+// client that waits for one request at a time the average wait is the
+// inverse of its throughput, so this keeps whichever serves it faster:
 //
 //   - Spinning is chosen only if it saves at least a quarter of a
 //     sleeping wait: when waits are long both cost about the same, and
@@ -204,7 +205,7 @@ func (s *spinStats) budget() (time.Duration, bool) {
 // spinWins reports whether spinning is the way that costs less.
 func (s *spinStats) spinWins() bool {
 	spin, sleep := s.spin.Load(), s.sleep.Load()
-	return spin <= int64(spinLong) && spin <= sleep-sleep/spinMargin
+	return spin <= int64(spinLong) && (sleep == 0 || spin <= sleep-sleep/spinMargin)
 }
 
 // probed adjusts the gap between probes after one: probes that change

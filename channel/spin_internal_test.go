@@ -17,6 +17,8 @@ func TestSpinWins(t *testing.T) {
 		want        bool
 	}{
 		{"no data yet", 0, 0, true},
+		{"no sleeping wait yet", us(30), 0, true},
+		{"no sleeping wait yet, long waits", int64(spinLong) + 1, 0, false},
 		{"spinning saves more than a quarter", us(10), us(40), true},
 		{"spinning saves less than a quarter", us(35), us(40), false},
 		{"spinning costs more", us(60), us(40), false},
