@@ -71,7 +71,7 @@
 // Options.SpinPolls chooses. The default, SpinAdaptive, decides per wait
 // between spinning for at most 50 µs and sleeping at once, from a moving
 // average of how long recent waits of each kind took (probing the other
-// kind now and then, ever more rarely while it stays worse); it sleeps
+// kind at gaps that double from 16 waits to 512); it sleeps
 // when waits are long (spinning waits averaging over 200 µs) or when more
 // goroutines of the process spin than GOMAXPROCS-1. A client waiting for
 // one operation at a time thereby keeps the kind that gives it the

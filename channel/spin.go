@@ -29,11 +29,10 @@ const (
 // The engine keeps, for each of the two, an exponentially weighted moving
 // average (weight 1/8) of how long its recent waits took, wake-ups
 // included, and uses the one that costs less, trying the other now and
-// then so that its average stays current: every probeMin-th wait at
-// first, ever more rarely (down to every probeMax-th) while the probes
-// change nothing. A probe replaces the average of the way it tries, which
-// is old by then; if it was a lucky one, the waits or the probe that
-// follow correct it. Before any sleeping wait, spinning is chosen. For a
+// then so that its average stays current: at the probeMin-th wait first,
+// then at gaps that double up to probeMax. A probe replaces the average of
+// the way it tries, which is old by then; if it was a lucky one, the
+// waits that follow correct it. Before any sleeping wait, spinning is chosen. For a
 // client that waits for one request at a time the average wait is the
 // inverse of its throughput, so this keeps whichever serves it faster:
 //
@@ -175,7 +174,7 @@ func (w *waiter) done(s *spinStats, ok bool) {
 		record(&s.sleep, d, shift)
 	}
 	if w.probe {
-		s.probed(w.budget > 0)
+		s.probed()
 	}
 }
 
@@ -208,17 +207,13 @@ func (s *spinStats) spinWins() bool {
 	return spin <= int64(spinLong) && (sleep == 0 || spin <= sleep-sleep/spinMargin)
 }
 
-// probed adjusts the gap between probes after one: probes that change
-// nothing come ever more rarely (a probe of spinning costs up to spinCap
-// of processor time, and under contention more), one that changes the
-// choice brings them back to probeMin.
-func (s *spinStats) probed(spun bool) {
-	if s.spinWins() == spun {
-		s.gap.Store(probeMin)
-		s.next.Store(s.waits.Load() + probeMin)
-	} else {
-		s.gap.Store(min(2*max(s.gap.Load(), probeMin), probeMax))
-	}
+// probed doubles the gap between probes, up to probeMax. A probe that
+// changes the choice does not bring them back: the waits of the new
+// choice keep its average current, and switch back by themselves if it
+// was a lucky probe, while frequent probes would keep switching to the
+// worse way for a few waits at a time.
+func (s *spinStats) probed() {
+	s.gap.Store(min(2*max(s.gap.Load(), probeMin), probeMax))
 }
 
 // record adds d to the average a with weight 2^-shift (its first sample

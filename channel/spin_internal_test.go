@@ -36,9 +36,9 @@ func TestSpinWins(t *testing.T) {
 	}
 }
 
-// TestSpinProbes: the way not chosen is tried every probeMin-th wait,
-// ever more rarely while the probes change nothing, and every probeMin-th
-// again once one did.
+// TestSpinProbes: the way not chosen is tried at the probeMin-th wait,
+// then at gaps that double up to probeMax; a probe that finds it better
+// makes it the choice.
 func TestSpinProbes(t *testing.T) {
 	var s spinStats
 	s.spin.Store(int64(time.Millisecond)) // sleeping wins
@@ -51,7 +51,7 @@ func TestSpinProbes(t *testing.T) {
 		w.budget, w.probe = s.budget()
 		if w.probe {
 			record(&s.spin, d, probeShift)
-			s.probed(w.budget > 0)
+			s.probed()
 		} else {
 			record(&s.sleep, 50*time.Microsecond, ewmaShift)
 		}
@@ -79,7 +79,7 @@ func TestSpinProbes(t *testing.T) {
 		}
 	}
 	// A probe that finds spinning fast makes it the choice: the
-	// following waits spin, and probe sleeping every probeMin-th.
+	// following waits spin, and probe sleeping every probeMax-th.
 	for i := 0; ; i++ {
 		if i > probeMax {
 			t.Fatal("no probe within probeMax waits")
@@ -91,17 +91,14 @@ func TestSpinProbes(t *testing.T) {
 	if !s.spinWins() {
 		t.Fatalf("a fast probe did not make spinning the choice: spin %v, sleep %v", time.Duration(s.spin.Load()), time.Duration(s.sleep.Load()))
 	}
-	if got := s.gap.Load(); got != probeMin {
-		t.Errorf("gap after the probe that changed the choice: %d, want %d", got, probeMin)
-	}
 	spins := 0
-	for range probeMin {
+	for range probeMax {
 		if budget, _ := s.budget(); budget > 0 {
 			spins++
 		}
 	}
-	if spins != probeMin-1 {
-		t.Errorf("%d of %d waits spin, want all but the probe", spins, probeMin)
+	if spins != probeMax-1 {
+		t.Errorf("%d of %d waits spin, want all but the probe", spins, probeMax)
 	}
 }
 
