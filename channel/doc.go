@@ -83,25 +83,24 @@
 // Measured with BenchmarkPollKV (./scripts/bench.sh poll 5: medians of 5
 // runs): clients in processes of their own read 64-byte values from a
 // server process with blocking RDMA reads over shared memory, on a
-// 2-core machine shared with other work (load average 10 to 20, which
+// 2-core machine shared with other work (load average 10 to 17, which
 // lengthens every figure). p50 latency per read, and time per read (wall
 // time ÷ the reads of all clients, the inverse of throughput):
 //
 //	                       spin        sleep      64 polls     adaptive
-//	shm, 1 client  p50     19 µs       38 µs      49 µs        48 µs
-//	               time   188 µs      124 µs     102 µs       158 µs
-//	shm, 8 clients p50    594 µs      651 µs     896 µs       602 µs
-//	               time  1488 µs      136 µs     154 µs       133 µs
+//	shm, 1 client  p50     21 µs       45 µs      52 µs        38 µs
+//	               time   209 µs       92 µs     113 µs        68 µs
+//	shm, 8 clients p50     98 µs      545 µs     793 µs       626 µs
+//	               time   738 µs      125 µs     148 µs       136 µs
 //
-// One client spinning alone has the lowest median, but the longest tail
-// (p99 3.9 ms: a spinner that used its time slice waits for the next one,
-// on a busy machine); eight clients spinning on two cores take ten times
-// as long per read as sleeping ones (p99 110 ms), and the adaptive
-// default stays with sleeping there. Over unix sockets and TCP with one
-// client the adaptive default had the shortest time per read of the four
-// (unix 108 µs, spin 440, sleep 158; TCP 55 µs, spin 162, sleep 73).
-// Where a spinner keeps its core (an idle machine), spinning waits are
-// the shorter ones on average, and the default spins.
+// One client spinning alone has the lowest median, but on a busy machine
+// the longest tail (p99 4 ms: a spinner that used up its time slice waits
+// for the next one); eight clients spinning on two cores take six times
+// as long per read as sleeping ones (p99 51 ms), and the adaptive default
+// stays with sleeping there. The adaptive default had a lower median than
+// the old one (64 polls) in every case measured, over unix sockets and
+// TCP too. Where a spinner keeps its core (an idle machine), spinning
+// waits are the shorter ones on average, and the default spins.
 //
 // # Lifetimes
 //
