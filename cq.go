@@ -311,14 +311,14 @@ func (cq *CompletionQueue) Wait(ctx context.Context) error {
 		// A completion may have arrived before the arm: look for one.
 		cq.mu.Lock()
 		if !cq.stashed.Load() {
-			var one [1]prov.Completion
-			n, err := cq.cq.Poll(one[:])
+			// Polled straight into the stash (guarded by mu): a local
+			// array would escape to the heap through the interface.
+			n, err := cq.cq.Poll(unsafe.Slice(&cq.stash, 1))
 			if err != nil {
 				cq.mu.Unlock()
 				return opErr("wait on cq", cq.c.name, err)
 			}
 			if n == 1 {
-				cq.stash = one[0]
 				cq.stashed.Store(true)
 			}
 		}

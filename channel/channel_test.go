@@ -664,28 +664,32 @@ func TestBlockingWriteAllocatesNothing(t *testing.T) {
 	if testing.Short() {
 		t.Skip("allocation count")
 	}
-	a, b := newPair(t, channel.Options{})
-	ctx := testCtx(t)
-	dst, src := b.buf.Remote().At(0), a.sge(0, 64)
-	allocs := testing.AllocsPerRun(200, func() {
-		if err := a.ch.Write(ctx, dst, src); err != nil {
-			t.Fatal(err)
-		}
-	})
-	if allocs > 0 {
-		t.Errorf("a blocking write allocates %.1f times", allocs)
-	}
-	allocs = testing.AllocsPerRun(200, func() {
-		h, err := a.ch.PostWrite(dst, src)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := h.Wait(ctx); err != nil {
-			t.Fatal(err)
-		}
-		h.Release()
-	})
-	if allocs > 0 {
-		t.Errorf("post, wait and release allocate %.1f times", allocs)
+	for _, m := range spinModes {
+		t.Run(m.name, func(t *testing.T) {
+			a, b := newPair(t, channel.Options{SpinPolls: m.spin})
+			ctx := testCtx(t)
+			dst, src := b.buf.Remote().At(0), a.sge(0, 64)
+			allocs := testing.AllocsPerRun(200, func() {
+				if err := a.ch.Write(ctx, dst, src); err != nil {
+					t.Fatal(err)
+				}
+			})
+			if allocs > 0 {
+				t.Errorf("a blocking write allocates %.1f times", allocs)
+			}
+			allocs = testing.AllocsPerRun(200, func() {
+				h, err := a.ch.PostWrite(dst, src)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := h.Wait(ctx); err != nil {
+					t.Fatal(err)
+				}
+				h.Release()
+			})
+			if allocs > 0 {
+				t.Errorf("post, wait and release allocate %.1f times", allocs)
+			}
+		})
 	}
 }

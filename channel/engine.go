@@ -119,6 +119,7 @@ type engine struct {
 	waiters  atomic.Int32
 	pollFree chan struct{} // capacity 1: the poller left; someone else should poll
 	wcs      []verbs.Completion
+	spin     spinStats // how long waits took (the adaptive spin policy)
 
 	bcMu      sync.Mutex
 	bc        chan struct{} // closed when completions were dispatched (condition waiters)
@@ -414,12 +415,16 @@ func (e *engine) progress() error {
 
 // wait blocks until ready reports true, ctx ends or the engine closes.
 // One waiting goroutine at a time polls the CQ and dispatches completions
-// for everyone (spinning a little, then sleeping on the CQ's completion
-// channel); the others sleep until their completion arrives (ch), the
-// poller leaves, or, with a nil ch, any completion is dispatched. ready
-// must be cheap and must not block.
-func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) error {
-	spins := 0
+// for everyone (spinning as Options.SpinPolls says, then sleeping on the
+// CQ's completion channel); the others sleep until their completion
+// arrives (ch), the poller leaves, or, with a nil ch, any completion is
+// dispatched. ready must be cheap and must not block.
+func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) (err error) {
+	if ready() {
+		return nil
+	}
+	w := newWaiter(e.opts.SpinPolls)
+	defer func() { w.done(&e.spin, err == nil) }()
 	for {
 		if ready() {
 			return nil
@@ -428,6 +433,7 @@ func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) 
 			return ErrClosed
 		}
 		if !e.pollMu.TryLock() {
+			w.yield() // not polling: not spinning either
 			if polling, err := e.sleep(ctx, ready, ch); err != nil {
 				return err
 			} else if !polling {
@@ -437,9 +443,16 @@ func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) 
 		// This goroutine is the poller.
 		n, err := e.poll()
 		if err == nil && n == 0 && !ready() {
-			if spins < e.opts.SpinPolls {
-				spins++
+			if w.spin(&e.spin) {
 				e.unlockPoll()
+				select {
+				case <-ctx.Done():
+					if ready() {
+						return nil
+					}
+					return waitErr(ctx.Err())
+				default:
+				}
 				runtime.Gosched()
 				continue
 			}

@@ -23,10 +23,18 @@ type Options struct {
 	// sum of every queue pair's send and receive depths, limited by the
 	// device) or 4096, whichever is smaller.
 	MaxOutstanding int
-	// SpinPolls is how many empty polls a waiting goroutine makes, yielding
-	// the processor between them, before it sleeps on the completion
-	// channel. Spinning trades CPU for latency. Default 64; negative: never
-	// spin.
+	// SpinPolls is how a waiting goroutine that polls the completion
+	// queue and finds nothing waits for more: it spins (polls again,
+	// yielding the processor in between) or sleeps on the completion
+	// channel. Spinning trades processor time for latency.
+	//
+	// SpinAdaptive (0, the default) chooses for each wait, from how long
+	// recent waits took, between spinning for at most 50 µs and sleeping
+	// at once; it sleeps when waits are long or when spinners outnumber
+	// the processors (see the package documentation, Waiting). A
+	// positive value spins that many empty polls, then sleeps;
+	// SpinNever (any negative value) always sleeps at once; SpinAlways
+	// never sleeps. Every wait honours its context.
 	SpinPolls int
 	// FlushGrace bounds how long tearing down in-flight operations waits
 	// for their flush completions (after a cancelled blocking call, a
@@ -38,7 +46,6 @@ type Options struct {
 const (
 	defaultQueueDepth     = 128
 	defaultMaxOutstanding = 4096
-	defaultSpinPolls      = 64
 	defaultFlushGrace     = time.Second
 )
 
@@ -58,10 +65,8 @@ func (o Options) withDefaults() (Options, error) {
 	if o.MaxOutstanding < 0 {
 		return o, fmt.Errorf("channel: Options.MaxOutstanding %d is negative", o.MaxOutstanding)
 	}
-	if o.SpinPolls == 0 {
-		o.SpinPolls = defaultSpinPolls
-	} else if o.SpinPolls < 0 {
-		o.SpinPolls = 0
+	if o.SpinPolls < 0 {
+		o.SpinPolls = SpinNever
 	}
 	if o.FlushGrace <= 0 {
 		o.FlushGrace = defaultFlushGrace

@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# scripts/bench.sh — reproduce a README benchmark figure: run a Go
-# benchmark and its baseline in the same binary, alternately, several
-# times, and print the median of each and their ratio.
+# scripts/bench.sh — regenerate the README's benchmark tables: run each Go
+# benchmark and its baseline in the same binary, alternately (the measured
+# case, then its baseline, round after round), RUNS times, and print the
+# medians and their ratios as markdown table rows ready to paste.
 #
-#   ./scripts/bench.sh tls [RUNS]   soft0 RDMA-write bandwidth over TCP,
-#                                   encrypted (TLS) vs plain, 64 KiB and 1 MiB
+#   ./scripts/bench.sh inproc [RUNS]  in-process soft0 (root package):
+#                                     SubmitPoll, WriteMsgRate, WriteBW vs Copy
+#   ./scripts/bench.sh xproc [RUNS]   across processes (internal/soft): shared
+#                                     memory, TCP and unix sockets vs copy(),
+#                                     raw streams and raw ping-pongs
+#   ./scripts/bench.sh tls [RUNS]     soft0 RDMA-write bandwidth over TCP,
+#                                     encrypted (TLS) vs plain, 64 KiB and 1 MiB
+#   ./scripts/bench.sh poll [RUNS]    channel's ways of waiting (package
+#                                     channel, BenchmarkPollKV): a key-value
+#                                     GET across processes, 1 and 8 clients
+#   ./scripts/bench.sh all [RUNS]     all of the above
 #
-# RUNS defaults to 5. Every run builds nothing new: the test binary is
-# built once and each round runs the measured case and its baseline back
-# to back.
+# RUNS defaults to 5. Each package's test binary is built once; every
+# round runs each case in its own process, the measured case right before
+# its baseline. POLL_KINDS (default "shm unix tcp") and POLL_CLIENTS
+# (default "1 8") narrow the poll target.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 command -v go >/dev/null 2>&1 || export PATH=/usr/local/go/bin:$PATH
@@ -21,28 +32,188 @@ trap 'rm -rf "$bin"' EXIT
 # median reads numbers, one per line, and prints their median.
 median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
 
-case "$what" in
-tls)
-	go test -c -o "$bin/soft.test" ./internal/soft/
-	for size in 64 1024; do
-		: >"$bin/plain"
-		: >"$bin/tls"
-		for ((i = 0; i < runs; i++)); do
-			for kind in tcp tls; do
-				f=plain
-				[[ $kind == tls ]] && f=tls
-				"$bin/soft.test" -test.run '^$' -test.bench "XprocWriteBandwidth/$kind/size=${size}KiB\$" -test.count 1 |
-					awk '/^Benchmark/ {for (i = 1; i <= NF; i++) if ($(i+1) == "MB/s") print $i}' >>"$bin/$f"
+# build NAME PKG builds the test binary of PKG once.
+build() { [[ -x $bin/$1.test ]] || go test -c -o "$bin/$1.test" "$2"; }
+
+# run NAME PATTERN [BENCHTIME] runs the benchmarks of binary NAME that
+# PATTERN matches, once, with allocation counts, and prints their result
+# lines.
+run() {
+	"$bin/$1.test" -test.run '^$' -test.bench "$2" -test.count 1 -test.benchmem ${3:+-test.benchtime "$3"} >"$bin/out" ||
+		{ cat "$bin/out" >&2; exit 1; }
+	grep -m1 '^cpu:' "$bin/out" >"$bin/cpu" || true
+	grep '^Benchmark' "$bin/out" || { echo "bench.sh: no result for $2" >&2; exit 1; }
+}
+
+# rounds NAME ID PATTERN [ID PATTERN...] runs RUNS rounds; in each, every
+# case in the order given (measured case, then its baseline). The result
+# lines of case ID accumulate in $bin/ID.
+rounds() {
+	local name=$1
+	shift
+	local -a cases=("$@")
+	for ((r = 0; r < runs; r++)); do
+		for ((i = 0; i < ${#cases[@]}; i += 2)); do
+			run "$name" "${cases[i + 1]}" >>"$bin/${cases[i]}"
+		done
+	done
+}
+
+# med ID UNIT [NAME] prints the median of the value before UNIT in the
+# result lines of case ID (only the lines whose benchmark name contains
+# NAME, if given).
+med() {
+	awk -v u="$2" -v n="${3:-}" 'n == "" || index($1, n) {for (i = 3; i <= NF; i++) if ($i == u) {print $(i-1); break}}' "$bin/$1" | median
+}
+
+# calc 'FORMAT, ARGS...' is printf in awk (floating point).
+calc() { awk "BEGIN {printf $1}" ; }
+
+header() {
+	local cpu
+	cpu=$(sed 's/^cpu: *//; s/ *$//' "$bin/cpu" 2>/dev/null || true)
+	printf '\n`./scripts/bench.sh %s %d`: medians of %d runs, %s, %d CPUs (%s), %s\n\n' \
+		"$1" "$runs" "$runs" "$(date -u +%Y-%m-%d)" "$(nproc)" "${cpu:-unknown CPU}" "$(go env GOVERSION)"
+}
+
+inproc() {
+	build verbs .
+	rounds verbs \
+		submit '^BenchmarkSubmitPoll$' \
+		rate1 '^BenchmarkWriteMsgRate$/^batch=1$' \
+		rate16 '^BenchmarkWriteMsgRate$/^batch=16$' \
+		rate64 '^BenchmarkWriteMsgRate$/^batch=64$' \
+		bw64 '^BenchmarkWriteBW$/^size=64KiB$' \
+		copy64 '^BenchmarkCopy$/^size=64KiB$' \
+		bw1m '^BenchmarkWriteBW$/^size=1MiB$' \
+		copy1m '^BenchmarkCopy$/^size=1MiB$'
+	header inproc
+	echo '| benchmark | result | allocs/op |'
+	echo '| --- | --- | --- |'
+	calc "\"| \`SubmitPoll\` (batch of 16 64-byte writes, last signaled, one Submit, Poll until its completion) | %.2f µs per batch (%.1f M writes/s) | %s |\n\", $(med submit ns/op)/1000, $(med submit Mmsg/s), $(med submit allocs/op)"
+	local b
+	for b in 1 16 64; do
+		local label="\`WriteMsgRate/batch=$b\`"
+		[[ $b == 1 ]] && label="$label (64-byte writes, 256 outstanding)"
+		calc "\"| $label | %.1f ns/msg, %.2f Mmsg/s | %s |\n\", $(med rate$b ns/op), $(med rate$b Mmsg/s), $(med rate$b allocs/op)"
+	done
+	calc "\"| \`WriteBW/size=64KiB\` (RDMA write, batches of 16) | %.0f MB/s | %s |\n\", $(med bw64 MB/s), $(med bw64 allocs/op)"
+	calc "\"| \`Copy/size=64KiB\` (\`copy()\` baseline, same binary) | %.0f MB/s | %s |\n\", $(med copy64 MB/s), $(med copy64 allocs/op)"
+	calc "\"| \`WriteBW/size=1MiB\` | %.0f MB/s | %s |\n\", $(med bw1m MB/s), $(med bw1m allocs/op)"
+	calc "\"| \`Copy/size=1MiB\` | %.0f MB/s | %s |\n\", $(med copy1m MB/s), $(med copy1m allocs/op)"
+	calc "\"\nWriteBW / Copy: %.2f at 64 KiB, %.2f at 1 MiB\n\", $(med bw64 MB/s)/$(med copy64 MB/s), $(med bw1m MB/s)/$(med copy1m MB/s)"
+}
+
+# gib ID prints the median bandwidth of case ID in GiB/s (Go's MB/s is
+# 10^6 bytes/s).
+gib() { calc "\"%.2f\", $(med "$1" MB/s)*1e6/2^30"; }
+# us ID prints the median ns/op of case ID in µs.
+us() { calc "\"%.2f\", $(med "$1" ns/op)/1000"; }
+
+xproc() {
+	build soft ./internal/soft/
+	local -a cases=(
+		shmbw '^BenchmarkXprocWriteBandwidth$/^shm$/^size=1024KiB$'
+		copy '^BenchmarkCopy$/^size=1024KiB$'
+		shmspin '^BenchmarkXprocSendRTT$/^wait=spin$/^shm$'
+		shmsleep '^BenchmarkXprocSendRTT$/^wait=sleep$/^shm$'
+		unixpp '^BenchmarkRawPingPong$/^unix$'
+	)
+	local k
+	for k in tcp unix; do
+		cases+=(
+			${k}bw64 "^BenchmarkXprocWriteBandwidth\$/^$k\$/^size=64KiB\$"
+			${k}raw64 "^BenchmarkRawStream\$/^$k\$/^size=64KiB\$"
+			${k}bw1m "^BenchmarkXprocWriteBandwidth\$/^$k\$/^size=1024KiB\$"
+			${k}raw1m "^BenchmarkRawStream\$/^$k\$/^size=1024KiB\$"
+			${k}spin "^BenchmarkXprocSendRTT\$/^wait=spin\$/^$k\$"
+			${k}pp "^BenchmarkRawPingPong\$/^$k\$"
+			${k}spinpp "^BenchmarkRawSpinPingPong\$/^$k\$"
+			${k}sleep "^BenchmarkXprocSendRTT\$/^wait=sleep\$/^$k\$"
+		)
+	done
+	rounds soft "${cases[@]}"
+	header xproc
+	echo '| transport | measure | soft0 | baseline | ratio | soft0 allocs/op |'
+	echo '| --- | --- | --- | --- | --- | --- |'
+	calc "\"| shared memory | RDMA write, 1 MiB | $(gib shmbw) GiB/s | \`copy()\` $(gib copy) GiB/s | %.2f | $(med shmbw allocs/op) |\n\", $(med shmbw MB/s)/$(med copy MB/s)"
+	calc "\"| shared memory | 8-byte send round trip, polling | $(us shmspin) µs | unix socket ping-pong $(us unixpp) µs | %.2f | $(med shmspin allocs/op) |\n\", $(med shmspin ns/op)/$(med unixpp ns/op)"
+	calc "\"| shared memory | same, sleeping in the completion channel | $(us shmsleep) µs | unix socket ping-pong $(us unixpp) µs | %.2f | $(med shmsleep allocs/op) |\n\", $(med shmsleep ns/op)/$(med unixpp ns/op)"
+	local name
+	for k in tcp unix; do
+		name="TCP loopback" raw="raw Go TCP stream" pp="raw TCP ping-pong"
+		[[ $k == unix ]] && name="unix socket" raw="raw Go unix stream" pp="raw unix ping-pong"
+		calc "\"| $name | RDMA write, 64 KiB, 128 in flight | $(gib ${k}bw64) GiB/s | $raw $(gib ${k}raw64) GiB/s | %.2f | $(med ${k}bw64 allocs/op) |\n\", $(med ${k}bw64 MB/s)/$(med ${k}raw64 MB/s)"
+		calc "\"| $name | RDMA write, 1 MiB | $(gib ${k}bw1m) GiB/s | $raw $(gib ${k}raw1m) GiB/s | %.2f | $(med ${k}bw1m allocs/op) |\n\", $(med ${k}bw1m MB/s)/$(med ${k}raw1m MB/s)"
+		calc "\"| $name | 8-byte send round trip, polling | $(us ${k}spin) µs | $pp $(us ${k}pp) µs; $(us ${k}spinpp) µs spinning on non-blocking reads | %.2f; %.2f | $(med ${k}spin allocs/op) |\n\", $(med ${k}spin ns/op)/$(med ${k}pp ns/op), $(med ${k}spin ns/op)/$(med ${k}spinpp ns/op)"
+		calc "\"| $name | same, sleeping | $(us ${k}sleep) µs | $pp $(us ${k}pp) µs | %.2f | $(med ${k}sleep allocs/op) |\n\", $(med ${k}sleep ns/op)/$(med ${k}pp ns/op)"
+	done
+}
+
+tls() {
+	build soft ./internal/soft/
+	rounds soft \
+		plain64 '^BenchmarkXprocWriteBandwidth$/^tcp$/^size=64KiB$' \
+		tls64 '^BenchmarkXprocWriteBandwidth$/^tls$/^size=64KiB$' \
+		plain1m '^BenchmarkXprocWriteBandwidth$/^tcp$/^size=1024KiB$' \
+		tls1m '^BenchmarkXprocWriteBandwidth$/^tls$/^size=1024KiB$'
+	header tls
+	echo '| RDMA write | plain TCP | TLS | TLS/plain |'
+	echo '| --- | --- | --- | --- |'
+	calc "\"| 64 KiB, 128 in flight | %.0f MB/s | %.0f MB/s | %.2f |\n\", $(med plain64 MB/s), $(med tls64 MB/s), $(med tls64 MB/s)/$(med plain64 MB/s)"
+	calc "\"| 1 MiB | %.0f MB/s | %.0f MB/s | %.2f |\n\", $(med plain1m MB/s), $(med tls1m MB/s), $(med tls1m MB/s)/$(med plain1m MB/s)"
+}
+
+poll() {
+	build channel ./channel/
+	local k c
+	local -a kinds=(${POLL_KINDS:-shm unix tcp}) clients=(${POLL_CLIENTS:-1 8})
+	for ((r = 0; r < runs; r++)); do
+		for k in "${kinds[@]}"; do
+			for c in "${clients[@]}"; do
+				# One process per case: the four ways of waiting, one
+				# after the other. 5000 reads, 500 per client with 8.
+				local n=5000
+				((c > 1)) && n=$((500 * c))
+				run channel "^BenchmarkPollKV\$/^$k\$/^clients=$c\$" "${n}x" >>"$bin/poll-$k-$c"
 			done
 		done
-		p=$(median <"$bin/plain")
-		t=$(median <"$bin/tls")
-		awk -v s="$size" -v p="$p" -v t="$t" -v n="$runs" 'BEGIN {
-			printf "RDMA write %4d KiB over TCP, medians of %d runs: plain %.0f MB/s, TLS %.0f MB/s, TLS/plain %.2f\n", s, n, p, t, t / p }'
 	done
+	header poll
+	echo '| transport | clients | measure | spin (`SpinAlways`) | sleep (`SpinNever`) | 64 polls (old default) | adaptive (default) | adaptive ÷ spin | adaptive ÷ sleep |'
+	echo '| --- | --- | --- | --- | --- | --- | --- | --- | --- |'
+	local m unit label
+	for k in "${kinds[@]}"; do
+		for c in "${clients[@]}"; do
+			for m in p50 p99 mean cpu; do
+				case $m in
+				p50) unit=p50-ns label="p50 latency" ;;
+				p99) unit=p99-ns label="p99 latency" ;;
+				mean) unit=ns/op label="time per read" ;;
+				cpu) unit=cpu-ns/op label="client CPU per read" ;;
+				esac
+				local -a v=()
+				local w
+				for w in spin sleep polls64 adaptive; do
+					v+=("$(med "poll-$k-$c" "$unit" "wait=$w-")")
+				done
+				calc "\"| $k | $c | $label | %.1f µs | %.1f µs | %.1f µs | %.1f µs | %.2f | %.2f |\n\", ${v[0]}/1000, ${v[1]}/1000, ${v[2]}/1000, ${v[3]}/1000, ${v[3]}/${v[0]}, ${v[3]}/${v[1]}"
+			done
+		done
+	done
+	calc "\"\nallocations per read in the clients (adaptive, medians): %s\n\", \"$(for k in "${kinds[@]}"; do for c in "${clients[@]}"; do printf '%s/%s %s; ' "$k" "$c" "$(med "poll-$k-$c" client-allocs/op wait=adaptive-)"; done; done)\""
+}
+
+case "$what" in
+inproc | xproc | tls | poll) "$what" ;;
+all)
+	inproc
+	xproc
+	tls
+	poll
 	;;
 *)
-	echo "usage: $0 tls [RUNS]" >&2
+	echo "usage: $0 inproc|xproc|tls|poll|all [RUNS]" >&2
 	exit 2
 	;;
 esac
