@@ -109,6 +109,13 @@ type conn struct {
 	rbufs  [2][]byte
 	rxData [2]span
 
+	// The request being handled (handleReq), for ackFirst (rmu).
+	rxID     uint64
+	rxQPN    uint32
+	rxAnswer bool  // it is to be answered
+	rxAcked  bool  // ackFirst answered it
+	rxErr    error // ackFirst could not send
+
 	// Responses held back (progress.go): appended by the consumer,
 	// taken by whoever writes to the connection next.
 	respMu sync.Mutex
@@ -236,6 +243,56 @@ func (c *conn) fail(err error) {
 		q.x.push(rresp{c: c, down: true}, 0)
 		q.runQueue(false)
 	}
+}
+
+// closeGracefully takes the connection down as this process' Close does
+// (the service stops): what it holds for the peer is written first (the
+// held responses and the send queue, until deadline), then a socket is
+// shut down for writing and read to its end, which the peer's reader
+// answers by closing its side. Closing a socket with unread bytes would
+// reset it, which can discard what the peer has not received yet. (A
+// shared-memory connection needs none of it: the peer reads the ring
+// to its end when the socket closes, see failAfterDrain.)
+func (c *conn) closeGracefully(err error, deadline time.Time) {
+	c.flushResps()
+	shut := false
+	c.wmu.Lock()
+	if !c.dead.Load() {
+		c.setDeadline(deadline)
+		werr := c.flushQueueLocked(time.Until(deadline))
+		c.setDeadline(time.Time{})
+		shut = werr == nil && c.shm == nil && c.closeWrite() == nil
+	}
+	c.wmu.Unlock()
+	if shut {
+		t := time.NewTimer(time.Until(deadline))
+		select {
+		case <-c.done:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	c.fail(err)
+}
+
+// closeWrite shuts the socket down for writing: the peer reads to the
+// end of what was written, then its end of file.
+func (c *conn) closeWrite() error {
+	if c.quiet != nil {
+		var serr error
+		if err := c.quiet.Control(func(fd uintptr) { serr = unix.Shutdown(int(fd), unix.SHUT_WR) }); err != nil {
+			return err
+		}
+		return serr
+	}
+	nc := c.nc
+	if c.link != nil {
+		nc = c.link.(*bufConn).Conn
+	}
+	if cw, ok := nc.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return errors.ErrUnsupported
 }
 
 // addUser registers q, which has requests in flight on c, to learn of
@@ -613,8 +670,16 @@ func (c *conn) flushLoop() {
 // sendAsync sends a frame without waiting: what the socket does not take
 // now is queued for the flusher. bufs may be reused when it returns.
 func (c *conn) sendAsync(bufs [][]byte) {
+	if err := c.sendNow(bufs); err != nil {
+		c.fail(err)
+	}
+}
+
+// sendNow is sendAsync, but a failure is returned rather than taking the
+// connection down (the caller must, without the locks it holds).
+func (c *conn) sendNow(bufs [][]byte) error {
 	if c.dead.Load() {
-		return
+		return nil
 	}
 	over := false
 	if c.wmu.TryLock() {
@@ -623,8 +688,7 @@ func (c *conn) sendAsync(bufs [][]byte) {
 			n, err := c.tryWrite(bufs)
 			if err != nil {
 				c.wmu.Unlock()
-				c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
-				return
+				return fmt.Errorf("soft: write to process %d: %w", c.peerPID, err)
 			}
 			written = n
 		}
@@ -636,16 +700,16 @@ func (c *conn) sendAsync(bufs [][]byte) {
 		}
 		c.wmu.Unlock()
 		if all {
-			return
+			return nil
 		}
 	} else {
 		over = c.enqueue(bufs, 0, nil, false)
 	}
 	if over {
-		c.failOverflow()
-		return
+		return c.overflowErr()
 	}
 	c.wakeFlusher()
+	return nil
 }
 
 func (c *conn) queueEmpty() bool {
@@ -784,8 +848,10 @@ func (c *conn) enqueue(bufs [][]byte, skip int, rd *readJob, front bool) bool {
 // queueChunk is the largest buffer of the send queue.
 const queueChunk = 64 << 10
 
-func (c *conn) failOverflow() {
-	c.fail(fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued for it", c.peerPID, maxQueued>>20))
+func (c *conn) failOverflow() { c.fail(c.overflowErr()) }
+
+func (c *conn) overflowErr() error {
+	return fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued for it", c.peerPID, maxQueued>>20)
 }
 
 func total(bufs [][]byte) int {
@@ -932,6 +998,7 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		req.deferRead = req.op == opRead && !req.direct // sendRead sends the data
 	}
 	var resp response
+	c.rxID, c.rxQPN, c.rxAnswer, c.rxAcked = id, req.srcQPN, flags&reqNoResp == 0, false
 	if t := c.f.qps.load(req.dstQPN); t == nil {
 		resp.code = silentOr(&req, respNoQP)
 	} else {
@@ -941,6 +1008,12 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 			t.x.rev.Store(c)
 		}
 	}
+	if c.rxAcked {
+		// Answered before its receive completion (ackFirst).
+		err := c.rxErr
+		c.rxAcked, c.rxErr = false, nil
+		return err
+	}
 	if flags&reqNoResp != 0 || resp.code == respSilent || resp.code == respACK && req.more {
 		return nil
 	}
@@ -949,17 +1022,56 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		c.sendRead(id, req.srcQPN, resp.src, req.raddr, req.length)
 		return nil
 	}
-	// Held (progress.go), up to a limit.
+	// Held (progress.go), up to a limit. A NAK that moved the responder
+	// to ERR is not: its application may have polled the error
+	// completions that go with it.
 	c.respMu.Lock()
-	k := len(c.resps)
-	c.resps = c.resps[:k+hdrLen+respBodyLen]
-	putHdr(c.resps[k:], frResp, respBodyLen, id)
-	putResp(c.resps[k+hdrLen:], req.srcQPN, &resp)
-	if len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
+	c.appendRespLocked(id, req.srcQPN, &resp)
+	if resp.code >= respInvReq || len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
 		c.flushRespsLocked()
 	}
 	c.respMu.Unlock()
 	return nil
+}
+
+// appendRespLocked holds the response r to the request id of the peer's
+// QP qpn (respMu held).
+func (c *conn) appendRespLocked(id uint64, qpn uint32, r *response) {
+	k := len(c.resps)
+	c.resps = c.resps[:k+hdrLen+respBodyLen]
+	putHdr(c.resps[k:], frResp, respBodyLen, id)
+	putResp(c.resps[k+hdrLen:], qpn, r)
+}
+
+// ackFirst answers the request being handled with an ACK, after the
+// responses held before it, ahead of the receive completion the request
+// produces: the responder calls it just before it delivers the
+// completion (qp.completeRecv). An application may exit as soon as it
+// has polled a completion, without closing anything: its
+// acknowledgement must have left by then, or the requester would see
+// RETRY_EXC_ERR for a message that was delivered. It leaves in the
+// socket or the ring unless the connection is congested (the socket
+// full, or another goroutine writing: then the flusher writes it, in
+// microseconds) or encrypted (TLS: always the flusher).
+//
+// Called by the consumer in handleReq, within the responder (the target
+// QP's rmu held): it does not take the connection down itself (that runs
+// requesters, which take their rmu), handleReq does.
+func (c *conn) ackFirst() {
+	if !c.rxAnswer || c.rxAcked {
+		return
+	}
+	c.rxAcked = true
+	c.respMu.Lock()
+	c.appendRespLocked(c.rxID, c.rxQPN, &response{code: respACK})
+	c.fbufs[0] = c.resps
+	err := c.sendNow(c.fbufs[:1])
+	c.fbufs[0] = nil
+	c.resps = c.resps[:0]
+	c.respMu.Unlock()
+	if err != nil && c.rxErr == nil {
+		c.rxErr = err
+	}
 }
 
 // flushResps sends the held responses.
