@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/goverbs/verbs/internal/pintls"
 	"github.com/goverbs/verbs/internal/prov"
 )
 
@@ -275,6 +276,25 @@ func (c *conn) closeGracefully(err error, deadline time.Time) {
 	c.fail(err)
 }
 
+// tcpSocket is the socket under a connection's TLS session, or its
+// socket.
+func (c *conn) tcpSocket() net.Conn {
+	if c.link == nil {
+		return c.nc
+	}
+	nc := c.link.(net.Conn)
+	for {
+		switch w := nc.(type) {
+		case *bufConn:
+			nc = w.Conn
+		case *pintls.PrefixConn:
+			nc = w.Conn
+		default:
+			return nc
+		}
+	}
+}
+
 // closeWrite shuts the socket down for writing: the peer reads to the
 // end of what was written, then its end of file.
 func (c *conn) closeWrite() error {
@@ -285,11 +305,7 @@ func (c *conn) closeWrite() error {
 		}
 		return serr
 	}
-	nc := c.nc
-	if c.link != nil {
-		nc = c.link.(*bufConn).Conn
-	}
-	if cw, ok := nc.(interface{ CloseWrite() error }); ok {
+	if cw, ok := c.tcpSocket().(interface{ CloseWrite() error }); ok {
 		return cw.CloseWrite()
 	}
 	return errors.ErrUnsupported
@@ -712,6 +728,52 @@ func (c *conn) sendNow(bufs [][]byte) error {
 	return nil
 }
 
+// writeTLSNow writes the frame bufs into the TLS session now if that
+// cannot wait: nobody else writes, nothing is queued, and the socket has
+// room for it to spare. It reports whether it wrote (err: the write
+// failed; the caller takes the connection down). Otherwise the frame is
+// the flusher's, as every frame of a TLS connection (sendNow).
+func (c *conn) writeTLSNow(bufs [][]byte, err *error) bool {
+	if c.dead.Load() || !c.wmu.TryLock() {
+		return false
+	}
+	defer c.wmu.Unlock()
+	if !c.queueEmpty() || !socketRoom(c.tcpSocket(), total(bufs)+tlsOverhead) {
+		return false
+	}
+	if werr := c.tlsw.writeAll(bufs); werr != nil {
+		*err = fmt.Errorf("soft: write to process %d: %w", c.peerPID, werr)
+	}
+	return true
+}
+
+// tlsOverhead bounds what TLS adds to a record.
+const tlsOverhead = 64
+
+// socketRoom reports whether the socket of nc can take n more bytes
+// without waiting: what it holds unsent or unacknowledged leaves n and
+// half its send buffer free.
+func socketRoom(nc net.Conn, n int) bool {
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return false
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	room := false
+	raw.Control(func(fd uintptr) {
+		queued, err := unix.IoctlGetInt(int(fd), unix.SIOCOUTQ)
+		if err != nil {
+			return
+		}
+		size, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF)
+		room = err == nil && queued+n <= size/2
+	})
+	return room
+}
+
 func (c *conn) queueEmpty() bool {
 	c.qmu.Lock()
 	defer c.qmu.Unlock()
@@ -1065,7 +1127,10 @@ func (c *conn) ackFirst() {
 	c.respMu.Lock()
 	c.appendRespLocked(c.rxID, c.rxQPN, &response{code: respACK})
 	c.fbufs[0] = c.resps
-	err := c.sendNow(c.fbufs[:1])
+	var err error
+	if c.tlsw == nil || !c.writeTLSNow(c.fbufs[:1], &err) {
+		err = c.sendNow(c.fbufs[:1])
+	}
 	c.fbufs[0] = nil
 	c.resps = c.resps[:0]
 	c.respMu.Unlock()
