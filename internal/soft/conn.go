@@ -244,6 +244,58 @@ func (c *conn) fail(err error) {
 		q.x.push(rresp{c: c, down: true}, 0)
 		q.runQueue(false)
 	}
+	c.failQPs()
+}
+
+// failQPs moves the QPs connected to the peer process to ERR: the RC and
+// UC QPs whose destination is a QP of that process (its endpoint is one
+// the peer proved it holds). The connection is gone: the peer exited,
+// was killed, closed its last device context, or broke the protocol, and
+// its QPs can never be reached again through it. A hardware QP reports
+// nothing in this case until a request of its own times out, and a QP
+// that only waits for receives waits forever; soft0 knows, and moves it
+// to ERR as a hardware QP moves on a fatal transport error: everything
+// that arrived before was delivered (the connection fails after its
+// consumer has handled every complete frame; see failAfterDrain for
+// shared memory), the posted receives complete with WR_FLUSH_ERR (so a
+// poll or a wait for them returns), the send queue is flushed, and the
+// QP's context gets IBV_EVENT_QP_FATAL. Requests in flight on the
+// connection have failed with RETRY_EXC_ERR before (the "down" records
+// above are retired before the state is looked at). A QP of the peer
+// that was merely closed (its process lives on) leaves the connection
+// up: nothing is reported then, as on hardware.
+func (c *conn) failQPs() {
+	var hit []*qp
+	c.f.qps.each(func(q *qp) {
+		if q.typ == prov.QPTypeUD {
+			return
+		}
+		q.rmu.Lock()
+		p, ok := q.route.(*peer)
+		if ok && p != nil && p.key.fabric == c.peerFab && c.auth.proves(&p.addr) && q.toErrLocked(evQPFatal) {
+			hit = append(hit, q)
+		}
+		q.rmu.Unlock()
+	})
+	for _, q := range hit {
+		q.drainWaiters()
+		q.kick() // flushes the send queue
+	}
+}
+
+// each calls fn for every object in the table.
+func (t *table[T]) each(fn func(*T)) {
+	for i := range t.chunks {
+		c := t.chunks[i].Load()
+		if c == nil {
+			continue
+		}
+		for j := range c {
+			if v := c[j].Load(); v != nil {
+				fn(v)
+			}
+		}
+	}
 }
 
 // closeGracefully takes the connection down as this process' Close does

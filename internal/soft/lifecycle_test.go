@@ -412,3 +412,51 @@ func TestDeliveredBeforeExit(t *testing.T) {
 		})
 	}
 }
+
+// TestPeerKilledFlushesReceives: a QP that only waits for receives
+// learns that the peer process died: what the peer sent before arrives,
+// then the posted receives complete with WR_FLUSH_ERR (the wait for them
+// returns), the QP is in ERR and its context reports QP_FATAL for it.
+// (soft0 saw the connection close and said nothing: the wait blocked
+// forever, as on hardware.)
+func TestPeerKilledFlushesReceives(t *testing.T) {
+	for _, kind := range lifeKinds {
+		t.Run(kind, func(t *testing.T) {
+			forceLife(t, kind)
+			e := newEnv(t)
+			l := newLifeQP(t, e)
+			p := testproc.Start(t, lifeEnv(kind)...)
+			l.connectChild(t, p, 14, 7)
+			const sent, posted = 3, 8
+			for i := range posted {
+				wr := []prov.RecvWR{{WRID: uint64(100 + i), NumSGE: 1}}
+				if _, err := l.qp.PostRecv(wr, []prov.SGE{l.m.sge(64*i, 64)}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			p.Send(t, "send %d", sent)
+			if f := p.Line(t, "sent"); strings.Join(f, " ") != "0 0 0" {
+				t.Fatalf("the peer's sends completed with %v", f)
+			}
+			if err := p.Cmd.Process.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			cs := l.wait(t, posted)
+			for i, c := range cs {
+				want := prov.StatusSuccess
+				if i >= sent {
+					want = prov.StatusWRFlushErr
+				}
+				if c.WRID != uint64(100+i) || c.Status != want || c.Opcode != prov.WCRecv || c.QPN != l.qp.QPN() {
+					t.Errorf("completion %d: %+v, want wr_id %d, status %v", i, c, 100+i, want)
+				}
+			}
+			if ev := nextEvent(t, e.ctx); ev.Type != evQPFatal || ev.QPN != l.qp.QPN() {
+				t.Errorf("event %+v, want QP_FATAL for QP %d", ev, l.qp.QPN())
+			}
+			if st := state(t, l.qp); st != prov.QPStateErr {
+				t.Errorf("QP in %v, want ERR", st)
+			}
+		})
+	}
+}
