@@ -31,9 +31,10 @@ import (
 // the registered memory) and, for RC, waits for the response. The wait
 // ends with the response, the loss of the connection, the QP's Close, or
 // the QP's transport timeout (timeout × (retry_cnt+1), at least
-// minRespTimeout): everything but the response makes the request fail with
-// RETRY_EXC_ERR, as on a RC QP whose peer stopped answering. UC and UD
-// requests get no response.
+// minRespTimeout, restarted while the peer shows signs of life: alive):
+// everything but the response makes the request fail with RETRY_EXC_ERR,
+// as on a RC QP whose peer stopped answering. UC and UD requests get no
+// response.
 //
 // Responses. One goroutine per connection reads frames, unless an
 // application's CQ poll does it in its place (progress.go). It runs every
@@ -58,9 +59,17 @@ import (
 // beyond which the peer counts as reading nothing and the connection
 // fails. Pooled buffers are bounded in total (bufPoolMax).
 //
+// Acknowledgements. The response to a request that completes a receive
+// leaves before the completion is visible (ackFirst): an application
+// may exit as soon as it has polled it. Other responses may be held for
+// a while (progress.go) and leave at the latest when a QP or the
+// service closes (closeGracefully).
+//
 // Failure. End of file, a read or write error, a write timeout, or a
-// malformed frame takes the connection down: it is closed, waiting
-// requesters fail, and the next request to the peer connects again.
+// malformed frame takes the connection down, after the frames that
+// arrived complete were handled: it is closed, waiting requesters fail,
+// the QPs connected to the peer process move to ERR (failQPs), and the
+// next request to the peer (of a new QP) connects again.
 type conn struct {
 	s       *service
 	f       *fabric
@@ -76,8 +85,9 @@ type conn struct {
 	auth    peerAuth   // what the peer proved of its identity (handshake.go)
 	loops   sync.WaitGroup
 
-	dead  atomic.Bool
-	done  chan struct{}
+	dead   atomic.Bool
+	done   chan struct{}
+	rxSeen atomic.Uint64 // frames handled (a sign of the peer's life: alive)
 	errMu sync.Mutex
 	err   error
 
@@ -140,9 +150,11 @@ type conn struct {
 
 const (
 	// minRespTimeout bounds the RC response timeout from below: the peer's
-	// goroutines can be descheduled on a loaded host, where a NIC would
-	// answer in hardware.
-	minRespTimeout = 2 * time.Second
+	// goroutines (and this process' reader) can be descheduled on a
+	// loaded host, where a NIC would answer in hardware: for a few
+	// scheduler periods of an oversubscribed core (tens of
+	// milliseconds), a stop of the world or a page fault storm.
+	minRespTimeout = 100 * time.Millisecond
 	// writeTimeout bounds a write to a peer that reads nothing for QPs
 	// without a transport timeout, and for the flusher.
 	writeTimeout = 60 * time.Second
@@ -479,12 +491,66 @@ func (c *conn) writeSegsLocked(req *request, flags uint8, id uint64, data []span
 
 // respTimeout is how long a RC request waits for its response: the QP's
 // transport timeout × (retry_cnt+1), at least minRespTimeout; 0: forever.
+// (A NIC retransmits after each transport timeout; soft0's transports do
+// not lose frames, so the retransmissions are the waits, without the
+// packets.) The wait restarts while the peer shows signs of life
+// (conn.alive).
 func (q *qp) respTimeout() time.Duration {
 	d := transportTimeout(q.attr.Timeout)
 	if d == 0 {
 		return 0
 	}
 	return max(d*time.Duration(q.attr.RetryCnt+1), minRespTimeout)
+}
+
+// alive reports whether the peer showed signs of life since *mark (its
+// frames were handled, or bytes of it wait to be), which it then moves
+// on. A RC request whose response is late fails only without them
+// (xreq.go): the peer's goroutines, unlike a NIC, can be descheduled
+// (an oversubscribed host, a stop of the world), and so can this
+// process' reader, with the response waiting in its socket.
+func (c *conn) alive(mark *uint64) bool {
+	n := c.rxSeen.Load()
+	moved := n != *mark
+	*mark = n
+	return moved || c.inputWaiting()
+}
+
+// inputWaiting reports whether bytes from the peer wait to be read: in
+// the inbound ring, or in the socket.
+func (c *conn) inputWaiting() bool {
+	if c.shm != nil {
+		// The ring stays mapped while rmu is held and the connection
+		// is up (service.addConn). Held: a consumer is at it (maybe
+		// the caller's, which may hold it: retire runs in
+		// handleResp), which counts as life.
+		if !c.rmu.TryLock() {
+			return true
+		}
+		defer c.rmu.Unlock()
+		if c.dead.Load() {
+			return false
+		}
+		in := &c.shm.in
+		return atomic.LoadUint64(in.tail) != atomic.LoadUint64(in.head)
+	}
+	if c.dead.Load() {
+		return false
+	}
+	sc, ok := c.tcpSocket().(syscall.Conn)
+	if c.quiet != nil {
+		sc, ok = c.quiet.f, true
+	}
+	if !ok {
+		return false
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	n := 0
+	raw.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+	return n > 0
 }
 
 // writeFrame writes one frame, waiting for room (at most timeout: then the

@@ -9,7 +9,10 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/prov"
@@ -457,6 +460,136 @@ func TestPeerKilledFlushesReceives(t *testing.T) {
 			if st := state(t, l.qp); st != prov.QPStateErr {
 				t.Errorf("QP in %v, want ERR", st)
 			}
+		})
+	}
+}
+
+// stopPeer stops the process p (SIGSTOP) and waits until it is stopped;
+// it is continued when the test ends.
+func stopPeer(t *testing.T, p *testproc.Proc) {
+	t.Helper()
+	pid := p.Cmd.Process.Pid
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Kill(pid, syscall.SIGCONT) })
+	deadline := time.Now().Add(hangGuard)
+	for {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			t.Skipf("cannot read the state of process %d: %v", pid, err)
+		}
+		// pid (comm) state ...: the state follows the last ')'.
+		if i := strings.LastIndexByte(string(b), ')'); i > 0 && i+2 < len(b) && b[i+2] == 'T' {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d did not stop", pid)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// stoppedFor is how long TestPeerStoppedTimeout keeps the peer stopped:
+// the request must fail before (the QPs' transport timeouts are well
+// below it).
+const stoppedFor = 1500 * time.Millisecond
+
+// TestPeerStoppedTimeout: a RC request to a stopped peer fails with
+// RETRY_EXC_ERR after the QP's transport timeout × (retry_cnt+1) (at
+// least minRespTimeout), while the peer is still stopped, and not
+// before. (soft0 waited 2 s whatever the QP's attributes: here the peer
+// was continued before, and answered.)
+func TestPeerStoppedTimeout(t *testing.T) {
+	for _, kind := range lifeKinds {
+		t.Run(kind, func(t *testing.T) {
+			forceLife(t, kind)
+			e := newEnv(t)
+			p := testproc.Start(t, lifeEnv(kind)...)
+			for _, tc := range []struct{ timeout, retry uint8 }{{10, 0}, {12, 3}, {14, 7}} {
+				t.Run(fmt.Sprintf("Timeout%dRetry%d", tc.timeout, tc.retry), func(t *testing.T) {
+					want := transportTimeout(tc.timeout) * time.Duration(tc.retry+1)
+					l := newLifeQP(t, e)
+					l.connectChild(t, p, tc.timeout, tc.retry)
+					p.Send(t, "recv 2")
+					p.Line(t, "ok")
+					// A first message makes sure the connection is up.
+					l.send(t, 1)
+					if c := l.wait(t, 1)[0]; c.Status != prov.StatusSuccess {
+						t.Fatalf("first send: %+v", c)
+					}
+					pid := p.Cmd.Process.Pid
+					stopPeer(t, p)
+					start := time.Now()
+					l.send(t, 2)
+					cont := time.AfterFunc(stoppedFor, func() { syscall.Kill(pid, syscall.SIGCONT) })
+					c := l.wait(t, 1)[0]
+					took := time.Since(start)
+					stillStopped := cont.Stop()
+					syscall.Kill(pid, syscall.SIGCONT)
+					t.Logf("%s: transport timeout %v × %d: failed after %v", kind, transportTimeout(tc.timeout), tc.retry+1, took.Round(time.Millisecond))
+					if c.Status != prov.StatusRetryExcErr || !stillStopped {
+						t.Fatalf("send to a peer stopped for %v: %+v (after %v), want RETRY_EXC_ERR while it is stopped", stoppedFor, c, took)
+					}
+					if took < want {
+						t.Errorf("the send failed after %v, before the transport timeout (%v)", took, want)
+					}
+				})
+			}
+			p.Send(t, "exit")
+			p.Stop(t)
+		})
+	}
+}
+
+// TestSlowPeerNotDeclaredDead: a peer that is alive but gets the CPU
+// only now and then (stopped 20 ms out of every 40) is not declared dead
+// by a QP with the shortest transport timeout: soft0 waits at least
+// minRespTimeout, as the peer's goroutines, unlike a NIC, need the CPU to
+// answer.
+func TestSlowPeerNotDeclaredDead(t *testing.T) {
+	for _, kind := range lifeKinds {
+		t.Run(kind, func(t *testing.T) {
+			forceLife(t, kind)
+			e := newEnv(t)
+			p := testproc.Start(t, lifeEnv(kind)...)
+			l := newLifeQP(t, e)
+			l.connectChild(t, p, 1, 0)
+			const n = 30
+			p.Send(t, "recv %d", n)
+			p.Line(t, "ok")
+			pid := p.Cmd.Process.Pid
+			done := make(chan struct{})
+			var wg sync.WaitGroup
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer syscall.Kill(pid, syscall.SIGCONT)
+				for {
+					syscall.Kill(pid, syscall.SIGSTOP)
+					time.Sleep(20 * time.Millisecond)
+					syscall.Kill(pid, syscall.SIGCONT)
+					select {
+					case <-done:
+						return
+					case <-time.After(20 * time.Millisecond):
+					}
+				}
+			}()
+			for i := range n {
+				// Every 7 ms: many a message finds the peer stopped.
+				time.Sleep(7 * time.Millisecond)
+				l.send(t, uint64(i))
+				if c := l.wait(t, 1)[0]; c.Status != prov.StatusSuccess {
+					close(done)
+					wg.Wait()
+					t.Fatalf("send %d to a slow peer: %+v", i, c)
+				}
+			}
+			close(done)
+			wg.Wait()
+			p.Send(t, "exit")
+			p.Stop(t)
 		})
 	}
 }
