@@ -88,8 +88,8 @@ type conn struct {
 	dead   atomic.Bool
 	done   chan struct{}
 	rxSeen atomic.Uint64 // frames handled (a sign of the peer's life: alive)
-	errMu sync.Mutex
-	err   error
+	errMu  sync.Mutex
+	err    error
 
 	nextID atomic.Uint64
 
