@@ -60,7 +60,7 @@ type QPSpec struct {
 	// default 14 (about 67 ms). TimeoutInfinite waits forever. A request
 	// that gets no acknowledgement fails with StatusRetryExcErr after
 	// the timeout × (RetryCount+1): about 0.54 s by default. soft0 waits
-	// at least 100 ms, however small the timeout (its peer's goroutines,
+	// at least 250 ms, however small the timeout (its peer's goroutines,
 	// unlike a NIC, need the CPU to answer, and a loaded host can
 	// deschedule them for tens of milliseconds), and restarts the wait
 	// while the peer process shows signs of life.

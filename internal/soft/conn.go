@@ -153,8 +153,11 @@ const (
 	// goroutines (and this process' reader) can be descheduled on a
 	// loaded host, where a NIC would answer in hardware: for a few
 	// scheduler periods of an oversubscribed core (tens of
-	// milliseconds), a stop of the world or a page fault storm.
-	minRespTimeout = 100 * time.Millisecond
+	// milliseconds, more under the race detector), a stop of the world
+	// or a page fault storm. It also bounds each wait of a large
+	// request's write for room in the socket (writeReq). 100 ms was
+	// seen to fail a 1 MiB write on two loaded cores with -race.
+	minRespTimeout = 250 * time.Millisecond
 	// writeTimeout bounds a write to a peer that reads nothing for QPs
 	// without a transport timeout, and for the flusher.
 	writeTimeout = 60 * time.Second

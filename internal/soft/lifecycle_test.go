@@ -342,6 +342,12 @@ var (
 	closeRounds = 1000
 )
 
+// ackTimeout is the transport timeout of TestDeliveredBeforeExit's QPs:
+// about a second, so that a loaded host cannot make a response late
+// (an acknowledgement that is lost fails the request when the
+// connection closes, at once).
+const ackTimeout = 18
+
 // TestDeliveredBeforeExit: a peer receives a message and at once exits
 // (without closing anything) or closes its device context: the sender
 // must see success, every time, on every transport. (soft0 held the
@@ -378,7 +384,7 @@ func TestDeliveredBeforeExit(t *testing.T) {
 					procs = procs[1:]
 					mode := []string{"poll", "wait"}[i%2]
 					l := newLifeQP(t, e)
-					l.connectChild(t, p, 14, 7)
+					l.connectChild(t, p, ackTimeout, 7)
 					p.Send(t, "recv 1")
 					p.Line(t, "ok")
 					p.Send(t, "recvexit %s", mode)
@@ -397,15 +403,17 @@ func TestDeliveredBeforeExit(t *testing.T) {
 				for i := 0; i < crounds; i++ {
 					mode := []string{"poll", "wait"}[i%2]
 					l := newLifeQP(t, e)
-					l.connectChild(t, p, 14, 7)
+					l.connectChild(t, p, ackTimeout, 7)
 					p.Send(t, "recv 1")
 					p.Line(t, "ok")
 					p.Send(t, "recvclose %s", mode)
+					start := time.Now()
 					l.send(t, uint64(i))
 					c := l.wait(t, 1)[0]
+					took := time.Since(start)
 					f := p.Line(t, "closed")
 					if c.Status != prov.StatusSuccess {
-						t.Fatalf("round %d (%s): the peer received the message (status %v) and closed, the sender saw %+v", i, mode, f, c)
+						t.Fatalf("round %d (%s): the peer received the message (status %v) and closed, the sender saw %+v after %v", i, mode, f, c, took)
 					}
 					l.close(t)
 				}

@@ -45,7 +45,7 @@
 // oldest RC request in flight on it with RETRY_EXC_ERR and the QP flushes
 // the rest, as a RC QP whose retries are exhausted; so does a request
 // without a response after the QP's transport timeout, 4.096 µs ×
-// 2^timeout × (retry_cnt+1), but at least minRespTimeout (100 ms: the
+// 2^timeout × (retry_cnt+1), but at least minRespTimeout (250 ms: the
 // peer's goroutines, unlike a NIC, need the CPU to answer, and a loaded
 // host can deschedule them for tens of milliseconds), restarted while
 // the peer shows signs of life (its frames arrive: a slow peer is not a
