@@ -324,14 +324,22 @@ func (t *table[T]) each(fn func(*T)) {
 func (c *conn) closeGracefully(err error, deadline time.Time) {
 	c.flushResps()
 	shut := false
-	c.wmu.Lock()
-	if !c.dead.Load() {
-		c.setDeadline(deadline)
-		werr := c.flushQueueLocked(time.Until(deadline))
-		c.setDeadline(time.Time{})
-		shut = werr == nil && c.shm == nil && c.closeWrite() == nil
+	// A writer that waits for room (a peer that reads nothing) holds wmu
+	// until its own deadline: not beyond this one.
+	locked := c.wmu.TryLock()
+	for !locked && time.Now().Before(deadline) && !c.dead.Load() {
+		time.Sleep(time.Millisecond)
+		locked = c.wmu.TryLock()
 	}
-	c.wmu.Unlock()
+	if locked {
+		if !c.dead.Load() {
+			c.setDeadline(deadline)
+			werr := c.flushQueueLocked(time.Until(deadline))
+			c.setDeadline(time.Time{})
+			shut = werr == nil && c.shm == nil && c.closeWrite() == nil
+		}
+		c.wmu.Unlock()
+	}
 	if shut {
 		t := time.NewTimer(time.Until(deadline))
 		select {
