@@ -381,6 +381,15 @@ func (t AsyncEventType) String() string {
 
 // AsyncEvent blocks until the device reports an asynchronous event (port
 // state changes, QPs or CQs entering the error state, SRQ limits) or ctx ends.
+//
+// soft0 also reports EventQPFatal for each RC and UC queue pair
+// connected to a queue pair of another process when its connection to
+// that process is lost (it exited, was killed, or closed its last
+// context): the queue pair moves to StateError after delivering what
+// had arrived, and its posted receives complete with StatusWRFlushErr,
+// so that a side that only waits for receives learns of the peer's
+// death. Hardware has no such event (a queue pair learns of a dead peer
+// only when a request of its own times out).
 func (c *Context) AsyncEvent(ctx context.Context) (AsyncEvent, error) {
 	if err := c.check("get async event"); err != nil {
 		return AsyncEvent{}, err

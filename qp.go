@@ -57,7 +57,13 @@ type QPSpec struct {
 	QKey uint32
 
 	// Timeout is the RC local ACK timeout exponent (4.096 µs × 2^Timeout);
-	// default 14 (about 67 ms). TimeoutInfinite waits forever.
+	// default 14 (about 67 ms). TimeoutInfinite waits forever. A request
+	// that gets no acknowledgement fails with StatusRetryExcErr after
+	// the timeout × (RetryCount+1): about 0.54 s by default. soft0 waits
+	// at least 250 ms, however small the timeout (its peer's goroutines,
+	// unlike a NIC, need the CPU to answer, and a loaded host can
+	// deschedule them for tens of milliseconds), and restarts the wait
+	// while the peer process shows signs of life.
 	Timeout uint8
 	// RetryCount is how often RC retransmits on timeout; default 7.
 	// Use -1 for no retries.

@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/goverbs/verbs/internal/pintls"
 	"github.com/goverbs/verbs/internal/prov"
 )
 
@@ -30,9 +31,10 @@ import (
 // the registered memory) and, for RC, waits for the response. The wait
 // ends with the response, the loss of the connection, the QP's Close, or
 // the QP's transport timeout (timeout × (retry_cnt+1), at least
-// minRespTimeout): everything but the response makes the request fail with
-// RETRY_EXC_ERR, as on a RC QP whose peer stopped answering. UC and UD
-// requests get no response.
+// minRespTimeout, restarted while the peer shows signs of life: alive):
+// everything but the response makes the request fail with RETRY_EXC_ERR,
+// as on a RC QP whose peer stopped answering. UC and UD requests get no
+// response.
 //
 // Responses. One goroutine per connection reads frames, unless an
 // application's CQ poll does it in its place (progress.go). It runs every
@@ -57,9 +59,17 @@ import (
 // beyond which the peer counts as reading nothing and the connection
 // fails. Pooled buffers are bounded in total (bufPoolMax).
 //
+// Acknowledgements. The response to a request that completes a receive
+// leaves before the completion is visible (ackFirst): an application
+// may exit as soon as it has polled it. Other responses may be held for
+// a while (progress.go) and leave at the latest when a QP or the
+// service closes (closeGracefully).
+//
 // Failure. End of file, a read or write error, a write timeout, or a
-// malformed frame takes the connection down: it is closed, waiting
-// requesters fail, and the next request to the peer connects again.
+// malformed frame takes the connection down, after the frames that
+// arrived complete were handled: it is closed, waiting requesters fail,
+// the QPs connected to the peer process move to ERR (failQPs), and the
+// next request to the peer (of a new QP) connects again.
 type conn struct {
 	s       *service
 	f       *fabric
@@ -75,10 +85,11 @@ type conn struct {
 	auth    peerAuth   // what the peer proved of its identity (handshake.go)
 	loops   sync.WaitGroup
 
-	dead  atomic.Bool
-	done  chan struct{}
-	errMu sync.Mutex
-	err   error
+	dead   atomic.Bool
+	done   chan struct{}
+	rxSeen atomic.Uint64 // frames handled (a sign of the peer's life: alive)
+	errMu  sync.Mutex
+	err    error
 
 	nextID atomic.Uint64
 
@@ -109,6 +120,13 @@ type conn struct {
 	rbufs  [2][]byte
 	rxData [2]span
 
+	// The request being handled (handleReq), for ackFirst (rmu).
+	rxID     uint64
+	rxQPN    uint32
+	rxAnswer bool  // it is to be answered
+	rxAcked  bool  // ackFirst answered it
+	rxErr    error // ackFirst could not send
+
 	// Responses held back (progress.go): appended by the consumer,
 	// taken by whoever writes to the connection next.
 	respMu sync.Mutex
@@ -132,9 +150,14 @@ type conn struct {
 
 const (
 	// minRespTimeout bounds the RC response timeout from below: the peer's
-	// goroutines can be descheduled on a loaded host, where a NIC would
-	// answer in hardware.
-	minRespTimeout = 2 * time.Second
+	// goroutines (and this process' reader) can be descheduled on a
+	// loaded host, where a NIC would answer in hardware: for a few
+	// scheduler periods of an oversubscribed core (tens of
+	// milliseconds, more under the race detector), a stop of the world
+	// or a page fault storm. It also bounds each wait of a large
+	// request's write for room in the socket (writeReq). 100 ms was
+	// seen to fail a 1 MiB write on two loaded cores with -race.
+	minRespTimeout = 250 * time.Millisecond
 	// writeTimeout bounds a write to a peer that reads nothing for QPs
 	// without a transport timeout, and for the flusher.
 	writeTimeout = 60 * time.Second
@@ -236,6 +259,131 @@ func (c *conn) fail(err error) {
 		q.x.push(rresp{c: c, down: true}, 0)
 		q.runQueue(false)
 	}
+	c.failQPs()
+}
+
+// failQPs moves the QPs connected to the peer process to ERR: the RC and
+// UC QPs whose destination is a QP of that process (its endpoint is one
+// the peer proved it holds). The connection is gone: the peer exited,
+// was killed, closed its last device context, or broke the protocol, and
+// its QPs can never be reached again through it. A hardware QP reports
+// nothing in this case until a request of its own times out, and a QP
+// that only waits for receives waits forever; soft0 knows, and moves it
+// to ERR as a hardware QP moves on a fatal transport error: everything
+// that arrived before was delivered (the connection fails after its
+// consumer has handled every complete frame; see failAfterDrain for
+// shared memory), the posted receives complete with WR_FLUSH_ERR (so a
+// poll or a wait for them returns), the send queue is flushed, and the
+// QP's context gets IBV_EVENT_QP_FATAL. Requests in flight on the
+// connection have failed with RETRY_EXC_ERR before (the "down" records
+// above are retired before the state is looked at). A QP of the peer
+// that was merely closed (its process lives on) leaves the connection
+// up: nothing is reported then, as on hardware.
+func (c *conn) failQPs() {
+	var hit []*qp
+	c.f.qps.each(func(q *qp) {
+		if q.typ == prov.QPTypeUD {
+			return
+		}
+		q.rmu.Lock()
+		p, ok := q.route.(*peer)
+		if ok && p != nil && p.key.fabric == c.peerFab && c.auth.proves(&p.addr) && q.toErrLocked(evQPFatal) {
+			hit = append(hit, q)
+		}
+		q.rmu.Unlock()
+	})
+	for _, q := range hit {
+		q.drainWaiters()
+		q.kick() // flushes the send queue
+	}
+}
+
+// each calls fn for every object in the table.
+func (t *table[T]) each(fn func(*T)) {
+	for i := range t.chunks {
+		c := t.chunks[i].Load()
+		if c == nil {
+			continue
+		}
+		for j := range c {
+			if v := c[j].Load(); v != nil {
+				fn(v)
+			}
+		}
+	}
+}
+
+// closeGracefully takes the connection down as this process' Close does
+// (the service stops): what it holds for the peer is written first (the
+// held responses and the send queue, until deadline), then a socket is
+// shut down for writing and read to its end, which the peer's reader
+// answers by closing its side. Closing a socket with unread bytes would
+// reset it, which can discard what the peer has not received yet. (A
+// shared-memory connection needs none of it: the peer reads the ring
+// to its end when the socket closes, see failAfterDrain.)
+func (c *conn) closeGracefully(err error, deadline time.Time) {
+	c.flushResps()
+	shut := false
+	// A writer that waits for room (a peer that reads nothing) holds wmu
+	// until its own deadline: not beyond this one.
+	locked := c.wmu.TryLock()
+	for !locked && time.Now().Before(deadline) && !c.dead.Load() {
+		time.Sleep(time.Millisecond)
+		locked = c.wmu.TryLock()
+	}
+	if locked {
+		if !c.dead.Load() {
+			c.setDeadline(deadline)
+			werr := c.flushQueueLocked(time.Until(deadline))
+			c.setDeadline(time.Time{})
+			shut = werr == nil && c.shm == nil && c.closeWrite() == nil
+		}
+		c.wmu.Unlock()
+	}
+	if shut {
+		t := time.NewTimer(time.Until(deadline))
+		select {
+		case <-c.done:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	c.fail(err)
+}
+
+// tcpSocket is the socket under a connection's TLS session, or its
+// socket.
+func (c *conn) tcpSocket() net.Conn {
+	if c.link == nil {
+		return c.nc
+	}
+	nc := c.link.(net.Conn)
+	for {
+		switch w := nc.(type) {
+		case *bufConn:
+			nc = w.Conn
+		case *pintls.PrefixConn:
+			nc = w.Conn
+		default:
+			return nc
+		}
+	}
+}
+
+// closeWrite shuts the socket down for writing: the peer reads to the
+// end of what was written, then its end of file.
+func (c *conn) closeWrite() error {
+	if c.quiet != nil {
+		var serr error
+		if err := c.quiet.Control(func(fd uintptr) { serr = unix.Shutdown(int(fd), unix.SHUT_WR) }); err != nil {
+			return err
+		}
+		return serr
+	}
+	if cw, ok := c.tcpSocket().(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return errors.ErrUnsupported
 }
 
 // addUser registers q, which has requests in flight on c, to learn of
@@ -354,12 +502,66 @@ func (c *conn) writeSegsLocked(req *request, flags uint8, id uint64, data []span
 
 // respTimeout is how long a RC request waits for its response: the QP's
 // transport timeout × (retry_cnt+1), at least minRespTimeout; 0: forever.
+// (A NIC retransmits after each transport timeout; soft0's transports do
+// not lose frames, so the retransmissions are the waits, without the
+// packets.) The wait restarts while the peer shows signs of life
+// (conn.alive).
 func (q *qp) respTimeout() time.Duration {
 	d := transportTimeout(q.attr.Timeout)
 	if d == 0 {
 		return 0
 	}
 	return max(d*time.Duration(q.attr.RetryCnt+1), minRespTimeout)
+}
+
+// alive reports whether the peer showed signs of life since *mark (its
+// frames were handled, or bytes of it wait to be), which it then moves
+// on. A RC request whose response is late fails only without them
+// (xreq.go): the peer's goroutines, unlike a NIC, can be descheduled
+// (an oversubscribed host, a stop of the world), and so can this
+// process' reader, with the response waiting in its socket.
+func (c *conn) alive(mark *uint64) bool {
+	n := c.rxSeen.Load()
+	moved := n != *mark
+	*mark = n
+	return moved || c.inputWaiting()
+}
+
+// inputWaiting reports whether bytes from the peer wait to be read: in
+// the inbound ring, or in the socket.
+func (c *conn) inputWaiting() bool {
+	if c.shm != nil {
+		// The ring stays mapped while rmu is held and the connection
+		// is up (service.addConn). Held: a consumer is at it (maybe
+		// the caller's, which may hold it: retire runs in
+		// handleResp), which counts as life.
+		if !c.rmu.TryLock() {
+			return true
+		}
+		defer c.rmu.Unlock()
+		if c.dead.Load() {
+			return false
+		}
+		in := &c.shm.in
+		return atomic.LoadUint64(in.tail) != atomic.LoadUint64(in.head)
+	}
+	if c.dead.Load() {
+		return false
+	}
+	sc, ok := c.tcpSocket().(syscall.Conn)
+	if c.quiet != nil {
+		sc, ok = c.quiet.f, true
+	}
+	if !ok {
+		return false
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	n := 0
+	raw.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+	return n > 0
 }
 
 // writeFrame writes one frame, waiting for room (at most timeout: then the
@@ -613,8 +815,16 @@ func (c *conn) flushLoop() {
 // sendAsync sends a frame without waiting: what the socket does not take
 // now is queued for the flusher. bufs may be reused when it returns.
 func (c *conn) sendAsync(bufs [][]byte) {
+	if err := c.sendNow(bufs); err != nil {
+		c.fail(err)
+	}
+}
+
+// sendNow is sendAsync, but a failure is returned rather than taking the
+// connection down (the caller must, without the locks it holds).
+func (c *conn) sendNow(bufs [][]byte) error {
 	if c.dead.Load() {
-		return
+		return nil
 	}
 	over := false
 	if c.wmu.TryLock() {
@@ -623,8 +833,7 @@ func (c *conn) sendAsync(bufs [][]byte) {
 			n, err := c.tryWrite(bufs)
 			if err != nil {
 				c.wmu.Unlock()
-				c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
-				return
+				return fmt.Errorf("soft: write to process %d: %w", c.peerPID, err)
 			}
 			written = n
 		}
@@ -636,16 +845,62 @@ func (c *conn) sendAsync(bufs [][]byte) {
 		}
 		c.wmu.Unlock()
 		if all {
-			return
+			return nil
 		}
 	} else {
 		over = c.enqueue(bufs, 0, nil, false)
 	}
 	if over {
-		c.failOverflow()
-		return
+		return c.overflowErr()
 	}
 	c.wakeFlusher()
+	return nil
+}
+
+// writeTLSNow writes the frame bufs into the TLS session now if that
+// cannot wait: nobody else writes, nothing is queued, and the socket has
+// room for it to spare. It reports whether it wrote (err: the write
+// failed; the caller takes the connection down). Otherwise the frame is
+// the flusher's, as every frame of a TLS connection (sendNow).
+func (c *conn) writeTLSNow(bufs [][]byte, err *error) bool {
+	if c.dead.Load() || !c.wmu.TryLock() {
+		return false
+	}
+	defer c.wmu.Unlock()
+	if !c.queueEmpty() || !socketRoom(c.tcpSocket(), total(bufs)+tlsOverhead) {
+		return false
+	}
+	if werr := c.tlsw.writeAll(bufs); werr != nil {
+		*err = fmt.Errorf("soft: write to process %d: %w", c.peerPID, werr)
+	}
+	return true
+}
+
+// tlsOverhead bounds what TLS adds to a record.
+const tlsOverhead = 64
+
+// socketRoom reports whether the socket of nc can take n more bytes
+// without waiting: what it holds unsent or unacknowledged leaves n and
+// half its send buffer free.
+func socketRoom(nc net.Conn, n int) bool {
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return false
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	room := false
+	raw.Control(func(fd uintptr) {
+		queued, err := unix.IoctlGetInt(int(fd), unix.SIOCOUTQ)
+		if err != nil {
+			return
+		}
+		size, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF)
+		room = err == nil && queued+n <= size/2
+	})
+	return room
 }
 
 func (c *conn) queueEmpty() bool {
@@ -784,8 +1039,10 @@ func (c *conn) enqueue(bufs [][]byte, skip int, rd *readJob, front bool) bool {
 // queueChunk is the largest buffer of the send queue.
 const queueChunk = 64 << 10
 
-func (c *conn) failOverflow() {
-	c.fail(fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued for it", c.peerPID, maxQueued>>20))
+func (c *conn) failOverflow() { c.fail(c.overflowErr()) }
+
+func (c *conn) overflowErr() error {
+	return fmt.Errorf("soft: process %d reads nothing: more than %d MiB queued for it", c.peerPID, maxQueued>>20)
 }
 
 func total(bufs [][]byte) int {
@@ -932,6 +1189,7 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		req.deferRead = req.op == opRead && !req.direct // sendRead sends the data
 	}
 	var resp response
+	c.rxID, c.rxQPN, c.rxAnswer, c.rxAcked = id, req.srcQPN, flags&reqNoResp == 0, false
 	if t := c.f.qps.load(req.dstQPN); t == nil {
 		resp.code = silentOr(&req, respNoQP)
 	} else {
@@ -941,6 +1199,12 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 			t.x.rev.Store(c)
 		}
 	}
+	if c.rxAcked {
+		// Answered before its receive completion (ackFirst).
+		err := c.rxErr
+		c.rxAcked, c.rxErr = false, nil
+		return err
+	}
 	if flags&reqNoResp != 0 || resp.code == respSilent || resp.code == respACK && req.more {
 		return nil
 	}
@@ -949,17 +1213,59 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		c.sendRead(id, req.srcQPN, resp.src, req.raddr, req.length)
 		return nil
 	}
-	// Held (progress.go), up to a limit.
+	// Held (progress.go), up to a limit. A NAK that moved the responder
+	// to ERR is not: its application may have polled the error
+	// completions that go with it.
 	c.respMu.Lock()
-	k := len(c.resps)
-	c.resps = c.resps[:k+hdrLen+respBodyLen]
-	putHdr(c.resps[k:], frResp, respBodyLen, id)
-	putResp(c.resps[k+hdrLen:], req.srcQPN, &resp)
-	if len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
+	c.appendRespLocked(id, req.srcQPN, &resp)
+	if resp.code >= respInvReq || len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
 		c.flushRespsLocked()
 	}
 	c.respMu.Unlock()
 	return nil
+}
+
+// appendRespLocked holds the response r to the request id of the peer's
+// QP qpn (respMu held).
+func (c *conn) appendRespLocked(id uint64, qpn uint32, r *response) {
+	k := len(c.resps)
+	c.resps = c.resps[:k+hdrLen+respBodyLen]
+	putHdr(c.resps[k:], frResp, respBodyLen, id)
+	putResp(c.resps[k+hdrLen:], qpn, r)
+}
+
+// ackFirst answers the request being handled with an ACK, after the
+// responses held before it, ahead of the receive completion the request
+// produces: the responder calls it just before it delivers the
+// completion (qp.completeRecv). An application may exit as soon as it
+// has polled a completion, without closing anything: its
+// acknowledgement must have left by then, or the requester would see
+// RETRY_EXC_ERR for a message that was delivered. It leaves in the
+// socket or the ring unless the connection is congested (the socket
+// full, or another goroutine writing: then the flusher writes it, in
+// microseconds) or encrypted (TLS: always the flusher).
+//
+// Called by the consumer in handleReq, within the responder (the target
+// QP's rmu held): it does not take the connection down itself (that runs
+// requesters, which take their rmu), handleReq does.
+func (c *conn) ackFirst() {
+	if !c.rxAnswer || c.rxAcked {
+		return
+	}
+	c.rxAcked = true
+	c.respMu.Lock()
+	c.appendRespLocked(c.rxID, c.rxQPN, &response{code: respACK})
+	c.fbufs[0] = c.resps
+	var err error
+	if c.tlsw == nil || !c.writeTLSNow(c.fbufs[:1], &err) {
+		err = c.sendNow(c.fbufs[:1])
+	}
+	c.fbufs[0] = nil
+	c.resps = c.resps[:0]
+	c.respMu.Unlock()
+	if err != nil && c.rxErr == nil {
+		c.rxErr = err
+	}
 }
 
 // flushResps sends the held responses.

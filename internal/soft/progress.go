@@ -172,6 +172,7 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 		c.rxData = [2]span{}
 		src.skip(uint64(hdrLen) + uint64(h.length))
 		n++
+		c.rxSeen.Add(1)
 		if err != nil {
 			return n, fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
 		}

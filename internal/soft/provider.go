@@ -44,7 +44,15 @@
 // (the peer died, a malformed frame, a write that times out) fails the
 // oldest RC request in flight on it with RETRY_EXC_ERR and the QP flushes
 // the rest, as a RC QP whose retries are exhausted; so does a request
-// without a response after timeout × (retry_cnt+1), but at least 2 s.
+// without a response after the QP's transport timeout, 4.096 µs ×
+// 2^timeout × (retry_cnt+1), but at least minRespTimeout (250 ms: the
+// peer's goroutines, unlike a NIC, need the CPU to answer, and a loaded
+// host can deschedule them for tens of milliseconds), restarted while
+// the peer shows signs of life (its frames arrive: a slow peer is not a
+// dead one; conn.alive). A receiver that exits right after it polled a
+// receive completion, without closing anything, has acknowledged the
+// message already: the acknowledgement leaves before the completion is
+// visible (conn.ackFirst); Close hands over what is held too.
 // Requests run in the poster's goroutine
 // where possible: PostSend executes the work requests it queued (copying
 // memory directly between registered regions) unless another goroutine is
@@ -76,6 +84,15 @@
 //     and UD the receiving QP stays operational and the sender succeeds.
 //   - A UD message longer than the port MTU (4096) completes with
 //     LOC_LEN_ERR at the sender (rxe silently drops it per C10-93.1.1).
+//   - When the connection to a peer process is lost (the process exited,
+//     was killed, or closed its last device context), the RC and UC QPs
+//     connected to QPs of that process move to ERR as on a fatal
+//     transport error: what arrived before is delivered, then the posted
+//     receives complete with WR_FLUSH_ERR and the context reports
+//     QP_FATAL for each (conn.failQPs). Hardware reports nothing there
+//     (a QP that only receives waits forever); soft0 knows, and says so
+//     where verbs has a place for it. A peer that only destroys its QP
+//     and lives on is not noticed, as on hardware.
 //   - Every requester-side error completion moves the QP to ERR (also for
 //     UC and UD, which on some hardware go to SQE) and reports an async
 //     QP_FATAL event; responder-side errors report QP_REQ_ERR or

@@ -277,6 +277,9 @@ func (q *qp) Close() error {
 	if !q.closed.CompareAndSwap(false, true) {
 		return nil
 	}
+	if s := q.f.svc.Load(); s != nil {
+		s.flushHeld() // the application may exit next
+	}
 	close(q.closing) // ends a wait for a peer process
 	q.progMu.Lock()
 	q.rmu.Lock()

@@ -553,6 +553,11 @@ func (t *qp) completeRecv(wrid uint64, st prov.Status, req *request, byteLen uin
 		c.SrcQP = req.srcQPN
 		c.Flags |= prov.WCWithGRH
 	}
+	if req.srcConn != nil && st == prov.StatusSuccess && t.typ == prov.QPTypeRC {
+		// The acknowledgement leaves first: the application may exit
+		// as soon as it sees the completion.
+		req.srcConn.ackFirst()
+	}
 	t.rcq.push1(c, req.solicited)
 }
 

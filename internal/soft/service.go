@@ -27,7 +27,10 @@ import (
 // QP first needs it (its address is asked for, or it connects to another
 // process) and stops, closing every connection and waiting for every
 // goroutine it started, when the last device context of the process
-// closes.
+// closes. A connection closes gracefully: what it holds for the peer
+// (acknowledgements, queued frames) is written first, and the peer sees
+// the end of the stream after it (conn.closeGracefully), within
+// lingerTimeout.
 //
 // Handshake: see handshake.go (who may connect and how identities are
 // proven) and tls.go (encryption off the host). Strangers: at most
@@ -54,6 +57,10 @@ const envAdvertise = "GOVERBS_SOFT_ADVERTISE"
 const (
 	dialTimeout      = 5 * time.Second
 	handshakeTimeout = 5 * time.Second
+
+	// lingerTimeout bounds how long stopping the service waits for its
+	// connections to hand over what they hold (conn.closeGracefully).
+	lingerTimeout = time.Second
 
 	maxHandshakes          = 64
 	maxHandshakesPerSource = 16
@@ -195,10 +202,29 @@ func (s *service) stop() {
 	if s.tcpLn != nil {
 		s.tcpLn.Close()
 	}
+	// Every connection closes as Close does (conn.closeGracefully), all
+	// at once.
+	deadline := time.Now().Add(lingerTimeout)
+	var wg sync.WaitGroup
 	for _, c := range conns {
-		c.fail(errors.New("soft: the service of this process stopped"))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c.closeGracefully(errors.New("soft: the service of this process stopped"), deadline)
+		}()
 	}
+	wg.Wait()
 	s.wg.Wait()
+}
+
+// flushHeld sends the responses held on every connection: a QP closes,
+// and its application may exit next.
+func (s *service) flushHeld() {
+	if l := s.pc.list.Load(); l != nil {
+		for _, c := range *l {
+			c.flushResps()
+		}
+	}
 }
 
 // Pauses after a temporary accept error (see the package comment).

@@ -459,6 +459,21 @@ func (c *conn) callMap(rkey uint32) mapReply {
 	}
 }
 
+// failAfterDrain takes the connection down once the frames complete in
+// the inbound ring are handled: the peer is gone, what it sent before is
+// delivered (the acknowledgements of its last requests among them).
+func (c *conn) failAfterDrain(err error) {
+	c.rmu.Lock()
+	if !c.dead.Load() {
+		if _, derr := c.drain(false); derr != nil {
+			err = derr
+		}
+		c.flushResps()
+	}
+	c.rmu.Unlock()
+	c.fail(err)
+}
+
 // serveMap answers MAP (target side, reader goroutine).
 func (c *conn) serveMap(id uint64, body []byte) error {
 	rkey := binary.LittleEndian.Uint32(body)
@@ -576,14 +591,18 @@ func (c *conn) copyDirect(imp *mrImport, raddr uint64, local []span, write bool)
 
 // watchSocket reads the unix socket of a shared-memory connection: only
 // MAP_ACK frames come over it. Its end is how a process learns that its
-// peer died or closed the connection.
+// peer died or closed the connection; the frames the peer left in the
+// ring are handled first (failAfterDrain), as a socket's reader reads
+// up to its end of file.
 func (c *conn) watchSocket() {
 	uc := c.nc.(*net.UnixConn)
 	var b [hdrLen + mapAckLen]byte
 	for {
 		fds, err := readMsgFDs(uc, b[:hdrLen], 1)
 		if err != nil {
-			c.fail(readErr(c, err))
+			// What the peer put in the ring before it went is
+			// delivered (and answered) first.
+			c.failAfterDrain(readErr(c, err))
 			return
 		}
 		h, err := parseHdr(b[:hdrLen])

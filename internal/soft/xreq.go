@@ -57,6 +57,7 @@ type xstate struct {
 	rtimer  *time.Timer
 	rtArmed bool // progMu
 	rtFired atomic.Bool
+	rtMark  uint64 // the connection's rxSeen when the timer was armed (progMu; conn.alive)
 
 	// rev is the connection the destination's own requests arrive on
 	// (conn.handleReq): this QP's requests go there too, so that each
@@ -478,6 +479,9 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	}
 	q.sqPSN = (q.sqPSN + req.npkts) & psnMask
 	q.sqPSNPub.Store(q.sqPSN)
+	if x.nfl == 0 {
+		x.rtMark = c.rxSeen.Load() // signs of life count from here (conn.alive)
+	}
 	if timeout > 0 && !x.rtArmed {
 		q.armRespTimer(timeout)
 	}
@@ -537,11 +541,18 @@ func (q *qp) retire() {
 				}
 				x.mu.Unlock()
 			}
-			if age := time.Since(sent); d > 0 && age >= d {
+			age := time.Since(sent)
+			switch {
+			case d <= 0:
+			case age < d:
+				q.armRespTimer(d - age)
+			case w.fconn != nil && w.fconn.alive(&x.rtMark):
+				// The peer is alive but slow, or this process was
+				// (conn.alive): a timer restarted by its signs of life.
+				q.armRespTimer(d)
+			default:
 				q.failFlight(w, prov.StatusRetryExcErr, &retired)
 				failed = true
-			} else if d > 0 {
-				q.armRespTimer(d - age)
 			}
 		}
 	}
