@@ -113,6 +113,7 @@ type conn struct {
 	// taken by whoever writes to the connection next.
 	respMu sync.Mutex
 	resps  []byte
+	held   atomic.Bool        // len(resps) > 0, read without respMu
 	pbufs  [maxSGE + 2][]byte // trySendFrame's (respMu)
 	fbufs  [1][]byte          // flushResps' (respMu)
 
@@ -398,6 +399,9 @@ func (c *conn) writeWaiting(bufs [][]byte, timeout time.Duration, write func() e
 
 // trySendFrame sends a frame without waiting (see sendAsync) unless the
 // connection is congested; ok false means the caller must use writeFrame.
+// A frame of more than maxQueuedFrame bytes is not copied into the send
+// queue either: unless the socket takes some of it now, ok is false, and
+// the QP's goroutine writes it from where it is (writeFrame), waiting.
 func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	if c.dead.Load() {
 		return false, errConnDown
@@ -408,22 +412,79 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	if congested {
 		return false, nil
 	}
+	big := total(bufs) > maxQueuedFrame
 	// Held responses go first, in the same write (progress.go).
 	c.respMu.Lock()
+	b := bufs
 	if len(c.resps) > 0 && len(bufs) < len(c.pbufs) {
 		c.pbufs[0] = c.resps
 		n := copy(c.pbufs[1:], bufs)
-		c.sendAsync(c.pbufs[:n+1])
-		clear(c.pbufs[:n+1])
-		c.resps = c.resps[:0]
+		b = c.pbufs[:n+1]
+	}
+	sent := true
+	if big {
+		sent = c.sendStarted(b)
 	} else {
-		c.sendAsync(bufs)
+		c.sendAsync(b)
+	}
+	if len(b) > len(bufs) {
+		clear(b)
+		if sent {
+			c.setResps(c.resps[:0])
+		}
 	}
 	c.respMu.Unlock()
 	if c.dead.Load() {
 		return false, errConnDown
 	}
-	return true, nil
+	return sent, nil
+}
+
+// maxQueuedFrame is the largest request frame that a requester copies
+// into the send queue (sendAsync) when the socket does not take it whole:
+// a larger one is written by the QP's goroutine, waiting, with no copy.
+const maxQueuedFrame = 16 << 10
+
+// sendStarted is sendAsync for a large frame: it writes the frame if the
+// socket takes some of it now (the rest is queued, as sendAsync does), and
+// reports false, having written and queued nothing, if it does not, or if
+// other frames wait in the queue or are being written.
+func (c *conn) sendStarted(bufs [][]byte) bool {
+	if c.dead.Load() {
+		return true
+	}
+	if !c.wmu.TryLock() {
+		return false
+	}
+	if !c.queueEmpty() {
+		c.wmu.Unlock()
+		return false
+	}
+	n, err := c.tryWrite(bufs)
+	if err != nil {
+		c.wmu.Unlock()
+		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
+		return true
+	}
+	if n == 0 {
+		c.wmu.Unlock()
+		return false
+	}
+	rest := n < total(bufs)
+	over := rest && c.enqueue(bufs, n, nil, true)
+	c.wmu.Unlock()
+	if over {
+		c.failOverflow()
+	} else if rest {
+		c.wakeFlusher()
+	}
+	return true
+}
+
+// setResps sets the held responses (respMu held).
+func (c *conn) setResps(b []byte) {
+	c.resps = b
+	c.held.Store(len(b) > 0)
 }
 
 // setDeadline sets the deadline of writeAllLocked (wmu held).
@@ -952,7 +1013,7 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	// Held (progress.go), up to a limit.
 	c.respMu.Lock()
 	k := len(c.resps)
-	c.resps = c.resps[:k+hdrLen+respBodyLen]
+	c.setResps(c.resps[:k+hdrLen+respBodyLen])
 	putHdr(c.resps[k:], frResp, respBodyLen, id)
 	putResp(c.resps[k+hdrLen:], req.srcQPN, &resp)
 	if len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
@@ -964,6 +1025,9 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 
 // flushResps sends the held responses.
 func (c *conn) flushResps() {
+	if !c.held.Load() {
+		return // the consumer sees its own: it holds them
+	}
 	c.respMu.Lock()
 	c.flushRespsLocked()
 	c.respMu.Unlock()
@@ -976,15 +1040,11 @@ func (c *conn) flushRespsLocked() {
 	c.fbufs[0] = c.resps
 	c.sendAsync(c.fbufs[:1])
 	c.fbufs[0] = nil
-	c.resps = c.resps[:0]
+	c.setResps(c.resps[:0])
 }
 
 // holdsResps reports whether responses are held.
-func (c *conn) holdsResps() bool {
-	c.respMu.Lock()
-	defer c.respMu.Unlock()
-	return len(c.resps) > 0
-}
+func (c *conn) holdsResps() bool { return c.held.Load() }
 
 // handleResp hands a response to its requester. The data of an RDMA read
 // goes straight into the read's local memory, segment by segment
