@@ -101,6 +101,8 @@ type conn struct {
 	queue  []outItem
 	qspare []outItem // the array of the last queue written, for the next
 	qbytes int
+	qlen   atomic.Int32 // len(queue), read without qmu
+	qhigh  atomic.Bool  // qbytes > sendHigh, read without qmu
 	qwake  chan struct{}
 
 	// Consumer state (whoever holds rmu).
@@ -406,10 +408,7 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	if c.dead.Load() {
 		return false, errConnDown
 	}
-	c.qmu.Lock()
-	congested := c.qbytes > sendHigh
-	c.qmu.Unlock()
-	if congested {
+	if c.qhigh.Load() {
 		return false, nil
 	}
 	big := total(bufs) > maxQueuedFrame
@@ -573,6 +572,7 @@ func (c *conn) flushQueueLocked(timeout time.Duration) error {
 			return nil
 		}
 		c.queue, c.qspare = c.qspare[:0], nil
+		c.qlen.Store(0)
 		c.qmu.Unlock()
 		err := c.writeItemsLocked(q, timeout)
 		for i := range q {
@@ -640,6 +640,7 @@ func (c *conn) writeItemsLocked(q []outItem, timeout time.Duration) error {
 func (c *conn) unqueue(n int) {
 	c.qmu.Lock()
 	c.qbytes -= n
+	c.qhigh.Store(c.qbytes > sendHigh)
 	c.qmu.Unlock()
 }
 
@@ -653,6 +654,8 @@ func (c *conn) flushLoop() {
 				putBuf(it.b)
 			}
 			c.queue, c.qspare, c.qbytes = nil, nil, 0
+			c.qlen.Store(0)
+			c.qhigh.Store(false)
 			c.qmu.Unlock()
 			return
 		case <-c.qwake:
@@ -709,11 +712,7 @@ func (c *conn) sendAsync(bufs [][]byte) {
 	c.wakeFlusher()
 }
 
-func (c *conn) queueEmpty() bool {
-	c.qmu.Lock()
-	defer c.qmu.Unlock()
-	return len(c.queue) == 0
-}
+func (c *conn) queueEmpty() bool { return c.qlen.Load() == 0 }
 
 func (c *conn) wakeFlusher() {
 	select {
@@ -836,6 +835,8 @@ func (c *conn) enqueue(bufs [][]byte, skip int, rd *readJob, front bool) bool {
 		c.queue = append(c.queue, items...)
 	}
 	c.qbytes += n
+	c.qlen.Store(int32(len(c.queue)))
+	c.qhigh.Store(c.qbytes > sendHigh)
 	over := c.qbytes > maxQueued
 	c.qmu.Unlock()
 	clear(items)

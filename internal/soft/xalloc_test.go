@@ -18,6 +18,9 @@ import (
 // answered by sends, waiting in the completion channel as an application
 // that sleeps does and polling as one that spins does.
 func TestXprocNoAllocs(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector allocates for every synchronisation")
+	}
 	type op struct {
 		name string
 		op   prov.WROpcode
