@@ -401,9 +401,6 @@ func (c *conn) writeWaiting(bufs [][]byte, timeout time.Duration, write func() e
 
 // trySendFrame sends a frame without waiting (see sendAsync) unless the
 // connection is congested; ok false means the caller must use writeFrame.
-// A frame of more than maxQueuedFrame bytes is not copied into the send
-// queue either: unless the socket takes some of it now, ok is false, and
-// the QP's goroutine writes it from where it is (writeFrame), waiting.
 func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	if c.dead.Load() {
 		return false, errConnDown
@@ -411,73 +408,22 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	if c.qhigh.Load() {
 		return false, nil
 	}
-	big := total(bufs) > maxQueuedFrame
 	// Held responses go first, in the same write (progress.go).
 	c.respMu.Lock()
-	b := bufs
 	if len(c.resps) > 0 && len(bufs) < len(c.pbufs) {
 		c.pbufs[0] = c.resps
 		n := copy(c.pbufs[1:], bufs)
-		b = c.pbufs[:n+1]
-	}
-	sent := true
-	if big {
-		sent = c.sendStarted(b)
+		c.sendAsync(c.pbufs[:n+1])
+		clear(c.pbufs[:n+1])
+		c.setResps(c.resps[:0])
 	} else {
-		c.sendAsync(b)
-	}
-	if len(b) > len(bufs) {
-		clear(b)
-		if sent {
-			c.setResps(c.resps[:0])
-		}
+		c.sendAsync(bufs)
 	}
 	c.respMu.Unlock()
 	if c.dead.Load() {
 		return false, errConnDown
 	}
-	return sent, nil
-}
-
-// maxQueuedFrame is the largest request frame that a requester copies
-// into the send queue (sendAsync) when the socket does not take it whole:
-// a larger one is written by the QP's goroutine, waiting, with no copy.
-const maxQueuedFrame = 16 << 10
-
-// sendStarted is sendAsync for a large frame: it writes the frame if the
-// socket takes some of it now (the rest is queued, as sendAsync does), and
-// reports false, having written and queued nothing, if it does not, or if
-// other frames wait in the queue or are being written.
-func (c *conn) sendStarted(bufs [][]byte) bool {
-	if c.dead.Load() {
-		return true
-	}
-	if !c.wmu.TryLock() {
-		return false
-	}
-	if !c.queueEmpty() {
-		c.wmu.Unlock()
-		return false
-	}
-	n, err := c.tryWrite(bufs)
-	if err != nil {
-		c.wmu.Unlock()
-		c.fail(fmt.Errorf("soft: write to process %d: %w", c.peerPID, err))
-		return true
-	}
-	if n == 0 {
-		c.wmu.Unlock()
-		return false
-	}
-	rest := n < total(bufs)
-	over := rest && c.enqueue(bufs, n, nil, true)
-	c.wmu.Unlock()
-	if over {
-		c.failOverflow()
-	} else if rest {
-		c.wakeFlusher()
-	}
-	return true
+	return true, nil
 }
 
 // setResps sets the held responses (respMu held).
@@ -1122,7 +1068,10 @@ var bufPool struct {
 const (
 	minBufShift = 12
 	maxBufShift = 18
-	bufPoolMax  = 8 << 20
+	// bufPoolMax is what the send queue may hold (maxQueued): a
+	// connection that keeps its queue full takes its buffers from the
+	// pool, and allocates nothing.
+	bufPoolMax = maxQueued
 )
 
 func getBuf(n int) []byte {
