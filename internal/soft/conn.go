@@ -1068,10 +1068,7 @@ var bufPool struct {
 const (
 	minBufShift = 12
 	maxBufShift = 18
-	// bufPoolMax is what the send queue may hold (maxQueued): a
-	// connection that keeps its queue full takes its buffers from the
-	// pool, and allocates nothing.
-	bufPoolMax = maxQueued
+	bufPoolMax  = 8 << 20
 )
 
 func getBuf(n int) []byte {
