@@ -112,6 +112,8 @@ type conn struct {
 	queue  []outItem
 	qspare []outItem // the array of the last queue written, for the next
 	qbytes int
+	qlen   atomic.Int32 // len(queue), read without qmu
+	qhigh  atomic.Bool  // qbytes > sendHigh, read without qmu
 	qwake  chan struct{}
 
 	// Consumer state (whoever holds rmu).
@@ -131,6 +133,7 @@ type conn struct {
 	// taken by whoever writes to the connection next.
 	respMu sync.Mutex
 	resps  []byte
+	held   atomic.Bool        // len(resps) > 0, read without respMu
 	pbufs  [maxSGE + 2][]byte // trySendFrame's (respMu)
 	fbufs  [1][]byte          // flushResps' (respMu)
 
@@ -604,10 +607,7 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	if c.dead.Load() {
 		return false, errConnDown
 	}
-	c.qmu.Lock()
-	congested := c.qbytes > sendHigh
-	c.qmu.Unlock()
-	if congested {
+	if c.qhigh.Load() {
 		return false, nil
 	}
 	// Held responses go first, in the same write (progress.go).
@@ -617,7 +617,7 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 		n := copy(c.pbufs[1:], bufs)
 		c.sendAsync(c.pbufs[:n+1])
 		clear(c.pbufs[:n+1])
-		c.resps = c.resps[:0]
+		c.setResps(c.resps[:0])
 	} else {
 		c.sendAsync(bufs)
 	}
@@ -626,6 +626,12 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 		return false, errConnDown
 	}
 	return true, nil
+}
+
+// setResps sets the held responses (respMu held).
+func (c *conn) setResps(b []byte) {
+	c.resps = b
+	c.held.Store(len(b) > 0)
 }
 
 // setDeadline sets the deadline of writeAllLocked (wmu held).
@@ -714,6 +720,7 @@ func (c *conn) flushQueueLocked(timeout time.Duration) error {
 			return nil
 		}
 		c.queue, c.qspare = c.qspare[:0], nil
+		c.qlen.Store(0)
 		c.qmu.Unlock()
 		err := c.writeItemsLocked(q, timeout)
 		for i := range q {
@@ -781,6 +788,7 @@ func (c *conn) writeItemsLocked(q []outItem, timeout time.Duration) error {
 func (c *conn) unqueue(n int) {
 	c.qmu.Lock()
 	c.qbytes -= n
+	c.qhigh.Store(c.qbytes > sendHigh)
 	c.qmu.Unlock()
 }
 
@@ -794,6 +802,8 @@ func (c *conn) flushLoop() {
 				putBuf(it.b)
 			}
 			c.queue, c.qspare, c.qbytes = nil, nil, 0
+			c.qlen.Store(0)
+			c.qhigh.Store(false)
 			c.qmu.Unlock()
 			return
 		case <-c.qwake:
@@ -903,11 +913,7 @@ func socketRoom(nc net.Conn, n int) bool {
 	return room
 }
 
-func (c *conn) queueEmpty() bool {
-	c.qmu.Lock()
-	defer c.qmu.Unlock()
-	return len(c.queue) == 0
-}
+func (c *conn) queueEmpty() bool { return c.qlen.Load() == 0 }
 
 func (c *conn) wakeFlusher() {
 	select {
@@ -1030,6 +1036,8 @@ func (c *conn) enqueue(bufs [][]byte, skip int, rd *readJob, front bool) bool {
 		c.queue = append(c.queue, items...)
 	}
 	c.qbytes += n
+	c.qlen.Store(int32(len(c.queue)))
+	c.qhigh.Store(c.qbytes > sendHigh)
 	over := c.qbytes > maxQueued
 	c.qmu.Unlock()
 	clear(items)
@@ -1229,7 +1237,7 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 // QP qpn (respMu held).
 func (c *conn) appendRespLocked(id uint64, qpn uint32, r *response) {
 	k := len(c.resps)
-	c.resps = c.resps[:k+hdrLen+respBodyLen]
+	c.setResps(c.resps[:k+hdrLen+respBodyLen])
 	putHdr(c.resps[k:], frResp, respBodyLen, id)
 	putResp(c.resps[k+hdrLen:], qpn, r)
 }
@@ -1261,7 +1269,7 @@ func (c *conn) ackFirst() {
 		err = c.sendNow(c.fbufs[:1])
 	}
 	c.fbufs[0] = nil
-	c.resps = c.resps[:0]
+	c.setResps(c.resps[:0])
 	c.respMu.Unlock()
 	if err != nil && c.rxErr == nil {
 		c.rxErr = err
@@ -1270,6 +1278,9 @@ func (c *conn) ackFirst() {
 
 // flushResps sends the held responses.
 func (c *conn) flushResps() {
+	if !c.held.Load() {
+		return // the consumer sees its own: it holds them
+	}
 	c.respMu.Lock()
 	c.flushRespsLocked()
 	c.respMu.Unlock()
@@ -1282,15 +1293,11 @@ func (c *conn) flushRespsLocked() {
 	c.fbufs[0] = c.resps
 	c.sendAsync(c.fbufs[:1])
 	c.fbufs[0] = nil
-	c.resps = c.resps[:0]
+	c.setResps(c.resps[:0])
 }
 
 // holdsResps reports whether responses are held.
-func (c *conn) holdsResps() bool {
-	c.respMu.Lock()
-	defer c.respMu.Unlock()
-	return len(c.resps) > 0
-}
+func (c *conn) holdsResps() bool { return c.held.Load() }
 
 // handleResp hands a response to its requester. The data of an RDMA read
 // goes straight into the read's local memory, segment by segment

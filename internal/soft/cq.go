@@ -27,6 +27,10 @@ type cq struct {
 	closed   bool
 
 	hot atomic.Pointer[conn] // the connection that last fed the CQ (progress.go)
+
+	// ready is n, or -1 once closed or overflowed (mu held to store):
+	// an empty CQ is polled without mu.
+	ready atomic.Int32
 }
 
 const (
@@ -57,6 +61,7 @@ func (c *cq) push(cs []prov.Completion, solicited bool) {
 			fire = true
 		}
 	}
+	c.ready.Store(int32(c.n))
 	if fire {
 		c.armed = armNone
 		if c.ch != nil {
@@ -80,6 +85,7 @@ func unsafeSlice1(c *prov.Completion) []prov.Completion {
 // returns with it released.
 func (c *cq) overflowLocked() {
 	c.overflow = true
+	c.ready.Store(-1)
 	c.armed = armNone
 	c.mu.Unlock()
 	c.ctx.events.push(prov.AsyncEvent{Type: evCQErr, Element: prov.CQ(c)})
@@ -99,6 +105,9 @@ func (c *cq) Poll(dst []prov.Completion) (int, error) {
 }
 
 func (c *cq) poll(dst []prov.Completion) (int, error) {
+	if c.ready.Load() == 0 {
+		return 0, nil
+	}
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
@@ -116,6 +125,7 @@ func (c *cq) poll(dst []prov.Completion) (int, error) {
 		}
 		c.head = (c.head + n) % len(c.ring)
 		c.n -= n
+		c.ready.Store(int32(c.n))
 	}
 	c.mu.Unlock()
 	return n, nil
@@ -173,6 +183,7 @@ func (c *cq) Close() error {
 		return err
 	}
 	c.closed = true
+	c.ready.Store(-1)
 	c.mu.Unlock()
 	if c.ch != nil {
 		c.ch.detach(c)

@@ -307,8 +307,7 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 			atomic.StoreUint32(in.sleep, 0)
 			return nil
 		}
-		var b [8]byte
-		if _, err := c.shm.efdIn.Read(b[:]); err != nil {
+		if _, err := c.shm.efdIn.Read(c.shm.efdBuf[:]); err != nil {
 			return err
 		}
 	}

@@ -61,6 +61,15 @@ type quietWait struct {
 	cerr  error
 	try   func(uintptr) bool // runs f on the socket (made once: no allocation per wait)
 	inner func(uintptr)
+
+	// ctl's, made once: the reader silences and arms in again with
+	// every grace (progress.go).
+	ctlEv    unix.EpollEvent
+	ctlOp    int
+	ctlEp    uintptr
+	ctlErr   error
+	ctlOuter func(ep uintptr)
+	ctlInner func(s uintptr)
 }
 
 const quietIn = unix.EPOLLIN | unix.EPOLLRDHUP
@@ -125,6 +134,16 @@ func (q *quietSock) init(fd int) error {
 
 func (w *quietWait) init(q *quietSock, events uint32) error {
 	w.inner = func(s uintptr) { w.done = w.f(s) }
+	w.ctlInner = func(s uintptr) {
+		w.ctlEv.Fd = int32(s)
+		w.ctlErr = unix.EpollCtl(int(w.ctlEp), w.ctlOp, int(s), &w.ctlEv)
+	}
+	w.ctlOuter = func(ep uintptr) {
+		w.ctlEp = ep
+		if err := q.rc.Control(w.ctlInner); err != nil {
+			w.ctlErr = err
+		}
+	}
 	w.try = func(uintptr) bool {
 		w.cerr = q.rc.Control(w.inner)
 		return w.done || w.cerr != nil
@@ -146,19 +165,19 @@ func (w *quietWait) init(q *quietSock, events uint32) error {
 }
 
 // ctl changes what w's instance watches on the socket (ERR and HUP
-// always).
+// always). One goroutine at a time per instance.
 func (q *quietSock) ctl(w *quietWait, op int, events uint32) error {
-	var err error
-	cerr := w.rc.Control(func(ep uintptr) {
-		err = q.rc.Control(func(s uintptr) {
-			ev := unix.EpollEvent{Events: events, Fd: int32(s)}
-			err = unix.EpollCtl(int(ep), op, int(s), &ev)
-		})
-	})
+	w.ctlEv, w.ctlOp, w.ctlErr = unix.EpollEvent{Events: events}, op, nil
+	cerr := w.rc.Control(w.ctlOuter)
+	err := w.ctlErr
+	w.ctlErr = nil
 	if cerr != nil {
 		return q.mapClosed(cerr)
 	}
 	if err != nil {
+		if errors.Is(err, os.ErrClosed) {
+			return q.mapClosed(err)
+		}
 		return os.NewSyscallError("epoll_ctl", err)
 	}
 	return nil
