@@ -111,7 +111,7 @@ func TestSpinnerLimit(t *testing.T) {
 	}
 	spinners.Add(limit)
 	var s spinStats // no data: spinning wins
-	w := newWaiter(SpinAdaptive)
+	w := unhurried(newWaiter(SpinAdaptive))
 	if w.spin(&s) {
 		spinners.Add(-limit)
 		t.Fatalf("a wait spins with %d spinners already", limit)
@@ -124,7 +124,7 @@ func TestSpinnerLimit(t *testing.T) {
 	if s.spin.Load() != 0 || s.sleep.Load() != 0 {
 		t.Error("a wait kept from spinning was recorded as a choice")
 	}
-	w = newWaiter(SpinAdaptive)
+	w = unhurried(newWaiter(SpinAdaptive))
 	if !w.spin(&s) {
 		t.Fatal("a wait does not spin with no spinners")
 	}
@@ -135,6 +135,14 @@ func TestSpinnerLimit(t *testing.T) {
 	if got := spinners.Load(); got != 0 {
 		t.Errorf("%d spinners after the wait, want 0", got)
 	}
+}
+
+// unhurried starts w in the future, so that its spinning budget cannot
+// run out between its creation and its first poll however the test is
+// scheduled (the budget is microseconds).
+func unhurried(w waiter) waiter {
+	w.start = time.Now().Add(time.Hour)
+	return w
 }
 
 // TestSpinModes: SpinPolls > 0 spins that many empty polls, SpinNever
