@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/verbstest"
 )
 
 // TestCQWaitAllocatesNothing: Wait on a CQ's own channel, then Poll,
@@ -42,20 +43,7 @@ func TestCQWaitAllocatesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	ea, err := a.Endpoint()
-	if err != nil {
-		t.Fatal(err)
-	}
-	eb, err := b.Endpoint()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Connect(eb); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Connect(ea); err != nil {
-		t.Fatal(err)
-	}
+	verbstest.ConnectRC(t, a, b)
 	mr, err := pd.Alloc(4096, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
 	if err != nil {
 		t.Fatal(err)
