@@ -505,6 +505,9 @@ func (c *conn) writeSegsLocked(req *request, flags uint8, id uint64, data []span
 
 // respTimeout is how long a RC request waits for its response: the QP's
 // transport timeout × (retry_cnt+1), at least minRespTimeout; 0: forever.
+// The timer ticks every quarter of it (rtPeriods), and a request fails
+// between one and one and a quarter timeouts after it left: no clock is
+// read per request.
 // (A NIC retransmits after each transport timeout; soft0's transports do
 // not lose frames, so the retransmissions are the waits, without the
 // packets.) The wait restarts while the peer shows signs of life
