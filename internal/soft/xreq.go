@@ -72,7 +72,7 @@ type xstate struct {
 
 	mu      sync.Mutex
 	resps   []rresp // queued by readers
-	spare   []rresp
+	spare   []rresp // the other buffer of resps, while retire holds none (progMu)
 	hasResp atomic.Bool
 	reads   []*sendWQE // RDMA reads in flight whose data is to come (mu)
 }
@@ -218,7 +218,9 @@ func (x *xstate) push(r rresp, limit int) bool {
 		return false
 	}
 	x.resps = append(x.resps, r)
-	x.hasResp.Store(true)
+	if !x.hasResp.Load() { // written with mu held: a store only if it changes
+		x.hasResp.Store(true)
+	}
 	return true
 }
 
@@ -285,7 +287,12 @@ func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 		res, status := q.postRemote(p, w, mayBlock)
 		switch res {
 		case postSent:
-			x.nfl++
+			if x.nfl++; x.nfl >= n {
+				// All sent that was queued when it looked: what was
+				// posted or answered since kicks the queue again
+				// (runQueue's pending), so not another look now.
+				return false
+			}
 		case postLater:
 			return false
 		case postFailed:
@@ -539,9 +546,7 @@ func (q *qp) retire() {
 		}
 		rs[i] = rresp{}
 	}
-	x.mu.Lock()
-	x.spare = rs[:0]
-	x.mu.Unlock()
+	x.spare = rs[:0] // only retire uses it (progMu)
 	if x.rtFired.Load() && !failed {
 		x.rtFired.Store(false)
 		x.rtArmed = false
