@@ -63,7 +63,8 @@ type QPSpec struct {
 	// at least 250 ms, however small the timeout (its peer's goroutines,
 	// unlike a NIC, need the CPU to answer, and a loaded host can
 	// deschedule them for tens of milliseconds), and restarts the wait
-	// while the peer process shows signs of life.
+	// while the peer process shows signs of life; its timer's granularity
+	// is a quarter of the wait (the failure comes up to 25% later).
 	Timeout uint8
 	// RetryCount is how often RC retransmits on timeout; default 7.
 	// Use -1 for no retries.

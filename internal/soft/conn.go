@@ -139,6 +139,7 @@ type conn struct {
 
 	wkMu   sync.Mutex
 	wakers map[uint32]*remoteWaker
+	wkLast *remoteWaker // the last one handleReq took (rmu)
 
 	usersMu sync.Mutex
 	users   map[*qp]struct{} // requesters with requests in flight
@@ -505,6 +506,9 @@ func (c *conn) writeSegsLocked(req *request, flags uint8, id uint64, data []span
 
 // respTimeout is how long a RC request waits for its response: the QP's
 // transport timeout × (retry_cnt+1), at least minRespTimeout; 0: forever.
+// The timer ticks every quarter of it (rtPeriods), and a request fails
+// between one and one and a quarter timeouts after it left: no clock is
+// read per request.
 // (A NIC retransmits after each transport timeout; soft0's transports do
 // not lose frames, so the retransmissions are the waits, without the
 // packets.) The wait restarts while the peer shows signs of life
@@ -631,7 +635,9 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 // setResps sets the held responses (respMu held).
 func (c *conn) setResps(b []byte) {
 	c.resps = b
-	c.held.Store(len(b) > 0)
+	if h := len(b) > 0; c.held.Load() != h { // a store only if it changes (respMu)
+		c.held.Store(h)
+	}
 }
 
 // setDeadline sets the deadline of writeAllLocked (wmu held).
@@ -1338,7 +1344,18 @@ type remoteWaker struct {
 	qpn uint32
 }
 
+// waker returns the waker of the peer's QP qpn (the consumer: rmu held).
 func (c *conn) waker(qpn uint32) waker {
+	// The consumer's last one first: a conversation has one peer QP.
+	if w := c.wkLast; w != nil && w.qpn == qpn {
+		return w
+	}
+	w := c.wakerOf(qpn)
+	c.wkLast = w
+	return w
+}
+
+func (c *conn) wakerOf(qpn uint32) *remoteWaker {
 	c.wkMu.Lock()
 	defer c.wkMu.Unlock()
 	w := c.wakers[qpn]

@@ -127,7 +127,7 @@ type sendWQE struct {
 	fnpkts uint32
 	flen   uint32
 	fseq   uint64
-	fsent  time.Time
+	ftick  uint64    // the response timer's tick when it left (xstate.rtTicks)
 	fimp   *mrImport // a direct write's target mapping (nil: not direct)
 	rd     readSink  // a read's data (xreq.go; xstate.mu)
 }

@@ -57,7 +57,9 @@ func (q *qp) runQueue(mayBlock bool) {
 				return
 			}
 		}
-		q.pending.Store(false)
+		if q.pending.Load() {
+			q.pending.Store(false)
+		}
 		more := q.progress(mayBlock)
 		q.progMu.Unlock()
 		if more {

@@ -58,6 +58,12 @@ type xstate struct {
 	rtArmed bool // progMu
 	rtFired atomic.Bool
 	rtMark  uint64 // the connection's rxSeen when the timer was armed (progMu; conn.alive)
+	// rtTicks counts the response timer's ticks: its starts and the ends
+	// of its periods (written with progMu held). A request, or a read's
+	// segment of data, is stamped with the count when it leaves, or
+	// arrives: its age is then known in whole periods (see retire), which
+	// costs no clock read per request.
+	rtTicks atomic.Uint64
 
 	// rev is the connection the destination's own requests arrive on
 	// (conn.handleReq): this QP's requests go there too, so that each
@@ -66,7 +72,7 @@ type xstate struct {
 
 	mu      sync.Mutex
 	resps   []rresp // queued by readers
-	spare   []rresp
+	spare   []rresp // the other buffer of resps, while retire holds none (progMu)
 	hasResp atomic.Bool
 	reads   []*sendWQE // RDMA reads in flight whose data is to come (mu)
 }
@@ -128,7 +134,7 @@ type readSink struct {
 	got  uint32      // the bytes received so far
 	st   prov.Status // LOC_PROT_ERR: the local memory went away
 	done bool        // the last segment came
-	last time.Time   // when the last segment came
+	last uint64      // the response timer's tick when the last segment came (xstate.rtTicks)
 }
 
 var errReadOrder = fmt.Errorf("%w: RDMA read data out of order or too long", errBadResp)
@@ -160,7 +166,7 @@ func (q *qp) deliver(c *conn, id uint64, off uint64, data []span) error {
 	}
 	rd.got += uint32(n)
 	rd.done = rd.got == rd.n
-	rd.last = time.Now()
+	rd.last = x.rtTicks.Load()
 	return nil
 }
 
@@ -212,7 +218,9 @@ func (x *xstate) push(r rresp, limit int) bool {
 		return false
 	}
 	x.resps = append(x.resps, r)
-	x.hasResp.Store(true)
+	if !x.hasResp.Load() { // written with mu held: a store only if it changes
+		x.hasResp.Store(true)
+	}
 	return true
 }
 
@@ -279,7 +287,12 @@ func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 		res, status := q.postRemote(p, w, mayBlock)
 		switch res {
 		case postSent:
-			x.nfl++
+			if x.nfl++; x.nfl >= n {
+				// All sent that was queued when it looked: what was
+				// posted or answered since kicks the queue again
+				// (runQueue's pending), so not another look now.
+				return false
+			}
 		case postLater:
 			return false
 		case postFailed:
@@ -472,7 +485,6 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	// record for this QP, which fails the request like a lost response.
 	w.fid, w.fconn, w.fpsn, w.fnpkts, w.flen = id, c, q.sqPSN, req.npkts, length
 	w.fseq = q.wakeSeq.Load()
-	w.fsent = time.Now()
 	w.fimp = imp
 	if imp != nil {
 		x.ndirect++
@@ -485,20 +497,32 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	if timeout > 0 && !x.rtArmed {
 		q.armRespTimer(timeout)
 	}
+	w.ftick = x.rtTicks.Load() // after the arm: it left after that tick
 	return postSent, 0
 }
 
+// rtPeriods is how many periods of the response timer make a response
+// timeout d: the timer ticks every d/rtPeriods while requests are in
+// flight, and a request is late once rtPeriods whole periods passed
+// since it left, which is between d and d×(rtPeriods+1)/rtPeriods after
+// it left (as a NIC's timer, whose granularity is coarse too).
+const rtPeriods = 4
+
+// armRespTimer starts the response timer (progMu held): a tick now, the
+// next one a period of the timeout d later.
 func (q *qp) armRespTimer(d time.Duration) {
 	x := q.x
 	x.rtArmed = true
 	x.rtFired.Store(false)
+	x.rtTicks.Add(1)
+	p := d / rtPeriods
 	if x.rtimer == nil {
-		x.rtimer = time.AfterFunc(d, func() {
+		x.rtimer = time.AfterFunc(p, func() {
 			x.rtFired.Store(true)
 			q.kick()
 		})
 	} else {
-		x.rtimer.Reset(d)
+		x.rtimer.Reset(p)
 	}
 }
 
@@ -522,34 +546,34 @@ func (q *qp) retire() {
 		}
 		rs[i] = rresp{}
 	}
-	x.mu.Lock()
-	x.spare = rs[:0]
-	x.mu.Unlock()
+	x.spare = rs[:0] // only retire uses it (progMu)
 	if x.rtFired.Load() && !failed {
 		x.rtFired.Store(false)
 		x.rtArmed = false
 		if x.nfl > 0 {
 			w := q.flight(retired)
 			d := q.respTimeout()
-			sent := w.fsent
+			sent := w.ftick
 			if w.op == opRead {
 				// As a NIC's timer restarts with each response packet:
 				// from the last segment of data.
 				x.mu.Lock()
-				if w.rd.last.After(sent) {
-					sent = w.rd.last
-				}
+				sent = max(sent, w.rd.last)
 				x.mu.Unlock()
 			}
-			age := time.Since(sent)
+			// The ticks after sent are a period apart (or more, when
+			// the timer runs late): after this one (now), at least
+			// now-sent-1 whole periods passed since the request left.
+			now := x.rtTicks.Load() + 1
 			switch {
 			case d <= 0:
-			case age < d:
-				q.armRespTimer(d - age)
+			case now-sent-1 < rtPeriods:
+				q.armRespTimer(d)
 			case w.fconn != nil && w.fconn.alive(&x.rtMark):
 				// The peer is alive but slow, or this process was
 				// (conn.alive): a timer restarted by its signs of life.
 				q.armRespTimer(d)
+				w.ftick = x.rtTicks.Load()
 			default:
 				q.failFlight(w, prov.StatusRetryExcErr, &retired)
 				failed = true
