@@ -73,9 +73,10 @@
 // average of how long recent waits of each kind took (probing the other
 // kind at gaps that double from 16 waits to 512); it sleeps
 // when waits are long (spinning waits averaging over 200 µs) or when more
-// goroutines of the process spin than GOMAXPROCS-1. A client waiting for
-// one operation at a time thereby keeps the kind that gives it the
-// shorter average wait, the higher throughput. SpinAlways (pure spinning)
+// goroutines of the process spin than GOMAXPROCS-1. The aim is that a
+// client waiting for one operation at a time keeps the kind that gives
+// it the shorter average wait (see below for where it falls short).
+// SpinAlways (pure spinning)
 // and SpinNever (pure sleeping) force one kind; a positive SpinPolls
 // spins that many empty polls and then sleeps, which was the default (64)
 // before. Every kind honours the wait's context and allocates nothing.
@@ -83,24 +84,31 @@
 // Measured with BenchmarkPollKV (./scripts/bench.sh poll 5: medians of 5
 // runs): clients in processes of their own read 64-byte values from a
 // server process with blocking RDMA reads over shared memory, on a
-// 2-core machine shared with other work (load average 10 to 17, which
-// lengthens every figure). p50 latency per read, and time per read (wall
-// time ÷ the reads of all clients, the inverse of throughput):
+// 2-core machine, idle and then loaded by other work (load average 10 to
+// 17). p50 latency per read, and time per read (wall time ÷ the reads of
+// all clients, the inverse of throughput):
 //
-//	                       spin        sleep      64 polls     adaptive
-//	shm, 1 client  p50     21 µs       45 µs      52 µs        38 µs
-//	               time   209 µs       92 µs     113 µs        68 µs
-//	shm, 8 clients p50     98 µs      545 µs     793 µs       626 µs
-//	               time   738 µs      125 µs     148 µs       136 µs
+//	                              spin     sleep   64 polls   adaptive
+//	idle    shm, 1 client  p50     8 µs     75 µs     47 µs      52 µs
+//	                       time   18 µs     83 µs     63 µs      69 µs
+//	        shm, 8 clients p50     8 µs    358 µs    397 µs     373 µs
+//	                       time  238 µs     71 µs     77 µs      73 µs
+//	loaded  shm, 1 client  p50    21 µs     45 µs     52 µs      38 µs
+//	                       time  209 µs     92 µs    113 µs      68 µs
+//	        shm, 8 clients p50    98 µs    545 µs    793 µs     626 µs
+//	                       time  738 µs    125 µs    148 µs     136 µs
 //
-// One client spinning alone has the lowest median, but on a busy machine
-// the longest tail (p99 4 ms: a spinner that used up its time slice waits
-// for the next one); eight clients spinning on two cores take six times
-// as long per read as sleeping ones (p99 51 ms), and the adaptive default
-// stays with sleeping there. The adaptive default had a lower median than
-// the old one (64 polls) in every case measured, over unix sockets and
-// TCP too. Where a spinner keeps its core (an idle machine), spinning
-// waits are the shorter ones on average, and the default spins.
+// Eight clients spinning on two cores take three to seven times as long
+// per read as sleeping ones (p99 24-51 ms), and the adaptive default
+// stays with sleeping there. With one client on a busy machine spinning
+// has the lowest median but the longest tail (p99 4 ms: a spinner that
+// used up its time slice waits for the next one), and the adaptive
+// default the best time per read. With one client on an idle machine the
+// adaptive default falls short: it stays with sleeping although spinning
+// is four times faster, because its averages start with the warm-up wait
+// and a single probe of spinning from a sleeping regime meets a cold
+// peer (its reader asleep). Set SpinAlways for that case until probes
+// come in bursts.
 //
 // # Lifetimes
 //
