@@ -107,9 +107,9 @@
 // adaptive default falls short: it stays with sleeping although spinning
 // alone is four times faster. Its spinning waits average 54-88 µs there,
 // against 18 µs for pure spinning: a spinning wait that follows sleeping
-// ones finds soft0's connection handed to its reader goroutine (a poller
-// reads the ring itself only while it keeps polling). Set SpinAlways for
-// a client that owns its core.
+// ones likely finds soft0's connection cold (its reader goroutines, the
+// server's among them, asleep instead of spinning for the next message).
+// Set SpinAlways for a client that owns its core.
 //
 // # Lifetimes
 //
