@@ -245,39 +245,29 @@ func rdmaWR(op prov.WROpcode, wrid uint64, r RemoteAddr) prov.SendWR {
 	return prov.SendWR{WRID: wrid, Opcode: op, RemoteAddr: r.Addr, RKey: r.RKey}
 }
 
-// RCBatch collects work requests for an RC queue pair (doorbell batching).
-// It is not safe for concurrent use; use one batch per goroutine.
-type RCBatch struct{ sendBatch }
-
-// NewBatch returns a batch of up to n work requests (default 64) for the
-// QP. The batch keeps its requests, and room for n times the QP's
-// MaxInlineData bytes of inline data (SendInline and its kin), in memory
-// outside the Go heap, freed when the batch is garbage-collected.
-func (q *RCQueuePair) NewBatch(n int) *RCBatch {
-	b := new(RCBatch)
-	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
-	return b
-}
+// connectedBatch holds what RC and UC batches share: sends and RDMA
+// writes, with and without immediate data, inline or not.
+type connectedBatch struct{ sendBatch }
 
 // Send adds a send of the data in sgl.
-func (b *RCBatch) Send(wrid uint64, sgl ...SGE) *Request {
+func (b *connectedBatch) Send(wrid uint64, sgl ...SGE) *Request {
 	return b.add(sendWR(prov.WRSend, wrid), sgl)
 }
 
 // SendImm adds a send with immediate data.
-func (b *RCBatch) SendImm(wrid uint64, imm uint32, sgl ...SGE) *Request {
+func (b *connectedBatch) SendImm(wrid uint64, imm uint32, sgl ...SGE) *Request {
 	wr := sendWR(prov.WRSendImm, wrid)
 	wr.Imm = imm
 	return b.add(wr, sgl)
 }
 
 // Write adds an RDMA write of sgl to dst.
-func (b *RCBatch) Write(wrid uint64, dst RemoteAddr, sgl ...SGE) *Request {
+func (b *connectedBatch) Write(wrid uint64, dst RemoteAddr, sgl ...SGE) *Request {
 	return b.add(rdmaWR(prov.WRWrite, wrid, dst), sgl)
 }
 
 // WriteImm adds an RDMA write with immediate data; it consumes a receive at the peer.
-func (b *RCBatch) WriteImm(wrid uint64, dst RemoteAddr, imm uint32, sgl ...SGE) *Request {
+func (b *connectedBatch) WriteImm(wrid uint64, dst RemoteAddr, imm uint32, sgl ...SGE) *Request {
 	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
 	wr.Imm = imm
 	return b.add(wr, sgl)
@@ -289,29 +279,43 @@ func (b *RCBatch) WriteImm(wrid uint64, dst RemoteAddr, imm uint32, sgl ...SGE) 
 // reused as soon as it returns; Submit copies it into the work request.
 // More than the QP's MaxInlineData bytes is an error, reported by Submit
 // before anything is posted.
-func (b *RCBatch) SendInline(wrid uint64, data []byte) *Request {
+func (b *connectedBatch) SendInline(wrid uint64, data []byte) *Request {
 	return b.addData(sendWR(prov.WRSend, wrid), data)
 }
 
 // SendImmInline adds an inline send of data with immediate data (see
 // SendInline).
-func (b *RCBatch) SendImmInline(wrid uint64, imm uint32, data []byte) *Request {
+func (b *connectedBatch) SendImmInline(wrid uint64, imm uint32, data []byte) *Request {
 	wr := sendWR(prov.WRSendImm, wrid)
 	wr.Imm = imm
 	return b.addData(wr, data)
 }
 
 // WriteInline adds an inline RDMA write of data to dst (see SendInline).
-func (b *RCBatch) WriteInline(wrid uint64, dst RemoteAddr, data []byte) *Request {
+func (b *connectedBatch) WriteInline(wrid uint64, dst RemoteAddr, data []byte) *Request {
 	return b.addData(rdmaWR(prov.WRWrite, wrid, dst), data)
 }
 
 // WriteImmInline adds an inline RDMA write of data to dst with immediate
 // data (see SendInline).
-func (b *RCBatch) WriteImmInline(wrid uint64, dst RemoteAddr, imm uint32, data []byte) *Request {
+func (b *connectedBatch) WriteImmInline(wrid uint64, dst RemoteAddr, imm uint32, data []byte) *Request {
 	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
 	wr.Imm = imm
 	return b.addData(wr, data)
+}
+
+// RCBatch collects work requests for an RC queue pair (doorbell batching).
+// It is not safe for concurrent use; use one batch per goroutine.
+type RCBatch struct{ connectedBatch }
+
+// NewBatch returns a batch of up to n work requests (default 64) for the
+// QP. The batch keeps its requests, and room for n times the QP's
+// MaxInlineData bytes of inline data (SendInline and its kin), in memory
+// outside the Go heap, freed when the batch is garbage-collected.
+func (q *RCQueuePair) NewBatch(n int) *RCBatch {
+	b := new(RCBatch)
+	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
+	return b
 }
 
 // Read adds an RDMA read from src into sgl (the local MR needs AccessLocalWrite).
@@ -345,8 +349,9 @@ func (b *RCBatch) FetchAdd(wrid uint64, dst RemoteAddr, add uint64, result SGE) 
 	return b.add(wr, []SGE{result})
 }
 
-// UCBatch collects work requests for a UC queue pair.
-type UCBatch struct{ sendBatch }
+// UCBatch collects work requests for a UC queue pair: the sends and RDMA
+// writes of RCBatch, without reads and atomics.
+type UCBatch struct{ connectedBatch }
 
 // NewBatch returns a batch of up to n work requests (default 64) for the
 // QP (see RCQueuePair.NewBatch).
@@ -354,57 +359,6 @@ func (q *UCQueuePair) NewBatch(n int) *UCBatch {
 	b := new(UCBatch)
 	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
 	return b
-}
-
-// Send adds a send.
-func (b *UCBatch) Send(wrid uint64, sgl ...SGE) *Request {
-	return b.add(sendWR(prov.WRSend, wrid), sgl)
-}
-
-// SendImm adds a send with immediate data.
-func (b *UCBatch) SendImm(wrid uint64, imm uint32, sgl ...SGE) *Request {
-	wr := sendWR(prov.WRSendImm, wrid)
-	wr.Imm = imm
-	return b.add(wr, sgl)
-}
-
-// Write adds an RDMA write.
-func (b *UCBatch) Write(wrid uint64, dst RemoteAddr, sgl ...SGE) *Request {
-	return b.add(rdmaWR(prov.WRWrite, wrid, dst), sgl)
-}
-
-// WriteImm adds an RDMA write with immediate data.
-func (b *UCBatch) WriteImm(wrid uint64, dst RemoteAddr, imm uint32, sgl ...SGE) *Request {
-	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
-	wr.Imm = imm
-	return b.add(wr, sgl)
-}
-
-// SendInline adds an inline send of data (see RCBatch.SendInline).
-func (b *UCBatch) SendInline(wrid uint64, data []byte) *Request {
-	return b.addData(sendWR(prov.WRSend, wrid), data)
-}
-
-// SendImmInline adds an inline send of data with immediate data (see
-// RCBatch.SendInline).
-func (b *UCBatch) SendImmInline(wrid uint64, imm uint32, data []byte) *Request {
-	wr := sendWR(prov.WRSendImm, wrid)
-	wr.Imm = imm
-	return b.addData(wr, data)
-}
-
-// WriteInline adds an inline RDMA write of data to dst (see
-// RCBatch.SendInline).
-func (b *UCBatch) WriteInline(wrid uint64, dst RemoteAddr, data []byte) *Request {
-	return b.addData(rdmaWR(prov.WRWrite, wrid, dst), data)
-}
-
-// WriteImmInline adds an inline RDMA write of data to dst with immediate
-// data (see RCBatch.SendInline).
-func (b *UCBatch) WriteImmInline(wrid uint64, dst RemoteAddr, imm uint32, data []byte) *Request {
-	wr := rdmaWR(prov.WRWriteImm, wrid, dst)
-	wr.Imm = imm
-	return b.addData(wr, data)
 }
 
 // Destination addresses a UD send: the remote port (AH), QP number and Q_Key.
