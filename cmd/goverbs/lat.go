@@ -207,6 +207,24 @@ func (lb *loopback) room(s *side, txDepth int) error {
 	return nil
 }
 
+// startRound begins a round of a ping-pong of size bytes: it makes room
+// for one more request in both send queues and returns the SGEs of the
+// first size bytes of a's and b's regions, what each side sends.
+func (lb *loopback) startRound(size, txDepth int) (aSGE, bSGE verbs.SGE, err error) {
+	lb.opStart = time.Time{}
+	if err = lb.room(lb.a, txDepth); err != nil {
+		return
+	}
+	if err = lb.room(lb.b, txDepth); err != nil {
+		return
+	}
+	if aSGE, err = lb.a.mr.SGE(0, size); err != nil {
+		return
+	}
+	bSGE, err = lb.b.mr.SGE(0, size)
+	return
+}
+
 // writePingPong: a writes to b, b sees the last byte change and writes
 // back, a sees it. Returns the round trip in cycles() ticks.
 func (lb *loopback) writePingPong(size int, v byte, flags verbs.SendFlags, txDepth int) (uint64, error) {
@@ -214,18 +232,7 @@ func (lb *loopback) writePingPong(size int, v byte, flags verbs.SendFlags, txDep
 	aSrc, bSrc := a.mr.Bytes()[:size], b.mr.Bytes()[:size]
 	aDst, aShift := lastByte(a.mr.Bytes(), a.half+size-1)
 	bDst, bShift := lastByte(b.mr.Bytes(), b.half+size-1)
-	lb.opStart = time.Time{}
-	if err := lb.room(a, txDepth); err != nil {
-		return 0, err
-	}
-	if err := lb.room(b, txDepth); err != nil {
-		return 0, err
-	}
-	aSGE, err := a.mr.SGE(0, size)
-	if err != nil {
-		return 0, err
-	}
-	bSGE, err := b.mr.SGE(0, size)
+	aSGE, bSGE, err := lb.startRound(size, txDepth)
 	if err != nil {
 		return 0, err
 	}
@@ -270,18 +277,7 @@ func (lb *loopback) waitRecv(s *side, rxDepth int) error {
 // sendPingPong: a sends to b, b receives and sends back, a receives.
 func (lb *loopback) sendPingPong(size int, flags verbs.SendFlags, txDepth, rxDepth int) (uint64, error) {
 	a, b := lb.a, lb.b
-	lb.opStart = time.Time{}
-	if err := lb.room(a, txDepth); err != nil {
-		return 0, err
-	}
-	if err := lb.room(b, txDepth); err != nil {
-		return 0, err
-	}
-	aSGE, err := a.mr.SGE(0, size)
-	if err != nil {
-		return 0, err
-	}
-	bSGE, err := b.mr.SGE(0, size)
+	aSGE, bSGE, err := lb.startRound(size, txDepth)
 	if err != nil {
 		return 0, err
 	}
