@@ -374,20 +374,31 @@ func (c *conn) tcpSocket() net.Conn {
 	}
 }
 
+// sockControl runs fn on the file descriptor of the connection's socket
+// (the one under its TLS session, if it has one).
+func (c *conn) sockControl(fn func(fd uintptr)) error {
+	raw := c.raw // the socket's (or its quiet copy's) unless c.nc wraps it
+	if raw == nil {
+		sc, ok := c.tcpSocket().(syscall.Conn)
+		if !ok {
+			return errors.ErrUnsupported
+		}
+		var err error
+		if raw, err = sc.SyscallConn(); err != nil {
+			return err
+		}
+	}
+	return raw.Control(fn)
+}
+
 // closeWrite shuts the socket down for writing: the peer reads to the
 // end of what was written, then its end of file.
 func (c *conn) closeWrite() error {
-	if c.quiet != nil {
-		var serr error
-		if err := c.quiet.Control(func(fd uintptr) { serr = unix.Shutdown(int(fd), unix.SHUT_WR) }); err != nil {
-			return err
-		}
-		return serr
+	var serr error
+	if err := c.sockControl(func(fd uintptr) { serr = unix.Shutdown(int(fd), unix.SHUT_WR) }); err != nil {
+		return err
 	}
-	if cw, ok := c.tcpSocket().(interface{ CloseWrite() error }); ok {
-		return cw.CloseWrite()
-	}
-	return errors.ErrUnsupported
+	return serr
 }
 
 // addUser registers q, which has requests in flight on c, to learn of
@@ -555,19 +566,8 @@ func (c *conn) inputWaiting() bool {
 	if c.dead.Load() {
 		return false
 	}
-	sc, ok := c.tcpSocket().(syscall.Conn)
-	if c.quiet != nil {
-		sc, ok = c.quiet.f, true
-	}
-	if !ok {
-		return false
-	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
 	n := 0
-	raw.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+	c.sockControl(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
 	return n > 0
 }
 
@@ -883,7 +883,7 @@ func (c *conn) writeTLSNow(bufs [][]byte, err *error) bool {
 		return false
 	}
 	defer c.wmu.Unlock()
-	if !c.queueEmpty() || !socketRoom(c.tcpSocket(), total(bufs)+tlsOverhead) {
+	if !c.queueEmpty() || !c.socketRoom(total(bufs)+tlsOverhead) {
 		return false
 	}
 	if werr := c.tlsw.writeAll(bufs); werr != nil {
@@ -895,20 +895,12 @@ func (c *conn) writeTLSNow(bufs [][]byte, err *error) bool {
 // tlsOverhead bounds what TLS adds to a record.
 const tlsOverhead = 64
 
-// socketRoom reports whether the socket of nc can take n more bytes
-// without waiting: what it holds unsent or unacknowledged leaves n and
-// half its send buffer free.
-func socketRoom(nc net.Conn, n int) bool {
-	sc, ok := nc.(syscall.Conn)
-	if !ok {
-		return false
-	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
+// socketRoom reports whether the connection's socket can take n more
+// bytes without waiting: what it holds unsent or unacknowledged leaves n
+// and half its send buffer free.
+func (c *conn) socketRoom(n int) bool {
 	room := false
-	raw.Control(func(fd uintptr) {
+	c.sockControl(func(fd uintptr) {
 		queued, err := unix.IoctlGetInt(int(fd), unix.SIOCOUTQ)
 		if err != nil {
 			return
