@@ -115,16 +115,7 @@ func TestInfiniBandPortSoft(t *testing.T) {
 		{"ForceGRH", ConnectOptions{ForceGRH: true}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			qa, err := pd.NewRCQueuePair(QPSpec{SendCQ: cq})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer qa.Close()
-			qb, err := pd.NewRCQueuePair(QPSpec{SendCQ: cq})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer qb.Close()
+			qa, qb := newRCPair(t, pd, cq)
 			ea, err := qa.Endpoint()
 			if err != nil {
 				t.Fatal(err)
@@ -167,16 +158,7 @@ func TestInfiniBandPortSoft(t *testing.T) {
 	}
 
 	// A LID that is not the peer's: no path.
-	qa, err := pd.NewRCQueuePair(QPSpec{SendCQ: cq})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer qa.Close()
-	qb, err := pd.NewRCQueuePair(QPSpec{SendCQ: cq})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer qb.Close()
+	qa, qb := newRCPair(t, pd, cq)
 	eb, err := qb.Endpoint()
 	if err != nil {
 		t.Fatal(err)
@@ -188,4 +170,18 @@ func TestInfiniBandPortSoft(t *testing.T) {
 		t.Errorf("Connect to a wrong LID: %v; want EINVAL with the LID path", err)
 	}
 	t.Logf("Connect to a wrong LID: %v", err)
+}
+
+// newRCPair returns two RC QPs of pd on cq, closed when the test ends.
+func newRCPair(t *testing.T, pd *ProtectionDomain, cq *CompletionQueue) (a, b *RCQueuePair) {
+	t.Helper()
+	newRC := func() *RCQueuePair {
+		q, err := pd.NewRCQueuePair(QPSpec{SendCQ: cq})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { q.Close() })
+		return q
+	}
+	return newRC(), newRC()
 }
