@@ -1,0 +1,129 @@
+package session
+
+import "time"
+
+// Config configures a Listener or a Dial. The zero value is usable: every
+// field documents what its zero value means.
+type Config struct {
+	// Token is the shared secret both sides must prove, over the
+	// handshake, before anything else is read or allocated (HMAC over
+	// both sides' nonces, bound to the TLS session when there is one).
+	// Empty: no authentication; a Listener on a non-loopback address
+	// then logs a warning once.
+	Token []byte
+
+	// TLS is the bootstrap connection's encryption: "auto" (or ""):
+	// TLS 1.3 when the peer's address is not a loopback one; "on":
+	// always; "off": never. The certificate is ephemeral and not
+	// verified: the token proof, bound to the TLS session, authenticates
+	// the peer (as soft0 does for its own traffic).
+	TLS string
+
+	// Device names the RDMA device to use ("soft0", "rxe0", ...). Empty:
+	// the device that routes to the peer (a hardware device whose GID
+	// matches the bootstrap connection's local address, on both sides),
+	// else soft0.
+	Device string
+
+	// UseCM asks for the RDMA connection manager instead of the TCP
+	// bootstrap (hardware only; soft0 returns an error wrapping
+	// verbs.ErrNotSupported).
+	UseCM bool
+
+	// QueueDepth is how many requests of each direction may be in flight
+	// on a session. 0: 128.
+	QueueDepth int
+
+	// MessageSize is the size of each posted receive buffer: a message up
+	// to this size travels in one send (eager); larger ones go by
+	// rendezvous (the receiver reads them). 0: 64 KiB.
+	MessageSize int
+
+	// ReceiveBuffers is how many receive buffers each side posts, hence
+	// how many eager messages a sender may have outstanding (its
+	// credits). 0: 64.
+	ReceiveBuffers int
+
+	// MaxMessage bounds a message (eager or rendezvous) this side
+	// accepts. 0: 64 MiB.
+	MaxMessage int
+
+	// Keepalive is how long a silent peer stays alive: pings go every
+	// third of it, and a peer that answers none within it is
+	// ErrPeerUnresponsive. 0: 5 s. Negative: no keepalive.
+	Keepalive time.Duration
+
+	// HandshakeTimeout bounds the bootstrap handshake of one connection
+	// (a stranger that does not complete it is dropped). 0: 5 s.
+	HandshakeTimeout time.Duration
+
+	// MaxStrangers bounds the unauthenticated connections a Listener
+	// holds at once; over it the oldest is dropped. 0: 64.
+	MaxStrangers int
+
+	// Lease is the default lease of granted memory. 0: 1 minute.
+	Lease time.Duration
+
+	// MaxGranted caps the bytes of this side's memory granted to the peer
+	// at once (by SendLocalMR and by serving its RequestRemoteMR).
+	// 0: 256 MiB.
+	MaxGranted int64
+
+	// MaxRequest caps one RequestRemoteMR the peer may make of this side.
+	// 0: 64 MiB.
+	MaxRequest int64
+
+	// Allocator configures the session's memory allocator (the arenas
+	// behind Alloc, receive buffers and served requests).
+	Allocator AllocatorConfig
+}
+
+const (
+	defaultQueueDepth     = 128
+	defaultMessageSize    = 64 << 10
+	defaultReceiveBuffers = 64
+	defaultMaxMessage     = 64 << 20
+	defaultKeepalive      = 5 * time.Second
+	defaultHandshake      = 5 * time.Second
+	defaultMaxStrangers   = 64
+	defaultLease          = time.Minute
+	defaultMaxGranted     = 256 << 20
+	defaultMaxRequest     = 64 << 20
+)
+
+// withDefaults returns c with its zero fields set to their defaults.
+func (c Config) withDefaults() Config {
+	def := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&c.QueueDepth, defaultQueueDepth)
+	def(&c.MessageSize, defaultMessageSize)
+	def(&c.ReceiveBuffers, defaultReceiveBuffers)
+	def(&c.MaxMessage, defaultMaxMessage)
+	def(&c.MaxStrangers, defaultMaxStrangers)
+	if c.Keepalive == 0 {
+		c.Keepalive = defaultKeepalive
+	}
+	if c.HandshakeTimeout == 0 {
+		c.HandshakeTimeout = defaultHandshake
+	}
+	if c.Lease == 0 {
+		c.Lease = defaultLease
+	}
+	if c.MaxGranted == 0 {
+		c.MaxGranted = defaultMaxGranted
+	}
+	if c.MaxRequest == 0 {
+		c.MaxRequest = defaultMaxRequest
+	}
+	return c
+}
+
+// AllocatorConfig is defined with the allocator (alloc.go); this
+// placeholder keeps the package building until it lands.
+type AllocatorConfig struct {
+	ArenaSize int
+	MaxMemory int64
+}
