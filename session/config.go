@@ -120,10 +120,3 @@ func (c Config) withDefaults() Config {
 	}
 	return c
 }
-
-// AllocatorConfig is defined with the allocator (alloc.go); this
-// placeholder keeps the package building until it lands.
-type AllocatorConfig struct {
-	ArenaSize int
-	MaxMemory int64
-}

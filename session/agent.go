@@ -1,0 +1,427 @@
+package session
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/goverbs/verbs"
+)
+
+// The agent: a goroutine per session that reads the control queue pair
+// and serves the peer (memory requests, grants, hand-backs, revocations,
+// the ends of rendezvous), and the state it keeps. Calls of the
+// application that need the peer's agent (RequestRemoteMR, SendLocalMR,
+// ...) send a control message with a request id and wait for the
+// answer the agent routes back to them.
+
+// agentState is guarded by mu.
+type agentState struct {
+	mu      sync.Mutex
+	waiters map[uint64]chan ctrlMsg // request id → the caller waiting for its answer (nil: it gave up)
+	fins    map[uint64]*finWait     // rendezvous id → what to free when the peer has read it
+	grants  map[uint64]*grantState  // grant id → memory of ours the peer may access
+	remotes map[uint64]*RemoteMR    // grant id → memory of the peer's we may access
+	granted int64                   // bytes in grants
+	offers  []*RemoteMR             // regions the peer offered, for ReceiveRemoteMR
+	returns []LocalMR               // regions handed back to us, for ReceiveLocalMR
+	changed chan struct{}           // closed (and replaced) when offers or returns grow
+	err     error                   // why the session ended
+	nextG   uint64
+}
+
+// finWait is a rendezvous waiting for the peer's fin.
+type finWait struct {
+	done  chan struct{}
+	win   *verbs.MemoryRegion
+	owned LocalMR
+}
+
+// grantState is memory of ours the peer may access: a window of a region
+// of our allocator, registered with the access granted.
+type grantState struct {
+	id     uint64
+	mr     LocalMR
+	win    *verbs.MemoryRegion
+	n      int64
+	served bool // allocated by the agent for the peer's request
+	timer  *time.Timer
+}
+
+// maxQueued bounds the offers and hand-backs waiting for the application.
+const maxQueued = 256
+
+// leaseGrace is how long after a lease the granter closes the window:
+// the grantee stops posting at the lease (its own clock, from when the
+// grant reached it), and requests posted just before must finish.
+const leaseGrace = 250 * time.Millisecond
+
+func (a *agentState) init() {
+	a.waiters = map[uint64]chan ctrlMsg{}
+	a.fins = map[uint64]*finWait{}
+	a.grants = map[uint64]*grantState{}
+	a.remotes = map[uint64]*RemoteMR{}
+	a.changed = make(chan struct{})
+}
+
+// wakeLocked wakes the callers waiting for offers or returns (mu held).
+func (a *agentState) wakeLocked() {
+	close(a.changed)
+	a.changed = make(chan struct{})
+}
+
+// fail wakes every waiter: the session ended.
+func (a *agentState) fail(err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.err = err
+	for id, w := range a.fins {
+		close(w.done)
+		delete(a.fins, id)
+		w.free()
+	}
+	for _, r := range a.remotes {
+		r.state.CompareAndSwap(remoteLive, remoteEnded)
+	}
+}
+
+func (w *finWait) free() {
+	w.win.Close()
+	if w.owned.Valid() {
+		w.owned.Free()
+	}
+}
+
+// closeGrants closes every window (the session ended).
+func (a *agentState) closeGrants() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for id, g := range a.grants {
+		a.dropGrantLocked(id, g)
+	}
+	for id, w := range a.fins {
+		delete(a.fins, id)
+		w.free()
+	}
+	for _, m := range a.returns {
+		m.Free()
+	}
+	a.returns = nil
+}
+
+func (a *agentState) dropGrantLocked(id uint64, g *grantState) {
+	delete(a.grants, id)
+	if g.timer != nil {
+		g.timer.Stop()
+	}
+	g.win.Close()
+	a.granted -= g.n
+	if g.served && g.mr.Valid() {
+		g.mr.Free()
+	}
+}
+
+func (a *agentState) expectFin(id uint64, win *verbs.MemoryRegion, owned LocalMR) <-chan struct{} {
+	w := &finWait{done: make(chan struct{}), win: win, owned: owned}
+	a.mu.Lock()
+	if a.err != nil {
+		a.mu.Unlock()
+		close(w.done)
+		w.free()
+		return w.done
+	}
+	a.fins[id] = w
+	a.mu.Unlock()
+	return w.done
+}
+
+func (a *agentState) dropFin(id uint64) {
+	a.mu.Lock()
+	w := a.fins[id]
+	delete(a.fins, id)
+	a.mu.Unlock()
+	if w != nil {
+		w.free()
+	}
+}
+
+// agentLoop reads the control queue pair until the session ends.
+func (s *Session) agentLoop() {
+	defer s.agentWG.Done()
+	var b [ctrlBufSize]byte
+	for {
+		s.cmu.Lock()
+		if len(s.cfifo) == 0 {
+			s.cmu.Unlock()
+			return
+		}
+		slot := s.cfifo[0]
+		h := s.crh[slot]
+		s.cmu.Unlock()
+		if err := h.Wait(s.bg); err != nil && !h.Done() {
+			return
+		}
+		s.cmu.Lock()
+		s.cfifo = s.cfifo[1:]
+		s.cmu.Unlock()
+		if err := h.Err(); err != nil {
+			h.Release()
+			s.fail("agent", err)
+			return
+		}
+		rc := h.Received()
+		h.Release()
+		s.crflow.consumed.Add(1)
+		n := copy(b[:], s.cring.Bytes()[int(slot)*ctrlBufSize:int(slot)*ctrlBufSize+min(rc.Len, ctrlBufSize)])
+		s.repostCtrl(int(slot))
+		m, err := parseCtrl(b[:n])
+		if err != nil {
+			s.protocol(err)
+			return
+		}
+		s.cflow.learn(m.credits)
+		s.handle(m)
+	}
+}
+
+// postCtrl posts control receive buffer slot (cmu held, or before the
+// session runs).
+func (s *Session) postCtrl(slot int) error {
+	sl, err := s.cring.Slice(slot*ctrlBufSize, ctrlBufSize)
+	if err != nil {
+		return err
+	}
+	h, err := s.agc.PostReceive(sl.SGE())
+	if err != nil {
+		return err
+	}
+	s.crh[slot] = h
+	s.cfifo = append(s.cfifo, int32(slot))
+	return nil
+}
+
+func (s *Session) repostCtrl(slot int) {
+	s.cmu.Lock()
+	err := s.postCtrl(slot)
+	s.cmu.Unlock()
+	if err != nil {
+		s.fail("agent", err)
+		return
+	}
+	s.crflow.reposted.Add(1)
+	s.writeCredits(&s.crflow, &s.ccred, s.agc, 4)
+}
+
+// sendCtrl sends a control message, waiting for a credit and for its
+// completion (at most until ctx or the session ends).
+func (s *Session) sendCtrl(ctx context.Context, m ctrlMsg) error {
+	buf, err := s.mem.Alloc(ctrlBufSize)
+	if err != nil {
+		return fmt.Errorf("session: agent: %w", err)
+	}
+	if err := s.cflow.take(ctx, s.done); err != nil {
+		buf.Free()
+		return s.ctxErr("agent", err)
+	}
+	m.credits = s.crflow.reposted.Load()
+	n := m.put(buf.Bytes())
+	sl, _ := buf.Slice(0, n)
+	h, err := s.agc.PostSend(sl.SGE())
+	if err != nil {
+		buf.Free()
+		return s.fail("agent", err)
+	}
+	s.crflow.told(m.credits)
+	return s.await(ctx, "agent", h, buf)
+}
+
+// sendAsync sends m in the background (answers of the agent, fins).
+func (s *Session) sendAsyncCtrl(m ctrlMsg) {
+	go s.sendCtrl(s.bg, m)
+}
+
+// call sends a request and waits for its answer.
+func (s *Session) call(ctx context.Context, op string, m ctrlMsg) (ctrlMsg, error) {
+	m.id = s.ids.Add(1)
+	ch := make(chan ctrlMsg, 1)
+	a := &s.agent
+	a.mu.Lock()
+	if a.err != nil {
+		a.mu.Unlock()
+		return ctrlMsg{}, s.fail(op, nil)
+	}
+	a.waiters[m.id] = ch
+	a.mu.Unlock()
+	forget := func() {
+		a.mu.Lock()
+		if _, ok := a.waiters[m.id]; ok {
+			a.waiters[m.id] = nil // an answer that comes is then undone (answered)
+		}
+		a.mu.Unlock()
+	}
+	if err := s.sendCtrl(ctx, m); err != nil {
+		forget()
+		return ctrlMsg{}, err
+	}
+	select {
+	case r := <-ch:
+		if r.typ == ctrlErr {
+			return r, fmt.Errorf("session: %s: the peer refused: %w", op, codeErr(r))
+		}
+		return r, nil
+	case <-ctx.Done():
+		forget()
+		return ctrlMsg{}, fmt.Errorf("session: %s: %w", op, ctx.Err())
+	case <-s.done:
+		return ctrlMsg{}, s.fail(op, nil)
+	}
+}
+
+func codeErr(r ctrlMsg) error {
+	var e error
+	switch r.code {
+	case errCodeLimit:
+		e = ErrLimit
+	case errCodeAccess:
+		e = ErrAccess
+	case errCodeUnknown:
+		e = ErrLeaseExpired
+	case errCodeProtocol:
+		e = ErrProtocol
+	default:
+		e = errRefused
+	}
+	if r.text != "" {
+		return fmt.Errorf("%w: %s", e, r.text)
+	}
+	return e
+}
+
+// answered routes an answer to its caller; it reports false if nobody
+// waits (any more).
+func (s *Session) answered(m ctrlMsg) bool {
+	a := &s.agent
+	a.mu.Lock()
+	ch, ok := a.waiters[m.id]
+	delete(a.waiters, m.id)
+	a.mu.Unlock()
+	if !ok || ch == nil {
+		return false
+	}
+	ch <- m
+	return true
+}
+
+// handle serves one control message (agent goroutine; nothing here
+// waits for long: answers go in the background).
+func (s *Session) handle(m ctrlMsg) {
+	reply := func(r ctrlMsg) {
+		r.id = m.id
+		s.sendAsyncCtrl(r)
+	}
+	refuse := func(code uint8, format string, args ...any) {
+		reply(ctrlMsg{typ: ctrlErr, code: code, text: fmt.Sprintf(format, args...)})
+	}
+	switch m.typ {
+	case ctrlRequest:
+		g, code, err := s.serveRequest(m)
+		if err != nil {
+			refuse(code, "%v", err)
+			return
+		}
+		reply(ctrlMsg{typ: ctrlGrant, grant: g.id, addr: g.win.Addr(), len: uint64(g.n), rkey: g.win.RKey(), access: m.access, lease: m.lease})
+	case ctrlGrant:
+		r := s.newRemote(m)
+		if !s.answered(ctrlMsg{typ: ctrlGrant, id: m.id, grant: m.grant, addr: m.addr, len: m.len, rkey: m.rkey, access: m.access, lease: m.lease}) {
+			// The caller gave up: give the memory back.
+			r.state.Store(remoteReleased)
+			s.forgetRemote(r.grant)
+			s.sendAsyncCtrl(ctrlMsg{typ: ctrlRelease, grant: m.grant})
+		}
+	case ctrlOffer:
+		a := &s.agent
+		a.mu.Lock()
+		if len(a.offers) >= maxQueued {
+			a.mu.Unlock()
+			refuse(errCodeBusy, "%d offered regions wait for ReceiveRemoteMR", maxQueued)
+			return
+		}
+		a.mu.Unlock()
+		r := s.newRemote(m)
+		a.mu.Lock()
+		a.offers = append(a.offers, r)
+		a.wakeLocked()
+		a.mu.Unlock()
+		reply(ctrlMsg{typ: ctrlAck})
+	case ctrlHandBack, ctrlRelease:
+		a := &s.agent
+		a.mu.Lock()
+		g := a.grants[m.grant]
+		if g == nil {
+			a.mu.Unlock()
+			refuse(errCodeUnknown, "no grant %d (its lease ended?)", m.grant)
+			return
+		}
+		mr, served := g.mr, g.served
+		g.served = false // the region is not freed with the grant
+		a.dropGrantLocked(m.grant, g)
+		if m.typ == ctrlHandBack {
+			a.returns = append(a.returns, mr)
+			a.wakeLocked()
+		} else if served {
+			mr.Free()
+		}
+		a.mu.Unlock()
+		reply(ctrlMsg{typ: ctrlAck})
+	case ctrlRevoke:
+		r := s.lookupRemote(m.grant)
+		go func() {
+			if r != nil {
+				r.state.CompareAndSwap(remoteLive, remoteRevoked)
+				r.quiesce(s.done)
+				s.forgetRemote(m.grant)
+			}
+			reply(ctrlMsg{typ: ctrlAck})
+		}()
+	case ctrlAck, ctrlErr:
+		s.answered(m)
+	case ctrlFin:
+		a := &s.agent
+		a.mu.Lock()
+		w := a.fins[m.id]
+		delete(a.fins, m.id)
+		a.mu.Unlock()
+		if w != nil {
+			w.free()
+			close(w.done)
+		}
+	}
+}
+
+// serveRequest allocates and grants memory the peer asked for.
+func (s *Session) serveRequest(m ctrlMsg) (*grantState, uint8, error) {
+	switch {
+	case m.len == 0:
+		return nil, errCodeProtocol, fmt.Errorf("a request of 0 bytes")
+	case m.len > uint64(s.cfg.MaxRequest):
+		return nil, errCodeLimit, fmt.Errorf("a request of %d bytes: this side grants at most %d per request", m.len, s.cfg.MaxRequest)
+	case m.access&^remoteAccess != 0 || m.access&remoteAccess == 0:
+		return nil, errCodeAccess, fmt.Errorf("access %v: ask for remote read, write or atomic", m.access)
+	}
+	mr, err := s.mem.Alloc(int(m.len))
+	if err != nil {
+		return nil, errCodeNoMemory, err
+	}
+	clear(mr.Bytes()) // what it held before is not the peer's to see
+	g, err := s.grant(mr, m.access, m.lease, true)
+	if err != nil {
+		mr.Free()
+		code := uint8(errCodeNoMemory)
+		if isLimit(err) {
+			code = errCodeLimit
+		}
+		return nil, code, err
+	}
+	return g, 0, nil
+}

@@ -1,0 +1,122 @@
+package session
+
+import (
+	"context"
+	"runtime"
+	"sync/atomic"
+	"time"
+)
+
+// Credit-based flow control of one direction of a queue pair: the sender
+// may have at most as many messages outstanding as the receiver has
+// receive buffers posted, so it never meets "receiver not ready".
+//
+// The receiver counts the buffers it posted again (reposted, a wrapping
+// 32-bit count) and tells the sender: in the header of every message it
+// sends the other way (piggyback), and, when the sender may be running
+// low, by an RDMA write of the count into the sender's control block
+// (creditWord), which consumes no receive buffer of the sender's. A
+// 4-byte aligned write is never torn.
+
+// sendFlow is the sender's side.
+type sendFlow struct {
+	r    uint32        // receive buffers the peer posted at the start
+	sent atomic.Uint32 // messages sent (wrapping)
+	seen atomic.Uint32 // the latest reposted count learnt by piggyback
+	word *uint32       // the count the peer writes into our control block
+}
+
+// newer reports whether wrapping count a is after b.
+func newer(a, b uint32) bool { return int32(a-b) > 0 }
+
+// reposted is the latest reposted count the peer told us.
+func (f *sendFlow) reposted() uint32 {
+	w, s := atomic.LoadUint32(f.word), f.seen.Load()
+	if newer(w, s) {
+		return w
+	}
+	return s
+}
+
+// learn records a piggybacked count.
+func (f *sendFlow) learn(n uint32) {
+	for {
+		s := f.seen.Load()
+		if !newer(n, s) || f.seen.CompareAndSwap(s, n) {
+			return
+		}
+	}
+}
+
+// tryTake takes a credit if there is one.
+func (f *sendFlow) tryTake() bool {
+	for {
+		s := f.sent.Load()
+		if int32(f.r+f.reposted()-s) <= 0 {
+			return false
+		}
+		if f.sent.CompareAndSwap(s, s+1) {
+			return true
+		}
+	}
+}
+
+// take takes a credit, waiting for one until ctx or the session ends
+// (done). Credits come back without a completion (by RDMA write), so a
+// waiting sender polls its control block: it yields first, then sleeps
+// for intervals that grow to a millisecond.
+func (f *sendFlow) take(ctx context.Context, done <-chan struct{}) error {
+	for i := 0; i < 64; i++ {
+		if f.tryTake() {
+			return nil
+		}
+		runtime.Gosched()
+	}
+	d := 10 * time.Microsecond
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		if f.tryTake() {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-done:
+			return errSessionEnded
+		case <-t.C:
+		}
+		d = min(2*d, time.Millisecond)
+		t.Reset(d)
+	}
+}
+
+// recvFlow is the receiver's side.
+type recvFlow struct {
+	r          uint32
+	reposted   atomic.Uint32 // buffers posted again (wrapping)
+	consumed   atomic.Uint32 // messages received
+	advertised atomic.Uint32 // the latest count the sender was told
+}
+
+// told records that the sender was told count n.
+func (f *recvFlow) told(n uint32) {
+	for {
+		a := f.advertised.Load()
+		if !newer(n, a) || f.advertised.CompareAndSwap(a, n) {
+			return
+		}
+	}
+}
+
+// shouldWrite reports whether the sender must be told the reposted
+// count by a write now: it may be low on credits (fewer than a quarter
+// of the buffers, as far as we know) and there is something new to tell.
+func (f *recvFlow) shouldWrite() (uint32, bool) {
+	rep, adv := f.reposted.Load(), f.advertised.Load()
+	if rep == adv {
+		return rep, false
+	}
+	credits := int32(f.r + adv - f.consumed.Load())
+	return rep, credits < int32(max(f.r/4, 1))
+}

@@ -1,0 +1,500 @@
+package session
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sync/atomic"
+	"time"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+)
+
+var (
+	errRefused     = errors.New("session: refused")
+	errShortBuffer = io.ErrShortBuffer
+	// ErrMisaligned: an atomic operation's target is not one 8-byte
+	// aligned word. Nothing was posted.
+	ErrMisaligned = errors.New("session: atomic target is not an aligned 8-byte word")
+)
+
+// remoteAccess is the access a grant may give.
+const remoteAccess = verbs.AccessRemoteRead | verbs.AccessRemoteWrite | verbs.AccessRemoteAtomic
+
+func isLimit(err error) bool { return errors.Is(err, ErrLimit) }
+
+// grant registers a window of mr with access for the peer, for lease
+// (0: the default), within MaxGranted.
+func (s *Session) grant(mr LocalMR, access verbs.Access, lease time.Duration, served bool) (*grantState, error) {
+	if lease <= 0 {
+		lease = s.cfg.Lease
+	}
+	n := int64(mr.Len())
+	a := &s.agent
+	a.mu.Lock()
+	if a.err != nil {
+		a.mu.Unlock()
+		return nil, s.fail("grant", nil)
+	}
+	if a.granted+n > s.cfg.MaxGranted {
+		g := a.granted
+		a.mu.Unlock()
+		return nil, fmt.Errorf("%w: %d bytes granted to the peer already, %d more would pass the cap of %d", ErrLimit, g, n, s.cfg.MaxGranted)
+	}
+	a.granted += n // reserved
+	a.mu.Unlock()
+	win, err := s.pd.Register(mr.Bytes(), access|verbs.AccessLocalWrite)
+	if err != nil {
+		a.mu.Lock()
+		a.granted -= n
+		a.mu.Unlock()
+		return nil, err
+	}
+	a.mu.Lock()
+	a.nextG++
+	g := &grantState{id: a.nextG, mr: mr, win: win, n: n, served: served}
+	a.grants[g.id] = g
+	a.mu.Unlock()
+	g.timer = time.AfterFunc(lease+leaseGrace, func() {
+		a.mu.Lock()
+		if a.grants[g.id] == g {
+			a.dropGrantLocked(g.id, g)
+		}
+		a.mu.Unlock()
+	})
+	return g, nil
+}
+
+// RemoteMR is memory of the peer this side may access: granted by the
+// peer's agent (RequestRemoteMR), or offered by the peer's application
+// (ReceiveRemoteMR). It is valid until its lease ends (by this side's
+// clock, from when the grant arrived), the peer revokes it, or it is
+// released or handed back; then operations on it fail with
+// ErrLeaseExpired before anything is posted. A RemoteMR is safe for
+// concurrent use.
+type RemoteMR struct {
+	s        *Session
+	grant    uint64
+	region   verbs.RemoteRegion
+	access   verbs.Access
+	deadline time.Time
+	state    atomic.Int32
+	inflight atomic.Int32
+}
+
+const (
+	remoteLive = iota
+	remoteReleased
+	remoteRevoked
+	remoteEnded // the session ended
+)
+
+func (s *Session) newRemote(m ctrlMsg) *RemoteMR {
+	r := &RemoteMR{s: s, grant: m.grant, region: verbs.RemoteRegion{Addr: m.addr, Len: m.len, RKey: m.rkey},
+		access: m.access, deadline: time.Now().Add(m.lease)}
+	a := &s.agent
+	a.mu.Lock()
+	a.remotes[m.grant] = r
+	a.mu.Unlock()
+	return r
+}
+
+func (s *Session) lookupRemote(grant uint64) *RemoteMR {
+	a := &s.agent
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.remotes[grant]
+}
+
+func (s *Session) forgetRemote(grant uint64) {
+	a := &s.agent
+	a.mu.Lock()
+	delete(a.remotes, grant)
+	a.mu.Unlock()
+}
+
+// Len is the region's length.
+func (r *RemoteMR) Len() int { return int(r.region.Len) }
+
+// Access is the access the peer granted.
+func (r *RemoteMR) Access() verbs.Access { return r.access }
+
+// Deadline is when the lease ends.
+func (r *RemoteMR) Deadline() time.Time { return r.deadline }
+
+// Region is the raw region (address, length, rkey), for use with the
+// verbs package directly. Nothing then checks bounds, access or lease
+// on this side: a violation is a remote access error that breaks the
+// queue pair it was posted on.
+func (r *RemoteMR) Region() verbs.RemoteRegion { return r.region }
+
+// Slice returns n bytes at off of the region, or ErrOutOfBounds.
+func (r *RemoteMR) Slice(off, n int) (RemoteSlice, error) {
+	if off < 0 || n < 0 || uint64(off)+uint64(n) > r.region.Len {
+		return RemoteSlice{}, fmt.Errorf("session: %w: %d bytes at %d of a remote region of %d", ErrOutOfBounds, n, off, r.region.Len)
+	}
+	return RemoteSlice{r: r, off: uint64(off), n: uint64(n)}, nil
+}
+
+// All is the whole region.
+func (r *RemoteMR) All() RemoteSlice { return RemoteSlice{r: r, n: r.region.Len} }
+
+// valid returns why r cannot be used now, if it cannot.
+func (r *RemoteMR) valid() error {
+	switch r.state.Load() {
+	case remoteReleased:
+		return fmt.Errorf("%w: the region was released or handed back", ErrLeaseExpired)
+	case remoteRevoked:
+		return fmt.Errorf("%w: the peer revoked the region", ErrLeaseExpired)
+	case remoteEnded:
+		return fmt.Errorf("%w: the session ended", ErrLeaseExpired)
+	}
+	if !time.Now().Before(r.deadline) {
+		return fmt.Errorf("%w: the lease ended at %s", ErrLeaseExpired, r.deadline.Format(time.RFC3339Nano))
+	}
+	return nil
+}
+
+// quiesce waits until no operation of this side on r is in flight (or
+// the session ends).
+func (r *RemoteMR) quiesce(done <-chan struct{}) {
+	for d := 10 * time.Microsecond; r.inflight.Load() > 0; d = min(2*d, 10*time.Millisecond) {
+		select {
+		case <-done:
+			return
+		case <-time.After(d):
+		}
+	}
+}
+
+// Release gives the region up: the peer's agent closes its window (and
+// frees it, if it allocated it for RequestRemoteMR). It waits for this
+// side's operations on it to finish first.
+func (r *RemoteMR) Release(ctx context.Context) error {
+	return r.giveUp(ctx, ctrlRelease, "release remote region")
+}
+
+func (r *RemoteMR) giveUp(ctx context.Context, typ uint8, op string) error {
+	if !r.state.CompareAndSwap(remoteLive, remoteReleased) {
+		return fmt.Errorf("session: %s: %w", op, r.validOr())
+	}
+	r.quiesce(r.s.done)
+	r.s.forgetRemote(r.grant)
+	_, err := r.s.call(ctx, op, ctrlMsg{typ: typ, grant: r.grant})
+	return err
+}
+
+func (r *RemoteMR) validOr() error {
+	if err := r.valid(); err != nil {
+		return err
+	}
+	return ErrLeaseExpired
+}
+
+// RemoteSlice is part of a RemoteMR.
+type RemoteSlice struct {
+	r      *RemoteMR
+	off, n uint64
+}
+
+// Len is the slice's length.
+func (s RemoteSlice) Len() int { return int(s.n) }
+
+// MR is the region the slice is part of.
+func (s RemoteSlice) MR() *RemoteMR { return s.r }
+
+// Slice returns n bytes at off of the slice, or ErrOutOfBounds.
+func (s RemoteSlice) Slice(off, n int) (RemoteSlice, error) {
+	if s.r == nil || off < 0 || n < 0 || uint64(off)+uint64(n) > s.n {
+		return RemoteSlice{}, fmt.Errorf("session: %w: %d bytes at %d of a remote slice of %d", ErrOutOfBounds, n, off, s.n)
+	}
+	return RemoteSlice{r: s.r, off: s.off + uint64(off), n: uint64(n)}, nil
+}
+
+func (s RemoteSlice) addr() verbs.RemoteAddr {
+	return verbs.RemoteAddr{Addr: s.r.region.Addr + s.off, RKey: s.r.region.RKey}
+}
+
+// check returns why an operation needing access cannot use dst.
+func (s *Session) checkRemote(op string, dst RemoteSlice, access verbs.Access) error {
+	if err := s.live(op); err != nil {
+		return err
+	}
+	if dst.r == nil {
+		return fmt.Errorf("session: %s: %w: the zero RemoteSlice", op, ErrOutOfBounds)
+	}
+	if dst.r.s != s {
+		return fmt.Errorf("session: %s: %w: the region was granted on another session", op, ErrAccess)
+	}
+	if err := dst.r.valid(); err != nil {
+		return fmt.Errorf("session: %s: %w", op, err)
+	}
+	if dst.r.access&access != access {
+		return fmt.Errorf("session: %s: %w: the region grants %v, the operation needs %v", op, ErrAccess, dst.r.access, access)
+	}
+	return nil
+}
+
+func (s *Session) checkLocal(op string, l LocalSlice, n int) error {
+	if !l.MR().Valid() {
+		return fmt.Errorf("session: %s: %w: the local region was freed", op, ErrClosed)
+	}
+	if l.MR().MemoryRegion().PD() != s.pd {
+		return fmt.Errorf("session: %s: %w: the local region is of another session's allocator", op, ErrAccess)
+	}
+	if l.Len() != n {
+		return fmt.Errorf("session: %s: %w: local %d bytes, remote %d", op, ErrOutOfBounds, l.Len(), n)
+	}
+	return nil
+}
+
+// remoteOp posts an operation on dst and waits for it.
+func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, post func() (channel.Handle, error)) (uint64, error) {
+	r := dst.r
+	r.inflight.Add(1)
+	// A revocation that came between the check and the increment waits
+	// for us; one that was already quiet is seen here.
+	if err := r.valid(); err != nil {
+		r.inflight.Add(-1)
+		return 0, fmt.Errorf("session: %s: %w", op, err)
+	}
+	h, err := post()
+	if err != nil {
+		r.inflight.Add(-1)
+		return 0, s.fail(op, err)
+	}
+	if err := h.Wait(ctx); err != nil && !h.Done() {
+		s.orphan(h, LocalMR{}, func() { r.inflight.Add(-1) })
+		return 0, s.ctxErr(op, err)
+	}
+	err = h.Err()
+	v := h.Value()
+	h.Release()
+	r.inflight.Add(-1)
+	if err != nil {
+		return 0, s.fail(op, err)
+	}
+	return v, nil
+}
+
+// Read reads src into dst (same length).
+func (s *Session) Read(ctx context.Context, dst LocalSlice, src RemoteSlice) error {
+	if err := s.checkRemote("read", src, verbs.AccessRemoteRead); err != nil {
+		return err
+	}
+	if err := s.checkLocal("read", dst, src.Len()); err != nil {
+		return err
+	}
+	_, err := s.remoteOp(ctx, "read", src, func() (channel.Handle, error) { return s.data.PostRead(src.addr(), dst.SGE()) })
+	return err
+}
+
+// Write writes src into dst (same length).
+func (s *Session) Write(ctx context.Context, dst RemoteSlice, src LocalSlice) error {
+	if err := s.checkRemote("write", dst, verbs.AccessRemoteWrite); err != nil {
+		return err
+	}
+	if err := s.checkLocal("write", src, dst.Len()); err != nil {
+		return err
+	}
+	_, err := s.remoteOp(ctx, "write", dst, func() (channel.Handle, error) { return s.data.PostWrite(dst.addr(), src.SGE()) })
+	return err
+}
+
+// WriteImm writes src into dst and gives the peer a Message with imm
+// whose IsWrite is true (it consumes one of the peer's receive buffers,
+// like a message).
+func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src LocalSlice) error {
+	if err := s.checkRemote("write with immediate", dst, verbs.AccessRemoteWrite); err != nil {
+		return err
+	}
+	if err := s.checkLocal("write with immediate", src, dst.Len()); err != nil {
+		return err
+	}
+	if err := s.dflow.take(ctx, s.done); err != nil {
+		return s.ctxErr("write with immediate", err)
+	}
+	_, err := s.remoteOp(ctx, "write with immediate", dst, func() (channel.Handle, error) {
+		return s.data.PostWriteImm(dst.addr(), imm, src.SGE())
+	})
+	return err
+}
+
+func (s *Session) checkAtomic(op string, dst RemoteSlice) error {
+	if err := s.checkRemote(op, dst, verbs.AccessRemoteAtomic); err != nil {
+		return err
+	}
+	if dst.n != 8 || dst.addr().Addr%8 != 0 {
+		return fmt.Errorf("session: %s: %w: %d bytes at remote address %#x", op, ErrMisaligned, dst.n, dst.addr().Addr)
+	}
+	return nil
+}
+
+// CompareSwap swaps the 8-byte word dst for swap if it holds compare and
+// returns what it held.
+func (s *Session) CompareSwap(ctx context.Context, dst RemoteSlice, compare, swap uint64) (uint64, error) {
+	if err := s.checkAtomic("compare and swap", dst); err != nil {
+		return 0, err
+	}
+	return s.remoteOp(ctx, "compare and swap", dst, func() (channel.Handle, error) {
+		return s.data.PostCompareSwap(dst.addr(), compare, swap)
+	})
+}
+
+// FetchAdd adds add to the 8-byte word dst and returns what it held.
+func (s *Session) FetchAdd(ctx context.Context, dst RemoteSlice, add uint64) (uint64, error) {
+	if err := s.checkAtomic("fetch and add", dst); err != nil {
+		return 0, err
+	}
+	return s.remoteOp(ctx, "fetch and add", dst, func() (channel.Handle, error) {
+		return s.data.PostFetchAdd(dst.addr(), add)
+	})
+}
+
+// RequestRemoteMR asks the peer's agent for n bytes of its memory with
+// access (remote read, write, atomic), for lease (0: Config.Lease). The
+// memory is zeroed. It fails if the peer's caps refuse (ErrLimit).
+func (s *Session) RequestRemoteMR(ctx context.Context, n int, access verbs.Access, lease time.Duration) (*RemoteMR, error) {
+	if n <= 0 {
+		return nil, fmt.Errorf("session: request remote region: %w: %d bytes", ErrOutOfBounds, n)
+	}
+	if lease <= 0 {
+		lease = s.cfg.Lease
+	}
+	r, err := s.call(ctx, "request remote region", ctrlMsg{typ: ctrlRequest, len: uint64(n), access: access, lease: lease})
+	if err != nil {
+		return nil, err
+	}
+	rm := s.lookupRemote(r.grant)
+	if rm == nil {
+		return nil, fmt.Errorf("session: request remote region: %w", ErrLeaseExpired)
+	}
+	return rm, nil
+}
+
+// Grant is memory of this side granted to the peer (SendLocalMR).
+type Grant struct {
+	s  *Session
+	g  *grantState
+	mr LocalMR
+}
+
+// MR is the granted region.
+func (g *Grant) MR() LocalMR { return g.mr }
+
+// Revoke ends the grant before its lease: the peer stops using the
+// region (its operations in flight finish first), then its window is
+// closed. The region stays this side's.
+func (g *Grant) Revoke(ctx context.Context) error {
+	s := g.s
+	a := &s.agent
+	a.mu.Lock()
+	live := a.grants[g.g.id] == g.g
+	a.mu.Unlock()
+	if !live {
+		return nil
+	}
+	_, err := s.call(ctx, "revoke", ctrlMsg{typ: ctrlRevoke, grant: g.g.id})
+	a.mu.Lock()
+	if a.grants[g.g.id] == g.g {
+		a.dropGrantLocked(g.g.id, g.g)
+	}
+	a.mu.Unlock()
+	return err
+}
+
+// SendLocalMR grants the peer access to mr (at most what a window of
+// the region may allow: remote read, write, atomic) for lease (0:
+// Config.Lease); the peer's ReceiveRemoteMR returns it. mr stays this
+// side's: it must not be freed while granted (Revoke, or wait for the
+// lease or a hand-back).
+func (s *Session) SendLocalMR(ctx context.Context, mr LocalMR, access verbs.Access, lease time.Duration) (*Grant, error) {
+	if !mr.Valid() {
+		return nil, fmt.Errorf("session: send local region: %w", ErrClosed)
+	}
+	if mr.MemoryRegion().PD() != s.pd {
+		return nil, fmt.Errorf("session: send local region: %w: the region is of another session's allocator", ErrAccess)
+	}
+	if access&^remoteAccess != 0 || access == 0 {
+		return nil, fmt.Errorf("session: send local region: %w: access %v (grant remote read, write or atomic)", ErrAccess, access)
+	}
+	if lease <= 0 {
+		lease = s.cfg.Lease
+	}
+	g, err := s.grant(mr, access, lease, false)
+	if err != nil {
+		return nil, fmt.Errorf("session: send local region: %w", err)
+	}
+	_, err = s.call(ctx, "send local region", ctrlMsg{typ: ctrlOffer, grant: g.id, addr: g.win.Addr(), len: uint64(g.n), rkey: g.win.RKey(), access: access, lease: lease})
+	if err != nil {
+		a := &s.agent
+		a.mu.Lock()
+		if a.grants[g.id] == g {
+			a.dropGrantLocked(g.id, g)
+		}
+		a.mu.Unlock()
+		return nil, err
+	}
+	return &Grant{s: s, g: g, mr: mr}, nil
+}
+
+// ReceiveRemoteMR returns the next region the peer offered
+// (SendLocalMR).
+func (s *Session) ReceiveRemoteMR(ctx context.Context) (*RemoteMR, error) {
+	a := &s.agent
+	for {
+		a.mu.Lock()
+		if len(a.offers) > 0 {
+			r := a.offers[0]
+			a.offers = a.offers[1:]
+			a.mu.Unlock()
+			return r, nil
+		}
+		ch := a.changed
+		a.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("session: receive remote region: %w", ctx.Err())
+		case <-s.done:
+			return nil, s.fail("receive remote region", nil)
+		}
+	}
+}
+
+// SendRemoteMR hands a region the peer granted back to it: this side's
+// operations on it finish, then the peer's ReceiveLocalMR returns it (to
+// read what was written, for example).
+func (s *Session) SendRemoteMR(ctx context.Context, r *RemoteMR) error {
+	if r == nil || r.s != s {
+		return fmt.Errorf("session: send remote region: %w: not a region of this session's peer", ErrAccess)
+	}
+	return r.giveUp(ctx, ctrlHandBack, "send remote region")
+}
+
+// ReceiveLocalMR returns the next region of this side that the peer
+// handed back (SendRemoteMR): one it was offered, or one it requested
+// (then the caller owns it and must Free it).
+func (s *Session) ReceiveLocalMR(ctx context.Context) (LocalMR, error) {
+	a := &s.agent
+	for {
+		a.mu.Lock()
+		if len(a.returns) > 0 {
+			m := a.returns[0]
+			a.returns = a.returns[1:]
+			a.mu.Unlock()
+			return m, nil
+		}
+		ch := a.changed
+		a.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return LocalMR{}, fmt.Errorf("session: receive local region: %w", ctx.Err())
+		case <-s.done:
+			return LocalMR{}, s.fail("receive local region", nil)
+		}
+	}
+}

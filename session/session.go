@@ -1,0 +1,487 @@
+package session
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+)
+
+// protoVersion is the version of the setup messages and of what travels
+// on the queue pairs (wire.go).
+const protoVersion = 1
+
+// Setup messages on the bootstrap connection (application types of ctrl).
+const (
+	msgHello = 1 // hello: the device this side proposes
+	msgSetup = 2 // setup: endpoints, control block, buffers
+	msgReady = 3 // the queue pairs are connected (RTR/RTS): traffic may start
+	msgFail  = 4 // setup failed on the sender's side: a text follows
+)
+
+// hello is the first setup message of each side.
+type hello struct {
+	Version  int    `json:"version"`
+	Device   string `json:"device"`   // the device this side would use
+	Hardware bool   `json:"hardware"` // it is not soft0
+	Explicit bool   `json:"explicit"` // Config.Device named it
+}
+
+// setup is the second.
+type setup struct {
+	Data        verbs.Endpoint     `json:"data"`
+	Ctrl        verbs.Endpoint     `json:"ctrl"`
+	Block       verbs.RemoteRegion `json:"block"`     // the control block (credit words)
+	RecvBuffers int                `json:"recv"`      // data receive buffers posted
+	SlotSize    int                `json:"slot"`      // bytes of each
+	CtrlBuffers int                `json:"ctrl_recv"` // control receive buffers posted
+	MaxMessage  int                `json:"max_message"`
+}
+
+// Session is a connection to one peer process: two RC queue pairs (the
+// application's messages and RDMA operations on one, the agents'
+// messages on the other), their receive buffers and flow control, an
+// allocator of registered memory, and an agent that serves the peer's
+// requests for memory. See the package documentation for the model.
+//
+// A Session is safe for concurrent use.
+type Session struct {
+	cfg  Config
+	ctl  *ctrl
+	dev  *verbs.Context
+	pd   *verbs.ProtectionDomain
+	mem  *Allocator
+	data *channel.Channel
+	agc  *channel.Channel // the agents' queue pair
+
+	block     *verbs.MemoryRegion // credit words the peer writes: [0:4] data, [4:8] control
+	peerBlock verbs.RemoteRegion
+	peer      setup // what the peer announced
+
+	transport string
+
+	// data receives (msg.go)
+	dflow   sendFlow
+	drflow  recvFlow
+	ring    LocalMR // ReceiveBuffers slots of slotSize bytes
+	slot    int
+	rmu     sync.Mutex // rh, rgen, fifo, and the posting of receives
+	rh      []channel.Handle
+	rgen    []uint32
+	fifo    []int32 // slots in the order they were posted
+	turn    chan struct{}
+	pending *pendingRead // a rendezvous read a cancelled Receive left (turn held)
+	held    *Message     // a message ReceiveInto could not take (turn held)
+	credMu  sync.Mutex   // orders credit writes (flow.go)
+
+	// the agent (agent.go)
+	cflow   sendFlow
+	crflow  recvFlow
+	cring   LocalMR
+	crh     []channel.Handle
+	cfifo   []int32
+	cmu     sync.Mutex // crh, cfifo; the posting of control receives
+	ccred   sync.Mutex // orders control credit writes
+	agent   agentState
+	ids     atomic.Uint64
+	bg      context.Context // ends with the session
+	bgStop  context.CancelFunc
+	agentWG sync.WaitGroup
+
+	done    chan struct{}
+	endOnce sync.Once
+	err     error // why it ended (set before done is closed)
+	closed  atomic.Bool
+}
+
+var errSessionEnded = errors.New("session: ended")
+
+// Dial connects to the Listener at addr (host:port) and sets up a
+// session. It honours ctx until the session is set up; the session then
+// lives until Close or the peer's end.
+func Dial(ctx context.Context, addr string, cfg Config) (*Session, error) {
+	cfg = cfg.withDefaults()
+	c, err := dialCtrl(ctx, addr, &cfg)
+	if err != nil {
+		return nil, fmt.Errorf("session: dial %s: %w", addr, err)
+	}
+	s, err := establish(ctx, c, cfg)
+	if err != nil {
+		c.close()
+		return nil, fmt.Errorf("session: dial %s: %w", addr, err)
+	}
+	return s, nil
+}
+
+// Listener accepts sessions. It is safe for concurrent use; sessions it
+// accepted are independent of it and of each other (closing the Listener
+// does not close them).
+type Listener struct {
+	cfg Config
+	l   *ctrlListener
+}
+
+// Listen listens for sessions on addr (host:port; port 0 picks one).
+func Listen(ctx context.Context, addr string, cfg Config) (*Listener, error) {
+	cfg = cfg.withDefaults()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	l, err := listenCtrl(addr, &cfg)
+	if err != nil {
+		return nil, fmt.Errorf("session: listen %s: %w", addr, err)
+	}
+	return &Listener{cfg: cfg, l: l}, nil
+}
+
+// Addr is the address the Listener listens on.
+func (l *Listener) Addr() net.Addr { return l.l.addr() }
+
+// Accept waits for the next peer that authenticates and sets up a
+// session with it. A peer that fails the setup is dropped and Accept
+// goes on waiting; it returns an error only when ctx ends or the
+// Listener is closed.
+func (l *Listener) Accept(ctx context.Context) (*Session, error) {
+	for {
+		c, err := l.l.accept(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("session: accept: %w", err)
+		}
+		s, err := establish(ctx, c, l.cfg)
+		if err != nil {
+			c.close()
+			if ctx.Err() != nil {
+				return nil, fmt.Errorf("session: accept: %w", ctx.Err())
+			}
+			continue
+		}
+		return s, nil
+	}
+}
+
+// Close stops listening. Sessions already accepted go on.
+func (l *Listener) Close() error { return l.l.close() }
+
+// establish sets up a session over the authenticated connection c: the
+// device both sides use, the queue pairs, their receive buffers; then
+// it exchanges endpoints and connects.
+func establish(ctx context.Context, c *ctrl, cfg Config) (s *Session, err error) {
+	// hello: agree on a device
+	mine, err := chooseDevice(cfg.Device, c.localAddr())
+	if err != nil {
+		return nil, err
+	}
+	var peer hello
+	if err := exchange(ctx, c, msgHello, mine, &peer); err != nil {
+		return nil, err
+	}
+	if peer.Version != protoVersion {
+		return nil, fmt.Errorf("%w: the peer speaks version %d, this side %d", ErrProtocol, peer.Version, protoVersion)
+	}
+	name := mine.Device
+	if mine.Hardware != peer.Hardware {
+		if mine.Explicit && mine.Hardware {
+			return nil, fmt.Errorf("session: device %s was asked for, but the peer uses %s, which cannot reach it", mine.Device, peer.Device)
+		}
+		name = softDevice
+	}
+	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), turn: make(chan struct{}, 1)}
+	s.turn <- struct{}{}
+	s.bg, s.bgStop = context.WithCancel(context.Background())
+	defer func() {
+		if err != nil {
+			s.release()
+		}
+	}()
+	if err := s.build(name); err != nil {
+		return nil, err
+	}
+	// setup: endpoints and buffers
+	de, err := s.data.Endpoint()
+	if err != nil {
+		return nil, err
+	}
+	ce, err := s.agc.Endpoint()
+	if err != nil {
+		return nil, err
+	}
+	out := setup{Data: de, Ctrl: ce, Block: s.block.Remote(), RecvBuffers: cfg.ReceiveBuffers,
+		SlotSize: s.slot, CtrlBuffers: ctrlBuffers, MaxMessage: cfg.MaxMessage}
+	if err := exchange(ctx, c, msgSetup, out, &s.peer); err != nil {
+		return nil, err
+	}
+	if err := s.peer.validate(); err != nil {
+		return nil, err
+	}
+	s.peerBlock = s.peer.Block
+	s.dflow = sendFlow{r: uint32(s.peer.RecvBuffers), word: s.word(0)}
+	s.cflow = sendFlow{r: uint32(s.peer.CtrlBuffers), word: s.word(4)}
+	if err := s.data.Connect(s.peer.Data); err != nil {
+		return nil, err
+	}
+	if err := s.agc.Connect(s.peer.Ctrl); err != nil {
+		return nil, err
+	}
+	// ready: both queue pairs of both sides are connected
+	var r struct{}
+	if err := exchange(ctx, c, msgReady, struct{}{}, &r); err != nil {
+		return nil, err
+	}
+	s.transport = s.describe()
+	c.startKeepalive(cfg.Keepalive)
+	s.agentWG.Add(2)
+	go s.agentLoop()
+	go s.watch()
+	return s, nil
+}
+
+// exchange sends v as message typ and reads the peer's message of the
+// same type into out (JSON, bounded by the bootstrap connection).
+func exchange(ctx context.Context, c *ctrl, typ uint8, v, out any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	if err := c.send(typ, b); err != nil {
+		return err
+	}
+	t, p, err := c.recv(ctx)
+	if err != nil {
+		return err
+	}
+	if t == msgFail {
+		return fmt.Errorf("session: the peer failed to set up: %s", sanitize(p))
+	}
+	if t != typ {
+		return fmt.Errorf("%w: setup message %d where %d was due", ErrProtocol, t, typ)
+	}
+	if err := json.Unmarshal(p, out); err != nil {
+		return fmt.Errorf("%w: setup message %d: %v", ErrProtocol, t, err)
+	}
+	return nil
+}
+
+func (p *setup) validate() error {
+	switch {
+	case p.RecvBuffers < 1 || p.RecvBuffers > 1<<16:
+		return fmt.Errorf("%w: the peer posts %d receive buffers", ErrProtocol, p.RecvBuffers)
+	case p.SlotSize < rtsHdr || p.SlotSize > 64<<20:
+		return fmt.Errorf("%w: the peer's receive buffers are %d bytes", ErrProtocol, p.SlotSize)
+	case p.CtrlBuffers < 2 || p.CtrlBuffers > 1<<12:
+		return fmt.Errorf("%w: the peer posts %d control buffers", ErrProtocol, p.CtrlBuffers)
+	case p.MaxMessage < 0:
+		return fmt.Errorf("%w: the peer's largest message is %d bytes", ErrProtocol, p.MaxMessage)
+	case p.Block.Len < 8:
+		return fmt.Errorf("%w: the peer's control block is %d bytes", ErrProtocol, p.Block.Len)
+	}
+	if err := p.Data.Validate(); err != nil {
+		return fmt.Errorf("%w: the peer's data endpoint: %v", ErrProtocol, err)
+	}
+	if err := p.Ctrl.Validate(); err != nil {
+		return fmt.Errorf("%w: the peer's control endpoint: %v", ErrProtocol, err)
+	}
+	return nil
+}
+
+// ctrlBuffers is how many control receive buffers each side posts.
+const ctrlBuffers = 32
+
+// build opens the device and makes the session's resources.
+func (s *Session) build(name string) (err error) {
+	cfg := &s.cfg
+	if s.dev, err = verbs.Open(name); err != nil {
+		return err
+	}
+	if s.pd, err = s.dev.AllocPD(); err != nil {
+		return err
+	}
+	if s.mem, err = NewAllocator(s.pd, cfg.Allocator); err != nil {
+		return err
+	}
+	if s.block, err = s.pd.Alloc(64, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
+		return err
+	}
+	s.data, err = channel.New(s.pd, channel.Options{
+		QP:             verbs.QPSpec{MaxSendWR: cfg.QueueDepth, MaxRecvWR: cfg.ReceiveBuffers, MaxSendSGE: 2, MaxRecvSGE: 1},
+		MaxOutstanding: 2*cfg.QueueDepth + cfg.ReceiveBuffers,
+	})
+	if err != nil {
+		return err
+	}
+	s.agc, err = channel.New(s.pd, channel.Options{
+		QP:             verbs.QPSpec{MaxSendWR: 2 * ctrlBuffers, MaxRecvWR: ctrlBuffers, MaxSendSGE: 1, MaxRecvSGE: 1},
+		MaxOutstanding: 4 * ctrlBuffers,
+		SpinPolls:      channel.SpinNever,
+	})
+	if err != nil {
+		return err
+	}
+	// receive buffers, posted before the peer may send
+	s.slot = (cfg.MessageSize + rtsHdr + 63) &^ 63
+	n := cfg.ReceiveBuffers
+	if s.ring, err = s.mem.Alloc(n * s.slot); err != nil {
+		return err
+	}
+	s.drflow = recvFlow{r: uint32(n)}
+	s.rh, s.rgen, s.fifo = make([]channel.Handle, n), make([]uint32, n), make([]int32, 0, n)
+	for i := range n {
+		if err := s.postData(i); err != nil {
+			return err
+		}
+	}
+	if s.cring, err = s.mem.Alloc(ctrlBuffers * ctrlBufSize); err != nil {
+		return err
+	}
+	s.crflow = recvFlow{r: ctrlBuffers}
+	s.crh, s.cfifo = make([]channel.Handle, ctrlBuffers), make([]int32, 0, ctrlBuffers)
+	for i := range ctrlBuffers {
+		if err := s.postCtrl(i); err != nil {
+			return err
+		}
+	}
+	s.agent.init()
+	return nil
+}
+
+// word is the credit word at off in this side's control block.
+func (s *Session) word(off int) *uint32 {
+	return (*uint32)(unsafe.Pointer(&s.block.Bytes()[off]))
+}
+
+// watch ends the session when the bootstrap connection ends (the peer
+// closed, died or stopped answering) or a queue pair breaks.
+func (s *Session) watch() {
+	defer s.agentWG.Done()
+	select {
+	case <-s.ctl.done():
+		s.end(s.ctl.err())
+	case <-s.done:
+	}
+}
+
+// end ends the session with cause (once): the queue pairs break, which
+// flushes every request in flight, and every waiter returns.
+func (s *Session) end(cause error) {
+	s.endOnce.Do(func() {
+		if cause == nil {
+			cause = ErrPeerLost
+		}
+		s.err = cause
+		close(s.done)
+		s.bgStop()
+		s.data.Break()
+		s.agc.Break()
+		s.agent.fail(cause)
+	})
+}
+
+// Done is closed when the session has ended: Close, or the peer closed
+// it, died or stopped answering (Err says which).
+func (s *Session) Done() <-chan struct{} { return s.done }
+
+// Err is why the session ended: ErrClosed (Close), ErrPeerClosed,
+// ErrPeerLost or ErrPeerUnresponsive (wrapped, with detail), or the
+// failure of a queue pair. It is nil while the session lives.
+func (s *Session) Err() error {
+	select {
+	case <-s.done:
+		return s.err
+	default:
+		return nil
+	}
+}
+
+// fail returns the error of an operation that failed with err: the
+// session's end, if it ended (the operation's own error is then only a
+// consequence, e.g. a flush), else err.
+func (s *Session) fail(op string, err error) error {
+	if e := s.Err(); e != nil {
+		return fmt.Errorf("session: %s: %w", op, e)
+	}
+	if err == nil {
+		return nil
+	}
+	if s.data.Err() != nil || s.agc.Err() != nil {
+		// A queue pair broke (a remote access error, a transport
+		// failure): the session cannot go on.
+		s.end(fmt.Errorf("session: a queue pair failed: %w", err))
+		s.ctl.close()
+	}
+	return fmt.Errorf("session: %s: %w", op, err)
+}
+
+// live returns the session's end error, if it ended.
+func (s *Session) live(op string) error {
+	if e := s.Err(); e != nil {
+		return fmt.Errorf("session: %s: %w", op, e)
+	}
+	return nil
+}
+
+// Transport says what carries the session: "rc/<device> ..." on a
+// hardware device, or "soft0/" and soft0's link ("shm", "unix", "tcp",
+// "tls", "local").
+func (s *Session) Transport() string { return s.transport }
+
+// LocalAddr and RemoteAddr are the bootstrap connection's addresses.
+func (s *Session) LocalAddr() net.Addr { return s.ctl.localAddr() }
+
+// RemoteAddr is the peer's bootstrap address.
+func (s *Session) RemoteAddr() net.Addr { return s.ctl.remoteAddr() }
+
+// Allocator is the session's allocator of registered memory: regions
+// from it are what Read, Write, SendSlice and grants take.
+func (s *Session) Allocator() *Allocator { return s.mem }
+
+// Alloc allocates n bytes of registered memory (Allocator().Alloc).
+func (s *Session) Alloc(n int) (LocalMR, error) { return s.mem.Alloc(n) }
+
+// Close ends the session: the peer's calls and Done report
+// ErrPeerClosed. Requests in flight are flushed; memory the peer was
+// granted becomes unreachable; regions of the allocator become invalid.
+// Close is idempotent.
+func (s *Session) Close() error {
+	if !s.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	s.end(ErrClosed)
+	s.ctl.close()
+	s.agentWG.Wait()
+	s.release()
+	return nil
+}
+
+// release frees the session's resources (after end, or when the setup
+// failed).
+func (s *Session) release() {
+	if s.bgStop != nil {
+		s.bgStop()
+	}
+	s.agent.closeGrants()
+	var errs []error
+	for _, c := range []*channel.Channel{s.data, s.agc} {
+		if c != nil {
+			errs = append(errs, c.Close())
+		}
+	}
+	if s.block != nil {
+		errs = append(errs, s.block.Close())
+	}
+	if s.mem != nil {
+		errs = append(errs, s.mem.Close())
+	}
+	if s.pd != nil {
+		errs = append(errs, s.pd.Close())
+	}
+	if s.dev != nil {
+		errs = append(errs, s.dev.Close())
+	}
+	_ = errors.Join(errs...)
+}

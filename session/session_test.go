@@ -1,0 +1,184 @@
+package session
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+)
+
+// pair sets up a session between a Listener and a Dial in this process.
+func pair(t *testing.T, cfg Config) (a, b *Session) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	l, err := Listen(ctx, "127.0.0.1:0", cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	type res struct {
+		s   *Session
+		err error
+	}
+	ch := make(chan res, 1)
+	go func() {
+		s, err := l.Accept(ctx)
+		ch <- res{s, err}
+	}()
+	b, err = Dial(ctx, l.Addr().String(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := <-ch
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	t.Cleanup(func() { b.Close(); r.s.Close() })
+	return r.s, b
+}
+
+func TestSendReceiveSizes(t *testing.T) {
+	a, b := pair(t, Config{MessageSize: 4096})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for _, n := range []int{0, 1, 100, 4096, 4097, 1 << 20} {
+		data := bytes.Repeat([]byte{byte(n)}, n)
+		errc := make(chan error, 1)
+		go func() { errc <- a.SendImm(ctx, uint32(n), data) }()
+		m, err := b.Receive(ctx)
+		if err != nil {
+			t.Fatalf("%d: %v", n, err)
+		}
+		if !bytes.Equal(m.Bytes(), data) {
+			t.Fatalf("%d: got %d bytes", n, m.Len())
+		}
+		if imm, ok := m.Imm(); !ok || imm != uint32(n) {
+			t.Fatalf("%d: imm %d %v", n, imm, ok)
+		}
+		m.Release()
+		if err := <-errc; err != nil {
+			t.Fatalf("%d: send: %v", n, err)
+		}
+	}
+	t.Log(a.Transport(), b.Transport())
+}
+
+func TestManyMessagesCredits(t *testing.T) {
+	a, b := pair(t, Config{ReceiveBuffers: 4, MessageSize: 256})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	const n = 2000
+	errc := make(chan error, 1)
+	go func() {
+		for i := range n {
+			if err := a.Send(ctx, []byte{byte(i), byte(i >> 8)}); err != nil {
+				errc <- err
+				return
+			}
+		}
+		errc <- nil
+	}()
+	for i := range n {
+		m, err := b.Receive(ctx)
+		if err != nil {
+			t.Fatal(i, err)
+		}
+		if got := int(m.Bytes()[0]) | int(m.Bytes()[1])<<8; got != i&0xffff {
+			t.Fatalf("message %d carries %d", i, got)
+		}
+		m.Release()
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestRemoteMemory(t *testing.T) {
+	a, b := pair(t, Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	r, err := b.RequestRemoteMR(ctx, 4096, verbs.AccessRemoteRead|verbs.AccessRemoteWrite|verbs.AccessRemoteAtomic, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	loc, err := b.Alloc(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(loc.Bytes(), "hello, server")
+	if err := b.Write(ctx, r.All(), loc.All()); err != nil {
+		t.Fatal(err)
+	}
+	w, _ := r.Slice(8, 8)
+	if v, err := b.FetchAdd(ctx, w, 5); err != nil || v == 0 {
+		t.Fatal(v, err)
+	}
+	bad, _ := r.Slice(4, 8)
+	if _, err := b.FetchAdd(ctx, bad, 1); !errors.Is(err, ErrMisaligned) {
+		t.Fatal(err)
+	}
+	if _, err := r.Slice(4000, 200); !errors.Is(err, ErrOutOfBounds) {
+		t.Fatal(err)
+	}
+	if err := b.SendRemoteMR(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	back, err := a.ReceiveLocalMR(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := string(back.Bytes()[:5]); got != "hello" {
+		t.Fatalf("server reads %q", back.Bytes()[:16])
+	}
+	back.Free()
+	if err := b.Write(ctx, r.All(), loc.All()); !errors.Is(err, ErrLeaseExpired) {
+		t.Fatal(err)
+	}
+	// offer of a local region without remote write
+	mine, _ := a.Alloc(64)
+	copy(mine.Bytes(), "read me")
+	g, err := a.SendLocalMR(ctx, mine, verbs.AccessRemoteRead, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr, err := b.ReceiveRemoteMR(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst, _ := loc.Slice(0, 64)
+	if err := b.Read(ctx, dst, rr.All()); err != nil {
+		t.Fatal(err)
+	}
+	if string(dst.Bytes()[:7]) != "read me" {
+		t.Fatalf("%q", dst.Bytes()[:7])
+	}
+	if err := b.Write(ctx, rr.All(), dst); !errors.Is(err, ErrAccess) {
+		t.Fatal(err)
+	}
+	if err := g.Revoke(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Read(ctx, dst, rr.All()); !errors.Is(err, ErrLeaseExpired) {
+		t.Fatal(err)
+	}
+}
+
+func TestCloseReportsPeerClosed(t *testing.T) {
+	a, b := pair(t, Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() { _, err := b.Receive(ctx); errc <- err }()
+	a.Close()
+	if err := <-errc; !errors.Is(err, ErrPeerClosed) {
+		t.Fatal(err)
+	}
+	<-b.Done()
+	if !errors.Is(b.Err(), ErrPeerClosed) {
+		t.Fatal(b.Err())
+	}
+}
