@@ -233,7 +233,7 @@ func (s *Session) sendCtrl(ctx context.Context, m ctrlMsg) error {
 		return s.fail("agent", err)
 	}
 	s.crflow.told(m.credits)
-	return s.await(ctx, "agent", h, buf)
+	return s.awaitFor(ctx, "agent", h, orphaned{buf: buf})
 }
 
 // sendAsync sends m in the background (answers of the agent, fins).

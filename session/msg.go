@@ -163,7 +163,12 @@ func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, ha
 // payload) and the payload in extra (if not empty). buf is freed when the
 // device is done with it.
 func (s *Session) sendEager(ctx context.Context, buf LocalMR, n int, extra LocalSlice, imm uint32, hasImm bool) error {
+	if err := s.acquireOp(ctx, "send"); err != nil {
+		buf.Free()
+		return err
+	}
 	if err := s.dflow.take(ctx, s.done); err != nil {
+		s.releaseOp()
 		buf.Free()
 		return s.ctxErr("send", err)
 	}
@@ -184,6 +189,7 @@ func (s *Session) sendEager(ctx context.Context, buf LocalMR, n int, extra Local
 		h, err = s.data.PostSend(sgl[:k]...)
 	}
 	if err != nil {
+		s.releaseOp()
 		buf.Free()
 		return s.fail("send", err)
 	}
@@ -191,38 +197,57 @@ func (s *Session) sendEager(ctx context.Context, buf LocalMR, n int, extra Local
 	return s.await(ctx, "send", h, buf)
 }
 
-// await waits for h; if ctx ends first, the request is left to a reaper
-// that frees buf when the device is done with it.
+// await waits for h, a request of the data queue pair (holding an op
+// token); if ctx ends first, the request is left to a reaper that frees
+// buf and the token when the device is done with it.
 func (s *Session) await(ctx context.Context, op string, h channel.Handle, buf LocalMR) error {
+	return s.awaitFor(ctx, op, h, orphaned{buf: buf, op: true})
+}
+
+// orphaned is what to give back when the device is done with a request:
+// a buffer, an op token, an operation in flight on a remote region.
+// (A value, not a closure: nothing is allocated unless a call is
+// cancelled.)
+type orphaned struct {
+	buf LocalMR
+	op  bool
+	r   *RemoteMR
+}
+
+func (s *Session) giveBack(o orphaned) {
+	if o.buf.Valid() {
+		o.buf.Free()
+	}
+	if o.r != nil {
+		o.r.inflight.Add(-1)
+	}
+	if o.op {
+		s.releaseOp()
+	}
+}
+
+// awaitFor waits for h; then, or when the device is done with it if ctx
+// ends first, o is given back.
+func (s *Session) awaitFor(ctx context.Context, op string, h channel.Handle, o orphaned) error {
 	if err := h.Wait(ctx); err != nil && !h.Done() {
-		s.orphan(h, buf, nil)
+		go s.reap(h, o)
 		return s.ctxErr(op, err)
 	}
 	err := h.Err()
 	h.Release()
-	if buf.Valid() {
-		buf.Free()
-	}
+	s.giveBack(o)
 	if err != nil {
 		return s.fail(op, err)
 	}
 	return nil
 }
 
-// orphan hands a request a cancelled call left in flight to a reaper:
-// when it completes (or the session ends, which flushes it), its buffer
-// is freed and then, if not nil, done runs.
-func (s *Session) orphan(h channel.Handle, buf LocalMR, done func()) {
-	go func() {
-		h.Wait(s.bg)
-		h.Release()
-		if buf.Valid() {
-			buf.Free()
-		}
-		if done != nil {
-			done()
-		}
-	}()
+// reap waits for a request a cancelled call left in flight (or for the
+// session's end, which flushes it), then gives o back.
+func (s *Session) reap(h channel.Handle, o orphaned) {
+	h.Wait(s.bg)
+	h.Release()
+	s.giveBack(o)
 }
 
 // ctxErr is the error of a call whose wait ended with err: the session's
@@ -252,7 +277,13 @@ func (s *Session) sendRendezvous(ctx context.Context, data LocalSlice, owned Loc
 		s.agent.dropFin(id)
 		return fmt.Errorf("session: send: %w", err)
 	}
+	if err := s.acquireOp(ctx, "send"); err != nil {
+		hdr.Free()
+		s.agent.dropFin(id)
+		return err
+	}
 	if err := s.dflow.take(ctx, s.done); err != nil {
+		s.releaseOp()
 		hdr.Free()
 		s.agent.dropFin(id)
 		return s.ctxErr("send", err)
@@ -266,6 +297,7 @@ func (s *Session) sendRendezvous(ctx context.Context, data LocalSlice, owned Loc
 		h, err = s.data.PostSend(hdr.All().SGE())
 	}
 	if err != nil {
+		s.releaseOp()
 		hdr.Free()
 		s.agent.dropFin(id)
 		return s.fail("send", err)
@@ -287,10 +319,12 @@ func (s *Session) sendRendezvous(ctx context.Context, data LocalSlice, owned Loc
 // pendingRead is a rendezvous read that a cancelled Receive left in
 // flight; the next Receive resumes it.
 type pendingRead struct {
-	h   channel.Handle
-	mr  LocalMR
-	id  uint64
-	msg Message
+	src    verbs.RemoteAddr
+	h      channel.Handle
+	posted bool
+	mr     LocalMR
+	id     uint64
+	msg    Message
 }
 
 // Receive returns the next message. Messages arrive in the order the
@@ -408,15 +442,8 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 			// message the session cannot go on in order.
 			return Message{}, s.protocol(fmt.Errorf("session: receive: a message of %d bytes: %w", n, err))
 		}
-		p := &pendingRead{mr: mr, id: id, msg: m}
+		p := &pendingRead{src: src, mr: mr, id: id, msg: m}
 		p.msg.mr, p.msg.n = mr, n
-		if n > 0 {
-			sl, _ := mr.Slice(0, n)
-			if p.h, err = s.data.PostRead(src, sl.SGE()); err != nil {
-				mr.Free()
-				return Message{}, s.fail("receive", err)
-			}
-		}
 		return s.finishRead(ctx, p)
 	}
 	return Message{}, s.protocol(fmt.Errorf("%w: message kind %d", ErrProtocol, b[0]))
@@ -426,6 +453,21 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 // the message (turn held).
 func (s *Session) finishRead(ctx context.Context, p *pendingRead) (Message, error) {
 	if p.msg.n > 0 {
+		if !p.posted {
+			if err := s.acquireOp(ctx, "receive"); err != nil {
+				s.pending = p
+				return Message{}, err
+			}
+			sl, _ := p.mr.Slice(0, p.msg.n)
+			h, err := s.data.PostRead(p.src, sl.SGE())
+			if err != nil {
+				s.releaseOp()
+				s.pending = nil
+				p.mr.Free()
+				return Message{}, s.fail("receive", err)
+			}
+			p.h, p.posted = h, true
+		}
 		if err := p.h.Wait(ctx); err != nil && !p.h.Done() {
 			s.pending = p
 			return Message{}, s.ctxErr("receive", err)
@@ -433,6 +475,7 @@ func (s *Session) finishRead(ctx context.Context, p *pendingRead) (Message, erro
 		s.pending = nil
 		err := p.h.Err()
 		p.h.Release()
+		s.releaseOp()
 		if err != nil {
 			p.mr.Free()
 			return Message{}, s.fail("receive", err)

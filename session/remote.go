@@ -253,26 +253,30 @@ func (s *Session) checkLocal(op string, l LocalSlice, n int) error {
 // remoteOp posts an operation on dst and waits for it.
 func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, post func() (channel.Handle, error)) (uint64, error) {
 	r := dst.r
+	if err := s.acquireOp(ctx, op); err != nil {
+		return 0, err
+	}
 	r.inflight.Add(1)
 	// A revocation that came between the check and the increment waits
 	// for us; one that was already quiet is seen here.
+	o := orphaned{op: true, r: r}
 	if err := r.valid(); err != nil {
-		r.inflight.Add(-1)
+		s.giveBack(o)
 		return 0, fmt.Errorf("session: %s: %w", op, err)
 	}
 	h, err := post()
 	if err != nil {
-		r.inflight.Add(-1)
+		s.giveBack(o)
 		return 0, s.fail(op, err)
 	}
 	if err := h.Wait(ctx); err != nil && !h.Done() {
-		s.orphan(h, LocalMR{}, func() { r.inflight.Add(-1) })
+		go s.reap(h, o)
 		return 0, s.ctxErr(op, err)
 	}
 	err = h.Err()
 	v := h.Value()
 	h.Release()
-	r.inflight.Add(-1)
+	s.giveBack(o)
 	if err != nil {
 		return 0, s.fail(op, err)
 	}

@@ -95,6 +95,7 @@ type Session struct {
 	bgStop  context.CancelFunc
 	agentWG sync.WaitGroup
 
+	ops     chan struct{} // a token per request of the data queue pair in flight (QueueDepth)
 	done    chan struct{}
 	endOnce sync.Once
 	err     error // why it ended (set before done is closed)
@@ -192,7 +193,7 @@ func establish(ctx context.Context, c *ctrl, cfg Config) (s *Session, err error)
 		}
 		name = softDevice
 	}
-	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), turn: make(chan struct{}, 1)}
+	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), turn: make(chan struct{}, 1), ops: make(chan struct{}, cfg.QueueDepth)}
 	s.turn <- struct{}{}
 	s.bg, s.bgStop = context.WithCancel(context.Background())
 	defer func() {
@@ -416,6 +417,26 @@ func (s *Session) fail(op string, err error) error {
 	}
 	return fmt.Errorf("session: %s: %w", op, err)
 }
+
+// acquireOp takes a token for a request on the data queue pair, so that
+// posting never finds the queue full: at most QueueDepth in flight.
+func (s *Session) acquireOp(ctx context.Context, op string) error {
+	select {
+	case s.ops <- struct{}{}:
+		return nil
+	default:
+	}
+	select {
+	case s.ops <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("session: %s: %w", op, ctx.Err())
+	case <-s.done:
+		return s.fail(op, nil)
+	}
+}
+
+func (s *Session) releaseOp() { <-s.ops }
 
 // live returns the session's end error, if it ended.
 func (s *Session) live(op string) error {
