@@ -81,12 +81,7 @@ func (m Message) Release() {
 		return
 	}
 	if m.slot >= 0 {
-		m.s.rmu.Lock()
-		ok := m.s.rgen[m.slot] == m.gen
-		m.s.rmu.Unlock()
-		if ok {
-			m.s.repost(int(m.slot))
-		}
+		m.s.repostIf(int(m.slot), m.gen)
 		return
 	}
 	if m.mr.Valid() {
@@ -505,7 +500,9 @@ func (s *Session) postData(slot int) error {
 		return err
 	}
 	s.rh[slot] = h
-	s.rgen[slot]++
+	if s.rgen[slot]++; s.rgen[slot] == 0 { // 0 is never a message's
+		s.rgen[slot] = 1
+	}
 	s.fifo = append(s.fifo, int32(slot))
 	return nil
 }
@@ -513,7 +510,17 @@ func (s *Session) postData(slot int) error {
 // repost posts receive buffer slot again and returns its credit to the
 // sender (by a write when it may be low: flow.go).
 func (s *Session) repost(slot int) {
+	s.repostIf(slot, 0)
+}
+
+// repostIf is repost if the slot's generation is gen (0: any): a
+// message released twice, even at once, is posted once.
+func (s *Session) repostIf(slot int, gen uint32) {
 	s.rmu.Lock()
+	if gen != 0 && s.rgen[slot] != gen {
+		s.rmu.Unlock()
+		return
+	}
 	err := s.postData(slot)
 	s.rmu.Unlock()
 	if err != nil {

@@ -11,7 +11,7 @@ import (
 )
 
 // pair sets up a session between a Listener and a Dial in this process.
-func pair(t *testing.T, cfg Config) (a, b *Session) {
+func pair(t testing.TB, cfg Config) (a, b *Session) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -180,5 +180,38 @@ func TestCloseReportsPeerClosed(t *testing.T) {
 	<-b.Done()
 	if !errors.Is(b.Err(), ErrPeerClosed) {
 		t.Fatal(b.Err())
+	}
+}
+
+// TestReleaseTwice releases every message twice at once: each buffer is
+// posted again once (the queue holds every buffer once, no more).
+func TestReleaseTwice(t *testing.T) {
+	a, b := pair(t, Config{ReceiveBuffers: 8, MessageSize: 64})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for i := range 200 {
+		if err := a.Send(ctx, []byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+		m, err := b.Receive(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Bytes()[0] != byte(i) {
+			t.Fatalf("message %d carries %d", i, m.Bytes()[0])
+		}
+		done := make(chan struct{})
+		go func() { m.Release(); close(done) }()
+		m.Release()
+		<-done
+		if m.Bytes() != nil {
+			t.Fatal("a released message still has bytes")
+		}
+		b.rmu.Lock()
+		n := len(b.fifo)
+		b.rmu.Unlock()
+		if n != 8 {
+			t.Fatalf("round %d: %d receive buffers posted, want 8", i, n)
+		}
 	}
 }
