@@ -366,7 +366,7 @@ func (s *Session) handle(m ctrlMsg) {
 		mr, served := g.mr, g.served
 		g.served = false // the region is not freed with the grant
 		a.dropGrantLocked(m.grant, g)
-		if m.typ == ctrlHandBack {
+		if m.typ == ctrlHandBack && mr.Valid() {
 			a.returns = append(a.returns, mr)
 			a.wakeLocked()
 		} else if served {

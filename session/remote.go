@@ -28,10 +28,15 @@ func isLimit(err error) bool { return errors.Is(err, ErrLimit) }
 // grant registers a window of mr with access for the peer, for lease
 // (0: the default), within MaxGranted.
 func (s *Session) grant(mr LocalMR, access verbs.Access, lease time.Duration, served bool) (*grantState, error) {
+	return s.grantBytes(mr.Bytes(), mr, access, lease, served)
+}
+
+// grantBytes registers a window of mem (of mr, if valid) for the peer.
+func (s *Session) grantBytes(mem []byte, mr LocalMR, access verbs.Access, lease time.Duration, served bool) (*grantState, error) {
 	if lease <= 0 {
 		lease = s.cfg.Lease
 	}
-	n := int64(mr.Len())
+	n := int64(len(mem))
 	a := &s.agent
 	a.mu.Lock()
 	if a.err != nil {
@@ -45,7 +50,7 @@ func (s *Session) grant(mr LocalMR, access verbs.Access, lease time.Duration, se
 	}
 	a.granted += n // reserved
 	a.mu.Unlock()
-	win, err := s.pd.Register(mr.Bytes(), access|verbs.AccessLocalWrite)
+	win, err := s.pd.Register(mem, access|verbs.AccessLocalWrite)
 	if err != nil {
 		a.mu.Lock()
 		a.granted -= n
@@ -53,11 +58,11 @@ func (s *Session) grant(mr LocalMR, access verbs.Access, lease time.Duration, se
 		return nil, err
 	}
 	a.mu.Lock()
+	defer a.mu.Unlock()
 	a.nextG++
 	g := &grantState{id: a.nextG, mr: mr, win: win, n: n, served: served}
 	a.grants[g.id] = g
-	a.mu.Unlock()
-	g.timer = time.AfterFunc(lease+leaseGrace, func() {
+	g.timer = time.AfterFunc(lease+leaseGrace, func() { // runs after the unlock
 		a.mu.Lock()
 		if a.grants[g.id] == g {
 			a.dropGrantLocked(g.id, g)
@@ -424,14 +429,19 @@ func (s *Session) SendLocalMR(ctx context.Context, mr LocalMR, access verbs.Acce
 	if access&^remoteAccess != 0 || access == 0 {
 		return nil, fmt.Errorf("session: send local region: %w: access %v (grant remote read, write or atomic)", ErrAccess, access)
 	}
+	return s.offer(ctx, "send local region", mr.Bytes(), mr, access, lease)
+}
+
+// offer grants mem (of mr, if valid) and offers it to the peer.
+func (s *Session) offer(ctx context.Context, op string, mem []byte, mr LocalMR, access verbs.Access, lease time.Duration) (*Grant, error) {
 	if lease <= 0 {
 		lease = s.cfg.Lease
 	}
-	g, err := s.grant(mr, access, lease, false)
+	g, err := s.grantBytes(mem, mr, access, lease, false)
 	if err != nil {
-		return nil, fmt.Errorf("session: send local region: %w", err)
+		return nil, fmt.Errorf("session: %s: %w", op, err)
 	}
-	_, err = s.call(ctx, "send local region", ctrlMsg{typ: ctrlOffer, grant: g.id, addr: g.win.Addr(), len: uint64(g.n), rkey: g.win.RKey(), access: access, lease: lease})
+	_, err = s.call(ctx, op, ctrlMsg{typ: ctrlOffer, grant: g.id, addr: g.win.Addr(), len: uint64(g.n), rkey: g.win.RKey(), access: access, lease: lease})
 	if err != nil {
 		a := &s.agent
 		a.mu.Lock()
@@ -442,6 +452,26 @@ func (s *Session) SendLocalMR(ctx context.Context, mr LocalMR, access verbs.Acce
 		return nil, err
 	}
 	return &Grant{s: s, g: g, mr: mr}, nil
+}
+
+// SendRegion grants the peer access to n bytes at off of mr, memory the
+// caller registered itself (on the session's device or another: a table
+// that every session of a server shares, for example), as SendLocalMR
+// does for regions of the session's allocator. mr's memory must stay
+// registered while the grant lasts. A hand-back of such a grant ends it
+// (ReceiveLocalMR returns nothing for it).
+func (s *Session) SendRegion(ctx context.Context, mr *verbs.MemoryRegion, off, n int, access verbs.Access, lease time.Duration) (*Grant, error) {
+	const op = "send region"
+	if mr == nil || mr.Bytes() == nil {
+		return nil, fmt.Errorf("session: %s: %w: no memory (a dma-buf or closed region?)", op, ErrAccess)
+	}
+	if off < 0 || n <= 0 || off+n > len(mr.Bytes()) {
+		return nil, fmt.Errorf("session: %s: %w: %d bytes at %d of a region of %d", op, ErrOutOfBounds, n, off, len(mr.Bytes()))
+	}
+	if access&^remoteAccess != 0 || access == 0 {
+		return nil, fmt.Errorf("session: %s: %w: access %v (grant remote read, write or atomic)", op, ErrAccess, access)
+	}
+	return s.offer(ctx, op, mr.Bytes()[off:off+n], LocalMR{}, access, lease)
 }
 
 // ReceiveRemoteMR returns the next region the peer offered
