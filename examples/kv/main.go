@@ -1,0 +1,415 @@
+// Command kv is a key-value store over goverbs sessions: the server keeps
+// a hash table in registered memory and grants every client read access
+// to it; a client GETs by one-sided RDMA reads (the bucket, then the
+// entry it points to: two dependent reads, no server CPU) and PUTs by
+// messages, which the server applies.
+//
+// Run a server and a client, each in its own process (or host):
+//
+//	go build -o kv ./examples/kv
+//	./kv -serve 127.0.0.1:7070 &
+//	./kv -connect 127.0.0.1:7070 -keys 1000
+//
+// The client PUTs -keys keys, GETs each back and checks it, then
+// measures: the latency of one 16-byte RDMA read of the table (the
+// baseline) and of GETs, and prints their medians and ratio:
+//
+//	kv: connected to 127.0.0.1:7070 over soft0/shm
+//	kv: 1000 puts, 1000 gets checked
+//	kv: read p50 4.1 µs, get p50 8.3 µs (2.02 × read), 20000 each
+//
+// Flags: -token (or GOVERBS_TOKEN) which both must share; -buckets and
+// -heap size the server's table; -n the GETs measured; -timeout.
+//
+// Table layout (little endian), granted read-only to every client:
+//
+//	index: buckets × 16 bytes: [0:8] heap offset of the entry + 1 (0:
+//	       empty), [8:12] entry length, [12:16] key hash
+//	heap:  entries: [0:2] key length, [2:6] value length, [6:10] CRC-32
+//	       (Castagnoli) of key and value, [10:12] zero, key, value
+//
+// A PUT appends an entry to the heap and then points the key's bucket
+// (linear probing from its hash) at it; a GET that reads a bucket being
+// changed finds an entry that does not check (length or CRC) and reads
+// again.
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"hash/crc32"
+	"hash/fnv"
+	"io"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/HdrHistogram/hdrhistogram-go"
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/session"
+)
+
+const (
+	bucketSize = 16
+	entryHdr   = 12
+	maxProbe   = 16
+	maxKey     = 256
+	maxValue   = 4096
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+func hashKey(k []byte) uint32 {
+	h := fnv.New32a()
+	h.Write(k)
+	return h.Sum32() | 1 // 0 never a key's
+}
+
+func main() {
+	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// run runs the command with args; it returns the exit status.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("kv", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	serve := fs.String("serve", "", "serve on this address (host:port)")
+	connect := fs.String("connect", "", "connect to the server at this address")
+	token := fs.String("token", os.Getenv("GOVERBS_TOKEN"), "shared secret")
+	buckets := fs.Int("buckets", 1<<16, "buckets of the server's table")
+	heap := fs.Int("heap", 64<<20, "bytes of the server's heap")
+	keys := fs.Int("keys", 1000, "keys the client puts and checks")
+	n := fs.Int("n", 20000, "GETs (and single reads) the client measures")
+	timeout := fs.Duration("timeout", 5*time.Minute, "bound on the whole run")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	cfg := session.Config{Token: []byte(*token)}
+	var err error
+	switch {
+	case *serve != "" && *connect == "" && *buckets > 0 && *heap > 0:
+		err = runServer(ctx, *serve, cfg, *buckets, *heap, stdout, stderr)
+	case *connect != "" && *serve == "" && *keys >= 0 && *n > 0:
+		err = runClient(ctx, *connect, cfg, *keys, *n, stdout)
+	default:
+		fmt.Fprintln(stderr, "kv: give -serve ADDR or -connect ADDR (and positive sizes)")
+		return 2
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "kv:", err)
+		return 1
+	}
+	return 0
+}
+
+// table is the server's store.
+type table struct {
+	mu      sync.Mutex
+	mr      *verbs.MemoryRegion
+	buckets int
+	next    int // the heap's next free byte
+}
+
+func (t *table) index() []byte { return t.mr.Bytes()[:t.buckets*bucketSize] }
+func (t *table) heap() []byte  { return t.mr.Bytes()[t.buckets*bucketSize:] }
+
+// put stores key = value.
+func (t *table) put(key, value []byte) error {
+	if len(key) == 0 || len(key) > maxKey || len(value) > maxValue {
+		return fmt.Errorf("key of %d bytes or value of %d (at most %d and %d)", len(key), len(value), maxKey, maxValue)
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	size := entryHdr + len(key) + len(value)
+	heap := t.heap()
+	if t.next+size > len(heap) {
+		return errors.New("the heap is full")
+	}
+	h := hashKey(key)
+	idx := t.index()
+	b := -1
+	for p := range maxProbe {
+		i := (int(h) + p) % t.buckets
+		e := idx[i*bucketSize:]
+		off := binary.LittleEndian.Uint64(e)
+		if off == 0 {
+			b = i
+			break
+		}
+		if binary.LittleEndian.Uint32(e[12:]) == h {
+			ent := heap[off-1:]
+			kl := int(binary.LittleEndian.Uint16(ent))
+			if string(ent[entryHdr:entryHdr+kl]) == string(key) {
+				b = i
+				break
+			}
+		}
+	}
+	if b < 0 {
+		return fmt.Errorf("no free bucket within %d of the key's", maxProbe)
+	}
+	ent := heap[t.next : t.next+size]
+	binary.LittleEndian.PutUint16(ent, uint16(len(key)))
+	binary.LittleEndian.PutUint32(ent[2:], uint32(len(value)))
+	binary.LittleEndian.PutUint16(ent[10:], 0)
+	copy(ent[entryHdr:], key)
+	copy(ent[entryHdr+len(key):], value)
+	binary.LittleEndian.PutUint32(ent[6:], crc32.Checksum(ent[entryHdr:], castagnoli))
+	e := idx[b*bucketSize:]
+	binary.LittleEndian.PutUint32(e[12:], h)
+	binary.LittleEndian.PutUint32(e[8:], uint32(size))
+	binary.LittleEndian.PutUint64(e, uint64(t.next)+1)
+	t.next += size
+	return nil
+}
+
+func runServer(ctx context.Context, addr string, cfg session.Config, buckets, heap int, stdout, stderr io.Writer) error {
+	dev, err := verbs.Open("")
+	if err != nil {
+		return err
+	}
+	defer dev.Close()
+	pd, err := dev.AllocPD()
+	if err != nil {
+		return err
+	}
+	defer pd.Close()
+	mr, err := pd.Alloc(buckets*bucketSize+heap, verbs.AccessLocalWrite)
+	if err != nil {
+		return err
+	}
+	defer mr.Close()
+	t := &table{mr: mr, buckets: buckets}
+	l, err := session.Listen(ctx, addr, cfg)
+	if err != nil {
+		return err
+	}
+	defer l.Close()
+	fmt.Fprintf(stdout, "kv: serving on %s\n", l.Addr())
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		s, err := l.Accept(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer s.Close()
+			if err := serveClient(ctx, s, t); err != nil && !errors.Is(err, session.ErrPeerClosed) {
+				fmt.Fprintf(stderr, "kv: client %s: %v\n", s.RemoteAddr(), err)
+			}
+		}()
+	}
+}
+
+// serveClient grants the table and applies the client's PUTs: messages
+// [0:2] key length, key, value; the answer is empty (done) or an error
+// text.
+func serveClient(ctx context.Context, s *session.Session, t *table) error {
+	if _, err := s.SendRegion(ctx, t.mr, 0, len(t.mr.Bytes()), verbs.AccessRemoteRead, 24*time.Hour); err != nil {
+		return err
+	}
+	if err := s.Send(ctx, binary.LittleEndian.AppendUint32(nil, uint32(t.buckets))); err != nil {
+		return err
+	}
+	for {
+		m, err := s.Receive(ctx)
+		if err != nil {
+			return err
+		}
+		b := m.Bytes()
+		var perr error
+		if len(b) < 2 || int(binary.LittleEndian.Uint16(b))+2 > len(b) {
+			perr = errors.New("malformed put")
+		} else {
+			kl := int(binary.LittleEndian.Uint16(b))
+			perr = t.put(b[2:2+kl], b[2+kl:])
+		}
+		m.Release()
+		var answer []byte
+		if perr != nil {
+			answer = []byte(perr.Error())
+		}
+		if err := s.Send(ctx, answer); err != nil {
+			return err
+		}
+	}
+}
+
+// client GETs with RDMA reads of the granted table.
+type client struct {
+	s       *session.Session
+	table   *session.RemoteMR
+	buckets int
+	bucket  session.LocalSlice // 16 bytes
+	entry   session.LocalSlice // the largest entry
+}
+
+func runClient(ctx context.Context, addr string, cfg session.Config, keys, n int, stdout io.Writer) error {
+	s, err := session.Dial(ctx, addr, cfg)
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	fmt.Fprintf(stdout, "kv: connected to %s over %s\n", addr, s.Transport())
+	c, err := newClient(ctx, s)
+	if err != nil {
+		return err
+	}
+	for i := range keys {
+		if err := c.put(ctx, fmt.Appendf(nil, "key-%d", i), fmt.Appendf(nil, "value of key %d", i)); err != nil {
+			return err
+		}
+	}
+	for i := range keys {
+		v, ok, err := c.get(ctx, fmt.Appendf(nil, "key-%d", i))
+		if err != nil {
+			return err
+		}
+		if want := fmt.Sprintf("value of key %d", i); !ok || string(v) != want {
+			return fmt.Errorf("get key-%d: %q (found %v), want %q", i, v, ok, want)
+		}
+	}
+	if _, ok, err := c.get(ctx, []byte("no such key")); err != nil || ok {
+		return fmt.Errorf("get of a missing key: found %v, %v", ok, err)
+	}
+	fmt.Fprintf(stdout, "kv: %d puts, %d gets checked\n", keys, keys)
+	read, get, err := c.measure(ctx, n, keys)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "kv: read p50 %.1f µs, get p50 %.1f µs (%.2f × read), %d each\n", read, get, get/read, n)
+	return nil
+}
+
+func newClient(ctx context.Context, s *session.Session) (*client, error) {
+	t, err := s.ReceiveRemoteMR(ctx)
+	if err != nil {
+		return nil, err
+	}
+	m, err := s.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if m.Len() != 4 {
+		m.Release()
+		return nil, fmt.Errorf("server's hello of %d bytes", m.Len())
+	}
+	buckets := int(binary.LittleEndian.Uint32(m.Bytes()))
+	m.Release()
+	if buckets <= 0 || buckets*bucketSize > t.Len() {
+		return nil, fmt.Errorf("server says %d buckets in a table of %d bytes", buckets, t.Len())
+	}
+	mem, err := s.Alloc(bucketSize + entryHdr + maxKey + maxValue)
+	if err != nil {
+		return nil, err
+	}
+	c := &client{s: s, table: t, buckets: buckets}
+	c.bucket, _ = mem.Slice(0, bucketSize)
+	c.entry, _ = mem.Slice(bucketSize, entryHdr+maxKey+maxValue)
+	return c, nil
+}
+
+func (c *client) put(ctx context.Context, key, value []byte) error {
+	msg := binary.LittleEndian.AppendUint16(nil, uint16(len(key)))
+	msg = append(append(msg, key...), value...)
+	if err := c.s.Send(ctx, msg); err != nil {
+		return err
+	}
+	m, err := c.s.Receive(ctx)
+	if err != nil {
+		return err
+	}
+	defer m.Release()
+	if m.Len() > 0 {
+		return fmt.Errorf("put %q: %s", key, m.Bytes())
+	}
+	return nil
+}
+
+// get looks key up with RDMA reads only.
+func (c *client) get(ctx context.Context, key []byte) (value []byte, ok bool, err error) {
+	h := hashKey(key)
+	heapBase := c.buckets * bucketSize
+	for p := 0; p < maxProbe; p++ {
+		i := (int(h) + p) % c.buckets
+		var e []byte
+		for try := 0; ; try++ {
+			src, err := c.table.Slice(i*bucketSize, bucketSize)
+			if err != nil {
+				return nil, false, err
+			}
+			if err := c.s.Read(ctx, c.bucket, src); err != nil {
+				return nil, false, err
+			}
+			b := c.bucket.Bytes()
+			off := binary.LittleEndian.Uint64(b)
+			if off == 0 {
+				return nil, false, nil // an empty bucket ends the probe
+			}
+			if binary.LittleEndian.Uint32(b[12:]) != h {
+				break // another key's: probe on
+			}
+			size := int(binary.LittleEndian.Uint32(b[8:]))
+			if size < entryHdr || size > c.entry.Len() {
+				continue // torn: read again
+			}
+			src, err = c.table.Slice(heapBase+int(off-1), size)
+			if err != nil {
+				continue
+			}
+			dst, _ := c.entry.Slice(0, size)
+			if err := c.s.Read(ctx, dst, src); err != nil {
+				return nil, false, err
+			}
+			e = dst.Bytes()
+			kl, vl := int(binary.LittleEndian.Uint16(e)), int(binary.LittleEndian.Uint32(e[2:]))
+			if entryHdr+kl+vl == size && crc32.Checksum(e[entryHdr:], castagnoli) == binary.LittleEndian.Uint32(e[6:]) {
+				if string(e[entryHdr:entryHdr+kl]) == string(key) {
+					return append([]byte(nil), e[entryHdr+kl:]...), true, nil
+				}
+				break
+			}
+			if try > 100 {
+				return nil, false, fmt.Errorf("get %q: the entry never checks", key)
+			}
+		}
+	}
+	return nil, false, nil
+}
+
+// measure returns the median latency of a single 16-byte read of the
+// table and of a GET, in µs.
+func (c *client) measure(ctx context.Context, n, keys int) (read, get float64, err error) {
+	hr := hdrhistogram.New(1, 10_000_000, 3)
+	hg := hdrhistogram.New(1, 10_000_000, 3)
+	src, err := c.table.Slice(0, bucketSize)
+	if err != nil {
+		return 0, 0, err
+	}
+	key := make([]byte, 0, 32)
+	for i := range n {
+		t0 := time.Now()
+		if err := c.s.Read(ctx, c.bucket, src); err != nil {
+			return 0, 0, err
+		}
+		hr.RecordValue(time.Since(t0).Nanoseconds())
+		key = fmt.Appendf(key[:0], "key-%d", i%max(keys, 1))
+		t0 = time.Now()
+		if _, _, err := c.get(ctx, key); err != nil {
+			return 0, 0, err
+		}
+		hg.RecordValue(time.Since(t0).Nanoseconds())
+	}
+	return float64(hr.ValueAtQuantile(50)) / 1e3, float64(hg.ValueAtQuantile(50)) / 1e3, nil
+}

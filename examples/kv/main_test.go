@@ -1,0 +1,126 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// childEnv marks a re-executed test binary that runs the command with
+// the arguments after -args.
+const childEnv = "GOVERBS_KV_EXAMPLE_CHILD"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) == "1" {
+		args := os.Args[1:]
+		for i, a := range args {
+			if a == "-args" {
+				args = args[i+1:]
+				break
+			}
+		}
+		os.Exit(run(context.Background(), args, os.Stdout, os.Stderr))
+	}
+	os.Exit(m.Run())
+}
+
+// command is the test binary running kv with args, over soft0's
+// transport kind.
+func command(t *testing.T, kind string, args ...string) *exec.Cmd {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe, append([]string{"-test.run=^$", "-args"}, args...)...)
+	cmd.Env = append(os.Environ(), childEnv+"=1", "GOVERBS_SOFT_TRANSPORT="+kind, "GOVERBS_TOKEN=kv-test-token")
+	return cmd
+}
+
+// TestServerAndClients runs a server and two clients, each a process of
+// its own, over every transport of soft0: each client puts its keys,
+// gets them back, and measures.
+func TestServerAndClients(t *testing.T) {
+	for _, kind := range []string{"shm", "unix", "tcp"} {
+		t.Run(kind, func(t *testing.T) {
+			srv := command(t, kind, "-serve", "127.0.0.1:0", "-buckets", "4096", "-heap", "1048576")
+			var stderr bytes.Buffer
+			srv.Stderr = &stderr
+			out, err := srv.StdoutPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := srv.Start(); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+			lines := bufio.NewScanner(out)
+			addrc := make(chan string, 1)
+			go func() {
+				for lines.Scan() {
+					if f := strings.Fields(lines.Text()); len(f) == 4 && f[1] == "serving" {
+						addrc <- f[3]
+					}
+				}
+				close(addrc)
+			}()
+			var addr string
+			select {
+			case a, ok := <-addrc:
+				if !ok {
+					t.Fatalf("server ended: %s", stderr.String())
+				}
+				addr = a
+			case <-time.After(time.Minute):
+				t.Fatalf("no address from the server: %s", stderr.String())
+			}
+			var wg sync.WaitGroup
+			for c := range 2 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					cmd := command(t, kind, "-connect", addr, "-keys", "300", "-n", "500", "-timeout", "2m")
+					b, err := cmd.CombinedOutput()
+					if err != nil {
+						t.Errorf("client %d: %v\n%s", c, err, b)
+						return
+					}
+					for _, want := range []string{"kv: connected to " + addr + " over soft0", "kv: 300 puts, 300 gets checked", "× read), 500 each"} {
+						if !bytes.Contains(b, []byte(want)) {
+							t.Errorf("client %d: output lacks %q:\n%s", c, want, b)
+						}
+					}
+				}()
+			}
+			wg.Wait()
+		})
+	}
+}
+
+// TestWrongToken: a client without the server's token is refused.
+func TestWrongToken(t *testing.T) {
+	srv := command(t, "tcp", "-serve", "127.0.0.1:0")
+	out, err := srv.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+	s := bufio.NewScanner(out)
+	if !s.Scan() {
+		t.Fatal("no address from the server")
+	}
+	addr := strings.Fields(s.Text())[3]
+	cmd := command(t, "tcp", "-connect", addr, "-timeout", "20s", "-token", "not the token")
+	b, err := cmd.CombinedOutput()
+	if err == nil || !bytes.Contains(b, []byte("authentication")) {
+		t.Fatalf("a client with the wrong token: %v\n%s", err, b)
+	}
+}
