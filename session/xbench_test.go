@@ -1,0 +1,421 @@
+package session
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+	"github.com/goverbs/verbs/internal/soft"
+	"github.com/goverbs/verbs/internal/testproc"
+)
+
+// Benchmarks between two processes: this one and a child (the test
+// binary again, benchChildIfRequested), over soft0's transport kind.
+//
+//	BenchmarkXprocRTT        8-byte message round trip: Send, the child's
+//	                         Receive and Send back, Receive; baseline: the
+//	                         same exchange on bare channels (a receive
+//	                         posted ahead, Send, wait)
+//	BenchmarkXprocBandwidth  64 KiB messages (Send, the child releases
+//	                         them); baseline: 64 KiB RDMA writes of a
+//	                         bare channel, 16 in flight
+//	BenchmarkXprocRequest    RequestRemoteMR of 4 KiB and its Release
+//
+//	go test -run '^$' -bench Xproc ./session/
+//
+// scripts/bench.sh session runs them alternately and prints medians and
+// ratios.
+
+const envBenchChild = "GOVERBS_SESSION_BENCH_CHILD"
+
+var benchKinds = []string{"shm", "unix", "tcp"}
+
+func BenchmarkXprocRTT(b *testing.B) {
+	for _, kind := range benchKinds {
+		b.Run(kind+"/session", func(b *testing.B) {
+			s := benchSession(b, kind)
+			ctx := context.Background()
+			msg := make([]byte, 8)
+			rtt := func() {
+				if err := s.Send(ctx, msg); err != nil {
+					b.Fatal(err)
+				}
+				m, err := s.Receive(ctx)
+				if err != nil {
+					b.Fatal(err)
+				}
+				m.Release()
+			}
+			for range 1000 {
+				rtt()
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				rtt()
+			}
+		})
+		b.Run(kind+"/channel", func(b *testing.B) {
+			ch, buf := benchChannel(b, kind, "echo")
+			ctx := context.Background()
+			sge := buf.All()
+			rtt := func() {
+				h, err := ch.PostReceive(sge)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := ch.Send(ctx, sge); err != nil {
+					b.Fatal(err)
+				}
+				if err := h.Wait(ctx); err != nil || h.Err() != nil {
+					b.Fatal(err, h.Err())
+				}
+				h.Release()
+			}
+			for range 1000 {
+				rtt()
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				rtt()
+			}
+		})
+	}
+}
+
+const bwSize = 64 << 10
+
+func BenchmarkXprocBandwidth(b *testing.B) {
+	for _, kind := range benchKinds {
+		b.Run(kind+"/session", func(b *testing.B) {
+			s := benchSession(b, kind)
+			ctx := context.Background()
+			msg, err := s.Alloc(bwSize)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer msg.Free()
+			// Messages go out with up to 16 senders at once, as the
+			// baseline keeps 16 writes in flight.
+			send := func(n int) {
+				errc := make(chan error, 16)
+				for w := range 16 {
+					go func() {
+						for i := w; i < n; i += 16 {
+							if err := s.SendSlice(ctx, msg.All(), 0, false); err != nil {
+								errc <- err
+								return
+							}
+						}
+						errc <- nil
+					}()
+				}
+				for range 16 {
+					if err := <-errc; err != nil {
+						b.Fatal(err)
+					}
+				}
+				if err := s.Send(ctx, []byte("d")); err != nil { // the child answers when it has them all
+					b.Fatal(err)
+				}
+				m, err := s.Receive(ctx)
+				if err != nil {
+					b.Fatal(err)
+				}
+				m.Release()
+			}
+			send(64)
+			b.SetBytes(bwSize)
+			b.ReportAllocs()
+			b.ResetTimer()
+			send(b.N)
+		})
+		b.Run(kind+"/channel", func(b *testing.B) {
+			ch, buf := benchChannel(b, kind, "sink")
+			ctx := context.Background()
+			write := func(n int) {
+				var ring [16]channel.Handle
+				for i := range n + 16 {
+					h := &ring[i%16]
+					if i >= 16 {
+						if err := h.Wait(ctx); err != nil || h.Err() != nil {
+							b.Fatal(err, h.Err())
+						}
+						h.Release()
+					}
+					if i < n {
+						var err error
+						if *h, err = ch.PostWrite(benchRemote.At(uint64(i%4)*bwSize), buf.All()); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+			}
+			write(64)
+			b.SetBytes(bwSize)
+			b.ReportAllocs()
+			b.ResetTimer()
+			write(b.N)
+		})
+	}
+}
+
+func BenchmarkXprocRequest(b *testing.B) {
+	for _, kind := range benchKinds {
+		b.Run(kind, func(b *testing.B) {
+			s := benchSession(b, kind)
+			ctx := context.Background()
+			req := func() {
+				r, err := s.RequestRemoteMR(ctx, 4096, verbs.AccessRemoteWrite, time.Minute)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := r.Release(ctx); err != nil {
+					b.Fatal(err)
+				}
+			}
+			for range 100 {
+				req()
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				req()
+			}
+		})
+	}
+}
+
+// benchSession starts a child serving sessions over kind and returns a
+// session to it.
+func benchSession(b *testing.B, kind string) *Session {
+	restore, err := soft.ForceTransport(kind)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(restore)
+	p := testproc.Start(b, envBenchChild+"=session", "GOVERBS_SOFT_TRANSPORT="+kind)
+	addr := p.Line(b, "addr")[0]
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	s, err := Dial(ctx, addr, Config{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { s.Close(); p.Stop(b) })
+	return s
+}
+
+// benchRemote is the region of a "sink" child (4 × bwSize bytes).
+var benchRemote verbs.RemoteRegion
+
+// benchChannel starts a child with a channel over kind doing what
+// ("echo": sends back every 8-byte message; "sink": a region for
+// writes) and returns this side's connected channel and an 8-byte or
+// bwSize buffer.
+func benchChannel(b *testing.B, kind, what string) (*channel.Channel, *verbs.MemoryRegion) {
+	restore, err := soft.ForceTransport(kind)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(restore)
+	p := testproc.Start(b, envBenchChild+"="+what, "GOVERBS_SOFT_TRANSPORT="+kind)
+	var ep verbs.Endpoint
+	if err := json.Unmarshal([]byte(p.Line(b, "ep")[0]), &ep); err != nil {
+		b.Fatal(err)
+	}
+	if what == "sink" {
+		if err := json.Unmarshal([]byte(p.Line(b, "region")[0]), &benchRemote); err != nil {
+			b.Fatal(err)
+		}
+	}
+	dev, err := verbs.Open("soft0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	pd, err := dev.AllocPD()
+	if err != nil {
+		b.Fatal(err)
+	}
+	ch, err := channel.New(pd, channel.Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	mine, err := ch.Endpoint()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := ch.Connect(ep); err != nil {
+		b.Fatal(err)
+	}
+	js, _ := json.Marshal(mine)
+	p.Send(b, "ep %s", js)
+	p.Line(b, "ready")
+	n := 8
+	if what == "sink" {
+		n = bwSize
+	}
+	buf, err := pd.Alloc(n, verbs.AccessLocalWrite)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		ch.Close()
+		buf.Close()
+		pd.Close()
+		dev.Close()
+		p.Stop(b)
+	})
+	return ch, buf
+}
+
+// benchChildIfRequested runs the child of a benchmark if this process is
+// one (TestMain).
+func benchChildIfRequested() {
+	what, ok := os.LookupEnv(envBenchChild)
+	if !ok {
+		return
+	}
+	var err error
+	if what == "session" {
+		err = benchSessionChild()
+	} else {
+		err = benchChannelChild(what)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench child:", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// benchSessionChild serves one session: 8-byte messages come back, a
+// "d" is answered when every message before it was received, others are
+// released. It ends when its stdin closes.
+func benchSessionChild() error {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	l, err := Listen(ctx, "127.0.0.1:0", Config{})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("addr %s\n", l.Addr())
+	s, err := l.Accept(ctx)
+	l.Close()
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	go func() {
+		for {
+			m, err := s.Receive(ctx)
+			if err != nil {
+				return
+			}
+			switch m.Len() {
+			case 8:
+				var b [8]byte
+				copy(b[:], m.Bytes())
+				m.Release()
+				if s.Send(ctx, b[:]) != nil {
+					return
+				}
+			case 1:
+				m.Release()
+				if s.Send(ctx, []byte("ok")) != nil {
+					return
+				}
+			default:
+				m.Release()
+			}
+		}
+	}()
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+	}
+	return nil
+}
+
+// benchChannelChild is the channel side of a baseline.
+func benchChannelChild(what string) error {
+	dev, err := verbs.Open("soft0")
+	if err != nil {
+		return err
+	}
+	defer dev.Close()
+	pd, err := dev.AllocPD()
+	if err != nil {
+		return err
+	}
+	defer pd.Close()
+	ch, err := channel.New(pd, channel.Options{})
+	if err != nil {
+		return err
+	}
+	defer ch.Close()
+	ep, err := ch.Endpoint()
+	if err != nil {
+		return err
+	}
+	js, _ := json.Marshal(ep)
+	fmt.Printf("ep %s\n", js)
+	size := 8
+	if what == "sink" {
+		size = 4 * bwSize
+	}
+	buf, err := pd.Alloc(size, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
+	if err != nil {
+		return err
+	}
+	defer buf.Close()
+	if what == "sink" {
+		js, _ := json.Marshal(buf.Remote())
+		fmt.Printf("region %s\n", js)
+	}
+	in := bufio.NewScanner(os.Stdin)
+	in.Buffer(nil, 1<<20)
+	var peer verbs.Endpoint
+	for in.Scan() {
+		if rest, ok := strings.CutPrefix(in.Text(), "ep "); ok {
+			if err := json.Unmarshal([]byte(rest), &peer); err != nil {
+				return err
+			}
+			break
+		}
+	}
+	if err := ch.Connect(peer); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if what == "echo" {
+		go func() {
+			for {
+				h, err := ch.PostReceive(buf.All())
+				if err != nil {
+					return
+				}
+				if h.Wait(ctx) != nil || h.Err() != nil {
+					return
+				}
+				h.Release()
+				if ch.Send(ctx, buf.All()) != nil {
+					return
+				}
+			}
+		}()
+	}
+	fmt.Println("ready")
+	for in.Scan() {
+	}
+	cancel()
+	return nil
+}
