@@ -231,7 +231,7 @@ func (a *Allocator) Alloc(n int) (LocalMR, error) {
 	c.mu.Lock()
 	if a.closed.Load() {
 		c.mu.Unlock()
-		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: allocator %w", n, ErrClosed)
+		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: the allocator is closed: %w", n, ErrClosed)
 	}
 	if len(c.avail) == 0 {
 		if err := a.grow(c, n); err != nil {
@@ -304,7 +304,7 @@ func (a *Allocator) grow(c *class, n int) error {
 		a.trim()
 		c.mu.Lock()
 		if a.closed.Load() {
-			return fmt.Errorf("session: alloc of %d bytes: allocator %w", n, ErrClosed)
+			return fmt.Errorf("session: alloc of %d bytes: the allocator is closed: %w", n, ErrClosed)
 		}
 		if len(c.avail) > 0 {
 			return nil
@@ -328,7 +328,7 @@ func (a *Allocator) allocOwn(c *class, n int) (LocalMR, error) {
 	}
 	size := (n + a.page - 1) &^ (a.page - 1)
 	if a.closed.Load() {
-		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: allocator %w", n, ErrClosed)
+		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: the allocator is closed: %w", n, ErrClosed)
 	}
 	if err := a.reserveBytes(int64(size), n); err != nil {
 		if !errors.Is(err, ErrLimit) {
@@ -350,7 +350,7 @@ func (a *Allocator) allocOwn(c *class, n int) (LocalMR, error) {
 		c.mu.Unlock()
 		ar.dead.Store(true)
 		a.closeArena(ar)
-		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: allocator %w", n, ErrClosed)
+		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: the allocator is closed: %w", n, ErrClosed)
 	}
 	c.arenas = append(c.arenas, ar)
 	c.empty++

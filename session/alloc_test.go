@@ -714,3 +714,69 @@ func TestAllocWindow(t *testing.T) {
 		t.Errorf("%d arena mappings after Close, want 0", got)
 	}
 }
+
+// TestAllocCloseConcurrent closes the allocator while goroutines allocate
+// and free: every call either works or fails with ErrClosed, and every
+// arena is closed in the end.
+func TestAllocCloseConcurrent(t *testing.T) {
+	a := newAllocator(t, session.AllocatorConfig{ArenaSize: 64 << 10})
+	maps0 := arenaMappings(t)
+	sizes := []int{64, 4096, 16 << 10, 20 << 10} // the last: own arenas
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	started := make(chan struct{}, 4)
+	for w := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var held []session.LocalMR
+			i := 0
+			defer func() {
+				if i < 100 { // failed early: do not keep Close waiting
+					started <- struct{}{}
+				}
+			}()
+			for ; ; i++ {
+				if i == 100 {
+					started <- struct{}{}
+				}
+				m, err := a.Alloc(sizes[(w+i)%len(sizes)])
+				if err != nil {
+					if !errors.Is(err, session.ErrClosed) {
+						errs <- err
+					}
+					break
+				}
+				held = append(held, m)
+				if len(held) > 8 {
+					if err := held[0].Free(); err != nil && !errors.Is(err, session.ErrClosed) {
+						errs <- err
+					}
+					held = held[1:]
+				}
+			}
+			for _, m := range held {
+				if err := m.Free(); !errors.Is(err, session.ErrClosed) {
+					errs <- fmt.Errorf("free after Close: %v, want ErrClosed", err)
+				}
+			}
+		}()
+	}
+	for range 4 {
+		<-started
+	}
+	if err := a.Close(); err != nil {
+		t.Error(err)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if s := a.Stats(); s.Arenas != 0 || s.Registered != 0 || s.InUse != 0 {
+		t.Errorf("stats after Close: %+v", s)
+	}
+	if got := arenaMappings(t) - maps0; got != 0 {
+		t.Errorf("%d arena mappings after Close, want 0", got)
+	}
+}
