@@ -500,8 +500,10 @@ func (a *Allocator) Stats() AllocatorStats {
 // it, see LocalMR.Free) cannot be closed: Close then returns an error
 // naming the window, and the arena stays mapped (Stats.Pinned) until a
 // later Close, after the window is closed, closes it. Close is idempotent
-// and safe to call concurrently with other methods; it must be called
-// before the protection domain is closed.
+// and safe to call concurrently with other methods: Allocs fail as soon as
+// it begins, while methods of regions may see them valid (and a Free
+// succeed) until it returns. It must be called before the protection
+// domain is closed.
 func (a *Allocator) Close() error {
 	a.closed.Store(true)
 	var rel []*arena

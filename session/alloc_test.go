@@ -725,6 +725,7 @@ func TestAllocCloseConcurrent(t *testing.T) {
 	var wg sync.WaitGroup
 	errs := make(chan error, 8)
 	started := make(chan struct{}, 4)
+	closed := make(chan struct{})
 	for w := range 4 {
 		wg.Add(1)
 		go func() {
@@ -755,9 +756,12 @@ func TestAllocCloseConcurrent(t *testing.T) {
 					held = held[1:]
 				}
 			}
+			// Alloc fails as soon as Close begins; the regions still
+			// out are invalid once it has returned.
+			<-closed
 			for _, m := range held {
 				if err := m.Free(); !errors.Is(err, session.ErrClosed) {
-					errs <- fmt.Errorf("free after Close: %v, want ErrClosed", err)
+					errs <- fmt.Errorf("free of %d bytes after Close: %v, want ErrClosed (valid %v, closed %v)", m.Len(), err, m.Valid(), a.Stats())
 				}
 			}
 		}()
@@ -768,6 +772,7 @@ func TestAllocCloseConcurrent(t *testing.T) {
 	if err := a.Close(); err != nil {
 		t.Error(err)
 	}
+	close(closed)
 	wg.Wait()
 	close(errs)
 	for err := range errs {
