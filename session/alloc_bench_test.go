@@ -2,6 +2,7 @@ package session_test
 
 import (
 	"fmt"
+	"sync"
 	"testing"
 
 	"github.com/goverbs/verbs/session"
@@ -28,6 +29,17 @@ func BenchmarkAllocFree(b *testing.B) {
 			}
 		})
 	}
+	// A baseline for ratios in the same run (the machine is shared):
+	// Get and Put of a sync.Pool, the cheapest reuse Go offers.
+	b.Run("baseline=sync.Pool", func(b *testing.B) {
+		p := sync.Pool{New: func() any { return new([64]byte) }}
+		p.Put(p.Get())
+		b.ReportAllocs()
+		b.ResetTimer()
+		for range b.N {
+			p.Put(p.Get())
+		}
+	})
 	for _, size := range []int{64, 4 << 10} {
 		b.Run(fmt.Sprintf("size=%s/parallel", sizeName(size)), func(b *testing.B) {
 			a := newAllocator(b, session.AllocatorConfig{})
