@@ -310,9 +310,12 @@ func (q *qpCore) PD() *ProtectionDomain { return q.pd }
 //     directly, otherwise the connection to the peer's process: "shm"
 //     (shared memory), "unix" (unix socket), "tcp", or "tls" (TCP,
 //     encrypted). soft0 connects to a process on the first request that
-//     goes there; until then Link names the kind it will try first (it
-//     falls back to the next kind if that fails). A connection that breaks
-//     is set up again by later QPs, possibly over another kind.
+//     goes there; until then Link names the kind it will try first, which
+//     is the one used unless the attempt fails and soft0 falls back to the
+//     next (a process on the same host but in another network namespace
+//     cannot reach the peer's unix socket, nor its loopback address, and
+//     gets TCP to its other addresses). A connection that breaks is set up
+//     again by later requests, possibly over another kind.
 //   - on other devices, the device, port and link layer, as
 //     "<device>/<port> <link layer>" with link layer "infiniband" or
 //     "ethernet" (RoCE): "mlx5_0/1 infiniband", "rxe0/1 ethernet"; just
