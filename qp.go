@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"unsafe"
@@ -301,6 +302,49 @@ func (q *qpCore) Cap() QPCap { return q.cap }
 
 // PD returns the protection domain of the QP.
 func (q *qpCore) PD() *ProtectionDomain { return q.pd }
+
+// Link names what carries the QP's traffic once it is connected (in RTR
+// or a later state; in ERR, what carried it):
+//
+//   - on soft0, "local" when the peer QP is in this process and reached
+//     directly, otherwise the connection to the peer's process: "shm"
+//     (shared memory), "unix" (unix socket), "tcp", or "tls" (TCP,
+//     encrypted). soft0 connects to a process on the first request that
+//     goes there; until then Link names the kind it will try first, which
+//     is the one used unless the attempt fails and soft0 falls back to the
+//     next (a process on the same host but in another network namespace
+//     cannot reach the peer's unix socket, nor its loopback address, and
+//     gets TCP to its other addresses). A connection that breaks is set up
+//     again by later requests, possibly over another kind.
+//   - on other devices, the device, port and link layer, as
+//     "<device>/<port> <link layer>" with link layer "infiniband" or
+//     "ethernet" (RoCE): "mlx5_0/1 infiniband", "rxe0/1 ethernet"; just
+//     "<device>/<port>" when the port does not say.
+//
+// Link is "" before the QP is connected (RESET, INIT), after Close, and
+// for soft0's UD QPs, which reach each destination on its own path (a UD
+// QP of another device names its device and port). It is a diagnostic:
+// it may query the device, and is safe for concurrent use.
+func (q *qpCore) Link() string {
+	if q.res.isClosed() {
+		return ""
+	}
+	if l, ok := q.qp.(prov.Linker); ok {
+		return l.Link()
+	}
+	a, _, err := q.qp.Query()
+	switch st := QPState(a.State); {
+	case err != nil, st == StateReset, st == StateInit:
+		return ""
+	case st == StateError && q.transport != TransportUD && a.DestQPN == 0:
+		return "" // it never had a peer
+	}
+	s := fmt.Sprintf("%s/%d", q.devNm, q.spec.Port)
+	if ll := q.port.LinkLayer; ll == LinkLayerInfiniBand || ll == LinkLayerEthernet {
+		s += " " + strings.ToLower(ll.String())
+	}
+	return s
+}
 
 // Close destroys the QP; outstanding work requests are dropped without
 // completions (like ibv_destroy_qp). Idempotent.

@@ -1,6 +1,9 @@
 package verbstest
 
 import (
+	"fmt"
+	"os"
+	"strings"
 	"testing"
 
 	"github.com/goverbs/verbs"
@@ -214,4 +217,90 @@ func testQPResetReuse(t *testing.T, c *tcase) {
 	must(t, "post write", p.QA.PostWrite(1, verbs.Signaled, remote.Remote().At(0), SGE(t, local, 0, 8)))
 	expectOK(t, "write after reconnect", c.pollOne(t, p.A.CQ), 1, verbs.OpWrite, p.QA.QPN())
 	checkBytes(t, "written data", remote.Bytes()[:8], local.Bytes()[:8])
+}
+
+// linker is a queue pair that says what carries its traffic.
+type linker interface{ Link() string }
+
+// expectLink fails t unless q reports the link want.
+func expectLink(t testing.TB, what string, q linker, want string) {
+	t.Helper()
+	if got := q.Link(); got != want {
+		t.Errorf("%s: Link() = %q, want %q", what, got, want)
+	}
+}
+
+// wantLink is the Link that a connected queue pair of device dev reports
+// under c's configuration: "<device>/<port> <link layer>" on hardware; on
+// soft0, "local" within one process unless GOVERBS_SOFT_TRANSPORT forces
+// a transport, which it names ("tls" for tcp with GOVERBS_SOFT_TLS=on),
+// and between processes "shm" by default.
+func (c *tcase) wantLink(t testing.TB, n *Node) string {
+	t.Helper()
+	if n.Ctx.Name() != verbs.SoftDevice {
+		pa, err := n.Ctx.QueryPort(c.cfg.Port)
+		must(t, "query port", err)
+		ll := map[verbs.LinkLayer]string{verbs.LinkLayerInfiniBand: " infiniband", verbs.LinkLayerEthernet: " ethernet"}[pa.LinkLayer]
+		return fmt.Sprintf("%s/%d%s", n.Ctx.Name(), c.cfg.Port, ll)
+	}
+	switch tr := strings.ToLower(strings.TrimSpace(os.Getenv("GOVERBS_SOFT_TRANSPORT"))); tr {
+	case "", "auto":
+		if c.cfg.PeerProcessB {
+			return "shm"
+		}
+		return "local"
+	case "inproc", "direct":
+		return "local"
+	case "tcp":
+		switch strings.ToLower(strings.TrimSpace(os.Getenv("GOVERBS_SOFT_TLS"))) {
+		case "on", "1", "true", "yes":
+			return "tls"
+		}
+		return "tcp"
+	default:
+		return tr
+	}
+}
+
+// testLink checks what queue pairs report as the carrier of their traffic
+// (Link): nothing before they are connected; once connected (before and
+// after traffic) the device, port and link layer, or on soft0 its
+// transport; nothing again after RESET. UD QPs name their device and port
+// on hardware and nothing on soft0, where each destination has its own
+// path.
+func testLink(t *testing.T, c *tcase) {
+	a, b := NewNodes(t, c.cfg)
+	wantA, wantB := c.wantLink(t, a), c.wantLink(t, b)
+	qa, qb := a.NewRC(t, verbs.QPSpec{}), b.NewRC(t, verbs.QPSpec{})
+	ua, ub := a.NewUC(t, verbs.QPSpec{}), b.NewUC(t, verbs.QPSpec{})
+	for _, q := range []struct {
+		what string
+		q    linker
+	}{{"RC of A in INIT", qa}, {"RC of B in INIT", qb}, {"UC of A in INIT", ua}, {"UC of B in INIT", ub}} {
+		expectLink(t, q.what, q.q, "")
+	}
+	ConnectRC(t, qa, qb)
+	ConnectUC(t, ua, ub)
+	c.check(t, "Connected", func(t *testing.T) {
+		expectLink(t, "RC of A, connected", qa, wantA)
+		expectLink(t, "RC of B, connected", qb, wantB)
+		expectLink(t, "UC of A, connected", ua, wantA)
+		expectLink(t, "UC of B, connected", ub, wantB)
+	})
+	c.pingPong(t, a, b, qa, qb, 0x50)
+	c.check(t, "AfterTraffic", func(t *testing.T) {
+		expectLink(t, "RC of A, after traffic", qa, wantA)
+		expectLink(t, "RC of B, after traffic", qb, wantB)
+	})
+	c.check(t, "UD", func(t *testing.T) {
+		want := wantA
+		if a.Ctx.Name() == verbs.SoftDevice {
+			want = ""
+		}
+		expectLink(t, "UD of A", a.NewUD(t, verbs.QPSpec{}), want)
+	})
+	c.check(t, "Reset", func(t *testing.T) {
+		must(t, "modify to RESET", qa.Modify(verbs.QPAttr{State: verbs.StateReset}, verbs.AttrState))
+		expectLink(t, "RC of A in RESET", qa, "")
+	})
 }

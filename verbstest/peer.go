@@ -92,6 +92,7 @@ type PeerResp struct {
 	State  string             `json:"state,omitempty"`
 	PID    int                `json:"pid,omitempty"`
 	Links  []soft.LinkInfo    `json:"links,omitempty"`
+	Link   string             `json:"link,omitempty"` // link: the side's QP Link
 }
 
 // peerSide is one side held by a peer.
@@ -308,6 +309,16 @@ func (s *peerSide) do(req *PeerReq, resp *PeerResp) error {
 		}
 		resp.State = st.String()
 		return err
+	case "link":
+		switch {
+		case s.rc != nil:
+			resp.Link = s.rc.Link()
+		case s.uc != nil:
+			resp.Link = s.uc.Link()
+		default:
+			resp.Link = s.ud.Link()
+		}
+		return nil
 	case "close":
 		s.close()
 		return nil

@@ -158,6 +158,7 @@ var cases = []caseDef{
 	// Queue pair state machine.
 	{"QPModifyQuery", testQPModifyQuery},
 	{"QPResetReuse", testQPResetReuse},
+	{"Link", testLink},
 	// Completion channels.
 	{"CQWait", testCQWait},
 	{"ChannelShared", testChannelShared},

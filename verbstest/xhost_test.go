@@ -94,8 +94,8 @@ func (h *hostPair) peerListen(t *testing.T, i int, tr, listen string) *Peer {
 // and soft0 falls back to TCP.
 //
 // Between hosts, soft0's TCP connections are encrypted by default (TLS
-// with the certificate pinned by the endpoint): the links of both peers
-// say so. A peer listening on every interface (0.0.0.0) advertises its
+// with the certificate pinned by the endpoint): the links of both peers,
+// and their QPs (Link, once traffic has set up the connection), say so. A peer listening on every interface (0.0.0.0) advertises its
 // interface address, not the unspecified one, which the other host would
 // take for itself.
 func TestCrossProcessHosts(t *testing.T) {
@@ -175,6 +175,9 @@ func TestCrossProcessHosts(t *testing.T) {
 					if l.Kind != "tcp" || !l.Encrypted {
 						t.Errorf("host %d: link %+v between hosts, want encrypted TCP", i, l)
 					}
+				}
+				if l := p.Do(PeerReq{Op: "link", ID: []int{sa.ID, sb.ID}[i]}).Link; l != "tls" {
+					t.Errorf("host %d: the QP's Link() is %q between hosts, want tls", i, l)
 				}
 			}
 

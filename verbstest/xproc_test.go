@@ -225,3 +225,77 @@ func TestCrossProcessPeerSideB(t *testing.T) {
 		})
 	}
 }
+
+// TestCrossProcessLink checks what RC queue pairs in two processes report
+// as the carrier of their traffic (Link) over each inter-process transport
+// of soft0: nothing before they are connected; once connected, on both
+// sides, the transport the first request will use, then, after traffic
+// both ways, the one it used, which must be the kind of this process' live
+// connection to the peer (soft.Links). tls is TCP with GOVERBS_SOFT_TLS=on;
+// auto is the default choice between processes of one host: shared memory.
+func TestCrossProcessLink(t *testing.T) {
+	for _, tc := range []struct{ name, transport, tls, want string }{
+		{"tcp", "tcp", "", "tcp"},
+		{"unix", "unix", "", "unix"},
+		{"shm", "shm", "", "shm"},
+		{"tls", "tcp", "on", "tls"},
+		{"auto", "", "", "shm"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv("GOVERBS_SOFT_TRANSPORT", tc.transport)
+			t.Setenv("GOVERBS_SOFT_TLS", tc.tls)
+			CheckLeaks(t)
+			c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults()},
+				peer: StartPeer(t, "GOVERBS_SOFT_TRANSPORT="+tc.transport, "GOVERBS_SOFT_TLS="+tc.tls)}
+			a, _ := NewNodes(t, c.cfg)
+			qa := a.NewRC(t, verbs.QPSpec{})
+			r := c.peer.Do(PeerReq{Op: "new", Type: "rc", Size: 64, Access: accessLocal})
+			links := func(what, want string) {
+				t.Helper()
+				if got := qa.Link(); got != want {
+					t.Errorf("%s: Link() of the QP in this process = %q, want %q", what, got, want)
+				}
+				if got := c.peer.Do(PeerReq{Op: "link", ID: r.ID}).Link; got != want {
+					t.Errorf("%s: Link() of the peer's QP = %q, want %q", what, got, want)
+				}
+			}
+			links("in INIT", "")
+			ea := Endpoint(t, qa)
+			must(t, "connect A", qa.Connect(*r.EP))
+			c.peer.Do(PeerReq{Op: "connect", ID: r.ID, EP: &ea})
+			links("connected, before traffic", tc.want)
+
+			// A message each way.
+			m := a.Alloc(t, 64, accessLocal)
+			must(t, "post recv", qa.PostRecv(1, SGE(t, m, 32, 32)))
+			c.peer.Do(PeerReq{Op: "recv", ID: r.ID, WRID: 2, Len: 32})
+			must(t, "post send", qa.PostSend(3, verbs.Signaled, SGE(t, m, 0, 32)))
+			expectOK(t, "send completion", c.pollOne(t, a.CQ), 3, verbs.OpSend, qa.QPN())
+			c.peerPoll(t, r.ID, 1)
+			c.peer.Do(PeerReq{Op: "post", ID: r.ID, Kind: "send", WRID: 4, Len: 32})
+			expectOK(t, "recv completion", c.pollOne(t, a.CQ), 1, verbs.OpRecv, qa.QPN())
+			c.peerPoll(t, r.ID, 1)
+			links("after traffic", tc.want)
+
+			pid := uint32(c.peer.Do(PeerReq{Op: "pid"}).PID)
+			var kinds []string
+			for _, l := range soft.Links() {
+				if l.PeerPID == pid {
+					k := l.Kind
+					if l.Encrypted {
+						k = "tls"
+					}
+					kinds = append(kinds, k)
+				}
+			}
+			if len(kinds) != 1 || kinds[0] != tc.want {
+				t.Errorf("connections to the peer process: %v, want one of kind %s", kinds, tc.want)
+			}
+
+			must(t, "modify to RESET", qa.Modify(verbs.QPAttr{State: verbs.StateReset}, verbs.AttrState))
+			if got := qa.Link(); got != "" {
+				t.Errorf("in RESET: Link() = %q, want \"\"", got)
+			}
+		})
+	}
+}

@@ -258,6 +258,16 @@ type QP interface {
 	Close() error
 }
 
+// Linker is implemented by the QPs of a provider that knows what carries
+// a QP's traffic better than its device and port do (the soft provider:
+// which of its transports). Package verbs names the device, port and link
+// layer for the QPs of other providers.
+type Linker interface {
+	// Link names what carries the QP's traffic (see verbs' Link): "" if
+	// it has none (not connected, or no single path).
+	Link() string
+}
+
 // SRQ is a shared receive queue.
 type SRQ interface {
 	PostRecv(wrs []RecvWR, sges []SGE) (int, error)

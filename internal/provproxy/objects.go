@@ -325,6 +325,18 @@ func (q *qp) Address() []byte {
 	return append([]byte(nil), q.addr...)
 }
 
+var _ prov.Linker = (*qp)(nil)
+
+// Link returns what carries the traffic of the server's QP (prov.Linker),
+// or "" if the call failed.
+func (q *qp) Link() string {
+	var r linkResp
+	if err := q.c.call(context.Background(), opQPLink, idReq{ID: q.id}, &r); err != nil {
+		return ""
+	}
+	return r.Link
+}
+
 // PostSend posts wrs with as few calls as fit in messages (all of them
 // at once, unless the batch is very large). The SGEs of inline requests
 // must lie in memory registered through this client's context: the

@@ -367,7 +367,7 @@ func (s *server) handle(ctx context.Context, op opcode, req any, fds []int) (any
 var idOpKinds = map[opcode]int{
 	opQueryDevice: objContext, opAllocPD: objContext,
 	opCreateCompChannel: objContext, opAsyncEvent: objContext, opClose: objNone, opChanWait: objCompChannel,
-	opQueryQP: objQP, opQPAddress: objQP, opSRQQuery: objSRQ,
+	opQueryQP: objQP, opQPAddress: objQP, opSRQQuery: objSRQ, opQPLink: objQP,
 }
 
 // handleID runs the operations whose request names one object.
@@ -418,6 +418,12 @@ func (s *server) handleID(ctx context.Context, op opcode, id uint64) (any, error
 		return r, nil
 	case opQPAddress:
 		return &addressResp{Addr: o.v.(prov.QP).Address()}, nil
+	case opQPLink:
+		l, ok := o.v.(prov.Linker)
+		if !ok {
+			return nil, fmt.Errorf("provproxy: %s: %w", op, prov.ErrNotSupported)
+		}
+		return &linkResp{Link: l.Link()}, nil
 	case opSRQQuery:
 		a, err := o.v.(prov.SRQ).Query()
 		return &srqQueryResp{Attr: a}, err

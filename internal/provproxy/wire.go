@@ -77,6 +77,7 @@ const (
 	opSRQPostRecv
 	opSRQModify
 	opSRQQuery
+	opQPLink
 	numOps
 )
 
@@ -87,7 +88,7 @@ var opNames = [numOps]string{
 	opCreateQP: "create qp", opCreateSRQ: "create srq", opCreateAH: "create ah", opChanWait: "wait for completion event",
 	opPoll: "poll cq", opArm: "arm cq", opModifyQP: "modify qp", opQueryQP: "query qp", opPostSend: "post send",
 	opPostRecv: "post recv", opQPAddress: "qp address", opSRQPostRecv: "post srq recv", opSRQModify: "modify srq",
-	opSRQQuery: "query srq",
+	opSRQQuery: "query srq", opQPLink: "qp link",
 }
 
 func (o opcode) String() string {
@@ -287,6 +288,8 @@ type postResp struct{ N int64 }
 
 type addressResp struct{ Addr []byte }
 
+type linkResp struct{ Link string }
+
 type srqModifyReq struct {
 	SRQ       uint64
 	Attr      prov.SRQAttr
@@ -304,7 +307,7 @@ func reqType(op opcode) any {
 	case opOpen:
 		return &nameReq{}
 	case opQueryDevice, opAllocPD, opCreateCompChannel, opAsyncEvent, opClose,
-		opChanWait, opQueryQP, opQPAddress, opSRQQuery:
+		opChanWait, opQueryQP, opQPAddress, opSRQQuery, opQPLink:
 		return &idReq{}
 	case opQueryPort, opQueryGIDTable:
 		return &portReq{}
@@ -366,6 +369,8 @@ func respType(op opcode) any {
 		return &postResp{}
 	case opQPAddress:
 		return &addressResp{}
+	case opQPLink:
+		return &linkResp{}
 	case opSRQQuery:
 		return &srqQueryResp{}
 	}

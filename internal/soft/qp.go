@@ -253,6 +253,34 @@ func (q *qp) QPN() uint32 { return q.qpn }
 // Address returns this process' provider address (see encodeAddr).
 func (q *qp) Address() []byte { return append([]byte(nil), q.f.address()...) }
 
+var _ prov.Linker = (*qp)(nil)
+
+// Link names what carries the QP's requests (prov.Linker): "local" when
+// they reach a QP of this process directly, else the connection to the
+// destination's process: "shm", "unix", "tcp", or "tls" (TCP, encrypted).
+// That is the connection the next request takes, or, while none is up
+// (before the first request), the kind the first connection attempt
+// will use. It is "" while the QP has no destination (RESET, INIT, or
+// one that cannot be reached) and for UD, whose requests each find their
+// own way. Safe for concurrent use.
+func (q *qp) Link() string {
+	if q.typ == prov.QPTypeUD || q.closed.Load() {
+		return ""
+	}
+	q.rmu.Lock()
+	route := q.route
+	q.rmu.Unlock()
+	switch r := route.(type) {
+	case *localLink:
+		return "local"
+	case *peer:
+		if r != nil {
+			return r.linkName(q)
+		}
+	}
+	return ""
+}
+
 // Query returns the current attributes and the creation attributes with
 // the capabilities granted.
 func (q *qp) Query() (prov.QPAttr, prov.QPInitAttr, error) {

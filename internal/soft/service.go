@@ -597,6 +597,48 @@ func (p *peer) current() *conn {
 	return nil
 }
 
+// linkName names what carries q's requests to p (qp.Link): the
+// connection the next one takes unless requests are in flight on another
+// (pickConn), or while none is up, the kind that dial tries first.
+func (p *peer) linkName(q *qp) string {
+	c := q.revConn(p)
+	if c == nil {
+		c = p.current()
+	}
+	if c != nil {
+		if c.tlsw != nil {
+			return "tls"
+		}
+		return kindNames[c.kind]
+	}
+	return p.s.firstKind(&p.addr, p.key.kind)
+}
+
+// firstKind names the kind of the first connection dial(pa, kind) tries:
+// "shm", "unix", "tcp" or "tls"; "" if it would try none.
+func (s *service) firstKind(pa *peerAddr, kind string) string {
+	sameHost := pa.hasHost && pa.host == s.host
+	if (kind == transportShm || kind == transportUnix || kind == transportAuto && sameHost) && pa.unix != "" {
+		if kind == transportUnix {
+			return kindNames[kindUnix]
+		}
+		return kindNames[kindShm]
+	}
+	if kind == transportShm || kind == transportUnix {
+		return ""
+	}
+	cands := tcpCandidates(pa.tcp, sameHost)
+	policy, err := tlsPolicy()
+	if len(cands) == 0 || err != nil {
+		return ""
+	}
+	host, _, _ := net.SplitHostPort(cands[0])
+	if needTLS(policy, &net.TCPAddr{IP: net.ParseIP(host)}) {
+		return "tls"
+	}
+	return kindNames[kindTCP]
+}
+
 // exec carries req over the current connection (see conn.exec). A peer
 // that cannot be reached does not answer.
 func (p *peer) exec(req *request, data []span, resp *response) {

@@ -351,10 +351,20 @@ func (q *qp) pickConn(p *peer) *conn {
 	if c := x.userOf; x.nfl > 0 && c != nil && !c.dead.Load() {
 		return c
 	}
-	if c := x.rev.Load(); c != nil && !c.dead.Load() && c.peerFab == p.key.fabric && kindAllowed(p.key.kind, c.kind) && c.auth.proves(&p.addr) {
+	if c := q.revConn(p); c != nil {
 		return c
 	}
 	return p.current()
+}
+
+// revConn returns the connection the destination's requests arrive on
+// (x.rev) if it is up and may carry requests to p; nil otherwise. Safe
+// without progMu.
+func (q *qp) revConn(p *peer) *conn {
+	if c := q.x.rev.Load(); c != nil && !c.dead.Load() && c.peerFab == p.key.fabric && kindAllowed(p.key.kind, c.kind) && c.auth.proves(&p.addr) {
+		return c
+	}
+	return nil
 }
 
 // kindAllowed reports whether a connection of kind suits the transport
