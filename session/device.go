@@ -89,13 +89,11 @@ func hasGID(name string, ip net.IP) bool {
 // describe says what carries the session (Transport).
 func (s *Session) describe() string {
 	name := s.dev.Name()
-	if l, ok := any(s.data.QueuePair()).(interface{ Link() string }); ok {
-		if k := l.Link(); k != "" {
-			if name == softDevice {
-				return softDevice + "/" + k
-			}
-			return "rc/" + k
+	if k := s.data.QueuePair().Link(); k != "" {
+		if name == softDevice {
+			return softDevice + "/" + k
 		}
+		return "rc/" + k
 	}
 	if name == softDevice {
 		return softDevice

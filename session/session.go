@@ -65,8 +65,6 @@ type Session struct {
 	peerBlock verbs.RemoteRegion
 	peer      setup // what the peer announced
 
-	transport string
-
 	// data receives (msg.go)
 	dflow   sendFlow
 	drflow  recvFlow
@@ -235,7 +233,6 @@ func establish(ctx context.Context, c *ctrl, cfg Config) (s *Session, err error)
 	if err := exchange(ctx, c, msgReady, struct{}{}, &r); err != nil {
 		return nil, err
 	}
-	s.transport = s.describe()
 	c.startKeepalive(cfg.Keepalive)
 	s.agentWG.Add(2)
 	go s.agentLoop()
@@ -446,10 +443,13 @@ func (s *Session) live(op string) error {
 	return nil
 }
 
-// Transport says what carries the session: "rc/<device> ..." on a
-// hardware device, or "soft0/" and soft0's link ("shm", "unix", "tcp",
-// "tls", "local").
-func (s *Session) Transport() string { return s.transport }
+// Transport says what carries the session: "rc/" and the device, port
+// and link layer on a hardware device ("rc/mlx5_0/1 infiniband"), or
+// "soft0/" and soft0's link: "shm", "unix", "tcp", "tls" (TCP,
+// encrypted) or "local" (the peer is in this process). Before the first
+// message soft0 names the link it will try first (see
+// verbs.RCQueuePair.Link).
+func (s *Session) Transport() string { return s.describe() }
 
 // LocalAddr and RemoteAddr are the bootstrap connection's addresses.
 func (s *Session) LocalAddr() net.Addr { return s.ctl.localAddr() }

@@ -90,7 +90,7 @@ func TestServerAndClients(t *testing.T) {
 						t.Errorf("client %d: %v\n%s", c, err, b)
 						return
 					}
-					for _, want := range []string{"kv: connected to " + addr + " over soft0", "kv: 300 puts, 300 gets checked", "× read), 500 each"} {
+					for _, want := range []string{"kv: connected to " + addr + " over soft0/" + kind, "kv: 300 puts, 300 gets checked", "× read), 500 each"} {
 						if !bytes.Contains(b, []byte(want)) {
 							t.Errorf("client %d: output lacks %q:\n%s", c, want, b)
 						}
