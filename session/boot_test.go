@@ -210,7 +210,7 @@ func TestCtrlAuth(t *testing.T) {
 			noLeaks(t)
 			l := listen(t, testConfig(tc.lis, tc.policy))
 			for i := range 3 {
-				_, err := dialCtrl(guardCtx(t), l.Addr().String(), testConfig(tc.dial, tc.policy))
+				err := dialFails(t, l.Addr().String(), testConfig(tc.dial, tc.policy))
 				if !errors.Is(err, ErrAuth) {
 					t.Fatalf("dial with another token: %v, want ErrAuth", err)
 				}
@@ -278,7 +278,7 @@ func TestCtrlMutualAuth(t *testing.T) {
 	}{{"OtherToken", "impostor"}, {"NoToken", ""}} {
 		t.Run(tc.name, func(t *testing.T) {
 			addr := fakeAcceptor(t, tc.server, ctrlVersion)
-			_, err := dialCtrl(guardCtx(t), addr, testConfig("right", ""))
+			err := dialFails(t, addr, testConfig("right", ""))
 			if !errors.Is(err, ErrAuth) || !strings.Contains(err.Error(), "did not prove") {
 				t.Fatalf("dial to a server without the token: %v, want ErrAuth", err)
 			}
@@ -290,7 +290,7 @@ func TestCtrlMutualAuth(t *testing.T) {
 func TestCtrlVersion(t *testing.T) {
 	noLeaks(t)
 	addr := fakeAcceptor(t, "k", 2)
-	_, err := dialCtrl(guardCtx(t), addr, testConfig("k", ""))
+	err := dialFails(t, addr, testConfig("k", ""))
 	if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "version 2, this side version 1") {
 		t.Fatalf("dial to a version 2 server: %v, want ErrProtocol naming both versions", err)
 	}
@@ -314,6 +314,17 @@ func TestCtrlVersion(t *testing.T) {
 	if err := l.lastRefusal(); !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "version 2, this side version 1") {
 		t.Fatalf("the listener's reason: %v, want ErrProtocol naming both versions", err)
 	}
+}
+
+// dialFails dials addr, expecting an error, which it returns; a
+// connection made nonetheless is closed (nil is then returned).
+func dialFails(t *testing.T, addr string, cfg *Config) error {
+	t.Helper()
+	c, err := dialCtrl(guardCtx(t), addr, cfg)
+	if err == nil {
+		c.close()
+	}
+	return err
 }
 
 // rawConn connects to l with a bare TCP connection, closed when t ends.
@@ -568,7 +579,7 @@ func TestCtrlTLSRelay(t *testing.T) {
 		io.Copy(up, down)
 		u.Close()
 	}()
-	_, err = dialCtrl(guardCtx(t), ln.Addr().String(), cfg)
+	err = dialFails(t, ln.Addr().String(), cfg)
 	if !errors.Is(err, ErrAuth) {
 		t.Fatalf("dial through a TLS relay: %v, want ErrAuth", err)
 	}
@@ -583,7 +594,7 @@ func TestCtrlTLSRelay(t *testing.T) {
 func TestCtrlPlainRefused(t *testing.T) {
 	noLeaks(t)
 	l := listen(t, testConfig("k", "on"))
-	_, err := dialCtrl(guardCtx(t), l.Addr().String(), testConfig("k", "off"))
+	err := dialFails(t, l.Addr().String(), testConfig("k", "off"))
 	if !errors.Is(err, ErrPeerLost) {
 		t.Fatalf("plain dial to a TLS-only listener: %v, want ErrPeerLost (refused)", err)
 	}
@@ -882,7 +893,7 @@ func TestCtrlListenerClose(t *testing.T) {
 	}
 	wantEnd(t, d, ErrPeerClosed)
 	wantClosed(t, stranger)
-	if _, err := dialCtrl(guardCtx(t), l.Addr().String(), cfg); err == nil {
+	if err := dialFails(t, l.Addr().String(), cfg); err == nil {
 		t.Fatal("dial to a closed listener succeeded")
 	}
 	if n := l.refused(); n != 0 {
