@@ -289,8 +289,11 @@ func dialCtrl(ctx context.Context, addr string, cfg *Config) (*ctrl, error) {
 // connection runs its handshake in a goroutine of its own, bounded by
 // HandshakeTimeout; at most MaxStrangers connections are unauthenticated
 // at once (over that the oldest is dropped), so a stranger costs a
-// goroutine, a socket and a few hundred bytes, for a bounded time. Its
-// methods are safe for concurrent use.
+// goroutine, a socket and a few hundred bytes, for a bounded time.
+// Authenticated connections start their reader at once and wait for
+// accept in a queue of MaxStrangers (past it, their handshake goroutines
+// wait): only holders of the token can make it hold more. Its methods
+// are safe for concurrent use.
 type ctrlListener struct {
 	ln     net.Listener
 	cfg    Config
@@ -552,7 +555,8 @@ func (l *ctrlListener) accept(ctx context.Context) (*ctrl, error) {
 }
 
 // refused counts the connections that failed their handshake (wrong
-// token, protocol, timeout) or were dropped over MaxStrangers.
+// token, protocol, timeout) or were dropped over MaxStrangers; not those
+// cut by close. A connection is counted after it was closed.
 func (l *ctrlListener) refused() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -886,6 +890,9 @@ func (c *ctrl) send(typ uint8, payload []byte) error {
 // closed here it returns ErrClosed. A ctx that ends makes it return its
 // error, wrapped; the connection goes on.
 func (c *ctrl) recv(ctx context.Context) (uint8, []byte, error) {
+	if c.closing.Load() {
+		return 0, nil, c.err()
+	}
 	select {
 	case m := <-c.q:
 		return m.typ, m.payload, nil

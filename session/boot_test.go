@@ -142,8 +142,14 @@ func TestCtrlConnect(t *testing.T) {
 			if err := d.send(7, []byte("last")); err != nil {
 				t.Fatal(err)
 			}
+			if err := a.send(8, []byte("unread")); err != nil {
+				t.Fatal(err)
+			}
 			d.close()
 			d.close() // idempotent
+			if _, _, err := d.recv(guardCtx(t)); !errors.Is(err, ErrClosed) {
+				t.Fatalf("recv after close: %v, want ErrClosed", err)
+			}
 			wantMsg(t, a, 7, []byte("last"))
 			wantEnd(t, a, ErrPeerClosed)
 			if err := d.err(); !errors.Is(err, ErrClosed) {
@@ -189,6 +195,21 @@ func TestCtrlSendLimits(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantMsg(t, a, 3, []byte("ok"))
+}
+
+// TestCtrlBadPolicy: an unknown TLS policy is an error of listen and
+// dial, before any connection.
+func TestCtrlBadPolicy(t *testing.T) {
+	noLeaks(t)
+	bad := testConfig("k", "maybe")
+	if l, err := listenCtrl("127.0.0.1:0", bad); err == nil {
+		l.close()
+		t.Fatal("listen with TLS \"maybe\" succeeded")
+	}
+	l := listen(t, testConfig("k", ""))
+	if err := dialFails(t, l.Addr().String(), bad); err == nil || !strings.Contains(err.Error(), "maybe") {
+		t.Fatalf("dial with TLS \"maybe\": %v", err)
+	}
 }
 
 // TestCtrlAuth: a dialer and a listener with different tokens refuse each
