@@ -178,7 +178,7 @@ func handshakeErr(ctx context.Context, step string, err error) error {
 	}
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		return fmt.Errorf("%w: %s: the peer closed the connection (it refused this side: "+
-			"plain TCP where it wants TLS, too many unauthenticated connections, or not a goverbs session listener)", ErrPeerLost, step)
+			"TLS policies that disagree, too many unauthenticated connections, or not a goverbs session listener)", ErrPeerLost, step)
 	}
 	return fmt.Errorf("%w: %s: %w", ErrPeerLost, step, err)
 }

@@ -702,7 +702,13 @@ func TestCtrlEnd(t *testing.T) {
 			} else {
 				d, a = pair(t, l, cfg)
 			}
-			a.startKeepalive(150 * time.Millisecond)
+			// A short keepalive where the test waits for it; elsewhere
+			// one that cannot fire before the end under test.
+			ka := hangGuard
+			if tc.want == ErrPeerUnresponsive {
+				ka = 150 * time.Millisecond
+			}
+			a.startKeepalive(ka)
 			tc.end(d, nc)
 			wantEnd(t, a, tc.want)
 			if err := a.send(1, nil); !errors.Is(err, tc.want) {
@@ -747,8 +753,8 @@ func TestCtrlKeepaliveOneSided(t *testing.T) {
 	l := listen(t, cfg)
 	d, a := pair(t, l, cfg)
 	d.startKeepalive(-1)
-	a.startKeepalive(300 * time.Millisecond)
-	time.Sleep(2 * time.Second)
+	a.startKeepalive(time.Second)
+	time.Sleep(3 * time.Second)
 	if err := a.err(); err != nil {
 		t.Fatalf("a peer that answers pings was declared gone: %v", err)
 	}
@@ -763,7 +769,7 @@ func TestCtrlBackpressure(t *testing.T) {
 	cfg := testConfig("k", "")
 	l := listen(t, cfg)
 	d, a := pair(t, l, cfg)
-	const ka = 300 * time.Millisecond
+	const ka = time.Second
 	d.startKeepalive(ka)
 	a.startKeepalive(ka)
 	const n = 8 * ctrlQueueLen
@@ -788,7 +794,7 @@ func TestCtrlBackpressure(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	// Several keepalive periods with the application not reading.
-	time.Sleep(4 * ka)
+	time.Sleep(3 * ka)
 	select {
 	case err := <-sent:
 		t.Fatalf("the sender finished (%v) while the receiver read nothing", err)
