@@ -322,6 +322,17 @@ type stranger struct {
 // warnedNoToken makes the warning of listenCtrl once per process.
 var warnedNoToken sync.Once
 
+// warnNoToken warns, once per process, of a listener without a token on
+// an address that is not a loopback one.
+func warnNoToken(token []byte, addr net.Addr) {
+	if len(token) == 0 && !isLoopback(addr) {
+		warnedNoToken.Do(func() {
+			slog.Warn("session: listening without a token on a non-loopback address: any host that reaches it can connect (set Config.Token)",
+				"addr", addr.String())
+		})
+	}
+}
+
 // listenCtrl listens on addr (TCP host:port; port 0 picks one). cfg has
 // its defaults.
 func listenCtrl(addr string, cfg *Config) (*ctrlListener, error) {
@@ -345,12 +356,7 @@ func listenCtrl(addr string, cfg *Config) (*ctrlListener, error) {
 	if l.ln, err = net.Listen("tcp", addr); err != nil {
 		return nil, fmt.Errorf("session: listen: %w", err)
 	}
-	if len(cfg.Token) == 0 && !isLoopback(l.ln.Addr()) {
-		warnedNoToken.Do(func() {
-			slog.Warn("session: listening without a token on a non-loopback address: any host that reaches it can connect (set Config.Token)",
-				"addr", l.ln.Addr().String())
-		})
-	}
+	warnNoToken(cfg.Token, l.ln.Addr())
 	l.wg.Add(1)
 	go l.acceptLoop()
 	return l, nil

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"runtime"
 	"strings"
@@ -210,6 +211,44 @@ func TestCtrlBadPolicy(t *testing.T) {
 	if err := dialFails(t, l.Addr().String(), bad); err == nil || !strings.Contains(err.Error(), "maybe") {
 		t.Fatalf("dial with TLS \"maybe\": %v", err)
 	}
+}
+
+// TestCtrlWarnNoToken: a listener without a token on an address that is
+// not a loopback one logs a warning, once per process. (Tests listen on
+// loopback only: the addresses here are not listened on.)
+func TestCtrlWarnNoToken(t *testing.T) {
+	var buf bytes.Buffer
+	var mu sync.Mutex
+	old := slog.Default()
+	slog.SetDefault(slog.New(slog.NewTextHandler(lockedWriter{&mu, &buf}, nil)))
+	defer slog.SetDefault(old)
+	public := &net.TCPAddr{IP: net.IPv4(192, 0, 2, 1), Port: 9}
+	loop := &net.TCPAddr{IP: net.IPv6loopback, Port: 9}
+	warnNoToken(nil, loop)
+	warnNoToken([]byte("k"), public)
+	mu.Lock()
+	if buf.Len() != 0 {
+		t.Fatalf("a warning for a loopback address or with a token: %s", buf.String())
+	}
+	mu.Unlock()
+	warnNoToken(nil, public)
+	warnNoToken(nil, public)
+	mu.Lock()
+	defer mu.Unlock()
+	if n := strings.Count(buf.String(), "without a token"); n != 1 {
+		t.Fatalf("%d warnings, want 1: %s", n, buf.String())
+	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (w lockedWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.w.Write(p)
 }
 
 // TestCtrlAuth: a dialer and a listener with different tokens refuse each
