@@ -891,7 +891,8 @@ func (c *ctrl) send(typ uint8, payload []byte) error {
 	return c.writeFrame(typ, payload)
 }
 
-// recv returns the next application message. Messages that arrived
+// recv returns the next application message; its payload is the
+// caller's (a fresh buffer, nil if empty). Messages that arrived
 // before the peer's bye are returned before its ErrPeerClosed; once
 // closed here it returns ErrClosed. A ctx that ends makes it return its
 // error, wrapped; the connection goes on.
