@@ -628,7 +628,7 @@ type ctrl struct {
 	enc bool
 	br  *bufio.Reader
 
-	q       chan ctrlMsg
+	q       chan bootMsg
 	pingReq chan struct{}
 	pongReq chan struct{}
 
@@ -651,7 +651,7 @@ type ctrl struct {
 	wg        sync.WaitGroup
 }
 
-type ctrlMsg struct {
+type bootMsg struct {
 	typ     uint8
 	payload []byte
 }
@@ -662,7 +662,7 @@ func newCtrl(raw, nc net.Conn) *ctrl {
 	c := &ctrl{
 		raw: raw, nc: nc, enc: enc,
 		br:       bufio.NewReaderSize(nc, 16<<10),
-		q:        make(chan ctrlMsg, ctrlQueueLen),
+		q:        make(chan bootMsg, ctrlQueueLen),
 		pingReq:  make(chan struct{}, 1),
 		pongReq:  make(chan struct{}, 1),
 		t0:       time.Now(),
@@ -757,7 +757,7 @@ func (c *ctrl) readLoop() {
 			}
 			return
 		}
-		if !c.push(ctrlMsg{typ, payload}) {
+		if !c.push(bootMsg{typ, payload}) {
 			return
 		}
 	}
@@ -765,7 +765,7 @@ func (c *ctrl) readLoop() {
 
 // push queues m for recv, waiting for room (see ctrl). It reports
 // whether the reader goes on.
-func (c *ctrl) push(m ctrlMsg) bool {
+func (c *ctrl) push(m bootMsg) bool {
 	select {
 	case c.q <- m:
 		return true

@@ -58,7 +58,7 @@ func listen(t *testing.T, cfg *Config) *ctrlListener {
 }
 
 // pair dials l with cfg and accepts the connection.
-func pair(t *testing.T, l *ctrlListener, cfg *Config) (d, a *ctrl) {
+func ctrlPair(t *testing.T, l *ctrlListener, cfg *Config) (d, a *ctrl) {
 	t.Helper()
 	ctx := guardCtx(t)
 	d, err := dialCtrl(ctx, l.Addr().String(), cfg)
@@ -118,7 +118,7 @@ func TestCtrlConnect(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			noLeaks(t)
 			l := listen(t, testConfig(tc.token, tc.lisTLS))
-			d, a := pair(t, l, testConfig(tc.token, tc.dialTLS))
+			d, a := ctrlPair(t, l, testConfig(tc.token, tc.dialTLS))
 			if d.encrypted() != tc.encrypted || a.encrypted() != tc.encrypted {
 				t.Fatalf("encrypted: dialer %v, acceptor %v, want %v", d.encrypted(), a.encrypted(), tc.encrypted)
 			}
@@ -173,7 +173,7 @@ func TestCtrlConnect(t *testing.T) {
 func TestCtrlSendLimits(t *testing.T) {
 	noLeaks(t)
 	l := listen(t, testConfig("k", ""))
-	d, a := pair(t, l, testConfig("k", ""))
+	d, a := ctrlPair(t, l, testConfig("k", ""))
 	for _, tc := range []struct {
 		typ  uint8
 		size int
@@ -279,7 +279,7 @@ func TestCtrlAuth(t *testing.T) {
 					t.Fatalf("the listener's reason: %v, want ErrAuth saying %q", err, tc.refusedWhy)
 				}
 			}
-			d, a := pair(t, l, testConfig(tc.lis, tc.policy))
+			d, a := ctrlPair(t, l, testConfig(tc.lis, tc.policy))
 			if err := d.send(1, []byte("in")); err != nil {
 				t.Fatal(err)
 			}
@@ -467,7 +467,7 @@ func TestCtrlStrangers(t *testing.T) {
 				}
 			}
 			// A real peer still gets through.
-			d, a := pair(t, l, cfg)
+			d, a := ctrlPair(t, l, cfg)
 			if err := d.send(1, nil); err != nil {
 				t.Fatal(err)
 			}
@@ -496,7 +496,7 @@ func TestCtrlStrangersCap(t *testing.T) {
 	for _, c := range cs[:cfg.MaxStrangers] {
 		wantClosed(t, c)
 	}
-	d, a := pair(t, l, cfg)
+	d, a := ctrlPair(t, l, cfg)
 	if err := d.send(9, []byte("through")); err != nil {
 		t.Fatal(err)
 	}
@@ -739,7 +739,7 @@ func TestCtrlEnd(t *testing.T) {
 			if tc.raw {
 				nc, a = authedRaw(t, l, cfg)
 			} else {
-				d, a = pair(t, l, cfg)
+				d, a = ctrlPair(t, l, cfg)
 			}
 			// A short keepalive where the test waits for it; elsewhere
 			// one that cannot fire before the end under test.
@@ -768,7 +768,7 @@ func TestCtrlKeepaliveIdle(t *testing.T) {
 	noLeaks(t)
 	cfg := testConfig("k", "")
 	l := listen(t, cfg)
-	d, a := pair(t, l, cfg)
+	d, a := ctrlPair(t, l, cfg)
 	const ka = time.Second
 	d.startKeepalive(ka)
 	a.startKeepalive(ka)
@@ -790,7 +790,7 @@ func TestCtrlKeepaliveOneSided(t *testing.T) {
 	noLeaks(t)
 	cfg := testConfig("k", "")
 	l := listen(t, cfg)
-	d, a := pair(t, l, cfg)
+	d, a := ctrlPair(t, l, cfg)
 	d.startKeepalive(-1)
 	a.startKeepalive(time.Second)
 	time.Sleep(3 * time.Second)
@@ -807,7 +807,7 @@ func TestCtrlBackpressure(t *testing.T) {
 	noLeaks(t)
 	cfg := testConfig("k", "")
 	l := listen(t, cfg)
-	d, a := pair(t, l, cfg)
+	d, a := ctrlPair(t, l, cfg)
 	const ka = time.Second
 	d.startKeepalive(ka)
 	a.startKeepalive(ka)
@@ -920,7 +920,7 @@ func TestCtrlCancel(t *testing.T) {
 		}
 	})
 	t.Run("Recv", func(t *testing.T) {
-		d, a := pair(t, l, cfg)
+		d, a := ctrlPair(t, l, cfg)
 		ctx, cancel := context.WithCancel(context.Background())
 		time.AfterFunc(10*time.Millisecond, cancel)
 		if _, _, err := a.recv(ctx); !errors.Is(err, context.Canceled) {

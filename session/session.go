@@ -141,7 +141,7 @@ func Listen(ctx context.Context, addr string, cfg Config) (*Listener, error) {
 }
 
 // Addr is the address the Listener listens on.
-func (l *Listener) Addr() net.Addr { return l.l.addr() }
+func (l *Listener) Addr() net.Addr { return l.l.Addr() }
 
 // Accept waits for the next peer that authenticates and sets up a
 // session with it. A peer that fails the setup is dropped and Accept
