@@ -27,7 +27,7 @@ type Channel struct {
 // New creates a channel in the protection domain pd. Memory registered in
 // pd serves every operation of the channel.
 func New(pd *verbs.ProtectionDomain, opts Options) (*Channel, error) {
-	e, err := newEngine(pd, 1, -1, opts)
+	e, err := newEngine(pd, 1, -1, opts, nil)
 	if err != nil {
 		return nil, err
 	}
