@@ -15,45 +15,9 @@ import (
 	"github.com/goverbs/verbs"
 )
 
-// Channels connected through the RDMA connection manager.
-//
-// DialCM and AcceptCM build a Channel whose queue pair the RDMA CM
-// connects (verbs.DialCM, verbs.CMRequest.Accept) instead of New, Endpoint
-// and Connect. The channel's completion queue is created first and the
-// CM's queue pair is created on it, so everything else (slots, waiting,
-// the Post methods, Batch, Close) works as for a channel from New.
-//
-// Receives before the first message. The CM moves the queue pair to RTS
-// inside its handshake, and the peer may send as soon as its own call
-// returns; receives posted after DialCM or AcceptCM returned could come too
-// late (the sender's queue pair then retries after RNR NAKs, forever with
-// the default Options.QP.RNRRetry, and fails with any finite setting).
-// So both calls take a prepare function, run once the queue pair is
-// connected and before the call returns, for posting the receives the
-// peer's first messages need (PostReceive) and setting up local state.
-// Then the two sides complete a ready handshake: each, once its prepare
-// returned, RDMA-writes a ready word into a small region the peer
-// registered for the purpose (its address and key travel in the CM private
-// data), and waits until the peer's word arrived in its own. When DialCM
-// or AcceptCM returns, the peer's prepare has therefore returned too: each
-// side may send at once, and no message ever finds the peer without the
-// receives its prepare posted. The handshake costs one round trip, and 16
-// bytes of each side's private data (hence MaxCMDialData and
-// MaxCMAcceptData). Both sides must use this package: a plain verbs CM
-// peer is refused (syscall.EPROTO).
-//
-// Disconnection. A goroutine per channel waits for the CM's disconnect
-// event; when the peer disconnects (it closed its channel, or its process
-// ended), the channel breaks with ErrDisconnected, so that blocked calls
-// return. Close disconnects (the peer learns it at once), flushes what is
-// in flight, stops that goroutine and destroys the CM connection and its
-// queue pair.
-//
-// The CM needs the hardware provider (build tag ibverbs) and an RDMA
-// device with an IP address. With soft0, or in a build without the
-// hardware provider, DialCM and AcceptCM fail with an error wrapping
-// verbs.ErrNotSupported before allocating anything: connect soft0 channels
-// with New, Endpoint and Connect.
+// Channels connected through the RDMA connection manager: DialCM,
+// AcceptCM (their documentation describes the ready handshake and the
+// watch for the peer's disconnection).
 
 // Private data limits of DialCM and AcceptCM: the CM's limits
 // (verbs.MaxCMDialData, verbs.MaxCMAcceptData) less the 16 bytes of the
@@ -179,22 +143,53 @@ func checkCM(op string, pd *verbs.ProtectionDomain, opts Options, n, limit int) 
 // listener at addr ("ip:port", "host:port" or "[fe80::1%eth0]:port"; see
 // verbs.DialCM), whose side answers with AcceptCM. privateData (at most
 // MaxCMDialData bytes) goes with the request; the acceptor's comes back in
-// CMPrivateData.
+// CMPrivateData. The channel's completion queue is created first and the
+// CM's queue pair on it, so that everything else (slots, waiting, the Post
+// methods, Batch, Close) works as for a channel from New and Connect.
 //
 // pd must belong to the device the route to addr uses (verbs.ResolveCM
 // tells it), or DialCM fails with an error wrapping syscall.EXDEV. Of
-// opts, the CM takes the queue pair's path (port, GID, MTU, PSNs) and
+// opts, the CM sets the queue pair's path (port, GID, MTU, PSNs) and
 // read/atomic depths itself; Options.Connect is not used.
 //
-// prepare, when not nil, runs once the queue pair is connected and before
-// DialCM returns; the peer sends nothing before it returned (see the ready
-// handshake above). Post there the receives the peer's first messages
-// need. An error from prepare ends the dial (the channel is closed, the
-// peer's AcceptCM fails with ErrDisconnected) and is returned wrapped.
+// Receives for the first messages. The CM moves the queue pair to RTS
+// inside its handshake, and a peer may send as soon as its own call
+// returns: receives posted after DialCM returned could come too late (the
+// sender's queue pair then retries after RNR NAKs, forever with the
+// default Options.QP.RNRRetry, and fails with a finite one). So prepare,
+// when not nil, runs once the queue pair is connected and before DialCM
+// returns: post there (PostReceive) the receives the peer's first
+// messages need, and set up local state; do not send from it. Then both
+// sides complete a ready handshake: each, once its prepare returned,
+// RDMA-writes a ready word into a 16-byte region the peer registered for
+// the purpose (its address and key travel in the private data), and waits
+// until the peer's word arrived in its own. So when DialCM or AcceptCM
+// returns, the peer's prepare has returned too: either side may send at
+// once, and no message finds the peer without the receives its prepare
+// posted. The handshake costs one round trip and 16 bytes of each side's
+// private data (hence MaxCMDialData, MaxCMAcceptData). Both sides must use
+// this package: a plain verbs CM peer is refused (syscall.EPROTO). An
+// error from prepare ends the call (the channel is closed, and the peer's
+// call fails with ErrDisconnected) and is returned wrapped.
+//
+// Disconnection. A goroutine per channel waits for the CM's disconnect
+// event: when the peer disconnects (it closed its channel, or its process
+// ended), the channel breaks with ErrDisconnected, so that blocked calls
+// return and Err reports it. Close disconnects, flushes what is in flight,
+// waits (at most Options.FlushGrace, so that the CM may retransmit) for
+// the peer to confirm the disconnection, ends that goroutine and destroys
+// the CM connection and its queue pair. The CM's disconnect request is a
+// datagram: when the network loses it, the peer learns that the channel
+// is gone only when its own requests fail; a side that only waits for
+// messages needs a keepalive of its own.
 //
 // ctx bounds the whole call: address and route resolution, the CM
-// exchange and the ready handshake. Every error is an *OpError; a
-// rejection wraps a *verbs.CMRejectError (and syscall.ECONNREFUSED).
+// exchange and the ready handshake. Every error is an *OpError (or an
+// Options error); a rejection wraps a *verbs.CMRejectError (and
+// syscall.ECONNREFUSED). With soft0, or in a build without the hardware
+// provider, DialCM fails with an error wrapping verbs.ErrNotSupported
+// before allocating anything: connect soft0 channels with New, Endpoint
+// and Connect.
 func DialCM(ctx context.Context, addr string, pd *verbs.ProtectionDomain, opts Options, privateData []byte, prepare func(*Channel) error) (*Channel, error) {
 	const op = "dial rdma cm"
 	if err := checkCM(op, pd, opts, len(privateData), MaxCMDialData); err != nil {
@@ -221,10 +216,11 @@ func DialCM(ctx context.Context, addr string, pd *verbs.ProtectionDomain, opts O
 // CMPrivateData (and, before accepting, CMRequestData).
 //
 // pd must belong to the device the request arrived on (req.Device()).
-// prepare is as for DialCM. If AcceptCM fails before the connection is
-// established, the request is rejected; after, the channel is closed
-// (disconnecting the peer). A request that is not from DialCM is rejected
-// with an error wrapping syscall.EPROTO, before anything is allocated.
+// prepare, the ready handshake, disconnection, ctx and errors are as for
+// DialCM. If AcceptCM fails before the connection is established, the
+// request is rejected; after, the channel is closed (disconnecting the
+// peer). A request that is not from DialCM is rejected with an error
+// wrapping syscall.EPROTO, before anything is allocated.
 //
 // Accepting allocates a channel (a completion queue, a queue pair, scratch
 // memory) for whoever reached the listener: check who it is first, with
@@ -338,6 +334,17 @@ func (p *peer) stopWatch() {
 		p.cmStop()
 		<-p.cmDone
 	}
+}
+
+// awaitDisconnect waits (at most the flush grace) for the CM to confirm
+// the disconnection Close started: the peer's reply, or its own
+// disconnection. Destroying the connection earlier would also end the
+// CM's retransmissions of the disconnect request, and a peer whose first
+// request was lost would never learn that the channel is gone.
+func (p *peer) awaitDisconnect() {
+	ctx, cancel := context.WithTimeout(context.Background(), p.e.opts.FlushGrace)
+	defer cancel()
+	p.cm.WaitDisconnect(ctx)
 }
 
 // closeQP destroys the peer's queue pair, and its CM connection if it has

@@ -172,13 +172,23 @@ func TestCMDevices(t *testing.T) {
 				acceptData := append(append([]byte("accept:"), srv.region()...), bytes.Repeat([]byte{'x'}, channel.MaxCMAcceptData-27)...)
 				var aRecv, dRecv []channel.Handle
 				var reqData []byte
+				var asendErr error
+				amsg := []byte("first message from the acceptor")
+				copy(srv.buf.Bytes()[0:], amsg)
 				accepted := env.accept(ctx, func(r *verbs.CMRequest) (*channel.Channel, error) {
 					var err error
 					if reqData, err = channel.CMRequestData(r); err != nil {
 						r.Reject(nil)
 						return nil, err
 					}
-					return channel.AcceptCM(ctx, r, srv.pd, opts, acceptData, postReceives(t, srv, 8192, 2, aDelay, &aRecv))
+					c, err := channel.AcceptCM(ctx, r, srv.pd, opts, acceptData, postReceives(t, srv, 8192, 2, aDelay, &aRecv))
+					if err == nil {
+						// The acceptor sends at once: the dialer's
+						// receives are posted, however long its
+						// prepare took.
+						asendErr = c.Send(ctx, srv.sge(t, 0, len(amsg)))
+					}
+					return c, err
 				})
 				dc, err := channel.DialCM(ctx, env.target, cli.pd, opts, dialData, postReceives(t, cli, 8192, 2, dDelay, &dRecv))
 				if err != nil {
@@ -199,10 +209,8 @@ func TestCMDevices(t *testing.T) {
 				}
 				ac := a.ch
 				defer closeOrFail(t, "acceptor channel", ac.Close)
-				amsg := []byte("first message from the acceptor")
-				copy(srv.buf.Bytes()[0:], amsg)
-				if err := ac.Send(ctx, srv.sge(t, 0, len(amsg))); err != nil {
-					t.Fatalf("acceptor's first send: %v", err)
+				if asendErr != nil {
+					t.Fatalf("acceptor's first send: %v", asendErr)
 				}
 				if err := dsend.Wait(ctx); err != nil {
 					t.Fatalf("dialer's first send: %v", err)
@@ -280,20 +288,32 @@ func TestCMDevices(t *testing.T) {
 				}
 				aRecv[1].Release()
 
-				// The dialer closes: the acceptor's blocked receive
-				// returns, the channel broken by the disconnection.
-				got := make(chan error, 1)
-				go func() { _, err := ac.Receive(ctx, srv.sge(t, 32768, 64)); got <- err }()
+				// The dialer closes: the acceptor's outstanding receive
+				// completes (flushed), the channel broken by the
+				// disconnection, and later calls fail at once. (The
+				// receive is posted before the disconnection: rxe of
+				// Linux 6.1 does not flush a receive posted to a queue
+				// pair already in the error state.)
+				rh, err := ac.PostReceive(srv.sge(t, 32768, 64))
+				if err != nil {
+					t.Fatal(err)
+				}
 				if err := dc.Close(); err != nil {
 					t.Errorf("dialer Close: %v", err)
 				}
 				if err := dc.Close(); err != nil {
 					t.Errorf("second dialer Close: %v", err)
 				}
-				err = <-got
+				rctx, rcancel := context.WithTimeout(ctx, 30*time.Second) // hang guard
+				defer rcancel()
+				err = rh.Wait(rctx)
+				rh.Release()
 				t.Logf("acceptor's receive after the dialer closed: %v", err)
-				if !errors.Is(err, channel.ErrBroken) || !errors.Is(ac.Err(), channel.ErrDisconnected) {
-					t.Errorf("acceptor's receive after the dialer closed: %v (Err %v); want ErrBroken, and ErrDisconnected from Err", err, ac.Err())
+				if err == nil || errors.Is(err, verbs.ErrTimeout) || !errors.Is(ac.Err(), channel.ErrBroken) || !errors.Is(ac.Err(), channel.ErrDisconnected) {
+					t.Errorf("acceptor's receive after the dialer closed: %v (Err %v); want a flush, and Err wrapping ErrBroken and ErrDisconnected", err, ac.Err())
+				}
+				if _, err := ac.Receive(ctx, srv.sge(t, 32768, 64)); !errors.Is(err, channel.ErrDisconnected) {
+					t.Errorf("Receive on the disconnected channel: %v, want ErrDisconnected", err)
 				}
 				// The dialer's outstanding receive was flushed by Close.
 				if err := dRecv[1].Wait(ctx); err == nil {
@@ -325,6 +345,35 @@ func TestCMDevices(t *testing.T) {
 			t.Fatal("AcceptCM succeeded though the dialer gave up")
 		}
 		t.Logf("AcceptCM: %v", a.err)
+		if !errors.Is(a.err, channel.ErrDisconnected) {
+			t.Errorf("AcceptCM: %v, want ErrDisconnected", a.err)
+		}
+	})
+
+	t.Run("HandshakeContext", func(t *testing.T) {
+		// The acceptor's prepare does not return until the dialer gave
+		// up: the dialer's context ends its wait for the ready word,
+		// and the acceptor's handshake then fails with ErrDisconnected.
+		gaveUp := make(chan struct{})
+		accepted := env.accept(ctx, func(r *verbs.CMRequest) (*channel.Channel, error) {
+			return channel.AcceptCM(ctx, r, srv.pd, opts, nil, func(*channel.Channel) error { <-gaveUp; return nil })
+		})
+		dctx, dcancel := context.WithTimeout(ctx, 2*time.Second)
+		defer dcancel()
+		c, err := channel.DialCM(dctx, env.target, cli.pd, opts, nil, nil)
+		close(gaveUp)
+		if err == nil {
+			c.Close()
+			t.Fatal("DialCM succeeded while the acceptor's prepare was blocked")
+		}
+		if !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, verbs.ErrTimeout) {
+			t.Errorf("DialCM: %v, want context.DeadlineExceeded and verbs.ErrTimeout", err)
+		}
+		a := <-accepted
+		if a.err == nil {
+			a.ch.Close()
+			t.Fatal("AcceptCM succeeded though the dialer gave up")
+		}
 		if !errors.Is(a.err, channel.ErrDisconnected) {
 			t.Errorf("AcceptCM: %v, want ErrDisconnected", a.err)
 		}

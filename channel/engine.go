@@ -572,6 +572,11 @@ func (e *engine) close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), e.opts.FlushGrace)
 	e.drain(ctx, e.peers)
 	cancel()
+	for _, p := range e.peers {
+		if p != nil && p.cm != nil {
+			p.awaitDisconnect()
+		}
+	}
 	e.closed.Store(true)
 	close(e.done)
 	// Wait for a poller that is inside the CQ to leave it: with every queue
