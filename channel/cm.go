@@ -170,7 +170,11 @@ func checkCM(op string, pd *verbs.ProtectionDomain, opts Options, n, limit int) 
 // private data (hence MaxCMDialData, MaxCMAcceptData). Both sides must use
 // this package: a plain verbs CM peer is refused (syscall.EPROTO). An
 // error from prepare ends the call (the channel is closed, and the peer's
-// call fails with ErrDisconnected) and is returned wrapped.
+// call fails with ErrDisconnected) and is returned wrapped. Whenever the
+// call fails after prepare ran, the channel is closed: the receives
+// prepare posted are flushed, their buffers are the caller's again and
+// their Handles are stale. prepare must not keep the *Channel beyond the
+// call unless the call succeeds (it is the channel the call returns).
 //
 // Disconnection. A goroutine per channel waits for the CM's disconnect
 // event: when the peer disconnects (it closed its channel, or its process
