@@ -15,7 +15,8 @@ import (
 //
 // A Channel is built in two phases, like its queue pair: New creates it
 // (INIT), Endpoint describes it, the endpoints are exchanged out of band,
-// and Connect connects it (RTR, RTS).
+// and Connect connects it (RTR, RTS). Or, on the hardware provider, in
+// one call per side through the RDMA CM: DialCM and AcceptCM.
 type Channel struct {
 	e   *engine
 	p   *peer
@@ -27,7 +28,7 @@ type Channel struct {
 // New creates a channel in the protection domain pd. Memory registered in
 // pd serves every operation of the channel.
 func New(pd *verbs.ProtectionDomain, opts Options) (*Channel, error) {
-	e, err := newEngine(pd, 1, -1, opts)
+	e, err := newEngine(pd, 1, -1, opts, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -147,7 +148,8 @@ func (c *Channel) Progress() error { return c.e.progress() }
 
 // Close breaks the channel (flushing what is in flight, waiting at most
 // Options.FlushGrace for the flushes) and destroys its queue pair,
-// completion queue and scratch memory. Close is idempotent. Closing a
+// completion queue and scratch memory; a channel from DialCM or AcceptCM
+// also disconnects its peer (see DialCM). Close is idempotent. Closing a
 // peer view of a MultiChannel does nothing: close the MultiChannel.
 func (c *Channel) Close() error {
 	if !c.own {

@@ -16,6 +16,13 @@
 // exchanges the endpoints out of band (package cluster does it over TCP);
 // Connect brings them to RTS. Receives may be posted before Connect.
 //
+// On the hardware provider, DialCM and AcceptCM build a Channel whose
+// queue pair the RDMA connection manager connects by IP address instead
+// (one call per side, private data both ways). A prepare function posts
+// the receives the peer's first messages need, and a ready handshake
+// makes sure both sides' prepare ran before either call returns; see
+// DialCM.
+//
 // Operations:
 //
 //   - Blocking: Send, SendImm, Receive, Write, WriteImm, Read, CompareSwap,
@@ -138,7 +145,7 @@
 // *verbs.CompletionError for a failed completion, a *verbs.OpError for a
 // rejected post, a context error (also matching verbs.ErrTimeout), or one
 // of ErrBroken, ErrNotConnected, ErrStale, ErrNoPeer, ErrNotPosted,
-// ErrClosed, verbs.ErrQueueFull. A failed completion moves the queue pair
+// ErrDisconnected, ErrClosed, verbs.ErrQueueFull. A failed completion moves the queue pair
 // to the error state: the channel is broken from then on, and every later
 // operation fails with ErrBroken wrapping the first failure.
 package channel

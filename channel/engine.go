@@ -133,8 +133,10 @@ type engine struct {
 }
 
 // newEngine creates the CQ, one RC queue pair per peer (none for self),
-// the slot pool and the scratch memory.
-func newEngine(pd *verbs.ProtectionDomain, npeers, self int, opts Options) (e *engine, err error) {
+// the slot pool and the scratch memory. With a non-nil cm (one peer, no
+// self), the queue pair of peer 0 is the one cm connects through the RDMA
+// CM with the engine's spec (its CQ included) instead of an unconnected one.
+func newEngine(pd *verbs.ProtectionDomain, npeers, self int, opts Options, cm func(verbs.QPSpec) (*verbs.CMConn, error)) (e *engine, err error) {
 	if pd == nil {
 		return nil, errors.New("channel: nil protection domain")
 	}
@@ -180,6 +182,16 @@ func newEngine(pd *verbs.ProtectionDomain, npeers, self int, opts Options) (e *e
 	spec.SendCQ = e.cq
 	for i := range npeers {
 		if i == self {
+			continue
+		}
+		if cm != nil {
+			conn, err := cm(spec)
+			if err != nil {
+				return nil, err
+			}
+			closers = append(closers, conn.Close) // and its QP
+			e.peers[i] = newPeer(e, i, conn.QP())
+			e.peers[i].cm = conn
 			continue
 		}
 		q, err := pd.NewRCQueuePair(spec)
@@ -547,12 +559,24 @@ func (e *engine) close() error {
 	}
 	for _, p := range e.peers {
 		if p != nil {
+			if p.cm != nil {
+				// Stop watching for the peer's disconnection, then
+				// tell the peer (this also moves the QP to the error
+				// state).
+				p.stopWatch()
+				p.cm.Disconnect()
+			}
 			p.breakQP(ErrClosed)
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), e.opts.FlushGrace)
 	e.drain(ctx, e.peers)
 	cancel()
+	for _, p := range e.peers {
+		if p != nil && p.cm != nil {
+			p.awaitDisconnect()
+		}
+	}
 	e.closed.Store(true)
 	close(e.done)
 	// Wait for a poller that is inside the CQ to leave it: with every queue
@@ -568,7 +592,7 @@ func (e *engine) close() error {
 	var errs []error
 	for _, p := range e.peers {
 		if p != nil {
-			if err := p.qp.Close(); err != nil {
+			if err := p.closeQP(); err != nil {
 				errs = append(errs, err)
 			}
 		}

@@ -28,6 +28,10 @@ var (
 	// ended with an error or a panic before it was flushed, or an earlier
 	// request of the same post failed).
 	ErrNotPosted = errors.New("channel: operation not posted")
+	// ErrDisconnected: the peer of a channel connected through the RDMA
+	// CM (DialCM, AcceptCM) disconnected: it closed its channel, or its
+	// process ended. The channel is broken with this cause.
+	ErrDisconnected = errors.New("channel: the peer disconnected")
 )
 
 // ErrClosed is verbs.ErrClosed: the channel was closed.

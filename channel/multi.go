@@ -33,7 +33,7 @@ func NewMulti(pd *verbs.ProtectionDomain, n, self int, opts Options) (*MultiChan
 	if self < -1 || self >= n {
 		return nil, fmt.Errorf("channel: NewMulti: self %d is not -1 or a peer number below %d", self, n)
 	}
-	e, err := newEngine(pd, n, self, opts)
+	e, err := newEngine(pd, n, self, opts, nil)
 	if err != nil {
 		return nil, err
 	}

@@ -40,6 +40,14 @@ type peer struct {
 
 	errMu sync.Mutex
 	err   error // why the peer is broken
+
+	// RDMA CM (DialCM, AcceptCM): the connection that owns qp, the
+	// peer's private data, and the goroutine that breaks the peer when
+	// the CM reports its disconnection.
+	cm     *verbs.CMConn
+	cmData []byte
+	cmStop context.CancelFunc
+	cmDone chan struct{}
 }
 
 func newPeer(e *engine, idx int, q *verbs.RCQueuePair) *peer {

@@ -101,7 +101,8 @@ tier_multiprocess() {
 # the hardware provider run there: the provider's own tests, the root
 # package's tests of every device (named Test...Devices: the conformance
 # suite on rxe0/rxe1, the RDMA CM API across rxe0 and rxe1, error texts,
-# addressing, memlock accounting) and TestCMNotSupported, the goverbs
+# addressing, memlock accounting) and TestCMNotSupported, the channel
+# package's tests of every device (channels connected by the RDMA CM), the goverbs
 # command on rxe, and the cgo crossings of the data path once more with the
 # shim's per-call counters compiled in (-tags ibv_count, TestCgoCrossings).
 tier_vm() {
@@ -109,6 +110,7 @@ tier_vm() {
 	./scripts/vm/run.sh --prepare
 	run_go_tests vm "${exec[@]}" ./internal/ibv/... ./internal/vmtest/ ./cmd/goverbs/ &&
 		run_go_tests vm-conformance "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" . &&
+		run_go_tests vm-channel "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" ./channel/ &&
 		run_go_tests vm-cgo-count -tags ibverbs,ibv_count -p 1 -exec "$PWD/scripts/vm/run.sh --" -run "^TestCgoCrossings$" ./internal/ibv/
 }
 
