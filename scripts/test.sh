@@ -102,7 +102,8 @@ tier_multiprocess() {
 # package's tests of every device (named Test...Devices: the conformance
 # suite on rxe0/rxe1, the RDMA CM API across rxe0 and rxe1, error texts,
 # addressing, memlock accounting) and TestCMNotSupported, the channel
-# package's tests of every device (channels connected by the RDMA CM), the goverbs
+# package's tests of every device (channels connected by the RDMA CM), the
+# session package's (sessions on rxe0/rxe1 over both bootstraps), the goverbs
 # command on rxe, and the cgo crossings of the data path once more with the
 # shim's per-call counters compiled in (-tags ibv_count, TestCgoCrossings).
 tier_vm() {
@@ -111,6 +112,7 @@ tier_vm() {
 	run_go_tests vm "${exec[@]}" ./internal/ibv/... ./internal/vmtest/ ./cmd/goverbs/ &&
 		run_go_tests vm-conformance "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" . &&
 		run_go_tests vm-channel "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" ./channel/ &&
+		run_go_tests vm-session "${exec[@]}" -run "^Test[A-Za-z]*Devices$" ./session/ &&
 		run_go_tests vm-cgo-count -tags ibverbs,ibv_count -p 1 -exec "$PWD/scripts/vm/run.sh --" -run "^TestCgoCrossings$" ./internal/ibv/
 }
 

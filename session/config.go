@@ -25,10 +25,22 @@ type Config struct {
 	// else soft0.
 	Device string
 
-	// UseCM asks for the RDMA connection manager instead of the TCP
-	// bootstrap (hardware only; soft0 returns an error wrapping
-	// verbs.ErrNotSupported).
+	// UseCM connects the queue pairs through the RDMA connection
+	// manager (address and path resolution by the CM, as rdma_cm
+	// programs do) instead of exchanging endpoints over the bootstrap
+	// connection, which still authenticates the peer and carries the
+	// keepalives. Hardware only: soft0 has no CM, and Listen (or Dial)
+	// fails with an error wrapping verbs.ErrNotSupported. Both sides
+	// must set it.
 	UseCM bool
+
+	// CMAddr, with UseCM: for a Listener, the IP address (and port) its
+	// connection manager listens on; empty: the bootstrap listener's
+	// address. For Dial, the address to dial the CM at, when the one the
+	// Listener announces is not the right one from here (an IPv6
+	// link-local address needs this side's zone); empty: the announced
+	// one.
+	CMAddr string
 
 	// QueueDepth is how many requests of each direction may be in flight
 	// on a session. 0: 128.

@@ -32,12 +32,17 @@ type hello struct {
 	Device   string `json:"device"`   // the device this side would use
 	Hardware bool   `json:"hardware"` // it is not soft0
 	Explicit bool   `json:"explicit"` // Config.Device named it
+	CM       bool   `json:"cm"`       // Config.UseCM
+	// The acceptor's, with CM: where its connection manager listens, and
+	// the cookie the dialer's CM requests must carry.
+	CMAddr   string `json:"cm_addr,omitempty"`
+	CMCookie []byte `json:"cm_cookie,omitempty"`
 }
 
 // setup is the second.
 type setup struct {
-	Data        verbs.Endpoint     `json:"data"`
-	Ctrl        verbs.Endpoint     `json:"ctrl"`
+	Data        *verbs.Endpoint    `json:"data,omitempty"` // nil with CM
+	Ctrl        *verbs.Endpoint    `json:"ctrl,omitempty"`
 	Block       verbs.RemoteRegion `json:"block"`     // the control block (credit words)
 	RecvBuffers int                `json:"recv"`      // data receive buffers posted
 	SlotSize    int                `json:"slot"`      // bytes of each
@@ -111,7 +116,7 @@ func Dial(ctx context.Context, addr string, cfg Config) (*Session, error) {
 	if err != nil {
 		return nil, fmt.Errorf("session: dial %s: %w", addr, err)
 	}
-	s, err := establish(ctx, c, cfg)
+	s, err := establish(ctx, c, cfg, nil)
 	if err != nil {
 		c.close()
 		return nil, fmt.Errorf("session: dial %s: %w", addr, err)
@@ -125,6 +130,7 @@ func Dial(ctx context.Context, addr string, cfg Config) (*Session, error) {
 type Listener struct {
 	cfg Config
 	l   *ctrlListener
+	cm  *cmListen // with Config.UseCM
 }
 
 // Listen listens for sessions on addr (host:port; port 0 picks one).
@@ -137,7 +143,14 @@ func Listen(ctx context.Context, addr string, cfg Config) (*Listener, error) {
 	if err != nil {
 		return nil, fmt.Errorf("session: listen %s: %w", addr, err)
 	}
-	return &Listener{cfg: cfg, l: l}, nil
+	sl := &Listener{cfg: cfg, l: l}
+	if cfg.UseCM {
+		if sl.cm, err = listenCM(ctx, &cfg, l.Addr()); err != nil {
+			l.close()
+			return nil, fmt.Errorf("session: listen %s: %w", addr, err)
+		}
+	}
+	return sl, nil
 }
 
 // Addr is the address the Listener listens on.
@@ -153,7 +166,7 @@ func (l *Listener) Accept(ctx context.Context) (*Session, error) {
 		if err != nil {
 			return nil, fmt.Errorf("session: accept: %w", err)
 		}
-		s, err := establish(ctx, c, l.cfg)
+		s, err := establish(ctx, c, l.cfg, l.cm)
 		if err != nil {
 			c.close()
 			if ctx.Err() != nil {
@@ -166,15 +179,33 @@ func (l *Listener) Accept(ctx context.Context) (*Session, error) {
 }
 
 // Close stops listening. Sessions already accepted go on.
-func (l *Listener) Close() error { return l.l.close() }
+func (l *Listener) Close() error {
+	if l.cm != nil {
+		l.cm.close()
+	}
+	return l.l.close()
+}
 
 // establish sets up a session over the authenticated connection c: the
 // device both sides use, the queue pairs, their receive buffers; then
-// it exchanges endpoints and connects.
-func establish(ctx context.Context, c *ctrl, cfg Config) (s *Session, err error) {
+// it exchanges endpoints and connects (or, with CM, has the connection
+// manager connect the queue pairs). lc is the Listener's CM side (nil for
+// a dialer).
+func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Session, err error) {
 	// hello: agree on a device
-	mine, err := chooseDevice(cfg.Device, c.localAddr())
-	if err != nil {
+	var mine hello
+	var wait *cmWait
+	if cfg.UseCM {
+		mine = hello{Version: protoVersion, CM: true, Hardware: true}
+		if lc != nil {
+			if lc.l == nil {
+				return nil, fmt.Errorf("session: the Listener has no connection manager: %w", lc.err)
+			}
+			wait = lc.expect()
+			defer lc.forget(wait)
+			mine.Device, mine.CMAddr, mine.CMCookie = lc.device, lc.addr, wait.cookie[:]
+		}
+	} else if mine, err = chooseDevice(cfg.Device, c.localAddr()); err != nil {
 		return nil, err
 	}
 	var peer hello
@@ -184,8 +215,26 @@ func establish(ctx context.Context, c *ctrl, cfg Config) (s *Session, err error)
 	if peer.Version != protoVersion {
 		return nil, fmt.Errorf("%w: the peer speaks version %d, this side %d", ErrProtocol, peer.Version, protoVersion)
 	}
+	if peer.CM != mine.CM {
+		return nil, fmt.Errorf("session: this side connects through the RDMA CM (Config.UseCM) %v, the peer %v: both must agree", mine.CM, peer.CM)
+	}
 	name := mine.Device
-	if mine.Hardware != peer.Hardware {
+	if mine.CM && lc == nil {
+		// The dialer's device is the one its CM route to the acceptor
+		// takes.
+		target := peer.CMAddr
+		if cfg.CMAddr != "" {
+			target = cfg.CMAddr
+		}
+		if len(peer.CMCookie) != cmCookieLen || target == "" {
+			return nil, fmt.Errorf("%w: the peer gives no CM address or cookie", ErrProtocol)
+		}
+		r, err := verbs.ResolveCM(ctx, target)
+		if err != nil {
+			return nil, err
+		}
+		name, mine.CMAddr, mine.CMCookie = r.Device, target, peer.CMCookie
+	} else if !mine.CM && mine.Hardware != peer.Hardware {
 		if mine.Explicit && mine.Hardware {
 			return nil, fmt.Errorf("session: device %s was asked for, but the peer uses %s, which cannot reach it", mine.Device, peer.Device)
 		}
@@ -194,39 +243,54 @@ func establish(ctx context.Context, c *ctrl, cfg Config) (s *Session, err error)
 	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), turn: make(chan struct{}, 1), ops: make(chan struct{}, cfg.QueueDepth)}
 	s.turn <- struct{}{}
 	s.bg, s.bgStop = context.WithCancel(context.Background())
+	sess := s // s is nil once a failure is returned
 	defer func() {
 		if err != nil {
-			s.release()
+			sess.release()
 		}
 	}()
-	if err := s.build(name); err != nil {
+	if err := s.build(name, mine.CM); err != nil {
 		return nil, err
 	}
 	// setup: endpoints and buffers
-	de, err := s.data.Endpoint()
-	if err != nil {
-		return nil, err
-	}
-	ce, err := s.agc.Endpoint()
-	if err != nil {
-		return nil, err
-	}
-	out := setup{Data: de, Ctrl: ce, Block: s.block.Remote(), RecvBuffers: cfg.ReceiveBuffers,
+	out := setup{Block: s.block.Remote(), RecvBuffers: cfg.ReceiveBuffers,
 		SlotSize: s.slot, CtrlBuffers: ctrlBuffers, MaxMessage: cfg.MaxMessage}
+	if !mine.CM {
+		de, err := s.data.Endpoint()
+		if err != nil {
+			return nil, err
+		}
+		ce, err := s.agc.Endpoint()
+		if err != nil {
+			return nil, err
+		}
+		out.Data, out.Ctrl = &de, &ce
+	}
 	if err := exchange(ctx, c, msgSetup, out, &s.peer); err != nil {
 		return nil, err
 	}
-	if err := s.peer.validate(); err != nil {
+	if err := s.peer.validate(!mine.CM); err != nil {
 		return nil, err
 	}
 	s.peerBlock = s.peer.Block
 	s.dflow = sendFlow{r: uint32(s.peer.RecvBuffers), word: s.word(0)}
 	s.cflow = sendFlow{r: uint32(s.peer.CtrlBuffers), word: s.word(4)}
-	if err := s.data.Connect(s.peer.Data); err != nil {
-		return nil, err
-	}
-	if err := s.agc.Connect(s.peer.Ctrl); err != nil {
-		return nil, err
+	switch {
+	case !mine.CM:
+		if err := s.data.Connect(*s.peer.Data); err != nil {
+			return nil, err
+		}
+		if err := s.agc.Connect(*s.peer.Ctrl); err != nil {
+			return nil, err
+		}
+	case lc == nil:
+		if err := s.dialCM(ctx, mine.CMAddr, mine.CMCookie); err != nil {
+			return nil, err
+		}
+	default:
+		if err := s.acceptCM(ctx, wait); err != nil {
+			return nil, err
+		}
 	}
 	// ready: both queue pairs of both sides are connected
 	var r struct{}
@@ -266,7 +330,7 @@ func exchange(ctx context.Context, c *ctrl, typ uint8, v, out any) error {
 	return nil
 }
 
-func (p *setup) validate() error {
+func (p *setup) validate(endpoints bool) error {
 	switch {
 	case p.RecvBuffers < 1 || p.RecvBuffers > 1<<16:
 		return fmt.Errorf("%w: the peer posts %d receive buffers", ErrProtocol, p.RecvBuffers)
@@ -278,6 +342,12 @@ func (p *setup) validate() error {
 		return fmt.Errorf("%w: the peer's largest message is %d bytes", ErrProtocol, p.MaxMessage)
 	case p.Block.Len < 8:
 		return fmt.Errorf("%w: the peer's control block is %d bytes", ErrProtocol, p.Block.Len)
+	}
+	if !endpoints {
+		return nil
+	}
+	if p.Data == nil || p.Ctrl == nil {
+		return fmt.Errorf("%w: the peer sent no endpoints", ErrProtocol)
 	}
 	if err := p.Data.Validate(); err != nil {
 		return fmt.Errorf("%w: the peer's data endpoint: %v", ErrProtocol, err)
@@ -291,8 +361,10 @@ func (p *setup) validate() error {
 // ctrlBuffers is how many control receive buffers each side posts.
 const ctrlBuffers = 32
 
-// build opens the device and makes the session's resources.
-func (s *Session) build(name string) (err error) {
+// build opens the device and makes the session's resources; with cm
+// nil, its queue pairs too (with their receive buffers posted), else
+// the queue pairs come later, from the CM (connectCM).
+func (s *Session) build(name string, cm bool) (err error) {
 	cfg := &s.cfg
 	if s.dev, err = verbs.Open(name); err != nil {
 		return err
@@ -306,22 +378,6 @@ func (s *Session) build(name string) (err error) {
 	if s.block, err = s.pd.Alloc(64, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
 		return err
 	}
-	s.data, err = channel.New(s.pd, channel.Options{
-		QP:             verbs.QPSpec{MaxSendWR: cfg.QueueDepth, MaxRecvWR: cfg.ReceiveBuffers, MaxSendSGE: 2, MaxRecvSGE: 1},
-		MaxOutstanding: 2*cfg.QueueDepth + cfg.ReceiveBuffers,
-	})
-	if err != nil {
-		return err
-	}
-	s.agc, err = channel.New(s.pd, channel.Options{
-		QP:             verbs.QPSpec{MaxSendWR: 2 * ctrlBuffers, MaxRecvWR: ctrlBuffers, MaxSendSGE: 1, MaxRecvSGE: 1},
-		MaxOutstanding: 4 * ctrlBuffers,
-		SpinPolls:      channel.SpinNever,
-	})
-	if err != nil {
-		return err
-	}
-	// receive buffers, posted before the peer may send
 	s.slot = (cfg.MessageSize + rtsHdr + 63) &^ 63
 	n := cfg.ReceiveBuffers
 	if s.ring, err = s.mem.Alloc(n * s.slot); err != nil {
@@ -329,22 +385,68 @@ func (s *Session) build(name string) (err error) {
 	}
 	s.drflow = recvFlow{r: uint32(n)}
 	s.rh, s.rgen, s.fifo = make([]channel.Handle, n), make([]uint32, n), make([]int32, 0, n)
-	for i := range n {
-		if err := s.postData(i); err != nil {
-			return err
-		}
-	}
 	if s.cring, err = s.mem.Alloc(ctrlBuffers * ctrlBufSize); err != nil {
 		return err
 	}
 	s.crflow = recvFlow{r: ctrlBuffers}
 	s.crh, s.cfifo = make([]channel.Handle, ctrlBuffers), make([]int32, 0, ctrlBuffers)
+	s.agent.init()
+	if cm {
+		return nil
+	}
+	if s.data, err = channel.New(s.pd, s.dataOptions()); err != nil {
+		return err
+	}
+	if s.agc, err = channel.New(s.pd, ctrlOptions()); err != nil {
+		return err
+	}
+	if err := s.postDataAll(s.data); err != nil {
+		return err
+	}
+	return s.postCtrlAll(s.agc)
+}
+
+func (s *Session) dataOptions() channel.Options {
+	cfg := &s.cfg
+	return channel.Options{
+		QP:             verbs.QPSpec{MaxSendWR: cfg.QueueDepth, MaxRecvWR: cfg.ReceiveBuffers, MaxSendSGE: 2, MaxRecvSGE: 1},
+		MaxOutstanding: 2*cfg.QueueDepth + cfg.ReceiveBuffers,
+	}
+}
+
+func ctrlOptions() channel.Options {
+	return channel.Options{
+		QP:             verbs.QPSpec{MaxSendWR: 2 * ctrlBuffers, MaxRecvWR: ctrlBuffers, MaxSendSGE: 1, MaxRecvSGE: 1},
+		MaxOutstanding: 4 * ctrlBuffers,
+		SpinPolls:      channel.SpinNever,
+	}
+}
+
+// postDataAll makes c the data channel and posts every receive buffer
+// (before the peer may send).
+func (s *Session) postDataAll(c *channel.Channel) error {
+	s.data = c
+	s.rmu.Lock()
+	defer s.rmu.Unlock()
+	for i := range s.cfg.ReceiveBuffers {
+		if err := s.postData(i); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// postCtrlAll makes c the control channel and posts every control
+// receive buffer.
+func (s *Session) postCtrlAll(c *channel.Channel) error {
+	s.agc = c
+	s.cmu.Lock()
+	defer s.cmu.Unlock()
 	for i := range ctrlBuffers {
 		if err := s.postCtrl(i); err != nil {
 			return err
 		}
 	}
-	s.agent.init()
 	return nil
 }
 
