@@ -18,6 +18,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/soft"
 	"github.com/goverbs/verbs/internal/testproc"
 	"github.com/goverbs/verbs/verbstest"
@@ -196,6 +197,17 @@ func openFDs(t *testing.T) int {
 	return len(ents)
 }
 
+// memfdMappings counts this process' mappings of goverbs memfds (memory
+// regions, and soft0's shared-memory links).
+func memfdMappings(t *testing.T) int {
+	t.Helper()
+	n, err := mem.Mappings()
+	if err != nil {
+		t.Skipf("cannot read the mappings: %v", err)
+	}
+	return n
+}
+
 // wantErr fails t unless err is target.
 func wantErr(t *testing.T, what string, err, target error) {
 	t.Helper()
@@ -240,7 +252,7 @@ func TestCrossProcessScenarios(t *testing.T) {
 			must(t, "ping", expectStr(xctx(t), s, "pong"))
 			t.Logf("Transport() = %q", s.Transport())
 		})
-		fds := openFDs(t)
+		fds, maps := openFDs(t), memfdMappings(t)
 		for _, sc := range scenarios {
 			t.Run(sc.name, func(t *testing.T) {
 				checkLeaks(t)
@@ -268,19 +280,22 @@ func TestCrossProcessScenarios(t *testing.T) {
 			checkLeaks(t)
 			rawLease(t, xctx(t), srv, tr)
 		})
-		// Every session is closed: their descriptors too (soon; the
-		// batches of queue pairs are memfds freed by cleanups after a
-		// collection).
-		var n int
+		// Every session is closed: their descriptors and memory too
+		// (soon; the batches of queue pairs are memfds freed by
+		// cleanups after a collection).
+		var n, m int
 		for range 100 {
 			runtime.GC()
-			if n = openFDs(t); n <= fds {
+			if n, m = openFDs(t), memfdMappings(t); n <= fds && m <= maps {
 				break
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
 		if n > fds {
 			t.Errorf("%d descriptors open after the scenarios, %d before", n, fds)
+		}
+		if m > maps {
+			t.Errorf("%d memfd mappings after the scenarios, %d before", m, maps)
 		}
 		srv.p.Stop(t)
 	})
