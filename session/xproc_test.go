@@ -1025,12 +1025,17 @@ func TestCrossProcessPeerKilled(t *testing.T) {
 	})
 }
 
+// xKeepalive is the keepalive of the tests that stop a process. (With
+// 300 ms, sessions between two live processes were found unresponsive
+// right after their setup, under -race on a loaded machine of 2 cores.)
+const xKeepalive = time.Second
+
 // TestCrossProcessPeerStopped stops the server process (SIGSTOP) while
-// the client waits in Receive with a keepalive of 300 ms: the calls,
+// the client waits in Receive with a keepalive of xKeepalive: the calls,
 // Done and Err report ErrPeerUnresponsive. (It needs the bootstrap's
 // keepalive.)
 func TestCrossProcessPeerStopped(t *testing.T) {
-	keep := Config{Keepalive: 300 * time.Millisecond}
+	keep := Config{Keepalive: xKeepalive}
 	forEachTransport(t, func(t *testing.T, tr xtransport) {
 		checkLeaks(t)
 		ctx := xctx(t)
@@ -1050,21 +1055,24 @@ func TestCrossProcessPeerStopped(t *testing.T) {
 }
 
 // TestCrossProcessClientKilled is the other way: a client process is
-// killed (SIGKILL) or stopped (SIGSTOP, keepalive 300 ms) while the
+// killed (SIGKILL) or stopped (SIGSTOP, keepalive xKeepalive) while the
 // server waits for the session to end; the server reports ErrPeerLost or
 // ErrPeerUnresponsive (on its stdout). (The stopped case needs the
 // bootstrap's keepalive.)
 func TestCrossProcessClientKilled(t *testing.T) {
-	keep := Config{Keepalive: 300 * time.Millisecond}
 	forEachTransport(t, func(t *testing.T, tr xtransport) {
 		for _, c := range []struct {
 			name string
 			sig  syscall.Signal
+			cfg  Config
 			want string
-		}{{"SIGKILL", syscall.SIGKILL, "lost"}, {"SIGSTOP", syscall.SIGSTOP, "unresponsive"}} {
+		}{
+			{"SIGKILL", syscall.SIGKILL, Config{}, "lost"},
+			{"SIGSTOP", syscall.SIGSTOP, Config{Keepalive: xKeepalive}, "unresponsive"},
+		} {
 			t.Run(c.name, func(t *testing.T) {
-				srv := startServer(t, tr, xlistener{"main", keep})
-				cfg, err := json.Marshal(tr.config(keep))
+				srv := startServer(t, tr, xlistener{"main", c.cfg})
+				cfg, err := json.Marshal(tr.config(c.cfg))
 				must(t, "config", err)
 				cli := testproc.Start(t, tr.env(envChild+"=client", envChildAddr+"="+srv.addr["main"],
 					envChildConfig+"="+string(cfg), envChildHello+"=idle 7 10")...)
