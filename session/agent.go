@@ -255,10 +255,21 @@ func (s *Session) call(ctx context.Context, op string, m ctrlMsg) (ctrlMsg, erro
 	a.mu.Unlock()
 	forget := func() {
 		a.mu.Lock()
-		if _, ok := a.waiters[m.id]; ok {
+		_, waiting := a.waiters[m.id]
+		if waiting {
 			a.waiters[m.id] = nil // an answer that comes is then undone (answered)
 		}
 		a.mu.Unlock()
+		if !waiting {
+			// The answer was routed to ch already (or is being): undo it.
+			if r := <-ch; r.typ == ctrlGrant {
+				if rm := s.lookupRemote(r.grant); rm != nil {
+					rm.state.Store(remoteReleased)
+					s.forgetRemote(r.grant)
+				}
+				s.sendAsyncCtrl(ctrlMsg{typ: ctrlRelease, grant: r.grant})
+			}
+		}
 	}
 	if err := s.sendCtrl(ctx, m); err != nil {
 		forget()

@@ -11,5 +11,6 @@ import (
 // when they have all finished.
 func TestMain(m *testing.M) {
 	benchChildIfRequested()
+	childIfRequested()
 	goleak.VerifyTestMain(m)
 }

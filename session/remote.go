@@ -182,6 +182,9 @@ func (r *RemoteMR) Release(ctx context.Context) error {
 }
 
 func (r *RemoteMR) giveUp(ctx context.Context, typ uint8, op string) error {
+	if err := r.valid(); err != nil && typ == ctrlHandBack {
+		return fmt.Errorf("session: %s: %w", op, err)
+	}
 	if !r.state.CompareAndSwap(remoteLive, remoteReleased) {
 		return fmt.Errorf("session: %s: %w", op, r.validOr())
 	}
@@ -335,6 +338,9 @@ func (s *Session) checkAtomic(op string, dst RemoteSlice) error {
 	if err := s.checkRemote(op, dst, verbs.AccessRemoteAtomic); err != nil {
 		return err
 	}
+	if dst.n < 8 {
+		return fmt.Errorf("session: %s: %w: %d bytes, an atomic operation needs 8", op, ErrOutOfBounds, dst.n)
+	}
 	if dst.n != 8 || dst.addr().Addr%8 != 0 {
 		return fmt.Errorf("session: %s: %w: %d bytes at remote address %#x", op, ErrMisaligned, dst.n, dst.addr().Addr)
 	}
@@ -418,7 +424,10 @@ func (g *Grant) Revoke(ctx context.Context) error {
 // the region may allow: remote read, write, atomic) for lease (0:
 // Config.Lease); the peer's ReceiveRemoteMR returns it. mr stays this
 // side's: it must not be freed while granted (Revoke, or wait for the
-// lease or a hand-back).
+// lease or a hand-back). If ctx ends before the peer's agent answered,
+// the offer may have reached it: SendLocalMR then returns the Grant
+// with the context's error, and the grant lasts until it is revoked or
+// its lease ends.
 func (s *Session) SendLocalMR(ctx context.Context, mr LocalMR, access verbs.Access, lease time.Duration) (*Grant, error) {
 	if !mr.Valid() {
 		return nil, fmt.Errorf("session: send local region: %w", ErrClosed)
@@ -442,6 +451,12 @@ func (s *Session) offer(ctx context.Context, op string, mem []byte, mr LocalMR, 
 		return nil, fmt.Errorf("session: %s: %w", op, err)
 	}
 	_, err = s.call(ctx, op, ctrlMsg{typ: ctrlOffer, grant: g.id, addr: g.win.Addr(), len: uint64(g.n), rkey: g.win.RKey(), access: access, lease: lease})
+	if err != nil && ctx.Err() != nil && s.Err() == nil {
+		// The offer may have reached the peer, which may use the
+		// region: the grant stays, for the caller to revoke (or for
+		// its lease to end).
+		return &Grant{s: s, g: g, mr: mr}, err
+	}
 	if err != nil {
 		a := &s.agent
 		a.mu.Lock()

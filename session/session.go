@@ -8,6 +8,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/goverbs/verbs"
@@ -508,11 +509,20 @@ func (s *Session) fail(op string, err error) error {
 	if err == nil {
 		return nil
 	}
-	if s.data.Err() != nil || s.agc.Err() != nil {
+	var ce *verbs.CompletionError
+	if s.data.Err() != nil || s.agc.Err() != nil || errors.As(err, &ce) {
 		// A queue pair broke (a remote access error, a transport
-		// failure): the session cannot go on.
-		s.end(fmt.Errorf("session: a queue pair failed: %w", err))
-		s.ctl.close()
+		// failure): the session cannot go on. If the peer closed or
+		// died, its bootstrap connection says so soon: that is the
+		// cause.
+		select {
+		case <-s.ctl.done():
+			s.end(s.ctl.err())
+		case <-time.After(time.Second):
+			s.end(fmt.Errorf("session: a queue pair failed: %w", err))
+			s.ctl.close()
+		}
+		return fmt.Errorf("session: %s: %w", op, s.Err())
 	}
 	return fmt.Errorf("session: %s: %w", op, err)
 }
