@@ -75,7 +75,9 @@ tier_unit() {
 
 # Tier 2: several OS processes on loopback. The cross-process conformance
 # cases and fault tests of soft0 (verbstest: the test binary re-executes
-# itself as the peer process) over TCP, unix sockets and shared memory, then,
+# itself as the peer process) over TCP, unix sockets and shared memory, the
+# session package's (async-rdma's scenarios, faults and reconnects between
+# processes, over every transport), then,
 # per inter-process transport of soft0 (GOVERBS_SOFT_TRANSPORT), the whole
 # conformance suite twice: with both QPs in one process and every connection
 # forced through the transport (TestConformanceSoft), and with side B of
@@ -84,6 +86,7 @@ tier_unit() {
 tier_multiprocess() {
 	local rc=0
 	run_go_tests multiprocess -run "CrossProcess" ./verbstest/ || rc=1
+	run_go_tests multiprocess-session -run "CrossProcess" ./session/ || rc=1
 	for tr in tcp unix shm; do
 		GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr" \
 			-run "^TestConformanceSoft(CrossProcess)?\$" . || rc=1
