@@ -61,13 +61,29 @@ func (f *sendFlow) tryTake() bool {
 	}
 }
 
+// has reports whether a credit is free.
+func (f *sendFlow) has() bool { return int32(f.r+f.reposted()-f.sent.Load()) > 0 }
+
 // take takes a credit, waiting for one until ctx or the session ends
-// (done). Credits come back without a completion (by RDMA write), so a
-// waiting sender polls its control block: it yields first, then sleeps
-// for intervals that grow to a millisecond.
+// (done).
 func (f *sendFlow) take(ctx context.Context, done <-chan struct{}) error {
-	for i := 0; i < 64; i++ {
+	for {
+		if err := f.wait(ctx, done); err != nil {
+			return err
+		}
 		if f.tryTake() {
+			return nil
+		}
+	}
+}
+
+// wait waits until a credit is free (without taking it), until ctx or
+// the session ends (done). Credits come back without a completion (by
+// RDMA write), so a waiting sender polls its control block: it yields
+// first, then sleeps for intervals that grow to a millisecond.
+func (f *sendFlow) wait(ctx context.Context, done <-chan struct{}) error {
+	for i := 0; i < 64; i++ {
+		if f.has() {
 			return nil
 		}
 		runtime.Gosched()
@@ -76,7 +92,7 @@ func (f *sendFlow) take(ctx context.Context, done <-chan struct{}) error {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	for {
-		if f.tryTake() {
+		if f.has() {
 			return nil
 		}
 		select {

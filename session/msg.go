@@ -10,11 +10,11 @@ import (
 	"github.com/goverbs/verbs/channel"
 )
 
-// Message is a received message. Its payload lies in a buffer of the
-// library (a receive buffer, or for a large message the region it was
-// read into), valid until Release, which gives the buffer back (a
-// receive buffer is posted again, which returns a credit to the
-// sender). A Message is a small value; Release is idempotent, and
+// Message is a received message. Its payload lies in memory of the
+// library (a slot of the receive ring, or for a large message the region
+// it was read into), valid until Release, which gives it back (a ring
+// slot returns a credit to the sender once the slots before it are back
+// too). A Message is a small value; Release is idempotent, and
 // methods of a released Message return zero values.
 type Message struct {
 	s     *Session
@@ -81,7 +81,7 @@ func (m Message) Release() {
 		return
 	}
 	if m.slot >= 0 {
-		m.s.repostIf(int(m.slot), m.gen)
+		m.s.freeSlot(int(m.slot), m.gen)
 		return
 	}
 	if m.mr.Valid() {
@@ -155,41 +155,65 @@ func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, ha
 }
 
 // sendEager sends the header in buf (n bytes: the header, maybe the
-// payload) and the payload in extra (if not empty). buf is freed when the
-// device is done with it.
+// payload) and the payload in extra (if not empty) into the peer's next
+// ring slot. buf is freed when the device is done with it.
 func (s *Session) sendEager(ctx context.Context, buf LocalMR, n int, extra LocalSlice, imm uint32, hasImm bool) error {
-	if err := s.acquireOp(ctx, "send"); err != nil {
-		buf.Free()
-		return err
-	}
-	if err := s.dflow.take(ctx, s.done); err != nil {
-		s.releaseOp()
-		buf.Free()
-		return s.ctxErr("send", err)
-	}
 	plen := n - dataHdr + extra.Len()
-	rep := s.drflow.reposted.Load()
-	putDataHdr(buf.Bytes(), dataEager, rep, uint32(plen))
+	putDataHdr(buf.Bytes(), dataEager, 0, uint32(plen))
+	setImm(buf.Bytes(), imm, hasImm)
 	hs, _ := buf.Slice(0, n)
 	sgl := [2]verbs.SGE{hs.SGE()}
 	k := 1
 	if extra.Len() > 0 {
 		sgl[1], k = extra.SGE(), 2
 	}
-	var h channel.Handle
-	var err error
-	if hasImm {
-		h, err = s.data.PostSendImm(imm, sgl[:k]...)
-	} else {
-		h, err = s.data.PostSend(sgl[:k]...)
+	_, err := s.sendSlot(ctx, "send", buf, sgl[:k])
+	return err
+}
+
+// sendSlot writes a message (its header first in buf, at sgl[0]) into
+// the peer's next ring slot, with immediate data naming the slot: it
+// takes a credit (waiting for one), then, in credit order, fills in the
+// piggybacked credits and posts. buf is freed when the device is done
+// with it.
+func (s *Session) sendSlot(ctx context.Context, op string, buf LocalMR, sgl []verbs.SGE) (posted bool, err error) {
+	if err := s.acquireOp(ctx, op); err != nil {
+		buf.Free()
+		return false, err
 	}
+	for {
+		if err := s.dflow.wait(ctx, s.done); err != nil {
+			s.releaseOp()
+			buf.Free()
+			return false, s.ctxErr(op, err)
+		}
+		s.smu.Lock()
+		if s.dflow.tryTake() {
+			break
+		}
+		s.smu.Unlock() // another sender took it
+	}
+	k := s.dflow.sent.Load() - 1
+	slot := k % s.dflow.r
+	rep := s.drflow.reposted.Load()
+	binary.LittleEndian.PutUint32(buf.Bytes()[4:], rep)
+	dst := verbs.RemoteAddr{Addr: s.peer.Ring.Addr + uint64(slot)*uint64(s.peer.SlotSize), RKey: s.peer.Ring.RKey}
+	h, err := s.data.PostWriteImm(dst, slot, sgl...)
+	s.smu.Unlock()
 	if err != nil {
 		s.releaseOp()
 		buf.Free()
-		return s.fail("send", err)
+		return false, s.fail(op, err)
 	}
 	s.drflow.told(rep)
-	return s.await(ctx, "send", h, buf)
+	return true, s.await(ctx, op, h, buf)
+}
+
+func setImm(b []byte, imm uint32, hasImm bool) {
+	if hasImm {
+		b[1] |= hdrHasImm
+		binary.LittleEndian.PutUint32(b[12:], imm)
+	}
 }
 
 // await waits for h, a request of the data queue pair (holding an op
@@ -272,34 +296,14 @@ func (s *Session) sendRendezvous(ctx context.Context, data LocalSlice, owned Loc
 		s.agent.dropFin(id)
 		return fmt.Errorf("session: send: %w", err)
 	}
-	if err := s.acquireOp(ctx, "send"); err != nil {
-		hdr.Free()
-		s.agent.dropFin(id)
-		return err
-	}
-	if err := s.dflow.take(ctx, s.done); err != nil {
-		s.releaseOp()
-		hdr.Free()
-		s.agent.dropFin(id)
-		return s.ctxErr("send", err)
-	}
-	rep := s.drflow.reposted.Load()
-	putRTS(hdr.Bytes(), rep, uint32(data.Len()), win.Addr(), win.RKey(), id)
-	var h channel.Handle
-	if hasImm {
-		h, err = s.data.PostSendImm(imm, hdr.All().SGE())
-	} else {
-		h, err = s.data.PostSend(hdr.All().SGE())
-	}
-	if err != nil {
-		s.releaseOp()
-		hdr.Free()
-		s.agent.dropFin(id)
-		return s.fail("send", err)
-	}
-	s.drflow.told(rep)
-	if err := s.await(ctx, "send", h, hdr); err != nil {
-		return err // the fin (or the session's end) frees the window
+	putRTS(hdr.Bytes(), 0, uint32(data.Len()), win.Addr(), win.RKey(), id)
+	setImm(hdr.Bytes(), imm, hasImm)
+	sgl := [1]verbs.SGE{hdr.All().SGE()}
+	if posted, err := s.sendSlot(ctx, "send", hdr, sgl[:]); err != nil {
+		if !posted {
+			s.agent.dropFin(id)
+		}
+		return err // the fin of one posted (or the session's end) frees the window
 	}
 	select {
 	case <-w:
@@ -370,7 +374,10 @@ func (s *Session) ReceiveInto(ctx context.Context, dst []byte) (n int, imm uint3
 	return n, imm, hasImm, nil
 }
 
-// receive takes the next message (turn held).
+// receive takes the next message (turn held): the completion of the
+// next receive (a write with immediate data into the next ring slot),
+// whose receive is posted again at once (it has no buffer: the data is
+// in the ring).
 func (s *Session) receive(ctx context.Context) (Message, error) {
 	if p := s.pending; p != nil {
 		return s.finishRead(ctx, p)
@@ -378,17 +385,16 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	s.rmu.Lock()
 	if len(s.fifo) == 0 {
 		s.rmu.Unlock()
-		return Message{}, fmt.Errorf("session: receive: %w: no receive buffer posted (every message is still held: Release some)", ErrLimit)
+		return Message{}, s.fail("receive", errors.New("no receive posted"))
 	}
-	slot := s.fifo[0]
-	h := s.rh[slot]
+	idx := s.fifo[0]
+	h := s.rh[idx]
 	s.rmu.Unlock()
 	if err := h.Wait(ctx); err != nil && !h.Done() {
 		return Message{}, s.ctxErr("receive", err)
 	}
 	s.rmu.Lock()
 	s.fifo = s.fifo[1:]
-	gen := s.rgen[slot]
 	s.rmu.Unlock()
 	if err := h.Err(); err != nil {
 		h.Release()
@@ -396,49 +402,61 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	}
 	rc := h.Received()
 	h.Release()
+	s.rmu.Lock()
+	err := s.postRecv(int(idx))
+	s.rmu.Unlock()
+	if err != nil {
+		return Message{}, s.fail("receive", err)
+	}
+	n := s.drflow.consumed.Load()
+	slot := n % s.drflow.r
+	if !rc.Write || !rc.HasImm || rc.Imm != slot || rc.Len < dataHdr || rc.Len > s.slot {
+		return Message{}, s.protocol(fmt.Errorf("%w: message %d: a write of %d bytes with immediate %d (%v), for ring slot %d of %d bytes", ErrProtocol, n, rc.Len, rc.Imm, rc.HasImm, slot, s.slot))
+	}
 	s.drflow.consumed.Add(1)
-	m := Message{s: s, slot: slot, gen: gen}
-	if rc.HasImm {
-		m.imm, m.flags = rc.Imm, msgHasImm
-	}
-	if rc.Write {
-		m.flags |= msgWrite
-		m.slot = -1
-		s.repost(int(slot))
-		return m, nil
-	}
+	s.rmu.Lock()
+	s.busy[slot] = true
+	gen := s.rgen[slot]
+	s.rmu.Unlock()
 	b := s.ring.Bytes()[int(slot)*s.slot : int(slot+1)*s.slot]
-	if rc.Len < dataHdr {
-		return Message{}, s.protocol(fmt.Errorf("%w: a message of %d bytes (header %d)", ErrProtocol, rc.Len, dataHdr))
-	}
 	s.dflow.learn(binary.LittleEndian.Uint32(b[4:]))
-	n := int(binary.LittleEndian.Uint32(b[8:]))
+	m := Message{s: s, slot: int32(slot), gen: gen}
+	if b[1]&hdrHasImm != 0 {
+		m.imm, m.flags = binary.LittleEndian.Uint32(b[12:]), msgHasImm
+	}
+	ln := int(binary.LittleEndian.Uint32(b[8:]))
 	switch b[0] {
 	case dataEager:
-		if n != rc.Len-dataHdr {
-			return Message{}, s.protocol(fmt.Errorf("%w: a message of %d bytes says %d", ErrProtocol, rc.Len-dataHdr, n))
+		if ln != rc.Len-dataHdr {
+			return Message{}, s.protocol(fmt.Errorf("%w: a message of %d bytes says %d", ErrProtocol, rc.Len-dataHdr, ln))
 		}
-		m.n = n
+		m.n = ln
+		return m, nil
+	case dataWrite:
+		// The notice of a WriteImm: its data went to the peer's target.
+		s.freeSlot(int(slot), gen)
+		m.slot = -1
+		m.flags |= msgWrite
 		return m, nil
 	case dataRTS:
 		if rc.Len != rtsHdr {
 			return Message{}, s.protocol(fmt.Errorf("%w: a rendezvous of %d bytes", ErrProtocol, rc.Len))
 		}
-		if n > s.cfg.MaxMessage {
-			return Message{}, s.protocol(fmt.Errorf("%w: a message of %d bytes (at most %d)", ErrLimit, n, s.cfg.MaxMessage))
+		if ln > s.cfg.MaxMessage {
+			return Message{}, s.protocol(fmt.Errorf("%w: a message of %d bytes (at most %d)", ErrLimit, ln, s.cfg.MaxMessage))
 		}
 		src := verbs.RemoteAddr{Addr: binary.LittleEndian.Uint64(b[16:]), RKey: binary.LittleEndian.Uint32(b[24:])}
 		id := binary.LittleEndian.Uint64(b[32:])
-		s.repost(int(slot))
+		s.freeSlot(int(slot), gen)
 		m.slot = -1
-		mr, err := s.mem.Alloc(max(n, 1))
+		mr, err := s.mem.Alloc(max(ln, 1))
 		if err != nil {
 			// The sender waits for the fin; without memory for the
 			// message the session cannot go on in order.
-			return Message{}, s.protocol(fmt.Errorf("session: receive: a message of %d bytes: %w", n, err))
+			return Message{}, s.protocol(fmt.Errorf("session: receive: a message of %d bytes: %w", ln, err))
 		}
 		p := &pendingRead{src: src, mr: mr, id: id, msg: m}
-		p.msg.mr, p.msg.n = mr, n
+		p.msg.mr, p.msg.n = mr, ln
 		return s.finishRead(ctx, p)
 	}
 	return Message{}, s.protocol(fmt.Errorf("%w: message kind %d", ErrProtocol, b[0]))
@@ -488,47 +506,45 @@ func (s *Session) protocol(err error) error {
 	return fmt.Errorf("session: receive: %w", err)
 }
 
-// postData posts receive buffer slot (rmu held or before the session
-// runs).
-func (s *Session) postData(slot int) error {
-	sl, err := s.ring.Slice(slot*s.slot, s.slot)
+// postRecv posts receive idx (rmu held, or before the session runs): it
+// has no buffer, only the completion of the peer's next write with
+// immediate data into the ring matters.
+func (s *Session) postRecv(idx int) error {
+	h, err := s.data.PostReceive()
 	if err != nil {
 		return err
 	}
-	h, err := s.data.PostReceive(sl.SGE())
-	if err != nil {
-		return err
-	}
-	s.rh[slot] = h
-	if s.rgen[slot]++; s.rgen[slot] == 0 { // 0 is never a message's
-		s.rgen[slot] = 1
-	}
-	s.fifo = append(s.fifo, int32(slot))
+	s.rh[idx] = h
+	s.fifo = append(s.fifo, int32(idx))
 	return nil
 }
 
-// repost posts receive buffer slot again and returns its credit to the
-// sender (by a write when it may be low: flow.go).
-func (s *Session) repost(slot int) {
-	s.repostIf(slot, 0)
-}
-
-// repostIf is repost if the slot's generation is gen (0: any): a
-// message released twice, even at once, is posted once.
-func (s *Session) repostIf(slot int, gen uint32) {
+// freeSlot gives ring slot back if its generation is gen (a message
+// released twice, even at once, is freed once). Slots return to the
+// sender in order: the credit count (reposted) moves over every slot
+// given back, up to the first still held.
+func (s *Session) freeSlot(slot int, gen uint32) {
 	s.rmu.Lock()
-	if gen != 0 && s.rgen[slot] != gen {
+	if s.rgen[slot] != gen || !s.busy[slot] {
 		s.rmu.Unlock()
 		return
 	}
-	err := s.postData(slot)
-	s.rmu.Unlock()
-	if err != nil {
-		s.fail("receive", err)
-		return
+	s.busy[slot] = false
+	if s.rgen[slot]++; s.rgen[slot] == 0 { // 0 is never a message's
+		s.rgen[slot] = 1
 	}
-	s.drflow.reposted.Add(1)
-	s.writeCredits(&s.drflow, &s.credMu, s.data, 0)
+	r := s.drflow.r
+	moved := false
+	for consumed := s.drflow.consumed.Load(); s.freed != consumed && !s.busy[s.freed%r]; s.freed++ {
+		moved = true
+	}
+	if moved {
+		s.drflow.reposted.Store(s.freed)
+	}
+	s.rmu.Unlock()
+	if moved {
+		s.writeCredits(&s.drflow, &s.credMu, s.data, 0)
+	}
 }
 
 // writeCredits tells the peer our reposted count of f by an RDMA write

@@ -316,21 +316,30 @@ func (s *Session) Write(ctx context.Context, dst RemoteSlice, src LocalSlice) er
 }
 
 // WriteImm writes src into dst and gives the peer a Message with imm
-// whose IsWrite is true (it consumes one of the peer's receive buffers,
-// like a message).
+// whose IsWrite is true (and no bytes: the data is where it was written;
+// the notice
+// follows the write on the queue pair, so the data is in place when the
+// peer sees it; it takes a slot of the peer's ring, like a message).
 func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src LocalSlice) error {
-	if err := s.checkRemote("write with immediate", dst, verbs.AccessRemoteWrite); err != nil {
+	const op = "write with immediate"
+	if err := s.checkRemote(op, dst, verbs.AccessRemoteWrite); err != nil {
 		return err
 	}
-	if err := s.checkLocal("write with immediate", src, dst.Len()); err != nil {
+	if err := s.checkLocal(op, src, dst.Len()); err != nil {
 		return err
 	}
-	if err := s.dflow.take(ctx, s.done); err != nil {
-		return s.ctxErr("write with immediate", err)
+	note, err := s.mem.Alloc(dataHdr)
+	if err != nil {
+		return fmt.Errorf("session: %s: %w", op, err)
 	}
-	_, err := s.remoteOp(ctx, "write with immediate", dst, func() (channel.Handle, error) {
-		return s.data.PostWriteImm(dst.addr(), imm, src.SGE())
-	})
+	if _, err := s.remoteOp(ctx, op, dst, func() (channel.Handle, error) { return s.data.PostWrite(dst.addr(), src.SGE()) }); err != nil {
+		note.Free()
+		return err
+	}
+	putDataHdr(note.Bytes(), dataWrite, 0, uint32(dst.Len()))
+	setImm(note.Bytes(), imm, true)
+	sgl := [1]verbs.SGE{note.All().SGE()}
+	_, err = s.sendSlot(ctx, op, note, sgl[:])
 	return err
 }
 

@@ -45,6 +45,7 @@ type setup struct {
 	Data        *verbs.Endpoint    `json:"data,omitempty"` // nil with CM
 	Ctrl        *verbs.Endpoint    `json:"ctrl,omitempty"`
 	Block       verbs.RemoteRegion `json:"block"`     // the control block (credit words)
+	Ring        verbs.RemoteRegion `json:"ring"`      // the receive ring, for writes
 	RecvBuffers int                `json:"recv"`      // data receive buffers posted
 	SlotSize    int                `json:"slot"`      // bytes of each
 	CtrlBuffers int                `json:"ctrl_recv"` // control receive buffers posted
@@ -74,12 +75,16 @@ type Session struct {
 	// data receives (msg.go)
 	dflow   sendFlow
 	drflow  recvFlow
-	ring    LocalMR // ReceiveBuffers slots of slotSize bytes
+	ring    LocalMR             // ReceiveBuffers slots of slotSize bytes
+	ringWin *verbs.MemoryRegion // the ring's window, the peer writes into
 	slot    int
-	rmu     sync.Mutex // rh, rgen, fifo, and the posting of receives
+	rmu     sync.Mutex // rh, fifo, rgen, busy, freed; the posting of receives
 	rh      []channel.Handle
-	rgen    []uint32
-	fifo    []int32 // slots in the order they were posted
+	fifo    []int32    // receives in the order they were posted
+	rgen    []uint32   // per ring slot: the generation of its message
+	busy    []bool     // per ring slot: a message holds it
+	freed   uint32     // ring slots given back in order (wrapping)
+	smu     sync.Mutex // orders the taking of credits and the posting of messages
 	turn    chan struct{}
 	pending *pendingRead // a rendezvous read a cancelled Receive left (turn held)
 	held    *Message     // a message ReceiveInto could not take (turn held)
@@ -254,7 +259,7 @@ func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Sessi
 		return nil, err
 	}
 	// setup: endpoints and buffers
-	out := setup{Block: s.block.Remote(), RecvBuffers: cfg.ReceiveBuffers,
+	out := setup{Block: s.block.Remote(), Ring: s.ringWin.Remote(), RecvBuffers: cfg.ReceiveBuffers,
 		SlotSize: s.slot, CtrlBuffers: ctrlBuffers, MaxMessage: cfg.MaxMessage}
 	if !mine.CM {
 		de, err := s.data.Endpoint()
@@ -343,6 +348,8 @@ func (p *setup) validate(endpoints bool) error {
 		return fmt.Errorf("%w: the peer's largest message is %d bytes", ErrProtocol, p.MaxMessage)
 	case p.Block.Len < 8:
 		return fmt.Errorf("%w: the peer's control block is %d bytes", ErrProtocol, p.Block.Len)
+	case p.Ring.Len < uint64(p.RecvBuffers)*uint64(p.SlotSize):
+		return fmt.Errorf("%w: the peer's ring is %d bytes, for %d slots of %d", ErrProtocol, p.Ring.Len, p.RecvBuffers, p.SlotSize)
 	}
 	if !endpoints {
 		return nil
@@ -384,8 +391,15 @@ func (s *Session) build(name string, cm bool) (err error) {
 	if s.ring, err = s.mem.Alloc(n * s.slot); err != nil {
 		return err
 	}
+	if s.ringWin, err = s.pd.Register(s.ring.Bytes(), verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
+		return err
+	}
 	s.drflow = recvFlow{r: uint32(n)}
-	s.rh, s.rgen, s.fifo = make([]channel.Handle, n), make([]uint32, n), make([]int32, 0, n)
+	s.rh, s.fifo = make([]channel.Handle, n), make([]int32, 0, n)
+	s.rgen, s.busy = make([]uint32, n), make([]bool, n)
+	for i := range s.rgen {
+		s.rgen[i] = 1
+	}
 	if s.cring, err = s.mem.Alloc(ctrlBuffers * ctrlBufSize); err != nil {
 		return err
 	}
@@ -430,7 +444,7 @@ func (s *Session) postDataAll(c *channel.Channel) error {
 	s.rmu.Lock()
 	defer s.rmu.Unlock()
 	for i := range s.cfg.ReceiveBuffers {
-		if err := s.postData(i); err != nil {
+		if err := s.postRecv(i); err != nil {
 			return err
 		}
 	}
@@ -606,6 +620,9 @@ func (s *Session) release() {
 	}
 	if s.block != nil {
 		errs = append(errs, s.block.Close())
+	}
+	if s.ringWin != nil {
+		errs = append(errs, s.ringWin.Close())
 	}
 	if s.mem != nil {
 		errs = append(errs, s.mem.Close())

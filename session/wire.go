@@ -10,18 +10,25 @@ import (
 
 // What travels on a session's two queue pairs.
 //
-// The data queue pair carries the application's messages. Each send
-// starts with a header:
+// The data queue pair carries the application's messages: each is an
+// RDMA write with immediate data into the next slot of the receiver's
+// ring (a window of ReceiveBuffers slots of SlotSize bytes, granted for
+// remote write at setup; the immediate data is the slot's number, and
+// message k goes to slot k mod ReceiveBuffers), which consumes one of
+// the receiver's receives (posted without buffers). It starts with a
+// header:
 //
-//	[0]     kind: dataEager (the payload follows the header) or dataRTS
-//	        (a rendezvous: the receiver reads the payload)
-//	[1:4]   zero
-//	[4:8]   the sender's receive credits for the reverse direction: how
-//	        many of its data receive buffers it has posted again so far
-//	        (a wrapping count; it saves the peer waiting for a credit
-//	        write)
-//	[8:12]  eager: payload length; rendezvous: message length
-//	[12:16] zero
+//	[0]     kind: dataEager (the payload follows the header), dataRTS
+//	        (a rendezvous: the receiver reads the payload) or dataWrite
+//	        (the notice of a WriteImm)
+//	[1]     flags: hdrHasImm
+//	[2:4]   zero
+//	[4:8]   the sender's credits for the reverse direction: how many
+//	        of its ring slots it has given back so far (a wrapping
+//	        count; it saves the peer waiting for a credit write)
+//	[8:12]  eager: payload length; rendezvous: message length; notice:
+//	        the length written
+//	[12:16] the application's immediate data (hdrHasImm)
 //
 // and a rendezvous adds [16:24] the address, [24:28] the rkey of a
 // window the receiver may read the message from, [28:32] zero, [32:40]
@@ -45,6 +52,9 @@ import (
 const (
 	dataEager = 1
 	dataRTS   = 2
+	dataWrite = 3 // the notice of a WriteImm (length and immediate data)
+
+	hdrHasImm = 1 // header flag: [12:16] is immediate data
 
 	dataHdr = 16
 	rtsHdr  = 40
@@ -158,7 +168,7 @@ func sanitize(b []byte) string {
 	return string(out)
 }
 
-func putDataHdr(b []byte, kind uint8, credits uint32, n uint32) {
+func putDataHdr(b []byte, kind uint8, credits uint32, n uint32) { // flags and immediate data: zero
 	clear(b[:dataHdr])
 	b[0] = kind
 	binary.LittleEndian.PutUint32(b[4:], credits)
