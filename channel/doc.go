@@ -78,45 +78,58 @@
 // Options.SpinPolls chooses. The default, SpinAdaptive, decides per wait
 // between spinning for at most 50 µs and sleeping at once, from a moving
 // average of how long recent waits of each kind took (probing the other
-// kind at gaps that double from 16 waits to 512); it sleeps
-// when waits are long (spinning waits averaging over 200 µs) or when more
-// goroutines of the process spin than GOMAXPROCS-1. The aim is that a
-// client waiting for one operation at a time keeps the kind that gives
-// it the shorter average wait (see below for where it falls short).
-// SpinAlways (pure spinning)
-// and SpinNever (pure sleeping) force one kind; a positive SpinPolls
-// spins that many empty polls and then sleeps, which was the default (64)
-// before. Every kind honours the wait's context and allocates nothing.
+// kind at gaps that double from 16 waits to 512); it sleeps when waits
+// are long (spinning waits averaging over 200 µs) or when more goroutines
+// of the process spin than GOMAXPROCS-1. Between polls a
+// spinning adaptive wait offers its processor to the threads ready to run
+// on it (sched_yield on Linux): the peer thread that would complete it
+// may have been woken there. The aim is that a client waiting for one
+// operation at a time keeps the kind that gives it the shorter average
+// wait. SpinAlways (pure spinning) and SpinNever (pure sleeping) force
+// one kind; a positive SpinPolls spins that many empty polls and then
+// sleeps, which was the default (64) before. Every kind honours the
+// wait's context and allocates nothing.
 //
-// Measured with BenchmarkPollKV (./scripts/bench.sh poll 5: medians of 5
-// runs): clients in processes of their own read 64-byte values from a
-// server process with blocking RDMA reads over shared memory, on a
-// 2-core machine, idle and then loaded by other work (load average 10 to
-// 17). p50 latency per read, and time per read (wall time ÷ the reads of
-// all clients, the inverse of throughput):
+// Measured with BenchmarkPollKV: clients in processes of their own read
+// 64-byte values from a server process with blocking RDMA reads over
+// shared memory, on a 2-core machine. p50 latency per read, and time per
+// read (wall time ÷ the reads of all clients, the inverse of
+// throughput). On the idle machine, before spinning adaptive waits
+// yielded (./scripts/bench.sh poll 5, medians of 5 runs):
 //
-//	                              spin     sleep   64 polls   adaptive
-//	idle    shm, 1 client  p50     8 µs     75 µs     47 µs      52 µs
-//	                       time   18 µs     83 µs     63 µs      69 µs
-//	        shm, 8 clients p50     8 µs    358 µs    397 µs     373 µs
-//	                       time  238 µs     71 µs     77 µs      73 µs
-//	loaded  shm, 1 client  p50    21 µs     45 µs     52 µs      38 µs
-//	                       time  209 µs     92 µs    113 µs      68 µs
-//	        shm, 8 clients p50    98 µs    545 µs    793 µs     626 µs
-//	                       time  738 µs    125 µs    148 µs     136 µs
+//	                       spin     sleep   64 polls   adaptive
+//	shm, 1 client  p50     8 µs     75 µs     47 µs      52 µs
+//	               time   18 µs     83 µs     63 µs      69 µs
+//	shm, 8 clients p50     8 µs    358 µs    397 µs     373 µs
+//	               time  238 µs     71 µs     77 µs      73 µs
 //
-// Eight clients spinning on two cores take three to seven times as long
-// per read as sleeping ones (p99 24-51 ms), and the adaptive default
-// stays with sleeping there. With one client on a busy machine spinning
-// has the lowest median but the longest tail (p99 4 ms: a spinner that
-// used up its time slice waits for the next one), and the adaptive
-// default the best time per read. With one client on an idle machine the
-// adaptive default falls short: it stays with sleeping although spinning
-// alone is four times faster. Its spinning waits average 54-88 µs there,
-// against 18 µs for pure spinning: a spinning wait that follows sleeping
-// ones likely finds soft0's connection cold (its reader goroutines, the
-// server's among them, asleep instead of spinning for the next message).
-// Set SpinAlways for a client that owns its core.
+// Eight clients spinning on two cores take three times as long per read
+// as sleeping ones (p99 24 ms), and the adaptive default stays with
+// sleeping there. With one client it stayed with sleeping too, although
+// spinning alone was four times faster: after waits that slept, the
+// scheduler had woken the server's reader thread on the client's
+// processor, where it waited for the spinner's time slice to end, so
+// that every spinning wait hit the 50 µs cap (mean 119 µs) and slept,
+// which made the next one as slow. The first spinning wait after
+// sleeping ones took 88 µs, the eighth 9 µs; with the two processes
+// pinned to different processors, 20 µs. Yielding between polls lets
+// the woken thread run at once. On the machine loaded by other work
+// (load average 11 to 13), the binaries before and after alternately,
+// medians of three rounds:
+//
+//	                       spin     sleep   adaptive before   adaptive now
+//	shm, 1 client  p50    19 µs     38 µs      39 µs            19 µs
+//	               time  107 µs     63 µs      64 µs            36 µs
+//	shm, 8 clients time     -      120 µs     105 µs           120 µs
+//
+// At a load average of 4.5 the adaptive default's median was 30 µs
+// against spinning's 8 µs (time per read 44 µs, against 172 µs spinning
+// and 60 µs sleeping): the server then mostly answered on the client's
+// processor. The adaptive default was not measured again on an idle
+// machine. With
+// one client on a busy machine spinning has a low median but the longest
+// tail (p99 1-4 ms: a spinner that used up its time slice waits for the
+// next one). Set SpinAlways for a client that owns its core.
 //
 // # Lifetimes
 //

@@ -466,6 +466,9 @@ func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) 
 				default:
 				}
 				runtime.Gosched()
+				if w.mode == SpinAdaptive {
+					osYield() // see spin.go
+				}
 				continue
 			}
 			err = e.cq.Wait(ctx)
