@@ -14,6 +14,9 @@
 #   ./scripts/bench.sh poll [RUNS]    channel's ways of waiting (package
 #                                     channel, BenchmarkPollKV): a key-value
 #                                     GET across processes, 1 and 8 clients
+#   ./scripts/bench.sh session [RUNS] package session between processes vs
+#                                     bare channels, RequestRemoteMR, the
+#                                     allocator, the key-value example
 #   ./scripts/bench.sh all [RUNS]     all of the above
 #
 # RUNS defaults to 5. Each package's test binary is built once; every
@@ -204,16 +207,76 @@ poll() {
 	calc "\"\nallocations per read in the clients (adaptive, medians): %s\n\", \"$(for k in "${kinds[@]}"; do for c in "${clients[@]}"; do printf '%s/%s %s; ' "$k" "$c" "$(med "poll-$k-$c" client-allocs/op wait=adaptive-)"; done; done)\""
 }
 
+# session: package session between two processes (its benchmarks'
+# child) against bare channels of the same transport, RequestRemoteMR
+# against the round trip, the allocator against a sync.Pool, and the
+# key-value example's GET (two dependent RDMA reads) against one read.
+session() {
+	build session ./session/
+	local k
+	local -a cases=(
+		alloc '^BenchmarkAllocFree$/^size=64B$'
+		pool '^BenchmarkAllocFree$/^baseline=sync.Pool$'
+	)
+	for k in ${SESSION_KINDS:-shm unix tcp}; do
+		cases+=(
+			rtt-$k-s "^BenchmarkXprocRTT\$/^$k\$/^session\$"
+			rtt-$k-c "^BenchmarkXprocRTT\$/^$k\$/^channel\$"
+			bw-$k-s "^BenchmarkXprocBandwidth\$/^$k\$/^session\$"
+			bw-$k-c "^BenchmarkXprocBandwidth\$/^$k\$/^channel\$"
+			req-$k "^BenchmarkXprocRequest\$/^$k\$"
+		)
+	done
+	local r i
+	for ((r = 0; r < runs; r++)); do
+		for ((i = 0; i < ${#cases[@]}; i += 2)); do
+			local t=20000x
+			[[ ${cases[i]} == req-* ]] && t=2000x
+			[[ ${cases[i]} == alloc || ${cases[i]} == pool ]] && t=
+			run session "${cases[i + 1]}" $t >>"$bin/${cases[i]}"
+		done
+	done
+	go build -o "$bin/kv" ./examples/kv
+	for k in ${SESSION_KINDS:-shm unix tcp}; do
+		for ((r = 0; r < runs; r++)); do
+			GOVERBS_SOFT_TRANSPORT=$k "$bin/kv" -serve 127.0.0.1:0 -buckets 4096 -heap 1048576 >"$bin/kvsrv" 2>&1 &
+			local pid=$! addr=
+			for ((i = 0; i < 100; i++)); do
+				[[ -n $addr ]] && break
+				sleep 0.1
+				addr=$(awk '/serving on/ {print $4}' "$bin/kvsrv")
+			done
+			GOVERBS_SOFT_TRANSPORT=$k "$bin/kv" -connect "$addr" -keys 1000 -n 20000 >>"$bin/kv-$k" || { kill $pid; exit 1; }
+			kill $pid
+			wait $pid 2>/dev/null || true
+		done
+	done
+	header session
+	echo '| transport | measure | session | baseline | ratio | goal | session allocs/op |'
+	echo '| --- | --- | --- | --- | --- | --- | --- |'
+	for k in ${SESSION_KINDS:-shm unix tcp}; do
+		calc "\"| $k | 8-byte message round trip | $(us rtt-$k-s) µs | bare channel $(us rtt-$k-c) µs | %.2f | ≤ 1.15 | $(med rtt-$k-s allocs/op) |\n\", $(med rtt-$k-s ns/op)/$(med rtt-$k-c ns/op)"
+		calc "\"| $k | 64 KiB messages | $(gib bw-$k-s) GiB/s | channel RDMA writes $(gib bw-$k-c) GiB/s | %.2f | ≥ 0.9 | $(med bw-$k-s allocs/op) |\n\", $(med bw-$k-s MB/s)/$(med bw-$k-c MB/s)"
+		calc "\"| $k | RequestRemoteMR 4 KiB + Release | $(us req-$k) µs | 2 × round trip $(calc "\"%.2f\", 2*$(med rtt-$k-s ns/op)/1000") µs | %.2f | ≤ 1 (+ allocation) | $(med req-$k allocs/op) |\n\", $(med req-$k ns/op)/(2*$(med rtt-$k-s ns/op))"
+		local get read
+		get=$(awk '/get p50/ {print $8}' "$bin/kv-$k" | median)
+		read=$(awk '/get p50/ {print $4}' "$bin/kv-$k" | median)
+		calc "\"| $k | key-value GET (2 dependent reads), p50 | $get µs | one RDMA read $read µs | %.2f | ≤ 2.2 | |\n\", $get/$read"
+	done
+	calc "\"| - | Alloc + Free, 64 B | %.1f ns | sync.Pool Get + Put %.1f ns | %.2f | ≤ 100 ns | $(med alloc allocs/op) |\n\", $(med alloc ns/op), $(med pool ns/op), $(med alloc ns/op)/$(med pool ns/op)"
+}
+
 case "$what" in
-inproc | xproc | tls | poll) "$what" ;;
+inproc | xproc | tls | poll | session) "$what" ;;
 all)
 	inproc
 	xproc
 	tls
 	poll
+	session
 	;;
 *)
-	echo "usage: $0 inproc|xproc|tls|poll|all [RUNS]" >&2
+	echo "usage: $0 inproc|xproc|tls|poll|session|all [RUNS]" >&2
 	exit 2
 	;;
 esac

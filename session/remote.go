@@ -338,8 +338,7 @@ func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src
 	}
 	putDataHdr(note.Bytes(), dataWrite, 0, uint32(dst.Len()))
 	setImm(note.Bytes(), imm, true)
-	sgl := [1]verbs.SGE{note.All().SGE()}
-	_, err = s.sendSlot(ctx, op, note, sgl[:])
+	_, err = s.sendSlot(ctx, op, note, note.All().SGE(), verbs.SGE{})
 	return err
 }
 

@@ -75,8 +75,7 @@ type Session struct {
 	// data receives (msg.go)
 	dflow   sendFlow
 	drflow  recvFlow
-	ring    LocalMR             // ReceiveBuffers slots of slotSize bytes
-	ringWin *verbs.MemoryRegion // the ring's window, the peer writes into
+	ring    *verbs.MemoryRegion // ReceiveBuffers slots of slotSize bytes, the peer writes into
 	slot    int
 	rmu     sync.Mutex // rh, fifo, rgen, busy, freed; the posting of receives
 	rh      []channel.Handle
@@ -259,7 +258,7 @@ func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Sessi
 		return nil, err
 	}
 	// setup: endpoints and buffers
-	out := setup{Block: s.block.Remote(), Ring: s.ringWin.Remote(), RecvBuffers: cfg.ReceiveBuffers,
+	out := setup{Block: s.block.Remote(), Ring: s.ring.Remote(), RecvBuffers: cfg.ReceiveBuffers,
 		SlotSize: s.slot, CtrlBuffers: ctrlBuffers, MaxMessage: cfg.MaxMessage}
 	if !mine.CM {
 		de, err := s.data.Endpoint()
@@ -388,10 +387,10 @@ func (s *Session) build(name string, cm bool) (err error) {
 	}
 	s.slot = (cfg.MessageSize + rtsHdr + 63) &^ 63
 	n := cfg.ReceiveBuffers
-	if s.ring, err = s.mem.Alloc(n * s.slot); err != nil {
-		return err
-	}
-	if s.ringWin, err = s.pd.Register(s.ring.Bytes(), verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
+	// A region of its own, with remote read access too, so that soft0
+	// can share it with the peer's process (large payloads are then
+	// copied once, by the peer's provider, straight into the slot).
+	if s.ring, err = s.pd.Alloc(n*s.slot, verbs.AccessLocalWrite|verbs.AccessRemoteWrite|verbs.AccessRemoteRead); err != nil {
 		return err
 	}
 	s.drflow = recvFlow{r: uint32(n)}
@@ -621,8 +620,8 @@ func (s *Session) release() {
 	if s.block != nil {
 		errs = append(errs, s.block.Close())
 	}
-	if s.ringWin != nil {
-		errs = append(errs, s.ringWin.Close())
+	if s.ring != nil {
+		errs = append(errs, s.ring.Close())
 	}
 	if s.mem != nil {
 		errs = append(errs, s.mem.Close())
