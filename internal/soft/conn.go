@@ -1184,6 +1184,7 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	}
 	req.srcFabric = c.peerFab // who the peer claims to be: fromPeer checks the claim
 	req.srcConn = c
+	req.placed = c.rxPlaced
 	if req.qpType == uint8(prov.QPTypeRC) {
 		req.waker = c.waker(req.srcQPN)
 	}

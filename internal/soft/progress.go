@@ -68,8 +68,10 @@ type pollState struct {
 	sock    *sockRx       // rx of a socket connection
 	seen    uint64        // shared memory: the ring's tail drain last saw (rmu)
 
-	rxHdr  [hdrLen]byte // drain's (rmu)
-	rxBody [reqBodyLen]byte
+	rxHdr    [hdrLen]byte // drain's (rmu)
+	rxBody   [reqBodyLen]byte
+	rxReader bool // the consumer is the reader (rxLoop), which may wait
+	rxPlaced *mr  // the region the frame being handled was placed in (place.go)
 }
 
 // poll handles the complete frames that have arrived unless another
@@ -114,6 +116,9 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 	src := c.rx
 	hb, body := &c.rxHdr, &c.rxBody
 	filled := justFilled && !src.more()
+	// The reader places large write payloads in their regions
+	// (place.go); pollers never wait for the socket.
+	place := c.rxReader && c.sock != nil && c.sock.src == nil
 	for !c.dead.Load() {
 		a, err := src.avail()
 		if err != nil {
@@ -137,6 +142,23 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 			complete = a >= need
 			if need > src.room() { // not with parseHdr's limits
 				return n, fmt.Errorf("soft: frame of %d bytes from process %d", need, c.peerPID)
+			}
+		}
+		if !complete && place && h.typ == frReq && a >= hdrLen+reqBodyLen && uint64(hdrLen)+uint64(h.length)-a >= placeMin {
+			ok, err := c.placeReq(h, a)
+			if ok {
+				n++
+				c.rxSeen.Add(1)
+			}
+			if err != nil {
+				if ok {
+					return n, fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
+				}
+				return n, err
+			}
+			if ok {
+				filled = true // the placement read what followed
+				continue
 			}
 		}
 		if !complete {
@@ -194,7 +216,9 @@ func (c *conn) rxLoop() {
 			return
 		}
 		wakes := c.f.wakes.Load()
+		c.rxReader = true
 		_, err := c.drain(justFilled)
+		c.rxReader = false
 		justFilled = false
 		if err == nil && c.sock != nil && !c.graceDue(&lastPolls) {
 			// A socket is waited on with rmu held (the wait reads the
@@ -440,6 +464,10 @@ type sockRx struct {
 	fillE  error
 	full   bool // the last fill filled buf
 	waitFn func(fd uintptr) bool
+
+	place    sockPlace // the payload being placed (place.go)
+	placeFn  func(fd uintptr) bool
+	placeTry func(fd uintptr)
 }
 
 const sockRxSize = 1 << 20
@@ -451,6 +479,8 @@ func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
 		x.readFD(fd)
 		return x.fillE != unix.EAGAIN
 	}
+	x.placeFn = x.placeRead
+	x.placeTry = func(fd uintptr) { x.placeRead(fd) }
 	return x
 }
 
