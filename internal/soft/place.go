@@ -146,6 +146,7 @@ func (c *conn) placeReq(h frameHdr, a uint64) (bool, error) {
 	pl := &x.place
 	*pl = sockPlace{m: m, off: uint64(uintptr(p)-uintptr(m.base)) + uint64(have), rem: plen - have}
 	err := c.readPlaced()
+	x.placing = true
 	fail := pl.fail
 	*pl = sockPlace{}
 	if err != nil {

@@ -174,6 +174,9 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 		// One read per drain unless it filled the buffer: the next poll
 		// takes what came since.
 		filled = filled && !src.more()
+		if c.sock != nil && c.sock.placing && h.length >= placeMin {
+			c.sock.placing = false // read whole: back to full reads
+		}
 		bl := bodyLen(h)
 		src.peek(hdrLen, body[:bl])
 		// The payload is used in place: the responder copies it into the
@@ -466,6 +469,8 @@ type sockRx struct {
 	waitFn func(fd uintptr) bool
 
 	place    sockPlace // the payload being placed (place.go)
+	placing  bool      // the last large frame was placed: reads stop at placeTail
+	capped   bool      // the last read stopped there
 	placeFn  func(fd uintptr) bool
 	placeTry func(fd uintptr)
 }
@@ -494,7 +499,14 @@ func newStreamRx(src io.Reader) *sockRx {
 // holds the descriptor's read lock while it waits in fillWait.
 func (x *sockRx) readFD(fd uintptr) {
 	for {
-		n, err := unix.Read(int(fd), x.buf[x.w:])
+		b := x.buf[x.w:]
+		x.capped = x.placing && len(b) > placeTail
+		if x.capped {
+			// Large writes come: the next header, whose payload is
+			// placed (place.go).
+			b = b[:placeTail]
+		}
+		n, err := unix.Read(int(fd), b)
 		if err == unix.EINTR {
 			continue
 		}
@@ -547,7 +559,7 @@ func (x *sockRx) fillMode(wait bool) error {
 	default:
 		x.w += x.fillN
 	}
-	x.full = x.w == len(x.buf)
+	x.full = x.w == len(x.buf) || x.capped && x.fillN == placeTail
 	return nil
 }
 
