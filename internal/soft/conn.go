@@ -42,7 +42,9 @@ import (
 // bounds, access and PSN checks on a private copy of the header, so memory
 // outside an MR is never touched; the payload is read in place from the
 // connection's receive buffer, or on shared memory from the ring, where
-// the peer can change its bytes but not its length), answers it, and
+// the peer can change its bytes but not its length; the reader reads the
+// payload of a large RC write straight into its region once the checks
+// pass, place.go), answers it, and
 // hands responses and wake-ups to the waiting requesters, copying the data
 // of RDMA reads into their local memory. It never waits for the peer: a
 // frame it sends is written without blocking as far as the socket takes
