@@ -174,8 +174,10 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 		// One read per drain unless it filled the buffer: the next poll
 		// takes what came since.
 		filled = filled && !src.more()
-		if c.sock != nil && c.sock.placing && h.length >= placeMin {
-			c.sock.placing = false // read whole: back to full reads
+		if c.sock != nil && c.sock.placing {
+			// A frame read whole: not a stream of placed writes any
+			// more (or not only), back to full reads.
+			c.sock.placing = false
 		}
 		bl := bodyLen(h)
 		src.peek(hdrLen, body[:bl])
