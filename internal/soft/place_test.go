@@ -74,7 +74,7 @@ func (p *rawPeer) segSplit(t *testing.T, req *request, id uint64, off, first int
 // without passing through the connection's receive buffer, and a write
 // the responder refuses writes nothing.
 func TestPlacedWrite(t *testing.T) {
-	const n = 3*segMax + 20000 // the last segment is placed too
+	const n = 3*segMax + 40000 // the last segment is placed too (placeMin)
 	const first = 1024
 	t.Run("InPlace", func(t *testing.T) {
 		h := newHostileOn(t, prov.QPTypeRC, 4*segMax, "unix")
