@@ -42,7 +42,9 @@ import (
 // bounds, access and PSN checks on a private copy of the header, so memory
 // outside an MR is never touched; the payload is read in place from the
 // connection's receive buffer, or on shared memory from the ring, where
-// the peer can change its bytes but not its length), answers it, and
+// the peer can change its bytes but not its length; the reader reads the
+// payload of a large RC write straight into its region once the checks
+// pass, place.go), answers it, and
 // hands responses and wake-ups to the waiting requesters, copying the data
 // of RDMA reads into their local memory. It never waits for the peer: a
 // frame it sends is written without blocking as far as the socket takes
@@ -192,6 +194,9 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 	if tc, ok := nc.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
+	if shm == nil && kind == kindUnix {
+		setSendBuffer(nc)
+	}
 	if shm == nil {
 		// Frames go over the socket: out of the runtime's poller with it
 		// (quiet.go). Should that fail, the socket works as it is, with
@@ -218,6 +223,34 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 		c.link = tc.NetConn()
 	}
 	return c
+}
+
+// unixSendBuf is the send buffer a unix socket connection asks for
+// (SO_SNDBUF; the kernel doubles it, and caps the request at
+// net.core.wmem_max). A unix stream socket holds at most that much of a
+// sender's bytes, 208 KiB by default: the sender then waits for every
+// 52 KiB the receiver takes, and a large write costs several waits and
+// wake-ups on either side per MiB. With a larger buffer the writer of a
+// large message mostly finds room, and the reader the whole next
+// segment, whose payload it places in one read (place.go).
+// It is a bound, not an allocation: the kernel holds what the peer has
+// not read yet, as the send queue would (maxQueued).
+const unixSendBuf = 1 << 20
+
+// setSendBuffer sets the send buffer of nc, a unix socket, to
+// unixSendBuf; on failure it keeps the default (only the speed differs).
+func setSendBuffer(nc net.Conn) {
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return
+	}
+	raw.Control(func(fd uintptr) {
+		unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, unixSendBuf)
+	})
 }
 
 // closeSocket closes what the connection runs on: its socket, or with TLS
@@ -1184,6 +1217,7 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	}
 	req.srcFabric = c.peerFab // who the peer claims to be: fromPeer checks the claim
 	req.srcConn = c
+	req.placed = c.rxPlaced
 	if req.qpType == uint8(prov.QPTypeRC) {
 		req.waker = c.waker(req.srcQPN)
 	}

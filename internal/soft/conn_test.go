@@ -37,6 +37,12 @@ func newHostile(t *testing.T) *hostile { return newHostileN(t, prov.QPTypeRC, 40
 // an MR of n bytes (whole pages).
 func newHostileN(t *testing.T, typ prov.QPType, n int) *hostile {
 	t.Helper()
+	return newHostileOn(t, typ, n, "tcp")
+}
+
+// newHostileOn is newHostileN with the peer on network (tcp or unix).
+func newHostileOn(t *testing.T, typ prov.QPType, n int, network string) *hostile {
+	t.Helper()
 	restore, err := ForceTransport("auto")
 	if err != nil {
 		t.Fatal(err)
@@ -67,7 +73,7 @@ func newHostileN(t *testing.T, typ prov.QPType, n int) *hostile {
 		t.Fatal(err)
 	}
 
-	nc := rawDial(t, b.qp.Address(), "tcp", fake.fabric)
+	nc := rawDial(t, b.qp.Address(), network, fake.fabric)
 	return &hostile{nc: nc, qpn: b.qp.QPN(), srcQPN: fakeSrcQPN, page: r.Bytes(), mr: m, e: e, q: b}
 }
 

@@ -68,8 +68,10 @@ type pollState struct {
 	sock    *sockRx       // rx of a socket connection
 	seen    uint64        // shared memory: the ring's tail drain last saw (rmu)
 
-	rxHdr  [hdrLen]byte // drain's (rmu)
-	rxBody [reqBodyLen]byte
+	rxHdr    [hdrLen]byte // drain's (rmu)
+	rxBody   [reqBodyLen]byte
+	rxReader bool // the consumer is the reader (rxLoop), which may wait
+	rxPlaced *mr  // the region the frame being handled was placed in (place.go)
 }
 
 // poll handles the complete frames that have arrived unless another
@@ -114,6 +116,9 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 	src := c.rx
 	hb, body := &c.rxHdr, &c.rxBody
 	filled := justFilled && !src.more()
+	// The reader places large write payloads in their regions
+	// (place.go); pollers never wait for the socket.
+	place := c.rxReader && c.sock != nil && c.sock.src == nil
 	for !c.dead.Load() {
 		a, err := src.avail()
 		if err != nil {
@@ -139,6 +144,23 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 				return n, fmt.Errorf("soft: frame of %d bytes from process %d", need, c.peerPID)
 			}
 		}
+		if !complete && place && h.typ == frReq && a >= hdrLen+reqBodyLen && uint64(hdrLen)+uint64(h.length)-a >= placeMin {
+			ok, err := c.placeReq(h, a)
+			if ok {
+				n++
+				c.rxSeen.Add(1)
+			}
+			if err != nil {
+				if ok {
+					return n, fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
+				}
+				return n, err
+			}
+			if ok {
+				filled = true // the placement read what followed
+				continue
+			}
+		}
 		if !complete {
 			if filled {
 				return n, nil
@@ -152,6 +174,11 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 		// One read per drain unless it filled the buffer: the next poll
 		// takes what came since.
 		filled = filled && !src.more()
+		if c.sock != nil && c.sock.placing {
+			// A frame read whole: not a stream of placed writes any
+			// more (or not only), back to full reads.
+			c.sock.placing = false
+		}
 		bl := bodyLen(h)
 		src.peek(hdrLen, body[:bl])
 		// The payload is used in place: the responder copies it into the
@@ -194,7 +221,9 @@ func (c *conn) rxLoop() {
 			return
 		}
 		wakes := c.f.wakes.Load()
+		c.rxReader = true
 		_, err := c.drain(justFilled)
+		c.rxReader = false
 		justFilled = false
 		if err == nil && c.sock != nil && !c.graceDue(&lastPolls) {
 			// A socket is waited on with rmu held (the wait reads the
@@ -440,6 +469,12 @@ type sockRx struct {
 	fillE  error
 	full   bool // the last fill filled buf
 	waitFn func(fd uintptr) bool
+
+	place    sockPlace // the payload being placed (place.go)
+	placing  bool      // the last large frame was placed: reads stop at placeTail
+	capped   bool      // the last read stopped there
+	placeFn  func(fd uintptr) bool
+	placeTry func(fd uintptr)
 }
 
 const sockRxSize = 1 << 20
@@ -451,6 +486,8 @@ func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
 		x.readFD(fd)
 		return x.fillE != unix.EAGAIN
 	}
+	x.placeFn = x.placeRead
+	x.placeTry = func(fd uintptr) { x.placeRead(fd) }
 	return x
 }
 
@@ -464,7 +501,14 @@ func newStreamRx(src io.Reader) *sockRx {
 // holds the descriptor's read lock while it waits in fillWait.
 func (x *sockRx) readFD(fd uintptr) {
 	for {
-		n, err := unix.Read(int(fd), x.buf[x.w:])
+		b := x.buf[x.w:]
+		x.capped = x.placing && len(b) > placeTail
+		if x.capped {
+			// Large writes come: the next header, whose payload is
+			// placed (place.go).
+			b = b[:placeTail]
+		}
+		n, err := unix.Read(int(fd), b)
 		if err == unix.EINTR {
 			continue
 		}
@@ -517,7 +561,7 @@ func (x *sockRx) fillMode(wait bool) error {
 	default:
 		x.w += x.fillN
 	}
-	x.full = x.w == len(x.buf)
+	x.full = x.w == len(x.buf) || x.capped && x.fillN == placeTail
 	return nil
 }
 

@@ -155,8 +155,15 @@ func (t *qp) continueMsg(req *request, data []span, resp *response) bool {
 			}
 			return t.classC(resp, respAccess, evQPAccessErr)
 		}
-		t.rspans[0] = span{p, int(m.length)}
-		copySpans(t.rspans[:1], int(req.off), data)
+		switch {
+		case req.placed == nil:
+			t.rspans[0] = span{p, int(m.length)}
+			copySpans(t.rspans[:1], int(req.off), data)
+		case !placed(req, mr, unsafe.Add(p, req.off), data):
+			mr.release()
+			m.active, m.owned = false, false
+			return t.classC(resp, respAccess, evQPAccessErr)
+		}
 		mr.release()
 	}
 	m.next += uint32(n)
@@ -268,10 +275,16 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 				return false
 			}
 		}
+		if req.placed != nil && !placed(req, m, t.rspans[0].p, data) {
+			if m != nil {
+				m.release()
+			}
+			return t.classC(resp, respAccess, evQPAccessErr)
+		}
 		if m != nil {
 			if req.direct { // the requester copies (shm.go)
 				resp.orig = m.serial
-			} else {
+			} else if req.placed == nil {
 				copySpans(t.rspans[:1], 0, data)
 			}
 			m.release()

@@ -96,6 +96,10 @@ type request struct {
 	// names the region it checked in response.src (the connection sends
 	// the data, see conn.sendRead).
 	deferRead bool
+
+	// placed: the payload of this write segment was read straight into
+	// this region, at data (place.go); the responder does not copy it.
+	placed *mr
 }
 
 // respCode is the responder's answer.

@@ -1,0 +1,180 @@
+package soft
+
+import (
+	"bytes"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// Direct placement of write payloads (place.go), driven by a raw peer on
+// a unix socket that sends each segment in two parts: its header, body
+// and first bytes, then, once the reader has taken those in, the rest.
+
+// unread is how many bytes written to the unix socket nc its peer has not
+// read yet (SIOCOUTQ: a unix stream socket's sender is charged for them
+// until they are read).
+func unread(t *testing.T, nc net.Conn) int {
+	t.Helper()
+	raw, err := nc.(syscall.Conn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, ierr := 0, error(nil)
+	if err := raw.Control(func(fd uintptr) { n, ierr = unix.IoctlGetInt(int(fd), unix.SIOCOUTQ) }); err != nil {
+		t.Fatal(err)
+	}
+	if ierr != nil {
+		t.Fatal(ierr)
+	}
+	return n
+}
+
+// segSplit sends the segment of req at off as seg does, the header and
+// body and the first `first` bytes of payload, then waits until the
+// reader has read them, calls between (if not nil), and sends the rest.
+func (p *rawPeer) segSplit(t *testing.T, req *request, id uint64, off, first int, between func()) {
+	t.Helper()
+	n := int(req.length)
+	k := min(segMax, n-off)
+	payload := make([]byte, k)
+	for i := range payload {
+		payload[i] = pattern(off + i)
+	}
+	s := *req
+	s.off, s.more = uint32(off), off+k < n
+	s.psn, s.npkts = (req.psn+uint32(off)/4096)&psnMask, max(1, uint32(k+4095)/4096)
+	var h [hdrLen + reqBodyLen]byte
+	putHdr(h[:], frReq, uint32(reqBodyLen+k), id)
+	putReq(h[hdrLen:], &s, p.flags())
+	if _, err := (&net.Buffers{h[:], payload[:first]}).WriteTo(p.nc); err != nil {
+		t.Fatalf("write segment at %d: %v", off, err)
+	}
+	deadline := time.Now().Add(hangGuard)
+	for unread(t, p.nc) > 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the reader does not read")
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	if between != nil {
+		between()
+	}
+	if _, err := p.nc.Write(payload[first:]); err != nil {
+		t.Fatalf("write the rest of the segment at %d: %v", off, err)
+	}
+}
+
+// TestPlacedWrite: the payload of a large write lands in its region
+// without passing through the connection's receive buffer, and a write
+// the responder refuses writes nothing.
+func TestPlacedWrite(t *testing.T) {
+	const n = 3*segMax + 40000 // the last segment is placed too (placeMin)
+	const first = 1024
+	t.Run("InPlace", func(t *testing.T) {
+		h := newHostileOn(t, prov.QPTypeRC, 4*segMax, "unix")
+		p := h.peer()
+		req, id := p.msg(opWrite, h.mr.Addr()+8, h.mr.RKey(), n)
+		for off := 0; off < n; off += segMax {
+			p.segSplit(t, &req, id, off, first, nil)
+		}
+		if r := p.resp(t); r.code != respACK || p.lastID != id {
+			t.Fatalf("response %d to %d, want an ACK to %d", r.code, p.lastID, id)
+		}
+		b := h.mrBytes()
+		if !patternOK(b[8:8+n], 0) || !allEq(b[:8], 0) || !allEq(b[8+n:], 0) || !allEq(h.page[:4096], 0) {
+			t.Fatal("the region does not hold exactly the message")
+		}
+		probe(t, p, respACK)
+		// The receive buffer never held the payload after the first
+		// bytes of each segment. It is the reader's: looked at once the
+		// connection is down (the peer hangs up).
+		c := connOf(t, getFabric().qps.load(h.qpn).destFabric)
+		h.nc.Close()
+		deadline := time.Now().Add(hangGuard)
+		for !c.dead.Load() {
+			if time.Now().After(deadline) {
+				t.Fatal("the connection is still up")
+			}
+			time.Sleep(time.Millisecond)
+		}
+		c.rmu.Lock()
+		defer c.rmu.Unlock()
+		for off := 0; off < n; off += segMax {
+			window := make([]byte, 4096)
+			for i := range window {
+				window[i] = pattern(off + 8192 + i)
+			}
+			if bytes.Contains(c.sock.buf, window) {
+				t.Fatalf("the payload of the segment at %d went through the receive buffer", off)
+			}
+		}
+	})
+	t.Run("RegionClosedWhilePlacing", func(t *testing.T) {
+		// The reader waits for the rest of the first segment: the
+		// region's Close does not wait for it, and the write fails with
+		// a remote access error; nothing is written after Close.
+		h := newHostileOn(t, prov.QPTypeRC, 4*segMax, "unix")
+		p := h.peer()
+		req, id := p.msg(opWrite, h.mr.Addr(), h.mr.RKey(), n)
+		p.segSplit(t, &req, id, 0, first, func() {
+			done := make(chan error, 1)
+			go func() { done <- h.mr.Close() }()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(hangGuard):
+				t.Fatal("the region's Close waits for the peer")
+			}
+		})
+		for off := segMax; off < n; off += segMax {
+			p.seg(t, &req, id, off)
+		}
+		if r := p.resp(t); r.code != respAccess || p.lastID != id {
+			t.Fatalf("response %d to %d, want a remote access NAK to %d", r.code, p.lastID, id)
+		}
+		probe(t, p, respDropped) // the QP is in ERR
+		b := h.mrBytes()
+		if !patternOK(b[:first], 0) && !allEq(b[:first], 0) || !allEq(b[first:], 0) {
+			t.Fatal("bytes written after the region was closed")
+		}
+	})
+	// Writes the responder refuses: the checks before the payload is
+	// placed are its, and nothing is written.
+	refused := []struct {
+		name  string
+		edit  func(h *hostile, req *request)
+		want  respCode
+		after respCode // the probe's answer
+	}{
+		{"PastRegion", func(h *hostile, req *request) { req.raddr += segMax }, respAccess, respDropped},
+		{"WrongRKey", func(h *hostile, req *request) { req.rkey ^= 0x100 }, respAccess, respDropped},
+		{"WrongPSN", func(h *hostile, req *request) { req.psn = (req.psn + 5) & psnMask }, respSeqErr, respACK},
+		{"StrangerQP", func(h *hostile, req *request) { req.srcQPN++ }, respDropped, respACK},
+	}
+	for _, tc := range refused {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHostileOn(t, prov.QPTypeRC, 4*segMax, "unix")
+			p := h.peer()
+			psn := p.psn
+			req, id := p.msg(opWrite, h.mr.Addr(), h.mr.RKey(), n)
+			tc.edit(h, &req)
+			p.segSplit(t, &req, id, 0, first, nil)
+			if r := p.resp(t); r.code != tc.want || p.lastID != id {
+				t.Fatalf("response %d to %d, want %d to %d", r.code, p.lastID, tc.want, id)
+			}
+			p.psn = psn // the message never happened
+			probe(t, p, tc.after)
+			if !allEq(h.page, 0) {
+				t.Fatal("memory changed")
+			}
+		})
+	}
+}
