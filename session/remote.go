@@ -500,23 +500,31 @@ func (s *Session) SendRegion(ctx context.Context, mr *verbs.MemoryRegion, off, n
 // ReceiveRemoteMR returns the next region the peer offered
 // (SendLocalMR).
 func (s *Session) ReceiveRemoteMR(ctx context.Context) (*RemoteMR, error) {
+	return nextQueued(ctx, s, "receive remote region", &s.agent.offers)
+}
+
+// nextQueued takes the first of the agent's queue q (offers or
+// returns), waiting for one until ctx or the session ends.
+func nextQueued[T any](ctx context.Context, s *Session, op string, q *[]T) (T, error) {
 	a := &s.agent
 	for {
 		a.mu.Lock()
-		if len(a.offers) > 0 {
-			r := a.offers[0]
-			a.offers = a.offers[1:]
+		if len(*q) > 0 {
+			v := (*q)[0]
+			*q = (*q)[1:]
 			a.mu.Unlock()
-			return r, nil
+			return v, nil
 		}
 		ch := a.changed
 		a.mu.Unlock()
 		select {
 		case <-ch:
 		case <-ctx.Done():
-			return nil, fmt.Errorf("session: receive remote region: %w", ctx.Err())
+			var zero T
+			return zero, fmt.Errorf("session: %s: %w", op, ctx.Err())
 		case <-s.done:
-			return nil, s.fail("receive remote region", nil)
+			var zero T
+			return zero, s.fail(op, nil)
 		}
 	}
 }
@@ -535,23 +543,5 @@ func (s *Session) SendRemoteMR(ctx context.Context, r *RemoteMR) error {
 // handed back (SendRemoteMR): one it was offered, or one it requested
 // (then the caller owns it and must Free it).
 func (s *Session) ReceiveLocalMR(ctx context.Context) (LocalMR, error) {
-	a := &s.agent
-	for {
-		a.mu.Lock()
-		if len(a.returns) > 0 {
-			m := a.returns[0]
-			a.returns = a.returns[1:]
-			a.mu.Unlock()
-			return m, nil
-		}
-		ch := a.changed
-		a.mu.Unlock()
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return LocalMR{}, fmt.Errorf("session: receive local region: %w", ctx.Err())
-		case <-s.done:
-			return LocalMR{}, s.fail("receive local region", nil)
-		}
-	}
+	return nextQueued(ctx, s, "receive local region", &s.agent.returns)
 }

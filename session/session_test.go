@@ -13,32 +13,7 @@ import (
 // pair sets up a session between a Listener and a Dial in this process.
 func pair(t testing.TB, cfg Config) (a, b *Session) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	l, err := Listen(ctx, "127.0.0.1:0", cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	type res struct {
-		s   *Session
-		err error
-	}
-	ch := make(chan res, 1)
-	go func() {
-		s, err := l.Accept(ctx)
-		ch <- res{s, err}
-	}()
-	b, err = Dial(ctx, l.Addr().String(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := <-ch
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
-	t.Cleanup(func() { b.Close(); r.s.Close() })
-	return r.s, b
+	return pairWith(t, cfg, cfg, nil)
 }
 
 func TestSendReceiveSizes(t *testing.T) {

@@ -49,7 +49,7 @@ func TestSessionDevices(t *testing.T) {
 
 // pairWith is pair with a configuration per side; adjust, if not nil,
 // may change the dialer's after the Listener exists.
-func pairWith(t *testing.T, lcfg, dcfg Config, adjust func(*Listener, *Config)) (a, b *Session) {
+func pairWith(t testing.TB, lcfg, dcfg Config, adjust func(*Listener, *Config)) (a, b *Session) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
