@@ -762,40 +762,37 @@ func TestCtrlEnd(t *testing.T) {
 	}
 }
 
-// TestCtrlKeepaliveIdle: two live peers, idle for several keepalive
-// periods, stay connected.
-func TestCtrlKeepaliveIdle(t *testing.T) {
-	noLeaks(t)
-	cfg := testConfig("k", "")
-	l := listen(t, cfg)
-	d, a := ctrlPair(t, l, cfg)
-	const ka = time.Second
-	d.startKeepalive(ka)
-	a.startKeepalive(ka)
-	time.Sleep(4 * ka)
-	for _, c := range []*ctrl{d, a} {
-		if err := c.err(); err != nil {
-			t.Fatalf("an idle live connection ended: %v", err)
-		}
-	}
-	if err := d.send(5, []byte("x")); err != nil {
-		t.Fatal(err)
-	}
-	wantMsg(t, a, 5, []byte("x"))
-}
-
-// TestCtrlKeepaliveOneSided: a peer without a keepalive of its own still
-// answers pings, so the side with one does not end the connection.
-func TestCtrlKeepaliveOneSided(t *testing.T) {
-	noLeaks(t)
-	cfg := testConfig("k", "")
-	l := listen(t, cfg)
-	d, a := ctrlPair(t, l, cfg)
-	d.startKeepalive(-1)
-	a.startKeepalive(time.Second)
-	time.Sleep(3 * time.Second)
-	if err := a.err(); err != nil {
-		t.Fatalf("a peer that answers pings was declared gone: %v", err)
+// TestCtrlKeepaliveLive: live peers stay connected over several
+// keepalive periods: both with a keepalive and idle, and a peer without a
+// keepalive of its own (it still answers pings, so the side with one
+// does not end the connection).
+func TestCtrlKeepaliveLive(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		dk, ak time.Duration // the dialer's and the acceptor's keepalive
+		idle   time.Duration
+	}{
+		{"Idle", time.Second, time.Second, 4 * time.Second},
+		{"OneSided", -1, time.Second, 3 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			noLeaks(t)
+			cfg := testConfig("k", "")
+			l := listen(t, cfg)
+			d, a := ctrlPair(t, l, cfg)
+			d.startKeepalive(tc.dk)
+			a.startKeepalive(tc.ak)
+			time.Sleep(tc.idle)
+			for _, c := range []*ctrl{d, a} {
+				if err := c.err(); err != nil {
+					t.Fatalf("a live connection ended: %v", err)
+				}
+			}
+			if err := d.send(5, []byte("x")); err != nil {
+				t.Fatal(err)
+			}
+			wantMsg(t, a, 5, []byte("x"))
+		})
 	}
 }
 
