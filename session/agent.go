@@ -344,7 +344,7 @@ func (s *Session) handle(m ctrlMsg) {
 		reply(ctrlMsg{typ: ctrlGrant, grant: g.id, addr: g.win.Addr(), len: uint64(g.n), rkey: g.win.RKey(), access: m.access, lease: m.lease})
 	case ctrlGrant:
 		r := s.newRemote(m)
-		if !s.answered(ctrlMsg{typ: ctrlGrant, id: m.id, grant: m.grant, addr: m.addr, len: m.len, rkey: m.rkey, access: m.access, lease: m.lease}) {
+		if !s.answered(m) {
 			// The caller gave up: give the memory back.
 			r.state.Store(remoteReleased)
 			s.forgetRemote(r.grant)
@@ -417,7 +417,7 @@ func (s *Session) serveRequest(m ctrlMsg) (*grantState, uint8, error) {
 		return nil, errCodeProtocol, fmt.Errorf("a request of 0 bytes")
 	case m.len > uint64(s.cfg.MaxRequest):
 		return nil, errCodeLimit, fmt.Errorf("a request of %d bytes: this side grants at most %d per request", m.len, s.cfg.MaxRequest)
-	case m.access&^remoteAccess != 0 || m.access&remoteAccess == 0:
+	case !grantable(m.access):
 		return nil, errCodeAccess, fmt.Errorf("access %v: ask for remote read, write or atomic", m.access)
 	}
 	mr, err := s.mem.Alloc(int(m.len))

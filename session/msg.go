@@ -344,12 +344,8 @@ type pendingRead struct {
 // Receive returns its error and nothing is lost: the next Receive gets
 // the message.
 func (s *Session) Receive(ctx context.Context) (Message, error) {
-	select {
-	case <-s.turn:
-	case <-ctx.Done():
-		return Message{}, fmt.Errorf("session: receive: %w", ctx.Err())
-	case <-s.done:
-		return Message{}, s.fail("receive", nil)
+	if err := s.takeTurn(ctx); err != nil {
+		return Message{}, err
 	}
 	defer func() { s.turn <- struct{}{} }()
 	if m := s.held; m != nil {
@@ -363,12 +359,8 @@ func (s *Session) Receive(ctx context.Context) (Message, error) {
 // A dst too small is an error (io.ErrShortBuffer, wrapped, saying the
 // size) and the message stays for the next Receive.
 func (s *Session) ReceiveInto(ctx context.Context, dst []byte) (n int, imm uint32, hasImm bool, err error) {
-	select {
-	case <-s.turn:
-	case <-ctx.Done():
-		return 0, 0, false, fmt.Errorf("session: receive: %w", ctx.Err())
-	case <-s.done:
-		return 0, 0, false, s.fail("receive", nil)
+	if err := s.takeTurn(ctx); err != nil {
+		return 0, 0, false, err
 	}
 	defer func() { s.turn <- struct{}{} }()
 	var m Message
@@ -385,6 +377,19 @@ func (s *Session) ReceiveInto(ctx context.Context, dst []byte) (n int, imm uint3
 	imm, hasImm = m.Imm()
 	m.Release()
 	return n, imm, hasImm, nil
+}
+
+// takeTurn waits for the receivers' turn (give it back to s.turn), until
+// ctx or the session ends.
+func (s *Session) takeTurn(ctx context.Context) error {
+	select {
+	case <-s.turn:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("session: receive: %w", ctx.Err())
+	case <-s.done:
+		return s.fail("receive", nil)
+	}
 }
 
 // receive takes the next message (turn held): the completion of the

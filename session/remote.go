@@ -23,6 +23,12 @@ var (
 // remoteAccess is the access a grant may give.
 const remoteAccess = verbs.AccessRemoteRead | verbs.AccessRemoteWrite | verbs.AccessRemoteAtomic
 
+// grantable reports whether a grant may give access: some of the remote
+// rights, nothing else.
+func grantable(access verbs.Access) bool {
+	return access != 0 && access&^remoteAccess == 0
+}
+
 func isLimit(err error) bool { return errors.Is(err, ErrLimit) }
 
 // grant registers a window of mr with access for the peer, for lease
@@ -443,7 +449,7 @@ func (s *Session) SendLocalMR(ctx context.Context, mr LocalMR, access verbs.Acce
 	if mr.MemoryRegion().PD() != s.pd {
 		return nil, fmt.Errorf("session: send local region: %w: the region is of another session's allocator", ErrAccess)
 	}
-	if access&^remoteAccess != 0 || access == 0 {
+	if !grantable(access) {
 		return nil, fmt.Errorf("session: send local region: %w: access %v (grant remote read, write or atomic)", ErrAccess, access)
 	}
 	return s.offer(ctx, "send local region", mr.Bytes(), mr, access, lease)
@@ -491,7 +497,7 @@ func (s *Session) SendRegion(ctx context.Context, mr *verbs.MemoryRegion, off, n
 	if off < 0 || n <= 0 || off+n > len(mr.Bytes()) {
 		return nil, fmt.Errorf("session: %s: %w: %d bytes at %d of a region of %d", op, ErrOutOfBounds, n, off, len(mr.Bytes()))
 	}
-	if access&^remoteAccess != 0 || access == 0 {
+	if !grantable(access) {
 		return nil, fmt.Errorf("session: %s: %w: access %v (grant remote read, write or atomic)", op, ErrAccess, access)
 	}
 	return s.offer(ctx, op, mr.Bytes()[off:off+n], LocalMR{}, access, lease)

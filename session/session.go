@@ -561,12 +561,7 @@ func (s *Session) acquireOp(ctx context.Context, op string) error {
 func (s *Session) releaseOp() { <-s.ops }
 
 // live returns the session's end error, if it ended.
-func (s *Session) live(op string) error {
-	if e := s.Err(); e != nil {
-		return fmt.Errorf("session: %s: %w", op, e)
-	}
-	return nil
-}
+func (s *Session) live(op string) error { return s.fail(op, nil) }
 
 // Transport says what carries the session: "rc/" and the device, port
 // and link layer on a hardware device ("rc/mlx5_0/1 infiniband"), or
@@ -611,26 +606,25 @@ func (s *Session) release() {
 		s.bgStop()
 	}
 	s.agent.closeGrants()
-	var errs []error
+	// Children before parents; errors of a session that ended have
+	// nobody to go to.
 	for _, c := range []*channel.Channel{s.data, s.agc} {
 		if c != nil {
-			errs = append(errs, c.Close())
+			c.Close()
 		}
 	}
-	if s.block != nil {
-		errs = append(errs, s.block.Close())
-	}
-	if s.ring != nil {
-		errs = append(errs, s.ring.Close())
+	for _, m := range []*verbs.MemoryRegion{s.block, s.ring} {
+		if m != nil {
+			m.Close()
+		}
 	}
 	if s.mem != nil {
-		errs = append(errs, s.mem.Close())
+		s.mem.Close()
 	}
 	if s.pd != nil {
-		errs = append(errs, s.pd.Close())
+		s.pd.Close()
 	}
 	if s.dev != nil {
-		errs = append(errs, s.dev.Close())
+		s.dev.Close()
 	}
-	_ = errors.Join(errs...)
 }
