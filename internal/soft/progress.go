@@ -330,13 +330,7 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 			c.grace.Store(false)
 			return nil // the reader sends what pollers held, looks again
 		}
-		in := &c.shm.in
-		atomic.StoreUint32(in.sleep, 1)
-		if atomic.LoadUint64(in.tail) != seen {
-			atomic.StoreUint32(in.sleep, 0)
-			return nil
-		}
-		if _, err := c.shm.efdIn.Read(c.shm.efdBuf[:]); err != nil {
+		if err := c.shm.sleep(seen); err != nil {
 			return err
 		}
 	}

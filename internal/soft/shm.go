@@ -100,7 +100,7 @@ func (r *ring) put(bufs [][]byte) (int, bool, error) {
 	if n == 0 {
 		return 0, false, nil
 	}
-	atomic.StoreUint64(r.tail, r.pos)
+	atomic.SwapUint64(r.tail, r.pos) // a full barrier before the load of sleep (see shmLink.sleep)
 	wake := atomic.LoadUint32(r.sleep) == 1 && atomic.CompareAndSwapUint32(r.sleep, 1, 0)
 	return n, wake, nil
 }
@@ -155,6 +155,27 @@ func (r *ring) pieces(off, n uint64) (a, b []byte) {
 func (r *ring) skip(n uint64) {
 	r.pos += n
 	atomic.StoreUint64(r.head, r.pos)
+}
+
+// sleep waits on the eventfd for the producer to publish bytes past seen,
+// the tail the consumer saw last, unless it has already (consumer).
+// With put, this is Dekker's handshake: each side stores its flag (tail,
+// sleeping) and then loads the other's, so one of them must see the
+// other's store. That needs a full barrier between each store and the
+// load after it; a plain (release) store is not one on amd64. Go's
+// atomic stores are sequentially consistent, but with the race detector
+// on they are release stores (golang.org/issue/58020), and a consumer
+// went to sleep on a ring the producer had just filled: so both stores
+// are swaps, which are full barriers in every build.
+func (l *shmLink) sleep(seen uint64) error {
+	in := &l.in
+	atomic.SwapUint32(in.sleep, 1)
+	if atomic.LoadUint64(in.tail) != seen {
+		atomic.StoreUint32(in.sleep, 0)
+		return nil
+	}
+	_, err := l.efdIn.Read(l.efdBuf[:])
+	return err
 }
 
 // shmLink is the shared-memory part of a connection.

@@ -1,0 +1,143 @@
+package soft
+
+import (
+	"encoding/binary"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestShmRingWakeup plays ping-pong over the two rings of a segment, each
+// consumer sleeping on its eventfd whenever its ring is empty (as the
+// connection's reader does). A lost wake-up (the producer missed the
+// sleeping flag while the consumer missed the new tail) stops the game:
+// with the race detector on, plain stores made that happen within a few
+// thousand rounds. The watchdog only guards against the hang.
+func TestShmRingWakeup(t *testing.T) {
+	fds, err := newShmFDs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dup := func(fd int) int {
+		d, err := unix.Dup(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	// Ring 0 carries the dialer's frames, woken through fds[1]; ring 1
+	// the acceptor's, through fds[2].
+	dialer, err := newShmLink(fds[0], fds[2], dup(fds[1]), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	acceptor, err := newShmLink(fds[0], fds[1], dup(fds[2]), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(fds[0])
+	defer func() {
+		for _, l := range []*shmLink{dialer, acceptor} {
+			l.close()
+			l.unmap()
+		}
+	}()
+
+	const rounds = 200000
+	var progress, sink atomic.Uint64
+	var stop atomic.Bool
+	// recv takes one 8-byte message from l's inbound ring, sleeping while
+	// it is empty.
+	recv := func(l *shmLink) (uint64, bool) {
+		var b [8]byte
+		got := 0
+		for got < len(b) {
+			n, err := l.in.get(b[got:])
+			if err != nil {
+				t.Error(err)
+				return 0, false
+			}
+			got += n
+			if n > 0 {
+				continue
+			}
+			if stop.Load() {
+				return 0, false
+			}
+			if err := l.sleep(l.in.pos); err != nil {
+				t.Error(err)
+				return 0, false
+			}
+		}
+		return binary.LittleEndian.Uint64(b[:]), true
+	}
+	send := func(l *shmLink, v uint64) {
+		var b [8]byte
+		binary.LittleEndian.PutUint64(b[:], v)
+		if n, err := l.tryWrite([][]byte{b[:]}); n != len(b) || err != nil {
+			t.Errorf("write to the ring: %d bytes, %v", n, err)
+		}
+	}
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { // the echo: it spins on its ring and answers after a varying delay
+		defer wg.Done()
+		var b [8]byte
+		for i := range rounds {
+			got := 0
+			for got < len(b) {
+				n, err := acceptor.in.get(b[got:])
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				got += n
+				if stop.Load() {
+					return
+				}
+			}
+			for j := 0; j < (i*7919)%64; j++ {
+				sink.Add(1)
+			}
+			send(acceptor, binary.LittleEndian.Uint64(b[:])+1)
+		}
+	}()
+	done := make(chan struct{})
+	go func() {
+		defer wg.Done()
+		defer close(done)
+		for i := range uint64(rounds) {
+			send(dialer, 2*i)
+			v, ok := recv(dialer)
+			if !ok {
+				return
+			}
+			if v != 2*i+1 {
+				t.Errorf("round %d: got %d, want %d", i, v, 2*i+1)
+				return
+			}
+			progress.Store(i + 1)
+		}
+	}()
+	last := uint64(0)
+	for waiting := true; waiting; {
+		select {
+		case <-done:
+			waiting = false
+		case <-time.After(10 * time.Second):
+			if p := progress.Load(); p != last {
+				last = p
+				continue
+			}
+			t.Errorf("no progress for 10 s after round %d of %d: a wake-up was lost (a consumer sleeps on a ring that holds a message)", last, rounds)
+			stop.Store(true)
+			dialer.signal()
+			acceptor.signal()
+			waiting = false
+		}
+	}
+	wg.Wait()
+}
