@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/sched"
 )
 
 // opKind is the operation of a work request.
@@ -467,7 +468,7 @@ func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) 
 				}
 				runtime.Gosched()
 				if w.mode == SpinAdaptive {
-					osYield() // see spin.go
+					sched.Yield() // see spin.go
 				}
 				continue
 			}

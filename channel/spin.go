@@ -53,7 +53,7 @@ const (
 //     for a whole time slice, and pays for it again when it sleeps.
 //   - Between polls a spinning wait offers its processor to the threads
 //     ready to run on it (runtime.Gosched for goroutines, then
-//     sched_yield, osYield), and with nothing else ready goes on at
+//     sched_yield, sched.Yield), and with nothing else ready goes on at
 //     once. The thread that would complete the wait, the peer's or the
 //     provider's, may be one of them: after waits that slept, the
 //     scheduler often wakes the peer on the spinner's processor (it

@@ -13,6 +13,7 @@ import (
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
+	"github.com/goverbs/verbs/internal/sched"
 )
 
 // BarrierAlgorithm selects how a barrier synchronises its group. Every
@@ -143,11 +144,23 @@ const (
 	barrierInfoSize = 36
 )
 
-// Polling: spin (yielding the processor) for a while, then sleep with a
-// growing pause, checking the transport and ctx as it goes.
+// Polling. A wait spins, driving the transport's progress at every poll
+// (soft0 places a peer's write when a process polls, see internal/soft),
+// then sleeps with a growing pause. Between polls it yields: to the
+// process' goroutines for the first pollGosched polls, then to every
+// thread ready to run on the processor (sched_yield), so that when ranks
+// outnumber processors the rank this one waits for gets the processor at
+// once rather than after the spinner's time slice. With the transport
+// driven at every poll and yielding, a step of a barrier costs about a
+// one-way latency when ranks have processors of their own, and a few
+// context switches when they do not; sleeping instead (a timer) costs up
+// to pollMaxSleep per step. So a wait spins for pollSpin before it
+// sleeps: barriers of a busy world are short, and a wait that outlasts
+// pollSpin waits for a rank that is late, not for the transport.
 const (
-	pollSpins    = 2048 // empty polls before the first sleep
-	pollCheck    = 64   // check ctx and the transport every pollCheck polls
+	pollGosched  = 64 // polls that yield to goroutines only
+	pollCheck    = 64 // check ctx and the transport's errors every pollCheck polls
+	pollSpin     = 10 * time.Millisecond
 	pollMinSleep = time.Microsecond
 	pollMaxSleep = 500 * time.Microsecond
 )
@@ -518,6 +531,8 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 	w := (*uint64)(unsafe.Pointer(&b.flags.Bytes()[off]))
 	done := ctx.Done()
 	sleep := pollMinSleep
+	var spinUntil time.Time // set at the first check
+	spinning := true
 	for i := 1; ; i++ {
 		v := atomic.LoadUint64(w)
 		if v == want {
@@ -528,7 +543,11 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 			return fmt.Errorf("%w: rank %d signalled group tag %#04x epoch %d, this rank waits for tag %#04x epoch %d",
 				ErrBarrierMismatch, peer, v>>16&0xffff, v&0xffff, g.tag, g.epoch&0xffff)
 		}
-		if i%pollCheck == 0 || i >= pollSpins {
+		// Unsignaled writes report failures only through the CQ.
+		if err := b.mc.Progress(); err != nil {
+			return err
+		}
+		if i%pollCheck == 0 || !spinning {
 			select {
 			case <-done:
 				if atomic.LoadUint64(w) == want {
@@ -540,16 +559,23 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 			if b.closed.Load() {
 				return channel.ErrClosed
 			}
-			// Unsignaled writes report failures only through the CQ.
-			if err := b.mc.Progress(); err != nil {
-				return err
-			}
 			if err := b.mc.Peer(peer).Err(); err != nil {
 				return err
 			}
+			if spinning {
+				now := time.Now()
+				if spinUntil.IsZero() {
+					spinUntil = now.Add(pollSpin)
+				}
+				spinning = now.Before(spinUntil)
+			}
 		}
-		if i < pollSpins {
-			runtime.Gosched()
+		if spinning {
+			if i < pollGosched {
+				runtime.Gosched()
+			} else {
+				sched.Yield()
+			}
 			continue
 		}
 		if b.timer == nil {

@@ -130,6 +130,17 @@
 // transport breaks poisons the node's barrier until every rank calls
 // ResetBarrier.
 //
+// A rank waits for a flag by polling it, driving the transport's progress
+// at every poll (soft0 places a peer's write when a process of it polls)
+// and yielding the processor between polls: to the process' goroutines
+// at first, then to every thread ready to run (sched_yield), so that when
+// ranks outnumber processors the rank waited for runs at once instead of
+// after the waiter's time slice. A wait that lasts longer than 10 ms
+// waits for a late rank, not for the transport: it sleeps, with pauses
+// growing to 500 µs. BenchmarkBarrierXproc measures barriers between
+// processes, up to four times as many as processors, against the
+// one-way latency of the same transport.
+//
 // # Lifetimes and concurrency
 //
 // A Node built by NewNode uses the caller's protection domain, which must

@@ -78,6 +78,7 @@ type conn struct {
 	kind    uint8 // kindTCP or kindUnix
 	peerFab uint64
 	peerPID uint32
+	life    *peerClock // the peer's processor time, if it runs on this host (nil: TCP)
 	nc      net.Conn
 	raw     syscall.RawConn
 	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
@@ -191,6 +192,9 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 	c := &conn{s: s, f: s.f, kind: kind, peerFab: peerFab, peerPID: peerPID, nc: nc, shm: shm,
 		done: make(chan struct{}), qwake: make(chan struct{}, 1), wakers: map[uint32]*remoteWaker{}}
 	c.kick = make(chan struct{}, 1)
+	if kind != kindTCP && int(peerPID) != os.Getpid() {
+		c.life = newPeerClock(peerPID) // the kernel vouched for the process id (SO_PEERCRED)
+	}
 	if tc, ok := nc.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
@@ -570,12 +574,14 @@ func (q *qp) respTimeout() time.Duration {
 // on. A RC request whose response is late fails only without them
 // (xreq.go): the peer's goroutines, unlike a NIC, can be descheduled
 // (an oversubscribed host, a stop of the world), and so can this
-// process' reader, with the response waiting in its socket.
+// process' reader, with the response waiting in its socket. A peer
+// process on this host that used processor time counts as alive too
+// (peerlife.go).
 func (c *conn) alive(mark *uint64) bool {
 	n := c.rxSeen.Load()
 	moved := n != *mark
 	*mark = n
-	return moved || c.inputWaiting()
+	return moved || c.inputWaiting() || c.life.ran()
 }
 
 // inputWaiting reports whether bytes from the peer wait to be read: in

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -173,6 +174,9 @@ func waitComps(ctx context.Context, cq prov.CQ, ch prov.CompChannel, n int, spin
 //	                     succeeded, without closing anything
 //	recvclose MODE       wait for one receive completion, then close
 //	                     everything at once: "closed STATUS"
+//	stall MS             handle nothing from the parent for MS ms while
+//	                     keeping a processor busy: "stalling", then
+//	                     "resumed"
 //	exit                 exit (status 0)
 func peerChild(in *bufio.Scanner, out io.Writer) int {
 	var s *peerSide
@@ -247,6 +251,24 @@ func peerChild(in *bufio.Scanner, out io.Writer) int {
 			}
 			s = nil
 			fmt.Fprintf(out, "closed%s\n", statuses(cs))
+		case "stall":
+			// Answer nothing for arg(1) ms while running: the QP's
+			// responder lock held (the connection's consumer waits for
+			// it with the request), a processor kept busy.
+			q := s.qp.(*qp)
+			q.rmu.Lock()
+			fmt.Fprintln(out, "stalling")
+			var spin uint64
+			for end := time.Now().Add(time.Duration(arg(1)) * time.Millisecond); time.Now().Before(end); {
+				for range 1000 {
+					spin++
+				}
+			}
+			q.rmu.Unlock()
+			if spin == 0 {
+				return fail(errors.New("stall: no spin"))
+			}
+			fmt.Fprintln(out, "resumed")
 		case "exit":
 			return 0
 		default:
@@ -598,6 +620,44 @@ func TestSlowPeerNotDeclaredDead(t *testing.T) {
 			}
 			close(done)
 			wg.Wait()
+			p.Send(t, "exit")
+			p.Stop(t)
+		})
+	}
+}
+
+// TestStarvedPeerNotDeclaredDead: a peer process on this host that
+// handles nothing for longer than the response timeout but runs (as a
+// peer does that gets a processor only now and then on an oversubscribed
+// host) is not declared dead: its processor time moves (peerlife.go).
+// Its connection's consumers are held for stallFor, far longer than the
+// QP's transport timeout (at least minRespTimeout); the send must
+// succeed once the peer handles it. soft0 failed it with RETRY_EXC_ERR
+// after minRespTimeout. TCP peers may be on other hosts: their
+// processor time is not known, and they are not tested here.
+func TestStarvedPeerNotDeclaredDead(t *testing.T) {
+	const stallFor = 1500 // ms
+	for _, kind := range []string{"unix", "shm"} {
+		t.Run(kind, func(t *testing.T) {
+			forceLife(t, kind)
+			e := newEnv(t)
+			p := testproc.Start(t, lifeEnv(kind)...)
+			l := newLifeQP(t, e)
+			l.connectChild(t, p, 10, 0)
+			p.Send(t, "recv 2")
+			p.Line(t, "ok")
+			l.send(t, 1)
+			if c := l.wait(t, 1)[0]; c.Status != prov.StatusSuccess {
+				t.Fatalf("first send: %+v", c)
+			}
+			p.Send(t, "stall %d", stallFor)
+			p.Line(t, "stalling")
+			l.send(t, 2)
+			c := l.wait(t, 1)[0]
+			p.Line(t, "resumed")
+			if c.Status != prov.StatusSuccess {
+				t.Fatalf("send to a peer that ran but handled nothing for %d ms: %+v, want success once it handles it", stallFor, c)
+			}
 			p.Send(t, "exit")
 			p.Stop(t)
 		})

@@ -466,6 +466,12 @@ func (s *service) serveHandshake(nc net.Conn) {
 		t = transcript(buf[hdrLen:], ch.pid, ch.fabric, &ch.nonce, binding)
 		ch.proof = handshakeMAC(&s.secret, labelAcceptor, &t)
 	}
+	stopExtend := func() {}
+	if isUnix && ch.status == ackOK {
+		// A peer of this host that is slow to answer, not gone (peerlife.go).
+		stopExtend = extendWhileRunning(nc, hl.pid, deadline.Add(-handshakeTimeout), handshakeTimeout, handshakeMax)
+		defer stopExtend()
+	}
 	var out [hdrLen + challengeLen]byte
 	putHdr(out[:], frChallenge, challengeLen, 0)
 	putChallenge(out[hdrLen:], &ch)
@@ -507,6 +513,7 @@ func (s *service) serveHandshake(nc net.Conn) {
 		}
 		return
 	}
+	stopExtend()
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, hl.kind, hl.fabric, hl.pid, dataConn(nc, tc), shm)
 	c.auth.ident, c.auth.t = a.ident, t
@@ -725,6 +732,12 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	}
 	deadline := time.Now().Add(handshakeTimeout)
 	nc.SetDeadline(deadline)
+	stopExtend := func() {}
+	if kind != kindTCP {
+		// A peer of this host that is slow to answer, not gone (peerlife.go).
+		stopExtend = extendWhileRunning(nc, pa.pid, time.Now(), handshakeTimeout, handshakeMax)
+		defer stopExtend()
+	}
 	var rw io.ReadWriter = nc
 	var tc *tls.Conn
 	var binding []byte
@@ -829,6 +842,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	if status != ackOK {
 		return fail(&refusedError{pa.pid, status})
 	}
+	stopExtend()
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, kind, pa.fabric, pa.pid, dataConn(nc, tc), shm)
 	secret := pa.secret
