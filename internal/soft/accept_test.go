@@ -142,3 +142,45 @@ func TestHandshakeFlood(t *testing.T) {
 		t.Fatalf("the write did not arrive")
 	}
 }
+
+// TestLocalHandshakesNotDropped: processes of this user on this host
+// (unix sockets) count apart from strangers: more of them than
+// maxHandshakes may be in their handshake at once, as when the hundreds
+// of ranks of a job on one host connect to each other at once. (Before,
+// past 64 the oldest were closed, and their dialers failed.)
+func TestLocalHandshakesNotDropped(t *testing.T) {
+	forceTransport(t, "unix")
+	e, _, _ := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	s := e.ctx.(*devContext).f.service()
+	pa, err := parseAddr(s.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 2 * maxHandshakes
+	for range n {
+		nc, err := net.Dial("unix", pa.unix)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer nc.Close()
+	}
+	deadline := time.Now().Add(hangGuard)
+	for {
+		s.hsMu.Lock()
+		held, local, drops := len(s.hs), s.hsBySrc[localSource], s.hsDrops.Load()
+		s.hsMu.Unlock()
+		if drops > 0 {
+			t.Fatalf("%d local connections in their handshake were closed", drops)
+		}
+		if held >= n {
+			if local < n {
+				t.Fatalf("%d of %d handshakes counted as local", local, n)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d local connections in their handshake", held, n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}

@@ -581,7 +581,7 @@ func (c *conn) alive(mark *uint64) bool {
 	n := c.rxSeen.Load()
 	moved := n != *mark
 	*mark = n
-	return moved || c.inputWaiting() || c.life.ran()
+	return moved || c.inputWaiting() || c.life.ranWithin(localQuiet)
 }
 
 // inputWaiting reports whether bytes from the peer wait to be read: in
@@ -1467,19 +1467,9 @@ func putBuf(b []byte) {
 // checkPeerCred checks that the process at the other end of c has the given
 // pid and this process' uid.
 func checkPeerCred(c *net.UnixConn, pid uint32) error {
-	raw, err := c.SyscallConn()
+	cred, err := peerCred(c)
 	if err != nil {
 		return err
-	}
-	var cred *unix.Ucred
-	var cerr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return err
-	}
-	if cerr != nil {
-		return cerr
 	}
 	if uint32(cred.Pid) != pid {
 		return fmt.Errorf("the peer is process %d, not %d", cred.Pid, pid)
@@ -1488,4 +1478,21 @@ func checkPeerCred(c *net.UnixConn, pid uint32) error {
 		return fmt.Errorf("the peer runs as uid %d, not %d", cred.Uid, os.Getuid())
 	}
 	return nil
+}
+
+// peerCred returns the credentials of the process at the other end of c
+// (SO_PEERCRED: what it was when it connected).
+func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	return cred, cerr
 }

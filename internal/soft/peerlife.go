@@ -2,6 +2,7 @@ package soft
 
 import (
 	"bytes"
+	"context"
 	"net"
 	"os"
 	"strconv"
@@ -25,42 +26,44 @@ import (
 // the timeouts. A connection to this very process (a forced transport)
 // follows nothing: the process runs, whatever its QPs do.
 
-// peerRuntime returns the processor time the threads of process pid have
-// used so far (ns, the sum of /proc/PID/task/*/schedstat), and whether it
-// could be read. Threads that exited leave the sum: compare for change,
-// not growth.
+// peerRuntime returns the processor time process pid has used so far
+// (clock ticks, user and system: fields 14 and 15 of /proc/PID/stat), and
+// whether it could be read. One small file per look: hundreds of
+// connections may watch their peers at once.
 func peerRuntime(pid uint32) (uint64, bool) {
-	dir := "/proc/" + strconv.FormatUint(uint64(pid), 10) + "/task"
-	ents, err := os.ReadDir(dir)
+	b, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(pid), 10) + "/stat")
 	if err != nil {
 		return 0, false
 	}
-	var sum uint64
-	var buf [64]byte
-	for _, e := range ents {
-		f, err := os.Open(dir + "/" + e.Name() + "/schedstat")
-		if err != nil {
-			continue // the thread exited
-		}
-		n, _ := f.Read(buf[:])
-		f.Close()
-		i := 0
-		for i < n && buf[i] >= '0' && buf[i] <= '9' {
-			i++
-		}
-		v, err := strconv.ParseUint(string(buf[:i]), 10, 64)
-		if err == nil {
-			sum += v
-		}
+	return statRuntime(b)
+}
+
+// statRuntime parses utime + stime out of the contents of /proc/PID/stat.
+func statRuntime(b []byte) (uint64, bool) {
+	// pid (comm) state ppid ...: the fields after the last ')' start
+	// with state (field 3); utime and stime are fields 14 and 15.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, false
 	}
-	return sum, true
+	f := bytes.Fields(b[i+1:])
+	if len(f) < 13 {
+		return 0, false
+	}
+	u, err1 := strconv.ParseUint(string(f[11]), 10, 64)
+	s, err2 := strconv.ParseUint(string(f[12]), 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, false
+	}
+	return u + s, true
 }
 
 // peerClock follows the processor time of a peer process on this host.
 // The zero value follows nobody (pid 0): ran reports false.
 type peerClock struct {
-	pid  uint32
-	last atomic.Uint64
+	pid     uint32
+	last    atomic.Uint64 // the processor time at the last look
+	changed atomic.Int64  // when a look last found it changed (unix ns)
 }
 
 func newPeerClock(pid uint32) *peerClock {
@@ -68,22 +71,41 @@ func newPeerClock(pid uint32) *peerClock {
 	if v, ok := peerRuntime(pid); ok {
 		p.last.Store(v)
 	}
+	p.changed.Store(time.Now().UnixNano())
 	return p
 }
 
 // ran reports whether the peer used processor time since the last call
-// (or since newPeerClock). Safe for concurrent use; a read of /proc, so
-// for timeouts, not for the data path.
+// (or since newPeerClock), and is not halted. Safe for concurrent use; a
+// read of /proc, so for timeouts, not for the data path.
 func (p *peerClock) ran() bool {
 	if p == nil || p.pid == 0 {
 		return false
 	}
 	v, ok := peerRuntime(p.pid)
-	if !ok {
+	if !ok || p.last.Swap(v) == v {
 		return false
 	}
-	return p.last.Swap(v) != v && !peerHalted(p.pid)
+	p.changed.Store(time.Now().UnixNano())
+	return !peerHalted(p.pid)
 }
+
+// ranWithin reports whether the peer ran within the last d and is not
+// halted: the processor time is counted in clock ticks (10 ms), which a
+// peer that gets a processor a few ms a second crosses only now and then.
+func (p *peerClock) ranWithin(d time.Duration) bool {
+	if p.ran() {
+		return true
+	}
+	if p == nil || p.pid == 0 {
+		return false
+	}
+	return time.Since(time.Unix(0, p.changed.Load())) < d && !peerHalted(p.pid)
+}
+
+// localQuiet is how long a peer process on this host may use no processor
+// time (by the clock ticks of /proc) and still count as alive.
+const localQuiet = 2 * time.Second
 
 // peerHalted reports whether process pid is stopped (SIGSTOP, a
 // debugger) or exited (a zombie): whatever it ran before, it answers
@@ -105,43 +127,73 @@ func peerHalted(pid uint32) bool {
 	return false
 }
 
-// handshakeMax bounds a handshake with a local peer that keeps running:
-// its deadline moves on by handshakeTimeout while the peer uses processor
-// time, up to this.
-const handshakeMax = 2 * time.Minute
+// handshakeMax bounds a handshake with a local peer that keeps running;
+// one that uses no processor time for localHandshakeQuiet is given up.
+const (
+	handshakeMax        = 2 * time.Minute
+	localHandshakeQuiet = 3 * handshakeTimeout
+)
 
-// extendWhileRunning moves the deadline of nc, a handshake with the local
-// process pid that started at start, by period whenever the peer ran in
-// the last half period, until max after start (handshakeTimeout and
-// handshakeMax). The returned function stops it, and may be called more
-// than once: call it before setting nc's deadline otherwise.
-func extendWhileRunning(nc net.Conn, pid uint32, start time.Time, period, max time.Duration) (stop func()) {
+// watchLocal returns a context for connecting to the local process pid:
+// it ends when the process halts (stopped, exited), when it used no
+// processor time for quiet, or after max. A deadline would also end when
+// this process, not the peer, went without a processor for long; a
+// process is only found quiet after quiet has passed, as measured here,
+// without it running. stop releases the watch (call it when the
+// connection is made or has failed; more than once is harmless).
+func watchLocal(pid uint32, quiet, max time.Duration) (ctx context.Context, stop func()) {
+	ctx, cancel := context.WithTimeout(context.Background(), max)
 	clock := newPeerClock(pid)
-	done := make(chan struct{})
 	finished := make(chan struct{})
 	go func() {
 		defer close(finished)
-		t := time.NewTicker(period / 2)
+		t := time.NewTicker(quiet / 2)
 		defer t.Stop()
+		last := time.Now() // when the peer was last seen running
 		for {
 			select {
-			case <-done:
+			case <-ctx.Done():
 				return
 			case now := <-t.C:
-				if now.Add(period).After(start.Add(max)) {
+				switch {
+				case peerHalted(pid):
+					cancel()
 					return
-				}
-				if clock.ran() {
-					nc.SetDeadline(now.Add(period))
+				case clock.ran():
+					last = now
+				case now.Sub(last) >= quiet:
+					cancel()
+					return
 				}
 			}
 		}
 	}()
 	var once sync.Once
-	return func() {
+	return ctx, func() {
 		once.Do(func() {
-			close(done)
+			cancel()
 			<-finished
 		})
+	}
+}
+
+// watchConn ends the I/O of nc (its deadline set to now) when ctx ends
+// before stop is called. Call stop before setting nc's deadline
+// otherwise.
+func watchConn(ctx context.Context, nc net.Conn) (stop func()) {
+	var mu sync.Mutex
+	stopped := false
+	after := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if !stopped {
+			nc.SetDeadline(time.Now())
+		}
+	})
+	return func() {
+		after()
+		mu.Lock()
+		stopped = true
+		mu.Unlock()
 	}
 }

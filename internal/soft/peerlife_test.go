@@ -73,19 +73,22 @@ func TestPeerClock(t *testing.T) {
 	}
 }
 
-// TestExtendWhileRunning: a handshake's deadline moves on while its peer
-// runs (here this process, which does), up to the bound, and not while
-// the peer is stopped.
-func TestExtendWhileRunning(t *testing.T) {
-	const period = 100 * time.Millisecond
+// TestWatchLocal: the watch of a handshake with a local process goes on
+// while the process runs (here this one, which does), ends at its bound,
+// ends soon for a stopped process, and its end aborts the connection's
+// I/O (watchConn).
+func TestWatchLocal(t *testing.T) {
+	const quiet = 300 * time.Millisecond // many clock ticks (10 ms) of a busy process
+	// read reads from a pipe watched for pid; the other end answers
+	// after answerAfter.
 	read := func(t *testing.T, pid uint32, max, answerAfter time.Duration) error {
 		a, b := net.Pipe()
 		defer a.Close()
 		defer b.Close()
-		start := time.Now()
-		a.SetDeadline(start.Add(period))
-		stop := extendWhileRunning(a, pid, start, period, max)
+		ctx, stop := watchLocal(pid, quiet, max)
 		defer stop()
+		stopConn := watchConn(ctx, a)
+		defer stopConn()
 		quit, wrote := make(chan struct{}), make(chan struct{})
 		go func() {
 			defer close(wrote)
@@ -102,15 +105,22 @@ func TestExtendWhileRunning(t *testing.T) {
 		<-wrote
 		return err
 	}
-	self := uint32(os.Getpid())
+	busy := exec.Command("sh", "-c", "while :; do :; done")
+	if err := busy.Start(); err != nil {
+		t.Skipf("no shell to run a busy child: %v", err)
+	}
+	defer func() {
+		busy.Process.Kill()
+		busy.Wait()
+	}()
+	running := uint32(busy.Process.Pid)
 	t.Run("running", func(t *testing.T) {
-		// 6 periods: the first deadline, and more, passed.
-		if err := read(t, self, time.Minute, 6*period); err != nil {
-			t.Fatalf("a running peer answering after 6 periods: %v", err)
+		if err := read(t, running, time.Minute, 6*quiet); err != nil {
+			t.Fatalf("a running peer answering after 6 quiet periods: %v", err)
 		}
 	})
 	t.Run("bounded", func(t *testing.T) {
-		if err := read(t, self, 3*period, 20*period); !errors.Is(err, os.ErrDeadlineExceeded) {
+		if err := read(t, running, 3*quiet, time.Minute); !errors.Is(err, os.ErrDeadlineExceeded) {
 			t.Fatalf("answer after the bound: %v, want a deadline error", err)
 		}
 	})
@@ -124,8 +134,22 @@ func TestExtendWhileRunning(t *testing.T) {
 			cmd.Wait()
 		}()
 		syscall.Kill(cmd.Process.Pid, syscall.SIGSTOP)
-		if err := read(t, uint32(cmd.Process.Pid), time.Minute, 20*period); !errors.Is(err, os.ErrDeadlineExceeded) {
+		if err := read(t, uint32(cmd.Process.Pid), time.Minute, time.Minute); !errors.Is(err, os.ErrDeadlineExceeded) {
 			t.Fatalf("a stopped peer: %v, want a deadline error", err)
+		}
+	})
+	t.Run("sleeping", func(t *testing.T) {
+		// Alive but using no processor time: quiet, given up.
+		cmd := exec.Command("sleep", "60")
+		if err := cmd.Start(); err != nil {
+			t.Skipf("no sleep command: %v", err)
+		}
+		defer func() {
+			cmd.Process.Kill()
+			cmd.Wait()
+		}()
+		if err := read(t, uint32(cmd.Process.Pid), time.Minute, time.Minute); !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("a peer that does not run: %v, want a deadline error", err)
 		}
 	})
 }

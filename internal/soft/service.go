@@ -1,6 +1,7 @@
 package soft
 
 import (
+	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -39,7 +40,12 @@ import (
 // closed. A handshake holds a goroutine and a few hundred bytes (tens of
 // KiB with TLS) for at most handshakeTimeout; nothing else is allocated
 // or parsed for a peer before it has proven that it holds one of this
-// process' endpoints.
+// process' endpoints. Processes of this user on this host (unix sockets,
+// whose credentials the kernel gives) count apart, up to
+// maxLocalHandshakes: the ranks of a large job on one host connect to
+// each other all at once (hundreds per process), and a same-user process
+// could do worse than fill a queue. Their handshakes may last up to
+// handshakeMax while they run (peerlife.go).
 //
 // Accept errors: a temporary one (too many open files, out of buffers, a
 // connection aborted before it was accepted) is logged (log/slog) and
@@ -64,7 +70,12 @@ const (
 
 	maxHandshakes          = 64
 	maxHandshakesPerSource = 16
+	maxLocalHandshakes     = 4096
 )
+
+// localSource is the source key of unix-socket connections from processes
+// of this user (sourceKey).
+const localSource = "local"
 
 type service struct {
 	f      *fabric
@@ -278,6 +289,11 @@ func sourceKey(c net.Conn) string {
 	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
 		return a.IP.String()
 	}
+	if uc, ok := c.(*net.UnixConn); ok {
+		if cred, err := peerCred(uc); err == nil && cred.Uid == uint32(os.Getuid()) {
+			return localSource
+		}
+	}
 	return ""
 }
 
@@ -296,15 +312,20 @@ func (s *service) startHandshake(nc net.Conn, src string) *handshaking {
 	h := &handshaking{nc: nc, src: src}
 	s.hsMu.Lock()
 	var drop *handshaking
-	if src != "" && s.hsBySrc[src] >= maxHandshakesPerSource {
+	switch {
+	case src == localSource:
+		if s.hsBySrc[src] >= maxLocalHandshakes {
+			drop = s.oldestLocked(src)
+		}
+	case src != "" && s.hsBySrc[src] >= maxHandshakesPerSource:
+		drop = s.oldestLocked(src)
+	case len(s.hs)-s.hsBySrc[localSource] >= maxHandshakes:
 		for _, o := range s.hs {
-			if o.src == src {
+			if o.src != localSource {
 				drop = o
 				break
 			}
 		}
-	} else if len(s.hs) >= maxHandshakes {
-		drop = s.hs[0]
 	}
 	if drop != nil {
 		s.removeHandshakeLocked(drop)
@@ -321,6 +342,16 @@ func (s *service) startHandshake(nc net.Conn, src string) *handshaking {
 		}
 	}
 	return h
+}
+
+// oldestLocked returns the oldest handshake from src (hsMu held).
+func (s *service) oldestLocked(src string) *handshaking {
+	for _, o := range s.hs {
+		if o.src == src {
+			return o
+		}
+	}
+	return nil
 }
 
 // endHandshake uncounts h (the handshake ended, or h was dropped).
@@ -411,6 +442,19 @@ func (s *service) serveHandshake(nc net.Conn) {
 	nc.SetDeadline(deadline)
 	var buf [hdrLen + helloLen]byte
 	uc, isUnix := nc.(*net.UnixConn)
+	stopWatch := func() {}
+	if isUnix {
+		// A process of this user on this host that is slow to speak, not
+		// gone (peerlife.go); it proves who it is below.
+		if cred, err := peerCred(uc); err == nil && cred.Uid == uint32(os.Getuid()) && cred.Pid > 0 {
+			ctx, stop := watchLocal(uint32(cred.Pid), localHandshakeQuiet, handshakeMax)
+			stopConn := watchConn(ctx, nc)
+			stopWatch = func() { stopConn(); stop() }
+			defer stopWatch()
+			deadline = time.Now().Add(handshakeMax)
+			nc.SetDeadline(deadline)
+		}
+	}
 	var rw io.ReadWriter = nc
 	var tc *tls.Conn
 	var binding []byte
@@ -466,12 +510,6 @@ func (s *service) serveHandshake(nc net.Conn) {
 		t = transcript(buf[hdrLen:], ch.pid, ch.fabric, &ch.nonce, binding)
 		ch.proof = handshakeMAC(&s.secret, labelAcceptor, &t)
 	}
-	stopExtend := func() {}
-	if isUnix && ch.status == ackOK {
-		// A peer of this host that is slow to answer, not gone (peerlife.go).
-		stopExtend = extendWhileRunning(nc, hl.pid, deadline.Add(-handshakeTimeout), handshakeTimeout, handshakeMax)
-		defer stopExtend()
-	}
 	var out [hdrLen + challengeLen]byte
 	putHdr(out[:], frChallenge, challengeLen, 0)
 	putChallenge(out[hdrLen:], &ch)
@@ -513,7 +551,7 @@ func (s *service) serveHandshake(nc net.Conn) {
 		}
 		return
 	}
-	stopExtend()
+	stopWatch()
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, hl.kind, hl.fabric, hl.pid, dataConn(nc, tc), shm)
 	c.auth.ident, c.auth.t = a.ident, t
@@ -717,10 +755,19 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	}
 	d := net.Dialer{Timeout: dialTimeout}
 	network := "tcp"
+	ctx := context.Background()
+	stopWatch := func() {}
 	if kind != kindTCP {
 		network = "unix"
+		// A peer of this host that is slow to answer, not gone
+		// (peerlife.go): the connection waits while it runs.
+		var stop func()
+		ctx, stop = watchLocal(pa.pid, localHandshakeQuiet, handshakeMax)
+		defer stop()
+		d.Timeout = 0
+		stopWatch = stop
 	}
-	nc, err := d.Dial(network, address)
+	nc, err := d.DialContext(ctx, network, address)
 	if err != nil {
 		return nil, fmt.Errorf("soft: connect to process %d: %w", pa.pid, err)
 	}
@@ -731,13 +778,12 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 		}
 	}
 	deadline := time.Now().Add(handshakeTimeout)
-	nc.SetDeadline(deadline)
-	stopExtend := func() {}
 	if kind != kindTCP {
-		// A peer of this host that is slow to answer, not gone (peerlife.go).
-		stopExtend = extendWhileRunning(nc, pa.pid, time.Now(), handshakeTimeout, handshakeMax)
-		defer stopExtend()
+		deadline = time.Now().Add(handshakeMax) // or sooner: the watch
+		stop, stopConn := stopWatch, watchConn(ctx, nc)
+		stopWatch = func() { stopConn(); stop() }
 	}
+	nc.SetDeadline(deadline)
 	var rw io.ReadWriter = nc
 	var tc *tls.Conn
 	var binding []byte
@@ -842,7 +888,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	if status != ackOK {
 		return fail(&refusedError{pa.pid, status})
 	}
-	stopExtend()
+	stopWatch()
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, kind, pa.fabric, pa.pid, dataConn(nc, tc), shm)
 	secret := pa.secret
