@@ -292,7 +292,7 @@ func TestExchangeDialerDropped(t *testing.T) {
 	lns, addrs := xListeners(t, 2)
 	done := xGo(xContext(t, time.Minute), ExchangeConfig{Rank: 1, Size: 2, Addrs: addrs, Listener: lns[1],
 		Job: "job", Token: []byte("token")})
-	x := xFakeRank(t, 0, 2, "token")
+	x := xFakeRank(t, AllToAll, 0, 2, "token")
 	// The first connection: answered, its proof read, and dropped.
 	c, err := lns[0].Accept()
 	if err != nil {
