@@ -267,7 +267,7 @@ func TestRealLaunchers(t *testing.T) {
 			root := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 			args := append(append([]string{}, tc.args...), "-np", strconv.Itoa(n), os.Args[0], "-launcher", "-timeout", "90s")
 			cmd := exec.CommandContext(ctx, bin, args...)
-			cmd.Env = append(os.Environ(), childEnv+"=1", "GOVERBS_ROOT="+root, "GOVERBS_TOKEN=launcher-secret",
+			cmd.Env = append(os.Environ(), childEnv+"=1", "GOVERBS_ROOT="+root, "GOVERBS_TOKEN=launcher-secret", "GOVERBS_JOB="+t.Name(),
 				"GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
 			out, err := cmd.CombinedOutput()
 			if err != nil {
