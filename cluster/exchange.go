@@ -23,9 +23,11 @@ var (
 	// before the context ended. The error also wraps the context's error
 	// and, if connections were refused meanwhile, the last reason.
 	ErrPeerMissing = errors.New("cluster: exchange: peers missing")
-	// ErrPeerLost: a peer's connection failed after its handshake (the
-	// peer process died, or closed the connection).
-	ErrPeerLost = errors.New("cluster: exchange: connection to a peer lost")
+	// ErrPeerLost: a peer failed: in the exchange, its connection failed
+	// after its handshake (the peer process died, or closed the
+	// connection); after it, its queue pair broke or it stopped answering
+	// (see RankError).
+	ErrPeerLost = errors.New("cluster: peer lost")
 	// ErrAborted: the root aborted the rendezvous (a rank is missing, or
 	// failed); the error carries the root's reason.
 	ErrAborted = errors.New("cluster: exchange: aborted by the root")
