@@ -133,9 +133,27 @@
 // Node.Barrier synchronises the world or a sorted subgroup of it with
 // one-sided RDMA writes of epoch counters into registered flags; the
 // algorithm (BinaryTree, Dissemination, Centralized) is chosen per node
-// and must be the same on every rank. A barrier that times out or whose
-// transport breaks poisons the node's barrier until every rank calls
-// ResetBarrier.
+// and must be the same on every rank. A barrier that times out poisons
+// the node's barrier until every rank calls ResetBarrier.
+//
+// # Failures
+//
+// A world fails together. When a rank dies (its process exits or is
+// killed) or stops answering for longer than the queue pairs' transport
+// timeout (verbs.QPSpec.Timeout and RetryCount, in
+// NodeOptions.Channel.QP: the liveness bound; a stopped process, a hung
+// host), the first rank whose queue pair to it breaks writes the news
+// into the flags of every rank it can still reach. From then on every
+// barrier of every rank fails, within about the liveness bound plus a
+// few one-way latencies and whatever its context, with an error naming
+// the rank that failed: a *RankError (errors.As) wrapping ErrPeerLost.
+// The world stays failed (Node.Err); ResetBarrier does not repair it. A
+// rank waiting in a barrier checks, every few milliseconds once its
+// first spins are over, that the peer it waits for is alive, so a
+// failure is seen even when no rank was sending to the failed one. A
+// rank that dies after the endpoint exchange, before or while the
+// others connect, makes Join fail or the first barrier fail, naming it:
+// no world goes on with a hole.
 //
 // # Lifetimes and concurrency
 //

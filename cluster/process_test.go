@@ -19,7 +19,8 @@ import (
 // mode MODE (a number); "accept,RANK,SIZE,MODE" accepts one hello on the
 // listener inherited as fd 3. Either way it then prints
 // "ready" and waits to be killed. "attack,MODE,SIZE" is the root of
-// TestExchangeStrangerMemory (see attackRoot).
+// TestExchangeStrangerMemory (see attackRoot); "rank,..." a rank of a
+// failure test (see failChild).
 const procChildEnv = "GOVERBS_CLUSTER_TEST_CHILD"
 
 func TestMain(m *testing.M) {
@@ -53,6 +54,8 @@ func procChild(spec string) int {
 		}
 	case "attack":
 		return attackRoot(parts[1], atoi(parts[2]))
+	case "rank":
+		return failChild(parts)
 	case "accept":
 		rank, size := atoi(parts[1]), atoi(parts[2])
 		f := os.NewFile(3, "listener")
