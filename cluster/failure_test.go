@@ -110,10 +110,12 @@ func failChild(parts []string) int {
 
 // failResult is what a surviving rank saw.
 type failResult struct {
-	join          error // Join's error (then nothing else)
-	barriers      int   // barriers passed
-	first, second error // the barrier that failed, and the next one
-	err           error // Node.Err afterwards
+	join          error     // Join's error (then nothing else)
+	barriers      int       // barriers passed
+	first, second error     // the barrier that failed, and the next one
+	err           error     // Node.Err afterwards
+	close         error     // Node.Close's
+	failed        time.Time // when the first barrier failed
 }
 
 // failWorld runs a failure test: a world of n ranks of which victim runs
@@ -186,16 +188,16 @@ func failWorld(t *testing.T, transport string, alg BarrierAlgorithm, mode Mode, 
 				res[r].join = err
 				return
 			}
-			defer nd.Close()
 			for {
 				if err := nd.Barrier(guard, nil); err != nil {
-					res[r].first = err
+					res[r].first, res[r].failed = err, time.Now()
 					break
 				}
 				res[r].barriers++
 			}
 			res[r].second = nd.Barrier(guard, nil)
 			res[r].err = nd.Err()
+			res[r].close = nd.Close()
 		}()
 	}
 	if sig != 0 {
@@ -211,7 +213,13 @@ func failWorld(t *testing.T, transport string, alg BarrierAlgorithm, mode Mode, 
 			t.Fatal(err)
 		}
 	}
+	signalled := time.Now()
 	wg.Wait()
+	for r, s := range res {
+		if !s.failed.IsZero() {
+			t.Logf("rank %d failed %v after the signal (not a bound: a measurement)", r, s.failed.Sub(signalled).Round(time.Millisecond))
+		}
+	}
 	return res
 }
 
@@ -247,6 +255,9 @@ func failCheck(t *testing.T, res []failResult, victim int) {
 		}
 		if !names(s.err) {
 			t.Errorf("rank %d: Node.Err: %v, want a RankError naming rank %d", r, s.err, victim)
+		}
+		if s.close != nil {
+			t.Errorf("rank %d: Close: %v", r, s.close)
 		}
 		t.Logf("rank %d: after %d barriers: %v", r, s.barriers, s.first)
 	}
