@@ -194,9 +194,6 @@ const (
 	// probeEvery spaces the probes of a peer waited for (after the
 	// spins): at most one in flight, one every probeEvery.
 	probeEvery = 10 * time.Millisecond
-	// poisonGrace bounds the wait for room in a send queue when this
-	// rank tells the others that a rank failed.
-	poisonGrace = 100 * time.Millisecond
 )
 
 // group is the state of one distinct group at this rank: its members, its
