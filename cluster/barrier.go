@@ -518,13 +518,8 @@ func (b *barrier) wait(ctx context.Context, peers []int) error {
 			case errors.Is(err, channel.ErrClosed):
 			case errors.Is(err, verbs.ErrTimeout) || errors.Is(err, ErrBarrierMismatch):
 				b.poison = b.fail(g, peers, s.peer, err)
-			default: // the transport to a peer broke: it failed
-				dead := s.peer
-				var pf *peerFailed
-				if errors.As(err, &pf) {
-					dead, err = pf.peer, pf.err
-				}
-				b.lost.CompareAndSwap(nil, &RankError{Rank: dead, Err: fmt.Errorf("%w: %w", ErrPeerLost, err)})
+			default: // the transport to s.peer broke: it failed
+				b.lost.CompareAndSwap(nil, &RankError{Rank: s.peer, Err: fmt.Errorf("%w: %w", ErrPeerLost, err)})
 				re = b.lost.Load()
 				b.tell(re.Rank)
 				err = re
@@ -712,22 +707,17 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 	}
 }
 
-// peerFailed: the channel to peer broke (a wait saw it while it waited
-// for another peer).
-type peerFailed struct {
-	peer int
-	err  error
-}
-
-func (e *peerFailed) Error() string { return fmt.Sprintf("rank %d: %v", e.peer, e.err) }
-func (e *peerFailed) Unwrap() error { return e.err }
-
 // probe checks that peer is alive during a long wait: it keeps one write
 // of the probe word in flight to it, a new one every probeEvery. A peer
 // that died or stopped answering fails it (at once, or after the queue
-// pair's transport timeout), and the error breaks the channel. Every
-// probeEvery it also looks for a broken channel to any other peer (the
-// barrier's unsignaled writes to it failed): a *peerFailed.
+// pair's transport timeout), and the error breaks the channel.
+//
+// Only the peer waited for is probed, and only its channel is checked: a
+// channel to another peer may break without news of a failure (a peer
+// that left after the last barrier before this rank's last write to it
+// was acknowledged), and a rank that failed is always waited for by some
+// other rank (it sends no more signals), which probes it and tells
+// everyone.
 func (b *barrier) probe(peer int, h *channel.Handle, probing *bool, next *time.Time) error {
 	if *probing {
 		done, err := h.Poll()
@@ -750,11 +740,6 @@ func (b *barrier) probe(peer int, h *channel.Handle, probing *bool, next *time.T
 		return nil
 	}
 	*next = now.Add(probeEvery)
-	for _, p := range b.mc.Peers() {
-		if err := b.mc.Peer(p).Err(); err != nil {
-			return &peerFailed{p, err}
-		}
-	}
 	src, err := b.aux.SGE(0, flagBytes)
 	if err != nil {
 		return err
