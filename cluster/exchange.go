@@ -637,6 +637,13 @@ func (x *exchange) handshake(ctx context.Context, c net.Conn, peer int) (*conn, 
 	if _, err := c.Write(p[:]); err != nil {
 		return nil, retry(err)
 	}
+	// The acceptor proved it knows the token: wait for its verdict as
+	// long as the context allows. An acceptor that claimed this rank and
+	// accepted it takes a connection closed now for a rank that died
+	// after its handshake (ErrPeerLost), so giving up on a slow one (a
+	// loaded host) would end the exchange. One that drops us closes the
+	// connection: we dial again.
+	c.SetDeadline(time.Time{})
 	if b, err = readControl(c, &buf, msgAccept, msgReject); err != nil {
 		return nil, retry(err)
 	}
