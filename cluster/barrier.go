@@ -70,7 +70,8 @@ var (
 	ErrBadGroup = errors.New("cluster: barrier: bad group")
 	// ErrPoisoned: an earlier barrier failed (timed out, or the transport
 	// broke), so the flags of this rank and its peers no longer agree.
-	// Every barrier fails with it until every rank calls Reset.
+	// Every barrier fails with it until every rank calls Reset; after a
+	// rank failed (the error wraps a *RankError), for good.
 	ErrPoisoned = errors.New("cluster: barrier: poisoned by an earlier failure (every rank must reset the barrier)")
 	// ErrBarrierMismatch: a peer signalled this rank for another barrier
 	// (another group, or another epoch of the group) than the one this
@@ -78,13 +79,30 @@ var (
 	ErrBarrierMismatch = errors.New("cluster: barrier: a peer is in another barrier (the ranks call barriers in different orders)")
 )
 
+// RankError names a rank of the world that failed: its process died,
+// its queue pair to this rank broke, or it stopped answering for longer
+// than the queue pairs' transport timeout (verbs.QPSpec.Timeout and
+// RetryCount, through NodeOptions.Channel.QP: the liveness bound). Err
+// wraps ErrPeerLost, and the transport's error where this rank saw the
+// failure itself. A barrier that fails because a rank failed wraps a
+// *RankError (in its *BarrierError): find it with errors.As.
+type RankError struct {
+	Rank int
+	Err  error
+}
+
+func (e *RankError) Error() string { return fmt.Sprintf("cluster: rank %d failed: %v", e.Rank, e.Err) }
+
+func (e *RankError) Unwrap() error { return e.Err }
+
 // BarrierError is the error of a failed barrier: which barrier (algorithm,
 // rank, group, epoch), which peer it was exchanging with (-1 if none), and
 // the cause. The cause is ErrNotInGroup, ErrBadGroup, ErrPoisoned or
 // ErrBarrierMismatch (wrapped with details); a timeout (wrapping both
-// verbs.ErrTimeout and the context's error); or a transport error (a
-// *channel.OpError, usually wrapping channel.ErrBroken and the completion
-// error).
+// verbs.ErrTimeout and the context's error); or a *RankError naming a
+// rank that failed (wrapping ErrPeerLost and, at the rank that saw it, a
+// *channel.OpError, usually wrapping channel.ErrBroken and the
+// completion error).
 type BarrierError struct {
 	Algorithm BarrierAlgorithm
 	Rank      int    // this rank
@@ -109,7 +127,8 @@ func (e *BarrierError) Error() string {
 func (e *BarrierError) Unwrap() error { return e.Err }
 
 // Flag memory. Every rank registers 2 words of 8 bytes per rank of the
-// world; peer j writes only words 2j and 2j+1 of it. A rank writes to a
+// world, then the poison word and the probe word; peer j writes only
+// words 2j and 2j+1 of the first part. A rank writes to a
 // given peer at most once per barrier, and cannot get two writes ahead of
 // the peer on that pair (it cannot leave the barrier after the next one
 // before the peer has entered it, which the peer does only after reading
@@ -127,20 +146,42 @@ func (e *BarrierError) Unwrap() error { return e.Err }
 // once generation and seq match, turn a mismatched call order into
 // ErrBarrierMismatch instead of a silent wrong release. Writes are 8-byte
 // aligned 8-byte RDMA writes, which neither hardware nor soft0 tears.
+//
+// The poison word (word 2N) is written by any rank that saw a rank fail,
+// to every rank it can still reach:
+//
+//	bits 63..56 poisonMark
+//	bits 55..32 the rank that saw the failure (low 24 bits)
+//	bits 31..0  the rank that failed
+//
+// Every wait checks it as it polls, and so does every later barrier: a
+// failure reaches the whole world one write after a rank saw it (zero
+// means none; any rank's value will do when several raced). It is never
+// cleared: a world that lost a rank stays failed (reset does not help).
+//
+// The probe word (word 2N+1) is the target of the writes by which a rank
+// that has waited for a peer for a while checks that the peer is alive:
+// a peer that died or stopped fails the write (at once, or after the
+// queue pair's transport timeout), which breaks the channel.
 const (
 	wordsPerPeer = 2
 	flagBytes    = 8
+	extraWords   = 2 // the poison word, the probe word
+	poisonMark   = 0xd1
 )
+
+// flagWords is the number of words of the flag region of a world of n.
+func flagWords(n int) int { return n*wordsPerPeer + extraWords }
 
 // barrierInfo is what a rank hands its peers about its flags (localInfo):
 //
 //	magic "GVBR" | version u16 | algorithm u16 | rank u32 | world size u32 |
 //	flag address u64 | flag length u64 | rkey u32
 //
-// little endian, 36 bytes.
+// little endian, 36 bytes. Version 2 has the poison and probe words.
 const (
 	barrierMagic    = "GVBR"
-	barrierVersion  = 1
+	barrierVersion  = 2
 	barrierInfoSize = 36
 )
 
@@ -158,11 +199,17 @@ const (
 // sleeps: barriers of a busy world are short, and a wait that outlasts
 // pollSpin waits for a rank that is late, not for the transport.
 const (
-	pollGosched  = 64 // polls that yield to goroutines only
-	pollCheck    = 64 // check ctx and the transport's errors every pollCheck polls
-	pollSpin     = 10 * time.Millisecond
-	pollMinSleep = time.Microsecond
-	pollMaxSleep = 500 * time.Microsecond
+	pollGosched = 64 // polls that yield to goroutines only
+	pollCheck   = 64 // check ctx and the transport's errors every pollCheck polls
+	pollSpin    = 10 * time.Millisecond
+	// pollProbeAfter is how many polls a wait makes before it probes
+	// the peer it waits for (probe).
+	pollProbeAfter = 2048
+	pollMinSleep   = time.Microsecond
+	pollMaxSleep   = 500 * time.Microsecond
+	// probeEvery spaces the probes of a peer waited for (after the
+	// spins): at most one in flight, one every probeEvery.
+	probeEvery = 10 * time.Millisecond
 )
 
 // group is the state of one distinct group at this rank: its members, its
@@ -190,8 +237,9 @@ type barrier struct {
 	alg     BarrierAlgorithm
 	rank, n int
 
-	flags   *verbs.MemoryRegion // 2 words per world rank, written by peers
+	flags   *verbs.MemoryRegion // 2 words per world rank, written by peers, then the poison and probe words
 	staging *verbs.MemoryRegion // source words, when inline writes are unavailable
+	aux     *verbs.MemoryRegion // sources of probes (word 0, zero) and of the poison (word 1)
 	remote  []verbs.RemoteRegion
 
 	mu      sync.Mutex
@@ -200,10 +248,11 @@ type barrier struct {
 	sendSeq []uint32 // writes to each peer since reset
 	recvSeq []uint32 // writes expected from each peer since reset
 	world   *group
-	groups  map[uint64][]*group // by member hash
-	poison  error
-	word    [8]byte     // source of inline writes
-	timer   *time.Timer // sleeps of long waits
+	groups  map[uint64][]*group       // by member hash
+	poison  error                     // a local failure (timeout, mismatch): until reset
+	lost    atomic.Pointer[RankError] // a rank failed: for good
+	word    [8]byte                   // source of inline writes
+	timer   *time.Timer               // sleeps of long waits
 }
 
 // newBarrier creates the barrier of rank mc.Self() in a world of mc.Len()
@@ -220,16 +269,22 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 	if rank < 0 || rank >= n {
 		return nil, fmt.Errorf("cluster: barrier: the MultiChannel has no self rank (self %d of %d)", rank, n)
 	}
-	flags, err := mc.PD().Alloc(n*wordsPerPeer*flagBytes, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
+	flags, err := mc.PD().Alloc(flagWords(n)*flagBytes, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
 	if err != nil {
 		return nil, fmt.Errorf("cluster: barrier: flag memory: %w", err)
 	}
-	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, gen: 1,
+	aux, err := mc.PD().Alloc(2*flagBytes, verbs.AccessLocalWrite)
+	if err != nil {
+		flags.Close()
+		return nil, fmt.Errorf("cluster: barrier: probe memory: %w", err)
+	}
+	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1,
 		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), groups: make(map[uint64][]*group)}
 	for _, p := range mc.Peers() {
 		if mc.Peer(p).MaxInline() < flagBytes {
 			if b.staging, err = mc.PD().Alloc(n*flagBytes, verbs.AccessLocalWrite); err != nil {
 				flags.Close()
+				aux.Close()
 				return nil, fmt.Errorf("cluster: barrier: staging memory: %w", err)
 			}
 			break
@@ -262,7 +317,7 @@ func (b *barrier) setRemote(infos [][]byte) error {
 		return fmt.Errorf("cluster: barrier: %d flag descriptions for a world of %d ranks", len(infos), b.n)
 	}
 	remote := make([]verbs.RemoteRegion, b.n)
-	need := uint64(b.n * wordsPerPeer * flagBytes)
+	need := uint64(flagWords(b.n) * flagBytes)
 	for j, info := range infos {
 		if len(info) != barrierInfoSize {
 			return fmt.Errorf("cluster: barrier: rank %d's flag description is %d bytes, want %d", j, len(info), barrierInfoSize)
@@ -452,6 +507,9 @@ func (b *barrier) wait(ctx context.Context, peers []int) error {
 	if b.closed.Load() {
 		return b.fail(g, peers, -1, channel.ErrClosed)
 	}
+	if err := b.worldErr(); err != nil {
+		return b.fail(g, peers, -1, fmt.Errorf("%w: %w", ErrPoisoned, err))
+	}
 	if b.poison != nil {
 		return b.fail(g, peers, -1, fmt.Errorf("%w: %w", ErrPoisoned, b.poison))
 	}
@@ -468,15 +526,81 @@ func (b *barrier) wait(ctx context.Context, peers []int) error {
 			err = b.signal(ctx, g, s.peer)
 		}
 		if err != nil {
-			e := b.fail(g, peers, s.peer, err)
-			if !errors.Is(err, channel.ErrClosed) {
-				b.poison = e
+			var re *RankError
+			switch {
+			case errors.As(err, &re): // another rank saw a rank fail
+				b.lost.CompareAndSwap(nil, re)
+				err = b.lost.Load()
+			case errors.Is(err, channel.ErrClosed):
+			case errors.Is(err, verbs.ErrTimeout) || errors.Is(err, ErrBarrierMismatch):
+				b.poison = b.fail(g, peers, s.peer, err)
+			default: // the transport to s.peer broke: it failed
+				b.lost.CompareAndSwap(nil, &RankError{Rank: s.peer, Err: fmt.Errorf("%w: %w", ErrPeerLost, err)})
+				re = b.lost.Load()
+				b.tell(re.Rank)
+				err = re
 			}
-			return e
+			return b.fail(g, peers, s.peer, err)
 		}
 	}
 	g.epoch++
 	return nil
+}
+
+// worldErr returns the failure of a rank of the world, as this rank saw
+// it or was told (the poison word), or nil. Safe for concurrent use,
+// before the barrier is closed.
+func (b *barrier) worldErr() error {
+	if re := b.lost.Load(); re != nil {
+		return re
+	}
+	if v := atomic.LoadUint64(b.poisonWord()); v != 0 {
+		if re := b.poisoned(v); re != nil {
+			b.lost.CompareAndSwap(nil, re)
+			return b.lost.Load()
+		}
+	}
+	return nil
+}
+
+// poisonWord is this rank's poison word.
+func (b *barrier) poisonWord() *uint64 {
+	return (*uint64)(unsafe.Pointer(&b.flags.Bytes()[b.n*wordsPerPeer*flagBytes]))
+}
+
+// poisoned decodes a poison word v (nil if it is not one).
+func (b *barrier) poisoned(v uint64) *RankError {
+	if v>>56 != poisonMark {
+		return nil
+	}
+	dead, by := int(uint32(v)), int(v>>32&0xffffff)
+	return &RankError{Rank: dead, Err: fmt.Errorf("%w (rank %d saw it fail)", ErrPeerLost, by)}
+}
+
+// tell writes the poison word naming dead into every peer this rank can
+// still reach, without waiting for the writes to complete (Node.Close
+// makes sure they leave). Best effort: a peer it cannot reach finds out
+// by itself. Call with mu held.
+func (b *barrier) tell(dead int) {
+	if b.remote == nil {
+		return
+	}
+	v := uint64(poisonMark)<<56 | uint64(b.rank&0xffffff)<<32 | uint64(uint32(dead))
+	binary.NativeEndian.PutUint64(b.aux.Bytes()[flagBytes:], v)
+	src, err := b.aux.SGE(flagBytes, flagBytes)
+	if err != nil {
+		return
+	}
+	off := uint64(b.n * wordsPerPeer * flagBytes)
+	for _, p := range b.mc.Peers() {
+		ch := b.mc.Peer(p)
+		if p == dead || ch.Err() != nil {
+			continue
+		}
+		if h, err := ch.PostWrite(b.remote[p].At(off), src); err == nil {
+			h.Release() // detached: its completion is not awaited
+		}
+	}
 }
 
 // fail builds the error of a barrier.
@@ -529,10 +653,19 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 	want := b.value(g, seq)
 	off := (peer*wordsPerPeer + int(seq&1)) * flagBytes
 	w := (*uint64)(unsafe.Pointer(&b.flags.Bytes()[off]))
+	pw := b.poisonWord()
 	done := ctx.Done()
 	sleep := pollMinSleep
 	var spinUntil time.Time // set at the first check
 	spinning := true
+	var probe channel.Handle // in flight if probing
+	probing := false
+	var nextProbe time.Time
+	defer func() {
+		if probing {
+			probe.Release()
+		}
+	}()
 	for i := 1; ; i++ {
 		v := atomic.LoadUint64(w)
 		if v == want {
@@ -559,6 +692,11 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 			if b.closed.Load() {
 				return channel.ErrClosed
 			}
+			if v := atomic.LoadUint64(pw); v != 0 {
+				if re := b.poisoned(v); re != nil {
+					return re
+				}
+			}
 			if err := b.mc.Peer(peer).Err(); err != nil {
 				return err
 			}
@@ -568,6 +706,12 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 					spinUntil = now.Add(pollSpin)
 				}
 				spinning = now.Before(spinUntil)
+			}
+			if i >= pollProbeAfter {
+				// A long wait: check that the peer is alive.
+				if err := b.probe(peer, &probe, &probing, &nextProbe); err != nil {
+					return err
+				}
 			}
 		}
 		if spinning {
@@ -592,10 +736,59 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 	}
 }
 
+// probe checks that peer is alive during a long wait: it keeps one write
+// of the probe word in flight to it, a new one every probeEvery. A peer
+// that died or stopped answering fails it (at once, or after the queue
+// pair's transport timeout), and the error breaks the channel.
+//
+// Only the peer waited for is probed, and only its channel is checked: a
+// channel to another peer may break without news of a failure (a peer
+// that left after the last barrier before this rank's last write to it
+// was acknowledged), and a rank that failed is always waited for by some
+// other rank (it sends no more signals), which probes it and tells
+// everyone.
+func (b *barrier) probe(peer int, h *channel.Handle, probing *bool, next *time.Time) error {
+	if *probing {
+		done, err := h.Poll()
+		if err == nil && done {
+			err = h.Err()
+		}
+		if err != nil {
+			h.Release()
+			*probing = false
+			return err
+		}
+		if !done {
+			return nil
+		}
+		h.Release()
+		*probing = false
+	}
+	now := time.Now()
+	if now.Before(*next) {
+		return nil
+	}
+	*next = now.Add(probeEvery)
+	src, err := b.aux.SGE(0, flagBytes)
+	if err != nil {
+		return err
+	}
+	p, err := b.mc.Peer(peer).PostWrite(b.remote[peer].At(uint64((b.n*wordsPerPeer+1)*flagBytes)), src)
+	if err != nil {
+		if errors.Is(err, verbs.ErrQueueFull) {
+			return nil // try again later
+		}
+		return err
+	}
+	*h, *probing = p, true
+	return nil
+}
+
 // reset clears the poison and starts every group over at epoch 0. It is
 // collective: after a barrier failed anywhere, every rank of the world
 // calls reset (once) before its next barrier, whether or not its own
-// barrier failed. It does not communicate; signals still in flight from
+// barrier failed. It does not clear the failure of a rank (RankError):
+// that world is broken for good. It does not communicate; signals still in flight from
 // the abandoned barriers are recognised as stale (the generation changed)
 // and ignored.
 func (b *barrier) reset() error {
@@ -634,6 +827,9 @@ func (b *barrier) close() error {
 		if err := b.staging.Close(); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if err := b.aux.Close(); err != nil {
+		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("cluster: barrier: close: %w", err)

@@ -377,11 +377,19 @@ func TestBarrierTransportErrors(t *testing.T) {
 			err := rs[1].b.wait(ctx, nil)
 			var ce *verbs.CompletionError
 			var be *BarrierError
-			if !errors.Is(err, channel.ErrBroken) || !errors.As(err, &ce) || !errors.As(err, &be) || be.Peer != 0 {
-				t.Fatalf("wait with the peer gone: %v, want a BarrierError naming peer 0 wrapping channel.ErrBroken and a completion error", err)
+			var re *RankError
+			if !errors.Is(err, channel.ErrBroken) || !errors.As(err, &ce) || !errors.As(err, &be) || be.Peer != 0 ||
+				!errors.As(err, &re) || re.Rank != 0 || !errors.Is(err, ErrPeerLost) {
+				t.Fatalf("wait with the peer gone: %v, want a BarrierError naming peer 0 wrapping a RankError for rank 0, ErrPeerLost, channel.ErrBroken and a completion error", err)
 			}
-			if err := rs[1].b.wait(ctx, nil); !errors.Is(err, ErrPoisoned) || !errors.Is(err, channel.ErrBroken) {
+			if err := rs[1].b.wait(ctx, nil); !errors.Is(err, ErrPoisoned) || !errors.Is(err, channel.ErrBroken) || !errors.As(err, &re) || re.Rank != 0 {
 				t.Errorf("wait after the failure: %v, want ErrPoisoned wrapping the cause", err)
+			}
+			if err := rs[1].b.reset(); err != nil {
+				t.Fatal(err)
+			}
+			if err := rs[1].b.wait(ctx, nil); !errors.Is(err, ErrPoisoned) || !errors.As(err, &re) || re.Rank != 0 {
+				t.Errorf("wait after a reset: %v, want ErrPoisoned naming rank 0 (a lost rank is for good)", err)
 			}
 			if err := rs[0].b.wait(ctx, nil); !errors.Is(err, channel.ErrClosed) {
 				t.Errorf("wait on a closed barrier: %v, want ErrClosed", err)

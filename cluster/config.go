@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"strings"
 )
 
 // Config errors. A *ConfigError wraps one of them; test with errors.Is.
@@ -194,13 +195,19 @@ func ParseConfig(data []byte) (*Config, error) {
 	var raw struct {
 		Hosts []hostJSON `json:"hosts"`
 	}
+	if len(bytes.TrimSpace(data)) == 0 {
+		return nil, cfgErr(-1, ErrSyntax, "the configuration is empty (want a JSON object with a \"hosts\" list)")
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&raw); err != nil {
-		return nil, cfgErr(-1, ErrSyntax, "%v", err)
+		return nil, cfgErr(-1, ErrSyntax, "%s: %v", position(data, errorOffset(data, dec, err)), err)
+	}
+	if end := dec.InputOffset(); dec.More() {
+		return nil, cfgErr(-1, ErrSyntax, "%s: trailing data after the configuration object", position(data, skipSpace(data, end)))
 	}
 	if _, err := dec.Token(); err != io.EOF {
-		return nil, cfgErr(-1, ErrSyntax, "trailing data after the configuration object")
+		return nil, cfgErr(-1, ErrSyntax, "%s: trailing data after the configuration object", position(data, skipSpace(data, dec.InputOffset())))
 	}
 	c := &Config{Hosts: make([]Host, len(raw.Hosts))}
 	for i, h := range raw.Hosts {
@@ -240,4 +247,48 @@ func LoadConfig(path string) (*Config, error) {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return c, nil
+}
+
+// errorOffset returns the offset in data of the byte where the JSON error
+// err of dec is: the last byte the decoder read when it noticed (the
+// offsets errors carry count the bytes read), the key of an unknown
+// field, or the end of a truncated input.
+func errorOffset(data []byte, dec *json.Decoder, err error) int64 {
+	var se *json.SyntaxError
+	var te *json.UnmarshalTypeError
+	switch {
+	case errors.As(err, &se):
+		return se.Offset - 1
+	case errors.As(err, &te):
+		return te.Offset - 1
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return int64(len(data))
+	}
+	// "json: unknown field \"name\"": the field's key.
+	const prefix = "json: unknown field "
+	if msg := err.Error(); strings.HasPrefix(msg, prefix) {
+		if i := bytes.Index(data, []byte(msg[len(prefix):])); i >= 0 {
+			return int64(i)
+		}
+	}
+	return dec.InputOffset()
+}
+
+// skipSpace returns the offset of the first byte at or after off that is
+// not JSON white space.
+func skipSpace(data []byte, off int64) int64 {
+	for off < int64(len(data)) && strings.IndexByte(" \t\r\n", data[off]) >= 0 {
+		off++
+	}
+	return off
+}
+
+// position describes the byte at offset off of data (or the end) as
+// "line L, column C", both from 1; a column counts bytes.
+func position(data []byte, off int64) string {
+	off = min(max(off, 0), int64(len(data)))
+	before := data[:off]
+	line := bytes.Count(before, []byte("\n")) + 1
+	col := len(before) - bytes.LastIndexByte(before, '\n')
+	return fmt.Sprintf("line %d, column %d", line, col)
 }

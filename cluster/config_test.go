@@ -54,32 +54,39 @@ func TestParseConfigErrors(t *testing.T) {
 		in    string
 		want  error
 		index int
+		text  string // in the message, if set
 	}{
-		{"empty file", ``, cluster.ErrSyntax, -1},
-		{"not json", `hosts: []`, cluster.ErrSyntax, -1},
-		{"no hosts", `{}`, cluster.ErrNoHosts, -1},
-		{"empty hosts", h(), cluster.ErrNoHosts, -1},
-		{"null hosts", `{"hosts":null}`, cluster.ErrNoHosts, -1},
-		{"unknown field", `{"hosts":[],"extra":1}`, cluster.ErrSyntax, -1},
-		{"unknown host field", h(`{"hostname":"a","port":1,"rank":0,"ip":"x"}`), cluster.ErrSyntax, -1},
-		{"trailing data", h(`{"hostname":"a","port":1,"rank":0}`) + `{}`, cluster.ErrSyntax, -1},
-		{"wrong type", h(`{"hostname":"a","port":"1","rank":0}`), cluster.ErrSyntax, -1},
-		{"first rank", h(`{"hostname":"a","port":1,"rank":1}`), cluster.ErrFirstRank, 0},
-		{"negative first rank", h(`{"hostname":"a","port":1,"rank":-1}`), cluster.ErrFirstRank, 0},
-		{"gap", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"b","port":1,"rank":2}`), cluster.ErrRankGap, 1},
-		{"out of order", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"b","port":1,"rank":2}`, `{"hostname":"c","port":1,"rank":1}`), cluster.ErrRankGap, 1},
-		{"duplicate", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"b","port":1,"rank":1}`, `{"hostname":"c","port":1,"rank":1}`), cluster.ErrDuplicateRank, 2},
-		{"duplicate zero", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"b","port":1,"rank":0}`), cluster.ErrDuplicateRank, 1},
-		{"missing rank", h(`{"hostname":"a","port":1}`), cluster.ErrMissingRank, 0},
-		{"missing port", h(`{"hostname":"a","rank":0}`), cluster.ErrBadPort, 0},
-		{"port 0", h(`{"hostname":"a","port":0,"rank":0}`), cluster.ErrBadPort, 0},
-		{"port too large", h(`{"hostname":"a","port":65536,"rank":0}`), cluster.ErrBadPort, 0},
-		{"negative port", h(`{"hostname":"a","port":-5,"rank":0}`), cluster.ErrBadPort, 0},
-		{"empty hostname", h(`{"hostname":"","port":1,"rank":0}`), cluster.ErrBadHostname, 0},
-		{"hostname with space", h(`{"hostname":"a b","port":1,"rank":0}`), cluster.ErrBadHostname, 0},
-		{"hostname with port", h(`{"hostname":"a:1","port":1,"rank":0}`), cluster.ErrBadHostname, 0},
-		{"hostname with empty label", h(`{"hostname":"a..b","port":1,"rank":0}`), cluster.ErrBadHostname, 0},
-		{"duplicate address", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"a","port":1,"rank":1}`), cluster.ErrDuplicateAddress, 1},
+		{"empty file", ``, cluster.ErrSyntax, -1, "is empty"},
+		{"blank file", " \n\t\n", cluster.ErrSyntax, -1, "is empty"},
+		{"not json", `hosts: []`, cluster.ErrSyntax, -1, "line 1, column 1:"},
+		{"bad json on line 3", "{\"hosts\":[\n {\"hostname\":\"a\",\"port\":1,\"rank\":0},\n {\"hostname\":\"b\" \"port\":2,\"rank\":1}\n]}", cluster.ErrSyntax, -1, "line 3, column 18:"},
+		{"truncated", "{\"hosts\":[\n {\"hostname\":\"a\",", cluster.ErrSyntax, -1, "line 2, column 18:"},
+		{"wrong type on line 2", "{\"hosts\":[\n  {\"hostname\":\"a\",\"port\":\"1\",\"rank\":0}]}", cluster.ErrSyntax, -1, "line 2, column 28:"},
+		{"unknown field on line 3", "{\"hosts\":[\n  {\"hostname\":\"a\",\"port\":1,\n   \"ip\":\"x\",\"rank\":0}]}", cluster.ErrSyntax, -1, "line 3, column 4:"},
+		{"trailing data on line 2", "{\"hosts\":[{\"hostname\":\"a\",\"port\":1,\"rank\":0}]}\n  {}", cluster.ErrSyntax, -1, "line 2, column 3:"},
+		{"no hosts", `{}`, cluster.ErrNoHosts, -1, ""},
+		{"empty hosts", h(), cluster.ErrNoHosts, -1, ""},
+		{"null hosts", `{"hosts":null}`, cluster.ErrNoHosts, -1, ""},
+		{"unknown field", `{"hosts":[],"extra":1}`, cluster.ErrSyntax, -1, ""},
+		{"unknown host field", h(`{"hostname":"a","port":1,"rank":0,"ip":"x"}`), cluster.ErrSyntax, -1, ""},
+		{"trailing data", h(`{"hostname":"a","port":1,"rank":0}`) + `{}`, cluster.ErrSyntax, -1, ""},
+		{"wrong type", h(`{"hostname":"a","port":"1","rank":0}`), cluster.ErrSyntax, -1, ""},
+		{"first rank", h(`{"hostname":"a","port":1,"rank":1}`), cluster.ErrFirstRank, 0, ""},
+		{"negative first rank", h(`{"hostname":"a","port":1,"rank":-1}`), cluster.ErrFirstRank, 0, ""},
+		{"gap", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"b","port":1,"rank":2}`), cluster.ErrRankGap, 1, ""},
+		{"out of order", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"b","port":1,"rank":2}`, `{"hostname":"c","port":1,"rank":1}`), cluster.ErrRankGap, 1, ""},
+		{"duplicate", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"b","port":1,"rank":1}`, `{"hostname":"c","port":1,"rank":1}`), cluster.ErrDuplicateRank, 2, ""},
+		{"duplicate zero", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"b","port":1,"rank":0}`), cluster.ErrDuplicateRank, 1, ""},
+		{"missing rank", h(`{"hostname":"a","port":1}`), cluster.ErrMissingRank, 0, ""},
+		{"missing port", h(`{"hostname":"a","rank":0}`), cluster.ErrBadPort, 0, ""},
+		{"port 0", h(`{"hostname":"a","port":0,"rank":0}`), cluster.ErrBadPort, 0, ""},
+		{"port too large", h(`{"hostname":"a","port":65536,"rank":0}`), cluster.ErrBadPort, 0, ""},
+		{"negative port", h(`{"hostname":"a","port":-5,"rank":0}`), cluster.ErrBadPort, 0, ""},
+		{"empty hostname", h(`{"hostname":"","port":1,"rank":0}`), cluster.ErrBadHostname, 0, ""},
+		{"hostname with space", h(`{"hostname":"a b","port":1,"rank":0}`), cluster.ErrBadHostname, 0, ""},
+		{"hostname with port", h(`{"hostname":"a:1","port":1,"rank":0}`), cluster.ErrBadHostname, 0, ""},
+		{"hostname with empty label", h(`{"hostname":"a..b","port":1,"rank":0}`), cluster.ErrBadHostname, 0, ""},
+		{"duplicate address", h(`{"hostname":"a","port":1,"rank":0}`, `{"hostname":"a","port":1,"rank":1}`), cluster.ErrDuplicateAddress, 1, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := cluster.ParseConfig([]byte(tc.in))
@@ -95,6 +102,9 @@ func TestParseConfigErrors(t *testing.T) {
 			}
 			if !strings.HasPrefix(err.Error(), "cluster: config: ") {
 				t.Errorf("message %q lacks the package prefix", err)
+			}
+			if !strings.Contains(err.Error(), tc.text) {
+				t.Errorf("message %q does not say %q", err, tc.text)
 			}
 		})
 	}

@@ -49,21 +49,28 @@
 // first 8 bytes (version 1 peers, which read a 44-byte header and check
 // the version byte first, report ErrVersion too):
 //
-//  1. The dialer sends its hello (100 bytes): its rank, the rank it
-//     dials, the world size, a job tag, a fresh 32-byte nonce, and an
-//     HMAC-SHA256 of all that under a key derived from the token (HKDF).
-//     The job tag is an HMAC of the job id under the same key: the hello
-//     stays fixed-size and the job id does not travel.
+//  1. The dialer sends its hello (100 bytes): its exchange mode, its
+//     rank, the rank it dials, the world size, a job tag, a fresh 32-byte
+//     nonce, and an HMAC-SHA256 of all that under a key derived from the
+//     token (HKDF). The job tag is an HMAC of the job id under the same
+//     key: the hello stays fixed-size and the job id does not travel.
 //  2. The acceptor checks the MAC, then the job tag (ErrJobMismatch), the
-//     world size and the ranks (ErrBadFrame), and answers with its own
-//     hello, with its own fresh nonce, whose MAC also covers the dialer's
-//     hello: it proves the acceptor knows the token now.
+//     mode (ErrModeMismatch), the world size (ErrSizeMismatch) and the
+//     ranks (ErrBadFrame), and answers with its own hello, with its own
+//     fresh nonce, whose MAC also covers the dialer's hello: it proves
+//     the acceptor knows the token now.
 //  3. The dialer checks it and sends its proof (40 bytes): an HMAC under
 //     the token's key over both hellos, hence over the acceptor's fresh
 //     nonce. The acceptor checks it in constant time: a recorded hello
 //     replayed by someone who does not know the token stops here.
 //  4. The acceptor claims the rank and sends an 8-byte accept. Until then
 //     an I/O failure makes the dialer dial again.
+//
+// Two members of the job (both know the token, the job tags match) that
+// disagree on the mode or the world size cannot both be right: both fail
+// at once, naming both settings. The acceptor answers such a hello and
+// waits for the proof before it gives up (and the dialer sends the proof
+// before it does), so that a replayed hello cannot end an exchange.
 //
 // A refusal is answered with an unauthenticated reject (277 bytes: a code
 // and a short text) so that a misconfigured rank fails at once with the
@@ -126,9 +133,27 @@
 // Node.Barrier synchronises the world or a sorted subgroup of it with
 // one-sided RDMA writes of epoch counters into registered flags; the
 // algorithm (BinaryTree, Dissemination, Centralized) is chosen per node
-// and must be the same on every rank. A barrier that times out or whose
-// transport breaks poisons the node's barrier until every rank calls
-// ResetBarrier.
+// and must be the same on every rank. A barrier that times out poisons
+// the node's barrier until every rank calls ResetBarrier.
+//
+// # Failures
+//
+// A world fails together. When a rank dies (its process exits or is
+// killed) or stops answering for longer than the queue pairs' transport
+// timeout (verbs.QPSpec.Timeout and RetryCount, in
+// NodeOptions.Channel.QP: the liveness bound; a stopped process, a hung
+// host), the first rank whose queue pair to it breaks writes the news
+// into the flags of every rank it can still reach. From then on every
+// barrier of every rank fails, within about the liveness bound plus a
+// few one-way latencies and whatever its context, with an error naming
+// the rank that failed: a *RankError (errors.As) wrapping ErrPeerLost.
+// The world stays failed (Node.Err); ResetBarrier does not repair it. A
+// rank waiting in a barrier checks, every few milliseconds once its
+// first spins are over, that the peer it waits for is alive, so a
+// failure is seen even when no rank was sending to the failed one. A
+// rank that dies after the endpoint exchange, before or while the
+// others connect, makes Join fail or the first barrier fail, naming it:
+// no world goes on with a hole.
 //
 // A rank waits for a flag by polling it, driving the transport's progress
 // at every poll (soft0 places a peer's write when a process of it polls)

@@ -166,7 +166,8 @@ func (e *env) first(names ...string) (string, string, bool) {
 // the process, its rank, the world size, its local rank, rank 0's
 // rendezvous address and the job id. Variables common to every launcher
 // override what the launcher says: GOVERBS_ROOT (host:port of rank 0),
-// GOVERBS_PORT, GOVERBS_JOB, GOVERBS_DEVICE, GOVERBS_LISTEN.
+// GOVERBS_PORT, GOVERBS_JOB, GOVERBS_DEVICE, GOVERBS_LISTEN. Under PMI
+// without a job id (MPICH's Hydra sets none), GOVERBS_JOB is required.
 func ParseLaunch(opts EnvOptions) (Launch, error) {
 	e := &env{lookup: opts.Lookup}
 	if e.lookup == nil {
@@ -337,6 +338,14 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 	}
 	if v, ok := e.str("GOVERBS_JOB"); ok {
 		l.Job = v
+	}
+	if l.Launcher == LauncherPMI && l.Job == "" {
+		// MPICH's Hydra sets PMI_RANK and PMI_SIZE and nothing that
+		// tells one job from the next (its PMI_FD and HYDI_CONTROL_FD
+		// are descriptors): without a job id, a rank of another job at
+		// the same rendezvous address would be taken for a peer.
+		return l, e.errf("GOVERBS_JOB", "not set, and the launcher sets no job id (MPICH's Hydra sets neither PMI_KVSNAME nor PMI_JOBID): "+
+			"set GOVERBS_JOB to a value unique to this job and the same for every rank (for example GOVERBS_JOB=$(uuidgen) mpiexec ...)")
 	}
 	l.Device, _ = e.str("GOVERBS_DEVICE")
 	return l, nil

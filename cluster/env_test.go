@@ -92,9 +92,9 @@ func TestParseLaunch(t *testing.T) {
 		{
 			name: "forced launcher and listen override",
 			env: map[string]string{"RANK": "9", "WORLD_SIZE": "10", "PMI_RANK": "1", "PMI_SIZE": "2",
-				"GOVERBS_ROOT": "r:1", "GOVERBS_LISTEN": "127.0.0.1:1"},
+				"GOVERBS_ROOT": "r:1", "GOVERBS_LISTEN": "127.0.0.1:1", "GOVERBS_JOB": "j"},
 			opts: cluster.EnvOptions{Launcher: "pmi"},
-			want: cluster.Launch{Launcher: "pmi", Rank: 1, Size: 2, LocalRank: -1, Root: "r:1", Listen: "127.0.0.1:1"},
+			want: cluster.Launch{Launcher: "pmi", Rank: 1, Size: 2, LocalRank: -1, Root: "r:1", Listen: "127.0.0.1:1", Job: "j"},
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -130,6 +130,7 @@ func TestParseLaunchErrors(t *testing.T) {
 		{"open mpi no root", map[string]string{"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, cluster.ErrNoRoot, "GOVERBS_ROOT"},
 		{"open mpi bad local rank", map[string]string{"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "z", "GOVERBS_ROOT": "h:1"}, cluster.ErrEnvValue, "OMPI_COMM_WORLD_LOCAL_RANK"},
 		{"pmi no size", map[string]string{"PMI_RANK": "0"}, cluster.ErrEnvValue, "PMI_SIZE"},
+		{"hydra no job", map[string]string{"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "6", "MPI_LOCALRANKID": "0", "GOVERBS_ROOT": "h:1"}, cluster.ErrEnvValue, "GOVERBS_JOB"},
 		{"torchrun no master", map[string]string{"RANK": "0", "WORLD_SIZE": "2"}, cluster.ErrEnvValue, "MASTER_ADDR"},
 		{"torchrun no port", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "m"}, cluster.ErrEnvValue, "MASTER_PORT"},
 		{"torchrun bad port", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "70000"}, cluster.ErrEnvValue, "GOVERBS_ROOT"},
@@ -237,7 +238,7 @@ func TestFromEnv(t *testing.T) {
 			return map[string]string{"OMPI_COMM_WORLD_RANK": fmt.Sprint(r), "OMPI_COMM_WORLD_SIZE": fmt.Sprint(n), "GOVERBS_ROOT": root}
 		}},
 		{"pmi", 2, func(r, n int, root string) map[string]string {
-			return map[string]string{"PMI_RANK": fmt.Sprint(r), "PMI_SIZE": fmt.Sprint(n), "GOVERBS_ROOT": root}
+			return map[string]string{"PMI_RANK": fmt.Sprint(r), "PMI_SIZE": fmt.Sprint(n), "GOVERBS_ROOT": root, "GOVERBS_JOB": "j1"}
 		}},
 		{"kubernetes", 3, func(r, n int, root string) map[string]string {
 			// The pattern names hosts that do not exist here: GOVERBS_ROOT

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	mrand "math/rand/v2"
 	"net"
@@ -12,6 +13,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -21,9 +23,11 @@ var (
 	// before the context ended. The error also wraps the context's error
 	// and, if connections were refused meanwhile, the last reason.
 	ErrPeerMissing = errors.New("cluster: exchange: peers missing")
-	// ErrPeerLost: a peer's connection failed after its handshake (the
-	// peer process died, or closed the connection).
-	ErrPeerLost = errors.New("cluster: exchange: connection to a peer lost")
+	// ErrPeerLost: a peer failed: in the exchange, its connection failed
+	// after its handshake (the peer process died, or closed the
+	// connection); after it, its queue pair broke or it stopped answering
+	// (see RankError).
+	ErrPeerLost = errors.New("cluster: peer lost")
 	// ErrAborted: the root aborted the rendezvous (a rank is missing, or
 	// failed); the error carries the root's reason.
 	ErrAborted = errors.New("cluster: exchange: aborted by the root")
@@ -410,8 +414,11 @@ func (x *exchange) checkHello(h *hello, peer int) error {
 	switch {
 	case h.job != x.job:
 		return fmt.Errorf("%w: the peer's job tag is %x, this rank's %x", ErrJobMismatch, h.job[:4], x.job[:4])
+	case h.mode != x.cfg.Mode:
+		return fmt.Errorf("%w: rank %d uses the %v exchange, rank %d the %v exchange (every rank must use the same mode)",
+			ErrModeMismatch, h.from, h.mode, x.cfg.Rank, x.cfg.Mode)
 	case h.size != uint32(x.cfg.Size):
-		return fmt.Errorf("%w: peer's world size %d, this rank's %d", ErrBadFrame, h.size, x.cfg.Size)
+		return fmt.Errorf("%w: rank %d has a world of %d ranks, rank %d a world of %d", ErrSizeMismatch, h.from, h.size, x.cfg.Rank, x.cfg.Size)
 	case h.to != uint32(x.cfg.Rank):
 		return fmt.Errorf("%w: hello for rank %d reached rank %d", ErrBadFrame, h.to, x.cfg.Rank)
 	case h.from >= uint32(x.cfg.Size) || h.from == uint32(x.cfg.Rank):
@@ -420,6 +427,13 @@ func (x *exchange) checkHello(h *hello, peer int) error {
 		return fmt.Errorf("%w: hello from rank %d, expected %d", ErrBadFrame, h.from, peer)
 	}
 	return nil
+}
+
+// mismatch reports whether err is a disagreement between two members of
+// the job (their hellos authenticated): a configuration error that no
+// later connection can repair.
+func mismatch(err error) bool {
+	return errors.Is(err, ErrModeMismatch) || errors.Is(err, ErrSizeMismatch)
 }
 
 // local adds to a handshake error what only this rank should know.
@@ -451,20 +465,31 @@ func (x *exchange) accept(ctx context.Context, c net.Conn, g *gate, st *stranger
 	var buf [rejectLen]byte
 	var h *hello
 	var dh, ah [helloLen]byte
+	var disagree error // the peer's mode or world size is not ours
 	b, err := readControl(c, &buf, msgHello)
 	if err == nil {
 		copy(dh[:], b)
 		if h, err = decodeHello(dh[:], x.mk, nil); err == nil {
-			err = x.checkHello(h, -1)
+			if err = x.checkHello(h, -1); mismatch(err) {
+				// Finish the handshake: once the peer proved it knows
+				// the token, the disagreement ends the exchange here
+				// too (and a replayed hello cannot).
+				disagree, err = err, nil
+			}
 		}
 	}
 	if err == nil {
-		ah = encodeHello(&hello{from: uint32(x.cfg.Rank), to: h.from, size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, dh[:])
+		ah = encodeHello(&hello{mode: x.cfg.Mode, from: uint32(x.cfg.Rank), to: h.from, size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, dh[:])
 		if _, err = c.Write(ah[:]); err == nil {
 			if b, err = readControl(c, &buf, msgProof); err == nil {
 				err = checkProof(b, x.mk, dh[:], ah[:])
 			}
 		}
+	}
+	if err == nil && disagree != nil {
+		rej := encodeReject(&reject{from: uint32(x.cfg.Rank), to: h.from, size: uint32(x.cfg.Size), code: rejectCode(disagree), text: disagree.Error()})
+		c.Write(rej[:])
+		return nil, &peerErr{int(h.from), fmt.Errorf("connection from %s: %w", c.RemoteAddr(), disagree)}
 	}
 	if err == nil && !g.promote(st) {
 		err = errDropped
@@ -565,22 +590,30 @@ func (x *exchange) handshake(ctx context.Context, c net.Conn, peer int) (*conn, 
 	c.SetDeadline(time.Now().Add(2 * x.helloT))
 	retry := func(err error) error {
 		if ctx.Err() != nil {
-			return fmt.Errorf("%w: rank %d: %w", ErrPeerMissing, peer, context.Cause(ctx))
+			return fmt.Errorf("%w: rank %d: %w (%w)", ErrPeerMissing, peer, context.Cause(ctx), err)
 		}
 		if isIOErr(err) {
 			// Closed without a word: a listener that went away, one that
 			// is not ours yet, or one that dropped us. Try again.
 			return errRetry{err}
 		}
-		return fmt.Errorf("rank %d answered with a bad message: %w", peer, err)
+		if errors.Is(err, ErrVersion) {
+			return fmt.Errorf("rank %d answered with a bad message: %w", peer, err)
+		}
+		return fmt.Errorf("something at %s answered, but does not speak the goverbs exchange protocol (is it rank %d's exchange port?): %w",
+			c.RemoteAddr(), peer, err)
 	}
-	dh := encodeHello(&hello{from: uint32(x.cfg.Rank), to: uint32(peer), size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, nil)
+	dh := encodeHello(&hello{mode: x.cfg.Mode, from: uint32(x.cfg.Rank), to: uint32(peer), size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, nil)
 	if _, err := c.Write(dh[:]); err != nil {
 		return nil, errRetry{err}
 	}
 	var buf [rejectLen]byte
 	b, err := readControl(c, &buf, msgHello, msgReject)
 	if err != nil {
+		if isIOErr(err) && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, syscall.ECONNRESET) {
+			// Connected and said hello, and heard nothing back.
+			err = &noAnswer{addr: c.RemoteAddr().String(), err: err}
+		}
 		return nil, retry(err)
 	}
 	if b[5] == msgReject {
@@ -592,13 +625,25 @@ func (x *exchange) handshake(ctx context.Context, c net.Conn, peer int) (*conn, 
 	if err != nil {
 		return nil, fmt.Errorf("rank %d's answer: %w", peer, err)
 	}
+	p := proof(x.mk, dh[:], ah[:])
 	if err := x.checkHello(h, peer); err != nil {
+		if mismatch(err) {
+			// Prove ourselves all the same, so that the acceptor, a
+			// member of the job that disagrees, fails now too.
+			c.Write(p[:])
+		}
 		return nil, fmt.Errorf("rank %d's answer: %w", peer, x.local(err))
 	}
-	p := proof(x.mk, dh[:], ah[:])
 	if _, err := c.Write(p[:]); err != nil {
 		return nil, retry(err)
 	}
+	// The acceptor proved it knows the token: wait for its verdict as
+	// long as the context allows. An acceptor that claimed this rank and
+	// accepted it takes a connection closed now for a rank that died
+	// after its handshake (ErrPeerLost), so giving up on a slow one (a
+	// loaded host) would end the exchange. One that drops us closes the
+	// connection: we dial again.
+	c.SetDeadline(time.Time{})
 	if b, err = readControl(c, &buf, msgAccept, msgReject); err != nil {
 		return nil, retry(err)
 	}
@@ -609,6 +654,20 @@ func (x *exchange) handshake(ctx context.Context, c net.Conn, peer int) (*conn, 
 	d2a, a2d := sessionKeys(x.cfg.Token, dh[:], ah[:])
 	return &conn{c: c, peer: peer, s: newSession(d2a, a2d)}, nil
 }
+
+// noAnswer: a dialer connected and said hello, and the listener did not
+// answer (before the handshake's deadline, or the context's end).
+type noAnswer struct {
+	addr string
+	err  error
+}
+
+func (e *noAnswer) Error() string {
+	return fmt.Sprintf("something at %s accepted the connection but did not answer the hello (%v): "+
+		"it does not speak the goverbs exchange protocol, or is too busy to", e.addr, e.err)
+}
+
+func (e *noAnswer) Unwrap() error { return e.err }
 
 // rejected is the error for a reject b.
 func (x *exchange) rejected(b []byte) error {
@@ -621,16 +680,17 @@ func (x *exchange) rejected(b []byte) error {
 
 // state collects the shares of an exchange.
 type state struct {
-	mu       sync.Mutex
-	in       [][]byte
-	have     []bool
-	claimed  []bool
-	left     int
-	err      error // first fatal error
-	rejected error // last refused connection
-	refused  int   // connections refused during their handshake
-	done     chan struct{}
-	gate     *gate
+	mu        sync.Mutex
+	in        [][]byte
+	have      []bool
+	claimed   []bool
+	left      int
+	err       error // first fatal error
+	rejected  error // last refused connection
+	unreached error // why the last dial that the context ended failed
+	refused   int   // connections refused during their handshake
+	done      chan struct{}
+	gate      *gate
 }
 
 func newState(size, self int, expect func(int) bool) *state {
@@ -723,6 +783,9 @@ func (s *state) wait(ctx context.Context, x *exchange) error {
 		err := fmt.Errorf("%w (%w)", ErrPeerMissing, context.Cause(ctx))
 		if s.rejected != nil {
 			err = fmt.Errorf("%w; last refused connection: %w", err, s.rejected)
+		}
+		if s.unreached != nil {
+			err = fmt.Errorf("%w; %w", err, s.unreached)
 		}
 		xe = &ExchangeError{Rank: x.cfg.Rank, Peer: -1, Missing: missing, Err: err}
 	}
@@ -939,6 +1002,7 @@ func serve(ctx context.Context, ln net.Listener, g *gate, wg *sync.WaitGroup, h 
 // above it.
 func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 	r, n := x.cfg.Rank, x.cfg.Size
+	parent := ctx
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -960,8 +1024,11 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 				}
 				return s.claim(p)
 			})
+			var pe *peerErr
 			if err != nil {
-				if k == nil && ctx.Err() == nil {
+				if errors.As(err, &pe) {
+					s.fatal(pe) // a member of the job that disagrees
+				} else if k == nil && ctx.Err() == nil {
 					s.reject(err)
 				} else if k != nil {
 					s.fatal(&peerErr{k.peer, err})
@@ -991,6 +1058,10 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 			if err != nil {
 				if ctx.Err() == nil {
 					s.fatal(&peerErr{j, err})
+				} else {
+					s.mu.Lock()
+					s.unreached = err
+					s.mu.Unlock()
 				}
 				return
 			}
@@ -1008,10 +1079,13 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 			s.fatal(&peerErr{j, err})
 		}()
 	}
-	err := s.wait(ctx, x)
+	select {
+	case <-s.done:
+	case <-ctx.Done():
+	}
 	cancel()
-	wg.Wait()
-	if err != nil {
+	wg.Wait() // the dialers' reasons are in s now
+	if err := s.wait(parent, x); err != nil {
 		return nil, err
 	}
 	return s.in, nil
@@ -1039,9 +1113,12 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 	serve(gctx, ln, s.gate, &wg, func(c net.Conn, st *stranger) {
 		stop := guard(gctx, c)
 		k, err := x.accept(gctx, c, s.gate, st, s.claim)
+		var pe *peerErr
 		if err != nil {
 			stop()
-			if k == nil && gctx.Err() == nil {
+			if errors.As(err, &pe) {
+				s.fatal(pe) // a member of the job that disagrees
+			} else if k == nil && gctx.Err() == nil {
 				s.reject(err) // (not a connection closed as the root gives up)
 			} else if k != nil {
 				s.fatal(&peerErr{k.peer, err})

@@ -292,7 +292,7 @@ func TestExchangeDialerDropped(t *testing.T) {
 	lns, addrs := xListeners(t, 2)
 	done := xGo(xContext(t, time.Minute), ExchangeConfig{Rank: 1, Size: 2, Addrs: addrs, Listener: lns[1],
 		Job: "job", Token: []byte("token")})
-	x := xFakeRank(t, 0, 2, "token")
+	x := xFakeRank(t, AllToAll, 0, 2, "token")
 	// The first connection: answered, its proof read, and dropped.
 	c, err := lns[0].Accept()
 	if err != nil {
@@ -406,5 +406,48 @@ func TestWarnNoToken(t *testing.T) {
 				t.Errorf("%d warnings: %q", n, buf.String())
 			}
 		})
+	}
+}
+
+// TestExchangeSlowAccept: an acceptor that takes longer than the dialer's
+// handshake deadline to accept (a loaded host) after the dialer proved
+// itself: the dialer waits for the verdict (its context bounds it), so
+// the accepted connection carries the exchange. A dialer that gave up
+// and dialed again would leave the acceptor with a claimed connection
+// closed under it, which it must take for a dead peer (ErrPeerLost).
+func TestExchangeSlowAccept(t *testing.T) {
+	xNoLeaks(t)
+	lns, addrs := xListeners(t, 2)
+	ctx := xContext(t, time.Minute)
+	done := xGo(ctx, ExchangeConfig{Rank: 1, Size: 2, Addrs: addrs, Listener: lns[1], Job: "job", Token: []byte("token"),
+		HelloTimeout: 50 * time.Millisecond})
+	x := xFakeRank(t, AllToAll, 0, 2, "token")
+	c, err := lns[0].Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	// Accept after 10 of the dialer's handshake deadlines (2 × 50 ms).
+	k, err := x.accept(ctx, c, nil, nil, func(int) error { time.Sleep(time.Second); return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	lns[0].Close() // a dialer that gave up finds nobody
+	got, err := x.recv(ctx, k)
+	if err != nil {
+		t.Fatalf("the dialer abandoned the connection its acceptor accepted: %v", err)
+	}
+	if !bytes.Equal(got, xMessage(1, 0)) {
+		t.Errorf("rank 0 got %q", got)
+	}
+	if err := x.send(k, xMessage(0, 1)); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if !bytes.Equal(r.in[0], xMessage(0, 1)) {
+		t.Errorf("rank 1 got %q", r.in[0])
 	}
 }

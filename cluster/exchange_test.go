@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -70,7 +71,7 @@ func xRun(t *testing.T, n int, mode Mode, ranks []int, cfgFor func(r int, c *Exc
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ins[r], errs[r] = Exchange(ctx, c, xOut(r, n))
+			ins[r], errs[r] = Exchange(ctx, c, xOut(r, c.Size))
 		}()
 	}
 	wg.Wait()
@@ -170,6 +171,112 @@ func TestExchangeRefusals(t *testing.T) {
 	}
 }
 
+// TestExchangeDisagreements: two members of a job (same token and job)
+// that disagree on the exchange mode or the world size both fail at once,
+// with an error that says so and names both sides' settings (not a
+// malformed frame, and not a timeout: the contexts are only hang guards).
+func TestExchangeDisagreements(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		mode  Mode // rank 0's
+		alter func(c *ExchangeConfig, addrs []string)
+		want  error
+		text  []string
+	}{
+		{"rendezvous root, all-to-all rank", Rendezvous, func(c *ExchangeConfig, _ []string) { c.Mode = AllToAll }, ErrModeMismatch,
+			[]string{"all-to-all exchange", "rendezvous exchange"}},
+		{"all-to-all rank 0, rendezvous rank", AllToAll, func(c *ExchangeConfig, _ []string) { c.Mode = Rendezvous }, ErrModeMismatch,
+			[]string{"all-to-all exchange", "rendezvous exchange"}},
+		{"larger world, all-to-all", AllToAll, func(c *ExchangeConfig, addrs []string) {
+			c.Size, c.Addrs = 3, append(slices.Clone(addrs), "127.0.0.1:1")
+		}, ErrSizeMismatch, []string{"world of 3", "world of 2"}},
+		{"larger world, rendezvous", Rendezvous, func(c *ExchangeConfig, _ []string) { c.Size = 5 }, ErrSizeMismatch,
+			[]string{"world of 5", "world of 2"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const n = 2
+			guard := xContext(t, 2*time.Minute)
+			var addrs []string
+			_, errs := xRun(t, n, tc.mode, seq(n), func(r int, c *ExchangeConfig) context.Context {
+				c.Mode = tc.mode
+				if r == 1 {
+					addrs = c.Addrs
+					tc.alter(c, addrs)
+				}
+				return guard
+			})
+			for r, err := range errs {
+				t.Logf("rank %d: %v", r, err)
+				if !errors.Is(err, tc.want) || errors.Is(err, ErrPeerMissing) || errors.Is(err, ErrBadFrame) {
+					t.Errorf("rank %d: %v, want %v at once", r, err, tc.want)
+					continue
+				}
+				for _, text := range tc.text {
+					if !strings.Contains(err.Error(), text) {
+						t.Errorf("rank %d: %q does not say %q", r, err, text)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestExchangeNotAnExchange: a rank whose peer's address is served by
+// something else (a listener that accepts and never answers, a server of
+// another protocol) says that something answered there and does not
+// speak the protocol, not just that the peer is missing.
+func TestExchangeNotAnExchange(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		serve func(c net.Conn) // runs on each accepted connection
+		want  []string
+	}{
+		{"silent", func(c net.Conn) { io.Copy(io.Discard, c) },
+			[]string{"accepted the connection but did not answer the hello", "does not speak the goverbs exchange protocol"}},
+		{"http", func(c net.Conn) {
+			c.Read(make([]byte, helloLen))
+			io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n")
+		}, []string{"answered, but does not speak the goverbs exchange protocol"}},
+	} {
+		for _, mode := range xModes {
+			t.Run(fmt.Sprintf("%s/%v", tc.name, mode), func(t *testing.T) {
+				xNoLeaks(t)
+				lns, addrs := xListeners(t, 2)
+				var wg sync.WaitGroup
+				defer wg.Wait()
+				defer lns[0].Close()
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					var cs []net.Conn
+					defer func() {
+						for _, c := range cs {
+							c.Close()
+						}
+					}()
+					for {
+						c, err := lns[0].Accept()
+						if err != nil {
+							return
+						}
+						cs = append(cs, c)
+						wg.Add(1)
+						go func() { defer wg.Done(); tc.serve(c) }()
+					}
+				}()
+				_, err := Exchange(xContext(t, 1500*time.Millisecond), ExchangeConfig{Rank: 1, Size: 2, Mode: mode, Addrs: addrs,
+					Listener: lns[1], Job: "job", Token: []byte("token"), HelloTimeout: 200 * time.Millisecond}, xOut(1, 2))
+				t.Log(err)
+				for _, want := range tc.want {
+					if err == nil || !strings.Contains(err.Error(), want) {
+						t.Errorf("%v, want %q", err, want)
+					}
+				}
+			})
+		}
+	}
+}
+
 // TestExchangeMissingRank: rank 2 never starts; the others fail by their
 // deadline (in a rendezvous, rank 1 is told by the root before its own).
 func TestExchangeMissingRank(t *testing.T) {
@@ -201,8 +308,10 @@ func TestExchangeMissingRank(t *testing.T) {
 	}
 }
 
-func xFakeRank(t testing.TB, rank, n int, token string) *exchange {
-	x, err := newExchange(ExchangeConfig{Rank: rank, Size: n, Addrs: make([]string, n), Root: "unused", Job: "job", Token: []byte(token)}, make([][]byte, n))
+// xFakeRank is the exchange of a rank of a world of n in mode, whose
+// handshakes tests run by hand.
+func xFakeRank(t testing.TB, mode Mode, rank, n int, token string) *exchange {
+	x, err := newExchange(ExchangeConfig{Rank: rank, Size: n, Mode: mode, Addrs: make([]string, n), Root: "unused", Job: "job", Token: []byte(token)}, make([][]byte, n))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -228,7 +337,7 @@ func TestExchangePeerDies(t *testing.T) {
 			xNoLeaks(t)
 			lns, addrs := xListeners(t, 2)
 			fake := 1 - tc.real
-			fx := xFakeRank(t, fake, 2, "token")
+			fx := xFakeRank(t, tc.mode, fake, 2, "token")
 			done := xGo(context.Background(), ExchangeConfig{Rank: tc.real, Size: 2, Mode: tc.mode, Addrs: addrs,
 				Listener: lns[tc.real], Job: "job", Token: []byte("token")})
 			ctx := xContext(t, time.Minute)
@@ -311,10 +420,10 @@ func TestExchangeStrangers(t *testing.T) {
 				t.Errorf("garbage: the connection was not closed after the reject (%q, %v)", rest, err)
 			}
 			c.Close()
-			// A hello for a world of 3.
-			k, err := xFakeRank(t, 1, 3, "token").dial(ctx, 0, addrs[0])
+			// A hello for another rank.
+			k, err := xFakeRank(t, mode, 0, 2, "token").dial(ctx, 1, addrs[0])
 			if !errors.Is(err, ErrBadFrame) {
-				t.Errorf("hello of another world size: %v, want ErrBadFrame", err)
+				t.Errorf("hello for another rank: %v, want ErrBadFrame", err)
 			}
 			if k != nil {
 				k.c.Close()

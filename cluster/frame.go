@@ -31,6 +31,11 @@ var (
 	ErrFrameTooLarge = errors.New("cluster: exchange: frame too large")
 	// ErrVersion: the peer speaks another version of the protocol.
 	ErrVersion = errors.New("cluster: exchange: unsupported protocol version")
+	// ErrModeMismatch: the peer runs the exchange in another Mode
+	// (rendezvous against all-to-all).
+	ErrModeMismatch = errors.New("cluster: exchange: the ranks use different exchange modes")
+	// ErrSizeMismatch: the peer has another world size.
+	ErrSizeMismatch = errors.New("cluster: exchange: the ranks disagree on the world size")
 )
 
 // DefaultMaxFrame is the default maximum size of one message of the
@@ -46,7 +51,9 @@ const DefaultMaxFrame = 64 << 20
 //	[0:4]  magic "GVCX"
 //	[4]    version (2)
 //	[5]    type: msgHello, msgProof, msgAccept, msgReject
-//	[6:8]  reserved, zero
+//	[6]    in a hello, the sender's exchange Mode (0 all-to-all, 1
+//	       rendezvous); reserved, zero, in the other messages
+//	[7]    reserved, zero
 //
 // A reader checks the magic and the version from the prefix alone, so a
 // peer of another version fails with ErrVersion whatever it sends next;
@@ -118,6 +125,8 @@ const (
 	rejectJob     = 2
 	rejectVersion = 3
 	rejectRank    = 4
+	rejectMode    = 5
+	rejectSize    = 6
 )
 
 // Labels of the MACs and keys: every use of the token has its own.
@@ -167,6 +176,7 @@ func putPrefix(b []byte, typ byte) {
 
 // hello is a decoded hello message.
 type hello struct {
+	mode           Mode
 	from, to, size uint32
 	job            [tagLen]byte
 	nonce          [nonceLen]byte
@@ -178,6 +188,7 @@ type hello struct {
 func encodeHello(h *hello, mk []byte, dialer []byte) [helloLen]byte {
 	var b [helloLen]byte
 	putPrefix(b[:], msgHello)
+	b[6] = byte(h.mode)
 	binary.BigEndian.PutUint32(b[8:], h.from)
 	binary.BigEndian.PutUint32(b[12:], h.to)
 	binary.BigEndian.PutUint32(b[16:], h.size)
@@ -203,7 +214,11 @@ func decodeHello(b []byte, mk []byte, dialer []byte) (*hello, error) {
 	if !hmac.Equal(helloMAC(mk, dialer, b[:68]), b[68:]) {
 		return nil, fmt.Errorf("%w: the hello's MAC does not match (do the ranks share the token?)", ErrAuth)
 	}
+	if b[6] > byte(Rendezvous) {
+		return nil, fmt.Errorf("%w: unknown exchange mode %d in a hello", ErrBadFrame, b[6])
+	}
 	h := &hello{
+		mode: Mode(b[6]),
 		from: binary.BigEndian.Uint32(b[8:]),
 		to:   binary.BigEndian.Uint32(b[12:]),
 		size: binary.BigEndian.Uint32(b[16:]),
@@ -264,7 +279,7 @@ func decodeReject(b []byte) (*reject, error) {
 		return nil, fmt.Errorf("%w: not a reject", ErrBadFrame)
 	}
 	n := int(b[21])
-	if b[20] < rejectAuth || b[20] > rejectRank {
+	if b[20] < rejectAuth || b[20] > rejectSize {
 		return nil, fmt.Errorf("%w: reject code %d", ErrBadFrame, b[20])
 	}
 	for _, c := range b[22+n:] {
@@ -311,7 +326,7 @@ func readControl(r io.Reader, buf *[rejectLen]byte, want ...byte) ([]byte, error
 	if b[4] != frameVersion {
 		return nil, fmt.Errorf("%w: the peer speaks version %d, this rank %d", ErrVersion, b[4], frameVersion)
 	}
-	if b[6] != 0 || b[7] != 0 {
+	if (b[6] != 0 && b[5] != msgHello) || b[7] != 0 {
 		return nil, fmt.Errorf("%w: reserved bits set", ErrBadFrame)
 	}
 	ok := false
@@ -483,6 +498,10 @@ func rejectError(r *reject) error {
 		cause = ErrJobMismatch
 	case rejectVersion:
 		cause = ErrVersion
+	case rejectMode:
+		cause = ErrModeMismatch
+	case rejectSize:
+		cause = ErrSizeMismatch
 	default:
 		cause = ErrBadFrame
 	}
@@ -498,6 +517,10 @@ func rejectCode(err error) byte {
 		return rejectJob
 	case errors.Is(err, ErrVersion):
 		return rejectVersion
+	case errors.Is(err, ErrModeMismatch):
+		return rejectMode
+	case errors.Is(err, ErrSizeMismatch):
+		return rejectSize
 	}
 	return rejectRank
 }

@@ -14,8 +14,8 @@ var xKey = macKey([]byte("k"))
 // xHellos returns a dialer's hello and the acceptor's answer.
 func xHellos() (dh, ah [helloLen]byte) {
 	job := jobTag(xKey, "job-1")
-	dh = encodeHello(&hello{from: 3, to: 5, size: 8, job: job, nonce: [nonceLen]byte{1, 2, 3}}, xKey, nil)
-	ah = encodeHello(&hello{from: 5, to: 3, size: 8, job: job, nonce: [nonceLen]byte{4, 5, 6}}, xKey, dh[:])
+	dh = encodeHello(&hello{mode: Rendezvous, from: 3, to: 5, size: 8, job: job, nonce: [nonceLen]byte{1, 2, 3}}, xKey, nil)
+	ah = encodeHello(&hello{mode: Rendezvous, from: 5, to: 3, size: 8, job: job, nonce: [nonceLen]byte{4, 5, 6}}, xKey, dh[:])
 	return dh, ah
 }
 
@@ -54,7 +54,7 @@ func TestHelloRoundTrip(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if h.from != tc.want || h.size != 8 || h.job != jobTag(xKey, "job-1") {
+			if h.mode != Rendezvous || h.from != tc.want || h.size != 8 || h.job != jobTag(xKey, "job-1") {
 				t.Errorf("decoded %+v", h)
 			}
 		})

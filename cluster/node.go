@@ -248,9 +248,19 @@ func (n *Node) PeerData(j int) []byte {
 //
 // It fails with a *BarrierError: ErrNotInGroup or ErrBadGroup for a bad
 // group; a timeout (wrapping verbs.ErrTimeout and ctx's error) when ctx
-// ends first; a transport error. After a timeout or a transport error
-// the barrier is poisoned (ErrPoisoned) until every rank calls
-// ResetBarrier.
+// ends first; a *RankError (wrapping ErrPeerLost) when a rank of the
+// world failed. After a timeout the barrier is poisoned (ErrPoisoned)
+// until every rank calls ResetBarrier; after a rank failed, for good.
+//
+// Failures reach every rank: the rank that sees a rank fail (its queue
+// pair breaks: the process died, or stopped answering for longer than
+// the queue pairs' transport timeout, verbs.QPSpec.Timeout × (RetryCount
+// + 1)) writes the news into every other rank's flags, where every
+// waiting rank sees it as it polls. A rank that waits for a peer for a
+// while (beyond its first spins) checks that the peer is alive, with one
+// small RDMA write every few milliseconds. So every barrier of every
+// surviving rank fails, naming the rank that failed, within about the
+// transport timeout plus a few one-way latencies, whatever its ctx.
 func (n *Node) Barrier(ctx context.Context, peers []int) error {
 	n.mu.Lock()
 	phase := n.phase
@@ -259,6 +269,20 @@ func (n *Node) Barrier(ctx context.Context, peers []int) error {
 		return fmt.Errorf("%w: barrier before Connect or after Close", ErrNodeState)
 	}
 	return n.bar.wait(ctx, peers)
+}
+
+// Err returns the failure of a rank of the world, a *RankError, once this
+// rank saw one (in a barrier) or another rank told it of one, and nil
+// otherwise. Once it is set, every barrier fails (ErrPoisoned wrapping
+// it), for good: a world that lost a rank cannot be repaired. Safe for
+// concurrent use, also during a barrier; nil after Close.
+func (n *Node) Err() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.phase != 2 {
+		return nil
+	}
+	return n.bar.worldErr()
 }
 
 // ResetBarrier clears a poisoned barrier. It is collective: after a

@@ -14,11 +14,13 @@ import (
 	"time"
 )
 
-// procChildEnv makes the test binary a helper process: "dial,ADDR,RANK,SIZE"
-// says hello to ADDR as rank RANK of SIZE; "accept,RANK,SIZE" accepts one
-// hello on the listener inherited as fd 3. Either way it then prints
+// procChildEnv makes the test binary a helper process: "dial,ADDR,RANK,SIZE,
+// hello|data,MODE" says hello to ADDR as rank RANK of SIZE in exchange
+// mode MODE (a number); "accept,RANK,SIZE,MODE" accepts one hello on the
+// listener inherited as fd 3. Either way it then prints
 // "ready" and waits to be killed. "attack,MODE,SIZE" is the root of
-// TestExchangeStrangerMemory (see attackRoot).
+// TestExchangeStrangerMemory (see attackRoot); "rank,..." a rank of a
+// failure test (see failChild).
 const procChildEnv = "GOVERBS_CLUSTER_TEST_CHILD"
 
 func TestMain(m *testing.M) {
@@ -35,7 +37,7 @@ func procChild(spec string) int {
 	switch parts[0] {
 	case "dial":
 		rank, size := atoi(parts[2]), atoi(parts[3])
-		x := procExchange(rank, size)
+		x := procExchange(Mode(atoi(parts[5])), rank, size)
 		k, err := x.dial(ctx, 0, parts[1])
 		if err != nil {
 			fmt.Println("error:", err)
@@ -52,6 +54,8 @@ func procChild(spec string) int {
 		}
 	case "attack":
 		return attackRoot(parts[1], atoi(parts[2]))
+	case "rank":
+		return failChild(parts)
 	case "accept":
 		rank, size := atoi(parts[1]), atoi(parts[2])
 		f := os.NewFile(3, "listener")
@@ -65,7 +69,7 @@ func procChild(spec string) int {
 			fmt.Println("error:", err)
 			return 1
 		}
-		if _, err := procExchange(rank, size).accept(ctx, c, nil, nil, func(int) error { return nil }); err != nil {
+		if _, err := procExchange(Mode(atoi(parts[3])), rank, size).accept(ctx, c, nil, nil, func(int) error { return nil }); err != nil {
 			fmt.Println("error:", err)
 			return 1
 		}
@@ -77,8 +81,8 @@ func procChild(spec string) int {
 	select {} // until killed
 }
 
-func procExchange(rank, size int) *exchange {
-	x, err := newExchange(ExchangeConfig{Rank: rank, Size: size, Addrs: make([]string, size), Root: "unused",
+func procExchange(mode Mode, rank, size int) *exchange {
+	x, err := newExchange(ExchangeConfig{Rank: rank, Size: size, Mode: mode, Addrs: make([]string, size), Root: "unused",
 		Job: "job", Token: []byte("token")}, make([][]byte, size))
 	if err != nil {
 		panic(err)
@@ -140,7 +144,7 @@ func TestExchangeRankKilled(t *testing.T) {
 			var child *exec.Cmd
 			if tc.real == 0 {
 				start(lns[0])
-				child = procStart(t, fmt.Sprintf("dial,%s,1,2,hello", addrs[0]))
+				child = procStart(t, fmt.Sprintf("dial,%s,1,2,hello,%d", addrs[0], tc.mode))
 			} else {
 				// The helper is rank 0: it owns rank 0's listener.
 				f, err := lns[0].(*net.TCPListener).File()
@@ -149,7 +153,7 @@ func TestExchangeRankKilled(t *testing.T) {
 				}
 				lns[0].Close()
 				start(nil)
-				child = procStart(t, "accept,0,2", f)
+				child = procStart(t, fmt.Sprintf("accept,0,2,%d", tc.mode), f)
 				f.Close()
 			}
 			if err := child.Process.Kill(); err != nil {
@@ -190,7 +194,7 @@ func TestRendezvousRankKilled(t *testing.T) {
 			errs <- fmt.Errorf("rank %d: %w", r, err)
 		}()
 	}
-	child := procStart(t, fmt.Sprintf("dial,%s,2,3,hello", addrs[0]))
+	child := procStart(t, fmt.Sprintf("dial,%s,2,3,hello,%d", addrs[0], Rendezvous))
 	if err := child.Process.Kill(); err != nil {
 		t.Fatal(err)
 	}

@@ -30,6 +30,7 @@
 // which launcher it found first:
 //
 //	GOVERBS_ROOT=127.0.0.1:18515 mpirun -np 4 ./network -launcher
+//	GOVERBS_ROOT=127.0.0.1:18515 GOVERBS_JOB=$(uuidgen) mpiexec.hydra -np 4 ./network -launcher
 //	srun -n 8 ./network -launcher        # rank 0 on the step's first node
 //	torchrun --nproc-per-node 4 --no-python ./network -launcher
 //
@@ -129,6 +130,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ln net.Li
 		opts.Listener = ln
 	}
 	var node *cluster.Node
+	who := *rank // this process' rank, as far as it is known
 	switch {
 	case *launcher:
 		if *configPath != "" || *rank >= 0 {
@@ -137,8 +139,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ln net.Li
 		m = cluster.Rendezvous // FromEnv's mode
 		l, perr := cluster.ParseLaunch(cluster.EnvOptions{})
 		if perr != nil {
-			return fail(stderr, -1, perr)
+			fmt.Fprintf(stderr, "network: launcher: %v\n", perr)
+			return exitFail
 		}
+		who = l.Rank
 		fmt.Fprintf(stdout, "rank %d/%d: launched by %s (local rank %d, job %q, rank 0 at %s)\n", l.Rank, l.Size, l.Launcher, l.LocalRank, l.Job, l.Root)
 		node, err = cluster.FromEnv(ctx, cluster.EnvOptions{Join: opts})
 	default:
@@ -153,7 +157,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ln net.Li
 		node, err = cluster.Join(ctx, cfg, *rank, opts)
 	}
 	if err != nil {
-		return fail(stderr, *rank, fmt.Errorf("join: %w", err))
+		return fail(stderr, who, fmt.Errorf("join: %w", err))
 	}
 	ex.node = node
 	defer ex.close()

@@ -127,6 +127,41 @@ func TestUsage(t *testing.T) {
 	}
 }
 
+// TestLauncherErrors: in launcher mode, an error names the rank the
+// launcher gave (not the -rank flag's default, -1), or says that the
+// launcher's environment is wrong.
+func TestLauncherErrors(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ln.Addr().String() // nobody listens there once closed
+	ln.Close()
+	for _, tc := range []struct {
+		name string
+		env  map[string]string
+		want string
+	}{
+		{"bad rank", map[string]string{"GOVERBS_RANK": "one", "GOVERBS_WORLD_SIZE": "2"}, "network: launcher: "},
+		{"rank 0 unreachable", map[string]string{"GOVERBS_RANK": "1", "GOVERBS_WORLD_SIZE": "2", "GOVERBS_ROOT": closed},
+			"network: rank 1: join: "},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for k, v := range tc.env {
+				t.Setenv(k, v)
+			}
+			var out, errb bytes.Buffer
+			if code := run(context.Background(), []string{"-launcher", "-timeout", "1s"}, &out, &errb, nil); code != exitFail {
+				t.Errorf("exit %d, want %d", code, exitFail)
+			}
+			if !strings.Contains(errb.String(), tc.want) || strings.Contains(errb.String(), "rank -1") {
+				t.Errorf("stderr %q, want %q and no rank -1", errb.String(), tc.want)
+			}
+			t.Log(strings.TrimSpace(errb.String()))
+		})
+	}
+}
+
 // TestRanksAsProcesses runs every rank in its own OS process (this test
 // binary, re-executed), each inheriting its listening socket. soft0 needs
 // its cross-process transport for this: where the device reports that it
@@ -232,7 +267,7 @@ func TestRealLaunchers(t *testing.T) {
 			root := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 			args := append(append([]string{}, tc.args...), "-np", strconv.Itoa(n), os.Args[0], "-launcher", "-timeout", "90s")
 			cmd := exec.CommandContext(ctx, bin, args...)
-			cmd.Env = append(os.Environ(), childEnv+"=1", "GOVERBS_ROOT="+root, "GOVERBS_TOKEN=launcher-secret",
+			cmd.Env = append(os.Environ(), childEnv+"=1", "GOVERBS_ROOT="+root, "GOVERBS_TOKEN=launcher-secret", "GOVERBS_JOB="+t.Name(),
 				"GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
 			out, err := cmd.CombinedOutput()
 			if err != nil {
