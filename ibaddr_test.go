@@ -82,7 +82,12 @@ func TestInfiniBandPortSoft(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	// Closed after the queue pairs of newRCPair (cleanups run last first).
+	t.Cleanup(func() {
+		if err := c.Close(); err != nil {
+			t.Errorf("close context: %v", err)
+		}
+	})
 	port, err := c.QueryPort(1)
 	if err != nil {
 		t.Fatal(err)
@@ -94,17 +99,29 @@ func TestInfiniBandPortSoft(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer pd.Close()
+	t.Cleanup(func() {
+		if err := pd.Close(); err != nil {
+			t.Errorf("close protection domain: %v", err)
+		}
+	})
 	cq, err := c.NewCompletionQueue(CQSpec{Entries: 16})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cq.Close()
+	t.Cleanup(func() {
+		if err := cq.Close(); err != nil {
+			t.Errorf("close completion queue: %v", err)
+		}
+	})
 	mr, err := pd.Alloc(4096, AccessLocalWrite|AccessRemoteRead)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer mr.Close()
+	t.Cleanup(func() {
+		if err := mr.Close(); err != nil {
+			t.Errorf("close memory region: %v", err)
+		}
+	})
 
 	for _, tc := range []struct {
 		name   string

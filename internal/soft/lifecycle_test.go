@@ -663,3 +663,37 @@ func TestStarvedPeerNotDeclaredDead(t *testing.T) {
 		})
 	}
 }
+
+// TestNotReadyPeerWaitedFor: a request to a QP that its process (on
+// this host, alive) has not moved to RTR yet waits for it longer than the
+// QP's retry count of transport timeouts, as the ranks of a large job on
+// a busy host connect their QPs one after the other after telling their
+// endpoints. soft0 failed it with RETRY_EXC_ERR after retry_cnt + 1
+// transport timeouts (8 ms here).
+func TestNotReadyPeerWaitedFor(t *testing.T) {
+	for _, kind := range []string{"unix", "shm"} {
+		t.Run(kind, func(t *testing.T) {
+			forceLife(t, kind)
+			e := newEnv(t)
+			p := testproc.Start(t, lifeEnv(kind)...)
+			l := newLifeQP(t, e)
+			p.Send(t, "open")
+			f := p.Line(t, "addr")
+			addr := must(hex.DecodeString(f[0]))
+			if err := connectTo(l.qp, addr, uint32(must(strconv.Atoi(f[1]))), 10, 1); err != nil {
+				t.Fatal(err)
+			}
+			l.send(t, 1) // the peer's QP is in RESET
+			time.Sleep(500 * time.Millisecond)
+			p.Send(t, "connect %s %d %d %d", hex.EncodeToString(l.qp.Address()), l.qp.QPN(), 10, 1)
+			p.Line(t, "ok")
+			p.Send(t, "recv 1")
+			p.Line(t, "ok")
+			if c := l.wait(t, 1)[0]; c.Status != prov.StatusSuccess {
+				t.Fatalf("send to a QP that reached RTR 500 ms later: %+v, want success", c)
+			}
+			p.Send(t, "exit")
+			p.Stop(t)
+		})
+	}
+}

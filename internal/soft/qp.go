@@ -71,6 +71,7 @@ type qp struct {
 	cbuf       [cbufLen]prov.Completion
 	ncbuf      int
 	retrying   bool
+	notReady   time.Time // when the head request was first found its target not ready (progMu)
 	rnrLeft    int
 	retryLeft  int
 	blocked    bool

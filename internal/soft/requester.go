@@ -382,6 +382,7 @@ func (q *qp) backoff(d time.Duration, left *int, infinite bool, seq uint64) bool
 // stopRetry ends the waiting of the head request and restores the retry
 // budgets for the next one.
 func (q *qp) stopRetry() {
+	q.notReady = time.Time{}
 	if q.timerArmed {
 		q.timer.Stop()
 		q.timerArmed = false

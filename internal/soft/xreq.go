@@ -624,6 +624,22 @@ func (q *qp) failFlight(w *sendWQE, status prov.Status, retired *int) {
 	}
 }
 
+// patientNotReady reports whether a target that is not ready yet (its QP
+// still in RESET or INIT) may be waited for without using up the retry
+// count: its process runs on this host (peerlife.go), and has been
+// waited for less than handshakeMax. The peer answered, so it is alive;
+// on a host with many more busy processes than processors it may take
+// longer than retry_cnt transport timeouts to move its QPs to RTR after
+// telling its endpoints (a job's hundreds of ranks connecting at once). A
+// NIC would drop the packets and retry; soft0 knows the peer is there.
+func (q *qp) patientNotReady(c *conn) bool {
+	now := time.Now()
+	if !q.retrying || q.notReady.IsZero() {
+		q.notReady = now
+	}
+	return now.Sub(q.notReady) < handshakeMax && c.life.ranWithin(localQuiet)
+}
+
 // retireOne applies one response to the oldest request in flight. It
 // reports whether the request failed (the QP must go to ERR).
 func (q *qp) retireOne(r *rresp, retired *int) bool {
@@ -683,7 +699,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 			ok = q.backoff(rnrDelay(r.resp.rnrTimer), &q.rnrLeft, q.attr.RNRRetry == 7, w.fseq)
 		} else {
 			d := transportTimeout(q.attr.Timeout)
-			ok = q.backoff(d, &q.retryLeft, d == 0, w.fseq)
+			ok = q.backoff(d, &q.retryLeft, d == 0 || q.patientNotReady(r.c), w.fseq)
 		}
 		if ok {
 			// Go back to this request; what followed it is dropped.
