@@ -263,7 +263,7 @@ func (s *Session) giveBack(o orphaned) {
 // ends first, o is given back.
 func (s *Session) awaitFor(ctx context.Context, op string, h channel.Handle, o orphaned) error {
 	if err := h.Wait(ctx); err != nil && !h.Done() {
-		go s.reap(h, o)
+		s.goTask(func() { s.reap(h, o) })
 		return s.ctxErr(op, err)
 	}
 	err := h.Err()

@@ -65,10 +65,22 @@ func (s *Session) grantBytes(mem []byte, mr LocalMR, access verbs.Access, lease 
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if a.err != nil {
+		// The session ended meanwhile: its grants are closed, or being.
+		a.granted -= n
+		win.Close()
+		return nil, s.fail("grant", nil)
+	}
 	a.nextG++
 	g := &grantState{id: a.nextG, mr: mr, win: win, n: n, served: served}
 	a.grants[g.id] = g
+	// Close waits for the timer's function if it fires (a stop that
+	// comes first says Done in its place: dropGrantLocked); the session
+	// lives (a.err is nil), so Close has not begun to wait.
+	s.leases.Add(1)
+	g.leases = &s.leases
 	g.timer = time.AfterFunc(lease+leaseGrace, func() { // runs after the unlock
+		defer s.leases.Done()
 		a.mu.Lock()
 		if a.grants[g.id] == g {
 			a.dropGrantLocked(g.id, g)
@@ -284,7 +296,7 @@ func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, post
 		return 0, s.fail(op, err)
 	}
 	if err := h.Wait(ctx); err != nil && !h.Done() {
-		go s.reap(h, o)
+		s.goTask(func() { s.reap(h, o) })
 		return 0, s.ctxErr(op, err)
 	}
 	err = h.Err()

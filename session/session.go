@@ -101,7 +101,9 @@ type Session struct {
 	ids     atomic.Uint64
 	bg      context.Context // ends with the session
 	bgStop  context.CancelFunc
-	agentWG sync.WaitGroup
+	agentWG sync.WaitGroup // the agent and the watcher
+	tasks   tasks          // reapers, the agent's answers and revocations
+	leases  sync.WaitGroup // lease timers of grants: one per timer not stopped before it fired
 
 	ops     chan struct{} // a token per request of the data queue pair in flight (QueueDepth)
 	done    chan struct{}
@@ -587,7 +589,9 @@ func (s *Session) Alloc(n int) (LocalMR, error) { return s.mem.Alloc(n) }
 // Close ends the session: the peer's calls and Done report
 // ErrPeerClosed. Requests in flight are flushed; memory the peer was
 // granted becomes unreachable; regions of the allocator become invalid.
-// Close is idempotent.
+// When Close returns, every goroutine the session started has ended
+// (the bootstrap connection's reader, pinger and keepalive, the agent,
+// reapers of cancelled requests, lease timers). Close is idempotent.
 func (s *Session) Close() error {
 	if !s.closed.CompareAndSwap(false, true) {
 		return nil
@@ -595,8 +599,49 @@ func (s *Session) Close() error {
 	s.end(ErrClosed)
 	s.ctl.close()
 	s.agentWG.Wait()
+	// The agent is gone: nothing starts tasks but tasks and callers of
+	// the API, which from now on run them inline (they return at once:
+	// the session has ended).
+	s.tasks.close()
 	s.release()
 	return nil
+}
+
+// tasks tracks the short-lived goroutines of a session (reapers of
+// cancelled requests, the agent's answers, revocations), so that Close
+// waits for them. Once closed, go runs its function in the caller's
+// goroutine instead: after the session's end each of them returns at
+// once. Safe for concurrent use.
+type tasks struct {
+	mu     sync.Mutex
+	closed bool
+	wg     sync.WaitGroup
+}
+
+// goTask runs f in a goroutine of the session (or inline if the session
+// is closing).
+func (s *Session) goTask(f func()) {
+	t := &s.tasks
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		f()
+		return
+	}
+	t.wg.Add(1)
+	t.mu.Unlock()
+	go func() {
+		defer t.wg.Done()
+		f()
+	}()
+}
+
+// close waits for the tasks running; later ones run inline.
+func (t *tasks) close() {
+	t.mu.Lock()
+	t.closed = true
+	t.mu.Unlock()
+	t.wg.Wait()
 }
 
 // release frees the session's resources (after end, or when the setup
@@ -606,6 +651,7 @@ func (s *Session) release() {
 		s.bgStop()
 	}
 	s.agent.closeGrants()
+	s.leases.Wait() // lease timers that fired before closeGrants stopped them
 	// Children before parents; errors of a session that ended have
 	// nobody to go to.
 	for _, c := range []*channel.Channel{s.data, s.agc} {
