@@ -189,6 +189,12 @@ func (s *Session) sendSlot(ctx context.Context, op string, buf LocalMR, hdr, pay
 		buf.Free()
 		return false, err
 	}
+	return s.postSlot(ctx, op, buf, hdr, payload)
+}
+
+// postSlot is sendSlot with the op token taken: it gives it back with
+// buf.
+func (s *Session) postSlot(ctx context.Context, op string, buf LocalMR, hdr, payload verbs.SGE) (posted bool, err error) {
 	for {
 		if err := s.dflow.wait(ctx, s.done); err != nil {
 			s.releaseOp()

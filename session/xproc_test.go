@@ -235,6 +235,7 @@ func TestCrossProcessScenarios(t *testing.T) {
 	}{
 		{"atomics", "main", clientAtomics},
 		{"imm", "main", clientImm},
+		{"writeimm", "main", clientWriteImm},
 		{"loop", "main", clientLoop},
 		{"slices", "main", clientSlices},
 		{"access", "main", clientAccess},
@@ -395,6 +396,27 @@ func clientImm(t *testing.T, ctx context.Context, s *Session) {
 		t.Errorf("the server says %q imm %d (%v)", got, imm, has)
 	}
 	m.Release()
+}
+
+// clientWriteImm writes with immediate data into the region the server
+// offers, wimmIters times, each write of its own bytes into a slot of
+// its own: the server sees the bytes of each when its notice arrives.
+func clientWriteImm(t *testing.T, ctx context.Context, s *Session) {
+	r, err := s.ReceiveRemoteMR(ctx)
+	must(t, "receive remote region", err)
+	src, err := s.Alloc(wimmSlot)
+	must(t, "alloc", err)
+	defer src.Free()
+	for i := range wimmIters {
+		n, off := wimmSizes[i%len(wimmSizes)], (i%wimmSlots)*wimmSlot
+		wimmPattern(src.Bytes()[:n], i)
+		dst, err := r.Slice(off, n)
+		must(t, "slice", err)
+		sl, err := src.Slice(0, n)
+		must(t, "slice", err)
+		must(t, fmt.Sprintf("write with imm %d", i), s.WriteImm(ctx, dst, uint32(i), sl))
+	}
+	must(t, "server", expectStr(ctx, s, "ok"))
 }
 
 // clientLoop is async-rdma's loop test, both ways and concurrently.
