@@ -29,19 +29,13 @@ func TestSessionDevices(t *testing.T) {
 		exercise(t, a, b, devs)
 	})
 	t.Run("cm", func(t *testing.T) {
-		a0, a1 := vmtest.Addr(devs[0]), vmtest.Addr(devs[1])
-		if a0 == "" || a1 == "" {
-			t.Skipf("no IP addresses on the netdevs of %s and %s: RDMA CM needs them", devs[0], devs[1])
-		}
-		srv := netip.MustParseAddr(a0)
-		cli := netip.MustParseAddr(a1)
-		lcfg := Config{UseCM: true, CMAddr: netip.AddrPortFrom(srv, 0).String()}
+		cp := vmtest.CMAddrs(t)
+		lcfg := Config{UseCM: true, CMAddr: cp.ListenAddr(0)}
 		dcfg := Config{UseCM: true}
 		a, b := pairWith(t, lcfg, dcfg, func(l *Listener, d *Config) {
 			// The listener's link-local address, with the zone of the
 			// dialer's netdev, so that rxe1 carries the connection.
-			port := netip.MustParseAddrPort(l.cm.addr).Port()
-			d.CMAddr = netip.AddrPortFrom(srv.WithZone(cli.Zone()), port).String()
+			d.CMAddr = cp.Target(netip.MustParseAddrPort(l.cm.addr).Port())
 		})
 		exercise(t, a, b, devs)
 	})
