@@ -337,7 +337,10 @@ func (s *Session) Write(ctx context.Context, dst RemoteSlice, src LocalSlice) er
 // whose IsWrite is true (and no bytes: the data is where it was
 // written). The notice takes a slot of the peer's ring, like a message,
 // and follows the write on the same queue pair: the data is in place
-// when the peer sees it. WriteImm returns when both are done.
+// when the peer sees it. WriteImm returns when both are done; if ctx
+// ends first, it returns ctx's error and the write, and its notice if it
+// was posted, may still take place (the library reclaims their buffers
+// and tokens when the device is done with them).
 func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src LocalSlice) error {
 	const op = "write with immediate"
 	if err := s.checkRemote(op, dst, verbs.AccessRemoteWrite); err != nil {
