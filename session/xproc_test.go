@@ -67,8 +67,17 @@ func (tr xtransport) config(c Config) Config {
 	if tr.tls {
 		c.TLS = "on"
 	}
+	if tr.srvDev != "" && c.Keepalive == 0 {
+		// In the VM (rxe under QEMU's TCG, on a loaded host) a process
+		// was seen silent for 6.5 s: past the default keepalive.
+		c.Keepalive = vmKeepalive
+	}
 	return c
 }
+
+// vmKeepalive is the keepalive of the sessions between processes in the
+// VM.
+const vmKeepalive = 30 * time.Second
 
 // serverConfig is c for a listener of the server on tr.
 func (tr xtransport) serverConfig(c Config) Config {
