@@ -601,8 +601,7 @@ func (s *Session) Close() error {
 	s.ctl.close()
 	s.agentWG.Wait()
 	// The agent is gone: nothing starts tasks but tasks and callers of
-	// the API, which from now on run them inline (they return at once:
-	// the session has ended).
+	// the API racing Close, whose tasks no longer run (see goTask).
 	s.tasks.close()
 	s.release()
 	return nil
@@ -610,23 +609,22 @@ func (s *Session) Close() error {
 
 // tasks tracks the short-lived goroutines of a session (reapers of
 // cancelled requests, the agent's answers, revocations), so that Close
-// waits for them. Once closed, go runs its function in the caller's
-// goroutine instead: after the session's end each of them returns at
-// once. Safe for concurrent use.
+// waits for them. Safe for concurrent use.
 type tasks struct {
 	mu     sync.Mutex
 	closed bool
 	wg     sync.WaitGroup
 }
 
-// goTask runs f in a goroutine of the session (or inline if the session
-// is closing).
+// goTask runs f in a goroutine of the session. Once Close has begun to
+// wait for them, f does not run: the session has ended, so an answer
+// would not go out, and what a reaper would give back (a buffer, an op
+// token) goes with the session's resources; f could meet them freed.
 func (s *Session) goTask(f func()) {
 	t := &s.tasks
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()
-		f()
 		return
 	}
 	t.wg.Add(1)
@@ -637,7 +635,7 @@ func (s *Session) goTask(f func()) {
 	}()
 }
 
-// close waits for the tasks running; later ones run inline.
+// close waits for the tasks running; later ones do not run.
 func (t *tasks) close() {
 	t.mu.Lock()
 	t.closed = true
