@@ -7,7 +7,6 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"net/netip"
 	"syscall"
 	"testing"
 	"time"
@@ -65,31 +64,6 @@ func (s *cmSide) spec() verbs.QPSpec {
 	return verbs.QPSpec{SendCQ: s.cq, MaxSendWR: 16, MaxRecvWR: 16}
 }
 
-// cmAddrs returns the address for the server device's listener and, for
-// the client, the same address with the zone of the client device's netdev:
-// the kernel routes it over the veth pair, so the dialer uses the client
-// device (as perftest does: server rxe0, client rxe1).
-func cmAddrs(t *testing.T) (server, client string, listen netip.Addr, dialZone string) {
-	t.Helper()
-	devs := vmtest.Devices()
-	if len(devs) < 2 {
-		t.Skip("needs two RDMA devices with IP addresses (rxe0, rxe1): run in the SoftRoCE VM (go test -tags ibverbs -exec \"$PWD/scripts/vm/run.sh --\")")
-	}
-	a0, a1 := vmtest.Addr(devs[0]), vmtest.Addr(devs[1])
-	if a0 == "" || a1 == "" {
-		t.Skipf("the VM gave no IP address to the netdevs of %s and %s (GOVERBS_VM_ADDRS=%q): RDMA CM needs one", devs[0], devs[1], vmtest.Addr(devs[0])+","+vmtest.Addr(devs[1]))
-	}
-	l, err := netip.ParseAddr(a0)
-	if err != nil {
-		t.Fatalf("address of %s: %v", devs[0], err)
-	}
-	c, err := netip.ParseAddr(a1)
-	if err != nil {
-		t.Fatalf("address of %s: %v", devs[1], err)
-	}
-	return devs[0], devs[1], l, c.Zone()
-}
-
 // padded checks that got is want zero-padded to n bytes, as the CM
 // delivers private data.
 func padded(t *testing.T, what string, got, want []byte, n int) {
@@ -119,14 +93,15 @@ type acceptResult struct {
 // context handling, disconnection and release of every resource.
 func TestCMDevices(t *testing.T) {
 	verbstest.CheckLeaks(t)
-	srvDev, cliDev, srvIP, cliZone := cmAddrs(t)
+	cp := vmtest.CMAddrs(t) // server on the first device, client on the second
+	srvDev, cliDev, srvIP, cliZone := cp.Server, cp.Client, cp.Listen, cp.DialZone
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 
 	srv := openCMSide(t, srvDev)
 	cli := openCMSide(t, cliDev)
 
-	l, err := verbs.ListenCM(ctx, netip.AddrPortFrom(srvIP, 0).String(), verbs.CMListenOptions{Backlog: 8})
+	l, err := verbs.ListenCM(ctx, cp.ListenAddr(0), verbs.CMListenOptions{Backlog: 8})
 	if err != nil {
 		t.Fatalf("ListenCM: %v", err)
 	}
@@ -134,7 +109,7 @@ func TestCMDevices(t *testing.T) {
 	if l.Addr().Port() == 0 || l.Addr().Addr() != srvIP {
 		t.Fatalf("listener address %v, want %v with a port", l.Addr(), srvIP)
 	}
-	target := netip.AddrPortFrom(srvIP.WithZone(cliZone), l.Addr().Port()).String()
+	target := cp.Target(l.Addr().Port())
 	t.Logf("listening on %v (%s); dialing %s", l.Addr(), srvDev, target)
 
 	route, err := verbs.ResolveCM(ctx, target)
@@ -393,7 +368,7 @@ func TestCMDevices(t *testing.T) {
 
 	t.Run("NoListener", func(t *testing.T) {
 		// A port that was just listened on and is free again.
-		l2, err := verbs.ListenCM(ctx, netip.AddrPortFrom(srvIP, 0).String(), verbs.CMListenOptions{})
+		l2, err := verbs.ListenCM(ctx, cp.ListenAddr(0), verbs.CMListenOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -401,7 +376,7 @@ func TestCMDevices(t *testing.T) {
 		if err := l2.Close(); err != nil {
 			t.Fatal(err)
 		}
-		c, err := verbs.DialCM(ctx, netip.AddrPortFrom(srvIP.WithZone(cliZone), port).String(), cli.pd, cli.spec(), nil)
+		c, err := verbs.DialCM(ctx, cp.Target(port), cli.pd, cli.spec(), nil)
 		if err == nil {
 			c.Close()
 			t.Fatal("DialCM to a port without listener succeeded")
@@ -583,7 +558,7 @@ func TestCMDevices(t *testing.T) {
 	})
 
 	t.Run("ListenerClose", func(t *testing.T) {
-		l2, err := verbs.ListenCM(ctx, netip.AddrPortFrom(srvIP, 0).String(), verbs.CMListenOptions{})
+		l2, err := verbs.ListenCM(ctx, cp.ListenAddr(0), verbs.CMListenOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -602,7 +577,7 @@ func TestCMDevices(t *testing.T) {
 			}
 			got <- err
 		}()
-		c, err := verbs.DialCM(ctx, netip.AddrPortFrom(srvIP.WithZone(cliZone), l2.Addr().Port()).String(), cli.pd, cli.spec(), nil)
+		c, err := verbs.DialCM(ctx, cp.Target(l2.Addr().Port()), cli.pd, cli.spec(), nil)
 		if err == nil {
 			c.Close()
 			t.Error("DialCM to a listener closed with the request pending succeeded")

@@ -7,7 +7,6 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"net/netip"
 	"syscall"
 	"testing"
 	"time"
@@ -78,28 +77,15 @@ type cmEnv struct {
 
 func newCMEnv(t *testing.T, ctx context.Context) *cmEnv {
 	t.Helper()
-	devs := vmtest.Require(t)
-	if len(devs) < 2 {
-		t.Skip("needs two RDMA devices (rxe0, rxe1)")
-	}
-	a0, a1 := vmtest.Addr(devs[0]), vmtest.Addr(devs[1])
-	if a0 == "" || a1 == "" {
-		t.Skipf("no IP addresses on the netdevs of %s and %s: RDMA CM needs them", devs[0], devs[1])
-	}
-	srvIP, err := netip.ParseAddr(a0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cliIP, err := netip.ParseAddr(a1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	env := &cmEnv{srv: openCMSide(t, devs[0]), cli: openCMSide(t, devs[1])}
-	if env.l, err = verbs.ListenCM(ctx, netip.AddrPortFrom(srvIP, 0).String(), verbs.CMListenOptions{}); err != nil {
+	cp := vmtest.CMAddrs(t) // skips outside the VM
+
+	env := &cmEnv{srv: openCMSide(t, cp.Server), cli: openCMSide(t, cp.Client)}
+	var err error
+	if env.l, err = verbs.ListenCM(ctx, cp.ListenAddr(0), verbs.CMListenOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { closeOrFail(t, "listener", env.l.Close) })
-	env.target = netip.AddrPortFrom(srvIP.WithZone(cliIP.Zone()), env.l.Addr().Port()).String()
+	env.target = cp.Target(env.l.Addr().Port())
 	return env
 }
 

@@ -106,7 +106,9 @@ tier_multiprocess() {
 # suite on rxe0/rxe1, the RDMA CM API across rxe0 and rxe1, error texts,
 # addressing, memlock accounting) and TestCMNotSupported, the channel
 # package's tests of every device (channels connected by the RDMA CM), the
-# session package's (sessions on rxe0/rxe1 over both bootstraps), the goverbs
+# session package's (sessions on rxe0/rxe1 over both bootstraps: async-rdma's
+# scenarios between two processes, a killed peer, the automatic choice of the
+# device that routes to the peer), the goverbs
 # command on rxe, and the cgo crossings of the data path once more with the
 # shim's per-call counters compiled in (-tags ibv_count, TestCgoCrossings).
 tier_vm() {

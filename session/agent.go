@@ -47,6 +47,7 @@ type grantState struct {
 	n      int64
 	served bool // allocated by the agent for the peer's request
 	timer  *time.Timer
+	leases *sync.WaitGroup // the session's, which counts timer until it fired or was stopped
 }
 
 // maxQueued bounds the offers and hand-backs waiting for the application.
@@ -112,8 +113,8 @@ func (a *agentState) closeGrants() {
 
 func (a *agentState) dropGrantLocked(id uint64, g *grantState) {
 	delete(a.grants, id)
-	if g.timer != nil {
-		g.timer.Stop()
+	if g.timer != nil && g.timer.Stop() {
+		g.leases.Done() // its function will not run
 	}
 	g.win.Close()
 	a.granted -= g.n
@@ -238,7 +239,7 @@ func (s *Session) sendCtrl(ctx context.Context, m ctrlMsg) error {
 
 // sendAsync sends m in the background (answers of the agent, fins).
 func (s *Session) sendAsyncCtrl(m ctrlMsg) {
-	go s.sendCtrl(s.bg, m)
+	s.goTask(func() { s.sendCtrl(s.bg, m) })
 }
 
 // call sends a request and waits for its answer.
@@ -387,14 +388,14 @@ func (s *Session) handle(m ctrlMsg) {
 		reply(ctrlMsg{typ: ctrlAck})
 	case ctrlRevoke:
 		r := s.lookupRemote(m.grant)
-		go func() {
+		s.goTask(func() {
 			if r != nil {
 				r.state.CompareAndSwap(remoteLive, remoteRevoked)
 				r.quiesce(s.done)
 				s.forgetRemote(m.grant)
 			}
 			reply(ctrlMsg{typ: ctrlAck})
-		}()
+		})
 	case ctrlAck, ctrlErr:
 		s.answered(m)
 	case ctrlFin:

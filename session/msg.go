@@ -189,6 +189,12 @@ func (s *Session) sendSlot(ctx context.Context, op string, buf LocalMR, hdr, pay
 		buf.Free()
 		return false, err
 	}
+	return s.postSlot(ctx, op, buf, hdr, payload)
+}
+
+// postSlot is sendSlot with the op token taken: it gives it back with
+// buf.
+func (s *Session) postSlot(ctx context.Context, op string, buf LocalMR, hdr, payload verbs.SGE) (posted bool, err error) {
 	for {
 		if err := s.dflow.wait(ctx, s.done); err != nil {
 			s.releaseOp()
@@ -263,7 +269,7 @@ func (s *Session) giveBack(o orphaned) {
 // ends first, o is given back.
 func (s *Session) awaitFor(ctx context.Context, op string, h channel.Handle, o orphaned) error {
 	if err := h.Wait(ctx); err != nil && !h.Done() {
-		go s.reap(h, o)
+		s.goTask(func() { s.reap(h, o) })
 		return s.ctxErr(op, err)
 	}
 	err := h.Err()

@@ -65,10 +65,22 @@ func (s *Session) grantBytes(mem []byte, mr LocalMR, access verbs.Access, lease 
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if a.err != nil {
+		// The session ended meanwhile: its grants are closed, or being.
+		a.granted -= n
+		win.Close()
+		return nil, s.fail("grant", nil)
+	}
 	a.nextG++
 	g := &grantState{id: a.nextG, mr: mr, win: win, n: n, served: served}
 	a.grants[g.id] = g
+	// Close waits for the timer's function if it fires (a stop that
+	// comes first says Done in its place: dropGrantLocked); the session
+	// lives (a.err is nil), so Close has not begun to wait.
+	s.leases.Add(1)
+	g.leases = &s.leases
 	g.timer = time.AfterFunc(lease+leaseGrace, func() { // runs after the unlock
+		defer s.leases.Done()
 		a.mu.Lock()
 		if a.grants[g.id] == g {
 			a.dropGrantLocked(g.id, g)
@@ -284,7 +296,7 @@ func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, post
 		return 0, s.fail(op, err)
 	}
 	if err := h.Wait(ctx); err != nil && !h.Done() {
-		go s.reap(h, o)
+		s.goTask(func() { s.reap(h, o) })
 		return 0, s.ctxErr(op, err)
 	}
 	err = h.Err()
@@ -322,10 +334,13 @@ func (s *Session) Write(ctx context.Context, dst RemoteSlice, src LocalSlice) er
 }
 
 // WriteImm writes src into dst and gives the peer a Message with imm
-// whose IsWrite is true (and no bytes: the data is where it was written;
-// the notice
-// follows the write on the queue pair, so the data is in place when the
-// peer sees it; it takes a slot of the peer's ring, like a message).
+// whose IsWrite is true (and no bytes: the data is where it was
+// written). The notice takes a slot of the peer's ring, like a message,
+// and follows the write on the same queue pair: the data is in place
+// when the peer sees it. WriteImm returns when both are done; if ctx
+// ends first, it returns ctx's error and the write, and its notice if it
+// was posted, may still take place (the library reclaims their buffers
+// and tokens when the device is done with them).
 func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src LocalSlice) error {
 	const op = "write with immediate"
 	if err := s.checkRemote(op, dst, verbs.AccessRemoteWrite); err != nil {
@@ -338,14 +353,88 @@ func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src
 	if err != nil {
 		return fmt.Errorf("session: %s: %w", op, err)
 	}
-	if _, err := s.remoteOp(ctx, op, dst, func() (channel.Handle, error) { return s.data.PostWrite(dst.addr(), src.SGE()) }); err != nil {
+	putDataHdr(note.Bytes(), dataWrite, 0, uint32(dst.Len()))
+	setImm(note.Bytes(), imm, true)
+	if cap(s.ops) < 2 {
+		// One request in flight at most (QueueDepth 1): one after the
+		// other.
+		if _, err := s.remoteOp(ctx, op, dst, func() (channel.Handle, error) { return s.data.PostWrite(dst.addr(), src.SGE()) }); err != nil {
+			note.Free()
+			return err
+		}
+		_, err = s.sendSlot(ctx, op, note, note.All().SGE(), verbs.SGE{})
+		return err
+	}
+	// Both requests at once: the write, then the notice (a write with
+	// immediate data into the peer's ring), posted back to back on the
+	// data queue pair without waiting in between. On one RC queue pair
+	// the responder executes requests in the order they were posted,
+	// and a receive completion (the notice's) is not given before the
+	// data of the requests before it is placed in memory (InfiniBand
+	// spec., the ordering rules of a reliable connection; soft0 keeps
+	// them): the peer that sees the notice sees the bytes. One wait, for
+	// the notice, whose completion also comes after the write's (send
+	// completions of one queue pair are in order).
+	if err := s.acquireOps2(ctx, op); err != nil {
 		note.Free()
 		return err
 	}
-	putDataHdr(note.Bytes(), dataWrite, 0, uint32(dst.Len()))
-	setImm(note.Bytes(), imm, true)
-	_, err = s.sendSlot(ctx, op, note, note.All().SGE(), verbs.SGE{})
-	return err
+	r := dst.r
+	r.inflight.Add(1)
+	o := orphaned{op: true, r: r}
+	if err := r.valid(); err != nil {
+		s.giveBack(o)
+		s.releaseOp()
+		note.Free()
+		return fmt.Errorf("session: %s: %w", op, err)
+	}
+	hw, err := s.data.PostWrite(dst.addr(), src.SGE())
+	if err != nil {
+		s.giveBack(o)
+		s.releaseOp()
+		note.Free()
+		return s.fail(op, err)
+	}
+	_, nerr := s.postSlot(ctx, op, note, note.All().SGE(), verbs.SGE{})
+	// The write completed before the notice did, if it did; if the
+	// notice was not posted (ctx ended while it waited for a credit),
+	// or its wait ended with ctx, the write may still be in flight.
+	if err := hw.Wait(ctx); err != nil && !hw.Done() {
+		s.goTask(func() { s.reap(hw, o) })
+		if nerr != nil {
+			return nerr
+		}
+		return s.ctxErr(op, err)
+	}
+	werr := hw.Err()
+	hw.Release()
+	s.giveBack(o)
+	if werr != nil {
+		return s.fail(op, werr)
+	}
+	return nerr
+}
+
+// acquireOps2 takes two op tokens (a request and the notice that
+// follows it). One caller at a time may hold one of two, so callers
+// that each wait for a second never hold them all.
+func (s *Session) acquireOps2(ctx context.Context, op string) error {
+	select {
+	case s.pairs <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("session: %s: %w", op, ctx.Err())
+	case <-s.done:
+		return s.fail(op, nil)
+	}
+	defer func() { <-s.pairs }()
+	if err := s.acquireOp(ctx, op); err != nil {
+		return err
+	}
+	if err := s.acquireOp(ctx, op); err != nil {
+		s.releaseOp()
+		return err
+	}
+	return nil
 }
 
 func (s *Session) checkAtomic(op string, dst RemoteSlice) error {

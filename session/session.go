@@ -101,9 +101,12 @@ type Session struct {
 	ids     atomic.Uint64
 	bg      context.Context // ends with the session
 	bgStop  context.CancelFunc
-	agentWG sync.WaitGroup
+	agentWG sync.WaitGroup // the agent and the watcher
+	tasks   tasks          // reapers, the agent's answers and revocations
+	leases  sync.WaitGroup // lease timers of grants: one per timer not stopped before it fired
 
 	ops     chan struct{} // a token per request of the data queue pair in flight (QueueDepth)
+	pairs   chan struct{} // one caller taking two tokens at a time (acquireOps2)
 	done    chan struct{}
 	endOnce sync.Once
 	err     error // why it ended (set before done is closed)
@@ -245,7 +248,7 @@ func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Sessi
 		}
 		name = softDevice
 	}
-	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), turn: make(chan struct{}, 1), ops: make(chan struct{}, cfg.QueueDepth)}
+	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), turn: make(chan struct{}, 1), ops: make(chan struct{}, cfg.QueueDepth), pairs: make(chan struct{}, 1)}
 	s.turn <- struct{}{}
 	s.bg, s.bgStop = context.WithCancel(context.Background())
 	sess := s // s is nil once a failure is returned
@@ -587,7 +590,9 @@ func (s *Session) Alloc(n int) (LocalMR, error) { return s.mem.Alloc(n) }
 // Close ends the session: the peer's calls and Done report
 // ErrPeerClosed. Requests in flight are flushed; memory the peer was
 // granted becomes unreachable; regions of the allocator become invalid.
-// Close is idempotent.
+// When Close returns, every goroutine the session started has ended
+// (the bootstrap connection's reader, pinger and keepalive, the agent,
+// reapers of cancelled requests, lease timers). Close is idempotent.
 func (s *Session) Close() error {
 	if !s.closed.CompareAndSwap(false, true) {
 		return nil
@@ -595,8 +600,47 @@ func (s *Session) Close() error {
 	s.end(ErrClosed)
 	s.ctl.close()
 	s.agentWG.Wait()
+	// The agent is gone: nothing starts tasks but tasks and callers of
+	// the API racing Close, whose tasks no longer run (see goTask).
+	s.tasks.close()
 	s.release()
 	return nil
+}
+
+// tasks tracks the short-lived goroutines of a session (reapers of
+// cancelled requests, the agent's answers, revocations), so that Close
+// waits for them. Safe for concurrent use.
+type tasks struct {
+	mu     sync.Mutex
+	closed bool
+	wg     sync.WaitGroup
+}
+
+// goTask runs f in a goroutine of the session. Once Close has begun to
+// wait for them, f does not run: the session has ended, so an answer
+// would not go out, and what a reaper would give back (a buffer, an op
+// token) goes with the session's resources; f could meet them freed.
+func (s *Session) goTask(f func()) {
+	t := &s.tasks
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		return
+	}
+	t.wg.Add(1)
+	t.mu.Unlock()
+	go func() {
+		defer t.wg.Done()
+		f()
+	}()
+}
+
+// close waits for the tasks running; later ones do not run.
+func (t *tasks) close() {
+	t.mu.Lock()
+	t.closed = true
+	t.mu.Unlock()
+	t.wg.Wait()
 }
 
 // release frees the session's resources (after end, or when the setup
@@ -606,6 +650,7 @@ func (s *Session) release() {
 		s.bgStop()
 	}
 	s.agent.closeGrants()
+	s.leases.Wait() // lease timers that fired before closeGrants stopped them
 	// Children before parents; errors of a session that ended have
 	// nobody to go to.
 	for _, c := range []*channel.Channel{s.data, s.agc} {

@@ -29,19 +29,13 @@ func TestSessionDevices(t *testing.T) {
 		exercise(t, a, b, devs)
 	})
 	t.Run("cm", func(t *testing.T) {
-		a0, a1 := vmtest.Addr(devs[0]), vmtest.Addr(devs[1])
-		if a0 == "" || a1 == "" {
-			t.Skipf("no IP addresses on the netdevs of %s and %s: RDMA CM needs them", devs[0], devs[1])
-		}
-		srv := netip.MustParseAddr(a0)
-		cli := netip.MustParseAddr(a1)
-		lcfg := Config{UseCM: true, CMAddr: netip.AddrPortFrom(srv, 0).String()}
+		cp := vmtest.CMAddrs(t)
+		lcfg := Config{UseCM: true, CMAddr: cp.ListenAddr(0)}
 		dcfg := Config{UseCM: true}
 		a, b := pairWith(t, lcfg, dcfg, func(l *Listener, d *Config) {
 			// The listener's link-local address, with the zone of the
 			// dialer's netdev, so that rxe1 carries the connection.
-			port := netip.MustParseAddrPort(l.cm.addr).Port()
-			d.CMAddr = netip.AddrPortFrom(srv.WithZone(cli.Zone()), port).String()
+			d.CMAddr = cp.Target(netip.MustParseAddrPort(l.cm.addr).Port())
 		})
 		exercise(t, a, b, devs)
 	})
@@ -169,5 +163,74 @@ func TestCMNeedsHardware(t *testing.T) {
 	_, err := Listen(ctx, "127.0.0.1:0", Config{UseCM: true})
 	if !errors.Is(err, verbs.ErrNotSupported) {
 		t.Fatalf("Listen with UseCM on soft0: %v", err)
+	}
+}
+
+// TestSessionAutoDevices: with no device named in Config, each side picks
+// the device that routes to its peer: a session bootstrapped over the
+// link-local addresses of the VM's netdevs runs on rxe0 (the listener's
+// side) and rxe1 (the dialer's), and one bootstrapped over 127.0.0.1,
+// which no RDMA device routes, on soft0.
+func TestSessionAutoDevices(t *testing.T) {
+	cp := vmtest.CMAddrs(t)
+	for _, c := range []struct {
+		name, listen   string
+		target         func(port uint16) string
+		server, client string
+	}{
+		{"link-local", cp.ListenAddr(0), cp.Target, "rc/" + cp.Server + "/", "rc/" + cp.Client + "/"},
+		{"loopback", "127.0.0.1:0", func(port uint16) string { return netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port).String() }, softDevice, softDevice},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			l, err := Listen(ctx, c.listen, Config{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			type res struct {
+				s   *Session
+				err error
+			}
+			ch := make(chan res, 1)
+			go func() {
+				s, err := l.Accept(ctx)
+				ch <- res{s, err}
+			}()
+			b, err := Dial(ctx, c.target(netip.MustParseAddrPort(l.Addr().String()).Port()), Config{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			r := <-ch
+			if r.err != nil {
+				t.Fatal(r.err)
+			}
+			a := r.s
+			defer a.Close()
+			for _, x := range []struct {
+				side string
+				s    *Session
+				want string
+			}{{"listener's", a, c.server}, {"dialer's", b, c.client}} {
+				if got := x.s.Transport(); !strings.HasPrefix(got, x.want) {
+					t.Errorf("the %s session runs on %q, want %s...", x.side, got, x.want)
+				}
+			}
+			errc := make(chan error, 1)
+			go func() { errc <- a.Send(ctx, []byte("on the device it chose")) }()
+			m, err := b.Receive(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := string(m.Bytes()); got != "on the device it chose" {
+				t.Errorf("received %q", got)
+			}
+			m.Release()
+			if err := <-errc; err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 }

@@ -28,6 +28,8 @@ import (
 //	                         bare channel, 16 in flight
 //	BenchmarkXprocRequest    RequestRemoteMR of 4 KiB and its Release
 //	                         (request-ns/op: the request alone)
+//	BenchmarkXprocWriteImm   WriteImm of 64 bytes into a requested region
+//	                         (the child releases the notices)
 //
 //	go test -run '^$' -bench Xproc ./session/
 //
@@ -201,6 +203,43 @@ func BenchmarkXprocRequest(b *testing.B) {
 		})
 	}
 }
+
+func BenchmarkXprocWriteImm(b *testing.B) {
+	for _, kind := range benchKinds {
+		b.Run(kind, func(b *testing.B) {
+			s := benchSession(b, kind)
+			ctx := context.Background()
+			r, err := s.RequestRemoteMR(ctx, 4096, verbs.AccessRemoteWrite, time.Hour)
+			if err != nil {
+				b.Fatal(err)
+			}
+			src, err := s.Alloc(wimmBenchSize)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer src.Free()
+			dst, err := r.Slice(0, wimmBenchSize)
+			if err != nil {
+				b.Fatal(err)
+			}
+			for i := range 1000 {
+				if err := s.WriteImm(ctx, dst, uint32(i), src.All()); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := range b.N {
+				if err := s.WriteImm(ctx, dst, uint32(i), src.All()); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// wimmBenchSize is the size of BenchmarkXprocWriteImm's writes.
+const wimmBenchSize = 64
 
 // benchSession starts a child serving sessions over kind and returns a
 // session to it.

@@ -21,6 +21,7 @@ import (
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/internal/leak"
+	"github.com/goverbs/verbs/internal/vmtest"
 )
 
 // The child process of the cross-process tests (xproc_test.go): the test
@@ -30,7 +31,8 @@ import (
 // line:
 //
 //	listen NAME CONFIG   Listen on 127.0.0.1:0 with CONFIG (JSON); it
-//	                     answers "addr NAME HOST:PORT" and accepts
+//	                     answers "addr NAME HOST:PORT" (and, with the
+//	                     CM, where its CM listens) and accepts
 //	                     sessions on it until stdin ends
 //
 // Each session it accepts serves one scenario: the client's first message
@@ -114,7 +116,11 @@ func runServerChild() int {
 				}()
 			}
 		}()
-		out.println("addr", f[1], l.Addr())
+		if l.cm != nil {
+			out.println("addr", f[1], l.Addr(), l.cm.addr)
+		} else {
+			out.println("addr", f[1], l.Addr())
+		}
 	}
 	for _, l := range ls {
 		l.Close()
@@ -186,6 +192,7 @@ var serverScenarios = map[string]func(ctx context.Context, s *Session, args []st
 	"ping":        servePing,
 	"atomics":     serveAtomics,
 	"imm":         serveImm,
+	"writeimm":    serveWriteImm,
 	"loop":        func(ctx context.Context, s *Session, _ []string, _ *lines) error { return loopExchange(ctx, s) },
 	"slices":      serveSlices,
 	"access":      serveAccess,
@@ -1072,4 +1079,70 @@ func runClientChild() int {
 	_, err = s.Receive(ctx)
 	fmt.Println("ended", errClass(err))
 	return 0
+}
+
+// The writeimm scenario: the client writes with immediate data into a
+// region the server offers, many times, each write of its own bytes
+// (wimmPattern) into a slot of its own; the server checks, as each
+// notice arrives, that the bytes are there.
+const (
+	wimmSlots = 2 * defaultReceiveBuffers // more than the notices a client can have ahead
+	wimmSlot  = 16 << 10
+)
+
+// wimmIters is how many writes: 2000, 400 in the VM (rxe under QEMU
+// takes 10 ms for some; both sides see the same environment).
+func wimmIters() int {
+	if vmtest.InVM() {
+		return 400
+	}
+	return 2000
+}
+
+// wimmSizes are the sizes of the writes, in turn.
+var wimmSizes = [...]int{8, 100, 4096, wimmSlot}
+
+// wimmPattern fills b with the bytes of write i.
+func wimmPattern(b []byte, i int) {
+	for j := range b {
+		b[j] = byte(i*7 + j*13 + 1)
+	}
+}
+
+func serveWriteImm(ctx context.Context, s *Session, _ []string, _ *lines) error {
+	mr, err := s.Alloc(wimmSlots * wimmSlot)
+	if err != nil {
+		return err
+	}
+	defer mr.Free()
+	g, err := s.SendLocalMR(ctx, mr, verbs.AccessRemoteWrite, time.Hour)
+	if err != nil {
+		return err
+	}
+	want := make([]byte, wimmSlot)
+	for i := range wimmIters() {
+		m, err := s.Receive(ctx)
+		if err != nil {
+			return err
+		}
+		imm, has := m.Imm()
+		isw := m.IsWrite()
+		m.Release()
+		if !isw || !has || imm != uint32(i) {
+			return fmt.Errorf("notice %d: write %v imm %d (%v)", i, isw, imm, has)
+		}
+		n, off := wimmSizes[i%len(wimmSizes)], (i%wimmSlots)*wimmSlot
+		wimmPattern(want[:n], i)
+		if got := mr.Bytes()[off : off+n]; !bytes.Equal(got, want[:n]) {
+			j := 0
+			for got[j] == want[j] {
+				j++
+			}
+			return fmt.Errorf("write %d (%d bytes): byte %d is %#x when its notice arrives, want %#x", i, n, j, got[j], want[j])
+		}
+	}
+	if err := g.Revoke(ctx); err != nil {
+		return err
+	}
+	return sendStr(ctx, s, "ok")
 }

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"net/netip"
 	"os"
 	"runtime"
 	"strings"
@@ -21,6 +22,7 @@ import (
 	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/soft"
 	"github.com/goverbs/verbs/internal/testproc"
+	"github.com/goverbs/verbs/internal/vmtest"
 	"github.com/goverbs/verbs/verbstest"
 )
 
@@ -29,22 +31,30 @@ import (
 // server, xchild_test.go), over every inter-process transport of soft0.
 // They are named *CrossProcess* (the multiprocess tier of scripts/test.sh).
 
-// xtransport is an inter-process transport of soft0.
+// xtransport is an inter-process transport of soft0, or (in the VM) a
+// pair of RDMA devices, the server's and the client's, with the TCP
+// bootstrap or the RDMA CM.
 type xtransport struct {
 	name string // of the subtest
 	kind string // GOVERBS_SOFT_TRANSPORT
 	tls  bool   // GOVERBS_SOFT_TLS=on (and the bootstrap's TLS on)
+
+	srvDev, cliDev string         // on devices: the server's and the client's
+	cm             *vmtest.CMPair // and through the RDMA CM
 }
 
 var xtransports = []xtransport{
-	{"shm", "shm", false},
-	{"unix", "unix", false},
-	{"tcp", "tcp", false},
-	{"tls", "tcp", true},
+	{name: "shm", kind: "shm"},
+	{name: "unix", kind: "unix"},
+	{name: "tcp", kind: "tcp"},
+	{name: "tls", kind: "tcp", tls: true},
 }
 
 // env is the environment of a child on tr.
 func (tr xtransport) env(more ...string) []string {
+	if tr.kind == "" {
+		return more
+	}
 	e := []string{"GOVERBS_SOFT_TRANSPORT=" + tr.kind}
 	if tr.tls {
 		e = append(e, "GOVERBS_SOFT_TLS=on")
@@ -57,7 +67,62 @@ func (tr xtransport) config(c Config) Config {
 	if tr.tls {
 		c.TLS = "on"
 	}
+	if tr.srvDev != "" && c.Keepalive == 0 {
+		// In the VM (rxe under QEMU's TCG, on a loaded host) a process
+		// was seen silent for 6.5 s: past the default keepalive.
+		c.Keepalive = vmKeepalive
+	}
 	return c
+}
+
+// vmKeepalive is the keepalive of the sessions between processes in the
+// VM.
+const vmKeepalive = 30 * time.Second
+
+// serverConfig is c for a listener of the server on tr.
+func (tr xtransport) serverConfig(c Config) Config {
+	c = tr.config(c)
+	switch {
+	case tr.cm != nil:
+		c.UseCM, c.CMAddr = true, tr.cm.ListenAddr(0)
+	case tr.srvDev != "":
+		c.Device = tr.srvDev
+	}
+	return c
+}
+
+// clientConfig is c for the client on tr, dialing a listener whose
+// connection manager listens at cmAddr (with the CM).
+func (tr xtransport) clientConfig(c Config, cmAddr string) Config {
+	c = tr.config(c)
+	switch {
+	case tr.cm != nil:
+		// The listener's address with the zone of the client's
+		// netdev, so that the client's device carries the connection.
+		c.UseCM, c.CMAddr = true, tr.cm.Target(netip.MustParseAddrPort(cmAddr).Port())
+	case tr.cliDev != "":
+		c.Device = tr.cliDev
+	}
+	return c
+}
+
+// deviceTransports are the pairs of devices of the VM (server rxe0,
+// client rxe1), over the TCP bootstrap and through the RDMA CM; it
+// skips t outside the VM.
+func deviceTransports(t *testing.T) []xtransport {
+	devs := vmtest.Require(t)
+	cp := vmtest.CMAddrs(t)
+	return []xtransport{
+		{name: "tcp", srvDev: devs[0], cliDev: devs[1]},
+		{name: "cm", cm: &cp, srvDev: cp.Server, cliDev: cp.Client},
+	}
+}
+
+// forEachDevicePair runs fn in a subtest per pair of deviceTransports.
+func forEachDevicePair(t *testing.T, fn func(t *testing.T, tr xtransport)) {
+	for _, tr := range deviceTransports(t) {
+		t.Run(tr.name, func(t *testing.T) { fn(t, tr) })
+	}
 }
 
 // link is what Transport says after "soft0/" on tr.
@@ -120,23 +185,27 @@ type xlistener struct {
 type xserver struct {
 	p    *testproc.Proc
 	addr map[string]string
+	cm   map[string]string // where the listeners' connection managers listen (with the CM)
 }
 
 // startServer starts a server child on tr with listeners.
 func startServer(t *testing.T, tr xtransport, listeners ...xlistener) *xserver {
 	t.Helper()
-	x := &xserver{p: testproc.Start(t, tr.env(envChild+"=server")...), addr: map[string]string{}}
+	x := &xserver{p: testproc.Start(t, tr.env(envChild+"=server")...), addr: map[string]string{}, cm: map[string]string{}}
 	for _, l := range listeners {
-		b, err := json.Marshal(tr.config(l.cfg))
+		b, err := json.Marshal(tr.serverConfig(l.cfg))
 		if err != nil {
 			t.Fatal(err)
 		}
 		x.p.Send(t, "listen %s %s", l.name, b)
 		f := x.p.Line(t, "addr")
-		if len(f) != 2 || f[0] != l.name {
-			t.Fatalf("child: addr %v, want one for %s", f, l.name)
+		if len(f) < 2 || len(f) > 3 || f[0] != l.name || (tr.cm != nil) != (len(f) == 3) {
+			t.Fatalf("child: addr %v, want one for %s (and its CM's with the CM)", f, l.name)
 		}
 		x.addr[l.name] = f[1]
+		if len(f) == 3 {
+			x.cm[l.name] = f[2]
+		}
 	}
 	return x
 }
@@ -168,7 +237,7 @@ func (x *xserver) dialErr(t *testing.T, tr xtransport, listener, scenario string
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	s, err := Dial(ctx, x.addr[listener], tr.config(cfg))
+	s, err := Dial(ctx, x.addr[listener], tr.clientConfig(cfg, x.cm[listener]))
 	if err != nil {
 		t.Fatalf("dial: %v; child's stderr:\n%s", err, x.p.Stderr())
 	}
@@ -177,11 +246,17 @@ func (x *xserver) dialErr(t *testing.T, tr xtransport, listener, scenario string
 	return s, sendStr(ctx, s, scenario)
 }
 
-// checkTransport checks that s says it runs on soft0 over tr. Until the
-// verbs package tells a queue pair's link (Link), Transport says "soft0"
-// only: both are accepted.
+// checkTransport checks that s says it runs on soft0 over tr (or on
+// tr's client device). Until the verbs package tells a queue pair's
+// link (Link), Transport says "soft0" only: both are accepted.
 func checkTransport(t *testing.T, s *Session, tr xtransport) {
 	t.Helper()
+	if tr.cliDev != "" {
+		if got, want := s.Transport(), "rc/"+tr.cliDev+"/"; !strings.HasPrefix(got, want) {
+			t.Errorf("Transport() = %q, want %s...", got, want)
+		}
+		return
+	}
 	if got := s.Transport(); got != softDevice && got != softDevice+"/"+tr.link() {
 		t.Errorf("Transport() = %q, want %q (or %q until verbs tells the link)", got, softDevice+"/"+tr.link(), softDevice)
 	}
@@ -229,12 +304,25 @@ const rwa = verbs.AccessRemoteRead | verbs.AccessRemoteWrite | verbs.AccessRemot
 // TestCrossProcessScenarios runs async-rdma's tests against a server in
 // another process, one child per transport serving them all.
 func TestCrossProcessScenarios(t *testing.T) {
+	forEachTransport(t, runScenarios)
+}
+
+// TestSessionScenariosDevices runs them on the VM's devices (the VM
+// tier): the server on rxe0, the client on rxe1, over the TCP bootstrap
+// and through the RDMA CM.
+func TestSessionScenariosDevices(t *testing.T) {
+	forEachDevicePair(t, runScenarios)
+}
+
+// runScenarios runs async-rdma's tests on tr against one server child.
+func runScenarios(t *testing.T, tr xtransport) {
 	scenarios := []struct {
 		name, listener string
 		client         func(t *testing.T, ctx context.Context, s *Session)
 	}{
 		{"atomics", "main", clientAtomics},
 		{"imm", "main", clientImm},
+		{"writeimm", "main", clientWriteImm},
 		{"loop", "main", clientLoop},
 		{"slices", "main", clientSlices},
 		{"access", "main", clientAccess},
@@ -244,61 +332,59 @@ func TestCrossProcessScenarios(t *testing.T) {
 		{"canceloffer", "main", clientCancelOffer},
 		{"rpc", "main", clientRPC},
 	}
-	forEachTransport(t, func(t *testing.T, tr xtransport) {
-		srv := startServer(t, tr, xlistener{"main", Config{}}, xlistener{"capped", Config{MaxGranted: 64 << 10, MaxRequest: 16 << 10}})
-		// A first session sets up what soft0 keeps for the process.
-		t.Run("ping", func(t *testing.T) {
-			s := srv.dial(t, tr, "main", "ping", Config{})
-			must(t, "ping", expectStr(xctx(t), s, "pong"))
-			t.Logf("Transport() = %q", s.Transport())
-		})
-		fds, maps := openFDs(t), memfdMappings(t)
-		for _, sc := range scenarios {
-			t.Run(sc.name, func(t *testing.T) {
-				checkLeaks(t)
-				srv.logOnFailure(t)
-				ctx := xctx(t)
-				s := srv.dial(t, tr, sc.listener, sc.name, Config{})
-				sc.client(t, ctx, s)
-			})
-		}
-		t.Run("close", func(t *testing.T) {
-			checkLeaks(t)
-			ctx := xctx(t)
-			for range 5 { // the race of the queue pairs' end and the bootstrap's
-				s, err := srv.dialErr(t, tr, "main", "close", Config{})
-				if err != nil && !errors.Is(err, ErrPeerClosed) {
-					// (ErrPeerClosed: the server closed before the
-					// acknowledgement of the message came back)
-					t.Fatal(err)
-				}
-				clientClose(t, ctx, s)
-				s.Close()
-			}
-		})
-		t.Run("rawlease", func(t *testing.T) {
-			checkLeaks(t)
-			rawLease(t, xctx(t), srv, tr)
-		})
-		// Every session is closed: their descriptors and memory too
-		// (soon; the batches of queue pairs are memfds freed by
-		// cleanups after a collection).
-		var n, m int
-		for range 100 {
-			runtime.GC()
-			if n, m = openFDs(t), memfdMappings(t); n <= fds && m <= maps {
-				break
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		if n > fds {
-			t.Errorf("%d descriptors open after the scenarios, %d before", n, fds)
-		}
-		if m > maps {
-			t.Errorf("%d memfd mappings after the scenarios, %d before", m, maps)
-		}
-		srv.p.Stop(t)
+	srv := startServer(t, tr, xlistener{"main", Config{}}, xlistener{"capped", Config{MaxGranted: 64 << 10, MaxRequest: 16 << 10}})
+	// A first session sets up what soft0 keeps for the process.
+	t.Run("ping", func(t *testing.T) {
+		s := srv.dial(t, tr, "main", "ping", Config{})
+		must(t, "ping", expectStr(xctx(t), s, "pong"))
+		t.Logf("Transport() = %q", s.Transport())
 	})
+	fds, maps := openFDs(t), memfdMappings(t)
+	for _, sc := range scenarios {
+		t.Run(sc.name, func(t *testing.T) {
+			checkLeaks(t)
+			srv.logOnFailure(t)
+			ctx := xctx(t)
+			s := srv.dial(t, tr, sc.listener, sc.name, Config{})
+			sc.client(t, ctx, s)
+		})
+	}
+	t.Run("close", func(t *testing.T) {
+		checkLeaks(t)
+		ctx := xctx(t)
+		for range 5 { // the race of the queue pairs' end and the bootstrap's
+			s, err := srv.dialErr(t, tr, "main", "close", Config{})
+			if err != nil && !errors.Is(err, ErrPeerClosed) {
+				// (ErrPeerClosed: the server closed before the
+				// acknowledgement of the message came back)
+				t.Fatal(err)
+			}
+			clientClose(t, ctx, s)
+			s.Close()
+		}
+	})
+	t.Run("rawlease", func(t *testing.T) {
+		checkLeaks(t)
+		rawLease(t, xctx(t), srv, tr)
+	})
+	// Every session is closed: their descriptors and memory too
+	// (soon; the batches of queue pairs are memfds freed by
+	// cleanups after a collection).
+	var n, m int
+	for range 100 {
+		runtime.GC()
+		if n, m = openFDs(t), memfdMappings(t); n <= fds && m <= maps {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n > fds {
+		t.Errorf("%d descriptors open after the scenarios, %d before", n, fds)
+	}
+	if m > maps {
+		t.Errorf("%d memfd mappings after the scenarios, %d before", m, maps)
+	}
+	srv.p.Stop(t)
 }
 
 // clientAtomics is async-rdma's atomic test: compare-and-swap and
@@ -395,6 +481,27 @@ func clientImm(t *testing.T, ctx context.Context, s *Session) {
 		t.Errorf("the server says %q imm %d (%v)", got, imm, has)
 	}
 	m.Release()
+}
+
+// clientWriteImm writes with immediate data into the region the server
+// offers, wimmIters() times, each write of its own bytes into a slot of
+// its own: the server sees the bytes of each when its notice arrives.
+func clientWriteImm(t *testing.T, ctx context.Context, s *Session) {
+	r, err := s.ReceiveRemoteMR(ctx)
+	must(t, "receive remote region", err)
+	src, err := s.Alloc(wimmSlot)
+	must(t, "alloc", err)
+	defer src.Free()
+	for i := range wimmIters() {
+		n, off := wimmSizes[i%len(wimmSizes)], (i%wimmSlots)*wimmSlot
+		wimmPattern(src.Bytes()[:n], i)
+		dst, err := r.Slice(off, n)
+		must(t, "slice", err)
+		sl, err := src.Slice(0, n)
+		must(t, "slice", err)
+		must(t, fmt.Sprintf("write with imm %d", i), s.WriteImm(ctx, dst, uint32(i), sl))
+	}
+	must(t, "server", expectStr(ctx, s, "ok"))
 }
 
 // clientLoop is async-rdma's loop test, both ways and concurrently.
@@ -976,53 +1083,61 @@ func peerEnd(t *testing.T, s *Session, errc <-chan error, guard time.Duration, t
 // waits in Receive, and while it reads the server's memory in a loop:
 // the calls, Done and Err report ErrPeerLost.
 func TestCrossProcessPeerKilled(t *testing.T) {
-	forEachTransport(t, func(t *testing.T, tr xtransport) {
-		for _, mode := range []string{"Receive", "Reads"} {
-			t.Run(mode, func(t *testing.T) {
-				checkLeaks(t)
-				ctx := xctx(t)
-				srv := startServer(t, tr, xlistener{"main", Config{}})
-				hello := "idle 1 120"
-				if mode == "Reads" {
-					hello += " grant"
-				}
-				s := srv.dial(t, tr, "main", hello, Config{})
-				srv.p.Line(t, "ready")
-				errc := make(chan error, 1)
-				started := make(chan struct{})
-				if mode == "Receive" {
-					go func() {
-						close(started)
-						_, err := s.Receive(ctx)
-						errc <- err
-					}()
-				} else {
-					rr, err := s.ReceiveRemoteMR(ctx)
-					must(t, "receive remote region", err)
-					loc, err := s.Alloc(4096)
-					must(t, "alloc", err)
-					defer loc.Free()
-					go func() {
-						for i := 0; ; i++ {
-							if i == 20 {
+	forEachTransport(t, peerKilled)
+}
+
+// TestSessionPeerKilledDevices is TestCrossProcessPeerKilled on the VM's
+// devices, over both bootstraps.
+func TestSessionPeerKilledDevices(t *testing.T) {
+	forEachDevicePair(t, peerKilled)
+}
+
+func peerKilled(t *testing.T, tr xtransport) {
+	for _, mode := range []string{"Receive", "Reads"} {
+		t.Run(mode, func(t *testing.T) {
+			checkLeaks(t)
+			ctx := xctx(t)
+			srv := startServer(t, tr, xlistener{"main", Config{}})
+			hello := "idle 1 120"
+			if mode == "Reads" {
+				hello += " grant"
+			}
+			s := srv.dial(t, tr, "main", hello, Config{})
+			srv.p.Line(t, "ready")
+			errc := make(chan error, 1)
+			started := make(chan struct{})
+			if mode == "Receive" {
+				go func() {
+					close(started)
+					_, err := s.Receive(ctx)
+					errc <- err
+				}()
+			} else {
+				rr, err := s.ReceiveRemoteMR(ctx)
+				must(t, "receive remote region", err)
+				loc, err := s.Alloc(4096)
+				must(t, "alloc", err)
+				defer loc.Free()
+				go func() {
+					for i := 0; ; i++ {
+						if i == 20 {
+							close(started)
+						}
+						if err := s.Read(ctx, loc.All(), rr.All()); err != nil {
+							if i < 20 {
 								close(started)
 							}
-							if err := s.Read(ctx, loc.All(), rr.All()); err != nil {
-								if i < 20 {
-									close(started)
-								}
-								errc <- err
-								return
-							}
+							errc <- err
+							return
 						}
-					}()
-				}
-				<-started
-				must(t, "kill", srv.p.Cmd.Process.Kill())
-				peerEnd(t, s, errc, 30*time.Second, ErrPeerLost, mode)
-			})
-		}
-	})
+					}
+				}()
+			}
+			<-started
+			must(t, "kill", srv.p.Cmd.Process.Kill())
+			peerEnd(t, s, errc, 30*time.Second, ErrPeerLost, mode)
+		})
+	}
 }
 
 // xKeepalive is the keepalive of the tests that stop a process. (With

@@ -5,10 +5,13 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
+	"math"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/goverbs/verbs"
 )
@@ -255,8 +258,11 @@ func TestBenchJSON(t *testing.T) {
 		if err := dec.Decode(&r); err != nil {
 			t.Fatalf("decode: %v\n%s", err, out)
 		}
-		if r.Test != "write" || r.Mode != "bw" || r.Bytes != size || r.Iterations != 4 || r.Device != verbs.SoftDevice || r.BWAverageMBps <= 0 || r.MsgRateMpps <= 0 {
+		if r.Test != "write" || r.Mode != "bw" || r.Bytes != size || r.Iterations != 4 || r.Device != verbs.SoftDevice || r.ElapsedSec <= 0 || r.MsgRateMpps <= 0 {
 			t.Errorf("row %+v", r)
+		}
+		if err := checkBWRow(r); err != nil {
+			t.Errorf("row of %d bytes: %v: %+v", size, err, r)
 		}
 		size *= 2
 	}
@@ -273,6 +279,58 @@ func TestBenchJSON(t *testing.T) {
 		"t_typical_usec", "t_avg_usec", "t_stdev_usec", "p99_usec", "p99_9_usec"} {
 		if _, ok := raw[k]; !ok {
 			t.Errorf("latency JSON lacks %q: %s", k, out)
+		}
+	}
+}
+
+// checkBWRow checks that a bandwidth row's rates are its bytes and
+// iterations over its elapsed time, as far as the rounding of the JSON
+// allows (rates to 2 and 6 decimals, the time to 6: a microsecond).
+// (A rate alone may round to 0: 4 writes of 2 bytes under QEMU take
+// milliseconds, a few kB/s.)
+func checkBWRow(r bwRow) error {
+	if r.ElapsedSec <= 0 {
+		return fmt.Errorf("elapsed %v s", r.ElapsedSec)
+	}
+	// The relative error of a rate computed from the rounded time.
+	rel := 1e-6/r.ElapsedSec + 1e-9
+	bw := float64(r.Bytes) * float64(r.Iterations) / r.ElapsedSec / mb
+	if math.Abs(r.BWAverageMBps-bw) > 0.005+bw*rel {
+		return fmt.Errorf("average %v MB/s, %d × %d bytes in %v s is %v MB/s", r.BWAverageMBps, r.Iterations, r.Bytes, r.ElapsedSec, bw)
+	}
+	rate := float64(r.Iterations) / r.ElapsedSec / 1e6
+	if math.Abs(r.MsgRateMpps-rate) > 0.5e-6+rate*rel {
+		return fmt.Errorf("message rate %v Mpps, %d in %v s is %v Mpps", r.MsgRateMpps, r.Iterations, r.ElapsedSec, rate)
+	}
+	if r.BWPeakMBps < r.BWAverageMBps {
+		return fmt.Errorf("peak %v MB/s below the average", r.BWPeakMBps)
+	}
+	return nil
+}
+
+// TestCheckBWRow: checkBWRow accepts rows as bench writes them, tiny and
+// large, and refuses rates that are not the bytes over the time.
+func TestCheckBWRow(t *testing.T) {
+	row := func(size, iters int, elapsed time.Duration) bwRow {
+		res := bwStats(size, iters, elapsed, 0)
+		return bwRow{Bytes: size, Iterations: iters, BWPeakMBps: round(res.PeakMB, 2), BWAverageMBps: round(res.AvgMB, 2),
+			MsgRateMpps: round(res.MsgRate, 6), ElapsedSec: round(res.Elapsed.Seconds(), 6)}
+	}
+	for _, tc := range []struct {
+		name string
+		r    bwRow
+		ok   bool
+	}{
+		{"2 bytes under QEMU", row(2, 4, 3*time.Millisecond), true},
+		{"2 bytes on the host", row(2, 4, 7*time.Microsecond+300), true},
+		{"8 MiB", row(8<<20, 4, 40*time.Millisecond), true},
+		{"zero average", func() bwRow { r := row(8<<20, 4, 40*time.Millisecond); r.BWAverageMBps = 0; return r }(), false},
+		{"average off by 10%", func() bwRow { r := row(1<<20, 4, 40*time.Millisecond); r.BWAverageMBps *= 1.1; return r }(), false},
+		{"zero rate", func() bwRow { r := row(64, 4, time.Millisecond); r.MsgRateMpps = 0; return r }(), false},
+		{"no time", func() bwRow { r := row(64, 4, time.Millisecond); r.ElapsedSec = 0; return r }(), false},
+	} {
+		if err := checkBWRow(tc.r); (err == nil) != tc.ok {
+			t.Errorf("%s: %+v: %v", tc.name, tc.r, err)
 		}
 	}
 }

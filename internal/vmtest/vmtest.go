@@ -18,7 +18,9 @@
 package vmtest
 
 import (
+	"net/netip"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -75,4 +77,53 @@ func Addr(dev string) string {
 		}
 	}
 	return ""
+}
+
+// CMPair is how RDMA CM tests connect the VM's first two devices: a
+// server on the first, a client on the second (as perftest's tests do:
+// server rxe0, client rxe1).
+type CMPair struct {
+	Server, Client string // the devices
+	// Listen is the IPv6 link-local address of the server device's
+	// netdev (with its zone), for a listener.
+	Listen netip.Addr
+	// DialZone is the zone of the client device's netdev.
+	DialZone string
+}
+
+// Target is where the client dials a listener on port: the server's
+// address with the zone of the client's netdev, so that the kernel
+// routes it over the veth pair and the client device carries the
+// connection.
+func (p CMPair) Target(port uint16) string {
+	return netip.AddrPortFrom(p.Listen.WithZone(p.DialZone), port).String()
+}
+
+// ListenAddr is the server's address with port (0: any), for a listener.
+func (p CMPair) ListenAddr(port uint16) string {
+	return netip.AddrPortFrom(p.Listen, port).String()
+}
+
+// CMAddrs returns the CMPair of the VM's devices. It skips t outside the
+// VM, or if the VM gave its netdevs no addresses, and fails it if an
+// address does not parse.
+func CMAddrs(t testing.TB) CMPair {
+	t.Helper()
+	devs := Devices()
+	if len(devs) < 2 {
+		t.Skip("needs two RDMA devices with IP addresses (rxe0, rxe1): run in the SoftRoCE VM (go test -tags ibverbs -exec \"$PWD/scripts/vm/run.sh --\")")
+	}
+	a0, a1 := Addr(devs[0]), Addr(devs[1])
+	if a0 == "" || a1 == "" {
+		t.Skipf("the VM gave no IP address to the netdevs of %s and %s (%s=%s): RDMA CM needs one", devs[0], devs[1], EnvAddrs, strconv.Quote(os.Getenv(EnvAddrs)))
+	}
+	l, err := netip.ParseAddr(a0)
+	if err != nil {
+		t.Fatalf("vmtest: address of %s: %v", devs[0], err)
+	}
+	c, err := netip.ParseAddr(a1)
+	if err != nil {
+		t.Fatalf("vmtest: address of %s: %v", devs[1], err)
+	}
+	return CMPair{Server: devs[0], Client: devs[1], Listen: l, DialZone: c.Zone()}
 }

@@ -28,6 +28,24 @@ func TestDevicesOutsideVM(t *testing.T) {
 	}
 }
 
+// TestCMAddrs (anywhere): CMAddrs derives the listener's address and the
+// client's target from the environment run.sh sets.
+func TestCMAddrs(t *testing.T) {
+	t.Setenv(EnvVM, "1")
+	t.Setenv(EnvDevices, "rxe0,rxe1")
+	t.Setenv(EnvAddrs, "rxe0=fe80::1%veth0,rxe1=fe80::2%veth1")
+	p := CMAddrs(t)
+	if p.Server != "rxe0" || p.Client != "rxe1" || p.Listen.String() != "fe80::1%veth0" || p.DialZone != "veth1" {
+		t.Fatalf("CMAddrs = %+v", p)
+	}
+	if got := p.Target(4791); got != "[fe80::1%veth1]:4791" {
+		t.Errorf("Target(4791) = %q", got)
+	}
+	if got := p.ListenAddr(0); got != "[fe80::1%veth0]:0" {
+		t.Errorf("ListenAddr(0) = %q", got)
+	}
+}
+
 // TestGuestEnvironment checks, inside the VM, what the hardware-provider
 // tests rely on.
 func TestGuestEnvironment(t *testing.T) {
