@@ -637,12 +637,9 @@ func TestSlowPeerNotDeclaredDead(t *testing.T) {
 // processor time is not known, and they are not tested here.
 func TestStarvedPeerNotDeclaredDead(t *testing.T) {
 	const stallFor = 1500 // ms
-	for _, kind := range []string{"unix", "shm"} {
+	for _, kind := range localKinds {
 		t.Run(kind, func(t *testing.T) {
-			forceLife(t, kind)
-			e := newEnv(t)
-			p := testproc.Start(t, lifeEnv(kind)...)
-			l := newLifeQP(t, e)
+			p, l := localLife(t, kind)
 			l.connectChild(t, p, 10, 0)
 			p.Send(t, "recv 2")
 			p.Line(t, "ok")
@@ -671,12 +668,9 @@ func TestStarvedPeerNotDeclaredDead(t *testing.T) {
 // endpoints. soft0 failed it with RETRY_EXC_ERR after retry_cnt + 1
 // transport timeouts (8 ms here).
 func TestNotReadyPeerWaitedFor(t *testing.T) {
-	for _, kind := range []string{"unix", "shm"} {
+	for _, kind := range localKinds {
 		t.Run(kind, func(t *testing.T) {
-			forceLife(t, kind)
-			e := newEnv(t)
-			p := testproc.Start(t, lifeEnv(kind)...)
-			l := newLifeQP(t, e)
+			p, l := localLife(t, kind)
 			p.Send(t, "open")
 			f := p.Line(t, "addr")
 			addr := must(hex.DecodeString(f[0]))
@@ -696,4 +690,18 @@ func TestNotReadyPeerWaitedFor(t *testing.T) {
 			p.Stop(t)
 		})
 	}
+}
+
+// localKinds are the transports whose peer process is known to run on
+// this host (peerlife.go).
+var localKinds = []string{"unix", "shm"}
+
+// localLife starts a peer child over kind and a QP of this process to
+// talk to it.
+func localLife(t *testing.T, kind string) (*testproc.Proc, *lifeQP) {
+	t.Helper()
+	forceLife(t, kind)
+	e := newEnv(t)
+	p := testproc.Start(t, lifeEnv(kind)...)
+	return p, newLifeQP(t, e)
 }

@@ -105,14 +105,7 @@ func TestWatchLocal(t *testing.T) {
 		<-wrote
 		return err
 	}
-	busy := exec.Command("sh", "-c", "while :; do :; done")
-	if err := busy.Start(); err != nil {
-		t.Skipf("no shell to run a busy child: %v", err)
-	}
-	defer func() {
-		busy.Process.Kill()
-		busy.Wait()
-	}()
+	busy := startChild(t, "sh", "-c", "while :; do :; done")
 	running := uint32(busy.Process.Pid)
 	t.Run("running", func(t *testing.T) {
 		if err := read(t, running, time.Minute, 6*quiet); err != nil {
@@ -125,14 +118,7 @@ func TestWatchLocal(t *testing.T) {
 		}
 	})
 	t.Run("stopped", func(t *testing.T) {
-		cmd := exec.Command("sleep", "60")
-		if err := cmd.Start(); err != nil {
-			t.Skipf("no sleep command: %v", err)
-		}
-		defer func() {
-			cmd.Process.Kill()
-			cmd.Wait()
-		}()
+		cmd := startChild(t, "sleep", "60")
 		syscall.Kill(cmd.Process.Pid, syscall.SIGSTOP)
 		if err := read(t, uint32(cmd.Process.Pid), time.Minute, time.Minute); !errors.Is(err, os.ErrDeadlineExceeded) {
 			t.Fatalf("a stopped peer: %v, want a deadline error", err)
@@ -140,16 +126,24 @@ func TestWatchLocal(t *testing.T) {
 	})
 	t.Run("sleeping", func(t *testing.T) {
 		// Alive but using no processor time: quiet, given up.
-		cmd := exec.Command("sleep", "60")
-		if err := cmd.Start(); err != nil {
-			t.Skipf("no sleep command: %v", err)
-		}
-		defer func() {
-			cmd.Process.Kill()
-			cmd.Wait()
-		}()
+		cmd := startChild(t, "sleep", "60")
 		if err := read(t, uint32(cmd.Process.Pid), time.Minute, time.Minute); !errors.Is(err, os.ErrDeadlineExceeded) {
 			t.Fatalf("a peer that does not run: %v, want a deadline error", err)
 		}
 	})
+}
+
+// startChild starts a command, killed when the test ends (skipped if it
+// cannot start).
+func startChild(t *testing.T, name string, args ...string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(name, args...)
+	if err := cmd.Start(); err != nil {
+		t.Skipf("cannot run %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	return cmd
 }
