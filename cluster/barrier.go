@@ -13,7 +13,6 @@ import (
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
-	"github.com/goverbs/verbs/internal/sched"
 )
 
 // BarrierAlgorithm selects how a barrier synchronises its group. Every
@@ -185,23 +184,26 @@ const (
 	barrierInfoSize = 36
 )
 
-// Polling. A wait spins, driving the transport's progress at every poll
-// (soft0 places a peer's write when a process polls, see internal/soft),
-// then sleeps with a growing pause. Between polls it yields: to the
-// process' goroutines for the first pollGosched polls, then to every
-// thread ready to run on the processor (sched_yield), so that when ranks
-// outnumber processors the rank this one waits for gets the processor at
-// once rather than after the spinner's time slice. With the transport
-// driven at every poll and yielding, a step of a barrier costs about a
-// one-way latency when ranks have processors of their own, and a few
-// context switches when they do not; sleeping instead (a timer) costs up
-// to pollMaxSleep per step. So a wait spins for pollSpin before it
-// sleeps: barriers of a busy world are short, and a wait that outlasts
-// pollSpin waits for a rank that is late, not for the transport.
+// Polling. A wait spins, then sleeps with a growing pause. For its first
+// pollEager polls it drives the transport's progress at every poll (soft0
+// places a peer's write when a process polls, see internal/soft), then
+// every pollCheck polls; between polls it yields to the process'
+// goroutines (runtime.Gosched). It spins for pollSpin, then sleeps.
+//
+// Measured between processes (BenchmarkBarrierXproc, soft0 over shared
+// memory, 2 CPUs, idle): driving progress at every poll at first cut a
+// barrier of 2 ranks from 180-360 µs to 20-60 µs (progress every 64
+// polls left the peer's write unplaced for most of the spin). Yielding to
+// other threads (sched_yield) for up to 1-10 ms instead of Gosched made
+// barriers of 3-8 ranks on 2 CPUs 1.5-2.3 times slower (8 ranks: 4.4-6.8
+// ms against 2.9): every spinner stays runnable and takes turns with the
+// rank it waits for; sleeping leaves the processors to the ranks that
+// have work. When ranks outnumber processors a barrier still costs
+// milliseconds (the timers' pauses); see the issue notes.
 const (
-	pollGosched = 64 // polls that yield to goroutines only
-	pollCheck   = 64 // check ctx and the transport's errors every pollCheck polls
-	pollSpin    = 10 * time.Millisecond
+	pollEager = 256 // polls that drive progress each
+	pollCheck = 64  // check ctx and the transport's errors every pollCheck polls
+	pollSpin  = 500 * time.Microsecond
 	// pollProbeAfter is how many polls a wait makes before it probes
 	// the peer it waits for (probe).
 	pollProbeAfter = 2048
@@ -677,8 +679,10 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 				ErrBarrierMismatch, peer, v>>16&0xffff, v&0xffff, g.tag, g.epoch&0xffff)
 		}
 		// Unsignaled writes report failures only through the CQ.
-		if err := b.mc.Progress(); err != nil {
-			return err
+		if i < pollEager || i%pollCheck == 0 || !spinning {
+			if err := b.mc.Progress(); err != nil {
+				return err
+			}
 		}
 		if i%pollCheck == 0 || !spinning {
 			select {
@@ -715,11 +719,7 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 			}
 		}
 		if spinning {
-			if i < pollGosched {
-				runtime.Gosched()
-			} else {
-				sched.Yield()
-			}
+			runtime.Gosched()
 			continue
 		}
 		if b.timer == nil {

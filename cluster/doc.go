@@ -156,15 +156,12 @@
 // no world goes on with a hole.
 //
 // A rank waits for a flag by polling it, driving the transport's progress
-// at every poll (soft0 places a peer's write when a process of it polls)
-// and yielding the processor between polls: to the process' goroutines
-// at first, then to every thread ready to run (sched_yield), so that when
-// ranks outnumber processors the rank waited for runs at once instead of
-// after the waiter's time slice. A wait that lasts longer than 10 ms
-// waits for a late rank, not for the transport: it sleeps, with pauses
-// growing to 500 µs. BenchmarkBarrierXproc measures barriers between
-// processes, up to four times as many as processors, against the
-// one-way latency of the same transport.
+// (soft0 places a peer's write when a process of it polls) at every poll
+// at first, yielding to the process' goroutines between polls, for up to
+// 500 µs; then it sleeps, with pauses growing to 500 µs.
+// BenchmarkBarrierXproc measures barriers between processes, up to four
+// times as many as processors, against the one-way latency of the same
+// transport.
 //
 // # Lifetimes and concurrency
 //
