@@ -26,36 +26,43 @@ import (
 // the timeouts. A connection to this very process (a forced transport)
 // follows nothing: the process runs, whatever its QPs do.
 
-// peerRuntime returns the processor time process pid has used so far
-// (clock ticks, user and system: fields 14 and 15 of /proc/PID/stat), and
-// whether it could be read. One small file per look: hundreds of
-// connections may watch their peers at once.
-func peerRuntime(pid uint32) (uint64, bool) {
+// peerStat reads what /proc/PID/stat says of process pid: the processor
+// time it has used so far (clock ticks, user and system: fields 14 and
+// 15) and whether it is halted, stopped (SIGSTOP, a debugger) or exited
+// (a zombie), so that it answers nothing now whatever it ran before. ok is
+// false if the file cannot be read or parsed (the process is gone). One
+// small file per look: hundreds of connections may watch their peers at
+// once.
+func peerStat(pid uint32) (runtime uint64, halted, ok bool) {
 	b, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(pid), 10) + "/stat")
 	if err != nil {
-		return 0, false
+		return 0, false, false
 	}
-	return statRuntime(b)
+	return parseStat(b)
 }
 
-// statRuntime parses utime + stime out of the contents of /proc/PID/stat.
-func statRuntime(b []byte) (uint64, bool) {
+// parseStat parses the contents of /proc/PID/stat for peerStat.
+func parseStat(b []byte) (runtime uint64, halted, ok bool) {
 	// pid (comm) state ppid ...: the fields after the last ')' start
 	// with state (field 3); utime and stime are fields 14 and 15.
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
-		return 0, false
+		return 0, false, false
 	}
 	f := bytes.Fields(b[i+1:])
-	if len(f) < 13 {
-		return 0, false
+	if len(f) < 13 || len(f[0]) != 1 {
+		return 0, false, false
 	}
 	u, err1 := strconv.ParseUint(string(f[11]), 10, 64)
 	s, err2 := strconv.ParseUint(string(f[12]), 10, 64)
 	if err1 != nil || err2 != nil {
-		return 0, false
+		return 0, false, false
 	}
-	return u + s, true
+	switch f[0][0] {
+	case 'T', 't', 'Z', 'X', 'x':
+		halted = true
+	}
+	return u + s, halted, true
 }
 
 // peerClock follows the processor time of a peer process on this host.
@@ -68,64 +75,53 @@ type peerClock struct {
 
 func newPeerClock(pid uint32) *peerClock {
 	p := &peerClock{pid: pid}
-	if v, ok := peerRuntime(pid); ok {
+	if v, _, ok := peerStat(pid); ok {
 		p.last.Store(v)
 	}
 	p.changed.Store(time.Now().UnixNano())
 	return p
 }
 
-// ran reports whether the peer used processor time since the last call
-// (or since newPeerClock), and is not halted. Safe for concurrent use; a
-// read of /proc, so for timeouts, not for the data path.
+// look reads the peer's processor time: ran reports whether it changed
+// since the last look (or since newPeerClock), and halted whether the
+// peer is stopped or gone. Safe for concurrent use; a read of /proc, so
+// for timeouts, not for the data path.
+func (p *peerClock) look() (ran, halted bool) {
+	v, halted, ok := peerStat(p.pid)
+	if !ok {
+		return false, true
+	}
+	if p.last.Swap(v) == v {
+		return false, halted
+	}
+	p.changed.Store(time.Now().UnixNano())
+	return true, halted
+}
+
+// ran reports whether the peer used processor time since the last look
+// and is not halted.
 func (p *peerClock) ran() bool {
 	if p == nil || p.pid == 0 {
 		return false
 	}
-	v, ok := peerRuntime(p.pid)
-	if !ok || p.last.Swap(v) == v {
-		return false
-	}
-	p.changed.Store(time.Now().UnixNano())
-	return !peerHalted(p.pid)
+	ran, halted := p.look()
+	return ran && !halted
 }
 
 // ranWithin reports whether the peer ran within the last d and is not
 // halted: the processor time is counted in clock ticks (10 ms), which a
 // peer that gets a processor a few ms a second crosses only now and then.
 func (p *peerClock) ranWithin(d time.Duration) bool {
-	if p.ran() {
-		return true
-	}
 	if p == nil || p.pid == 0 {
 		return false
 	}
-	return time.Since(time.Unix(0, p.changed.Load())) < d && !peerHalted(p.pid)
+	ran, halted := p.look()
+	return !halted && (ran || time.Since(time.Unix(0, p.changed.Load())) < d)
 }
 
 // localQuiet is how long a peer process on this host may use no processor
 // time (by the clock ticks of /proc) and still count as alive.
 const localQuiet = 2 * time.Second
-
-// peerHalted reports whether process pid is stopped (SIGSTOP, a
-// debugger) or exited (a zombie): whatever it ran before, it answers
-// nothing now.
-func peerHalted(pid uint32) bool {
-	b, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(pid), 10) + "/stat")
-	if err != nil {
-		return true
-	}
-	// pid (comm) state ...: the state follows the last ')'.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 || i+2 >= len(b) {
-		return true
-	}
-	switch b[i+2] {
-	case 'T', 't', 'Z', 'X', 'x':
-		return true
-	}
-	return false
-}
 
 // handshakeMax bounds a handshake with a local peer that keeps running;
 // one that uses no processor time for localHandshakeQuiet is given up.
@@ -155,11 +151,12 @@ func watchLocal(pid uint32, quiet, max time.Duration) (ctx context.Context, stop
 			case <-ctx.Done():
 				return
 			case now := <-t.C:
+				ran, halted := clock.look()
 				switch {
-				case peerHalted(pid):
+				case halted:
 					cancel()
 					return
-				case clock.ran():
+				case ran:
 					last = now
 				case now.Sub(last) >= quiet:
 					cancel()

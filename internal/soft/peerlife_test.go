@@ -23,6 +23,10 @@ func TestPeerClock(t *testing.T) {
 		cmd.Wait()
 	}()
 	c := newPeerClock(pid)
+	halted := func() bool {
+		_, h, ok := peerStat(pid)
+		return !ok || h
+	}
 	waitRan := func(want bool) {
 		t.Helper()
 		// The child gets a processor within the hang guard; a stopped
@@ -46,13 +50,13 @@ func TestPeerClock(t *testing.T) {
 		}
 	}
 	waitRan(true)
-	if peerHalted(pid) {
+	if halted() {
 		t.Fatal("a running process is halted")
 	}
 	if err := syscall.Kill(int(pid), syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
-	for deadline := time.Now().Add(hangGuard); !peerHalted(pid); {
+	for deadline := time.Now().Add(hangGuard); !halted(); {
 		if time.Now().After(deadline) {
 			t.Fatal("a stopped process is not halted")
 		}
@@ -64,7 +68,7 @@ func TestPeerClock(t *testing.T) {
 	waitRan(true)
 	cmd.Process.Kill()
 	cmd.Wait()
-	if !peerHalted(pid) || c.ran() {
+	if !halted() || c.ran() {
 		t.Error("an exited process is not halted, or ran")
 	}
 	var none peerClock
