@@ -273,28 +273,30 @@ func (s *service) acceptLoop(ln net.Listener) {
 			c.Close()
 			return
 		}
-		h := s.startHandshake(c, sourceKey(c))
+		src, localPID := sourceKey(c)
+		h := s.startHandshake(c, src)
 		go func() {
 			defer s.wg.Done()
 			defer s.endHandshake(h)
-			s.serveHandshake(c)
+			s.serveHandshake(c, localPID)
 		}()
 	}
 }
 
 // sourceKey is what the per-source handshake limit counts: the remote IP
-// of a TCP connection ("" for unix sockets, which only the global limit
-// bounds).
-func sourceKey(c net.Conn) string {
+// of a TCP connection, localSource for a unix socket of a process of this
+// user (localPID: its process id, as the kernel gives it), "" for other
+// unix sockets (only the global limit bounds them).
+func sourceKey(c net.Conn) (key string, localPID uint32) {
 	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
-		return a.IP.String()
+		return a.IP.String(), 0
 	}
 	if uc, ok := c.(*net.UnixConn); ok {
 		if cred, err := peerCred(uc); err == nil && cred.Uid == uint32(os.Getuid()) {
-			return localSource
+			return localSource, uint32(max(cred.Pid, 0))
 		}
 	}
-	return ""
+	return "", 0
 }
 
 // handshaking is a connection in its handshake.
@@ -436,24 +438,23 @@ func (s *service) removeConn(c *conn) {
 }
 
 // serveHandshake runs the acceptor side of a handshake on a new
-// connection (handshake.go).
-func (s *service) serveHandshake(nc net.Conn) {
+// connection (handshake.go). localPID is the process id of a dialer of
+// this user on this host (sourceKey), 0 otherwise.
+func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 	deadline := time.Now().Add(handshakeTimeout)
 	nc.SetDeadline(deadline)
 	var buf [hdrLen + helloLen]byte
 	uc, isUnix := nc.(*net.UnixConn)
 	stopWatch := func() {}
-	if isUnix {
+	if localPID > 0 {
 		// A process of this user on this host that is slow to speak, not
 		// gone (peerlife.go); it proves who it is below.
-		if cred, err := peerCred(uc); err == nil && cred.Uid == uint32(os.Getuid()) && cred.Pid > 0 {
-			ctx, stop := watchLocal(uint32(cred.Pid), localHandshakeQuiet, handshakeMax)
-			stopConn := watchConn(ctx, nc)
-			stopWatch = func() { stopConn(); stop() }
-			defer stopWatch()
-			deadline = time.Now().Add(handshakeMax)
-			nc.SetDeadline(deadline)
-		}
+		ctx, stop := watchLocal(localPID, localHandshakeQuiet, handshakeMax)
+		stopConn := watchConn(ctx, nc)
+		stopWatch = func() { stopConn(); stop() }
+		defer stopWatch()
+		deadline = time.Now().Add(handshakeMax)
+		nc.SetDeadline(deadline)
 	}
 	var rw io.ReadWriter = nc
 	var tc *tls.Conn
