@@ -45,9 +45,16 @@ func TestSessionDevices(t *testing.T) {
 // may change the dialer's after the Listener exists.
 func pairWith(t testing.TB, lcfg, dcfg Config, adjust func(*Listener, *Config)) (a, b *Session) {
 	t.Helper()
+	return pairAt(t, "127.0.0.1:0", func(l *Listener) string { return l.Addr().String() }, lcfg, dcfg, adjust)
+}
+
+// pairAt is pairWith with the Listener on listen and the dialer dialing
+// target(l).
+func pairAt(t testing.TB, listen string, target func(*Listener) string, lcfg, dcfg Config, adjust func(*Listener, *Config)) (a, b *Session) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	l, err := Listen(ctx, "127.0.0.1:0", lcfg)
+	l, err := Listen(ctx, listen, lcfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,7 +71,7 @@ func pairWith(t testing.TB, lcfg, dcfg Config, adjust func(*Listener, *Config)) 
 		s, err := l.Accept(ctx)
 		ch <- res{s, err}
 	}()
-	b, err = Dial(ctx, l.Addr().String(), dcfg)
+	b, err = Dial(ctx, target(l), dcfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -182,33 +189,11 @@ func TestSessionAutoDevices(t *testing.T) {
 		{"loopback", "127.0.0.1:0", func(port uint16) string { return netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port).String() }, softDevice, softDevice},
 	} {
 		t.Run(c.name, func(t *testing.T) {
+			a, b := pairAt(t, c.listen, func(l *Listener) string {
+				return c.target(netip.MustParseAddrPort(l.Addr().String()).Port())
+			}, Config{}, Config{}, nil)
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
-			l, err := Listen(ctx, c.listen, Config{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer l.Close()
-			type res struct {
-				s   *Session
-				err error
-			}
-			ch := make(chan res, 1)
-			go func() {
-				s, err := l.Accept(ctx)
-				ch <- res{s, err}
-			}()
-			b, err := Dial(ctx, c.target(netip.MustParseAddrPort(l.Addr().String()).Port()), Config{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer b.Close()
-			r := <-ch
-			if r.err != nil {
-				t.Fatal(r.err)
-			}
-			a := r.s
-			defer a.Close()
 			for _, x := range []struct {
 				side string
 				s    *Session
