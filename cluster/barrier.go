@@ -253,6 +253,7 @@ type barrier struct {
 	groups  map[uint64][]*group       // by member hash
 	poison  error                     // a local failure (timeout, mismatch): until reset
 	lost    atomic.Pointer[RankError] // a rank failed: for good
+	tellMu  sync.Mutex                // serialises tell (the source word in aux)
 	word    [8]byte                   // source of inline writes
 	timer   *time.Timer               // sleeps of long waits
 }
@@ -537,10 +538,7 @@ func (b *barrier) wait(ctx context.Context, peers []int) error {
 			case errors.Is(err, verbs.ErrTimeout) || errors.Is(err, ErrBarrierMismatch):
 				b.poison = b.fail(g, peers, s.peer, err)
 			default: // the transport to s.peer broke: it failed
-				b.lost.CompareAndSwap(nil, &RankError{Rank: s.peer, Err: fmt.Errorf("%w: %w", ErrPeerLost, err)})
-				re = b.lost.Load()
-				b.tell(re.Rank)
-				err = re
+				err = b.report(s.peer, err)
 			}
 			return b.fail(g, peers, s.peer, err)
 		}
@@ -579,10 +577,25 @@ func (b *barrier) poisoned(v uint64) *RankError {
 	return &RankError{Rank: dead, Err: fmt.Errorf("%w (rank %d saw it fail)", ErrPeerLost, by)}
 }
 
+// report records that rank dead failed (cause: what this rank saw) and
+// tells every peer, unless a failure was recorded before; it returns the
+// failure recorded (the first one). Safe for concurrent use.
+func (b *barrier) report(dead int, cause error) *RankError {
+	if b.lost.CompareAndSwap(nil, &RankError{Rank: dead, Err: fmt.Errorf("%w: %w", ErrPeerLost, cause)}) {
+		re := b.lost.Load()
+		b.tellMu.Lock()
+		if !b.closed.Load() {
+			b.tell(re.Rank)
+		}
+		b.tellMu.Unlock()
+	}
+	return b.lost.Load()
+}
+
 // tell writes the poison word naming dead into every peer this rank can
 // still reach, without waiting for the writes to complete (Node.Close
 // makes sure they leave). Best effort: a peer it cannot reach finds out
-// by itself. Call with mu held.
+// by itself. Call with tellMu held.
 func (b *barrier) tell(dead int) {
 	if b.remote == nil {
 		return
@@ -819,6 +832,8 @@ func (b *barrier) close() error {
 	}
 	b.mu.Lock() // a wait in progress sees closed and returns
 	defer b.mu.Unlock()
+	b.tellMu.Lock() // a report in progress has finished posting
+	defer b.tellMu.Unlock()
 	var errs []error
 	if err := b.flags.Close(); err != nil {
 		errs = append(errs, err)

@@ -285,6 +285,31 @@ func (n *Node) Err() error {
 	return n.bar.worldErr()
 }
 
+// Fail records that rank failed, as the caller saw it (cause: typically
+// the error of an operation on the queue pair to rank, or a wait for it
+// that outlived its liveness bound), and tells every rank it can still
+// reach, as a barrier does when it sees a rank fail: from then on Err
+// returns the failure and every barrier of every rank fails, naming the
+// rank. Layers above the node (package collective) call it so that a
+// failure they see reaches the whole world. If a failure was recorded
+// before (seen here or told by another rank), Fail keeps it. It returns
+// the failure recorded, a *RankError. Safe for concurrent use.
+func (n *Node) Fail(rank int, cause error) error {
+	n.mu.Lock()
+	phase := n.phase
+	n.mu.Unlock()
+	if rank < 0 || rank >= n.size || rank == n.rank {
+		return fmt.Errorf("cluster: node: Fail(%d): not a peer rank of a world of %d (this rank %d)", rank, n.size, n.rank)
+	}
+	if phase != 2 {
+		return fmt.Errorf("%w: Fail before Connect or after Close", ErrNodeState)
+	}
+	if err := n.bar.worldErr(); err != nil {
+		return err
+	}
+	return n.bar.report(rank, cause)
+}
+
 // ResetBarrier clears a poisoned barrier. It is collective: after a
 // barrier failed on any rank, every rank calls ResetBarrier before its
 // next barrier.

@@ -1,0 +1,280 @@
+package collective
+
+import (
+	"context"
+	"math/bits"
+	"unsafe"
+)
+
+// Thresholds of AlgAuto for Allreduce (bytes of the vector): recursive
+// doubling up to SmallMax, Rabenseifner up to RingMin (exclusive), the
+// ring from RingMin. See the package documentation for how they were
+// measured.
+const (
+	SmallMax = 16 << 10
+	RingMin  = 512 << 10
+)
+
+// Allreduce combines the vectors send of every rank element by element
+// with op and leaves the result in recv at every rank. send and recv
+// have the same length at every rank; they may be the same slice (in
+// place), or send may be nil (in place in recv).
+//
+// Every rank gets the same bits: each element's result is computed
+// once, by one rank, and copied to the others (ring, Rabenseifner), or
+// computed by every rank in the same order, lower ranks' partial result
+// on the left (recursive doubling).
+func Allreduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) error {
+	if send == nil {
+		send = recv
+	}
+	info := callInfo{kind: kindAllreduce, op: op.kind, dtype: dtypeOf[T](), root: -1, count: uint64(len(recv))}
+	if len(send) != len(recv) {
+		return c.argErr(info.kind, "send has %d elements, recv %d", len(send), len(recv))
+	}
+	if overlapPartly(send, recv) {
+		return c.argErr(info.kind, "send and recv overlap without being the same slice")
+	}
+	red, err := reducerFor[T](op)
+	if err != nil {
+		return c.argErr(info.kind, "%w", err)
+	}
+	t, err := c.begin(ctx, info)
+	if err != nil {
+		return err
+	}
+	c.red = red
+	buf := bytesOf(recv)
+	if len(send) > 0 && &send[0] != &recv[0] {
+		copy(recv, send)
+	}
+	return c.end(t, c.allreduce(ctx, buf, elemSize[T]()))
+}
+
+func elemSize[T Number]() int {
+	var z T
+	return int(unsafe.Sizeof(z))
+}
+
+// overlapPartly reports whether a and b share memory without being the
+// same slice.
+func overlapPartly[T Number](a, b []T) bool {
+	if len(a) == 0 || len(b) == 0 {
+		return false
+	}
+	sz := uintptr(elemSize[T]())
+	a0, b0 := uintptr(unsafe.Pointer(&a[0])), uintptr(unsafe.Pointer(&b[0]))
+	if a0 == b0 && len(a) == len(b) {
+		return false
+	}
+	return a0 < b0+uintptr(len(b))*sz && b0 < a0+uintptr(len(a))*sz
+}
+
+// allreduce reduces buf (whole elements of esz bytes) across the
+// communicator with c.red.
+func (c *Comm) allreduce(ctx context.Context, buf []byte, esz int) error {
+	if c.size == 1 {
+		return nil
+	}
+	alg := c.opts.Algorithm
+	if alg == AlgAuto {
+		switch {
+		case len(buf) < SmallMax || len(buf)/esz < c.size:
+			alg = AlgRecursiveDoubling
+		case len(buf) < RingMin:
+			alg = AlgRabenseifner
+		default:
+			alg = AlgRing
+		}
+	}
+	if len(buf)/esz < c.size && alg != AlgRecursiveDoubling {
+		alg = AlgRecursiveDoubling // fewer elements than ranks: blocks would be empty
+	}
+	switch alg {
+	case AlgRing:
+		return c.ringAllreduce(ctx, buf, esz)
+	case AlgRabenseifner:
+		return c.rabenseifner(ctx, buf, esz)
+	}
+	return c.recursiveDoubling(ctx, buf)
+}
+
+// scratchBytes returns n bytes of the communicator's scratch memory.
+func (c *Comm) scratchBytes(n int) []byte {
+	if cap(c.scratch) < n {
+		c.scratch = make([]byte, n)
+	}
+	return c.scratch[:n]
+}
+
+// step runs one exchange: send to sp (unless -1) and receive from rp
+// (unless -1) into dst, copying or reducing.
+func (c *Comm) step(ctx context.Context, sp int, src []byte, rp int, dst []byte, reduce, srcLow bool) error {
+	c.sends, c.recvs = c.sends[:0], c.recvs[:0]
+	if sp >= 0 {
+		c.sends = append(c.sends, flow{peer: sp, buf: src})
+	}
+	if rp >= 0 {
+		c.recvs = append(c.recvs, flow{peer: rp, buf: dst, reduce: reduce, srcLow: srcLow})
+	}
+	return c.run(ctx, c.sends, c.recvs)
+}
+
+// pof2 returns the largest power of two ≤ p.
+func pof2(p int) int { return 1 << (bits.Len(uint(p)) - 1) }
+
+// foldIn is the first step of the power-of-two algorithms on p ranks
+// that are not a power of two: with rem = p − pof2(p), among the first
+// 2·rem ranks each even rank hands its vector to the odd rank after it,
+// which reduces it (the even rank's being the lower operand). It returns
+// this rank's position among the pof2(p) ranks that go on, or -1 for a
+// rank that sat out.
+func (c *Comm) foldIn(ctx context.Context, buf []byte) (int, error) {
+	r, rem := c.rank, c.size-pof2(c.size)
+	if r >= 2*rem {
+		return r - rem, nil
+	}
+	if r%2 == 0 {
+		return -1, c.step(ctx, r+1, buf, -1, nil, false, false)
+	}
+	return r / 2, c.step(ctx, -1, nil, r-1, buf, true, true)
+}
+
+// foldOut hands the result back to the ranks that sat out.
+func (c *Comm) foldOut(ctx context.Context, buf []byte) error {
+	r, rem := c.rank, c.size-pof2(c.size)
+	if r >= 2*rem {
+		return nil
+	}
+	if r%2 == 0 {
+		return c.step(ctx, -1, nil, r+1, buf, false, false)
+	}
+	return c.step(ctx, r-1, buf, -1, nil, false, false)
+}
+
+// realRank maps a position among the pof2 ranks back to a rank.
+func (c *Comm) realRank(nr int) int {
+	rem := c.size - pof2(c.size)
+	if nr < rem {
+		return 2*nr + 1
+	}
+	return nr + rem
+}
+
+// recursiveDoubling: fold in, then in round k exchange the whole vector
+// with position nr XOR 2^k and combine (the lower positions' vector on
+// the left), then fold out. ⌈log2 p⌉ (+2) latencies, the whole vector in
+// every round.
+func (c *Comm) recursiveDoubling(ctx context.Context, buf []byte) error {
+	nr, err := c.foldIn(ctx, buf)
+	if err != nil {
+		return err
+	}
+	if nr >= 0 {
+		tmp := c.scratchBytes(len(buf))
+		for mask := 1; mask < pof2(c.size); mask <<= 1 {
+			partner := c.realRank(nr ^ mask)
+			if err := c.step(ctx, partner, buf, partner, tmp, false, false); err != nil {
+				return err
+			}
+			c.red(buf, tmp, partner < c.rank)
+		}
+	}
+	return c.foldOut(ctx, buf)
+}
+
+// blocks splits n elements of esz bytes into p blocks (the first n mod
+// p blocks one element longer) and returns block i's byte range.
+func blockRange(n, p, i, esz int) (int, int) {
+	q, r := n/p, n%p
+	lo := i*q + min(i, r)
+	hi := lo + q
+	if i < r {
+		hi++
+	}
+	return lo * esz, hi * esz
+}
+
+// ringAllreduce: reduce-scatter around the ring in p−1 steps (in step s,
+// send block r−s to the right and reduce block r−s−1 from the left into
+// place), then allgather in p−1 steps. Each block's result is computed
+// at one rank, in ring order starting at the block's index; chunks
+// pipeline within each step.
+func (c *Comm) ringAllreduce(ctx context.Context, buf []byte, esz int) error {
+	p, r := c.size, c.rank
+	n := len(buf) / esz
+	left, right := (r-1+p)%p, (r+1)%p
+	blk := func(i int) []byte {
+		lo, hi := blockRange(n, p, ((i%p)+p)%p, esz)
+		return buf[lo:hi]
+	}
+	for s := range p - 1 {
+		if err := c.step(ctx, right, blk(r-s), left, blk(r-s-1), true, true); err != nil {
+			return err
+		}
+	}
+	for s := range p - 1 {
+		if err := c.step(ctx, right, blk(r+1-s), left, blk(r-s), false, false); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// rabenseifner: fold in; reduce-scatter by recursive halving (in round
+// k, exchange half of the current range with position nr XOR 2^(K−1−k)
+// ... keeping the half of the lower or upper position); allgather by
+// recursive doubling in the reverse order; fold out.
+func (c *Comm) rabenseifner(ctx context.Context, buf []byte, esz int) error {
+	nr, err := c.foldIn(ctx, buf)
+	if err != nil {
+		return err
+	}
+	if nr >= 0 {
+		q := pof2(c.size)
+		n := len(buf) / esz
+		// Position nr ends up owning block nr of q blocks. Track the range
+		// [lo, hi) of blocks this position is responsible for.
+		lo, hi := 0, q
+		tmp := c.scratchBytes(len(buf))
+		for half := q / 2; half >= 1; half /= 2 {
+			partner := nr ^ half
+			mid := lo + (hi-lo)/2
+			keepLo, keepHi, sendLo, sendHi := lo, mid, mid, hi
+			if nr&half != 0 {
+				keepLo, keepHi, sendLo, sendHi = mid, hi, lo, mid
+			}
+			kb, ke := blockStart(n, q, keepLo, esz), blockStart(n, q, keepHi, esz)
+			sb, se := blockStart(n, q, sendLo, esz), blockStart(n, q, sendHi, esz)
+			pr := c.realRank(partner)
+			if err := c.step(ctx, pr, buf[sb:se], pr, tmp[kb:ke], false, false); err != nil {
+				return err
+			}
+			c.red(buf[kb:ke], tmp[kb:ke], pr < c.rank)
+			lo, hi = keepLo, keepHi
+		}
+		for half := 1; half < q; half *= 2 {
+			partner := nr ^ half
+			// The partner owns the sibling range of the same size.
+			size := hi - lo
+			plo := lo + size
+			if nr&half != 0 {
+				plo = lo - size
+			}
+			sb, se := blockStart(n, q, lo, esz), blockStart(n, q, hi, esz)
+			rb, re := blockStart(n, q, plo, esz), blockStart(n, q, plo+size, esz)
+			pr := c.realRank(partner)
+			if err := c.step(ctx, pr, buf[sb:se], pr, buf[rb:re], false, false); err != nil {
+				return err
+			}
+			lo, hi = min(lo, plo), max(hi, plo+size)
+		}
+	}
+	return c.foldOut(ctx, buf)
+}
+
+// blockStart returns the first byte of block i of p (n·esz for i = p).
+func blockStart(n, p, i, esz int) int {
+	lo, _ := blockRange(n, p, i, esz)
+	return lo
+}

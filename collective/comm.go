@@ -1,0 +1,446 @@
+package collective
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+	"github.com/goverbs/verbs/cluster"
+)
+
+// Errors of the package. A failed collective returns an *Error wrapping
+// one of them, a *cluster.RankError (a rank failed), or the context's
+// error; test with errors.Is and errors.As.
+var (
+	// ErrPoisoned: an earlier collective of the communicator failed, so
+	// its ranks no longer agree on what was sent: every call fails until
+	// the communicator is rebuilt (New, on every rank). The error wraps
+	// the first failure.
+	ErrPoisoned = errors.New("collective: communicator poisoned by an earlier failure (rebuild it)")
+	// ErrMismatch: a peer called another collective than this rank (an
+	// other kind, operation, element type, count, root, or message
+	// length), or called them in another order.
+	ErrMismatch = errors.New("collective: ranks disagree on the collective call")
+	// ErrArgs: the arguments are invalid at this rank (slice lengths,
+	// root, counts); nothing was sent and the communicator stays usable.
+	ErrArgs = errors.New("collective: invalid arguments")
+	// ErrClosed: the communicator was closed.
+	ErrClosed = errors.New("collective: communicator closed")
+)
+
+// Error is the error of a failed collective: which call (its name, this
+// rank in the communicator, the peer it was exchanging with or -1) and
+// the cause.
+type Error struct {
+	Call string // "allreduce", "barrier", ...
+	Rank int    // this rank, in the communicator
+	Peer int    // the peer involved (rank in the communicator), or -1
+	Err  error
+}
+
+func (e *Error) Error() string {
+	peer := ""
+	if e.Peer >= 0 {
+		peer = fmt.Sprintf(", peer %d", e.Peer)
+	}
+	return fmt.Sprintf("collective: %s (rank %d%s): %v", e.Call, e.Rank, peer, e.Err)
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// Options configure a communicator. The zero value is usable: every
+// field documents its default. Every rank of a communicator must use
+// the same ChunkSize and Slots (New checks it).
+type Options struct {
+	// ChunkSize is the payload of one slot of the receive windows, in
+	// bytes: messages travel in chunks of at most ChunkSize, pipelined.
+	// Default 64 KiB, reduced for large communicators so that the windows
+	// of all peers take at most 8 MiB; at least 256 bytes.
+	ChunkSize int
+	// Slots is the number of chunks a rank may have in flight to one peer
+	// before the peer consumes them (the window). Default 4, at least 2.
+	Slots int
+	// Timeout bounds every call, besides its context: a call that has not
+	// completed within Timeout fails (and poisons the communicator).
+	// Zero: only the context bounds it.
+	Timeout time.Duration
+	// Algorithm forces the algorithm of Allreduce (and of the reductions
+	// built on it); AlgAuto (the default) chooses by message size and
+	// communicator size.
+	Algorithm Algorithm
+}
+
+// Algorithm names an allreduce algorithm.
+type Algorithm int
+
+const (
+	// AlgAuto chooses by size: recursive doubling below SmallMax bytes,
+	// Rabenseifner's reduce-scatter and allgather by recursive halving
+	// and doubling up to RingMin, the pipelined ring above.
+	AlgAuto Algorithm = iota
+	// AlgRecursiveDoubling exchanges whole vectors in ⌈log2 p⌉ rounds.
+	AlgRecursiveDoubling
+	// AlgRabenseifner reduce-scatters by recursive halving and allgathers
+	// by recursive doubling.
+	AlgRabenseifner
+	// AlgRing reduce-scatters and allgathers around a ring, in p−1 steps
+	// each, pipelined in chunks.
+	AlgRing
+)
+
+func (a Algorithm) String() string {
+	switch a {
+	case AlgAuto:
+		return "auto"
+	case AlgRecursiveDoubling:
+		return "recursive doubling"
+	case AlgRabenseifner:
+		return "rabenseifner"
+	case AlgRing:
+		return "ring"
+	}
+	return fmt.Sprintf("Algorithm(%d)", int(a))
+}
+
+const (
+	defaultChunk  = 64 << 10
+	defaultSlots  = 4
+	windowBudget  = 8 << 20
+	minChunk      = 256
+	hdrBytes      = 64 // header of a slot: 40 bytes used, data 64-byte aligned
+	peerFlagBytes = 16 // data count, ack count
+)
+
+// Comm is a communicator: an ordered group of ranks of a cluster.Node's
+// world (all of them for New, a subset for Split) that run collectives
+// together. Rank and Size are within the communicator.
+//
+// Every collective is collective: every rank of the communicator calls
+// it, with matching arguments, in the same order as the others. Calls on
+// one Comm are executed one at a time, in the order they were issued
+// (blocking calls and the non-blocking twins alike); a Comm is safe for
+// concurrent use, but concurrent calls from several goroutines are
+// issued in an order the ranks will not agree on unless the program
+// orders them.
+type Comm struct {
+	node  *cluster.Node
+	mc    *channel.MultiChannel
+	opts  Options
+	ranks []int // world rank of each rank of the communicator
+	rank  int
+	size  int
+
+	chunk, slots, slotBytes, ackEvery int
+	rx, tx                            *verbs.MemoryRegion
+	slotBase                          int // offset of the slots in rx
+	flagBase, ackBase, probeSrc       int // offsets in tx
+	remote                            []verbs.RemoteRegion
+	sendSeq, recvSeq, ackSent         []uint64
+	flagOwed, ackOwed                 []bool
+	red                               reducer
+	call                              callInfo
+	callSeq                           uint32
+	deadline                          time.Time
+	w                                 waiter
+	sends, recvs                      []flow // scratch of the algorithms
+	scratch                           []byte // reduction scratch of the algorithms (Go memory)
+
+	mu      sync.Mutex
+	issued  uint64        // tickets handed out
+	serving uint64        // ticket being served
+	turn    chan struct{} // closed when serving advances (slow path)
+	err     error         // poison
+	closed  bool
+}
+
+// New creates the communicator of the whole world of node, every rank of
+// the world calling it. It registers the receive windows and hands each
+// peer their address with one send and one receive on the node's
+// channels (no other receive may be posted on them meanwhile), after a
+// barrier. The communicator's rank and size are the node's.
+func New(ctx context.Context, node *cluster.Node, opts Options) (*Comm, error) {
+	ranks := make([]int, node.Size())
+	for i := range ranks {
+		ranks[i] = i
+	}
+	c, err := newComm(node, ranks, node.Rank(), opts)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.bootstrap(ctx); err != nil {
+		c.release()
+		return nil, &Error{Call: "new", Rank: c.rank, Peer: -1, Err: err}
+	}
+	return c, nil
+}
+
+// newComm allocates the communicator of ranks (world ranks) at position
+// me, without the peers' windows.
+func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, error) {
+	if opts.Slots == 0 {
+		opts.Slots = defaultSlots
+	}
+	p := len(ranks)
+	if opts.ChunkSize == 0 {
+		opts.ChunkSize = defaultChunk
+		if p > 1 {
+			opts.ChunkSize = min(defaultChunk, max(minChunk, windowBudget/((p-1)*opts.Slots))&^63)
+		}
+	}
+	if opts.Slots < 2 || opts.Slots > 1024 {
+		return nil, fmt.Errorf("%w: Options.Slots %d (want 2 to 1024)", ErrArgs, opts.Slots)
+	}
+	if opts.ChunkSize < minChunk || opts.ChunkSize > 1<<30 {
+		return nil, fmt.Errorf("%w: Options.ChunkSize %d (want %d bytes to 1 GiB)", ErrArgs, opts.ChunkSize, minChunk)
+	}
+	if opts.Timeout < 0 {
+		return nil, fmt.Errorf("%w: negative Options.Timeout", ErrArgs)
+	}
+	c := &Comm{node: node, mc: node.Channel(), opts: opts, ranks: ranks, rank: me, size: p,
+		chunk: opts.ChunkSize, slots: opts.Slots, ackEvery: max(1, opts.Slots/2),
+		remote: make([]verbs.RemoteRegion, p), sendSeq: make([]uint64, p), recvSeq: make([]uint64, p),
+		ackSent: make([]uint64, p), flagOwed: make([]bool, p), ackOwed: make([]bool, p)}
+	c.slotBytes = (hdrBytes + c.chunk + 63) &^ 63
+	c.slotBase = (p*peerFlagBytes + 8 + 63) &^ 63 // flags, the probe word
+	rxLen := c.slotBase + p*c.slots*c.slotBytes
+	c.flagBase = p * c.slots * c.slotBytes
+	c.ackBase = c.flagBase + p*c.slots*8
+	c.probeSrc = c.ackBase + p*8
+	txLen := c.probeSrc + 8
+	var err error
+	if c.rx, err = node.PD().Alloc(rxLen, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
+		return nil, fmt.Errorf("collective: receive windows (%d bytes): %w", rxLen, err)
+	}
+	if c.tx, err = node.PD().Alloc(txLen, verbs.AccessLocalWrite); err != nil {
+		c.rx.Close()
+		return nil, fmt.Errorf("collective: send staging (%d bytes): %w", txLen, err)
+	}
+	return c, nil
+}
+
+// Window descriptor a rank hands each peer:
+//
+//	magic "GVCO" | version u16 | slots u16 | comm size u32 | comm rank u32 |
+//	chunk u32 | addr u64 | len u64 | rkey u32
+//
+// little endian, 40 bytes.
+const (
+	descMagic   = "GVCO"
+	descVersion = 1
+	descBytes   = 40
+)
+
+func (c *Comm) descriptor(b []byte) {
+	r := c.rx.Remote()
+	copy(b, descMagic)
+	binary.LittleEndian.PutUint16(b[4:], descVersion)
+	binary.LittleEndian.PutUint16(b[6:], uint16(c.slots))
+	binary.LittleEndian.PutUint32(b[8:], uint32(c.size))
+	binary.LittleEndian.PutUint32(b[12:], uint32(c.rank))
+	binary.LittleEndian.PutUint32(b[16:], uint32(c.chunk))
+	binary.LittleEndian.PutUint64(b[20:], r.Addr)
+	binary.LittleEndian.PutUint64(b[28:], r.Len)
+	binary.LittleEndian.PutUint32(b[36:], r.RKey)
+}
+
+// setRemote checks and keeps rank j's descriptor.
+func (c *Comm) setRemote(j int, b []byte) error {
+	if len(b) != descBytes {
+		return fmt.Errorf("rank %d's window description is %d bytes, want %d", j, len(b), descBytes)
+	}
+	if string(b[:4]) != descMagic {
+		return fmt.Errorf("rank %d's window description has magic %q, want %q", j, b[:4], descMagic)
+	}
+	if v := binary.LittleEndian.Uint16(b[4:]); v != descVersion {
+		return fmt.Errorf("rank %d's window description has version %d, want %d", j, v, descVersion)
+	}
+	if n := int(binary.LittleEndian.Uint32(b[8:])); n != c.size {
+		return fmt.Errorf("%w: rank %d has a communicator of %d ranks, this rank %d", ErrMismatch, j, n, c.size)
+	}
+	if r := int(binary.LittleEndian.Uint32(b[12:])); r != j {
+		return fmt.Errorf("entry %d holds the window description of rank %d", j, r)
+	}
+	s, ch := int(binary.LittleEndian.Uint16(b[6:])), int(binary.LittleEndian.Uint32(b[16:]))
+	if s != c.slots || ch != c.chunk {
+		return fmt.Errorf("%w: rank %d uses %d slots of %d bytes, this rank %d of %d (Options.Slots and ChunkSize must agree)",
+			ErrMismatch, j, s, ch, c.slots, c.chunk)
+	}
+	r := verbs.RemoteRegion{Addr: binary.LittleEndian.Uint64(b[20:]), Len: binary.LittleEndian.Uint64(b[28:]),
+		RKey: binary.LittleEndian.Uint32(b[36:])}
+	if r.Len != uint64(c.rx.Len()) {
+		return fmt.Errorf("rank %d's window region has %d bytes, want %d", j, r.Len, c.rx.Len())
+	}
+	if r.Addr%64 != 0 || r.Addr+r.Len < r.Addr {
+		return fmt.Errorf("rank %d's window region at %#x is misaligned or wraps around", j, r.Addr)
+	}
+	c.remote[j] = r
+	return nil
+}
+
+// bootstrap exchanges the window descriptors of a world communicator:
+// receives posted, a barrier, then one send to every peer.
+func (c *Comm) bootstrap(ctx context.Context) error {
+	if c.size == 1 {
+		return nil
+	}
+	buf, err := c.node.PD().Alloc(c.size*descBytes*2, verbs.AccessLocalWrite)
+	if err != nil {
+		return fmt.Errorf("bootstrap buffer: %w", err)
+	}
+	defer buf.Close()
+	out := buf.Bytes()[c.size*descBytes:]
+	c.descriptor(out[:descBytes])
+	hs := make([]channel.Handle, 0, 2*c.size)
+	defer func() {
+		for _, h := range hs {
+			h.Release()
+		}
+	}()
+	for j := range c.size {
+		if j == c.rank {
+			continue
+		}
+		sge, _ := buf.SGE(j*descBytes, descBytes)
+		h, err := c.mc.Peer(c.ranks[j]).PostReceive(sge)
+		if err != nil {
+			return fmt.Errorf("posting a receive for rank %d: %w", j, err)
+		}
+		hs = append(hs, h)
+	}
+	if err := c.node.Barrier(ctx, nil); err != nil {
+		return err
+	}
+	recvs := len(hs)
+	src, _ := buf.SGE(c.size*descBytes, descBytes)
+	for j := range c.size {
+		if j == c.rank {
+			continue
+		}
+		h, err := c.mc.Peer(c.ranks[j]).PostSend(src)
+		if err != nil {
+			return fmt.Errorf("sending to rank %d: %w", j, err)
+		}
+		hs = append(hs, h)
+	}
+	for _, h := range hs {
+		if err := h.Wait(ctx); err != nil {
+			return fmt.Errorf("exchanging window descriptions with rank %d: %w", h.Peer(), err)
+		}
+	}
+	for k, h := range hs[:recvs] {
+		_ = k
+		j := c.commRank(h.Peer())
+		if got := h.Received().Len; got != descBytes {
+			return fmt.Errorf("rank %d sent a window description of %d bytes, want %d", j, got, descBytes)
+		}
+		if err := c.setRemote(j, buf.Bytes()[j*descBytes:][:descBytes]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// commRank returns the rank in the communicator of world rank w (-1 if
+// it is not a member).
+func (c *Comm) commRank(w int) int {
+	for i, r := range c.ranks {
+		if r == w {
+			return i
+		}
+	}
+	return -1
+}
+
+// Rank returns this rank's position in the communicator.
+func (c *Comm) Rank() int { return c.rank }
+
+// Size returns the number of ranks of the communicator.
+func (c *Comm) Size() int { return c.size }
+
+// WorldRank returns the rank of the node's world of the communicator's
+// rank r.
+func (c *Comm) WorldRank(r int) int { return c.ranks[r] }
+
+// Node returns the node the communicator runs on.
+func (c *Comm) Node() *cluster.Node { return c.node }
+
+// Err returns why the communicator is poisoned, or nil.
+func (c *Comm) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+// Close releases the communicator's memory. A call in progress fails
+// with ErrClosed, and so does every later call. It does not close the
+// node. Idempotent.
+func (c *Comm) Close() error {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
+	t := c.issued
+	c.issued++
+	c.mu.Unlock()
+	// Wait for the calls issued before (they see closed at their next
+	// check and fail), then release the memory.
+	if err := c.await(context.Background(), t); err != nil {
+		return err
+	}
+	defer c.done(t)
+	return c.release()
+}
+
+func (c *Comm) release() error {
+	return errors.Join(c.rx.Close(), c.tx.Close())
+}
+
+// await waits until ticket t is served, or ctx ends.
+func (c *Comm) await(ctx context.Context, t uint64) error {
+	c.mu.Lock()
+	for c.serving != t {
+		if c.turn == nil {
+			c.turn = make(chan struct{})
+		}
+		turn := c.turn
+		c.mu.Unlock()
+		select {
+		case <-turn:
+		case <-ctx.Done():
+			// Our ticket must still be served in order: hand it to a
+			// goroutine that skips it, poisoning the communicator (the
+			// ranks no longer agree on the calls).
+			go func() {
+				_ = c.await(context.Background(), t)
+				c.mu.Lock()
+				if c.err == nil {
+					c.err = fmt.Errorf("a call was abandoned before it started: %w", ctx.Err())
+				}
+				c.mu.Unlock()
+				c.done(t)
+			}()
+			return ctx.Err()
+		}
+		c.mu.Lock()
+	}
+	c.mu.Unlock()
+	return nil
+}
+
+// done ends the service of ticket t.
+func (c *Comm) done(t uint64) {
+	c.mu.Lock()
+	c.serving = t + 1
+	if c.turn != nil {
+		close(c.turn)
+		c.turn = nil
+	}
+	c.mu.Unlock()
+}

@@ -1,0 +1,113 @@
+package collective_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/cluster"
+	"github.com/goverbs/verbs/collective"
+	"github.com/goverbs/verbs/verbstest"
+)
+
+// testCtx bounds a test's calls (a hang guard, not a timing assertion).
+func testCtx(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// nodes builds a connected world of n cluster nodes in this process, one
+// soft0 device each.
+func nodes(t testing.TB, n int) []*cluster.Node {
+	t.Helper()
+	ns := make([]*cluster.Node, n)
+	for i := range n {
+		dev, err := verbs.Open(verbs.SoftDevice)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { dev.Close() })
+		pd, err := dev.AllocPD()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { pd.Close() })
+		if ns[i], err = cluster.NewNode(pd, i, n, cluster.NodeOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ns[i].Close() })
+	}
+	out := make([][][]byte, n)
+	for i, nd := range ns {
+		var err error
+		if out[i], err = nd.LocalEndpoints(nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, nd := range ns {
+		in := make([][]byte, n)
+		for j := range n {
+			in[j] = out[j][i]
+		}
+		if err := nd.Connect(in); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return ns
+}
+
+// world builds n nodes and a communicator on each.
+func world(t testing.TB, n int, opts collective.Options) []*collective.Comm {
+	t.Helper()
+	verbstest.CheckLeaks(t)
+	ns := nodes(t, n)
+	cs := make([]*collective.Comm, n)
+	errs := parallel(n, func(i int) error {
+		var err error
+		cs[i], err = collective.New(testCtx(t), ns[i], opts)
+		return err
+	})
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: New: %v", i, err)
+		}
+	}
+	t.Cleanup(func() {
+		for i, c := range cs {
+			if err := c.Close(); err != nil {
+				t.Errorf("rank %d: Close: %v", i, err)
+			}
+		}
+	})
+	return cs
+}
+
+// parallel runs f(0..n-1) in goroutines and returns their errors.
+func parallel(n int, f func(i int) error) []error {
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = f(i)
+		}()
+	}
+	wg.Wait()
+	return errs
+}
+
+func noErrors(t testing.TB, what string, errs []error) {
+	t.Helper()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("%s: rank %d: %v", what, i, err)
+		}
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+}

@@ -1,0 +1,645 @@
+package collective
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"reflect"
+	"runtime"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+	"github.com/goverbs/verbs/cluster"
+)
+
+// Transport. Every rank registers a receive window region (rx):
+//
+//	per peer j (16 bytes): data count (chunks j has written into my
+//	slots for it), ack count (chunks of mine j has consumed)
+//	the probe word
+//	per peer j: Slots slots of hdrBytes + ChunkSize bytes
+//
+// and a send staging region (tx): per peer Slots staging slots, Slots
+// flag source words and an ack source word, and the probe's source.
+//
+// To send chunk s of a message to peer j, a rank waits for a credit (j
+// has acknowledged chunk s−Slots), copies the header and the data into
+// staging slot s mod Slots, RDMA-writes them into its slot s mod Slots
+// of j's window, then RDMA-writes s+1 into its data count at j. The
+// queue pair places writes in order, so j, polling its data count, finds
+// the chunk complete once the count exceeds s. j consumes it (copies or
+// reduces it into its destination) and, every Slots/2 chunks, writes its
+// ack count back. Staging slots and flag words are reused only after the
+// credit for them came back, which proves the writes reading them were
+// executed; so no write needs its completion awaited: every write is
+// posted unsignaled in effect (its handle released at once), and a
+// failure shows as a broken channel.
+//
+// The header of a chunk carries the pair's chunk sequence, the call's
+// sequence number on the communicator and its description (kind, op,
+// element type, root, count, message length): a rank that receives a
+// chunk of another call fails with ErrMismatch naming both.
+
+// Kinds of calls.
+const (
+	kindBarrier uint8 = iota + 1
+	kindBroadcast
+	kindReduce
+	kindAllreduce
+	kindAllgather
+	kindAllgatherv
+	kindReduceScatter
+	kindAlltoall
+	kindAlltoallv
+	kindGather
+	kindScatter
+	kindScan
+	kindExScan
+	kindSplit
+	kindGatherv
+	kindScatterv
+)
+
+var kindNames = [...]string{"?", "barrier", "broadcast", "reduce", "allreduce", "allgather", "allgatherv",
+	"reduce-scatter", "alltoall", "alltoallv", "gather", "scatter", "scan", "exscan", "split", "gatherv", "scatterv"}
+
+func kindName(k uint8) string {
+	if int(k) < len(kindNames) {
+		return kindNames[k]
+	}
+	return fmt.Sprintf("kind %d", k)
+}
+
+// anyCount in callInfo.count: the count is not compared (v-variants).
+const anyCount = ^uint64(0)
+
+// callInfo describes a call, as every rank must agree on it.
+type callInfo struct {
+	kind  uint8
+	op    opKind
+	dtype uint8
+	root  int32
+	count uint64
+}
+
+func (ci callInfo) String() string {
+	s := kindName(ci.kind)
+	if ci.op != opNone {
+		s += " " + opNames[ci.op]
+	}
+	if ci.dtype != 0 {
+		s += " of " + dtypeName(ci.dtype)
+	}
+	if ci.count != anyCount {
+		s += fmt.Sprintf(", count %d", ci.count)
+	}
+	if ci.root >= 0 {
+		s += fmt.Sprintf(", root %d", ci.root)
+	}
+	return s
+}
+
+var opNames = [...]string{"", "sum", "prod", "min", "max", "and", "or", "xor", "custom"}
+
+// dtypeOf returns the code of T: its reflect.Kind, or 30 for BFloat16 and
+// 31 for Float16.
+func dtypeOf[T Number]() uint8 {
+	var z T
+	switch any(z).(type) {
+	case BFloat16:
+		return 30
+	case Float16:
+		return 31
+	}
+	return uint8(reflect.TypeFor[T]().Kind())
+}
+
+func dtypeName(d uint8) string {
+	switch d {
+	case 30:
+		return "bfloat16"
+	case 31:
+		return "float16"
+	}
+	return reflect.Kind(d).String()
+}
+
+// Header of a chunk (little endian):
+//
+//	0 seq u64 | 8 call u32 | 12 kind u8 | 13 op u8 | 14 dtype u8 | 15 0 |
+//	16 root i32 | 20 len u32 | 24 count u64 | 32 message length u64
+const hdrUsed = 40
+
+// flow is one message of a step: to send (buf is the source) or to
+// receive (buf is the destination, copied or reduced into).
+type flow struct {
+	peer    int // rank in the communicator
+	buf     []byte
+	off     int
+	started bool
+	reduce  bool  // receive: reduce into buf instead of copying
+	srcLow  bool  // receive: the incoming data is the lower ranks' operand
+	after   *flow // send: only what this receive has filled in (forwarding)
+}
+
+func (f *flow) done() bool { return f.started && f.off == len(f.buf) }
+
+// ready returns how many bytes of f (a send) may be sent: up to what its
+// after flow has received.
+func (f *flow) ready() (int, bool) {
+	if f.after == nil {
+		return len(f.buf), true
+	}
+	return f.after.off, f.after.started
+}
+
+// begin starts a call: it waits for the call's turn, checks the
+// communicator and sets the call's description. The call must end with
+// end(t, err).
+func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
+	c.mu.Lock()
+	t := c.issued
+	c.issued++
+	fast := c.serving == t
+	c.mu.Unlock()
+	if !fast {
+		if err := c.await(ctx, t); err != nil {
+			return t, c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, err), -1)
+		}
+	}
+	c.mu.Lock()
+	closed, perr := c.closed, c.err
+	c.mu.Unlock()
+	switch {
+	case closed:
+		c.done(t)
+		return t, c.fail(ErrClosed, -1)
+	case perr != nil:
+		c.done(t)
+		return t, c.fail(fmt.Errorf("%w: %w", ErrPoisoned, perr), -1)
+	}
+	if err := ctx.Err(); err != nil {
+		c.done(t) // nothing sent: not poisoned
+		return t, c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, err), -1)
+	}
+	c.call = info
+	c.callSeq++
+	c.deadline = time.Time{}
+	if c.opts.Timeout > 0 {
+		c.deadline = time.Now().Add(c.opts.Timeout)
+	}
+	return t, nil
+}
+
+// end finishes the call of ticket t: a failure poisons the
+// communicator (unless it is an argument error, detected before anything
+// was sent).
+func (c *Comm) end(t uint64, err error) error {
+	if err != nil && !errors.Is(err, ErrArgs) {
+		c.mu.Lock()
+		if c.err == nil {
+			c.err = err
+		}
+		c.mu.Unlock()
+	}
+	c.done(t)
+	return err
+}
+
+// fail wraps err as the *Error of the current call.
+func (c *Comm) fail(err error, peer int) error {
+	var e *Error
+	if errors.As(err, &e) {
+		return err
+	}
+	return &Error{Call: kindName(c.call.kind), Rank: c.rank, Peer: peer, Err: err}
+}
+
+// argErr is an argument error of a call of kind k.
+func (c *Comm) argErr(k uint8, format string, args ...any) error {
+	return &Error{Call: kindName(k), Rank: c.rank, Peer: -1, Err: fmt.Errorf("%w: "+format, append([]any{ErrArgs}, args...)...)}
+}
+
+// word is the 8-byte word at off in m's bytes.
+func word(m *verbs.MemoryRegion, off int) *uint64 {
+	return (*uint64)(unsafe.Pointer(&m.Bytes()[off]))
+}
+
+// run moves the messages of one step: every send and every receive,
+// interleaved chunk by chunk, until all are done. At most one send and
+// one receive per peer.
+func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
+	c.w.reset()
+	for {
+		moved, pending := false, false
+		for i := range sends {
+			f := &sends[i]
+			if f.done() {
+				continue
+			}
+			ok, err := c.trySend(f)
+			if err != nil {
+				return c.fail(err, f.peer)
+			}
+			moved = moved || ok
+			pending = pending || !f.done()
+		}
+		for i := range recvs {
+			f := &recvs[i]
+			if f.done() {
+				continue
+			}
+			ok, err := c.tryRecv(f)
+			if err != nil {
+				return c.fail(err, f.peer)
+			}
+			moved = moved || ok
+			pending = pending || !f.done()
+		}
+		if !pending {
+			return c.flushOwed(ctx)
+		}
+		if moved {
+			c.w.reset()
+			continue
+		}
+		if err := c.idle(ctx, sends, recvs); err != nil {
+			return err
+		}
+	}
+}
+
+// trySend posts the next chunk of f if the peer has a slot free.
+func (c *Comm) trySend(f *flow) (bool, error) {
+	p := f.peer
+	if c.flagOwed[p] {
+		if err := c.postFlag(p); err != nil {
+			return false, err
+		}
+		if c.flagOwed[p] {
+			return false, nil
+		}
+	}
+	seq := c.sendSeq[p]
+	acked := atomic.LoadUint64(word(c.rx, p*peerFlagBytes+8))
+	if seq-acked >= uint64(c.slots) {
+		return false, nil
+	}
+	limit, ok := f.ready()
+	if !ok || limit == f.off && f.started {
+		return false, nil
+	}
+	n := min(c.chunk, limit-f.off)
+	if n < c.chunk && n < len(f.buf)-f.off {
+		return false, nil // a whole chunk, unless it is the last
+	}
+	k := int(seq % uint64(c.slots))
+	slot := (p*c.slots + k) * c.slotBytes
+	st := c.tx.Bytes()[slot : slot+hdrBytes+n]
+	c.header(st, seq, n, len(f.buf))
+	copy(st[hdrBytes:], f.buf[f.off:f.off+n])
+	src, err := c.tx.SGE(slot, hdrBytes+n)
+	if err != nil {
+		return false, err
+	}
+	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
+	h, err := c.mc.Peer(c.ranks[p]).PostWrite(dst, src)
+	if err != nil {
+		if errors.Is(err, verbs.ErrQueueFull) {
+			return false, nil
+		}
+		return false, err
+	}
+	h.Release()
+	c.sendSeq[p] = seq + 1
+	f.off += n
+	f.started = true
+	c.flagOwed[p] = true
+	if err := c.postFlag(p); err != nil {
+		return true, err
+	}
+	return true, nil
+}
+
+// postFlag posts the write of this rank's data count at p, if it is
+// owed (left owed when the send queue is full).
+func (c *Comm) postFlag(p int) error {
+	seq := c.sendSeq[p] // the count to publish
+	off := c.flagBase + (p*c.slots+int((seq-1)%uint64(c.slots)))*8
+	*word(c.tx, off) = seq
+	src, err := c.tx.SGE(off, 8)
+	if err != nil {
+		return err
+	}
+	h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes)), src)
+	if err != nil {
+		if errors.Is(err, verbs.ErrQueueFull) {
+			return nil
+		}
+		return err
+	}
+	h.Release()
+	c.flagOwed[p] = false
+	return nil
+}
+
+// header writes the header of chunk seq (n bytes of a message of total
+// bytes) into b.
+func (c *Comm) header(b []byte, seq uint64, n, total int) {
+	binary.LittleEndian.PutUint64(b[0:], seq)
+	binary.LittleEndian.PutUint32(b[8:], c.callSeq)
+	b[12], b[13], b[14], b[15] = c.call.kind, byte(c.call.op), c.call.dtype, 0
+	binary.LittleEndian.PutUint32(b[16:], uint32(c.call.root))
+	binary.LittleEndian.PutUint32(b[20:], uint32(n))
+	binary.LittleEndian.PutUint64(b[24:], c.call.count)
+	binary.LittleEndian.PutUint64(b[32:], uint64(total))
+}
+
+// tryRecv consumes the next chunk of f if it has arrived.
+func (c *Comm) tryRecv(f *flow) (bool, error) {
+	p := f.peer
+	seq := c.recvSeq[p]
+	if atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) <= seq {
+		return false, nil
+	}
+	k := int(seq % uint64(c.slots))
+	slot := c.rx.Bytes()[c.slotBase+(p*c.slots+k)*c.slotBytes:][:c.slotBytes]
+	n := min(c.chunk, len(f.buf)-f.off)
+	if err := c.check(slot, p, seq, n, len(f.buf)); err != nil {
+		return false, err
+	}
+	data := slot[hdrBytes : hdrBytes+n]
+	if f.reduce {
+		c.red(f.buf[f.off:f.off+n], data, f.srcLow)
+	} else {
+		copy(f.buf[f.off:f.off+n], data)
+	}
+	c.recvSeq[p] = seq + 1
+	f.off += n
+	f.started = true
+	if c.recvSeq[p]-c.ackSent[p] >= uint64(c.ackEvery) {
+		c.ackOwed[p] = true
+		if err := c.postAck(p); err != nil {
+			return true, err
+		}
+	}
+	return true, nil
+}
+
+// check validates the header of chunk seq from p against what this rank
+// expects.
+func (c *Comm) check(h []byte, p int, seq uint64, n, total int) error {
+	if s := binary.LittleEndian.Uint64(h); s != seq {
+		return fmt.Errorf("rank %d's chunk %d arrived where chunk %d was expected (corrupted window)", p, s, seq)
+	}
+	peer := callInfo{kind: h[12], op: opKind(h[13]), dtype: h[14], root: int32(binary.LittleEndian.Uint32(h[16:])),
+		count: binary.LittleEndian.Uint64(h[24:])}
+	call := binary.LittleEndian.Uint32(h[8:])
+	if call != c.callSeq {
+		return fmt.Errorf("%w: rank %d is in its call %d (%v), this rank in its call %d (%v)", ErrMismatch, p, call, peer, c.callSeq, c.call)
+	}
+	if peer != c.call {
+		return fmt.Errorf("%w: rank %d called %v, this rank %v", ErrMismatch, p, peer, c.call)
+	}
+	if t := binary.LittleEndian.Uint64(h[32:]); t != uint64(total) {
+		return fmt.Errorf("%w: rank %d sends %d bytes, this rank expects %d", ErrMismatch, p, t, total)
+	}
+	if l := int(binary.LittleEndian.Uint32(h[20:])); l != n {
+		return fmt.Errorf("rank %d's chunk has %d bytes, want %d (corrupted window)", p, l, n)
+	}
+	return nil
+}
+
+// postAck posts the write of this rank's ack count at p, if owed.
+func (c *Comm) postAck(p int) error {
+	off := c.ackBase + p*8
+	v := c.recvSeq[p]
+	*word(c.tx, off) = v
+	src, err := c.tx.SGE(off, 8)
+	if err != nil {
+		return err
+	}
+	h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), src)
+	if err != nil {
+		if errors.Is(err, verbs.ErrQueueFull) {
+			return nil
+		}
+		return err
+	}
+	h.Release()
+	c.ackSent[p] = v
+	c.ackOwed[p] = false
+	return nil
+}
+
+// flushOwed posts the flags and acks left owed by a full send queue.
+func (c *Comm) flushOwed(ctx context.Context) error {
+	for {
+		owed := false
+		for p := range c.size {
+			if c.flagOwed[p] {
+				if err := c.postFlag(p); err != nil {
+					return c.fail(err, p)
+				}
+			}
+			if c.ackOwed[p] {
+				if err := c.postAck(p); err != nil {
+					return c.fail(err, p)
+				}
+			}
+			owed = owed || c.flagOwed[p] || c.ackOwed[p]
+		}
+		if !owed {
+			return nil
+		}
+		if err := c.idle(ctx, nil, nil); err != nil {
+			return err
+		}
+	}
+}
+
+// Waiting. A rank with nothing to move drives the transport's progress
+// (soft0 places a peer's writes when the process polls) and yields to
+// other goroutines; after waitSpin it sleeps, with a pause growing to
+// waitMaxSleep, so that ranks outnumbering the processors leave them to
+// the ranks that have work. Every waitCheck idle rounds (every round once
+// sleeping) it checks the context, the deadline, the communicator, the
+// world (cluster.Node.Err: a failure another rank saw) and the queue pairs
+// of the peers it waits for; after waitProbeAfter rounds it probes the
+// first of them with a small write every probeEvery, so that a peer that
+// died or stopped fails the write after the queue pair's transport
+// timeout.
+const (
+	waitEager      = 256
+	waitCheck      = 64
+	waitSpin       = 200 * time.Microsecond
+	waitProbeAfter = 2048
+	waitMinSleep   = time.Microsecond
+	waitMaxSleep   = 500 * time.Microsecond
+	probeEvery     = 10 * time.Millisecond
+)
+
+type waiter struct {
+	i         int
+	spinning  bool
+	spinUntil time.Time
+	sleep     time.Duration
+	probe     channel.Handle
+	probing   bool
+	probePeer int
+	nextProbe time.Time
+	timer     *time.Timer
+}
+
+func (w *waiter) reset() {
+	w.i = 0
+	w.spinning = true
+	w.spinUntil = time.Time{}
+	w.sleep = waitMinSleep
+}
+
+// idle waits a little for the flows (nil: for owed writes) to move.
+func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
+	w := &c.w
+	w.i++
+	if w.i < waitEager || w.i%waitCheck == 0 || !w.spinning {
+		if err := c.mc.Progress(); err != nil {
+			return c.fail(err, -1)
+		}
+	}
+	if w.i%waitCheck == 0 || !w.spinning {
+		if err := c.checks(ctx, sends, recvs); err != nil {
+			return err
+		}
+	}
+	if w.spinning {
+		runtime.Gosched()
+		return nil
+	}
+	if w.timer == nil {
+		w.timer = time.NewTimer(w.sleep)
+	} else {
+		w.timer.Reset(w.sleep)
+	}
+	select {
+	case <-ctx.Done():
+	case <-w.timer.C:
+	}
+	w.timer.Stop()
+	w.sleep = min(2*w.sleep, waitMaxSleep)
+	return nil
+}
+
+// checks looks for the reasons to give up a wait.
+func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
+	w := &c.w
+	select {
+	case <-ctx.Done():
+		return c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, ctx.Err()), c.waitedFor(sends, recvs))
+	default:
+	}
+	now := time.Now()
+	if !c.deadline.IsZero() && now.After(c.deadline) {
+		return c.fail(fmt.Errorf("%w: Options.Timeout (%v) passed", verbs.ErrTimeout, c.opts.Timeout), c.waitedFor(sends, recvs))
+	}
+	if w.spinning {
+		if w.spinUntil.IsZero() {
+			w.spinUntil = now.Add(waitSpin)
+		}
+		w.spinning = now.Before(w.spinUntil)
+	}
+	c.mu.Lock()
+	closed := c.closed
+	c.mu.Unlock()
+	if closed {
+		return c.fail(ErrClosed, -1)
+	}
+	if err := c.node.Err(); err != nil {
+		return c.fail(err, -1)
+	}
+	for _, fs := range [2][]flow{sends, recvs} {
+		for i := range fs {
+			if fs[i].done() {
+				continue
+			}
+			if err := c.mc.Peer(c.ranks[fs[i].peer]).Err(); err != nil {
+				return c.peerFailed(fs[i].peer, err)
+			}
+		}
+	}
+	if w.i >= waitProbeAfter {
+		if p := c.waitedFor(sends, recvs); p >= 0 {
+			if err := c.probe(p, now); err != nil {
+				return c.peerFailed(p, err)
+			}
+		}
+	}
+	return nil
+}
+
+// peerFailed reports that peer p failed to the world (cluster.Node.Fail)
+// and returns the call's error, wrapping the world's *cluster.RankError.
+func (c *Comm) peerFailed(p int, err error) error {
+	re := c.node.Fail(c.ranks[p], err)
+	var rank *cluster.RankError
+	if !errors.As(re, &rank) {
+		re = errors.Join(err, re)
+	}
+	return c.fail(re, p)
+}
+
+// waitedFor returns the first peer a pending flow waits for, or -1.
+func (c *Comm) waitedFor(sends, recvs []flow) int {
+	for _, fs := range [2][]flow{recvs, sends} {
+		for i := range fs {
+			if !fs[i].done() {
+				return fs[i].peer
+			}
+		}
+	}
+	return -1
+}
+
+// probe keeps one small write in flight to p while a wait lasts, a new
+// one every probeEvery: a peer that died or stopped fails it.
+func (c *Comm) probe(p int, now time.Time) error {
+	w := &c.w
+	if w.probing {
+		done, err := w.probe.Poll()
+		if err == nil && done {
+			err = w.probe.Err()
+		}
+		if err != nil {
+			w.probe.Release()
+			w.probing = false
+			return err
+		}
+		if !done {
+			return nil
+		}
+		w.probe.Release()
+		w.probing = false
+	}
+	if now.Before(w.nextProbe) && w.probePeer == p {
+		return nil
+	}
+	w.nextProbe = now.Add(probeEvery)
+	w.probePeer = p
+	src, err := c.tx.SGE(c.probeSrc, 8)
+	if err != nil {
+		return err
+	}
+	h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.size*peerFlagBytes)), src)
+	if err != nil {
+		if errors.Is(err, verbs.ErrQueueFull) {
+			return nil
+		}
+		return err
+	}
+	w.probe, w.probing = h, true
+	return nil
+}
