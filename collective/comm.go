@@ -253,6 +253,9 @@ func (c *Comm) setRemote(j int, b []byte) error {
 	if len(b) != descBytes {
 		return fmt.Errorf("rank %d's window description is %d bytes, want %d", j, len(b), descBytes)
 	}
+	if string(b[:4]) == "\x00\x00\x00\x00" {
+		return fmt.Errorf("rank %d could not create its side of the communicator (no window description)", j)
+	}
 	if string(b[:4]) != descMagic {
 		return fmt.Errorf("rank %d's window description has magic %q, want %q", j, b[:4], descMagic)
 	}
@@ -444,3 +447,5 @@ func (c *Comm) done(t uint64) {
 	}
 	c.mu.Unlock()
 }
+
+var errSplitAlloc = errors.New("collective: split: the new communicator's windows could not be registered")

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"sync"
 	"unsafe"
 )
 
@@ -107,8 +108,8 @@ func (h Float16) Float32() float32 {
 type Op struct {
 	kind opKind
 	name string
-	fn   any          // Custom: func(inout, in []T) with inout the right operand
 	elem reflect.Type // Custom: T
+	red  reducer      // Custom: f as a reducer
 }
 
 type opKind uint8
@@ -145,7 +146,10 @@ var (
 // slices or call into the communicator. Using the Op with another
 // element type fails with ErrBadOp.
 func Custom[T Number](name string, f func(inout, in []T)) Op {
-	return Op{kind: opCustom, name: name, fn: f, elem: reflect.TypeFor[T]()}
+	if f == nil {
+		return Op{}
+	}
+	return Op{kind: opCustom, name: name, elem: reflect.TypeFor[T](), red: custom(f)}
 }
 
 func (o Op) String() string {
@@ -165,38 +169,83 @@ var ErrBadOp = errors.New("collective: operation not defined for the element typ
 // lower ranks), else dst = dst ⊕ src.
 type reducer func(dst, src []byte, srcLow bool)
 
-// reducerFor returns the reducer of op on T.
+// reducerFor returns the reducer of op on T. The reducers of the
+// predefined operations are cached: a func value of a generic function
+// instantiated inside a generic function is a closure (it binds the
+// instantiation's dictionary), allocated each time it is taken.
 func reducerFor[T Number](op Op) (reducer, error) {
+	if op.kind == opCustom {
+		return customReducer[T](op)
+	}
+	key := reducerKey{reflect.TypeFor[T](), op.kind}
+	reducers.RLock()
+	r, ok := reducers.m[key]
+	reducers.RUnlock()
+	if ok {
+		return r, nil
+	}
+	r, err := newReducer[T](op)
+	if err != nil {
+		return nil, err
+	}
+	reducers.Lock()
+	reducers.m[key] = r
+	reducers.Unlock()
+	return r, nil
+}
+
+type reducerKey struct {
+	t reflect.Type
+	k opKind
+}
+
+var reducers = struct {
+	sync.RWMutex
+	m map[reducerKey]reducer
+}{m: make(map[reducerKey]reducer)}
+
+func newReducer[T Number](op Op) (reducer, error) {
 	var z T
 	switch any(z).(type) {
 	case BFloat16:
-		return half(op, BFloat16.Float32, BFloat16From)
+		return halfReducer[BFloat16](op)
 	case Float16:
-		return half(op, Float16.Float32, Float16From)
+		return halfReducer[Float16](op)
 	}
 	switch op.kind {
 	case opSum:
-		return apply[T](func(a, b T) T { return a + b }), nil
+		return sumBytes[T], nil
 	case opProd:
-		return apply[T](func(a, b T) T { return a * b }), nil
+		return prodBytes[T], nil
 	case opMin:
-		return apply[T](func(a, b T) T { return min(a, b) }), nil
+		return minBytes[T], nil
 	case opMax:
-		return apply[T](func(a, b T) T { return max(a, b) }), nil
+		return maxBytes[T], nil
 	case opAnd, opOr, opXor:
 		k := reflect.TypeFor[T]().Kind()
 		if k == reflect.Float32 || k == reflect.Float64 {
 			return nil, fmt.Errorf("%w: %v on %v", ErrBadOp, op, reflect.TypeFor[T]())
 		}
-		return bitwise[T](op.kind), nil
-	case opCustom:
-		f, ok := op.fn.(func(inout, in []T))
-		if !ok {
-			return nil, fmt.Errorf("%w: %v is defined on %v, not %v", ErrBadOp, op, op.elem, reflect.TypeFor[T]())
+		switch op.kind {
+		case opAnd:
+			return andBytes, nil
+		case opOr:
+			return orBytes, nil
 		}
-		return custom(f), nil
+		return xorBytes, nil
+	case opCustom:
+		return customReducer[T](op)
 	}
 	return nil, fmt.Errorf("%w: the zero Op", ErrBadOp)
+}
+
+// customReducer returns the reducer of a Custom op on T, built when the
+// Op was made.
+func customReducer[T Number](op Op) (reducer, error) {
+	if op.elem != reflect.TypeFor[T]() || op.red == nil {
+		return nil, fmt.Errorf("%w: %v is defined on %v, not %v", ErrBadOp, op, op.elem, reflect.TypeFor[T]())
+	}
+	return op.red, nil
 }
 
 // elems views b (whole elements of T, aligned) as a []T.
@@ -218,62 +267,107 @@ func bytesOf[T Number](s []T) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(s))), len(s)*int(unsafe.Sizeof(z)))
 }
 
-// apply builds a reducer from a binary function, inlined into both
-// loops by the compiler for each instantiation.
-func apply[T Number](f func(a, b T) T) reducer {
-	return func(dst, src []byte, srcLow bool) {
-		d, s := elems[T](dst), elems[T](src)
-		s = s[:len(d)]
-		if srcLow {
-			for i := range d {
-				d[i] = f(s[i], d[i])
-			}
-			return
-		}
+// The reducers of the predefined operations are top-level generic
+// functions: taking one as a func value allocates nothing.
+
+func sumBytes[T Number](dst, src []byte, srcLow bool) {
+	d, s := elems[T](dst), elems[T](src)
+	s = s[:len(d)]
+	if srcLow {
 		for i := range d {
-			d[i] = f(d[i], s[i])
+			d[i] = s[i] + d[i]
 		}
+		return
+	}
+	for i := range d {
+		d[i] += s[i]
 	}
 }
 
-func bitwise[T Number](k opKind) reducer {
-	return func(dst, src []byte, _ bool) {
-		// Bitwise operations are commutative: byte-wise on the whole buffer.
-		s := src[:len(dst)]
-		for len(dst) >= 8 {
-			a := *(*uint64)(unsafe.Pointer(&dst[0]))
-			b := *(*uint64)(unsafe.Pointer(&s[0]))
-			switch k {
-			case opAnd:
-				a &= b
-			case opOr:
-				a |= b
-			default:
-				a ^= b
-			}
-			*(*uint64)(unsafe.Pointer(&dst[0])) = a
-			dst, s = dst[8:], s[8:]
+func prodBytes[T Number](dst, src []byte, srcLow bool) {
+	d, s := elems[T](dst), elems[T](src)
+	s = s[:len(d)]
+	if srcLow {
+		for i := range d {
+			d[i] = s[i] * d[i]
 		}
-		for i := range dst {
-			switch k {
-			case opAnd:
-				dst[i] &= s[i]
-			case opOr:
-				dst[i] |= s[i]
-			default:
-				dst[i] ^= s[i]
-			}
-		}
+		return
+	}
+	for i := range d {
+		d[i] *= s[i]
 	}
 }
 
+func minBytes[T Number](dst, src []byte, srcLow bool) {
+	d, s := elems[T](dst), elems[T](src)
+	s = s[:len(d)]
+	if srcLow {
+		for i := range d {
+			d[i] = min(s[i], d[i])
+		}
+		return
+	}
+	for i := range d {
+		d[i] = min(d[i], s[i])
+	}
+}
+
+func maxBytes[T Number](dst, src []byte, srcLow bool) {
+	d, s := elems[T](dst), elems[T](src)
+	s = s[:len(d)]
+	if srcLow {
+		for i := range d {
+			d[i] = max(s[i], d[i])
+		}
+		return
+	}
+	for i := range d {
+		d[i] = max(d[i], s[i])
+	}
+}
+
+// Bitwise operations are commutative: byte-wise on whole buffers, eight
+// bytes at a time.
+
+func andBytes(dst, src []byte, _ bool) {
+	src = src[:len(dst)]
+	for ; len(dst) >= 8; dst, src = dst[8:], src[8:] {
+		*(*uint64)(unsafe.Pointer(&dst[0])) &= *(*uint64)(unsafe.Pointer(&src[0]))
+	}
+	for i := range dst {
+		dst[i] &= src[i]
+	}
+}
+
+func orBytes(dst, src []byte, _ bool) {
+	src = src[:len(dst)]
+	for ; len(dst) >= 8; dst, src = dst[8:], src[8:] {
+		*(*uint64)(unsafe.Pointer(&dst[0])) |= *(*uint64)(unsafe.Pointer(&src[0]))
+	}
+	for i := range dst {
+		dst[i] |= src[i]
+	}
+}
+
+func xorBytes(dst, src []byte, _ bool) {
+	src = src[:len(dst)]
+	for ; len(dst) >= 8; dst, src = dst[8:], src[8:] {
+		*(*uint64)(unsafe.Pointer(&dst[0])) ^= *(*uint64)(unsafe.Pointer(&src[0]))
+	}
+	for i := range dst {
+		dst[i] ^= src[i]
+	}
+}
+
+// custom wraps a user function as a reducer (once, in Custom).
 func custom[T Number](f func(inout, in []T)) reducer {
 	return func(dst, src []byte, srcLow bool) {
 		d, s := elems[T](dst), elems[T](src)
 		s = s[:len(d)]
 		if srcLow {
-			// dst = src ⊕ dst: f(inout, in) computes inout ⊕ in with inout on
-			// the left, so swap through the source slot (library memory).
+			// dst = src ⊕ dst: f(inout, in) computes inout ⊕ in with inout
+			// on the left, so compute into src (the receive slot or scratch,
+			// library memory) and copy back.
 			f(s, d)
 			copy(d, s)
 			return
@@ -282,36 +376,78 @@ func custom[T Number](f func(inout, in []T)) reducer {
 	}
 }
 
-// half builds the reducer of a 16-bit float type reduced in float32.
-func half[H ~uint16](op Op, to func(H) float32, from func(float32) H) (reducer, error) {
-	var f func(a, b float32) float32
+// halfFloat is BFloat16 or Float16.
+type halfFloat[H any] interface {
+	~uint16
+	Float32() float32
+	round(float32) H
+}
+
+func (BFloat16) round(f float32) BFloat16 { return BFloat16From(f) }
+func (Float16) round(f float32) Float16   { return Float16From(f) }
+
+func halfReducer[H halfFloat[H]](op Op) (reducer, error) {
 	switch op.kind {
 	case opSum:
-		f = func(a, b float32) float32 { return a + b }
+		return halfSum[H], nil
 	case opProd:
-		f = func(a, b float32) float32 { return a * b }
+		return halfProd[H], nil
 	case opMin:
-		f = func(a, b float32) float32 { return min(a, b) }
+		return halfMin[H], nil
 	case opMax:
-		f = func(a, b float32) float32 { return max(a, b) }
+		return halfMax[H], nil
 	case opCustom:
-		g, ok := op.fn.(func(inout, in []H))
-		if !ok {
-			return nil, fmt.Errorf("%w: %v is defined on %v, not %v", ErrBadOp, op, op.elem, reflect.TypeFor[H]())
-		}
-		return custom(g), nil
-	default:
-		return nil, fmt.Errorf("%w: %v on %v", ErrBadOp, op, reflect.TypeFor[H]())
+		return customReducer[H](op)
+	case opNone:
+		return nil, fmt.Errorf("%w: the zero Op", ErrBadOp)
 	}
-	return func(dst, src []byte, srcLow bool) {
-		d, s := elems[H](dst), elems[H](src)
-		s = s[:len(d)]
-		for i := range d {
-			a, b := to(d[i]), to(s[i])
-			if srcLow {
-				a, b = b, a
-			}
-			d[i] = from(f(a, b))
+	return nil, fmt.Errorf("%w: %v on %v", ErrBadOp, op, reflect.TypeFor[H]())
+}
+
+func halfSum[H halfFloat[H]](dst, src []byte, srcLow bool) {
+	d, s := elems[H](dst), elems[H](src)
+	s = s[:len(d)]
+	for i := range d {
+		a, b := d[i].Float32(), s[i].Float32()
+		if srcLow {
+			a, b = b, a
 		}
-	}, nil
+		d[i] = d[i].round(a + b)
+	}
+}
+
+func halfProd[H halfFloat[H]](dst, src []byte, srcLow bool) {
+	d, s := elems[H](dst), elems[H](src)
+	s = s[:len(d)]
+	for i := range d {
+		a, b := d[i].Float32(), s[i].Float32()
+		if srcLow {
+			a, b = b, a
+		}
+		d[i] = d[i].round(a * b)
+	}
+}
+
+func halfMin[H halfFloat[H]](dst, src []byte, srcLow bool) {
+	d, s := elems[H](dst), elems[H](src)
+	s = s[:len(d)]
+	for i := range d {
+		a, b := d[i].Float32(), s[i].Float32()
+		if srcLow {
+			a, b = b, a
+		}
+		d[i] = d[i].round(min(a, b))
+	}
+}
+
+func halfMax[H halfFloat[H]](dst, src []byte, srcLow bool) {
+	d, s := elems[H](dst), elems[H](src)
+	s = s[:len(d)]
+	for i := range d {
+		a, b := d[i].Float32(), s[i].Float32()
+		if srcLow {
+			a, b = b, a
+		}
+		d[i] = d[i].round(max(a, b))
+	}
 }

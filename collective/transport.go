@@ -157,23 +157,30 @@ func (f *flow) ready() (int, bool) {
 	return f.after.off, f.after.started
 }
 
-// begin starts a call: it waits for the call's turn, checks the
-// communicator and sets the call's description. The call must end with
-// end(t, err).
+// begin starts a call: it takes the call's ticket (or the one a
+// non-blocking twin took when it was issued, see start), waits for its
+// turn, checks the communicator and sets the call's description. The
+// call must end with end(t, err).
 func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
+	var t uint64
+	if held, ok := ctx.Value(ticketKey{}).(*heldTicket); ok && !held.used {
+		held.used = true
+		t = held.t
+	} else {
+		t = c.ticket()
+	}
 	c.mu.Lock()
-	t := c.issued
-	c.issued++
 	fast := c.serving == t
 	c.mu.Unlock()
 	if !fast {
 		if err := c.await(ctx, t); err != nil {
-			return t, c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, err), -1)
+			return t, &Error{Call: kindName(info.kind), Rank: c.rank, Peer: -1, Err: fmt.Errorf("%w: %w", verbs.ErrTimeout, err)}
 		}
 	}
 	c.mu.Lock()
 	closed, perr := c.closed, c.err
 	c.mu.Unlock()
+	c.call = info
 	switch {
 	case closed:
 		c.done(t)
@@ -186,13 +193,21 @@ func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
 		c.done(t) // nothing sent: not poisoned
 		return t, c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, err), -1)
 	}
-	c.call = info
 	c.callSeq++
 	c.deadline = time.Time{}
 	if c.opts.Timeout > 0 {
 		c.deadline = time.Now().Add(c.opts.Timeout)
 	}
 	return t, nil
+}
+
+// ticket hands out the next place in the order of calls.
+func (c *Comm) ticket() uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t := c.issued
+	c.issued++
+	return t
 }
 
 // end finishes the call of ticket t: a failure poisons the
