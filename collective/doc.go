@@ -1,0 +1,92 @@
+// Package collective runs MPI-style collective operations — barrier,
+// broadcast, reductions, gathers, scatters, all-to-all, scans — among the
+// ranks of a cluster world, over one-sided RDMA writes into registered
+// buffers.
+//
+// # Model
+//
+// A Comm (communicator) is an ordered group of ranks of a cluster.Node's
+// world: New makes the communicator of the whole world, Split and Dup
+// derive others. Rank and Size are positions within the communicator.
+// Collectives are generic package functions over the element types of
+// Number (Go's fixed-size integers and floats, and BFloat16 and Float16
+// stored as uint16), on slices the caller owns:
+//
+//	err := collective.Allreduce(ctx, comm, nil, grads, collective.Sum)
+//
+// Every rank of the communicator calls every collective, with matching
+// arguments (the same kind, operation, element type, count and root),
+// in the same order. A rank that calls something else is detected: every
+// message carries the call's description, and the receiver of a
+// mismatched one fails with ErrMismatch naming both calls; a rank that
+// receives nothing from the mismatched rank fails by its context or
+// Options.Timeout. Mismatches are never silently combined.
+//
+// # Data path
+//
+// Each rank registers, once per communicator, a receive window for every
+// peer: Options.Slots slots of Options.ChunkSize bytes, and two counters
+// per peer. A message travels in chunks: the sender copies a chunk and
+// its header into a registered staging slot, RDMA-writes it into its
+// slot of the receiver's window and then writes the receiver's data
+// counter; the receiver, polling the counter, consumes the chunk (copies
+// it out or reduces it into place) and returns credits by writing the
+// sender's ack counter. Senders never wait for a completion: a slot is
+// reused only after its credit came back. Nothing is registered or
+// allocated per call; the windows take 2 × (Size−1) × Slots × ChunkSize
+// bytes of registered memory (about 512 KiB per peer by default, at most
+// 16 MiB in all with the default chunk size).
+//
+// # Algorithms
+//
+// Allreduce chooses by the vector's size (AlgAuto, overridable with
+// Options.Algorithm): recursive doubling below SmallMax bytes (⌈log2 p⌉
+// rounds of whole vectors), Rabenseifner's recursive halving
+// reduce-scatter and doubling allgather up to RingMin, and the ring
+// (reduce-scatter then allgather in p−1 steps each, chunks pipelined)
+// above. Sizes that are not powers of two fold the first 2·(p−2^⌊log2 p⌋)
+// ranks in pairs first. Barrier is a dissemination barrier. Each
+// collective documents its algorithm and cost.
+//
+// Results are bitwise identical on every rank: each element's final value
+// is computed by one rank and copied to the others (ring, Rabenseifner),
+// or computed by every rank in the same order, with the lower ranks'
+// partial result as the left operand (recursive doubling).
+//
+// # Waiting
+//
+// A rank waiting for a peer polls its window and drives the transport's
+// progress, yielding to other goroutines; after about 200 µs it sleeps
+// with pauses growing to 500 µs, leaving the processors to ranks with
+// work when ranks outnumber them.
+//
+// # Failures
+//
+// A rank that dies or stops makes every surviving rank's call fail,
+// naming it: the rank that sees the failure (its queue pair to the rank
+// breaks, at once or after the queue pair's transport timeout — a waiting
+// rank probes the peer it waits for with small writes) reports it to the
+// world with cluster.Node.Fail, which writes it into every rank's poison
+// word, which every wait checks. The error wraps a *cluster.RankError
+// (errors.As). Any failed call — a rank failure, a timeout, a mismatch,
+// Close — poisons the communicator: every later call fails with
+// ErrPoisoned wrapping the first failure, since the ranks no longer agree
+// on what was sent; build a new communicator (New, on every rank) to go
+// on after a timeout or mismatch. A world that lost a rank stays failed
+// (cluster). Argument errors (ErrArgs) are found before anything is sent
+// and do not poison.
+//
+// # Concurrency and lifetime
+//
+// A Comm is safe for concurrent use, and its calls run one at a time in
+// the order they were issued. The non-blocking twins (IAllreduce,
+// IBarrier, ...) take their place in that order when called and return a
+// Request; the library runs them in order in the background; Wait or
+// Test the request, and leave the buffers alone until it completes.
+// Communicators of the same node (Split, Dup) have independent orders.
+//
+// Close a Comm before its node: Close fails calls in progress and later
+// calls with ErrClosed, and releases the windows. New exchanges the
+// windows' addresses with one send and one receive per peer on the
+// node's queue pairs: do not post other receives on them meanwhile.
+package collective
