@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/goverbs/verbs/channel"
+	"github.com/goverbs/verbs/cluster"
 	"github.com/goverbs/verbs/collective"
 )
 
@@ -31,6 +33,43 @@ func TestAllreduceSum(t *testing.T) {
 					}
 				})
 			}
+		}
+	}
+}
+
+// TestAllreduceFullQueues runs large allreduces through channels that
+// hold very few operations in flight, so that posting the writes of
+// chunks, counters and acknowledgements often finds the queue full: an
+// acknowledgement left unposted must still be sent, or the peer waits
+// for its credit forever (a deadlock seen before under load).
+func TestAllreduceFullQueues(t *testing.T) {
+	for _, p := range []int{2, 3, 4} {
+		for _, alg := range []collective.Algorithm{collective.AlgRecursiveDoubling, collective.AlgRabenseifner, collective.AlgRing} {
+			t.Run(fmt.Sprintf("p=%d/%v", p, alg), func(t *testing.T) {
+				cs := worldWith(t, p, collective.Options{Algorithm: alg, ChunkSize: 1024},
+					cluster.NodeOptions{Channel: channel.Options{MaxOutstanding: 4}})
+				const n = 20011
+				bufs := make([][]int32, p)
+				noErrors(t, "allreduce", parallel(p, func(r int) error {
+					bufs[r] = make([]int32, n)
+					for i := range bufs[r] {
+						bufs[r][i] = int32(r + i)
+					}
+					for range 3 {
+						if err := collective.Allreduce(testCtx(t), cs[r], nil, bufs[r], collective.Max); err != nil {
+							return err
+						}
+					}
+					return nil
+				}))
+				for r := range p {
+					for i, v := range bufs[r] {
+						if v != int32(p-1+i) {
+							t.Fatalf("rank %d element %d = %d, want %d", r, i, v, p-1+i)
+						}
+					}
+				}
+			})
 		}
 	}
 }

@@ -298,7 +298,7 @@ func (c *Comm) bootstrap(ctx context.Context) error {
 	defer buf.Close()
 	out := buf.Bytes()[c.size*descBytes:]
 	c.descriptor(out[:descBytes])
-	hs := make([]channel.Handle, 0, 2*c.size)
+	hs := make([]channel.Handle, 0, c.size)
 	defer func() {
 		for _, h := range hs {
 			h.Release()
@@ -324,19 +324,18 @@ func (c *Comm) bootstrap(ctx context.Context) error {
 		if j == c.rank {
 			continue
 		}
-		h, err := c.mc.Peer(c.ranks[j]).PostSend(src)
-		if err != nil {
+		// One send at a time: the receives hold size−1 of the channel's
+		// MaxOutstanding handles already.
+		if err := c.mc.Peer(c.ranks[j]).Send(ctx, src); err != nil {
 			return fmt.Errorf("sending to rank %d: %w", j, err)
 		}
-		hs = append(hs, h)
 	}
 	for _, h := range hs {
 		if err := h.Wait(ctx); err != nil {
 			return fmt.Errorf("exchanging window descriptions with rank %d: %w", h.Peer(), err)
 		}
 	}
-	for k, h := range hs[:recvs] {
-		_ = k
+	for _, h := range hs[:recvs] {
 		j := c.commRank(h.Peer())
 		if got := h.Received().Len; got != descBytes {
 			return fmt.Errorf("rank %d sent a window description of %d bytes, want %d", j, got, descBytes)

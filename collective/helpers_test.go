@@ -23,6 +23,12 @@ func testCtx(t testing.TB) context.Context {
 // soft0 device each.
 func nodes(t testing.TB, n int) []*cluster.Node {
 	t.Helper()
+	return nodesWith(t, n, cluster.NodeOptions{})
+}
+
+// nodesWith is nodes with options.
+func nodesWith(t testing.TB, n int, opts cluster.NodeOptions) []*cluster.Node {
+	t.Helper()
 	ns := make([]*cluster.Node, n)
 	for i := range n {
 		dev, err := verbs.Open(verbs.SoftDevice)
@@ -35,7 +41,7 @@ func nodes(t testing.TB, n int) []*cluster.Node {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { pd.Close() })
-		if ns[i], err = cluster.NewNode(pd, i, n, cluster.NodeOptions{}); err != nil {
+		if ns[i], err = cluster.NewNode(pd, i, n, opts); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { ns[i].Close() })
@@ -62,8 +68,14 @@ func nodes(t testing.TB, n int) []*cluster.Node {
 // world builds n nodes and a communicator on each.
 func world(t testing.TB, n int, opts collective.Options) []*collective.Comm {
 	t.Helper()
+	return worldWith(t, n, opts, cluster.NodeOptions{})
+}
+
+// worldWith is world with node options.
+func worldWith(t testing.TB, n int, opts collective.Options, nopts cluster.NodeOptions) []*collective.Comm {
+	t.Helper()
 	verbstest.CheckLeaks(t)
-	ns := nodes(t, n)
+	ns := nodesWith(t, n, nopts)
 	cs := make([]*collective.Comm, n)
 	errs := parallel(n, func(i int) error {
 		var err error

@@ -322,7 +322,7 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 		return false, err
 	}
 	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
-	h, err := c.mc.Peer(c.ranks[p]).PostWrite(dst, src)
+	h, err := c.post(p, dst, src)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return false, nil
@@ -340,6 +340,22 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 	return true, nil
 }
 
+// post posts an RDMA write to p. When the send queue or the channel's
+// handles are full it drives the progress once (completions free them:
+// writes are posted detached, and only polling retires them) and tries
+// again.
+func (c *Comm) post(p int, dst verbs.RemoteAddr, src verbs.SGE) (channel.Handle, error) {
+	ch := c.mc.Peer(c.ranks[p])
+	h, err := ch.PostWrite(dst, src)
+	if err != nil && errors.Is(err, verbs.ErrQueueFull) {
+		if perr := c.mc.Progress(); perr != nil {
+			return h, perr
+		}
+		h, err = ch.PostWrite(dst, src)
+	}
+	return h, err
+}
+
 // postFlag posts the write of this rank's data count at p, if it is
 // owed (left owed when the send queue is full).
 func (c *Comm) postFlag(p int) error {
@@ -350,7 +366,7 @@ func (c *Comm) postFlag(p int) error {
 	if err != nil {
 		return err
 	}
-	h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes)), src)
+	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes)), src)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return nil
@@ -377,6 +393,13 @@ func (c *Comm) header(b []byte, seq uint64, n, total int) {
 // tryRecv consumes the next chunk of f if it has arrived.
 func (c *Comm) tryRecv(f *flow) (bool, error) {
 	p := f.peer
+	if c.ackOwed[p] {
+		// An ack left owed by a full send queue: the peer may be waiting
+		// for its credit before it sends what this flow waits for.
+		if err := c.postAck(p); err != nil {
+			return false, err
+		}
+	}
 	seq := c.recvSeq[p]
 	if atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) <= seq {
 		return false, nil
@@ -438,7 +461,7 @@ func (c *Comm) postAck(p int) error {
 	if err != nil {
 		return err
 	}
-	h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), src)
+	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), src)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return nil
