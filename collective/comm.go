@@ -142,6 +142,7 @@ type Comm struct {
 	remote                            []verbs.RemoteRegion
 	sendSeq, recvSeq, ackSent         []uint64
 	flagOwed, ackOwed                 []bool
+	anyOwed                           bool // some flagOwed or ackOwed may be set
 	red                               reducer
 	call                              callInfo
 	callSeq                           uint32

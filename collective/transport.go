@@ -369,6 +369,7 @@ func (c *Comm) postFlag(p int) error {
 	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes)), src)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
+			c.anyOwed = true
 			return nil
 		}
 		return err
@@ -464,6 +465,7 @@ func (c *Comm) postAck(p int) error {
 	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), src)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
+			c.anyOwed = true
 			return nil
 		}
 		return err
@@ -474,25 +476,38 @@ func (c *Comm) postAck(p int) error {
 	return nil
 }
 
-// flushOwed posts the flags and acks left owed by a full send queue.
+// retryOwed posts the counters (data and ack) left owed by a full send
+// queue, and reports whether some are still owed. A peer may be waiting
+// for them (its data, or its credit) before it sends what this rank waits
+// for: waits retry them as they poll.
+func (c *Comm) retryOwed() (bool, error) {
+	if !c.anyOwed {
+		return false, nil
+	}
+	owed := false
+	for p := range c.size {
+		if c.flagOwed[p] {
+			if err := c.postFlag(p); err != nil {
+				return true, c.fail(err, p)
+			}
+		}
+		if c.ackOwed[p] {
+			if err := c.postAck(p); err != nil {
+				return true, c.fail(err, p)
+			}
+		}
+		owed = owed || c.flagOwed[p] || c.ackOwed[p]
+	}
+	c.anyOwed = owed
+	return owed, nil
+}
+
+// flushOwed posts the counters still owed at the end of a step.
 func (c *Comm) flushOwed(ctx context.Context) error {
 	for {
-		owed := false
-		for p := range c.size {
-			if c.flagOwed[p] {
-				if err := c.postFlag(p); err != nil {
-					return c.fail(err, p)
-				}
-			}
-			if c.ackOwed[p] {
-				if err := c.postAck(p); err != nil {
-					return c.fail(err, p)
-				}
-			}
-			owed = owed || c.flagOwed[p] || c.ackOwed[p]
-		}
-		if !owed {
-			return nil
+		owed, err := c.retryOwed()
+		if err != nil || !owed {
+			return err
 		}
 		if err := c.idle(ctx, nil, nil); err != nil {
 			return err
@@ -544,6 +559,9 @@ func (w *waiter) reset() {
 func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 	w := &c.w
 	w.i++
+	if _, err := c.retryOwed(); err != nil {
+		return err
+	}
 	if w.i < waitEager || w.i%waitCheck == 0 || !w.spinning {
 		if err := c.mc.Progress(); err != nil {
 			return c.fail(err, -1)
