@@ -29,9 +29,15 @@ func nodes(t testing.TB, n int) []*cluster.Node {
 // nodesWith is nodes with options.
 func nodesWith(t testing.TB, n int, opts cluster.NodeOptions) []*cluster.Node {
 	t.Helper()
+	return nodesOn(t, n, opts, []string{verbs.SoftDevice})
+}
+
+// nodesOn builds n nodes, rank i on device devs[i mod len(devs)].
+func nodesOn(t testing.TB, n int, opts cluster.NodeOptions, devs []string) []*cluster.Node {
+	t.Helper()
 	ns := make([]*cluster.Node, n)
 	for i := range n {
-		dev, err := verbs.Open(verbs.SoftDevice)
+		dev, err := verbs.Open(devs[i%len(devs)])
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -75,7 +81,13 @@ func world(t testing.TB, n int, opts collective.Options) []*collective.Comm {
 func worldWith(t testing.TB, n int, opts collective.Options, nopts cluster.NodeOptions) []*collective.Comm {
 	t.Helper()
 	verbstest.CheckLeaks(t)
-	ns := nodesWith(t, n, nopts)
+	return commsOn(t, nodesWith(t, n, nopts), opts)
+}
+
+// commsOn makes a communicator on each node.
+func commsOn(t testing.TB, ns []*cluster.Node, opts collective.Options) []*collective.Comm {
+	t.Helper()
+	n := len(ns)
 	cs := make([]*collective.Comm, n)
 	errs := parallel(n, func(i int) error {
 		var err error
