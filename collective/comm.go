@@ -5,7 +5,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/goverbs/verbs"
@@ -69,6 +71,9 @@ type Options struct {
 	// completed within Timeout fails (and poisons the communicator).
 	// Zero: only the context bounds it.
 	Timeout time.Duration
+	// CloseGrace bounds how long Close waits for the peers to close their
+	// side (see Close). Default 10 s; negative: do not wait.
+	CloseGrace time.Duration
 	// Algorithm forces the algorithm of Allreduce (and of the reductions
 	// built on it); AlgAuto (the default) chooses by message size and
 	// communicator size.
@@ -108,12 +113,13 @@ func (a Algorithm) String() string {
 }
 
 const (
-	defaultChunk  = 64 << 10
-	defaultSlots  = 4
-	windowBudget  = 8 << 20
-	minChunk      = 256
-	hdrBytes      = 64 // header of a slot: 40 bytes used, data 64-byte aligned
-	peerFlagBytes = 16 // data count, ack count
+	defaultChunk      = 64 << 10
+	defaultSlots      = 4
+	windowBudget      = 8 << 20
+	minChunk          = 256
+	defaultCloseGrace = 10 * time.Second
+	hdrBytes          = 64 // header of a slot: 40 bytes used, data 64-byte aligned
+	peerFlagBytes     = 24 // data count, ack count, fin
 )
 
 // Comm is a communicator: an ordered group of ranks of a cluster.Node's
@@ -211,8 +217,8 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, erro
 	rxLen := c.slotBase + p*c.slots*c.slotBytes
 	c.flagBase = p * c.slots * c.slotBytes
 	c.ackBase = c.flagBase + p*c.slots*8
-	c.probeSrc = c.ackBase + p*8
-	txLen := c.probeSrc + 8
+	c.probeSrc = c.ackBase + p*8 // then the fin's source
+	txLen := c.probeSrc + 16
 	var err error
 	if c.rx, err = node.PD().Alloc(rxLen, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
 		return nil, fmt.Errorf("collective: receive windows (%d bytes): %w", rxLen, err)
@@ -379,9 +385,21 @@ func (c *Comm) Err() error {
 	return c.err
 }
 
-// Close releases the communicator's memory. A call in progress fails
-// with ErrClosed, and so does every later call. It does not close the
-// node. Idempotent.
+// Close closes the communicator: a call in progress fails with
+// ErrClosed, and so does every later call; then it releases the windows.
+// It does not close the node.
+//
+// Close is collective, like MPI_Comm_free: every rank of the
+// communicator closes it. A rank's last writes into a peer's window (the
+// acknowledgements of what it received) may still be on the way when the
+// peer's call returns, and a write into a window already released would
+// break the node's queue pair to that rank. So Close writes a final word
+// into every peer's window, after everything else it wrote there, and
+// releases its windows once every peer's final word has arrived (queue
+// pairs deliver in order: nothing from that peer follows), waiting at
+// most Options.CloseGrace for peers that do not close; a peer that
+// failed is not waited for. A collective that needs a peer that has
+// closed fails with ErrClosed. Idempotent.
 func (c *Comm) Close() error {
 	c.mu.Lock()
 	if c.closed {
@@ -393,12 +411,75 @@ func (c *Comm) Close() error {
 	c.issued++
 	c.mu.Unlock()
 	// Wait for the calls issued before (they see closed at their next
-	// check and fail), then release the memory.
+	// check and fail), then say goodbye and release the memory.
 	if err := c.await(context.Background(), t); err != nil {
 		return err
 	}
 	defer c.done(t)
+	c.farewell()
+	if c.w.probing {
+		c.w.probe.Release()
+		c.w.probing = false
+	}
 	return c.release()
+}
+
+// farewell writes the fin word to every peer, after the counters still
+// owed, and waits (at most CloseGrace) for theirs.
+func (c *Comm) farewell() {
+	grace := c.opts.CloseGrace
+	if grace == 0 {
+		grace = defaultCloseGrace
+	}
+	if grace < 0 || c.size == 1 || c.remote[(c.rank+1)%c.size].RKey == 0 && c.remote[(c.rank+1)%c.size].Addr == 0 {
+		return // no peers, or never connected
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	if err := c.flushOwed(ctx); err != nil {
+		return
+	}
+	*word(c.tx, c.probeSrc+8) = 1
+	src, err := c.tx.SGE(c.probeSrc+8, 8)
+	if err != nil {
+		return
+	}
+	for p := range c.size {
+		if p == c.rank {
+			continue
+		}
+		for {
+			h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+16)), src)
+			if err == nil {
+				h.Release()
+				break
+			}
+			if !errors.Is(err, verbs.ErrQueueFull) || ctx.Err() != nil {
+				break
+			}
+			c.mc.Progress()
+		}
+	}
+	for p := range c.size {
+		for i := 0; p != c.rank && !c.finished(p); i++ {
+			if ctx.Err() != nil || c.mc.Peer(c.ranks[p]).Err() != nil {
+				break
+			}
+			if err := c.mc.Progress(); err != nil {
+				return
+			}
+			if i < waitEager {
+				runtime.Gosched()
+				continue
+			}
+			time.Sleep(waitMaxSleep)
+		}
+	}
+}
+
+// finished reports whether peer p has closed the communicator.
+func (c *Comm) finished(p int) bool {
+	return atomic.LoadUint64(word(c.rx, p*peerFlagBytes+16)) != 0
 }
 
 func (c *Comm) release() error {

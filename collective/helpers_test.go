@@ -100,8 +100,9 @@ func commsOn(t testing.TB, ns []*cluster.Node, opts collective.Options) []*colle
 		}
 	}
 	t.Cleanup(func() {
-		for i, c := range cs {
-			if err := c.Close(); err != nil {
+		// Close is collective: every rank at once.
+		for i, err := range parallel(n, func(i int) error { return cs[i].Close() }) {
+			if err != nil {
 				t.Errorf("rank %d: Close: %v", i, err)
 			}
 		}

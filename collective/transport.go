@@ -18,8 +18,9 @@ import (
 
 // Transport. Every rank registers a receive window region (rx):
 //
-//	per peer j (16 bytes): data count (chunks j has written into my
-//	slots for it), ack count (chunks of mine j has consumed)
+//	per peer j (24 bytes): data count (chunks j has written into my
+//	slots for it), ack count (chunks of mine j has consumed), fin (j
+//	closed the communicator, see Close)
 //	the probe word
 //	per peer j: Slots slots of hdrBytes + ChunkSize bytes
 //
@@ -298,6 +299,9 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 		if c.flagOwed[p] {
 			return false, nil
 		}
+	}
+	if c.finished(p) {
+		return false, fmt.Errorf("%w: rank %d closed it", ErrClosed, p)
 	}
 	seq := c.sendSeq[p]
 	acked := atomic.LoadUint64(word(c.rx, p*peerFlagBytes+8))
@@ -624,6 +628,9 @@ func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 			}
 			if err := c.mc.Peer(c.ranks[fs[i].peer]).Err(); err != nil {
 				return c.peerFailed(fs[i].peer, err)
+			}
+			if c.finished(fs[i].peer) {
+				return c.fail(fmt.Errorf("%w: rank %d closed it", ErrClosed, fs[i].peer), fs[i].peer)
 			}
 		}
 	}
