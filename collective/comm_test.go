@@ -26,13 +26,7 @@ func TestSplit(t *testing.T) {
 		subs[r], err = cs[r].Split(testCtx(t), color, -r)
 		return err
 	}))
-	t.Cleanup(func() {
-		for _, s := range subs {
-			if s != nil {
-				s.Close()
-			}
-		}
-	})
+	t.Cleanup(func() { closeAll(t, subs) })
 	if subs[6] != nil {
 		t.Fatalf("rank 6 (Undefined) got a communicator of %d ranks", subs[6].Size())
 	}
@@ -75,11 +69,7 @@ func TestDupIndependentOrder(t *testing.T) {
 		dups[r], err = cs[r].Dup(testCtx(t))
 		return err
 	}))
-	t.Cleanup(func() {
-		for _, d := range dups {
-			d.Close()
-		}
-	})
+	t.Cleanup(func() { closeAll(t, dups) })
 	a, b := make([][]float64, p), make([][]float64, p)
 	noErrors(t, "interleaved", parallel(p, func(r int) error {
 		a[r], b[r] = []float64{float64(r)}, []float64{float64(10 * r)}

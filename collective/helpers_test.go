@@ -100,12 +100,7 @@ func commsOn(t testing.TB, ns []*cluster.Node, opts collective.Options) []*colle
 		}
 	}
 	t.Cleanup(func() {
-		// Close is collective: every rank at once.
-		for i, err := range parallel(n, func(i int) error { return cs[i].Close() }) {
-			if err != nil {
-				t.Errorf("rank %d: Close: %v", i, err)
-			}
-		}
+		closeAll(t, cs) // Close is collective: every rank at once
 	})
 	return cs
 }
@@ -134,5 +129,21 @@ func noErrors(t testing.TB, what string, errs []error) {
 	}
 	if t.Failed() {
 		t.FailNow()
+	}
+}
+
+// closeAll closes the communicators (nil ones skipped) at once: Close is
+// collective.
+func closeAll(t testing.TB, cs []*collective.Comm) {
+	t.Helper()
+	for i, err := range parallel(len(cs), func(i int) error {
+		if cs[i] == nil {
+			return nil
+		}
+		return cs[i].Close()
+	}) {
+		if err != nil {
+			t.Errorf("rank %d: Close: %v", i, err)
+		}
 	}
 }
