@@ -396,3 +396,51 @@ func TestJoinMissingRank(t *testing.T) {
 		})
 	}
 }
+
+// TestNodeFail: a failure a layer above the node reports (Node.Fail)
+// reaches every rank: Err names the rank everywhere and every barrier
+// fails with a *RankError naming it; the first report is kept; bad
+// ranks are refused.
+func TestNodeFail(t *testing.T) {
+	const n = 3
+	ms := joinWorld(t, n, cluster.AllToAll, cluster.JoinOptions{})
+	nd := ms[0].node
+	for _, bad := range []int{-1, 0, n} {
+		if err := nd.Fail(bad, errors.New("x")); err == nil || errors.As(err, new(*cluster.RankError)) {
+			t.Errorf("Fail(%d) = %v, want a refusal", bad, err)
+		}
+	}
+	if err := nd.Err(); err != nil {
+		t.Fatalf("Err before any failure: %v", err)
+	}
+	cause := errors.New("the collective's write to rank 2 failed")
+	err := nd.Fail(2, cause)
+	var re *cluster.RankError
+	if !errors.As(err, &re) || re.Rank != 2 || !errors.Is(err, cause) || !errors.Is(err, cluster.ErrPeerLost) {
+		t.Fatalf("Fail(2) = %v, want a *RankError for rank 2 wrapping the cause and ErrPeerLost", err)
+	}
+	if err := nd.Fail(1, errors.New("later")); !errors.As(err, &re) || re.Rank != 2 {
+		t.Errorf("a second Fail: %v, want the first failure (rank 2) kept", err)
+	}
+	// Rank 1 learns it from its poison word, without a barrier of its own
+	// having failed (rank 2, deemed dead, is not told); then the barriers
+	// of ranks 0 and 1 fail, naming rank 2.
+	ctx := testContext(t)
+	for _, m := range ms[1:2] {
+		for m.node.Err() == nil {
+			if ctx.Err() != nil {
+				t.Fatalf("rank %d never learnt of the failure", m.node.Rank())
+			}
+			m.node.Channel().Progress()
+			time.Sleep(time.Millisecond)
+		}
+	}
+	forEach(t, ms[:2], func(i int, m *member) error {
+		err := m.node.Barrier(ctx, nil)
+		var re *cluster.RankError
+		if !errors.As(err, &re) || re.Rank != 2 || !errors.Is(err, cluster.ErrPoisoned) {
+			return fmt.Errorf("barrier: %v, want ErrPoisoned with a *RankError for rank 2", err)
+		}
+		return nil
+	})
+}
