@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"sync"
 	"unsafe"
 )
 
@@ -99,16 +100,20 @@ func (h Float16) Float32() float32 {
 // Max, And, Or, Xor, or a user-defined element-wise function (Custom).
 // The bitwise operations apply to integer types only.
 //
-// Every algorithm combines two partial results in the order of the ranks
-// they stem from (the lower ranks' partial result is the left operand),
-// and computes each element's result once and distributes it, so that
-// every rank gets the same bits; see each collective for the order of
-// its reduction.
+// Every rank gets the same bits: each element's result is computed once,
+// by one rank, and copied to the others, or computed by every rank in
+// the same order. Which partial results are combined in which order is
+// documented on each collective: it never depends on the calling rank,
+// but it does depend on the algorithm (the ring combines block b in ring
+// order, starting after rank b), so floating-point sums may differ in
+// their last bits between algorithms and communicator sizes. Custom
+// operations are always combined in rank order (the lower ranks'
+// partial result on the left), so they may be non-commutative.
 type Op struct {
 	kind opKind
 	name string
-	fn   any          // Custom: func(inout, in []T) with inout the right operand
 	elem reflect.Type // Custom: T
+	red  reducer      // Custom: f as a reducer
 }
 
 type opKind uint8
@@ -138,14 +143,26 @@ var (
 	Xor = Op{kind: opXor, name: "xor"}
 )
 
-// Custom returns a user-defined operation on elements of type T: f
-// combines in into inout element by element (inout[i] = inout[i] ⊕
-// in[i]), where in holds the partial result of the lower ranks, so f may
-// be non-commutative; it must be associative. f must not retain the
-// slices or call into the communicator. Using the Op with another
-// element type fails with ErrBadOp.
+// Custom returns a user-defined operation on elements of type T. f
+// combines in into inout element by element, in being the left operand:
+// inout[i] = in[i] ⊕ inout[i], as MPI's user functions (in holds the
+// partial result of lower ranks than inout's). ⊕ must be associative; it
+// need not be commutative: every collective combines partial results in
+// the order of the ranks they stem from (Allreduce uses Rabenseifner's
+// algorithm or recursive doubling for Custom operations, never the ring,
+// whatever Options.Algorithm says; ReduceScatter uses recursive
+// halving), as documented on each collective.
+//
+// f is called with slices of equal length (possibly empty), from the
+// goroutine of the collective call, one call at a time per
+// communicator; it may write inout and nothing else, must not retain
+// the slices, must not call into the communicator, and must not panic.
+// Using the Op with another element type than T fails with ErrBadOp.
 func Custom[T Number](name string, f func(inout, in []T)) Op {
-	return Op{kind: opCustom, name: name, fn: f, elem: reflect.TypeFor[T]()}
+	if f == nil {
+		return Op{}
+	}
+	return Op{kind: opCustom, name: name, elem: reflect.TypeFor[T](), red: custom(f)}
 }
 
 func (o Op) String() string {
@@ -162,41 +179,89 @@ var ErrBadOp = errors.New("collective: operation not defined for the element typ
 
 // reducer combines src into dst, both holding whole elements of the
 // call's type: dst = src ⊕ dst if srcLow (src is the partial result of
-// lower ranks), else dst = dst ⊕ src.
+// lower ranks), else dst = dst ⊕ src. Without srcLow, a reducer may
+// overwrite src (a Custom operation computes there), which must then be
+// library memory (a window slot or scratch), never a caller's buffer;
+// with srcLow, src is left unchanged.
 type reducer func(dst, src []byte, srcLow bool)
 
-// reducerFor returns the reducer of op on T.
+// reducerFor returns the reducer of op on T. The reducers of the
+// predefined operations are cached: a func value of a generic function
+// instantiated inside a generic function is a closure (it binds the
+// instantiation's dictionary), allocated each time it is taken.
 func reducerFor[T Number](op Op) (reducer, error) {
+	if op.kind == opCustom {
+		return customReducer[T](op)
+	}
+	key := reducerKey{reflect.TypeFor[T](), op.kind}
+	reducers.RLock()
+	r, ok := reducers.m[key]
+	reducers.RUnlock()
+	if ok {
+		return r, nil
+	}
+	r, err := newReducer[T](op)
+	if err != nil {
+		return nil, err
+	}
+	reducers.Lock()
+	reducers.m[key] = r
+	reducers.Unlock()
+	return r, nil
+}
+
+type reducerKey struct {
+	t reflect.Type
+	k opKind
+}
+
+var reducers = struct {
+	sync.RWMutex
+	m map[reducerKey]reducer
+}{m: make(map[reducerKey]reducer)}
+
+func newReducer[T Number](op Op) (reducer, error) {
 	var z T
 	switch any(z).(type) {
 	case BFloat16:
-		return half(op, BFloat16.Float32, BFloat16From)
+		return bf16Reducer(op)
 	case Float16:
-		return half(op, Float16.Float32, Float16From)
+		return f16Reducer(op)
 	}
 	switch op.kind {
 	case opSum:
-		return apply[T](func(a, b T) T { return a + b }), nil
+		return sumBytes[T], nil
 	case opProd:
-		return apply[T](func(a, b T) T { return a * b }), nil
+		return prodBytes[T], nil
 	case opMin:
-		return apply[T](func(a, b T) T { return min(a, b) }), nil
+		return minBytes[T], nil
 	case opMax:
-		return apply[T](func(a, b T) T { return max(a, b) }), nil
+		return maxBytes[T], nil
 	case opAnd, opOr, opXor:
 		k := reflect.TypeFor[T]().Kind()
 		if k == reflect.Float32 || k == reflect.Float64 {
 			return nil, fmt.Errorf("%w: %v on %v", ErrBadOp, op, reflect.TypeFor[T]())
 		}
-		return bitwise[T](op.kind), nil
-	case opCustom:
-		f, ok := op.fn.(func(inout, in []T))
-		if !ok {
-			return nil, fmt.Errorf("%w: %v is defined on %v, not %v", ErrBadOp, op, op.elem, reflect.TypeFor[T]())
+		switch op.kind {
+		case opAnd:
+			return andBytes, nil
+		case opOr:
+			return orBytes, nil
 		}
-		return custom(f), nil
+		return xorBytes, nil
+	case opCustom:
+		return customReducer[T](op)
 	}
 	return nil, fmt.Errorf("%w: the zero Op", ErrBadOp)
+}
+
+// customReducer returns the reducer of a Custom op on T, built when the
+// Op was made.
+func customReducer[T Number](op Op) (reducer, error) {
+	if op.elem != reflect.TypeFor[T]() || op.red == nil {
+		return nil, fmt.Errorf("%w: %v is defined on %v, not %v", ErrBadOp, op, op.elem, reflect.TypeFor[T]())
+	}
+	return op.red, nil
 }
 
 // elems views b (whole elements of T, aligned) as a []T.
@@ -218,100 +283,205 @@ func bytesOf[T Number](s []T) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(s))), len(s)*int(unsafe.Sizeof(z)))
 }
 
-// apply builds a reducer from a binary function, inlined into both
-// loops by the compiler for each instantiation.
-func apply[T Number](f func(a, b T) T) reducer {
-	return func(dst, src []byte, srcLow bool) {
-		d, s := elems[T](dst), elems[T](src)
-		s = s[:len(d)]
-		if srcLow {
-			for i := range d {
-				d[i] = f(s[i], d[i])
-			}
-			return
-		}
+// The reducers of the predefined operations are top-level generic
+// functions: taking one as a func value allocates nothing.
+
+func sumBytes[T Number](dst, src []byte, srcLow bool) {
+	d, s := elems[T](dst), elems[T](src)
+	s = s[:len(d)]
+	if srcLow {
 		for i := range d {
-			d[i] = f(d[i], s[i])
+			d[i] = s[i] + d[i]
 		}
+		return
+	}
+	for i := range d {
+		d[i] += s[i]
 	}
 }
 
-func bitwise[T Number](k opKind) reducer {
-	return func(dst, src []byte, _ bool) {
-		// Bitwise operations are commutative: byte-wise on the whole buffer.
-		s := src[:len(dst)]
-		for len(dst) >= 8 {
-			a := *(*uint64)(unsafe.Pointer(&dst[0]))
-			b := *(*uint64)(unsafe.Pointer(&s[0]))
-			switch k {
-			case opAnd:
-				a &= b
-			case opOr:
-				a |= b
-			default:
-				a ^= b
-			}
-			*(*uint64)(unsafe.Pointer(&dst[0])) = a
-			dst, s = dst[8:], s[8:]
+func prodBytes[T Number](dst, src []byte, srcLow bool) {
+	d, s := elems[T](dst), elems[T](src)
+	s = s[:len(d)]
+	if srcLow {
+		for i := range d {
+			d[i] = s[i] * d[i]
 		}
-		for i := range dst {
-			switch k {
-			case opAnd:
-				dst[i] &= s[i]
-			case opOr:
-				dst[i] |= s[i]
-			default:
-				dst[i] ^= s[i]
-			}
-		}
+		return
+	}
+	for i := range d {
+		d[i] *= s[i]
 	}
 }
 
+func minBytes[T Number](dst, src []byte, srcLow bool) {
+	d, s := elems[T](dst), elems[T](src)
+	s = s[:len(d)]
+	if srcLow {
+		for i := range d {
+			d[i] = min(s[i], d[i])
+		}
+		return
+	}
+	for i := range d {
+		d[i] = min(d[i], s[i])
+	}
+}
+
+func maxBytes[T Number](dst, src []byte, srcLow bool) {
+	d, s := elems[T](dst), elems[T](src)
+	s = s[:len(d)]
+	if srcLow {
+		for i := range d {
+			d[i] = max(s[i], d[i])
+		}
+		return
+	}
+	for i := range d {
+		d[i] = max(d[i], s[i])
+	}
+}
+
+// Bitwise operations are commutative: byte-wise on whole buffers, eight
+// bytes at a time.
+
+func andBytes(dst, src []byte, _ bool) {
+	src = src[:len(dst)]
+	for ; len(dst) >= 8; dst, src = dst[8:], src[8:] {
+		*(*uint64)(unsafe.Pointer(&dst[0])) &= *(*uint64)(unsafe.Pointer(&src[0]))
+	}
+	for i := range dst {
+		dst[i] &= src[i]
+	}
+}
+
+func orBytes(dst, src []byte, _ bool) {
+	src = src[:len(dst)]
+	for ; len(dst) >= 8; dst, src = dst[8:], src[8:] {
+		*(*uint64)(unsafe.Pointer(&dst[0])) |= *(*uint64)(unsafe.Pointer(&src[0]))
+	}
+	for i := range dst {
+		dst[i] |= src[i]
+	}
+}
+
+func xorBytes(dst, src []byte, _ bool) {
+	src = src[:len(dst)]
+	for ; len(dst) >= 8; dst, src = dst[8:], src[8:] {
+		*(*uint64)(unsafe.Pointer(&dst[0])) ^= *(*uint64)(unsafe.Pointer(&src[0]))
+	}
+	for i := range dst {
+		dst[i] ^= src[i]
+	}
+}
+
+// custom wraps a user function as a reducer (once, in Custom). f(inout,
+// in) computes inout = in ⊕ inout.
 func custom[T Number](f func(inout, in []T)) reducer {
 	return func(dst, src []byte, srcLow bool) {
 		d, s := elems[T](dst), elems[T](src)
-		s = s[:len(d)]
-		if srcLow {
-			// dst = src ⊕ dst: f(inout, in) computes inout ⊕ in with inout on
-			// the left, so swap through the source slot (library memory).
-			f(s, d)
-			copy(d, s)
+		if len(d) == 0 {
 			return
 		}
-		f(d, s)
+		s = s[:len(d)]
+		if srcLow {
+			f(d, s) // d = s ⊕ d
+			return
+		}
+		// dst = dst ⊕ src: computed into src (the receive slot or scratch,
+		// library memory) and copied back.
+		f(s, d)
+		copy(d, s)
 	}
 }
 
-// half builds the reducer of a 16-bit float type reduced in float32.
-func half[H ~uint16](op Op, to func(H) float32, from func(float32) H) (reducer, error) {
-	var f func(a, b float32) float32
+// The 16-bit floating-point types: each operation in float32, rounded
+// back to nearest even. One loop per type and operation, so that the
+// conversions are direct calls (BFloat16's inlined).
+
+func bf16Reducer(op Op) (reducer, error) {
 	switch op.kind {
 	case opSum:
-		f = func(a, b float32) float32 { return a + b }
-	case opProd:
-		f = func(a, b float32) float32 { return a * b }
-	case opMin:
-		f = func(a, b float32) float32 { return min(a, b) }
-	case opMax:
-		f = func(a, b float32) float32 { return max(a, b) }
-	case opCustom:
-		g, ok := op.fn.(func(inout, in []H))
-		if !ok {
-			return nil, fmt.Errorf("%w: %v is defined on %v, not %v", ErrBadOp, op, op.elem, reflect.TypeFor[H]())
-		}
-		return custom(g), nil
-	default:
-		return nil, fmt.Errorf("%w: %v on %v", ErrBadOp, op, reflect.TypeFor[H]())
-	}
-	return func(dst, src []byte, srcLow bool) {
-		d, s := elems[H](dst), elems[H](src)
-		s = s[:len(d)]
-		for i := range d {
-			a, b := to(d[i]), to(s[i])
-			if srcLow {
-				a, b = b, a
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[BFloat16](dst), elems[BFloat16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = BFloat16From(d[i].Float32() + s[i].Float32())
 			}
-			d[i] = from(f(a, b))
-		}
-	}, nil
+		}, nil
+	case opProd:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[BFloat16](dst), elems[BFloat16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = BFloat16From(d[i].Float32() * s[i].Float32())
+			}
+		}, nil
+	case opMin:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[BFloat16](dst), elems[BFloat16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = BFloat16From(min(d[i].Float32(), s[i].Float32()))
+			}
+		}, nil
+	case opMax:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[BFloat16](dst), elems[BFloat16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = BFloat16From(max(d[i].Float32(), s[i].Float32()))
+			}
+		}, nil
+	case opCustom:
+		return customReducer[BFloat16](op)
+	}
+	return nil, halfBadOp[BFloat16](op)
+}
+
+func f16Reducer(op Op) (reducer, error) {
+	switch op.kind {
+	case opSum:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[Float16](dst), elems[Float16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = Float16From(d[i].Float32() + s[i].Float32())
+			}
+		}, nil
+	case opProd:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[Float16](dst), elems[Float16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = Float16From(d[i].Float32() * s[i].Float32())
+			}
+		}, nil
+	case opMin:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[Float16](dst), elems[Float16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = Float16From(min(d[i].Float32(), s[i].Float32()))
+			}
+		}, nil
+	case opMax:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[Float16](dst), elems[Float16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = Float16From(max(d[i].Float32(), s[i].Float32()))
+			}
+		}, nil
+	case opCustom:
+		return customReducer[Float16](op)
+	}
+	return nil, halfBadOp[Float16](op)
+}
+
+func halfBadOp[H Number](op Op) error {
+	if op.kind == opNone {
+		return fmt.Errorf("%w: the zero Op", ErrBadOp)
+	}
+	return fmt.Errorf("%w: %v on %v", ErrBadOp, op, reflect.TypeFor[H]())
 }
