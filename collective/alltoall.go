@@ -132,11 +132,19 @@ func Alltoallv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, sdi
 		c.recvs = append(c.recvs, flow{peer: from, buf: seg(rb, recvcounts, rdispls, from)})
 	}
 	err = c.run(ctx, c.sends, c.recvs)
-	var e *Error
-	if errors.Is(err, ErrMismatch) && errors.As(err, &e) && e.Peer >= 0 && e.Peer < p {
-		e.Err = fmt.Errorf("%w (recvcounts[%d] = %d elements of %d bytes at this rank)", e.Err, e.Peer, recvcounts[e.Peer], esz)
+	if errors.Is(err, ErrMismatch) {
+		withCounts(err, recvcounts, esz)
 	}
 	return c.end(t, err)
+}
+
+// withCounts adds the count this rank expected from the peer to a
+// mismatch error (whose message gives the lengths in bytes).
+func withCounts(err error, recvcounts []int, esz int) {
+	var e *Error
+	if errors.As(err, &e) && e.Peer >= 0 && e.Peer < len(recvcounts) {
+		e.Err = fmt.Errorf("%w (recvcounts[%d] = %d elements of %d bytes at this rank)", e.Err, e.Peer, recvcounts[e.Peer], esz)
+	}
 }
 
 // checkSegments checks the counts and displacements of a buffer of n

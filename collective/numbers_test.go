@@ -124,8 +124,9 @@ func runAll(t testing.TB, n int, f func(ctx context.Context, r int) error) []err
 	})
 }
 
-// expectMismatch checks that a rank reported ErrMismatch and every rank
-// failed, and that every rank's next call fails too (ErrPoisoned; at a
+// expectMismatch checks that a rank reported ErrMismatch (a rank whose
+// own messages matched, such as one that only sends, may complete), and
+// that every rank's next call fails (ErrPoisoned; at a
 // rank whose call the cancellation ended before it sent anything, which
 // does not poison, ErrMismatch or the cancellation when another rank
 // failed first).
@@ -138,7 +139,7 @@ func expectMismatch(t *testing.T, cs []*collective.Comm, errs []error) {
 			mismatch++
 			t.Logf("rank %d: %v", r, err)
 		case err == nil:
-			t.Errorf("rank %d: no error", r)
+			t.Logf("rank %d: completed (its messages matched)", r)
 		}
 	}
 	if mismatch == 0 {
