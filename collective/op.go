@@ -104,11 +104,12 @@ func (h Float16) Float32() float32 {
 // by one rank, and copied to the others, or computed by every rank in
 // the same order. Which partial results are combined in which order is
 // documented on each collective: it never depends on the calling rank,
-// but it does depend on the algorithm (the ring combines block b in ring
-// order, starting after rank b), so floating-point sums may differ in
-// their last bits between algorithms and communicator sizes. Custom
-// operations are always combined in rank order (the lower ranks'
-// partial result on the left), so they may be non-commutative.
+// but it does depend on the algorithm (the rings combine each block in
+// ring order, from a rank that depends on the block), so floating-point
+// sums may differ in their last bits between algorithms and
+// communicator sizes. Custom operations are always combined in rank
+// order (the lower ranks' partial result on the left), so they may be
+// non-commutative.
 type Op struct {
 	kind opKind
 	name string
