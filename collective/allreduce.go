@@ -90,6 +90,9 @@ func (c *Comm) allreduce(ctx context.Context, buf []byte, esz int) error {
 	if len(buf)/esz < c.size && alg != AlgRecursiveDoubling {
 		alg = AlgRecursiveDoubling // fewer elements than ranks: blocks would be empty
 	}
+	if alg == AlgRing && c.call.op == opCustom {
+		alg = AlgRabenseifner // the ring combines in ring order, not rank order
+	}
 	switch alg {
 	case AlgRing:
 		return c.ringAllreduce(ctx, buf, esz)
@@ -222,9 +225,12 @@ func (c *Comm) ringAllreduce(ctx context.Context, buf []byte, esz int) error {
 }
 
 // rabenseifner: fold in; reduce-scatter by recursive halving (in round
-// k, exchange half of the current range with position nr XOR 2^(K−1−k)
-// ... keeping the half of the lower or upper position); allgather by
-// recursive doubling in the reverse order; fold out.
+// k, exchange half of the current range with position nr XOR 2^k,
+// keeping the lower half at the lower position); allgather by recursive
+// doubling in the reverse order; fold out. Halving with the nearest
+// partner first combines partial results of ever larger groups of
+// consecutive positions, lower group on the left: rank order, as Custom
+// operations need (position nr ends up owning block bitreverse(nr)).
 func (c *Comm) rabenseifner(ctx context.Context, buf []byte, esz int) error {
 	nr, err := c.foldIn(ctx, buf)
 	if err != nil {
@@ -237,7 +243,7 @@ func (c *Comm) rabenseifner(ctx context.Context, buf []byte, esz int) error {
 		// [lo, hi) of blocks this position is responsible for.
 		lo, hi := 0, q
 		tmp := c.scratchBytes(len(buf))
-		for half := q / 2; half >= 1; half /= 2 {
+		for half := 1; half < q; half *= 2 {
 			partner := nr ^ half
 			mid := lo + (hi-lo)/2
 			keepLo, keepHi, sendLo, sendHi := lo, mid, mid, hi
@@ -253,7 +259,7 @@ func (c *Comm) rabenseifner(ctx context.Context, buf []byte, esz int) error {
 			c.red(buf[kb:ke], tmp[kb:ke], pr < c.rank)
 			lo, hi = keepLo, keepHi
 		}
-		for half := 1; half < q; half *= 2 {
+		for half := q / 2; half >= 1; half /= 2 {
 			partner := nr ^ half
 			// The partner owns the sibling range of the same size.
 			size := hi - lo

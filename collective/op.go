@@ -100,11 +100,16 @@ func (h Float16) Float32() float32 {
 // Max, And, Or, Xor, or a user-defined element-wise function (Custom).
 // The bitwise operations apply to integer types only.
 //
-// Every algorithm combines two partial results in the order of the ranks
-// they stem from (the lower ranks' partial result is the left operand),
-// and computes each element's result once and distributes it, so that
-// every rank gets the same bits; see each collective for the order of
-// its reduction.
+// Every rank gets the same bits: each element's result is computed once,
+// by one rank, and copied to the others, or computed by every rank in
+// the same order. Which partial results are combined in which order is
+// documented on each collective: it never depends on the calling rank,
+// but it does depend on the algorithm (the rings combine each block in
+// ring order, from a rank that depends on the block), so floating-point
+// sums may differ in their last bits between algorithms and
+// communicator sizes. Custom operations are always combined in rank
+// order (the lower ranks' partial result on the left), so they may be
+// non-commutative.
 type Op struct {
 	kind opKind
 	name string
@@ -139,12 +144,21 @@ var (
 	Xor = Op{kind: opXor, name: "xor"}
 )
 
-// Custom returns a user-defined operation on elements of type T: f
-// combines in into inout element by element (inout[i] = inout[i] ⊕
-// in[i]), where in holds the partial result of the lower ranks, so f may
-// be non-commutative; it must be associative. f must not retain the
-// slices or call into the communicator. Using the Op with another
-// element type fails with ErrBadOp.
+// Custom returns a user-defined operation on elements of type T. f
+// combines in into inout element by element, in being the left operand:
+// inout[i] = in[i] ⊕ inout[i], as MPI's user functions (in holds the
+// partial result of lower ranks than inout's). ⊕ must be associative; it
+// need not be commutative: every collective combines partial results in
+// the order of the ranks they stem from (Allreduce uses Rabenseifner's
+// algorithm or recursive doubling for Custom operations, never the ring,
+// whatever Options.Algorithm says; ReduceScatter uses recursive
+// halving), as documented on each collective.
+//
+// f is called with slices of equal length (possibly empty), from the
+// goroutine of the collective call, one call at a time per
+// communicator; it may write inout and nothing else, must not retain
+// the slices, must not call into the communicator, and must not panic.
+// Using the Op with another element type than T fails with ErrBadOp.
 func Custom[T Number](name string, f func(inout, in []T)) Op {
 	if f == nil {
 		return Op{}
@@ -166,7 +180,10 @@ var ErrBadOp = errors.New("collective: operation not defined for the element typ
 
 // reducer combines src into dst, both holding whole elements of the
 // call's type: dst = src ⊕ dst if srcLow (src is the partial result of
-// lower ranks), else dst = dst ⊕ src.
+// lower ranks), else dst = dst ⊕ src. Without srcLow, a reducer may
+// overwrite src (a Custom operation computes there), which must then be
+// library memory (a window slot or scratch), never a caller's buffer;
+// with srcLow, src is left unchanged.
 type reducer func(dst, src []byte, srcLow bool)
 
 // reducerFor returns the reducer of op on T. The reducers of the
@@ -208,9 +225,9 @@ func newReducer[T Number](op Op) (reducer, error) {
 	var z T
 	switch any(z).(type) {
 	case BFloat16:
-		return halfReducer[BFloat16](op)
+		return bf16Reducer(op)
 	case Float16:
-		return halfReducer[Float16](op)
+		return f16Reducer(op)
 	}
 	switch op.kind {
 	case opSum:
@@ -359,95 +376,113 @@ func xorBytes(dst, src []byte, _ bool) {
 	}
 }
 
-// custom wraps a user function as a reducer (once, in Custom).
+// custom wraps a user function as a reducer (once, in Custom). f(inout,
+// in) computes inout = in ⊕ inout.
 func custom[T Number](f func(inout, in []T)) reducer {
 	return func(dst, src []byte, srcLow bool) {
 		d, s := elems[T](dst), elems[T](src)
-		s = s[:len(d)]
-		if srcLow {
-			// dst = src ⊕ dst: f(inout, in) computes inout ⊕ in with inout
-			// on the left, so compute into src (the receive slot or scratch,
-			// library memory) and copy back.
-			f(s, d)
-			copy(d, s)
+		if len(d) == 0 {
 			return
 		}
-		f(d, s)
+		s = s[:len(d)]
+		if srcLow {
+			f(d, s) // d = s ⊕ d
+			return
+		}
+		// dst = dst ⊕ src: computed into src (the receive slot or scratch,
+		// library memory) and copied back.
+		f(s, d)
+		copy(d, s)
 	}
 }
 
-// halfFloat is BFloat16 or Float16.
-type halfFloat[H any] interface {
-	~uint16
-	Float32() float32
-	round(float32) H
-}
+// The 16-bit floating-point types: each operation in float32, rounded
+// back to nearest even. One loop per type and operation, so that the
+// conversions are direct calls (BFloat16's inlined).
 
-func (BFloat16) round(f float32) BFloat16 { return BFloat16From(f) }
-func (Float16) round(f float32) Float16   { return Float16From(f) }
-
-func halfReducer[H halfFloat[H]](op Op) (reducer, error) {
+func bf16Reducer(op Op) (reducer, error) {
 	switch op.kind {
 	case opSum:
-		return halfSum[H], nil
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[BFloat16](dst), elems[BFloat16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = BFloat16From(d[i].Float32() + s[i].Float32())
+			}
+		}, nil
 	case opProd:
-		return halfProd[H], nil
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[BFloat16](dst), elems[BFloat16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = BFloat16From(d[i].Float32() * s[i].Float32())
+			}
+		}, nil
 	case opMin:
-		return halfMin[H], nil
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[BFloat16](dst), elems[BFloat16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = BFloat16From(min(d[i].Float32(), s[i].Float32()))
+			}
+		}, nil
 	case opMax:
-		return halfMax[H], nil
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[BFloat16](dst), elems[BFloat16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = BFloat16From(max(d[i].Float32(), s[i].Float32()))
+			}
+		}, nil
 	case opCustom:
-		return customReducer[H](op)
-	case opNone:
-		return nil, fmt.Errorf("%w: the zero Op", ErrBadOp)
+		return customReducer[BFloat16](op)
 	}
-	return nil, fmt.Errorf("%w: %v on %v", ErrBadOp, op, reflect.TypeFor[H]())
+	return nil, halfBadOp[BFloat16](op)
 }
 
-func halfSum[H halfFloat[H]](dst, src []byte, srcLow bool) {
-	d, s := elems[H](dst), elems[H](src)
-	s = s[:len(d)]
-	for i := range d {
-		a, b := d[i].Float32(), s[i].Float32()
-		if srcLow {
-			a, b = b, a
-		}
-		d[i] = d[i].round(a + b)
+func f16Reducer(op Op) (reducer, error) {
+	switch op.kind {
+	case opSum:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[Float16](dst), elems[Float16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = Float16From(d[i].Float32() + s[i].Float32())
+			}
+		}, nil
+	case opProd:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[Float16](dst), elems[Float16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = Float16From(d[i].Float32() * s[i].Float32())
+			}
+		}, nil
+	case opMin:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[Float16](dst), elems[Float16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = Float16From(min(d[i].Float32(), s[i].Float32()))
+			}
+		}, nil
+	case opMax:
+		return func(dst, src []byte, _ bool) {
+			d, s := elems[Float16](dst), elems[Float16](src)
+			s = s[:len(d)]
+			for i := range d {
+				d[i] = Float16From(max(d[i].Float32(), s[i].Float32()))
+			}
+		}, nil
+	case opCustom:
+		return customReducer[Float16](op)
 	}
+	return nil, halfBadOp[Float16](op)
 }
 
-func halfProd[H halfFloat[H]](dst, src []byte, srcLow bool) {
-	d, s := elems[H](dst), elems[H](src)
-	s = s[:len(d)]
-	for i := range d {
-		a, b := d[i].Float32(), s[i].Float32()
-		if srcLow {
-			a, b = b, a
-		}
-		d[i] = d[i].round(a * b)
+func halfBadOp[H Number](op Op) error {
+	if op.kind == opNone {
+		return fmt.Errorf("%w: the zero Op", ErrBadOp)
 	}
-}
-
-func halfMin[H halfFloat[H]](dst, src []byte, srcLow bool) {
-	d, s := elems[H](dst), elems[H](src)
-	s = s[:len(d)]
-	for i := range d {
-		a, b := d[i].Float32(), s[i].Float32()
-		if srcLow {
-			a, b = b, a
-		}
-		d[i] = d[i].round(min(a, b))
-	}
-}
-
-func halfMax[H halfFloat[H]](dst, src []byte, srcLow bool) {
-	d, s := elems[H](dst), elems[H](src)
-	s = s[:len(d)]
-	for i := range d {
-		a, b := d[i].Float32(), s[i].Float32()
-		if srcLow {
-			a, b = b, a
-		}
-		d[i] = d[i].round(max(a, b))
-	}
+	return fmt.Errorf("%w: %v on %v", ErrBadOp, op, reflect.TypeFor[H]())
 }
