@@ -5,7 +5,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/goverbs/verbs"
@@ -113,7 +115,7 @@ const (
 	windowBudget  = 8 << 20
 	minChunk      = 256
 	hdrBytes      = 64 // header of a slot: 40 bytes used, data 64-byte aligned
-	peerFlagBytes = 16 // data count, ack count
+	peerFlagBytes = 24 // data count, ack count, done flag (Close)
 )
 
 // Comm is a communicator: an ordered group of ranks of a cluster.Node's
@@ -138,7 +140,7 @@ type Comm struct {
 	chunk, slots, slotBytes, ackEvery int
 	rx, tx                            *verbs.MemoryRegion
 	slotBase                          int // offset of the slots in rx
-	flagBase, ackBase, probeSrc       int // offsets in tx
+	flagBase, ackBase, probeSrc       int // offsets in tx (the done flag's source follows the probe's)
 	remote                            []verbs.RemoteRegion
 	sendSeq, recvSeq, ackSent         []uint64
 	flagOwed, ackOwed                 []bool
@@ -147,8 +149,9 @@ type Comm struct {
 	callSeq                           uint32
 	deadline                          time.Time
 	w                                 waiter
-	sends, recvs                      []flow // scratch of the algorithms
-	scratch                           []byte // reduction scratch of the algorithms (Go memory)
+	sends, recvs                      []flow           // scratch of the algorithms
+	scratch                           []byte           // reduction scratch of the algorithms (Go memory)
+	doneHs                            []channel.Handle // Close's done writes
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out
@@ -182,6 +185,7 @@ func New(ctx context.Context, node *cluster.Node, opts Options) (*Comm, error) {
 // newComm allocates the communicator of ranks (world ranks) at position
 // me, without the peers' windows.
 func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, error) {
+	sweepLate(node)
 	if opts.Slots == 0 {
 		opts.Slots = defaultSlots
 	}
@@ -211,7 +215,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, erro
 	c.flagBase = p * c.slots * c.slotBytes
 	c.ackBase = c.flagBase + p*c.slots*8
 	c.probeSrc = c.ackBase + p*8
-	txLen := c.probeSrc + 8
+	txLen := c.probeSrc + 16
 	var err error
 	if c.rx, err = node.PD().Alloc(rxLen, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
 		return nil, fmt.Errorf("collective: receive windows (%d bytes): %w", rxLen, err)
@@ -376,9 +380,19 @@ func (c *Comm) Err() error {
 	return c.err
 }
 
-// Close releases the communicator's memory. A call in progress fails
-// with ErrClosed, and so does every later call. It does not close the
-// node. Idempotent.
+// Close releases the communicator. A call in progress fails with
+// ErrClosed, and so does every later call. It does not close the node.
+// Idempotent; it does not wait for the peers.
+//
+// The peers may still write into this rank's windows after their last
+// call ended here (the acknowledgement of the last chunks they received,
+// a probe), and such a write, reaching a released window, would fail
+// their queue pair, and the world with it. So Close writes a done flag
+// at every peer (after its own last writes: RC places them in order) and
+// releases the windows once every peer's done flag is here (every peer
+// closed its side too), or a rank of the world failed; until then they
+// stay registered, and are released by a later New or Close on the same
+// node that finds them quiet, or when the node closes.
 func (c *Comm) Close() error {
 	c.mu.Lock()
 	if c.closed {
@@ -395,10 +409,121 @@ func (c *Comm) Close() error {
 		return err
 	}
 	defer c.done(t)
-	return c.release()
+	c.sayDone()
+	defer sweepLate(c.node)
+	if c.quiet() {
+		return c.release()
+	}
+	lateMu.Lock()
+	defer lateMu.Unlock()
+	if _, ok := late[c.node]; !ok {
+		node := c.node
+		node.OnClose(func() error { return releaseLate(node) })
+	}
+	late[c.node] = append(late[c.node], c)
+	return nil
+}
+
+// late holds, per node, the closed communicators whose windows wait for
+// their peers' done flags (see Close).
+var (
+	lateMu sync.Mutex
+	late   = map[*cluster.Node][]*Comm{}
+)
+
+// sweepLate releases the windows of node's closed communicators that
+// became quiet.
+func sweepLate(node *cluster.Node) {
+	lateMu.Lock()
+	defer lateMu.Unlock()
+	cs, ok := late[node]
+	if !ok {
+		return
+	}
+	keep := cs[:0]
+	for _, c := range cs {
+		if c.quiet() {
+			c.release()
+		} else {
+			keep = append(keep, c)
+		}
+	}
+	clear(cs[len(keep):])
+	late[node] = keep
+}
+
+// releaseLate releases the windows of node's closed communicators when
+// the node closes (after its queue pairs: nothing can reach them).
+func releaseLate(node *cluster.Node) error {
+	lateMu.Lock()
+	cs := late[node]
+	delete(late, node)
+	lateMu.Unlock()
+	var errs []error
+	for _, c := range cs {
+		errs = append(errs, c.release())
+	}
+	return errors.Join(errs...)
+}
+
+// sayDone posts the write of this rank's done flag at every peer.
+func (c *Comm) sayDone() {
+	if c.size == 1 {
+		return
+	}
+	src := c.probeSrc + 8
+	*word(c.tx, src) = 1
+	sge, err := c.tx.SGE(src, 8)
+	if err != nil {
+		return
+	}
+	for p := range c.size {
+		if p == c.rank || c.remote[p].Len == 0 {
+			continue
+		}
+		for tries := 0; ; tries++ {
+			h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes+16)), sge)
+			if err == nil {
+				c.doneHs = append(c.doneHs, h)
+			}
+			if !errors.Is(err, verbs.ErrQueueFull) || tries == 1000 {
+				break
+			}
+			c.mc.Progress()
+			runtime.Gosched()
+		}
+	}
+}
+
+// quiet reports whether the windows of a closed communicator may be
+// released: its done writes completed (they read tx), and every peer
+// wrote its done flag, or failed, or a rank of the world failed.
+func (c *Comm) quiet() bool {
+	c.mc.Progress()
+	for _, h := range c.doneHs {
+		if done, err := h.Poll(); !done && err == nil {
+			return false
+		}
+	}
+	if c.node.Err() != nil {
+		return true
+	}
+	for p := range c.size {
+		if p == c.rank || c.remote[p].Len == 0 || c.mc.Peer(c.ranks[p]).Err() != nil {
+			continue
+		}
+		if atomic.LoadUint64(word(c.rx, p*peerFlagBytes+16)) == 0 {
+			return false
+		}
+	}
+	return true
 }
 
 func (c *Comm) release() error {
+	for _, h := range c.doneHs {
+		h.Release()
+	}
+	c.doneHs = nil
 	return errors.Join(c.rx.Close(), c.tx.Close())
 }
 

@@ -103,7 +103,9 @@ var (
 			func(a, b float32) float32 { return a + b }, 1e-5),
 		// Small integers: bfloat16 sums are exact.
 		xAllreduce("bfloat16-sum", collective.Sum, func(r, i int) collective.BFloat16 { return collective.BFloat16From(float32((r + i) % 16)) },
-			func(a, b collective.BFloat16) collective.BFloat16 { return collective.BFloat16From(a.Float32() + b.Float32()) }, 0),
+			func(a, b collective.BFloat16) collective.BFloat16 {
+				return collective.BFloat16From(a.Float32() + b.Float32())
+			}, 0),
 	}
 )
 

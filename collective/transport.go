@@ -18,13 +18,14 @@ import (
 
 // Transport. Every rank registers a receive window region (rx):
 //
-//	per peer j (16 bytes): data count (chunks j has written into my
-//	slots for it), ack count (chunks of mine j has consumed)
+//	per peer j (24 bytes): data count (chunks j has written into my
+//	slots for it), ack count (chunks of mine j has consumed), done
+//	flag (j closed the communicator: see Close)
 //	the probe word
 //	per peer j: Slots slots of hdrBytes + ChunkSize bytes
 //
 // and a send staging region (tx): per peer Slots staging slots, Slots
-// flag source words and an ack source word, and the probe's source.
+// flag source words and an ack source word, the probe's source and the done flag's.
 //
 // To send chunk s of a message to peer j, a rank waits for a credit (j
 // has acknowledged chunk s−Slots), copies the header and the data into
