@@ -81,16 +81,19 @@ func childEnv(extra ...string) []string {
 }
 
 // The matrix every world of TestCollectivesCrossProcess runs: every
-// allreduce algorithm, for every case, for every count of the case: 0 and
-// 1 (for the first case), a prime, and a prime number of elements
-// spanning many chunks of xChunk bytes (dozens, several per step of the
-// ring at p = 8, more than the Slots of the window).
+// allreduce algorithm, for the first two cases and one of the others (in
+// turn: xWorldCases), for every count of the case: 0 and 1 (for the
+// first case), a prime, and a prime number of elements spanning many
+// chunks of xChunk bytes (dozens, several per step of the ring at p = 8,
+// more than the Slots of the window).
 var (
 	xAlgorithms = []collective.Algorithm{collective.AlgRecursiveDoubling, collective.AlgRabenseifner, collective.AlgRing}
 	xCounts     = []int{0, 1, 13, 4099}
 	xCases      = []xCase{
 		xAllreduce("int64-sum", collective.Sum, func(r, i int) int64 { return int64(r)<<40 + int64(i)*7919 - int64(r*i) },
 			func(a, b int64) int64 { return a + b }, 0),
+		xAllreduce("float32-sum", collective.Sum, func(r, i int) float32 { return float32(math.Cos(float64(r*104729+i*3))) / 3 },
+			func(a, b float32) float32 { return a + b }, 1e-5),
 		xAllreduce("int32-min", collective.Min, func(r, i int) int32 { return int32((i*31+r*17)%101 - 50) },
 			func(a, b int32) int32 { return min(a, b) }, 0),
 		xAllreduce("uint8-xor", collective.Xor, func(r, i int) uint8 { return uint8(i*13 + r*101 + r*i) },
@@ -99,8 +102,6 @@ var (
 		// that every rank gets the same bits is checked by the hashes.
 		xAllreduce("float64-sum", collective.Sum, func(r, i int) float64 { return math.Sin(float64(r*7919+i)) * 1e3 },
 			func(a, b float64) float64 { return a + b }, 1e-12),
-		xAllreduce("float32-sum", collective.Sum, func(r, i int) float32 { return float32(math.Cos(float64(r*104729+i*3))) / 3 },
-			func(a, b float32) float32 { return a + b }, 1e-5),
 		// Small integers: bfloat16 sums are exact.
 		xAllreduce("bfloat16-sum", collective.Sum, func(r, i int) collective.BFloat16 { return collective.BFloat16From(float32((r + i) % 16)) },
 			func(a, b collective.BFloat16) collective.BFloat16 {
@@ -109,8 +110,24 @@ var (
 	}
 )
 
-// xChunk is the communicators' chunk size.
+// xChunk is the communicators' chunk size: the largest messages take
+// more chunks than the window (the default 4 slots) holds.
 const xChunk = 512
+
+// xWorldCases returns the cases world w of n ranks runs: the first two
+// (only the first for the slow worlds of 8), and one of the others in
+// turn, so that each meets several world sizes and every transport.
+func xWorldCases(w, n int) []int {
+	other := 2 + w%(len(xCases)-2)
+	if n == 8 {
+		return []int{0, other}
+	}
+	return []int{0, 1, other}
+}
+
+// xCasesEnv lists the cases (indexes in xCases, comma-separated) a rank
+// of TestCollectivesCrossProcess runs.
+const xCasesEnv = "GOVERBS_COLLECTIVE_TEST_CASES"
 
 // xCountsOf returns the counts case k runs with: every count for the
 // first case, the prime and the large one for the others.
@@ -129,7 +146,7 @@ func xCountsOf(k int) []int {
 var xQP = verbs.QPSpec{Timeout: 18}
 
 // xBarriers is the number of barriers of the barrier loop.
-const xBarriers = 30
+const xBarriers = 20
 
 // xGuard bounds a whole world (a hang guard, not a timing assertion).
 const xGuard = 4 * time.Minute
@@ -227,7 +244,12 @@ func xprocChild() int {
 		if err != nil {
 			return fail("new (%v): %v", alg, err)
 		}
-		for j, tc := range xCases {
+		for _, f := range strings.Split(os.Getenv(xCasesEnv), ",") {
+			j, err := strconv.Atoi(f)
+			if err != nil || j < 0 || j >= len(xCases) {
+				return fail("bad %s %q", xCasesEnv, os.Getenv(xCasesEnv))
+			}
+			tc := xCases[j]
 			for k, count := range xCountsOf(j) {
 				key := caseKey(alg, tc.name, count)
 				h, err := tc.run(ctx, c, count, k%2 == 1)
@@ -250,7 +272,7 @@ func xprocChild() int {
 }
 
 // xReopens is the number of communicators reopenChild opens and closes.
-const xReopens = 40
+const xReopens = 20
 
 // reopenChild is a rank of TestCommReopenCrossProcess: it builds and
 // closes xReopens communicators in turn on one node, each running a few
@@ -372,7 +394,7 @@ type rankResult struct {
 
 // xprocWorld runs a world of n child ranks (mode "xproc" or "reopen")
 // over transport and returns what each printed.
-func xprocWorld(t *testing.T, mode, transport string, n int) []rankResult {
+func xprocWorld(t *testing.T, mode, transport string, n int, env ...string) []rankResult {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -395,6 +417,7 @@ func xprocWorld(t *testing.T, mode, transport string, n int) []rankResult {
 		cmd.Env = childEnv(procChildEnv+"="+mode, "GOVERBS_SOFT_TRANSPORT="+transport,
 			"GOVERBS_RANK="+strconv.Itoa(r), "GOVERBS_WORLD_SIZE="+strconv.Itoa(n), "GOVERBS_ROOT="+root,
 			"GOVERBS_TOKEN=xproc-token", "GOVERBS_JOB="+t.Name(), xDirEnv+"="+dir)
+		cmd.Env = append(cmd.Env, env...)
 		if r == 0 {
 			cmd.ExtraFiles = []*os.File{f}
 		}
@@ -426,16 +449,23 @@ func xprocWorld(t *testing.T, mode, transport string, n int) []rankResult {
 
 // TestCollectivesCrossProcess: worlds of 2, 3, 4 and 8 processes over
 // every inter-process transport of soft0 run Allreduce with every
-// algorithm, on several element types and operations, for 0, 1, 13 and
-// 65537 elements (the last in many chunks), each result checked against
+// algorithm, on several element types and operations (three per world,
+// every one in three worlds), for 0, 1, 13 and 4099 elements (the last
+// in many chunks), each result checked against
 // a reference at every rank, and every rank's result hashed: all ranks
 // must get the same bits. Then a loop of barriers checked through a file
 // the ranks append to.
 func TestCollectivesCrossProcess(t *testing.T) {
-	for _, tr := range []string{"shm", "unix", "tcp"} {
-		for _, n := range []int{2, 3, 4, 8} {
-			t.Run(fmt.Sprintf("%s/%d", tr, n), func(t *testing.T) {
-				res := xprocWorld(t, "xproc", tr, n)
+	for i, tr := range []string{"shm", "unix", "tcp"} {
+		for j, n := range []int{2, 3, 4, 8} {
+			cases := xWorldCases(i+j, n)
+			var names, idx []string
+			for _, k := range cases {
+				names = append(names, xCases[k].name)
+				idx = append(idx, strconv.Itoa(k))
+			}
+			t.Run(fmt.Sprintf("%s/%d/%s", tr, n, strings.Join(names, ",")), func(t *testing.T) {
+				res := xprocWorld(t, "xproc", tr, n, xCasesEnv+"="+strings.Join(idx, ","))
 				for r, rr := range res {
 					if rr.err != nil || !rr.done {
 						t.Errorf("rank %d: exit %v, done %v:\n%s", r, rr.err, rr.done, rr.out)
@@ -445,8 +475,8 @@ func TestCollectivesCrossProcess(t *testing.T) {
 					return
 				}
 				want := 0
-				for j := range xCases {
-					want += len(xAlgorithms) * len(xCountsOf(j))
+				for _, k := range cases {
+					want += len(xAlgorithms) * len(xCountsOf(k))
 				}
 				var keys []string
 				for k := range res[0].results {
