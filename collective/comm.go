@@ -466,8 +466,14 @@ func releaseLate(node *cluster.Node) error {
 	return errors.Join(errs...)
 }
 
-// sayDone posts the write of this rank's done flag at every peer.
+// sayDone posts the write of this rank's done flag at every peer. A
+// probe still in flight (it reads tx too) is awaited with the done
+// writes.
 func (c *Comm) sayDone() {
+	if c.w.probing {
+		c.doneHs = append(c.doneHs, c.w.probe)
+		c.w.probing = false
+	}
 	if c.size == 1 {
 		return
 	}
