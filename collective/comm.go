@@ -33,6 +33,11 @@ var (
 	ErrArgs = errors.New("collective: invalid arguments")
 	// ErrClosed: the communicator was closed.
 	ErrClosed = errors.New("collective: communicator closed")
+	// ErrPeerAborted: a peer gave up the call (it detected a mismatch,
+	// its context ended, its communicator was closed or poisoned), so
+	// this rank's cannot complete. When the peer's reason was a
+	// mismatch, the error wraps ErrMismatch too.
+	ErrPeerAborted = errors.New("collective: a peer gave up the call")
 )
 
 // Error is the error of a failed collective: which call (its name, this
@@ -115,7 +120,7 @@ const (
 	windowBudget  = 8 << 20
 	minChunk      = 256
 	hdrBytes      = 64 // header of a slot: 40 bytes used, data 64-byte aligned
-	peerFlagBytes = 24 // data count, ack count, done flag (Close)
+	peerFlagBytes = 32 // data count, ack count, done flag (Close), abort word (abort)
 )
 
 // Comm is a communicator: an ordered group of ranks of a cluster.Node's
@@ -140,7 +145,7 @@ type Comm struct {
 	chunk, slots, slotBytes, ackEvery int
 	rx, tx                            *verbs.MemoryRegion
 	slotBase                          int // offset of the slots in rx
-	flagBase, ackBase, probeSrc       int // offsets in tx (the done flag's source follows the probe's)
+	flagBase, ackBase, probeSrc       int // offsets in tx (the done flag's and the abort word's sources follow the probe's)
 	remote                            []verbs.RemoteRegion
 	sendSeq, recvSeq, ackSent         []uint64
 	flagOwed, ackOwed                 []bool
@@ -152,6 +157,7 @@ type Comm struct {
 	sends, recvs                      []flow           // scratch of the algorithms
 	scratch                           []byte           // reduction scratch of the algorithms (Go memory)
 	doneHs                            []channel.Handle // Close's done writes
+	aborted                           bool             // this rank's abort word was written (abort)
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out
@@ -215,7 +221,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, erro
 	c.flagBase = p * c.slots * c.slotBytes
 	c.ackBase = c.flagBase + p*c.slots*8
 	c.probeSrc = c.ackBase + p*8
-	txLen := c.probeSrc + 16
+	txLen := c.probeSrc + 24
 	var err error
 	if c.rx, err = node.PD().Alloc(rxLen, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
 		return nil, fmt.Errorf("collective: receive windows (%d bytes): %w", rxLen, err)
@@ -555,6 +561,7 @@ func (c *Comm) await(ctx context.Context, t uint64) error {
 					c.err = fmt.Errorf("a call was abandoned before it started: %w", ctx.Err())
 				}
 				c.mu.Unlock()
+				c.abort(abortOther)
 				c.done(t)
 			}()
 			return ctx.Err()
