@@ -33,6 +33,11 @@ var (
 	ErrArgs = errors.New("collective: invalid arguments")
 	// ErrClosed: the communicator was closed.
 	ErrClosed = errors.New("collective: communicator closed")
+	// ErrPeerAborted: a peer gave up the call (it detected a mismatch,
+	// its context ended, its communicator was closed or poisoned), so
+	// this rank's cannot complete. When the peer's reason was a
+	// mismatch, the error wraps ErrMismatch too.
+	ErrPeerAborted = errors.New("collective: a peer gave up the call")
 )
 
 // Error is the error of a failed collective: which call (its name, this
@@ -71,9 +76,6 @@ type Options struct {
 	// completed within Timeout fails (and poisons the communicator).
 	// Zero: only the context bounds it.
 	Timeout time.Duration
-	// CloseGrace bounds how long Close waits for the peers to close their
-	// side (see Close). Default 10 s; negative: do not wait.
-	CloseGrace time.Duration
 	// Algorithm forces the algorithm of Allreduce (and of the reductions
 	// built on it); AlgAuto (the default) chooses by message size and
 	// communicator size.
@@ -113,13 +115,12 @@ func (a Algorithm) String() string {
 }
 
 const (
-	defaultChunk      = 64 << 10
-	defaultSlots      = 4
-	windowBudget      = 8 << 20
-	minChunk          = 256
-	defaultCloseGrace = 10 * time.Second
-	hdrBytes          = 64 // header of a slot: 40 bytes used, data 64-byte aligned
-	peerFlagBytes     = 24 // data count, ack count, fin
+	defaultChunk  = 64 << 10
+	defaultSlots  = 4
+	windowBudget  = 8 << 20
+	minChunk      = 256
+	hdrBytes      = 64 // header of a slot: 40 bytes used, data 64-byte aligned
+	peerFlagBytes = 32 // data count, ack count, done flag (Close), abort word (abort)
 )
 
 // Comm is a communicator: an ordered group of ranks of a cluster.Node's
@@ -144,7 +145,7 @@ type Comm struct {
 	chunk, slots, slotBytes, ackEvery int
 	rx, tx                            *verbs.MemoryRegion
 	slotBase                          int // offset of the slots in rx
-	flagBase, ackBase, probeSrc       int // offsets in tx
+	flagBase, ackBase, probeSrc       int // offsets in tx (the done flag's and the abort word's sources follow the probe's)
 	remote                            []verbs.RemoteRegion
 	sendSeq, recvSeq, ackSent         []uint64
 	flagOwed, ackOwed                 []bool
@@ -154,8 +155,10 @@ type Comm struct {
 	callSeq                           uint32
 	deadline                          time.Time
 	w                                 waiter
-	sends, recvs                      []flow // scratch of the algorithms
-	scratch                           []byte // reduction scratch of the algorithms (Go memory)
+	sends, recvs                      []flow           // scratch of the algorithms
+	scratch                           []byte           // reduction scratch of the algorithms (Go memory)
+	doneHs                            []channel.Handle // Close's done writes
+	aborted                           bool             // this rank's abort word was written (abort)
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out
@@ -189,6 +192,7 @@ func New(ctx context.Context, node *cluster.Node, opts Options) (*Comm, error) {
 // newComm allocates the communicator of ranks (world ranks) at position
 // me, without the peers' windows.
 func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, error) {
+	sweepLate(node)
 	if opts.Slots == 0 {
 		opts.Slots = defaultSlots
 	}
@@ -217,8 +221,8 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, erro
 	rxLen := c.slotBase + p*c.slots*c.slotBytes
 	c.flagBase = p * c.slots * c.slotBytes
 	c.ackBase = c.flagBase + p*c.slots*8
-	c.probeSrc = c.ackBase + p*8 // then the fin's source
-	txLen := c.probeSrc + 16
+	c.probeSrc = c.ackBase + p*8
+	txLen := c.probeSrc + 24
 	var err error
 	if c.rx, err = node.PD().Alloc(rxLen, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
 		return nil, fmt.Errorf("collective: receive windows (%d bytes): %w", rxLen, err)
@@ -385,21 +389,19 @@ func (c *Comm) Err() error {
 	return c.err
 }
 
-// Close closes the communicator: a call in progress fails with
-// ErrClosed, and so does every later call; then it releases the windows.
-// It does not close the node.
+// Close releases the communicator. A call in progress fails with
+// ErrClosed, and so does every later call. It does not close the node.
+// Idempotent; it does not wait for the peers.
 //
-// Close is collective, like MPI_Comm_free: every rank of the
-// communicator closes it. A rank's last writes into a peer's window (the
-// acknowledgements of what it received) may still be on the way when the
-// peer's call returns, and a write into a window already released would
-// break the node's queue pair to that rank. So Close writes a final word
-// into every peer's window, after everything else it wrote there, and
-// releases its windows once every peer's final word has arrived (queue
-// pairs deliver in order: nothing from that peer follows), waiting at
-// most Options.CloseGrace for peers that do not close; a peer that
-// failed is not waited for. A collective that needs a peer that has
-// closed fails with ErrClosed. Idempotent.
+// The peers may still write into this rank's windows after their last
+// call ended here (the acknowledgement of the last chunks they received,
+// a probe), and such a write, reaching a released window, would fail
+// their queue pair, and the world with it. So Close writes a done flag
+// at every peer (after its own last writes: RC places them in order) and
+// releases the windows once every peer's done flag is here (every peer
+// closed its side too), or a rank of the world failed; until then they
+// stay registered, and are released by a later New or Close on the same
+// node that finds them quiet, or when the node closes.
 func (c *Comm) Close() error {
 	c.mu.Lock()
 	if c.closed {
@@ -416,65 +418,124 @@ func (c *Comm) Close() error {
 		return err
 	}
 	defer c.done(t)
-	c.farewell()
-	if c.w.probing {
-		c.w.probe.Release()
-		c.w.probing = false
+	// Counters left owed by a full send queue go before the done flag.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	c.flushOwed(ctx)
+	cancel()
+	c.sayDone()
+	defer sweepLate(c.node)
+	if c.quiet() {
+		return c.release()
 	}
-	return c.release()
+	lateMu.Lock()
+	defer lateMu.Unlock()
+	if _, ok := late[c.node]; !ok {
+		node := c.node
+		node.OnClose(func() error { return releaseLate(node) })
+	}
+	late[c.node] = append(late[c.node], c)
+	return nil
 }
 
-// farewell writes the fin word to every peer, after the counters still
-// owed, and waits (at most CloseGrace) for theirs.
-func (c *Comm) farewell() {
-	grace := c.opts.CloseGrace
-	if grace == 0 {
-		grace = defaultCloseGrace
-	}
-	if grace < 0 || c.size == 1 || c.remote[(c.rank+1)%c.size].RKey == 0 && c.remote[(c.rank+1)%c.size].Addr == 0 {
-		return // no peers, or never connected
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), grace)
-	defer cancel()
-	if err := c.flushOwed(ctx); err != nil {
+// late holds, per node, the closed communicators whose windows wait for
+// their peers' done flags (see Close).
+var (
+	lateMu sync.Mutex
+	late   = map[*cluster.Node][]*Comm{}
+)
+
+// sweepLate releases the windows of node's closed communicators that
+// became quiet.
+func sweepLate(node *cluster.Node) {
+	lateMu.Lock()
+	defer lateMu.Unlock()
+	cs, ok := late[node]
+	if !ok {
 		return
 	}
-	*word(c.tx, c.probeSrc+8) = 1
-	src, err := c.tx.SGE(c.probeSrc+8, 8)
+	keep := cs[:0]
+	for _, c := range cs {
+		if c.quiet() {
+			c.release()
+		} else {
+			keep = append(keep, c)
+		}
+	}
+	clear(cs[len(keep):])
+	late[node] = keep
+}
+
+// releaseLate releases the windows of node's closed communicators when
+// the node closes (after its queue pairs: nothing can reach them).
+func releaseLate(node *cluster.Node) error {
+	lateMu.Lock()
+	cs := late[node]
+	delete(late, node)
+	lateMu.Unlock()
+	var errs []error
+	for _, c := range cs {
+		errs = append(errs, c.release())
+	}
+	return errors.Join(errs...)
+}
+
+// sayDone posts the write of this rank's done flag at every peer. A
+// probe still in flight (it reads tx too) is awaited with the done
+// writes.
+func (c *Comm) sayDone() {
+	if c.w.probing {
+		c.doneHs = append(c.doneHs, c.w.probe)
+		c.w.probing = false
+	}
+	if c.size == 1 {
+		return
+	}
+	src := c.probeSrc + 8
+	*word(c.tx, src) = 1
+	sge, err := c.tx.SGE(src, 8)
 	if err != nil {
 		return
 	}
 	for p := range c.size {
-		if p == c.rank {
+		if p == c.rank || c.remote[p].Len == 0 {
 			continue
 		}
-		for {
-			h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+16)), src)
+		for tries := 0; ; tries++ {
+			h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes+16)), sge)
 			if err == nil {
-				h.Release()
-				break
+				c.doneHs = append(c.doneHs, h)
 			}
-			if !errors.Is(err, verbs.ErrQueueFull) || ctx.Err() != nil {
+			if !errors.Is(err, verbs.ErrQueueFull) || tries == 1000 {
 				break
 			}
 			c.mc.Progress()
+			runtime.Gosched()
 		}
+	}
+}
+
+// quiet reports whether the windows of a closed communicator may be
+// released: its done writes completed (they read tx), and every peer
+// wrote its done flag, or failed, or a rank of the world failed.
+func (c *Comm) quiet() bool {
+	c.mc.Progress()
+	for _, h := range c.doneHs {
+		if done, err := h.Poll(); !done && err == nil {
+			return false
+		}
+	}
+	if c.node.Err() != nil {
+		return true
 	}
 	for p := range c.size {
-		for i := 0; p != c.rank && !c.finished(p); i++ {
-			if ctx.Err() != nil || c.mc.Peer(c.ranks[p]).Err() != nil {
-				break
-			}
-			if err := c.mc.Progress(); err != nil {
-				return
-			}
-			if i < waitEager {
-				runtime.Gosched()
-				continue
-			}
-			time.Sleep(waitMaxSleep)
+		if p == c.rank || c.remote[p].Len == 0 || c.mc.Peer(c.ranks[p]).Err() != nil {
+			continue
+		}
+		if atomic.LoadUint64(word(c.rx, p*peerFlagBytes+16)) == 0 {
+			return false
 		}
 	}
+	return true
 }
 
 // finished reports whether peer p has closed the communicator.
@@ -483,6 +544,10 @@ func (c *Comm) finished(p int) bool {
 }
 
 func (c *Comm) release() error {
+	for _, h := range c.doneHs {
+		h.Release()
+	}
+	c.doneHs = nil
 	return errors.Join(c.rx.Close(), c.tx.Close())
 }
 
@@ -508,6 +573,7 @@ func (c *Comm) await(ctx context.Context, t uint64) error {
 					c.err = fmt.Errorf("a call was abandoned before it started: %w", ctx.Err())
 				}
 				c.mu.Unlock()
+				c.abort(abortOther)
 				c.done(t)
 			}()
 			return ctx.Err()

@@ -18,14 +18,16 @@ import (
 
 // Transport. Every rank registers a receive window region (rx):
 //
-//	per peer j (24 bytes): data count (chunks j has written into my
-//	slots for it), ack count (chunks of mine j has consumed), fin (j
-//	closed the communicator, see Close)
+//	per peer j (32 bytes): data count (chunks j has written into my
+//	slots for it), ack count (chunks of mine j has consumed), done
+//	flag (j closed the communicator: see Close), abort word (j gave up
+//	a call: see abort)
 //	the probe word
 //	per peer j: Slots slots of hdrBytes + ChunkSize bytes
 //
 // and a send staging region (tx): per peer Slots staging slots, Slots
-// flag source words and an ack source word, and the probe's source.
+// flag source words and an ack source word, the probe's source, the done
+// flag's and the abort word's.
 //
 // To send chunk s of a message to peer j, a rank waits for a credit (j
 // has acknowledged chunk s−Slots), copies the header and the data into
@@ -221,9 +223,77 @@ func (c *Comm) end(t uint64, err error) error {
 			c.err = err
 		}
 		c.mu.Unlock()
+		reason := uint64(abortOther)
+		if errors.Is(err, ErrMismatch) {
+			reason = abortMismatch
+		}
+		var re *cluster.RankError
+		if !errors.As(err, &re) { // a rank failure reaches every rank already
+			c.abort(reason)
+		}
 	}
 	c.done(t)
 	return err
+}
+
+// Reasons of an abort.
+const (
+	abortMismatch = 1
+	abortOther    = 2
+)
+
+// abort tells every peer that this rank gave up its current call (and
+// the communicator, now poisoned): it writes the call's sequence number
+// and the reason into its abort word at every peer, where a peer waiting
+// for this rank, which would otherwise wait forever, finds it (checks).
+// Once per communicator; best effort (a peer that failed is skipped).
+// The caller holds the turn.
+func (c *Comm) abort(reason uint64) {
+	if c.aborted || c.size == 1 {
+		return
+	}
+	c.aborted = true
+	src := c.probeSrc + 16
+	*word(c.tx, src) = uint64(c.callSeq)<<8 | reason
+	sge, err := c.tx.SGE(src, 8)
+	if err != nil {
+		return
+	}
+	for p := range c.size {
+		if p == c.rank || c.remote[p].Len == 0 || c.mc.Peer(c.ranks[p]).Err() != nil {
+			continue
+		}
+		for tries := 0; ; tries++ {
+			h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes+24)), sge)
+			if err == nil {
+				h.Release()
+			}
+			if !errors.Is(err, verbs.ErrQueueFull) || tries == 1000 {
+				break
+			}
+			c.mc.Progress()
+			runtime.Gosched()
+		}
+	}
+}
+
+// peerAborted returns the error of the first peer whose abort word is
+// set, or nil.
+func (c *Comm) peerAborted() error {
+	for p := range c.size {
+		if p == c.rank {
+			continue
+		}
+		v := atomic.LoadUint64(word(c.rx, p*peerFlagBytes+24))
+		if v == 0 {
+			continue
+		}
+		if v&0xff == abortMismatch {
+			return c.fail(fmt.Errorf("%w: %w: rank %d detected it in its call %d", ErrPeerAborted, ErrMismatch, p, v>>8), p)
+		}
+		return c.fail(fmt.Errorf("%w: rank %d gave up its call %d", ErrPeerAborted, p, v>>8), p)
+	}
+	return nil
 }
 
 // fail wraps err as the *Error of the current call.
@@ -620,6 +690,9 @@ func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 	}
 	if err := c.node.Err(); err != nil {
 		return c.fail(err, -1)
+	}
+	if err := c.peerAborted(); err != nil {
+		return err
 	}
 	for _, fs := range [2][]flow{sends, recvs} {
 		for i := range fs {

@@ -8,7 +8,8 @@
 #   gcc, libc6-dev  cgo, which `go test -race` needs on linux
 #   libibverbs-dev  optional: headers for `go vet -tags ibverbs` (internal/ibv)
 #   librdmacm-dev   optional: headers for the RDMA CM part of internal/ibv
-#   openmpi-bin, mpich  optional: real launchers for the examples/network tests
+#   openmpi-bin, mpich  optional: real launchers for the examples/network and
+#                   examples/allreduce tests
 #   iproute2        optional: ip(8), for the two-host test of soft0 over TCP
 #                   (network namespaces, verbstest TestCrossProcessHosts)
 set -euo pipefail

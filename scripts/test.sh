@@ -77,7 +77,9 @@ tier_unit() {
 # cases and fault tests of soft0 (verbstest: the test binary re-executes
 # itself as the peer process) over TCP, unix sockets and shared memory, the
 # session package's (async-rdma's scenarios, faults and reconnects between
-# processes, over every transport), then,
+# processes, over every transport), the collective package's (worlds of
+# 2 to 8 rank processes over every transport running the collectives,
+# ranks killed and stopped mid-allreduce), then,
 # per inter-process transport of soft0 (GOVERBS_SOFT_TRANSPORT), the whole
 # conformance suite twice: with both QPs in one process and every connection
 # forced through the transport (TestConformanceSoft), and with side B of
@@ -87,6 +89,7 @@ tier_multiprocess() {
 	local rc=0
 	run_go_tests multiprocess -run "CrossProcess" ./verbstest/ || rc=1
 	run_go_tests multiprocess-session -run "CrossProcess" ./session/ || rc=1
+	run_go_tests multiprocess-collective -run "CrossProcess" ./collective/ || rc=1
 	for tr in tcp unix shm; do
 		GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr" \
 			-run "^TestConformanceSoft(CrossProcess)?\$" . || rc=1
