@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -47,6 +48,7 @@ type collConfig struct {
 	chunk, slots int
 	json         bool
 	timeout      time.Duration
+	cpuProfile   string // each rank writes its CPU profile to cpuProfile.rankN
 }
 
 // Environment of the ranks a spawning goverbs coll starts.
@@ -63,9 +65,9 @@ const (
 	collMinDefault   = 8
 	collMaxDefault   = 64 << 20
 	collMaxSize      = 1 << 30
-	p2pLatSize       = 8
-	p2pBatchBytes    = 8 << 20 // bytes written per bandwidth iteration
-	p2pDepth         = 16      // writes in flight in the bandwidth test
+	p2pBatchBytes    = 8 << 20  // bytes written per bandwidth iteration
+	p2pDepth         = 16       // writes in flight in the bandwidth test, at most
+	p2pInFlight      = 32 << 20 // bytes in flight in the bandwidth test, at most (2 writes at least)
 	collMaxRanks     = 256
 	defaultCollIters = 20
 )
@@ -97,6 +99,7 @@ func runColl(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.slots, "slots", 0, "collective.Options.Slots (0: the default)")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON object instead of the table")
 	fs.DurationVar(&cfg.timeout, "timeout", 10*time.Minute, "bound of the whole run (a hang guard)")
+	fs.StringVar(&cfg.cpuProfile, "cpuprofile", "", "write each rank's CPU profile of the collectives to `prefix`.rankN")
 	pos, st := parseFlags(fs, args)
 	if st >= 0 {
 		return st
@@ -537,6 +540,17 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 	defer comm.Close()
 	bufs := newCollBufs(comm, cfg.dtype, max(1, cfg.sizes[len(cfg.sizes)-1]/elemBytes(cfg.dtype)), cfg.inPlace)
 	samples, peak := make([]float64, cfg.iters), make([]float64, cfg.iters)
+	if cfg.cpuProfile != "" {
+		f, err := os.Create(fmt.Sprintf("%s.rank%d", cfg.cpuProfile, node.Rank()))
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	for _, name := range cfg.ops {
 		b := collByName(name)
 		sizes := cfg.sizes
@@ -567,7 +581,7 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 			}
 			slices.Sort(peak)
 			row := collRow{Collective: name, Size: bytes, Count: count, Type: cfg.dtype, Algorithm: b.alg(cfg, cfg.p, bytes, bufs.esz),
-				TimeUS: median(peak) * 1e6}
+				TimeUS: median(peak) * 1e6, MinUS: peak[0] * 1e6, MaxUS: peak[len(peak)-1] * 1e6}
 			if b.busFactor == nil {
 				row.Type, row.Count, row.Op = "", 0, ""
 			} else {
@@ -607,20 +621,21 @@ func median(sorted []float64) float64 {
 }
 
 // p2pSizes are the sizes of the bandwidth test: p2pBWSizes up to the
-// largest collective size (at least that size).
+// largest collective size (the smallest of them at least).
 func p2pSizes(cfg collConfig) []int {
 	hi := cfg.sizes[len(cfg.sizes)-1]
-	var s []int
-	for _, n := range p2pBWSizes {
+	s := p2pBWSizes[:1]
+	for _, n := range p2pBWSizes[1:] {
 		if n <= hi {
 			s = append(s, n)
 		}
 	}
-	if len(s) == 0 {
-		s = []int{max(hi, p2pLatSize)}
-	}
 	return s
 }
+
+// p2pBWIters is the number of measured iterations of each size of the
+// bandwidth test (each writes p2pBatchBytes).
+func p2pBWIters(cfg collConfig) int { return min(cfg.iters, 10) }
 
 // --- point-to-point baselines ---
 
@@ -747,7 +762,7 @@ func (pp *p2p) measure(ctx context.Context, cfg collConfig) (*P2PResult, error) 
 	for _, size := range p2pSizes(cfg) {
 		k := max(1, p2pBatchBytes/size)
 		var gbps []float64
-		for i := -1; i < cfg.iters; i++ { // one warm-up iteration
+		for i := -1; i < p2pBWIters(cfg); i++ { // one warm-up iteration
 			seq++
 			if !pp.first {
 				if err := pp.await(ctx, p2pPing, seq); err != nil {
@@ -783,7 +798,8 @@ func (pp *p2p) measure(ctx context.Context, cfg collConfig) (*P2PResult, error) 
 }
 
 // burst writes k messages of size bytes to the peer's data area, at most
-// p2pDepth in flight, and waits for their completions.
+// p2pDepth (and p2pInFlight bytes) in flight, and waits for their
+// completions.
 func (pp *p2p) burst(ctx context.Context, size, k int) error {
 	var ring [p2pDepth]channel.Handle
 	defer func() {
@@ -791,9 +807,10 @@ func (pp *p2p) burst(ctx context.Context, size, k int) error {
 			h.Release()
 		}
 	}()
-	for i := range k + p2pDepth {
-		slot := &ring[i%p2pDepth]
-		if i >= p2pDepth {
+	depth := max(2, min(p2pDepth, p2pInFlight/size))
+	for i := range k + depth {
+		slot := &ring[i%depth]
+		if i >= depth {
 			if err := slot.Wait(ctx); err != nil {
 				return err
 			}
@@ -839,6 +856,8 @@ type collRow struct {
 	Op         string  `json:"op,omitempty"`
 	Algorithm  string  `json:"algorithm"`
 	TimeUS     float64 `json:"time_us"`
+	MinUS      float64 `json:"min_us"` // the fastest iteration (of the slowest rank)
+	MaxUS      float64 `json:"max_us"` // the slowest
 	AlgBW      float64 `json:"algbw_gbps"`
 	BusBW      float64 `json:"busbw_gbps"`
 }
