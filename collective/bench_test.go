@@ -293,12 +293,12 @@ func (pp *benchP2P) pingPong(ctx context.Context, n int) error {
 	return <-echo
 }
 
-// stream writes n messages of size bytes from node 0 to node 1, 16 in
-// flight, and waits for the last completion and for node 1 to see the
+// stream writes n messages of size bytes from node 0 to node 1, 16 (and
+// 32 MiB) in flight at most, and waits for the last completion and for node 1 to see the
 // flag written after them (node 1 polls meanwhile, as a rank waiting in
 // a collective does).
 func (pp *benchP2P) stream(ctx context.Context, size, n int) error {
-	const depth = 16
+	depth := max(2, min(16, (32<<20)/size)) // at most 32 MiB in flight
 	pp.seq++
 	v := pp.seq
 	seen := make(chan error, 1)
