@@ -321,6 +321,13 @@ func word(m *verbs.MemoryRegion, off int) *uint64 {
 func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 	c.w.reset()
 	for {
+		// Flags and acks a full send queue left owed go out first, also
+		// those of finished messages: a peer may wait for the last
+		// flag of a send that is done, or for an ack to send again,
+		// while this rank waits for the peer.
+		if err := c.postOwed(sends, recvs); err != nil {
+			return err
+		}
 		moved, pending := false, false
 		for i := range sends {
 			f := &sends[i]
@@ -357,6 +364,27 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 			return err
 		}
 	}
+}
+
+// postOwed retries the flag and ack writes owed to the peers of the
+// flows (without waiting: they stay owed while the send queue is full).
+func (c *Comm) postOwed(sends, recvs []flow) error {
+	for _, fs := range [2][]flow{sends, recvs} {
+		for i := range fs {
+			p := fs[i].peer
+			if c.flagOwed[p] {
+				if err := c.postFlag(p); err != nil {
+					return c.fail(err, p)
+				}
+			}
+			if c.ackOwed[p] {
+				if err := c.postAck(p); err != nil {
+					return c.fail(err, p)
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // trySend posts the next chunk of f if the peer has a slot free.

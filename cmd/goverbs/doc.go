@@ -8,6 +8,7 @@
 //	goverbs devices
 //	goverbs devinfo [-d dev] [-v] [--json]
 //	goverbs bench write|read|send [flags] [--server | HOST]
+//	goverbs coll [-p ranks] [-min size] [-max size] [-ops allreduce,barrier] [-alg A] [-json]
 //	goverbs help [command]
 //
 // # devices
@@ -32,6 +33,23 @@
 //	         (index, GID, type, network device)
 //	--json   print one JSON object {"devices": [...]} with snake_case field
 //	         names; it always holds the verbose fields
+//
+// # coll
+//
+// Measures the collectives of package collective across -p ranks, OS
+// processes of this program it starts on this host (or, under a launcher
+// such as mpirun or torchrun, the ranks the launcher started, see
+// cluster.FromEnv), on soft0 (transport -transport, default shm) or the
+// device -d. It prints an nccl-tests style table: per collective and size
+// (-min to -max, by -step 2 or 4) the element count, the algorithm, the
+// median over -iters iterations of the slowest rank's time, and NCCL's
+// algorithm and bus bandwidth (allreduce busbw = algbw x 2(p-1)/p). In the
+// same run ranks 0 and 1 measure the point-to-point baseline of the same
+// transport (one-way latency of an 8-byte RDMA write, half a ping-pong;
+// write bandwidth of 64 KiB to 16 MiB messages), and the table ends with
+// issue 15's goals as ratios: allreduce busbw at >= 16 MiB over the peak
+// point-to-point bandwidth, and 8-byte allreduce and barrier latency over
+// ceil(log2 p) one-way latencies. -json prints one JSON object instead.
 //
 // # bench
 //

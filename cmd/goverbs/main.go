@@ -31,6 +31,7 @@ func commands() []command {
 		{"devices", "list RDMA devices and compiled-in providers", runDevices},
 		{"devinfo", "show device and port attributes (like ibv_devinfo)", runDevinfo},
 		{"bench", "bandwidth or latency of write, read or send, loopback or server/client (like perftest)", runBench},
+		{"coll", "latency and bandwidth of collectives across local ranks, against point-to-point writes (like nccl-tests)", runColl},
 	}
 }
 

@@ -1,0 +1,221 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// TestMain makes the test binary a rank of goverbs coll when goverbs coll
+// (run by a test) starts it as one: the ranks are this binary, with the
+// command line "coll ...".
+func TestMain(m *testing.M) {
+	if os.Getenv(envCollChild) != "" {
+		os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+	}
+	os.Exit(m.Run())
+}
+
+// collSizes are the sizes of "-min 8 -max 64KiB" by powers of two.
+func collSizes() []int {
+	var s []int
+	for n := 8; n <= 64<<10; n *= 2 {
+		s = append(s, n)
+	}
+	return s
+}
+
+// TestColl runs goverbs coll with two ranks (OS processes) on soft0
+// shared memory and checks the shape of its output and that every
+// measured value is positive.
+func TestColl(t *testing.T) {
+	t.Setenv("GOVERBS_SOFT_TRANSPORT", "shm")
+	base := []string{"coll", "-p", "2", "-max", "64KiB", "-iters", "3", "-warmup", "1", "-lat-iters", "50", "-timeout", "2m"}
+	for _, tc := range []struct {
+		name  string
+		args  []string
+		check func(t *testing.T, out string)
+	}{
+		{"table", nil, checkCollTable},
+		{"json", []string{"-json"}, checkCollJSON},
+		{"ring int64 in place", []string{"-alg", "ring", "-type", "int64", "-inplace", "-ops", "allreduce", "-json"}, func(t *testing.T, out string) {
+			res := decodeColl(t, out)
+			if len(res.Rows) != len(collSizes()) {
+				t.Fatalf("%d rows, want %d (allreduce only)", len(res.Rows), len(collSizes()))
+			}
+			for _, r := range res.Rows {
+				// Below one int64 per rank the library falls back to
+				// recursive doubling.
+				want := "ring"
+				if r.Count < 2 {
+					want = "recursive doubling"
+				}
+				if r.Algorithm != want || r.Type != "int64" {
+					t.Errorf("row %+v: want algorithm %q, type int64", r, want)
+				}
+			}
+			if !res.InPlace {
+				t.Errorf("in_place is false")
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out := mustRun(t, append(append([]string{}, base...), tc.args...)...)
+			tc.check(t, out)
+		})
+	}
+}
+
+func checkCollTable(t *testing.T, out string) {
+	var rows [][]string
+	header, p2p, bw, goals := false, false, false, 0
+	for _, l := range strings.Split(strings.TrimRight(out, "\n"), "\n") {
+		switch {
+		case strings.HasPrefix(l, "# ") && strings.Contains(l, "size(B)"):
+			want := "size(B) count type redop collective algorithm time(us) algbw(GB/s) busbw(GB/s)"
+			if got := strings.Join(strings.Fields(l[1:]), " "); got != want {
+				t.Errorf("header %q, want %q", got, want)
+			}
+			header = true
+		case strings.Contains(l, "one-way latency"):
+			f := strings.Fields(l)
+			if v, err := strconv.ParseFloat(f[len(f)-2], 64); err != nil || v <= 0 {
+				t.Errorf("latency line %q: want a positive number of us", l)
+			}
+			p2p = true
+		case strings.Contains(l, "write bandwidth (GB/s): 64 KiB "):
+			f := strings.Fields(l)
+			if v, err := strconv.ParseFloat(f[len(f)-1], 64); err != nil || v <= 0 {
+				t.Errorf("bandwidth line %q: want a positive peak", l)
+			}
+			bw = true
+		case strings.Contains(l, "/ (ceil(log2 p) x one-way)"):
+			goals++
+		case !strings.HasPrefix(l, "#"):
+			rows = append(rows, strings.Fields(l))
+		}
+	}
+	if !header || !p2p || !bw {
+		t.Errorf("header %v, latency %v, bandwidth %v line; output:\n%s", header, p2p, bw, out)
+	}
+	if goals != 2 {
+		t.Errorf("%d latency goal lines, want 2 (allreduce, barrier):\n%s", goals, out)
+	}
+	sizes := collSizes()
+	if len(rows) != len(sizes)+1 {
+		t.Fatalf("%d rows, want %d allreduce sizes and the barrier:\n%s", len(rows), len(sizes), out)
+	}
+	for i, f := range rows {
+		last := i == len(rows)-1
+		if last {
+			// 0 0 - - barrier dissemination time - -
+			if len(f) != 9 || f[4] != "barrier" || f[7] != "-" || f[8] != "-" {
+				t.Errorf("barrier row %q", f)
+				continue
+			}
+			positive(t, f, 6)
+			continue
+		}
+		// size count float32 sum allreduce <algorithm: 1 or 2 words> time algbw busbw
+		if len(f) < 9 || f[2] != "float32" || f[3] != "sum" || f[4] != "allreduce" {
+			t.Errorf("allreduce row %q", f)
+			continue
+		}
+		if f[0] != strconv.Itoa(sizes[i]) || f[1] != strconv.Itoa(sizes[i]/4) {
+			t.Errorf("row %d: size %s count %s, want %d and %d", i, f[0], f[1], sizes[i], sizes[i]/4)
+		}
+		n := len(f)
+		positive(t, f, n-3, n-2, n-1)
+		algbw, _ := strconv.ParseFloat(f[n-2], 64)
+		busbw, _ := strconv.ParseFloat(f[n-1], 64)
+		if d := busbw - algbw; d > 0.0011 || d < -0.0011 { // p = 2: factor 2(p−1)/p = 1
+			t.Errorf("row %q: busbw %v != algbw %v at p = 2", f, busbw, algbw)
+		}
+	}
+}
+
+// positive checks that the fields at idx are positive numbers (printed
+// with 3 decimals, a tiny bandwidth may print as 0.000: accepted as
+// non-negative).
+func positive(t *testing.T, f []string, idx ...int) {
+	t.Helper()
+	for _, i := range idx {
+		v, err := strconv.ParseFloat(f[i], 64)
+		if err != nil || v < 0 || v == 0 && !strings.HasPrefix(f[i], "0.0") {
+			t.Errorf("row %q: field %d (%q) is not a positive number", f, i, f[i])
+		}
+	}
+}
+
+func decodeColl(t *testing.T, out string) collResult {
+	t.Helper()
+	var res collResult
+	if err := json.Unmarshal([]byte(out), &res); err != nil {
+		t.Fatalf("output is not one JSON object: %v\n%s", err, out)
+	}
+	return res
+}
+
+func checkCollJSON(t *testing.T, out string) {
+	res := decodeColl(t, out)
+	if res.Ranks != 2 || res.Device != "soft0" || res.Transport != "shm" || res.Type != "float32" || res.Iters != 3 {
+		t.Errorf("run description %+v", res)
+	}
+	if res.P2P == nil || res.P2P.OneWayUS <= 0 || len(res.P2P.BW) != 1 || res.P2P.BW[0].Size != 64<<10 ||
+		res.P2P.BW[0].GBps <= 0 || res.P2P.PeakGBps != res.P2P.BW[0].GBps {
+		t.Errorf("p2p %+v", res.P2P)
+	}
+	sizes := collSizes()
+	if len(res.Rows) != len(sizes)+1 {
+		t.Fatalf("%d rows, want %d", len(res.Rows), len(sizes)+1)
+	}
+	for i, r := range res.Rows {
+		if i == len(sizes) {
+			if r.Collective != "barrier" || r.TimeUS <= 0 || r.AlgBW != 0 {
+				t.Errorf("barrier row %+v", r)
+			}
+			continue
+		}
+		if r.Collective != "allreduce" || r.Size != sizes[i] || r.Count != sizes[i]/4 || r.TimeUS <= 0 || r.AlgBW <= 0 ||
+			r.BusBW != r.AlgBW || r.Algorithm == "" {
+			t.Errorf("row %d: %+v", i, r)
+		}
+	}
+	if len(res.Goals) != 2 {
+		t.Errorf("goals %+v, want the allreduce and barrier latency goals", res.Goals)
+	}
+	for _, g := range res.Goals {
+		if g.Value <= 0 || !g.AtMost || !g.Applies || g.Goal != goalLatency {
+			t.Errorf("goal %+v", g)
+		}
+	}
+}
+
+// TestCollUsage: bad command lines exit with status 2 and say why,
+// before starting anything.
+func TestCollUsage(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-p", "1"}, "-p must be between 2"},
+		{[]string{"-step", "3"}, "-step must be 2 or 4"},
+		{[]string{"-min", "1M", "-max", "1K"}, "is below -min"},
+		{[]string{"-max", "2G"}, "exceeds"},
+		{[]string{"-ops", "allreduce,nope"}, `unknown collective "nope"`},
+		{[]string{"-alg", "tree"}, `unknown algorithm "tree"`},
+		{[]string{"-type", "uint8"}, `-type "uint8"`},
+		{[]string{"-iters", "0"}, "-iters must be at least 1"},
+		{[]string{"-launch", "mpi"}, `-launch "mpi"`},
+		{[]string{"extra"}, `unexpected argument "extra"`},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			st, _, errs := runCmd(t, append([]string{"coll"}, tc.args...)...)
+			if st != exitUsage || !strings.Contains(errs, tc.want) {
+				t.Errorf("status %d, stderr %q; want %d and %q", st, errs, exitUsage, tc.want)
+			}
+		})
+	}
+}
