@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/cluster"
 	"github.com/goverbs/verbs/collective"
 	"github.com/goverbs/verbs/verbstest"
@@ -65,43 +64,4 @@ func TestAllreduceSendQueueFull(t *testing.T) {
 			})
 		}
 	}
-}
-
-// nodesWith is nodes with options.
-func nodesWith(t testing.TB, n int, opts cluster.NodeOptions) []*cluster.Node {
-	t.Helper()
-	ns := make([]*cluster.Node, n)
-	for i := range n {
-		dev, err := verbs.Open(verbs.SoftDevice)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { dev.Close() })
-		pd, err := dev.AllocPD()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { pd.Close() })
-		if ns[i], err = cluster.NewNode(pd, i, n, opts); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { ns[i].Close() })
-	}
-	out := make([][][]byte, n)
-	for i, nd := range ns {
-		var err error
-		if out[i], err = nd.LocalEndpoints(nil); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for i, nd := range ns {
-		in := make([][]byte, n)
-		for j := range n {
-			in[j] = out[j][i]
-		}
-		if err := nd.Connect(in); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return ns
 }

@@ -325,7 +325,7 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 		// those of finished messages: a peer may wait for the last
 		// flag of a send that is done, or for an ack to send again,
 		// while this rank waits for the peer.
-		if err := c.postOwed(sends, recvs); err != nil {
+		if _, err := c.retryOwed(); err != nil {
 			return err
 		}
 		moved, pending := false, false
@@ -366,27 +366,6 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 	}
 }
 
-// postOwed retries the flag and ack writes owed to the peers of the
-// flows (without waiting: they stay owed while the send queue is full).
-func (c *Comm) postOwed(sends, recvs []flow) error {
-	for _, fs := range [2][]flow{sends, recvs} {
-		for i := range fs {
-			p := fs[i].peer
-			if c.flagOwed[p] {
-				if err := c.postFlag(p); err != nil {
-					return c.fail(err, p)
-				}
-			}
-			if c.ackOwed[p] {
-				if err := c.postAck(p); err != nil {
-					return c.fail(err, p)
-				}
-			}
-		}
-	}
-	return nil
-}
-
 // trySend posts the next chunk of f if the peer has a slot free.
 func (c *Comm) trySend(f *flow) (bool, error) {
 	p := f.peer
@@ -399,7 +378,7 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 		}
 	}
 	if c.finished(p) {
-		return false, fmt.Errorf("%w: rank %d closed it", ErrClosed, p)
+		return false, c.peerClosed(p)
 	}
 	seq := c.sendSeq[p]
 	acked := atomic.LoadUint64(word(c.rx, p*peerFlagBytes+8))
@@ -735,7 +714,7 @@ func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 			// its done flag is here (queue pairs place writes in order): a
 			// receive fails only when none of it is left to consume.
 			if c.finished(p) && (k == 0 || atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) <= c.recvSeq[p]) {
-				return c.fail(fmt.Errorf("%w: rank %d closed it", ErrClosed, p), p)
+				return c.peerClosed(p)
 			}
 		}
 	}
@@ -747,6 +726,20 @@ func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 		}
 	}
 	return nil
+}
+
+// peerClosed is the error of a call that needs peer p after p closed the
+// communicator. The news p wrote before its done flag (a rank failure in
+// the poison word, its abort word) arrived before it and is what made p
+// give up: report that instead.
+func (c *Comm) peerClosed(p int) error {
+	if err := c.node.Err(); err != nil {
+		return c.fail(err, -1)
+	}
+	if err := c.peerAborted(); err != nil {
+		return err
+	}
+	return c.fail(fmt.Errorf("%w: rank %d closed it", ErrClosed, p), p)
 }
 
 // peerFailed reports that peer p failed to the world (cluster.Node.Fail)
