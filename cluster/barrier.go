@@ -577,19 +577,18 @@ func (b *barrier) poisoned(v uint64) *RankError {
 	return &RankError{Rank: dead, Err: fmt.Errorf("%w (rank %d saw it fail)", ErrPeerLost, by)}
 }
 
-// report records that rank dead failed (cause: what this rank saw) and
-// tells every peer, unless a failure was recorded before; it returns the
-// failure recorded (the first one). Safe for concurrent use.
+// report records that rank dead failed (cause: what this rank saw),
+// unless a failure was recorded before, and tells every peer the failure
+// recorded (the first one), which it returns. Safe for concurrent use.
 func (b *barrier) report(dead int, cause error) *RankError {
-	if b.lost.CompareAndSwap(nil, &RankError{Rank: dead, Err: fmt.Errorf("%w: %w", ErrPeerLost, cause)}) {
-		re := b.lost.Load()
-		b.tellMu.Lock()
-		if !b.closed.Load() {
-			b.tell(re.Rank)
-		}
-		b.tellMu.Unlock()
+	b.lost.CompareAndSwap(nil, &RankError{Rank: dead, Err: fmt.Errorf("%w: %w", ErrPeerLost, cause)})
+	re := b.lost.Load()
+	b.tellMu.Lock()
+	if !b.closed.Load() {
+		b.tell(re.Rank)
 	}
-	return b.lost.Load()
+	b.tellMu.Unlock()
+	return re
 }
 
 // tell writes the poison word naming dead into every peer this rank can

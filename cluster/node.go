@@ -292,8 +292,12 @@ func (n *Node) Err() error {
 // returns the failure and every barrier of every rank fails, naming the
 // rank. Layers above the node (package collective) call it so that a
 // failure they see reaches the whole world. If a failure was recorded
-// before (seen here or told by another rank), Fail keeps it. It returns
-// the failure recorded, a *RankError. Safe for concurrent use.
+// before (seen here or told by another rank), Fail keeps it and tells
+// every rank about it again: a rank that gives up because of a failure
+// it was told of calls Fail before it writes anything else to its peers,
+// so that the news reaches each of them before any consequence (queue
+// pairs deliver in order). It returns the failure recorded, a
+// *RankError. Safe for concurrent use.
 func (n *Node) Fail(rank int, cause error) error {
 	n.mu.Lock()
 	phase := n.phase
@@ -305,7 +309,10 @@ func (n *Node) Fail(rank int, cause error) error {
 		return fmt.Errorf("%w: Fail before Connect or after Close", ErrNodeState)
 	}
 	if err := n.bar.worldErr(); err != nil {
-		return err
+		var re *RankError
+		if errors.As(err, &re) {
+			rank, cause = re.Rank, re.Err
+		}
 	}
 	return n.bar.report(rank, cause)
 }

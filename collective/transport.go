@@ -228,7 +228,12 @@ func (c *Comm) end(t uint64, err error) error {
 			reason = abortMismatch
 		}
 		var re *cluster.RankError
-		if !errors.As(err, &re) { // a rank failure reaches every rank already
+		if errors.As(err, &re) {
+			// Tell every peer again, before this rank writes anything else
+			// (its done flag when it closes): a peer that waits for this
+			// rank then finds the failure, not its consequence.
+			c.node.Fail(re.Rank, re.Err)
+		} else {
 			c.abort(reason)
 		}
 	}
@@ -336,7 +341,7 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 			}
 			ok, err := c.trySend(f)
 			if err != nil {
-				return c.fail(err, f.peer)
+				return c.stepErr(f.peer, err)
 			}
 			moved = moved || ok
 			pending = pending || !f.done()
@@ -348,7 +353,7 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 			}
 			ok, err := c.tryRecv(f)
 			if err != nil {
-				return c.fail(err, f.peer)
+				return c.stepErr(f.peer, err)
 			}
 			moved = moved || ok
 			pending = pending || !f.done()
@@ -726,6 +731,16 @@ func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 		}
 	}
 	return nil
+}
+
+// stepErr is the error of a step whose message to or from peer p failed
+// with err: when the channel to p broke (posting to it failed), p failed,
+// and the world learns it.
+func (c *Comm) stepErr(p int, err error) error {
+	if cerr := c.mc.Peer(c.ranks[p]).Err(); cerr != nil {
+		return c.peerFailed(p, err)
+	}
+	return c.fail(err, p)
 }
 
 // peerClosed is the error of a call that needs peer p after p closed the
