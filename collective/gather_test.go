@@ -198,7 +198,9 @@ func TestGatherScatterArgs(t *testing.T) {
 		call func(r int) error
 	}{
 		{"gather/root", func(r int) error { return collective.Gather(testCtx(t), cs[r], make([]int32, 2), make([]int32, 8), p) }},
-		{"scatter/root", func(r int) error { return collective.Scatter(testCtx(t), cs[r], make([]int32, 8), make([]int32, 2), -3) }},
+		{"scatter/root", func(r int) error {
+			return collective.Scatter(testCtx(t), cs[r], make([]int32, 8), make([]int32, 2), -3)
+		}},
 		{"gatherv/root", func(r int) error {
 			return collective.Gatherv(testCtx(t), cs[r], make([]int32, 2), nil, nil, nil, 1<<33)
 		}},
@@ -291,7 +293,7 @@ func TestGatherScatterMismatch(t *testing.T) {
 			return collective.Gather(testCtx(t), cs[r], make([]int32, 3), make([]int32, p*3), r/2)
 		}},
 		{"gatherv/length", func(cs []*collective.Comm, r int) error {
-			return collective.Gatherv(testCtx(t), cs[r], make([]int32, 2+r%2), make([]int32, 8), []int{2, 2, 2, 2}, []int{0, 2, 4, 6}, 1)
+			return collective.Gatherv(testCtx(t), cs[r], make([]int32, 2+r/3), make([]int32, 8), []int{2, 2, 2, 2}, []int{0, 2, 4, 6}, 0)
 		}},
 		{"scatter/count", func(cs []*collective.Comm, r int) error {
 			return collective.Scatter(testCtx(t), cs[r], make([]uint8, 4*p), make([]uint8, 4+r/3), 2)
