@@ -209,7 +209,7 @@ func BenchmarkAllgather(b *testing.B) {
 // every rank gets all of them, in rank order.
 func ExampleAllgather() {
 	out := make([][]int32, 3)
-	exampleWorld(3, func(c *collective.Comm) {
+	rootedExampleWorld(3, func(c *collective.Comm) {
 		r := int32(c.Rank())
 		recv := make([]int32, 2*c.Size())
 		if err := collective.Allgather(context.Background(), c, []int32{r, r * r}, recv); err != nil {
