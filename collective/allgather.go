@@ -6,7 +6,7 @@ import "context"
 // allgathers by recursive doubling (p a power of two) or Bruck's
 // algorithm (other p); from it on, around a ring. See Allgather for how
 // it was measured.
-const AllgatherSmallMax = 64 << 10
+const AllgatherSmallMax = 16 << 10
 
 // Allgather collects the vectors send of every rank, all of the same
 // length m, into recv at every rank: rank i's vector lands in recv[i·m :
@@ -31,9 +31,12 @@ const AllgatherSmallMax = 64 << 10
 //     chunks pipelined within each step; every rank sends and receives
 //     (p−1)·m elements, the least possible.
 //
-// Measured in this package's in-process worlds (BenchmarkAllgather,
-// soft0, 2 processors): the logarithmic algorithms are faster up to
-// 16–64 KiB of recv at p = 4, 5 and 8; the ring from 256 KiB on.
+// Measured in this package's in-process worlds (soft0, 2 shared
+// processors under heavy load, go test -run NONE -bench Allgather
+// -benchtime=10x): the ring was ahead from 16 KiB of recv on at p = 4
+// and 8 (p = 8, 16 KiB: 7.3 ms, recursive doubling 16 ms; 256 KiB:
+// 35 vs 81 ms), so AlgAuto keeps the logarithmic algorithms, whose gain
+// is latency, below AllgatherSmallMax (16 KiB).
 //
 // A rank detects a disagreeing call (other count or element type) when
 // it receives a chunk of it (ErrMismatch).

@@ -29,11 +29,16 @@ const BcastSmallMax = 64 << 10
 //     per rank, but no rank sends more than that.
 //
 // Measured in this package's in-process worlds (soft0, ranks as
-// goroutines, 2 processors, BenchmarkBroadcast): the chain overtakes the
-// binomial tree between 16 and 64 KiB at p = 4 and 8, and the
-// scatter-allgather moves more bytes in total than either, which only
-// pays when processors are not shared; so AlgAuto uses the tree below
-// BcastSmallMax and the chain from it on.
+// goroutines on 2 shared processors under heavy load from other jobs,
+// go test -run NONE -bench Broadcast -benchtime=10x -count=3): the
+// scatter-allgather was the slowest at every size (it moves the most
+// bytes, and in one process bytes are processor time); the tree and the
+// chain were within the noise of each other from 256 KiB on (medians at
+// p = 4: 4.5 vs 2.1 ms at 256 KiB, 53 vs 94 ms at 4 MiB; at p = 8: 19
+// vs 25 ms, 165 vs 150 ms). AlgAuto takes the chain from BcastSmallMax
+// on because it sends every byte once per rank, where the tree's root
+// sends it ⌈log2 p⌉ times over its one link; the threshold is to be
+// tuned across processes.
 //
 // A rank detects a disagreeing call (other root, length or element type)
 // when it receives a chunk of it (ErrMismatch); a rank waiting for a

@@ -8,7 +8,7 @@ import (
 // ReduceSmallMax is the vector size (bytes) below which AlgAuto reduces
 // along a binomial tree; from it on, by reduce-scatter and gather
 // (Rabenseifner). See Reduce for how it was measured.
-const ReduceSmallMax = 64 << 10
+const ReduceSmallMax = 512 << 10
 
 // Reduce combines the vectors send of every rank element by element with
 // op and leaves the result in recv at rank root; recv is used at the
@@ -43,11 +43,14 @@ const ReduceSmallMax = 64 << 10
 //     x2) ⊕ …; rank p−1 forwards the result to the root. p + (chunks)
 //     chunk latencies.
 //
-// Measured in this package's in-process worlds (BenchmarkReduce, soft0,
-// 2 processors): the tree is best for one chunk and up to 16 KiB;
-// Rabenseifner is ahead from 64 KiB at p = 4 and 8; the chain does the
-// least work per rank but on shared processors its p-stage pipeline
-// does not pay.
+// Measured in this package's in-process worlds (soft0, 2 shared
+// processors under heavy load, go test -run NONE -bench RootedReduce
+// -benchtime=10x): the tree was ahead of both others at 16 and 256 KiB
+// at p = 4 and 8 (p = 4, 256 KiB: 13 ms, Rabenseifner 72 ms, chain
+// 19 ms); in one process every byte moved is processor time, and the
+// tree moves the fewest. AlgAuto switches to Rabenseifner, which halves
+// what each rank sends and receives, only from ReduceSmallMax (512 KiB,
+// Allreduce's ring threshold) on; to be tuned across processes.
 //
 // Mismatched calls are detected like Broadcast's.
 func Reduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op, root int) error {
