@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log"
+	"math"
 	"sync"
 	"testing"
 	"time"
@@ -238,7 +239,9 @@ func TestRootedAllocatesNothing(t *testing.T) {
 			for _, call := range calls {
 				allowed := 0.0
 				if call.name == "reduce" {
-					allowed = lookup
+					// The same count at every rank; the ranks' calls overlap the
+					// measured runs unevenly.
+					allowed = math.Ceil(lookup/p) * p
 				}
 				if allocs := warmAllocs(t, p, call.f); allocs > allowed {
 					t.Errorf("%s allocates %.2f times per call (all ranks), allowed %.2f", call.name, allocs, allowed)
