@@ -267,33 +267,10 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 			c.w.reset()
 			continue
 		}
-		// A flag or ack left owed by a full send queue must be posted
-		// while waiting: the peer may wait for it.
-		if err := c.postOwed(); err != nil {
-			return err
-		}
 		if err := c.idle(ctx, sends, recvs); err != nil {
 			return err
 		}
 	}
-}
-
-// postOwed posts the flags and acks left owed by a full send queue, as
-// far as the queue has room now.
-func (c *Comm) postOwed() error {
-	for p := range c.size {
-		if c.flagOwed[p] {
-			if err := c.postFlag(p); err != nil {
-				return c.fail(err, p)
-			}
-		}
-		if c.ackOwed[p] {
-			if err := c.postAck(p); err != nil {
-				return c.fail(err, p)
-			}
-		}
-	}
-	return nil
 }
 
 // trySend posts the next chunk of f if the peer has a slot free.
