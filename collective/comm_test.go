@@ -290,3 +290,85 @@ func TestAllreduceAllocatesNothing(t *testing.T) {
 }
 
 var _ = cluster.RankError{}
+
+// TestNonBlockingEveryKind issues one non-blocking call of every kind,
+// in the same order on every rank, waits for all, and checks each.
+func TestNonBlockingEveryKind(t *testing.T) {
+	const p = 3
+	cs := world(t, p, collective.Options{ChunkSize: 1024})
+	noErrors(t, "requests", parallel(p, func(r int) error {
+		ctx := testCtx(t)
+		c := cs[r]
+		bc := []int32{int32(r), 7}
+		red := []int64{int64(r + 1)}
+		redOut := make([]int64, 1)
+		ag := make([]int32, p)
+		agv := make([]int32, p)
+		rs := make([]int64, 1)
+		a2a := make([]int32, p)
+		gat := make([]int32, p)
+		gatv := make([]int32, p)
+		sct := make([]int32, 1)
+		sctv := make([]int32, 1)
+		scan := make([]int64, 1)
+		exs := []int64{-1}
+		ones := []int{1, 1, 1}
+		displs := []int{0, 1, 2}
+		src := []int32{10, 11, 12}
+		reqs := []*collective.Request{
+			collective.IBroadcast(ctx, c, bc, 1),
+			collective.IReduce(ctx, c, red, redOut, collective.Sum, 2),
+			collective.IAllgather(ctx, c, []int32{int32(r)}, ag),
+			collective.IAllgatherv(ctx, c, []int32{int32(r)}, agv, ones, displs),
+			collective.IReduceScatter(ctx, c, []int64{1, 2, 3}, rs, collective.Sum),
+			collective.IReduceScatterV(ctx, c, []int64{1, 2, 3}, make([]int64, 1), ones, collective.Sum),
+			collective.IAlltoall(ctx, c, []int32{int32(10 * r), int32(10*r + 1), int32(10*r + 2)}, a2a),
+			collective.IAlltoallv(ctx, c, []int32{1, 2, 3}, ones, displs, make([]int32, p), ones, displs),
+			collective.IGather(ctx, c, []int32{int32(r)}, gat, 0),
+			collective.IGatherv(ctx, c, []int32{int32(r)}, gatv, ones, displs, 0),
+			collective.IScatter(ctx, c, src, sct, 2),
+			collective.IScatterv(ctx, c, src, ones, displs, sctv, 2),
+			collective.IScan(ctx, c, []int64{int64(r + 1)}, scan, collective.Sum),
+			collective.IExScan(ctx, c, []int64{int64(r + 1)}, exs, collective.Sum),
+			collective.IBarrier(ctx, c),
+		}
+		for i, req := range reqs {
+			if err := req.Wait(ctx); err != nil {
+				return fmt.Errorf("request %d: %w", i, err)
+			}
+		}
+		check := func(what string, got, want any) error {
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				return fmt.Errorf("%s: %v, want %v", what, got, want)
+			}
+			return nil
+		}
+		wantExs := []int64{-1}
+		if r > 0 {
+			wantExs = []int64{int64(r * (r + 1) / 2)}
+		}
+		return errors.Join(
+			check("broadcast", bc, []int32{1, 7}),
+			func() error {
+				if r == 2 {
+					return check("reduce", redOut, []int64{6})
+				}
+				return nil
+			}(),
+			check("allgather", ag, []int32{0, 1, 2}),
+			check("allgatherv", agv, []int32{0, 1, 2}),
+			check("reduce-scatter", rs, []int64{int64(3 * (r + 1))}),
+			check("alltoall", a2a, []int32{int32(r), int32(10 + r), int32(20 + r)}),
+			func() error {
+				if r == 0 {
+					return errors.Join(check("gather", gat, []int32{0, 1, 2}), check("gatherv", gatv, []int32{0, 1, 2}))
+				}
+				return nil
+			}(),
+			check("scatter", sct, []int32{int32(10 + r)}),
+			check("scatterv", sctv, []int32{int32(10 + r)}),
+			check("scan", scan, []int64{int64((r + 1) * (r + 2) / 2)}),
+			check("exscan", exs, wantExs),
+		)
+	}))
+}

@@ -87,3 +87,75 @@ func IAllreduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) *
 func IBarrier(ctx context.Context, c *Comm) *Request {
 	return c.start(ctx, func(ctx context.Context) error { return Barrier(ctx, c) })
 }
+
+// IBroadcast is the non-blocking twin of Broadcast.
+func IBroadcast[T Number](ctx context.Context, c *Comm, buf []T, root int) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Broadcast(ctx, c, buf, root) })
+}
+
+// IReduce is the non-blocking twin of Reduce.
+func IReduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op, root int) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Reduce(ctx, c, send, recv, op, root) })
+}
+
+// IAllgather is the non-blocking twin of Allgather.
+func IAllgather[T Number](ctx context.Context, c *Comm, send, recv []T) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Allgather(ctx, c, send, recv) })
+}
+
+// IAllgatherv is the non-blocking twin of Allgatherv.
+func IAllgatherv[T Number](ctx context.Context, c *Comm, send, recv []T, counts, displs []int) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Allgatherv(ctx, c, send, recv, counts, displs) })
+}
+
+// IReduceScatter is the non-blocking twin of ReduceScatter.
+func IReduceScatter[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return ReduceScatter(ctx, c, send, recv, op) })
+}
+
+// IReduceScatterV is the non-blocking twin of ReduceScatterV.
+func IReduceScatterV[T Number](ctx context.Context, c *Comm, send, recv []T, counts []int, op Op) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return ReduceScatterV(ctx, c, send, recv, counts, op) })
+}
+
+// IAlltoall is the non-blocking twin of Alltoall.
+func IAlltoall[T Number](ctx context.Context, c *Comm, send, recv []T) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Alltoall(ctx, c, send, recv) })
+}
+
+// IAlltoallv is the non-blocking twin of Alltoallv.
+func IAlltoallv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, sdispls []int, recv []T, recvcounts, rdispls []int) *Request {
+	return c.start(ctx, func(ctx context.Context) error {
+		return Alltoallv(ctx, c, send, sendcounts, sdispls, recv, recvcounts, rdispls)
+	})
+}
+
+// IGather is the non-blocking twin of Gather.
+func IGather[T Number](ctx context.Context, c *Comm, send, recv []T, root int) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Gather(ctx, c, send, recv, root) })
+}
+
+// IGatherv is the non-blocking twin of Gatherv.
+func IGatherv[T Number](ctx context.Context, c *Comm, send, recv []T, recvcounts, displs []int, root int) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Gatherv(ctx, c, send, recv, recvcounts, displs, root) })
+}
+
+// IScatter is the non-blocking twin of Scatter.
+func IScatter[T Number](ctx context.Context, c *Comm, send, recv []T, root int) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Scatter(ctx, c, send, recv, root) })
+}
+
+// IScatterv is the non-blocking twin of Scatterv.
+func IScatterv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, displs []int, recv []T, root int) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Scatterv(ctx, c, send, sendcounts, displs, recv, root) })
+}
+
+// IScan is the non-blocking twin of Scan.
+func IScan[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return Scan(ctx, c, send, recv, op) })
+}
+
+// IExScan is the non-blocking twin of ExScan.
+func IExScan[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) *Request {
+	return c.start(ctx, func(ctx context.Context) error { return ExScan(ctx, c, send, recv, op) })
+}
