@@ -231,6 +231,7 @@ type collBufs struct {
 	// The collectives on the rank's typed buffers (the entries' run
 	// call them).
 	allreduce func(ctx context.Context, count int) error
+	others    func(ctx context.Context, kind string, count int) error
 }
 
 // collBenches is the table's list of collectives. A collective joins
@@ -247,8 +248,42 @@ var collBenches = []collBench{
 		alg:  func(collConfig, int, int, int) string { return "dissemination" },
 		run:  func(ctx context.Context, r *collBufs, _ int) error { return collective.Barrier(ctx, r.c) },
 	},
-	// NCCL's factors for the collectives to come: allgather and
-	// reduce-scatter (p−1)/p, broadcast and reduce 1, alltoall (p−1)/p.
+	// NCCL's bus bandwidth factors: broadcast 1; allgather,
+	// reduce-scatter and alltoall (p−1)/p. Their size is the whole
+	// vector (p blocks of size/p).
+	{
+		name:      "broadcast",
+		busFactor: func(int) float64 { return 1 },
+		alg:       autoAlg,
+		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "broadcast", n) },
+	},
+	{
+		name:      "allgather",
+		busFactor: func(p int) float64 { return float64(p-1) / float64(p) },
+		alg:       autoAlg,
+		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "allgather", n) },
+	},
+	{
+		name:      "reducescatter",
+		busFactor: func(p int) float64 { return float64(p-1) / float64(p) },
+		alg:       autoAlg,
+		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "reducescatter", n) },
+	},
+	{
+		name:      "alltoall",
+		busFactor: func(p int) float64 { return float64(p-1) / float64(p) },
+		alg:       autoAlg,
+		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "alltoall", n) },
+	},
+}
+
+// autoAlg names the algorithm of the collectives that choose theirs by
+// size (see each one's documentation).
+func autoAlg(cfg collConfig, _, _, _ int) string {
+	if cfg.alg == collective.AlgAuto {
+		return "auto"
+	}
+	return cfg.alg.String()
 }
 
 func collByName(name string) *collBench {
@@ -319,6 +354,28 @@ func typedBufs[T collective.Number](c *collective.Comm, count int, inPlace bool)
 			s = send[:n]
 		}
 		return collective.Allreduce(ctx, c, s, recv[:n], collective.Sum)
+	}
+	src := make([]T, count)
+	for i := range src {
+		src[i] = 1
+	}
+	p := c.Size()
+	r.others = func(ctx context.Context, kind string, n int) error {
+		b := max(1, n/p) // block: the vector is p blocks
+		if b*p > count {
+			b = count / p
+		}
+		switch kind {
+		case "broadcast":
+			return collective.Broadcast(ctx, c, recv[:n], 0)
+		case "allgather":
+			return collective.Allgather(ctx, c, src[:b], recv[:b*p])
+		case "reducescatter":
+			return collective.ReduceScatter(ctx, c, src[:b*p], recv[:b], collective.Sum)
+		case "alltoall":
+			return collective.Alltoall(ctx, c, src[:b*p], recv[:b*p])
+		}
+		return fmt.Errorf("unknown collective %q", kind)
 	}
 	return r
 }
