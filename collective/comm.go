@@ -76,9 +76,11 @@ type Options struct {
 	// completed within Timeout fails (and poisons the communicator).
 	// Zero: only the context bounds it.
 	Timeout time.Duration
-	// Algorithm forces the algorithm of Allreduce (and of the reductions
-	// built on it); AlgAuto (the default) chooses by message size and
-	// communicator size.
+	// Algorithm forces the algorithm family of every collective that has
+	// several (each documents what the families mean for it: for
+	// Broadcast, AlgRecursiveDoubling is the binomial tree and AlgRing
+	// the pipelined chain, for example); AlgAuto (the default) chooses by
+	// message size and communicator size.
 	Algorithm Algorithm
 }
 
@@ -119,7 +121,7 @@ const (
 	defaultSlots  = 4
 	windowBudget  = 8 << 20
 	minChunk      = 256
-	hdrBytes      = 64 // header of a slot: 40 bytes used, data 64-byte aligned
+	hdrBytes      = 64 // header of a slot: 40 bytes used (see header), data 64-byte aligned
 	peerFlagBytes = 32 // data count, ack count, done flag (Close), abort word (abort)
 )
 

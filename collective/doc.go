@@ -85,8 +85,12 @@
 // Test the request, and leave the buffers alone until it completes.
 // Communicators of the same node (Split, Dup) have independent orders.
 //
-// Close a Comm before its node: Close fails calls in progress and later
-// calls with ErrClosed, and releases the windows. New exchanges the
-// windows' addresses with one send and one receive per peer on the
-// node's queue pairs: do not post other receives on them meanwhile.
+// Close is collective (every rank closes the communicator) and does not
+// wait for the peers: a rank's windows stay registered until every peer
+// has said it is done with them (a late acknowledgement into a released
+// window would break the node's queue pair), and are released by a later
+// New or Close on the node, or when the node closes. Close communicators
+// before their node. New exchanges the windows' addresses with one send
+// and one receive per peer on the node's queue pairs: do not post other
+// receives on them meanwhile.
 package collective

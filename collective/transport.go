@@ -135,7 +135,6 @@ func dtypeName(d uint8) string {
 //
 //	0 seq u64 | 8 call u32 | 12 kind u8 | 13 op u8 | 14 dtype u8 | 15 0 |
 //	16 root i32 | 20 len u32 | 24 count u64 | 32 message length u64
-const hdrUsed = 40
 
 // flow is one message of a step: to send (buf is the source) or to
 // receive (buf is the destination, copied or reduced into).
