@@ -27,6 +27,7 @@ type wire struct {
 	// flight: toAcceptor tells the direction, off is the stream offset of
 	// b[0].
 	tamper func(toAcceptor bool, off int, b []byte)
+
 	mu    sync.Mutex
 	conns [][2]bytes.Buffer // per connection: to the acceptor, to the dialer
 	wg    sync.WaitGroup
