@@ -101,6 +101,19 @@ func (c *Channel) PD() *verbs.ProtectionDomain { return c.e.pd }
 // own, the peer's index for MultiChannel.Peer.
 func (c *Channel) Peer() int { return c.idx }
 
+// Posted returns the number of send-queue entries in use: requests
+// posted whose completions have not been reaped yet, including
+// unsignaled ones (WriteInline) that no later signaled request has
+// retired. Zero means that nothing this process posted to the peer can
+// still be in flight; a positive count may include requests that have
+// in fact completed. Safe for concurrent use; 0 for an invalid peer view.
+func (c *Channel) Posted() int {
+	if c.p == nil {
+		return 0
+	}
+	return int(c.p.sqUsed.Load())
+}
+
 // MaxInline returns the largest payload WriteInline accepts.
 func (c *Channel) MaxInline() int {
 	if c.p == nil {

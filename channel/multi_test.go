@@ -342,3 +342,31 @@ func TestMultiChannelConcurrentPeers(t *testing.T) {
 		}
 	}
 }
+
+// TestMultiChannelPosted: Posted counts what was posted to a peer and may
+// still be in flight: nothing at first, an unsignaled inline write until
+// a signaled request retires it, and only for that peer.
+func TestMultiChannelPosted(t *testing.T) {
+	rs := newGroup(t, 3)
+	ctx := testCtx(t)
+	r := rs[0]
+	if p1, p2 := r.mc.Peer(1).Posted(), r.mc.Peer(2).Posted(); p1 != 0 || p2 != 0 {
+		t.Fatalf("before any request: Posted %d and %d, want 0", p1, p2)
+	}
+	dst := rs[1].buf.Remote().At(0)
+	if err := r.mc.Peer(1).WriteInline(ctx, dst, []byte{1, 2, 3, 4, 5, 6, 7, 8}); err != nil {
+		t.Fatal(err)
+	}
+	if p1, p2 := r.mc.Peer(1).Posted(), r.mc.Peer(2).Posted(); p1 != 1 || p2 != 0 {
+		t.Fatalf("after an unsignaled write to peer 1: Posted %d and %d, want 1 and 0", p1, p2)
+	}
+	if err := r.mc.Peer(1).Write(ctx, dst, r.sge(0, 8)); err != nil {
+		t.Fatal(err)
+	}
+	if p1 := r.mc.Peer(1).Posted(); p1 != 0 {
+		t.Fatalf("after a signaled write retired it: Posted %d, want 0", p1)
+	}
+	if p := r.mc.Peer(0).Posted(); p != 0 {
+		t.Fatalf("self: Posted %d, want 0", p)
+	}
+}

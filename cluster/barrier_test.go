@@ -647,3 +647,77 @@ func TestBarrierWaitAllocatesNothing(t *testing.T) {
 		t.Errorf("a barrier allocates %.2f times", allocs)
 	}
 }
+
+// TestCloseReadsOnlyWrittenPeers: before it tears the queue pairs down,
+// Node.Close reads from the peers to which a write may still be in
+// flight, and from no other: after barriers, a rank of a binary tree of
+// 16 reads from its parent and children at most. The old code read from
+// every peer, which made soft0 connect every pair of ranks as a large
+// world closed.
+func TestCloseReadsOnlyWrittenPeers(t *testing.T) {
+	const n = 16
+	nodes := make([]*Node, n)
+	for i := range nodes {
+		dev, err := verbs.Open(verbs.SoftDevice)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { barClose(t, "device", dev.Close) })
+		pd, err := dev.AllocPD()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { barClose(t, "pd", pd.Close) })
+		if nodes[i], err = NewNode(pd, i, n, NodeOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { barClose(t, "node", nodes[i].Close) })
+	}
+	out := make([][][]byte, n)
+	for i, nd := range nodes {
+		var err error
+		if out[i], err = nd.LocalEndpoints(nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, nd := range nodes {
+		in := make([][]byte, n)
+		for j := range n {
+			in[j] = out[j][i]
+		}
+		if err := nd.Connect(in); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx := barCtx(t)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i, nd := range nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 5 {
+				if errs[i] = nd.Barrier(ctx, nil); errs[i] != nil {
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	barNoErrors(t, errs)
+	for i, nd := range nodes {
+		tree := map[int]bool{2*i + 1: true, 2*i + 2: true}
+		if i > 0 {
+			tree[(i-1)/2] = true
+		}
+		got := nd.quiescePeers()
+		if len(got) == 0 {
+			t.Errorf("rank %d reads from no peer: its last signals are unsignaled writes", i)
+		}
+		for _, j := range got {
+			if !tree[j] {
+				t.Errorf("rank %d reads from rank %d, which it never wrote to (reads from %v)", i, j, got)
+			}
+		}
+	}
+}

@@ -281,3 +281,47 @@ func TestExchangeTamper(t *testing.T) {
 		}
 	}
 }
+
+// TestExchangeSlowLeaf: the root of a rendezvous sends a rank its column
+// through a link that drains it slowly but steadily (a live rank among
+// hundreds on a few processors). broadcastGrace bounds each record, not
+// the whole column: the exchange succeeds. The old code bounded the
+// whole column and gave up on the live rank.
+func TestExchangeSlowLeaf(t *testing.T) {
+	if testing.Short() {
+		t.Skip("10 s")
+	}
+	old := broadcastGrace
+	broadcastGrace = 5 * time.Second
+	t.Cleanup(func() { broadcastGrace = old })
+	// The column: 32 MiB, about 10 s through the link below, of which
+	// the sockets' buffers (a few MiB) absorb about 2; a record waits
+	// at most for a third of a socket buffer to drain (about 0.4 s).
+	const entry = 16 << 20
+	out := func(r int) [][]byte {
+		v := make([][]byte, 2)
+		for j := range v {
+			v[j] = bytes.Repeat([]byte{byte(10*r + j)}, entry)
+		}
+		return v
+	}
+	ins, errs, _ := runThroughWires(t, 2, Rendezvous, "slow", []byte("token"), out, func(rank int, target string) *wire {
+		return newWire(t, target, func(toAcceptor bool, off int, b []byte) {
+			if !toAcceptor {
+				time.Sleep(10 * time.Millisecond) // at most 3.2 MB/s in reads of 32 KiB
+			}
+		})
+	})
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	for r := range 2 {
+		for j := range 2 {
+			if !bytes.Equal(ins[r][j], out(j)[r]) {
+				t.Errorf("rank %d: the entry of rank %d is wrong (%d bytes)", r, j, len(ins[r][j]))
+			}
+		}
+	}
+}

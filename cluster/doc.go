@@ -163,6 +163,55 @@
 // times as many as processors, against the one-way latency of the same
 // transport.
 //
+// # Scale
+//
+// A rendezvous moves N(N−1) entries through rank 0: every rank sends it
+// one entry per rank and gets back its column. An entry of a Node is
+// about 300 bytes with soft0 (the endpoint: QP number, the process'
+// addresses, its connection secret and certificate fingerprint; the
+// barrier's flags; the probe region; the application's data), of which
+// only the QP number and the header differ from one peer to the next.
+// Rank 0 holds N connections (descriptors: raise ulimit -n above N) and
+// 2 × 300 × N² bytes:
+//
+//	N         in and out at rank 0    per rank
+//	192       2 × 11 MB               2 × 58 KB
+//	512       2 × 79 MB               2 × 154 KB
+//	10 000    2 × 30 GB               2 × 3 MB
+//
+// Measured on one host with 2 CPUs (scripts/scale.sh; soft0 over shared
+// memory; start-up is the time until every rank's Join returned, from the
+// first process' start, which includes starting the processes serially):
+// 32 ranks 1.6 s, 64 ranks 4.1 s, 192 ranks 52-65 s, 256 ranks 99 s,
+// 512 ranks up to 10.5 min (with the host's load average above 1000).
+// Start-up grows with N² on one host (the bytes above, and N processes
+// that share 2 CPUs while rank 0 encrypts and sends N columns), and
+// 10 000 ranks across hosts would put 30 GB through rank 0's link and
+// memory each way: the rendezvous does not scale there. What the
+// numbers call for, in order of gain:
+//
+//   - A card and a vector of QP numbers instead of N entries per rank:
+//     300 + 4N bytes per rank, 2 × 0.4 GB at rank 0 for 10 000 ranks.
+//   - Queue pairs created and connected on first use (a barrier talks to
+//     O(log N) peers), with the peer's card fetched on demand: 300 bytes
+//     per rank at rank 0 (3 MB for 10 000), and the cards spread by a
+//     tree (each rank forwards to its children, fan-in and fan-out of a
+//     few connections per rank) rather than N connections at rank 0.
+//   - Per rank, soft0 holds for each peer a queue pair, two small
+//     registered buffers (40 KiB of memfd, touched only when used) and,
+//     once connected, a shared-memory segment of 8 MiB (virtual; a few
+//     pages resident) and four descriptors: an application that writes
+//     to every peer (examples/network's all-to-all) holds N of them.
+//
+// What makes large worlds on one host work today: a local peer that is
+// runnable or ran at all is alive (soft0 reads its threads' schedstat
+// when its clock ticks did not move), so soft0's handshakes and
+// requests wait for a starved peer instead of declaring it dead; rank 0
+// bounds each record of a column it sends, not the whole column, so a
+// rank that drains it slowly is not lost; Close reads only from the
+// peers it may still have writes in flight to; and a process has at most
+// a few soft0 handshakes with processes of its host in progress at once.
+//
 // # Lifetimes and concurrency
 //
 // A Node built by NewNode uses the caller's protection domain, which must

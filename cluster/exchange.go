@@ -1194,21 +1194,38 @@ func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) (by
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			k.c.SetWriteDeadline(time.Now().Add(broadcastGrace))
 			typ, msg := mk(k)
 			if typ == recAbort && len(msg) > maxAbortText {
 				msg = msg[:maxAbortText]
 			}
-			errs[i] = k.s.writeMsg(k.c, typ, msg)
+			errs[i] = k.s.writeMsg(progressWriter{k.c, broadcastGrace}, typ, msg)
+			k.c.SetWriteDeadline(time.Time{})
 		}()
 	}
 	wg.Wait()
 	return errs
 }
 
-// broadcastGrace bounds each of the root's final writes (the ranks are
-// reading at that point, so a write that takes longer means a dead peer).
-const broadcastGrace = 10 * time.Second
+// broadcastGrace bounds each record of the root's final writes (the
+// ranks are reading at that point, so a record that takes longer means a
+// dead peer). It bounds a record, not a message: a rank's column grows
+// with the world (N entries, about 200 bytes each with soft0), and a
+// live rank among hundreds on a few processors drains it slowly (192
+// ranks on 2 CPUs: a whole column took more than 10 s).
+var broadcastGrace = 10 * time.Second
+
+// progressWriter writes to c with a deadline of grace from the start of
+// each write: a peer that keeps reading is never cut off, one that stops
+// for grace is.
+type progressWriter struct {
+	c     net.Conn
+	grace time.Duration
+}
+
+func (w progressWriter) Write(p []byte) (int, error) {
+	w.c.SetWriteDeadline(time.Now().Add(w.grace))
+	return w.c.Write(p)
+}
 
 // leaf: a rank other than 0 of a rendezvous sends its entries to the root
 // and receives its column.

@@ -2,11 +2,13 @@ package soft
 
 import (
 	"encoding/hex"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -182,5 +184,71 @@ func TestLocalHandshakesNotDropped(t *testing.T) {
 			t.Fatalf("%d of %d local connections in their handshake", held, n)
 		}
 		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestLocalDialsBounded: a process has at most maxLocalDials connections
+// to processes of its host in their handshake at once; the others wait
+// for a slot. Here the peer (a listener of this process) accepts and
+// never answers: the old code had every dial in its handshake at once.
+func TestLocalDialsBounded(t *testing.T) {
+	forceTransport(t, "unix")
+	e, _, _ := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	s := e.ctx.(*devContext).f.service()
+	name := fmt.Sprintf("@goverbs-test-dials-%x", randomBytes(4))
+	ln, err := net.Listen("unix", name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var held []net.Conn
+	accepted := make(chan struct{})
+	go func() {
+		defer close(accepted)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+		}
+	}()
+	pa := peerAddr{fabric: 1, pid: uint32(os.Getpid()), host: s.host, hasHost: true, hasSecret: true, unix: name}
+	const n = 3 * maxLocalDials
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if c, err := s.dialKind(&pa, kindUnix, name); err == nil {
+				c.abandon()
+			}
+		}()
+	}
+	count := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(held)
+	}
+	for deadline := time.Now().Add(hangGuard); count() < maxLocalDials; {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d dials connected", count(), maxLocalDials)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(200 * time.Millisecond) // room for dials past the bound to connect
+	got := count()
+	ln.Close()
+	<-accepted
+	mu.Lock()
+	for _, c := range held {
+		c.Close() // the dials in their handshake fail; the rest find no listener
+	}
+	mu.Unlock()
+	wg.Wait()
+	if got != maxLocalDials {
+		t.Fatalf("%d dials in their handshake at once, want %d", got, maxLocalDials)
 	}
 }

@@ -20,8 +20,19 @@ import (
 // longer than a response timeout or a handshake's deadline, and it must
 // not be declared dead for that. A peer process on this host (unix and
 // shared-memory connections, whose process id the kernel vouched for,
-// SO_PEERCRED) that used processor time since it was last looked at, and
-// is not stopped, is alive: it is slow, not gone. A stopped process
+// SO_PEERCRED) that used processor time since it was last looked at, or
+// waited for a processor (it was runnable: starved, not stuck), and is
+// not stopped, is alive: it is slow, not gone.
+//
+// Processor time comes first from /proc/PID/stat, in clock ticks of 10
+// ms: one small file. A peer that runs for a few hundred microseconds
+// now and then (a handshake's turn, a barrier's poll) on a host with
+// hundreds of runnable processes crosses a tick only every few seconds,
+// and was declared dead by handshakes that way (soft0 handshakes of 192
+// ranks on 2 CPUs: a peer "quiet" for 15 s that was runnable all along).
+// When the ticks did not move, the look sums /proc/PID/task/*/schedstat:
+// each thread's time on a processor and time waiting on a run queue, in
+// nanoseconds. A stopped process
 // (SIGSTOP, a debugger) or one that waits forever is still found dead by
 // the timeouts. A connection to this very process (a forced transport)
 // follows nothing: the process runs, whatever its QPs do.
@@ -70,6 +81,7 @@ func parseStat(b []byte) (runtime uint64, halted, ok bool) {
 type peerClock struct {
 	pid     uint32
 	last    atomic.Uint64 // the processor time at the last look
+	sched   atomic.Uint64 // the threads' run and wait time (ns) at the last look, if it read it; 0: unknown
 	changed atomic.Int64  // when a look last found it changed (unix ns)
 }
 
@@ -78,13 +90,60 @@ func newPeerClock(pid uint32) *peerClock {
 	if v, _, ok := peerStat(pid); ok {
 		p.last.Store(v)
 	}
+	if v, ok := peerSched(pid); ok {
+		p.sched.Store(v)
+	}
 	p.changed.Store(time.Now().UnixNano())
 	return p
 }
 
+// peerSched sums, over the threads of process pid, the time they ran
+// and the time they waited on a run queue (the first two fields of
+// /proc/PID/task/TID/schedstat, in nanoseconds). ok is false if nothing
+// could be read (no schedstat: a kernel without CONFIG_SCHED_INFO, or
+// the process is gone).
+func peerSched(pid uint32) (sum uint64, ok bool) {
+	dir := "/proc/" + strconv.FormatUint(uint64(pid), 10) + "/task/"
+	f, err := os.Open(dir)
+	if err != nil {
+		return 0, false
+	}
+	tids, err := f.Readdirnames(-1)
+	f.Close()
+	if err != nil {
+		return 0, false
+	}
+	for _, tid := range tids {
+		b, err := os.ReadFile(dir + tid + "/schedstat")
+		if err != nil {
+			continue // the thread exited
+		}
+		if v, good := parseSchedstat(b); good {
+			sum, ok = sum+v, true
+		}
+	}
+	return sum, ok
+}
+
+// parseSchedstat parses a schedstat file ("run_ns wait_ns slices"): the
+// sum of the time on a processor and the time waiting for one.
+func parseSchedstat(b []byte) (uint64, bool) {
+	f := bytes.Fields(b)
+	if len(f) < 2 {
+		return 0, false
+	}
+	run, err1 := strconv.ParseUint(string(f[0]), 10, 64)
+	wait, err2 := strconv.ParseUint(string(f[1]), 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, false
+	}
+	return run + wait, true
+}
+
 // look reads the peer's processor time: ran reports whether it changed
-// since the last look (or since newPeerClock), and halted whether the
-// peer is stopped or gone. Safe for concurrent use; a read of /proc, so
+// since the last look (or since newPeerClock), or, when the clock ticks
+// did not, whether its threads ran or waited for a processor (schedstat),
+// and halted whether the peer is stopped or gone. Safe for concurrent use; a read of /proc, so
 // for timeouts, not for the data path.
 func (p *peerClock) look() (ran, halted bool) {
 	v, halted, ok := peerStat(p.pid)
@@ -92,7 +151,18 @@ func (p *peerClock) look() (ran, halted bool) {
 		return false, true
 	}
 	if p.last.Swap(v) == v {
-		return false, halted
+		// No tick: did it run a little, or wait for a processor? The
+		// sum is read only here; 0 means unknown (the last look saw
+		// ticks), which counts as no sign this time.
+		w, ok := peerSched(p.pid)
+		if !ok || w == 0 {
+			return false, halted
+		}
+		if prev := p.sched.Swap(w); prev == 0 || prev == w {
+			return false, halted
+		}
+	} else {
+		p.sched.Store(0)
 	}
 	p.changed.Store(time.Now().UnixNano())
 	return true, halted

@@ -116,6 +116,16 @@ func TestWatchLocal(t *testing.T) {
 			t.Fatalf("a running peer answering after 6 quiet periods: %v", err)
 		}
 	})
+	t.Run("running briefly", func(t *testing.T) {
+		// A peer that gets a processor for a moment every 50 ms (a
+		// shell that waits for sleep(1) in a loop) crosses a clock tick
+		// (10 ms of processor time) only every few seconds, like a
+		// rank among hundreds on two CPUs: alive by schedstat.
+		cmd := startChild(t, "sh", "-c", "while :; do sleep 0.05; done")
+		if err := read(t, uint32(cmd.Process.Pid), time.Minute, 6*quiet); err != nil {
+			t.Fatalf("a peer that runs briefly and often, answering after 6 quiet periods: %v", err)
+		}
+	})
 	t.Run("bounded", func(t *testing.T) {
 		if err := read(t, running, 3*quiet, time.Minute); !errors.Is(err, os.ErrDeadlineExceeded) {
 			t.Fatalf("answer after the bound: %v, want a deadline error", err)

@@ -71,6 +71,15 @@ const (
 	maxHandshakes          = 64
 	maxHandshakesPerSource = 16
 	maxLocalHandshakes     = 4096
+
+	// maxLocalDials bounds the connections to processes of this host
+	// (unix sockets, shared memory) that this process has in their
+	// handshake at once; more wait for a slot, without a deadline
+	// running. A rank of a large world on one host that writes to every
+	// other connects to all of them at once: 192 ranks on 2 CPUs made
+	// 36 000 handshakes at once, which starved each other past their
+	// deadlines (handshakeMax) and failed the world.
+	maxLocalDials = 8
 )
 
 // localSource is the source key of unix-socket connections from processes
@@ -88,6 +97,7 @@ type service struct {
 	tcpLn   net.Listener
 	unixLn  net.Listener
 	stopped chan struct{} // closed by stop
+	dials   chan struct{} // a slot per local dial in its handshake (maxLocalDials)
 
 	hsMu     sync.Mutex
 	hs       []*handshaking // connections in their handshake, oldest first
@@ -162,7 +172,7 @@ func (f *fabric) address() []byte {
 }
 
 func startService(f *fabric) *service {
-	s := &service{f: f, job: jobIdentity(), host: hostIdentity(), stopped: make(chan struct{}),
+	s := &service{f: f, job: jobIdentity(), host: hostIdentity(), stopped: make(chan struct{}), dials: make(chan struct{}, maxLocalDials),
 		hsBySrc: map[string]int{}, peers: map[peerKey]*peer{}, conns: map[*conn]struct{}{}}
 	copy(s.secret[:], randomBytes(16))
 	pa := peerAddr{fabric: f.id, pid: f.pid, host: s.host, hasHost: true, secret: s.secret, hasSecret: true}
@@ -760,6 +770,12 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	stopWatch := func() {}
 	if kind != kindTCP {
 		network = "unix"
+		select {
+		case s.dials <- struct{}{}:
+			defer func() { <-s.dials }()
+		case <-s.stopped:
+			return nil, fmt.Errorf("soft: connect to process %d: %w", pa.pid, net.ErrClosed)
+		}
 		// A peer of this host that is slow to answer, not gone
 		// (peerlife.go): the connection waits while it runs.
 		var stop func()
