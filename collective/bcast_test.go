@@ -14,7 +14,6 @@ import (
 	"github.com/goverbs/verbs/channel"
 	"github.com/goverbs/verbs/cluster"
 	"github.com/goverbs/verbs/collective"
-	"github.com/goverbs/verbs/verbstest"
 )
 
 // rootedAlgs are the algorithms the rooted collectives can be forced to.
@@ -284,61 +283,11 @@ func BenchmarkBroadcast(b *testing.B) {
 	}
 }
 
-// rootedExampleWorld builds n ranks in this process (one soft0 device and
-// cluster node each, connected to each other) and runs f on each rank's
-// communicator, in goroutines; it returns when every f has.
+// rootedExampleWorld runs f on n in-process ranks (exampleWorld).
 func rootedExampleWorld(n int, f func(c *collective.Comm)) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	nodes := make([]*cluster.Node, n)
-	for r := range n {
-		dev, err := verbs.Open(verbs.SoftDevice)
-		if err != nil {
-			log.Fatal(err)
-		}
-		defer dev.Close()
-		pd, err := dev.AllocPD()
-		if err != nil {
-			log.Fatal(err)
-		}
-		defer pd.Close()
-		if nodes[r], err = cluster.NewNode(pd, r, n, cluster.NodeOptions{}); err != nil {
-			log.Fatal(err)
-		}
-		defer nodes[r].Close()
+	if err := exampleWorld(n, func(c *collective.Comm) error { f(c); return nil }); err != nil {
+		log.Fatal(err)
 	}
-	eps := make([][][]byte, n)
-	for r, node := range nodes {
-		var err error
-		if eps[r], err = node.LocalEndpoints(nil); err != nil {
-			log.Fatal(err)
-		}
-	}
-	for r, node := range nodes {
-		in := make([][]byte, n)
-		for j := range n {
-			in[j] = eps[j][r]
-		}
-		if err := node.Connect(in); err != nil {
-			log.Fatal(err)
-		}
-	}
-	comms := make([]*collective.Comm, n)
-	var wg sync.WaitGroup
-	for r := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			var err error
-			if comms[r], err = collective.New(ctx, nodes[r], collective.Options{}); err != nil {
-				log.Fatal(err)
-			}
-			f(comms[r])
-		}()
-	}
-	wg.Wait()
-	// Close is collective: every rank at once.
-	parallel(n, func(r int) error { return comms[r].Close() })
 }
 
 // Rank 2 broadcasts a vector to the other ranks of a four-rank world
@@ -370,56 +319,7 @@ func ExampleBroadcast() {
 // full often, and a communicator on each.
 func smallQueueWorld(t *testing.T, n, sendWR int, opts collective.Options) []*collective.Comm {
 	t.Helper()
-	verbstest.CheckLeaks(t)
-	ns := make([]*cluster.Node, n)
-	for i := range n {
-		dev, err := verbs.Open(verbs.SoftDevice)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { dev.Close() })
-		pd, err := dev.AllocPD()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { pd.Close() })
-		nopts := cluster.NodeOptions{Channel: channel.Options{QP: verbs.QPSpec{MaxSendWR: sendWR}}}
-		if ns[i], err = cluster.NewNode(pd, i, n, nopts); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { ns[i].Close() })
-	}
-	eps := make([][][]byte, n)
-	for i, nd := range ns {
-		var err error
-		if eps[i], err = nd.LocalEndpoints(nil); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for i, nd := range ns {
-		in := make([][]byte, n)
-		for j := range n {
-			in[j] = eps[j][i]
-		}
-		if err := nd.Connect(in); err != nil {
-			t.Fatal(err)
-		}
-	}
-	cs := make([]*collective.Comm, n)
-	noErrors(t, "new", parallel(n, func(i int) error {
-		var err error
-		cs[i], err = collective.New(testCtx(t), ns[i], opts)
-		return err
-	}))
-	t.Cleanup(func() {
-		// Close is collective: every rank at once.
-		for i, err := range parallel(n, func(i int) error { return cs[i].Close() }) {
-			if err != nil {
-				t.Errorf("rank %d: Close: %v", i, err)
-			}
-		}
-	})
-	return cs
+	return worldWith(t, n, opts, cluster.NodeOptions{Channel: channel.Options{QP: verbs.QPSpec{MaxSendWR: sendWR}}})
 }
 
 // TestSmallSendQueue: with a send queue of a few entries, the chunk

@@ -3,74 +3,12 @@ package collective_test
 import (
 	"context"
 	"fmt"
-	"sync"
 
-	"github.com/goverbs/verbs"
-	"github.com/goverbs/verbs/cluster"
 	"github.com/goverbs/verbs/collective"
 )
 
-// inProcessRanks connects n ranks in this process over soft0 and runs f
-// on each, in its own goroutine, with its communicator. A real program
-// has one rank per process and gets its node from cluster.FromEnv or
-// cluster.Join.
-func inProcessRanks(n int, f func(c *collective.Comm) error) error {
-	nodes := make([]*cluster.Node, n)
-	for i := range n {
-		dev, err := verbs.Open(verbs.SoftDevice)
-		if err != nil {
-			return err
-		}
-		defer dev.Close()
-		pd, err := dev.AllocPD()
-		if err != nil {
-			return err
-		}
-		defer pd.Close()
-		if nodes[i], err = cluster.NewNode(pd, i, n, cluster.NodeOptions{}); err != nil {
-			return err
-		}
-		defer nodes[i].Close()
-	}
-	out := make([][][]byte, n)
-	for i, nd := range nodes {
-		var err error
-		if out[i], err = nd.LocalEndpoints(nil); err != nil {
-			return err
-		}
-	}
-	for i, nd := range nodes {
-		in := make([][]byte, n)
-		for j := range n {
-			in[j] = out[j][i]
-		}
-		if err := nd.Connect(in); err != nil {
-			return err
-		}
-	}
-	errs := make([]error, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			c, err := collective.New(context.Background(), nodes[i], collective.Options{})
-			if err != nil {
-				errs[i] = err
-				return
-			}
-			defer c.Close()
-			errs[i] = f(c)
-		}()
-	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
-}
+// inProcessRanks is exampleWorld: n ranks in this process.
+func inProcessRanks(n int, f func(c *collective.Comm) error) error { return exampleWorld(n, f) }
 
 // Three ranks transpose a 3×3 matrix distributed by rows: rank r holds
 // row r, sends element j to rank j and ends with column r.
