@@ -92,6 +92,7 @@ var (
 	xCases      = []xCase{
 		xAllreduce("int64-sum", collective.Sum, func(r, i int) int64 { return int64(r)<<40 + int64(i)*7919 - int64(r*i) },
 			func(a, b int64) int64 { return a + b }, 0),
+		{name: "others", run: xOthers},
 		xAllreduce("float32-sum", collective.Sum, func(r, i int) float32 { return float32(math.Cos(float64(r*104729+i*3))) / 3 },
 			func(a, b float32) float32 { return a + b }, 1e-5),
 		xAllreduce("int32-min", collective.Min, func(r, i int) int32 { return int32((i*31+r*17)%101 - 50) },
@@ -192,6 +193,115 @@ func xAllreduce[T collective.Number](name string, op collective.Op, gen func(r, 
 		}
 		return hashOf(recv), nil
 	}}
+}
+
+// xOthers runs the other collectives on count elements per block
+// (broadcast from the last rank, reduce and gather to rank 1 mod p,
+// scatter from it, allgather, alltoall, reduce-scatter, scan, exscan),
+// checks every result against its reference, and returns a hash of the
+// results every rank shares (broadcast, allgather). inPlace is ignored.
+func xOthers(ctx context.Context, c *collective.Comm, count int, _ bool) (string, error) {
+	r, p := c.Rank(), c.Size()
+	root := 1 % p
+	gen := func(q, i int) int64 { return int64(q)<<32 + int64(i)*31 - int64(q*i) }
+	check := func(what string, got []int64, want func(i int) int64) error {
+		for i, v := range got {
+			if w := want(i); v != w {
+				return fmt.Errorf("%s: element %d is %d, want %d", what, i, v, w)
+			}
+		}
+		return nil
+	}
+	mine := make([]int64, count)
+	for i := range mine {
+		mine[i] = gen(r, i)
+	}
+	bc := make([]int64, count)
+	if r == p-1 {
+		copy(bc, mine)
+	}
+	if err := collective.Broadcast(ctx, c, bc, p-1); err != nil {
+		return "", err
+	}
+	if err := check("broadcast", bc, func(i int) int64 { return gen(p-1, i) }); err != nil {
+		return "", err
+	}
+	sum := func(i int, upto int) int64 {
+		var t int64
+		for q := 0; q < upto; q++ {
+			t += gen(q, i)
+		}
+		return t
+	}
+	red := make([]int64, count)
+	if err := collective.Reduce(ctx, c, mine, red, collective.Sum, root); err != nil {
+		return "", err
+	}
+	if r == root {
+		if err := check("reduce", red, func(i int) int64 { return sum(i, p) }); err != nil {
+			return "", err
+		}
+	}
+	all := make([]int64, p*count)
+	if err := collective.Allgather(ctx, c, mine, all); err != nil {
+		return "", err
+	}
+	if err := check("allgather", all, func(i int) int64 { return gen(i/count, i%count) }); err != nil {
+		return "", err
+	}
+	gat := make([]int64, p*count)
+	if err := collective.Gather(ctx, c, mine, gat, root); err != nil {
+		return "", err
+	}
+	if r == root {
+		if err := check("gather", gat, func(i int) int64 { return gen(i/count, i%count) }); err != nil {
+			return "", err
+		}
+	}
+	sc := make([]int64, count)
+	if err := collective.Scatter(ctx, c, all, sc, root); err != nil {
+		return "", err
+	}
+	if err := check("scatter", sc, func(i int) int64 { return gen(r, i) }); err != nil {
+		return "", err
+	}
+	// Alltoall: block j of rank q's send is gen(q, j·count+i); rank r
+	// receives block r of every rank.
+	a2aSend := make([]int64, p*count)
+	for i := range a2aSend {
+		a2aSend[i] = gen(r, i)
+	}
+	a2a := make([]int64, p*count)
+	if err := collective.Alltoall(ctx, c, a2aSend, a2a); err != nil {
+		return "", err
+	}
+	if err := check("alltoall", a2a, func(i int) int64 { return gen(i/count, r*count+i%count) }); err != nil {
+		return "", err
+	}
+	rs := make([]int64, count)
+	if err := collective.ReduceScatter(ctx, c, all, rs, collective.Sum); err != nil {
+		return "", err
+	}
+	if err := check("reduce-scatter", rs, func(i int) int64 { return int64(p) * gen(r, i) }); err != nil {
+		return "", err
+	}
+	scan := make([]int64, count)
+	if err := collective.Scan(ctx, c, mine, scan, collective.Sum); err != nil {
+		return "", err
+	}
+	if err := check("scan", scan, func(i int) int64 { return sum(i, r+1) }); err != nil {
+		return "", err
+	}
+	exs := make([]int64, count)
+	if err := collective.ExScan(ctx, c, mine, exs, collective.Sum); err != nil {
+		return "", err
+	}
+	if r > 0 {
+		if err := check("exscan", exs, func(i int) int64 { return sum(i, r) }); err != nil {
+			return "", err
+		}
+	}
+	return hashOf(append(bc, all...)), nil
 }
 
 // hashOf returns a hash of v's bits.
