@@ -58,17 +58,7 @@ func elemSize[T Number]() int {
 
 // overlapPartly reports whether a and b share memory without being the
 // same slice.
-func overlapPartly[T Number](a, b []T) bool {
-	if len(a) == 0 || len(b) == 0 {
-		return false
-	}
-	sz := uintptr(elemSize[T]())
-	a0, b0 := uintptr(unsafe.Pointer(&a[0])), uintptr(unsafe.Pointer(&b[0]))
-	if a0 == b0 && len(a) == len(b) {
-		return false
-	}
-	return a0 < b0+uintptr(len(b))*sz && b0 < a0+uintptr(len(a))*sz
-}
+func overlapPartly[T Number](a, b []T) bool { return overlap(a, b) && !sameMem(a, b) }
 
 // allreduce reduces buf (whole elements of esz bytes) across the
 // communicator with c.red.

@@ -36,7 +36,7 @@ func Alltoall[T Number](ctx context.Context, c *Comm, send, recv []T) error {
 		return c.argErr(info.kind, "recv has %d elements, not a multiple of the %d ranks", len(recv), p)
 	case len(send) != len(recv):
 		return c.argErr(info.kind, "send has %d elements, recv %d", len(send), len(recv))
-	case !inPlace && overlapAny(send, recv):
+	case !inPlace && overlap(send, recv):
 		return c.argErr(info.kind, "send and recv overlap (pass send nil for in place)")
 	}
 	m := len(recv) / p
@@ -101,7 +101,7 @@ func Alltoallv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, sdi
 	if err := checkSegments(c, info.kind, "recv", len(recv), recvcounts, rdispls); err != nil {
 		return err
 	}
-	if !inPlace && overlapAny(send, recv) {
+	if !inPlace && overlap(send, recv) {
 		return c.argErr(info.kind, "send and recv overlap (pass send, sendcounts and sdispls nil for in place)")
 	}
 	if sendcounts[c.rank] != recvcounts[c.rank] {

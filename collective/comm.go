@@ -331,7 +331,6 @@ func (c *Comm) bootstrap(ctx context.Context) error {
 	if err := c.node.Barrier(ctx, nil); err != nil {
 		return err
 	}
-	recvs := len(hs)
 	src, _ := buf.SGE(c.size*descBytes, descBytes)
 	for j := range c.size {
 		if j == c.rank {
@@ -348,7 +347,7 @@ func (c *Comm) bootstrap(ctx context.Context) error {
 			return fmt.Errorf("exchanging window descriptions with rank %d: %w", h.Peer(), err)
 		}
 	}
-	for _, h := range hs[:recvs] {
+	for _, h := range hs {
 		j := c.commRank(h.Peer())
 		if got := h.Received().Len; got != descBytes {
 			return fmt.Errorf("rank %d sent a window description of %d bytes, want %d", j, got, descBytes)

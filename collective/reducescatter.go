@@ -92,7 +92,7 @@ func maxElems[T Number]() int { return int(^uint(0)>>1) / elemSize[T]() }
 // reduceScatter runs a reduce-scatter of in (the input vector: blocks
 // of counts[j] elements, or of n each if counts is nil) into dst.
 func reduceScatter[T Number](ctx context.Context, c *Comm, info callInfo, in, dst []T, inPlace bool, counts []int, n int, op Op) error {
-	if !inPlace && c.size > 1 && overlapAny(in, dst) {
+	if !inPlace && c.size > 1 && overlap(in, dst) {
 		return c.argErr(info.kind, "send and recv overlap")
 	}
 	red, err := reducerFor[T](op)
@@ -154,16 +154,6 @@ func reduceScatter[T Number](ctx context.Context, c *Comm, info callInfo, in, ds
 		err = c.halvingReduceScatter(ctx, ib, off, ints[p+1:], db, data)
 	}
 	return c.end(t, err)
-}
-
-// overlapAny reports whether a and b share memory.
-func overlapAny[T Number](a, b []T) bool {
-	if len(a) == 0 || len(b) == 0 {
-		return false
-	}
-	sz := uintptr(elemSize[T]())
-	a0, b0 := uintptr(unsafe.Pointer(&a[0])), uintptr(unsafe.Pointer(&b[0]))
-	return a0 < b0+uintptr(len(b))*sz && b0 < a0+uintptr(len(a))*sz
 }
 
 // scratchInts returns k ints and n bytes (8-byte aligned, after the

@@ -374,12 +374,7 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 func (c *Comm) trySend(f *flow) (bool, error) {
 	p := f.peer
 	if c.flagOwed[p] {
-		if err := c.postFlag(p); err != nil {
-			return false, err
-		}
-		if c.flagOwed[p] {
-			return false, nil
-		}
+		return false, nil // still owed after run's retry: the send queue is full
 	}
 	if c.finished(p) {
 		return false, c.peerClosed(p)
@@ -479,13 +474,6 @@ func (c *Comm) header(b []byte, seq uint64, n, total int) {
 // tryRecv consumes the next chunk of f if it has arrived.
 func (c *Comm) tryRecv(f *flow) (bool, error) {
 	p := f.peer
-	if c.ackOwed[p] {
-		// An ack left owed by a full send queue: the peer may be waiting
-		// for its credit before it sends what this flow waits for.
-		if err := c.postAck(p); err != nil {
-			return false, err
-		}
-	}
 	seq := c.recvSeq[p]
 	if atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) <= seq {
 		return false, nil
