@@ -90,6 +90,9 @@ func (sc *scope) add(b *Batch, w work) Handle {
 	if b.err != nil {
 		return sc.fail(b, w.kind, b.err)
 	}
+	if err := b.p.accepts(w.kind); err != nil {
+		return sc.fail(b, w.kind, err)
+	}
 	if err := b.p.usable(w.kind == opRecv); err != nil {
 		return sc.fail(b, w.kind, err)
 	}

@@ -76,6 +76,15 @@ func (p *peer) connect(remote verbs.Endpoint) error {
 		}
 		return &OpError{Op: "connect", Peer: p.idx, Err: errors.New("already connected")}
 	}
+	if p.bells != nil && p.rqUsed.Load() == 0 {
+		// Before the queue pair is ready to receive: the peer's first
+		// doorbell finds a receive.
+		if err := p.postBells(p.e.opts.Doorbells); err != nil {
+			p.fail(err)
+			return &OpError{Op: "connect", Peer: p.idx, Err: err}
+		}
+		p.rqUsed.Store(int32(p.e.opts.Doorbells))
+	}
 	if err := p.qp.ConnectWith(remote, p.e.opts.Connect); err != nil {
 		p.fail(err)
 		return &OpError{Op: "connect", Peer: p.idx, Err: err}
@@ -153,6 +162,23 @@ func (c *Channel) Drain(ctx context.Context) error {
 	return c.opErr("drain", c.e.drain(ctx, []*peer{c.p}))
 }
 
+// Wait blocks until ready reports true, ctx ends or the channel closes.
+// While it waits it polls the completion queue (one goroutine at a time
+// polls for everyone), spinning as Options.SpinPolls says and then
+// sleeping on the completion channel, and calls ready again after every
+// batch of completions it dispatches: the completions of this channel's
+// operations, and the doorbells of Options.Doorbells, by which peers that
+// write into this process' memory can wake it. ready must be cheap and
+// must not block. It returns nil once ready is true, and otherwise an
+// error wrapping verbs.ErrTimeout and the context's error, or ErrClosed.
+func (c *Channel) Wait(ctx context.Context, ready func() bool) error {
+	return c.e.waitCond(ctx, ready)
+}
+
+// Rung returns the number of doorbells received so far (see
+// Options.Doorbells); a MultiChannel's peers share one count.
+func (c *Channel) Rung() uint64 { return c.e.rung.Load() }
+
 // Progress polls the completion queue once, unless another goroutine is
 // polling it, and routes the completions to their operations. It never
 // blocks. Waiting calls poll by themselves; Progress serves callers that
@@ -183,6 +209,9 @@ func (c *Channel) run(ctx context.Context, w work) (*slot, error) {
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, waitErr(err)
+	}
+	if err := c.p.accepts(w.kind); err != nil {
+		return nil, err
 	}
 	if err := c.p.usable(w.kind == opRecv); err != nil {
 		return nil, err
@@ -348,6 +377,9 @@ func (c *Channel) WriteInline(ctx context.Context, dst verbs.RemoteAddr, data []
 func (c *Channel) post(w work) (Handle, error) {
 	if c.err != nil {
 		return Handle{}, c.opErr(w.kind.String(), c.err)
+	}
+	if err := c.p.accepts(w.kind); err != nil {
+		return Handle{}, c.opErr(w.kind.String(), err)
 	}
 	if err := c.p.usable(w.kind == opRecv); err != nil {
 		return Handle{}, c.opErr(w.kind.String(), err)

@@ -128,6 +128,9 @@ func checkCM(op string, pd *verbs.ProtectionDomain, opts Options, n, limit int) 
 	if _, err := opts.withDefaults(); err != nil {
 		return err
 	}
+	if opts.Doorbells > 0 {
+		return &OpError{Op: op, Err: fmt.Errorf("Options.Doorbells with the RDMA CM: %w", verbs.ErrNotSupported)}
+	}
 	if dev := pd.Context(); !verbs.HardwareCompiled || dev.Provider() != "ibverbs" {
 		why := ""
 		if !verbs.HardwareCompiled {

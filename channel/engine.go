@@ -49,6 +49,7 @@ func (k opKind) String() string { return opNames[k] }
 const (
 	tagSlot  = 0xC5 // bits 55..32 generation, 31..0 slot index
 	tagUnsig = 0xC6 // unsignaled request: bits 31..0 peer number
+	tagBell  = 0xC7 // doorbell receive: bits 31..0 peer number
 	genMask  = 1<<24 - 1
 )
 
@@ -57,6 +58,8 @@ func slotWRID(idx, gen uint32) uint64 {
 }
 
 func unsigWRID(peer int) uint64 { return uint64(tagUnsig)<<56 | uint64(uint32(peer)) }
+
+func bellWRID(peer int) uint64 { return uint64(tagBell)<<56 | uint64(uint32(peer)) }
 
 // Slot states.
 const (
@@ -121,6 +124,7 @@ type engine struct {
 	pollFree chan struct{} // capacity 1: the poller left; someone else should poll
 	wcs      []verbs.Completion
 	spin     spinStats // how long waits took (the adaptive spin policy)
+	rung     atomic.Uint64 // doorbells received (Options.Doorbells)
 
 	bcMu      sync.Mutex
 	bc        chan struct{} // closed when completions were dispatched (condition waiters)
@@ -353,6 +357,25 @@ func (e *engine) dispatch(wc *verbs.Completion) {
 		if i := int(uint32(wc.WRID)); i < len(e.peers) && e.peers[i] != nil && wc.Status != verbs.StatusSuccess {
 			e.peers[i].fail(&OpError{Op: opWriteInline.String(), Peer: i, Err: wc.Err()})
 		}
+	case tagBell:
+		i := int(uint32(wc.WRID))
+		if i >= len(e.peers) || e.peers[i] == nil {
+			return
+		}
+		p := e.peers[i]
+		if wc.Status != verbs.StatusSuccess {
+			p.rqUsed.Add(-1)
+			if wc.Status != verbs.StatusWRFlushErr {
+				p.fail(&OpError{Op: "doorbell receive", Peer: i, Err: wc.Err()})
+			}
+			return
+		}
+		e.rung.Add(1)
+		// Re-posted at once: the peer may ring again.
+		if err := p.postBells(1); err != nil {
+			p.rqUsed.Add(-1)
+			p.breakQP(&OpError{Op: "doorbell receive", Peer: i, Err: err})
+		}
 	case tagSlot:
 		idx := uint32(wc.WRID)
 		if int(idx) >= len(e.slots) {
@@ -488,6 +511,17 @@ func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) 
 			return fmt.Errorf("channel: %w", err)
 		}
 	}
+}
+
+// waitCond is wait for a condition of the caller's (Channel.Wait).
+func (e *engine) waitCond(ctx context.Context, ready func() bool) error {
+	if err := e.wait(ctx, ready, nil); err != nil {
+		if errors.Is(err, ErrClosed) {
+			return err
+		}
+		return fmt.Errorf("channel: wait: %w", err)
+	}
+	return nil
 }
 
 // sleep waits, while another goroutine polls, for ch (or any dispatch,

@@ -116,6 +116,16 @@ func (m *MultiChannel) Connect(remotes []verbs.Endpoint) error {
 // Progress polls the shared completion queue once (see Channel.Progress).
 func (m *MultiChannel) Progress() error { return m.e.progress() }
 
+// Wait blocks until ready reports true, ctx ends or the channel closes
+// (see Channel.Wait).
+func (m *MultiChannel) Wait(ctx context.Context, ready func() bool) error {
+	return m.e.waitCond(ctx, ready)
+}
+
+// Rung returns the number of doorbells received so far from every peer
+// (see Options.Doorbells).
+func (m *MultiChannel) Rung() uint64 { return m.e.rung.Load() }
+
 // Drain waits until no operation that generates a completion is in
 // flight to any peer, or ctx ends.
 func (m *MultiChannel) Drain(ctx context.Context) error {

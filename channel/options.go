@@ -36,6 +36,23 @@ type Options struct {
 	// SpinNever (any negative value) always sleeps at once; SpinAlways
 	// never sleeps. Every wait honours its context.
 	SpinPolls int
+	// Doorbells, when positive, is the number of zero-length receives the
+	// channel keeps posted on each queue pair for doorbells: every RDMA
+	// write with immediate data from the peer (WriteImm, PostWriteImm,
+	// Batch.WriteImm) consumes one, which makes a completion here; the
+	// channel re-posts it as it polls, and the completion wakes the
+	// goroutines sleeping in Wait (and MultiChannel.Wait). A program
+	// waiting for words that peers write into its memory can so sleep on
+	// the completion channel instead of a timer: the peers write those
+	// words with immediate data. The receive queues then belong to the
+	// channel: Send, SendImm and Receive (and their Post and Batch forms)
+	// fail with an error wrapping verbs.ErrNotSupported, and both ends of
+	// a queue pair must use doorbells (a send into a doorbell receive
+	// fails the pair). A peer that rings more than Doorbells times before
+	// this side polls is delayed by the receiver-not-ready retry of its
+	// queue pair (Options.QP.RNRRetry, forever by default). At most
+	// QP.MaxRecvWR; not available through the RDMA CM. Default 0: none.
+	Doorbells int
 	// FlushGrace bounds how long tearing down in-flight operations waits
 	// for their flush completions (after a cancelled blocking call, a
 	// cancelled Batch, Break and Close): a device flushes within
@@ -61,6 +78,9 @@ func (o Options) withDefaults() (Options, error) {
 	}
 	if o.QP.MaxSendWR < 0 || o.QP.MaxRecvWR < 0 {
 		return o, fmt.Errorf("channel: Options.QP: negative queue depth (send %d, receive %d)", o.QP.MaxSendWR, o.QP.MaxRecvWR)
+	}
+	if o.Doorbells < 0 || o.Doorbells > o.QP.MaxRecvWR {
+		return o, fmt.Errorf("channel: Options.Doorbells %d is not within 0 and the receive queue depth %d", o.Doorbells, o.QP.MaxRecvWR)
 	}
 	if o.MaxOutstanding < 0 {
 		return o, fmt.Errorf("channel: Options.MaxOutstanding %d is negative", o.MaxOutstanding)

@@ -28,6 +28,9 @@ type peer struct {
 	inlineOff int // of the staging area in e.scratch
 
 	mu     sync.Mutex // posting: sb, rb, unsig, marker use
+
+	bellMu sync.Mutex      // posting doorbell receives (bells); never held while waiting
+	bells  *verbs.RecvBatch // Options.Doorbells > 0
 	sb     *verbs.RCBatch
 	rb     *verbs.RecvBatch
 	unsig  int32 // unsignaled requests posted since the last signaled one
@@ -56,7 +59,25 @@ func newPeer(e *engine, idx int, q *verbs.RCQueuePair) *peer {
 		inlineMax: min(max(c.MaxInlineData, 0), 256)}
 	p.sb = q.NewBatch(c.MaxSendWR)
 	p.rb = q.NewRecvBatch(c.MaxRecvWR)
+	if e.opts.Doorbells > 0 {
+		p.bells = q.NewRecvBatch(e.opts.Doorbells)
+	}
 	return p
+}
+
+// postBells posts n zero-length doorbell receives. They are not counted
+// as pending (Drain does not wait for them); a broken queue pair flushes
+// them.
+func (p *peer) postBells(n int) error {
+	p.bellMu.Lock()
+	defer p.bellMu.Unlock()
+	for range n {
+		p.bells.Recv(bellWRID(p.idx))
+	}
+	if err := p.bells.Submit(); err != nil {
+		return fmt.Errorf("posting doorbell receives: %w", err)
+	}
+	return nil
 }
 
 // fail records why the peer broke; the first cause wins.
@@ -86,6 +107,18 @@ func (p *peer) breakQP(cause error) {
 		p.qp.Modify(verbs.QPAttr{State: verbs.StateError}, verbs.AttrState)
 	}
 	p.e.nudge()
+}
+
+// accepts reports why an operation of kind cannot be posted to the peer
+// at all (a doorbell channel carries one-sided operations only), or nil.
+func (p *peer) accepts(kind opKind) error {
+	if p.e.opts.Doorbells > 0 {
+		switch kind {
+		case opSend, opSendImm, opRecv:
+			return fmt.Errorf("a %s on a channel with doorbells (Options.Doorbells): its receive queues hold the doorbells: %w", kind, verbs.ErrNotSupported)
+		}
+	}
+	return nil
 }
 
 // usable reports why requests cannot be posted, or nil. Receives may be
