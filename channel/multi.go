@@ -122,6 +122,10 @@ func (m *MultiChannel) Wait(ctx context.Context, ready func() bool) error {
 	return m.e.waitCond(ctx, ready)
 }
 
+// Doorbells returns the number of doorbell receives per peer
+// (Options.Doorbells), 0 if the channel has none.
+func (m *MultiChannel) Doorbells() int { return m.e.opts.Doorbells }
+
 // Rung returns the number of doorbells received so far from every peer
 // (see Options.Doorbells).
 func (m *MultiChannel) Rung() uint64 { return m.e.rung.Load() }

@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -184,33 +183,25 @@ const (
 	barrierInfoSize = 36
 )
 
-// Polling. A wait spins, then sleeps with a growing pause. For its first
-// pollEager polls it drives the transport's progress at every poll (soft0
-// places a peer's write when a process polls, see internal/soft), then
-// every pollCheck polls; between polls it yields to the process'
-// goroutines (runtime.Gosched). It spins for pollSpin, then sleeps.
-//
-// Measured between processes (BenchmarkBarrierXproc, soft0 over shared
-// memory, 2 CPUs, idle): driving progress at every poll at first cut a
-// barrier of 2 ranks from 180-360 µs to 20-60 µs (progress every 64
-// polls left the peer's write unplaced for most of the spin). Yielding to
-// other threads (sched_yield) for up to 1-10 ms instead of Gosched made
-// barriers of 3-8 ranks on 2 CPUs 1.5-2.3 times slower (8 ranks: 4.4-6.8
-// ms against 2.9): every spinner stays runnable and takes turns with the
-// rank it waits for; sleeping leaves the processors to the ranks that
-// have work. When ranks outnumber processors a barrier still costs
-// milliseconds (the timers' pauses); see the issue notes.
+// Waiting. A wait runs in the node channel's Wait, which polls the
+// completion queue (soft0 places a peer's write when a process polls, see
+// internal/soft) and, as its adaptive policy decides
+// (channel.Options.SpinPolls), spins for a while or sleeps on the
+// completion channel at once. Signals are written with immediate data:
+// each consumes one of the receiver's doorbell receives
+// (channel.Options.Doorbells), whose completion wakes a rank sleeping for
+// it. So ranks that outnumber the processors sleep until their signal
+// arrives, instead of spinning (which kept the processor from the rank
+// they waited for) or sleeping on timers (milliseconds per barrier).
+// A wait woken without its signal (an alarm every probeEvery, the poison
+// word, the context) checks the context, the poison word and the peer's
+// channel; after probeAfter it probes the peer it waits for.
 const (
-	pollEager = 256 // polls that drive progress each
-	pollCheck = 64  // check ctx and the transport's errors every pollCheck polls
-	pollSpin  = 500 * time.Microsecond
-	// pollProbeAfter is how many polls a wait makes before it probes
-	// the peer it waits for (probe).
-	pollProbeAfter = 2048
-	pollMinSleep   = time.Microsecond
-	pollMaxSleep   = 500 * time.Microsecond
-	// probeEvery spaces the probes of a peer waited for (after the
-	// spins): at most one in flight, one every probeEvery.
+	// probeAfter is how long a wait lasts before it probes the peer it
+	// waits for (probe).
+	probeAfter = 2 * time.Millisecond
+	// probeEvery spaces the probes of a peer waited for (and the alarms
+	// of a sleeping wait): at most one in flight, one every probeEvery.
 	probeEvery = 10 * time.Millisecond
 )
 
@@ -240,7 +231,7 @@ type barrier struct {
 	rank, n int
 
 	flags   *verbs.MemoryRegion // 2 words per world rank, written by peers, then the poison and probe words
-	staging *verbs.MemoryRegion // source words, when inline writes are unavailable
+	staging *verbs.MemoryRegion // source words of the signals: two per peer
 	aux     *verbs.MemoryRegion // sources of probes (word 0, zero) and of the poison (word 1)
 	remote  []verbs.RemoteRegion
 
@@ -254,8 +245,16 @@ type barrier struct {
 	poison  error                     // a local failure (timeout, mismatch): until reset
 	lost    atomic.Pointer[RankError] // a rank failed: for good
 	tellMu  sync.Mutex                // serialises tell (the source word in aux)
-	word    [8]byte                   // source of inline writes
-	timer   *time.Timer               // sleeps of long waits
+	wokenFn func() bool               // b.woken, bound once
+
+	// sleep's alarm (ring, on a timer's goroutine) and the sleeper.
+	alarm                *time.Timer
+	alarms               atomic.Uint64
+	waitWord             *uint64
+	waitWant, seenAlarms uint64
+	sleepMu              sync.Mutex
+	sleeping             bool
+	sleepPeer            int
 }
 
 // newBarrier creates the barrier of rank mc.Self() in a world of mc.Len()
@@ -269,6 +268,9 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 		return nil, fmt.Errorf("cluster: barrier: unknown algorithm %d", int(alg))
 	}
 	n, rank := mc.Len(), mc.Self()
+	if n > 1 && mc.Doorbells() == 0 {
+		return nil, errors.New("cluster: barrier: the MultiChannel has no doorbells (channel.Options.Doorbells): signals are writes with immediate data")
+	}
 	if rank < 0 || rank >= n {
 		return nil, fmt.Errorf("cluster: barrier: the MultiChannel has no self rank (self %d of %d)", rank, n)
 	}
@@ -283,16 +285,12 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 	}
 	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1,
 		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), groups: make(map[uint64][]*group)}
-	for _, p := range mc.Peers() {
-		if mc.Peer(p).MaxInline() < flagBytes {
-			if b.staging, err = mc.PD().Alloc(n*flagBytes, verbs.AccessLocalWrite); err != nil {
-				flags.Close()
-				aux.Close()
-				return nil, fmt.Errorf("cluster: barrier: staging memory: %w", err)
-			}
-			break
-		}
+	if b.staging, err = mc.PD().Alloc(2*n*flagBytes, verbs.AccessLocalWrite); err != nil {
+		flags.Close()
+		aux.Close()
+		return nil, fmt.Errorf("cluster: barrier: staging memory: %w", err)
 	}
+	b.wokenFn = b.woken
 	b.world = b.newGroup(nil)
 	return b, nil
 }
@@ -611,7 +609,7 @@ func (b *barrier) tell(dead int) {
 		if p == dead || ch.Err() != nil {
 			continue
 		}
-		if h, err := ch.PostWrite(b.remote[p].At(off), src); err == nil {
+		if h, err := ch.PostWriteImm(b.remote[p].At(off), 0, src); err == nil {
 			h.Release() // detached: its completion is not awaited
 		}
 	}
@@ -635,23 +633,30 @@ func (b *barrier) value(g *group, seq uint32) uint64 {
 	return b.gen<<48 | uint64(seq&0xffff)<<32 | g.tag<<16 | g.epoch&0xffff
 }
 
-// signal writes this rank's word for g into peer's flags.
+// signal writes this rank's word for g into peer's flags, with
+// immediate data: the peer's doorbell, which wakes it if it sleeps in
+// await. The write is not awaited. Its source is one of two staging
+// words of the pair, by the parity of the pair's write count: the next
+// write with the same parity comes after the peer has read this one (see
+// Flag memory), so after the device has read the source.
 func (b *barrier) signal(ctx context.Context, g *group, peer int) error {
 	seq := b.sendSeq[peer]
 	v := b.value(g, seq)
 	off := uint64((b.rank*wordsPerPeer + int(seq&1)) * flagBytes)
 	dst := b.remote[peer].At(off)
 	ch := b.mc.Peer(peer)
-	var err error
-	if b.staging == nil {
-		binary.NativeEndian.PutUint64(b.word[:], v)
-		err = ch.WriteInline(ctx, dst, b.word[:])
-	} else {
-		binary.NativeEndian.PutUint64(b.staging.Bytes()[peer*flagBytes:], v)
-		var src verbs.SGE
-		if src, err = b.staging.SGE(peer*flagBytes, flagBytes); err == nil {
-			err = ch.Write(ctx, dst, src)
-		}
+	stage := (peer*2 + int(seq&1)) * flagBytes
+	binary.NativeEndian.PutUint64(b.staging.Bytes()[stage:], v)
+	src, err := b.staging.SGE(stage, flagBytes)
+	if err != nil {
+		return err
+	}
+	h, err := ch.PostWriteImm(dst, 0, src)
+	switch {
+	case err == nil:
+		h.Release() // detached
+	case errors.Is(err, verbs.ErrQueueFull):
+		err = ch.WriteImm(ctx, dst, 0, src) // waits for room
 	}
 	if err != nil {
 		return err
@@ -668,19 +673,15 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 	off := (peer*wordsPerPeer + int(seq&1)) * flagBytes
 	w := (*uint64)(unsafe.Pointer(&b.flags.Bytes()[off]))
 	pw := b.poisonWord()
-	done := ctx.Done()
-	sleep := pollMinSleep
-	var spinUntil time.Time // set at the first check
-	spinning := true
 	var probe channel.Handle // in flight if probing
 	probing := false
-	var nextProbe time.Time
+	var start, nextProbe time.Time
 	defer func() {
 		if probing {
 			probe.Release()
 		}
 	}()
-	for i := 1; ; i++ {
+	for i := 0; ; i++ {
 		v := atomic.LoadUint64(w)
 		if v == want {
 			b.recvSeq[peer] = seq + 1
@@ -690,20 +691,10 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 			return fmt.Errorf("%w: rank %d signalled group tag %#04x epoch %d, this rank waits for tag %#04x epoch %d",
 				ErrBarrierMismatch, peer, v>>16&0xffff, v&0xffff, g.tag, g.epoch&0xffff)
 		}
-		// Unsignaled writes report failures only through the CQ.
-		if i < pollEager || i%pollCheck == 0 || !spinning {
-			if err := b.mc.Progress(); err != nil {
-				return err
-			}
-		}
-		if i%pollCheck == 0 || !spinning {
-			select {
-			case <-done:
-				if atomic.LoadUint64(w) == want {
-					continue
-				}
-				return fmt.Errorf("waiting for rank %d: %w: %w", peer, verbs.ErrTimeout, ctx.Err())
-			default:
+		if i > 0 {
+			// Woken without the signal: the context, the alarm, news.
+			if err := ctx.Err(); err != nil {
+				return fmt.Errorf("waiting for rank %d: %w: %w", peer, verbs.ErrTimeout, err)
 			}
 			if b.closed.Load() {
 				return channel.ErrClosed
@@ -716,35 +707,69 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 			if err := b.mc.Peer(peer).Err(); err != nil {
 				return err
 			}
-			if spinning {
-				now := time.Now()
-				if spinUntil.IsZero() {
-					spinUntil = now.Add(pollSpin)
-				}
-				spinning = now.Before(spinUntil)
-			}
-			if i >= pollProbeAfter {
+			now := time.Now()
+			if start.IsZero() {
+				start = now
+			} else if now.Sub(start) >= probeAfter {
 				// A long wait: check that the peer is alive.
 				if err := b.probe(peer, &probe, &probing, &nextProbe); err != nil {
 					return err
 				}
 			}
 		}
-		if spinning {
-			runtime.Gosched()
-			continue
-		}
-		if b.timer == nil {
-			b.timer = time.NewTimer(sleep)
-		} else {
-			b.timer.Reset(sleep)
-		}
-		select {
-		case <-done:
-		case <-b.timer.C:
-		}
-		b.timer.Stop()
-		sleep = min(2*sleep, pollMaxSleep)
+		b.sleep(ctx, peer, w, want)
+	}
+}
+
+// sleep waits, in the node channel's Wait (which polls, spinning as its
+// Options.SpinPolls says, then sleeps on the completion channel), until
+// the flag w holds want, the poison word is set, the barrier closes, the
+// alarm goes off or ctx ends (which the caller's checks report). A
+// signal is written with immediate data: its doorbell wakes a sleeping
+// rank, and the word is in memory when the doorbell's completion is. The
+// alarm (ring, after probeEvery) posts a probe to the peer waited for,
+// whose completion wakes this rank for its checks (liveness, the
+// context's end is seen at once).
+func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, want uint64) {
+	if b.alarm == nil {
+		b.alarm = time.AfterFunc(time.Hour, b.ring)
+		b.alarm.Stop()
+	}
+	b.sleepMu.Lock()
+	b.sleepPeer, b.sleeping = peer, true
+	b.sleepMu.Unlock()
+	b.waitWord, b.waitWant, b.seenAlarms = w, want, b.alarms.Load()
+	b.alarm.Reset(probeEvery)
+	b.mc.Wait(ctx, b.wokenFn) // ends early only with ctx or the channel, which the checks report
+	b.alarm.Stop()
+	b.sleepMu.Lock()
+	b.sleeping = false
+	b.sleepMu.Unlock()
+}
+
+// woken is the condition of sleep.
+func (b *barrier) woken() bool {
+	return atomic.LoadUint64(b.waitWord) == b.waitWant || atomic.LoadUint64(b.poisonWord()) != 0 ||
+		b.alarms.Load() != b.seenAlarms || b.closed.Load()
+}
+
+// ring is the alarm of sleep (on a timer's goroutine): a probe write to
+// the peer waited for. Nothing is posted once the sleep ended (sleepMu):
+// the memory may be released after it.
+func (b *barrier) ring() {
+	b.alarms.Add(1)
+	b.sleepMu.Lock()
+	defer b.sleepMu.Unlock()
+	if !b.sleeping {
+		return
+	}
+	src, err := b.aux.SGE(0, flagBytes)
+	if err != nil {
+		return
+	}
+	peer := b.sleepPeer
+	if h, err := b.mc.Peer(peer).PostWrite(b.remote[peer].At(uint64((b.n*wordsPerPeer+1)*flagBytes)), src); err == nil {
+		h.Release()
 	}
 }
 
@@ -837,10 +862,8 @@ func (b *barrier) close() error {
 	if err := b.flags.Close(); err != nil {
 		errs = append(errs, err)
 	}
-	if b.staging != nil {
-		if err := b.staging.Close(); err != nil {
-			errs = append(errs, err)
-		}
+	if err := b.staging.Close(); err != nil {
+		errs = append(errs, err)
 	}
 	if err := b.aux.Close(); err != nil {
 		errs = append(errs, err)

@@ -49,7 +49,7 @@ func barWorld(t testing.TB, n int, alg BarrierAlgorithm) []*barRank {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { barClose(t, "pd", r.pd.Close) })
-		if r.mc, err = channel.NewMulti(r.pd, n, i, channel.Options{}); err != nil {
+		if r.mc, err = channel.NewMulti(r.pd, n, i, channel.Options{Doorbells: 16}); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { barClose(t, "multichannel", r.mc.Close) })
@@ -514,13 +514,21 @@ func TestNewBarrierBadInput(t *testing.T) {
 	if _, err := newBarrier(rs[0].mc, BarrierAlgorithm(3)); err == nil || !strings.Contains(err.Error(), "unknown algorithm 3") {
 		t.Errorf("unknown algorithm: %v", err)
 	}
-	noSelf, err := channel.NewMulti(rs[0].pd, 2, -1, channel.Options{})
+	noSelf, err := channel.NewMulti(rs[0].pd, 2, -1, channel.Options{Doorbells: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer barClose(t, "multichannel", noSelf.Close)
 	if _, err := newBarrier(noSelf, BinaryTree); err == nil || !strings.Contains(err.Error(), "no self rank") {
 		t.Errorf("MultiChannel without self: %v", err)
+	}
+	noBells, err := channel.NewMulti(rs[0].pd, 2, 0, channel.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer barClose(t, "multichannel", noBells.Close)
+	if _, err := newBarrier(noBells, BinaryTree); err == nil || !strings.Contains(err.Error(), "no doorbells") {
+		t.Errorf("MultiChannel without doorbells: %v", err)
 	}
 }
 

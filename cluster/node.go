@@ -20,6 +20,11 @@ var ErrNodeState = errors.New("cluster: node: wrong phase")
 // NodeOptions configure a Node. The zero value is usable.
 type NodeOptions struct {
 	// Channel configures the MultiChannel (queue depths, polling...).
+	// Its Doorbells default to 64 per peer (at most the receive queue
+	// depth): the queue pairs carry one-sided operations only, and peers
+	// wake a rank that sleeps for their writes with writes with immediate
+	// data (see channel.Options.Doorbells). Every rank of a world must
+	// use doorbells.
 	Channel channel.Options
 	// Barrier is the barrier algorithm; every rank must use the same one.
 	// Default BinaryTree.
@@ -61,6 +66,10 @@ type Node struct {
 	closeOnce sync.Once
 }
 
+// defaultDoorbells is the number of doorbell receives per peer
+// (NodeOptions.Channel.Doorbells).
+const defaultDoorbells = 64
+
 // NewNode creates the node of rank in a world of size ranks: a
 // MultiChannel in pd (which the caller keeps and closes after the Node)
 // and a barrier.
@@ -74,7 +83,15 @@ func NewNode(pd *verbs.ProtectionDomain, rank, size int, opts NodeOptions) (*Nod
 	if pd == nil {
 		return nil, errors.New("cluster: node: nil protection domain")
 	}
-	mc, err := channel.NewMulti(pd, size, rank, opts.Channel)
+	copts := opts.Channel
+	if copts.Doorbells == 0 {
+		depth := copts.QP.MaxRecvWR
+		if depth == 0 {
+			depth = defaultDoorbells
+		}
+		copts.Doorbells = min(defaultDoorbells, max(depth, 1))
+	}
+	mc, err := channel.NewMulti(pd, size, rank, copts)
 	if err != nil {
 		return nil, fmt.Errorf("cluster: node: %w", err)
 	}

@@ -161,6 +161,13 @@ type Comm struct {
 	scratch                           []byte           // reduction scratch of the algorithms (Go memory)
 	doneHs                            []channel.Handle // Close's done writes
 	aborted                           bool             // this rank's abort word was written (abort)
+	wokenFn                           func() bool      // c.woken, bound once
+
+	// sleep's alarm (ring, on a timer's goroutine) and the sleeper.
+	alarms    atomic.Uint64
+	sleepMu   sync.Mutex
+	sleeping  bool
+	sleepPeer int
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out
@@ -218,6 +225,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, erro
 		chunk: opts.ChunkSize, slots: opts.Slots, ackEvery: max(1, opts.Slots/2),
 		remote: make([]verbs.RemoteRegion, p), sendSeq: make([]uint64, p), recvSeq: make([]uint64, p),
 		ackSent: make([]uint64, p), flagOwed: make([]bool, p), ackOwed: make([]bool, p)}
+	c.wokenFn = c.woken
 	c.slotBytes = (hdrBytes + c.chunk + 63) &^ 63
 	c.slotBase = (p*peerFlagBytes + 8 + 63) &^ 63 // flags, the probe word
 	rxLen := c.slotBase + p*c.slots*c.slotBytes
@@ -502,7 +510,7 @@ func (c *Comm) sayDone() {
 			continue
 		}
 		for tries := 0; ; tries++ {
-			h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes+16)), sge)
+			h, err := c.mc.Peer(c.ranks[p]).PostWriteImm(c.remote[p].At(uint64(c.rank*peerFlagBytes+16)), 0, sge)
 			if err == nil {
 				c.doneHs = append(c.doneHs, h)
 			}

@@ -268,7 +268,7 @@ func (c *Comm) abort(reason uint64) {
 			continue
 		}
 		for tries := 0; ; tries++ {
-			h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes+24)), sge)
+			h, err := c.mc.Peer(c.ranks[p]).PostWriteImm(c.remote[p].At(uint64(c.rank*peerFlagBytes+24)), 0, sge)
 			if err == nil {
 				h.Release()
 			}
@@ -325,6 +325,7 @@ func word(m *verbs.MemoryRegion, off int) *uint64 {
 func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 	c.w.reset()
 	for {
+		c.w.rung = c.mc.Rung() // before looking: see sleep
 		// Flags and acks a full send queue left owed go out first, also
 		// those of finished messages: a peer may wait for the last
 		// flag of a send that is done, or for an ack to send again,
@@ -402,7 +403,7 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 		return false, err
 	}
 	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
-	h, err := c.post(p, dst, src)
+	h, err := c.post(p, dst, src, false)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return false, nil
@@ -424,16 +425,26 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 // handles are full it drives the progress once (completions free them:
 // writes are posted detached, and only polling retires them) and tries
 // again.
-func (c *Comm) post(p int, dst verbs.RemoteAddr, src verbs.SGE) (channel.Handle, error) {
+func (c *Comm) post(p int, dst verbs.RemoteAddr, src verbs.SGE, bell bool) (channel.Handle, error) {
 	ch := c.mc.Peer(c.ranks[p])
-	h, err := ch.PostWrite(dst, src)
+	h, err := postWrite(ch, dst, src, bell)
 	if err != nil && errors.Is(err, verbs.ErrQueueFull) {
 		if perr := c.mc.Progress(); perr != nil {
 			return h, perr
 		}
-		h, err = ch.PostWrite(dst, src)
+		h, err = postWrite(ch, dst, src, bell)
 	}
 	return h, err
+}
+
+// postWrite posts an RDMA write, with immediate data if bell is set: the
+// peer's doorbell (channel.Options.Doorbells), which wakes it if it
+// sleeps for this write (see Comm.sleep).
+func postWrite(ch *channel.Channel, dst verbs.RemoteAddr, src verbs.SGE, bell bool) (channel.Handle, error) {
+	if bell {
+		return ch.PostWriteImm(dst, 0, src)
+	}
+	return ch.PostWrite(dst, src)
 }
 
 // postFlag posts the write of this rank's data count at p, if it is
@@ -446,7 +457,7 @@ func (c *Comm) postFlag(p int) error {
 	if err != nil {
 		return err
 	}
-	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes)), src)
+	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes)), src, true)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			c.anyOwed = true
@@ -535,7 +546,7 @@ func (c *Comm) postAck(p int) error {
 	if err != nil {
 		return err
 	}
-	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), src)
+	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), src, true)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			c.anyOwed = true
@@ -578,6 +589,7 @@ func (c *Comm) retryOwed() (bool, error) {
 // flushOwed posts the counters still owed at the end of a step.
 func (c *Comm) flushOwed(ctx context.Context) error {
 	for {
+		c.w.rung = c.mc.Rung()
 		owed, err := c.retryOwed()
 		if err != nil || !owed {
 			return err
@@ -588,44 +600,47 @@ func (c *Comm) flushOwed(ctx context.Context) error {
 	}
 }
 
-// Waiting. A rank with nothing to move drives the transport's progress
-// (soft0 places a peer's writes when the process polls) and yields to
-// other goroutines; after waitSpin it sleeps, with a pause growing to
-// waitMaxSleep, so that ranks outnumbering the processors leave them to
-// the ranks that have work. Every waitCheck idle rounds (every round once
-// sleeping) it checks the context, the deadline, the communicator, the
-// world (cluster.Node.Err: a failure another rank saw) and the queue pairs
-// of the peers it waits for; after waitProbeAfter rounds it probes the
-// first of them with a small write every probeEvery, so that a peer that
-// died or stopped fails the write after the queue pair's transport
-// timeout.
+// Waiting. A rank with nothing to move waits in the node channel's Wait
+// (channel.MultiChannel.Wait), which polls the completion queue (soft0
+// places a peer's writes when the process polls) and, as the channel's
+// adaptive policy decides (channel.Options.SpinPolls), spins for a while
+// or sleeps on the completion channel. Every counter a peer writes here
+// (data count, ack count, done flag, abort word) is written with
+// immediate data, which consumes one of the doorbell receives of the
+// node's queue pairs (cluster.NodeOptions) and makes a completion: the
+// wait ends when one has been dispatched since the round began. So ranks
+// outnumbering the processors sleep until work arrives, instead of
+// spinning (which keeps the processor from the rank waited for) or
+// sleeping on timers. An alarm (probeEvery, or the deadline) ends a
+// sleep too: it posts a probe to the peer waited for, whose completion
+// wakes the rank for its checks. When a round moved nothing, after an
+// alarm and once the context ended, the wait checks the context, the deadline,
+// the communicator, the world (cluster.Node.Err: a failure another rank
+// saw) and the queue pairs of the peers it waits for; after probeAfter
+// it probes the first of them with a small write every probeEvery, so
+// that a peer that died or stopped fails the write after the queue
+// pair's transport timeout.
 const (
-	waitEager      = 256
-	waitCheck      = 64
-	waitSpin       = 200 * time.Microsecond
-	waitProbeAfter = 2048
-	waitMinSleep   = time.Microsecond
-	waitMaxSleep   = 500 * time.Microsecond
-	probeEvery     = 10 * time.Millisecond
+	probeAfter = 2 * time.Millisecond
+	probeEvery = 10 * time.Millisecond
 )
 
 type waiter struct {
 	i         int
-	spinning  bool
-	spinUntil time.Time
+	start     time.Time // of a wait that needed checks
 	sleep     time.Duration
 	probe     channel.Handle
 	probing   bool
 	probePeer int
 	nextProbe time.Time
-	timer     *time.Timer
+	rung      uint64      // the doorbells rung when the round began (sleep)
+	alarms    uint64      // alarms seen (sleep)
+	alarm     *time.Timer // ends sleeps: Comm.ring
 }
 
 func (w *waiter) reset() {
 	w.i = 0
-	w.spinning = true
-	w.spinUntil = time.Time{}
-	w.sleep = waitMinSleep
+	w.start = time.Time{}
 }
 
 // idle waits a little for the flows (nil: for owed writes) to move.
@@ -635,32 +650,83 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 	if _, err := c.retryOwed(); err != nil {
 		return err
 	}
-	if w.i < waitEager || w.i%waitCheck == 0 || !w.spinning {
-		if err := c.mc.Progress(); err != nil {
-			return c.fail(err, -1)
-		}
-	}
-	if w.i%waitCheck == 0 || !w.spinning {
+	if w.i > 1 || c.alarms.Load() != w.alarms || ctx.Err() != nil {
+		// Woken without moving: news (an abort word, a done flag), the
+		// alarm, the context.
 		if err := c.checks(ctx, sends, recvs); err != nil {
 			return err
 		}
 	}
-	if w.spinning {
+	if c.anyOwed {
+		// Waiting for send-queue room: the completions of this rank's
+		// writes free it, and they ring no doorbell.
+		if err := c.mc.Progress(); err != nil {
+			return c.fail(err, -1)
+		}
 		runtime.Gosched()
 		return nil
 	}
-	if w.timer == nil {
-		w.timer = time.NewTimer(w.sleep)
-	} else {
-		w.timer.Reset(w.sleep)
+	return c.sleep(ctx, sends, recvs)
+}
+
+// sleep waits on the completion channel until a doorbell rang since the
+// round began (w.rung: whatever arrived before was seen by the round),
+// the alarm went off, or ctx ended (which the next round's checks
+// report).
+func (c *Comm) sleep(ctx context.Context, sends, recvs []flow) error {
+	w := &c.w
+	if w.alarm == nil {
+		w.alarm = time.AfterFunc(time.Hour, c.ring)
+		w.alarm.Stop()
 	}
-	select {
-	case <-ctx.Done():
-	case <-w.timer.C:
+	peer := c.waitedFor(sends, recvs)
+	if peer < 0 {
+		peer = (c.rank + 1) % c.size // waiting for send-queue room: any completion will do
 	}
-	w.timer.Stop()
-	w.sleep = min(2*w.sleep, waitMaxSleep)
+	c.sleepMu.Lock()
+	c.sleepPeer, c.sleeping = peer, true
+	c.sleepMu.Unlock()
+	w.alarms = c.alarms.Load()
+	d := probeEvery
+	if !c.deadline.IsZero() {
+		d = max(min(d, time.Until(c.deadline)), time.Microsecond)
+	}
+	w.alarm.Reset(d)
+	err := c.mc.Wait(ctx, c.wokenFn)
+	w.alarm.Stop()
+	c.sleepMu.Lock()
+	c.sleeping = false
+	c.sleepMu.Unlock()
+	if err != nil && ctx.Err() == nil {
+		return c.fail(err, -1) // the node's channel closed
+	}
 	return nil
+}
+
+// woken is the condition of sleep.
+func (c *Comm) woken() bool {
+	return c.mc.Rung() != c.w.rung || c.alarms.Load() != c.w.alarms
+}
+
+// ring is the alarm of sleep (it runs on a timer's goroutine): a probe
+// write to the peer waited for, whose completion wakes the sleeper for
+// its checks. Nothing is posted once the sleep ended (sleepMu): the
+// communicator's memory may be released after it.
+func (c *Comm) ring() {
+	c.alarms.Add(1)
+	c.sleepMu.Lock()
+	defer c.sleepMu.Unlock()
+	if !c.sleeping {
+		return
+	}
+	p := c.sleepPeer
+	src, err := c.tx.SGE(c.probeSrc, 8)
+	if err != nil {
+		return
+	}
+	if h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.size*peerFlagBytes)), src); err == nil {
+		h.Release()
+	}
 }
 
 // checks looks for the reasons to give up a wait.
@@ -675,11 +741,8 @@ func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 	if !c.deadline.IsZero() && now.After(c.deadline) {
 		return c.fail(fmt.Errorf("%w: Options.Timeout (%v) passed", verbs.ErrTimeout, c.opts.Timeout), c.waitedFor(sends, recvs))
 	}
-	if w.spinning {
-		if w.spinUntil.IsZero() {
-			w.spinUntil = now.Add(waitSpin)
-		}
-		w.spinning = now.Before(w.spinUntil)
+	if w.start.IsZero() {
+		w.start = now
 	}
 	c.mu.Lock()
 	closed := c.closed
@@ -710,7 +773,7 @@ func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 			}
 		}
 	}
-	if w.i >= waitProbeAfter {
+	if now.Sub(w.start) >= probeAfter {
 		if p := c.waitedFor(sends, recvs); p >= 0 {
 			if err := c.probe(p, now); err != nil {
 				return c.peerFailed(p, err)
