@@ -161,6 +161,9 @@ func (e *BarrierError) Unwrap() error { return e.Err }
 // that has waited for a peer for a while checks that the peer is alive:
 // a peer that died or stopped fails the write (at once, or after the
 // queue pair's transport timeout), which breaks the channel.
+//
+// The mailboxes of Share follow the words: one box of boxBytes per rank
+// of the world, box j written only by rank j (see share.go).
 const (
 	wordsPerPeer = 2
 	flagBytes    = 8
@@ -168,18 +171,24 @@ const (
 	poisonMark   = 0xd1
 )
 
-// flagWords is the number of words of the flag region of a world of n.
+// flagWords is the number of words of the flag region of a world of n
+// (before the mailboxes).
 func flagWords(n int) int { return n*wordsPerPeer + extraWords }
+
+// regionBytes is the length of the flag region of a world of n: the
+// words, then n mailboxes.
+func regionBytes(n int) int { return flagWords(n)*flagBytes + n*boxBytes }
 
 // barrierInfo is what a rank hands its peers about its flags (localInfo):
 //
 //	magic "GVBR" | version u16 | algorithm u16 | rank u32 | world size u32 |
 //	flag address u64 | flag length u64 | rkey u32
 //
-// little endian, 36 bytes. Version 2 has the poison and probe words.
+// little endian, 36 bytes. Version 2 has the poison and probe words;
+// version 3 the mailboxes of Share after them.
 const (
 	barrierMagic    = "GVBR"
-	barrierVersion  = 2
+	barrierVersion  = 3
 	barrierInfoSize = 36
 )
 
@@ -232,7 +241,7 @@ type barrier struct {
 
 	flags   *verbs.MemoryRegion // 2 words per world rank, written by peers, then the poison and probe words
 	staging *verbs.MemoryRegion // source words of the signals: two per peer
-	aux     *verbs.MemoryRegion // sources of probes (word 0, zero) and of the poison (word 1)
+	aux     *verbs.MemoryRegion // sources of probes (word 0, zero), of the poison (word 1) and of Share (auxShare)
 	remote  []verbs.RemoteRegion
 
 	mu      sync.Mutex
@@ -241,6 +250,7 @@ type barrier struct {
 	sendSeq []uint32 // writes to each peer since reset
 	recvSeq []uint32 // writes expected from each peer since reset
 	world   *group
+	calls   uint32                    // Shares entered since reset (low 32 bits)
 	groups  map[uint64][]*group       // by member hash
 	poison  error                     // a local failure (timeout, mismatch): until reset
 	lost    atomic.Pointer[RankError] // a rank failed: for good
@@ -251,7 +261,7 @@ type barrier struct {
 	alarm                *time.Timer
 	alarms               atomic.Uint64
 	waitWord             *uint64
-	waitWant, seenAlarms uint64
+	waitSeen, seenAlarms uint64
 	sleepMu              sync.Mutex
 	sleeping             bool
 	sleepPeer            int
@@ -274,11 +284,11 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 	if rank < 0 || rank >= n {
 		return nil, fmt.Errorf("cluster: barrier: the MultiChannel has no self rank (self %d of %d)", rank, n)
 	}
-	flags, err := mc.PD().Alloc(flagWords(n)*flagBytes, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
+	flags, err := mc.PD().Alloc(regionBytes(n), verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
 	if err != nil {
 		return nil, fmt.Errorf("cluster: barrier: flag memory: %w", err)
 	}
-	aux, err := mc.PD().Alloc(2*flagBytes, verbs.AccessLocalWrite)
+	aux, err := mc.PD().Alloc(auxBytes, verbs.AccessLocalWrite)
 	if err != nil {
 		flags.Close()
 		return nil, fmt.Errorf("cluster: barrier: probe memory: %w", err)
@@ -318,7 +328,7 @@ func (b *barrier) setRemote(infos [][]byte) error {
 		return fmt.Errorf("cluster: barrier: %d flag descriptions for a world of %d ranks", len(infos), b.n)
 	}
 	remote := make([]verbs.RemoteRegion, b.n)
-	need := uint64(flagWords(b.n) * flagBytes)
+	need := uint64(regionBytes(b.n))
 	for j, info := range infos {
 		if len(info) != barrierInfoSize {
 			return fmt.Errorf("cluster: barrier: rank %d's flag description is %d bytes, want %d", j, len(info), barrierInfoSize)
@@ -505,44 +515,84 @@ func (b *barrier) wait(ctx context.Context, peers []int) error {
 	if err != nil {
 		return b.fail(nil, peers, -1, err)
 	}
+	if err := b.ready(ctx, len(g.steps) > 0); err != nil {
+		return b.fail(g, peers, -1, err)
+	}
+	if peer, err := b.run(ctx, g); err != nil {
+		err, poison := b.settle(peer, err)
+		err = b.fail(g, peers, peer, err)
+		if poison {
+			b.poison = err
+		}
+		return err
+	}
+	return nil
+}
+
+// ready checks, before a barrier or a Share writes anything, that it may
+// run: the barrier is open, no rank failed, it is not poisoned, ctx has
+// not ended, and (if peers is set) the peers' flags are known. Its
+// errors poison nothing. Call with mu held.
+func (b *barrier) ready(ctx context.Context, peers bool) error {
 	if b.closed.Load() {
-		return b.fail(g, peers, -1, channel.ErrClosed)
+		return channel.ErrClosed
 	}
 	if err := b.worldErr(); err != nil {
-		return b.fail(g, peers, -1, fmt.Errorf("%w: %w", ErrPoisoned, err))
+		return fmt.Errorf("%w: %w", ErrPoisoned, err)
 	}
 	if b.poison != nil {
-		return b.fail(g, peers, -1, fmt.Errorf("%w: %w", ErrPoisoned, b.poison))
+		return fmt.Errorf("%w: %w", ErrPoisoned, b.poison)
 	}
 	if err := ctx.Err(); err != nil { // nothing signalled yet: not poisoned
-		return b.fail(g, peers, -1, fmt.Errorf("%w: %w", verbs.ErrTimeout, err))
+		return fmt.Errorf("%w: %w", verbs.ErrTimeout, err)
 	}
-	if len(g.steps) > 0 && b.remote == nil {
-		return b.fail(g, peers, -1, fmt.Errorf("the peers' flags are not known yet (setRemote): %w", channel.ErrNotConnected))
+	if peers && b.remote == nil {
+		return fmt.Errorf("the peers' flags are not known yet (setRemote): %w", channel.ErrNotConnected)
 	}
+	return nil
+}
+
+// run runs the steps of the barrier of g and moves g to its next epoch.
+// On failure it returns the peer of the step that failed and the raw
+// error, for settle. Call with mu held.
+func (b *barrier) run(ctx context.Context, g *group) (int, error) {
 	for _, s := range g.steps {
+		var err error
 		if s.wait {
 			err = b.await(ctx, g, s.peer)
 		} else {
 			err = b.signal(ctx, g, s.peer)
 		}
 		if err != nil {
-			var re *RankError
-			switch {
-			case errors.As(err, &re): // another rank saw a rank fail
-				b.lost.CompareAndSwap(nil, re)
-				err = b.lost.Load()
-			case errors.Is(err, channel.ErrClosed):
-			case errors.Is(err, verbs.ErrTimeout) || errors.Is(err, ErrBarrierMismatch):
-				b.poison = b.fail(g, peers, s.peer, err)
-			default: // the transport to s.peer broke: it failed
-				err = b.report(s.peer, err)
-			}
-			return b.fail(g, peers, s.peer, err)
+			return s.peer, err
 		}
 	}
 	g.epoch++
-	return nil
+	return -1, nil
+}
+
+// settle records the failure err of a step involving peer and returns
+// the error to report, and whether it poisons the barrier (the caller
+// stores its final error as the poison): another rank's news of a
+// failed rank is kept for good; a timeout or a disagreement between the
+// ranks (ErrBarrierMismatch, ErrShareCorrupt) poisons until reset;
+// closing is just reported; anything else is the transport to peer
+// breaking: peer failed, and every rank is told.
+func (b *barrier) settle(peer int, err error) (error, bool) {
+	var re *RankError
+	switch {
+	case errors.As(err, &re): // another rank saw a rank fail
+		b.lost.CompareAndSwap(nil, re)
+		return b.lost.Load(), false
+	case errors.Is(err, channel.ErrClosed):
+		return err, false
+	case errors.Is(err, verbs.ErrTimeout) || errors.Is(err, ErrBarrierMismatch) || errors.Is(err, ErrShareCorrupt):
+		return err, true
+	case peer < 0:
+		return err, true
+	default: // the transport to peer broke: it failed
+		return b.report(peer, err), false
+	}
 }
 
 // worldErr returns the failure of a rank of the world, as this rank saw
@@ -635,7 +685,7 @@ func (b *barrier) value(g *group, seq uint32) uint64 {
 
 // signal writes this rank's word for g into peer's flags, with
 // immediate data: the peer's doorbell, which wakes it if it sleeps in
-// await. The write is not awaited. Its source is one of two staging
+// awaitWord. The write is not awaited. Its source is one of two staging
 // words of the pair, by the parity of the pair's write count: the next
 // write with the same parity comes after the peer has read this one (see
 // Flag memory), so after the device has read the source.
@@ -643,22 +693,13 @@ func (b *barrier) signal(ctx context.Context, g *group, peer int) error {
 	seq := b.sendSeq[peer]
 	v := b.value(g, seq)
 	off := uint64((b.rank*wordsPerPeer + int(seq&1)) * flagBytes)
-	dst := b.remote[peer].At(off)
-	ch := b.mc.Peer(peer)
 	stage := (peer*2 + int(seq&1)) * flagBytes
 	binary.NativeEndian.PutUint64(b.staging.Bytes()[stage:], v)
 	src, err := b.staging.SGE(stage, flagBytes)
 	if err != nil {
 		return err
 	}
-	h, err := ch.PostWriteImm(dst, 0, src)
-	switch {
-	case err == nil:
-		h.Release() // detached
-	case errors.Is(err, verbs.ErrQueueFull):
-		err = ch.WriteImm(ctx, dst, 0, src) // waits for room
-	}
-	if err != nil {
+	if err := b.postWrite(ctx, peer, b.mc.Peer(peer), b.remote[peer].At(off), src, true); err != nil {
 		return err
 	}
 	b.sendSeq[peer] = seq + 1
@@ -671,7 +712,34 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 	seq := b.recvSeq[peer]
 	want := b.value(g, seq)
 	off := (peer*wordsPerPeer + int(seq&1)) * flagBytes
-	w := (*uint64)(unsafe.Pointer(&b.flags.Bytes()[off]))
+	err := b.awaitWord(ctx, peer, b.word64(off), func(v uint64) (bool, error) {
+		if v == want {
+			return true, nil
+		}
+		if v>>32 == want>>32 {
+			return false, fmt.Errorf("%w: rank %d signalled group tag %#04x epoch %d, this rank waits for tag %#04x epoch %d",
+				ErrBarrierMismatch, peer, v>>16&0xffff, v&0xffff, g.tag, g.epoch&0xffff)
+		}
+		return false, nil
+	})
+	if err != nil {
+		return err
+	}
+	b.recvSeq[peer] = seq + 1
+	return nil
+}
+
+// word64 is the word at byte offset off of this rank's flag region.
+func (b *barrier) word64(off int) *uint64 {
+	return (*uint64)(unsafe.Pointer(&b.flags.Bytes()[off]))
+}
+
+// awaitWord polls *w, a word of the flag region that peer writes, until
+// match accepts its value (true) or rejects it (an error), ctx ends, a
+// rank of the world fails (the poison word), the barrier closes, or the
+// transport to peer breaks; after a while it probes peer (probe). match
+// must be cheap: it sees every value polled. Call with mu held.
+func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func(v uint64) (bool, error)) error {
 	pw := b.poisonWord()
 	var probe channel.Handle // in flight if probing
 	probing := false
@@ -683,16 +751,11 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 	}()
 	for i := 0; ; i++ {
 		v := atomic.LoadUint64(w)
-		if v == want {
-			b.recvSeq[peer] = seq + 1
-			return nil
-		}
-		if v>>32 == want>>32 {
-			return fmt.Errorf("%w: rank %d signalled group tag %#04x epoch %d, this rank waits for tag %#04x epoch %d",
-				ErrBarrierMismatch, peer, v>>16&0xffff, v&0xffff, g.tag, g.epoch&0xffff)
+		if ok, err := match(v); ok || err != nil {
+			return err
 		}
 		if i > 0 {
-			// Woken without the signal: the context, the alarm, news.
+			// Woken without the word: the context, the alarm, news.
 			if err := ctx.Err(); err != nil {
 				return fmt.Errorf("waiting for rank %d: %w: %w", peer, verbs.ErrTimeout, err)
 			}
@@ -717,20 +780,20 @@ func (b *barrier) await(ctx context.Context, g *group, peer int) error {
 				}
 			}
 		}
-		b.sleep(ctx, peer, w, want)
+		b.sleep(ctx, peer, w, v)
 	}
 }
 
 // sleep waits, in the node channel's Wait (which polls, spinning as its
 // Options.SpinPolls says, then sleeps on the completion channel), until
-// the flag w holds want, the poison word is set, the barrier closes, the
-// alarm goes off or ctx ends (which the caller's checks report). A
-// signal is written with immediate data: its doorbell wakes a sleeping
-// rank, and the word is in memory when the doorbell's completion is. The
-// alarm (ring, after probeEvery) posts a probe to the peer waited for,
-// whose completion wakes this rank for its checks (liveness, the
-// context's end is seen at once).
-func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, want uint64) {
+// the word w no longer holds seen, the poison word is set, the barrier
+// closes, the alarm goes off or ctx ends (which the caller's checks
+// report). Signals are written with immediate data: their doorbell wakes
+// a sleeping rank, and the word is in memory when the doorbell's
+// completion is. The alarm (ring, after probeEvery) posts a probe to the
+// peer waited for, whose completion wakes this rank for its checks
+// (liveness; the context's end is seen at once).
+func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, seen uint64) {
 	if b.alarm == nil {
 		b.alarm = time.AfterFunc(time.Hour, b.ring)
 		b.alarm.Stop()
@@ -738,7 +801,7 @@ func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, want uint64) {
 	b.sleepMu.Lock()
 	b.sleepPeer, b.sleeping = peer, true
 	b.sleepMu.Unlock()
-	b.waitWord, b.waitWant, b.seenAlarms = w, want, b.alarms.Load()
+	b.waitWord, b.waitSeen, b.seenAlarms = w, seen, b.alarms.Load()
 	b.alarm.Reset(probeEvery)
 	b.mc.Wait(ctx, b.wokenFn) // ends early only with ctx or the channel, which the checks report
 	b.alarm.Stop()
@@ -749,7 +812,7 @@ func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, want uint64) {
 
 // woken is the condition of sleep.
 func (b *barrier) woken() bool {
-	return atomic.LoadUint64(b.waitWord) == b.waitWant || atomic.LoadUint64(b.poisonWord()) != 0 ||
+	return atomic.LoadUint64(b.waitWord) != b.waitSeen || atomic.LoadUint64(b.poisonWord()) != 0 ||
 		b.alarms.Load() != b.seenAlarms || b.closed.Load()
 }
 
@@ -821,13 +884,14 @@ func (b *barrier) probe(peer int, h *channel.Handle, probing *bool, next *time.T
 	return nil
 }
 
-// reset clears the poison and starts every group over at epoch 0. It is
-// collective: after a barrier failed anywhere, every rank of the world
-// calls reset (once) before its next barrier, whether or not its own
-// barrier failed. It does not clear the failure of a rank (RankError):
-// that world is broken for good. It does not communicate; signals still in flight from
-// the abandoned barriers are recognised as stale (the generation changed)
-// and ignored.
+// reset clears the poison and starts every group over at epoch 0, and
+// Shares at call 0. It is collective: after a barrier or a Share failed
+// anywhere, every rank of the world calls reset (once) before its next
+// barrier or Share, whether or not its own failed. It does not clear the
+// failure of a rank (RankError): that world is broken for good. It does
+// not communicate; signals and mailbox headers still in flight from the
+// abandoned calls are recognised as stale (the generation changed) and
+// ignored.
 func (b *barrier) reset() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -839,6 +903,7 @@ func (b *barrier) reset() error {
 	clear(b.sendSeq)
 	clear(b.recvSeq)
 	b.world.epoch = 0
+	b.calls = 0
 	for _, gs := range b.groups {
 		for _, g := range gs {
 			g.epoch = 0

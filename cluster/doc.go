@@ -136,6 +136,19 @@
 // and must be the same on every rank. A barrier that times out poisons
 // the node's barrier until every rank calls ResetBarrier.
 //
+// Node.Share is a small all-to-all exchange (up to MaxShare bytes per
+// rank, every rank gets every rank's bytes) over the same kind of
+// writes: each rank registers, with its barrier flags, one mailbox per
+// rank of the world; rank j writes its bytes into box j at every peer,
+// then the box's header (call number, length), waits for the headers of
+// every box at itself, copies them out and joins a world barrier, after
+// which the boxes are reused. It exchanges what a layer above the node
+// needs once a world is up (package collective: the addresses of its
+// windows) without sends or receives, so that the receive queues of
+// the node's channel may serve other purposes. It fails like a barrier
+// (and poisons it like one), and checks what it reads: a header no
+// correct peer writes fails with ErrShareCorrupt, naming the rank.
+//
 // # Failures
 //
 // A world fails together. When a rank dies (its process exits or is

@@ -44,7 +44,10 @@ const (
 // SIZE,WHEN,ADDRS" (ADDRS separated by ';'), with the rank's exchange
 // listener inherited as fd 3. WHEN "loop": join, then run barriers
 // forever, printing "ready" after the first (the test kills or stops
-// it); "exchange": exchange endpoints and kill itself before connecting.
+// it); "share": the same with Shares (checking what they return, see
+// shareData); "shares:K": K Shares and the barriers of shareSteps, then
+// print "done", close and exit; "exchange": exchange endpoints and kill
+// itself before connecting.
 func failChild(parts []string) int {
 	if len(parts) != 7 {
 		fmt.Println("error: bad spec", parts)
@@ -97,8 +100,20 @@ func failChild(parts []string) int {
 		fmt.Println("error:", err)
 		return 1
 	}
+	if k, ok := strings.CutPrefix(when, "shares:"); ok {
+		if err := shareSteps(ctx, n, atoi(k)); err != nil {
+			fmt.Println("error:", err)
+			return 1
+		}
+		fmt.Println("done")
+		if err := n.Close(); err != nil {
+			fmt.Println("error: close:", err)
+			return 1
+		}
+		return 0
+	}
 	for i := 0; ; i++ {
-		if err := n.Barrier(ctx, nil); err != nil {
+		if err := failStep(ctx, n, when == "share", i); err != nil {
 			fmt.Println("error:", err)
 			return 1
 		}
@@ -106,6 +121,19 @@ func failChild(parts []string) int {
 			fmt.Println("ready")
 		}
 	}
+}
+
+// failStep is step i of a rank's loop: a barrier, or a Share whose
+// result it checks.
+func failStep(ctx context.Context, n *Node, share bool, i int) error {
+	if !share {
+		return n.Barrier(ctx, nil)
+	}
+	got, err := n.Share(ctx, shareData(n.Rank(), i))
+	if err != nil {
+		return err
+	}
+	return shareCheck(got, n.Size(), i)
 }
 
 // failResult is what a surviving rank saw.
@@ -124,6 +152,13 @@ type failResult struct {
 // others here. It returns what each surviving rank saw.
 func failWorld(t *testing.T, transport string, alg BarrierAlgorithm, mode Mode, n, victim int, sig syscall.Signal) []failResult {
 	t.Helper()
+	return failWorldOf(t, transport, alg, mode, n, victim, sig, false)
+}
+
+// failWorldOf is failWorld with every rank looping over Shares instead of
+// barriers if share is set.
+func failWorldOf(t *testing.T, transport string, alg BarrierAlgorithm, mode Mode, n, victim int, sig syscall.Signal, share bool) []failResult {
+	t.Helper()
 	xNoLeaks(t)
 	restore, err := soft.ForceTransport(transport)
 	if err != nil {
@@ -136,40 +171,14 @@ func failWorld(t *testing.T, transport string, alg BarrierAlgorithm, mode Mode, 
 	guard := xContext(t, 2*time.Minute)
 
 	// The child: the victim.
-	f, err := lns[victim].(*net.TCPListener).File()
-	if err != nil {
-		t.Fatal(err)
-	}
-	lns[victim].Close()
 	when := "loop"
-	if sig == 0 {
+	switch {
+	case sig == 0:
 		when = "exchange"
+	case share:
+		when = "share"
 	}
-	spec := fmt.Sprintf("rank,%d,%d,%d,%d,%s,%s", alg, mode, victim, n, when, strings.Join(addrs, ";"))
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), procChildEnv+"="+spec, "GOVERBS_SOFT_TRANSPORT="+transport)
-	cmd.ExtraFiles = []*os.File{f}
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	})
-	lines := make(chan string, 8)
-	go func() {
-		defer close(lines)
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			lines <- sc.Text()
-		}
-	}()
+	cmd, lines := failStart(t, transport, lns[victim], fmt.Sprintf("rank,%d,%d,%d,%d,%s,%s", alg, mode, victim, n, when, strings.Join(addrs, ";")))
 
 	// The survivors.
 	res := make([]failResult, n)
@@ -189,13 +198,13 @@ func failWorld(t *testing.T, transport string, alg BarrierAlgorithm, mode Mode, 
 				return
 			}
 			for {
-				if err := nd.Barrier(guard, nil); err != nil {
+				if err := failStep(guard, nd, share, res[r].barriers); err != nil {
 					res[r].first, res[r].failed = err, time.Now()
 					break
 				}
 				res[r].barriers++
 			}
-			res[r].second = nd.Barrier(guard, nil)
+			res[r].second = failStep(guard, nd, share, res[r].barriers)
 			res[r].err = nd.Err()
 			res[r].close = nd.Close()
 		}()
@@ -221,6 +230,43 @@ func failWorld(t *testing.T, transport string, alg BarrierAlgorithm, mode Mode, 
 		}
 	}
 	return res
+}
+
+// failStart starts the child rank of spec (see failChild), handing it
+// ln, its exchange listener (closed here), and returns it and its lines
+// of output. The child is killed when t ends.
+func failStart(t *testing.T, transport string, ln net.Listener, spec string) (*exec.Cmd, <-chan string) {
+	t.Helper()
+	f, err := ln.(*net.TCPListener).File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.Close()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), procChildEnv+"="+spec, "GOVERBS_SOFT_TRANSPORT="+transport)
+	cmd.ExtraFiles = []*os.File{f}
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	lines := make(chan string, 8)
+	go func() {
+		defer close(lines)
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+	}()
+	return cmd, lines
 }
 
 // failCheck checks that every survivor of res failed naming victim: in

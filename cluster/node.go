@@ -288,6 +288,44 @@ func (n *Node) Barrier(ctx context.Context, peers []int) error {
 	return n.bar.wait(ctx, peers)
 }
 
+// Share is a small all-to-all exchange: every rank of the world calls
+// it, each with up to MaxShare bytes of its own (lengths may differ from
+// rank to rank; 0 is allowed), and each gets every rank's contribution,
+// indexed by rank (its own entry is a copy of data). It is collective:
+// every rank calls it in the same order relative to its barriers (it
+// ends with a world barrier). The result is the caller's, and so is data
+// once Share returns.
+//
+// It uses one-sided RDMA writes only, no send or receive: rank j writes
+// its contribution into box j of a mailbox area each rank registers with
+// its barrier's flags, then the box's header (call number and length);
+// each rank waits until the header of every peer's box here shows this
+// call, copies the boxes out and joins a world barrier, after which the
+// boxes may be reused. Cost at each rank: n−1 writes of the data and n−1
+// writes of the 8-byte header, none awaited, then one barrier. Memory:
+// n × (8 + MaxShare) bytes per rank, registered once.
+//
+// Errors are those of Barrier, wrapped (errors.Is, errors.As): a
+// timeout, ctx's or the transport's, poisons the barrier until every
+// rank calls ResetBarrier; a rank that failed makes every rank's Share
+// fail with a *RankError naming it (the waits check for failures and
+// probe the peer waited for, as a barrier does); a box holding a header
+// no correct peer writes fails with ErrShareCorrupt, naming its rank
+// (and poisons the barrier). data longer than MaxShare fails at once,
+// with no effect: nothing is written and nothing is poisoned, so the
+// caller may call Share again.
+//
+// Calls are serialised with each other and with Barrier on one node.
+func (n *Node) Share(ctx context.Context, data []byte) ([][]byte, error) {
+	n.mu.Lock()
+	phase := n.phase
+	n.mu.Unlock()
+	if phase != 2 {
+		return nil, fmt.Errorf("%w: share before Connect or after Close", ErrNodeState)
+	}
+	return n.bar.share(ctx, data)
+}
+
 // Err returns the failure of a rank of the world, a *RankError, once this
 // rank saw one (in a barrier) or another rank told it of one, and nil
 // otherwise. Once it is set, every barrier fails (ErrPoisoned wrapping
@@ -335,8 +373,8 @@ func (n *Node) Fail(rank int, cause error) error {
 }
 
 // ResetBarrier clears a poisoned barrier. It is collective: after a
-// barrier failed on any rank, every rank calls ResetBarrier before its
-// next barrier.
+// barrier or a Share failed on any rank, every rank calls ResetBarrier
+// before its next barrier or Share.
 func (n *Node) ResetBarrier() error { return n.bar.reset() }
 
 // OnClose registers f to run when the node closes: after the barrier and

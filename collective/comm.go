@@ -178,10 +178,11 @@ type Comm struct {
 }
 
 // New creates the communicator of the whole world of node, every rank of
-// the world calling it. It registers the receive windows and hands each
-// peer their address with one send and one receive on the node's
-// channels (no other receive may be posted on them meanwhile), after a
-// barrier. The communicator's rank and size are the node's.
+// the world calling it. It registers the receive windows and hands every
+// peer their address with one cluster.Node.Share (RDMA writes and a
+// world barrier: it counts as one of the node's barriers, so every rank
+// must call New in the same order relative to its barriers). The
+// communicator's rank and size are the node's.
 func New(ctx context.Context, node *cluster.Node, opts Options) (*Comm, error) {
 	ranks := make([]int, node.Size())
 	for i := range ranks {
@@ -306,76 +307,28 @@ func (c *Comm) setRemote(j int, b []byte) error {
 	return nil
 }
 
-// bootstrap exchanges the window descriptors of a world communicator:
-// receives posted, a barrier, then one send to every peer.
+// bootstrap exchanges the window descriptors of a world communicator
+// with Node.Share: RDMA writes into the node's mailboxes, then a world
+// barrier (no send or receive on the node's channels).
 func (c *Comm) bootstrap(ctx context.Context) error {
 	if c.size == 1 {
 		return nil
 	}
-	buf, err := c.node.PD().Alloc(c.size*descBytes*2, verbs.AccessLocalWrite)
+	var desc [descBytes]byte
+	c.descriptor(desc[:])
+	all, err := c.node.Share(ctx, desc[:])
 	if err != nil {
-		return fmt.Errorf("bootstrap buffer: %w", err)
+		return fmt.Errorf("exchanging window descriptions: %w", err)
 	}
-	defer buf.Close()
-	out := buf.Bytes()[c.size*descBytes:]
-	c.descriptor(out[:descBytes])
-	hs := make([]channel.Handle, 0, c.size)
-	defer func() {
-		for _, h := range hs {
-			h.Release()
-		}
-	}()
 	for j := range c.size {
 		if j == c.rank {
 			continue
 		}
-		sge, _ := buf.SGE(j*descBytes, descBytes)
-		h, err := c.mc.Peer(c.ranks[j]).PostReceive(sge)
-		if err != nil {
-			return fmt.Errorf("posting a receive for rank %d: %w", j, err)
-		}
-		hs = append(hs, h)
-	}
-	if err := c.node.Barrier(ctx, nil); err != nil {
-		return err
-	}
-	src, _ := buf.SGE(c.size*descBytes, descBytes)
-	for j := range c.size {
-		if j == c.rank {
-			continue
-		}
-		// One send at a time: the receives hold size−1 of the channel's
-		// MaxOutstanding handles already.
-		if err := c.mc.Peer(c.ranks[j]).Send(ctx, src); err != nil {
-			return fmt.Errorf("sending to rank %d: %w", j, err)
-		}
-	}
-	for _, h := range hs {
-		if err := h.Wait(ctx); err != nil {
-			return fmt.Errorf("exchanging window descriptions with rank %d: %w", h.Peer(), err)
-		}
-	}
-	for _, h := range hs {
-		j := c.commRank(h.Peer())
-		if got := h.Received().Len; got != descBytes {
-			return fmt.Errorf("rank %d sent a window description of %d bytes, want %d", j, got, descBytes)
-		}
-		if err := c.setRemote(j, buf.Bytes()[j*descBytes:][:descBytes]); err != nil {
+		if err := c.setRemote(j, all[c.ranks[j]]); err != nil {
 			return err
 		}
 	}
 	return nil
-}
-
-// commRank returns the rank in the communicator of world rank w (-1 if
-// it is not a member).
-func (c *Comm) commRank(w int) int {
-	for i, r := range c.ranks {
-		if r == w {
-			return i
-		}
-	}
-	return -1
 }
 
 // Rank returns this rank's position in the communicator.

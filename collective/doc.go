@@ -90,7 +90,8 @@
 // has said it is done with them (a late acknowledgement into a released
 // window would break the node's queue pair), and are released by a later
 // New or Close on the node, or when the node closes. Close communicators
-// before their node. New exchanges the windows' addresses with one send
-// and one receive per peer on the node's queue pairs: do not post other
-// receives on them meanwhile.
+// before their node. New exchanges the windows' addresses with
+// cluster.Node.Share (RDMA writes and a world barrier; no send or
+// receive on the node's queue pairs), so it counts as one of the node's
+// barriers: call it on every rank in the same order relative to them.
 package collective
