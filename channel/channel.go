@@ -143,6 +143,13 @@ func (c *Channel) Err() error {
 	return nil
 }
 
+// Broken reports whether Err would return an error: cheaper than Err
+// (one atomic load, no allocation), for conditions polled often, as
+// Wait's.
+func (c *Channel) Broken() bool {
+	return c.err != nil || c.p.state.Load() == peerBroken
+}
+
 // Break moves the queue pair to the error state: every operation in flight
 // completes with a flush error, and the channel is broken for good. Use
 // it to abandon operations whose buffers must be reclaimed.

@@ -810,10 +810,11 @@ func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, seen uint64) {
 	b.sleepMu.Unlock()
 }
 
-// woken is the condition of sleep.
+// woken is the condition of sleep (the peer's broken queue pair flushes
+// the doorbell receives, whose completions wake the sleeper).
 func (b *barrier) woken() bool {
 	return atomic.LoadUint64(b.waitWord) != b.waitSeen || atomic.LoadUint64(b.poisonWord()) != 0 ||
-		b.alarms.Load() != b.seenAlarms || b.closed.Load()
+		b.alarms.Load() != b.seenAlarms || b.closed.Load() || b.mc.Peer(b.sleepPeer).Broken()
 }
 
 // ring is the alarm of sleep (on a timer's goroutine): a probe write to

@@ -703,9 +703,12 @@ func (c *Comm) sleep(ctx context.Context, sends, recvs []flow) error {
 	return nil
 }
 
-// woken is the condition of sleep.
+// woken is the condition of sleep: a doorbell, the alarm, or the peer
+// waited for broke (its queue pair's error flushes the doorbell receives,
+// whose completions wake the sleeper: the alarm's probe may not be
+// postable any more).
 func (c *Comm) woken() bool {
-	return c.mc.Rung() != c.w.rung || c.alarms.Load() != c.w.alarms
+	return c.mc.Rung() != c.w.rung || c.alarms.Load() != c.w.alarms || c.mc.Peer(c.ranks[c.sleepPeer]).Broken()
 }
 
 // ring is the alarm of sleep (it runs on a timer's goroutine): a probe
