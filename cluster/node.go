@@ -305,15 +305,16 @@ func (n *Node) Barrier(ctx context.Context, peers []int) error {
 // writes of the 8-byte header, none awaited, then one barrier. Memory:
 // n × (8 + MaxShare) bytes per rank, registered once.
 //
-// Errors are those of Barrier, wrapped (errors.Is, errors.As): a
-// timeout, ctx's or the transport's, poisons the barrier until every
-// rank calls ResetBarrier; a rank that failed makes every rank's Share
-// fail with a *RankError naming it (the waits check for failures and
-// probe the peer waited for, as a barrier does); a box holding a header
-// no correct peer writes fails with ErrShareCorrupt, naming its rank
-// (and poisons the barrier). data longer than MaxShare fails at once,
-// with no effect: nothing is written and nothing is poisoned, so the
-// caller may call Share again.
+// It fails like Barrier, with the cause wrapped in an error naming the
+// call and the peer involved (errors.Is, errors.As; not a
+// *BarrierError): a timeout, ctx's or the transport's, poisons the
+// barrier until every rank calls ResetBarrier; a rank that failed makes
+// every rank's Share fail with a *RankError naming it (the waits check
+// for failures and probe the peer waited for, as a barrier does); a box
+// holding a header no correct peer writes fails with ErrShareCorrupt,
+// naming its rank (and poisons the barrier). data longer than MaxShare
+// fails at once, with no effect: nothing is written and nothing is
+// poisoned, so the caller may call Share again.
 //
 // Calls are serialised with each other and with Barrier on one node.
 func (n *Node) Share(ctx context.Context, data []byte) ([][]byte, error) {

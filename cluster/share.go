@@ -110,6 +110,7 @@ func (b *barrier) exchange(ctx context.Context, call uint32, data []byte) ([][]b
 	total := len(data)
 	for k := 1; k < b.n; k++ {
 		p := (b.rank - k + b.n) % b.n
+		var hdr uint64
 		err := b.awaitWord(ctx, p, b.word64(b.boxOff(p)), func(v uint64) (bool, error) {
 			if v>>48 != b.gen {
 				return false, nil // stale or early: not this generation's
@@ -130,12 +131,13 @@ func (b *barrier) exchange(ctx context.Context, call uint32, data []byte) ([][]b
 				return false, fmt.Errorf("%w: rank %d's box at this rank holds %d bytes, more than MaxShare (%d)",
 					ErrShareCorrupt, p, n, MaxShare)
 			}
+			hdr = v
 			return true, nil
 		})
 		if err != nil {
 			return nil, p, err
 		}
-		lens[p] = int(*b.word64(b.boxOff(p)) & 0xffff)
+		lens[p] = int(hdr & 0xffff)
 		total += lens[p]
 	}
 	// A write that failed broke its channel (and the header after it
