@@ -123,7 +123,7 @@ type engine struct {
 	waiters  atomic.Int32
 	pollFree chan struct{} // capacity 1: the poller left; someone else should poll
 	wcs      []verbs.Completion
-	spin     spinStats // how long waits took (the adaptive spin policy)
+	spin     spinStats     // how long waits took (the adaptive spin policy)
 	rung     atomic.Uint64 // doorbells received (Options.Doorbells)
 
 	bcMu      sync.Mutex

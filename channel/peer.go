@@ -27,9 +27,9 @@ type peer struct {
 	inlineMax int
 	inlineOff int // of the staging area in e.scratch
 
-	mu     sync.Mutex // posting: sb, rb, unsig, marker use
+	mu sync.Mutex // posting: sb, rb, unsig, marker use
 
-	bellMu sync.Mutex      // posting doorbell receives (bells); never held while waiting
+	bellMu sync.Mutex       // posting doorbell receives (bells); never held while waiting
 	bells  *verbs.RecvBatch // Options.Doorbells > 0
 	sb     *verbs.RCBatch
 	rb     *verbs.RecvBatch
