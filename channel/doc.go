@@ -131,6 +131,20 @@
 // tail (p99 1-4 ms: a spinner that used up its time slice waits for the
 // next one). Set SpinAlways for a client that owns its core.
 //
+// # Doorbells
+//
+// A program that waits for words its peers write into its memory (flags,
+// counters) cannot sleep on the completion channel for them: an RDMA
+// write makes no completion at its target. With Options.Doorbells the
+// channel keeps that many zero-length receives posted on each queue pair
+// and re-posts them as it polls; a peer that writes with immediate data
+// (WriteImm, PostWriteImm) consumes one, and its completion — which
+// follows the written data — wakes the goroutines in Wait (Channel.Wait,
+// MultiChannel.Wait), which call their ready function again. Rung counts
+// the doorbells. Such a channel's receive queues belong to the doorbells:
+// sends and receives fail with ErrNotSupported. cluster.Node's channels
+// and the collective package work this way.
+//
 // # Lifetimes
 //
 // Memory named by an operation belongs to the device from the call that

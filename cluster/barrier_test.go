@@ -718,10 +718,9 @@ func TestCloseReadsOnlyWrittenPeers(t *testing.T) {
 		if i > 0 {
 			tree[(i-1)/2] = true
 		}
+		// Signals are signaled writes: those whose completions were
+		// reaped need no read; the others go to the tree's ranks only.
 		got := nd.quiescePeers()
-		if len(got) == 0 {
-			t.Errorf("rank %d reads from no peer: its last signals are unsignaled writes", i)
-		}
 		for _, j := range got {
 			if !tree[j] {
 				t.Errorf("rank %d reads from rank %d, which it never wrote to (reads from %v)", i, j, got)

@@ -161,17 +161,24 @@
 // few one-way latencies and whatever its context, with an error naming
 // the rank that failed: a *RankError (errors.As) wrapping ErrPeerLost.
 // The world stays failed (Node.Err); ResetBarrier does not repair it. A
-// rank waiting in a barrier checks, every few milliseconds once its
-// first spins are over, that the peer it waits for is alive, so a
+// rank waiting in a barrier checks, every 10 ms once it has waited 2 ms,
+// that the peer it waits for is alive, so a
 // failure is seen even when no rank was sending to the failed one. A
 // rank that dies after the endpoint exchange, before or while the
 // others connect, makes Join fail or the first barrier fail, naming it:
 // no world goes on with a hole.
 //
-// A rank waits for a flag by polling it, driving the transport's progress
-// (soft0 places a peer's write when a process of it polls) at every poll
-// at first, yielding to the process' goroutines between polls, for up to
-// 500 µs; then it sleeps, with pauses growing to 500 µs.
+// A rank waits for a flag in its channel's Wait (channel.MultiChannel),
+// which polls the completion queue — driving the transport's progress:
+// soft0 places a peer's write when a process of it polls — and, as the
+// channel's adaptive policy decides, spins a little or sleeps on the
+// completion channel. Flags are written with immediate data: each rings
+// the receiver's doorbell (NodeOptions.Channel.Doorbells, 64 per peer by
+// default), whose completion wakes it. So ranks that outnumber the
+// processors sleep until their signal arrives. The queue pairs of a
+// Node's channel carry one-sided operations only: its receive queues
+// hold the doorbells (sends and receives fail with ErrNotSupported);
+// exchange small data with Share.
 // BenchmarkBarrierXproc measures barriers between processes, up to four
 // times as many as processors, against the one-way latency of the same
 // transport.

@@ -55,10 +55,17 @@
 //
 // # Waiting
 //
-// A rank waiting for a peer polls its window and drives the transport's
-// progress, yielding to other goroutines; after about 200 µs it sleeps
-// with pauses growing to 500 µs, leaving the processors to ranks with
-// work when ranks outnumber them.
+// A rank waiting for a peer waits in the node channel's Wait
+// (channel.MultiChannel.Wait): it polls the completion queue, which
+// drives the transport's progress, and, as the channel's adaptive policy
+// decides, spins a little or sleeps on the completion channel. Every
+// counter written at a peer (a chunk's data count, an ack count, the
+// done flag, the abort word) is an RDMA write with immediate data, which
+// rings the peer's doorbell (channel.Options.Doorbells, on by default on
+// a cluster.Node's channel): its completion wakes a sleeping rank. So
+// ranks that outnumber the processors leave them to the ranks with work
+// and wake when their data arrives. An alarm every 10 ms (or at the
+// Options.Timeout deadline) wakes a sleeper for its checks.
 //
 // # Failures
 //
