@@ -179,7 +179,14 @@ func (c *Channel) Drain(ctx context.Context) error {
 // must not block. It returns nil once ready is true, and otherwise an
 // error wrapping verbs.ErrTimeout and the context's error, or ErrClosed.
 func (c *Channel) Wait(ctx context.Context, ready func() bool) error {
-	return c.e.waitCond(ctx, ready)
+	return c.e.waitCond(ctx, ready, c.e.opts.SpinPolls)
+}
+
+// Sleep is Wait without spinning, whatever Options.SpinPolls says: for
+// callers that spun already (polling with Progress) and now want to sleep
+// on the completion channel until ready holds.
+func (c *Channel) Sleep(ctx context.Context, ready func() bool) error {
+	return c.e.waitCond(ctx, ready, SpinNever)
 }
 
 // Rung returns the number of doorbells received so far (see

@@ -455,11 +455,16 @@ func (e *engine) progress() error {
 // CQ's completion channel); the others sleep until their completion
 // arrives (ch), the poller leaves, or, with a nil ch, any completion is
 // dispatched. ready must be cheap and must not block.
-func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) (err error) {
+func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) error {
+	return e.waitWith(ctx, ready, ch, e.opts.SpinPolls)
+}
+
+// waitWith is wait with the spinning policy mode (an Options.SpinPolls).
+func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct{}, mode int) (err error) {
 	if ready() {
 		return nil
 	}
-	w := newWaiter(e.opts.SpinPolls)
+	w := newWaiter(mode)
 	defer func() { w.done(&e.spin, err == nil) }()
 	for {
 		if ready() {
@@ -513,9 +518,10 @@ func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) 
 	}
 }
 
-// waitCond is wait for a condition of the caller's (Channel.Wait).
-func (e *engine) waitCond(ctx context.Context, ready func() bool) error {
-	if err := e.wait(ctx, ready, nil); err != nil {
+// waitCond is wait for a condition of the caller's (Channel.Wait, and
+// Channel.Sleep with mode SpinNever).
+func (e *engine) waitCond(ctx context.Context, ready func() bool, mode int) error {
+	if err := e.waitWith(ctx, ready, nil, mode); err != nil {
 		if errors.Is(err, ErrClosed) {
 			return err
 		}

@@ -119,7 +119,12 @@ func (m *MultiChannel) Progress() error { return m.e.progress() }
 // Wait blocks until ready reports true, ctx ends or the channel closes
 // (see Channel.Wait).
 func (m *MultiChannel) Wait(ctx context.Context, ready func() bool) error {
-	return m.e.waitCond(ctx, ready)
+	return m.e.waitCond(ctx, ready, m.e.opts.SpinPolls)
+}
+
+// Sleep is Wait without spinning (see Channel.Sleep).
+func (m *MultiChannel) Sleep(ctx context.Context, ready func() bool) error {
+	return m.e.waitCond(ctx, ready, SpinNever)
 }
 
 // Doorbells returns the number of doorbell receives per peer

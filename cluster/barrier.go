@@ -5,6 +5,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/goverbs/verbs/internal/spinwait"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -192,20 +194,24 @@ const (
 	barrierInfoSize = 36
 )
 
-// Waiting. A wait runs in the node channel's Wait, which polls the
-// completion queue (soft0 places a peer's write when a process polls, see
-// internal/soft) and, as its adaptive policy decides
-// (channel.Options.SpinPolls), spins for a while or sleeps on the
-// completion channel at once. Signals are written with immediate data:
-// each consumes one of the receiver's doorbell receives
+// Waiting. A wait spins for a while, polling (which drives the
+// transport's progress: soft0 places a peer's write when a process polls,
+// see internal/soft) and yielding to the process' goroutines in between,
+// then sleeps on the completion channel of the node's channel
+// (channel.MultiChannel.Sleep). How long it spins is the barrier's
+// spinwait.Policy: up to 200 µs while most spinning waits end during
+// their spin, and not at all (but a probe every 32 waits) when they do
+// not, as when ranks outnumber the processors and a spinner keeps the
+// processor its peer needs. Signals are written with immediate data: each
+// consumes one of the receiver's doorbell receives
 // (channel.Options.Doorbells), whose completion wakes a rank sleeping for
-// it. So ranks that outnumber the processors sleep until their signal
-// arrives, instead of spinning (which kept the processor from the rank
-// they waited for) or sleeping on timers (milliseconds per barrier).
-// A wait woken without its signal (an alarm every probeEvery, the poison
-// word, the context) checks the context, the poison word and the peer's
-// channel; after probeAfter it probes the peer it waits for.
+// it, instead of timers (milliseconds per barrier). A wait woken without
+// its signal (an alarm every probeEvery, the poison word, the context)
+// checks the context, the poison word and the peer's channel; after
+// probeAfter it probes the peer it waits for.
 const (
+	// pollCheck is how many spinning polls pass between checks.
+	pollCheck = 64
 	// probeAfter is how long a wait lasts before it probes the peer it
 	// waits for (probe).
 	probeAfter = 2 * time.Millisecond
@@ -256,6 +262,7 @@ type barrier struct {
 	lost    atomic.Pointer[RankError] // a rank failed: for good
 	tellMu  sync.Mutex                // serialises tell (the source word in aux)
 	wokenFn func() bool               // b.woken, bound once
+	policy  spinwait.Policy           // how long waits spin (mu)
 
 	// sleep's alarm (ring, on a timer's goroutine) and the sleeper.
 	alarm                *time.Timer
@@ -749,6 +756,33 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 			probe.Release()
 		}
 	}()
+	// Spinning, as b.policy allows: poll (driving the transport's
+	// progress), check now and then, yield to the process' goroutines.
+	budget := b.policy.Budget()
+	if budget > 0 {
+		until := time.Now().Add(budget)
+		for i := 1; ; i++ {
+			if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
+				if i > 1 {
+					b.policy.Record(true) // a wait that ended while spinning
+				}
+				return err
+			}
+			if err := b.mc.Progress(); err != nil {
+				return err
+			}
+			if i%pollCheck == 0 {
+				if err := b.checkWait(ctx, peer, pw); err != nil {
+					return err
+				}
+				if time.Now().After(until) {
+					break
+				}
+			}
+			runtime.Gosched()
+		}
+		b.policy.Record(false)
+	}
 	for i := 0; ; i++ {
 		v := atomic.LoadUint64(w)
 		if ok, err := match(v); ok || err != nil {
@@ -756,18 +790,7 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 		}
 		if i > 0 {
 			// Woken without the word: the context, the alarm, news.
-			if err := ctx.Err(); err != nil {
-				return fmt.Errorf("waiting for rank %d: %w: %w", peer, verbs.ErrTimeout, err)
-			}
-			if b.closed.Load() {
-				return channel.ErrClosed
-			}
-			if v := atomic.LoadUint64(pw); v != 0 {
-				if re := b.poisoned(v); re != nil {
-					return re
-				}
-			}
-			if err := b.mc.Peer(peer).Err(); err != nil {
+			if err := b.checkWait(ctx, peer, pw); err != nil {
 				return err
 			}
 			now := time.Now()
@@ -782,6 +805,24 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 		}
 		b.sleep(ctx, peer, w, v)
 	}
+}
+
+// checkWait looks for the reasons to give up a wait for peer: the
+// context, the barrier's close, a rank failure (the poison word pw), the
+// peer's channel.
+func (b *barrier) checkWait(ctx context.Context, peer int, pw *uint64) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("waiting for rank %d: %w: %w", peer, verbs.ErrTimeout, err)
+	}
+	if b.closed.Load() {
+		return channel.ErrClosed
+	}
+	if v := atomic.LoadUint64(pw); v != 0 {
+		if re := b.poisoned(v); re != nil {
+			return re
+		}
+	}
+	return b.mc.Peer(peer).Err()
 }
 
 // sleep waits, in the node channel's Wait (which polls, spinning as its
@@ -803,7 +844,7 @@ func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, seen uint64) {
 	b.sleepMu.Unlock()
 	b.waitWord, b.waitSeen, b.seenAlarms = w, seen, b.alarms.Load()
 	b.alarm.Reset(probeEvery)
-	b.mc.Wait(ctx, b.wokenFn) // ends early only with ctx or the channel, which the checks report
+	b.mc.Sleep(ctx, b.wokenFn) // ends early only with ctx or the channel, which the checks report
 	b.alarm.Stop()
 	b.sleepMu.Lock()
 	b.sleeping = false

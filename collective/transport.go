@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/goverbs/verbs/internal/spinwait"
 	"reflect"
 	"runtime"
 	"sync/atomic"
@@ -600,27 +601,31 @@ func (c *Comm) flushOwed(ctx context.Context) error {
 	}
 }
 
-// Waiting. A rank with nothing to move waits in the node channel's Wait
-// (channel.MultiChannel.Wait), which polls the completion queue (soft0
-// places a peer's writes when the process polls) and, as the channel's
-// adaptive policy decides (channel.Options.SpinPolls), spins for a while
-// or sleeps on the completion channel. Every counter a peer writes here
-// (data count, ack count, done flag, abort word) is written with
-// immediate data, which consumes one of the doorbell receives of the
-// node's queue pairs (cluster.NodeOptions) and makes a completion: the
-// wait ends when one has been dispatched since the round began. So ranks
-// outnumbering the processors sleep until work arrives, instead of
-// spinning (which keeps the processor from the rank waited for) or
-// sleeping on timers. An alarm (probeEvery, or the deadline) ends a
-// sleep too: it posts a probe to the peer waited for, whose completion
-// wakes the rank for its checks. When a round moved nothing, after an
-// alarm and once the context ended, the wait checks the context, the deadline,
+// Waiting. A rank with nothing to move spins for a while (polling, which
+// drives the transport's progress: soft0 places a peer's writes when the
+// process polls; yielding to the process' goroutines in between), then
+// sleeps on the completion channel of the node's channel
+// (channel.MultiChannel.Sleep). How long it spins is the communicator's
+// spinwait.Policy: up to 200 µs while most spinning waits end during
+// their spin, no spinning (but a probe every 32 waits) when they do not,
+// as when ranks outnumber the processors and a spinner keeps the
+// processor its peer needs. Every counter a peer writes here (data count,
+// ack count, done flag, abort word) is written with immediate data, which
+// consumes one of the doorbell receives of the node's queue pairs
+// (cluster.NodeOptions) and makes a completion: a sleep ends when one has
+// been dispatched since the round began. An alarm (probeEvery, or the
+// deadline) ends a sleep too: it posts a probe to the peer waited for,
+// whose completion wakes the rank for its checks. Every waitCheck
+// spinning rounds, when a sleeping round moved nothing, after an alarm
+// and once the context ended, the wait checks the context, the deadline,
 // the communicator, the world (cluster.Node.Err: a failure another rank
 // saw) and the queue pairs of the peers it waits for; after probeAfter
 // it probes the first of them with a small write every probeEvery, so
 // that a peer that died or stopped fails the write after the queue
 // pair's transport timeout.
 const (
+	spinCheck  = 16 // spinning rounds between looks at the clock
+	waitCheck  = 64 // spinning rounds between checks
 	probeAfter = 2 * time.Millisecond
 	probeEvery = 10 * time.Millisecond
 )
@@ -628,7 +633,10 @@ const (
 type waiter struct {
 	i         int
 	start     time.Time // of a wait that needed checks
-	sleep     time.Duration
+	policy    spinwait.Policy
+	budget    time.Duration // of the wait in progress: how long it may spin
+	spinUntil time.Time
+	slept     bool // the wait in progress slept
 	probe     channel.Handle
 	probing   bool
 	probePeer int
@@ -638,9 +646,15 @@ type waiter struct {
 	alarm     *time.Timer // ends sleeps: Comm.ring
 }
 
+// reset ends a wait (something moved, or a step begins): the policy
+// learns whether a wait that could spin ended while spinning.
 func (w *waiter) reset() {
+	if w.i > 0 && w.budget > 0 {
+		w.policy.Record(!w.slept)
+	}
 	w.i = 0
 	w.start = time.Time{}
+	w.slept = false
 }
 
 // idle waits a little for the flows (nil: for owed writes) to move.
@@ -649,6 +663,26 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 	w.i++
 	if _, err := c.retryOwed(); err != nil {
 		return err
+	}
+	if w.i == 1 {
+		w.budget = w.policy.Budget()
+		if w.budget > 0 {
+			w.spinUntil = time.Now().Add(w.budget)
+		}
+	}
+	if w.budget > 0 && !w.slept && (w.i%spinCheck != 0 || time.Now().Before(w.spinUntil)) {
+		// Spinning: drive the progress (soft0 places a peer's writes as
+		// the process polls) and let the process' goroutines run.
+		if err := c.mc.Progress(); err != nil {
+			return c.fail(err, -1)
+		}
+		if w.i%waitCheck == 0 {
+			if err := c.checks(ctx, sends, recvs); err != nil {
+				return err
+			}
+		}
+		runtime.Gosched()
+		return nil
 	}
 	if w.i > 1 || c.alarms.Load() != w.alarms || ctx.Err() != nil {
 		// Woken without moving: news (an abort word, a done flag), the
@@ -666,6 +700,7 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 		runtime.Gosched()
 		return nil
 	}
+	w.slept = true
 	return c.sleep(ctx, sends, recvs)
 }
 
@@ -692,7 +727,7 @@ func (c *Comm) sleep(ctx context.Context, sends, recvs []flow) error {
 		d = max(min(d, time.Until(c.deadline)), time.Microsecond)
 	}
 	w.alarm.Reset(d)
-	err := c.mc.Wait(ctx, c.wokenFn)
+	err := c.mc.Sleep(ctx, c.wokenFn)
 	w.alarm.Stop()
 	c.sleepMu.Lock()
 	c.sleeping = false

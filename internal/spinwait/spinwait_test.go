@@ -1,0 +1,42 @@
+package spinwait
+
+import "testing"
+
+// TestPolicy: waits that end while spinning keep the policy spinning; a
+// run of waits that had to sleep makes it sleep at once, with a spinning
+// probe every ProbeEvery waits; hits from probes bring spinning back.
+func TestPolicy(t *testing.T) {
+	var p Policy
+	if p.Budget() != MaxSpin {
+		t.Fatal("a new policy does not spin")
+	}
+	for range 5 {
+		p.Budget()
+		p.Record(true)
+	}
+	p.Record(false) // one miss among hits: still spinning
+	if p.Sleeping() || p.Budget() != MaxSpin {
+		t.Fatal("one miss after hits stopped spinning")
+	}
+	for range 10 {
+		p.Record(false)
+	}
+	if !p.Sleeping() {
+		t.Fatal("a run of misses did not stop spinning")
+	}
+	spins := 0
+	for range 3 * ProbeEvery {
+		if p.Budget() > 0 {
+			spins++
+		}
+	}
+	if spins != 3 {
+		t.Fatalf("%d spinning waits in %d while sleeping, want 3 probes", spins, 3*ProbeEvery)
+	}
+	for range 2 * scoreMax {
+		p.Record(true)
+	}
+	if p.Sleeping() || p.Budget() != MaxSpin {
+		t.Fatal("hits did not bring spinning back")
+	}
+}
