@@ -6,8 +6,8 @@
 // only delays the peer when ranks outnumber the processors, since a
 // spinner keeps the processor the peer needs. Sleeping on the completion
 // channel costs a wake-up (tens of microseconds on a virtual machine) but
-// leaves the processor to the peer. A Policy spins for MaxSpin while most
-// spinning waits end during their spin, and otherwise sleeps at once,
+// leaves the processor to the peer. A Policy spins for MaxSpin while
+// spinning waits mostly end during their spin, and otherwise sleeps at once,
 // spinning again every ProbeEvery waits to see whether that changed.
 //
 // A Policy is not safe for concurrent use: one per waiter whose waits
@@ -21,14 +21,17 @@ const (
 	// pays.
 	MaxSpin = 200 * time.Microsecond
 	// ProbeEvery is how often a policy that sleeps at once spins again.
-	ProbeEvery = 32
+	ProbeEvery = 16
 	scoreMax   = 8
-	missCost   = 2
+	// sleepBelow: the policy sleeps at once while its score (hits minus
+	// misses, within ±scoreMax) is below it, so that a few misses (a
+	// peer starting late, a descheduled moment) do not stop spinning.
+	sleepBelow = -4
 )
 
 // Policy is the spinning state of one waiter. The zero value spins.
 type Policy struct {
-	score int32 // hits minus missCost × misses, within ±scoreMax
+	score int32 // hits minus misses, within ±scoreMax
 	waits uint32
 }
 
@@ -36,7 +39,7 @@ type Policy struct {
 // once).
 func (p *Policy) Budget() time.Duration {
 	p.waits++
-	if p.score >= 0 || p.waits%ProbeEvery == 0 {
+	if p.score >= sleepBelow || p.waits%ProbeEvery == 0 {
 		return MaxSpin
 	}
 	return 0
@@ -48,9 +51,9 @@ func (p *Policy) Record(hit bool) {
 	if hit {
 		p.score = min(p.score+1, scoreMax)
 	} else {
-		p.score = max(p.score-missCost, -scoreMax)
+		p.score = max(p.score-1, -scoreMax)
 	}
 }
 
 // Sleeping reports whether the policy currently sleeps at once.
-func (p *Policy) Sleeping() bool { return p.score < 0 }
+func (p *Policy) Sleeping() bool { return p.score < sleepBelow }
