@@ -98,14 +98,18 @@ func barCtx(t testing.TB) context.Context {
 
 // barAll runs f on every rank of rs concurrently and returns the errors,
 // indexed like rs.
-func barAll(rs []*barRank, f func(r *barRank) error) []error {
-	errs := make([]error, len(rs))
+func barAll(rs []*barRank, f func(r *barRank) error) []error { return runAll(rs, f) }
+
+// runAll runs f on every element of xs concurrently and returns the
+// errors, indexed like xs.
+func runAll[T any](xs []T, f func(T) error) []error {
+	errs := make([]error, len(xs))
 	var wg sync.WaitGroup
-	for i, r := range rs {
+	for i, x := range xs {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs[i] = f(r)
+			errs[i] = f(x)
 		}()
 	}
 	wg.Wait()
@@ -664,39 +668,7 @@ func TestBarrierWaitAllocatesNothing(t *testing.T) {
 // world closed.
 func TestCloseReadsOnlyWrittenPeers(t *testing.T) {
 	const n = 16
-	nodes := make([]*Node, n)
-	for i := range nodes {
-		dev, err := verbs.Open(verbs.SoftDevice)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { barClose(t, "device", dev.Close) })
-		pd, err := dev.AllocPD()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { barClose(t, "pd", pd.Close) })
-		if nodes[i], err = NewNode(pd, i, n, NodeOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { barClose(t, "node", nodes[i].Close) })
-	}
-	out := make([][][]byte, n)
-	for i, nd := range nodes {
-		var err error
-		if out[i], err = nd.LocalEndpoints(nil); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for i, nd := range nodes {
-		in := make([][]byte, n)
-		for j := range n {
-			in[j] = out[j][i]
-		}
-		if err := nd.Connect(in); err != nil {
-			t.Fatal(err)
-		}
-	}
+	nodes := shareWorld(t, n, BinaryTree)
 	ctx := barCtx(t)
 	errs := make([]error, n)
 	var wg sync.WaitGroup

@@ -67,19 +67,7 @@ func shareWorld(t testing.TB, n int, alg BarrierAlgorithm) []*Node {
 
 // shareAll runs f on every node concurrently and returns the errors,
 // indexed by rank.
-func shareAll(nodes []*Node, f func(nd *Node) error) []error {
-	errs := make([]error, len(nodes))
-	var wg sync.WaitGroup
-	for i, nd := range nodes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = f(nd)
-		}()
-	}
-	wg.Wait()
-	return errs
-}
+func shareAll(nodes []*Node, f func(nd *Node) error) []error { return runAll(nodes, f) }
 
 // shareLens are the lengths the contributions cycle through.
 var shareLens = []int{0, 1, 7, 40, MaxShare - 1, MaxShare}
