@@ -758,14 +758,15 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 	}()
 	// Spinning, as b.policy allows: poll (driving the transport's
 	// progress), check now and then, yield to the process' goroutines.
-	budget := b.policy.Budget()
-	if budget > 0 {
-		until := time.Now().Add(budget)
+	if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
+		return err // no wait
+	}
+	began := time.Now()
+	defer func() { b.policy.Record(time.Since(began)) }()
+	if budget := b.policy.Budget(); budget > 0 {
+		until := began.Add(budget)
 		for i := 1; ; i++ {
 			if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
-				if i > 1 {
-					b.policy.Record(true) // a wait that ended while spinning
-				}
 				return err
 			}
 			if err := b.mc.Progress(); err != nil {
@@ -781,7 +782,6 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 			}
 			runtime.Gosched()
 		}
-		b.policy.Record(false)
 	}
 	for i := 0; ; i++ {
 		v := atomic.LoadUint64(w)

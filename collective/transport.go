@@ -634,6 +634,7 @@ type waiter struct {
 	i         int
 	start     time.Time // of a wait that needed checks
 	policy    spinwait.Policy
+	began     time.Time     // of the wait in progress (its first idle round)
 	budget    time.Duration // of the wait in progress: how long it may spin
 	spinUntil time.Time
 	slept     bool // the wait in progress slept
@@ -647,10 +648,10 @@ type waiter struct {
 }
 
 // reset ends a wait (something moved, or a step begins): the policy
-// learns whether a wait that could spin ended while spinning.
+// learns how long it took.
 func (w *waiter) reset() {
-	if w.i > 0 && w.budget > 0 {
-		w.policy.Record(!w.slept)
+	if w.i > 0 {
+		w.policy.Record(time.Since(w.began))
 	}
 	w.i = 0
 	w.start = time.Time{}
@@ -665,10 +666,9 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 		return err
 	}
 	if w.i == 1 {
+		w.began = time.Now()
 		w.budget = w.policy.Budget()
-		if w.budget > 0 {
-			w.spinUntil = time.Now().Add(w.budget)
-		}
+		w.spinUntil = w.began.Add(w.budget)
 	}
 	if w.budget > 0 && !w.slept && (w.i%spinCheck != 0 || time.Now().Before(w.spinUntil)) {
 		// Spinning: drive the progress (soft0 places a peer's writes as

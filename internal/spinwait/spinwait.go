@@ -6,9 +6,12 @@
 // only delays the peer when ranks outnumber the processors, since a
 // spinner keeps the processor the peer needs. Sleeping on the completion
 // channel costs a wake-up (tens of microseconds on a virtual machine) but
-// leaves the processor to the peer. A Policy spins for MaxSpin while
-// spinning waits mostly end during their spin, and otherwise sleeps at once,
-// spinning again every ProbeEvery waits to see whether that changed.
+// leaves the processor to the peer. A Policy spins (for at most MaxSpin)
+// while waits mostly end within Short, and otherwise sleeps at once,
+// spinning again every ProbeEvery waits to see whether that changed. When
+// ranks outnumber the processors, waits take longer than Short, whether
+// they spin (the peer is not running) or sleep (a wake-up), and the
+// policy sleeps.
 //
 // A Policy is not safe for concurrent use: one per waiter whose waits
 // are serialised (a communicator, a barrier).
@@ -18,8 +21,13 @@ import "time"
 
 const (
 	// MaxSpin is how long a wait spins before it sleeps, when spinning
-	// pays.
-	MaxSpin = 200 * time.Microsecond
+	// pays: long enough to ride out the stalls of a peer that has a
+	// processor (a socket's wake-up, a scheduling tick).
+	MaxSpin = time.Millisecond
+	// Short is the longest wait that says spinning pays: a peer with a
+	// processor of its own answers within microseconds; a wait longer
+	// than this (spinning or sleeping) counts against spinning.
+	Short = 100 * time.Microsecond
 	// ProbeEvery is how often a policy that sleeps at once spins again.
 	ProbeEvery = 16
 	scoreMax   = 8
@@ -29,7 +37,12 @@ const (
 	sleepBelow = -4
 )
 
-// Policy is the spinning state of one waiter. The zero value spins.
+// Policy is the spinning state of one waiter. The zero value spins, and
+// keeps spinning through the first scoreMax−sleepBelow net long waits (a
+// peer that starts late must not put two ranks that could spin to sleep:
+// once both sleep, each answers the other after a wake-up, which on
+// sockets takes longer than MaxSpin, and neither would learn that
+// spinning pays).
 type Policy struct {
 	score int32 // hits minus misses, within ±scoreMax
 	waits uint32
@@ -38,6 +51,9 @@ type Policy struct {
 // Budget returns how long the wait that begins may spin (0: sleep at
 // once).
 func (p *Policy) Budget() time.Duration {
+	if p.waits == 0 {
+		p.score = scoreMax
+	}
 	p.waits++
 	if p.score >= sleepBelow || p.waits%ProbeEvery == 0 {
 		return MaxSpin
@@ -45,10 +61,10 @@ func (p *Policy) Budget() time.Duration {
 	return 0
 }
 
-// Record notes how a wait that had a spin budget ended: during its spin
-// (hit) or after it slept.
-func (p *Policy) Record(hit bool) {
-	if hit {
+// Record notes how long a wait took (from its start to its end, whether
+// it spun, slept or both).
+func (p *Policy) Record(waited time.Duration) {
+	if waited < Short {
 		p.score = min(p.score+1, scoreMax)
 	} else {
 		p.score = max(p.score-1, -scoreMax)

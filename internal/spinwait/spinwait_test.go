@@ -1,6 +1,9 @@
 package spinwait
 
-import "testing"
+import (
+	"testing"
+	"time"
+)
 
 // TestPolicy: waits that end while spinning keep the policy spinning; a
 // run of waits that had to sleep makes it sleep at once, with a spinning
@@ -12,16 +15,16 @@ func TestPolicy(t *testing.T) {
 	}
 	for range 5 {
 		p.Budget()
-		p.Record(true)
+		p.Record(time.Microsecond)
 	}
-	for range 8 {
-		p.Record(false) // a few misses among hits: still spinning
+	for range scoreMax - sleepBelow {
+		p.Record(Short) // misses among hits, up to the margin: still spinning
 	}
 	if p.Sleeping() || p.Budget() != MaxSpin {
 		t.Fatal("a few misses after hits stopped spinning")
 	}
-	for range 10 {
-		p.Record(false)
+	for range 2 {
+		p.Record(Short)
 	}
 	if !p.Sleeping() {
 		t.Fatal("a run of misses did not stop spinning")
@@ -36,7 +39,7 @@ func TestPolicy(t *testing.T) {
 		t.Fatalf("%d spinning waits in %d while sleeping, want 3 probes", spins, 3*ProbeEvery)
 	}
 	for range -sleepBelow {
-		p.Record(true)
+		p.Record(time.Microsecond)
 	}
 	if p.Sleeping() || p.Budget() != MaxSpin {
 		t.Fatal("hits did not bring spinning back")
