@@ -2,10 +2,12 @@ package cluster
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"github.com/goverbs/verbs/internal/spinwait"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -184,31 +186,31 @@ func regionBytes(n int) int { return flagWords(n)*flagBytes + n*boxBytes }
 // barrierInfo is what a rank hands its peers about its flags (localInfo):
 //
 //	magic "GVBR" | version u16 | algorithm u16 | rank u32 | world size u32 |
-//	flag address u64 | flag length u64 | rkey u32
+//	flag address u64 | flag length u64 | rkey u32 | host u64
 //
-// little endian, 36 bytes. Version 2 has the poison and probe words;
+// little endian, 44 bytes. Version 4 has the host (hostID), which counts
+// the ranks sharing a machine (Node.LocalRanks). Version 2 has the poison and probe words;
 // version 3 the mailboxes of Share after them.
 const (
 	barrierMagic    = "GVBR"
-	barrierVersion  = 3
-	barrierInfoSize = 36
+	barrierVersion  = 4
+	barrierInfoSize = 44
 )
 
 // Waiting. A wait spins for a while, polling (which drives the
 // transport's progress: soft0 places a peer's write when a process polls,
 // see internal/soft) and yielding to the process' goroutines in between,
 // then sleeps on the completion channel of the node's channel
-// (channel.MultiChannel.Sleep). How long it spins is the barrier's
-// spinwait.Policy: up to 200 µs while most spinning waits end during
-// their spin, and not at all (but a probe every 32 waits) when they do
-// not, as when ranks outnumber the processors and a spinner keeps the
-// processor its peer needs. Signals are written with immediate data: each
-// consumes one of the receiver's doorbell receives
-// (channel.Options.Doorbells), whose completion wakes a rank sleeping for
-// it, instead of timers (milliseconds per barrier). A wait woken without
-// its signal (an alarm every probeEvery, the poison word, the context)
-// checks the context, the poison word and the peer's channel; after
-// probeAfter it probes the peer it waits for.
+// (channel.MultiChannel.Sleep). It spins for up to 1 ms when the machine
+// has a processor for every rank of the world on it (Node.LocalRanks),
+// and not at all when the ranks outnumber the processors: a spinner then
+// keeps the processor its peer needs (internal/spinwait). Signals are
+// written with immediate data: each consumes one of the receiver's
+// doorbell receives (channel.Options.Doorbells), whose completion wakes a
+// rank sleeping for it, instead of timers (milliseconds per barrier). A
+// wait woken without its signal (an alarm every probeEvery, the poison
+// word, the context) checks the context, the poison word and the peer's
+// channel; after probeAfter it probes the peer it waits for.
 const (
 	// pollCheck is how many spinning polls pass between checks.
 	pollCheck = 64
@@ -262,7 +264,7 @@ type barrier struct {
 	lost    atomic.Pointer[RankError] // a rank failed: for good
 	tellMu  sync.Mutex                // serialises tell (the source word in aux)
 	wokenFn func() bool               // b.woken, bound once
-	policy  spinwait.Policy           // how long waits spin (mu)
+	local   atomic.Int32              // ranks of the world on this host (setRemote)
 
 	// sleep's alarm (ring, on a timer's goroutine) and the sleeper.
 	alarm                *time.Timer
@@ -325,6 +327,7 @@ func (b *barrier) localInfo() []byte {
 	binary.LittleEndian.PutUint64(buf[16:], r.Addr)
 	binary.LittleEndian.PutUint64(buf[24:], r.Len)
 	binary.LittleEndian.PutUint32(buf[32:], r.RKey)
+	binary.LittleEndian.PutUint64(buf[36:], hostID())
 	return buf
 }
 
@@ -336,6 +339,7 @@ func (b *barrier) setRemote(infos [][]byte) error {
 	}
 	remote := make([]verbs.RemoteRegion, b.n)
 	need := uint64(regionBytes(b.n))
+	local := 0
 	for j, info := range infos {
 		if len(info) != barrierInfoSize {
 			return fmt.Errorf("cluster: barrier: rank %d's flag description is %d bytes, want %d", j, len(info), barrierInfoSize)
@@ -367,6 +371,9 @@ func (b *barrier) setRemote(infos [][]byte) error {
 			return fmt.Errorf("cluster: barrier: rank %d's flag region at %#x wraps around", j, r.Addr)
 		}
 		remote[j] = r
+		if binary.LittleEndian.Uint64(info[36:]) == hostID() {
+			local++
+		}
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -374,8 +381,21 @@ func (b *barrier) setRemote(infos [][]byte) error {
 		return fmt.Errorf("cluster: barrier: %w", channel.ErrClosed)
 	}
 	b.remote = remote
+	b.local.Store(int32(local))
 	return nil
 }
+
+// hostID identifies this machine (its boot, and its host name): the same
+// in every process of a host, another on another host.
+var hostID = sync.OnceValue(func() uint64 {
+	h := sha256.New()
+	if id, err := os.ReadFile("/proc/sys/kernel/random/boot_id"); err == nil {
+		h.Write(id)
+	}
+	name, _ := os.Hostname()
+	h.Write([]byte(name))
+	return binary.LittleEndian.Uint64(h.Sum(nil))
+})
 
 // hashGroup hashes a member list (FNV-1a over the ranks).
 func hashGroup(members []int) uint64 {
@@ -756,14 +776,13 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 			probe.Release()
 		}
 	}()
-	// Spinning, as b.policy allows: poll (driving the transport's
+	// Spinning, as spinwait.Budget allows: poll (driving the transport's
 	// progress), check now and then, yield to the process' goroutines.
 	if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
 		return err // no wait
 	}
 	began := time.Now()
-	defer func() { b.policy.Record(time.Since(began)) }()
-	if budget := b.policy.Budget(); budget > 0 {
+	if budget := spinwait.Budget(int(b.local.Load()), runtime.NumCPU()); budget > 0 {
 		until := began.Add(budget)
 		for i := 1; ; i++ {
 			if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {

@@ -113,6 +113,14 @@ func NewNode(pd *verbs.ProtectionDomain, rank, size int, opts NodeOptions) (*Nod
 	return &Node{rank: rank, size: size, mc: mc, bar: bar, probe: probe, grace: grace}, nil
 }
 
+// LocalRanks returns how many ranks of the world (this one included) run
+// on this machine, as the endpoint exchange told (1 before Connect).
+// More local ranks than processors (runtime.NumCPU) means the machine is
+// oversubscribed: waits that spin take the processor from the rank they
+// wait for, so the library's waits sleep at once (see Barrier, and the
+// collective package).
+func (n *Node) LocalRanks() int { return max(1, int(n.bar.local.Load())) }
+
 // Rank returns this node's rank.
 func (n *Node) Rank() int { return n.rank }
 

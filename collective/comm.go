@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/goverbs/verbs/internal/spinwait"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -162,6 +163,7 @@ type Comm struct {
 	doneHs                            []channel.Handle // Close's done writes
 	aborted                           bool             // this rank's abort word was written (abort)
 	wokenFn                           func() bool      // c.woken, bound once
+	spin                              time.Duration    // how long a wait spins before it sleeps
 
 	// sleep's alarm (ring, on a timer's goroutine) and the sleeper.
 	alarms    atomic.Uint64
@@ -227,6 +229,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, erro
 		remote: make([]verbs.RemoteRegion, p), sendSeq: make([]uint64, p), recvSeq: make([]uint64, p),
 		ackSent: make([]uint64, p), flagOwed: make([]bool, p), ackOwed: make([]bool, p)}
 	c.wokenFn = c.woken
+	c.spin = spinwait.Budget(node.LocalRanks(), runtime.NumCPU())
 	c.slotBytes = (hdrBytes + c.chunk + 63) &^ 63
 	c.slotBase = (p*peerFlagBytes + 8 + 63) &^ 63 // flags, the probe word
 	rxLen := c.slotBase + p*c.slots*c.slotBytes

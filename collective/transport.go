@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"github.com/goverbs/verbs/internal/spinwait"
 	"reflect"
 	"runtime"
 	"sync/atomic"
@@ -605,11 +604,11 @@ func (c *Comm) flushOwed(ctx context.Context) error {
 // drives the transport's progress: soft0 places a peer's writes when the
 // process polls; yielding to the process' goroutines in between), then
 // sleeps on the completion channel of the node's channel
-// (channel.MultiChannel.Sleep). How long it spins is the communicator's
-// spinwait.Policy: up to 200 µs while most spinning waits end during
-// their spin, no spinning (but a probe every 32 waits) when they do not,
-// as when ranks outnumber the processors and a spinner keeps the
-// processor its peer needs. Every counter a peer writes here (data count,
+// (channel.MultiChannel.Sleep). It spins for up to 1 ms when the machine
+// has a processor for every rank of the world on it
+// (cluster.Node.LocalRanks), and not at all when the ranks outnumber the
+// processors: a spinner then keeps the processor its peer needs
+// (internal/spinwait). Every counter a peer writes here (data count,
 // ack count, done flag, abort word) is written with immediate data, which
 // consumes one of the doorbell receives of the node's queue pairs
 // (cluster.NodeOptions) and makes a completion: a sleep ends when one has
@@ -632,9 +631,7 @@ const (
 
 type waiter struct {
 	i         int
-	start     time.Time // of a wait that needed checks
-	policy    spinwait.Policy
-	began     time.Time     // of the wait in progress (its first idle round)
+	start     time.Time     // of a wait that needed checks
 	budget    time.Duration // of the wait in progress: how long it may spin
 	spinUntil time.Time
 	slept     bool // the wait in progress slept
@@ -647,12 +644,8 @@ type waiter struct {
 	alarm     *time.Timer // ends sleeps: Comm.ring
 }
 
-// reset ends a wait (something moved, or a step begins): the policy
-// learns how long it took.
+// reset ends a wait (something moved, or a step begins).
 func (w *waiter) reset() {
-	if w.i > 0 {
-		w.policy.Record(time.Since(w.began))
-	}
 	w.i = 0
 	w.start = time.Time{}
 	w.slept = false
@@ -666,9 +659,10 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 		return err
 	}
 	if w.i == 1 {
-		w.began = time.Now()
-		w.budget = w.policy.Budget()
-		w.spinUntil = w.began.Add(w.budget)
+		w.budget = c.spin
+		if w.budget > 0 {
+			w.spinUntil = time.Now().Add(w.budget)
+		}
 	}
 	if w.budget > 0 && !w.slept && (w.i%spinCheck != 0 || time.Now().Before(w.spinUntil)) {
 		// Spinning: drive the progress (soft0 places a peer's writes as
