@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"strings"
@@ -698,5 +699,44 @@ func TestCloseReadsOnlyWrittenPeers(t *testing.T) {
 				t.Errorf("rank %d reads from rank %d, which it never wrote to (reads from %v)", i, j, got)
 			}
 		}
+	}
+}
+
+// TestLocalRanks: the ranks of a world count those that share this
+// machine (the host in the barrier information): all of a world in one
+// process; one fewer when a rank says it is on another host. Before
+// Connect a node counts itself.
+func TestLocalRanks(t *testing.T) {
+	rs := barWorld(t, 3, BinaryTree)
+	for _, r := range rs {
+		if got := r.b.local.Load(); got != 3 {
+			t.Errorf("rank %d: %d local ranks, want 3", r.id, got)
+		}
+	}
+	infos := [][]byte{rs[0].b.localInfo(), rs[1].b.localInfo(), rs[2].b.localInfo()}
+	binary.LittleEndian.PutUint64(infos[2][36:], hostID()+1) // rank 2 elsewhere
+	if err := rs[0].b.setRemote(infos); err != nil {
+		t.Fatal(err)
+	}
+	if got := rs[0].b.local.Load(); got != 2 {
+		t.Errorf("%d local ranks with rank 2 on another host, want 2", got)
+	}
+	nodes := make([]*Node, 1)
+	dev, err := verbs.Open(verbs.SoftDevice)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	pd, err := dev.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pd.Close()
+	if nodes[0], err = NewNode(pd, 0, 2, NodeOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	defer nodes[0].Close()
+	if got := nodes[0].LocalRanks(); got != 1 {
+		t.Errorf("before Connect: %d local ranks, want 1", got)
 	}
 }
