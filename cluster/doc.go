@@ -168,11 +168,13 @@
 // others connect, makes Join fail or the first barrier fail, naming it:
 // no world goes on with a hole.
 //
-// A rank waits for a flag in its channel's Wait (channel.MultiChannel),
-// which polls the completion queue — driving the transport's progress:
-// soft0 places a peer's write when a process of it polls — and, as the
-// channel's adaptive policy decides, spins a little or sleeps on the
-// completion channel. Flags are written with immediate data: each rings
+// A rank waits for a flag by polling — driving the transport's progress:
+// soft0 places a peer's write when a process of it polls — for up to
+// 1 ms, then sleeps on its channel's completion channel
+// (channel.MultiChannel.Sleep); when the machine has more ranks of the
+// world than processors (LocalRanks against runtime.NumCPU) it sleeps
+// at once, since a spinner keeps the processor from the rank it waits
+// for. Flags are written with immediate data: each rings
 // the receiver's doorbell (NodeOptions.Channel.Doorbells, 64 per peer by
 // default), whose completion wakes it. So ranks that outnumber the
 // processors sleep until their signal arrives. The queue pairs of a

@@ -55,10 +55,13 @@
 //
 // # Waiting
 //
-// A rank waiting for a peer waits in the node channel's Wait
-// (channel.MultiChannel.Wait): it polls the completion queue, which
-// drives the transport's progress, and, as the channel's adaptive policy
-// decides, spins a little or sleeps on the completion channel. Every
+// A rank waiting for a peer polls (which drives the transport's
+// progress), yielding to the process' goroutines, for up to 1 ms, then
+// sleeps on the completion channel of the node's channel
+// (channel.MultiChannel.Sleep). When the machine has more ranks of the
+// world than processors (cluster.Node.LocalRanks against
+// runtime.NumCPU) it sleeps at once: a spinner would keep the processor
+// from the rank it waits for. Every
 // counter written at a peer (a chunk's data count, an ack count, the
 // done flag, the abort word) is an RDMA write with immediate data, which
 // rings the peer's doorbell (channel.Options.Doorbells, on by default on
