@@ -1,7 +1,6 @@
 package cluster
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -18,6 +17,7 @@ import (
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
 	"github.com/goverbs/verbs/internal/soft"
+	"github.com/goverbs/verbs/internal/testproc"
 )
 
 // Failure tests: one rank of a world runs in a child process (this test
@@ -237,36 +237,7 @@ func failWorldOf(t *testing.T, transport string, alg BarrierAlgorithm, mode Mode
 // of output. The child is killed when t ends.
 func failStart(t *testing.T, transport string, ln net.Listener, spec string) (*exec.Cmd, <-chan string) {
 	t.Helper()
-	f, err := ln.(*net.TCPListener).File()
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln.Close()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), procChildEnv+"="+spec, "GOVERBS_SOFT_TRANSPORT="+transport)
-	cmd.ExtraFiles = []*os.File{f}
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	})
-	lines := make(chan string, 8)
-	go func() {
-		defer close(lines)
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			lines <- sc.Text()
-		}
-	}()
-	return cmd, lines
+	return testproc.StartListening(t, ln.(*net.TCPListener), append(os.Environ(), procChildEnv+"="+spec, "GOVERBS_SOFT_TRANSPORT="+transport))
 }
 
 // failCheck checks that every survivor of res failed naming victim: in

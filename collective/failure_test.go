@@ -1,13 +1,11 @@
 package collective_test
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,6 +20,7 @@ import (
 	"github.com/goverbs/verbs/cluster"
 	"github.com/goverbs/verbs/collective"
 	"github.com/goverbs/verbs/internal/soft"
+	"github.com/goverbs/verbs/internal/testproc"
 	"github.com/goverbs/verbs/verbstest"
 )
 
@@ -169,36 +168,8 @@ func failWorld(t *testing.T, transport string, alg collective.Algorithm, n, vict
 	t.Cleanup(cancel)
 
 	// The child: the victim.
-	f, err := lns[victim].(*net.TCPListener).File()
-	if err != nil {
-		t.Fatal(err)
-	}
-	lns[victim].Close()
 	spec := fmt.Sprintf("victim,%d,%d,%d,%s", alg, victim, n, strings.Join(addrs, ";"))
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = childEnv(procChildEnv+"="+spec, "GOVERBS_SOFT_TRANSPORT="+transport)
-	cmd.ExtraFiles = []*os.File{f}
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	})
-	lines := make(chan string, 8)
-	go func() {
-		defer close(lines)
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			lines <- sc.Text()
-		}
-	}()
+	cmd, lines := testproc.StartListening(t, lns[victim].(*net.TCPListener), childEnv(procChildEnv+"="+spec, "GOVERBS_SOFT_TRANSPORT="+transport))
 
 	// The survivors.
 	res := make([]failResult, n)

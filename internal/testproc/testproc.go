@@ -80,6 +80,55 @@ func Start(t testing.TB, env ...string) *Proc {
 	return p
 }
 
+// StartListening starts the test binary as a child running no test,
+// with exactly env as its environment, and hands it ln's socket as file
+// descriptor 3 (ln itself is closed here: the child accepts on it). The
+// child's stderr is this process' stderr; the lines of its stdout come on
+// the returned channel, closed when the child closes its stdout. The
+// child is killed and reaped when t ends.
+func StartListening(t testing.TB, ln interface {
+	File() (*os.File, error)
+	Close() error
+}, env []string) (*exec.Cmd, <-chan string) {
+	t.Helper()
+	f, err := ln.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.Close()
+	cmd, err := Command(nil)
+	if err != nil {
+		f.Close()
+		t.Fatal(err)
+	}
+	cmd.Env = env
+	cmd.ExtraFiles = []*os.File{f}
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		f.Close()
+		t.Fatal(err)
+	}
+	err = cmd.Start()
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	lines := make(chan string, 8)
+	go func() {
+		defer close(lines)
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+	}()
+	return cmd, lines
+}
+
 // Send writes a line to the child's stdin.
 func (p *Proc) Send(t testing.TB, format string, args ...any) {
 	t.Helper()
