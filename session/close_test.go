@@ -73,7 +73,9 @@ func exiting(g string) bool {
 		if l == "" || strings.HasPrefix(l, "\t") || strings.HasPrefix(l, "created by ") {
 			continue
 		}
-		if !strings.HasPrefix(l, "runtime.") {
+		// The runtime's frames, and the deferred Done itself (seen
+		// inside it, after the wait it released returned).
+		if !strings.HasPrefix(l, "runtime.") && !strings.HasPrefix(l, "sync.(*WaitGroup).") {
 			frames = append(frames, l)
 		}
 	}
