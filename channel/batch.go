@@ -93,9 +93,6 @@ func (sc *scope) add(b *Batch, w work) Handle {
 	if err := b.p.accepts(w.kind); err != nil {
 		return sc.fail(b, w.kind, err)
 	}
-	if err := b.p.usable(w.kind == opRecv); err != nil {
-		return sc.fail(b, w.kind, err)
-	}
 	s, err := sc.e.tryAcquire(b.p, w.kind)
 	if err != nil {
 		// Post what is queued, so that completions can free slots, and

@@ -227,9 +227,6 @@ func (c *Channel) run(ctx context.Context, w work) (*slot, error) {
 	if err := c.p.accepts(w.kind); err != nil {
 		return nil, err
 	}
-	if err := c.p.usable(w.kind == opRecv); err != nil {
-		return nil, err
-	}
 	s, err := c.e.acquire(ctx, c.p, w.kind)
 	if err != nil {
 		return nil, err
@@ -393,9 +390,6 @@ func (c *Channel) post(w work) (Handle, error) {
 		return Handle{}, c.opErr(w.kind.String(), c.err)
 	}
 	if err := c.p.accepts(w.kind); err != nil {
-		return Handle{}, c.opErr(w.kind.String(), err)
-	}
-	if err := c.p.usable(w.kind == opRecv); err != nil {
 		return Handle{}, c.opErr(w.kind.String(), err)
 	}
 	s, err := c.e.tryAcquire(c.p, w.kind)

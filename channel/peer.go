@@ -110,7 +110,8 @@ func (p *peer) breakQP(cause error) {
 }
 
 // accepts reports why an operation of kind cannot be posted to the peer
-// at all (a doorbell channel carries one-sided operations only), or nil.
+// (a doorbell channel carries one-sided operations only; see usable), or
+// nil.
 func (p *peer) accepts(kind opKind) error {
 	if p.e.opts.Doorbells > 0 {
 		switch kind {
@@ -118,7 +119,7 @@ func (p *peer) accepts(kind opKind) error {
 			return fmt.Errorf("a %s on a channel with doorbells (Options.Doorbells): its receive queues hold the doorbells: %w", kind, verbs.ErrNotSupported)
 		}
 	}
-	return nil
+	return p.usable(kind == opRecv)
 }
 
 // usable reports why requests cannot be posted, or nil. Receives may be

@@ -265,15 +265,13 @@ type barrier struct {
 	tellMu  sync.Mutex                // serialises tell (the source word in aux)
 	wokenFn func() bool               // b.woken, bound once
 	local   atomic.Int32              // ranks of the world on this host (setRemote)
+	spin    time.Duration             // how long a wait spins before it sleeps (setRemote, mu)
 
-	// sleep's alarm (ring, on a timer's goroutine) and the sleeper.
-	alarm                *time.Timer
-	alarms               atomic.Uint64
+	// The sleep of a wait (mu): its alarm (ring), and what woken looks at.
+	alarm                *spinwait.Alarm
 	waitWord             *uint64
 	waitSeen, seenAlarms uint64
-	sleepMu              sync.Mutex
-	sleeping             bool
-	sleepPeer            int
+	waitPeer             int
 }
 
 // newBarrier creates the barrier of rank mc.Self() in a world of mc.Len()
@@ -310,6 +308,7 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 		return nil, fmt.Errorf("cluster: barrier: staging memory: %w", err)
 	}
 	b.wokenFn = b.woken
+	b.alarm = spinwait.NewAlarm(b.ring)
 	b.world = b.newGroup(nil)
 	return b, nil
 }
@@ -382,6 +381,7 @@ func (b *barrier) setRemote(infos [][]byte) error {
 	}
 	b.remote = remote
 	b.local.Store(int32(local))
+	b.spin = spinwait.Budget(local, runtime.NumCPU())
 	return nil
 }
 
@@ -776,14 +776,10 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 			probe.Release()
 		}
 	}()
-	// Spinning, as spinwait.Budget allows: poll (driving the transport's
+	// Spinning, as b.spin allows: poll (driving the transport's
 	// progress), check now and then, yield to the process' goroutines.
-	if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
-		return err // no wait
-	}
-	began := time.Now()
-	if budget := spinwait.Budget(int(b.local.Load()), runtime.NumCPU()); budget > 0 {
-		until := began.Add(budget)
+	if b.spin > 0 {
+		until := time.Now().Add(b.spin)
 		for i := 1; ; i++ {
 			if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
 				return err
@@ -854,47 +850,34 @@ func (b *barrier) checkWait(ctx context.Context, peer int, pw *uint64) error {
 // peer waited for, whose completion wakes this rank for its checks
 // (liveness; the context's end is seen at once).
 func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, seen uint64) {
-	if b.alarm == nil {
-		b.alarm = time.AfterFunc(time.Hour, b.ring)
-		b.alarm.Stop()
-	}
-	b.sleepMu.Lock()
-	b.sleepPeer, b.sleeping = peer, true
-	b.sleepMu.Unlock()
-	b.waitWord, b.waitSeen, b.seenAlarms = w, seen, b.alarms.Load()
-	b.alarm.Reset(probeEvery)
+	b.waitWord, b.waitSeen, b.waitPeer, b.seenAlarms = w, seen, peer, b.alarm.Fired()
+	b.alarm.Arm(probeEvery, peer)
 	b.mc.Sleep(ctx, b.wokenFn) // ends early only with ctx or the channel, which the checks report
-	b.alarm.Stop()
-	b.sleepMu.Lock()
-	b.sleeping = false
-	b.sleepMu.Unlock()
+	b.alarm.Disarm()
 }
 
 // woken is the condition of sleep (the peer's broken queue pair flushes
 // the doorbell receives, whose completions wake the sleeper).
 func (b *barrier) woken() bool {
 	return atomic.LoadUint64(b.waitWord) != b.waitSeen || atomic.LoadUint64(b.poisonWord()) != 0 ||
-		b.alarms.Load() != b.seenAlarms || b.closed.Load() || b.mc.Peer(b.sleepPeer).Broken()
+		b.alarm.Fired() != b.seenAlarms || b.closed.Load() || b.mc.Peer(b.waitPeer).Broken()
 }
 
-// ring is the alarm of sleep (on a timer's goroutine): a probe write to
-// the peer waited for. Nothing is posted once the sleep ended (sleepMu):
-// the memory may be released after it.
-func (b *barrier) ring() {
-	b.alarms.Add(1)
-	b.sleepMu.Lock()
-	defer b.sleepMu.Unlock()
-	if !b.sleeping {
-		return
-	}
-	src, err := b.aux.SGE(0, flagBytes)
-	if err != nil {
-		return
-	}
-	peer := b.sleepPeer
-	if h, err := b.mc.Peer(peer).PostWrite(b.remote[peer].At(uint64((b.n*wordsPerPeer+1)*flagBytes)), src); err == nil {
+// ring is the alarm of sleep (on a timer's goroutine, while the sleep
+// lasts): a probe write to the peer waited for.
+func (b *barrier) ring(peer int) {
+	if h, err := b.postProbe(peer); err == nil {
 		h.Release()
 	}
+}
+
+// postProbe posts the write of the probe word at peer.
+func (b *barrier) postProbe(peer int) (channel.Handle, error) {
+	src, err := b.aux.SGE(0, flagBytes)
+	if err != nil {
+		return channel.Handle{}, err
+	}
+	return b.mc.Peer(peer).PostWrite(b.remote[peer].At(uint64((b.n*wordsPerPeer+1)*flagBytes)), src)
 }
 
 // probe checks that peer is alive during a long wait: it keeps one write
@@ -930,11 +913,7 @@ func (b *barrier) probe(peer int, h *channel.Handle, probing *bool, next *time.T
 		return nil
 	}
 	*next = now.Add(probeEvery)
-	src, err := b.aux.SGE(0, flagBytes)
-	if err != nil {
-		return err
-	}
-	p, err := b.mc.Peer(peer).PostWrite(b.remote[peer].At(uint64((b.n*wordsPerPeer+1)*flagBytes)), src)
+	p, err := b.postProbe(peer)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return nil // try again later

@@ -164,12 +164,7 @@ type Comm struct {
 	aborted                           bool             // this rank's abort word was written (abort)
 	wokenFn                           func() bool      // c.woken, bound once
 	spin                              time.Duration    // how long a wait spins before it sleeps
-
-	// sleep's alarm (ring, on a timer's goroutine) and the sleeper.
-	alarms    atomic.Uint64
-	sleepMu   sync.Mutex
-	sleeping  bool
-	sleepPeer int
+	alarm                             *spinwait.Alarm  // ends the sleeps of waits (ring)
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out
@@ -229,6 +224,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, erro
 		remote: make([]verbs.RemoteRegion, p), sendSeq: make([]uint64, p), recvSeq: make([]uint64, p),
 		ackSent: make([]uint64, p), flagOwed: make([]bool, p), ackOwed: make([]bool, p)}
 	c.wokenFn = c.woken
+	c.alarm = spinwait.NewAlarm(c.ring)
 	c.spin = spinwait.Budget(node.LocalRanks(), runtime.NumCPU())
 	c.slotBytes = (hdrBytes + c.chunk + 63) &^ 63
 	c.slotBase = (p*peerFlagBytes + 8 + 63) &^ 63 // flags, the probe word

@@ -639,9 +639,9 @@ type waiter struct {
 	probing   bool
 	probePeer int
 	nextProbe time.Time
-	rung      uint64      // the doorbells rung when the round began (sleep)
-	alarms    uint64      // alarms seen (sleep)
-	alarm     *time.Timer // ends sleeps: Comm.ring
+	rung      uint64 // the doorbells rung when the round began (sleep)
+	alarms    uint64 // alarms gone off when the sleep began
+	sleepPeer int    // the peer a sleep waits for
 }
 
 // reset ends a wait (something moved, or a step begins).
@@ -678,7 +678,7 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 		runtime.Gosched()
 		return nil
 	}
-	if w.i > 1 || c.alarms.Load() != w.alarms || ctx.Err() != nil {
+	if w.i > 1 || c.alarm.Fired() != w.alarms || ctx.Err() != nil {
 		// Woken without moving: news (an abort word, a done flag), the
 		// alarm, the context.
 		if err := c.checks(ctx, sends, recvs); err != nil {
@@ -704,28 +704,18 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 // report).
 func (c *Comm) sleep(ctx context.Context, sends, recvs []flow) error {
 	w := &c.w
-	if w.alarm == nil {
-		w.alarm = time.AfterFunc(time.Hour, c.ring)
-		w.alarm.Stop()
+	w.sleepPeer = c.waitedFor(sends, recvs)
+	if w.sleepPeer < 0 {
+		w.sleepPeer = (c.rank + 1) % c.size // waiting for send-queue room: any completion will do
 	}
-	peer := c.waitedFor(sends, recvs)
-	if peer < 0 {
-		peer = (c.rank + 1) % c.size // waiting for send-queue room: any completion will do
-	}
-	c.sleepMu.Lock()
-	c.sleepPeer, c.sleeping = peer, true
-	c.sleepMu.Unlock()
-	w.alarms = c.alarms.Load()
+	w.alarms = c.alarm.Fired()
 	d := probeEvery
 	if !c.deadline.IsZero() {
 		d = max(min(d, time.Until(c.deadline)), time.Microsecond)
 	}
-	w.alarm.Reset(d)
+	c.alarm.Arm(d, w.sleepPeer)
 	err := c.mc.Sleep(ctx, c.wokenFn)
-	w.alarm.Stop()
-	c.sleepMu.Lock()
-	c.sleeping = false
-	c.sleepMu.Unlock()
+	c.alarm.Disarm()
 	if err != nil && ctx.Err() == nil {
 		return c.fail(err, -1) // the node's channel closed
 	}
@@ -737,28 +727,26 @@ func (c *Comm) sleep(ctx context.Context, sends, recvs []flow) error {
 // whose completions wake the sleeper: the alarm's probe may not be
 // postable any more).
 func (c *Comm) woken() bool {
-	return c.mc.Rung() != c.w.rung || c.alarms.Load() != c.w.alarms || c.mc.Peer(c.ranks[c.sleepPeer]).Broken()
+	w := &c.w
+	return c.mc.Rung() != w.rung || c.alarm.Fired() != w.alarms || c.mc.Peer(c.ranks[w.sleepPeer]).Broken()
 }
 
-// ring is the alarm of sleep (it runs on a timer's goroutine): a probe
-// write to the peer waited for, whose completion wakes the sleeper for
-// its checks. Nothing is posted once the sleep ended (sleepMu): the
-// communicator's memory may be released after it.
-func (c *Comm) ring() {
-	c.alarms.Add(1)
-	c.sleepMu.Lock()
-	defer c.sleepMu.Unlock()
-	if !c.sleeping {
-		return
-	}
-	p := c.sleepPeer
-	src, err := c.tx.SGE(c.probeSrc, 8)
-	if err != nil {
-		return
-	}
-	if h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.size*peerFlagBytes)), src); err == nil {
+// ring is the alarm of sleep (on a timer's goroutine, while the sleep
+// lasts): a probe write to the peer waited for, whose completion wakes
+// the sleeper for its checks.
+func (c *Comm) ring(p int) {
+	if h, err := c.postProbe(p); err == nil {
 		h.Release()
 	}
+}
+
+// postProbe posts the write of the probe word at p.
+func (c *Comm) postProbe(p int) (channel.Handle, error) {
+	src, err := c.tx.SGE(c.probeSrc, 8)
+	if err != nil {
+		return channel.Handle{}, err
+	}
+	return c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.size*peerFlagBytes)), src)
 }
 
 // checks looks for the reasons to give up a wait.
@@ -887,11 +875,7 @@ func (c *Comm) probe(p int, now time.Time) error {
 	}
 	w.nextProbe = now.Add(probeEvery)
 	w.probePeer = p
-	src, err := c.tx.SGE(c.probeSrc, 8)
-	if err != nil {
-		return err
-	}
-	h, err := c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.size*peerFlagBytes)), src)
+	h, err := c.postProbe(p)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return nil
