@@ -333,31 +333,15 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 		if _, err := c.retryOwed(); err != nil {
 			return err
 		}
-		moved, pending := false, false
-		for i := range sends {
-			f := &sends[i]
-			if f.done() {
-				continue
-			}
-			ok, err := c.trySend(f)
-			if err != nil {
-				return c.stepErr(f.peer, err)
-			}
-			moved = moved || ok
-			pending = pending || !f.done()
+		movedS, pendingS, err := c.advance(sends, true)
+		if err != nil {
+			return err
 		}
-		for i := range recvs {
-			f := &recvs[i]
-			if f.done() {
-				continue
-			}
-			ok, err := c.tryRecv(f)
-			if err != nil {
-				return c.stepErr(f.peer, err)
-			}
-			moved = moved || ok
-			pending = pending || !f.done()
+		movedR, pendingR, err := c.advance(recvs, false)
+		if err != nil {
+			return err
 		}
+		moved, pending := movedS || movedR, pendingS || pendingR
 		if !pending {
 			return c.flushOwed(ctx)
 		}
@@ -369,6 +353,29 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 			return err
 		}
 	}
+}
+
+// advance tries to move each flow of fs that is not done (sends, or
+// receives), and reports whether one moved and whether some are not done.
+func (c *Comm) advance(fs []flow, send bool) (moved, pending bool, err error) {
+	for i := range fs {
+		f := &fs[i]
+		if f.done() {
+			continue
+		}
+		var ok bool
+		if send {
+			ok, err = c.trySend(f)
+		} else {
+			ok, err = c.tryRecv(f)
+		}
+		if err != nil {
+			return moved, pending, c.stepErr(f.peer, err)
+		}
+		moved = moved || ok
+		pending = pending || !f.done()
+	}
+	return moved, pending, nil
 }
 
 // trySend posts the next chunk of f if the peer has a slot free.
