@@ -658,13 +658,19 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 	if len(c.resps) > 0 && len(bufs) < len(c.pbufs) {
 		c.pbufs[0] = c.resps
 		n := copy(c.pbufs[1:], bufs)
-		c.sendAsync(c.pbufs[:n+1])
+		err = c.sendNow(c.pbufs[:n+1])
 		clear(c.pbufs[:n+1])
 		c.setResps(c.resps[:0])
 	} else {
-		c.sendAsync(bufs)
+		err = c.sendNow(bufs)
 	}
 	c.respMu.Unlock()
+	if err != nil {
+		// Not under respMu: failing the connection fails its QPs, whose
+		// posters may be waiting for respMu here while holding their
+		// QP (a deadlock seen in TestFailureReachesEveryRank).
+		c.fail(err)
+	}
 	if c.dead.Load() {
 		return false, errConnDown
 	}
