@@ -63,7 +63,9 @@ import (
 //
 // Acknowledgements. The response to a request that completes a receive
 // leaves before the completion is visible (ackFirst): an application
-// may exit as soon as it has polled it. Other responses may be held for
+// may exit as soon as it has polled it. Over TCP it is corked in the
+// socket (corkAck), for the answer that usually follows to push it
+// along in one segment. Other responses may be held for
 // a while (progress.go) and leave at the latest when a QP or the
 // service closes (closeGracefully).
 //
@@ -105,6 +107,8 @@ type conn struct {
 	twN       int
 	twErr     error
 	twFn      func(fd uintptr) bool
+	twMore    bool // tryWriteFD sends with MSG_MORE (corkAck)
+	corkedLen int  // bytes corkAck left in the socket since the last push
 	iov       [maxSGE + 2]unix.Iovec
 	segHdr    [segBatch][hdrLen + reqBodyLen]byte // writeSegsLocked's (wmu)
 	segBufs   [segBatch + maxSGE + 1][]byte
@@ -137,6 +141,7 @@ type conn struct {
 	respMu sync.Mutex
 	resps  []byte
 	held   atomic.Bool        // len(resps) > 0, read without respMu
+	corked atomic.Bool        // an acknowledgement may wait in the socket (corkAck)
 	pbufs  [maxSGE + 2][]byte // trySendFrame's (respMu)
 	fbufs  [1][]byte          // flushResps' (respMu)
 
@@ -712,6 +717,9 @@ func (c *conn) writeAllLocked(bufs [][]byte) error {
 		_, err = c.wbufs.WriteTo(c.nc)
 	}
 	clear(c.wbufs[:cap(c.wbufs)])
+	if err == nil && c.corked.Load() {
+		c.uncorked() // pushed along
+	}
 	return err
 }
 
@@ -1143,7 +1151,16 @@ func (c *conn) tryWriteFD(fd uintptr) bool {
 		n++
 	}
 	for {
-		r, _, errno := unix.Syscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&c.iov[0])), uintptr(n))
+		var r uintptr
+		var errno syscall.Errno
+		if c.twMore && n == 1 {
+			r, _, errno = unix.Syscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(c.iov[0].Base)), uintptr(c.iov[0].Len), unix.MSG_MORE, 0, 0)
+		} else {
+			r, _, errno = unix.Syscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&c.iov[0])), uintptr(n))
+			if errno == 0 && c.corked.Load() {
+				c.uncorked() // pushed along
+			}
+		}
 		c.twN, c.twErr = int(r), nil
 		if errno != 0 {
 			c.twN, c.twErr = 0, errno
@@ -1309,7 +1326,10 @@ func (c *conn) ackFirst() {
 	c.appendRespLocked(c.rxID, c.rxQPN, &response{code: respACK})
 	c.fbufs[0] = c.resps
 	var err error
-	if c.tlsw == nil || !c.writeTLSNow(c.fbufs[:1], &err) {
+	switch {
+	case c.tlsw != nil && c.writeTLSNow(c.fbufs[:1], &err):
+	case c.corkAck(c.fbufs[:1], &err):
+	default:
 		err = c.sendNow(c.fbufs[:1])
 	}
 	c.fbufs[0] = nil
@@ -1320,8 +1340,74 @@ func (c *conn) ackFirst() {
 	}
 }
 
-// flushResps sends the held responses.
+// corkAck writes the acknowledgement frame bufs into a TCP socket with
+// MSG_MORE if nobody else writes and nothing is queued, and reports
+// whether it did (err: the write failed; the caller takes the
+// connection down).
+//
+// The frame is then in the kernel, which sends it when the process
+// exits or closes the socket, as ackFirst requires, but it need not be
+// pushed onto the network now: on loopback a push is most of a write's
+// cost (the whole receive path of the peer's stack runs in it). The next
+// write on the connection pushes it, in the same segment as the request
+// that follows (an answer, in a ping-pong); flushResps pushes it when
+// none follows (pushAck), at the latest when the responses held with it
+// would leave (progress.go). A process that exits with bytes of the
+// peer's it has not read makes its kernel reset the connection instead,
+// and a frame still corked is lost with it: the peer sees the request
+// fail, as it does when the process exits before the acknowledgement.
+func (c *conn) corkAck(bufs [][]byte, err *error) bool {
+	if c.kind != kindTCP || c.shm != nil || c.tlsw != nil || c.raw == nil || c.dead.Load() || !c.wmu.TryLock() {
+		return false
+	}
+	defer c.wmu.Unlock()
+	if !c.queueEmpty() || c.corkedLen+total(bufs) > cap(c.resps) {
+		return false // as many as responses are held at most (handleReq)
+	}
+	c.twMore = true
+	n, werr := c.tryWrite(bufs)
+	c.twMore = false
+	if werr != nil {
+		*err = fmt.Errorf("soft: write to process %d: %w", c.peerPID, werr)
+		return true
+	}
+	c.corked.Store(true)
+	c.corkedLen += n
+	if n < total(bufs) {
+		// The rest goes first, with the flusher (which pushes it).
+		if c.enqueue(bufs, n, nil, true) {
+			*err = c.overflowErr()
+		}
+		c.wakeFlusher()
+	}
+	return true
+}
+
+// uncorked records that what corkAck left was pushed (wmu held).
+func (c *conn) uncorked() {
+	c.corked.Store(false)
+	c.corkedLen = 0
+}
+
+// pushAck sends what corkAck left in the socket, if nothing else did.
+func (c *conn) pushAck() {
+	if !c.corked.Load() || !c.wmu.TryLock() {
+		return // a writer pushes it (tryWriteFD, writeAllLocked)
+	}
+	if c.corked.Load() {
+		c.uncorked()
+		c.sockControl(func(fd uintptr) {
+			// Turning TCP_NODELAY on (it is on) pushes what is queued.
+			unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+		})
+	}
+	c.wmu.Unlock()
+}
+
+// flushResps sends the held responses, and what corkAck left in the
+// socket.
 func (c *conn) flushResps() {
+	c.pushAck()
 	if !c.held.Load() {
 		return // the consumer sees its own: it holds them
 	}

@@ -271,9 +271,10 @@ const ackDelay = 50 * time.Microsecond
 // one probably answers within microseconds, and its request takes the
 // responses along (trySendFrame), one write and one wake-up of the peer
 // instead of two, as TCP delays its acknowledgements. They are held
-// for ackDelay at most.
+// for ackDelay at most, as is an acknowledgement corked in the socket
+// (corkAck).
 func (c *conn) waitSock(woke bool) error {
-	hold := woke && c.quiet != nil && c.holdsResps()
+	hold := woke && c.quiet != nil && (c.holdsResps() || c.corked.Load())
 	if !hold {
 		c.flushResps()
 		return readErr0(c, c.sock.fillWait())

@@ -129,7 +129,10 @@ func (q *quietSock) init(fd int) error {
 	if err := q.in.init(q, quietIn); err != nil {
 		return err
 	}
-	return q.out.init(q, unix.EPOLLOUT)
+	// Room is watched only while a write waits for it (Write): a unix
+	// socket reports room after every read of its peer, and each such
+	// event would wake the runtime's poller.
+	return q.out.init(q, 0)
 }
 
 func (w *quietWait) init(q *quietSock, events uint32) error {
@@ -203,17 +206,11 @@ func (q *quietSock) listen() error {
 
 // wait runs f on the socket until it reports done, waiting on w between
 // tries. Every event of the socket after a try reaches w's instance, and
-// through it the runtime's poller, so a wait cannot miss one.
-func (q *quietSock) wait(w *quietWait, f func(fd uintptr) bool, direct bool) error {
+// through it the runtime's poller, so a wait cannot miss one. (The
+// poller's Read tries first.)
+func (q *quietSock) wait(w *quietWait, f func(fd uintptr) bool) error {
 	w.f, w.done, w.cerr = f, false, nil
-	// With direct, the first try goes straight to the socket, not through
-	// the poller's bookkeeping: most writes do not wait. (The poller's
-	// Read tries first too, so a read that usually waits would pay for
-	// a try more.)
-	var err error
-	if !direct || !w.try(0) {
-		err = w.rc.Read(w.try)
-	}
+	err := w.rc.Read(w.try)
 	cerr := w.cerr
 	w.f, w.cerr = nil, nil
 	if err == nil {
@@ -240,12 +237,31 @@ func (q *quietSock) Read(f func(fd uintptr) bool) error {
 	if err := q.listen(); err != nil {
 		return err
 	}
-	return q.wait(&q.in, f, false)
+	return q.wait(&q.in, f)
 }
 
 // Write runs f until it reports done, waiting for the socket to be
-// writable between tries (syscall.RawConn).
-func (q *quietSock) Write(f func(fd uintptr) bool) error { return q.wait(&q.out, f, true) }
+// writable between tries (syscall.RawConn). Most writes do not wait: the
+// first try goes straight to the socket, and only a write that must wait
+// has the out instance watch for room, until it is done.
+func (q *quietSock) Write(f func(fd uintptr) bool) error {
+	w := &q.out
+	w.f, w.done, w.cerr = f, false, nil
+	if w.try(0) {
+		cerr := w.cerr
+		w.f, w.cerr = nil, nil
+		return q.mapClosed(cerr)
+	}
+	if err := q.ctl(w, unix.EPOLL_CTL_MOD, unix.EPOLLOUT); err != nil {
+		w.f = nil
+		return err
+	}
+	err := q.wait(w, f)
+	if cerr := q.ctl(w, unix.EPOLL_CTL_MOD, 0); err == nil {
+		err = cerr
+	}
+	return err
+}
 
 // conn is the net.Conn view of the socket, for io.ReadFull and the
 // writes that wait.

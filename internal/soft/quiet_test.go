@@ -8,12 +8,17 @@ import (
 	"os"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // quietPair is a TCP loopback connection whose first end is a quietSock.
-func quietPair(t *testing.T) (*quietSock, net.Conn) {
+func quietPair(t *testing.T) (*quietSock, net.Conn) { return quietPairOf(t, "tcp") }
+
+// quietPairOf is quietPair over a socket of kind (rawKinds).
+func quietPairOf(t *testing.T, kind string) (*quietSock, net.Conn) {
 	t.Helper()
-	c1, c2 := socketPair(t, "tcp")
+	c1, c2 := socketPair(t, kind)
 	q, err := newQuietSock(c1)
 	if err != nil {
 		t.Fatal(err)
@@ -95,5 +100,71 @@ func TestQuietSockCloseWakesReader(t *testing.T) {
 	q.Close()
 	if err := <-errc; !errors.Is(err, net.ErrClosed) {
 		t.Fatalf("read ended by Close: %v, want net.ErrClosed", err)
+	}
+}
+
+// outEvents returns the events q's write instance holds now.
+func outEvents(t *testing.T, q *quietSock) int {
+	t.Helper()
+	var n int
+	var werr error
+	if err := q.out.rc.Control(func(fd uintptr) {
+		var ev [4]unix.EpollEvent
+		n, werr = unix.EpollWait(int(fd), ev[:], 0)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if werr != nil {
+		t.Fatal(werr)
+	}
+	return n
+}
+
+// Room is watched only while a write waits for it: a socket with room
+// is not an event of the write instance, which is in the runtime's poller
+// (a unix socket reports room after every read of its peer, and each
+// report woke a thread of the process; a ping-pong over unix sockets
+// paid two such wake-ups per round trip). A write that must wait for
+// room still gets it.
+func TestQuietSockRoomWatchedOnlyWhileWaiting(t *testing.T) {
+	for _, kind := range rawKinds {
+		t.Run(kind, func(t *testing.T) {
+			q, peer := quietPairOf(t, kind)
+			qc := q.conn()
+			msg := make([]byte, 100)
+			got := make([]byte, len(msg))
+			for range 3 {
+				if _, err := qc.Write(msg); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := io.ReadFull(peer, got); err != nil {
+					t.Fatal(err)
+				}
+				if n := outEvents(t, q); n != 0 {
+					t.Fatalf("an idle socket with room: %d events in the write instance, want 0", n)
+				}
+			}
+			// More than the socket holds: the write waits for the
+			// peer, which reads everything.
+			big := make([]byte, 32<<20)
+			for i := range big {
+				big[i] = byte(i / 4096)
+			}
+			done := make(chan []byte, 1)
+			go func() {
+				b := make([]byte, len(big))
+				io.ReadFull(peer, b)
+				done <- b
+			}()
+			if n, err := qc.Write(big); n != len(big) || err != nil {
+				t.Fatalf("write of %d bytes that waited for room: %d, %v", len(big), n, err)
+			}
+			if b := <-done; !bytes.Equal(b, big) {
+				t.Fatal("the peer read other bytes than were written")
+			}
+			if n := outEvents(t, q); n != 0 {
+				t.Fatalf("after a write that waited: %d events in the write instance, want 0", n)
+			}
+		})
 	}
 }
