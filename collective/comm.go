@@ -165,6 +165,8 @@ type Comm struct {
 	wokenFn                           func() bool      // c.woken, bound once
 	spin                              time.Duration    // how long a wait spins before it sleeps
 	alarm                             *spinwait.Alarm  // ends the sleeps of waits (ring)
+	bufs                              *bufSet          // the Buffers (Alloc), shared with the communicators made from this one
+	zeroCopied                        uint64           // chunks sent from a Buffer (tests)
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out
@@ -189,6 +191,7 @@ func New(ctx context.Context, node *cluster.Node, opts Options) (*Comm, error) {
 	if err != nil {
 		return nil, err
 	}
+	c.bufs = new(bufSet)
 	if err := c.bootstrap(ctx); err != nil {
 		c.release()
 		return nil, &Error{Call: "new", Rank: c.rank, Peer: -1, Err: err}

@@ -37,6 +37,16 @@
 // bytes of registered memory (about 512 KiB per peer by default, at most
 // 16 MiB in all with the default chunk size).
 //
+// Data in a Buffer (Alloc: memory registered once, for the communicator
+// and those made from it) is sent in place: a chunk of a message of at
+// least 64 KiB is one RDMA write of the header from the staging slot and
+// the data from the Buffer, without the copy into the slot. A step that
+// sent so waits, before it ends, until those writes were executed, so
+// that the caller (or the next step) may change the memory. On soft0
+// shared memory this makes a 16 MiB allreduce in place about 15–20 %
+// faster (`goverbs coll -p 2 -ops allreduce -min 16MiB -max 16MiB
+// -inplace` with and without -registered).
+//
 // # Algorithms
 //
 // Allreduce chooses by the vector's size (AlgAuto, overridable with

@@ -9,3 +9,13 @@ func LateWindows(node *cluster.Node) int {
 	defer lateMu.Unlock()
 	return len(late[node])
 }
+
+// ZeroCopied returns how many chunks c has sent from Buffers.
+func ZeroCopied(c *Comm) uint64 { return c.zeroCopied }
+
+// HoldBuffer counts one more call using b, as a call sending from it
+// does, until the returned function runs.
+func HoldBuffer[T Number](b *Buffer[T]) func() {
+	b.reg.users.Add(1)
+	return func() { b.reg.users.Add(-1) }
+}

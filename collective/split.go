@@ -73,6 +73,8 @@ func (c *Comm) split(ctx context.Context, color, key int) (*Comm, error) {
 			// fail cleanly (their descriptor from this rank is empty).
 			sub = nil
 			_ = err
+		} else {
+			sub.bufs = c.bufs
 		}
 	}
 	descs := make([]byte, c.size*descBytes)

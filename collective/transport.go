@@ -146,6 +146,12 @@ type flow struct {
 	reduce  bool  // receive: reduce into buf instead of copying
 	srcLow  bool  // receive: the incoming data is the lower ranks' operand
 	after   *flow // send: only what this receive has filled in (forwarding)
+
+	// A send whose data lies in a Buffer is sent from there (zeroCopy):
+	zreg  *registered    // the Buffer's region, nil if the data is staged
+	zoff  int            // the offset of buf in it
+	zlast channel.Handle // the last write that read it, awaited at the end of the step
+	zheld bool           // zlast is held
 }
 
 func (f *flow) done() bool { return f.started && f.off == len(f.buf) }
@@ -324,6 +330,9 @@ func word(m *verbs.MemoryRegion, off int) *uint64 {
 // one receive per peer.
 func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 	c.w.reset()
+	if c.zeroCopy(sends, recvs) {
+		defer c.zeroCopyDone(sends)
+	}
 	for {
 		c.w.rung = c.mc.Rung() // before looking: see sleep
 		// Flags and acks a full send queue left owed go out first, also
@@ -343,7 +352,10 @@ func (c *Comm) run(ctx context.Context, sends, recvs []flow) error {
 		}
 		moved, pending := movedS || movedR, pendingS || pendingR
 		if !pending {
-			return c.flushOwed(ctx)
+			if err := c.flushOwed(ctx); err != nil {
+				return err
+			}
+			return c.zeroCopyWait(ctx, sends)
 		}
 		if moved {
 			c.w.reset()
@@ -404,20 +416,43 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 	slot := (p*c.slots + k) * c.slotBytes
 	st := c.tx.Bytes()[slot : slot+hdrBytes+n]
 	c.header(st, seq, n, len(f.buf))
-	copy(st[hdrBytes:], f.buf[f.off:f.off+n])
-	src, err := c.tx.SGE(slot, hdrBytes+n)
+	var src [2]verbs.SGE
+	var err error
+	if f.zreg != nil {
+		// The header from the staging slot, the data in place.
+		if src[0], err = c.tx.SGE(slot, hdrBytes); err == nil {
+			src[1], err = f.zreg.mr.SGE(f.zoff+f.off, n)
+		}
+	} else {
+		copy(st[hdrBytes:], f.buf[f.off:f.off+n])
+		src[0], err = c.tx.SGE(slot, hdrBytes+n)
+	}
 	if err != nil {
 		return false, err
 	}
+	sgl := src[:1]
+	if f.zreg != nil {
+		sgl = src[:2]
+	}
 	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
-	h, err := c.post(p, dst, src, false)
+	h, err := c.post(p, dst, false, sgl...)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return false, nil
 		}
 		return false, err
 	}
-	h.Release()
+	if f.zreg != nil {
+		// Kept: its completion proves that every write before it on
+		// the queue pair read the Buffer too (zeroCopyWait).
+		if f.zheld {
+			f.zlast.Release()
+		}
+		f.zlast, f.zheld = h, true
+		c.zeroCopied++
+	} else {
+		h.Release()
+	}
 	c.sendSeq[p] = seq + 1
 	f.off += n
 	f.started = true
@@ -432,14 +467,14 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 // handles are full it drives the progress once (completions free them:
 // writes are posted detached, and only polling retires them) and tries
 // again.
-func (c *Comm) post(p int, dst verbs.RemoteAddr, src verbs.SGE, bell bool) (channel.Handle, error) {
+func (c *Comm) post(p int, dst verbs.RemoteAddr, bell bool, src ...verbs.SGE) (channel.Handle, error) {
 	ch := c.mc.Peer(c.ranks[p])
-	h, err := postWrite(ch, dst, src, bell)
+	h, err := postWrite(ch, dst, bell, src)
 	if err != nil && errors.Is(err, verbs.ErrQueueFull) {
 		if perr := c.mc.Progress(); perr != nil {
 			return h, perr
 		}
-		h, err = postWrite(ch, dst, src, bell)
+		h, err = postWrite(ch, dst, bell, src)
 	}
 	return h, err
 }
@@ -447,11 +482,94 @@ func (c *Comm) post(p int, dst verbs.RemoteAddr, src verbs.SGE, bell bool) (chan
 // postWrite posts an RDMA write, with immediate data if bell is set: the
 // peer's doorbell (channel.Options.Doorbells), which wakes it if it
 // sleeps for this write (see Comm.sleep).
-func postWrite(ch *channel.Channel, dst verbs.RemoteAddr, src verbs.SGE, bell bool) (channel.Handle, error) {
+func postWrite(ch *channel.Channel, dst verbs.RemoteAddr, bell bool, src []verbs.SGE) (channel.Handle, error) {
 	if bell {
-		return ch.PostWriteImm(dst, 0, src)
+		return ch.PostWriteImm(dst, 0, src...)
 	}
-	return ch.PostWrite(dst, src)
+	return ch.PostWrite(dst, src...)
+}
+
+// zeroCopy marks the sends of a step whose data lies in a Buffer, to be
+// sent from there, and reports whether it marked any. A send qualifies
+// if it is at least zeroCopyMin bytes long and no receive of the step
+// writes the memory it reads, but the one it forwards (its after flow,
+// which writes only ahead of what the send reads): a write reading the
+// Buffer may run until the end of the step (zeroCopyWait), and the
+// algorithms change the memory a step sent only in later steps.
+func (c *Comm) zeroCopy(sends, recvs []flow) bool {
+	marked := false
+	for i := range sends {
+		f := &sends[i]
+		f.zreg, f.zheld = nil, false
+		if len(f.buf) < zeroCopyMin || c.bufs == nil {
+			continue
+		}
+		clash := false
+		for j := range recvs {
+			r := &recvs[j]
+			if r != f.after && overlap(f.buf, r.buf) {
+				clash = true
+				break
+			}
+		}
+		if !clash {
+			if f.zreg, f.zoff = c.bufs.use(f.buf); f.zreg != nil {
+				marked = true
+			}
+		}
+	}
+	return marked
+}
+
+// zeroCopyWait waits, at the end of a step, until the writes that read
+// Buffers have been executed: the caller, or the next step, may change
+// that memory. The last write of each such send tells, as the queue
+// pair executes writes in order. The wait polls: the write is executed
+// as soon as the peer's side takes it (soft0 copies the data of a large
+// write when the peer has acknowledged the request).
+func (c *Comm) zeroCopyWait(ctx context.Context, sends []flow) error {
+	for i := range sends {
+		f := &sends[i]
+		if !f.zheld {
+			continue
+		}
+		for n := 0; !f.zlast.Done(); n++ {
+			if err := c.mc.Progress(); err != nil {
+				return c.stepErr(f.peer, err)
+			}
+			if n%waitCheck == waitCheck-1 {
+				if err := ctx.Err(); err != nil {
+					return c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, err), f.peer)
+				}
+				if !c.deadline.IsZero() && time.Now().After(c.deadline) {
+					return c.fail(fmt.Errorf("%w: Options.Timeout", verbs.ErrTimeout), f.peer)
+				}
+			}
+			runtime.Gosched()
+		}
+		err := f.zlast.Err()
+		f.zlast.Release()
+		f.zheld = false
+		if err != nil {
+			return c.stepErr(f.peer, err)
+		}
+	}
+	return nil
+}
+
+// zeroCopyDone ends a step's use of Buffers.
+func (c *Comm) zeroCopyDone(sends []flow) {
+	for i := range sends {
+		f := &sends[i]
+		if f.zheld {
+			f.zlast.Release()
+			f.zheld = false
+		}
+		if f.zreg != nil {
+			f.zreg.users.Add(-1)
+			f.zreg = nil
+		}
+	}
 }
 
 // postFlag posts the write of this rank's data count at p, if it is
@@ -464,7 +582,7 @@ func (c *Comm) postFlag(p int) error {
 	if err != nil {
 		return err
 	}
-	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes)), src, true)
+	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes)), true, src)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			c.anyOwed = true
@@ -553,7 +671,7 @@ func (c *Comm) postAck(p int) error {
 	if err != nil {
 		return err
 	}
-	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), src, true)
+	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), true, src)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			c.anyOwed = true

@@ -42,6 +42,7 @@ type collConfig struct {
 	alg          collective.Algorithm
 	dtype        string
 	inPlace      bool
+	registered   bool // the buffers are collective.Buffers (zero-copy sends)
 	dev          string
 	transport    string // GOVERBS_SOFT_TRANSPORT of the ranks
 	launch       string // auto, spawn, env
@@ -92,6 +93,7 @@ func runColl(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&alg, "alg", "auto", "allreduce `algorithm`: auto, rd (recursive doubling), rabenseifner, ring")
 	fs.StringVar(&cfg.dtype, "type", "float32", "element `type`: float32, float64, int32, int64")
 	fs.BoolVar(&cfg.inPlace, "inplace", false, "run the collectives in place (recv is send) instead of out of place")
+	fs.BoolVar(&cfg.registered, "registered", false, "put the buffers in collective.Buffers (registered: large messages are sent from them, without the staging copy)")
 	fs.StringVar(&cfg.dev, "d", os.Getenv("GOVERBS_DEVICE"), "`device` of every rank (default $GOVERBS_DEVICE, else soft0)")
 	fs.StringVar(&cfg.transport, "transport", os.Getenv("GOVERBS_SOFT_TRANSPORT"), "soft0 `transport` between the ranks: shm, unix, tcp (default $GOVERBS_SOFT_TRANSPORT, else shm)")
 	fs.StringVar(&cfg.launch, "launch", "auto", "`mode`: spawn (start -p ranks here), env (this process is a rank of a launcher: mpirun, torchrun, GOVERBS_RANK...), auto (env when a launcher's variables are set)")
@@ -232,6 +234,7 @@ type collBufs struct {
 	// call them).
 	allreduce func(ctx context.Context, count int) error
 	others    func(ctx context.Context, kind string, count int) error
+	release   func() // frees the collective.Buffers (-registered)
 }
 
 // collBenches is the table's list of collectives. A collective joins
@@ -324,21 +327,43 @@ func allreduceAlg(cfg collConfig, p, bytes, esz int) string {
 	return alg.String()
 }
 
-// newCollBufs allocates the buffers of count elements of type dtype.
-func newCollBufs(c *collective.Comm, dtype string, count int, inPlace bool) *collBufs {
+// newCollBufs allocates the buffers of count elements of type dtype, in
+// collective.Buffers if registered (release frees them).
+func newCollBufs(c *collective.Comm, dtype string, count int, inPlace, registered bool) (*collBufs, error) {
 	switch dtype {
 	case "float64":
-		return typedBufs[float64](c, count, inPlace)
+		return typedBufs[float64](c, count, inPlace, registered)
 	case "int32":
-		return typedBufs[int32](c, count, inPlace)
+		return typedBufs[int32](c, count, inPlace, registered)
 	case "int64":
-		return typedBufs[int64](c, count, inPlace)
+		return typedBufs[int64](c, count, inPlace, registered)
 	}
-	return typedBufs[float32](c, count, inPlace)
+	return typedBufs[float32](c, count, inPlace, registered)
 }
 
-func typedBufs[T collective.Number](c *collective.Comm, count int, inPlace bool) *collBufs {
-	send, recv := make([]T, count), make([]T, count)
+func typedBufs[T collective.Number](c *collective.Comm, count int, inPlace, registered bool) (*collBufs, error) {
+	var bs []*collective.Buffer[T]
+	alloc := func() ([]T, error) {
+		if !registered {
+			return make([]T, count), nil
+		}
+		b, err := collective.Alloc[T](c, count)
+		if err != nil {
+			return nil, err
+		}
+		bs = append(bs, b)
+		return b.Slice(), nil
+	}
+	var send, recv, src []T
+	var err error
+	for _, p := range []*[]T{&send, &recv, &src} {
+		if *p, err = alloc(); err != nil {
+			for _, b := range bs {
+				b.Close()
+			}
+			return nil, err
+		}
+	}
 	if inPlace {
 		send = nil // zeros: a sum in place stays finite
 	} else {
@@ -348,6 +373,11 @@ func typedBufs[T collective.Number](c *collective.Comm, count int, inPlace bool)
 	}
 	var z T
 	r := &collBufs{c: c, esz: int(unsafe.Sizeof(z))}
+	r.release = func() {
+		for _, b := range bs {
+			b.Close()
+		}
+	}
 	r.allreduce = func(ctx context.Context, n int) error {
 		var s []T
 		if send != nil {
@@ -355,7 +385,6 @@ func typedBufs[T collective.Number](c *collective.Comm, count int, inPlace bool)
 		}
 		return collective.Allreduce(ctx, c, s, recv[:n], collective.Sum)
 	}
-	src := make([]T, count)
 	for i := range src {
 		src[i] = 1
 	}
@@ -377,7 +406,7 @@ func typedBufs[T collective.Number](c *collective.Comm, count int, inPlace bool)
 		}
 		return fmt.Errorf("unknown collective %q", kind)
 	}
-	return r
+	return r, nil
 }
 
 // --- launching the ranks ---
@@ -561,7 +590,7 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 		return errors.New("the world has 1 rank: a collective benchmark needs at least 2")
 	}
 	res := collResult{Ranks: cfg.p, Device: cfg.dev, Transport: cfg.transport, Type: cfg.dtype, Iters: cfg.iters, Warmup: cfg.warmup,
-		InPlace: cfg.inPlace, Launch: "spawned"}
+		InPlace: cfg.inPlace, Registered: cfg.registered, Launch: "spawned"}
 	if os.Getenv(envCollChild) == "" {
 		res.Launch = "launcher"
 	}
@@ -595,7 +624,11 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 		return err
 	}
 	defer comm.Close()
-	bufs := newCollBufs(comm, cfg.dtype, max(1, cfg.sizes[len(cfg.sizes)-1]/elemBytes(cfg.dtype)), cfg.inPlace)
+	bufs, err := newCollBufs(comm, cfg.dtype, max(1, cfg.sizes[len(cfg.sizes)-1]/elemBytes(cfg.dtype)), cfg.inPlace, cfg.registered)
+	if err != nil {
+		return err
+	}
+	defer bufs.release()
 	samples, peak := make([]float64, cfg.iters), make([]float64, cfg.iters)
 	if cfg.cpuProfile != "" {
 		f, err := os.Create(fmt.Sprintf("%s.rank%d", cfg.cpuProfile, node.Rank()))
@@ -889,17 +922,18 @@ func (pp *p2p) burst(ctx context.Context, size, k int) error {
 
 // collResult is the output of a run (the -json object).
 type collResult struct {
-	Ranks     int        `json:"ranks"`
-	Launch    string     `json:"launch"` // spawned or launcher
-	Device    string     `json:"device"`
-	Transport string     `json:"transport,omitempty"`
-	Type      string     `json:"type"`
-	InPlace   bool       `json:"in_place"`
-	Iters     int        `json:"iters"`
-	Warmup    int        `json:"warmup"`
-	P2P       *P2PResult `json:"p2p"`
-	Rows      []collRow  `json:"rows"`
-	Goals     []collGoal `json:"goals"`
+	Ranks      int        `json:"ranks"`
+	Launch     string     `json:"launch"` // spawned or launcher
+	Device     string     `json:"device"`
+	Transport  string     `json:"transport,omitempty"`
+	Type       string     `json:"type"`
+	InPlace    bool       `json:"in_place"`
+	Registered bool       `json:"registered"` // buffers in collective.Buffers
+	Iters      int        `json:"iters"`
+	Warmup     int        `json:"warmup"`
+	P2P        *P2PResult `json:"p2p"`
+	Rows       []collRow  `json:"rows"`
+	Goals      []collGoal `json:"goals"`
 }
 
 // collRow is one row of the table: the median over the iterations of the
@@ -972,6 +1006,9 @@ func (res *collResult) print(w io.Writer) {
 	place := "out of place"
 	if res.InPlace {
 		place = "in place"
+	}
+	if res.Registered {
+		place += ", registered buffers"
 	}
 	fmt.Fprintf(w, "# goverbs coll: %d ranks (%s), device %s%s, %s, %d iterations (median of the slowest rank's), %d warm-up\n",
 		res.Ranks, res.Launch, res.Device, tr, place, res.Iters, res.Warmup)
