@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -53,12 +52,10 @@ func failChild(parts []string) int {
 		fmt.Println("error: bad spec", parts)
 		return 2
 	}
-	atoi := func(s string) int { n, _ := strconv.Atoi(s); return n }
-	alg, mode, rank, size, when := BarrierAlgorithm(atoi(parts[1])), Mode(atoi(parts[2])), atoi(parts[3]), atoi(parts[4]), parts[5]
-	addrs := strings.Split(parts[6], ";")
-	f := os.NewFile(3, "listener")
-	ln, err := net.FileListener(f)
-	f.Close()
+	s := testproc.Spec(parts)
+	alg, mode, rank, size, when := BarrierAlgorithm(s.Int(1)), Mode(s.Int(2)), s.Int(3), s.Int(4), s[5]
+	addrs := s.List(6)
+	ln, err := testproc.Listener()
 	if err != nil {
 		fmt.Println("error:", err)
 		return 1
@@ -101,7 +98,8 @@ func failChild(parts []string) int {
 		return 1
 	}
 	if k, ok := strings.CutPrefix(when, "shares:"); ok {
-		if err := shareSteps(ctx, n, atoi(k)); err != nil {
+		steps, _ := strconv.Atoi(k)
+		if err := shareSteps(ctx, n, steps); err != nil {
 			fmt.Println("error:", err)
 			return 1
 		}
@@ -112,15 +110,7 @@ func failChild(parts []string) int {
 		}
 		return 0
 	}
-	for i := 0; ; i++ {
-		if err := failStep(ctx, n, when == "share", i); err != nil {
-			fmt.Println("error:", err)
-			return 1
-		}
-		if i == 0 {
-			fmt.Println("ready")
-		}
-	}
+	return testproc.Loop(func(i int) error { return failStep(ctx, n, when == "share", i) })
 }
 
 // failStep is step i of a rank's loop: a barrier, or a Share whose
@@ -182,53 +172,26 @@ func failWorldOf(t *testing.T, transport string, alg BarrierAlgorithm, mode Mode
 
 	// The survivors.
 	res := make([]failResult, n)
-	var wg sync.WaitGroup
-	for r := range n {
-		if r == victim {
-			continue
+	testproc.Survive(t, guard, cmd, lines, sig, n, victim, func(r int) time.Time {
+		xc := ExchangeConfig{Rank: r, Size: n, Mode: mode, Addrs: addrs}
+		nd, err := join(guard, "soft0", xc, JoinOptions{Node: NodeOptions{Barrier: alg, Channel: channel.Options{QP: failQP}},
+			Job: failJob, Token: []byte(failToken), Listener: lns[r]})
+		if err != nil {
+			res[r].join = err
+			return time.Time{}
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			xc := ExchangeConfig{Rank: r, Size: n, Mode: mode, Addrs: addrs}
-			nd, err := join(guard, "soft0", xc, JoinOptions{Node: NodeOptions{Barrier: alg, Channel: channel.Options{QP: failQP}},
-				Job: failJob, Token: []byte(failToken), Listener: lns[r]})
-			if err != nil {
-				res[r].join = err
-				return
+		for {
+			if err := failStep(guard, nd, share, res[r].barriers); err != nil {
+				res[r].first, res[r].failed = err, time.Now()
+				break
 			}
-			for {
-				if err := failStep(guard, nd, share, res[r].barriers); err != nil {
-					res[r].first, res[r].failed = err, time.Now()
-					break
-				}
-				res[r].barriers++
-			}
-			res[r].second = failStep(guard, nd, share, res[r].barriers)
-			res[r].err = nd.Err()
-			res[r].close = nd.Close()
-		}()
-	}
-	if sig != 0 {
-		select {
-		case line, ok := <-lines:
-			if line != "ready" {
-				t.Fatalf("child rank %d: %q (%v)", victim, line, ok)
-			}
-		case <-guard.Done():
-			t.Fatal("the child rank did not get ready")
+			res[r].barriers++
 		}
-		if err := cmd.Process.Signal(sig); err != nil {
-			t.Fatal(err)
-		}
-	}
-	signalled := time.Now()
-	wg.Wait()
-	for r, s := range res {
-		if !s.failed.IsZero() {
-			t.Logf("rank %d failed %v after the signal (not a bound: a measurement)", r, s.failed.Sub(signalled).Round(time.Millisecond))
-		}
-	}
+		res[r].second = failStep(guard, nd, share, res[r].barriers)
+		res[r].err = nd.Err()
+		res[r].close = nd.Close()
+		return res[r].failed
+	})
 	return res
 }
 

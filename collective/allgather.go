@@ -111,7 +111,8 @@ func Allgatherv[T Number](ctx context.Context, c *Comm, send, recv []T, counts, 
 	return c.end(t, c.allgather(ctx, bytesOf(recv), l))
 }
 
-// layout places the blocks of an allgather in recv: m elements each at
+// layout places the blocks of an allgather in recv, of a gather or a
+// scatter in the root's recv or send: m elements each at
 // i·m (counts nil), or counts[i] elements at displs[i]. contiguous: the
 // blocks follow each other in rank order without gaps.
 type layout struct {
@@ -121,12 +122,18 @@ type layout struct {
 	contiguous     bool
 }
 
+// span returns the element range of rank i's block.
+func (l *layout) span(i int) (int, int) {
+	if l.counts == nil {
+		return i * l.m, (i + 1) * l.m
+	}
+	return l.displs[i], l.displs[i] + l.counts[i]
+}
+
 // block returns the byte range of rank i's block.
 func (l *layout) block(i int) (int, int) {
-	if l.counts == nil {
-		return i * l.m * l.esz, (i + 1) * l.m * l.esz
-	}
-	return l.displs[i] * l.esz, (l.displs[i] + l.counts[i]) * l.esz
+	lo, hi := l.span(i)
+	return lo * l.esz, hi * l.esz
 }
 
 // size returns the bytes of rank i's block.

@@ -5,10 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -81,21 +79,18 @@ func failVector(v []float64, r, i int) {
 // allreduces forever, printing "ready" after the first (the test kills or
 // stops it).
 func victimChild(spec string) int {
-	parts := strings.Split(spec, ",")
-	if len(parts) != 5 {
+	s := testproc.ParseSpec(spec)
+	if len(s) != 5 {
 		fmt.Println("error: bad spec", spec)
 		return 2
 	}
-	atoi := func(s string) int { n, _ := strconv.Atoi(s); return n }
-	alg, rank := collective.Algorithm(atoi(parts[1])), atoi(parts[2])
-	cfg, err := failConfig(strings.Split(parts[4], ";"))
+	alg, rank := collective.Algorithm(s.Int(1)), s.Int(2)
+	cfg, err := failConfig(s.List(4))
 	if err != nil {
 		fmt.Println("error:", err)
 		return 2
 	}
-	f := os.NewFile(3, "listener")
-	ln, err := net.FileListener(f)
-	f.Close()
+	ln, err := testproc.Listener()
 	if err != nil {
 		fmt.Println("error:", err)
 		return 1
@@ -112,16 +107,10 @@ func victimChild(spec string) int {
 		return 1
 	}
 	v := make([]float64, failCount)
-	for i := 0; ; i++ {
+	return testproc.Loop(func(i int) error {
 		failVector(v, rank, i)
-		if err := collective.Allreduce(ctx, c, nil, v, collective.Sum); err != nil {
-			fmt.Println("error:", err)
-			return 1
-		}
-		if i == 0 {
-			fmt.Println("ready")
-		}
-	}
+		return collective.Allreduce(ctx, c, nil, v, collective.Sum)
+	})
 }
 
 // failResult is what a surviving rank saw.
@@ -173,59 +162,34 @@ func failWorld(t *testing.T, transport string, alg collective.Algorithm, n, vict
 
 	// The survivors.
 	res := make([]failResult, n)
-	var wg sync.WaitGroup
-	for r := range n {
-		if r == victim {
-			continue
+	testproc.Survive(t, guard, cmd, lines, sig, n, victim, func(r int) time.Time {
+		s := &res[r]
+		nd, err := cluster.Join(guard, cfg, r, failJoinOptions(lns[r]))
+		if err != nil {
+			s.setup = fmt.Errorf("join: %w", err)
+			return time.Time{}
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			s := &res[r]
-			nd, err := cluster.Join(guard, cfg, r, failJoinOptions(lns[r]))
-			if err != nil {
-				s.setup = fmt.Errorf("join: %w", err)
-				return
-			}
-			defer func() { s.closeNode = nd.Close() }()
-			c, err := collective.New(guard, nd, collective.Options{Algorithm: alg, ChunkSize: failChunk})
-			if err != nil {
-				s.setup = fmt.Errorf("new: %w", err)
-				return
-			}
-			v := make([]float64, failCount)
-			for {
-				failVector(v, r, s.calls)
-				if err := collective.Allreduce(guard, c, nil, v, collective.Sum); err != nil {
-					s.first, s.failed = err, time.Now()
-					break
-				}
-				s.calls++
-			}
-			s.second = collective.Allreduce(guard, c, nil, v, collective.Sum)
-			s.barrier = collective.Barrier(guard, c)
-			s.commErr = c.Err()
-			s.closeComm = c.Close()
-		}()
-	}
-	select {
-	case line, ok := <-lines:
-		if line != "ready" {
-			t.Fatalf("child rank %d: %q (%v)", victim, line, ok)
+		defer func() { s.closeNode = nd.Close() }()
+		c, err := collective.New(guard, nd, collective.Options{Algorithm: alg, ChunkSize: failChunk})
+		if err != nil {
+			s.setup = fmt.Errorf("new: %w", err)
+			return time.Time{}
 		}
-	case <-guard.Done():
-		t.Fatal("the child rank did not get ready")
-	}
-	if err := cmd.Process.Signal(sig); err != nil {
-		t.Fatal(err)
-	}
-	signalled := time.Now()
-	wg.Wait()
-	for r, s := range res {
-		if !s.failed.IsZero() {
-			t.Logf("rank %d failed %v after the signal (not a bound: a measurement)", r, s.failed.Sub(signalled).Round(time.Millisecond))
+		v := make([]float64, failCount)
+		for {
+			failVector(v, r, s.calls)
+			if err := collective.Allreduce(guard, c, nil, v, collective.Sum); err != nil {
+				s.first, s.failed = err, time.Now()
+				break
+			}
+			s.calls++
 		}
-	}
+		s.second = collective.Allreduce(guard, c, nil, v, collective.Sum)
+		s.barrier = collective.Barrier(guard, c)
+		s.commErr = c.Err()
+		s.closeComm = c.Close()
+		return s.failed
+	})
 	return res
 }
 

@@ -20,41 +20,12 @@ import (
 // Mismatched calls (other root, count or element type) are detected by
 // the ranks that receive a chunk of them (ErrMismatch); see Broadcast.
 func Gather[T Number](ctx context.Context, c *Comm, send, recv []T, root int) error {
-	atRoot := c.rank == root
 	m := len(send)
-	if atRoot && send == nil {
+	if c.rank == root && send == nil {
 		m = len(recv) / max(c.size, 1)
 	}
 	info := callInfo{kind: kindGather, dtype: dtypeOf[T](), root: int32(root), count: uint64(m)}
-	t, err := c.begin(ctx, info)
-	if err != nil {
-		return err
-	}
-	if root < 0 || root >= c.size {
-		return c.end(t, c.argErr(info.kind, "root %d out of range [0, %d)", root, c.size))
-	}
-	if !atRoot {
-		return c.end(t, c.step(ctx, root, bytesOf(send), -1, nil, false, false))
-	}
-	if len(recv) != c.size*m {
-		return c.end(t, c.argErr(info.kind, "recv has %d elements, want %d ranks × %d", len(recv), c.size, m))
-	}
-	own := recv[root*m : (root+1)*m]
-	if send != nil && !sameMem(send, own) && overlap(send, recv) {
-		return c.end(t, c.argErr(info.kind, "send overlaps recv other than at the root's block"))
-	}
-	if send != nil {
-		copy(own, send)
-	}
-	esz := elemSize[T]()
-	rb := bytesOf(recv)
-	c.recvs = c.recvs[:0]
-	for i := range c.size {
-		if i != root {
-			c.recvs = append(c.recvs, flow{peer: i, buf: rb[i*m*esz : (i+1)*m*esz]})
-		}
-	}
-	return c.end(t, c.run(ctx, nil, c.recvs))
+	return gather(ctx, c, info, send, recv, layout{m: m, esz: elemSize[T]()}, root)
 }
 
 // Gatherv collects the vectors send of every rank, of any lengths, into
@@ -70,6 +41,13 @@ func Gather[T Number](ctx context.Context, c *Comm, send, recv []T, root int) er
 // Algorithm: Gather's.
 func Gatherv[T Number](ctx context.Context, c *Comm, send, recv []T, recvcounts, displs []int, root int) error {
 	info := callInfo{kind: kindGatherv, dtype: dtypeOf[T](), root: int32(root), count: anyCount}
+	return gather(ctx, c, info, send, recv, layout{counts: recvcounts, displs: displs, esz: elemSize[T]()}, root)
+}
+
+// gather is Gather (l: blocks of l.m elements) and Gatherv (info.count
+// anyCount, l: recvcounts and displs): the root receives rank i's vector
+// into block i of l in recv.
+func gather[T Number](ctx context.Context, c *Comm, info callInfo, send, recv []T, l layout, root int) error {
 	t, err := c.begin(ctx, info)
 	if err != nil {
 		return err
@@ -80,27 +58,14 @@ func Gatherv[T Number](ctx context.Context, c *Comm, send, recv []T, recvcounts,
 	if c.rank != root {
 		return c.end(t, c.step(ctx, root, bytesOf(send), -1, nil, false, false))
 	}
-	if err := c.checkBlocks(info.kind, "recv", recvcounts, displs, len(recv), true); err != nil {
+	own, err := rootBlock(c, info, &l, recv, send, true)
+	if err != nil {
 		return c.end(t, err)
 	}
-	own := recv[displs[root] : displs[root]+recvcounts[root]]
 	if send != nil {
-		switch {
-		case len(send) != recvcounts[root]:
-			return c.end(t, c.argErr(info.kind, "send has %d elements, recvcounts[%d] is %d", len(send), root, recvcounts[root]))
-		case !sameMem(send, own) && overlap(send, recv):
-			return c.end(t, c.argErr(info.kind, "send overlaps recv other than at the root's block"))
-		}
 		copy(own, send)
 	}
-	esz := elemSize[T]()
-	rb := bytesOf(recv)
-	c.recvs = c.recvs[:0]
-	for i := range c.size {
-		if i != root {
-			c.recvs = append(c.recvs, flow{peer: i, buf: rb[displs[i]*esz : (displs[i]+recvcounts[i])*esz]})
-		}
-	}
+	c.recvs = c.rootFlows(c.recvs[:0], bytesOf(recv), &l, root)
 	return c.end(t, c.run(ctx, nil, c.recvs))
 }
 
@@ -116,41 +81,12 @@ func Gatherv[T Number](ctx context.Context, c *Comm, send, recv []T, recvcounts,
 // Mismatched calls are detected by the receiving ranks (ErrMismatch);
 // see Broadcast.
 func Scatter[T Number](ctx context.Context, c *Comm, send, recv []T, root int) error {
-	atRoot := c.rank == root
 	m := len(recv)
-	if atRoot && recv == nil {
+	if c.rank == root && recv == nil {
 		m = len(send) / max(c.size, 1)
 	}
 	info := callInfo{kind: kindScatter, dtype: dtypeOf[T](), root: int32(root), count: uint64(m)}
-	t, err := c.begin(ctx, info)
-	if err != nil {
-		return err
-	}
-	if root < 0 || root >= c.size {
-		return c.end(t, c.argErr(info.kind, "root %d out of range [0, %d)", root, c.size))
-	}
-	if !atRoot {
-		return c.end(t, c.step(ctx, -1, nil, root, bytesOf(recv), false, false))
-	}
-	if len(send) != c.size*m {
-		return c.end(t, c.argErr(info.kind, "send has %d elements, want %d ranks × %d", len(send), c.size, m))
-	}
-	own := send[root*m : (root+1)*m]
-	if recv != nil && !sameMem(recv, own) && overlap(send, recv) {
-		return c.end(t, c.argErr(info.kind, "recv overlaps send other than at the root's block"))
-	}
-	esz := elemSize[T]()
-	sb := bytesOf(send)
-	c.sends = c.sends[:0]
-	for i := range c.size {
-		if i != root {
-			c.sends = append(c.sends, flow{peer: i, buf: sb[i*m*esz : (i+1)*m*esz]})
-		}
-	}
-	if recv != nil {
-		copy(recv, own)
-	}
-	return c.end(t, c.run(ctx, c.sends, nil))
+	return scatter(ctx, c, info, send, layout{m: m, esz: elemSize[T]()}, recv, root)
 }
 
 // Scatterv hands rank i the block of sendcounts[i] elements at
@@ -164,6 +100,13 @@ func Scatter[T Number](ctx context.Context, c *Comm, send, recv []T, root int) e
 // Algorithm: Scatter's.
 func Scatterv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, displs []int, recv []T, root int) error {
 	info := callInfo{kind: kindScatterv, dtype: dtypeOf[T](), root: int32(root), count: anyCount}
+	return scatter(ctx, c, info, send, layout{counts: sendcounts, displs: displs, esz: elemSize[T]()}, recv, root)
+}
+
+// scatter is Scatter (l: blocks of l.m elements) and Scatterv
+// (info.count anyCount, l: sendcounts and displs): the root sends block
+// i of l in send to rank i's recv.
+func scatter[T Number](ctx context.Context, c *Comm, info callInfo, send []T, l layout, recv []T, root int) error {
 	t, err := c.begin(ctx, info)
 	if err != nil {
 		return err
@@ -174,30 +117,51 @@ func Scatterv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, disp
 	if c.rank != root {
 		return c.end(t, c.step(ctx, -1, nil, root, bytesOf(recv), false, false))
 	}
-	if err := c.checkBlocks(info.kind, "send", sendcounts, displs, len(send), false); err != nil {
+	own, err := rootBlock(c, info, &l, send, recv, false)
+	if err != nil {
 		return c.end(t, err)
 	}
-	own := send[displs[root] : displs[root]+sendcounts[root]]
-	if recv != nil {
-		switch {
-		case len(recv) != sendcounts[root]:
-			return c.end(t, c.argErr(info.kind, "recv has %d elements, sendcounts[%d] is %d", len(recv), root, sendcounts[root]))
-		case !sameMem(recv, own) && overlap(send, recv):
-			return c.end(t, c.argErr(info.kind, "recv overlaps send other than at the root's block"))
-		}
-	}
-	esz := elemSize[T]()
-	sb := bytesOf(send)
-	c.sends = c.sends[:0]
-	for i := range c.size {
-		if i != root {
-			c.sends = append(c.sends, flow{peer: i, buf: sb[displs[i]*esz : (displs[i]+sendcounts[i])*esz]})
-		}
-	}
+	c.sends = c.rootFlows(c.sends[:0], bytesOf(send), &l, root)
 	if recv != nil {
 		copy(recv, own)
 	}
 	return c.end(t, c.run(ctx, c.sends, nil))
+}
+
+// rootBlock checks, at the root of a gather (buf is recv, vec send) or
+// a scatter (buf is send, vec recv), the layout l of buf and the root's
+// own vector vec (nil in place), and returns the root's block of buf. An
+// error is the call's argument error.
+func rootBlock[T Number](c *Comm, info callInfo, l *layout, buf, vec []T, gather bool) ([]T, error) {
+	bufName, vecName := "send", "recv"
+	if gather {
+		bufName, vecName = vecName, bufName
+	}
+	if err := c.checkLayout(info, bufName, l, len(buf), gather); err != nil {
+		return nil, err
+	}
+	lo, hi := l.span(c.rank)
+	own := buf[lo:hi]
+	switch {
+	case vec == nil:
+	case len(vec) != len(own): // v-variants only: else l.m is len(vec)
+		return nil, c.argErr(info.kind, "%s has %d elements, %scounts[%d] is %d", vecName, len(vec), bufName, c.rank, len(own))
+	case !sameMem(vec, own) && overlap(vec, buf):
+		return nil, c.argErr(info.kind, "%s overlaps %s other than at the root's block", vecName, bufName)
+	}
+	return own, nil
+}
+
+// rootFlows appends to fs one flow for every rank i but root: block i of
+// l in the root's buffer buf.
+func (c *Comm) rootFlows(fs []flow, buf []byte, l *layout, root int) []flow {
+	for i := range c.size {
+		if i != root {
+			lo, hi := l.block(i)
+			fs = append(fs, flow{peer: i, buf: buf[lo:hi]})
+		}
+	}
+	return fs
 }
 
 // overlap reports whether a and b share memory.
@@ -208,6 +172,20 @@ func overlap[T Number](a, b []T) bool {
 	sz := uintptr(elemSize[T]())
 	a0, b0 := uintptr(unsafe.Pointer(&a[0])), uintptr(unsafe.Pointer(&b[0]))
 	return a0 < b0+uintptr(len(b))*sz && b0 < a0+uintptr(len(a))*sz
+}
+
+// checkLayout validates the layout l of the root's buffer (named buf, n
+// elements) of a rooted call: for a v-variant (info.count anyCount), its
+// counts and displacements (see checkBlocks); else p blocks of l.m
+// elements. It returns the call's argument error, or nil.
+func (c *Comm) checkLayout(info callInfo, buf string, l *layout, n int, disjoint bool) error {
+	if info.count == anyCount {
+		return c.checkBlocks(info.kind, buf, l.counts, l.displs, n, disjoint)
+	}
+	if n != c.size*l.m {
+		return c.argErr(info.kind, "%s has %d elements, want %d ranks × %d", buf, n, c.size, l.m)
+	}
+	return nil
 }
 
 // checkBlocks validates the counts and displacements of a v-variant

@@ -27,6 +27,16 @@ func vlayout(p, scale int, reverse bool) (counts, displs []int, n int) {
 }
 
 func TestGather(t *testing.T) {
+	rootedCases(t, gatherCase[int32], func(t *testing.T, cs []*collective.Comm) {
+		gatherCase[float64](t, cs, 20011, len(cs)/3, "copy")
+		gatherCase[collective.Float16](t, cs, 3, len(cs)-1, "nil")
+	})
+}
+
+// rootedCases runs check, a fixed-count rooted call's case, in worlds of
+// 1 to 9 ranks for vectors of several lengths n, several roots and every
+// mode (copy, nil, alias), then more in the same world.
+func rootedCases(t *testing.T, check func(t *testing.T, cs []*collective.Comm, n, root int, mode string), more func(t *testing.T, cs []*collective.Comm)) {
 	for _, p := range []int{1, 2, 3, 4, 5, 6, 7, 8, 9} {
 		t.Run(fmt.Sprint("p=", p), func(t *testing.T) {
 			cs := world(t, p, collective.Options{ChunkSize: 4096})
@@ -34,13 +44,12 @@ func TestGather(t *testing.T) {
 				for _, root := range []int{0, p / 2, p - 1} {
 					for _, mode := range []string{"copy", "nil", "alias"} {
 						t.Run(fmt.Sprintf("n=%d/root=%d/%s", n, root, mode), func(t *testing.T) {
-							gatherCase[int32](t, cs, n, root, mode)
+							check(t, cs, n, root, mode)
 						})
 					}
 				}
 			}
-			gatherCase[float64](t, cs, 20011, p/3, "copy")
-			gatherCase[collective.Float16](t, cs, 3, p-1, "nil")
+			more(t, cs)
 		})
 	}
 }
@@ -73,38 +82,49 @@ func gatherCase[T collective.Number](t *testing.T, cs []*collective.Comm, n, roo
 }
 
 func TestGatherv(t *testing.T) {
+	rootedVCases(t, func(t *testing.T, cs []*collective.Comm, counts, displs []int, n, root int, where string) {
+		p := len(cs)
+		for _, inPlace := range []bool{false, true} {
+			recv := make([]int16, n)
+			for i := range recv {
+				recv[i] = -1
+			}
+			noErrors(t, "gatherv", parallel(p, func(r int) error {
+				send := fill[int16](r, counts[r])
+				if r != root {
+					return collective.Gatherv(testCtx(t), cs[r], send, nil, nil, nil, root)
+				}
+				if inPlace {
+					copy(recv[displs[r]:], send)
+					send = nil
+				}
+				return collective.Gatherv(testCtx(t), cs[r], send, recv, counts, displs, root)
+			}))
+			for r := range p {
+				if i := equal(recv[displs[r]:displs[r]+counts[r]], fill[int16](r, counts[r])); i != -1 {
+					t.Fatalf("%s: rank %d's block: element %d", where, r, i)
+				}
+				if recv[displs[r]-1] != -1 {
+					t.Fatalf("the gap before rank %d's block was written", r)
+				}
+			}
+		}
+	})
+}
+
+// rootedVCases runs check, a v-variant rooted call's case, in worlds of
+// 1 to 9 ranks for the blocks of vlayout (counts, displs, in a buffer of
+// n elements; two scales, in rank order and reversed) and two roots;
+// where names the case.
+func rootedVCases(t *testing.T, check func(t *testing.T, cs []*collective.Comm, counts, displs []int, n, root int, where string)) {
 	for _, p := range []int{1, 2, 3, 5, 8, 9} {
 		t.Run(fmt.Sprint("p=", p), func(t *testing.T) {
 			cs := world(t, p, collective.Options{ChunkSize: 4096})
 			for _, scale := range []int{1, 3001} {
 				for _, reverse := range []bool{false, true} {
 					for _, root := range []int{0, p - 1} {
-						for _, inPlace := range []bool{false, true} {
-							counts, displs, n := vlayout(p, scale, reverse)
-							recv := make([]int16, n)
-							for i := range recv {
-								recv[i] = -1
-							}
-							noErrors(t, "gatherv", parallel(p, func(r int) error {
-								send := fill[int16](r, counts[r])
-								if r != root {
-									return collective.Gatherv(testCtx(t), cs[r], send, nil, nil, nil, root)
-								}
-								if inPlace {
-									copy(recv[displs[r]:], send)
-									send = nil
-								}
-								return collective.Gatherv(testCtx(t), cs[r], send, recv, counts, displs, root)
-							}))
-							for r := range p {
-								if i := equal(recv[displs[r]:displs[r]+counts[r]], fill[int16](r, counts[r])); i != -1 {
-									t.Fatalf("scale %d reverse %v root %d: rank %d's block: element %d", scale, reverse, root, r, i)
-								}
-								if recv[displs[r]-1] != -1 {
-									t.Fatalf("the gap before rank %d's block was written", r)
-								}
-							}
-						}
+						counts, displs, n := vlayout(p, scale, reverse)
+						check(t, cs, counts, displs, n, root, fmt.Sprintf("scale %d reverse %v root %d", scale, reverse, root))
 					}
 				}
 			}
@@ -113,22 +133,10 @@ func TestGatherv(t *testing.T) {
 }
 
 func TestScatter(t *testing.T) {
-	for _, p := range []int{1, 2, 3, 4, 5, 6, 7, 8, 9} {
-		t.Run(fmt.Sprint("p=", p), func(t *testing.T) {
-			cs := world(t, p, collective.Options{ChunkSize: 4096})
-			for _, n := range []int{0, 1, 13, 9973} {
-				for _, root := range []int{0, p / 2, p - 1} {
-					for _, mode := range []string{"copy", "nil", "alias"} {
-						t.Run(fmt.Sprintf("n=%d/root=%d/%s", n, root, mode), func(t *testing.T) {
-							scatterCase[uint32](t, cs, n, root, mode)
-						})
-					}
-				}
-			}
-			scatterCase[float32](t, cs, 20011, p/3, "copy")
-			scatterCase[int8](t, cs, 5, p-1, "nil")
-		})
-	}
+	rootedCases(t, scatterCase[uint32], func(t *testing.T, cs []*collective.Comm) {
+		scatterCase[float32](t, cs, 20011, len(cs)/3, "copy")
+		scatterCase[int8](t, cs, 5, len(cs)-1, "nil")
+	})
 }
 
 func scatterCase[T collective.Number](t *testing.T, cs []*collective.Comm, n, root int, mode string) {
@@ -161,32 +169,23 @@ func scatterCase[T collective.Number](t *testing.T, cs []*collective.Comm, n, ro
 }
 
 func TestScatterv(t *testing.T) {
-	for _, p := range []int{1, 2, 3, 5, 8, 9} {
-		t.Run(fmt.Sprint("p=", p), func(t *testing.T) {
-			cs := world(t, p, collective.Options{ChunkSize: 4096})
-			for _, scale := range []int{1, 3001} {
-				for _, reverse := range []bool{false, true} {
-					for _, root := range []int{0, p - 1} {
-						counts, displs, n := vlayout(p, scale, reverse)
-						send := fill[float64](root, n)
-						recvs := make([][]float64, p)
-						noErrors(t, "scatterv", parallel(p, func(r int) error {
-							recvs[r] = make([]float64, counts[r])
-							if r != root {
-								return collective.Scatterv(testCtx(t), cs[r], nil, nil, nil, recvs[r], root)
-							}
-							return collective.Scatterv(testCtx(t), cs[r], send, counts, displs, recvs[r], root)
-						}))
-						for r := range p {
-							if i := equal(recvs[r], send[displs[r]:displs[r]+counts[r]]); i != -1 {
-								t.Fatalf("scale %d reverse %v root %d: rank %d: element %d", scale, reverse, root, r, i)
-							}
-						}
-					}
-				}
+	rootedVCases(t, func(t *testing.T, cs []*collective.Comm, counts, displs []int, n, root int, where string) {
+		p := len(cs)
+		send := fill[float64](root, n)
+		recvs := make([][]float64, p)
+		noErrors(t, "scatterv", parallel(p, func(r int) error {
+			recvs[r] = make([]float64, counts[r])
+			if r != root {
+				return collective.Scatterv(testCtx(t), cs[r], nil, nil, nil, recvs[r], root)
 			}
-		})
-	}
+			return collective.Scatterv(testCtx(t), cs[r], send, counts, displs, recvs[r], root)
+		}))
+		for r := range p {
+			if i := equal(recvs[r], send[displs[r]:displs[r]+counts[r]]); i != -1 {
+				t.Fatalf("%s: rank %d: element %d", where, r, i)
+			}
+		}
+	})
 }
 
 func TestGatherScatterArgs(t *testing.T) {

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs/cluster"
+	"github.com/goverbs/verbs/internal/launchertest"
 )
 
 // childEnv marks a re-executed test binary that runs the program (a
@@ -26,11 +27,6 @@ func TestMain(m *testing.M) {
 		os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
 	}
 	os.Exit(m.Run())
-}
-
-// raceQuiet keeps a race-enabled rank from sleeping a second at exit.
-func raceQuiet() string {
-	return "GORACE=" + strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0")
 }
 
 var rankLine = regexp.MustCompile(`(?m)^rank (\d+)/(\d+): ok: (\d+) steps, parameters (0x[0-9a-f]{16})$`)
@@ -71,7 +67,7 @@ func checkOutput(t *testing.T, out string, n, steps int, launcher string) {
 // processes (this test binary, re-executed).
 func TestLocalRun(t *testing.T) {
 	t.Setenv(childEnv, "1")
-	t.Setenv("GORACE", strings.TrimPrefix(raceQuiet(), "GORACE="))
+	t.Setenv("GORACE", strings.TrimPrefix(launchertest.RaceQuiet(), "GORACE="))
 	for _, tc := range []struct {
 		np  int
 		alg string
@@ -160,7 +156,7 @@ func TestTorchrunEnv(t *testing.T) {
 			args = append(args, "-listen-fd", "3")
 		}
 		cmd := exec.CommandContext(ctx, os.Args[0], args...)
-		cmd.Env = append(launcherFreeEnv(), childEnv+"=1", raceQuiet(), "RANK="+strconv.Itoa(r), "WORLD_SIZE="+strconv.Itoa(n),
+		cmd.Env = append(launcherFreeEnv(), childEnv+"=1", launchertest.RaceQuiet(), "RANK="+strconv.Itoa(r), "WORLD_SIZE="+strconv.Itoa(n),
 			"LOCAL_RANK="+strconv.Itoa(r), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+strconv.Itoa(port),
 			"TORCHELASTIC_RUN_ID="+t.Name(), "GOVERBS_TOKEN=torchrun-secret")
 		if r == 0 {
@@ -190,53 +186,16 @@ func TestTorchrunEnv(t *testing.T) {
 	t.Logf("output:\n%s", out.String())
 }
 
-// freePort returns a loopback port that was free a moment ago (the MPI
-// launchers cannot hand a listening socket to their ranks).
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
-// TestRealLaunchers starts the ranks through real launchers: Open MPI's
-// mpirun (OMPI_COMM_WORLD_* variables) and MPICH's Hydra (PMI_RANK,
-// PMI_SIZE; GOVERBS_JOB names the job, which Hydra does not). Each rank
-// finds its place with cluster.FromEnv and meets rank 0 at GOVERBS_ROOT.
-// A launcher that is not installed is skipped (Debian: openmpi-bin,
-// mpich; scripts/deps.sh installs them).
+// TestRealLaunchers starts the ranks through real launchers (see
+// launchertest): Open MPI's mpirun and MPICH's Hydra. Each rank finds its
+// place with cluster.FromEnv and meets rank 0 at GOVERBS_ROOT.
 func TestRealLaunchers(t *testing.T) {
-	for _, tc := range []struct {
-		name, bin string
-		args      []string
-		launcher  string // as cluster.ParseLaunch names it
-	}{
-		{"openmpi", "mpirun.openmpi", []string{"--allow-run-as-root", "--oversubscribe", "--bind-to", "none"}, cluster.LauncherOpenMPI},
-		{"mpich-hydra", "mpiexec.hydra", nil, cluster.LauncherPMI},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			bin, err := exec.LookPath(tc.bin)
-			if err != nil {
-				t.Skipf("%s is not installed (apt-get install openmpi-bin mpich, or scripts/deps.sh): %v", tc.bin, err)
-			}
+	for _, l := range launchertest.MPI {
+		t.Run(l.Name, func(t *testing.T) {
 			const n, steps = 4, 3
-			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-			defer cancel()
-			root := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-			args := append(append([]string{}, tc.args...), "-np", strconv.Itoa(n), os.Args[0], "-n", "10007",
-				"-steps", strconv.Itoa(steps), "-timeout", "150s")
-			cmd := exec.CommandContext(ctx, bin, args...)
-			cmd.Env = append(launcherFreeEnv(), childEnv+"=1", raceQuiet(), "GOVERBS_ROOT="+root, "GOVERBS_TOKEN=launcher-secret",
-				"GOVERBS_JOB="+t.Name())
-			out, err := cmd.CombinedOutput()
-			if err != nil {
-				t.Fatalf("%s: %v\n%s", tc.bin, err, out)
-			}
-			checkOutput(t, string(out), n, steps, tc.launcher)
-			t.Logf("%s printed:\n%s", tc.bin, out)
+			out := launchertest.Run(t, l, n, 3*time.Minute, append(launcherFreeEnv(), childEnv+"=1"),
+				"-n", "10007", "-steps", strconv.Itoa(steps), "-timeout", "150s")
+			checkOutput(t, string(out), n, steps, l.Kind)
 		})
 	}
 }

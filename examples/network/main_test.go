@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs/cluster"
+	"github.com/goverbs/verbs/internal/launchertest"
 )
 
 // childEnv marks a re-executed test binary that runs one rank.
@@ -194,8 +195,7 @@ func runProcesses(t *testing.T, mode string, n int) {
 		}
 		cmd := exec.CommandContext(ctx, os.Args[0], "-config", path, "-rank", strconv.Itoa(r), "-mode", mode,
 			"-token", "s3cret", "-listen-fd", "3", "-timeout", "90s")
-		// A race-enabled binary sleeps a second at exit unless told not to.
-		cmd.Env = append(os.Environ(), childEnv+"=1", "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
+		cmd.Env = append(os.Environ(), childEnv+"=1", launchertest.RaceQuiet())
 		cmd.ExtraFiles = []*os.File{f}
 		var out, errb bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &out, &errb
@@ -230,59 +230,24 @@ func runProcesses(t *testing.T, mode string, n int) {
 	}
 }
 
-// freePort returns a loopback port that was free a moment ago (the
-// launchers below cannot hand a listening socket to their ranks).
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
-// TestRealLaunchers starts the program's ranks through real launchers:
-// Open MPI's mpirun (OMPI_COMM_WORLD_* variables) and MPICH's Hydra
-// (PMI_RANK, PMI_SIZE). Each rank finds its place with cluster.FromEnv
-// (-launcher) and meets rank 0 at GOVERBS_ROOT. A launcher that is not
-// installed is skipped (Debian: openmpi-bin, mpich).
+// TestRealLaunchers starts the program's ranks through real launchers
+// (see launchertest): Open MPI's mpirun and MPICH's Hydra. Each rank finds
+// its place with cluster.FromEnv (-launcher) and meets rank 0 at
+// GOVERBS_ROOT.
 func TestRealLaunchers(t *testing.T) {
-	for _, tc := range []struct {
-		name, bin string
-		args      []string
-		launcher  string // as cluster.ParseLaunch names it
-	}{
-		{"openmpi", "mpirun.openmpi", []string{"--allow-run-as-root", "--oversubscribe", "--bind-to", "none"}, cluster.LauncherOpenMPI},
-		{"mpich-hydra", "mpiexec.hydra", nil, cluster.LauncherPMI},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			bin, err := exec.LookPath(tc.bin)
-			if err != nil {
-				t.Skipf("%s is not installed (apt-get install openmpi-bin mpich): %v", tc.bin, err)
-			}
+	for _, l := range launchertest.MPI {
+		t.Run(l.Name, func(t *testing.T) {
 			const n = 4
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-			defer cancel()
-			root := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-			args := append(append([]string{}, tc.args...), "-np", strconv.Itoa(n), os.Args[0], "-launcher", "-timeout", "90s")
-			cmd := exec.CommandContext(ctx, bin, args...)
-			cmd.Env = append(os.Environ(), childEnv+"=1", "GOVERBS_ROOT="+root, "GOVERBS_TOKEN=launcher-secret", "GOVERBS_JOB="+t.Name(),
-				"GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
-			out, err := cmd.CombinedOutput()
-			if err != nil {
-				t.Fatalf("%s: %v\n%s", tc.bin, err, out)
-			}
+			out := launchertest.Run(t, l, n, 2*time.Minute, append(os.Environ(), childEnv+"=1"), "-launcher", "-timeout", "90s")
 			for r := range n {
 				checkOutput(t, r, n, string(out))
-				if want := fmt.Sprintf("rank %d/%d: launched by %s (local rank %d,", r, n, tc.launcher, r); !strings.Contains(string(out), want) {
+				if want := fmt.Sprintf("rank %d/%d: launched by %s (local rank %d,", r, n, l.Kind, r); !strings.Contains(string(out), want) {
 					t.Errorf("output lacks %q", want)
 				}
 			}
 			if !strings.Contains(string(out), "rendezvous exchange") {
 				t.Errorf("the ranks did not use the rendezvous:\n%s", out)
 			}
-			t.Logf("%s printed:\n%s", tc.bin, out)
 		})
 	}
 }
