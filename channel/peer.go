@@ -31,8 +31,12 @@ type peer struct {
 
 	bellMu sync.Mutex       // posting doorbell receives (bells); never held while waiting
 	bells  *verbs.RecvBatch // Options.Doorbells > 0
-	sb     *verbs.RCBatch
-	rb     *verbs.RecvBatch
+	// The batches of the requests and receives this process posts to
+	// the peer (mu), made on first use (sendBatch, recvBatch): each holds
+	// a queue depth of requests outside the Go heap, and a rank of a
+	// large world posts to few of its peers (a barrier to O(log N)).
+	sb *verbs.RCBatch
+	rb *verbs.RecvBatch
 	unsig  int32 // unsignaled requests posted since the last signaled one
 	marker *slot // the signaled request that retires unsignaled ones
 
@@ -57,12 +61,28 @@ func newPeer(e *engine, idx int, q *verbs.RCQueuePair) *peer {
 	c := q.Cap()
 	p := &peer{e: e, idx: idx, qp: q, sqCap: int32(c.MaxSendWR), rqCap: int32(c.MaxRecvWR),
 		inlineMax: min(max(c.MaxInlineData, 0), 256)}
-	p.sb = q.NewBatch(c.MaxSendWR)
-	p.rb = q.NewRecvBatch(c.MaxRecvWR)
 	if e.opts.Doorbells > 0 {
 		p.bells = q.NewRecvBatch(e.opts.Doorbells)
 	}
 	return p
+}
+
+// sendBatch returns the batch of send-side requests, making it on first
+// use. Called with p.mu.
+func (p *peer) sendBatch() *verbs.RCBatch {
+	if p.sb == nil {
+		p.sb = p.qp.NewBatch(int(p.sqCap))
+	}
+	return p.sb
+}
+
+// recvBatch returns the batch of receives, making it on first use.
+// Called with p.mu.
+func (p *peer) recvBatch() *verbs.RecvBatch {
+	if p.rb == nil {
+		p.rb = p.qp.NewRecvBatch(int(p.rqCap))
+	}
+	return p.rb
 }
 
 // postBells posts n zero-length doorbell receives. They are not counted
@@ -156,21 +176,22 @@ func (p *peer) add(w *work) {
 	p.unsig = 0
 	wrid := slotWRID(s.idx, s.gen.Load())
 	var r *verbs.Request
+	sb := p.sendBatch()
 	switch w.kind {
 	case opSend:
-		r = p.sb.Send(wrid, w.sgl...)
+		r = sb.Send(wrid, w.sgl...)
 	case opSendImm:
-		r = p.sb.SendImm(wrid, w.imm, w.sgl...)
+		r = sb.SendImm(wrid, w.imm, w.sgl...)
 	case opWrite:
-		r = p.sb.Write(wrid, w.remote, w.sgl...)
+		r = sb.Write(wrid, w.remote, w.sgl...)
 	case opWriteImm:
-		r = p.sb.WriteImm(wrid, w.remote, w.imm, w.sgl...)
+		r = sb.WriteImm(wrid, w.remote, w.imm, w.sgl...)
 	case opRead:
-		r = p.sb.Read(wrid, w.remote, w.sgl...)
+		r = sb.Read(wrid, w.remote, w.sgl...)
 	case opCAS:
-		r = p.sb.CompareSwap(wrid, w.remote, w.a, w.b, p.e.resultSGE(s))
+		r = sb.CompareSwap(wrid, w.remote, w.a, w.b, p.e.resultSGE(s))
 	case opFAA:
-		r = p.sb.FetchAdd(wrid, w.remote, w.a, p.e.resultSGE(s))
+		r = sb.FetchAdd(wrid, w.remote, w.a, p.e.resultSGE(s))
 	}
 	r.Signaled()
 	p.sqUsed.Add(1)
@@ -212,7 +233,7 @@ func (p *peer) post(ctx context.Context, wait bool, ws []work) (int, error) {
 		for n+k < len(ws) && used.Load() < capacity {
 			w := &ws[n+k]
 			if recv {
-				p.rb.Recv(slotWRID(w.s.idx, w.s.gen.Load()), w.sgl...)
+				p.recvBatch().Recv(slotWRID(w.s.idx, w.s.gen.Load()), w.sgl...)
 				p.rqUsed.Add(1)
 				p.pending.Add(1)
 			} else {
@@ -223,9 +244,9 @@ func (p *peer) post(ctx context.Context, wait bool, ws []work) (int, error) {
 		if k > 0 {
 			var err error
 			if recv {
-				err = p.rb.Submit()
+				err = p.recvBatch().Submit()
 			} else {
-				err = p.sb.Submit()
+				err = p.sendBatch().Submit()
 			}
 			if err != nil {
 				ok := postedOf(err)
@@ -301,13 +322,14 @@ func (p *peer) writeInline(ctx context.Context, dst verbs.RemoteAddr, data []byt
 	} else {
 		wrid = unsigWRID(p.idx)
 	}
-	r := p.sb.Write(wrid, dst, sge).Inline()
+	sb := p.sendBatch()
+	r := sb.Write(wrid, dst, sge).Inline()
 	if signal {
 		r.Signaled()
 		p.pending.Add(1)
 	}
 	p.sqUsed.Add(1)
-	if err := p.sb.Submit(); err != nil {
+	if err := sb.Submit(); err != nil {
 		p.sqUsed.Add(-1)
 		if signal {
 			p.pending.Add(-1)
