@@ -35,8 +35,8 @@ type peer struct {
 	// the peer (mu), made on first use (sendBatch, recvBatch): each holds
 	// a queue depth of requests outside the Go heap, and a rank of a
 	// large world posts to few of its peers (a barrier to O(log N)).
-	sb *verbs.RCBatch
-	rb *verbs.RecvBatch
+	sb     *verbs.RCBatch
+	rb     *verbs.RecvBatch
 	unsig  int32 // unsignaled requests posted since the last signaled one
 	marker *slot // the signaled request that retires unsignaled ones
 
@@ -85,12 +85,52 @@ func (p *peer) recvBatch() *verbs.RecvBatch {
 	return p.rb
 }
 
+// firstBells is how many doorbell receives a queue pair gets when it
+// connects, when its peer's extra doorbells wait rather than fail (the
+// receiver-not-ready retry is infinite, as by default): the queue pair
+// grows them to Options.Doorbells as the peer rings (ringBell). A rank of
+// a large world has a queue pair to every other rank and is rung by few
+// (a barrier's partners): 512 ranks of one host each posted 64 × 511
+// receives at start, half the time of their Connect.
+const firstBells = 4
+
+// initialBells is how many doorbell receives to post when the queue pair
+// connects: all of Options.Doorbells if the peer's extra rings would
+// fail (a finite receiver-not-ready retry), else at most firstBells.
+func (e *engine) initialBells() int {
+	if r := e.opts.QP.RNRRetry; r != 0 && r < 7 {
+		return e.opts.Doorbells
+	}
+	return min(e.opts.Doorbells, firstBells)
+}
+
+// ringBell re-posts the doorbell receive a ring consumed and, while fewer
+// than Options.Doorbells are posted, one more.
+func (p *peer) ringBell() error {
+	p.bellMu.Lock()
+	defer p.bellMu.Unlock()
+	n := 1
+	if p.rqUsed.Load() < int32(p.e.opts.Doorbells) {
+		n = 2
+	}
+	if err := p.postBellsLocked(n); err != nil {
+		return err
+	}
+	p.rqUsed.Add(int32(n - 1))
+	return nil
+}
+
 // postBells posts n zero-length doorbell receives. They are not counted
 // as pending (Drain does not wait for them); a broken queue pair flushes
 // them.
 func (p *peer) postBells(n int) error {
 	p.bellMu.Lock()
 	defer p.bellMu.Unlock()
+	return p.postBellsLocked(n)
+}
+
+// postBellsLocked is postBells with bellMu held.
+func (p *peer) postBellsLocked(n int) error {
 	for range n {
 		p.bells.Recv(bellWRID(p.idx))
 	}
