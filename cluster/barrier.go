@@ -225,8 +225,12 @@ const (
 	probeEvery = 10 * time.Millisecond
 	// maxProbeEvery bounds the stretched interval: a failure nobody sends
 	// to is seen within the liveness bound (verbs.QPSpec.Timeout: about
-	// 0.54 s by default, soft0 at least 250 ms) plus this.
-	maxProbeEvery = 100 * time.Millisecond
+	// 0.54 s by default, soft0 at least 250 ms) plus this. It is reached
+	// at 100 ranks per processor, where a barrier takes seconds (512
+	// ranks on 2 CPUs with alarms every 100 ms: 5 000 a second kept the
+	// machine's load above 700, and starved ranks of the start-up for
+	// more than 10 s).
+	maxProbeEvery = time.Second
 )
 
 // probeInterval is the interval of the alarms and probes of a sleeping
@@ -238,7 +242,7 @@ const (
 // not (256 ranks on 2 CPUs: 25 600 alarms a second kept the processors
 // busy waking Go runtimes, 1.5 s per barrier). Stretched, the alarms of
 // all the local ranks cost about as much as those of one rank per
-// processor.
+// processor, up to 100 ranks per processor.
 func probeInterval(localRanks, cpus int) time.Duration {
 	cpus = max(cpus, 1)
 	if localRanks <= cpus {

@@ -746,7 +746,8 @@ func TestProbeInterval(t *testing.T) {
 		{8, 64, probeEvery},
 		{3, 2, 2 * probeEvery},
 		{8, 2, 4 * probeEvery},
-		{20, 2, maxProbeEvery},
+		{20, 2, 10 * probeEvery},
+		{200, 2, maxProbeEvery},
 		{512, 2, maxProbeEvery},
 		{4, 0, 4 * probeEvery}, // no processor count: taken as one
 	} {
