@@ -205,13 +205,20 @@
 // other, to the last rank's Join; "barriers" is the longest time a rank
 // spent in the 100 barriers), before and after the changes below:
 //
-//	N     start-up (s)    barriers (s)   per rank before the exchange (N=512)
-//	      before  after   before  after
-//	32    @B32    @A32    @BB32   @AB32  CPU       210 ms → 120 ms
-//	64    @B64    @A64    @BB64   @AB64  resident  34 MiB → 17 MiB
-//	128   @B128   @A128   @BB128  @AB128 descr.    1 548 → 526
-//	256   67.1    @A256   157.5   @AB256
-//	512   @B512   @A512   @BB512  @AB512
+//	N     start-up (s)   barriers (s)   per rank before the exchange
+//	      before  after  before  after  (N = 512, before → after)
+//	32      1.9    1.3     1.6    1.2   CPU          210 ms → 120 ms
+//	64      4.5    3.8     6.5    3.2   resident     34 MiB → 17 MiB
+//	128    15.4    9.5    35.9    9.2   descriptors  1 548 → 526
+//	256    67.1   33.5   157.5   29.4
+//	512   (345)  100.8       –   91.3
+//
+// (of the start-up after: starting the processes took 7, 21 and 52 s for
+// 128, 256 and 512 ranks, the rest 2.4, 12.5 and 48.5 s). Before, 510
+// of 512 ranks had connected after 345 s when rank 0 gave up on a live
+// rank that had not read its column for 10 s, and the world failed (every
+// rank naming a failed rank); after, all 512 start and pass the 100
+// barriers.
 //
 // Where the time went (perf record -a over the start-up of 128 and 256
 // ranks, before): building the queue pairs, 0.4 ms per peer and rank,
@@ -231,9 +238,13 @@
 // the peer's extra rings wait, the default), and the alarms of sleeping
 // waits are spaced by the ranks per processor, up to 1 s, when the
 // ranks outnumber the processors (a failure nobody sends to is then seen
-// within the liveness bound plus at most 1 s). The total work of
-// start-up on one host still grows with N² (N ranks × N−1 queue pairs
-// and entries), with a constant about 3 times smaller.
+// within the liveness bound plus at most 1 s), and rank 0 waits for a
+// rank of its host to read its column the longer the more ranks the host
+// has beyond its processors (100 ms each: a starved live rank is not
+// declared lost). Start-up on one host still grows faster than N (×3.5
+// and ×3 per doubling from 128 ranks on): the work is N ranks × N−1
+// queue pairs and entries, with a smaller constant; only queue pairs
+// made on first use (below) make it linear.
 //
 // 10 000 ranks across hosts (say 100 hosts of 100 ranks, a 10 Gb/s link
 // at rank 0). Per rank, with a queue pair to every rank as now (per peer:
