@@ -79,11 +79,12 @@ func (p *peer) connect(remote verbs.Endpoint) error {
 	if p.bells != nil && p.rqUsed.Load() == 0 {
 		// Before the queue pair is ready to receive: the peer's first
 		// doorbell finds a receive.
-		if err := p.postBells(p.e.opts.Doorbells); err != nil {
+		n := p.e.initialBells()
+		if err := p.postBells(n); err != nil {
 			p.fail(err)
 			return &OpError{Op: "connect", Peer: p.idx, Err: err}
 		}
-		p.rqUsed.Store(int32(p.e.opts.Doorbells))
+		p.rqUsed.Store(int32(n))
 	}
 	if err := p.qp.ConnectWith(remote, p.e.opts.Connect); err != nil {
 		p.fail(err)

@@ -136,8 +136,9 @@
 // A program that waits for words its peers write into its memory (flags,
 // counters) cannot sleep on the completion channel for them: an RDMA
 // write makes no completion at its target. With Options.Doorbells the
-// channel keeps that many zero-length receives posted on each queue pair
-// and re-posts them as it polls; a peer that writes with immediate data
+// channel keeps up to that many zero-length receives posted on each
+// queue pair (a few at first, growing as the peer rings, unless the
+// receiver-not-ready retry is finite) and re-posts them as it polls; a peer that writes with immediate data
 // (WriteImm, PostWriteImm) consumes one, and its completion — which
 // follows the written data — wakes the goroutines in Wait (Channel.Wait,
 // MultiChannel.Wait), which call their ready function again. Rung counts

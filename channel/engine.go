@@ -370,12 +370,14 @@ func (e *engine) dispatch(wc *verbs.Completion) {
 			}
 			return
 		}
-		e.rung.Add(1)
-		// Re-posted at once: the peer may ring again.
-		if err := p.postBells(1); err != nil {
+		// Re-posted at once: the peer may ring again (and, until
+		// Options.Doorbells are posted, one more: ringBell). Counted
+		// after: a ring seen in Rung has its receives back.
+		if err := p.ringBell(); err != nil {
 			p.rqUsed.Add(-1)
 			p.breakQP(&OpError{Op: "doorbell receive", Peer: i, Err: err})
 		}
+		e.rung.Add(1)
 	case tagSlot:
 		idx := uint32(wc.WRID)
 		if int(idx) >= len(e.slots) {

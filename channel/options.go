@@ -50,8 +50,14 @@ type Options struct {
 	// a queue pair must use doorbells (a send into a doorbell receive
 	// fails the pair). A peer that rings more than Doorbells times before
 	// this side polls is delayed by the receiver-not-ready retry of its
-	// queue pair (Options.QP.RNRRetry, forever by default). At most
-	// QP.MaxRecvWR; not available through the RDMA CM. Default 0: none.
+	// queue pair (Options.QP.RNRRetry, forever by default). With that
+	// retry infinite, a queue pair starts with 4 doorbell receives (at
+	// most Doorbells) and gains one at each ring until it has Doorbells:
+	// a queue pair no peer rings costs little (a rank of a large world
+	// has one to every other rank, and is rung by a few), and the first
+	// rings of a burst may wait for the retry. With a finite retry every
+	// queue pair gets Doorbells at once. At most QP.MaxRecvWR; not
+	// available through the RDMA CM. Default 0: none.
 	Doorbells int
 	// FlushGrace bounds how long tearing down in-flight operations waits
 	// for their flush completions (after a cancelled blocking call, a

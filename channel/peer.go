@@ -31,6 +31,10 @@ type peer struct {
 
 	bellMu sync.Mutex       // posting doorbell receives (bells); never held while waiting
 	bells  *verbs.RecvBatch // Options.Doorbells > 0
+	// The batches of the requests and receives this process posts to
+	// the peer (mu), made on first use (sendBatch, recvBatch): each holds
+	// a queue depth of requests outside the Go heap, and a rank of a
+	// large world posts to few of its peers (a barrier to O(log N)).
 	sb     *verbs.RCBatch
 	rb     *verbs.RecvBatch
 	unsig  int32 // unsignaled requests posted since the last signaled one
@@ -57,12 +61,63 @@ func newPeer(e *engine, idx int, q *verbs.RCQueuePair) *peer {
 	c := q.Cap()
 	p := &peer{e: e, idx: idx, qp: q, sqCap: int32(c.MaxSendWR), rqCap: int32(c.MaxRecvWR),
 		inlineMax: min(max(c.MaxInlineData, 0), 256)}
-	p.sb = q.NewBatch(c.MaxSendWR)
-	p.rb = q.NewRecvBatch(c.MaxRecvWR)
 	if e.opts.Doorbells > 0 {
 		p.bells = q.NewRecvBatch(e.opts.Doorbells)
 	}
 	return p
+}
+
+// sendBatch returns the batch of send-side requests, making it on first
+// use. Called with p.mu.
+func (p *peer) sendBatch() *verbs.RCBatch {
+	if p.sb == nil {
+		p.sb = p.qp.NewBatch(int(p.sqCap))
+	}
+	return p.sb
+}
+
+// recvBatch returns the batch of receives, making it on first use.
+// Called with p.mu.
+func (p *peer) recvBatch() *verbs.RecvBatch {
+	if p.rb == nil {
+		p.rb = p.qp.NewRecvBatch(int(p.rqCap))
+	}
+	return p.rb
+}
+
+// firstBells is how many doorbell receives a queue pair gets when it
+// connects, when its peer's extra doorbells wait rather than fail (the
+// receiver-not-ready retry is infinite, as by default): the queue pair
+// grows them to Options.Doorbells as the peer rings (ringBell). A rank of
+// a large world has a queue pair to every other rank and is rung by few
+// (a barrier's partners): 512 ranks of one host each posted 64 × 511
+// receives at start, half the time of their Connect.
+const firstBells = 4
+
+// initialBells is how many doorbell receives to post when the queue pair
+// connects: all of Options.Doorbells if the peer's extra rings would
+// fail (a finite receiver-not-ready retry), else at most firstBells.
+func (e *engine) initialBells() int {
+	if r := e.opts.QP.RNRRetry; r != 0 && r < 7 {
+		return e.opts.Doorbells
+	}
+	return min(e.opts.Doorbells, firstBells)
+}
+
+// ringBell re-posts the doorbell receive a ring consumed and, while fewer
+// than Options.Doorbells are posted, one more.
+func (p *peer) ringBell() error {
+	p.bellMu.Lock()
+	defer p.bellMu.Unlock()
+	n := 1
+	if p.rqUsed.Load() < int32(p.e.opts.Doorbells) {
+		n = 2
+	}
+	if err := p.postBellsLocked(n); err != nil {
+		return err
+	}
+	p.rqUsed.Add(int32(n - 1))
+	return nil
 }
 
 // postBells posts n zero-length doorbell receives. They are not counted
@@ -71,6 +126,11 @@ func newPeer(e *engine, idx int, q *verbs.RCQueuePair) *peer {
 func (p *peer) postBells(n int) error {
 	p.bellMu.Lock()
 	defer p.bellMu.Unlock()
+	return p.postBellsLocked(n)
+}
+
+// postBellsLocked is postBells with bellMu held.
+func (p *peer) postBellsLocked(n int) error {
 	for range n {
 		p.bells.Recv(bellWRID(p.idx))
 	}
@@ -156,21 +216,22 @@ func (p *peer) add(w *work) {
 	p.unsig = 0
 	wrid := slotWRID(s.idx, s.gen.Load())
 	var r *verbs.Request
+	sb := p.sendBatch()
 	switch w.kind {
 	case opSend:
-		r = p.sb.Send(wrid, w.sgl...)
+		r = sb.Send(wrid, w.sgl...)
 	case opSendImm:
-		r = p.sb.SendImm(wrid, w.imm, w.sgl...)
+		r = sb.SendImm(wrid, w.imm, w.sgl...)
 	case opWrite:
-		r = p.sb.Write(wrid, w.remote, w.sgl...)
+		r = sb.Write(wrid, w.remote, w.sgl...)
 	case opWriteImm:
-		r = p.sb.WriteImm(wrid, w.remote, w.imm, w.sgl...)
+		r = sb.WriteImm(wrid, w.remote, w.imm, w.sgl...)
 	case opRead:
-		r = p.sb.Read(wrid, w.remote, w.sgl...)
+		r = sb.Read(wrid, w.remote, w.sgl...)
 	case opCAS:
-		r = p.sb.CompareSwap(wrid, w.remote, w.a, w.b, p.e.resultSGE(s))
+		r = sb.CompareSwap(wrid, w.remote, w.a, w.b, p.e.resultSGE(s))
 	case opFAA:
-		r = p.sb.FetchAdd(wrid, w.remote, w.a, p.e.resultSGE(s))
+		r = sb.FetchAdd(wrid, w.remote, w.a, p.e.resultSGE(s))
 	}
 	r.Signaled()
 	p.sqUsed.Add(1)
@@ -212,7 +273,7 @@ func (p *peer) post(ctx context.Context, wait bool, ws []work) (int, error) {
 		for n+k < len(ws) && used.Load() < capacity {
 			w := &ws[n+k]
 			if recv {
-				p.rb.Recv(slotWRID(w.s.idx, w.s.gen.Load()), w.sgl...)
+				p.recvBatch().Recv(slotWRID(w.s.idx, w.s.gen.Load()), w.sgl...)
 				p.rqUsed.Add(1)
 				p.pending.Add(1)
 			} else {
@@ -223,9 +284,9 @@ func (p *peer) post(ctx context.Context, wait bool, ws []work) (int, error) {
 		if k > 0 {
 			var err error
 			if recv {
-				err = p.rb.Submit()
+				err = p.recvBatch().Submit()
 			} else {
-				err = p.sb.Submit()
+				err = p.sendBatch().Submit()
 			}
 			if err != nil {
 				ok := postedOf(err)
@@ -301,13 +362,14 @@ func (p *peer) writeInline(ctx context.Context, dst verbs.RemoteAddr, data []byt
 	} else {
 		wrid = unsigWRID(p.idx)
 	}
-	r := p.sb.Write(wrid, dst, sge).Inline()
+	sb := p.sendBatch()
+	r := sb.Write(wrid, dst, sge).Inline()
 	if signal {
 		r.Signaled()
 		p.pending.Add(1)
 	}
 	p.sqUsed.Add(1)
-	if err := p.sb.Submit(); err != nil {
+	if err := sb.Submit(); err != nil {
 		p.sqUsed.Add(-1)
 		if signal {
 			p.pending.Add(-1)

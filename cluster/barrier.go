@@ -208,7 +208,7 @@ const (
 // written with immediate data: each consumes one of the receiver's
 // doorbell receives (channel.Options.Doorbells), whose completion wakes a
 // rank sleeping for it, instead of timers (milliseconds per barrier). A
-// wait woken without its signal (an alarm every probeEvery, the poison
+// wait woken without its signal (an alarm every probeInterval, the poison
 // word, the context) checks the context, the poison word and the peer's
 // channel; after probeAfter it probes the peer it waits for.
 const (
@@ -218,9 +218,39 @@ const (
 	// waits for (probe).
 	probeAfter = 2 * time.Millisecond
 	// probeEvery spaces the probes of a peer waited for (and the alarms
-	// of a sleeping wait): at most one in flight, one every probeEvery.
+	// of a sleeping wait): at most one in flight, one every probeEvery,
+	// on a machine with a processor for every local rank of the world;
+	// probeInterval stretches it when the ranks outnumber the processors,
+	// up to maxProbeEvery.
 	probeEvery = 10 * time.Millisecond
+	// maxProbeEvery bounds the stretched interval: a failure nobody sends
+	// to is seen within the liveness bound (verbs.QPSpec.Timeout: about
+	// 0.54 s by default, soft0 at least 250 ms) plus this. It is reached
+	// at 100 ranks per processor, where a barrier takes seconds (512
+	// ranks on 2 CPUs with alarms every 100 ms: 5 000 a second kept the
+	// machine's load above 700, and starved ranks of the start-up for
+	// more than 10 s).
+	maxProbeEvery = time.Second
 )
+
+// probeInterval is the interval of the alarms and probes of a sleeping
+// wait, for one of localRanks ranks of a world on a machine with cpus
+// processors: probeEvery, times the ranks per processor when they
+// outnumber the processors, at most maxProbeEvery. Every sleeping rank's
+// alarm wakes it and, with its probe, the peer it waits for: with a
+// fixed interval their cost grows with the ranks while the processors do
+// not (256 ranks on 2 CPUs: 25 600 alarms a second kept the processors
+// busy waking Go runtimes, 1.5 s per barrier). Stretched, the alarms of
+// all the local ranks cost about as much as those of one rank per
+// processor, up to 100 ranks per processor.
+func probeInterval(localRanks, cpus int) time.Duration {
+	cpus = max(cpus, 1)
+	if localRanks <= cpus {
+		return probeEvery
+	}
+	per := (localRanks + cpus - 1) / cpus
+	return min(time.Duration(per)*probeEvery, maxProbeEvery)
+}
 
 // group is the state of one distinct group at this rank: its members, its
 // epoch and its schedule for the barrier's algorithm.
@@ -266,6 +296,7 @@ type barrier struct {
 	wokenFn func() bool               // b.woken, bound once
 	local   atomic.Int32              // ranks of the world on this host (setRemote)
 	spin    time.Duration             // how long a wait spins before it sleeps (setRemote, mu)
+	every   time.Duration             // interval of the alarms and probes of a wait (probeInterval; setRemote, mu)
 
 	// The sleep of a wait (mu): its alarm (ring), and what woken looks at.
 	alarm                *spinwait.Alarm
@@ -300,7 +331,7 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 		flags.Close()
 		return nil, fmt.Errorf("cluster: barrier: probe memory: %w", err)
 	}
-	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1,
+	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1, every: probeEvery,
 		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), groups: make(map[uint64][]*group)}
 	if b.staging, err = mc.PD().Alloc(2*n*flagBytes, verbs.AccessLocalWrite); err != nil {
 		flags.Close()
@@ -382,6 +413,7 @@ func (b *barrier) setRemote(infos [][]byte) error {
 	b.remote = remote
 	b.local.Store(int32(local))
 	b.spin = spinwait.Budget(local, runtime.NumCPU())
+	b.every = probeInterval(local, runtime.NumCPU())
 	return nil
 }
 
@@ -846,12 +878,12 @@ func (b *barrier) checkWait(ctx context.Context, peer int, pw *uint64) error {
 // closes, the alarm goes off or ctx ends (which the caller's checks
 // report). Signals are written with immediate data: their doorbell wakes
 // a sleeping rank, and the word is in memory when the doorbell's
-// completion is. The alarm (ring, after probeEvery) posts a probe to the
+// completion is. The alarm (ring, after b.every) posts a probe to the
 // peer waited for, whose completion wakes this rank for its checks
 // (liveness; the context's end is seen at once).
 func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, seen uint64) {
 	b.waitWord, b.waitSeen, b.waitPeer, b.seenAlarms = w, seen, peer, b.alarm.Fired()
-	b.alarm.Arm(probeEvery, peer)
+	b.alarm.Arm(b.every, peer)
 	b.mc.Sleep(ctx, b.wokenFn) // ends early only with ctx or the channel, which the checks report
 	b.alarm.Disarm()
 }
@@ -881,7 +913,7 @@ func (b *barrier) postProbe(peer int) (channel.Handle, error) {
 }
 
 // probe checks that peer is alive during a long wait: it keeps one write
-// of the probe word in flight to it, a new one every probeEvery. A peer
+// of the probe word in flight to it, a new one every b.every. A peer
 // that died or stopped answering fails it (at once, or after the queue
 // pair's transport timeout), and the error breaks the channel.
 //
@@ -912,7 +944,7 @@ func (b *barrier) probe(peer int, h *channel.Handle, probing *bool, next *time.T
 	if now.Before(*next) {
 		return nil
 	}
-	*next = now.Add(probeEvery)
+	*next = now.Add(b.every)
 	p, err := b.postProbe(peer)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {

@@ -325,3 +325,46 @@ func TestExchangeSlowLeaf(t *testing.T) {
 		}
 	}
 }
+
+// TestExchangeStarvedLeaf: the root of a rendezvous sends its column to
+// a live rank of its own host that gets no processor for a while (the
+// link stalls, then drains at full speed): more ranks of the host than
+// processors wait for them in turn, and each record's bound grows with
+// them (recordGrace), so the root does not give up on the rank. The old
+// code bounded each record by broadcastGrace alone: 512 ranks on 2 CPUs
+// lost a live rank that way, and the world failed.
+func TestExchangeStarvedLeaf(t *testing.T) {
+	oldGrace, oldStep, oldCPU := broadcastGrace, starveStep, numCPU
+	broadcastGrace, starveStep, numCPU = 300*time.Millisecond, time.Second, func() int { return 0 }
+	t.Cleanup(func() { broadcastGrace, starveStep, numCPU = oldGrace, oldStep, oldCPU })
+	// A column larger than the sockets' buffers, so that the root's
+	// writes wait for the stalled link.
+	const entry = 16 << 20
+	out := func(r int) [][]byte {
+		v := make([][]byte, 2)
+		for j := range v {
+			v[j] = bytes.Repeat([]byte{byte(10*r + j)}, entry)
+		}
+		return v
+	}
+	var once sync.Once
+	ins, errs, _ := runThroughWires(t, 2, Rendezvous, "starved", []byte("token"), out, func(rank int, target string) *wire {
+		return newWire(t, target, func(toAcceptor bool, off int, b []byte) {
+			if !toAcceptor && off > 1<<20 { // in the column
+				once.Do(func() { time.Sleep(time.Second) }) // no processor for 1 s
+			}
+		})
+	})
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	for r := range 2 {
+		for j := range 2 {
+			if !bytes.Equal(ins[r][j], out(j)[r]) {
+				t.Errorf("rank %d: the entry of rank %d is wrong (%d bytes)", r, j, len(ins[r][j]))
+			}
+		}
+	}
+}

@@ -162,7 +162,9 @@
 // the rank that failed: a *RankError (errors.As) wrapping ErrPeerLost.
 // The world stays failed (Node.Err); ResetBarrier does not repair it. A
 // rank waiting in a barrier checks, every 10 ms once it has waited 2 ms,
-// that the peer it waits for is alive, so a
+// that the peer it waits for is alive (every 10 ms times the ranks per
+// processor, at most 1 s, when the machine's ranks outnumber its
+// processors: see Scale), so a
 // failure is seen even when no rank was sending to the failed one. A
 // rank that dies after the endpoint exchange, before or while the
 // others connect, makes Join fail or the first barrier fail, naming it:
@@ -187,52 +189,107 @@
 //
 // # Scale
 //
-// A rendezvous moves N(N−1) entries through rank 0: every rank sends it
-// one entry per rank and gets back its column. An entry of a Node is
-// about 300 bytes with soft0 (the endpoint: QP number, the process'
-// addresses, its connection secret and certificate fingerprint; the
-// barrier's flags; the probe region; the application's data), of which
-// only the QP number and the header differ from one peer to the next.
-// Rank 0 holds N connections (descriptors: raise ulimit -n above N) and
-// 2 × 300 × N² bytes:
+// Start-up has three parts whose cost grows with the world size N: every
+// rank builds a queue pair to every other (NewNode), rank 0 moves N(N−1)
+// entries of the exchange (a rendezvous: every rank sends it one entry
+// per rank, ~310 bytes with soft0, and gets back its column), and every
+// rank connects its N−1 queue pairs (Connect). soft0's connections
+// between processes (a socket, and over shared memory a ring segment)
+// are made at a queue pair's first request, not at Connect: a rank
+// connects to the few peers it talks to (a binary-tree barrier to 3, a
+// dissemination barrier to 2 log2 N).
 //
-//	N         in and out at rank 0    per rank
-//	192       2 × 11 MB               2 × 58 KB
-//	512       2 × 79 MB               2 × 154 KB
-//	10 000    2 × 30 GB               2 × 3 MB
+// Measured on one host with 2 CPUs, soft0 over shared memory
+// (scripts/scale.sh, BARRIERS=100 WRITE=0; start-up is from the first
+// process' start, which includes starting the N processes one after the
+// other, to the last rank's Join; "barriers" is the longest time a rank
+// spent in the 100 barriers), before and after the changes below:
 //
-// Measured on one host with 2 CPUs (scripts/scale.sh; soft0 over shared
-// memory; start-up is the time until every rank's Join returned, from the
-// first process' start, which includes starting the processes serially):
-// 32 ranks 1.6 s, 64 ranks 4.1 s, 192 ranks 52-65 s, 256 ranks 99 s,
-// 512 ranks up to 10.5 min (with the host's load average above 1000).
-// Start-up grows with N² on one host (the bytes above, and N processes
-// that share 2 CPUs while rank 0 encrypts and sends N columns), and
-// 10 000 ranks across hosts would put 30 GB through rank 0's link and
-// memory each way: the rendezvous does not scale there. What the
-// numbers call for, in order of gain:
+//	N     start-up (s)   barriers (s)   per rank before the exchange
+//	      before  after  before  after  (N = 512, before → after)
+//	32      1.9    1.3     1.6    1.2   CPU          210 ms → 120 ms
+//	64      4.5    3.8     6.5    3.2   resident     34 MiB → 17 MiB
+//	128    15.4    9.5    35.9    9.2   descriptors  1 548 → 526
+//	256    67.1   33.5   157.5   29.4
+//	512   (345)  100.8       –   91.3
 //
-//   - A card and a vector of QP numbers instead of N entries per rank:
-//     300 + 4N bytes per rank, 2 × 0.4 GB at rank 0 for 10 000 ranks.
-//   - Queue pairs created and connected on first use (a barrier talks to
-//     O(log N) peers), with the peer's card fetched on demand: 300 bytes
-//     per rank at rank 0 (3 MB for 10 000), and the cards spread by a
-//     tree (each rank forwards to its children, fan-in and fan-out of a
-//     few connections per rank) rather than N connections at rank 0.
-//   - Per rank, soft0 holds for each peer a queue pair, two small
-//     registered buffers (40 KiB of memfd, touched only when used) and,
-//     once connected, a shared-memory segment of 8 MiB (virtual; a few
-//     pages resident) and four descriptors: an application that writes
-//     to every peer (examples/network's all-to-all) holds N of them.
+// (of the start-up after: starting the processes took 7, 21 and 52 s for
+// 128, 256 and 512 ranks, the rest 2.4, 12.5 and 48.5 s). Before, 510
+// of 512 ranks had connected after 345 s when rank 0 gave up on a live
+// rank that had not read its column for 10 s, and the world failed (every
+// rank naming a failed rank); after, all 512 start and pass the 100
+// barriers.
 //
-// What makes large worlds on one host work today: a local peer that is
+// Where the time went (perf record -a over the start-up of 128 and 256
+// ranks, before): building the queue pairs, 0.4 ms per peer and rank,
+// mostly soft0 allocating and zeroing each queue pair's send ring (32 KiB
+// at the default depth of 128) and the channel's three request batches
+// per peer (three memfds and mappings); connecting, 0.1 ms per peer and
+// rank, half of it posting 64 doorbell receives per queue pair; and,
+// from 256 ranks on, the Go runtimes of processes woken all the time
+// (runtime.sysmon and the scheduler's search for work: 40 % of the
+// machine) by the alarms of the ranks sleeping in a barrier, every 10 ms
+// each, each alarm a probe write that wakes the peer too. Rank 0's share
+// of the exchange was under 1 %: on one host the rendezvous is not what
+// limits start-up; its N² bytes are (below). So a rank now pays at start
+// only for what it uses: soft0 makes a queue pair's send ring at its
+// first post, the channel a peer's batches at its first use, a queue
+// pair starts with 4 doorbell receives and gains one at each ring (when
+// the peer's extra rings wait, the default), and the alarms of sleeping
+// waits are spaced by the ranks per processor, up to 1 s, when the
+// ranks outnumber the processors (a failure nobody sends to is then seen
+// within the liveness bound plus at most 1 s), and rank 0 waits for a
+// rank of its host to read its column the longer the more ranks the host
+// has beyond its processors (100 ms each: a starved live rank is not
+// declared lost). Start-up on one host still grows faster than N (×3.5
+// and ×3 per doubling from 128 ranks on): the work is N ranks × N−1
+// queue pairs and entries, with a smaller constant; only queue pairs
+// made on first use (below) make it linear.
+//
+// 10 000 ranks across hosts (say 100 hosts of 100 ranks, a 10 Gb/s link
+// at rank 0). Per rank, with a queue pair to every rank as now (per peer:
+// 13 KiB resident, one descriptor, 0.2 ms of CPU to build and connect):
+// 130 MiB, 10 000 descriptors (raise ulimit -n) and 2 s of CPU; per host
+// 13 GiB and a million descriptors — heavy but not a wall. The exchange is
+// the wall: a rendezvous moves 10 000 × 9 999 × 310 bytes = 31 GB into
+// rank 0 and 31 GB out (25 s each way at line rate, and 31 GB held in
+// its memory), and rank 0 holds 10 000 connections. What the numbers call
+// for, in order:
+//
+//   - Cards: the 310 bytes of an entry are a card of the rank (the
+//     process' soft0 address and keys, the barrier's flags, the probe
+//     region, the application's data: the same for every peer) and a
+//     queue pair number of 4 bytes. Sending a card and a vector of N
+//     queue pair numbers makes a rank's share 300 + 4N bytes (40 KB):
+//     0.4 GB into rank 0, and out the columns of numbers (0.4 GB) plus
+//     the table of cards (3 MB) to every rank — 30 GB if rank 0 sends it
+//     to each.
+//   - A tree: the table of cards spread down a tree of fan-out k (each
+//     rank forwards it to its k children; 16: 4 levels, rank 0 sends
+//     48 MB), and the gather up the same tree, so that no rank holds more
+//     than k exchange connections.
+//   - Queue pairs on first use: a queue pair and its number made when a
+//     rank first talks to a peer, with the peer's card from the table (a
+//     connection request over soft0's own link, or an RDMA CM exchange):
+//     start-up then moves only the cards (3 MB per rank, by the tree),
+//     and each rank holds the queue pairs of its partners (3 to 28 for
+//     the barriers) instead of 10 000.
+//   - Failures told by a tree: a rank that sees a rank fail writes the
+//     news to every other rank (Node.Fail, the barrier), which with
+//     soft0's connections made on first use means 9 999 connection
+//     handshakes from one rank (TLS between hosts: seconds); relayed
+//     along the barrier's partners, it takes log2 N hops over
+//     connections that exist.
+//
+// What makes large worlds on one host work: a local peer that is
 // runnable or ran at all is alive (soft0 reads its threads' schedstat
 // when its clock ticks did not move), so soft0's handshakes and
 // requests wait for a starved peer instead of declaring it dead; rank 0
 // bounds each record of a column it sends, not the whole column, so a
 // rank that drains it slowly is not lost; Close reads only from the
-// peers it may still have writes in flight to; and a process has at most
-// a few soft0 handshakes with processes of its host in progress at once.
+// peers it may still have writes in flight to; a process has at most a
+// few soft0 handshakes with processes of its host in progress at once;
+// and sleeping ranks wake each other as little as their liveness allows.
 //
 // # Lifetimes and concurrency
 //

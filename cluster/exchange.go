@@ -10,6 +10,7 @@ import (
 	mrand "math/rand/v2"
 	"net"
 	"os"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -1185,6 +1186,7 @@ func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) (by
 	mu.Lock()
 	list := slices.Clone(conns)
 	mu.Unlock()
+	grace := recordGrace(list)
 	errs := make([]error, len(list))
 	var wg sync.WaitGroup
 	for i, k := range list {
@@ -1198,7 +1200,7 @@ func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) (by
 			if typ == recAbort && len(msg) > maxAbortText {
 				msg = msg[:maxAbortText]
 			}
-			errs[i] = k.s.writeMsg(progressWriter{k.c, broadcastGrace}, typ, msg)
+			errs[i] = k.s.writeMsg(progressWriter{k.c, grace}, typ, msg)
 			k.c.SetWriteDeadline(time.Time{})
 		}()
 	}
@@ -1213,6 +1215,36 @@ func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) (by
 // live rank among hundreds on a few processors drains it slowly (192
 // ranks on 2 CPUs: a whole column took more than 10 s).
 var broadcastGrace = 10 * time.Second
+
+// starveStep is how much longer each record of the root's final writes
+// may wait per rank of its own host beyond one per processor (see
+// recordGrace).
+var starveStep = 100 * time.Millisecond
+
+// numCPU is the number of processors of this host (a variable for tests).
+var numCPU = runtime.NumCPU
+
+// recordGrace bounds each record of the root's final writes to conns:
+// broadcastGrace, plus starveStep for every rank of this host (over
+// loopback) beyond one per processor. Ranks that outnumber the
+// processors wait for them in turn, the longer the more there are: 512
+// ranks on 2 CPUs left a live rank without a turn to read its column for
+// more than 10 s, and the root gave up on it (and the world failed);
+// there the bound is 61 s. A rank that died closes its connection, which
+// fails the write at once, whatever the bound.
+func recordGrace(conns []*conn) time.Duration {
+	local := 0
+	for _, k := range conns {
+		if k == nil {
+			continue
+		}
+		if a, ok := k.c.RemoteAddr().(*net.TCPAddr); ok && a.IP.IsLoopback() {
+			local++
+		}
+	}
+	over := max(local-numCPU(), 0)
+	return broadcastGrace + time.Duration(over)*starveStep
+}
 
 // progressWriter writes to c with a deadline of grace from the start of
 // each write: a peer that keeps reading is never cut off, one that stops

@@ -289,3 +289,26 @@ func TestFailureAfterExchange(t *testing.T) {
 		}
 	}
 }
+
+// TestFailureLazyWorld: in a world of 16 ranks, where each rank has
+// posted only to its barrier partners (soft0 makes a queue pair's send
+// ring, the channel a peer's batches, and soft0 a connection between
+// processes, at the first request), a rank that fails is still named by
+// every survivor: the rank that sees it fail writes the news to every
+// other rank, most of them for the first time.
+func TestFailureLazyWorld(t *testing.T) {
+	const n = 16
+	for _, c := range []struct {
+		alg    BarrierAlgorithm
+		victim int
+		sig    syscall.Signal
+		tr     string
+	}{
+		{BinaryTree, 13, syscall.SIGKILL, "shm"},
+		{Dissemination, 6, syscall.SIGSTOP, "unix"},
+	} {
+		t.Run(fmt.Sprintf("%s/%d/%v/%s", strings.ReplaceAll(c.alg.String(), " ", "-"), c.victim, c.sig, c.tr), func(t *testing.T) {
+			failCheck(t, failWorld(t, c.tr, c.alg, Rendezvous, n, c.victim, c.sig), c.victim)
+		})
+	}
+}

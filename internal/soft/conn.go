@@ -1450,7 +1450,7 @@ func (c *conn) handleResp(id uint64, body []byte, data []span, plen int) error {
 			return nil
 		}
 	}
-	if !q.x.push(rresp{c: c, id: id, resp: r}, 2*len(q.sq.slots)+64) {
+	if !q.x.push(rresp{c: c, id: id, resp: r}, 2*q.sq.depth+64) {
 		return fmt.Errorf("%w: more responses than requests", errBadResp)
 	}
 	q.runQueue(false)

@@ -119,12 +119,13 @@ func (q *qp) enqueue(wr *prov.SendWR, sges []prov.SGE) error {
 			q.setRemote()
 		}
 	}
-	if q.sq.count == len(q.sq.slots) {
+	if q.sq.count == q.sq.depth {
 		return q.sqFull
 	}
+	q.sq.alloc()
 	i := q.sq.head + q.sq.count
-	if i >= len(q.sq.slots) {
-		i -= len(q.sq.slots)
+	if i >= q.sq.depth {
+		i -= q.sq.depth
 	}
 	w := &q.sq.slots[i]
 	w.wr = *wr

@@ -104,10 +104,16 @@ const cbufLen = 64
 
 var _ prov.QP = (*qp)(nil)
 
-// sendQueue is the ring of send work requests.
+// sendQueue is the ring of send work requests. Its slots are made by
+// the first post (alloc), not with the QP: a QP may never post (a rank
+// of a large world has a QP to every other rank and posts to a few), and
+// a ring of the usual depth is tens of KiB. depth is the ring's length
+// whether or not it was made; slots are indexed only for requests
+// counted in count, which the post that made them published under smu.
 type sendQueue struct {
 	slots  []sendWQE
 	sges   []prov.SGE
+	depth  int
 	maxSGE int
 	head   int
 	count  int
@@ -134,9 +140,17 @@ type sendWQE struct {
 }
 
 func (s *sendQueue) init(depth, maxSGE int) {
-	s.slots = make([]sendWQE, depth)
-	s.sges = make([]prov.SGE, depth*maxSGE)
-	s.maxSGE = maxSGE
+	s.depth, s.maxSGE = depth, maxSGE
+}
+
+// alloc makes the ring's slots if they were not made yet (smu held).
+func (s *sendQueue) alloc() {
+	if s.slots != nil || s.depth == 0 {
+		return
+	}
+	maxSGE := s.maxSGE
+	s.slots = make([]sendWQE, s.depth)
+	s.sges = make([]prov.SGE, s.depth*maxSGE)
 	for i := range s.slots {
 		b := i * maxSGE
 		s.slots[i].sge = s.sges[b : b+maxSGE : b+maxSGE]

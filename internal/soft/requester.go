@@ -100,7 +100,7 @@ func (q *qp) progress(mayBlock bool) bool {
 	if p, ok := q.route.(*peer); ok && q.typ == prov.QPTypeRC {
 		return q.progressRemote(p, mayBlock)
 	}
-	budget := 4*len(q.sq.slots) + 256
+	budget := 4*q.sq.depth + 256
 	for {
 		q.smu.Lock()
 		n, head := q.sq.count, q.sq.head
@@ -112,7 +112,7 @@ func (q *qp) progress(mayBlock bool) bool {
 			return true
 		}
 		budget -= n
-		size := len(q.sq.slots)
+		size := q.sq.depth
 		done := 0 // executed, not yet retired
 		for i := 0; i < n; i++ {
 			j := head + i
@@ -183,8 +183,8 @@ func (q *qp) commit(n int) {
 	if n > 0 {
 		q.smu.Lock()
 		q.sq.head += n
-		if q.sq.head >= len(q.sq.slots) {
-			q.sq.head -= len(q.sq.slots)
+		if q.sq.head >= q.sq.depth {
+			q.sq.head -= q.sq.depth
 		}
 		q.sq.count -= n
 		q.smu.Unlock()

@@ -244,7 +244,7 @@ const (
 // Called with progMu held.
 func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 	x := q.x
-	size := len(q.sq.slots)
+	size := q.sq.depth
 	budget := 4*size + 256
 	for {
 		q.retire()
@@ -308,7 +308,7 @@ func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 // readsInFlight reports whether an RDMA read or atomic is among the
 // requests in flight, the x.nfl from head on (progMu held).
 func (q *qp) readsInFlight(head int) bool {
-	size := len(q.sq.slots)
+	size := q.sq.depth
 	for i := 0; i < q.x.nfl; i++ {
 		j := head + i
 		if j >= size {
@@ -323,7 +323,7 @@ func (q *qp) readsInFlight(head int) bool {
 
 // flushSQ completes the n requests from head with WR_FLUSH_ERR.
 func (q *qp) flushSQ(n, head int) {
-	size := len(q.sq.slots)
+	size := q.sq.depth
 	done := 0
 	for i := 0; i < n; i++ {
 		j := head + i
@@ -603,8 +603,8 @@ func (q *qp) retire() {
 // flight returns the k-th request in flight after the retired ones.
 func (q *qp) flight(retired int) *sendWQE {
 	j := q.sq.head + retired
-	if j >= len(q.sq.slots) {
-		j -= len(q.sq.slots)
+	if j >= q.sq.depth {
+		j -= q.sq.depth
 	}
 	return &q.sq.slots[j]
 }
