@@ -15,16 +15,7 @@ import (
 // no receive fails the pair, it gets all of them at once. Every ring
 // arrives either way.
 func TestDoorbellsGrowWithRings(t *testing.T) {
-	dev, err := verbs.Open(verbs.SoftDevice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
-	pd, err := dev.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pd.Close()
+	pd := softPD(t)
 	const bells = 16
 	for _, tc := range []struct {
 		name       string
@@ -40,6 +31,7 @@ func TestDoorbellsGrowWithRings(t *testing.T) {
 			opts.QP.RNRRetry = tc.rnr
 			var ms [2]*MultiChannel
 			for i := range ms {
+				var err error
 				if ms[i], err = NewMulti(pd, 2, i, opts); err != nil {
 					t.Fatal(err)
 				}

@@ -15,16 +15,7 @@ import (
 // length), and every malformed header is refused with EPROTO, never read
 // past its end.
 func TestCMData(t *testing.T) {
-	dev, err := verbs.Open(verbs.SoftDevice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
-	pd, err := dev.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pd.Close()
+	pd := softPD(t)
 	h, err := newCMHandshake(pd)
 	if err != nil {
 		t.Fatal(err)

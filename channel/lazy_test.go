@@ -5,7 +5,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
 )
 
@@ -33,16 +32,7 @@ func batchFDs(t *testing.T) int {
 // to every other rank and posts to a few (512 ranks of one host held
 // 1 500 descriptors each).
 func TestMultiBatchesOnFirstUse(t *testing.T) {
-	dev, err := verbs.Open(verbs.SoftDevice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
-	pd, err := dev.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pd.Close()
+	pd := channel.SoftPD(t)
 	const peers = 64
 	for _, tc := range []struct {
 		name      string

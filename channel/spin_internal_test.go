@@ -235,17 +235,7 @@ func TestAdaptiveWaitLearns(t *testing.T) {
 func internalPair(t *testing.T) (a, b *Channel) {
 	t.Helper()
 	side := func() *Channel {
-		dev, err := verbs.Open(verbs.SoftDevice)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { dev.Close() })
-		pd, err := dev.AllocPD()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { pd.Close() })
-		c, err := New(pd, Options{})
+		c, err := New(softPD(t), Options{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -268,4 +258,21 @@ func internalPair(t *testing.T) (a, b *Channel) {
 		t.Fatal(err)
 	}
 	return a, b
+}
+
+// softPD opens soft0 and allocates a protection domain, both closed when
+// the test ends.
+func softPD(t testing.TB) *verbs.ProtectionDomain {
+	t.Helper()
+	dev, err := verbs.Open(verbs.SoftDevice)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dev.Close() })
+	pd, err := dev.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pd.Close() })
+	return pd
 }

@@ -312,18 +312,7 @@ func TestExchangeSlowLeaf(t *testing.T) {
 			}
 		})
 	})
-	for r, err := range errs {
-		if err != nil {
-			t.Fatalf("rank %d: %v", r, err)
-		}
-	}
-	for r := range 2 {
-		for j := range 2 {
-			if !bytes.Equal(ins[r][j], out(j)[r]) {
-				t.Errorf("rank %d: the entry of rank %d is wrong (%d bytes)", r, j, len(ins[r][j]))
-			}
-		}
-	}
+	checkExchanged(t, ins, errs, out)
 }
 
 // TestExchangeStarvedLeaf: the root of a rendezvous sends its column to
@@ -355,6 +344,13 @@ func TestExchangeStarvedLeaf(t *testing.T) {
 			}
 		})
 	})
+	checkExchanged(t, ins, errs, out)
+}
+
+// checkExchanged fails the test unless every rank of a world of two
+// exchanged without error and received what out says the other sent.
+func checkExchanged(t *testing.T, ins [][][]byte, errs []error, out func(r int) [][]byte) {
+	t.Helper()
 	for r, err := range errs {
 		if err != nil {
 			t.Fatalf("rank %d: %v", r, err)

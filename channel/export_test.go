@@ -1,0 +1,4 @@
+package channel
+
+// SoftPD is softPD for the external tests.
+var SoftPD = softPD
