@@ -324,7 +324,10 @@ func TestExchangeSlowLeaf(t *testing.T) {
 // lost a live rank that way, and the world failed.
 func TestExchangeStarvedLeaf(t *testing.T) {
 	oldGrace, oldStep, oldCPU := broadcastGrace, starveStep, numCPU
-	broadcastGrace, starveStep, numCPU = 300*time.Millisecond, time.Second, func() int { return 0 }
+	// The bound of the record, 300 ms + 5 s, leaves room to the 1 s stall
+	// on a loaded machine (with 300 ms + 1 s, CI under -race timed out);
+	// the old bound, 300 ms, is far below it.
+	broadcastGrace, starveStep, numCPU = 300*time.Millisecond, 5*time.Second, func() int { return 0 }
 	t.Cleanup(func() { broadcastGrace, starveStep, numCPU = oldGrace, oldStep, oldCPU })
 	// A column larger than the sockets' buffers, so that the root's
 	// writes wait for the stalled link.
