@@ -63,9 +63,10 @@ import (
 //
 // Acknowledgements. The response to a request that completes a receive
 // leaves before the completion is visible (ackFirst): an application
-// may exit as soon as it has polled it. Over TCP it is corked in the
-// socket (corkAck), for the answer that usually follows to push it
-// along in one segment. Other responses may be held for
+// may exit as soon as it has polled it. Over TCP, when a poll delivers
+// the completion, it is corked in the socket (corkAck), for the answer
+// that usually follows to push it along in one segment. Other responses
+// may be held for
 // a while (progress.go) and leave at the latest when a QP or the
 // service closes (closeGracefully).
 //
@@ -1328,7 +1329,7 @@ func (c *conn) ackFirst() {
 	var err error
 	switch {
 	case c.tlsw != nil && c.writeTLSNow(c.fbufs[:1], &err):
-	case c.corkAck(c.fbufs[:1], &err):
+	case !c.rxReader && c.corkAck(c.fbufs[:1], &err):
 	default:
 		err = c.sendNow(c.fbufs[:1])
 	}
@@ -1343,7 +1344,10 @@ func (c *conn) ackFirst() {
 // corkAck writes the acknowledgement frame bufs into a TCP socket with
 // MSG_MORE if nobody else writes and nothing is queued, and reports
 // whether it did (err: the write failed; the caller takes the
-// connection down).
+// connection down). ackFirst uses it when a poller delivers the
+// completion, not the reader: an application that sleeps between
+// messages answers late, and its peer would wait for the push (session's
+// WriteImm over TCP took ten times as long).
 //
 // The frame is then in the kernel, which sends it when the process
 // exits or closes the socket, as ackFirst requires, but it need not be

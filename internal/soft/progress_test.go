@@ -2,6 +2,7 @@ package soft
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -204,5 +205,50 @@ func TestAckCorked(t *testing.T) {
 	}
 	if pushed < 10 {
 		t.Fatalf("%d acknowledgements corked, %d pushed by a poll: want 10 pushed", corked, pushed)
+	}
+}
+
+// TestAckNotCorkedWhenSleeping: the acknowledgement of a message that
+// the connection's reader delivered to a sleeping application is not
+// corked (corkAck is for pollers, whose answer usually follows at once):
+// it has left by the time the application sees the completion. (Corked
+// there too, it waited for a push that an application sleeping between
+// messages gives late: session's WriteImm over TCP took 1.2 ms instead
+// of 0.12 ms.)
+func TestAckNotCorkedWhenSleeping(t *testing.T) {
+	forceTransport(t, "tcp")
+	e := newEnv(t)
+	aq, acq, _ := xprocSide(t, e)
+	bq, bcq, bch := xprocSide(t, e)
+	connectOne(t, aq, bq, prov.QPTypeRC, defaultConn())
+	connectOne(t, bq, aq, prov.QPTypeRC, defaultConn())
+	m := privMem(t, e, 64)
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+	defer cancel()
+	for round := range 50 {
+		if _, err := bq.PostRecv([]prov.RecvWR{{WRID: 9, NumSGE: 1}}, []prov.SGE{m.sge(32, 8)}); err != nil {
+			t.Fatal(err)
+		}
+		if err := bcq.Arm(false); err != nil {
+			t.Fatal(err)
+		}
+		wr := []prov.SendWR{{WRID: uint64(round), Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}
+		if _, err := aq.PostSend(wr, []prov.SGE{m.sge(0, 8)}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := bch.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		c := bq.(*qp).x.rev.Load()
+		if c != nil && c.corked.Load() {
+			t.Fatalf("round %d: the reader delivered the receive and left its acknowledgement corked", round)
+		}
+		var dst [1]prov.Completion
+		if n, err := bcq.Poll(dst[:]); n != 1 || err != nil || dst[0].Status != prov.StatusSuccess {
+			t.Fatalf("round %d: b's poll: %d %v %+v", round, n, err, dst[0])
+		}
+		if c := spin(t, acq, 1)[0]; c.Status != prov.StatusSuccess {
+			t.Fatalf("round %d: a's send: %+v", round, c)
+		}
 	}
 }
