@@ -64,7 +64,7 @@ import (
 // Acknowledgements. The response to a request that completes a receive
 // leaves before the completion is visible (ackFirst): an application
 // may exit as soon as it has polled it. Over TCP, when a poll delivers
-// the completion, it is corked in the socket (corkAck), for the answer
+// the completion, it is corked in the socket (send), for the answer
 // that usually follows to push it along in one segment. Other responses
 // may be held for
 // a while (progress.go) and leave at the latest when a QP or the
@@ -108,8 +108,8 @@ type conn struct {
 	twN       int
 	twErr     error
 	twFn      func(fd uintptr) bool
-	twMore    bool // tryWriteFD sends with MSG_MORE (corkAck)
-	corkedLen int  // bytes corkAck left in the socket since the last push
+	twMore    bool // tryWriteFD sends with MSG_MORE (send's cork)
+	corkedLen int  // bytes send corked in the socket since the last push
 	iov       [maxSGE + 2]unix.Iovec
 	segHdr    [segBatch][hdrLen + reqBodyLen]byte // writeSegsLocked's (wmu)
 	segBufs   [segBatch + maxSGE + 1][]byte
@@ -142,7 +142,7 @@ type conn struct {
 	respMu sync.Mutex
 	resps  []byte
 	held   atomic.Bool        // len(resps) > 0, read without respMu
-	corked atomic.Bool        // an acknowledgement may wait in the socket (corkAck)
+	corked atomic.Bool        // an acknowledgement may wait in the socket (send's cork)
 	pbufs  [maxSGE + 2][]byte // trySendFrame's (respMu)
 	fbufs  [1][]byte          // flushResps' (respMu)
 
@@ -892,7 +892,24 @@ func (c *conn) sendAsync(bufs [][]byte) {
 
 // sendNow is sendAsync, but a failure is returned rather than taking the
 // connection down (the caller must, without the locks it holds).
-func (c *conn) sendNow(bufs [][]byte) error {
+func (c *conn) sendNow(bufs [][]byte) error { return c.send(bufs, false) }
+
+// send is sendNow; with cork, bufs (one acknowledgement frame, ackFirst's)
+// written straight into a TCP socket are written with MSG_MORE.
+//
+// The frame is then in the kernel, which sends it when the process
+// exits or closes the socket, as ackFirst requires, but it need not be
+// pushed onto the network now: on loopback a push is most of a write's
+// cost (the whole receive path of the peer's stack runs in it). The next
+// write on the connection pushes it, in the same segment as the request
+// that follows (an answer, in a ping-pong); flushResps pushes it when
+// none follows (pushAck), at the latest when the responses held with it
+// would leave (progress.go). At most as many bytes as responses are held
+// (handleReq) wait corked. A process that exits with bytes of the peer's
+// it has not read makes its kernel reset the connection instead, and a
+// frame still corked is lost with it: the peer sees the request fail, as
+// it does when the process exits before the acknowledgement.
+func (c *conn) send(bufs [][]byte, cork bool) error {
 	if c.dead.Load() {
 		return nil
 	}
@@ -900,7 +917,13 @@ func (c *conn) sendNow(bufs [][]byte) error {
 	if c.wmu.TryLock() {
 		written := 0
 		if c.queueEmpty() {
+			c.twMore = cork && c.corkedLen+total(bufs) <= cap(c.resps)
 			n, err := c.tryWrite(bufs)
+			if c.twMore && n > 0 {
+				c.corked.Store(true)
+				c.corkedLen += n
+			}
+			c.twMore = false
 			if err != nil {
 				c.wmu.Unlock()
 				return fmt.Errorf("soft: write to process %d: %w", c.peerPID, err)
@@ -1327,11 +1350,12 @@ func (c *conn) ackFirst() {
 	c.appendRespLocked(c.rxID, c.rxQPN, &response{code: respACK})
 	c.fbufs[0] = c.resps
 	var err error
-	switch {
-	case c.tlsw != nil && c.writeTLSNow(c.fbufs[:1], &err):
-	case !c.rxReader && c.corkAck(c.fbufs[:1], &err):
-	default:
-		err = c.sendNow(c.fbufs[:1])
+	if c.tlsw == nil || !c.writeTLSNow(c.fbufs[:1], &err) {
+		// A poller's acknowledgement over TCP is corked (send); the
+		// reader's is not: an application that sleeps between messages
+		// answers late, and its peer would wait for the push
+		// (session's WriteImm over TCP took ten times as long).
+		err = c.send(c.fbufs[:1], c.kind == kindTCP && c.shm == nil && c.tlsw == nil && !c.rxReader)
 	}
 	c.fbufs[0] = nil
 	c.setResps(c.resps[:0])
@@ -1341,59 +1365,13 @@ func (c *conn) ackFirst() {
 	}
 }
 
-// corkAck writes the acknowledgement frame bufs into a TCP socket with
-// MSG_MORE if nobody else writes and nothing is queued, and reports
-// whether it did (err: the write failed; the caller takes the
-// connection down). ackFirst uses it when a poller delivers the
-// completion, not the reader: an application that sleeps between
-// messages answers late, and its peer would wait for the push (session's
-// WriteImm over TCP took ten times as long).
-//
-// The frame is then in the kernel, which sends it when the process
-// exits or closes the socket, as ackFirst requires, but it need not be
-// pushed onto the network now: on loopback a push is most of a write's
-// cost (the whole receive path of the peer's stack runs in it). The next
-// write on the connection pushes it, in the same segment as the request
-// that follows (an answer, in a ping-pong); flushResps pushes it when
-// none follows (pushAck), at the latest when the responses held with it
-// would leave (progress.go). A process that exits with bytes of the
-// peer's it has not read makes its kernel reset the connection instead,
-// and a frame still corked is lost with it: the peer sees the request
-// fail, as it does when the process exits before the acknowledgement.
-func (c *conn) corkAck(bufs [][]byte, err *error) bool {
-	if c.kind != kindTCP || c.shm != nil || c.tlsw != nil || c.raw == nil || c.dead.Load() || !c.wmu.TryLock() {
-		return false
-	}
-	defer c.wmu.Unlock()
-	if !c.queueEmpty() || c.corkedLen+total(bufs) > cap(c.resps) {
-		return false // as many as responses are held at most (handleReq)
-	}
-	c.twMore = true
-	n, werr := c.tryWrite(bufs)
-	c.twMore = false
-	if werr != nil {
-		*err = fmt.Errorf("soft: write to process %d: %w", c.peerPID, werr)
-		return true
-	}
-	c.corked.Store(true)
-	c.corkedLen += n
-	if n < total(bufs) {
-		// The rest goes first, with the flusher (which pushes it).
-		if c.enqueue(bufs, n, nil, true) {
-			*err = c.overflowErr()
-		}
-		c.wakeFlusher()
-	}
-	return true
-}
-
-// uncorked records that what corkAck left was pushed (wmu held).
+// uncorked records that what send corked was pushed (wmu held).
 func (c *conn) uncorked() {
 	c.corked.Store(false)
 	c.corkedLen = 0
 }
 
-// pushAck sends what corkAck left in the socket, if nothing else did.
+// pushAck sends what send corked in the socket, if nothing else did.
 func (c *conn) pushAck() {
 	if !c.corked.Load() || !c.wmu.TryLock() {
 		return // a writer pushes it (tryWriteFD, writeAllLocked)
@@ -1408,7 +1386,7 @@ func (c *conn) pushAck() {
 	c.wmu.Unlock()
 }
 
-// flushResps sends the held responses, and what corkAck left in the
+// flushResps sends the held responses, and what send corked in the
 // socket.
 func (c *conn) flushResps() {
 	c.pushAck()

@@ -272,7 +272,7 @@ const ackDelay = 50 * time.Microsecond
 // responses along (trySendFrame), one write and one wake-up of the peer
 // instead of two, as TCP delays its acknowledgements. They are held
 // for ackDelay at most, as is an acknowledgement corked in the socket
-// (corkAck).
+// (send's cork).
 func (c *conn) waitSock(woke bool) error {
 	hold := woke && c.quiet != nil && (c.holdsResps() || c.corked.Load())
 	if !hold {

@@ -142,7 +142,7 @@ func TestPollProgress(t *testing.T) {
 
 // TestAckCorked: over TCP, the acknowledgement of a message whose receive
 // completion a poll delivered leaves before the completion is visible,
-// but corked (corkAck): it waits in the socket for the answer that
+// but corked (conn.send): it waits in the socket for the answer that
 // usually follows, which pushes it along in one segment, or for the next
 // poll that finds nothing new. Either way the sender's completion comes.
 // (An acknowledgement pushed at once cost a second segment, and the
@@ -210,7 +210,7 @@ func TestAckCorked(t *testing.T) {
 
 // TestAckNotCorkedWhenSleeping: the acknowledgement of a message that
 // the connection's reader delivered to a sleeping application is not
-// corked (corkAck is for pollers, whose answer usually follows at once):
+// corked (the cork is for pollers, whose answer usually follows at once):
 // it has left by the time the application sees the completion. (Corked
 // there too, it waited for a push that an application sleeping between
 // messages gives late: session's WriteImm over TCP took 1.2 ms instead
