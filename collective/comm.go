@@ -187,11 +187,10 @@ func New(ctx context.Context, node *cluster.Node, opts Options) (*Comm, error) {
 	for i := range ranks {
 		ranks[i] = i
 	}
-	c, err := newComm(node, ranks, node.Rank(), opts)
+	c, err := newComm(node, ranks, node.Rank(), opts, new(bufSet))
 	if err != nil {
 		return nil, err
 	}
-	c.bufs = new(bufSet)
 	if err := c.bootstrap(ctx); err != nil {
 		c.release()
 		return nil, &Error{Call: "new", Rank: c.rank, Peer: -1, Err: err}
@@ -200,8 +199,8 @@ func New(ctx context.Context, node *cluster.Node, opts Options) (*Comm, error) {
 }
 
 // newComm allocates the communicator of ranks (world ranks) at position
-// me, without the peers' windows.
-func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, error) {
+// me, using the Buffers of bufs, without the peers' windows.
+func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet) (*Comm, error) {
 	sweepLate(node)
 	if opts.Slots == 0 {
 		opts.Slots = defaultSlots
@@ -222,7 +221,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options) (*Comm, erro
 	if opts.Timeout < 0 {
 		return nil, fmt.Errorf("%w: negative Options.Timeout", ErrArgs)
 	}
-	c := &Comm{node: node, mc: node.Channel(), opts: opts, ranks: ranks, rank: me, size: p,
+	c := &Comm{node: node, mc: node.Channel(), opts: opts, ranks: ranks, rank: me, size: p, bufs: bufs,
 		chunk: opts.ChunkSize, slots: opts.Slots, ackEvery: max(1, opts.Slots/2),
 		remote: make([]verbs.RemoteRegion, p), sendSeq: make([]uint64, p), recvSeq: make([]uint64, p),
 		ackSent: make([]uint64, p), flagOwed: make([]bool, p), ackOwed: make([]bool, p)}

@@ -68,13 +68,11 @@ func (c *Comm) split(ctx context.Context, color, key int) (*Comm, error) {
 			}
 		}
 		var err error
-		if sub, err = newComm(c.node, ranks, me, c.opts); err != nil {
+		if sub, err = newComm(c.node, ranks, me, c.opts, c.bufs); err != nil {
 			// Take part in the second allgather anyway, so that the others
 			// fail cleanly (their descriptor from this rank is empty).
 			sub = nil
 			_ = err
-		} else {
-			sub.bufs = c.bufs
 		}
 	}
 	descs := make([]byte, c.size*descBytes)

@@ -417,12 +417,14 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 	st := c.tx.Bytes()[slot : slot+hdrBytes+n]
 	c.header(st, seq, n, len(f.buf))
 	var src [2]verbs.SGE
+	nsge := 1
 	var err error
 	if f.zreg != nil {
 		// The header from the staging slot, the data in place.
 		if src[0], err = c.tx.SGE(slot, hdrBytes); err == nil {
 			src[1], err = f.zreg.mr.SGE(f.zoff+f.off, n)
 		}
+		nsge = 2
 	} else {
 		copy(st[hdrBytes:], f.buf[f.off:f.off+n])
 		src[0], err = c.tx.SGE(slot, hdrBytes+n)
@@ -430,12 +432,8 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	sgl := src[:1]
-	if f.zreg != nil {
-		sgl = src[:2]
-	}
 	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
-	h, err := c.post(p, dst, false, sgl...)
+	h, err := c.post(p, dst, false, src[:nsge]...)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return false, nil
@@ -501,7 +499,7 @@ func (c *Comm) zeroCopy(sends, recvs []flow) bool {
 	for i := range sends {
 		f := &sends[i]
 		f.zreg, f.zheld = nil, false
-		if len(f.buf) < zeroCopyMin || c.bufs == nil {
+		if len(f.buf) < zeroCopyMin {
 			continue
 		}
 		clash := false
@@ -538,11 +536,8 @@ func (c *Comm) zeroCopyWait(ctx context.Context, sends []flow) error {
 				return c.stepErr(f.peer, err)
 			}
 			if n%waitCheck == waitCheck-1 {
-				if err := ctx.Err(); err != nil {
-					return c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, err), f.peer)
-				}
-				if !c.deadline.IsZero() && time.Now().After(c.deadline) {
-					return c.fail(fmt.Errorf("%w: Options.Timeout", verbs.ErrTimeout), f.peer)
+				if err := c.expired(ctx, time.Now()); err != nil {
+					return c.fail(err, f.peer)
 				}
 			}
 			runtime.Gosched()
@@ -874,17 +869,24 @@ func (c *Comm) postProbe(p int) (channel.Handle, error) {
 	return c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.size*peerFlagBytes)), src)
 }
 
+// expired returns why a wait must end for time, the end of ctx or of
+// Options.Timeout (now is past the call's deadline), or nil.
+func (c *Comm) expired(ctx context.Context, now time.Time) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%w: %w", verbs.ErrTimeout, err)
+	}
+	if !c.deadline.IsZero() && now.After(c.deadline) {
+		return fmt.Errorf("%w: Options.Timeout (%v) passed", verbs.ErrTimeout, c.opts.Timeout)
+	}
+	return nil
+}
+
 // checks looks for the reasons to give up a wait.
 func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 	w := &c.w
-	select {
-	case <-ctx.Done():
-		return c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, ctx.Err()), c.waitedFor(sends, recvs))
-	default:
-	}
 	now := time.Now()
-	if !c.deadline.IsZero() && now.After(c.deadline) {
-		return c.fail(fmt.Errorf("%w: Options.Timeout (%v) passed", verbs.ErrTimeout, c.opts.Timeout), c.waitedFor(sends, recvs))
+	if err := c.expired(ctx, now); err != nil {
+		return c.fail(err, c.waitedFor(sends, recvs))
 	}
 	if w.start.IsZero() {
 		w.start = now
