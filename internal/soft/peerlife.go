@@ -81,7 +81,7 @@ func parseStat(b []byte) (runtime uint64, halted, ok bool) {
 type peerClock struct {
 	pid     uint32
 	last    atomic.Uint64 // the processor time at the last look
-	sched   atomic.Uint64 // the threads' run and wait time (ns) at the last look, if it read it; 0: unknown
+	sched   atomic.Uint64 // the threads' run and wait time (ns) at the last look; 0: unknown
 	changed atomic.Int64  // when a look last found it changed (unix ns)
 }
 
@@ -150,19 +150,17 @@ func (p *peerClock) look() (ran, halted bool) {
 	if !ok {
 		return false, true
 	}
+	w, _ := peerSched(p.pid) // 0: unknown
+	prev := p.sched.Swap(w)
 	if p.last.Swap(v) == v {
-		// No tick: did it run a little, or wait for a processor? The
-		// sum is read only here; 0 means unknown (the last look saw
-		// ticks), which counts as no sign this time.
-		w, ok := peerSched(p.pid)
-		if !ok || w == 0 {
+		// No tick: did it run a little, or wait for a processor?
+		// Compared with the last look's sum, also when that look saw
+		// ticks: a look that found no sign because its predecessor saw
+		// ticks would end a watch whose looks come late (a loaded
+		// machine), though the peer ran all along.
+		if w == 0 || prev == 0 || prev == w {
 			return false, halted
 		}
-		if prev := p.sched.Swap(w); prev == 0 || prev == w {
-			return false, halted
-		}
-	} else {
-		p.sched.Store(0)
 	}
 	p.changed.Store(time.Now().UnixNano())
 	return true, halted

@@ -77,6 +77,40 @@ func TestPeerClock(t *testing.T) {
 	}
 }
 
+// TestPeerClockAfterTicks: a look that finds no clock tick compares the
+// threads' run time with the look before, also when that look saw ticks.
+// A peer that ran a little in between ran: before, that look found "no
+// sign" (its predecessor left no sum to compare with), and a watch whose
+// looks came late on a loaded machine ended a peer that ran all along
+// (TestWatchLocal/running_briefly failed so under the race detector).
+func TestPeerClockAfterTicks(t *testing.T) {
+	// A shell that runs for a moment every 10 ms: its clock ticks (10 ms
+	// of processor time) rarely move, its schedstat always does.
+	cmd := startChild(t, "sh", "-c", "while :; do sleep 0.01; done")
+	pid := uint32(cmd.Process.Pid)
+	c := newPeerClock(pid)
+	ticked := 0
+	for round := range 20 {
+		c.last.Store(^uint64(0)) // as if the clock ticked since the last look
+		if !c.ran() {
+			t.Fatalf("round %d: the ticks moved and the peer did not run", round)
+		}
+		time.Sleep(100 * time.Millisecond) // the shell runs ten times
+		before := c.last.Load()
+		if c.ran() {
+			continue
+		}
+		if v, _, _ := peerStat(pid); v != before {
+			ticked++ // it did tick: the look compared the ticks
+			continue
+		}
+		t.Fatalf("round %d: a peer that ran ten times since a look that saw ticks did not run", round)
+	}
+	if ticked == 20 {
+		t.Skip("the shell used a clock tick in every round: nothing compared its run time")
+	}
+}
+
 // TestWatchLocal: the watch of a handshake with a local process goes on
 // while the process runs (here this one, which does), ends at its bound,
 // ends soon for a stopped process, and its end aborts the connection's
