@@ -63,11 +63,13 @@ import (
 //
 // Acknowledgements. The response to a request that completes a receive
 // leaves before the completion is visible (ackFirst): an application
-// may exit as soon as it has polled it. Over TCP, when a poll delivers
-// the completion, it is corked in the socket (send), for the answer
-// that usually follows to push it along in one segment. Other responses
-// may be held for
-// a while (progress.go) and leave at the latest when a QP or the
+// may exit as soon as it has polled it. Over TCP it is corked in the
+// socket (send), for the answer that usually follows to push it along
+// in one segment; what the application does otherwise next pushes it:
+// a poll that finds nothing, an arm of a CQ to sleep (pollersGone), or
+// the end of the reader's wait for the answer (ackDelay). Other
+// responses may be held for a while (progress.go) and leave at the
+// latest when a QP or the
 // service closes (closeGracefully).
 //
 // Failure. End of file, a read or write error, a write timeout, or a
@@ -1351,11 +1353,10 @@ func (c *conn) ackFirst() {
 	c.fbufs[0] = c.resps
 	var err error
 	if c.tlsw == nil || !c.writeTLSNow(c.fbufs[:1], &err) {
-		// A poller's acknowledgement over TCP is corked (send); the
-		// reader's is not: an application that sleeps between messages
-		// answers late, and its peer would wait for the push
-		// (session's WriteImm over TCP took ten times as long).
-		err = c.send(c.fbufs[:1], c.kind == kindTCP && c.shm == nil && c.tlsw == nil && !c.rxReader)
+		// Over TCP the acknowledgement is corked (send): the answer,
+		// or what else the application does next, pushes it (see
+		// Acknowledgements).
+		err = c.send(c.fbufs[:1], c.kind == kindTCP && c.shm == nil && c.tlsw == nil)
 	}
 	c.fbufs[0] = nil
 	c.setResps(c.resps[:0])

@@ -272,7 +272,12 @@ const ackDelay = 50 * time.Microsecond
 // responses along (trySendFrame), one write and one wake-up of the peer
 // instead of two, as TCP delays its acknowledgements. They are held
 // for ackDelay at most, as is an acknowledgement corked in the socket
-// (send's cork).
+// (send's cork); an application that goes back to sleep instead pushes
+// them when it arms its CQ (pollersGone). The read deadline that ends
+// the hold fires after a millisecond when the process idles (the
+// runtime's network poller sleeps in whole milliseconds): the arm is
+// what keeps a peer waiting for an acknowledgement from waiting that
+// long.
 func (c *conn) waitSock(woke bool) error {
 	hold := woke && c.quiet != nil && (c.holdsResps() || c.corked.Load())
 	if !hold {
@@ -419,11 +424,14 @@ func (p *pollConns) pollFor(q *cq, dst []prov.Completion) (int, error) {
 	return 0, nil
 }
 
-// pollersGone ends the readers' grace: an application is about to sleep.
+// pollersGone ends the readers' grace and pushes the acknowledgements
+// corked in their sockets: an application is about to sleep, and will
+// send no answer to take them along.
 func (p *pollConns) pollersGone() {
 	if l := p.list.Load(); l != nil {
 		for _, c := range *l {
 			c.endGrace()
+			c.pushAck()
 		}
 	}
 }

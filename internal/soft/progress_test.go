@@ -208,14 +208,16 @@ func TestAckCorked(t *testing.T) {
 	}
 }
 
-// TestAckNotCorkedWhenSleeping: the acknowledgement of a message that
-// the connection's reader delivered to a sleeping application is not
-// corked (the cork is for pollers, whose answer usually follows at once):
-// it has left by the time the application sees the completion. (Corked
-// there too, it waited for a push that an application sleeping between
-// messages gives late: session's WriteImm over TCP took 1.2 ms instead
-// of 0.12 ms.)
-func TestAckNotCorkedWhenSleeping(t *testing.T) {
+// TestAckCorkedWhenSleeping: the acknowledgement of a message that the
+// connection's reader delivered to a sleeping application is corked
+// too (ackFirst), and leaves with what the application does next: its
+// answer takes it along, or its next arm of the CQ (it goes back to
+// sleep without answering: pollersGone) pushes it. Before, the reader
+// wrote it at once: two writes per message of a sleeping ping-pong
+// instead of one. (Corked with only the reader's timer to push it, it
+// waited up to a millisecond, the granularity of the runtime's sleeps:
+// session's WriteImm over TCP took 1.2 ms instead of 0.12 ms.)
+func TestAckCorkedWhenSleeping(t *testing.T) {
 	forceTransport(t, "tcp")
 	e := newEnv(t)
 	aq, acq, _ := xprocSide(t, e)
@@ -225,30 +227,71 @@ func TestAckNotCorkedWhenSleeping(t *testing.T) {
 	m := privMem(t, e, 64)
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	defer cancel()
-	for round := range 50 {
-		if _, err := bq.PostRecv([]prov.RecvWR{{WRID: 9, NumSGE: 1}}, []prov.SGE{m.sge(32, 8)}); err != nil {
+	post := func(q prov.QP, id uint64) {
+		t.Helper()
+		wr := []prov.SendWR{{WRID: id, Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}
+		if _, err := q.PostSend(wr, []prov.SGE{m.sge(0, 8)}); err != nil {
 			t.Fatal(err)
 		}
+	}
+	recv := func(q prov.QP) {
+		t.Helper()
+		if _, err := q.PostRecv([]prov.RecvWR{{WRID: 9, NumSGE: 1}}, []prov.SGE{m.sge(32, 8)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var dst [4]prov.Completion
+	corked, byAnswer, byArm := 0, 0, 0
+	for round := 0; round < 2000 && (byAnswer < 10 || byArm < 10); round++ {
+		recv(bq)
 		if err := bcq.Arm(false); err != nil {
 			t.Fatal(err)
 		}
-		wr := []prov.SendWR{{WRID: uint64(round), Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}
-		if _, err := aq.PostSend(wr, []prov.SGE{m.sge(0, 8)}); err != nil {
-			t.Fatal(err)
-		}
+		post(aq, uint64(round))
 		if _, err := bch.Wait(ctx); err != nil {
 			t.Fatal(err)
 		}
-		c := bq.(*qp).x.rev.Load()
-		if c != nil && c.corked.Load() {
-			t.Fatalf("round %d: the reader delivered the receive and left its acknowledgement corked", round)
-		}
-		var dst [1]prov.Completion
-		if n, err := bcq.Poll(dst[:]); n != 1 || err != nil || dst[0].Status != prov.StatusSuccess {
+		if n, err := bcq.Poll(dst[:1]); n != 1 || err != nil || dst[0].Status != prov.StatusSuccess {
 			t.Fatalf("round %d: b's poll: %d %v %+v", round, n, err, dst[0])
 		}
-		if c := spin(t, acq, 1)[0]; c.Status != prov.StatusSuccess {
-			t.Fatalf("round %d: a's send: %+v", round, c)
+		c := bq.(*qp).x.rev.Load()
+		wasCorked := c.corked.Load()
+		if wasCorked {
+			corked++
 		}
+		if round%2 == 0 {
+			// b answers: its send pushes the acknowledgement along.
+			recv(aq)
+			post(bq, 100)
+			if wasCorked {
+				if c.corked.Load() {
+					t.Fatalf("round %d: b answered and its acknowledgement stayed corked", round)
+				}
+				byAnswer++
+			}
+			if got := spin(t, acq, 2); got[0].Status != prov.StatusSuccess || got[1].Status != prov.StatusSuccess {
+				t.Fatalf("round %d: a's send and receive: %+v", round, got)
+			}
+			if got := spin(t, bcq, 1)[0]; got.Status != prov.StatusSuccess {
+				t.Fatalf("round %d: b's send: %+v", round, got)
+			}
+			continue
+		}
+		// b goes back to sleep without answering: its arm pushes it.
+		if err := bcq.Arm(false); err != nil {
+			t.Fatal(err)
+		}
+		if wasCorked {
+			if c.corked.Load() {
+				t.Fatalf("round %d: b armed its CQ again and its acknowledgement stayed corked", round)
+			}
+			byArm++
+		}
+		if got := spin(t, acq, 1)[0]; got.Status != prov.StatusSuccess {
+			t.Fatalf("round %d: a's send: %+v", round, got)
+		}
+	}
+	if byAnswer < 10 || byArm < 10 {
+		t.Fatalf("%d acknowledgements corked by the reader; %d pushed by an answer, %d by an arm: want 10 of each", corked, byAnswer, byArm)
 	}
 }
