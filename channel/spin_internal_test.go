@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/verbstest"
 )
 
 func TestSpinWins(t *testing.T) {
@@ -264,15 +265,5 @@ func internalPair(t *testing.T) (a, b *Channel) {
 // the test ends.
 func softPD(t testing.TB) *verbs.ProtectionDomain {
 	t.Helper()
-	dev, err := verbs.Open(verbs.SoftDevice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { dev.Close() })
-	pd, err := dev.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pd.Close() })
-	return pd
+	return verbstest.OpenPD(t, verbs.SoftDevice)
 }

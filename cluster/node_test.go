@@ -252,16 +252,8 @@ func TestNodePhases(t *testing.T) {
 	const n = 3
 	nodes := make([]*cluster.Node, n)
 	for i := range n {
-		dev, err := verbs.Open(verbs.SoftDevice)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { dev.Close() })
-		pd, err := dev.AllocPD()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { pd.Close() })
+		pd := verbstest.OpenPD(t, verbs.SoftDevice)
+		var err error
 		if nodes[i], err = cluster.NewNode(pd, i, n, cluster.NodeOptions{}); err != nil {
 			t.Fatal(err)
 		}

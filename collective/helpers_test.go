@@ -37,16 +37,8 @@ func nodesOn(t testing.TB, n int, opts cluster.NodeOptions, devs []string) []*cl
 	t.Helper()
 	ns := make([]*cluster.Node, n)
 	for i := range n {
-		dev, err := verbs.Open(devs[i%len(devs)])
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { dev.Close() })
-		pd, err := dev.AllocPD()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { pd.Close() })
+		pd := verbstest.OpenPD(t, devs[i%len(devs)])
+		var err error
 		if ns[i], err = cluster.NewNode(pd, i, n, opts); err != nil {
 			t.Fatal(err)
 		}

@@ -23,17 +23,7 @@ import (
 // openPD opens soft0 and allocates a PD, both closed when t ends.
 func openPD(t testing.TB) *verbs.ProtectionDomain {
 	t.Helper()
-	dev, err := verbs.Open(verbs.SoftDevice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { closeOrFail(t, "device", dev.Close) })
-	pd, err := dev.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { closeOrFail(t, "pd", pd.Close) })
-	return pd
+	return verbstest.OpenPD(t, verbs.SoftDevice)
 }
 
 // newAllocator returns an allocator on a PD of its own, checking for

@@ -38,6 +38,33 @@ func CheckLeaks(t testing.TB) {
 	})
 }
 
+// OpenPD opens device dev and allocates a protection domain on it; both
+// are closed when t ends, after the cleanups registered later (which
+// close what uses the PD), and a close that fails fails t: a test that
+// leaves something of the PD open learns it.
+func OpenPD(t testing.TB, dev string) *verbs.ProtectionDomain {
+	t.Helper()
+	c, err := verbs.Open(dev)
+	if err != nil {
+		t.Fatalf("verbstest: open %s: %v", dev, err)
+	}
+	t.Cleanup(func() {
+		if err := c.Close(); err != nil {
+			t.Errorf("verbstest: close %s: %v", dev, err)
+		}
+	})
+	pd, err := c.AllocPD()
+	if err != nil {
+		t.Fatalf("verbstest: alloc pd on %s: %v", dev, err)
+	}
+	t.Cleanup(func() {
+		if err := pd.Close(); err != nil {
+			t.Errorf("verbstest: close pd of %s: %v", dev, err)
+		}
+	})
+	return pd
+}
+
 // PollN polls cq until it has collected exactly n completions, or ctx ends.
 // It takes no more than n completions from the CQ, so later ones stay
 // there. It sleeps in cq.Wait when the CQ has a private completion channel
