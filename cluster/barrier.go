@@ -199,12 +199,13 @@ const (
 
 // Waiting. A wait spins for a while, polling (which drives the
 // transport's progress: soft0 places a peer's write when a process polls,
-// see internal/soft) and yielding to the process' goroutines in between,
-// then sleeps on the completion channel of the node's channel
-// (channel.MultiChannel.Sleep). It spins for up to 1 ms when the machine
-// has a processor for every rank of the world on it (Node.LocalRanks),
-// and not at all when the ranks outnumber the processors: a spinner then
-// keeps the processor its peer needs (internal/spinwait). Signals are
+// see internal/soft) with a pause in between, then sleeps on the
+// completion channel of the node's channel (channel.MultiChannel.Sleep).
+// It spins for up to 1 ms, pausing for the process' goroutines when the
+// machine has a processor for every rank of the world on it
+// (Node.LocalRanks), and for every thread of the machine (sched_yield)
+// when the ranks outnumber the processors up to 4 to 1, so that the peer
+// it waits for runs; beyond that it sleeps at once (internal/spinwait). Signals are
 // written with immediate data: each consumes one of the receiver's
 // doorbell receives (channel.Options.Doorbells), whose completion wakes a
 // rank sleeping for it, instead of timers (milliseconds per barrier). A
@@ -295,7 +296,7 @@ type barrier struct {
 	tellMu  sync.Mutex                // serialises tell (the source word in aux)
 	wokenFn func() bool               // b.woken, bound once
 	local   atomic.Int32              // ranks of the world on this host (setRemote)
-	spin    time.Duration             // how long a wait spins before it sleeps (setRemote, mu)
+	spin    spinwait.Policy           // how a wait spins before it sleeps (setRemote, mu)
 	every   time.Duration             // interval of the alarms and probes of a wait (probeInterval; setRemote, mu)
 
 	// The sleep of a wait (mu): its alarm (ring), and what woken looks at.
@@ -412,7 +413,7 @@ func (b *barrier) setRemote(infos [][]byte) error {
 	}
 	b.remote = remote
 	b.local.Store(int32(local))
-	b.spin = spinwait.Budget(local, runtime.NumCPU())
+	b.spin = spinwait.For(local, runtime.NumCPU())
 	b.every = probeInterval(local, runtime.NumCPU())
 	return nil
 }
@@ -810,8 +811,8 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 	}()
 	// Spinning, as b.spin allows: poll (driving the transport's
 	// progress), check now and then, yield to the process' goroutines.
-	if b.spin > 0 {
-		until := time.Now().Add(b.spin)
+	if b.spin.Spin > 0 {
+		until := time.Now().Add(b.spin.Spin)
 		for i := 1; ; i++ {
 			if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
 				return err
@@ -827,7 +828,7 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 					break
 				}
 			}
-			runtime.Gosched()
+			b.spin.Pause()
 		}
 	}
 	for i := 0; ; i++ {

@@ -163,7 +163,7 @@ type Comm struct {
 	doneHs                            []channel.Handle // Close's done writes
 	aborted                           bool             // this rank's abort word was written (abort)
 	wokenFn                           func() bool      // c.woken, bound once
-	spin                              time.Duration    // how long a wait spins before it sleeps
+	spin                              spinwait.Policy  // how a wait spins before it sleeps
 	alarm                             *spinwait.Alarm  // ends the sleeps of waits (ring)
 	bufs                              *bufSet          // the Buffers (Alloc), shared with the communicators made from this one
 	zeroCopied                        uint64           // chunks sent from a Buffer (tests)
@@ -227,7 +227,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 		ackSent: make([]uint64, p), flagOwed: make([]bool, p), ackOwed: make([]bool, p)}
 	c.wokenFn = c.woken
 	c.alarm = spinwait.NewAlarm(c.ring)
-	c.spin = spinwait.Budget(node.LocalRanks(), runtime.NumCPU())
+	c.spin = spinwait.For(node.LocalRanks(), runtime.NumCPU())
 	c.slotBytes = (hdrBytes + c.chunk + 63) &^ 63
 	c.slotBase = (p*peerFlagBytes + 8 + 63) &^ 63 // flags, the probe word
 	rxLen := c.slotBase + p*c.slots*c.slotBytes

@@ -70,8 +70,11 @@
 // sleeps on the completion channel of the node's channel
 // (channel.MultiChannel.Sleep). When the machine has more ranks of the
 // world than processors (cluster.Node.LocalRanks against
-// runtime.NumCPU) it sleeps at once: a spinner would keep the processor
-// from the rank it waits for. Every
+// runtime.NumCPU) a spinning rank offers its processor to the other
+// threads between polls (sched_yield, as MPI libraries do), so that the
+// rank it waits for runs at once; with more than 4 ranks per processor
+// it sleeps at once, since the rank waited for would queue behind every
+// spinner of its processor (internal/spinwait). Every
 // counter written at a peer (a chunk's data count, an ack count, the
 // done flag, the abort word) is an RDMA write with immediate data, which
 // rings the peer's doorbell (channel.Options.Doorbells, on by default on

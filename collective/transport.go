@@ -779,14 +779,15 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 		return err
 	}
 	if w.i == 1 {
-		w.budget = c.spin
+		w.budget = c.spin.Spin
 		if w.budget > 0 {
 			w.spinUntil = time.Now().Add(w.budget)
 		}
 	}
 	if w.budget > 0 && !w.slept && (w.i%spinCheck != 0 || time.Now().Before(w.spinUntil)) {
 		// Spinning: drive the progress (soft0 places a peer's writes as
-		// the process polls) and let the process' goroutines run.
+		// the process polls) and let the process' goroutines (and, with
+		// ranks that outnumber the processors, the peers) run.
 		if err := c.mc.Progress(); err != nil {
 			return c.fail(err, -1)
 		}
@@ -795,7 +796,7 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 				return err
 			}
 		}
-		runtime.Gosched()
+		c.spin.Pause()
 		return nil
 	}
 	if w.i > 1 || c.alarm.Fired() != w.alarms || ctx.Err() != nil {
@@ -811,7 +812,7 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 		if err := c.mc.Progress(); err != nil {
 			return c.fail(err, -1)
 		}
-		runtime.Gosched()
+		c.spin.Pause()
 		return nil
 	}
 	w.slept = true

@@ -2,15 +2,23 @@ package spinwait
 
 import "testing"
 
-func TestBudget(t *testing.T) {
+func TestFor(t *testing.T) {
 	for _, c := range []struct {
 		ranks, cpus int
-		want        bool // spins
+		want        Policy
 	}{
-		{1, 1, true}, {2, 2, true}, {3, 2, false}, {8, 2, false}, {8, 64, true},
+		{1, 1, Policy{Spin: MaxSpin}},
+		{2, 2, Policy{Spin: MaxSpin}},
+		{8, 64, Policy{Spin: MaxSpin}},
+		{3, 2, Policy{Spin: MaxSpin, Yield: true}},
+		{8, 2, Policy{Spin: MaxSpin, Yield: true}},
+		{9, 2, Policy{}},
+		{512, 2, Policy{}},
+		{2, 0, Policy{Spin: MaxSpin, Yield: true}}, // no processor reported: one
+		{5, 0, Policy{}},
 	} {
-		if got := Budget(c.ranks, c.cpus) > 0; got != c.want {
-			t.Errorf("Budget(%d ranks, %d cpus) spins: %v, want %v", c.ranks, c.cpus, got, c.want)
+		if got := For(c.ranks, c.cpus); got != c.want {
+			t.Errorf("For(%d ranks, %d cpus) = %+v, want %+v", c.ranks, c.cpus, got, c.want)
 		}
 	}
 }
