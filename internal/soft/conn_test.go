@@ -495,6 +495,8 @@ func TestRingCorruption(t *testing.T) {
 		{"TailFarAhead", func(in, out *ring) { *in.tail = 1 << 40 }},
 		{"TailBehindHead", func(in, out *ring) { in.pos = 100; *in.tail = 50 }},
 		{"HeadAhead", func(in, out *ring) { out.pos = 10; *out.head = 1 << 40 }},
+		{"LapOffStart", func(in, out *ring) { in.pos = 100; *in.tail = 1000; *in.lap = 500 }},
+		{"LapTooFar", func(in, out *ring) { in.pos = 100; *in.tail = 3 * ringCap; *in.lap = 2 * ringCap }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			clear(seg)
@@ -508,20 +510,63 @@ func TestRingCorruption(t *testing.T) {
 			}
 		})
 	}
-	// And a ring that works: bytes across the wrap-around point.
+	// And a ring that works: bytes across the wrap-around point (two
+	// unread bytes before them: a producer that finds its ring empty
+	// goes on at the next lap instead).
 	clear(seg)
 	in := newRing(seg, 0)
 	out := newRing(seg, 0)
-	out.pos, in.pos = ringCap-10, ringCap-10
-	*out.tail, *out.head = ringCap-10, ringCap-10
+	out.pos, in.pos = ringCap-10, ringCap-12
+	*out.tail, *out.head = ringCap-10, ringCap-12
 	msg := []byte("across the end of the ring")
 	if n, _, err := out.put([][]byte{msg}); err != nil || n != len(msg) {
 		t.Fatalf("put %d, %v", n, err)
 	}
 	got := make([]byte, 64)
 	n, err := in.get(got)
-	if err != nil || string(got[:n]) != string(msg) {
+	if err != nil || string(got[2:n]) != string(msg) {
 		t.Fatalf("get %q, %v", got[:n], err)
+	}
+}
+
+// TestRingLapSkip: a producer that finds its ring empty far into a lap
+// goes on at the start of the next lap, and the consumer follows it
+// there; an empty ring early in its lap, or one with unread bytes, goes
+// on where it is.
+func TestRingLapSkip(t *testing.T) {
+	seg := make([]byte, segSize)
+	for _, tc := range []struct {
+		name      string
+		pos, head uint64 // the producer's index and the consumer's
+		wantPos   uint64 // where the message goes
+	}{
+		{"FarIntoLap", lapSkipAt + 100, lapSkipAt + 100, ringCap},
+		{"FarIntoSecondLap", ringCap + lapSkipAt, ringCap + lapSkipAt, 2 * ringCap},
+		{"EarlyInLap", lapSkipAt - 1, lapSkipAt - 1, lapSkipAt - 1},
+		{"NotEmpty", lapSkipAt + 100, lapSkipAt + 90, lapSkipAt + 100},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clear(seg)
+			in, out := newRing(seg, 0), newRing(seg, 0)
+			out.pos, in.pos = tc.pos, tc.head
+			*out.tail, *out.head = tc.pos, tc.head
+			msg := []byte("where does this go")
+			if n, _, err := out.put([][]byte{msg}); err != nil || n != len(msg) {
+				t.Fatalf("put %d, %v", n, err)
+			}
+			if out.pos != tc.wantPos+uint64(len(msg)) {
+				t.Fatalf("the producer is at %d, want %d", out.pos, tc.wantPos+uint64(len(msg)))
+			}
+			got := make([]byte, 64)
+			n, err := in.get(got)
+			skipped := int(tc.pos - tc.head) // unread bytes before the message
+			if err != nil || n != skipped+len(msg) || string(got[skipped:n]) != string(msg) {
+				t.Fatalf("get %q, %v", got[:n], err)
+			}
+			if in.pos != out.pos || *in.head != out.pos {
+				t.Fatalf("the consumer is at %d (head %d), the producer at %d", in.pos, *in.head, out.pos)
+			}
+		})
 	}
 }
 

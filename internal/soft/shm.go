@@ -41,14 +41,28 @@ import (
 // a producer that finds sleeping = 1 after storing tail clears it and
 // writes the eventfd. A producer that finds its ring full polls for room.
 //
-//	ring header  [0:8] tail   [64:72] head   [128:132] sleeping
+// Laps. A producer that finds its ring empty with its index at least
+// lapSkipAt into the current lap goes on at the start of the next lap: it
+// stores the index there in lap before the bytes it puts after it, and
+// the consumer, at the end of what it consumed (it consumed everything:
+// the ring was empty), skips to it. So a ring that carries small messages
+// uses its first pages over and over (about lapSkipAt of it) instead of
+// walking through all of it: before, every connection's rings came to
+// occupy their whole 8 MiB after 4 MiB of traffic each way (a page
+// fault per 4 KiB on the way, a quarter of the time of an oversubscribed
+// barrier), 144 MiB per rank of a 512-rank world with 18 connections.
+//
+//	ring header  [0:8] tail   [64:72] head   [128:132] sleeping   [192:200] lap
 //	data         [ringHdr:ringHdr+ringCap]
 
 const (
 	ringHdr  = 4096
 	ringCap  = 4 << 20
 	ringSize = ringHdr + ringCap
-	segSize  = 2 * ringSize
+	// lapSkipAt is how far into a lap a producer that finds its ring
+	// empty goes on at the next lap instead (see Laps).
+	lapSkipAt = 256 << 10
+	segSize   = 2 * ringSize
 
 	shmFDs = 3 // memfd, eventfd of ring 0, eventfd of ring 1
 )
@@ -58,6 +72,7 @@ type ring struct {
 	tail  *uint64
 	head  *uint64
 	sleep *uint32
+	lap   *uint64 // where the producer went on at a lap's start
 	data  []byte
 	pos   uint64 // the private index: tail for the producer, head for the consumer
 }
@@ -68,6 +83,7 @@ func newRing(seg []byte, i int) ring {
 		tail:  (*uint64)(base),
 		head:  (*uint64)(unsafe.Add(base, 64)),
 		sleep: (*uint32)(unsafe.Add(base, 128)),
+		lap:   (*uint64)(unsafe.Add(base, 192)),
 		data:  seg[i*ringSize+ringHdr : (i+1)*ringSize : (i+1)*ringSize],
 	}
 }
@@ -78,6 +94,12 @@ var errRingCorrupt = errors.New("soft: shared memory ring corrupted by the peer"
 // length and whether the consumer must be woken.
 func (r *ring) put(bufs [][]byte) (int, bool, error) {
 	head := atomic.LoadUint64(r.head)
+	if head == r.pos && r.pos&(ringCap-1) >= lapSkipAt {
+		// Empty, and far into the lap: on at the next one (Laps),
+		// stored before the tail that publishes what follows.
+		r.pos = (r.pos + ringCap) &^ (ringCap - 1)
+		atomic.StoreUint64(r.lap, r.pos)
+	}
 	used := r.pos - head
 	if used > ringCap {
 		return 0, false, errRingCorrupt
@@ -119,9 +141,19 @@ func (r *ring) get(p []byte) (int, error) {
 	return int(n), nil
 }
 
-// avail is how many bytes the consumer may read.
+// avail is how many bytes the consumer may read. At the point where the
+// producer went on at the next lap it skips there first (Laps): its
+// index is then at the end of all it consumed, a frame's end.
 func (r *ring) avail() (uint64, error) {
-	a := atomic.LoadUint64(r.tail) - r.pos
+	tail := atomic.LoadUint64(r.tail)
+	if s := atomic.LoadUint64(r.lap); s > r.pos && s <= tail {
+		if s&(ringCap-1) != 0 || s-r.pos >= ringCap {
+			return 0, errRingCorrupt
+		}
+		r.pos = s
+		atomic.StoreUint64(r.head, s)
+	}
+	a := tail - r.pos
 	if a > ringCap {
 		return 0, errRingCorrupt
 	}

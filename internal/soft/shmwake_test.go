@@ -6,8 +6,11 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/prov"
 )
 
 // TestShmRingWakeup plays ping-pong over the two rings of a segment, each
@@ -140,4 +143,50 @@ func TestShmRingWakeup(t *testing.T) {
 		}
 	}
 	wg.Wait()
+}
+
+// TestShmRingWorkingSet: a shared-memory connection that carries small
+// messages one at a time uses the first pages of its rings over and over
+// (lapSkipAt of each, Laps in shm.go): after 16 MiB of 4 KiB writes, 4
+// laps of a ring, few of the segment's pages are resident (mincore).
+// Before, the rings walked through all their pages: all 2 × 1024 of
+// them resident, a page fault each on the way.
+func TestShmRingWorkingSet(t *testing.T) {
+	forceTransport(t, "shm")
+	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	const size, n = 4 << 10, 4096                        // 16 MiB
+	src, dst := privMem(t, e, size), privMem(t, e, size) // not mappable: the data goes through the ring
+	for i := range n {
+		src.b[0] = byte(i)
+		wr := []prov.SendWR{{WRID: uint64(i), Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
+			RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}
+		if _, err := a.qp.PostSend(wr, []prov.SGE{src.sge(0, size)}); err != nil {
+			t.Fatal(err)
+		}
+		if c := spin(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess || dst.b[0] != byte(i) {
+			t.Fatalf("write %d: %+v, first byte %d", i, c, dst.b[0])
+		}
+	}
+	c := a.qp.(*qp).x.rev.Load()
+	if c == nil {
+		c = b.qp.(*qp).x.rev.Load()
+	}
+	if c == nil || c.shm == nil {
+		t.Fatal("no shared-memory connection")
+	}
+	const page = 4096
+	vec := make([]byte, segSize/page)
+	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&c.shm.seg[0])), uintptr(len(c.shm.seg)), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
+		t.Fatalf("mincore: %v", errno)
+	}
+	for r := range 2 {
+		resident := 0
+		for _, v := range vec[(r*ringSize+ringHdr)/page : (r+1)*ringSize/page] {
+			resident += int(v & 1)
+		}
+		// lapSkipAt, and the frame that crossed it.
+		if max := (lapSkipAt+size)/page + 2; resident > max {
+			t.Errorf("ring %d: %d of its %d pages resident after 16 MiB of traffic, want at most %d", r, resident, ringCap/page, max)
+		}
+	}
 }

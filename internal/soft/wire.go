@@ -27,7 +27,7 @@ import (
 
 const (
 	wireMagic   = 0x4756
-	wireVersion = 2 // 2: the handshake of handshake.go
+	wireVersion = 3 // 2: the handshake of handshake.go; 3: shared-memory rings skip to the next lap (shm.go)
 	hdrLen      = 16
 )
 
