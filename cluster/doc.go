@@ -9,13 +9,17 @@
 //
 //  1. NewNode creates the MultiChannel (one queue pair per peer, all in one
 //     protection domain) and registers the barrier's flags.
-//  2. LocalEndpoints returns, for every rank j, the message rank j needs:
-//     the endpoint of the queue pair for j, the barrier's flags, and
-//     application bytes (typically the address and key of a region the
-//     peers may access).
-//  3. The messages are exchanged out of band; Exchange does it over TCP.
-//  4. Connect takes what every rank sent this one and brings the queue
-//     pairs up. PeerData then returns each rank's application bytes.
+//  2. LocalCard returns what every rank needs: a card, the same for all
+//     (the endpoint of the queue pairs but for their numbers, the
+//     barrier's flags, and application bytes, typically the address and
+//     key of a region the peers may access), and for every rank j an
+//     item of ItemSize bytes, the number of the queue pair for j.
+//     (LocalEndpoints returns the same as one message per rank.)
+//  3. They are exchanged out of band; ExchangeCards does it over TCP
+//     (Exchange for LocalEndpoints' messages).
+//  4. ConnectCards (Connect) takes what every rank sent this one and
+//     brings the queue pairs up. PeerData then returns each rank's
+//     application bytes.
 //
 // Join runs the four phases from a network configuration (Config, a JSON
 // file listing every rank's host, port and device), and FromEnv from the
@@ -24,13 +28,17 @@
 // # Endpoint exchange
 //
 // Exchange is a personalised all-to-all over TCP, authenticated and
-// encrypted, in one of two modes:
+// encrypted; ExchangeCards is the same for data made of a card that
+// every rank receives and a small item per rank (Join and FromEnv use
+// it). Both run in one of two modes:
 //
 //   - AllToAll: every rank listens on its configured address; rank i
 //     dials every rank below it. N(N−1)/2 connections, each carrying only
 //     what the two ranks need from each other.
-//   - Rendezvous: only rank 0 listens; every rank sends it everything, and
-//     rank 0 sends each rank its share once all have arrived. N−1
+//   - Rendezvous: only rank 0 listens; every rank sends it everything (its
+//     card once and its items, with ExchangeCards), and rank 0 sends each
+//     rank its share (the table of cards and its column of items) once
+//     all have arrived. N−1
 //     connections, for large worlds and for launchers that name only rank
 //     0's address (MASTER_ADDR, the first node of a Slurm job).
 //
@@ -41,7 +49,7 @@
 // rendezvous, rank 0 tells every waiting rank why it gave up
 // (ErrAborted). Nothing waits past the context.
 //
-// # Wire protocol (version 2)
+// # Wire protocol (version 3)
 //
 // Every connection starts with a handshake of fixed-size messages, each
 // beginning with the magic "GVCX", the protocol version and a type, so
@@ -49,13 +57,14 @@
 // first 8 bytes (version 1 peers, which read a 44-byte header and check
 // the version byte first, report ErrVersion too):
 //
-//  1. The dialer sends its hello (100 bytes): its exchange mode, its
-//     rank, the rank it dials, the world size, a job tag, a fresh 32-byte
+//  1. The dialer sends its hello (100 bytes): its exchange mode, the
+//     shape of its data (entries, or cards with items of a given size:
+//     version 3), its rank, the rank it dials, the world size, a job tag, a fresh 32-byte
 //     nonce, and an HMAC-SHA256 of all that under a key derived from the
 //     token (HKDF). The job tag is an HMAC of the job id under the same
 //     key: the hello stays fixed-size and the job id does not travel.
 //  2. The acceptor checks the MAC, then the job tag (ErrJobMismatch), the
-//     mode (ErrModeMismatch), the world size (ErrSizeMismatch) and the
+//     mode and the data's shape (ErrModeMismatch), the world size (ErrSizeMismatch) and the
 //     ranks (ErrBadFrame), and answers with its own hello, with its own
 //     fresh nonce, whose MAC also covers the dialer's hello: it proves
 //     the acceptor knows the token now.
@@ -67,8 +76,8 @@
 //     an I/O failure makes the dialer dial again.
 //
 // Two members of the job (both know the token, the job tags match) that
-// disagree on the mode or the world size cannot both be right: both fail
-// at once, naming both settings. The acceptor answers such a hello and
+// disagree on the mode, the shape of the data or the world size cannot
+// both be right: both fail at once, naming both settings. The acceptor answers such a hello and
 // waits for the proof before it gives up (and the dialer sends the proof
 // before it does), so that a replayed hello cannot end an exchange.
 //
@@ -84,8 +93,9 @@
 // (both nonces), and each record's nonce is its sequence number in its
 // direction: a record cannot be altered, replayed, reordered, reflected
 // or moved to another connection without failing with ErrAuth. A
-// message (an entry; a vector of entries in a rendezvous; the root's
-// abort reason) may span records; it is refused with ErrFrameTooLarge as
+// message (an entry; a vector of entries in a rendezvous; a card and
+// items, the table of cards, a column of items; the root's abort reason)
+// may span records; it is refused with ErrFrameTooLarge as
 // soon as it would exceed ExchangeConfig.MaxFrame, and is held only as
 // its records arrive and authenticate.
 //
@@ -299,11 +309,12 @@
 // registers in Node.PD must be closed before the Node, or handed to it
 // with OnClose. Close first makes sure this rank's last barrier signals
 // reached its peers (at most NodeOptions.CloseGrace), so a rank may leave
-// right after its last barrier. LocalEndpoints and
-// Connect are called once each, in that order, by one goroutine; after
-// Connect, a Node is safe for concurrent use: channel operations run
-// concurrently, barriers are serialised. Close is idempotent.
+// right after its last barrier. LocalCard and ConnectCards (or
+// LocalEndpoints and Connect) are called once each, in that order, by one
+// goroutine; after it connected, a Node is safe for concurrent use:
+// channel operations run concurrently, barriers are serialised. Close is
+// idempotent.
 //
-// Exchange, Join and FromEnv block and take a context; a Config, a Launch
+// Exchange, ExchangeCards, Join and FromEnv block and take a context; a Config, a Launch
 // and an ExchangeConfig are plain values.
 package cluster
