@@ -227,9 +227,9 @@
 //	256        34.1  36.0     22.2  26.6     89.9  90.3      68    25
 //	512       139.5 122.8     62.0  77.5    301.7 266.9     223    38
 //
-// (the first of two runs of 512 ranks with cards failed: no rank passed
-// its barriers, its output was not kept; the second, above, passed, as
-// did every other run). Cards take rank 0's memory from N² entries to N²
+// (the first of three runs of 512 ranks with cards failed: no rank
+// passed its barriers, and its output was not kept; the second, above,
+// and the third passed, as did every other run). Cards take rank 0's memory from N² entries to N²
 // 6-byte items (223 MiB → 38 MiB at 512 ranks) and halve its CPU (at
 // 512 ranks, 3.6 s → 1.8 s; it gathers 579 bytes per rank instead of
 // 5 079 at 16 ranks, TestJoinRendezvousRootBytes); they do not change
