@@ -291,7 +291,7 @@ func TestExchangeStrangerMemory(t *testing.T) {
 			payloads := [][]byte{
 				append(bytes.Clone(v1), bytes.Repeat([]byte("junk"), 50)...),
 				v1,
-				append([]byte("GVCX\x02\x01\x00\x00"), bytes.Repeat([]byte{0xee}, 50)...),
+				append([]byte("GVCX\x03\x01\x00\x00"), bytes.Repeat([]byte{0xee}, 50)...),
 				replay,
 				bytes.Repeat([]byte("garbage!"), 20),
 			}

@@ -9,13 +9,17 @@
 //
 //  1. NewNode creates the MultiChannel (one queue pair per peer, all in one
 //     protection domain) and registers the barrier's flags.
-//  2. LocalEndpoints returns, for every rank j, the message rank j needs:
-//     the endpoint of the queue pair for j, the barrier's flags, and
-//     application bytes (typically the address and key of a region the
-//     peers may access).
-//  3. The messages are exchanged out of band; Exchange does it over TCP.
-//  4. Connect takes what every rank sent this one and brings the queue
-//     pairs up. PeerData then returns each rank's application bytes.
+//  2. LocalCard returns what every rank needs: a card, the same for all
+//     (the endpoint of the queue pairs but for their numbers, the
+//     barrier's flags, and application bytes, typically the address and
+//     key of a region the peers may access), and for every rank j an
+//     item of ItemSize bytes, the number of the queue pair for j.
+//     (LocalEndpoints returns the same as one message per rank.)
+//  3. They are exchanged out of band; ExchangeCards does it over TCP
+//     (Exchange for LocalEndpoints' messages).
+//  4. ConnectCards (Connect) takes what every rank sent this one and
+//     brings the queue pairs up. PeerData then returns each rank's
+//     application bytes.
 //
 // Join runs the four phases from a network configuration (Config, a JSON
 // file listing every rank's host, port and device), and FromEnv from the
@@ -24,13 +28,17 @@
 // # Endpoint exchange
 //
 // Exchange is a personalised all-to-all over TCP, authenticated and
-// encrypted, in one of two modes:
+// encrypted; ExchangeCards is the same for data made of a card that
+// every rank receives and a small item per rank (Join and FromEnv use
+// it). Both run in one of two modes:
 //
 //   - AllToAll: every rank listens on its configured address; rank i
 //     dials every rank below it. N(N−1)/2 connections, each carrying only
 //     what the two ranks need from each other.
-//   - Rendezvous: only rank 0 listens; every rank sends it everything, and
-//     rank 0 sends each rank its share once all have arrived. N−1
+//   - Rendezvous: only rank 0 listens; every rank sends it everything (its
+//     card once and its items, with ExchangeCards), and rank 0 sends each
+//     rank its share (the table of cards and its column of items) once
+//     all have arrived. N−1
 //     connections, for large worlds and for launchers that name only rank
 //     0's address (MASTER_ADDR, the first node of a Slurm job).
 //
@@ -41,7 +49,7 @@
 // rendezvous, rank 0 tells every waiting rank why it gave up
 // (ErrAborted). Nothing waits past the context.
 //
-// # Wire protocol (version 2)
+// # Wire protocol (version 3)
 //
 // Every connection starts with a handshake of fixed-size messages, each
 // beginning with the magic "GVCX", the protocol version and a type, so
@@ -49,13 +57,14 @@
 // first 8 bytes (version 1 peers, which read a 44-byte header and check
 // the version byte first, report ErrVersion too):
 //
-//  1. The dialer sends its hello (100 bytes): its exchange mode, its
-//     rank, the rank it dials, the world size, a job tag, a fresh 32-byte
+//  1. The dialer sends its hello (100 bytes): its exchange mode, the
+//     shape of its data (entries, or cards with items of a given size:
+//     version 3), its rank, the rank it dials, the world size, a job tag, a fresh 32-byte
 //     nonce, and an HMAC-SHA256 of all that under a key derived from the
 //     token (HKDF). The job tag is an HMAC of the job id under the same
 //     key: the hello stays fixed-size and the job id does not travel.
 //  2. The acceptor checks the MAC, then the job tag (ErrJobMismatch), the
-//     mode (ErrModeMismatch), the world size (ErrSizeMismatch) and the
+//     mode and the data's shape (ErrModeMismatch), the world size (ErrSizeMismatch) and the
 //     ranks (ErrBadFrame), and answers with its own hello, with its own
 //     fresh nonce, whose MAC also covers the dialer's hello: it proves
 //     the acceptor knows the token now.
@@ -67,8 +76,8 @@
 //     an I/O failure makes the dialer dial again.
 //
 // Two members of the job (both know the token, the job tags match) that
-// disagree on the mode or the world size cannot both be right: both fail
-// at once, naming both settings. The acceptor answers such a hello and
+// disagree on the mode, the shape of the data or the world size cannot
+// both be right: both fail at once, naming both settings. The acceptor answers such a hello and
 // waits for the proof before it gives up (and the dialer sends the proof
 // before it does), so that a replayed hello cannot end an exchange.
 //
@@ -84,8 +93,9 @@
 // (both nonces), and each record's nonce is its sequence number in its
 // direction: a record cannot be altered, replayed, reordered, reflected
 // or moved to another connection without failing with ErrAuth. A
-// message (an entry; a vector of entries in a rendezvous; the root's
-// abort reason) may span records; it is refused with ErrFrameTooLarge as
+// message (an entry; a vector of entries in a rendezvous; a card and
+// items, the table of cards, a column of items; the root's abort reason)
+// may span records; it is refused with ErrFrameTooLarge as
 // soon as it would exceed ExchangeConfig.MaxFrame, and is held only as
 // its records arrive and authenticate.
 //
@@ -192,50 +202,76 @@
 // # Scale
 //
 // Start-up has three parts whose cost grows with the world size N: every
-// rank builds a queue pair to every other (NewNode), rank 0 moves N(N−1)
-// entries of the exchange (a rendezvous: every rank sends it one entry
-// per rank, ~310 bytes with soft0, and gets back its column), and every
-// rank connects its N−1 queue pairs (Connect). soft0's connections
+// rank builds a queue pair to every other (NewNode), rank 0 gathers and
+// scatters the exchange (a rendezvous of cards: every rank sends it its
+// card, ~290 bytes with soft0, once, and an item of 6 bytes per rank, and
+// gets back the table of N cards and its column of N items), and every
+// rank connects its N−1 queue pairs (ConnectCards). soft0's connections
 // between processes (a socket, and over shared memory a ring segment)
 // are made at a queue pair's first request, not at Connect: a rank
 // connects to the few peers it talks to (a binary-tree barrier to 3, a
 // dissemination barrier to 2 log2 N).
 //
-// Measured on one host with 2 CPUs, soft0 over shared memory
-// (scripts/scale.sh, BARRIERS=100 WRITE=0; start-up is from the first
-// process' start, which includes starting the N processes one after the
-// other, to the last rank's Join; "barriers" is the longest time a rank
-// spent in the 100 barriers), before and after the changes below:
+// Measured on one host with 2 CPUs shared with other work, soft0 over
+// shared memory: BARRIERS=100 WRITE=0 scripts/scale.sh N, with the
+// exchange of one ~310-byte entry per pair of ranks (commit 6ac9832) and
+// with cards, run one after the other for each N. Start-up is from the
+// first process' start, which includes starting the N processes one
+// after the other (spawn), to the last rank's Join; cpu is the CPU time
+// of all the ranks together, barriers included; rss the largest rank's
+// peak, rank 0's (the median rank's is 23 MiB at 512 ranks, either way):
 //
-//	N     start-up (s)   barriers (s)   per rank before the exchange
-//	      before  after  before  after  (N = 512, before → after)
-//	32      1.9    1.3     1.6    1.2   CPU          210 ms → 120 ms
-//	64      4.5    3.8     6.5    3.2   resident     34 MiB → 17 MiB
-//	128    15.4    9.5    35.9    9.2   descriptors  1 548 → 526
-//	256    67.1   33.5   157.5   29.4
-//	512   (345)  100.8       –   91.3
+//	         start-up (s)   spawn (s)      cpu (s)       rss (MiB)
+//	N       entries cards  entries cards  entries cards  entries cards
+//	32          2.4   3.8      2.0   3.0      4.4   4.6      12    12
+//	64          5.9   5.9      4.7   6.0     11.0  10.6      17    15
+//	128        10.6  10.6      8.0   7.6     29.4  30.0      28    19
+//	256        34.1  36.0     22.2  26.6     89.9  90.3      68    25
+//	512       139.5 122.8     62.0  77.5    301.7 266.9     223    38
 //
-// (of the start-up after: starting the processes took 7, 21 and 52 s for
-// 128, 256 and 512 ranks, the rest 2.4, 12.5 and 48.5 s). Before, 510
-// of 512 ranks had connected after 345 s when rank 0 gave up on a live
-// rank that had not read its column for 10 s, and the world failed (every
-// rank naming a failed rank); after, all 512 start and pass the 100
-// barriers.
+// (the first of three runs of 512 ranks with cards failed: no rank
+// passed its barriers, and its output was not kept; the second, above,
+// and the third passed, as did every other run). Cards take rank 0's memory from N² entries to N²
+// 6-byte items (223 MiB → 38 MiB at 512 ranks) and halve its CPU (at
+// 512 ranks, 3.6 s → 1.8 s; it gathers 579 bytes per rank instead of
+// 5 079 at 16 ranks, TestJoinRendezvousRootBytes); they do not change
+// start-up on one host, which is not spent in the exchange.
 //
-// Where the time went (perf record -a over the start-up of 128 and 256
-// ranks, before): building the queue pairs, 0.4 ms per peer and rank,
-// mostly soft0 allocating and zeroing each queue pair's send ring (32 KiB
-// at the default depth of 128) and the channel's three request batches
-// per peer (three memfds and mappings); connecting, 0.1 ms per peer and
-// rank, half of it posting 64 doorbell receives per queue pair; and,
-// from 256 ranks on, the Go runtimes of processes woken all the time
-// (runtime.sysmon and the scheduler's search for work: 40 % of the
-// machine) by the alarms of the ranks sleeping in a barrier, every 10 ms
-// each, each alarm a probe write that wakes the peer too. Rank 0's share
-// of the exchange was under 1 %: on one host the rendezvous is not what
-// limits start-up; its N² bytes are (below). So a rank now pays at start
-// only for what it uses: soft0 makes a queue pair's send ring at its
-// first post, the channel a peer's batches at its first use, a queue
+// Where a rank's start-up goes (the ranks' phases timed with getrusage,
+// median CPU per rank for N = 32, 128, 256): starting the process and
+// the Go runtime, 30, 28, 31 ms; NewNode, 13, 34, 63 ms; LocalCard, 3, 5,
+// 5 ms; the whole exchange, dial, send, wait and decode, 2, 4, 6 ms;
+// ConnectCards, 5, 21, 50 ms; the first barrier, 10, 14, 17 ms. A rank
+// waiting for its column sleeps: 2 to 5 ms of CPU over 12 to 24 s of
+// waiting (it blocks in a read; its Go runtime's sysmon parks), so the
+// ranks that started do not slow the spawning of the others: during the
+// spawn the ranks used a quarter to a third of the machine, for their
+// own start, the rest being the spawning script and the other work of
+// the machine. NewNode costs 0.24 ms per peer (perf: soft0 creating the
+// queue pair, half; the channel's per-peer batches and Go channels, a
+// quarter) and ConnectCards 0.19 ms per peer
+// (posting the doorbell receives, half; the queue pair's state changes,
+// half). So a rank's start costs about 30 ms + 0.45 ms × N of CPU, and
+// the world's 30 ms × N + 0.45 ms × N²: the quadratic part overtakes the
+// linear one at about 70 ranks and is 8 times larger at 512. Start-up on
+// one host therefore still grows faster than N (×3.4 per doubling from
+// 128 ranks on, the ranks' CPU ×3), and the exchange is not the reason: only queue pairs made on first use (below), or a much
+// smaller cost per peer in NewNode and Connect, make it linear.
+//
+// Before the changes of which this paragraph is the account, 512 ranks
+// did not start (510 of 512 had connected after 345 s when rank 0 gave
+// up on a live rank that had not read its column for 10 s); 256 took
+// 67 s. perf record -a over the start-up of 128 and 256 ranks showed:
+// building the queue pairs, 0.4 ms per peer and rank, mostly soft0
+// allocating and zeroing each queue pair's send ring (32 KiB at the
+// default depth of 128) and the channel's three request batches per peer
+// (three memfds and mappings); connecting, 0.1 ms per peer and rank, half
+// of it posting 64 doorbell receives per queue pair; and, from 256 ranks
+// on, the Go runtimes of processes woken all the time (runtime.sysmon and
+// the scheduler's search for work: 40 % of the machine) by the alarms of
+// the ranks sleeping in a barrier, every 10 ms each. So a rank now pays
+// at start only for what it uses: soft0 makes a queue pair's send ring at
+// its first post, the channel a peer's batches at its first use, a queue
 // pair starts with 4 doorbell receives and gains one at each ring (when
 // the peer's extra rings wait, the default), and the alarms of sleeping
 // waits are spaced by the ranks per processor, up to 1 s, when the
@@ -243,39 +279,34 @@
 // within the liveness bound plus at most 1 s), and rank 0 waits for a
 // rank of its host to read its column the longer the more ranks the host
 // has beyond its processors (100 ms each: a starved live rank is not
-// declared lost). Start-up on one host still grows faster than N (×3.5
-// and ×3 per doubling from 128 ranks on): the work is N ranks × N−1
-// queue pairs and entries, with a smaller constant; only queue pairs
-// made on first use (below) make it linear.
+// declared lost).
 //
 // 10 000 ranks across hosts (say 100 hosts of 100 ranks, a 10 Gb/s link
 // at rank 0). Per rank, with a queue pair to every rank as now (per peer:
-// 13 KiB resident, one descriptor, 0.2 ms of CPU to build and connect):
-// 130 MiB, 10 000 descriptors (raise ulimit -n) and 2 s of CPU; per host
-// 13 GiB and a million descriptors — heavy but not a wall. The exchange is
-// the wall: a rendezvous moves 10 000 × 9 999 × 310 bytes = 31 GB into
-// rank 0 and 31 GB out (25 s each way at line rate, and 31 GB held in
-// its memory), and rank 0 holds 10 000 connections. What the numbers call
-// for, in order:
+// 13 KiB resident, one descriptor, 0.45 ms of CPU to build and connect):
+// 130 MiB, 10 000 descriptors (raise ulimit -n) and 4.5 s of CPU; per
+// host 13 GiB and a million descriptors — heavy but not a wall. The
+// exchange of one entry per pair of ranks was the wall: 10 000 × 9 999 ×
+// 310 bytes = 31 GB into rank 0, held in its memory, and 31 GB out (25 s
+// each way at line rate). In order, what the numbers call for:
 //
-//   - Cards: the 310 bytes of an entry are a card of the rank (the
-//     process' soft0 address and keys, the barrier's flags, the probe
-//     region, the application's data: the same for every peer) and a
-//     queue pair number of 4 bytes. Sending a card and a vector of N
-//     queue pair numbers makes a rank's share 300 + 4N bytes (40 KB):
-//     0.4 GB into rank 0, and out the columns of numbers (0.4 GB) plus
-//     the table of cards (3 MB) to every rank — 30 GB if rank 0 sends it
-//     to each.
+//   - Cards (done): a rank sends its card once and an item of 6 bytes (the
+//     queue pair's number and first packet sequence number) per rank:
+//     10 000 × (290 + 60 000) bytes = 0.6 GB into rank 0, which holds
+//     that, and out the columns (0.6 GB) and the table of cards (2.9 MB)
+//     to every rank: 29 GB, still, as rank 0 sends the table to each.
 //   - A tree: the table of cards spread down a tree of fan-out k (each
 //     rank forwards it to its k children; 16: 4 levels, rank 0 sends
-//     48 MB), and the gather up the same tree, so that no rank holds more
-//     than k exchange connections.
+//     46 MB), and the gather up the same tree, so that no rank holds more
+//     than k exchange connections. The leaves would listen, their
+//     addresses in their cards.
 //   - Queue pairs on first use: a queue pair and its number made when a
 //     rank first talks to a peer, with the peer's card from the table (a
 //     connection request over soft0's own link, or an RDMA CM exchange):
-//     start-up then moves only the cards (3 MB per rank, by the tree),
-//     and each rank holds the queue pairs of its partners (3 to 28 for
-//     the barriers) instead of 10 000.
+//     start-up then moves only the cards (2.9 MB per rank, by the tree),
+//     each rank holds the queue pairs of its partners (3 to 28 for the
+//     barriers) instead of 10 000, and start-up on one host becomes
+//     linear (the 0.45 ms × N per rank above goes).
 //   - Failures told by a tree: a rank that sees a rank fail writes the
 //     news to every other rank (Node.Fail, the barrier), which with
 //     soft0's connections made on first use means 9 999 connection
@@ -301,11 +332,12 @@
 // registers in Node.PD must be closed before the Node, or handed to it
 // with OnClose. Close first makes sure this rank's last barrier signals
 // reached its peers (at most NodeOptions.CloseGrace), so a rank may leave
-// right after its last barrier. LocalEndpoints and
-// Connect are called once each, in that order, by one goroutine; after
-// Connect, a Node is safe for concurrent use: channel operations run
-// concurrently, barriers are serialised. Close is idempotent.
+// right after its last barrier. LocalCard and ConnectCards (or
+// LocalEndpoints and Connect) are called once each, in that order, by one
+// goroutine; after it connected, a Node is safe for concurrent use:
+// channel operations run concurrently, barriers are serialised. Close is
+// idempotent.
 //
-// Exchange, Join and FromEnv block and take a context; a Config, a Launch
+// Exchange, ExchangeCards, Join and FromEnv block and take a context; a Config, a Launch
 // and an ExchangeConfig are plain values.
 package cluster

@@ -196,9 +196,114 @@ func Exchange(ctx context.Context, cfg ExchangeConfig, out [][]byte) ([][]byte, 
 	return x.allToAll(ctx)
 }
 
+// ExchangeCards is Exchange for data most of which is the same for every
+// peer: card, this rank's card, which every rank receives, and items, one
+// item of w bytes for each rank (items[j*w:(j+1)*w] for rank j; w is
+// len(items)/Size, from 1 to 255, the same for every rank). It returns
+// every rank's card, indexed by rank (cards[Rank] is card), and column,
+// where column[j*w:(j+1)*w] is rank j's item for this rank (at Rank, this
+// rank's own item for itself). Join and FromEnv exchange a Node's card
+// (LocalCard) this way.
+//
+// In the Rendezvous mode a rank sends the root its card once and its N
+// items, instead of N entries that each repeat what is the same for all
+// peers, and the root sends each rank the table of cards and its column
+// of items: the root receives and sends N cards and N² items, where
+// Exchange moves N² entries each way. In the AllToAll mode a pair of
+// ranks exchanges a card and an item each way.
+//
+// Every rank must call ExchangeCards with the same item size: a rank
+// that calls Exchange, or uses another item size, is refused by the
+// handshake with ErrModeMismatch (both fail at once). A card is at most
+// (MaxFrame−4)/Size−4 bytes, so that the table of cards fits in a
+// message (with the default MaxFrame, 16 KiB for 4 096 ranks); a larger
+// card fails with ErrFrameTooLarge, here or, sent by a peer, at the root
+// (or at the peer, all-to-all). It blocks and fails like Exchange.
+func ExchangeCards(ctx context.Context, cfg ExchangeConfig, card, items []byte) (cards [][]byte, column []byte, err error) {
+	x, err := newCardExchange(cfg, card, items)
+	if err != nil {
+		if cfg.Listener != nil {
+			cfg.Listener.Close()
+		}
+		return nil, nil, err
+	}
+	if cfg.Size == 1 {
+		if cfg.Listener != nil {
+			cfg.Listener.Close()
+		}
+		return [][]byte{card}, items, nil
+	}
+	x.warnNoToken()
+	if cfg.Mode == Rendezvous {
+		if cfg.Rank == 0 {
+			return x.rootCards(ctx)
+		}
+		return x.leafCards(ctx)
+	}
+	in, err := x.allToAll(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	w := x.items
+	cards = make([][]byte, cfg.Size)
+	column = make([]byte, cfg.Size*w)
+	for j, b := range in {
+		if j == cfg.Rank {
+			cards[j] = card
+			copy(column[j*w:], items[j*w:(j+1)*w])
+			continue
+		}
+		c, it, err := decodeCardShare(b, w, x.maxCard)
+		if err != nil {
+			return nil, nil, x.fail(j, nil, err)
+		}
+		cards[j] = c
+		copy(column[j*w:], it)
+	}
+	return cards, column, nil
+}
+
+// newCardExchange checks and prepares an ExchangeCards.
+func newCardExchange(cfg ExchangeConfig, card, items []byte) (*exchange, error) {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("cluster: exchange: "+format, args...)
+	}
+	if cfg.Size < 1 {
+		return nil, bad("world size %d", cfg.Size)
+	}
+	w := len(items) / cfg.Size
+	if w < 1 || w > 255 || len(items) != w*cfg.Size {
+		return nil, bad("%d bytes of items for a world of %d ranks (want 1 to 255 bytes per rank)", len(items), cfg.Size)
+	}
+	out := make([][]byte, cfg.Size)
+	if cfg.Mode == AllToAll {
+		for j := range out {
+			if j != cfg.Rank {
+				out[j] = encodeCardShare(card, items[j*w:(j+1)*w])
+			}
+		}
+	}
+	x, err := newExchange(cfg, out)
+	if err != nil {
+		return nil, err
+	}
+	x.items, x.card, x.itemBuf = w, card, items
+	if x.maxCard = maxCardLen(x.max, cfg.Size, w); x.maxCard < 0 {
+		return nil, fmt.Errorf("cluster: exchange: items: %w: %d ranks' items of %d bytes do not fit in MaxFrame (%d bytes)", ErrFrameTooLarge, cfg.Size, w, x.max)
+	}
+	if len(card) > x.maxCard {
+		return nil, fmt.Errorf("cluster: exchange: card: %w: %d bytes (at most %d for %d ranks)", ErrFrameTooLarge, len(card), x.maxCard, cfg.Size)
+	}
+	return x, nil
+}
+
 type exchange struct {
 	cfg        ExchangeConfig
 	out        [][]byte
+	items      int    // ExchangeCards: the item size w (0: Exchange)
+	card       []byte // ExchangeCards: this rank's card
+	itemBuf    []byte // ExchangeCards: this rank's items, w bytes per rank
+	maxCard    int    // ExchangeCards: the largest card (maxCardLen)
 	max        int
 	minB, maxB time.Duration
 	helloT     time.Duration // HelloTimeout
@@ -418,6 +523,9 @@ func (x *exchange) checkHello(h *hello, peer int) error {
 	case h.mode != x.cfg.Mode:
 		return fmt.Errorf("%w: rank %d uses the %v exchange, rank %d the %v exchange (every rank must use the same mode)",
 			ErrModeMismatch, h.from, h.mode, x.cfg.Rank, x.cfg.Mode)
+	case int(h.items) != x.items:
+		return fmt.Errorf("%w: rank %d exchanges %s, rank %d %s (every rank must call the same function: Join and FromEnv use ExchangeCards)",
+			ErrModeMismatch, h.from, shape(int(h.items)), x.cfg.Rank, shape(x.items))
 	case h.size != uint32(x.cfg.Size):
 		return fmt.Errorf("%w: rank %d has a world of %d ranks, rank %d a world of %d", ErrSizeMismatch, h.from, h.size, x.cfg.Rank, x.cfg.Size)
 	case h.to != uint32(x.cfg.Rank):
@@ -428,6 +536,15 @@ func (x *exchange) checkHello(h *hello, peer int) error {
 		return fmt.Errorf("%w: hello from rank %d, expected %d", ErrBadFrame, h.from, peer)
 	}
 	return nil
+}
+
+// shape describes the data of an exchange whose items are w bytes (0:
+// entries).
+func shape(w int) string {
+	if w == 0 {
+		return "one entry per rank (Exchange)"
+	}
+	return fmt.Sprintf("a card and %d-byte items (ExchangeCards)", w)
 }
 
 // mismatch reports whether err is a disagreement between two members of
@@ -480,7 +597,7 @@ func (x *exchange) accept(ctx context.Context, c net.Conn, g *gate, st *stranger
 		}
 	}
 	if err == nil {
-		ah = encodeHello(&hello{mode: x.cfg.Mode, from: uint32(x.cfg.Rank), to: h.from, size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, dh[:])
+		ah = encodeHello(&hello{mode: x.cfg.Mode, items: uint8(x.items), from: uint32(x.cfg.Rank), to: h.from, size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, dh[:])
 		if _, err = c.Write(ah[:]); err == nil {
 			if b, err = readControl(c, &buf, msgProof); err == nil {
 				err = checkProof(b, x.mk, dh[:], ah[:])
@@ -604,7 +721,7 @@ func (x *exchange) handshake(ctx context.Context, c net.Conn, peer int) (*conn, 
 		return fmt.Errorf("something at %s answered, but does not speak the goverbs exchange protocol (is it rank %d's exchange port?): %w",
 			c.RemoteAddr(), peer, err)
 	}
-	dh := encodeHello(&hello{mode: x.cfg.Mode, from: uint32(x.cfg.Rank), to: uint32(peer), size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, nil)
+	dh := encodeHello(&hello{mode: x.cfg.Mode, items: uint8(x.items), from: uint32(x.cfg.Rank), to: uint32(peer), size: uint32(x.cfg.Size), job: x.job, nonce: newNonce()}, x.mk, nil)
 	if _, err := c.Write(dh[:]); err != nil {
 		return nil, errRetry{err}
 	}
@@ -1096,22 +1213,114 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 // sends each rank its column.
 func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 	n := x.cfg.Size
-	gctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	var wg sync.WaitGroup
-	s := newState(n, 0, func(j int) bool { return j != 0 })
-	s.gate = newGate(x.cfg.MaxStrangers, x.cfg.MaxStrangersPerHost)
-	var mu sync.Mutex
-	conns := make([]*conn, n)
 	vecs := make([][][]byte, n)
 	vecs[0] = x.out
-
-	ln, err := x.listen()
+	g, err := x.gather(ctx, func(peer int, data []byte) error {
+		v, err := decodeVector(data, n)
+		vecs[peer] = v
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
-	release := make(chan struct{}) // closed when the root is done with the connections
-	serve(gctx, ln, s.gate, &wg, func(c net.Conn, st *stranger) {
+	defer g.close()
+	in := make([][]byte, n)
+	for j := range n {
+		in[j] = vecs[j][0]
+	}
+	errs := g.broadcast(func(k *conn) (byte, [][]byte) {
+		col := make([][]byte, n)
+		for j := range n {
+			col[j] = vecs[j][k.peer]
+		}
+		return recData, [][]byte{encodeVector(col)}
+	})
+	for i, e := range errs {
+		if e != nil {
+			return nil, x.fail(i, nil, fmt.Errorf("%w: %w", ErrPeerLost, e))
+		}
+	}
+	return in, nil
+}
+
+// rootCards: rank 0 of a rendezvous of cards gathers every rank's card
+// and items, and sends each rank the table of cards and its column of
+// items.
+func (x *exchange) rootCards(ctx context.Context) ([][]byte, []byte, error) {
+	n, w := x.cfg.Size, x.items
+	cards := make([][]byte, n)
+	items := make([][]byte, n)
+	cards[0], items[0] = x.card, x.itemBuf
+	g, err := x.gather(ctx, func(peer int, data []byte) error {
+		var err error
+		cards[peer], items[peer], err = decodeCardShare(data, n*w, x.maxCard)
+		return err
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	defer g.close()
+	table := encodeVector(cards) // the same for every rank
+	column := func(to int) []byte {
+		col := make([]byte, n*w)
+		for i := range n {
+			copy(col[i*w:], items[i][to*w:(to+1)*w])
+		}
+		return col
+	}
+	errs := g.broadcast(func(k *conn) (byte, [][]byte) {
+		return recData, [][]byte{table, column(k.peer)}
+	})
+	for i, e := range errs {
+		if e != nil {
+			return nil, nil, x.fail(i, nil, fmt.Errorf("%w: %w", ErrPeerLost, e))
+		}
+	}
+	return cards, column(0), nil
+}
+
+// gathering is the root's connections to the ranks after the gather of a
+// rendezvous: kept, unguarded, for the broadcast that follows (even past
+// the deadline), until close.
+type gathering struct {
+	x       *exchange
+	mu      sync.Mutex
+	conns   []*conn
+	release chan struct{} // closed when the root is done with the connections
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+}
+
+// close releases the connections and waits for their goroutines.
+func (g *gathering) close() {
+	close(g.release)
+	g.cancel()
+	g.wg.Wait()
+}
+
+// broadcast writes mk(k) to every connection k (see exchange.broadcast).
+func (g *gathering) broadcast(mk func(k *conn) (byte, [][]byte)) []error {
+	return g.x.broadcast(g.conns, &g.mu, mk)
+}
+
+// gather accepts every rank but the root, reads its message and hands it
+// to put (called concurrently, once per rank, with distinct ranks; an
+// error fails the exchange, naming the rank). It returns once every rank
+// was put, or fails: then it has told the connected ranks why (an abort)
+// and released them.
+func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) error) (*gathering, error) {
+	n := x.cfg.Size
+	gctx, cancel := context.WithCancel(ctx)
+	g := &gathering{x: x, conns: make([]*conn, n), release: make(chan struct{}), cancel: cancel}
+	s := newState(n, 0, func(j int) bool { return j != 0 })
+	s.gate = newGate(x.cfg.MaxStrangers, x.cfg.MaxStrangersPerHost)
+
+	ln, err := x.listen()
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	serve(gctx, ln, s.gate, &g.wg, func(c net.Conn, st *stranger) {
 		stop := guard(gctx, c)
 		k, err := x.accept(gctx, c, s.gate, st, s.claim)
 		var pe *peerErr
@@ -1127,9 +1336,8 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 			return
 		}
 		data, err := x.recv(gctx, k)
-		var v [][]byte
 		if err == nil {
-			v, err = decodeVector(data, n)
+			err = put(k.peer, data)
 		}
 		if err != nil || !stop() {
 			// Failed, or gctx ended (the connection is closed).
@@ -1141,48 +1349,27 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 		}
 		// Keep the connection, unguarded, for the broadcast (or the
 		// abort) that follows the gather, even past the deadline.
-		mu.Lock()
-		conns[k.peer], vecs[k.peer] = k, v
-		mu.Unlock()
+		g.mu.Lock()
+		g.conns[k.peer] = k
+		g.mu.Unlock()
 		s.put(k.peer, nil)
-		<-release
+		<-g.release
 	})
-	defer func() {
-		close(release)
-		cancel()
-		wg.Wait()
-	}()
-	err = s.wait(gctx, x)
-	if err != nil {
+	if err := s.wait(gctx, x); err != nil {
 		// Tell the connected ranks why, so that they fail now rather than
 		// at their deadline.
 		why := []byte(sanitize(err.Error()))
-		x.broadcast(conns, &mu, func(*conn) (byte, []byte) { return recAbort, why })
+		g.broadcast(func(*conn) (byte, [][]byte) { return recAbort, [][]byte{why} })
+		g.close()
 		return nil, err
 	}
-	in := make([][]byte, n)
-	for j := range n {
-		in[j] = vecs[j][0]
-	}
-	errs := x.broadcast(conns, &mu, func(k *conn) (byte, []byte) {
-		col := make([][]byte, n)
-		for j := range n {
-			col[j] = vecs[j][k.peer]
-		}
-		return recData, encodeVector(col)
-	})
-	for i, e := range errs {
-		if e != nil {
-			return nil, x.fail(i, nil, fmt.Errorf("%w: %w", ErrPeerLost, e))
-		}
-	}
-	return in, nil
+	return g, nil
 }
 
-// broadcast writes the message mk(k) to every connection, concurrently,
-// each with a bounded deadline, and returns the write errors indexed by
-// peer.
-func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) (byte, []byte)) []error {
+// broadcast writes the messages mk(k) to every connection,
+// concurrently, each record with a bounded deadline, and returns the
+// write errors indexed by peer.
+func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) (byte, [][]byte)) []error {
 	mu.Lock()
 	list := slices.Clone(conns)
 	mu.Unlock()
@@ -1196,11 +1383,15 @@ func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) (by
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			typ, msg := mk(k)
-			if typ == recAbort && len(msg) > maxAbortText {
-				msg = msg[:maxAbortText]
+			typ, msgs := mk(k)
+			for _, msg := range msgs {
+				if typ == recAbort && len(msg) > maxAbortText {
+					msg = msg[:maxAbortText]
+				}
+				if errs[i] = k.s.writeMsg(progressWriter{k.c, grace}, typ, msg); errs[i] != nil {
+					break
+				}
 			}
-			errs[i] = k.s.writeMsg(progressWriter{k.c, grace}, typ, msg)
 			k.c.SetWriteDeadline(time.Time{})
 		}()
 	}
@@ -1287,4 +1478,47 @@ func (x *exchange) leaf(ctx context.Context) ([][]byte, error) {
 	}
 	in[x.cfg.Rank] = x.out[x.cfg.Rank]
 	return in, nil
+}
+
+// leafCards: a rank other than 0 of a rendezvous of cards sends the root
+// its card and items, and receives the table of cards and its column.
+func (x *exchange) leafCards(ctx context.Context) ([][]byte, []byte, error) {
+	if x.cfg.Listener != nil {
+		x.cfg.Listener.Close()
+	}
+	k, err := x.dial(ctx, 0, x.cfg.Root)
+	if err != nil {
+		return nil, nil, x.fail(0, nil, err)
+	}
+	defer k.stopWatch()
+	defer k.c.Close()
+	if err := x.send(k, encodeCardShare(x.card, x.itemBuf)); err != nil {
+		return nil, nil, x.fail(0, nil, x.ioErr(ctx, err))
+	}
+	recv := func() ([]byte, error) {
+		data, err := x.recv(ctx, k)
+		if err != nil && ctx.Err() != nil {
+			err = fmt.Errorf("%w: waiting for the root's answer: %w", ErrPeerMissing, err)
+		}
+		return data, err
+	}
+	n, w, r := x.cfg.Size, x.items, x.cfg.Rank
+	data, err := recv()
+	if err != nil {
+		return nil, nil, x.fail(0, nil, err)
+	}
+	cards, err := decodeCardTable(data, n, x.maxCard)
+	if err != nil {
+		return nil, nil, x.fail(0, nil, err)
+	}
+	column, err := recv()
+	if err != nil {
+		return nil, nil, x.fail(0, nil, err)
+	}
+	if len(column) != n*w {
+		return nil, nil, x.fail(0, nil, fmt.Errorf("%w: column of %d bytes (want %d items of %d bytes)", ErrBadFrame, len(column), n, w))
+	}
+	cards[r] = x.card
+	copy(column[r*w:], x.itemBuf[r*w:(r+1)*w])
+	return cards, column, nil
 }

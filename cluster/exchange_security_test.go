@@ -209,7 +209,7 @@ func TestExchangeStrangersDropped(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer c.Close()
-				c.Write([]byte("GVCX\x02\x01\x00\x00")) // half a hello, and then nothing
+				c.Write([]byte{'G', 'V', 'C', 'X', frameVersion, msgHello, 0, 0}) // half a hello, and then nothing
 				conns[i] = c
 			}
 			// The first n-2 are dropped: they read the end of their

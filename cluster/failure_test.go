@@ -80,9 +80,9 @@ func failChild(parts []string) int {
 			fmt.Println("error:", err)
 			return 1
 		}
-		out, err := n.LocalEndpoints(nil)
+		card, items, err := n.LocalCard(nil)
 		if err == nil {
-			_, err = Exchange(ctx, xc, out)
+			_, _, err = ExchangeCards(ctx, xc, card, items)
 		}
 		if err != nil {
 			fmt.Println("error:", err)

@@ -42,18 +42,20 @@ var (
 // exchange (ExchangeConfig.MaxFrame).
 const DefaultMaxFrame = 64 << 20
 
-// Wire protocol, version 2. See the package documentation for the
+// Wire protocol, version 3. See the package documentation for the
 // exchange of messages; this file has their encodings.
 //
 // The handshake is made of fixed-size control messages, each starting
 // with an 8-byte prefix (big endian throughout):
 //
 //	[0:4]  magic "GVCX"
-//	[4]    version (2)
+//	[4]    version (3)
 //	[5]    type: msgHello, msgProof, msgAccept, msgReject
 //	[6]    in a hello, the sender's exchange Mode (0 all-to-all, 1
 //	       rendezvous); reserved, zero, in the other messages
-//	[7]    reserved, zero
+//	[7]    in a hello, the shape of the sender's data: 0 for one entry
+//	       per rank (Exchange), w in [1, 255] for a card and w-byte
+//	       items (ExchangeCards); reserved, zero, in the other messages
 //
 // A reader checks the magic and the version from the prefix alone, so a
 // peer of another version fails with ErrVersion whatever it sends next;
@@ -83,7 +85,7 @@ const DefaultMaxFrame = 64 << 20
 // may be empty.
 const (
 	frameMagic   = "GVCX"
-	frameVersion = 2
+	frameVersion = 3
 
 	prefixLen = 8
 	nonceLen  = 32
@@ -113,7 +115,7 @@ const (
 
 // Record types.
 const (
-	recData  = 1 // an entry (or a vector of entries)
+	recData  = 1 // an entry, a vector of entries, a share of cards, a table of cards or a column of items
 	recAbort = 2 // the reason the root gave up
 )
 
@@ -177,6 +179,7 @@ func putPrefix(b []byte, typ byte) {
 // hello is a decoded hello message.
 type hello struct {
 	mode           Mode
+	items          uint8 // the data's shape: 0 entries, else the item size of cards
 	from, to, size uint32
 	job            [tagLen]byte
 	nonce          [nonceLen]byte
@@ -189,6 +192,7 @@ func encodeHello(h *hello, mk []byte, dialer []byte) [helloLen]byte {
 	var b [helloLen]byte
 	putPrefix(b[:], msgHello)
 	b[6] = byte(h.mode)
+	b[7] = h.items
 	binary.BigEndian.PutUint32(b[8:], h.from)
 	binary.BigEndian.PutUint32(b[12:], h.to)
 	binary.BigEndian.PutUint32(b[16:], h.size)
@@ -218,10 +222,11 @@ func decodeHello(b []byte, mk []byte, dialer []byte) (*hello, error) {
 		return nil, fmt.Errorf("%w: unknown exchange mode %d in a hello", ErrBadFrame, b[6])
 	}
 	h := &hello{
-		mode: Mode(b[6]),
-		from: binary.BigEndian.Uint32(b[8:]),
-		to:   binary.BigEndian.Uint32(b[12:]),
-		size: binary.BigEndian.Uint32(b[16:]),
+		mode:  Mode(b[6]),
+		items: b[7],
+		from:  binary.BigEndian.Uint32(b[8:]),
+		to:    binary.BigEndian.Uint32(b[12:]),
+		size:  binary.BigEndian.Uint32(b[16:]),
 	}
 	copy(h.job[:], b[20:36])
 	copy(h.nonce[:], b[36:68])
@@ -326,7 +331,7 @@ func readControl(r io.Reader, buf *[rejectLen]byte, want ...byte) ([]byte, error
 	if b[4] != frameVersion {
 		return nil, fmt.Errorf("%w: the peer speaks version %d, this rank %d", ErrVersion, b[4], frameVersion)
 	}
-	if (b[6] != 0 && b[5] != msgHello) || b[7] != 0 {
+	if (b[6] != 0 || b[7] != 0) && b[5] != msgHello {
 		return nil, fmt.Errorf("%w: reserved bits set", ErrBadFrame)
 	}
 	ok := false
@@ -587,4 +592,58 @@ func decodeVector(b []byte, want int) ([][]byte, error) {
 		return nil, fmt.Errorf("%w: %d bytes after the vector", ErrBadFrame, len(b))
 	}
 	return v, nil
+}
+
+// A card share is what a rank sends the root of a card exchange
+// (ExchangeCards), and what two ranks send each other in the all-to-all
+// mode: a vector of two entries, the card and the items (Size items of w
+// bytes for the root; the one item for the receiver from a peer). The
+// root answers with two messages: the table of cards, a vector of Size
+// cards indexed by rank, then the column, Size items of w bytes, the
+// item of every rank for the receiver, in rank order.
+
+// encodeCardShare encodes a card share.
+func encodeCardShare(card, items []byte) []byte {
+	return encodeVector([][]byte{card, items})
+}
+
+// decodeCardShare decodes a card share whose items must be exactly
+// items bytes long and whose card must be at most maxCard bytes.
+func decodeCardShare(b []byte, items, maxCard int) (card, its []byte, err error) {
+	v, err := decodeVector(b, 2)
+	if err != nil {
+		return nil, nil, fmt.Errorf("card share: %w", err)
+	}
+	if len(v[1]) != items {
+		return nil, nil, fmt.Errorf("%w: card share with %d bytes of items (want %d)", ErrBadFrame, len(v[1]), items)
+	}
+	if len(v[0]) > maxCard {
+		return nil, nil, fmt.Errorf("card share: %w: card of %d bytes (at most %d in this world)", ErrFrameTooLarge, len(v[0]), maxCard)
+	}
+	return v[0], v[1], nil
+}
+
+// decodeCardTable decodes the root's table of n cards, each at most
+// maxCard bytes.
+func decodeCardTable(b []byte, n, maxCard int) ([][]byte, error) {
+	v, err := decodeVector(b, n)
+	if err != nil {
+		return nil, fmt.Errorf("table of cards: %w", err)
+	}
+	for j, c := range v {
+		if len(c) > maxCard {
+			return nil, fmt.Errorf("table of cards: %w: rank %d's card is %d bytes (at most %d in this world)", ErrFrameTooLarge, j, len(c), maxCard)
+		}
+	}
+	return v, nil
+}
+
+// maxCardLen is the largest card of a world of n ranks with w-byte items
+// under the frame bound max: the root's table of n cards, and each rank's
+// share (its card and n items), must each fit in a message. Negative if
+// even an empty card does not fit.
+func maxCardLen(max, n, w int) int {
+	table := (max-4)/n - 4     // 4 + n(4 + card) ≤ max
+	share := max - 4 - 8 - n*w // 4 + (4 + card) + (4 + n w) ≤ max
+	return min(table, share)
 }

@@ -142,18 +142,20 @@ func TestControlErrors(t *testing.T) {
 		want  error
 	}{
 		{"magic", mod(func(b []byte) { b[0] = 'X' }), prefixLen, ErrBadFrame},
-		{"version 3", mod(func(b []byte) { b[4] = 3 }), prefixLen, ErrVersion},
+		{"version 4", mod(func(b []byte) { b[4] = 4 }), prefixLen, ErrVersion},
+		{"version 2 (entries only)", mod(func(b []byte) { b[4] = 2 }), prefixLen, ErrVersion},
 		{"version 1 frame", xV1Header(), prefixLen, ErrVersion},
 		{"type", mod(func(b []byte) { b[5] = msgProof }), prefixLen, ErrBadFrame},
 		{"unknown type", mod(func(b []byte) { b[5] = 9 }), prefixLen, ErrBadFrame},
-		{"reserved", mod(func(b []byte) { b[7] = 1 }), prefixLen, ErrBadFrame},
+		{"reserved [6] of an accept", mod(func(b []byte) { b[5], b[6] = msgAccept, 1 }), prefixLen, ErrBadFrame},
+		{"reserved [7] of an accept", mod(func(b []byte) { b[5], b[7] = msgAccept, 1 }), prefixLen, ErrBadFrame},
 		{"truncated", dh[:helloLen-1], helloLen, io.ErrUnexpectedEOF},
 		{"short prefix", dh[:5], helloLen, io.ErrUnexpectedEOF},
 		{"empty", nil, helloLen, io.EOF},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var buf [rejectLen]byte
-			_, err := readControl(&refuser{t: t, r: bytes.NewReader(tc.b), limit: tc.limit}, &buf, msgHello)
+			_, err := readControl(&refuser{t: t, r: bytes.NewReader(tc.b), limit: tc.limit}, &buf, msgHello, msgAccept)
 			if !errors.Is(err, tc.want) {
 				t.Errorf("%v, want %v", err, tc.want)
 			}
@@ -450,7 +452,7 @@ func FuzzReadHello(f *testing.F) {
 	f.Add(dh[:])
 	f.Add(ah[:])
 	f.Add(xV1Header())
-	f.Add([]byte("GVCX\x02\x01\x00\x00"))
+	f.Add([]byte("GVCX\x04\x01\x00\x00"))
 	f.Add([]byte("GVCX\x03\x01\x00\x00"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, n, err := xRead(b, msgHello)

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -135,94 +136,209 @@ func (n *Node) Channel() *channel.MultiChannel { return n.mc }
 // it serves every peer.
 func (n *Node) PD() *verbs.ProtectionDomain { return n.mc.PD() }
 
-// Peer message (what rank i sends to rank j in the exchange):
+// What a rank publishes is a card, the same for every peer, and an item
+// per peer (ExchangeCards carries them; LocalEndpoints wraps them into
+// one message per peer for other exchanges):
 //
-//	magic "GVND" | version u8 | i u32 | j u32 | world size u32 | vector of
-//	4 entries: endpoint of the queue pair of i for j (binary, empty for
-//	i == j) | barrier info of i | application data of i | probe region
-//	of i (address u64, length u64, rkey u32)
+//	card of rank i: magic "GVCD" | version u8 | i u32 | world size u32 |
+//	  vector of 4 entries: endpoint of i's queue pairs but for their
+//	  numbers (binary; empty in a world of one) | barrier info of i |
+//	  application data of i | probe region of i (address u64, length
+//	  u64, rkey u32)
+//	item of rank i for rank j: queue pair number u24 | initial packet
+//	  sequence number u24 of i's queue pair for j (zero for i == j)
+//	message of rank i to rank j (LocalEndpoints): magic "GVND" |
+//	  version u8 | i u32 | j u32 | world size u32 | vector of 2 entries:
+//	  card of i | item of i for j
+//
+// Version 1 sent the whole endpoint, with the card's fields, in each of
+// the N messages of a rank.
 const (
 	nodeMagic   = "GVND"
-	nodeVersion = 1
+	cardMagic   = "GVCD"
+	nodeVersion = 2
+	// ItemSize is the size of a node's item for a peer (LocalCard).
+	ItemSize = 6
+	cardHdr  = 4 + 1 + 8
+	nodeHdr  = 4 + 1 + 12
+	probeLen = 20
 )
 
+// LocalCard returns what this rank must send to every rank: card, the
+// same for all (its queue pairs' endpoint but for their numbers, its
+// barrier flags, its probe region, and data, application bytes that
+// every peer will see as PeerData; data may be nil), and items,
+// ItemSize bytes for each rank j at items[j*ItemSize:] (the number and
+// initial packet sequence number of its queue pair for rank j).
+// ExchangeCards delivers them; ConnectCards takes what it returns.
+// LocalCard and LocalEndpoints are alternatives: call one, once.
+func (n *Node) LocalCard(data []byte) (card, items []byte, err error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.phase >= 2 {
+		return nil, nil, fmt.Errorf("%w: LocalCard after Connect or Close", ErrNodeState)
+	}
+	card, items, err = n.localCard(data)
+	if err != nil {
+		return nil, nil, err
+	}
+	n.phase = 1
+	return card, items, nil
+}
+
+func (n *Node) localCard(data []byte) (card, items []byte, err error) {
+	eps, err := n.mc.Endpoints()
+	if err != nil {
+		return nil, nil, fmt.Errorf("cluster: node: %w", err)
+	}
+	var tmpl []byte
+	items = make([]byte, n.size*ItemSize)
+	first := -1
+	for j, ep := range eps {
+		if j == n.rank {
+			continue
+		}
+		if first < 0 {
+			first = j
+			if tmpl, err = ep.MarshalBinary(); err != nil {
+				return nil, nil, fmt.Errorf("cluster: node: endpoint for rank %d: %w", j, err)
+			}
+		} else if !sameButNumbers(ep, eps[first]) {
+			return nil, nil, fmt.Errorf("cluster: node: the endpoints for ranks %d and %d differ beyond their queue pair numbers: they cannot share a card", first, j)
+		}
+		putItem(items[j*ItemSize:], ep.QPN, ep.PSN)
+	}
+	pr := n.probe.Remote()
+	probe := binary.BigEndian.AppendUint64(nil, pr.Addr)
+	probe = binary.BigEndian.AppendUint64(probe, pr.Len)
+	probe = binary.BigEndian.AppendUint32(probe, pr.RKey)
+	card = append([]byte(cardMagic), nodeVersion)
+	card = binary.BigEndian.AppendUint32(card, uint32(n.rank))
+	card = binary.BigEndian.AppendUint32(card, uint32(n.size))
+	card = append(card, encodeVector([][]byte{tmpl, n.bar.localInfo(), data, probe})...)
+	return card, items, nil
+}
+
+// sameButNumbers reports whether a and b are equal but for their queue
+// pair numbers and initial packet sequence numbers.
+func sameButNumbers(a, b verbs.Endpoint) bool {
+	return a.Version == b.Version && a.Transport == b.Transport && a.LinkLayer == b.LinkLayer && a.Port == b.Port &&
+		a.GIDIndex == b.GIDIndex && a.GID == b.GID && a.LID == b.LID && a.MTU == b.MTU && a.QKey == b.QKey &&
+		bytes.Equal(a.Addr, b.Addr)
+}
+
+// putItem writes an item: qpn and psn, 24 bits each.
+func putItem(b []byte, qpn, psn uint32) {
+	b[0], b[1], b[2] = byte(qpn>>16), byte(qpn>>8), byte(qpn)
+	b[3], b[4], b[5] = byte(psn>>16), byte(psn>>8), byte(psn)
+}
+
+// peerInfo is what a rank learns of a peer from its card and item.
+type peerInfo struct {
+	ep    verbs.Endpoint // zero for this rank itself
+	info  []byte         // barrier info
+	data  []byte         // application data
+	probe verbs.RemoteRegion
+}
+
+// decodeCard decodes rank j's card and its item for this rank (self) in a
+// world of size ranks.
+func decodeCard(card, item []byte, j, self, size int) (p peerInfo, err error) {
+	bad := func(format string, args ...any) (peerInfo, error) {
+		return peerInfo{}, fmt.Errorf("cluster: node: rank %d's card: "+format, append([]any{j}, args...)...)
+	}
+	if len(card) < cardHdr || string(card[:4]) != cardMagic {
+		return bad("not a node's card")
+	}
+	if card[4] != nodeVersion {
+		return bad("version %d (want %d)", card[4], nodeVersion)
+	}
+	from, n := binary.BigEndian.Uint32(card[5:]), binary.BigEndian.Uint32(card[9:])
+	if from != uint32(j) || n != uint32(size) {
+		return bad("it is the card of rank %d in a world of %d, not of rank %d in a world of %d", from, n, j, size)
+	}
+	v, err := decodeVector(card[cardHdr:], 4)
+	if err != nil {
+		return bad("%w", err)
+	}
+	if len(item) != ItemSize {
+		return bad("item of %d bytes (want %d)", len(item), ItemSize)
+	}
+	if j != self {
+		if err := p.ep.UnmarshalBinary(v[0]); err != nil {
+			return bad("endpoint: %w", err)
+		}
+		p.ep.QPN = uint32(item[0])<<16 | uint32(item[1])<<8 | uint32(item[2])
+		p.ep.PSN = uint32(item[3])<<16 | uint32(item[4])<<8 | uint32(item[5])
+		if err := p.ep.Validate(); err != nil {
+			return bad("item for rank %d: %w", self, err)
+		}
+	}
+	if len(v[3]) != probeLen {
+		return bad("probe region of %d bytes, want %d", len(v[3]), probeLen)
+	}
+	p.probe = verbs.RemoteRegion{Addr: binary.BigEndian.Uint64(v[3]), Len: binary.BigEndian.Uint64(v[3][8:]), RKey: binary.BigEndian.Uint32(v[3][16:])}
+	if p.probe.Len < 8 {
+		return bad("probe region of %d bytes long, want at least 8", p.probe.Len)
+	}
+	p.info, p.data = v[1], v[2]
+	return p, nil
+}
+
 // LocalEndpoints returns what this rank must send to every rank, indexed
-// by rank: the endpoint of its queue pair for that rank, its barrier
-// flags, and data, application bytes that every peer will see as
-// PeerData (for example the address and key of a memory region; it may
-// be nil). The entry of this rank itself must be handed back to Connect
-// too (Exchange does).
+// by rank, for exchanges that carry one message per pair of ranks
+// (Exchange): its card and its item for that rank (see LocalCard), with
+// data the application bytes every peer will see as PeerData (it may be
+// nil). The entry of this rank itself must be handed back to Connect
+// too (Exchange does). LocalCard and ExchangeCards carry the same with
+// N−1 fewer copies of the card.
 func (n *Node) LocalEndpoints(data []byte) ([][]byte, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if n.phase >= 2 {
 		return nil, fmt.Errorf("%w: LocalEndpoints after Connect or Close", ErrNodeState)
 	}
-	eps, err := n.mc.Endpoints()
+	card, items, err := n.localCard(data)
 	if err != nil {
-		return nil, fmt.Errorf("cluster: node: %w", err)
+		return nil, err
 	}
-	info := n.bar.localInfo()
-	pr := n.probe.Remote()
-	probe := binary.BigEndian.AppendUint64(nil, pr.Addr)
-	probe = binary.BigEndian.AppendUint64(probe, pr.Len)
-	probe = binary.BigEndian.AppendUint32(probe, pr.RKey)
 	out := make([][]byte, n.size)
 	for j := range n.size {
-		var ep []byte
-		if j != n.rank {
-			if ep, err = eps[j].MarshalBinary(); err != nil {
-				return nil, fmt.Errorf("cluster: node: endpoint for rank %d: %w", j, err)
-			}
-		}
 		b := append([]byte(nodeMagic), nodeVersion)
 		b = binary.BigEndian.AppendUint32(b, uint32(n.rank))
 		b = binary.BigEndian.AppendUint32(b, uint32(j))
 		b = binary.BigEndian.AppendUint32(b, uint32(n.size))
-		out[j] = append(b, encodeVector([][]byte{ep, info, data, probe})...)
+		out[j] = append(b, encodeVector([][]byte{card, items[j*ItemSize : (j+1)*ItemSize]})...)
 	}
 	n.phase = 1
 	return out, nil
 }
 
 // decodePeer decodes the message of rank j to this rank (self) in a world
-// of size ranks.
-func decodePeer(b []byte, j, self, size int) (ep verbs.Endpoint, info, data []byte, probe verbs.RemoteRegion, err error) {
-	const hdr = 4 + 1 + 12
-	if len(b) < hdr || string(b[:4]) != nodeMagic {
-		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's message is not a node message", j)
+// of size ranks into its card and item.
+func decodePeer(b []byte, j, self, size int) (card, item []byte, err error) {
+	if len(b) < nodeHdr || string(b[:4]) != nodeMagic {
+		return nil, nil, fmt.Errorf("cluster: node: rank %d's message is not a node message", j)
 	}
 	if b[4] != nodeVersion {
-		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's message has version %d (want %d)", j, b[4], nodeVersion)
+		return nil, nil, fmt.Errorf("cluster: node: rank %d's message has version %d (want %d)", j, b[4], nodeVersion)
 	}
 	from, to, n := binary.BigEndian.Uint32(b[5:]), binary.BigEndian.Uint32(b[9:]), binary.BigEndian.Uint32(b[13:])
 	if from != uint32(j) || to != uint32(self) || n != uint32(size) {
-		return ep, nil, nil, probe, fmt.Errorf("cluster: node: entry %d is the message of rank %d to rank %d in a world of %d, not of rank %d to rank %d in a world of %d",
+		return nil, nil, fmt.Errorf("cluster: node: entry %d is the message of rank %d to rank %d in a world of %d, not of rank %d to rank %d in a world of %d",
 			j, from, to, n, j, self, size)
 	}
-	v, err := decodeVector(b[hdr:], 4)
+	v, err := decodeVector(b[nodeHdr:], 2)
 	if err != nil {
-		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's message: %w", j, err)
+		return nil, nil, fmt.Errorf("cluster: node: rank %d's message: %w", j, err)
 	}
-	if j != self {
-		if err := ep.UnmarshalBinary(v[0]); err != nil {
-			return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's endpoint: %w", j, err)
-		}
-	}
-	if len(v[3]) != 20 {
-		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's probe region is %d bytes, want 20", j, len(v[3]))
-	}
-	probe = verbs.RemoteRegion{Addr: binary.BigEndian.Uint64(v[3]), Len: binary.BigEndian.Uint64(v[3][8:]), RKey: binary.BigEndian.Uint32(v[3][16:])}
-	if probe.Len < 8 {
-		return ep, nil, nil, probe, fmt.Errorf("cluster: node: rank %d's probe region is %d bytes long, want at least 8", j, probe.Len)
-	}
-	return ep, v[1], v[2], probe, nil
+	return v[0], v[1], nil
 }
 
 // Connect connects the queue pair to every rank j to remote[j], what rank j
 // sent this one (remote[Rank()] is this rank's own entry, as Exchange
-// returns it), and sets up the barrier. On error the node is unusable:
-// close it.
+// returns it), and sets up the barrier. It follows LocalEndpoints. On
+// error the node is unusable: close it.
 func (n *Node) Connect(remote [][]byte) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -232,15 +348,52 @@ func (n *Node) Connect(remote [][]byte) error {
 	if len(remote) != n.size {
 		return fmt.Errorf("cluster: node: connect: %d messages for a world of %d", len(remote), n.size)
 	}
+	peers := make([]peerInfo, n.size)
+	for j, b := range remote {
+		card, item, err := decodePeer(b, j, n.rank, n.size)
+		if err == nil {
+			peers[j], err = decodeCard(card, item, j, n.rank, n.size)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return n.connect(peers)
+}
+
+// ConnectCards connects the queue pair to every rank j with cards[j],
+// rank j's card, and column[j*ItemSize:], its item for this rank, as
+// ExchangeCards returns them (this rank's own card and item included),
+// and sets up the barrier. It follows LocalCard. On error the node is
+// unusable: close it.
+func (n *Node) ConnectCards(cards [][]byte, column []byte) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.phase != 1 {
+		return fmt.Errorf("%w: ConnectCards must follow LocalCard, once", ErrNodeState)
+	}
+	if len(cards) != n.size || len(column) != n.size*ItemSize {
+		return fmt.Errorf("cluster: node: connect: %d cards and %d bytes of items for a world of %d (want %d and %d)",
+			len(cards), len(column), n.size, n.size, n.size*ItemSize)
+	}
+	peers := make([]peerInfo, n.size)
+	for j, c := range cards {
+		var err error
+		if peers[j], err = decodeCard(c, column[j*ItemSize:(j+1)*ItemSize], j, n.rank, n.size); err != nil {
+			return err
+		}
+	}
+	return n.connect(peers)
+}
+
+// connect brings the queue pairs and the barrier up; n.mu is held.
+func (n *Node) connect(peers []peerInfo) error {
 	eps := make([]verbs.Endpoint, n.size)
 	infos := make([][]byte, n.size)
 	data := make([][]byte, n.size)
 	probes := make([]verbs.RemoteRegion, n.size)
-	for j, b := range remote {
-		var err error
-		if eps[j], infos[j], data[j], probes[j], err = decodePeer(b, j, n.rank, n.size); err != nil {
-			return err
-		}
+	for j, p := range peers {
+		eps[j], infos[j], data[j], probes[j] = p.ep, p.info, p.data, p.probe
 	}
 	if err := n.bar.setRemote(infos); err != nil {
 		return fmt.Errorf("cluster: node: %w", err)
@@ -562,15 +715,15 @@ func join(ctx context.Context, dev string, xc ExchangeConfig, opts JoinOptions) 
 			return nil, fmt.Errorf("cluster: join: prepare: %w", err)
 		}
 	}
-	out, err := n.LocalEndpoints(data)
+	card, items, err := n.LocalCard(data)
 	if err != nil {
 		return nil, err
 	}
-	in, err := Exchange(ctx, xc, out)
+	cards, column, err := ExchangeCards(ctx, xc, card, items)
 	if err != nil {
 		return nil, err
 	}
-	if err := n.Connect(in); err != nil {
+	if err := n.ConnectCards(cards, column); err != nil {
 		return nil, err
 	}
 	return n, nil

@@ -436,3 +436,77 @@ func TestNodeFail(t *testing.T) {
 		return nil
 	})
 }
+
+// TestNodeCardPhases: the phases with cards by hand (NewNode, LocalCard,
+// an in-memory exchange of the cards and items, ConnectCards): the queue
+// pairs connect (a world barrier passes), PeerData is each rank's data;
+// ConnectCards refuses a column of another world size and a card in
+// another rank's slot, and follows LocalCard only.
+func TestNodeCardPhases(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	const n = 3
+	nodes := make([]*cluster.Node, n)
+	for i := range n {
+		dev, err := verbs.Open(verbs.SoftDevice)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { dev.Close() })
+		pd, err := dev.AllocPD()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { pd.Close() })
+		if nodes[i], err = cluster.NewNode(pd, i, n, cluster.NodeOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { nodes[i].Close() })
+	}
+	ctx := testContext(t)
+	if err := nodes[0].ConnectCards(make([][]byte, n), make([]byte, n*cluster.ItemSize)); !errors.Is(err, cluster.ErrNodeState) {
+		t.Errorf("ConnectCards before LocalCard: %v, want ErrNodeState", err)
+	}
+	cards := make([][]byte, n)
+	items := make([][]byte, n)
+	for i, nd := range nodes {
+		var err error
+		if cards[i], items[i], err = nd.LocalCard([]byte{byte(20 + i)}); err != nil {
+			t.Fatal(err)
+		}
+		if len(items[i]) != n*cluster.ItemSize {
+			t.Fatalf("rank %d: %d bytes of items", i, len(items[i]))
+		}
+	}
+	column := func(to int) []byte {
+		var c []byte
+		for j := range n {
+			c = append(c, items[j][to*cluster.ItemSize:(to+1)*cluster.ItemSize]...)
+		}
+		return c
+	}
+	if err := nodes[1].ConnectCards(cards, column(1)[:2*cluster.ItemSize]); err == nil {
+		t.Error("ConnectCards with a short column succeeded")
+	}
+	swapped := []([]byte){cards[0], cards[2], cards[1]}
+	if err := nodes[1].ConnectCards(swapped, column(1)); err == nil {
+		t.Error("ConnectCards with cards in the wrong slots succeeded")
+	} else {
+		t.Log(err)
+	}
+	forEach(t, []*member{{node: nodes[0]}, {node: nodes[1]}, {node: nodes[2]}}, func(i int, m *member) error {
+		if err := m.node.ConnectCards(cards, column(i)); err != nil {
+			return err
+		}
+		return m.node.Barrier(ctx, nil)
+	})
+	for i, nd := range nodes {
+		for j := range n {
+			if got := nd.PeerData(j); len(got) != 1 || got[0] != byte(20+j) {
+				t.Errorf("rank %d: PeerData(%d) = %v", i, j, got)
+			}
+		}
+	}
+	if _, _, err := nodes[0].LocalCard(nil); !errors.Is(err, cluster.ErrNodeState) {
+		t.Errorf("LocalCard after ConnectCards: %v, want ErrNodeState", err)
+	}
+}

@@ -20,6 +20,8 @@
 #   a2a       longest time of the all-to-all write and the barrier after
 #             it ("-" with WRITE=0)
 #   wall      seconds until every process exited
+#   cpu       CPU time of all the ranks together (user + system, s): the
+#             work of the run, whatever else shares the machine
 #   rss       largest peak resident set of a rank (MiB)
 #   fds       most open descriptors seen in rank 0, N/2 and N-1
 #
@@ -61,7 +63,7 @@ now() { date +%s.%N; }
 # fdcount PID: open descriptors of PID (0 when it is gone).
 fdcount() { (ls "/proc/$1/fd" 2>/dev/null || true) | wc -l; }
 
-printf '%6s %9s %7s %8s %9s %7s %7s %5s %6s\n' N ok spawn startup barriers a2a wall rss fds
+printf '%6s %9s %7s %8s %9s %7s %7s %7s %5s %6s\n' N ok spawn startup barriers a2a wall cpu rss fds
 for n in "${SIZES[@]}"; do
 	dir="$WORK/$n"
 	mkdir -p "$dir"
@@ -72,7 +74,7 @@ for n in "${SIZES[@]}"; do
 	for ((r = 0; r < n; r++)); do
 		GOVERBS_RANK=$r GOVERBS_WORLD_SIZE=$n GOVERBS_ROOT=127.0.0.1:$PORT GOVERBS_TOKEN=scale \
 			GOVERBS_JOB=scale-$n GOVERBS_SOFT_TRANSPORT=$TRANSPORT \
-			/usr/bin/time -f 'maxrss %M' -o "$dir/$r.rss" \
+			/usr/bin/time -f 'maxrss %M cpu %U %S' -o "$dir/$r.rss" \
 			${NETWORK:-$WORK/network} -launcher -barriers "$BARRIERS" "${write[@]}" -timeout "$TIMEOUT" \
 			>"$dir/$r.out" 2>&1 &
 		pids+=($!)
@@ -113,8 +115,9 @@ for n in "${SIZES[@]}"; do
 	# waits for the last, so the largest "connected in" is the world's.
 	startup=$(maxdur 'connected in')
 	rss=$(awk '/maxrss/ { if ($2 > m) m = $2 } END { printf "%.0f", m / 1024 }' "$dir"/*.rss 2>/dev/null)
-	printf '%6s %9s %7.2f %8s %9s %7s %7.2f %5s %6s\n' "$n" "$ok/$n" "$(echo "$t1 - $t0" | bc)" "$startup" \
-		"$(maxdur 'done in')" "$(maxdur 'all-to-all write in')" "$(echo "$t2 - $t0" | bc)" "$rss" "$fds"
+	cpu=$(awk '/maxrss/ { s += $4 + $5 } END { printf "%.1f", s }' "$dir"/*.rss 2>/dev/null)
+	printf '%6s %9s %7.2f %8s %9s %7s %7.2f %7s %5s %6s\n' "$n" "$ok/$n" "$(echo "$t1 - $t0" | bc)" "$startup" \
+		"$(maxdur 'done in')" "$(maxdur 'all-to-all write in')" "$(echo "$t2 - $t0" | bc)" "$cpu" "$rss" "$fds"
 	if ((ok < n)); then
 		grep -hv ': ok$\|connected in\|barriers (.*) done\|all-to-all write in\|launched by' "$dir"/*.out |
 			sed 's/rank [0-9]*\/[0-9]*/rank R/g; s/rank [0-9][0-9]*/rank R/g; s/process [0-9]*/process P/g; s/pid=[0-9]*/pid=P/g' |
