@@ -192,7 +192,11 @@ func blockRange(n, p, i, esz int) (int, int) {
 // send block r−s to the right and reduce block r−s−1 from the left into
 // place), then allgather in p−1 steps. Each block's result is computed
 // at one rank, in ring order starting at the block's index; chunks
-// pipeline within each step.
+// pipeline within each step. When buf lies in a Buffer, the left
+// neighbour writes the allgather's blocks straight into it (land.go):
+// each rank announces its buffer (or that it has none) to its left
+// neighbour after its reduce-scatter, which the neighbour waits for
+// before its allgather.
 func (c *Comm) ringAllreduce(ctx context.Context, buf []byte, esz int) error {
 	p, r := c.size, c.rank
 	n := len(buf) / esz
@@ -206,8 +210,20 @@ func (c *Comm) ringAllreduce(ctx context.Context, buf []byte, esz int) error {
 			return err
 		}
 	}
+	// Announced once this rank is done with its reduce-scatter, which
+	// reads and writes the blocks the allgather lands in.
+	reg, err := c.announce(ctx, left, buf)
+	if err != nil {
+		return err
+	}
+	defer unuse(reg)
 	for s := range p - 1 {
-		if err := c.step(ctx, right, blk(r+1-s), left, blk(r-s), false, false); err != nil {
+		src, dst := blk(r+1-s), blk(r-s)
+		c.sends = append(c.sends[:0], flow{peer: right, buf: src, land: landWait,
+			landOff: int(uintptr(unsafe.Pointer(unsafe.SliceData(src))) - uintptr(unsafe.Pointer(unsafe.SliceData(buf)))),
+			landTotal: len(buf)})
+		c.recvs = append(c.recvs[:0], flow{peer: left, buf: dst, landed: reg != nil})
+		if err := c.run(ctx, c.sends, c.recvs); err != nil {
 			return err
 		}
 	}

@@ -50,7 +50,10 @@ func Alloc[T Number](c *Comm, n int) (*Buffer[T], error) {
 	if n < 0 || n > (1<<40)/esz {
 		return nil, fmt.Errorf("%w: Alloc of %d elements", ErrArgs, n)
 	}
-	m, err := c.node.PD().Alloc(max(n*esz, 1), verbs.AccessLocalWrite)
+	// Remote write: a peer's allreduce may write its results straight
+	// into the buffer (see land.go); remote read: soft0 maps such a
+	// region into a peer process on the host and copies into it directly.
+	m, err := c.node.PD().Alloc(max(n*esz, 1), verbs.AccessLocalWrite|verbs.AccessRemoteWrite|verbs.AccessRemoteRead)
 	if err != nil {
 		return nil, fmt.Errorf("collective: alloc %d bytes: %w", n*esz, err)
 	}
