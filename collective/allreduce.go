@@ -218,11 +218,11 @@ func (c *Comm) ringAllreduce(ctx context.Context, buf []byte, esz int) error {
 	}
 	defer unuse(reg)
 	for s := range p - 1 {
-		src, dst := blk(r+1-s), blk(r-s)
-		c.sends = append(c.sends[:0], flow{peer: right, buf: src, land: landWait,
-			landOff: int(uintptr(unsafe.Pointer(unsafe.SliceData(src))) - uintptr(unsafe.Pointer(unsafe.SliceData(buf)))),
-			landTotal: len(buf)})
-		c.recvs = append(c.recvs[:0], flow{peer: left, buf: dst, landed: reg != nil})
+		// The block sent lies at the same offset in the right
+		// neighbour's vector.
+		lo, _ := blockRange(n, p, ((r+1-s)%p+p)%p, esz)
+		c.sends = append(c.sends[:0], flow{peer: right, buf: blk(r + 1 - s), land: landWait, landOff: lo, landTotal: len(buf)})
+		c.recvs = append(c.recvs[:0], flow{peer: left, buf: blk(r - s), landed: reg != nil})
 		if err := c.run(ctx, c.sends, c.recvs); err != nil {
 			return err
 		}

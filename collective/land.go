@@ -53,9 +53,9 @@ const (
 
 // Landing state of a send flow.
 const (
-	landWindow  uint8 = iota // the send goes through the window
-	landWait               // the send waits for the receiver's announcement
-	landOnto               // the send lands in the receiver's buffer
+	landWindow uint8 = iota // the send goes through the window
+	landWait                // the send waits for the receiver's announcement
+	landOnto                // the send lands in the receiver's buffer
 )
 
 // landTag is the tag of an announcement of the current call, without
