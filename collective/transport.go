@@ -143,9 +143,10 @@ type flow struct {
 	buf     []byte
 	off     int
 	started bool
-	reduce  bool  // receive: reduce into buf instead of copying
-	srcLow  bool  // receive: the incoming data is the lower ranks' operand
-	after   *flow // send: only what this receive has filled in (forwarding)
+	reduce  bool   // receive: reduce into buf instead of copying
+	srcLow  bool   // receive: the incoming data is the lower ranks' operand
+	init    []byte // receive (reduce): copied into buf chunk by chunk before the reduction (nil: buf holds the operand)
+	after   *flow  // send: only what this receive has filled in (forwarding)
 
 	// A send whose data lies in a Buffer is sent from there (zeroCopy):
 	zreg  *registered    // the Buffer's region, nil if the data is staged
@@ -653,6 +654,9 @@ func (c *Comm) tryRecv(f *flow) (bool, error) {
 			return false, err
 		}
 		data := slot[hdrBytes : hdrBytes+n]
+		if f.init != nil {
+			copy(f.buf[f.off:f.off+n], f.init[f.off:f.off+n])
+		}
 		if f.reduce {
 			c.red(f.buf[f.off:f.off+n], data, f.srcLow)
 		} else {
