@@ -44,11 +44,11 @@ func Allreduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) er
 		return err
 	}
 	c.red = red
-	buf := bytesOf(recv)
+	var in []byte // out of place: the input
 	if len(send) > 0 && &send[0] != &recv[0] {
-		copy(recv, send)
+		in = bytesOf(send)
 	}
-	return c.end(t, c.allreduce(ctx, buf, elemSize[T]()))
+	return c.end(t, c.allreduce(ctx, in, bytesOf(recv), elemSize[T]()))
 }
 
 func elemSize[T Number]() int {
@@ -61,11 +61,28 @@ func elemSize[T Number]() int {
 func overlapPartly[T Number](a, b []T) bool { return overlap(a, b) && !sameMem(a, b) }
 
 // allreduce reduces buf (whole elements of esz bytes) across the
-// communicator with c.red.
-func (c *Comm) allreduce(ctx context.Context, buf []byte, esz int) error {
+// communicator with c.red; out of place, in (else nil) is the input,
+// and buf receives the result.
+func (c *Comm) allreduce(ctx context.Context, in, buf []byte, esz int) error {
+	if c.size == 1 || c.chooseAlg(buf, esz) != AlgRing {
+		if in != nil {
+			copy(buf, in)
+		}
+	}
 	if c.size == 1 {
 		return nil
 	}
+	switch c.chooseAlg(buf, esz) {
+	case AlgRing:
+		return c.ringAllreduce(ctx, in, buf, esz)
+	case AlgRabenseifner:
+		return c.rabenseifner(ctx, buf, esz)
+	}
+	return c.recursiveDoubling(ctx, buf)
+}
+
+// chooseAlg returns the algorithm of an allreduce of buf.
+func (c *Comm) chooseAlg(buf []byte, esz int) Algorithm {
 	alg := c.opts.Algorithm
 	if alg == AlgAuto {
 		switch {
@@ -83,13 +100,7 @@ func (c *Comm) allreduce(ctx context.Context, buf []byte, esz int) error {
 	if alg == AlgRing && c.call.op == opCustom {
 		alg = AlgRabenseifner // the ring combines in ring order, not rank order
 	}
-	switch alg {
-	case AlgRing:
-		return c.ringAllreduce(ctx, buf, esz)
-	case AlgRabenseifner:
-		return c.rabenseifner(ctx, buf, esz)
-	}
-	return c.recursiveDoubling(ctx, buf)
+	return alg
 }
 
 // scratchBytes returns n bytes of the communicator's scratch memory.
@@ -192,22 +203,52 @@ func blockRange(n, p, i, esz int) (int, int) {
 // send block r−s to the right and reduce block r−s−1 from the left into
 // place), then allgather in p−1 steps. Each block's result is computed
 // at one rank, in ring order starting at the block's index; chunks
-// pipeline within each step.
-func (c *Comm) ringAllreduce(ctx context.Context, buf []byte, esz int) error {
+// pipeline within each step. When buf lies in a Buffer, the left
+// neighbour writes the allgather's blocks straight into it (land.go):
+// each rank announces its buffer (or that it has none) to its left
+// neighbour after its reduce-scatter, which the neighbour waits for
+// before its allgather. Out of place (in not nil), the input is not
+// copied into buf beforehand: the first step sends block r from in, and
+// each chunk received in the reduce-scatter is combined with in's copied
+// into buf just before (cache-hot); block r of buf is written only by
+// the allgather.
+func (c *Comm) ringAllreduce(ctx context.Context, in, buf []byte, esz int) error {
 	p, r := c.size, c.rank
 	n := len(buf) / esz
 	left, right := (r-1+p)%p, (r+1)%p
-	blk := func(i int) []byte {
+	blkOf := func(b []byte, i int) []byte {
 		lo, hi := blockRange(n, p, ((i%p)+p)%p, esz)
-		return buf[lo:hi]
+		return b[lo:hi]
 	}
+	blk := func(i int) []byte { return blkOf(buf, i) }
 	for s := range p - 1 {
-		if err := c.step(ctx, right, blk(r-s), left, blk(r-s-1), true, true); err != nil {
+		src, init := blk(r-s), []byte(nil)
+		if in != nil {
+			init = blkOf(in, r-s-1) // every block but r is first combined here
+			if s == 0 {
+				src = blkOf(in, r)
+			}
+		}
+		c.sends = append(c.sends[:0], flow{peer: right, buf: src})
+		c.recvs = append(c.recvs[:0], flow{peer: left, buf: blk(r - s - 1), reduce: true, srcLow: true, init: init})
+		if err := c.run(ctx, c.sends, c.recvs); err != nil {
 			return err
 		}
 	}
+	// Announced once this rank is done with its reduce-scatter, which
+	// reads and writes the blocks the allgather lands in.
+	reg, err := c.announce(ctx, left, buf)
+	if err != nil {
+		return err
+	}
+	defer unuse(reg)
 	for s := range p - 1 {
-		if err := c.step(ctx, right, blk(r+1-s), left, blk(r-s), false, false); err != nil {
+		// The block sent lies at the same offset in the right
+		// neighbour's vector.
+		lo, _ := blockRange(n, p, ((r+1-s)%p+p)%p, esz)
+		c.sends = append(c.sends[:0], flow{peer: right, buf: blk(r + 1 - s), land: landWait, landOff: lo, landTotal: len(buf)})
+		c.recvs = append(c.recvs[:0], flow{peer: left, buf: blk(r - s), landed: reg != nil})
+		if err := c.run(ctx, c.sends, c.recvs); err != nil {
 			return err
 		}
 	}

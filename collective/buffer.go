@@ -24,7 +24,11 @@ const zeroCopyMin = 64 << 10
 // call whose data to send lies in a Buffer (Slice, or any part of it)
 // sends it from there, in place: the RDMA writes read the caller's
 // memory, where data in other memory is first copied into the
-// communicator's registered staging slots, chunk by chunk. The results
+// communicator's registered staging slots, chunk by chunk. A ring
+// allreduce whose vector lies in a Buffer also receives in place: the
+// neighbour that sends it the allgather's blocks writes them straight
+// into the Buffer (so a Buffer is registered for remote writes and
+// reads; its key goes to that neighbour only, for the call). The results
 // are the same either way; only the copies differ.
 //
 // Every communicator made from the allocating one (Split, Dup, and
@@ -50,7 +54,10 @@ func Alloc[T Number](c *Comm, n int) (*Buffer[T], error) {
 	if n < 0 || n > (1<<40)/esz {
 		return nil, fmt.Errorf("%w: Alloc of %d elements", ErrArgs, n)
 	}
-	m, err := c.node.PD().Alloc(max(n*esz, 1), verbs.AccessLocalWrite)
+	// Remote write: a peer's ring allreduce writes its results straight
+	// into the buffer (land.go); remote read: soft0 then maps the region
+	// into a peer process on the host and copies into it directly.
+	m, err := c.node.PD().Alloc(max(n*esz, 1), verbs.AccessLocalWrite|verbs.AccessRemoteWrite|verbs.AccessRemoteRead)
 	if err != nil {
 		return nil, fmt.Errorf("collective: alloc %d bytes: %w", n*esz, err)
 	}

@@ -67,8 +67,9 @@ func (e *Error) Unwrap() error { return e.Err }
 type Options struct {
 	// ChunkSize is the payload of one slot of the receive windows, in
 	// bytes: messages travel in chunks of at most ChunkSize, pipelined.
-	// Default 64 KiB, reduced for large communicators so that the windows
-	// of all peers take at most 8 MiB; at least 256 bytes.
+	// Default 1 MiB, reduced for communicators of more than 3 ranks so
+	// that the windows of all peers take at most 8 MiB (256 KiB at 9
+	// ranks, 64 KiB at 33); at least 256 bytes.
 	ChunkSize int
 	// Slots is the number of chunks a rank may have in flight to one peer
 	// before the peer consumes them (the window). Default 4, at least 2.
@@ -118,12 +119,13 @@ func (a Algorithm) String() string {
 }
 
 const (
-	defaultChunk  = 64 << 10
+	defaultChunk  = 1 << 20
 	defaultSlots  = 4
 	windowBudget  = 8 << 20
+	directChunk   = 256 << 10 // from this ChunkSize the windows take direct writes (newComm)
 	minChunk      = 256
 	hdrBytes      = 64 // header of a slot: 40 bytes used (see header), data 64-byte aligned
-	peerFlagBytes = 32 // data count, ack count, done flag (Close), abort word (abort)
+	peerFlagBytes = 64 // data count, ack count, done flag (Close), abort word (abort), landing (announce)
 )
 
 // Comm is a communicator: an ordered group of ranks of a cluster.Node's
@@ -149,6 +151,7 @@ type Comm struct {
 	rx, tx                            *verbs.MemoryRegion
 	slotBase                          int // offset of the slots in rx
 	flagBase, ackBase, probeSrc       int // offsets in tx (the done flag's and the abort word's sources follow the probe's)
+	landSrc                           int // offset in tx of the landing announcement's source (announce)
 	remote                            []verbs.RemoteRegion
 	sendSeq, recvSeq, ackSent         []uint64
 	flagOwed, ackOwed                 []bool
@@ -167,6 +170,7 @@ type Comm struct {
 	alarm                             *spinwait.Alarm  // ends the sleeps of waits (ring)
 	bufs                              *bufSet          // the Buffers (Alloc), shared with the communicators made from this one
 	zeroCopied                        uint64           // chunks sent from a Buffer (tests)
+	landedChunks                      uint64           // chunks received in place, into a Buffer (tests)
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out
@@ -234,9 +238,21 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 	c.flagBase = p * c.slots * c.slotBytes
 	c.ackBase = c.flagBase + p*c.slots*8
 	c.probeSrc = c.ackBase + p*8
-	txLen := c.probeSrc + 24
+	c.landSrc = c.probeSrc + 24
+	txLen := c.landSrc + landBytes
 	var err error
-	if c.rx, err = node.PD().Alloc(rxLen, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
+	// With chunks of directChunk bytes or more the windows allow remote
+	// reads too: soft0 then maps them into the peer processes of the
+	// host, whose writes of 16 KiB or more become one copy, by the writer
+	// (a round trip: the target acknowledges first), instead of two (into
+	// the connection's ring at once, out of it by the target). Measured
+	// on soft0 shared memory (package documentation), the direct copy
+	// pays off with large chunks and loses with small ones.
+	access := verbs.AccessLocalWrite | verbs.AccessRemoteWrite
+	if c.chunk >= directChunk {
+		access |= verbs.AccessRemoteRead
+	}
+	if c.rx, err = node.PD().Alloc(rxLen, access); err != nil {
 		return nil, fmt.Errorf("collective: receive windows (%d bytes): %w", rxLen, err)
 	}
 	if c.tx, err = node.PD().Alloc(txLen, verbs.AccessLocalWrite); err != nil {
@@ -254,7 +270,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 // little endian, 40 bytes.
 const (
 	descMagic   = "GVCO"
-	descVersion = 1
+	descVersion = 2 // 2: 64-byte peer flags (the landing announcement)
 	descBytes   = 40
 )
 

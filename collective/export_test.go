@@ -19,3 +19,7 @@ func HoldBuffer[T Number](b *Buffer[T]) func() {
 	b.reg.users.Add(1)
 	return func() { b.reg.users.Add(-1) }
 }
+
+// Landed returns how many chunks c has received in place, written by
+// the sender straight into a Buffer (land.go).
+func Landed(c *Comm) uint64 { return c.landedChunks }

@@ -231,6 +231,12 @@ func newReducer[T Number](op Op) (reducer, error) {
 	}
 	switch op.kind {
 	case opSum:
+		switch reflect.TypeFor[T]().Kind() {
+		case reflect.Float32:
+			return sumF32, nil
+		case reflect.Float64:
+			return sumF64, nil
+		}
 		return sumBytes[T], nil
 	case opProd:
 		return prodBytes[T], nil
@@ -299,6 +305,39 @@ func sumBytes[T Number](dst, src []byte, srcLow bool) {
 	for i := range d {
 		d[i] += s[i]
 	}
+}
+
+// sumF32 and sumF64 are Sum on float32 and float64: the vector kernel
+// (sum_amd64.go) on whole vectors, when the processor has it, and
+// sumBytes on the rest. Bit for bit the same as sumBytes alone.
+func sumF32(dst, src []byte, srcLow bool) {
+	d, s := elems[float32](dst), elems[float32](src)
+	s = s[:len(d)]
+	k := 0
+	if haveVec && len(d) >= vecF32 {
+		k = len(d) &^ (vecF32 - 1)
+		if srcLow {
+			addF32(&d[0], &s[0], &d[0], k)
+		} else {
+			addF32(&d[0], &d[0], &s[0], k)
+		}
+	}
+	sumBytes[float32](dst[4*k:], src[4*k:], srcLow)
+}
+
+func sumF64(dst, src []byte, srcLow bool) {
+	d, s := elems[float64](dst), elems[float64](src)
+	s = s[:len(d)]
+	k := 0
+	if haveVec && len(d) >= vecF64 {
+		k = len(d) &^ (vecF64 - 1)
+		if srcLow {
+			addF64(&d[0], &s[0], &d[0], k)
+		} else {
+			addF64(&d[0], &d[0], &s[0], k)
+		}
+	}
+	sumBytes[float64](dst[8*k:], src[8*k:], srcLow)
 }
 
 func prodBytes[T Number](dst, src []byte, srcLow bool) {

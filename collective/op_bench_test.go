@@ -9,9 +9,17 @@ import (
 const benchN = 1 << 14
 
 // BenchmarkReduce measures the reduction kernels (dst ⊕= src on benchN
-// elements, bytes/s of dst), next to the baseline of a plain Go loop
-// dst[i] += src[i] on float32 and float64 in the same run.
+// elements, bytes/s of dst), next to the baselines of a plain Go loop
+// dst[i] += src[i] on float32 and float64 and of copy(dst, src) of as
+// many bytes, in the same run.
 func BenchmarkReduce(b *testing.B) {
+	b.Run("baseline/copy", func(b *testing.B) {
+		d, s := make([]byte, 4*benchN), make([]byte, 4*benchN)
+		b.SetBytes(int64(len(d)))
+		for b.Loop() {
+			copy(d, s)
+		}
+	})
 	b.Run("baseline/float32", func(b *testing.B) {
 		d, s := make([]float32, benchN), make([]float32, benchN)
 		b.SetBytes(int64(4 * benchN))

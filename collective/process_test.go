@@ -54,6 +54,8 @@ func procChild(spec string) int {
 		return xprocChild()
 	case spec == "reopen":
 		return reopenChild()
+	case spec == "land":
+		return landChild()
 	case strings.HasPrefix(spec, "victim,"):
 		return victimChild(spec)
 	}

@@ -143,15 +143,24 @@ type flow struct {
 	buf     []byte
 	off     int
 	started bool
-	reduce  bool  // receive: reduce into buf instead of copying
-	srcLow  bool  // receive: the incoming data is the lower ranks' operand
-	after   *flow // send: only what this receive has filled in (forwarding)
+	reduce  bool   // receive: reduce into buf instead of copying
+	srcLow  bool   // receive: the incoming data is the lower ranks' operand
+	init    []byte // receive (reduce): copied into buf chunk by chunk before the reduction (nil: buf holds the operand)
+	after   *flow  // send: only what this receive has filled in (forwarding)
 
 	// A send whose data lies in a Buffer is sent from there (zeroCopy):
 	zreg  *registered    // the Buffer's region, nil if the data is staged
 	zoff  int            // the offset of buf in it
 	zlast channel.Handle // the last write that read it, awaited at the end of the step
 	zheld bool           // zlast is held
+
+	// Landing (land.go): a send may write straight into the receiver's
+	// Buffer, a receive may find its data in place.
+	land      uint8              // send: landWindow, landWait or landOnto
+	landOff   int                // send: the offset of buf in the receiver's destination
+	landTotal int                // send: the length of the receiver's destination
+	landDst   verbs.RemoteRegion // send (landOnto): the receiver's destination
+	landed    bool               // receive: the sender writes into buf (announced)
 }
 
 func (f *flow) done() bool { return f.started && f.off == len(f.buf) }
@@ -408,6 +417,11 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 	if !ok || limit == f.off && f.started {
 		return false, nil
 	}
+	if f.land == landWait {
+		if ok, err := c.landLookup(f); !ok || err != nil {
+			return false, err
+		}
+	}
 	n := min(c.chunk, limit-f.off)
 	if n < c.chunk && n < len(f.buf)-f.off {
 		return false, nil // a whole chunk, unless it is the last
@@ -415,32 +429,53 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 	k := int(seq % uint64(c.slots))
 	slot := (p*c.slots + k) * c.slotBytes
 	st := c.tx.Bytes()[slot : slot+hdrBytes+n]
-	c.header(st, seq, n, len(f.buf))
 	var src [2]verbs.SGE
 	nsge := 1
 	var err error
-	if f.zreg != nil {
+	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
+	switch {
+	case f.land == landOnto:
+		// The data only, into the receiver's Buffer: from the sender's
+		// Buffer, or staged (the staging slot is reused, as any, once the
+		// chunk's credit came back).
+		dst = f.landDst.At(uint64(f.landOff + f.off))
+		if f.zreg != nil {
+			src[0], err = f.zreg.mr.SGE(f.zoff+f.off, n)
+		} else {
+			copy(st[hdrBytes:], f.buf[f.off:f.off+n])
+			src[0], err = c.tx.SGE(slot+hdrBytes, n)
+		}
+	case f.zreg != nil:
 		// The header from the staging slot, the data in place.
+		c.header(st, seq, n, len(f.buf))
 		if src[0], err = c.tx.SGE(slot, hdrBytes); err == nil {
 			src[1], err = f.zreg.mr.SGE(f.zoff+f.off, n)
 		}
 		nsge = 2
-	} else {
+	default:
+		c.header(st, seq, n, len(f.buf))
 		copy(st[hdrBytes:], f.buf[f.off:f.off+n])
 		src[0], err = c.tx.SGE(slot, hdrBytes+n)
 	}
 	if err != nil {
 		return false, err
 	}
-	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
-	h, err := c.post(p, dst, false, src[:nsge]...)
+	if f.land == landOnto && n == 0 {
+		nsge = 0 // an empty message lands nothing: only its count goes
+	}
+	var h channel.Handle
+	if nsge > 0 {
+		h, err = c.post(p, dst, false, src[:nsge]...)
+	}
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return false, nil
 		}
 		return false, err
 	}
-	if f.zreg != nil {
+	if nsge == 0 {
+		// Nothing posted.
+	} else if f.zreg != nil {
 		// Kept: its completion proves that every write before it on
 		// the queue pair read the Buffer too (zeroCopyWait).
 		if f.zheld {
@@ -609,17 +644,24 @@ func (c *Comm) tryRecv(f *flow) (bool, error) {
 	if atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) <= seq {
 		return false, nil
 	}
-	k := int(seq % uint64(c.slots))
-	slot := c.rx.Bytes()[c.slotBase+(p*c.slots+k)*c.slotBytes:][:c.slotBytes]
 	n := min(c.chunk, len(f.buf)-f.off)
-	if err := c.check(slot, p, seq, n, len(f.buf)); err != nil {
-		return false, err
-	}
-	data := slot[hdrBytes : hdrBytes+n]
-	if f.reduce {
-		c.red(f.buf[f.off:f.off+n], data, f.srcLow)
+	if f.landed {
+		c.landedChunks++ // the sender wrote it in place
 	} else {
-		copy(f.buf[f.off:f.off+n], data)
+		k := int(seq % uint64(c.slots))
+		slot := c.rx.Bytes()[c.slotBase+(p*c.slots+k)*c.slotBytes:][:c.slotBytes]
+		if err := c.check(slot, p, seq, n, len(f.buf)); err != nil {
+			return false, err
+		}
+		data := slot[hdrBytes : hdrBytes+n]
+		if f.init != nil {
+			copy(f.buf[f.off:f.off+n], f.init[f.off:f.off+n])
+		}
+		if f.reduce {
+			c.red(f.buf[f.off:f.off+n], data, f.srcLow)
+		} else {
+			copy(f.buf[f.off:f.off+n], data)
+		}
 	}
 	c.recvSeq[p] = seq + 1
 	f.off += n
