@@ -161,26 +161,7 @@ func TestExchangeCardsBadShare(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			xNoLeaks(t)
-			lns, addrs := xListeners(t, n)
-			ctx := xContext(t, time.Minute)
-			done := make(chan error, 1)
-			go func() {
-				c := ExchangeConfig{Rank: 0, Size: n, Mode: Rendezvous, Addrs: addrs, Listener: lns[0], Job: "job", Token: []byte("token")}
-				_, _, err := ExchangeCards(ctx, c, xCard(0), xItems(0, n, w))
-				done <- err
-			}()
-			fx := xFakeCards(t, Rendezvous, 1, n, w)
-			k, err := fx.dial(ctx, 0, addrs[0])
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer k.c.Close()
-			defer k.stopWatch()
-			if err := fx.send(k, tc.share); err != nil {
-				t.Fatal(err)
-			}
-			err = <-done
+			err := xRootGets(t, Rendezvous, n, w, tc.share)
 			var xe *ExchangeError
 			if !errors.Is(err, tc.want) || !errors.As(err, &xe) || xe.Peer != 1 {
 				t.Errorf("root: %v, want %v naming peer 1", err, tc.want)
@@ -188,6 +169,38 @@ func TestExchangeCardsBadShare(t *testing.T) {
 			t.Logf("root: %v", err)
 		})
 	}
+}
+
+// xRootGets runs rank 0 of a card exchange of n ranks and items of w
+// bytes in mode, sends it share as rank 1 (in all-to-all mode after
+// reading rank 0's own share, as a peer does) and returns rank 0's error.
+func xRootGets(t *testing.T, mode Mode, n, w int, share []byte) error {
+	t.Helper()
+	xNoLeaks(t)
+	lns, addrs := xListeners(t, n)
+	ctx := xContext(t, time.Minute)
+	done := make(chan error, 1)
+	go func() {
+		c := ExchangeConfig{Rank: 0, Size: n, Mode: mode, Addrs: addrs, Listener: lns[0], Job: "job", Token: []byte("token")}
+		_, _, err := ExchangeCards(ctx, c, xCard(0), xItems(0, n, w))
+		done <- err
+	}()
+	fx := xFakeCards(t, mode, 1, n, w)
+	k, err := fx.dial(ctx, 0, addrs[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer k.c.Close()
+	defer k.stopWatch()
+	if err := fx.send(k, share); err != nil {
+		t.Fatal(err)
+	}
+	if mode == AllToAll {
+		if _, err := fx.recv(ctx, k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return <-done
 }
 
 // TestExchangeCardsBadAnswer: a root that authenticates and then answers
@@ -269,29 +282,7 @@ func TestExchangeCardsAllToAllBadShare(t *testing.T) {
 		{"oversized card", encodeCardShare(make([]byte, maxCardLen(DefaultMaxFrame, n, w)+1), make([]byte, w)), ErrFrameTooLarge},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			xNoLeaks(t)
-			lns, addrs := xListeners(t, n)
-			ctx := xContext(t, time.Minute)
-			done := make(chan error, 1)
-			go func() {
-				c := ExchangeConfig{Rank: 0, Size: n, Mode: AllToAll, Addrs: addrs, Listener: lns[0], Job: "job", Token: []byte("token")}
-				_, _, err := ExchangeCards(ctx, c, xCard(0), xItems(0, n, w))
-				done <- err
-			}()
-			fx := xFakeCards(t, AllToAll, 1, n, w)
-			k, err := fx.dial(ctx, 0, addrs[0])
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer k.c.Close()
-			defer k.stopWatch()
-			if err := fx.send(k, tc.share); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := fx.recv(ctx, k); err != nil {
-				t.Fatal(err)
-			}
-			err = <-done
+			err := xRootGets(t, AllToAll, n, w, tc.share)
 			var xe *ExchangeError
 			if !errors.Is(err, tc.want) || !errors.As(err, &xe) || xe.Peer != 1 {
 				t.Errorf("%v, want %v naming peer 1", err, tc.want)
