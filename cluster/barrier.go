@@ -209,7 +209,7 @@ const (
 // written with immediate data: each consumes one of the receiver's
 // doorbell receives (channel.Options.Doorbells), whose completion wakes a
 // rank sleeping for it, instead of timers (milliseconds per barrier). A
-// wait woken without its signal (an alarm every probeInterval, the poison
+// wait woken without its signal (an alarm every spinwait.Interval, the poison
 // word, the context) checks the context, the poison word and the peer's
 // channel; after probeAfter it probes the peer it waits for.
 const (
@@ -219,39 +219,11 @@ const (
 	// waits for (probe).
 	probeAfter = 2 * time.Millisecond
 	// probeEvery spaces the probes of a peer waited for (and the alarms
-	// of a sleeping wait): at most one in flight, one every probeEvery,
-	// on a machine with a processor for every local rank of the world;
-	// probeInterval stretches it when the ranks outnumber the processors,
-	// up to maxProbeEvery.
-	probeEvery = 10 * time.Millisecond
-	// maxProbeEvery bounds the stretched interval: a failure nobody sends
-	// to is seen within the liveness bound (verbs.QPSpec.Timeout: about
-	// 0.54 s by default, soft0 at least 250 ms) plus this. It is reached
-	// at 100 ranks per processor, where a barrier takes seconds (512
-	// ranks on 2 CPUs with alarms every 100 ms: 5 000 a second kept the
-	// machine's load above 700, and starved ranks of the start-up for
-	// more than 10 s).
-	maxProbeEvery = time.Second
+	// of a sleeping wait) on a machine with a processor for every local
+	// rank; spinwait.Interval stretches it when the ranks outnumber the
+	// processors, up to spinwait.MaxProbeEvery.
+	probeEvery = spinwait.ProbeEvery
 )
-
-// probeInterval is the interval of the alarms and probes of a sleeping
-// wait, for one of localRanks ranks of a world on a machine with cpus
-// processors: probeEvery, times the ranks per processor when they
-// outnumber the processors, at most maxProbeEvery. Every sleeping rank's
-// alarm wakes it and, with its probe, the peer it waits for: with a
-// fixed interval their cost grows with the ranks while the processors do
-// not (256 ranks on 2 CPUs: 25 600 alarms a second kept the processors
-// busy waking Go runtimes, 1.5 s per barrier). Stretched, the alarms of
-// all the local ranks cost about as much as those of one rank per
-// processor, up to 100 ranks per processor.
-func probeInterval(localRanks, cpus int) time.Duration {
-	cpus = max(cpus, 1)
-	if localRanks <= cpus {
-		return probeEvery
-	}
-	per := (localRanks + cpus - 1) / cpus
-	return min(time.Duration(per)*probeEvery, maxProbeEvery)
-}
 
 // group is the state of one distinct group at this rank: its members, its
 // epoch and its schedule for the barrier's algorithm.
@@ -297,7 +269,7 @@ type barrier struct {
 	wokenFn func() bool               // b.woken, bound once
 	local   atomic.Int32              // ranks of the world on this host (setRemote)
 	spin    spinwait.Policy           // how a wait spins before it sleeps (setRemote, mu)
-	every   time.Duration             // interval of the alarms and probes of a wait (probeInterval; setRemote, mu)
+	every   time.Duration             // interval of the alarms and probes of a wait (spinwait.Interval; setRemote, mu)
 
 	// The sleep of a wait (mu): its alarm (ring), and what woken looks at.
 	alarm                *spinwait.Alarm
@@ -414,7 +386,7 @@ func (b *barrier) setRemote(infos [][]byte) error {
 	b.remote = remote
 	b.local.Store(int32(local))
 	b.spin = spinwait.For(local, runtime.NumCPU())
-	b.every = probeInterval(local, runtime.NumCPU())
+	b.every = spinwait.Interval(local, runtime.NumCPU())
 	return nil
 }
 

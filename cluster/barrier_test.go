@@ -730,29 +730,3 @@ func TestLocalRanks(t *testing.T) {
 		t.Errorf("before Connect: %d local ranks, want 1", got)
 	}
 }
-
-// TestProbeInterval: the alarms and probes of a sleeping wait come every
-// probeEvery while every local rank has a processor, and are spaced out
-// in proportion to the ranks per processor when they outnumber the
-// processors, up to maxProbeEvery (the old fixed 10 ms made 256 ranks on
-// 2 CPUs spend the processors on waking each other).
-func TestProbeInterval(t *testing.T) {
-	for _, c := range []struct {
-		ranks, cpus int
-		want        time.Duration
-	}{
-		{1, 1, probeEvery},
-		{2, 2, probeEvery},
-		{8, 64, probeEvery},
-		{3, 2, 2 * probeEvery},
-		{8, 2, 4 * probeEvery},
-		{20, 2, 10 * probeEvery},
-		{200, 2, maxProbeEvery},
-		{512, 2, maxProbeEvery},
-		{4, 0, 4 * probeEvery}, // no processor count: taken as one
-	} {
-		if got := probeInterval(c.ranks, c.cpus); got != c.want {
-			t.Errorf("probeInterval(%d ranks, %d cpus) = %v, want %v", c.ranks, c.cpus, got, c.want)
-		}
-	}
-}

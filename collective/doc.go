@@ -112,7 +112,11 @@
 // a cluster.Node's channel): its completion wakes a sleeping rank. So
 // ranks that outnumber the processors leave them to the ranks with work
 // and wake when their data arrives. An alarm every 10 ms (or at the
-// Options.Timeout deadline) wakes a sleeper for its checks.
+// Options.Timeout deadline) wakes a sleeper for its checks; when the
+// ranks outnumber the processors it comes every 10 ms times the ranks
+// per processor, up to 1 s, as cluster's barrier's, so that the alarms
+// of many sleeping ranks do not keep the processors busy waking them (a
+// failure nobody sends to is then seen up to that much later).
 //
 // # Failures
 //

@@ -774,21 +774,22 @@ func (c *Comm) flushOwed(ctx context.Context) error {
 // ack count, done flag, abort word) is written with immediate data, which
 // consumes one of the doorbell receives of the node's queue pairs
 // (cluster.NodeOptions) and makes a completion: a sleep ends when one has
-// been dispatched since the round began. An alarm (probeEvery, or the
-// deadline) ends a sleep too: it posts a probe to the peer waited for,
+// been dispatched since the round began. An alarm (every 10 ms, spaced
+// by the ranks per processor when they outnumber the processors, up to
+// 1 s: spinwait.Interval, as cluster's barrier; or the deadline) ends a
+// sleep too: it posts a probe to the peer waited for,
 // whose completion wakes the rank for its checks. Every waitCheck
 // spinning rounds, when a sleeping round moved nothing, after an alarm
 // and once the context ended, the wait checks the context, the deadline,
 // the communicator, the world (cluster.Node.Err: a failure another rank
 // saw) and the queue pairs of the peers it waits for; after probeAfter
-// it probes the first of them with a small write every probeEvery, so
+// it probes the first of them with a small write at the same interval, so
 // that a peer that died or stopped fails the write after the queue
 // pair's transport timeout.
 const (
 	spinCheck  = 16 // spinning rounds between looks at the clock
 	waitCheck  = 64 // spinning rounds between checks
 	probeAfter = 2 * time.Millisecond
-	probeEvery = 10 * time.Millisecond
 )
 
 type waiter struct {
@@ -872,7 +873,7 @@ func (c *Comm) sleep(ctx context.Context, sends, recvs []flow) error {
 		w.sleepPeer = (c.rank + 1) % c.size // waiting for send-queue room: any completion will do
 	}
 	w.alarms = c.alarm.Fired()
-	d := probeEvery
+	d := c.every
 	if !c.deadline.IsZero() {
 		d = max(min(d, time.Until(c.deadline)), time.Microsecond)
 	}
@@ -1021,7 +1022,7 @@ func (c *Comm) waitedFor(sends, recvs []flow) int {
 }
 
 // probe keeps one small write in flight to p while a wait lasts, a new
-// one every probeEvery: a peer that died or stopped fails it.
+// one every c.every: a peer that died or stopped fails it.
 func (c *Comm) probe(p int, now time.Time) error {
 	w := &c.w
 	if w.probing {
@@ -1043,7 +1044,7 @@ func (c *Comm) probe(p int, now time.Time) error {
 	if now.Before(w.nextProbe) && w.probePeer == p {
 		return nil
 	}
-	w.nextProbe = now.Add(probeEvery)
+	w.nextProbe = now.Add(c.every)
 	w.probePeer = p
 	h, err := c.postProbe(p)
 	if err != nil {

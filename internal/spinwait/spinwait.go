@@ -83,3 +83,38 @@ func (p Policy) Pause() {
 		sched.Yield()
 	}
 }
+
+// The alarms and probes of a sleeping wait.
+const (
+	// ProbeEvery spaces the alarms of a sleeping wait and the probes of
+	// the peer it waits for on a machine with a processor for every
+	// local rank.
+	ProbeEvery = 10 * time.Millisecond
+	// MaxProbeEvery bounds the interval Interval stretches: a failure
+	// nobody sends to is seen within the liveness bound (verbs.QPSpec.Timeout:
+	// about 0.54 s by default, soft0 at least 250 ms) plus this. It is
+	// reached at 100 ranks per processor, where a barrier takes seconds
+	// (512 ranks on 2 CPUs with alarms every 100 ms: 5 000 a second kept
+	// the machine's load above 700, and starved ranks of the start-up
+	// for more than 10 s).
+	MaxProbeEvery = time.Second
+)
+
+// Interval is the interval of the alarms and probes of a sleeping wait,
+// for one of localRanks ranks of a world on a machine with cpus
+// processors: ProbeEvery, times the ranks per processor when they
+// outnumber the processors, at most MaxProbeEvery. Every sleeping rank's
+// alarm wakes it and, with its probe, the peer it waits for: with a
+// fixed interval their cost grows with the ranks while the processors do
+// not (256 ranks on 2 CPUs: 25 600 alarms a second kept the processors
+// busy waking Go runtimes, 1.5 s per barrier). Stretched, the alarms of
+// all the local ranks cost about as much as those of one rank per
+// processor, up to 100 ranks per processor.
+func Interval(localRanks, cpus int) time.Duration {
+	cpus = max(cpus, 1)
+	if localRanks <= cpus {
+		return ProbeEvery
+	}
+	per := (localRanks + cpus - 1) / cpus
+	return min(time.Duration(per)*ProbeEvery, MaxProbeEvery)
+}

@@ -1,6 +1,9 @@
 package spinwait
 
-import "testing"
+import (
+	"testing"
+	"time"
+)
 
 func TestFor(t *testing.T) {
 	for _, c := range []struct {
@@ -19,6 +22,32 @@ func TestFor(t *testing.T) {
 	} {
 		if got := For(c.ranks, c.cpus); got != c.want {
 			t.Errorf("For(%d ranks, %d cpus) = %+v, want %+v", c.ranks, c.cpus, got, c.want)
+		}
+	}
+}
+
+// TestInterval: the alarms and probes of a sleeping wait come every
+// ProbeEvery while every local rank has a processor, and are spaced out
+// in proportion to the ranks per processor when they outnumber the
+// processors, up to MaxProbeEvery (the old fixed 10 ms made 256 ranks on
+// 2 CPUs spend the processors on waking each other).
+func TestInterval(t *testing.T) {
+	for _, c := range []struct {
+		ranks, cpus int
+		want        time.Duration
+	}{
+		{1, 1, ProbeEvery},
+		{2, 2, ProbeEvery},
+		{8, 64, ProbeEvery},
+		{3, 2, 2 * ProbeEvery},
+		{8, 2, 4 * ProbeEvery},
+		{20, 2, 10 * ProbeEvery},
+		{200, 2, MaxProbeEvery},
+		{512, 2, MaxProbeEvery},
+		{4, 0, 4 * ProbeEvery}, // no processor count: taken as one
+	} {
+		if got := Interval(c.ranks, c.cpus); got != c.want {
+			t.Errorf("Interval(%d ranks, %d cpus) = %v, want %v", c.ranks, c.cpus, got, c.want)
 		}
 	}
 }
