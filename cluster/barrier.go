@@ -205,11 +205,11 @@ const (
 // machine has a processor for every rank of the world on it
 // (Node.LocalRanks), and for every thread of the machine (sched_yield)
 // when the ranks outnumber the processors up to 4 to 1, so that the peer
-// it waits for runs; beyond that it sleeps at once (internal/spinwait). Signals are
-// written with immediate data: each consumes one of the receiver's
+// it waits for runs; beyond that it sleeps at once (internal/spinwait).
+// Signals are written with immediate data: each consumes one of the receiver's
 // doorbell receives (channel.Options.Doorbells), whose completion wakes a
 // rank sleeping for it, instead of timers (milliseconds per barrier). A
-// wait woken without its signal (an alarm every spinwait.Interval, the poison
+// wait woken without its signal (an alarm every spinwait.Policy.Every, the poison
 // word, the context) checks the context, the poison word and the peer's
 // channel; after probeAfter it probes the peer it waits for.
 const (
@@ -218,11 +218,6 @@ const (
 	// probeAfter is how long a wait lasts before it probes the peer it
 	// waits for (probe).
 	probeAfter = 2 * time.Millisecond
-	// probeEvery spaces the probes of a peer waited for (and the alarms
-	// of a sleeping wait) on a machine with a processor for every local
-	// rank; spinwait.Interval stretches it when the ranks outnumber the
-	// processors, up to spinwait.MaxProbeEvery.
-	probeEvery = spinwait.ProbeEvery
 )
 
 // group is the state of one distinct group at this rank: its members, its
@@ -268,8 +263,7 @@ type barrier struct {
 	tellMu  sync.Mutex                // serialises tell (the source word in aux)
 	wokenFn func() bool               // b.woken, bound once
 	local   atomic.Int32              // ranks of the world on this host (setRemote)
-	spin    spinwait.Policy           // how a wait spins before it sleeps (setRemote, mu)
-	every   time.Duration             // interval of the alarms and probes of a wait (spinwait.Interval; setRemote, mu)
+	spin    spinwait.Policy           // how a wait spins before it sleeps, and its alarms and probes (setRemote, mu)
 
 	// The sleep of a wait (mu): its alarm (ring), and what woken looks at.
 	alarm                *spinwait.Alarm
@@ -304,7 +298,7 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 		flags.Close()
 		return nil, fmt.Errorf("cluster: barrier: probe memory: %w", err)
 	}
-	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1, every: probeEvery,
+	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1, spin: spinwait.Policy{Every: spinwait.ProbeEvery},
 		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), groups: make(map[uint64][]*group)}
 	if b.staging, err = mc.PD().Alloc(2*n*flagBytes, verbs.AccessLocalWrite); err != nil {
 		flags.Close()
@@ -386,7 +380,6 @@ func (b *barrier) setRemote(infos [][]byte) error {
 	b.remote = remote
 	b.local.Store(int32(local))
 	b.spin = spinwait.For(local, runtime.NumCPU())
-	b.every = spinwait.Interval(local, runtime.NumCPU())
 	return nil
 }
 
@@ -851,12 +844,12 @@ func (b *barrier) checkWait(ctx context.Context, peer int, pw *uint64) error {
 // closes, the alarm goes off or ctx ends (which the caller's checks
 // report). Signals are written with immediate data: their doorbell wakes
 // a sleeping rank, and the word is in memory when the doorbell's
-// completion is. The alarm (ring, after b.every) posts a probe to the
+// completion is. The alarm (ring, after b.spin.Every) posts a probe to the
 // peer waited for, whose completion wakes this rank for its checks
 // (liveness; the context's end is seen at once).
 func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, seen uint64) {
 	b.waitWord, b.waitSeen, b.waitPeer, b.seenAlarms = w, seen, peer, b.alarm.Fired()
-	b.alarm.Arm(b.every, peer)
+	b.alarm.Arm(b.spin.Every, peer)
 	b.mc.Sleep(ctx, b.wokenFn) // ends early only with ctx or the channel, which the checks report
 	b.alarm.Disarm()
 }
@@ -886,7 +879,7 @@ func (b *barrier) postProbe(peer int) (channel.Handle, error) {
 }
 
 // probe checks that peer is alive during a long wait: it keeps one write
-// of the probe word in flight to it, a new one every b.every. A peer
+// of the probe word in flight to it, a new one every b.spin.Every. A peer
 // that died or stopped answering fails it (at once, or after the queue
 // pair's transport timeout), and the error breaks the channel.
 //
@@ -917,7 +910,7 @@ func (b *barrier) probe(peer int, h *channel.Handle, probing *bool, next *time.T
 	if now.Before(*next) {
 		return nil
 	}
-	*next = now.Add(b.every)
+	*next = now.Add(b.spin.Every)
 	p, err := b.postProbe(peer)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {

@@ -166,8 +166,7 @@ type Comm struct {
 	doneHs                            []channel.Handle // Close's done writes
 	aborted                           bool             // this rank's abort word was written (abort)
 	wokenFn                           func() bool      // c.woken, bound once
-	spin                              spinwait.Policy  // how a wait spins before it sleeps
-	every                             time.Duration    // interval of the alarms and probes of a sleeping wait (spinwait.Interval)
+	spin                              spinwait.Policy  // how a wait spins before it sleeps, and its alarms and probes
 	alarm                             *spinwait.Alarm  // ends the sleeps of waits (ring)
 	bufs                              *bufSet          // the Buffers (Alloc), shared with the communicators made from this one
 	zeroCopied                        uint64           // chunks sent from a Buffer (tests)
@@ -233,7 +232,6 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 	c.wokenFn = c.woken
 	c.alarm = spinwait.NewAlarm(c.ring)
 	c.spin = spinwait.For(node.LocalRanks(), runtime.NumCPU())
-	c.every = spinwait.Interval(node.LocalRanks(), runtime.NumCPU())
 	c.slotBytes = (hdrBytes + c.chunk + 63) &^ 63
 	c.slotBase = (p*peerFlagBytes + 8 + 63) &^ 63 // flags, the probe word
 	rxLen := c.slotBase + p*c.slots*c.slotBytes

@@ -776,7 +776,7 @@ func (c *Comm) flushOwed(ctx context.Context) error {
 // (cluster.NodeOptions) and makes a completion: a sleep ends when one has
 // been dispatched since the round began. An alarm (every 10 ms, spaced
 // by the ranks per processor when they outnumber the processors, up to
-// 1 s: spinwait.Interval, as cluster's barrier; or the deadline) ends a
+// 1 s: spinwait.Policy.Every, as cluster's barrier; or the deadline) ends a
 // sleep too: it posts a probe to the peer waited for,
 // whose completion wakes the rank for its checks. Every waitCheck
 // spinning rounds, when a sleeping round moved nothing, after an alarm
@@ -873,7 +873,7 @@ func (c *Comm) sleep(ctx context.Context, sends, recvs []flow) error {
 		w.sleepPeer = (c.rank + 1) % c.size // waiting for send-queue room: any completion will do
 	}
 	w.alarms = c.alarm.Fired()
-	d := c.every
+	d := c.spin.Every
 	if !c.deadline.IsZero() {
 		d = max(min(d, time.Until(c.deadline)), time.Microsecond)
 	}
@@ -1022,7 +1022,7 @@ func (c *Comm) waitedFor(sends, recvs []flow) int {
 }
 
 // probe keeps one small write in flight to p while a wait lasts, a new
-// one every c.every: a peer that died or stopped fails it.
+// one every c.spin.Every: a peer that died or stopped fails it.
 func (c *Comm) probe(p int, now time.Time) error {
 	w := &c.w
 	if w.probing {
@@ -1044,7 +1044,7 @@ func (c *Comm) probe(p int, now time.Time) error {
 	if now.Before(w.nextProbe) && w.probePeer == p {
 		return nil
 	}
-	w.nextProbe = now.Add(c.every)
+	w.nextProbe = now.Add(c.spin.Every)
 	w.probePeer = p
 	h, err := c.postProbe(p)
 	if err != nil {

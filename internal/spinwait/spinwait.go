@@ -54,26 +54,31 @@ const MaxSpin = time.Millisecond
 // spins, yielding, before it sleeps.
 const MaxYieldRanks = 4
 
-// Policy is how a wait spins before it sleeps.
+// Policy is how a wait spins before it sleeps, and how often its sleep
+// is interrupted.
 type Policy struct {
 	// Spin is how long the wait spins; 0 sleeps at once.
 	Spin time.Duration
 	// Yield makes Pause offer the processor to every thread of the
 	// machine (sched_yield), not only to the process' goroutines.
 	Yield bool
+	// Every is the interval of the alarms of a sleeping wait and of the
+	// probes of the peer it waits for (see interval).
+	Every time.Duration
 }
 
 // For returns the policy of one of localRanks ranks of a machine with cpus
 // processors (see the package documentation).
 func For(localRanks, cpus int) Policy {
 	cpus = max(cpus, 1)
+	p := Policy{Every: interval(localRanks, cpus)}
 	switch {
 	case localRanks <= cpus:
-		return Policy{Spin: MaxSpin}
+		p.Spin = MaxSpin
 	case localRanks <= MaxYieldRanks*cpus:
-		return Policy{Spin: MaxSpin, Yield: true}
+		p.Spin, p.Yield = MaxSpin, true
 	}
-	return Policy{}
+	return p
 }
 
 // Pause is the pause between two polls of a spinning wait.
@@ -90,7 +95,7 @@ const (
 	// the peer it waits for on a machine with a processor for every
 	// local rank.
 	ProbeEvery = 10 * time.Millisecond
-	// MaxProbeEvery bounds the interval Interval stretches: a failure
+	// MaxProbeEvery bounds the interval that interval stretches: a failure
 	// nobody sends to is seen within the liveness bound (verbs.QPSpec.Timeout:
 	// about 0.54 s by default, soft0 at least 250 ms) plus this. It is
 	// reached at 100 ranks per processor, where a barrier takes seconds
@@ -100,7 +105,7 @@ const (
 	MaxProbeEvery = time.Second
 )
 
-// Interval is the interval of the alarms and probes of a sleeping wait,
+// interval is the interval of the alarms and probes of a sleeping wait,
 // for one of localRanks ranks of a world on a machine with cpus
 // processors: ProbeEvery, times the ranks per processor when they
 // outnumber the processors, at most MaxProbeEvery. Every sleeping rank's
@@ -110,7 +115,7 @@ const (
 // busy waking Go runtimes, 1.5 s per barrier). Stretched, the alarms of
 // all the local ranks cost about as much as those of one rank per
 // processor, up to 100 ranks per processor.
-func Interval(localRanks, cpus int) time.Duration {
+func interval(localRanks, cpus int) time.Duration {
 	cpus = max(cpus, 1)
 	if localRanks <= cpus {
 		return ProbeEvery

@@ -20,6 +20,7 @@ func TestFor(t *testing.T) {
 		{2, 0, Policy{Spin: MaxSpin, Yield: true}}, // no processor reported: one
 		{5, 0, Policy{}},
 	} {
+		c.want.Every = interval(c.ranks, c.cpus) // TestInterval
 		if got := For(c.ranks, c.cpus); got != c.want {
 			t.Errorf("For(%d ranks, %d cpus) = %+v, want %+v", c.ranks, c.cpus, got, c.want)
 		}
@@ -46,8 +47,8 @@ func TestInterval(t *testing.T) {
 		{512, 2, MaxProbeEvery},
 		{4, 0, 4 * ProbeEvery}, // no processor count: taken as one
 	} {
-		if got := Interval(c.ranks, c.cpus); got != c.want {
-			t.Errorf("Interval(%d ranks, %d cpus) = %v, want %v", c.ranks, c.cpus, got, c.want)
+		if got := interval(c.ranks, c.cpus); got != c.want {
+			t.Errorf("interval(%d ranks, %d cpus) = %v, want %v", c.ranks, c.cpus, got, c.want)
 		}
 	}
 }
