@@ -1228,17 +1228,15 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 	for j := range n {
 		in[j] = vecs[j][0]
 	}
-	errs := g.broadcast(func(k *conn) (byte, [][]byte) {
+	err = g.scatter(func(k *conn) (byte, [][]byte) {
 		col := make([][]byte, n)
 		for j := range n {
 			col[j] = vecs[j][k.peer]
 		}
 		return recData, [][]byte{encodeVector(col)}
 	})
-	for i, e := range errs {
-		if e != nil {
-			return nil, x.fail(i, nil, fmt.Errorf("%w: %w", ErrPeerLost, e))
-		}
+	if err != nil {
+		return nil, err
 	}
 	return in, nil
 }
@@ -1268,13 +1266,11 @@ func (x *exchange) rootCards(ctx context.Context) ([][]byte, []byte, error) {
 		}
 		return col
 	}
-	errs := g.broadcast(func(k *conn) (byte, [][]byte) {
+	err = g.scatter(func(k *conn) (byte, [][]byte) {
 		return recData, [][]byte{table, column(k.peer)}
 	})
-	for i, e := range errs {
-		if e != nil {
-			return nil, nil, x.fail(i, nil, fmt.Errorf("%w: %w", ErrPeerLost, e))
-		}
+	if err != nil {
+		return nil, nil, err
 	}
 	return cards, column(0), nil
 }
@@ -1298,9 +1294,15 @@ func (g *gathering) close() {
 	g.wg.Wait()
 }
 
-// broadcast writes mk(k) to every connection k (see exchange.broadcast).
-func (g *gathering) broadcast(mk func(k *conn) (byte, [][]byte)) []error {
-	return g.x.broadcast(g.conns, &g.mu, mk)
+// scatter writes mk(k) to every connection k (exchange.broadcast) and
+// fails, naming the rank, if a write to one failed.
+func (g *gathering) scatter(mk func(k *conn) (byte, [][]byte)) error {
+	for i, e := range g.x.broadcast(g.conns, &g.mu, mk) {
+		if e != nil {
+			return g.x.fail(i, nil, fmt.Errorf("%w: %w", ErrPeerLost, e))
+		}
+	}
+	return nil
 }
 
 // gather accepts every rank but the root, reads its message and hands it
@@ -1359,7 +1361,7 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 		// Tell the connected ranks why, so that they fail now rather than
 		// at their deadline.
 		why := []byte(sanitize(err.Error()))
-		g.broadcast(func(*conn) (byte, [][]byte) { return recAbort, [][]byte{why} })
+		x.broadcast(g.conns, &g.mu, func(*conn) (byte, [][]byte) { return recAbort, [][]byte{why} })
 		g.close()
 		return nil, err
 	}
@@ -1453,28 +1455,13 @@ func (w progressWriter) Write(p []byte) (int, error) {
 // leaf: a rank other than 0 of a rendezvous sends its entries to the root
 // and receives its column.
 func (x *exchange) leaf(ctx context.Context) ([][]byte, error) {
-	if x.cfg.Listener != nil {
-		x.cfg.Listener.Close()
-	}
-	k, err := x.dial(ctx, 0, x.cfg.Root)
+	var in [][]byte
+	err := x.leafRound(ctx, encodeVector(x.out), func(data []byte) (err error) {
+		in, err = decodeVector(data, x.cfg.Size)
+		return err
+	})
 	if err != nil {
-		return nil, x.fail(0, nil, err)
-	}
-	defer k.stopWatch()
-	defer k.c.Close()
-	if err := x.send(k, encodeVector(x.out)); err != nil {
-		return nil, x.fail(0, nil, x.ioErr(ctx, err))
-	}
-	data, err := x.recv(ctx, k)
-	if err != nil {
-		if ctx.Err() != nil {
-			err = fmt.Errorf("%w: waiting for the root's answer: %w", ErrPeerMissing, err)
-		}
-		return nil, x.fail(0, nil, err)
-	}
-	in, err := decodeVector(data, x.cfg.Size)
-	if err != nil {
-		return nil, x.fail(0, nil, err)
+		return nil, err
 	}
 	in[x.cfg.Rank] = x.out[x.cfg.Rank]
 	return in, nil
@@ -1483,42 +1470,56 @@ func (x *exchange) leaf(ctx context.Context) ([][]byte, error) {
 // leafCards: a rank other than 0 of a rendezvous of cards sends the root
 // its card and items, and receives the table of cards and its column.
 func (x *exchange) leafCards(ctx context.Context) ([][]byte, []byte, error) {
+	n, w, r := x.cfg.Size, x.items, x.cfg.Rank
+	var cards [][]byte
+	var column []byte
+	err := x.leafRound(ctx, encodeCardShare(x.card, x.itemBuf),
+		func(data []byte) (err error) {
+			cards, err = decodeCardTable(data, n, x.maxCard)
+			return err
+		},
+		func(data []byte) error {
+			if len(data) != n*w {
+				return fmt.Errorf("%w: column of %d bytes (want %d items of %d bytes)", ErrBadFrame, len(data), n, w)
+			}
+			column = data
+			return nil
+		})
+	if err != nil {
+		return nil, nil, err
+	}
+	cards[r] = x.card
+	copy(column[r*w:], x.itemBuf[r*w:(r+1)*w])
+	return cards, column, nil
+}
+
+// leafRound is a leaf's part of a rendezvous: it sends the root share,
+// then hands the root's answers, in order, one to each of take. A
+// failure, or an error of take, fails the exchange naming the root.
+func (x *exchange) leafRound(ctx context.Context, share []byte, take ...func(data []byte) error) error {
 	if x.cfg.Listener != nil {
 		x.cfg.Listener.Close()
 	}
 	k, err := x.dial(ctx, 0, x.cfg.Root)
 	if err != nil {
-		return nil, nil, x.fail(0, nil, err)
+		return x.fail(0, nil, err)
 	}
 	defer k.stopWatch()
 	defer k.c.Close()
-	if err := x.send(k, encodeCardShare(x.card, x.itemBuf)); err != nil {
-		return nil, nil, x.fail(0, nil, x.ioErr(ctx, err))
+	if err := x.send(k, share); err != nil {
+		return x.fail(0, nil, x.ioErr(ctx, err))
 	}
-	recv := func() ([]byte, error) {
+	for _, f := range take {
 		data, err := x.recv(ctx, k)
 		if err != nil && ctx.Err() != nil {
 			err = fmt.Errorf("%w: waiting for the root's answer: %w", ErrPeerMissing, err)
 		}
-		return data, err
+		if err == nil {
+			err = f(data)
+		}
+		if err != nil {
+			return x.fail(0, nil, err)
+		}
 	}
-	n, w, r := x.cfg.Size, x.items, x.cfg.Rank
-	data, err := recv()
-	if err != nil {
-		return nil, nil, x.fail(0, nil, err)
-	}
-	cards, err := decodeCardTable(data, n, x.maxCard)
-	if err != nil {
-		return nil, nil, x.fail(0, nil, err)
-	}
-	column, err := recv()
-	if err != nil {
-		return nil, nil, x.fail(0, nil, err)
-	}
-	if len(column) != n*w {
-		return nil, nil, x.fail(0, nil, fmt.Errorf("%w: column of %d bytes (want %d items of %d bytes)", ErrBadFrame, len(column), n, w))
-	}
-	cards[r] = x.card
-	copy(column[r*w:], x.itemBuf[r*w:(r+1)*w])
-	return cards, column, nil
+	return nil
 }
