@@ -154,6 +154,9 @@ type Comm struct {
 	landSrc                           int // offset in tx of the landing announcement's source (announce)
 	remote                            []verbs.RemoteRegion
 	sendSeq, recvSeq, ackSent         []uint64
+	ackWritten, llAcked               []uint64 // ack counts written (ackSent counts those that rode on small messages too), and acks that came so (small.go)
+	llData                            []byte   // the data of the small message taken in (small.go)
+	acksRode                          bool     // some ackSent is past ackWritten (small.go)
 	flagOwed, ackOwed                 []bool
 	anyOwed                           bool // some flagOwed or ackOwed may be set
 	red                               reducer
@@ -171,6 +174,7 @@ type Comm struct {
 	bufs                              *bufSet          // the Buffers (Alloc), shared with the communicators made from this one
 	zeroCopied                        uint64           // chunks sent from a Buffer (tests)
 	landedChunks                      uint64           // chunks received in place, into a Buffer (tests)
+	writes, countWrites               uint64           // writes posted by the calls, and how many were data counts (tests)
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out
@@ -228,7 +232,8 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 	c := &Comm{node: node, mc: node.Channel(), opts: opts, ranks: ranks, rank: me, size: p, bufs: bufs,
 		chunk: opts.ChunkSize, slots: opts.Slots, ackEvery: max(1, opts.Slots/2),
 		remote: make([]verbs.RemoteRegion, p), sendSeq: make([]uint64, p), recvSeq: make([]uint64, p),
-		ackSent: make([]uint64, p), flagOwed: make([]bool, p), ackOwed: make([]bool, p)}
+		ackSent: make([]uint64, p), flagOwed: make([]bool, p), ackOwed: make([]bool, p),
+		ackWritten: make([]uint64, p), llAcked: make([]uint64, p), llData: make([]byte, llMax+3)}
 	c.wokenFn = c.woken
 	c.alarm = spinwait.NewAlarm(c.ring)
 	c.spin = spinwait.For(node.LocalRanks(), runtime.NumCPU())

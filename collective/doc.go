@@ -38,6 +38,17 @@
 // MiB; at most 16 MiB in all with the default chunk size, which shrinks
 // from 4 ranks on).
 //
+// A message of at most 1 KiB (a barrier's, a small allreduce's) is one
+// write instead of two: its slot gets 8-byte words that each carry 4
+// bytes of it and a flag, the chunk's sequence number, as in NCCL's LL
+// protocol; the receiver finds it complete when every word carries the
+// flag, and no data counter is written. Such a message also carries the
+// sender's ack counter for the receiver, which then needs no write of
+// its own. On soft0 shared memory this took a barrier between 2
+// processes from 4.3–4.7 µs to 2.5 µs, an 8-byte allreduce from 4.4–4.5
+// to 2.6 µs (1.5 µs one-way; `goverbs coll -p 2 -max 8 -iters 100000`,
+// 3 runs alternating with the code before).
+//
 // With chunks of 256 KiB or more (the default up to 8 ranks) the
 // windows also allow remote reads, which lets soft0 map them into the
 // peer processes of the host: a write of 16 KiB or more into them is

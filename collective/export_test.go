@@ -23,3 +23,27 @@ func HoldBuffer[T Number](b *Buffer[T]) func() {
 // Landed returns how many chunks c has received in place, written by
 // the sender straight into a Buffer (land.go).
 func Landed(c *Comm) uint64 { return c.landedChunks }
+
+// Writes returns how many RDMA writes c's calls posted, and how many of
+// them were data counts (not sent for small messages: small.go).
+func Writes(c *Comm) (total, counts uint64) { return c.writes, c.countWrites }
+
+// SmallWordsClear reports whether the words small messages take in every
+// slot of c's window are zero, as they must be between calls (every chunk
+// consumed clears what it wrote there).
+func SmallWordsClear(c *Comm) bool {
+	for p := range c.size {
+		for k := range c.slots {
+			slot := c.rxSlot(p, uint64(k))
+			for _, b := range slot[:min(len(slot), llRegion)] {
+				if b != 0 {
+					return false
+				}
+			}
+		}
+	}
+	return true
+}
+
+// LLMax is the largest message sent as one write of LL words.
+const LLMax = llMax

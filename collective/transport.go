@@ -42,6 +42,8 @@ import (
 // posted unsignaled in effect (its handle released at once), and a
 // failure shows as a broken channel.
 //
+// A message of at most llMax bytes is one write instead (small.go).
+//
 // The header of a chunk carries the pair's chunk sequence, the call's
 // sequence number on the communicator and its description (kind, op,
 // element type, root, count, message length): a rank that receives a
@@ -409,8 +411,7 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 		return false, c.peerClosed(p)
 	}
 	seq := c.sendSeq[p]
-	acked := atomic.LoadUint64(word(c.rx, p*peerFlagBytes+8))
-	if seq-acked >= uint64(c.slots) {
+	if seq-c.credit(p) >= uint64(c.slots) {
 		return false, nil
 	}
 	limit, ok := f.ready()
@@ -427,6 +428,9 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 		return false, nil // a whole chunk, unless it is the last
 	}
 	k := int(seq % uint64(c.slots))
+	if c.small(f, true) {
+		return c.sendSmall(f, seq, k)
+	}
 	slot := (p*c.slots + k) * c.slotBytes
 	st := c.tx.Bytes()[slot : slot+hdrBytes+n]
 	var src [2]verbs.SGE
@@ -508,6 +512,9 @@ func (c *Comm) post(p int, dst verbs.RemoteAddr, bell bool, src ...verbs.SGE) (c
 			return h, perr
 		}
 		h, err = postWrite(ch, dst, bell, src)
+	}
+	if err == nil {
+		c.writes++
 	}
 	return h, err
 }
@@ -622,6 +629,7 @@ func (c *Comm) postFlag(p int) error {
 	}
 	h.Release()
 	c.flagOwed[p] = false
+	c.countWrites++
 	return nil
 }
 
@@ -641,19 +649,41 @@ func (c *Comm) header(b []byte, seq uint64, n, total int) {
 func (c *Comm) tryRecv(f *flow) (bool, error) {
 	p := f.peer
 	seq := c.recvSeq[p]
-	if atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) <= seq {
-		return false, nil
-	}
 	n := min(c.chunk, len(f.buf)-f.off)
 	if f.landed {
+		if atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) <= seq {
+			return false, nil
+		}
 		c.landedChunks++ // the sender wrote it in place
 	} else {
-		k := int(seq % uint64(c.slots))
-		slot := c.rx.Bytes()[c.slotBase+(p*c.slots+k)*c.slotBytes:][:c.slotBytes]
-		if err := c.check(slot, p, seq, n, len(f.buf)); err != nil {
+		slot := c.rxSlot(p, seq)
+		// A small message (small.go), expected or not: one that is not
+		// expected is a mismatch.
+		small, err := c.recvSmall(slot, p, seq, len(f.buf)-f.off)
+		if err != nil {
 			return false, err
 		}
-		data := slot[hdrBytes : hdrBytes+n]
+		counted := !small && atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) > seq
+		if counted {
+			// The data count of a later chunk may have come since the
+			// look, with this small message before it (queue pairs
+			// place writes in order): look again.
+			if small, err = c.recvSmall(slot, p, seq, len(f.buf)-f.off); err != nil {
+				return false, err
+			}
+		}
+		var data []byte
+		switch {
+		case small:
+			data = c.llData[:n]
+		case !counted:
+			return false, nil
+		default:
+			if err := c.check(slot, p, seq, n, len(f.buf)); err != nil {
+				return false, err
+			}
+			data = slot[hdrBytes : hdrBytes+n]
+		}
 		if f.init != nil {
 			copy(f.buf[f.off:f.off+n], f.init[f.off:f.off+n])
 		}
@@ -661,6 +691,12 @@ func (c *Comm) tryRecv(f *flow) (bool, error) {
 			c.red(f.buf[f.off:f.off+n], data, f.srcLow)
 		} else {
 			copy(f.buf[f.off:f.off+n], data)
+		}
+		if !small {
+			// What the chunk wrote where small messages' words go
+			// (small.go: only the sender's next use of the slot may
+			// flag words).
+			clear(slot[:min(hdrBytes+n, llRegion)])
 		}
 	}
 	c.recvSeq[p] = seq + 1
@@ -718,6 +754,7 @@ func (c *Comm) postAck(p int) error {
 	}
 	h.Release()
 	c.ackSent[p] = v
+	c.ackWritten[p] = v
 	c.ackOwed[p] = false
 	return nil
 }
@@ -835,6 +872,9 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 			return c.fail(err, -1)
 		}
 		if w.i%waitCheck == 0 {
+			if err := c.writeRodeAcks(); err != nil {
+				return err
+			}
 			if err := c.checks(ctx, sends, recvs); err != nil {
 				return err
 			}
@@ -857,6 +897,12 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 		}
 		c.spin.Pause()
 		return nil
+	}
+	if err := c.writeRodeAcks(); err != nil {
+		return err
+	}
+	if c.anyOwed {
+		return nil // the next round retries it
 	}
 	w.slept = true
 	return c.sleep(ctx, sends, recvs)
@@ -959,7 +1005,7 @@ func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 			// A peer that closed sends nothing more; what it sent before
 			// its done flag is here (queue pairs place writes in order): a
 			// receive fails only when none of it is left to consume.
-			if c.finished(p) && (k == 0 || atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) <= c.recvSeq[p]) {
+			if c.finished(p) && (k == 0 || atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) <= c.recvSeq[p] && !c.llArrived(p, c.recvSeq[p])) {
 				return c.peerClosed(p)
 			}
 		}

@@ -1,0 +1,214 @@
+package collective
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/goverbs/verbs"
+)
+
+// Small messages. A message of at most llMax bytes that goes through the
+// window is sent as one RDMA write (with immediate data: the doorbell)
+// instead of two (the chunk, then the data count): every write costs the
+// receiver's side of the transport a frame to take in, and on soft0
+// shared memory the second write made a two-rank barrier a third
+// slower. The write carries 8-byte words, each holding 4 bytes of the
+// message in its low half and a flag in its high half that is the
+// chunk's sequence number (plus one, modulo 2³²−1: never 0), as the LL
+// protocol of NCCL does. The receiver finds the message complete when
+// every word of it carries the flag, whatever the order in which the
+// write's bytes were placed: it relies only on each aligned 8-byte word
+// being placed whole, which DMA to host memory does and soft0's copies
+// do. The header words carry what a chunk's header carries (the call,
+// its description and the message length, so a mismatched call is
+// reported as with a chunk), and the sender's consumed count of the
+// receiver's chunks (an ack, see below):
+//
+//	word 0 call | 1 kind, op << 8, dtype << 16 | 2 root | 3 count low |
+//	4 count high | 5 message length | 6 ack | 7… data, 4 bytes a word
+//
+// Both sides agree on the form of a chunk from the message's length (a
+// message of at most llMax bytes, sent through the window, in one
+// chunk); a receiver that expects one form and finds the other reports
+// the mismatch of lengths. The receiver clears the words a chunk left in
+// its slot (LL or not) before it acknowledges it, so the sender's next
+// use of the slot is the only source of flagged words: a stale word of
+// an earlier chunk, whatever its data, cannot pass for a new one.
+//
+// Acks ride along: a small message to a peer carries how many of that
+// peer's chunks this rank consumed, which counts as a written ack count
+// once the peer takes the message in (llAcked). A rank that would wait
+// with consumed chunks whose count only rode on messages its peer has
+// not taken in yet writes the ack count (idle's ackLagging), so a peer
+// waiting for credit is never left waiting for a message it will only
+// take in later.
+
+const (
+	llMax      = 1024 // bytes of the largest message sent in LL words
+	llHdrWords = 7
+	llRegion   = (llHdrWords + (llMax+3)/4) * 8 // the most of a slot LL words take
+)
+
+// llWords returns the words of a small message of n bytes.
+func llWords(n int) int { return llHdrWords + (n+3)/4 }
+
+// llFlag returns the flag (high half of each word) of chunk seq.
+func llFlag(seq uint64) uint64 { return (seq%(1<<32-1) + 1) << 32 }
+
+// small reports whether f, a send or a receive of the current chunk, is
+// a small message: sent whole, through the window, in LL words.
+func (c *Comm) small(f *flow, send bool) bool {
+	if len(f.buf) > llMax || f.off != 0 || llWords(len(f.buf))*8 > c.slotBytes || len(f.buf) > c.chunk {
+		return false
+	}
+	if send {
+		return f.land == landWindow && f.zreg == nil
+	}
+	return !f.landed
+}
+
+// sendSmall sends f (small, with the credit for chunk seq in slot k) as
+// one write of LL words.
+func (c *Comm) sendSmall(f *flow, seq uint64, k int) (bool, error) {
+	p := f.peer
+	n := len(f.buf)
+	words := llWords(n)
+	slot := (p*c.slots + k) * c.slotBytes
+	st := c.tx.Bytes()[slot : slot+words*8]
+	flag := llFlag(seq)
+	put := func(i int, v uint32) { binary.LittleEndian.PutUint64(st[i*8:], flag|uint64(v)) }
+	ack := c.recvSeq[p]
+	put(0, c.callSeq)
+	put(1, uint32(c.call.kind)|uint32(c.call.op)<<8|uint32(c.call.dtype)<<16)
+	put(2, uint32(c.call.root))
+	put(3, uint32(c.call.count))
+	put(4, uint32(c.call.count>>32))
+	put(5, uint32(n))
+	put(6, uint32(ack))
+	for i := 0; i < n; i += 4 {
+		var b [4]byte
+		copy(b[:], f.buf[i:])
+		put(llHdrWords+i/4, binary.LittleEndian.Uint32(b[:]))
+	}
+	src, err := c.tx.SGE(slot, words*8)
+	if err != nil {
+		return false, err
+	}
+	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
+	h, err := c.post(p, dst, true, src)
+	if err != nil {
+		if errors.Is(err, verbs.ErrQueueFull) {
+			return false, nil
+		}
+		return false, err
+	}
+	h.Release()
+	c.sendSeq[p] = seq + 1
+	f.off, f.started = n, true
+	if ack > c.ackSent[p] {
+		c.ackSent[p] = ack // in flight: the peer learns it when it takes this in
+		c.acksRode = true
+	}
+	return true, nil
+}
+
+// llWord returns word i of the LL words in slot (atomically: the sender
+// may be writing them) and whether it carries flag.
+func llWord(slot []byte, i int, flag uint64) (uint32, bool) {
+	v := atomic.LoadUint64((*uint64)(unsafe.Pointer(&slot[i*8])))
+	return uint32(v), v&^(1<<32-1) == flag
+}
+
+// recvSmall takes in the small message of chunk seq from p in slot, if
+// it has arrived, into c.llData; it reports whether it had. expect is the
+// length this rank expects (for the error of a mismatch).
+func (c *Comm) recvSmall(slot []byte, p int, seq uint64, expect int) (bool, error) {
+	flag := llFlag(seq)
+	var h [llHdrWords]uint32
+	for i := range h {
+		v, ok := llWord(slot, i, flag)
+		if !ok {
+			return false, nil
+		}
+		h[i] = v
+	}
+	n := int(h[5])
+	if n > llMax || llWords(n)*8 > len(slot) {
+		return false, fmt.Errorf("rank %d's small message has %d bytes (corrupted window)", p, n)
+	}
+	words := llWords(n)
+	for i := llHdrWords; i < words; i++ {
+		v, ok := llWord(slot, i, flag)
+		if !ok {
+			return false, nil
+		}
+		binary.LittleEndian.PutUint32(c.llData[(i-llHdrWords)*4:], v)
+	}
+	peer := callInfo{kind: uint8(h[1]), op: opKind(h[1] >> 8), dtype: uint8(h[1] >> 16), root: int32(h[2]),
+		count: uint64(h[3]) | uint64(h[4])<<32}
+	if h[0] != c.callSeq {
+		return false, fmt.Errorf("%w: rank %d is in its call %d (%v), this rank in its call %d (%v)", ErrMismatch, p, h[0], peer, c.callSeq, c.call)
+	}
+	if peer != c.call {
+		return false, fmt.Errorf("%w: rank %d called %v, this rank %v", ErrMismatch, p, peer, c.call)
+	}
+	if n != expect {
+		return false, fmt.Errorf("%w: rank %d sends %d bytes, this rank expects %d", ErrMismatch, p, n, expect)
+	}
+	// The ack, the low half of the peer's count of this rank's chunks it
+	// consumed, which lies between the credit known and what was sent.
+	sent := c.sendSeq[p]
+	if acked := sent - uint64(uint32(sent)-h[6]); acked > c.llAcked[p] && acked <= sent {
+		c.llAcked[p] = acked
+	}
+	clear(slot[:words*8])
+	return true, nil
+}
+
+// llArrived reports whether the small message of chunk seq from p has
+// arrived in its slot (without taking it in).
+func (c *Comm) llArrived(p int, seq uint64) bool {
+	slot := c.rxSlot(p, seq)
+	flag := llFlag(seq)
+	for i := range llHdrWords {
+		if _, ok := llWord(slot, i, flag); !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// rxSlot returns the slot of p's chunk seq in this rank's window.
+func (c *Comm) rxSlot(p int, seq uint64) []byte {
+	k := int(seq % uint64(c.slots))
+	return c.rx.Bytes()[c.slotBase+(p*c.slots+k)*c.slotBytes:][:c.slotBytes]
+}
+
+// credit returns the count of this rank's chunks p consumed, as far as
+// this rank knows: its written ack count, or the ack that rode on its
+// last small message.
+func (c *Comm) credit(p int) uint64 {
+	return max(atomic.LoadUint64(word(c.rx, p*peerFlagBytes+8)), c.llAcked[p])
+}
+
+// writeRodeAcks writes the ack counts that only rode on small messages,
+// before this rank waits long or sleeps: a peer waiting for credit may
+// take those messages in only after it got the credit.
+func (c *Comm) writeRodeAcks() error {
+	if !c.acksRode {
+		return nil
+	}
+	c.acksRode = false
+	for p := range c.size {
+		if c.ackSent[p] > c.ackWritten[p] && !c.ackOwed[p] {
+			c.ackOwed[p] = true
+			if err := c.postAck(p); err != nil {
+				return c.fail(err, p)
+			}
+		}
+	}
+	return nil
+}
