@@ -194,7 +194,9 @@
 // processors sleep until their signal arrives. The queue pairs of a
 // Node's channel carry one-sided operations only: its receive queues
 // hold the doorbells (sends and receives fail with ErrNotSupported);
-// exchange small data with Share.
+// exchange small data with Share. Ranks that outnumber the processors
+// should each run with GOMAXPROCS set to their share of the processors,
+// at least 1 (package collective, Waiting, has the measurements).
 // BenchmarkBarrierXproc measures barriers between processes, up to four
 // times as many as processors, against the one-way latency of the same
 // transport.

@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -37,10 +38,23 @@ func TestColl(t *testing.T) {
 		name  string
 		args  []string
 		check func(t *testing.T, out string)
+		procs string // GOMAXPROCS of the run
 	}{
-		{"table", nil, checkCollTable},
-		{"json", []string{"-json"}, checkCollJSON},
-		{"ring int64 in place", []string{"-alg", "ring", "-type", "int64", "-inplace", "-ops", "allreduce", "-json"}, func(t *testing.T, out string) {
+		{name: "table", check: checkCollTable},
+		{name: "json", args: []string{"-json"}, check: checkCollJSON},
+		// The ranks share out the processors (rankProcs), unless
+		// GOMAXPROCS says otherwise.
+		{name: "shared processors", args: []string{"-ops", "barrier", "-json"}, check: func(t *testing.T, out string) {
+			if res := decodeColl(t, out); res.Procs != rankProcs(2) {
+				t.Errorf("GOMAXPROCS of rank 0 is %d, want %d (%d processors, 2 ranks)", res.Procs, rankProcs(2), runtime.NumCPU())
+			}
+		}},
+		{name: "GOMAXPROCS set", args: []string{"-ops", "barrier", "-json"}, procs: "3", check: func(t *testing.T, out string) {
+			if res := decodeColl(t, out); res.Procs != 3 {
+				t.Errorf("GOMAXPROCS of rank 0 is %d, want 3 (set)", res.Procs)
+			}
+		}},
+		{name: "ring int64 in place", args: []string{"-alg", "ring", "-type", "int64", "-inplace", "-ops", "allreduce", "-json"}, check: func(t *testing.T, out string) {
 			res := decodeColl(t, out)
 			if len(res.Rows) != len(collSizes()) {
 				t.Fatalf("%d rows, want %d (allreduce only)", len(res.Rows), len(collSizes()))
@@ -62,6 +76,7 @@ func TestColl(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv("GOMAXPROCS", tc.procs)
 			out := mustRun(t, append(append([]string{}, base...), tc.args...)...)
 			tc.check(t, out)
 		})

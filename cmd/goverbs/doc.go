@@ -50,6 +50,9 @@
 // issue 15's goals as ratios: allreduce busbw at >= 16 MiB over the peak
 // point-to-point bandwidth, and 8-byte allreduce and barrier latency over
 // ceil(log2 p) one-way latencies. -json prints one JSON object instead.
+// The ranks it starts share out the processors: each runs with
+// GOMAXPROCS = max(1, processors / p), unless GOMAXPROCS is set (see
+// package collective, Waiting); the first line says which.
 //
 // # bench
 //
