@@ -493,7 +493,7 @@ func (c *Comm) sayDone() {
 				break
 			}
 			c.mc.Progress()
-			runtime.Gosched()
+			c.spin.Pause()
 		}
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"runtime"
 	"sync/atomic"
 	"time"
 
@@ -129,7 +128,7 @@ func (c *Comm) postPatiently(ctx context.Context, p int, dst verbs.RemoteAddr, b
 				return c.peerFailed(p, err)
 			}
 		}
-		runtime.Gosched()
+		c.spin.Pause()
 	}
 }
 

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
-	"runtime"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -293,7 +292,7 @@ func (c *Comm) abort(reason uint64) {
 				break
 			}
 			c.mc.Progress()
-			runtime.Gosched()
+			c.spin.Pause()
 		}
 	}
 }
@@ -582,7 +581,7 @@ func (c *Comm) zeroCopyWait(ctx context.Context, sends []flow) error {
 					return c.fail(err, f.peer)
 				}
 			}
-			runtime.Gosched()
+			c.spin.Pause()
 		}
 		err := f.zlast.Err()
 		f.zlast.Release()

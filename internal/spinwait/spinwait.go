@@ -29,7 +29,9 @@
 // MaxYieldRanks per processor, and sleeps at once beyond that: a rank
 // the others wait for would queue behind every yielding spinner of its
 // processor (hundreds of ranks per processor: each wait a lap of
-// context switches), and a sleeping wait leaves it alone.
+// context switches), and a sleeping wait leaves it alone. The waits
+// that cannot sleep (for room in a send queue, or for the execution of a
+// write) yield whenever the ranks outnumber the processors.
 //
 // Deciding from the machine rather than from how recent waits went keeps
 // two ranks that could spin from settling into both sleeping, where each
@@ -71,12 +73,12 @@ type Policy struct {
 // processors (see the package documentation).
 func For(localRanks, cpus int) Policy {
 	cpus = max(cpus, 1)
-	p := Policy{Every: interval(localRanks, cpus)}
-	switch {
-	case localRanks <= cpus:
+	// Yield also beyond MaxYieldRanks per processor: the waits that
+	// cannot sleep (for room in a send queue, for the execution of a
+	// write that reads a Buffer) still spin.
+	p := Policy{Every: interval(localRanks, cpus), Yield: localRanks > cpus}
+	if localRanks <= MaxYieldRanks*cpus {
 		p.Spin = MaxSpin
-	case localRanks <= MaxYieldRanks*cpus:
-		p.Spin, p.Yield = MaxSpin, true
 	}
 	return p
 }
