@@ -68,7 +68,7 @@ type qp struct {
 	spans      [maxSGE]span
 	locked     [maxSGE]*mr
 	lcache     *mr // last local MR looked up
-	cbuf       [cbufLen]prov.Completion
+	cbuf       *[cbufLen]prov.Completion // made with the send ring (post)
 	ncbuf      int
 	retrying   bool
 	notReady   time.Time // when the head request was first found its target not ready (progMu)
@@ -85,10 +85,11 @@ type qp struct {
 	// another process, xproc is set and the send queue runs in the QP's
 	// own goroutine (workLoop), which may wait for the peer.
 	x        *xstate
-	xproc    atomic.Bool
-	workOnce sync.Once
-	workCh   chan struct{}
-	workDone chan struct{}
+	xproc     atomic.Bool
+	workOnce  sync.Once
+	workStart sync.Once // starts workLoop at the first needWorker, or stands for it at Close
+	workCh    chan struct{}
+	workDone  chan struct{}
 	closing  chan struct{} // closed when Close starts
 
 	// Responder scratch (rmu).
@@ -341,6 +342,7 @@ func (q *qp) Close() error {
 	q.rmu.Unlock()
 	q.progMu.Unlock()
 	if remote {
+		q.workStart.Do(func() { close(q.workDone) }) // never started
 		<-q.workDone
 	}
 	q.progMu.Lock()
