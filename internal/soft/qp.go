@@ -67,7 +67,7 @@ type qp struct {
 	resp       response
 	spans      [maxSGE]span
 	locked     [maxSGE]*mr
-	lcache     *mr // last local MR looked up
+	lcache     *mr                       // last local MR looked up
 	cbuf       *[cbufLen]prov.Completion // made with the send ring (post)
 	ncbuf      int
 	retrying   bool
@@ -84,13 +84,13 @@ type qp struct {
 	// Cross-process requests (conn.go). Once a request of this QP goes to
 	// another process, xproc is set and the send queue runs in the QP's
 	// own goroutine (workLoop), which may wait for the peer.
-	x        *xstate
+	x         *xstate
 	xproc     atomic.Bool
 	workOnce  sync.Once
 	workStart sync.Once // starts workLoop at the first needWorker, or stands for it at Close
 	workCh    chan struct{}
 	workDone  chan struct{}
-	closing  chan struct{} // closed when Close starts
+	closing   chan struct{} // closed when Close starts
 
 	// Responder scratch (rmu).
 	rspans  [maxSGE]span
