@@ -86,10 +86,9 @@ type qp struct {
 	// own goroutine (workLoop), which may wait for the peer.
 	x         *xstate
 	xproc     atomic.Bool
-	workOnce  sync.Once
-	workStart sync.Once // starts workLoop at the first needWorker, or stands for it at Close
-	workCh    chan struct{}
-	workDone  chan struct{}
+	workStart sync.Once     // makes workCh and workDone and starts workLoop at the first needWorker; Close runs it empty
+	workCh    chan struct{} // set by workStart
+	workDone  chan struct{} // set by workStart
 	closing   chan struct{} // closed when Close starts
 
 	// Responder scratch (rmu).
@@ -342,8 +341,10 @@ func (q *qp) Close() error {
 	q.rmu.Unlock()
 	q.progMu.Unlock()
 	if remote {
-		q.workStart.Do(func() { close(q.workDone) }) // never started
-		<-q.workDone
+		q.workStart.Do(func() {}) // not started: it never will be
+		if q.workDone != nil {
+			<-q.workDone
+		}
 	}
 	q.progMu.Lock()
 	if q.x.rtimer != nil {

@@ -27,11 +27,7 @@ func (q *qp) kick() {
 // rank and sends on a few. Called with progMu or smu held (so not
 // concurrently with Close's check).
 func (q *qp) setRemote() {
-	q.workOnce.Do(func() {
-		q.workCh = make(chan struct{}, 1)
-		q.workDone = make(chan struct{})
-		q.xproc.Store(true)
-	})
+	q.xproc.Store(true)
 }
 
 func (q *qp) workLoop() {

@@ -28,7 +28,7 @@ type recvSlot struct {
 }
 
 // recvRingMin is the length of a receive ring when it is first made.
-const recvRingMin = 8
+const recvRingMin = 4
 
 func (q *recvQueue) init(depth, maxSGE int) {
 	*q = recvQueue{depth: depth, maxSGE: maxSGE}

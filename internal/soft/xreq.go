@@ -230,7 +230,11 @@ func (q *qp) needWorker() {
 	if !q.xproc.Load() {
 		return // no goroutine of its own (setRemote)
 	}
-	q.workStart.Do(func() { go q.workLoop() })
+	q.workStart.Do(func() {
+		q.workCh = make(chan struct{}, 1)
+		q.workDone = make(chan struct{})
+		go q.workLoop()
+	})
 	select {
 	case q.workCh <- struct{}{}:
 	default:
