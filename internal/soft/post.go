@@ -122,10 +122,7 @@ func (q *qp) enqueue(wr *prov.SendWR, sges []prov.SGE) error {
 	if q.sq.count == q.sq.depth {
 		return q.sqFull
 	}
-	q.sq.alloc()
-	if q.cbuf == nil {
-		q.cbuf = new([cbufLen]prov.Completion) // read by the runner after it sees the request, under smu
-	}
+	q.allocSend()
 	i := q.sq.head + q.sq.count
 	if i >= q.sq.depth {
 		i -= q.sq.depth
