@@ -244,10 +244,10 @@
 // NewNode 53 → 22, 86 → 32, 122 → 44…68 ms; LocalCard 6 → 5, 7 → 13,
 // 8 → 8…13 ms; the exchange (dial, send, wait, decode N cards) 4 → 4,
 // 6 → 15, 18 → 15…16 ms; ConnectCards 25 → 5, 41 → 8, 162 → 19…24 ms.
-// In one process (BenchmarkNodeStartup, N = 512, the same run
-// alternating the two builds) NewNode went from 80…89 µs to 7…11 µs per
-// peer and ConnectCards from 57…74 µs to 4…5 µs, allocating 10 KiB per
-// peer instead of 31 KiB, by making at first use what a rank of a large
+// In one process (BenchmarkNodeStartup, N = 512, runs alternating the
+// two builds) NewNode went from 78…92 µs to 7…11 µs per peer and
+// ConnectCards from 36…74 µs to 4…5 µs, allocating 10 KiB per peer
+// instead of 31 KiB, by making at first use what a rank of a large
 // world does not use: channel's doorbell receives are posted one by one,
 // not through a request batch per queue pair (a memfd, a mapping and a
 // page fault each: most of ConnectCards, and half the descriptors); a
