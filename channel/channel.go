@@ -76,7 +76,7 @@ func (p *peer) connect(remote verbs.Endpoint) error {
 		}
 		return &OpError{Op: "connect", Peer: p.idx, Err: errors.New("already connected")}
 	}
-	if p.bells != nil && p.rqUsed.Load() == 0 {
+	if p.bells && p.rqUsed.Load() == 0 {
 		// Before the queue pair is ready to receive: the peer's first
 		// doorbell finds a receive.
 		n := p.e.initialBells()

@@ -27,10 +27,11 @@ func batchFDs(t *testing.T) int {
 
 // TestMultiBatchesOnFirstUse: a MultiChannel holds the request batches of
 // a peer (two descriptors and mappings, a queue depth of requests each)
-// only once something is posted to it, and the doorbell batch of each
-// peer when it has doorbells. A rank of a large world has a queue pair
-// to every other rank and posts to a few (512 ranks of one host held
-// 1 500 descriptors each).
+// only once something is posted to it, and none for its doorbells, which
+// it posts one by one, connected or not. A rank of a large world has a
+// queue pair to every other rank and posts to a few (512 ranks of one
+// host held 1 500 descriptors each, then one per peer for the doorbells,
+// whose making was most of a rank's Connect).
 func TestMultiBatchesOnFirstUse(t *testing.T) {
 	pd := channel.SoftPD(t)
 	const peers = 64
@@ -40,18 +41,37 @@ func TestMultiBatchesOnFirstUse(t *testing.T) {
 	}{{"no doorbells", 0}, {"doorbells", 8}} {
 		t.Run(tc.name, func(t *testing.T) {
 			before := batchFDs(t)
-			m, err := channel.NewMulti(pd, peers+1, 0, channel.Options{Doorbells: tc.doorbells})
+			opts := channel.Options{Doorbells: tc.doorbells}
+			m, err := channel.NewMulti(pd, peers+1, 0, opts)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer m.Close()
-			got := batchFDs(t) - before
-			want := 0
-			if tc.doorbells > 0 {
-				want = peers // one doorbell batch per peer
+			if got := batchFDs(t) - before; got > 0 {
+				t.Errorf("%d batch descriptors for %d peers nothing was posted to, want none", got, peers)
 			}
-			if got > want {
-				t.Errorf("%d batch descriptors for %d peers nothing was posted to, want at most %d", got, peers, want)
+			// The other side of every queue pair.
+			o, err := channel.NewMulti(pd, peers+1, 0, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer o.Close()
+			me, err := m.Endpoints()
+			if err != nil {
+				t.Fatal(err)
+			}
+			oe, err := o.Endpoints()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := m.Connect(oe); err != nil {
+				t.Fatal(err)
+			}
+			if err := o.Connect(me); err != nil {
+				t.Fatal(err)
+			}
+			if got := batchFDs(t) - before; got > 0 {
+				t.Errorf("%d batch descriptors for %d connected peers nothing was posted to, want none", got, 2*peers)
 			}
 		})
 	}

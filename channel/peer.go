@@ -29,8 +29,12 @@ type peer struct {
 
 	mu sync.Mutex // posting: sb, rb, unsig, marker use
 
-	bellMu sync.Mutex       // posting doorbell receives (bells); never held while waiting
-	bells  *verbs.RecvBatch // Options.Doorbells > 0
+	// Doorbell receives (Options.Doorbells > 0) are posted one by one
+	// (postBells): a queue pair posts 4 when it connects and 1 or 2 at
+	// each ring, and a batch would cost each queue pair a memfd and a
+	// mapping (a rank of a large world has a queue pair to every rank).
+	bellMu sync.Mutex // posting doorbell receives; never held while waiting
+	bells  bool       // Options.Doorbells > 0
 	// The batches of the requests and receives this process posts to
 	// the peer (mu), made on first use (sendBatch, recvBatch): each holds
 	// a queue depth of requests outside the Go heap, and a rank of a
@@ -61,9 +65,7 @@ func newPeer(e *engine, idx int, q *verbs.RCQueuePair) *peer {
 	c := q.Cap()
 	p := &peer{e: e, idx: idx, qp: q, sqCap: int32(c.MaxSendWR), rqCap: int32(c.MaxRecvWR),
 		inlineMax: min(max(c.MaxInlineData, 0), 256)}
-	if e.opts.Doorbells > 0 {
-		p.bells = q.NewRecvBatch(e.opts.Doorbells)
-	}
+	p.bells = e.opts.Doorbells > 0
 	return p
 }
 
@@ -132,10 +134,9 @@ func (p *peer) postBells(n int) error {
 // postBellsLocked is postBells with bellMu held.
 func (p *peer) postBellsLocked(n int) error {
 	for range n {
-		p.bells.Recv(bellWRID(p.idx))
-	}
-	if err := p.bells.Submit(); err != nil {
-		return fmt.Errorf("posting doorbell receives: %w", err)
+		if err := p.qp.PostRecv(bellWRID(p.idx)); err != nil {
+			return fmt.Errorf("posting doorbell receives: %w", err)
+		}
 	}
 	return nil
 }

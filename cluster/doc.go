@@ -215,50 +215,77 @@
 // dissemination barrier to 2 log2 N).
 //
 // Measured on one host with 2 CPUs shared with other work, soft0 over
-// shared memory: BARRIERS=100 WRITE=0 scripts/scale.sh N, with the
-// exchange of one ~310-byte entry per pair of ranks (commit 6ac9832) and
-// with cards, run one after the other for each N. Start-up is from the
+// shared memory: BARRIERS=100 WRITE=0 scripts/scale.sh 32 64 128 256 512,
+// before (commit 04b9a1a: cards, a queue pair's send ring and a peer's
+// batches made on first use, 4 doorbell receives at Connect) and after
+// the per-peer cuts below, run one after the other. Start-up is from the
 // first process' start, which includes starting the N processes one
 // after the other (spawn), to the last rank's Join; cpu is the CPU time
 // of all the ranks together, barriers included; rss the largest rank's
-// peak, rank 0's (the median rank's is 23 MiB at 512 ranks, either way):
+// peak (rank 0's); fds the most descriptors seen in a rank:
 //
-//	         start-up (s)   spawn (s)      cpu (s)       rss (MiB)
-//	N       entries cards  entries cards  entries cards  entries cards
-//	32          2.4   3.8      2.0   3.0      4.4   4.6      12    12
-//	64          5.9   5.9      4.7   6.0     11.0  10.6      17    15
-//	128        10.6  10.6      8.0   7.6     29.4  30.0      28    19
-//	256        34.1  36.0     22.2  26.6     89.9  90.3      68    25
-//	512       139.5 122.8     62.0  77.5    301.7 266.9     223    38
+//	        start-up (s)  spawn (s)    cpu (s)      rss (MiB)  fds
+//	N       before after  before after before after before after before after
+//	32         2.2   1.9     1.5   2.0    4.7   3.6    14  13     79   44
+//	64         4.7   3.1     3.6   2.8   11.0   7.1    16  15    143   80
+//	128       11.0   7.2     8.6   5.9   26.2  18.8    19  17    151  141
+//	256       29.3  18.8    20.9  15.5   65.8  51.0    28  21    526  271
+//	512      106.1  55.4    51.3  37.4  264.2 165.8    43  32   1037  521
 //
-// (the first of three runs of 512 ranks with cards failed: no rank
-// passed its barriers, and its output was not kept; the second, above,
-// and the third passed, as did every other run). Cards take rank 0's memory from N² entries to N²
-// 6-byte items (223 MiB → 38 MiB at 512 ranks) and halve its CPU (at
-// 512 ranks, 3.6 s → 1.8 s; it gathers 579 bytes per rank instead of
-// 5 079 at 16 ranks, TestJoinRendezvousRootBytes); they do not change
-// start-up on one host, which is not spent in the exchange.
+// Other runs of 512 ranks: before, 99.2 s (spawn 53.0, cpu 249); after,
+// 61.2, 60.8 s (spawn 38.1, 39.1, cpu 146, 154), and 69.2, 99.1 and
+// 71.1 s in three earlier runs of a build without the scratch and
+// goroutine channels made on first use, while other work loaded the
+// machine (one under perf record -a). Every run of 512 ranks, 8 in all,
+// started and passed its 100 barriers: the failure seen once before (no
+// rank passed its barriers, output not kept) did not recur.
 //
-// Where a rank's start-up goes (the ranks' phases timed with getrusage,
-// median CPU per rank for N = 32, 128, 256): starting the process and
-// the Go runtime, 30, 28, 31 ms; NewNode, 13, 34, 63 ms; LocalCard, 3, 5,
-// 5 ms; the whole exchange, dial, send, wait and decode, 2, 4, 6 ms;
-// ConnectCards, 5, 21, 50 ms; the first barrier, 10, 14, 17 ms. A rank
-// waiting for its column sleeps: 2 to 5 ms of CPU over 12 to 24 s of
-// waiting (it blocks in a read; its Go runtime's sysmon parks), so the
-// ranks that started do not slow the spawning of the others: during the
-// spawn the ranks used a quarter to a third of the machine, for their
-// own start, the rest being the spawning script and the other work of
-// the machine. NewNode costs 0.24 ms per peer (perf: soft0 creating the
-// queue pair, half; the channel's per-peer batches and Go channels, a
-// quarter) and ConnectCards 0.19 ms per peer
-// (posting the doorbell receives, half; the queue pair's state changes,
-// half). So a rank's start costs about 30 ms + 0.45 ms × N of CPU, and
-// the world's 30 ms × N + 0.45 ms × N²: the quadratic part overtakes the
-// linear one at about 70 ranks and is 8 times larger at 512. Start-up on
-// one host therefore still grows faster than N (×3.4 per doubling from
-// 128 ranks on, the ranks' CPU ×3), and the exchange is not the reason: only queue pairs made on first use (below), or a much
-// smaller cost per peer in NewNode and Connect, make it linear.
+// Where a rank's start-up goes (phases timed with getrusage in the
+// ranks, median CPU per rank, before → after, for N = 128, 256, 512):
+// starting the process and the Go runtime, about 35 ms whatever N;
+// NewNode 53 → 22, 86 → 32, 122 → 44…68 ms; LocalCard 6 → 5, 7 → 13,
+// 8 → 8…13 ms; the exchange (dial, send, wait, decode N cards) 4 → 4,
+// 6 → 15, 18 → 15…16 ms; ConnectCards 25 → 5, 41 → 8, 162 → 19…24 ms.
+// In one process (BenchmarkNodeStartup, N = 512, runs alternating the
+// two builds) NewNode went from 78…92 µs to 7…11 µs per peer and
+// ConnectCards from 36…74 µs to 4…5 µs, allocating 10 KiB per peer
+// instead of 31 KiB, by making at first use what a rank of a large
+// world does not use: channel's doorbell receives are posted one by one,
+// not through a request batch per queue pair (a memfd, a mapping and a
+// page fault each: most of ConnectCards, and half the descriptors); a
+// soft0 queue pair's receive ring grows as receives are posted, its
+// requester's scratch (4 KiB) comes with its send ring at the first post
+// and its responder's (1.3 KiB) with the first request it receives, and
+// the goroutine that runs the send queue of a queue pair connected to
+// another process starts at its first request; a completion queue's ring
+// grows as completions queue up (65536 entries were 3 MiB at creation).
+// A fresh process pays more per peer than the benchmark's warm one: each
+// new heap page costs a page fault, and at 512 peers a garbage
+// collection; on the loaded machine, the phases above are worth 60 to
+// 110 µs per peer in NewNode and 40 µs in ConnectCards (0.4 to 0.5 ms in
+// all before).
+//
+// Start-up on one host still grows faster than N: ×2.4 and ×2.6 per
+// doubling from 64 ranks to 256, ×3.0 (55 to 61 s) from 256 to 512; the
+// ranks' CPU ×2.7 and ×3.2. Two parts of it. The spawn grows ×2.4 to
+// ×2.6 per doubling itself (43, 61, 74 ms per process at 128, 256, 512 ranks): the
+// spawning script shares the 2 CPUs with the ranks already started,
+// which build their nodes (35 ms + 0.1 ms × N each) as it goes. And
+// after the last process started, every rank decodes the N cards and
+// connects N − 1 queue pairs at once, when the column arrives: 35 ms of
+// CPU per rank at 512, 18 s of CPU for the world, which with the first
+// barriers of the ranks that are done makes the 18 to 23 s between the
+// last spawn and the last Join (3 to 5 s at 256 ranks; 46 to 55 s at
+// 512 before). perf record -a over that stretch at 512 ranks (the parts
+// overlap: a page fault counts in the code that caused it too): the
+// ranks' Go runtimes 40 % (sysmon 28 %: it polls again every 20 µs each
+// time it preempts a goroutine that has run for 10 ms, as every running
+// goroutine seems to have when its thread waits for a processor; the
+// scheduler's search for work), kernel page faults for fresh memory 20 %,
+// ConnectCards 17 %, soft0's transport for the first barriers 25 %. The
+// per-peer work is O(N) per rank and O(N²) for the world however cheap
+// it is made; only queue pairs made and connected on first use (below)
+// make start-up on one host linear.
 //
 // Before the changes of which this paragraph is the account, 512 ranks
 // did not start (510 of 512 had connected after 345 s when rank 0 gave
@@ -285,9 +312,11 @@
 //
 // 10 000 ranks across hosts (say 100 hosts of 100 ranks, a 10 Gb/s link
 // at rank 0). Per rank, with a queue pair to every rank as now (per peer:
-// 13 KiB resident, one descriptor, 0.45 ms of CPU to build and connect):
-// 130 MiB, 10 000 descriptors (raise ulimit -n) and 4.5 s of CPU; per
-// host 13 GiB and a million descriptors — heavy but not a wall. The
+// about 10 KiB resident — the median rank's peak grows from 14.3 to
+// 17.0 MiB between 256 and 512 ranks, 24 KiB per peer before —, no
+// descriptor — one, a doorbell batch's memfd, before —, 0.1 ms of CPU
+// to build and connect on a loaded host, 0.43 ms before): 100 MiB and 1 s
+// of CPU; per host 10 GiB — heavy but not a wall. The
 // exchange of one entry per pair of ranks was the wall: 10 000 × 9 999 ×
 // 310 bytes = 31 GB into rank 0, held in its memory, and 31 GB out (25 s
 // each way at line rate). In order, what the numbers call for:
@@ -308,7 +337,7 @@
 //     start-up then moves only the cards (2.9 MB per rank, by the tree),
 //     each rank holds the queue pairs of its partners (3 to 28 for the
 //     barriers) instead of 10 000, and start-up on one host becomes
-//     linear (the 0.45 ms × N per rank above goes).
+//     linear (the 0.1 ms × N per rank above goes).
 //   - Failures told by a tree: a rank that sees a rank fail writes the
 //     news to every other rank (Node.Fail, the barrier), which with
 //     soft0's connections made on first use means 9 999 connection

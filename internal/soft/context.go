@@ -119,7 +119,7 @@ func (c *devContext) CreateCQ(cqe int, ch prov.CompChannel, vector int) (prov.CQ
 		}
 		return nil, err
 	}
-	return &cq{ctx: c, ch: sch, ring: make([]prov.Completion, cqe)}, nil
+	return &cq{ctx: c, ch: sch, size: cqe}, nil
 }
 
 func (c *devContext) AsyncEvent(ctx context.Context) (prov.AsyncEvent, error) {

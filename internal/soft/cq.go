@@ -17,8 +17,12 @@ type cq struct {
 	ctx *devContext
 	ch  *compChannel
 
-	mu       sync.Mutex
+	mu sync.Mutex
+	// The ring grows as completions queue up, to size entries (grow): a
+	// CQ sized for every queue pair of a large world (65536 entries are
+	// 3 MiB) holds a few completions most of the time.
 	ring     []prov.Completion
+	size     int
 	head     int
 	n        int
 	overflow bool
@@ -52,8 +56,11 @@ func (c *cq) push(cs []prov.Completion, solicited bool) {
 	fire := false
 	for i := range cs {
 		if c.n == len(c.ring) {
-			c.overflowLocked()
-			return
+			if len(c.ring) == c.size {
+				c.overflowLocked()
+				return
+			}
+			c.grow()
 		}
 		c.ring[(c.head+c.n)%len(c.ring)] = cs[i]
 		c.n++
@@ -70,6 +77,18 @@ func (c *cq) push(cs []prov.Completion, solicited bool) {
 		}
 	}
 	c.mu.Unlock()
+}
+
+// cqRingMin is the length of a completion ring when it is first made.
+const cqRingMin = 64
+
+// grow doubles the ring, up to size entries, keeping the completions in
+// order. Called with c.mu held.
+func (c *cq) grow() {
+	ring := make([]prov.Completion, min(c.size, max(cqRingMin, 2*len(c.ring))))
+	k := copy(ring[:c.n], c.ring[c.head:])
+	copy(ring[k:c.n], c.ring)
+	c.ring, c.head = ring, 0
 }
 
 // push1 appends one completion.
@@ -168,7 +187,7 @@ func (c *cq) Arm(solicitedOnly bool) error {
 	return nil
 }
 
-func (c *cq) Cap() int { return len(c.ring) }
+func (c *cq) Cap() int { return c.size }
 
 // Close destroys the CQ; it fails with EBUSY while QPs use it.
 func (c *cq) Close() error {

@@ -122,7 +122,7 @@ func (q *qp) enqueue(wr *prov.SendWR, sges []prov.SGE) error {
 	if q.sq.count == q.sq.depth {
 		return q.sqFull
 	}
-	q.sq.alloc()
+	q.allocSend()
 	i := q.sq.head + q.sq.count
 	if i >= q.sq.depth {
 		i -= q.sq.depth

@@ -65,10 +65,10 @@ type qp struct {
 	sqPSNPub   atomic.Uint32 // sqPSN for Query
 	req        request
 	resp       response
-	spans      [maxSGE]span
-	locked     [maxSGE]*mr
-	lcache     *mr // last local MR looked up
-	cbuf       [cbufLen]prov.Completion
+	spans      *[maxSGE]span             // sendScratch, made with the send ring (post)
+	locked     *[maxSGE]*mr              // sendScratch
+	lcache     *mr                       // last local MR looked up
+	cbuf       *[cbufLen]prov.Completion // sendScratch
 	ncbuf      int
 	retrying   bool
 	notReady   time.Time // when the head request was first found its target not ready (progMu)
@@ -84,23 +84,63 @@ type qp struct {
 	// Cross-process requests (conn.go). Once a request of this QP goes to
 	// another process, xproc is set and the send queue runs in the QP's
 	// own goroutine (workLoop), which may wait for the peer.
-	x        *xstate
-	xproc    atomic.Bool
-	workOnce sync.Once
-	workCh   chan struct{}
-	workDone chan struct{}
-	closing  chan struct{} // closed when Close starts
+	x         *xstate
+	xproc     atomic.Bool
+	workStart sync.Once     // makes workCh and workDone and starts workLoop at the first needWorker; Close runs it empty
+	workCh    chan struct{} // set by workStart
+	workDone  chan struct{} // set by workStart
+	closing   chan struct{} // closed when Close starts
 
-	// Responder scratch (rmu).
-	rspans  [maxSGE]span
-	rlocked [maxSGE]*mr
+	// Responder scratch (rmu). The arrays are a respScratch, made when
+	// the first request reaches the QP (respondLocked).
+	rspans  *[maxSGE]span
+	rlocked *[maxSGE]*mr
 	rcache  *mr // last MR looked up by the responder
-	rsges   [maxSGE]prov.SGE
+	rsges   *[maxSGE]prov.SGE
 	grh     [grhLen]byte
 	rcomp   prov.Completion
 }
 
 const cbufLen = 64
+
+// sendScratch is what the requester of a QP works with (progMu): the
+// completions it has not delivered yet, and the local memory of the
+// request it runs. A QP gets it with its send ring, at the first post (a
+// rank of a large world has a QP to every other rank and posts to a
+// few; the arrays are 4 KiB).
+type sendScratch struct {
+	cbuf   [cbufLen]prov.Completion
+	spans  [maxSGE]span
+	locked [maxSGE]*mr
+}
+
+// allocSend makes the send ring and the requester's scratch if they were
+// not made yet (smu held; the requester reads them after it saw a request
+// posted, under smu).
+func (q *qp) allocSend() {
+	q.sq.alloc()
+	if q.cbuf == nil {
+		s := new(sendScratch)
+		q.cbuf, q.spans, q.locked = &s.cbuf, &s.spans, &s.locked
+	}
+}
+
+// respScratch is the responder's scratch (rmu): the memory of a receive or
+// a target being written, and a receive's scatter list taken from an SRQ.
+type respScratch struct {
+	spans  [maxSGE]span
+	locked [maxSGE]*mr
+	sges   [maxSGE]prov.SGE
+}
+
+// allocResp makes the responder's scratch if it was not made yet (rmu
+// held).
+func (t *qp) allocResp() {
+	if t.rspans == nil {
+		s := new(respScratch)
+		t.rspans, t.rlocked, t.rsges = &s.spans, &s.locked, &s.sges
+	}
+}
 
 var _ prov.QP = (*qp)(nil)
 
@@ -341,7 +381,10 @@ func (q *qp) Close() error {
 	q.rmu.Unlock()
 	q.progMu.Unlock()
 	if remote {
-		<-q.workDone
+		q.workStart.Do(func() {}) // not started: it never will be
+		if q.workDone != nil {
+			<-q.workDone
+		}
 	}
 	q.progMu.Lock()
 	if q.x.rtimer != nil {

@@ -20,17 +20,14 @@ func (q *qp) kick() {
 	q.runQueue(false)
 }
 
-// setRemote starts the QP's own goroutine, which runs the send queue when
-// that may mean waiting for another process (UC and UD QPs: always; RC:
-// see xreq.go). Called with progMu or smu held (so not concurrently with
-// Close's check).
+// setRemote gives the QP its own goroutine, which runs the send queue
+// when that may mean waiting for another process (UC and UD QPs: always;
+// RC: see xreq.go). The goroutine starts when it is first needed
+// (needWorker): a rank of a large world connects a QP to every other
+// rank and sends on a few. Called with progMu or smu held (so not
+// concurrently with Close's check).
 func (q *qp) setRemote() {
-	q.workOnce.Do(func() {
-		q.workCh = make(chan struct{}, 1)
-		q.workDone = make(chan struct{})
-		go q.workLoop()
-		q.xproc.Store(true)
-	})
+	q.xproc.Store(true)
 }
 
 func (q *qp) workLoop() {

@@ -30,6 +30,7 @@ func (t *qp) respondLocked(req *request, data []span, resp *response) bool {
 	}
 	switch prov.QPState(t.state.Load()) {
 	case prov.QPStateRTR, prov.QPStateRTS, prov.QPStateSQD:
+		t.allocResp()
 	case prov.QPStateErr:
 		resp.code = silentOr(req, respDropped)
 		return false

@@ -10,8 +10,13 @@ import (
 
 // recvQueue is a ring of receive work requests (a QP's RQ or an SRQ).
 type recvQueue struct {
+	// The ring grows (grow) as receives are posted, up to depth: a QP
+	// may never have more than a few receives posted (a rank of a large
+	// world has a QP to every other rank, each with a few doorbell
+	// receives), and a ring of the usual depth is kilobytes.
 	slots  []recvSlot
 	sges   []prov.SGE // len(slots) * maxSGE
+	depth  int        // the most receives the queue holds (max_wr)
 	maxSGE int
 	head   int
 	count  int
@@ -22,16 +27,20 @@ type recvSlot struct {
 	nsge int
 }
 
+// recvRingMin is the length of a receive ring when it is first made.
+const recvRingMin = 4
+
 func (q *recvQueue) init(depth, maxSGE int) {
-	q.slots = make([]recvSlot, depth)
-	q.sges = make([]prov.SGE, depth*maxSGE)
-	q.maxSGE = maxSGE
-	q.head, q.count = 0, 0
+	*q = recvQueue{depth: depth, maxSGE: maxSGE}
 }
 
-func (q *recvQueue) full() bool { return q.count == len(q.slots) }
+func (q *recvQueue) full() bool { return q.count >= q.depth }
 
+// push queues a receive; the queue must not be full.
 func (q *recvQueue) push(wr *prov.RecvWR, sges []prov.SGE) {
+	if q.count == len(q.slots) {
+		q.relayout(min(q.depth, max(recvRingMin, 2*len(q.slots))))
+	}
 	i := q.head + q.count
 	if i >= len(q.slots) {
 		i -= len(q.slots)
@@ -60,17 +69,23 @@ func (q *recvQueue) reset() { q.head, q.count = 0, 0 }
 
 // resize changes the depth, keeping the queued requests (depth >= count).
 func (q *recvQueue) resize(depth int) {
-	var n recvQueue
-	n.init(depth, q.maxSGE)
-	for q.count > 0 {
-		wrid, sges := q.front()
-		b := n.count * n.maxSGE
-		n.slots[n.count] = recvSlot{wrid: wrid, nsge: len(sges)}
-		copy(n.sges[b:], sges)
-		n.count++
-		q.pop()
+	q.depth = depth
+	if len(q.slots) > depth {
+		q.relayout(depth)
 	}
-	*q = n
+}
+
+// relayout moves the queued receives, oldest first, into a new ring of n
+// slots (n >= count).
+func (q *recvQueue) relayout(n int) {
+	slots := make([]recvSlot, n)
+	sges := make([]prov.SGE, n*q.maxSGE)
+	for k := range q.count {
+		i := (q.head + k) % len(q.slots)
+		slots[k] = q.slots[i]
+		copy(sges[k*q.maxSGE:(k+1)*q.maxSGE], q.sges[i*q.maxSGE:])
+	}
+	q.slots, q.sges, q.head = slots, sges, 0
 }
 
 // checkRecvWR validates one receive work request against the queue's SGE
@@ -131,7 +146,7 @@ func (s *srq) PostRecv(wrs []prov.RecvWR, sges []prov.SGE) (int, error) {
 			break
 		}
 		if s.q.full() {
-			err = queueFullErr(fmt.Sprintf("soft: post srq recv: shared receive queue full (max_wr %d)", len(s.q.slots)))
+			err = queueFullErr(fmt.Sprintf("soft: post srq recv: shared receive queue full (max_wr %d)", s.q.depth))
 			break
 		}
 		s.q.push(wr, sges)
@@ -182,7 +197,7 @@ func (s *srq) Modify(attr prov.SRQAttr, limitOnly bool) error {
 	if s.dead {
 		return closedErr("modify srq")
 	}
-	depth := len(s.q.slots)
+	depth := s.q.depth
 	if !limitOnly {
 		if attr.MaxWR < 1 || attr.MaxWR > maxQPWR {
 			return errnof(einval, "modify srq: max_wr %d (1..%d)", attr.MaxWR, maxQPWR)
@@ -195,7 +210,7 @@ func (s *srq) Modify(attr prov.SRQAttr, limitOnly bool) error {
 	if attr.SRQLimit < 0 || attr.SRQLimit > depth {
 		return errnof(einval, "modify srq: limit %d above max_wr %d", attr.SRQLimit, depth)
 	}
-	if depth != len(s.q.slots) {
+	if depth != s.q.depth {
 		s.q.resize(depth)
 	}
 	s.limit = attr.SRQLimit
@@ -208,7 +223,7 @@ func (s *srq) Query() (prov.SRQAttr, error) {
 	if s.dead {
 		return prov.SRQAttr{}, closedErr("query srq")
 	}
-	return prov.SRQAttr{MaxWR: len(s.q.slots), MaxSGE: s.q.maxSGE, SRQLimit: s.limit}, nil
+	return prov.SRQAttr{MaxWR: s.q.depth, MaxSGE: s.q.maxSGE, SRQLimit: s.limit}, nil
 }
 
 func (s *srq) use() error {

@@ -224,8 +224,17 @@ func (x *xstate) push(r rresp, limit int) bool {
 	return true
 }
 
-// needWorker hands the send queue to the QP's goroutine.
+// needWorker hands the send queue to the QP's goroutine, starting it the
+// first time (once Close began, Close stands for it: it does not start).
 func (q *qp) needWorker() {
+	if !q.xproc.Load() {
+		return // no goroutine of its own (setRemote)
+	}
+	q.workStart.Do(func() {
+		q.workCh = make(chan struct{}, 1)
+		q.workDone = make(chan struct{})
+		go q.workLoop()
+	})
 	select {
 	case q.workCh <- struct{}{}:
 	default:
