@@ -77,21 +77,26 @@ func (c *Comm) sendSmall(f *flow, seq uint64, k int) (bool, error) {
 	n := len(f.buf)
 	words := llWords(n)
 	slot := (p*c.slots + k) * c.slotBytes
-	st := c.tx.Bytes()[slot : slot+words*8]
+	// The staging slot is 64-byte aligned: its words are stored whole.
+	w := unsafe.Slice((*uint64)(unsafe.Pointer(&c.tx.Bytes()[slot])), words)
 	flag := llFlag(seq)
-	put := func(i int, v uint32) { binary.LittleEndian.PutUint64(st[i*8:], flag|uint64(v)) }
 	ack := c.recvSeq[p]
-	put(0, c.callSeq)
-	put(1, uint32(c.call.kind)|uint32(c.call.op)<<8|uint32(c.call.dtype)<<16)
-	put(2, uint32(c.call.root))
-	put(3, uint32(c.call.count))
-	put(4, uint32(c.call.count>>32))
-	put(5, uint32(n))
-	put(6, uint32(ack))
-	for i := 0; i < n; i += 4 {
+	w[0] = flag | uint64(c.callSeq)
+	w[1] = flag | uint64(c.call.kind) | uint64(c.call.op)<<8 | uint64(c.call.dtype)<<16
+	w[2] = flag | uint64(uint32(c.call.root))
+	w[3] = flag | c.call.count&(1<<32-1)
+	w[4] = flag | c.call.count>>32
+	w[5] = flag | uint64(n)
+	w[6] = flag | uint64(uint32(ack))
+	d := w[llHdrWords:]
+	i := 0
+	for ; i+4 <= n; i += 4 {
+		d[i/4] = flag | uint64(binary.LittleEndian.Uint32(f.buf[i:]))
+	}
+	if i < n {
 		var b [4]byte
 		copy(b[:], f.buf[i:])
-		put(llHdrWords+i/4, binary.LittleEndian.Uint32(b[:]))
+		d[i/4] = flag | uint64(binary.LittleEndian.Uint32(b[:]))
 	}
 	src, err := c.tx.SGE(slot, words*8)
 	if err != nil {
@@ -140,12 +145,14 @@ func (c *Comm) recvSmall(slot []byte, p int, seq uint64, expect int) (bool, erro
 		return false, fmt.Errorf("rank %d's small message has %d bytes (corrupted window)", p, n)
 	}
 	words := llWords(n)
-	for i := llHdrWords; i < words; i++ {
-		v, ok := llWord(slot, i, flag)
-		if !ok {
+	ws := unsafe.Slice((*uint64)(unsafe.Pointer(&slot[0])), words)[llHdrWords:]
+	dst := c.llData[:len(ws)*4]
+	for i := range ws {
+		v := atomic.LoadUint64(&ws[i])
+		if v&^(1<<32-1) != flag {
 			return false, nil
 		}
-		binary.LittleEndian.PutUint32(c.llData[(i-llHdrWords)*4:], v)
+		binary.LittleEndian.PutUint32(dst[i*4:], uint32(v))
 	}
 	peer := callInfo{kind: uint8(h[1]), op: opKind(h[1] >> 8), dtype: uint8(h[1] >> 16), root: int32(h[2]),
 		count: uint64(h[3]) | uint64(h[4])<<32}
