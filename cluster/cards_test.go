@@ -418,3 +418,37 @@ func TestDecodeCard(t *testing.T) {
 		})
 	}
 }
+
+// TestSameButNumbers: endpoints share a card's template when they differ
+// in their queue pair and packet sequence numbers only; any other field
+// (of the encoding) that differs keeps them apart.
+func TestSameButNumbers(t *testing.T) {
+	base := verbs.Endpoint{Version: verbs.EndpointVersion, Transport: verbs.TransportRC, LinkLayer: verbs.LinkLayerEthernet,
+		Port: 1, GID: verbs.GID{15: 1}, QPN: 99, PSN: 5, MTU: verbs.MTU1024, Addr: []byte("soft0 address")}
+	for _, c := range []struct {
+		name   string
+		change func(e *verbs.Endpoint)
+		same   bool
+	}{
+		{"equal", func(*verbs.Endpoint) {}, true},
+		{"numbers", func(e *verbs.Endpoint) { e.QPN, e.PSN = 100, 6 }, true},
+		{"port", func(e *verbs.Endpoint) { e.Port = 2 }, false},
+		{"gid index", func(e *verbs.Endpoint) { e.GIDIndex = 1 }, false},
+		{"gid", func(e *verbs.Endpoint) { e.GID[14] = 1 }, false},
+		{"lid", func(e *verbs.Endpoint) { e.LID = 3 }, false},
+		{"mtu", func(e *verbs.Endpoint) { e.MTU = verbs.MTU2048 }, false},
+		{"qkey", func(e *verbs.Endpoint) { e.QKey = 7 }, false},
+		{"link layer", func(e *verbs.Endpoint) { e.LinkLayer = verbs.LinkLayerInfiniBand }, false},
+		{"address", func(e *verbs.Endpoint) { e.Addr = []byte("soft0 addresS") }, false},
+		{"invalid", func(e *verbs.Endpoint) { e.Version = 0 }, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := base
+			e.Addr = bytes.Clone(base.Addr)
+			c.change(&e)
+			if got := sameButNumbers(e, base); got != c.same {
+				t.Errorf("sameButNumbers(%+v, %+v) = %v, want %v", e, base, got, c.same)
+			}
+		})
+	}
+}

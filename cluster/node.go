@@ -220,11 +220,18 @@ func (n *Node) localCard(data []byte) (card, items []byte, err error) {
 }
 
 // sameButNumbers reports whether a and b are equal but for their queue
-// pair numbers and initial packet sequence numbers.
+// pair numbers and initial packet sequence numbers: whether their
+// encodings (a card's template) are the same with b's numbers in a. A
+// field added to verbs.Endpoint is in its encoding, so it is compared
+// too.
 func sameButNumbers(a, b verbs.Endpoint) bool {
-	return a.Version == b.Version && a.Transport == b.Transport && a.LinkLayer == b.LinkLayer && a.Port == b.Port &&
-		a.GIDIndex == b.GIDIndex && a.GID == b.GID && a.LID == b.LID && a.MTU == b.MTU && a.QKey == b.QKey &&
-		bytes.Equal(a.Addr, b.Addr)
+	a.QPN, a.PSN = b.QPN, b.PSN
+	x, err := a.MarshalBinary()
+	if err != nil {
+		return false
+	}
+	y, err := b.MarshalBinary()
+	return err == nil && bytes.Equal(x, y)
 }
 
 // putItem writes an item: qpn and psn, 24 bits each.
