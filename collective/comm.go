@@ -174,7 +174,7 @@ type Comm struct {
 	bufs                              *bufSet          // the Buffers (Alloc), shared with the communicators made from this one
 	zeroCopied                        uint64           // chunks sent from a Buffer (tests)
 	landedChunks                      uint64           // chunks received in place, into a Buffer (tests)
-	writes, countWrites               uint64           // writes posted by the calls, and how many were data counts (tests)
+	writes, countWrites, ackWrites    uint64           // writes posted by the calls, and how many were data counts and ack counts (tests)
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out

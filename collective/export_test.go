@@ -25,8 +25,9 @@ func HoldBuffer[T Number](b *Buffer[T]) func() {
 func Landed(c *Comm) uint64 { return c.landedChunks }
 
 // Writes returns how many RDMA writes c's calls posted, and how many of
-// them were data counts (not sent for small messages: small.go).
-func Writes(c *Comm) (total, counts uint64) { return c.writes, c.countWrites }
+// them were data counts (not sent for small messages: small.go) and ack
+// counts.
+func Writes(c *Comm) (total, counts, acks uint64) { return c.writes, c.countWrites, c.ackWrites }
 
 // SmallWordsClear reports whether the words small messages take in every
 // slot of c's window are zero, as they must be between calls (every chunk

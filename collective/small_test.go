@@ -11,19 +11,20 @@ import (
 
 // TestSmallMessagesOneWrite: a barrier's empty messages and an 8-byte
 // allreduce's go as one write each (small.go), without the write of the
-// data count that a chunk needs: the loop posts no data count at all, and
-// at most two writes per call and rank (the message, and an ack count
-// when a wait was long). Before, every message took two writes, and an
-// ack every other call: 2.5 per call.
+// data count that a chunk needs: apart from ack counts (written every
+// other message a peer receives without sending back, or before a long
+// wait), the loop posts exactly one write per message, and no data
+// count. Before, every message took two writes, its chunk and its data
+// count.
 func TestSmallMessagesOneWrite(t *testing.T) {
 	const calls = 200
 	for _, p := range []int{2, 4} {
 		t.Run(fmt.Sprintf("p=%d", p), func(t *testing.T) {
 			cs := world(t, p, collective.Options{})
-			type count struct{ total, counts uint64 }
+			type count struct{ total, counts, acks uint64 }
 			before := make([]count, p)
 			for r, c := range cs {
-				before[r].total, before[r].counts = collective.Writes(c)
+				before[r].total, before[r].counts, before[r].acks = collective.Writes(c)
 			}
 			noErrors(t, "", parallel(p, func(r int) error {
 				for i := range calls {
@@ -48,15 +49,16 @@ func TestSmallMessagesOneWrite(t *testing.T) {
 			}
 			msgs *= 2 * calls
 			for r, c := range cs {
-				total, counts := collective.Writes(c)
+				total, counts, acks := collective.Writes(c)
 				total -= before[r].total
 				counts -= before[r].counts
-				t.Logf("rank %d: %d writes for %d messages, %d data counts", r, total, msgs, counts)
+				acks -= before[r].acks
+				t.Logf("rank %d: %d writes for %d messages: %d data counts, %d ack counts", r, total, msgs, counts, acks)
 				if counts != 0 {
 					t.Errorf("rank %d: %d data counts written for %d small messages, want 0", r, counts, msgs)
 				}
-				if total > 2*msgs {
-					t.Errorf("rank %d: %d writes for %d small messages, want at most %d", r, total, msgs, 2*msgs)
+				if total-acks != msgs {
+					t.Errorf("rank %d: %d writes besides ack counts for %d small messages, want one each", r, total-acks, msgs)
 				}
 			}
 		})

@@ -755,6 +755,7 @@ func (c *Comm) postAck(p int) error {
 	c.ackSent[p] = v
 	c.ackWritten[p] = v
 	c.ackOwed[p] = false
+	c.ackWrites++
 	return nil
 }
 
