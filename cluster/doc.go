@@ -196,7 +196,11 @@
 // hold the doorbells (sends and receives fail with ErrNotSupported);
 // exchange small data with Share. Ranks that outnumber the processors
 // should each run with GOMAXPROCS set to their share of the processors,
-// at least 1 (package collective, Waiting, has the measurements).
+// at least 1 (package collective, Waiting, has the measurements);
+// BenchmarkBarrierXproc's ranks do: its dissemination barrier on soft0
+// shared memory, 2 vCPUs, 3 rounds alternating, took 425–460 µs with 4
+// ranks and 1.53–1.87 ms with 8 when every rank had the runtime's
+// default, and 154–266 µs and 0.63–0.79 ms with one processor each.
 // BenchmarkBarrierXproc measures barriers between processes, up to four
 // times as many as processors, against the one-way latency of the same
 // transport.

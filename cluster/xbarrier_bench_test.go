@@ -97,7 +97,9 @@ func xbenchRank(spec string) error {
 // two processes (half a ping-pong of signal and await). Each barrier
 // sub-benchmark reports ⌈log2 p⌉ × L as ns-log2p-oneway and the ratio as
 // x-log2p-oneway. The benchmark process is rank 0; the others are child
-// processes started for each run of the function. For example:
+// processes started for each run of the function. Each rank runs with
+// GOMAXPROCS = max(1, processors ÷ ranks) unless GOMAXPROCS is set. For
+// example:
 //
 //	go test -run '^$' -bench BarrierXproc -benchtime 200x ./cluster/
 func BenchmarkBarrierXproc(b *testing.B) {
@@ -112,10 +114,19 @@ func BenchmarkBarrierXproc(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
+		// The ranks share out the processors, as goverbs coll's do
+		// (package collective, Waiting), unless GOMAXPROCS is set.
+		var procs []string
+		if os.Getenv("GOMAXPROCS") == "" {
+			share := max(1, runtime.NumCPU()/size)
+			procs = []string{"GOMAXPROCS=" + strconv.Itoa(share)}
+			defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(share))
+		}
 		var kids []*exec.Cmd
 		for r := 1; r < size; r++ {
 			c := exec.Command(exe)
 			c.Env = append(os.Environ(), fmt.Sprintf("%s=%d,%d,%d,%d,%s", xbenchEnv, r, size, alg, b.N, ln.Addr()))
+			c.Env = append(c.Env, procs...)
 			out, _ := c.StdoutPipe()
 			c.Stderr = os.Stderr
 			if err := c.Start(); err != nil {
