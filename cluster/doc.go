@@ -201,6 +201,12 @@
 // shared memory, 2 vCPUs, 3 rounds alternating, took 425–460 µs with 4
 // ranks and 1.53–1.87 ms with 8 when every rank had the runtime's
 // default, and 154–266 µs and 0.63–0.79 ms with one processor each.
+// Until 2026-11-26 the benchmark's child ranks ran on the goroutine of
+// package initialisation, which is locked to the main thread: every yield
+// handed the processor to another thread and back, and the numbers above
+// include that. Without it (2 rounds): one-way write 3.9–4.0 µs (was
+// 17–24 µs), dissemination barrier 5.3–7.3 µs with 2 ranks (17–28 µs),
+// 73–89 µs with 4 (140–142 µs), 365–374 µs with 8 (643–649 µs).
 // BenchmarkBarrierXproc measures barriers between processes, up to four
 // times as many as processors, against the one-way latency of the same
 // transport.
