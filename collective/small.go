@@ -42,7 +42,7 @@ import (
 // peer's chunks this rank consumed, which counts as a written ack count
 // once the peer takes the message in (llAcked). A rank that would wait
 // with consumed chunks whose count only rode on messages its peer has
-// not taken in yet writes the ack count (idle's ackLagging), so a peer
+// not taken in yet writes the ack count (writeRodeAcks), so a peer
 // waiting for credit is never left waiting for a message it will only
 // take in later.
 
@@ -58,27 +58,28 @@ func llWords(n int) int { return llHdrWords + (n+3)/4 }
 // llFlag returns the flag (high half of each word) of chunk seq.
 func llFlag(seq uint64) uint64 { return (seq%(1<<32-1) + 1) << 32 }
 
-// small reports whether f, a send or a receive of the current chunk, is
-// a small message: sent whole, through the window, in LL words.
-func (c *Comm) small(f *flow, send bool) bool {
-	if len(f.buf) > llMax || f.off != 0 || llWords(len(f.buf))*8 > c.slotBytes || len(f.buf) > c.chunk {
-		return false
-	}
-	if send {
-		return f.land == landWindow && f.zreg == nil
-	}
-	return !f.landed
+// small reports whether f, a send, is a small message: sent whole,
+// through the window, in LL words. (A receive takes one in whenever one
+// arrives: tryRecv.)
+func (c *Comm) small(f *flow) bool {
+	return len(f.buf) <= llMax && f.off == 0 && llWords(len(f.buf))*8 <= c.slotBytes && len(f.buf) <= c.chunk &&
+		f.land == landWindow && f.zreg == nil
 }
 
-// sendSmall sends f (small, with the credit for chunk seq in slot k) as
-// one write of LL words.
-func (c *Comm) sendSmall(f *flow, seq uint64, k int) (bool, error) {
+// llSlice returns the first words 8-byte words of b (64-byte aligned: a
+// slot of a window or of the staging region), each loaded and stored
+// whole.
+func llSlice(b []byte, words int) []uint64 {
+	return unsafe.Slice((*uint64)(unsafe.Pointer(&b[0])), words)
+}
+
+// sendSmall sends f (small, with the credit for chunk seq) as one write
+// of LL words from its staging slot (at offset slot of c.tx) to dst.
+func (c *Comm) sendSmall(f *flow, seq uint64, slot int, dst verbs.RemoteAddr) (bool, error) {
 	p := f.peer
 	n := len(f.buf)
 	words := llWords(n)
-	slot := (p*c.slots + k) * c.slotBytes
-	// The staging slot is 64-byte aligned: its words are stored whole.
-	w := unsafe.Slice((*uint64)(unsafe.Pointer(&c.tx.Bytes()[slot])), words)
+	w := llSlice(c.tx.Bytes()[slot:], words)
 	flag := llFlag(seq)
 	ack := c.recvSeq[p]
 	w[0] = flag | uint64(c.callSeq)
@@ -102,7 +103,6 @@ func (c *Comm) sendSmall(f *flow, seq uint64, k int) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
 	h, err := c.post(p, dst, true, src)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
@@ -120,11 +120,19 @@ func (c *Comm) sendSmall(f *flow, seq uint64, k int) (bool, error) {
 	return true, nil
 }
 
-// llWord returns word i of the LL words in slot (atomically: the sender
-// may be writing them) and whether it carries flag.
-func llWord(slot []byte, i int, flag uint64) (uint32, bool) {
-	v := atomic.LoadUint64((*uint64)(unsafe.Pointer(&slot[i*8])))
-	return uint32(v), v&^(1<<32-1) == flag
+// llHeader returns the header words of a small message in slot (loaded
+// atomically: the sender may be writing them) and whether every one of
+// them carries flag.
+func llHeader(slot []byte, flag uint64) (h [llHdrWords]uint32, ok bool) {
+	ws := llSlice(slot, llHdrWords)
+	for i := range ws {
+		v := atomic.LoadUint64(&ws[i])
+		if v&^(1<<32-1) != flag {
+			return h, false
+		}
+		h[i] = uint32(v)
+	}
+	return h, true
 }
 
 // recvSmall takes in the small message of chunk seq from p in slot, if
@@ -132,20 +140,16 @@ func llWord(slot []byte, i int, flag uint64) (uint32, bool) {
 // length this rank expects (for the error of a mismatch).
 func (c *Comm) recvSmall(slot []byte, p int, seq uint64, expect int) (bool, error) {
 	flag := llFlag(seq)
-	var h [llHdrWords]uint32
-	for i := range h {
-		v, ok := llWord(slot, i, flag)
-		if !ok {
-			return false, nil
-		}
-		h[i] = v
+	h, ok := llHeader(slot, flag)
+	if !ok {
+		return false, nil
 	}
 	n := int(h[5])
 	if n > llMax || llWords(n)*8 > len(slot) {
 		return false, fmt.Errorf("rank %d's small message has %d bytes (corrupted window)", p, n)
 	}
 	words := llWords(n)
-	ws := unsafe.Slice((*uint64)(unsafe.Pointer(&slot[0])), words)[llHdrWords:]
+	ws := llSlice(slot, words)[llHdrWords:]
 	dst := c.llData[:len(ws)*4]
 	for i := range ws {
 		v := atomic.LoadUint64(&ws[i])
@@ -156,14 +160,8 @@ func (c *Comm) recvSmall(slot []byte, p int, seq uint64, expect int) (bool, erro
 	}
 	peer := callInfo{kind: uint8(h[1]), op: opKind(h[1] >> 8), dtype: uint8(h[1] >> 16), root: int32(h[2]),
 		count: uint64(h[3]) | uint64(h[4])<<32}
-	if h[0] != c.callSeq {
-		return false, fmt.Errorf("%w: rank %d is in its call %d (%v), this rank in its call %d (%v)", ErrMismatch, p, h[0], peer, c.callSeq, c.call)
-	}
-	if peer != c.call {
-		return false, fmt.Errorf("%w: rank %d called %v, this rank %v", ErrMismatch, p, peer, c.call)
-	}
-	if n != expect {
-		return false, fmt.Errorf("%w: rank %d sends %d bytes, this rank expects %d", ErrMismatch, p, n, expect)
+	if err := c.checkCall(p, h[0], peer, uint64(n), expect); err != nil {
+		return false, err
 	}
 	// The ack, the low half of the peer's count of this rank's chunks it
 	// consumed, which lies between the credit known and what was sent.
@@ -178,14 +176,8 @@ func (c *Comm) recvSmall(slot []byte, p int, seq uint64, expect int) (bool, erro
 // llArrived reports whether the small message of chunk seq from p has
 // arrived in its slot (without taking it in).
 func (c *Comm) llArrived(p int, seq uint64) bool {
-	slot := c.rxSlot(p, seq)
-	flag := llFlag(seq)
-	for i := range llHdrWords {
-		if _, ok := llWord(slot, i, flag); !ok {
-			return false
-		}
-	}
-	return true
+	_, ok := llHeader(c.rxSlot(p, seq), llFlag(seq))
+	return ok
 }
 
 // rxSlot returns the slot of p's chunk seq in this rank's window.

@@ -427,15 +427,15 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 		return false, nil // a whole chunk, unless it is the last
 	}
 	k := int(seq % uint64(c.slots))
-	if c.small(f, true) {
-		return c.sendSmall(f, seq, k)
-	}
 	slot := (p*c.slots + k) * c.slotBytes
+	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
+	if c.small(f) {
+		return c.sendSmall(f, seq, slot, dst)
+	}
 	st := c.tx.Bytes()[slot : slot+hdrBytes+n]
 	var src [2]verbs.SGE
 	nsge := 1
 	var err error
-	dst := c.remote[p].At(uint64(c.slotBase + (c.rank*c.slots+k)*c.slotBytes))
 	switch {
 	case f.land == landOnto:
 		// The data only, into the receiver's Buffer: from the sender's
@@ -718,18 +718,28 @@ func (c *Comm) check(h []byte, p int, seq uint64, n, total int) error {
 	}
 	peer := callInfo{kind: h[12], op: opKind(h[13]), dtype: h[14], root: int32(binary.LittleEndian.Uint32(h[16:])),
 		count: binary.LittleEndian.Uint64(h[24:])}
-	call := binary.LittleEndian.Uint32(h[8:])
+	if err := c.checkCall(p, binary.LittleEndian.Uint32(h[8:]), peer, binary.LittleEndian.Uint64(h[32:]), total); err != nil {
+		return err
+	}
+	if l := int(binary.LittleEndian.Uint32(h[20:])); l != n {
+		return fmt.Errorf("rank %d's chunk has %d bytes, want %d (corrupted window)", p, l, n)
+	}
+	return nil
+}
+
+// checkCall checks what a chunk's header or a small message says of the
+// call p is in (its sequence number call, its description peer, the
+// message's length total) against this rank's call and the length it
+// expects.
+func (c *Comm) checkCall(p int, call uint32, peer callInfo, total uint64, expect int) error {
 	if call != c.callSeq {
 		return fmt.Errorf("%w: rank %d is in its call %d (%v), this rank in its call %d (%v)", ErrMismatch, p, call, peer, c.callSeq, c.call)
 	}
 	if peer != c.call {
 		return fmt.Errorf("%w: rank %d called %v, this rank %v", ErrMismatch, p, peer, c.call)
 	}
-	if t := binary.LittleEndian.Uint64(h[32:]); t != uint64(total) {
-		return fmt.Errorf("%w: rank %d sends %d bytes, this rank expects %d", ErrMismatch, p, t, total)
-	}
-	if l := int(binary.LittleEndian.Uint32(h[20:])); l != n {
-		return fmt.Errorf("rank %d's chunk has %d bytes, want %d (corrupted window)", p, l, n)
+	if total != uint64(expect) {
+		return fmt.Errorf("%w: rank %d sends %d bytes, this rank expects %d", ErrMismatch, p, total, expect)
 	}
 	return nil
 }
