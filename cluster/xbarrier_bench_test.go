@@ -12,6 +12,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/goverbs/verbs/internal/spinwait"
 )
 
 // xbenchEnv makes the test binary a rank of BenchmarkBarrierXproc:
@@ -125,7 +127,7 @@ func BenchmarkBarrierXproc(b *testing.B) {
 		// (package collective, Waiting), unless GOMAXPROCS is set.
 		var procs []string
 		if os.Getenv("GOMAXPROCS") == "" {
-			share := max(1, runtime.NumCPU()/size)
+			share := spinwait.Procs(size, runtime.NumCPU())
 			procs = []string{"GOMAXPROCS=" + strconv.Itoa(share)}
 			defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(share))
 		}

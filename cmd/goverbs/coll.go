@@ -30,6 +30,7 @@ import (
 	"github.com/goverbs/verbs/channel"
 	"github.com/goverbs/verbs/cluster"
 	"github.com/goverbs/verbs/collective"
+	"github.com/goverbs/verbs/internal/spinwait"
 )
 
 // collConfig is the parsed command line of goverbs coll.
@@ -1072,11 +1073,9 @@ func sizeName(n int) string {
 
 // rankProcs is the GOMAXPROCS of each of p ranks a spawning goverbs coll
 // starts (unless GOMAXPROCS is set): the processors shared out, at least
-// one each, as torchrun sets OMP_NUM_THREADS=1 for its workers. With the
-// runtime's default every rank would run as many threads as the machine
-// has processors, and ranks that outnumber the processors then wait
-// behind each other's extra threads: on 2 processors, an 8-byte
-// allreduce took 0.3–0.6 ms with 4 ranks and 1.8–2.4 ms with 8 with the
-// default, 0.09–0.24 and 0.67–0.82 ms with one each (3 rounds
-// alternating, under a load average of 27–52 from other work).
-func rankProcs(p int) int { return max(1, runtime.NumCPU()/p) }
+// one each (spinwait.Procs), as torchrun sets OMP_NUM_THREADS=1 for its
+// workers. On 2 processors, an 8-byte allreduce took 0.3–0.6 ms with 4
+// ranks and 1.8–2.4 ms with 8 with the runtime's default, 0.09–0.24 and
+// 0.67–0.82 ms with one each (3 rounds alternating, under a load average
+// of 27–52 from other work).
+func rankProcs(p int) int { return spinwait.Procs(p, runtime.NumCPU()) }

@@ -83,6 +83,14 @@ func For(localRanks, cpus int) Policy {
 	return p
 }
 
+// Procs is the GOMAXPROCS of one of localRanks ranks of a machine with
+// cpus processors when the ranks share the processors out, at least one
+// each: with the runtime's default every rank runs as many threads as
+// the machine has processors, and ranks that outnumber the processors
+// wait behind each other's extra threads (package collective, Waiting,
+// has the measurements).
+func Procs(localRanks, cpus int) int { return max(1, cpus/max(localRanks, 1)) }
+
 // Pause is the pause between two polls of a spinning wait.
 func (p Policy) Pause() {
 	runtime.Gosched()

@@ -52,3 +52,14 @@ func TestInterval(t *testing.T) {
 		}
 	}
 }
+
+// TestProcs: the processors shared out among the ranks, at least one each.
+func TestProcs(t *testing.T) {
+	for _, c := range []struct{ ranks, cpus, want int }{
+		{1, 2, 2}, {2, 2, 1}, {3, 8, 2}, {4, 2, 1}, {512, 2, 1}, {0, 4, 4}, {2, 0, 1},
+	} {
+		if got := Procs(c.ranks, c.cpus); got != c.want {
+			t.Errorf("Procs(%d ranks, %d cpus) = %d, want %d", c.ranks, c.cpus, got, c.want)
+		}
+	}
+}
