@@ -128,6 +128,7 @@ type conn struct {
 
 	// Consumer state (whoever holds rmu).
 	pollState
+	driveState
 	rhdr   [hdrLen + respBodyLen]byte
 	rbufs  [2][]byte
 	rxData [2]span
@@ -1289,6 +1290,9 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		resp.code = silentOr(&req, respNoQP)
 	} else {
 		t.respond(&req, data, &resp)
+		if t.rcq.hot.Load() != c {
+			t.rcq.hot.Store(c) // a Wait drives c (drive.go)
+		}
 		// An acknowledged request comes from t's destination (fromPeer).
 		if resp.code == respACK && t.typ == prov.QPTypeRC && t.x.rev.Load() != c {
 			t.x.rev.Store(c)
@@ -1424,6 +1428,9 @@ func (c *conn) handleResp(id uint64, body []byte, data []span, plen int) error {
 	q := c.f.qps.load(qpn)
 	if q == nil {
 		return nil // the requester is gone
+	}
+	if q.scq.hot.Load() != c {
+		q.scq.hot.Store(c) // a Wait drives c (drive.go)
 	}
 	if plen > 0 {
 		if err := q.deliver(c, id, r.orig, data); err != nil {

@@ -177,6 +177,7 @@ func (c *cq) Arm(solicitedOnly bool) error {
 	if s := c.ctx.f.svc.Load(); s != nil {
 		s.pc.pollersGone() // the application is about to sleep
 	}
+	c.ch.armed.Store(c)
 	if solicitedOnly {
 		if c.armed != armNext {
 			c.armed = armSolicited
@@ -205,6 +206,7 @@ func (c *cq) Close() error {
 	c.ready.Store(-1)
 	c.mu.Unlock()
 	if c.ch != nil {
+		c.ch.armed.CompareAndSwap(c, nil)
 		c.ch.detach(c)
 	}
 	c.ctx.release(&c.ctx.ncq)
@@ -238,6 +240,10 @@ type compChannel struct {
 	closed bool
 	sig    chan struct{} // token: events may be queued
 	done   chan struct{} // closed by Close
+
+	armed   atomic.Pointer[cq]   // the CQ armed last (drive.go)
+	drv     atomic.Pointer[conn] // the connection a Wait drives
+	inDrain atomic.Bool          // the driver handles frames: notify need not interrupt it
 }
 
 var _ prov.CompChannel = (*compChannel)(nil)
@@ -276,15 +282,17 @@ func (ch *compChannel) notify(c *cq) {
 		ch.queue = append(ch.queue, c)
 	}
 	ch.mu.Unlock()
-	select {
-	case ch.sig <- struct{}{}:
-	default:
+	ch.poke()
+	if d := ch.drv.Load(); d != nil && !ch.inDrain.Load() {
+		d.interrupt(ch) // a drive of another connection waits
 	}
 }
 
 // Wait returns the CQ of the next event, blocking until there is one or
-// ctx ends. The event is acknowledged.
+// ctx ends. The event is acknowledged. While it waits it may handle the
+// connection that feeds the CQ armed last itself (drive.go).
 func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
+	drive := true
 	for {
 		ch.mu.Lock()
 		if ch.closed {
@@ -292,28 +300,41 @@ func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
 			return nil, closedErr("wait for completion event")
 		}
 		if len(ch.queue) > 0 {
-			c := ch.queue[0]
-			copy(ch.queue, ch.queue[1:])
-			ch.queue[len(ch.queue)-1] = nil
-			ch.queue = ch.queue[:len(ch.queue)-1]
-			more := len(ch.queue) > 0
+			c := ch.popLocked()
 			ch.mu.Unlock()
-			if more {
-				select {
-				case ch.sig <- struct{}{}:
-				default:
-				}
-			}
 			return c, nil
 		}
 		ch.mu.Unlock()
+		if drive {
+			drive = false
+			if c := ch.driveConn(); c != nil {
+				if q := ch.drive(ctx, c); q != nil {
+					return q, nil
+				}
+				continue
+			}
+		}
 		select {
 		case <-ch.sig:
+			drive = true // a poke: the socket may be free
 		case <-ch.done:
 		case <-ctx.Done():
 			return nil, fmt.Errorf("soft: wait for completion event: %w", ctx.Err())
 		}
 	}
+}
+
+// popLocked takes the first event queued (ch.mu held, the queue not
+// empty); the token goes on if more wait.
+func (ch *compChannel) popLocked() *cq {
+	c := ch.queue[0]
+	copy(ch.queue, ch.queue[1:])
+	ch.queue[len(ch.queue)-1] = nil
+	ch.queue = ch.queue[:len(ch.queue)-1]
+	if len(ch.queue) > 0 {
+		ch.poke()
+	}
+	return c
 }
 
 // Close destroys the channel; it fails with EBUSY while CQs use it.

@@ -232,6 +232,16 @@ func (c *conn) rxLoop() {
 			// poller's read in between can leave the reader waiting
 			// for an edge that went to the poller.
 			woke := c.f.wakes.Load() != wakes
+			if !c.readerWaits() {
+				// A Wait reads the socket (drive.go). Responses that
+				// woke it are held for its answer.
+				if !woke {
+					c.flushResps()
+				}
+				c.rmu.Unlock()
+				c.stepAside(timer)
+				continue
+			}
 			if woke {
 				// Let the woken application run before this reader's
 				// own wait: its answer leaves a system call or two
@@ -239,6 +249,7 @@ func (c *conn) rxLoop() {
 				runtime.Gosched()
 			}
 			err = c.waitSock(woke)
+			c.readerWaited()
 			justFilled = err == nil
 			c.rmu.Unlock()
 			if err != nil {
@@ -282,7 +293,11 @@ func (c *conn) waitSock(woke bool) error {
 	hold := woke && c.quiet != nil && (c.holdsResps() || c.corked.Load())
 	if !hold {
 		c.flushResps()
-		return readErr0(c, c.sock.fillWait())
+		err := c.sock.fillWait()
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			err = nil // a Wait asked for the socket (drive.go)
+		}
+		return readErr0(c, err)
 	}
 	nc := c.quiet.conn()
 	nc.SetReadDeadline(time.Now().Add(ackDelay))

@@ -1,0 +1,305 @@
+package soft
+
+import (
+	"context"
+	"errors"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// A waiter that reads the socket itself.
+//
+// An application that sleeps in its completion channel is woken, message
+// after message, by the connection's reader: the runtime's poller wakes
+// the reader, which handles the frame and wakes the application. Two
+// goroutines run per message, and handing the processor from one to the
+// other readies a thread more often than not (a futex call and a context
+// switch on another CPU, for nothing: the application runs on the
+// reader's processor). A raw socket ping-pong wakes one goroutine per
+// message.
+//
+// So a Wait on a completion channel reads the socket itself (drive): the
+// connection that fed the CQ armed last (cq.hot) is handled by the waiter,
+// which sleeps in the runtime's poller as the reader would, handles what
+// arrives (requests answered, responses completing requests) and returns
+// as soon as an event is queued on its channel. The reader stays aside
+// meanwhile (stepAside): it sleeps on a timer and takes the socket back
+// when no Wait drove it for a whole pollerGrace, so requests of the peer
+// are handled within that bound while the application computes between
+// waits (as with pollers, progress.go).
+//
+// The socket belongs to whoever holds rmu. A waiter that finds the reader
+// waiting on the socket asks it to step aside (want), ending its wait with
+// a read deadline in the past, and waits in the channel as before; the
+// reader pokes the channel when it has stepped aside, and the waiter takes
+// the socket. An event queued on the channel by another connection ends
+// the driver's wait the same way (interrupt). A drive lasts driveMax at
+// most, so a cancelled ctx or a closed channel is seen within that bound;
+// the reader then takes the socket back at once.
+//
+// Responses the driver's handling produces are held when the channel got
+// its event (the application's answer takes them along, as the reader
+// holds them in waitSock); the next drive sends them first, and the reader
+// within a grace if the application neither answers nor waits again.
+//
+// Only sockets of the connection's own (quietSock, not TLS) are driven;
+// shared memory has its own cheap wake-ups (shm.go).
+
+// driveMax bounds one drive: a cancelled ctx or a closed channel ends the
+// Wait within it.
+var driveMax = time.Millisecond
+
+// aLongTimeAgo is a read deadline that ends a wait at once.
+var aLongTimeAgo = time.Unix(1, 0)
+
+const (
+	driveNone   = iota // the reader reads the socket
+	driveNow           // a waiter drives it
+	driveRecent        // a waiter drove it and will again: the reader stays aside
+)
+
+// driveState is the part of a connection about its driver.
+type driveState struct {
+	driveOn atomic.Int32  // driveNone, driveNow or driveRecent
+	drives  atomic.Uint64 // drives begun
+
+	dlMu     sync.Mutex   // the following, and read deadlines set by others
+	sockWait bool         // the reader waits on the socket
+	want     *compChannel // a waiter wants the socket
+	dlPast   bool         // the reader's wait was ended by a past deadline
+	driver   *compChannel // whose Wait drives the socket
+
+	drvSlept bool // the last drive waited for its bytes (rmu)
+}
+
+// drivable reports whether a Wait can read c's socket itself.
+func (c *conn) drivable() bool {
+	return c.quiet != nil && c.sock != nil && c.sock.src == nil && c.shm == nil && !c.dead.Load()
+}
+
+// driveConn is the connection a Wait on ch drives, or nil.
+func (ch *compChannel) driveConn() *conn {
+	q := ch.armed.Load()
+	if q == nil {
+		return nil
+	}
+	if c := q.hot.Load(); c != nil && c.drivable() {
+		return c
+	}
+	return nil
+}
+
+// drive reads c's socket until an event is queued on ch, the drive's time
+// is up, or ctx ends. It returns the event's CQ, or nil.
+func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
+	if !c.rmu.TryLock() {
+		c.askSocket(ch)
+		return nil
+	}
+	if c.dead.Load() || !ch.drv.CompareAndSwap(nil, c) {
+		c.rmu.Unlock()
+		return nil
+	}
+	c.dlMu.Lock()
+	c.driver = ch
+	c.dlMu.Unlock()
+	c.drives.Add(1)
+	c.driveOn.Store(driveNow)
+	// The application sleeps: nothing it holds rides with an answer.
+	c.flushResps()
+	end := time.Now().Add(driveMax)
+	if d, ok := ctx.Deadline(); ok && d.Before(end) {
+		end = d
+	}
+	nc := c.quiet.conn()
+	var ev prov.CQ
+	var err error
+	look := !c.drvSlept
+	for ctx.Err() == nil && !c.dead.Load() {
+		nc.SetReadDeadline(end)
+		// After the deadline: an event queued from now on ends the wait
+		// (interrupt), one queued before is taken here.
+		if ev = ch.takeEvent(); ev != nil {
+			break
+		}
+		if look {
+			// The last drive found its bytes waiting: look without
+			// listening (a socket that listens wakes the runtime's
+			// poller with every segment, for nobody, while the
+			// application is ahead of its peer; quiet.go).
+			look = false
+			a := c.sock.w - c.sock.r
+			if err = c.sock.fill(); err != nil {
+				break
+			}
+			if c.sock.w-c.sock.r != a {
+				if err = c.quiet.silence(); err != nil {
+					break
+				}
+				c.drvSlept = false
+				goto drain
+			}
+		}
+		c.drvSlept = true
+		err = c.sock.fillWait()
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			err = nil
+			if time.Now().Before(end) {
+				continue // interrupted: look again
+			}
+			break
+		}
+		if err != nil {
+			break
+		}
+	drain:
+		ch.inDrain.Store(true)
+		_, err = c.drain(true)
+		ch.inDrain.Store(false)
+		if err != nil {
+			break
+		}
+		if ev = ch.takeEvent(); ev != nil {
+			break // its responses are held for the answer
+		}
+		c.flushResps()
+	}
+	c.dlMu.Lock()
+	c.driver = nil
+	nc.SetReadDeadline(time.Time{})
+	c.dlMu.Unlock()
+	ch.drv.Store(nil)
+	if ev != nil && err == nil {
+		c.driveOn.Store(driveRecent)
+		c.rmu.Unlock()
+		return ev
+	}
+	c.flushResps()
+	c.driveOn.Store(driveNone)
+	c.rmu.Unlock()
+	// The reader takes the socket back now.
+	select {
+	case c.kick <- struct{}{}:
+	default:
+	}
+	if err != nil {
+		c.fail(readErr(c, err))
+	}
+	return ev
+}
+
+// askSocket asks the reader, which holds the socket, to step aside for
+// ch's next drive, ending its wait on the socket.
+func (c *conn) askSocket(ch *compChannel) {
+	c.dlMu.Lock()
+	c.want = ch
+	if c.sockWait && !c.dlPast {
+		c.dlPast = true
+		c.quiet.conn().SetReadDeadline(aLongTimeAgo)
+	}
+	c.dlMu.Unlock()
+}
+
+// interrupt ends the wait of ch's drive of c: an event is queued on ch.
+func (c *conn) interrupt(ch *compChannel) {
+	c.dlMu.Lock()
+	if c.driver == ch {
+		c.quiet.conn().SetReadDeadline(aLongTimeAgo)
+	}
+	c.dlMu.Unlock()
+}
+
+// readerWaits is called by the reader before it waits on the socket (rmu
+// held). It reports false if a waiter drives the socket or wants it: the
+// reader steps aside instead (the channel that asked is poked).
+func (c *conn) readerWaits() bool {
+	if c.quiet == nil {
+		return true
+	}
+	c.dlMu.Lock()
+	if ch := c.want; ch != nil || c.driveOn.Load() != driveNone {
+		c.want = nil
+		c.dlMu.Unlock()
+		if ch != nil {
+			c.driveOn.CompareAndSwap(driveNone, driveRecent)
+			ch.poke()
+		}
+		return false
+	}
+	c.sockWait = true
+	c.dlMu.Unlock()
+	return true
+}
+
+// readerWaited is called by the reader after its wait on the socket.
+func (c *conn) readerWaited() {
+	if c.quiet == nil {
+		return
+	}
+	c.dlMu.Lock()
+	c.sockWait = false
+	if c.dlPast {
+		c.dlPast = false
+		c.quiet.conn().SetReadDeadline(time.Time{})
+	}
+	c.dlMu.Unlock()
+}
+
+// stepAside is the reader's sleep while waiters drive the socket: it
+// returns when the last driver gave the socket back, or no Wait drove it
+// for a whole pollerGrace. Responses held that long are sent.
+func (c *conn) stepAside(timer *time.Timer) {
+	seen := c.drives.Load() - 1 // the first grace is the driver's
+	for !c.dead.Load() {
+		timer.Reset(pollerGrace)
+		select {
+		case <-timer.C:
+		case <-c.kick:
+			timer.Stop()
+		case <-c.done:
+			timer.Stop()
+			return
+		}
+		switch c.driveOn.Load() {
+		case driveNone:
+			return
+		case driveNow:
+			continue
+		}
+		if d := c.drives.Load(); d != seen {
+			seen = d
+			if c.held.Load() && c.rmu.TryLock() {
+				c.flushResps()
+				c.rmu.Unlock()
+			}
+			continue
+		}
+		if c.driveOn.CompareAndSwap(driveRecent, driveNone) {
+			return
+		}
+	}
+}
+
+// takeEvent takes the next event queued on ch, or returns nil.
+func (ch *compChannel) takeEvent() prov.CQ {
+	ch.mu.Lock()
+	if ch.closed || len(ch.queue) == 0 {
+		ch.mu.Unlock()
+		return nil
+	}
+	c := ch.popLocked()
+	ch.mu.Unlock()
+	return c
+}
+
+// poke wakes a Wait on ch to look again.
+func (ch *compChannel) poke() {
+	select {
+	case ch.sig <- struct{}{}:
+	default:
+	}
+}

@@ -1,0 +1,209 @@
+package soft
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// drivesNow sums the drives of the process' connections (drive.go).
+func drivesNow() uint64 {
+	s := getFabric().svc.Load()
+	if s == nil {
+		return 0
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var n uint64
+	for c := range s.conns {
+		n += c.drives.Load()
+	}
+	return n
+}
+
+// drivePair is two RC QPs of one process connected through a socket of
+// kind, each with its CQ and completion channel, and registered memory.
+type drivePair struct {
+	e        *env
+	qa, qb   prov.QP
+	cqa, cqb prov.CQ
+	cha, chb prov.CompChannel
+	m        *buf
+}
+
+func newDrivePair(t *testing.T, kind string) *drivePair {
+	forceTransport(t, kind)
+	forceTLS(t, tlsOff)
+	p := &drivePair{e: newEnv(t)}
+	p.qa, p.cqa, p.cha = xprocSide(t, p.e)
+	p.qb, p.cqb, p.chb = xprocSide(t, p.e)
+	connectOne(t, p.qa, p.qb, prov.QPTypeRC, defaultConn())
+	connectOne(t, p.qb, p.qa, prov.QPTypeRC, defaultConn())
+	p.m = p.e.alloc(8192, allAccess)
+	return p
+}
+
+// sendOne sends 8 bytes from a to b and waits, sleeping in the channels,
+// for b's receive and a's send.
+func (p *drivePair) sendOne(t *testing.T) {
+	var dst [4]prov.Completion
+	if _, err := p.qb.PostRecv([]prov.RecvWR{{NumSGE: 1}}, []prov.SGE{p.m.sge(1024, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.qa.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}, []prov.SGE{p.m.sge(0, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	waitCQ(t, p.cqb, p.chb, dst[:], 1)
+	waitCQ(t, p.cqa, p.cha, dst[:], 1)
+}
+
+// TestWaitDrivesSocket: an application that sleeps in its completion
+// channel reads the socket itself (most of its waits drive the
+// connection), and the messages arrive whole.
+func TestWaitDrivesSocket(t *testing.T) {
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			p := newDrivePair(t, kind)
+			f := sendPingPong(t, p.e, p.qa, p.qb, [2]prov.CQ{p.cqa, p.cqb}, [2]prov.CompChannel{p.cha, p.chb}, false)
+			before := drivesNow()
+			const rounds = 200
+			for range rounds {
+				f()
+			}
+			// Each round waits three times; a wait that finds its
+			// completion polling does not drive.
+			if d := drivesNow() - before; d < rounds {
+				t.Errorf("%d drives in %d rounds: the waits left the socket to the reader", d, rounds)
+			}
+		})
+	}
+}
+
+// TestDriveHandsBack: after a wait drove the connection, the application
+// stops waiting; the reader takes the socket back, and the peer's RDMA
+// reads of the application's memory are answered.
+func TestDriveHandsBack(t *testing.T) {
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			p := newDrivePair(t, kind)
+			p.sendOne(t) // the first sets which connection feeds the CQs
+			before := drivesNow()
+			p.sendOne(t)
+			if drivesNow() == before {
+				t.Fatal("the waits did not drive the connection")
+			}
+			// b neither waits nor polls from now on: its reader
+			// answers a's reads.
+			var dst [4]prov.Completion
+			for i := range 50 {
+				want := fmt.Sprintf("read %4d", i)
+				copy(p.m.b[4096:], want)
+				wr := []prov.SendWR{{Opcode: prov.WRRead, NumSGE: 1, Flags: prov.SendSignaled,
+					RemoteAddr: p.m.mr.Addr() + 4096, RKey: p.m.mr.RKey()}}
+				if _, err := p.qa.PostSend(wr, []prov.SGE{p.m.sge(0, len(want))}); err != nil {
+					t.Fatal(err)
+				}
+				waitCQ(t, p.cqa, p.cha, dst[:], 1)
+				if got := string(p.m.b[:len(want)]); got != want {
+					t.Fatalf("read %q, want %q", got, want)
+				}
+			}
+		})
+	}
+}
+
+// TestDriveEndsForOtherEvents: a wait drives the connection of the CQ
+// armed last; an event of another CQ of its channel, fed by another
+// connection, ends it, however long a drive may last.
+func TestDriveEndsForOtherEvents(t *testing.T) {
+	defer func(d time.Duration) { driveMax = d }(driveMax)
+	driveMax = time.Hour
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			p := newDrivePair(t, kind)
+			p.sendOne(t) // b's CQ is fed by b's end of the connection
+			// A second CQ on b's channel, fed by a's end: the send
+			// completions of a QP of a's side.
+			cq2 := must(p.e.ctx.CreateCQ(16, p.chb, 0))
+			t.Cleanup(func() { cq2.Close() })
+			caps := defaultCaps()
+			q2 := must(p.e.pd.CreateQP(prov.QPInitAttr{Type: prov.QPTypeRC, SendCQ: cq2, RecvCQ: cq2, Cap: caps}))
+			t.Cleanup(func() { q2.Close() })
+			q3, _, _ := xprocSide(t, p.e)
+			connectOne(t, q2, q3, prov.QPTypeRC, defaultConn())
+			connectOne(t, q3, q2, prov.QPTypeRC, defaultConn())
+
+			if err := cq2.Arm(false); err != nil {
+				t.Fatal(err)
+			}
+			if err := p.cqb.Arm(false); err != nil { // armed last: driven
+				t.Fatal(err)
+			}
+			got := make(chan prov.CQ, 1)
+			before := drivesNow()
+			go func() {
+				q, err := p.chb.Wait(context.Background())
+				if err != nil {
+					t.Error(err)
+				}
+				got <- q
+			}()
+			// The wait drives b's end before the event exists.
+			for drivesNow() == before {
+				time.Sleep(100 * time.Microsecond)
+			}
+			wr := []prov.SendWR{{Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
+				RemoteAddr: p.m.mr.Addr() + 4096, RKey: p.m.mr.RKey()}}
+			if _, err := q2.PostSend(wr, []prov.SGE{p.m.sge(0, 8)}); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case q := <-got:
+				if q != cq2 {
+					t.Fatalf("event of %v, want the second CQ", q)
+				}
+			case <-time.After(hangGuard):
+				t.Fatal("the wait did not end")
+			}
+		})
+	}
+}
+
+// TestDriveHonoursContext: a wait that drives the connection ends when
+// its ctx does.
+func TestDriveHonoursContext(t *testing.T) {
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			p := newDrivePair(t, kind)
+			p.sendOne(t)
+			if err := p.cqb.Arm(false); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			before := drivesNow()
+			done := make(chan error, 1)
+			go func() {
+				_, err := p.chb.Wait(ctx)
+				done <- err
+			}()
+			for drivesNow() == before {
+				time.Sleep(100 * time.Microsecond)
+			}
+			cancel()
+			select {
+			case err := <-done:
+				if !errors.Is(err, context.Canceled) {
+					t.Fatalf("wait: %v, want context.Canceled", err)
+				}
+			case <-time.After(hangGuard):
+				t.Fatal("the wait did not end")
+			}
+			// The connection works on: the reader took it back.
+			p.sendOne(t)
+		})
+	}
+}
