@@ -1495,8 +1495,14 @@ func (w *remoteWaker) wake() {
 // Buffers of the send queue come from size-classed free lists (powers of
 // two from 4 KiB to 256 KiB; larger ones are allocated), which keep at
 // most bufPoolMax bytes in all: what a burst took beyond that goes back to
-// the runtime once it is over.
-var bufPool struct {
+// the runtime once it is over. A buffer given back to a full pool takes
+// the place of buffers of the class that holds the most (putBuf): the
+// pool serves what the process does now, not what filled it first (a
+// pool full of 4 KiB chunks from a burst of queued writes made every
+// RDMA read response segment, 256 KiB, an allocation).
+var bufPool bufFree
+
+type bufFree struct {
 	mu    sync.Mutex
 	bytes int
 	free  [maxBufShift - minBufShift + 1][][]byte
@@ -1537,13 +1543,35 @@ func putBuf(b []byte) {
 		return
 	}
 	p := &bufPool
+	i := bits.Len(uint(c)) - 1 - minBufShift
 	p.mu.Lock()
+	for p.bytes+c > bufPoolMax && p.evict(i) {
+	}
 	if p.bytes+c <= bufPoolMax {
-		i := bits.Len(uint(c)) - 1 - minBufShift
 		p.free[i] = append(p.free[i], b[:0])
 		p.bytes += c
 	}
 	p.mu.Unlock()
+}
+
+// evict drops a free buffer of the class, other than keep, that holds the
+// most bytes (mu held). It reports false if there is none.
+func (p *bufFree) evict(keep int) bool {
+	best, most := -1, 0
+	for j, l := range p.free {
+		if n := len(l) << (j + minBufShift); j != keep && n > most {
+			best, most = j, n
+		}
+	}
+	if best < 0 {
+		return false
+	}
+	l := p.free[best]
+	k := len(l) - 1
+	p.bytes -= cap(l[k])
+	l[k] = nil
+	p.free[best] = l[:k]
+	return true
 }
 
 // checkPeerCred checks that the process at the other end of c has the given

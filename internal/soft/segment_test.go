@@ -525,3 +525,28 @@ func TestBufPoolBound(t *testing.T) {
 		t.Errorf("the pool keeps %d bytes (counted %d), at most %d allowed", n, p.bytes, bufPoolMax)
 	}
 }
+
+// TestBufPoolServesNow: a pool filled with buffers of one class keeps a
+// buffer of another class given back, in their place: the next take of
+// that size reuses it (once, a full pool of 4 KiB chunks made every
+// 256 KiB read response segment an allocation).
+func TestBufPoolServesNow(t *testing.T) {
+	var small [][]byte
+	for range bufPoolMax >> minBufShift {
+		small = append(small, getBuf(1<<minBufShift))
+	}
+	for _, b := range small {
+		putBuf(b)
+	}
+	big := getBuf(1 << maxBufShift)
+	putBuf(big)
+	if b := getBuf(1 << maxBufShift); &b[0] != &big[0] {
+		t.Error("a full pool did not keep the 256 KiB buffer given back")
+	}
+	p := &bufPool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.bytes > bufPoolMax {
+		t.Errorf("the pool keeps %d bytes, at most %d allowed", p.bytes, bufPoolMax)
+	}
+}
