@@ -70,7 +70,7 @@ type driveState struct {
 	dlMu     sync.Mutex   // the following, and read deadlines set by others
 	sockWait bool         // the reader waits on the socket
 	want     *compChannel // a waiter wants the socket
-	dlPast   bool         // the reader's wait was ended by a past deadline
+	dlPast   bool         // a wait on the socket was ended by a past deadline
 	driver   *compChannel // whose Wait drives the socket
 
 	drvSlept bool // the last drive waited for its bytes (rmu)
@@ -111,18 +111,13 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 	c.driveOn.Store(driveNow)
 	// The application sleeps: nothing it holds rides with an answer.
 	c.flushResps()
-	end := time.Now().Add(driveMax)
-	if d, ok := ctx.Deadline(); ok && d.Before(end) {
-		end = d
-	}
 	nc := c.quiet.conn()
 	var ev prov.CQ
 	var err error
+	var end time.Time // the deadline of the waits, once one waits
 	look := !c.drvSlept
+	dl := false // the socket's read deadline is end
 	for ctx.Err() == nil && !c.dead.Load() {
-		nc.SetReadDeadline(end)
-		// After the deadline: an event queued from now on ends the wait
-		// (interrupt), one queued before is taken here.
 		if ev = ch.takeEvent(); ev != nil {
 			break
 		}
@@ -145,11 +140,27 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 			}
 		}
 		c.drvSlept = true
+		if !dl {
+			if end.IsZero() {
+				end = time.Now().Add(driveMax)
+				if d, ok := ctx.Deadline(); ok && d.Before(end) {
+					end = d
+				}
+			}
+			dl = true
+			nc.SetReadDeadline(end)
+			// After the deadline: an event queued from now on ends
+			// the wait (interrupt), one queued before is taken here.
+			if ev = ch.takeEvent(); ev != nil {
+				break
+			}
+		}
 		err = c.sock.fillWait()
 		if errors.Is(err, os.ErrDeadlineExceeded) {
 			err = nil
 			if time.Now().Before(end) {
-				continue // interrupted: look again
+				dl = false // interrupted: look again
+				continue
 			}
 			break
 		}
@@ -170,7 +181,10 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 	}
 	c.dlMu.Lock()
 	c.driver = nil
-	nc.SetReadDeadline(time.Time{})
+	if dl || c.dlPast {
+		c.dlPast = false
+		nc.SetReadDeadline(time.Time{})
+	}
 	c.dlMu.Unlock()
 	ch.drv.Store(nil)
 	if ev != nil && err == nil {
@@ -208,6 +222,7 @@ func (c *conn) askSocket(ch *compChannel) {
 func (c *conn) interrupt(ch *compChannel) {
 	c.dlMu.Lock()
 	if c.driver == ch {
+		c.dlPast = true
 		c.quiet.conn().SetReadDeadline(aLongTimeAgo)
 	}
 	c.dlMu.Unlock()

@@ -331,11 +331,14 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 			continue
 		}
 		if c.sock != nil || c.graceDue(lastPolls) {
-			if c.quiet != nil {
+			if c.quiet != nil && c.rmu.TryLock() {
 				// The pollers read the socket: its segments need
 				// not wake anybody (quiet.go). The next fillWait
-				// listens again.
-				if err := c.quiet.silence(); err != nil {
+				// listens again. Under rmu: a Wait that drives
+				// the socket (drive.go) listens meanwhile.
+				err := c.quiet.silence()
+				c.rmu.Unlock()
+				if err != nil {
 					return err
 				}
 			}
