@@ -51,7 +51,9 @@ import (
 // an application that arms a CQ to sleep on its channel (cq.Arm) ends the
 // grace at once (pollConns.pollersGone), and no grace starts for the polls
 // before the arm, so a message for a sleeping application does not wait
-// for the timer.
+// for the timer. An application that sleeps on its completion channel
+// reads the socket itself while it waits, and the reader steps aside
+// (drive.go).
 
 // pollerGrace is how long the reader leaves a ring to the pollers after
 // it saw them poll.
