@@ -81,16 +81,32 @@ func (c *conn) drivable() bool {
 	return c.quiet != nil && c.sock != nil && c.sock.src == nil && c.shm == nil && !c.dead.Load()
 }
 
-// driveConn is the connection a Wait on ch drives, or nil.
+// driveConn is the connection a Wait on ch drives, or nil: only in a
+// process that talks to one peer process (one connection, or the two
+// ends of a connection to itself). With several peers, the event a Wait
+// waits for may come from any of them, and a reader that stepped aside
+// for a drive would leave it unread while the wait drives another
+// connection (a dissemination barrier of 4 ranks over unix sockets,
+// every wait sleeping, took 2.5 ms instead of 0.2 ms that way).
 func (ch *compChannel) driveConn() *conn {
 	q := ch.armed.Load()
 	if q == nil {
 		return nil
 	}
-	if c := q.hot.Load(); c != nil && c.drivable() {
-		return c
+	c := q.hot.Load()
+	if c == nil || !c.drivable() {
+		return nil
 	}
-	return nil
+	l := c.s.pc.list.Load()
+	if l == nil || len(*l) > 2 {
+		return nil
+	}
+	for _, o := range *l {
+		if o.peerFab != c.peerFab {
+			return nil
+		}
+	}
+	return c
 }
 
 // drive reads c's socket until an event is queued on ch, the drive's time

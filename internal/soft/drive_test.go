@@ -25,6 +25,18 @@ func drivesNow() uint64 {
 	return n
 }
 
+// waitDrive waits until a drive began since the count before.
+func waitDrive(t *testing.T, before uint64) {
+	t.Helper()
+	deadline := time.Now().Add(hangGuard)
+	for drivesNow() == before {
+		if time.Now().After(deadline) {
+			t.Fatal("no wait drove the connection")
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+}
+
 // drivePair is two RC QPs of one process connected through a socket of
 // kind, each with its CQ and completion channel, and registered memory.
 type drivePair struct {
@@ -159,9 +171,7 @@ func TestDriveEndsForOtherEvents(t *testing.T) {
 				got <- q
 			}()
 			// The wait drives b's end before the event exists.
-			for drivesNow() == before {
-				time.Sleep(100 * time.Microsecond)
-			}
+			waitDrive(t, before)
 			wr := []prov.SendWR{{Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
 				RemoteAddr: p.m.mr.Addr() + 4096, RKey: p.m.mr.RKey()}}
 			if _, err := q2.PostSend(wr, []prov.SGE{p.m.sge(0, 8)}); err != nil {
@@ -196,9 +206,7 @@ func TestDriveHonoursContext(t *testing.T) {
 				_, err := p.chb.Wait(ctx)
 				done <- err
 			}()
-			for drivesNow() == before {
-				time.Sleep(100 * time.Microsecond)
-			}
+			waitDrive(t, before)
 			cancel()
 			select {
 			case err := <-done:
@@ -211,5 +219,40 @@ func TestDriveHonoursContext(t *testing.T) {
 			// The connection works on: the reader took it back.
 			p.sendOne(t)
 		})
+	}
+}
+
+// TestDriveOnePeerOnly: a Wait drives a connection only while the
+// process talks to one peer process; with connections to several, the
+// readers keep them all (the event may come on any).
+func TestDriveOnePeerOnly(t *testing.T) {
+	p := newDrivePair(t, "unix")
+	p.sendOne(t) // the CQs know their connections
+	if err := p.cqb.Arm(false); err != nil {
+		t.Fatal(err)
+	}
+	ch := p.chb.(*compChannel)
+	c := ch.driveConn()
+	if c == nil {
+		t.Fatal("no connection to drive with one peer process")
+	}
+	s := c.s
+	saved := s.pc.list.Load()
+	t.Cleanup(func() { s.pc.list.Store(saved) })
+	for _, tc := range []struct {
+		name  string
+		list  []*conn
+		drive bool
+	}{
+		{"one connection", []*conn{c}, true},
+		{"two ends of one peer", []*conn{c, {peerFab: c.peerFab}}, true},
+		{"two peers", []*conn{c, {peerFab: c.peerFab + 1}}, false},
+		{"three connections", []*conn{c, {peerFab: c.peerFab}, {peerFab: c.peerFab}}, false},
+	} {
+		l := tc.list
+		s.pc.list.Store(&l)
+		if got := ch.driveConn() != nil; got != tc.drive {
+			t.Errorf("%s: drives %v, want %v", tc.name, got, tc.drive)
+		}
 	}
 }
