@@ -227,6 +227,17 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 func (c *conn) askSocket(ch *compChannel) {
 	c.dlMu.Lock()
 	c.want = ch
+	c.dlMu.Unlock()
+	c.askReaderAside()
+}
+
+// askReaderAside ends the reader's wait on the socket, if it waits: it
+// then sees the polls and leaves the socket to them (progress.go).
+func (c *conn) askReaderAside() {
+	if c.quiet == nil {
+		return
+	}
+	c.dlMu.Lock()
 	if c.sockWait && !c.dlPast {
 		c.dlPast = true
 		c.quiet.conn().SetReadDeadline(aLongTimeAgo)

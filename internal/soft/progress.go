@@ -63,6 +63,7 @@ const pollerGrace = 200 * time.Microsecond
 type pollState struct {
 	rmu     sync.Mutex    // the right to consume the inbound ring
 	polls   atomic.Uint64 // polls so far (a hint for the reader)
+	polled  atomic.Uint64 // frames polls handled
 	grace   atomic.Bool   // the reader sleeps on its timer
 	armedAt atomic.Uint64 // polls when a CQ was last armed: no grace for those
 	kick    chan struct{} // ends the reader's grace
@@ -86,6 +87,12 @@ func (c *conn) poll() bool {
 		return false
 	}
 	if !c.rmu.TryLock() {
+		// The reader may hold it waiting on the socket: it looks at the
+		// polls only when its wait ends, which a process whose
+		// goroutines spin (yielding to each other) leaves to the
+		// runtime's network poller, checked every 10 ms then. End the
+		// wait; the reader then leaves the socket to the polls.
+		c.askReaderAside()
 		return false
 	}
 	// A shared-memory segment stays mapped while rmu is held and the
@@ -95,6 +102,9 @@ func (c *conn) poll() bool {
 		return false
 	}
 	n, err := c.drain(false)
+	if n > 0 {
+		c.polled.Add(uint64(n))
+	}
 	// While the reader is in its grace (it sends them when the grace
 	// ends), the responses of what this poll handled are held: the next
 	// request on the connection takes them along (trySendFrame), or the
