@@ -297,15 +297,7 @@ func (c *conn) readerWaited() {
 func (c *conn) stepAside(timer *time.Timer) {
 	seen := c.drives.Load() - 1 // the first grace is the driver's
 	for !c.dead.Load() {
-		timer.Reset(pollerGrace)
-		select {
-		case <-timer.C:
-		case <-c.kick:
-			timer.Stop()
-		case <-c.done:
-			timer.Stop()
-			return
-		}
+		c.graceSleep(timer)
 		switch c.driveOn.Load() {
 		case driveNone:
 			return
@@ -324,6 +316,21 @@ func (c *conn) stepAside(timer *time.Timer) {
 			return
 		}
 	}
+}
+
+// graceSleep sleeps for pollerGrace on timer, or until the reader is
+// kicked (it reports that) or the connection is down.
+func (c *conn) graceSleep(timer *time.Timer) (kicked bool) {
+	timer.Reset(pollerGrace)
+	select {
+	case <-timer.C:
+	case <-c.kick:
+		kicked = true
+		timer.Stop()
+	case <-c.done:
+		timer.Stop()
+	}
+	return kicked
 }
 
 // takeEvent takes the next event queued on ch, or returns nil.

@@ -12,7 +12,14 @@ import (
 )
 
 // drivesNow sums the drives of the process' connections (drive.go).
-func drivesNow() uint64 {
+func drivesNow() uint64 { return sumConns(func(c *conn) uint64 { return c.drives.Load() }) }
+
+// polledNow sums the frames that polls handled on the process'
+// connections.
+func polledNow() uint64 { return sumConns(func(c *conn) uint64 { return c.polled.Load() }) }
+
+// sumConns sums f over the process' connections.
+func sumConns(f func(*conn) uint64) uint64 {
 	s := getFabric().svc.Load()
 	if s == nil {
 		return 0
@@ -21,7 +28,7 @@ func drivesNow() uint64 {
 	defer s.mu.Unlock()
 	var n uint64
 	for c := range s.conns {
-		n += c.drives.Load()
+		n += f(c)
 	}
 	return n
 }
@@ -256,22 +263,6 @@ func TestDriveOnePeerOnly(t *testing.T) {
 			t.Errorf("%s: drives %v, want %v", tc.name, got, tc.drive)
 		}
 	}
-}
-
-// polledNow sums the frames that polls handled on the process'
-// connections.
-func polledNow() uint64 {
-	s := getFabric().svc.Load()
-	if s == nil {
-		return 0
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var n uint64
-	for c := range s.conns {
-		n += c.polled.Load()
-	}
-	return n
 }
 
 // TestPollEndsReaderWait: an application that spins on its CQ (polls,

@@ -355,13 +355,8 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64, timer *time.Timer) error {
 				}
 			}
 			c.grace.Store(true)
-			timer.Reset(pollerGrace)
-			select {
-			case <-timer.C:
-			case <-c.kick:
-				timer.Stop()
+			if c.graceSleep(timer) {
 				*lastPolls = c.polls.Load()
-			case <-c.done:
 			}
 			c.grace.Store(false)
 			return nil // the reader sends what pollers held, looks again
