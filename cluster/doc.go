@@ -207,14 +207,6 @@
 // include that. Without it (2 rounds): one-way write 3.9–4.0 µs (was
 // 17–24 µs), dissemination barrier 5.3–7.3 µs with 2 ranks (17–28 µs),
 // 73–89 µs with 4 (140–142 µs), 365–374 µs with 8 (643–649 µs).
-// Over soft0's sockets (GOVERBS_SOFT_TRANSPORT=unix or tcp) a spinning
-// wait looked at the clock only every 64 polls, and a poll that yields to
-// ranks outnumbering the processors can take hundreds of microseconds
-// there: the 1 ms spin lasted up to 4 ms. It looks every 8 polls now
-// (2 rounds alternating, unix): dissemination 4 ranks 1.00–1.05 ms →
-// 55–66 µs, 8 ranks 2.03–2.06 → 0.20–0.27 ms; binary tree 8 ranks 3.27 →
-// 0.30 ms (TCP 3.42 → 0.24 ms); shared memory unchanged (22–29 µs with
-// 4 ranks, 78–128 µs with 8).
 // BenchmarkBarrierXproc measures barriers between processes, up to four
 // times as many as processors, against the one-way latency of the same
 // transport.
