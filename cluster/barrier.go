@@ -215,11 +215,6 @@ const (
 const (
 	// pollCheck is how many spinning polls pass between checks.
 	pollCheck = 64
-	// spinCheck is how many pass between looks at the clock: a poll
-	// that yields to ranks that outnumber the processors can take
-	// hundreds of microseconds, and 64 of them were spins of 4 ms
-	// instead of spinwait's 1 ms.
-	spinCheck = 8
 	// probeAfter is how long a wait lasts before it probes the peer it
 	// waits for (probe).
 	probeAfter = 2 * time.Millisecond
@@ -794,9 +789,9 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 				if err := b.checkWait(ctx, peer, pw); err != nil {
 					return err
 				}
-			}
-			if i%spinCheck == 0 && time.Now().After(until) {
-				break
+				if time.Now().After(until) {
+					break
+				}
 			}
 			b.spin.Pause()
 		}
