@@ -1290,9 +1290,7 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		resp.code = silentOr(&req, respNoQP)
 	} else {
 		t.respond(&req, data, &resp)
-		if t.rcq.hot.Load() != c {
-			t.rcq.hot.Store(c) // a Wait drives c (drive.go)
-		}
+		t.rcq.fedBy(c)
 		// An acknowledged request comes from t's destination (fromPeer).
 		if resp.code == respACK && t.typ == prov.QPTypeRC && t.x.rev.Load() != c {
 			t.x.rev.Store(c)
@@ -1429,9 +1427,7 @@ func (c *conn) handleResp(id uint64, body []byte, data []span, plen int) error {
 	if q == nil {
 		return nil // the requester is gone
 	}
-	if q.scq.hot.Load() != c {
-		q.scq.hot.Store(c) // a Wait drives c (drive.go)
-	}
+	q.scq.fedBy(c)
 	if plen > 0 {
 		if err := q.deliver(c, id, r.orig, data); err != nil {
 			return err

@@ -79,6 +79,15 @@ func (c *cq) push(cs []prov.Completion, solicited bool) {
 	c.mu.Unlock()
 }
 
+// fedBy records c as the connection that fed the CQ last (hot): polls
+// drive it first (progress.go), a Wait drives it (drive.go). A store only
+// if it changes: the consumer calls it for every frame.
+func (c *cq) fedBy(from *conn) {
+	if c.hot.Load() != from {
+		c.hot.Store(from)
+	}
+}
+
 // cqRingMin is the length of a completion ring when it is first made.
 const cqRingMin = 64
 

@@ -203,7 +203,7 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 	}
 	c.dlMu.Unlock()
 	ch.drv.Store(nil)
-	if ev != nil && err == nil {
+	if ev != nil { // taken only while err is nil
 		c.driveOn.Store(driveRecent)
 		c.rmu.Unlock()
 		return ev
@@ -219,7 +219,7 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 	if err != nil {
 		c.fail(readErr(c, err))
 	}
-	return ev
+	return nil
 }
 
 // askSocket asks the reader, which holds the socket, to step aside for
@@ -227,8 +227,8 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 func (c *conn) askSocket(ch *compChannel) {
 	c.dlMu.Lock()
 	c.want = ch
+	c.endReaderWaitLocked()
 	c.dlMu.Unlock()
-	c.askReaderAside()
 }
 
 // askReaderAside ends the reader's wait on the socket, if it waits: it
@@ -238,19 +238,31 @@ func (c *conn) askReaderAside() {
 		return
 	}
 	c.dlMu.Lock()
-	if c.sockWait && !c.dlPast {
-		c.dlPast = true
-		c.quiet.conn().SetReadDeadline(aLongTimeAgo)
-	}
+	c.endReaderWaitLocked()
 	c.dlMu.Unlock()
+}
+
+// endReaderWaitLocked ends the reader's wait on the socket, if it waits
+// and it was not ended already (dlMu held).
+func (c *conn) endReaderWaitLocked() {
+	if c.sockWait && !c.dlPast {
+		c.endWaitLocked()
+	}
+}
+
+// endWaitLocked ends the wait on the socket in progress, the reader's or a
+// drive's, with a read deadline in the past (dlMu held; whoever waits
+// resets it under dlMu when its wait is over).
+func (c *conn) endWaitLocked() {
+	c.dlPast = true
+	c.quiet.conn().SetReadDeadline(aLongTimeAgo)
 }
 
 // interrupt ends the wait of ch's drive of c: an event is queued on ch.
 func (c *conn) interrupt(ch *compChannel) {
 	c.dlMu.Lock()
 	if c.driver == ch {
-		c.dlPast = true
-		c.quiet.conn().SetReadDeadline(aLongTimeAgo)
+		c.endWaitLocked()
 	}
 	c.dlMu.Unlock()
 }

@@ -442,7 +442,7 @@ func (p *pollConns) pollFor(q *cq, dst []prov.Completion) (int, error) {
 			continue
 		}
 		if n, err := q.poll(dst); n > 0 || err != nil {
-			q.hot.Store(c)
+			q.fedBy(c)
 			return n, err
 		}
 	}
