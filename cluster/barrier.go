@@ -250,20 +250,22 @@ type barrier struct {
 	aux     *verbs.MemoryRegion // sources of probes (word 0, zero), of the poison (word 1) and of Share (auxShare)
 	remote  []verbs.RemoteRegion
 
-	mu      sync.Mutex
-	closed  atomic.Bool
-	gen     uint64
-	sendSeq []uint32 // writes to each peer since reset
-	recvSeq []uint32 // writes expected from each peer since reset
-	world   *group
-	calls   uint32                    // Shares entered since reset (low 32 bits)
-	groups  map[uint64][]*group       // by member hash
-	poison  error                     // a local failure (timeout, mismatch): until reset
-	lost    atomic.Pointer[RankError] // a rank failed: for good
-	tellMu  sync.Mutex                // serialises tell (the source word in aux)
-	wokenFn func() bool               // b.woken, bound once
-	local   atomic.Int32              // ranks of the world on this host (setRemote)
-	spin    spinwait.Policy           // how a wait spins before it sleeps, and its alarms and probes (setRemote, mu)
+	mu       sync.Mutex
+	closed   atomic.Bool
+	gen      uint64
+	sendSeq  []uint32 // writes to each peer since reset
+	recvSeq  []uint32 // writes expected from each peer since reset
+	world    *group
+	calls    uint32                    // Shares entered since reset (low 32 bits)
+	groups   map[uint64][]*group       // by member hash
+	poison   error                     // a local failure (timeout, mismatch): until reset
+	lost     atomic.Pointer[RankError] // a rank failed: for good
+	tellMu   sync.Mutex                // serialises tell (the source word in aux)
+	told     bool                      // this rank told every peer of lost (under tellMu)
+	partners []atomic.Bool             // the peers this rank wrote to or waited for (spread)
+	wokenFn  func() bool               // b.woken, bound once
+	local    atomic.Int32              // ranks of the world on this host (setRemote)
+	spin     spinwait.Policy           // how a wait spins before it sleeps, and its alarms and probes (setRemote, mu)
 
 	// The sleep of a wait (mu): its alarm (ring), and what woken looks at.
 	alarm                *spinwait.Alarm
@@ -299,7 +301,7 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 		return nil, fmt.Errorf("cluster: barrier: probe memory: %w", err)
 	}
 	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1, spin: spinwait.Policy{Every: spinwait.ProbeEvery},
-		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), groups: make(map[uint64][]*group)}
+		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), partners: make([]atomic.Bool, n), groups: make(map[uint64][]*group)}
 	if b.staging, err = mc.PD().Alloc(2*n*flagBytes, verbs.AccessLocalWrite); err != nil {
 		flags.Close()
 		aux.Close()
@@ -615,7 +617,15 @@ func (b *barrier) settle(peer int, err error) (error, bool) {
 		return err, true
 	case peer < 0:
 		return err, true
-	default: // the transport to peer broke: it failed
+	default:
+		// The transport to peer broke: it failed, unless the world had
+		// failed already: a rank that knows of a failure tells its
+		// partners before it closes (spread), so news of the first
+		// failure is in this rank's memory before its queue pair to a
+		// peer that closed after learning of it breaks.
+		if re := b.worldErr(); re != nil {
+			return re, false
+		}
 		return b.report(peer, err), false
 	}
 }
@@ -658,17 +668,51 @@ func (b *barrier) report(dead int, cause error) *RankError {
 	re := b.lost.Load()
 	b.tellMu.Lock()
 	if !b.closed.Load() {
-		b.tell(re.Rank)
+		b.told = true
+		b.tell(re.Rank, nil)
 	}
 	b.tellMu.Unlock()
 	return re
 }
 
+// spread tells the partners of this rank (the peers it wrote to or
+// waited for) of the failure recorded, unless it told every peer when it
+// saw the failure itself. Node.Close calls it before the queue pairs go:
+// the rank that saw a failure tells every rank, but a rank that connects
+// for the first time to a peer to tell it can be slower than a rank that
+// learned of the failure, gave up and closed; a partner of that rank
+// would see its queue pair to it break first and blame it. Told by it
+// before (queue pairs deliver in order, and Close quiesces), the partner
+// reports the first failure (see settle).
+func (b *barrier) spread() {
+	re := b.lost.Load()
+	if re == nil {
+		if b.worldErr() == nil {
+			return
+		}
+		re = b.lost.Load()
+	}
+	b.tellMu.Lock()
+	defer b.tellMu.Unlock()
+	if b.closed.Load() || b.told {
+		return
+	}
+	b.told = true
+	b.tell(re.Rank, func(p int) bool { return b.partners[p].Load() })
+}
+
+// partner records that this rank wrote to peer or waited for it.
+func (b *barrier) partner(peer int) {
+	if !b.partners[peer].Load() {
+		b.partners[peer].Store(true)
+	}
+}
+
 // tell writes the poison word naming dead into every peer this rank can
-// still reach, without waiting for the writes to complete (Node.Close
-// makes sure they leave). Best effort: a peer it cannot reach finds out
-// by itself. Call with tellMu held.
-func (b *barrier) tell(dead int) {
+// still reach (those to accepts, if it is not nil), without waiting for
+// the writes to complete (Node.Close makes sure they leave). Best effort:
+// a peer it cannot reach finds out by itself. Call with tellMu held.
+func (b *barrier) tell(dead int, to func(p int) bool) {
 	if b.remote == nil {
 		return
 	}
@@ -681,7 +725,7 @@ func (b *barrier) tell(dead int) {
 	off := uint64(b.n * wordsPerPeer * flagBytes)
 	for _, p := range b.mc.Peers() {
 		ch := b.mc.Peer(p)
-		if p == dead || ch.Err() != nil {
+		if p == dead || ch.Err() != nil || (to != nil && !to(p)) {
 			continue
 		}
 		if h, err := ch.PostWriteImm(b.remote[p].At(off), 0, src); err == nil {
@@ -765,6 +809,7 @@ func (b *barrier) word64(off int) *uint64 {
 // transport to peer breaks; after a while it probes peer (probe). match
 // must be cheap: it sees every value polled. Call with mu held.
 func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func(v uint64) (bool, error)) error {
+	b.partner(peer)
 	pw := b.poisonWord()
 	var probe channel.Handle // in flight if probing
 	probing := false

@@ -702,6 +702,32 @@ func TestCloseReadsOnlyWrittenPeers(t *testing.T) {
 	}
 }
 
+// TestCloseTellsPartners: a rank that learned of a failure from another
+// rank tells its partners before it closes, so that a partner whose
+// queue pair to it then breaks names the rank that failed, not the rank
+// that closed (the binary tree of 4: rank 1's partners are 0 and 3).
+// Only partners are told: a world whose queue pairs connect on first use
+// does not connect every pair as it fails.
+func TestCloseTellsPartners(t *testing.T) {
+	const n, dead, by = 4, 3, 2
+	nodes := shareWorld(t, n, BinaryTree)
+	ctx := barCtx(t)
+	barNoErrors(t, runAll(nodes, func(nd *Node) error { return nd.Barrier(ctx, nil) }))
+	// Rank 1 is told (by rank 2, as far as it knows) that rank 3 failed.
+	atomic.StoreUint64(nodes[1].bar.poisonWord(), uint64(poisonMark)<<56|uint64(by)<<32|dead)
+	if err := nodes[1].Close(); err != nil {
+		t.Fatal(err)
+	}
+	err := nodes[0].Barrier(ctx, nil)
+	var re *RankError
+	if !errors.As(err, &re) || re.Rank != dead || !errors.Is(err, ErrPeerLost) {
+		t.Fatalf("rank 0's barrier after rank 1 closed: %v, want a RankError naming rank %d", err, dead)
+	}
+	if v := atomic.LoadUint64(nodes[2].bar.poisonWord()); v != 0 {
+		t.Errorf("rank 2, not a partner of rank 1, was told: %#x", v)
+	}
+}
+
 // TestLocalRanks: the ranks of a world count those that share this
 // machine (the host in the barrier information): all of a world in one
 // process; one fewer when a rank says it is on another host. Before

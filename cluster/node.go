@@ -578,6 +578,12 @@ func (n *Node) Close() error {
 		n.phase = 3
 		owned, onClose := n.owned, n.onClose
 		n.mu.Unlock()
+		if connected {
+			// Pass on news of a failure before the queue pairs go: a peer
+			// whose queue pair to this rank then breaks must already know
+			// what failed first (see barrier.settle).
+			n.bar.spread()
+		}
 		if connected && n.grace > 0 {
 			n.quiesce()
 		}

@@ -192,6 +192,7 @@ func (b *barrier) post(ctx context.Context, peer, n int) error {
 // bell is set) whose completion is not awaited (its handle is released at
 // once), retrying while the channel has no room, until ctx ends.
 func (b *barrier) postWrite(ctx context.Context, peer int, ch *channel.Channel, dst verbs.RemoteAddr, src verbs.SGE, bell bool) error {
+	b.partner(peer)
 	for {
 		var h channel.Handle
 		var err error
