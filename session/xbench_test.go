@@ -414,7 +414,7 @@ func benchChannelChild(what string) error {
 	}
 	js, _ := json.Marshal(ep)
 	fmt.Printf("ep %s\n", js)
-	size := 8
+	size := 16
 	if what == "sink" {
 		size = 4 * bwSize
 	}
@@ -444,17 +444,30 @@ func benchChannelChild(what string) error {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	if what == "echo" {
+		// Two receive buffers: the receive for the next message is
+		// posted before the echo of this one leaves, as an RDMA
+		// program keeps its receive queue ahead of its peer's sends
+		// (reposting after the Send completes races the peer's next
+		// message, and loses to it whenever the acknowledgement of the
+		// echo wakes this side later than the echo wakes the peer:
+		// receiver not ready, a NAK and a retry per round trip).
 		go func() {
-			for {
-				h, err := ch.PostReceive(buf.All())
-				if err != nil {
-					return
-				}
+			var bufs [2]verbs.SGE
+			bufs[0], _ = buf.SGE(0, 8)
+			bufs[1], _ = buf.SGE(8, 8)
+			h, err := ch.PostReceive(bufs[0])
+			if err != nil {
+				return
+			}
+			for i := 1; ; i++ {
 				if h.Wait(ctx) != nil || h.Err() != nil {
 					return
 				}
 				h.Release()
-				if ch.Send(ctx, buf.All()) != nil {
+				if h, err = ch.PostReceive(bufs[i%2]); err != nil {
+					return
+				}
+				if ch.Send(ctx, bufs[(i+1)%2]) != nil {
 					return
 				}
 			}
