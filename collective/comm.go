@@ -75,7 +75,8 @@ type Options struct {
 	// before the peer consumes them (the window). Default 4, at least 2.
 	Slots int
 	// Timeout bounds every call, besides its context: a call that has not
-	// completed within Timeout fails (and poisons the communicator).
+	// completed within Timeout (counted from its first wait for a peer)
+	// fails (and poisons the communicator).
 	// Zero: only the context bounds it.
 	Timeout time.Duration
 	// Algorithm forces the algorithm family of every collective that has
@@ -162,7 +163,8 @@ type Comm struct {
 	red                               reducer
 	call                              callInfo
 	callSeq                           uint32
-	deadline                          time.Time
+	deadline                          time.Time // of the call: see callDeadline
+	deadlineSet                       bool
 	w                                 waiter
 	sends, recvs                      []flow           // scratch of the algorithms
 	scratch                           []byte           // reduction scratch of the algorithms (Go memory)
