@@ -181,23 +181,28 @@ func (f *flow) ready() (int, bool) {
 // call must end with end(t, err).
 func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
 	var t uint64
-	if held, ok := ctx.Value(ticketKey{}).(*heldTicket); ok && !held.used {
+	held, _ := ctx.Value(ticketKey{}).(*heldTicket)
+	// One lock for the ticket, the turn and the state when it is this
+	// call's turn at once (the common case).
+	c.mu.Lock()
+	if held != nil && !held.used {
 		held.used = true
 		t = held.t
 	} else {
-		t = c.ticket()
+		t = c.issued
+		c.issued++
 	}
-	c.mu.Lock()
 	fast := c.serving == t
+	closed, perr := c.closed, c.err
 	c.mu.Unlock()
 	if !fast {
 		if err := c.await(ctx, t); err != nil {
 			return t, &Error{Call: kindName(info.kind), Rank: c.rank, Peer: -1, Err: fmt.Errorf("%w: %w", verbs.ErrTimeout, err)}
 		}
+		c.mu.Lock()
+		closed, perr = c.closed, c.err
+		c.mu.Unlock()
 	}
-	c.mu.Lock()
-	closed, perr := c.closed, c.err
-	c.mu.Unlock()
 	c.call = info
 	switch {
 	case closed:
