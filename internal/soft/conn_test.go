@@ -494,7 +494,10 @@ func TestRingCorruption(t *testing.T) {
 	}{
 		{"TailFarAhead", func(in, out *ring) { *in.tail = 1 << 40 }},
 		{"TailBehindHead", func(in, out *ring) { in.pos = 100; *in.tail = 50 }},
-		{"HeadAhead", func(in, out *ring) { out.pos = 10; *out.head = 1 << 40 }},
+		// The producer loads head when the room it knows of is short
+		// or its lap may end (ring.seen): here, far into the lap.
+		{"HeadAhead", func(in, out *ring) { out.pos = lapSkipAt + 10; *out.head = 1 << 40 }},
+		{"HeadAheadRoomShort", func(in, out *ring) { out.pos = ringCap - 8; *out.head = 1 << 40 }},
 		{"LapOffStart", func(in, out *ring) { in.pos = 100; *in.tail = 1000; *in.lap = 500 }},
 		{"LapTooFar", func(in, out *ring) { in.pos = 100; *in.tail = 3 * ringCap; *in.lap = 2 * ringCap }},
 	} {

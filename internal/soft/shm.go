@@ -76,6 +76,12 @@ type ring struct {
 	lap   *uint64 // where the producer went on at a lap's start
 	data  []byte
 	pos   uint64 // the private index: tail for the producer, head for the consumer
+	// seen is the head the producer loaded last (producer): the room it
+	// knows of. It loads head again only when that room is short or the
+	// lap may end (Laps): a load of head at every put brought the line
+	// that the consumer stores at every get over to the producer, and back
+	// at the consumer's next store, twice per frame.
+	seen uint64
 }
 
 func newRing(seg []byte, i int) ring {
@@ -94,16 +100,19 @@ var errRingCorrupt = errors.New("soft: shared memory ring corrupted by the peer"
 // put copies a prefix of bufs into the ring (producer) and returns its
 // length and whether the consumer must be woken.
 func (r *ring) put(bufs [][]byte) (int, bool, error) {
-	head := atomic.LoadUint64(r.head)
-	if head == r.pos && r.pos&(ringCap-1) >= lapSkipAt {
-		// Empty, and far into the lap: on at the next one (Laps),
-		// stored before the tail that publishes what follows.
-		r.pos = (r.pos + ringCap) &^ (ringCap - 1)
-		atomic.StoreUint64(r.lap, r.pos)
-	}
-	used := r.pos - head
-	if used > ringCap {
-		return 0, false, errRingCorrupt
+	used := r.pos - r.seen
+	if r.pos&(ringCap-1) >= lapSkipAt || ringCap-used < uint64(total(bufs)) {
+		head := atomic.LoadUint64(r.head)
+		if head == r.pos && r.pos&(ringCap-1) >= lapSkipAt {
+			// Empty, and far into the lap: on at the next one (Laps),
+			// stored before the tail that publishes what follows.
+			r.pos = (r.pos + ringCap) &^ (ringCap - 1)
+			atomic.StoreUint64(r.lap, r.pos)
+		}
+		if used = r.pos - head; used > ringCap {
+			return 0, false, errRingCorrupt
+		}
+		r.seen = head
 	}
 	free := ringCap - used
 	n := 0
