@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/cluster"
 	"github.com/goverbs/verbs/collective"
 )
@@ -371,4 +373,27 @@ func TestNonBlockingEveryKind(t *testing.T) {
 			check("exscan", exs, wantExs),
 		)
 	}))
+}
+
+// TestOptionsTimeout: a call whose peer never comes fails by
+// Options.Timeout (counted from its first wait), although its context
+// has no deadline, and poisons the communicator. The peer's late call
+// finds what the rank that gave up had sent (it had entered the
+// barrier) and may complete; the peer's next call fails, told of the
+// abandonment, instead of waiting for a partner that gave up.
+func TestOptionsTimeout(t *testing.T) {
+	cs := world(t, 2, collective.Options{Timeout: 200 * time.Millisecond})
+	err := collective.Barrier(context.Background(), cs[0])
+	if !errors.Is(err, verbs.ErrTimeout) || !strings.Contains(err.Error(), "Options.Timeout") {
+		t.Fatalf("barrier without its peer: %v, want ErrTimeout from Options.Timeout", err)
+	}
+	if err := collective.Barrier(testCtx(t), cs[0]); !errors.Is(err, collective.ErrPoisoned) {
+		t.Errorf("the next barrier: %v, want ErrPoisoned", err)
+	}
+	late := collective.Barrier(testCtx(t), cs[1])
+	next := collective.Barrier(testCtx(t), cs[1])
+	t.Logf("the peer's late barrier: %v; its next: %v", late, next)
+	if late == nil && next == nil {
+		t.Errorf("the peer's late barrier and the next both succeeded with a rank that gave up")
+	}
 }
