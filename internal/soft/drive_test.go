@@ -279,7 +279,9 @@ func TestPollEndsReaderWait(t *testing.T) {
 			p.sendOne(t)
 			defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
 			var dst [4]prov.Completion
-			for round := range 20 {
+			const rounds = 20
+			byPolls := 0
+			for range rounds {
 				// The readers go back to waiting on their sockets.
 				time.Sleep(2 * time.Millisecond)
 				before := polledNow()
@@ -306,9 +308,16 @@ func TestPollEndsReaderWait(t *testing.T) {
 					}
 					runtime.Gosched()
 				}
-				if polledNow() == before {
-					t.Fatalf("round %d: the reader took the message in, not the polls", round)
+				if polledNow() != before {
+					byPolls++
 				}
+			}
+			// The reader may be between its waits when a round begins (on
+			// a loaded machine, after the 2 ms) and take the message in
+			// itself; before, it did in every round.
+			t.Logf("the polls took the message in %d rounds of %d", byPolls, rounds)
+			if byPolls < rounds/2 {
+				t.Fatalf("the polls took the message in %d rounds of %d, the reader in the others", byPolls, rounds)
 			}
 		})
 	}
