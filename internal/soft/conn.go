@@ -65,7 +65,10 @@ import (
 // leaves before the completion is visible (ackFirst): an application
 // may exit as soon as it has polled it. Over TCP it is corked in the
 // socket (send), for the answer that usually follows to push it along
-// in one segment; what the application does otherwise next pushes it:
+// in one segment; over a unix socket it is held, and the id of the
+// request published in the connection's acknowledgement page, which
+// outlives the process (ackpage.go); what the application does otherwise
+// next pushes it:
 // a poll that finds nothing, an arm of a CQ to sleep (pollersGone), or
 // the end of the reader's wait for the answer (ackDelay). Other
 // responses may be held for a while (progress.go) and leave at the
@@ -88,6 +91,7 @@ type conn struct {
 	raw     syscall.RawConn
 	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
 	shm     *shmLink   // the rings (nil: frames go over nc)
+	acks    *ackPage   // unix: where held acknowledgements are published (ackpage.go)
 	link    io.Closer  // with TLS: the socket under the session (closeSocket); nil otherwise
 	tlsw    *tlsWriter // with TLS: how frames are written
 	auth    peerAuth   // what the peer proved of its identity (handshake.go)
@@ -136,9 +140,15 @@ type conn struct {
 	// The request being handled (handleReq), for ackFirst (rmu).
 	rxID     uint64
 	rxQPN    uint32
-	rxAnswer bool  // it is to be answered
-	rxAcked  bool  // ackFirst answered it
-	rxErr    error // ackFirst could not send
+	rxAnswer bool // it is to be answered
+	rxAcked  bool // ackFirst answered it
+	// heldOther says that the held responses include one that is not a
+	// plain acknowledgement (respMu): ackFirst then sends at once.
+	heldOther bool
+	// peerAcked is the peer's word of the acknowledgement page when the
+	// connection failed (set before done is closed).
+	peerAcked uint64
+	rxErr     error // ackFirst could not send
 
 	// Responses held back (progress.go): appended by the consumer,
 	// taken by whoever writes to the connection next.
@@ -285,6 +295,9 @@ func (c *conn) abandon() {
 		c.shm.close()
 		c.shm.unmap()
 	}
+	if c.acks != nil {
+		c.acks.unmap()
+	}
 }
 
 // fail takes the connection down (once).
@@ -295,6 +308,10 @@ func (c *conn) fail(err error) {
 	c.errMu.Lock()
 	c.err = err
 	c.errMu.Unlock()
+	if c.acks != nil {
+		// Before done: the page stays mapped until then (addConn).
+		c.peerAcked = c.acks.peerHeld()
+	}
 	close(c.done)
 	c.closeSocket()
 	if c.shm != nil {
@@ -689,6 +706,9 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 // setResps sets the held responses (respMu held).
 func (c *conn) setResps(b []byte) {
 	c.resps = b
+	if len(b) == 0 {
+		c.heldOther = false
+	}
 	if h := len(b) > 0; c.held.Load() != h { // a store only if it changes (respMu)
 		c.held.Store(h)
 	}
@@ -1315,6 +1335,9 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	// completions that go with it.
 	c.respMu.Lock()
 	c.appendRespLocked(id, req.srcQPN, &resp)
+	if resp.code != respACK || req.op == opCAS || req.op == opFAA {
+		c.heldOther = true
+	}
 	if resp.code >= respInvReq || len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
 		c.flushRespsLocked()
 	}
@@ -1352,6 +1375,13 @@ func (c *conn) ackFirst() {
 	c.rxAcked = true
 	c.respMu.Lock()
 	c.appendRespLocked(c.rxID, c.rxQPN, &response{code: respACK})
+	if c.acks != nil && !c.heldOther && c.queueEmpty() {
+		// Held, and published in the acknowledgement page: the answer
+		// or the next flush takes it along (ackpage.go).
+		c.acks.held(c.rxID)
+		c.respMu.Unlock()
+		return
+	}
 	c.fbufs[0] = c.resps
 	var err error
 	if c.tlsw == nil || !c.writeTLSNow(c.fbufs[:1], &err) {

@@ -420,6 +420,19 @@ func (s *service) addConn(c *conn) bool {
 			f()
 		}()
 	}
+	if c.acks != nil {
+		// Unmap once the connection is down (fail read the peer's word
+		// before) and no consumer (which writes this side's) runs.
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			<-c.done
+			c.loops.Wait()
+			c.rmu.Lock()
+			c.acks.unmap()
+			c.rmu.Unlock()
+		}()
+	}
 	if c.shm != nil {
 		// Unmap once the connection is down and nothing uses the
 		// segment: the loops have ended, and writers hold wmu (and
@@ -510,7 +523,8 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 	case isUnix && checkPeerCred(uc, hl.pid) != nil:
 		ch.status = ackBadPeer
 	case hl.kind == kindShm && checkShmFDs(fds) != nil,
-		hl.kind != kindShm && len(fds) > 0:
+		hl.kind == kindUnix && (len(fds) > 1 || len(fds) == 1 && checkAckPageFD(fds[0]) != nil),
+		hl.kind == kindTCP && len(fds) > 0:
 		ch.status = ackBadShm
 	case !isUnix && tc == nil && (perr != nil || needTLS(policy, nc.RemoteAddr())):
 		ch.status = ackNeedTLS
@@ -542,6 +556,12 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 	if want := handshakeMAC(&s.secret, labelDialer, &t); !macEqual(&want, &a.proof) {
 		status = ackBadSecret
 	}
+	var acks *ackPage
+	if status == ackOK && hl.kind == kindUnix && len(fds) == 1 {
+		if acks, err = mapAckPage(fds[0], false); err != nil {
+			status = ackBadShm
+		}
+	}
 	var shm *shmLink
 	if status == ackOK && hl.kind == kindShm {
 		if shm, err = newShmLink(fds[0], fds[1], fds[2], false); err != nil {
@@ -560,11 +580,15 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 			shm.close()
 			shm.unmap()
 		}
+		if acks != nil {
+			acks.unmap()
+		}
 		return
 	}
 	stopWatch()
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, hl.kind, hl.fabric, hl.pid, dataConn(nc, tc), shm)
+	c.acks = acks
 	c.auth.ident, c.auth.t = a.ident, t
 	if !s.addConn(c) {
 		c.abandon()
@@ -840,11 +864,30 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 			return nil, err
 		}
 	}
+	var acks *ackPage
+	ackFD := -1
+	if kind == kindUnix {
+		// The acknowledgement page (ackpage.go); without one the
+		// connection acknowledges at once, as before.
+		if ackFD, err = newAckPageFD(); err == nil {
+			if acks, err = mapAckPage(ackFD, true); err != nil {
+				unix.Close(ackFD)
+				ackFD = -1
+			}
+		}
+		if ackFD >= 0 {
+			defer unix.Close(ackFD) // the mapping keeps the page
+		}
+		err = nil
+	}
 	fail := func(err error) (*conn, error) {
 		nc.Close()
 		if shm != nil {
 			shm.close()
 			shm.unmap()
+		}
+		if acks != nil {
+			acks.unmap()
 		}
 		return nil, err
 	}
@@ -859,6 +902,8 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	putHello(b[hdrLen:], &hl)
 	if kind == kindShm {
 		_, _, err = nc.(*net.UnixConn).WriteMsgUnix(b, unix.UnixRights(fds[:]...), nil)
+	} else if ackFD >= 0 {
+		_, _, err = nc.(*net.UnixConn).WriteMsgUnix(b, unix.UnixRights(ackFD), nil)
 	} else {
 		_, err = rw.Write(b)
 	}
@@ -908,6 +953,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	stopWatch()
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, kind, pa.fabric, pa.pid, dataConn(nc, tc), shm)
+	c.acks = acks
 	secret := pa.secret
 	c.auth.proven.Store(&secret)
 	if !s.addConn(c) {

@@ -661,6 +661,21 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 		if w.fconn != r.c {
 			return false
 		}
+		// The peer held the acknowledgements of the requests up to
+		// peerAcked when the connection went (ackpage.go): those were
+		// executed. The first one after them failed.
+		for r.c.acks != nil && w.fid <= r.c.peerAcked {
+			ack := rresp{c: r.c, id: w.fid}
+			if q.retireOne(&ack, retired) {
+				return true
+			}
+			if x.nfl == 0 {
+				return false
+			}
+			if w = q.flight(*retired); w.fconn != r.c {
+				return false
+			}
+		}
 		q.failFlight(w, prov.StatusRetryExcErr, retired)
 		return true
 	}
