@@ -449,14 +449,15 @@ func (p *pollConns) pollFor(q *cq, dst []prov.Completion) (int, error) {
 	return 0, nil
 }
 
-// pollersGone ends the readers' grace and pushes the acknowledgements
-// corked in their sockets: an application is about to sleep, and will
-// send no answer to take them along.
+// pollersGone ends the readers' grace and sends the acknowledgements
+// corked in their sockets or held (a unix socket's, ackpage.go): an
+// application is about to sleep, and will send no answer to take them
+// along.
 func (p *pollConns) pollersGone() {
 	if l := p.list.Load(); l != nil {
 		for _, c := range *l {
 			c.endGrace()
-			c.pushAck()
+			c.flushResps()
 		}
 	}
 }

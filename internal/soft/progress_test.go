@@ -148,8 +148,17 @@ func TestPollProgress(t *testing.T) {
 // (An acknowledgement pushed at once cost a second segment, and the
 // whole receive path of the peer's stack, per message: 8-byte round
 // trips over TCP took 1.6 times a raw TCP ping-pong.)
+//
+// Over unix sockets the acknowledgement is held (ackpage.go) instead of
+// corked, and leaves the same ways.
 func TestAckCorked(t *testing.T) {
-	forceTransport(t, "tcp")
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) { testAckCorked(t, kind) })
+	}
+}
+
+func testAckCorked(t *testing.T, kind string) {
+	forceTransport(t, kind)
 	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
 	m := privMem(t, e, 64)
 	send := func(from *ep, wrid uint64) {
@@ -183,7 +192,8 @@ func TestAckCorked(t *testing.T) {
 		send(a, uint64(round))
 		ok(spin(t, b.rcq, 1)[0], "b's receive")
 		c := b.qp.(*qp).x.rev.Load()
-		if c.corked.Load() {
+		held := func() bool { return c.corked.Load() || kind == "unix" && c.holdsResps() }
+		if held() {
 			corked++
 			if round%2 == 1 {
 				// No answer: b's next poll, which finds nothing,
@@ -192,7 +202,7 @@ func TestAckCorked(t *testing.T) {
 				if n, err := b.rcq.Poll(dst[:]); n != 0 || err != nil {
 					t.Fatalf("b's poll: %d %v", n, err)
 				}
-				if c.corked.Load() {
+				if held() {
 					t.Fatalf("round %d: a poll of b that found nothing left the acknowledgement corked", round)
 				}
 				pushed++
@@ -217,8 +227,17 @@ func TestAckCorked(t *testing.T) {
 // instead of one. (Corked with only the reader's timer to push it, it
 // waited up to a millisecond, the granularity of the runtime's sleeps:
 // session's WriteImm over TCP took 1.2 ms instead of 0.12 ms.)
+//
+// Over unix sockets the acknowledgement is held (ackpage.go) instead of
+// corked, and leaves the same ways.
 func TestAckCorkedWhenSleeping(t *testing.T) {
-	forceTransport(t, "tcp")
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) { testAckHeldWhenSleeping(t, kind) })
+	}
+}
+
+func testAckHeldWhenSleeping(t *testing.T, kind string) {
+	forceTransport(t, kind)
 	e := newEnv(t)
 	aq, acq, _ := xprocSide(t, e)
 	bq, bcq, bch := xprocSide(t, e)
@@ -255,7 +274,8 @@ func TestAckCorkedWhenSleeping(t *testing.T) {
 			t.Fatalf("round %d: b's poll: %d %v %+v", round, n, err, dst[0])
 		}
 		c := bq.(*qp).x.rev.Load()
-		wasCorked := c.corked.Load()
+		held := func() bool { return c.corked.Load() || kind == "unix" && c.holdsResps() }
+		wasCorked := held()
 		if wasCorked {
 			corked++
 		}
@@ -264,7 +284,7 @@ func TestAckCorkedWhenSleeping(t *testing.T) {
 			recv(aq)
 			post(bq, 100)
 			if wasCorked {
-				if c.corked.Load() {
+				if held() {
 					t.Fatalf("round %d: b answered and its acknowledgement stayed corked", round)
 				}
 				byAnswer++
@@ -282,7 +302,7 @@ func TestAckCorkedWhenSleeping(t *testing.T) {
 			t.Fatal(err)
 		}
 		if wasCorked {
-			if c.corked.Load() {
+			if held() {
 				t.Fatalf("round %d: b armed its CQ again and its acknowledgement stayed corked", round)
 			}
 			byArm++
