@@ -52,7 +52,9 @@
 // dead one; conn.alive). A receiver that exits right after it polled a
 // receive completion, without closing anything, has acknowledged the
 // message already: the acknowledgement leaves before the completion is
-// visible (conn.ackFirst); Close hands over what is held too.
+// visible (conn.ackFirst), or, over a unix socket, is published in the
+// connection's acknowledgement page, which the sender reads when the
+// connection fails (ackpage.go); Close hands over what is held too.
 // Requests run in the poster's goroutine
 // where possible: PostSend executes the work requests it queued (copying
 // memory directly between registered regions) unless another goroutine is
