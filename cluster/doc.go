@@ -181,14 +181,16 @@
 // no world goes on with a hole.
 //
 // A rank waits for a flag by polling — driving the transport's progress:
-// soft0 places a peer's write when a process of it polls — for up to
+// soft0 places a peer's write when a process of it polls, and every
+// fourth poll lets the process' goroutines run — for up to
 // 1 ms, then sleeps on its channel's completion channel
 // (channel.MultiChannel.Sleep). When the machine has more ranks of the
 // world than processors (LocalRanks against runtime.NumCPU) a spinning
 // rank offers its processor to the other threads between polls
 // (sched_yield, as MPI libraries do), so the rank it waits for runs at
 // once; with more than 4 ranks per processor it sleeps at once, since
-// the rank waited for would queue behind every spinner of its processor. Flags are written with immediate data: each rings
+// the rank waited for would queue behind every spinner of its
+// processor. Flags are written with immediate data: each rings
 // the receiver's doorbell (NodeOptions.Channel.Doorbells, 64 per peer by
 // default), whose completion wakes it. So ranks that outnumber the
 // processors sleep until their signal arrives. The queue pairs of a
