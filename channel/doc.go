@@ -53,6 +53,17 @@
 // fields inside a peer's region by their Go type, without hand-computed
 // offsets.
 //
+// Messages need a receive posted at the peer before they arrive; one
+// that arrives first is NAKed (receiver not ready) and retried, on
+// hardware after the queue pair's RNR timer (0.64 ms by default). Keep
+// receives posted ahead: a side that answers each message should post
+// the receive for the next one before it sends its answer, not after a
+// blocking Send returns. The peer's next message can come as soon as the
+// answer lands, sooner than the Send's completion reaches the sender:
+// an echo between two processes that reposted after its Send met a NAK
+// in 8 of 10 round trips on soft0 over unix sockets (111 µs per round
+// trip against 54 µs with the receive posted ahead).
+//
 // # Completions
 //
 // Every signaled request carries a work request id that encodes the index
