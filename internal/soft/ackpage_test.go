@@ -1,15 +1,10 @@
 package soft
 
 import (
-	"io"
-	"net"
-	"os"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/goverbs/verbs/internal/fdpass"
 	"github.com/goverbs/verbs/internal/prov"
 )
 
@@ -21,27 +16,14 @@ func TestAckPageChecks(t *testing.T) {
 	if err := checkAckPageFD(good); err != nil {
 		t.Fatalf("a good page refused: %v", err)
 	}
-	unsealed := must(unix.MemfdCreate("x", unix.MFD_CLOEXEC))
-	defer unix.Close(unsealed)
-	if err := unix.Ftruncate(unsealed, ackPageSize); err != nil {
-		t.Fatal(err)
-	}
-	big := must(unix.MemfdCreate("x", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING))
-	defer unix.Close(big)
-	unix.Ftruncate(big, 1<<20)
-	unix.FcntlInt(uintptr(big), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW)
-	var pipe [2]int
-	if err := unix.Pipe2(pipe[:], unix.O_CLOEXEC); err != nil {
-		t.Fatal(err)
-	}
-	defer fdpass.Close(pipe[:])
+	unsealed, big, pipe := badMemFDs(t, ackPageSize, 1<<20)
 	for _, tc := range []struct {
 		name string
 		fd   int
 	}{
 		{"Unsealed", unsealed},
 		{"WrongSize", big},
-		{"Pipe", pipe[0]},
+		{"Pipe", pipe},
 	} {
 		if err := checkAckPageFD(tc.fd); err == nil {
 			t.Errorf("%s: accepted", tc.name)
@@ -62,22 +44,7 @@ func TestAckPageChecks(t *testing.T) {
 // unusable (not sealed, or more descriptors than one) is refused with a
 // reason, before the acceptor maps anything.
 func TestAckPageHandshakeRefused(t *testing.T) {
-	restore, err := ForceTransport("auto")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer restore()
-	e := newEnv(t)
-	q := e.newQP(prov.QPTypeRC, defaultCaps(), nil)
-	pa, err := parseAddr(q.qp.Address())
-	if err != nil {
-		t.Fatal(err)
-	}
-	unsealed := must(unix.MemfdCreate("x", unix.MFD_CLOEXEC))
-	defer unix.Close(unsealed)
-	if err := unix.Ftruncate(unsealed, ackPageSize); err != nil {
-		t.Fatal(err)
-	}
+	unsealed, _, _ := badMemFDs(t, ackPageSize, 1<<20)
 	good := must(newAckPageFD())
 	defer unix.Close(good)
 	for _, tc := range []struct {
@@ -88,28 +55,7 @@ func TestAckPageHandshakeRefused(t *testing.T) {
 		{"TwoPages", []int{good, good}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			nc, err := net.Dial("unix", pa.unix)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer nc.Close()
-			nc.SetDeadline(time.Now().Add(hangGuard))
-			hb := make([]byte, hdrLen+helloLen)
-			putHdr(hb, frHello, helloLen, 0)
-			putHello(hb[hdrLen:], &hello{kind: kindUnix, pid: uint32(os.Getpid()), fabric: 7, target: pa.fabric,
-				job: jobIdentity(), host: hostIdentity()})
-			if _, _, err := nc.(*net.UnixConn).WriteMsgUnix(hb, unix.UnixRights(tc.fds...), nil); err != nil {
-				t.Fatal(err)
-			}
-			cb := make([]byte, hdrLen+challengeLen)
-			if _, err := io.ReadFull(nc, cb); err != nil {
-				t.Fatal(err)
-			}
-			body, err := handshakeBody(cb, frChallenge)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ch, err := parseChallenge(body)
+			ch, err := helloChallenge(t, kindUnix, tc.fds)
 			if err != nil || ch.status != ackBadShm {
 				t.Errorf("challenge %+v, %v; want status %d (%s)", ch, err, ackBadShm, ackReason(ackBadShm))
 			}

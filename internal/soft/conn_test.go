@@ -454,20 +454,7 @@ func TestShmDescriptorChecks(t *testing.T) {
 	if err := checkShmFDs(good[:]); err != nil {
 		t.Fatalf("good descriptors refused: %v", err)
 	}
-	unsealed := must(unix.MemfdCreate("x", unix.MFD_CLOEXEC))
-	defer unix.Close(unsealed)
-	if err := unix.Ftruncate(unsealed, segSize); err != nil {
-		t.Fatal(err)
-	}
-	small := must(unix.MemfdCreate("x", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING))
-	defer unix.Close(small)
-	unix.Ftruncate(small, 4096)
-	unix.FcntlInt(uintptr(small), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW)
-	var pipe [2]int
-	if err := unix.Pipe2(pipe[:], unix.O_CLOEXEC); err != nil {
-		t.Fatal(err)
-	}
-	defer fdpass.Close(pipe[:])
+	unsealed, small, pipe := badMemFDs(t, segSize, 4096)
 	for _, tc := range []struct {
 		name string
 		fds  []int
@@ -475,7 +462,7 @@ func TestShmDescriptorChecks(t *testing.T) {
 		{"TooFew", good[:2]},
 		{"Unsealed", []int{unsealed, good[1], good[2]}},
 		{"WrongSize", []int{small, good[1], good[2]}},
-		{"PipeForEventfd", []int{good[0], pipe[0], good[2]}},
+		{"PipeForEventfd", []int{good[0], pipe, good[2]}},
 		{"SegmentForEventfd", []int{good[0], good[0], good[2]}},
 	} {
 		if err := checkShmFDs(tc.fds); err == nil {
@@ -573,9 +560,47 @@ func TestRingLapSkip(t *testing.T) {
 	}
 }
 
+// badMemFDs returns descriptors a peer might send instead of a sealed
+// memfd of size bytes: a memfd of that size that is not sealed, a sealed
+// one of other bytes, and the read end of a pipe. They are closed when t
+// ends.
+func badMemFDs(t *testing.T, size, other int64) (unsealed, wrongSize, pipe int) {
+	t.Helper()
+	unsealed = must(unix.MemfdCreate("x", unix.MFD_CLOEXEC))
+	t.Cleanup(func() { unix.Close(unsealed) })
+	if err := unix.Ftruncate(unsealed, size); err != nil {
+		t.Fatal(err)
+	}
+	wrongSize = must(unix.MemfdCreate("x", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING))
+	t.Cleanup(func() { unix.Close(wrongSize) })
+	if err := unix.Ftruncate(wrongSize, other); err != nil {
+		t.Fatal(err)
+	}
+	unix.FcntlInt(uintptr(wrongSize), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW)
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { fdpass.Close(p[:]) })
+	return unsealed, wrongSize, p[0]
+}
+
 // TestShmHandshakeRefused: a shared-memory HELLO without usable
 // descriptors is refused with a reason.
 func TestShmHandshakeRefused(t *testing.T) {
+	ch, err := helloChallenge(t, kindShm, nil)
+	if err != nil || ch.status != ackBadShm {
+		t.Errorf("challenge %+v, %v; want status %d (%s)", ch, err, ackBadShm, ackReason(ackBadShm))
+	}
+	if ch.proof != [hsMACLen]byte{} {
+		t.Errorf("a refusal carries a proof")
+	}
+}
+
+// helloChallenge sends a HELLO of kind, with the descriptors fds, to the
+// unix socket of a new QP's service and returns the challenge it answers.
+func helloChallenge(t *testing.T, kind uint8, fds []int) (challenge, error) {
+	t.Helper()
 	restore, err := ForceTransport("auto")
 	if err != nil {
 		t.Fatal(err)
@@ -595,9 +620,9 @@ func TestShmHandshakeRefused(t *testing.T) {
 	nc.SetDeadline(time.Now().Add(hangGuard))
 	hb := make([]byte, hdrLen+helloLen)
 	putHdr(hb, frHello, helloLen, 0)
-	putHello(hb[hdrLen:], &hello{kind: kindShm, pid: uint32(os.Getpid()), fabric: 7, target: pa.fabric,
+	putHello(hb[hdrLen:], &hello{kind: kind, pid: uint32(os.Getpid()), fabric: 7, target: pa.fabric,
 		job: jobIdentity(), host: hostIdentity()})
-	if _, err := nc.Write(hb); err != nil {
+	if _, _, err := nc.(*net.UnixConn).WriteMsgUnix(hb, unix.UnixRights(fds...), nil); err != nil {
 		t.Fatal(err)
 	}
 	cb := make([]byte, hdrLen+challengeLen)
@@ -608,13 +633,7 @@ func TestShmHandshakeRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ch, err := parseChallenge(body)
-	if err != nil || ch.status != ackBadShm {
-		t.Errorf("challenge %+v, %v; want status %d (%s)", ch, err, ackBadShm, ackReason(ackBadShm))
-	}
-	if ch.proof != [hsMACLen]byte{} {
-		t.Errorf("a refusal carries a proof")
-	}
+	return parseChallenge(body)
 }
 
 // TestShmDirectReadOnlyRegion: a large read from a region that allows

@@ -420,33 +420,27 @@ func (s *service) addConn(c *conn) bool {
 			f()
 		}()
 	}
-	if c.acks != nil {
-		// Unmap once the connection is down (fail read the peer's word
-		// before) and no consumer (which writes this side's) runs.
+	if c.shm != nil || c.acks != nil {
+		// Unmap once the connection is down and nothing uses the
+		// shared memory: the loops have ended, pollers and consumers
+		// (which write this side's acknowledgement word) hold rmu,
+		// writers hold wmu (and check dead under it), and fail read the
+		// peer's acknowledgement word before done.
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
 			<-c.done
 			c.loops.Wait()
 			c.rmu.Lock()
-			c.acks.unmap()
-			c.rmu.Unlock()
-		}()
-	}
-	if c.shm != nil {
-		// Unmap once the connection is down and nothing uses the
-		// segment: the loops have ended, and writers hold wmu (and
-		// check dead under it).
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			<-c.done
-			c.loops.Wait()
-			c.rmu.Lock() // pollers
-			c.unmapImports()
-			c.wmu.Lock()
-			c.shm.unmap()
-			c.wmu.Unlock()
+			if c.acks != nil {
+				c.acks.unmap()
+			}
+			if c.shm != nil {
+				c.unmapImports()
+				c.wmu.Lock()
+				c.shm.unmap()
+				c.wmu.Unlock()
+			}
 			c.rmu.Unlock()
 		}()
 	}
