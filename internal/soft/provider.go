@@ -55,6 +55,12 @@
 // visible (conn.ackFirst), or, over a unix socket, is published in the
 // connection's acknowledgement page, which the sender reads when the
 // connection fails (ackpage.go); Close hands over what is held too.
+// The acknowledgement of an RDMA write is not covered: a target process
+// that sees a write land in its memory and exits at once, without
+// closing anything, may take the acknowledgement it held with it, and
+// the writer sees RETRY_EXC_ERR for a write that was executed (a NIC
+// acknowledges whatever its process does next). A later receive's
+// acknowledgement over a unix socket covers the writes before it.
 // Requests run in the poster's goroutine
 // where possible: PostSend executes the work requests it queued (copying
 // memory directly between registered regions) unless another goroutine is
