@@ -215,9 +215,6 @@ const (
 const (
 	// pollCheck is how many spinning polls pass between checks.
 	pollCheck = 64
-	// pauseEvery is how many spinning polls pass between yields to the
-	// Go scheduler when every local rank has a processor.
-	pauseEvery = 4
 	// probeAfter is how long a wait lasts before it probes the peer it
 	// waits for (probe).
 	probeAfter = 2 * time.Millisecond
@@ -841,13 +838,7 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 					break
 				}
 			}
-			// A trip through the Go scheduler every pauseEvery polls
-			// when each rank has a processor (every poll was 16 % of
-			// a 2-rank collective barrier, package collective); every
-			// poll when the peers may need this processor.
-			if b.spin.Yield || i%pauseEvery == 0 {
-				b.spin.Pause()
-			}
+			b.spin.PauseAt(i)
 		}
 	}
 	for i := 0; ; i++ {

@@ -837,7 +837,6 @@ func (c *Comm) flushOwed(ctx context.Context) error {
 // pair's transport timeout.
 const (
 	spinCheck  = 16 // spinning rounds between looks at the clock
-	pauseEvery = 4  // spinning rounds between yields, when every rank has a processor
 	waitCheck  = 64 // spinning rounds between checks
 	probeAfter = 2 * time.Millisecond
 )
@@ -900,13 +899,7 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 				return err
 			}
 		}
-		// Offering the processor costs a trip through the Go scheduler
-		// (16 % of a 2-rank barrier when it was every round): every
-		// pauseEvery rounds when each rank has a processor, every round
-		// when the peers may need this one.
-		if c.spin.Yield || w.i%pauseEvery == 0 {
-			c.spin.Pause()
-		}
+		c.spin.PauseAt(w.i)
 		return nil
 	}
 	if w.i > 1 || c.alarm.Fired() != w.alarms || ctx.Err() != nil {

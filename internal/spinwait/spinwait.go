@@ -99,6 +99,21 @@ func (p Policy) Pause() {
 	}
 }
 
+// PauseEvery is how many polls of a spinning wait pass between pauses
+// when every local rank has a processor: a trip through the Go scheduler
+// at every poll was 16 % of a 2-rank barrier (package collective) and
+// made cluster's 2-rank barriers 15-20 % slower.
+const PauseEvery = 4
+
+// PauseAt pauses after the round-th poll of a spinning wait: after every
+// poll when the ranks outnumber the processors (the peers may need this
+// one), after every PauseEvery-th otherwise.
+func (p Policy) PauseAt(round int) {
+	if p.Yield || round%PauseEvery == 0 {
+		p.Pause()
+	}
+}
+
 // The alarms and probes of a sleeping wait.
 const (
 	// ProbeEvery spaces the alarms of a sleeping wait and the probes of
