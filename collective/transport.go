@@ -189,8 +189,7 @@ func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
 		held.used = true
 		t = held.t
 	} else {
-		t = c.issued
-		c.issued++
+		t = c.ticketLocked()
 	}
 	fast := c.serving == t
 	closed, perr := c.closed, c.err
@@ -225,6 +224,11 @@ func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
 func (c *Comm) ticket() uint64 {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	return c.ticketLocked()
+}
+
+// ticketLocked is ticket with mu held.
+func (c *Comm) ticketLocked() uint64 {
 	t := c.issued
 	c.issued++
 	return t
@@ -940,8 +944,9 @@ func (c *Comm) sleep(ctx context.Context, sends, recvs []flow) error {
 	}
 	w.alarms = c.alarm.Fired()
 	d := c.spin.Every
-	if now := time.Now(); !c.callDeadline(now).IsZero() {
-		d = max(min(d, c.deadline.Sub(now)), time.Microsecond)
+	now := time.Now()
+	if dl := c.callDeadline(now); !dl.IsZero() {
+		d = max(min(d, dl.Sub(now)), time.Microsecond)
 	}
 	c.alarm.Arm(d, w.sleepPeer)
 	err := c.mc.Sleep(ctx, c.wokenFn)
