@@ -685,13 +685,10 @@ func (b *barrier) report(dead int, cause error) *RankError {
 // before (queue pairs deliver in order, and Close quiesces), the partner
 // reports the first failure (see settle).
 func (b *barrier) spread() {
-	re := b.lost.Load()
-	if re == nil {
-		if b.worldErr() == nil {
-			return
-		}
-		re = b.lost.Load()
+	if b.worldErr() == nil { // it records a failure told by the poison word
+		return
 	}
+	re := b.lost.Load()
 	b.tellMu.Lock()
 	defer b.tellMu.Unlock()
 	if b.closed.Load() || b.told {
