@@ -69,6 +69,23 @@ func newAckPageFD() (fd int, err error) {
 	return fd, nil
 }
 
+// newDialerAckPage creates and maps the page of a unix connection's
+// dialer, and returns it with its descriptor, to send with HELLO and
+// close. Without one (nil, -1) the connection acknowledges at once, as it
+// did before pages.
+func newDialerAckPage() (*ackPage, int) {
+	fd, err := newAckPageFD()
+	if err != nil {
+		return nil, -1
+	}
+	p, err := mapAckPage(fd, true)
+	if err != nil {
+		unix.Close(fd)
+		return nil, -1
+	}
+	return p, fd
+}
+
 // checkAckPageFD checks a descriptor received from a peer: a memfd of
 // ackPageSize bytes, sealed against resizing.
 func checkAckPageFD(fd int) error {

@@ -861,18 +861,9 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	var acks *ackPage
 	ackFD := -1
 	if kind == kindUnix {
-		// The acknowledgement page (ackpage.go); without one the
-		// connection acknowledges at once, as before.
-		if ackFD, err = newAckPageFD(); err == nil {
-			if acks, err = mapAckPage(ackFD, true); err != nil {
-				unix.Close(ackFD)
-				ackFD = -1
-			}
-		}
-		if ackFD >= 0 {
+		if acks, ackFD = newDialerAckPage(); acks != nil {
 			defer unix.Close(ackFD) // the mapping keeps the page
 		}
-		err = nil
 	}
 	fail := func(err error) (*conn, error) {
 		nc.Close()
