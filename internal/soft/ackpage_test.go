@@ -87,7 +87,7 @@ func TestAckPageInUse(t *testing.T) {
 			if c := spin(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
 				t.Fatalf("send: %+v", c)
 			}
-			c := b.qp.(*qp).x.rev.Load()
+			c := revConn(t, b.qp)
 			if (c.acks != nil) != tc.page {
 				t.Errorf("acknowledgement page %v, want %v", c.acks != nil, tc.page)
 			}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"runtime"
 	"testing"
 	"time"
 
@@ -191,7 +192,7 @@ func testAckCorked(t *testing.T, kind string) {
 		recv(a)
 		send(a, uint64(round))
 		ok(spin(t, b.rcq, 1)[0], "b's receive")
-		c := b.qp.(*qp).x.rev.Load()
+		c := revConn(t, b.qp)
 		held := func() bool { return c.corked.Load() || kind == "unix" && c.holdsResps() }
 		if held() {
 			corked++
@@ -215,6 +216,21 @@ func testAckCorked(t *testing.T, kind string) {
 	}
 	if pushed < 10 {
 		t.Fatalf("%d acknowledgements corked, %d pushed by a poll: want 10 pushed", corked, pushed)
+	}
+}
+
+// revConn returns the connection by which q's peer reached it. The
+// consumer records it after the responder has run, so a completion of the
+// request can be polled a moment before: wait for it.
+func revConn(t *testing.T, q prov.QP) *conn {
+	t.Helper()
+	for end := time.Now().Add(hangGuard); ; runtime.Gosched() {
+		if c := q.(*qp).x.rev.Load(); c != nil {
+			return c
+		}
+		if time.Now().After(end) {
+			t.Fatal("no connection recorded for the peer's requests")
+		}
 	}
 }
 
@@ -273,7 +289,7 @@ func testAckHeldWhenSleeping(t *testing.T, kind string) {
 		if n, err := bcq.Poll(dst[:1]); n != 1 || err != nil || dst[0].Status != prov.StatusSuccess {
 			t.Fatalf("round %d: b's poll: %d %v %+v", round, n, err, dst[0])
 		}
-		c := bq.(*qp).x.rev.Load()
+		c := revConn(t, bq)
 		held := func() bool { return c.corked.Load() || kind == "unix" && c.holdsResps() }
 		wasCorked := held()
 		if wasCorked {
