@@ -299,3 +299,122 @@ func TestCrossProcessLink(t *testing.T) {
 		})
 	}
 }
+
+// TestCrossProcessPull: over shared memory, the large payloads of sends,
+// sends with immediate and writes with immediate (the ones a direct copy
+// cannot take) are read by the target from the requester's memory, once
+// each (soft.LinkInfo.Pulled counts them on the side that read), and
+// arrive intact whatever their pieces; with GOVERBS_SOFT_PULL=0 in both
+// processes they go through the ring, and nothing is pulled.
+func TestCrossProcessPull(t *testing.T) {
+	for _, pull := range []bool{true, false} {
+		name := "pull"
+		if !pull {
+			name = "ring"
+		}
+		t.Run(name, func(t *testing.T) {
+			CheckLeaks(t)
+			env := []string{"GOVERBS_SOFT_TRANSPORT=shm"}
+			t.Setenv("GOVERBS_SOFT_TRANSPORT", "shm")
+			if !pull {
+				env = append(env, "GOVERBS_SOFT_PULL=0")
+				t.Setenv("GOVERBS_SOFT_PULL", "0")
+			}
+			c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults(), name: name}, peer: StartPeer(t, env...)}
+			const size = 1<<20 + 5
+			p := newXRC(t, c, verbs.QPSpec{}, 3*size, accessAll)
+			pid := uint32(c.peer.Do(PeerReq{Op: "pid"}).PID)
+			// The processes may have a connection each way (each dialed
+			// the other): sums over them, pulling if every one is.
+			sum := func(links []soft.LinkInfo, pid uint32) (l soft.LinkInfo) {
+				l.Pulling = true
+				n := 0
+				for _, k := range links {
+					if k.PeerPID == pid {
+						n++
+						l.Pulling = l.Pulling && k.Pulling
+						l.Pulled += k.Pulled
+					}
+				}
+				if n == 0 {
+					t.Fatalf("no link to process %d in %+v", pid, links)
+				}
+				return l
+			}
+			link := func() soft.LinkInfo { return sum(soft.Links(), pid) } // this process' links to the peer
+			peerLink := func() soft.LinkInfo {                             // the peer's links to this process
+				return sum(c.peer.Do(PeerReq{Op: "links"}).Links, uint32(os.Getpid()))
+			}
+
+			// A small message each way makes the connection; the
+			// answers to the pull probes come over its socket soon after.
+			src := p.a.Alloc(t, 3*size, accessLocal)
+			must(t, "post recv", p.qa.PostRecv(1, SGE(t, src, 0, 64)))
+			c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 2, Len: 64})
+			must(t, "post send", p.qa.PostSend(3, verbs.Signaled, SGE(t, src, 0, 8)))
+			c.peer.Do(PeerReq{Op: "post", ID: p.b, Kind: "send", WRID: 4, Len: 8})
+			c.poll(t, p.a.CQ, 2)
+			c.peerPoll(t, p.b, 2)
+			if pull {
+				deadline := time.Now().Add(DefaultTimeout)
+				for !link().Pulling || !peerLink().Pulling {
+					if time.Now().After(deadline) {
+						t.Skipf("the processes cannot read each other (process_vm_readv not allowed here): links %+v, %+v", link(), peerLink())
+					}
+					time.Sleep(time.Millisecond)
+				}
+			}
+			before, peerBefore := link().Pulled, peerLink().Pulled
+
+			// A → peer: a send in three pieces, a send with immediate,
+			// a write with immediate.
+			Pattern(src.Bytes(), 0x3C)
+			c.peerFill(t, p.b, 0, pattern(3*size, 0xEE))
+			c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 10, Off: 0, Len: size})
+			c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 11, Off: size, Len: size})
+			c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 12})
+			must(t, "post send", p.qa.PostSend(20, verbs.Signaled, SGE(t, src, 7, 4096), SGE(t, src, 100000, 600000), SGE(t, src, 2*size, size-600000-4096)))
+			must(t, "post send imm", p.qa.PostSendImm(21, verbs.Signaled, 0x5EED, SGE(t, src, size, size)))
+			must(t, "post write imm", p.qa.PostWriteImm(22, verbs.Signaled, p.rb.At(2*size), 0xF00D, SGE(t, src, 3, size)))
+			for i, wc := range c.poll(t, p.a.CQ, 3) {
+				expectOK(t, "requester completion", wc, uint64(20+i), []verbs.Opcode{verbs.OpSend, verbs.OpSend, verbs.OpWrite}[i], p.qa.QPN())
+			}
+			wcs := c.peerPoll(t, p.b, 3)
+			expectOK(t, "send's receive", wcs[0], 10, verbs.OpRecv, p.qpnB)
+			expectByteLen(t, "send's receive", wcs[0], size)
+			expectOK(t, "send imm's receive", wcs[1], 11, verbs.OpRecv, p.qpnB)
+			expectImm(t, "send imm's receive", wcs[1], 0x5EED)
+			expectOK(t, "write imm's receive", wcs[2], 12, verbs.OpRecvWriteImm, p.qpnB)
+			expectImm(t, "write imm's receive", wcs[2], 0xF00D)
+			b := src.Bytes()
+			want := append(append(append([]byte{}, b[7:7+4096]...), b[100000:700000]...), b[2*size:2*size+size-600000-4096]...)
+			checkBytes(t, "sent in three pieces", c.peerBytes(t, p.b, 0, size), want)
+			checkBytes(t, "sent with immediate", c.peerBytes(t, p.b, size, size), b[size:2*size])
+			checkBytes(t, "written with immediate", c.peerBytes(t, p.b, 2*size, size), b[3:3+size])
+
+			// Peer → A: a send.
+			dst := p.a.Alloc(t, size+64, accessLocal)
+			Pattern(dst.Bytes(), 0x77)
+			must(t, "post recv", p.qa.PostRecv(30, SGE(t, dst, 0, size+64)))
+			c.peerFill(t, p.b, 0, pattern(size, 0x99))
+			c.peer.Do(PeerReq{Op: "post", ID: p.b, Kind: "send", WRID: 31, Len: size})
+			expectOK(t, "peer's send", c.peerPoll(t, p.b, 1)[0], 31, verbs.OpSend, p.qpnB)
+			wc := c.pollOne(t, p.a.CQ)
+			expectOK(t, "receive of the peer's send", wc, 30, verbs.OpRecv, p.qa.QPN())
+			expectByteLen(t, "receive of the peer's send", wc, size)
+			checkBytes(t, "received from the peer", dst.Bytes()[:size], pattern(size, 0x99))
+			checkBytes(t, "receive buffer past the message", dst.Bytes()[size:], pattern(size+64, 0x77)[size:])
+
+			wantPeer, wantHere := uint64(3), uint64(1)
+			if !pull {
+				wantPeer, wantHere = 0, 0
+			}
+			if got := peerLink().Pulled - peerBefore; got != wantPeer {
+				t.Errorf("the peer pulled %d payloads, want %d", got, wantPeer)
+			}
+			if got := link().Pulled - before; got != wantHere {
+				t.Errorf("this process pulled %d payloads, want %d", got, wantHere)
+			}
+		})
+	}
+}

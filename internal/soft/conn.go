@@ -91,11 +91,18 @@ type conn struct {
 	raw     syscall.RawConn
 	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
 	shm     *shmLink   // the rings (nil: frames go over nc)
-	acks    *ackPage   // unix: where held acknowledgements are published (ackpage.go)
-	link    io.Closer  // with TLS: the socket under the session (closeSocket); nil otherwise
-	tlsw    *tlsWriter // with TLS: how frames are written
-	auth    peerAuth   // what the peer proved of its identity (handshake.go)
-	loops   sync.WaitGroup
+
+	// Pulled payloads (cma.go, shared memory only).
+	pidfd      int         // the peer process (-1: none, nothing is pulled)
+	pullReady  atomic.Bool // the peer can read this process: large payloads are pulled
+	pullServed atomic.Bool // this process can read the peer: it accepts pulled requests
+	pull       pullSrc     // the pulled request being handled (rmu)
+	pulled     atomic.Uint64
+	acks       *ackPage   // unix: where held acknowledgements are published (ackpage.go)
+	link       io.Closer  // with TLS: the socket under the session (closeSocket); nil otherwise
+	tlsw       *tlsWriter // with TLS: how frames are written
+	auth       peerAuth   // what the peer proved of its identity (handshake.go)
+	loops      sync.WaitGroup
 
 	dead   atomic.Bool
 	done   chan struct{}
@@ -209,8 +216,11 @@ var errConnDown = errors.New("soft: connection to the peer process lost")
 
 func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn, shm *shmLink) *conn {
 	c := &conn{s: s, f: s.f, kind: kind, peerFab: peerFab, peerPID: peerPID, nc: nc, shm: shm,
-		done: make(chan struct{}), qwake: make(chan struct{}, 1), wakers: map[uint32]*remoteWaker{}}
+		done: make(chan struct{}), qwake: make(chan struct{}, 1), wakers: map[uint32]*remoteWaker{}, pidfd: -1}
 	c.kick = make(chan struct{}, 1)
+	if shm != nil {
+		c.pidfd = openPidfd(peerPID)
+	}
 	if kind != kindTCP && int(peerPID) != os.Getpid() {
 		c.life = newPeerClock(peerPID) // the kernel vouched for the process id (SO_PEERCRED)
 	}
@@ -298,6 +308,7 @@ func (c *conn) abandon() {
 	if c.acks != nil {
 		c.acks.unmap()
 	}
+	c.closePidfd()
 }
 
 // fail takes the connection down (once).
@@ -1245,7 +1256,7 @@ func (c *conn) checkType(h frameHdr) error {
 	switch h.typ {
 	case frReq, frResp, frWake:
 		return nil
-	case frMap:
+	case frMap, frPullProbe:
 		if c.shm != nil {
 			return nil
 		}
@@ -1279,6 +1290,8 @@ func (c *conn) handle(h frameHdr, body []byte, data []span, plen int) error {
 		return nil
 	case frMap:
 		return c.serveMap(h.id, body)
+	case frPullProbe:
+		return c.servePullProbe(body) // shared memory only (checkType)
 	}
 	return fmt.Errorf("%w: type %d", errBadType, h.typ)
 }
@@ -1299,6 +1312,12 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	}
 	if req.direct && c.shm == nil {
 		return fmt.Errorf("%w: a direct write on a connection without shared memory", errBadReq)
+	}
+	if flags&reqPull != 0 {
+		if req.pull, err = c.parsePull(data, plen, req.length); err != nil {
+			return err
+		}
+		data = nil
 	}
 	if req.op >= opRead {
 		data = nil

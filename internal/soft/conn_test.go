@@ -2,6 +2,7 @@ package soft
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"io"
 	"net"
@@ -164,6 +165,27 @@ func TestHostileFrames(t *testing.T) {
 		{"DirectWriteOnTCP", func(h *hostile) []byte {
 			b := h.reqFrame(opWrite, h.mr.Addr(), 64, nil)
 			b[hdrLen+2] |= reqDirect
+			return b
+		}, true, 0},
+		{"PullProbeOnTCP", func(h *hostile) []byte {
+			b := make([]byte, hdrLen+pullProbeLen)
+			putHdr(b, frPullProbe, pullProbeLen, 0)
+			return b
+		}, true, 0},
+		{"PullOnTCP", func(h *hostile) []byte {
+			// The peer would read this process's memory at the pieces'
+			// addresses: only where it offered to.
+			var p [pullDesc]byte
+			binary.LittleEndian.PutUint64(p[:], uint64(h.mr.Addr()))
+			binary.LittleEndian.PutUint64(p[8:], 64)
+			b := h.reqFrame(opWrite, h.mr.Addr(), 64, p[:])
+			b[hdrLen+2] |= reqPull
+			return b
+		}, true, 0},
+		{"PullRead", func(h *hostile) []byte {
+			var p [pullDesc]byte
+			b := h.reqFrame(opRead, h.mr.Addr(), 16, p[:])
+			b[hdrLen+2] |= reqPull
 			return b
 		}, true, 0},
 		{"DirectRead", func(h *hostile) []byte {

@@ -130,7 +130,7 @@ func (t *qp) continueMsg(req *request, data []span, resp *response) bool {
 	r := &m.recv
 	switch req.op {
 	case opSend, opSendImm:
-		if st := t.scatter(r.sges[:r.n], r.pd, data, int(req.off), req.length, false); st != prov.StatusSuccess {
+		if st := t.scatter(r.sges[:r.n], r.pd, data, int(req.off), req.length, false, nil); st != prov.StatusSuccess {
 			// The receive buffer went away (LOC_LEN_ERR was ruled out by
 			// the first segment).
 			m.active, m.owned, r.ok = false, false, false
@@ -238,7 +238,7 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			resp.rnrTimer = t.attr.MinRNRTimer
 			return false
 		}
-		switch st := t.scatter(sges, rpd, data, 0, req.length, false); st {
+		switch st := t.scatter(sges, rpd, data, 0, req.length, false, req.pull); st {
 		case prov.StatusSuccess:
 			if req.more {
 				t.rmsg.begin(req, spansLen(data), true, wrid, sges, rpd)
@@ -283,9 +283,15 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			return t.classC(resp, respAccess, evQPAccessErr)
 		}
 		if m != nil {
-			if req.direct { // the requester copies (shm.go)
+			switch {
+			case req.direct: // the requester copies (shm.go)
 				resp.orig = m.serial
-			} else if req.placed == nil {
+			case req.pull != nil: // this side reads it from the requester (cma.go)
+				if !req.pull.read(t.rspans[:1], 0) {
+					m.release()
+					return t.classC(resp, respOpErr, evQPFatal)
+				}
+			case req.placed == nil:
 				copySpans(t.rspans[:1], 0, data)
 			}
 			m.release()
@@ -380,7 +386,7 @@ func (t *qp) respondUC(req *request, data []span, resp *response) bool {
 		if !ok {
 			return false
 		}
-		st := t.scatter(sges, rpd, data, 0, req.length, false)
+		st := t.scatter(sges, rpd, data, 0, req.length, false, nil)
 		if st == prov.StatusSuccess {
 			if req.more {
 				t.rmsg.begin(req, spansLen(data), true, wrid, sges, rpd)
@@ -438,7 +444,7 @@ func (t *qp) respondUD(req *request, data []span, resp *response) bool {
 		return false
 	}
 	t.buildGRH(req)
-	st := t.scatter(sges, rpd, data, 0, req.length, true)
+	st := t.scatter(sges, rpd, data, 0, req.length, true, nil)
 	if st == prov.StatusSuccess {
 		t.completeRecv(wrid, st, req, req.length+grhLen)
 		return false
@@ -494,7 +500,7 @@ func (t *qp) takeRecv(w waker) (wrid uint64, sges []prov.SGE, rpd *pd, ok bool) 
 // checked like hardware does: too small for the message gives
 // LOC_LEN_ERR, an SGE with a bad lkey, outside its MR or without local
 // write access gives LOC_PROT_ERR; in both cases nothing is written.
-func (t *qp) scatter(sges []prov.SGE, rpd *pd, data []span, off int, length uint32, grh bool) prov.Status {
+func (t *qp) scatter(sges []prov.SGE, rpd *pd, data []span, off int, length uint32, grh bool, pull *pullSrc) prov.Status {
 	need := uint64(length)
 	if grh {
 		need += grhLen
@@ -536,9 +542,16 @@ func (t *qp) scatter(sges []prov.SGE, rpd *pd, data []span, off int, length uint
 		copySpans(t.rspans[:n], 0, g[:])
 		off += grhLen
 	}
-	copySpans(t.rspans[:n], off, data)
+	st := prov.StatusSuccess
+	if pull != nil {
+		if !pull.read(t.rspans[:n], off) {
+			st = pullStatus
+		}
+	} else {
+		copySpans(t.rspans[:n], off, data)
+	}
 	t.releaseRemote(n)
-	return prov.StatusSuccess
+	return st
 }
 
 func (t *qp) releaseRemote(n int) {

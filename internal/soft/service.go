@@ -441,6 +441,7 @@ func (s *service) addConn(c *conn) bool {
 				c.shm.unmap()
 				c.wmu.Unlock()
 			}
+			c.closePidfd() // consumers, which pull, hold rmu
 			c.rmu.Unlock()
 		}()
 	}
@@ -956,6 +957,11 @@ type LinkInfo struct {
 	Encrypted bool   `json:"encrypted"` // TLS (tls.go)
 	PeerPID   uint32 `json:"peer_pid"`  // the process id the peer claimed
 	Remote    string `json:"remote"`    // the peer's socket address, if any
+	// Pulling says that the peer reads this process' large payloads
+	// itself (shared memory, cma.go); Pulled counts the payloads this
+	// process read from the peer.
+	Pulling bool   `json:"pulling"`
+	Pulled  uint64 `json:"pulled"`
 }
 
 // Links returns the live connections of this process' soft service.
@@ -971,7 +977,8 @@ func Links() []LinkInfo {
 		if c.dead.Load() {
 			continue
 		}
-		li := LinkInfo{Kind: kindNames[c.kind], Encrypted: c.tlsw != nil, PeerPID: c.peerPID}
+		li := LinkInfo{Kind: kindNames[c.kind], Encrypted: c.tlsw != nil, PeerPID: c.peerPID,
+			Pulling: c.pullReady.Load(), Pulled: c.pulled.Load()}
 		if a := c.nc.RemoteAddr(); a != nil {
 			li.Remote = a.String()
 		}

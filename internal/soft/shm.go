@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"sync/atomic"
@@ -701,13 +702,14 @@ func (c *conn) copyDirect(imp *mrImport, raddr uint64, local []span, write bool)
 }
 
 // watchSocket reads the unix socket of a shared-memory connection: only
-// MAP_ACK frames come over it. Its end is how a process learns that its
+// MAP_ACK and PULL_ACK frames come over it (it first sends PULL_PROBE). Its end is how a process learns that its
 // peer died or closed the connection; the frames the peer left in the
 // ring are handled first (failAfterDrain), as a socket's reader reads
 // up to its end of file.
 func (c *conn) watchSocket() {
 	uc := c.nc.(*net.UnixConn)
 	var b [hdrLen + mapAckLen]byte
+	c.offerPull()
 	for {
 		fds, err := readMsgFDs(uc, b[:hdrLen], 1)
 		if err != nil {
@@ -717,6 +719,17 @@ func (c *conn) watchSocket() {
 			return
 		}
 		h, err := parseHdr(b[:hdrLen])
+		if err == nil && h.typ == frPullAck && len(fds) == 0 {
+			if _, err = io.ReadFull(uc, b[hdrLen:hdrLen+pullAckLen]); err != nil {
+				c.failAfterDrain(readErr(c, err))
+				return
+			}
+			if err = c.handlePullAck(b[hdrLen : hdrLen+pullAckLen]); err != nil {
+				c.fail(fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err))
+				return
+			}
+			continue
+		}
 		if err == nil && h.typ != frMapAck {
 			err = fmt.Errorf("%w: type %d on the socket of a shared-memory connection", errBadType, h.typ)
 		}

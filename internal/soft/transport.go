@@ -85,6 +85,10 @@ type request struct {
 	// region itself once the responder accepted it (shared memory).
 	direct bool
 
+	// pull: the payload is in the requester's memory, not in data
+	// (cma.go): the responder reads it from there.
+	pull *pullSrc
+
 	// A segment of a message sent in several (wire.go): off is where its
 	// bytes start in the message, more says that more follow. psn and
 	// npkts are then those of the segment; length is the message's.

@@ -27,30 +27,34 @@ import (
 
 const (
 	wireMagic   = 0x4756
-	wireVersion = 3 // 2: the handshake of handshake.go; 3: shared-memory rings skip to the next lap (shm.go)
+	wireVersion = 4 // 2: the handshake of handshake.go; 3: shared-memory rings skip to the next lap (shm.go); 4: pulled payloads (cma.go)
 	hdrLen      = 16
 )
 
 type frameType uint8
 
 const (
-	frHello     frameType = 1 // dialer → acceptor: handshake (body helloLen; handshake.go)
-	frChallenge frameType = 2 // acceptor → dialer: handshake (body challengeLen)
-	frReq       frameType = 3 // request: body reqBodyLen, then a segment of the payload of a send or write
-	frResp      frameType = 4 // response: body respBodyLen, then a segment of the data of a read
-	frWake      frameType = 5 // a waiting requester may retry (body wakeLen)
-	frMap       frameType = 6 // shm: ask for the memory of an rkey (body mapLen)
-	frMapAck    frameType = 7 // shm, over the socket: the answer, with the memfd (body mapAckLen)
-	frAuth      frameType = 8 // dialer → acceptor: handshake (body authLen)
-	frAuthAck   frameType = 9 // acceptor → dialer: handshake (body authAckLen)
+	frHello     frameType = 1  // dialer → acceptor: handshake (body helloLen; handshake.go)
+	frChallenge frameType = 2  // acceptor → dialer: handshake (body challengeLen)
+	frReq       frameType = 3  // request: body reqBodyLen, then a segment of the payload of a send or write
+	frResp      frameType = 4  // response: body respBodyLen, then a segment of the data of a read
+	frWake      frameType = 5  // a waiting requester may retry (body wakeLen)
+	frMap       frameType = 6  // shm: ask for the memory of an rkey (body mapLen)
+	frMapAck    frameType = 7  // shm, over the socket: the answer, with the memfd (body mapAckLen)
+	frAuth      frameType = 8  // dialer → acceptor: handshake (body authLen)
+	frAuthAck   frameType = 9  // acceptor → dialer: handshake (body authAckLen)
+	frPullProbe frameType = 10 // shm: may the peer read this process? (body pullProbeLen; cma.go)
+	frPullAck   frameType = 11 // shm, over the socket: the answer (body pullAckLen)
 )
 
 const (
-	reqBodyLen  = 112
-	respBodyLen = 16
-	wakeLen     = 8
-	mapLen      = 8
-	mapAckLen   = 32
+	reqBodyLen   = 112
+	respBodyLen  = 16
+	wakeLen      = 8
+	mapLen       = 8
+	mapAckLen    = 32
+	pullProbeLen = 16 // the address of 8 bytes, and what they hold
+	pullAckLen   = 8  // [0] status (pullOK, pullNo), [1:8] 0
 
 	// maxPayload is the largest payload of a frame: a message (the
 	// payload of a send or write, the data of a read) longer than that
@@ -121,6 +125,10 @@ func parseHdr(b []byte) (frameHdr, error) {
 		ok = h.length == mapLen
 	case frMapAck:
 		ok = h.length == mapAckLen
+	case frPullProbe:
+		ok = h.length == pullProbeLen
+	case frPullAck:
+		ok = h.length == pullAckLen
 	default:
 		return h, errBadType
 	}
@@ -157,6 +165,7 @@ const (
 	reqNoResp    = 1 << 1 // UC, UD: the requester wants no response
 	reqDirect    = 1 << 2 // shm RC write or read: no data, the requester copies after the ACK
 	reqMore      = 1 << 3 // more segments of the message follow
+	reqPull      = 1 << 4 // shm RC send or write: the payload is the requester's addresses of its bytes (cma.go)
 )
 
 // hasPayload reports whether a request of op carries its message.
@@ -237,10 +246,13 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return 0, fmt.Errorf("%w: operation %d", errBadReq, req.op)
 	case req.qpType != uint8(prov.QPTypeRC) && req.qpType != uint8(prov.QPTypeUC) && req.qpType != uint8(prov.QPTypeUD):
 		return 0, fmt.Errorf("%w: QP type %d", errBadReq, req.qpType)
-	case flags&^(reqSolicited|reqNoResp|reqDirect|reqMore) != 0 || b[5]|b[6]|b[7] != 0 || le.Uint32(b[108:]) != 0:
+	case flags&^(reqSolicited|reqNoResp|reqDirect|reqMore|reqPull) != 0 || b[5]|b[6]|b[7] != 0 || le.Uint32(b[108:]) != 0:
 		return 0, fmt.Errorf("%w: flags %#x", errBadReq, flags)
 	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore) != 0 || payload != 0 || req.off != 0):
 		return 0, fmt.Errorf("%w: a direct request must be a RC write or read without payload", errBadReq)
+	case flags&reqPull != 0 && (!hasPayload(req.op) || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore|reqDirect) != 0 ||
+		req.off != 0 || req.length == 0 || payload == 0 || payload%pullDesc != 0 || payload > maxSGE*pullDesc):
+		return 0, fmt.Errorf("%w: a pulled request must be a RC send or write of 1 to %d pieces", errBadReq, maxSGE)
 	case req.srcQPN > maxQPN || req.dstQPN > maxQPN || req.psn > psnMask:
 		return 0, fmt.Errorf("%w: QPN or PSN exceeds 24 bits", errBadReq)
 	case req.length > maxMsgSize:
@@ -251,8 +263,8 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return 0, fmt.Errorf("%w: MTU %d", errBadReq, req.mtu)
 	}
 	req.direct = flags&reqDirect != 0
-	if req.direct {
-		return flags, nil // checked above: a RC write without payload
+	if req.direct || flags&reqPull != 0 {
+		return flags, nil // checked above
 	}
 	if hasPayload(req.op) {
 		// Segments of segMax bytes, the last with the rest.

@@ -52,6 +52,9 @@ type xstate struct {
 	bufs    [maxSGE + 1][]byte
 	ndirect int // direct writes in flight (progMu)
 
+	pullBuf  [maxSGE * pullDesc]byte // the pieces of a pulled request (cma.go)
+	pullSpan [1]span
+
 	nfl     int   // requests in flight (progMu)
 	userOf  *conn // the connection this QP is registered with (progMu)
 	rtimer  *time.Timer
@@ -448,9 +451,15 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	_, req := q.buildReq(w, length)
 	plen := 0
 	var flags uint8
-	if imp != nil {
+	switch {
+	case imp != nil:
 		flags = reqDirect
-	} else if hasPayload(req.op) {
+	case c.shm != nil && c.pullable(w, total):
+		// The peer reads the bytes from here (cma.go).
+		flags = reqPull
+		data = x.pullPieces(data)
+		plen = data[0].n
+	case hasPayload(req.op):
 		plen = int(length)
 	}
 	if !mayBlock && hdrLen+reqBodyLen+plen > maxNBFrame {
