@@ -151,7 +151,10 @@ func TestPollProgress(t *testing.T) {
 // trips over TCP took 1.6 times a raw TCP ping-pong.)
 //
 // Over unix sockets the acknowledgement is held (ackpage.go) instead of
-// corked, and leaves the same ways.
+// corked, and leaves the same ways. A poll that finds another writer of
+// the connection at work leaves the push to it (conn.pushAck): such
+// rounds are counted, and must stay fewer than those the poll pushed
+// (without the poll's push, none is pushed by the time it returns).
 func TestAckCorked(t *testing.T) {
 	for _, kind := range []string{"tcp", "unix"} {
 		t.Run(kind, func(t *testing.T) { testAckCorked(t, kind) })
@@ -184,7 +187,7 @@ func testAckCorked(t *testing.T, kind string) {
 	// The first messages may be handled by the connection's reader,
 	// which pushes what it corked before it sleeps; once b polls, its
 	// polls handle them.
-	corked, pushed := 0, 0
+	corked, pushed, busy := 0, 0, 0
 	for round := 0; round < 2000 && pushed < 10; round++ {
 		// a sends, b receives by polling and answers: b's answer takes
 		// the acknowledgement along.
@@ -204,9 +207,13 @@ func testAckCorked(t *testing.T, kind string) {
 					t.Fatalf("b's poll: %d %v", n, err)
 				}
 				if held() {
-					t.Fatalf("round %d: a poll of b that found nothing left the acknowledgement corked", round)
+					// Another writer of b's connection held it (its
+					// write pushes the acknowledgement along): the poll
+					// left it to that writer.
+					busy++
+				} else {
+					pushed++
 				}
-				pushed++
 			}
 		}
 		send(b, 100)
@@ -214,8 +221,8 @@ func testAckCorked(t *testing.T, kind string) {
 		ok(spin(t, b.scq, 1)[0], "b's send")
 		ok(spin(t, a.scq, 1)[0], "a's send")
 	}
-	if pushed < 10 {
-		t.Fatalf("%d acknowledgements corked, %d pushed by a poll: want 10 pushed", corked, pushed)
+	if pushed < 10 || busy > pushed {
+		t.Fatalf("%d acknowledgements corked, %d pushed by a poll, %d left corked by one: want 10 pushed, and more than left", corked, pushed, busy)
 	}
 }
 
