@@ -46,6 +46,15 @@ import (
 // requester freed the memory of a request in flight, or is gone) fails
 // the request as a remote operation error (REM_OP_ERR at the requester,
 // LOC_QP_OP_ERR for a receive it consumed) and moves the target QP to ERR.
+//
+// What a peer can do with it: make this process read its own memory, at
+// addresses it chooses, into a region or receive buffer it may write
+// anyway (keys, bounds and the receive are checked first); read 8 bytes
+// of its own for the probe. Both ends of a shared-memory connection are
+// processes of the same user (checkPeerCred), which the kernel lets
+// signal and, unless Yama says otherwise, trace each other: a peer that
+// made a read block (pages under its userfaultfd) could stop this process
+// as well.
 
 const (
 	pullMin  = 64 << 10
