@@ -17,11 +17,12 @@
 #   ./scripts/bench.sh session [RUNS] package session between processes vs
 #                                     bare channels, RequestRemoteMR, WriteImm, the
 #                                     allocator, the key-value example
-#   ./scripts/bench.sh pull [RUNS]    soft0 RC sends between two processes over
-#                                     shared memory (goverbs bench send): payloads
-#                                     the target reads from the sender's memory
-#                                     (the default) vs through the ring
-#                                     (GOVERBS_SOFT_PULL=0)
+#   ./scripts/bench.sh pull [RUNS]    soft0 between two processes (goverbs bench):
+#                                     payloads the target reads from the
+#                                     sender's memory (the default) vs copied
+#                                     through the ring or socket
+#                                     (GOVERBS_SOFT_PULL=0); sends over shared
+#                                     memory, writes and sends over unix sockets
 #   ./scripts/bench.sh all [RUNS]     all of the above
 #
 # RUNS defaults to 5. Each package's test binary is built once; every
@@ -273,33 +274,43 @@ session() {
 	calc "\"| - | Alloc + Free, 64 B | %.1f ns | sync.Pool Get + Put %.1f ns | %.2f | ≤ 100 ns | $(med alloc allocs/op) |\n\", $(med alloc ns/op), $(med pool ns/op), $(med alloc ns/op)/$(med pool ns/op)"
 }
 
-# pull: goverbs bench send between two processes over shared memory,
-# with pulled payloads (internal/soft/cma.go) and without
-# (GOVERBS_SOFT_PULL=0 in both), alternately, 2 GB per run.
+# pull: goverbs bench between two processes of this host, with pulled
+# payloads (internal/soft/cma.go) and without (GOVERBS_SOFT_PULL=0 in
+# both), alternately, 2 GB per run: sends over shared memory (its RDMA
+# writes are direct copies either way), writes and sends over unix
+# sockets.
 pull() {
 	go build -o "$bin/goverbs" ./cmd/goverbs
-	local r s p port=18700
+	local -a cases=("shm send" "unix write" "unix send")
+	local r c s p port=18700
 	for ((r = 0; r < runs; r++)); do
-		for s in 65536 262144 1048576; do
-			for p in 1 0; do
-				port=$((port + 1))
-				GOVERBS_SOFT_PULL=$p GOVERBS_SOFT_TRANSPORT=shm "$bin/goverbs" bench send --server -p $port -s $s -n $((2000000000 / s)) >/dev/null 2>&1 &
-				local pid=$! i
-				for ((i = 0; i < 50; i++)); do
-					GOVERBS_SOFT_PULL=$p GOVERBS_SOFT_TRANSPORT=shm "$bin/goverbs" bench send -s $s -n $((2000000000 / s)) -p $port 127.0.0.1 >"$bin/out" 2>/dev/null && break
-					sleep 0.1
+		for c in "${cases[@]}"; do
+			local tr=${c% *} op=${c#* }
+			for s in 65536 1048576; do
+				for p in 1 0; do
+					port=$((port + 1))
+					GOVERBS_SOFT_PULL=$p GOVERBS_SOFT_TRANSPORT=$tr "$bin/goverbs" bench $op --server -p $port -s $s -n $((2000000000 / s)) >/dev/null 2>&1 &
+					local pid=$! i
+					for ((i = 0; i < 50; i++)); do
+						GOVERBS_SOFT_PULL=$p GOVERBS_SOFT_TRANSPORT=$tr "$bin/goverbs" bench $op -s $s -n $((2000000000 / s)) -p $port 127.0.0.1 >"$bin/out" 2>/dev/null && break
+						sleep 0.1
+					done
+					wait $pid || true
+					awk '/BW average/ {getline; print $4}' "$bin/out" >>"$bin/pull-$tr-$op-$s-$p"
 				done
-				wait $pid || true
-				awk '/BW average/ {getline; print $4}' "$bin/out" >>"$bin/pull-$s-$p"
 			done
 		done
 	done
 	sed -n 's/^model name\t*: */cpu: /p' /proc/cpuinfo | head -1 >"$bin/cpu"
 	header pull
-	echo '| message | pulled (default) | through the ring | ratio |'
-	echo '| --- | --- | --- | --- |'
-	for s in 65536 262144 1048576; do
-		calc "\"| $((s >> 10)) KiB | %.0f MB/s | %.0f MB/s | %.2f |\n\", $(median <"$bin/pull-$s-1"), $(median <"$bin/pull-$s-0"), $(median <"$bin/pull-$s-1")/$(median <"$bin/pull-$s-0")"
+	echo '| transport | operation | message | pulled (default) | copied (GOVERBS_SOFT_PULL=0) | ratio |'
+	echo '| --- | --- | --- | --- | --- | --- |'
+	for c in "${cases[@]}"; do
+		local tr=${c% *} op=${c#* }
+		for s in 65536 1048576; do
+			local f=$bin/pull-$tr-$op-$s
+			calc "\"| $tr | $op | $((s >> 10)) KiB | %.0f MB/s | %.0f MB/s | %.2f |\n\", $(median <"$f-1"), $(median <"$f-0"), $(median <"$f-1")/$(median <"$f-0")"
+		done
 	done
 }
 

@@ -300,22 +300,27 @@ func TestCrossProcessLink(t *testing.T) {
 	}
 }
 
-// TestCrossProcessPull: over shared memory, the large payloads of sends,
-// sends with immediate and writes with immediate (the ones a direct copy
-// cannot take) are read by the target from the requester's memory, once
-// each (soft.LinkInfo.Pulled counts them on the side that read), and
-// arrive intact whatever their pieces; with GOVERBS_SOFT_PULL=0 in both
-// processes they go through the ring, and nothing is pulled.
+// TestCrossProcessPull: over shared memory and unix sockets, the large
+// payloads of sends, sends with immediate and writes with immediate (over
+// shared memory, the ones a direct copy cannot take) are read by the
+// target from the requester's memory, once each (soft.LinkInfo.Pulled
+// counts them on the side that read), and arrive intact whatever their
+// pieces; with GOVERBS_SOFT_PULL=0 in both processes they go through the
+// ring or the socket, and nothing is pulled.
 func TestCrossProcessPull(t *testing.T) {
-	for _, pull := range []bool{true, false} {
-		name := "pull"
+	for _, tc := range []struct {
+		tr   string
+		pull bool
+	}{{"shm", true}, {"shm", false}, {"unix", true}, {"unix", false}} {
+		pull := tc.pull
+		name := tc.tr + "/pull"
 		if !pull {
-			name = "ring"
+			name = tc.tr + "/copied"
 		}
 		t.Run(name, func(t *testing.T) {
 			CheckLeaks(t)
-			env := []string{"GOVERBS_SOFT_TRANSPORT=shm"}
-			t.Setenv("GOVERBS_SOFT_TRANSPORT", "shm")
+			env := []string{"GOVERBS_SOFT_TRANSPORT=" + tc.tr}
+			t.Setenv("GOVERBS_SOFT_TRANSPORT", tc.tr)
 			if !pull {
 				env = append(env, "GOVERBS_SOFT_PULL=0")
 				t.Setenv("GOVERBS_SOFT_PULL", "0")

@@ -19,9 +19,10 @@ import (
 //
 // Over shared memory the payload of a send, or of a write that cannot be
 // direct (shm.go), travels through the ring: the requester copies it in,
-// the target copies it out, two copies of every byte. A large one (at
-// least pullMin bytes) of a RC QP is instead pulled: the request goes
-// through the ring with the requester's addresses of its bytes (after
+// the target copies it out, two copies of every byte; over a unix socket
+// the kernel makes the same two. A large one (at least pullMin bytes) of
+// a RC QP is instead pulled: the request goes through the ring or the
+// socket with the requester's addresses of its bytes (after
 // gather checked them against their regions) in place of the bytes, and
 // the target's responder, which makes every check as for any request,
 // reads them with process_vm_readv straight into the receive buffer or
@@ -35,7 +36,8 @@ import (
 // (same user, Yama's ptrace_scope, seccomp filters of containers). So
 // each side asks once per connection whether its peer may read it: it
 // sends PULL_PROBE with the address of pullProbe in its memory; the peer
-// reads those 8 bytes and answers PULL_ACK over the socket. Only after an
+// reads those 8 bytes and answers PULL_ACK over the socket (in its stream
+// of frames, for a unix connection). Only after an
 // answer that it could does a side pull its payloads, and only a side that
 // answered so accepts pulled requests. GOVERBS_SOFT_PULL=0 turns pulling
 // off (the probe is not sent).
@@ -215,7 +217,8 @@ func openPidfd(pid uint32) int {
 }
 
 // offerPull asks the peer whether it can read this process (PULL_PROBE;
-// the answer comes over the socket to watchSocket).
+// the answer comes over the socket: to watchSocket over shared memory, as
+// a frame over a unix socket).
 func (c *conn) offerPull() {
 	if pullOff() {
 		return
@@ -245,6 +248,11 @@ func (c *conn) servePullProbe(body []byte) error {
 	var b [hdrLen + pullAckLen]byte
 	putHdr(b[:], frPullAck, pullAckLen, 0)
 	b[hdrLen] = status
+	if c.shm == nil {
+		// A unix socket: in the stream of frames, as responses go.
+		c.sendAsync([][]byte{b[:]})
+		return nil
+	}
 	c.sockMu.Lock()
 	defer c.sockMu.Unlock()
 	c.nc.SetWriteDeadline(time.Now().Add(handshakeTimeout))
@@ -273,6 +281,10 @@ func (c *conn) handlePullAck(body []byte) error {
 func (c *conn) pullable(w *sendWQE, total uint64) bool {
 	return c.pullReady.Load() && hasPayload(w.op) && !w.isInline && total >= pullMin && total <= maxMsgSize
 }
+
+// pullKind reports whether connections of kind pull: those between
+// processes of one host.
+func pullKind(kind uint8) bool { return kind == kindShm || kind == kindUnix }
 
 // pullPieces encodes the addresses of data, the gathered payload, as the
 // pieces of a pulled request (into x.pullBuf).

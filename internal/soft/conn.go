@@ -218,7 +218,7 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 	c := &conn{s: s, f: s.f, kind: kind, peerFab: peerFab, peerPID: peerPID, nc: nc, shm: shm,
 		done: make(chan struct{}), qwake: make(chan struct{}, 1), wakers: map[uint32]*remoteWaker{}, pidfd: -1}
 	c.kick = make(chan struct{}, 1)
-	if shm != nil {
+	if pullKind(kind) {
 		c.pidfd = openPidfd(peerPID)
 	}
 	if kind != kindTCP && int(peerPID) != os.Getpid() {
@@ -1241,6 +1241,9 @@ func (c *conn) readLoop() {
 		c.fail(fmt.Errorf("soft: connection to process %d has no descriptor to read", c.peerPID))
 		return
 	}
+	if c.kind == kindUnix {
+		c.offerPull() // over shared memory watchSocket does
+	}
 	c.rxLoop()
 }
 
@@ -1256,8 +1259,16 @@ func (c *conn) checkType(h frameHdr) error {
 	switch h.typ {
 	case frReq, frResp, frWake:
 		return nil
-	case frMap, frPullProbe:
+	case frMap:
 		if c.shm != nil {
+			return nil
+		}
+	case frPullProbe:
+		if pullKind(c.kind) {
+			return nil
+		}
+	case frPullAck: // over shared memory it comes by the socket (watchSocket)
+		if c.kind == kindUnix {
 			return nil
 		}
 	}
@@ -1291,7 +1302,9 @@ func (c *conn) handle(h frameHdr, body []byte, data []span, plen int) error {
 	case frMap:
 		return c.serveMap(h.id, body)
 	case frPullProbe:
-		return c.servePullProbe(body) // shared memory only (checkType)
+		return c.servePullProbe(body) // between processes of one host (checkType)
+	case frPullAck:
+		return c.handlePullAck(body) // unix sockets (checkType)
 	}
 	return fmt.Errorf("%w: type %d", errBadType, h.typ)
 }

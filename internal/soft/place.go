@@ -126,7 +126,7 @@ func (c *conn) placeReq(h frameHdr, a uint64) (bool, error) {
 	x.peek(hdrLen, body)
 	plen := int(h.length) - reqBodyLen
 	var req request
-	if _, err := parseReq(body, uint32(plen), &req); err != nil || plen <= 0 || req.direct {
+	if flags, err := parseReq(body, uint32(plen), &req); err != nil || plen <= 0 || req.direct || flags&reqPull != 0 {
 		return false, nil // the frame is handled (and refused) once whole
 	}
 	if req.op != opWrite && req.op != opWriteImm || req.qpType != uint8(prov.QPTypeRC) {

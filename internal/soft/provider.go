@@ -40,10 +40,11 @@
 // registered with remote write access is copied by the requester itself
 // into its mapping of the region, after the target's responder accepted
 // the request (shm.go); regions from Register (Go memory) are never
-// shared. The payload of a large RC send, send or write with immediate,
-// or write that cannot be direct, is read by the target's responder
-// straight from the requester's memory with process_vm_readv, in ring
-// order, where the kernel allows it (one copy instead of two; cma.go;
+// shared. Between processes of one host (shared memory, unix sockets),
+// the payload of a large RC send or write (over shared memory: one that
+// cannot be direct) is read by the target's responder straight from the
+// requester's memory with process_vm_readv, in the order of the ring or
+// socket, where the kernel allows it (one copy instead of two; cma.go;
 // GOVERBS_SOFT_PULL=0 turns it off). RC requests are pipelined (see xreq.go). A connection that fails
 // (the peer died, a malformed frame, a write that times out) fails the
 // oldest RC request in flight on it with RETRY_EXC_ERR and the QP flushes

@@ -454,7 +454,7 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	switch {
 	case imp != nil:
 		flags = reqDirect
-	case c.shm != nil && c.pullable(w, total):
+	case c.pullable(w, total):
 		// The peer reads the bytes from here (cma.go).
 		flags = reqPull
 		data = x.pullPieces(data)
