@@ -84,7 +84,9 @@ tier_unit() {
 # conformance suite twice: with both QPs in one process and every connection
 # forced through the transport (TestConformanceSoft), and with side B of
 # every case in a peer process (TestConformanceSoftCrossProcess). The
-# last run (tls) is TCP encrypted as between hosts (GOVERBS_SOFT_TLS=on).
+# run tls is TCP encrypted as between hosts (GOVERBS_SOFT_TLS=on); the
+# last two run the cross-process half over unix sockets and shared memory
+# with pulled payloads (GOVERBS_SOFT_PULL=1, internal/soft/cma.go).
 tier_multiprocess() {
 	local rc=0
 	run_go_tests multiprocess -run "CrossProcess" ./verbstest/ || rc=1
@@ -96,6 +98,10 @@ tier_multiprocess() {
 	done
 	GOVERBS_SOFT_TRANSPORT=tcp GOVERBS_SOFT_TLS=on run_go_tests "multiprocess-conformance-tls" \
 		-run "^TestConformanceSoft(CrossProcess)?\$" . || rc=1
+	for tr in unix shm; do
+		GOVERBS_SOFT_PULL=1 GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr-pull" \
+			-run "^TestConformanceSoftCrossProcess\$" . || rc=1
+	done
 	return $rc
 }
 

@@ -305,8 +305,9 @@ func TestCrossProcessLink(t *testing.T) {
 // shared memory, the ones a direct copy cannot take) are read by the
 // target from the requester's memory, once each (soft.LinkInfo.Pulled
 // counts them on the side that read), and arrive intact whatever their
-// pieces; with GOVERBS_SOFT_PULL=0 in both processes they go through the
-// ring or the socket, and nothing is pulled.
+// pieces, when both processes have GOVERBS_SOFT_PULL=1; without (the
+// default) they go through the ring or the socket, and nothing is
+// pulled.
 func TestCrossProcessPull(t *testing.T) {
 	for _, tc := range []struct {
 		tr   string
@@ -321,10 +322,12 @@ func TestCrossProcessPull(t *testing.T) {
 			CheckLeaks(t)
 			env := []string{"GOVERBS_SOFT_TRANSPORT=" + tc.tr}
 			t.Setenv("GOVERBS_SOFT_TRANSPORT", tc.tr)
-			if !pull {
-				env = append(env, "GOVERBS_SOFT_PULL=0")
-				t.Setenv("GOVERBS_SOFT_PULL", "0")
+			v := "0" // the default
+			if pull {
+				v = "1"
 			}
+			env = append(env, "GOVERBS_SOFT_PULL="+v)
+			t.Setenv("GOVERBS_SOFT_PULL", v)
 			c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults(), name: name}, peer: StartPeer(t, env...)}
 			const size = 1<<20 + 5
 			p := newXRC(t, c, verbs.QPSpec{}, 3*size, accessAll)

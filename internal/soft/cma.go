@@ -39,8 +39,24 @@ import (
 // reads those 8 bytes and answers PULL_ACK over the socket (in its stream
 // of frames, for a unix connection). Only after an
 // answer that it could does a side pull its payloads, and only a side that
-// answered so accepts pulled requests. GOVERBS_SOFT_PULL=0 turns pulling
-// off (the probe is not sent).
+// answered so accepts pulled requests.
+//
+// Off by default: GOVERBS_SOFT_PULL=1 turns it on (in both processes;
+// without it no probe is sent, and a side that sent none is never
+// pulled from). What keeps it off: once a request completes, in error
+// too, its buffers are the application's again, and a NIC no longer
+// reads them; a pulled request is read when the target handles it. A
+// requester that gives a pulled request up before its response (the
+// transport timeout of a stopped peer, its QP moved to ERR or closed with
+// requests in flight) completes it at once, and a target that handles it
+// later (resumed, or merely behind) reads what the application has put in
+// the buffer since, or memory freed and reused, and delivers that as the
+// message. The fix is a claim per pulled request in memory both
+// processes map (a word the target clears after its read and the
+// requester clears when it gives the request up: whoever clears it
+// decides whether the read counts), left for later; until then the
+// default keeps the copies, whose bytes are taken when the request is
+// posted.
 //
 // The target reads the process it knows by the kernel's word (SO_PEERCRED)
 // and checks after each read, with a pidfd, that the process has not
@@ -73,8 +89,9 @@ const (
 	pullNo = 1 // this process cannot read the peer: it sends the bytes
 )
 
-// pullOff reports whether pulling is turned off in this process.
-func pullOff() bool { return os.Getenv(envPull) == "0" }
+// pullOff reports whether pulling is off in this process (the default:
+// see above).
+func pullOff() bool { return os.Getenv(envPull) != "1" }
 
 // pullSrc is the payload of a pulled request: the requester's pieces
 // (the consumer's, rmu held).
