@@ -12,6 +12,7 @@ import "C"
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -762,28 +763,43 @@ func (c *Conn) resolve(ctx context.Context, addr string, sa C.gv_sockaddr) error
 		return cmErr("rdma_create_id", rc)
 	}
 	timeout := C.int(2000)
+	bounded := false // the kernel's timeout is the context's deadline
 	if dl, ok := ctx.Deadline(); ok {
 		if ms := timeUntilMS(dl); ms < 2000 {
-			timeout = C.int(max(ms, 1))
+			timeout, bounded = C.int(max(ms, 1)), true
 		}
 	}
 	if rc := C.gv_cm_resolve_addr(c.id, &sa, timeout); rc != 0 {
 		return cmErr("rdma_resolve_addr "+addr, rc)
 	}
 	if _, err := expect(ctx, "rdma_resolve_addr "+addr, c.ev, c.ch, C.RDMA_CM_EVENT_ADDR_RESOLVED); err != nil {
-		return err
+		return resolveErr(bounded, err)
 	}
 	if rc := C.gv_cm_resolve_route(c.id, timeout); rc != 0 {
 		return cmErr("rdma_resolve_route "+addr, rc)
 	}
 	if _, err := expect(ctx, "rdma_resolve_route "+addr, c.ev, c.ch, C.RDMA_CM_EVENT_ROUTE_RESOLVED); err != nil {
-		return err
+		return resolveErr(bounded, err)
 	}
 	c.device, c.port = deviceOf(c.id)
 	var local, peer C.gv_sockaddr
 	C.gv_cm_addrs(c.id, &local, &peer)
 	c.local, c.remote = toAddrPort(&local), toAddrPort(&peer)
 	return nil
+}
+
+// resolveErr is the error of a resolution step. When the kernel's
+// timeout was the context's deadline (bounded), its ETIMEDOUT is that
+// deadline passing, which the kernel may report a moment before the
+// context's own timer: the error says so (context.DeadlineExceeded), as
+// it does when the wait ends first. Seen in the VM tier: a dial to an
+// unreachable address with a 300 ms deadline ended in ADDR_ERROR
+// (ETIMEDOUT) without it.
+func resolveErr(bounded bool, err error) error {
+	if bounded && errors.Is(err, syscall.ETIMEDOUT) {
+		return fmt.Errorf("%w: %w", context.DeadlineExceeded, err)
+	}
+	return err
 }
 
 // Resolve resolves addr ("ip:port") to the local RDMA device and port a
