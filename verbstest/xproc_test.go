@@ -426,3 +426,40 @@ func TestCrossProcessPull(t *testing.T) {
 		})
 	}
 }
+
+// TestCrossProcessPeerGoneFirstFails: when the peer's process dies, soft0
+// sees its connection close and moves the QPs connected to it to ERR
+// (conn.failQPs); the first send request that then completes fails with
+// RETRY_EXC_ERR, as a NIC's QP fails the request its peer no longer
+// answers, and the ones after it are flushed. (Before, all were flushed:
+// TestCrossProcessPeerKilled saw a flush first in a CI rehearsal when the
+// peer died before the QP had a request in flight.)
+func TestCrossProcessPeerGoneFirstFails(t *testing.T) {
+	for _, tr := range crossTransports {
+		t.Run(tr, func(t *testing.T) {
+			t.Setenv("GOVERBS_SOFT_TRANSPORT", tr)
+			CheckLeaks(t)
+			c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults()}, peer: StartPeer(t, "GOVERBS_SOFT_TRANSPORT="+tr)}
+			p := newXRC(t, c, verbs.QPSpec{}, 4096, accessAll)
+			src := p.a.Alloc(t, 64, accessLocal)
+			// A message makes the connection.
+			c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 1, Len: 64})
+			must(t, "post send", p.qa.PostSend(2, verbs.Signaled, SGE(t, src, 0, 8)))
+			expectOK(t, "send completion", c.pollOne(t, p.a.CQ), 2, verbs.OpSend, p.qa.QPN())
+			c.peer.Kill()
+			c.waitState(t, "requester after its peer died", p.qa, verbs.StateError)
+			for i := range 3 {
+				must(t, "post send", p.qa.PostSend(uint64(10+i), verbs.Signaled, SGE(t, src, 0, 8)))
+			}
+			for i, wc := range c.poll(t, p.a.CQ, 3) {
+				want := verbs.StatusWRFlushErr
+				if i == 0 {
+					want = verbs.StatusRetryExcErr
+				}
+				if wc.WRID != uint64(10+i) || wc.Status != want {
+					t.Errorf("completion %d: wr_id %d, status %s; want wr_id %d, %s", i, wc.WRID, wc.Status, 10+i, want)
+				}
+			}
+		})
+	}
+}

@@ -351,7 +351,8 @@ func (c *conn) fail(err error) {
 // that arrived before was delivered (the connection fails after its
 // consumer has handled every complete frame; see failAfterDrain for
 // shared memory), the posted receives complete with WR_FLUSH_ERR (so a
-// poll or a wait for them returns), the send queue is flushed, and the
+// poll or a wait for them returns), the send queue is flushed (its oldest
+// request with RETRY_EXC_ERR unless one failed before: qp.peerLost), and the
 // QP's context gets IBV_EVENT_QP_FATAL. Requests in flight on the
 // connection have failed with RETRY_EXC_ERR before (the "down" records
 // above are retired before the state is looked at). A QP of the peer
@@ -366,6 +367,7 @@ func (c *conn) failQPs() {
 		q.rmu.Lock()
 		p, ok := q.route.(*peer)
 		if ok && p != nil && p.key.fabric == c.peerFab && c.auth.proves(&p.addr) && q.toErrLocked(evQPFatal) {
+			q.peerLost.Store(true)
 			hit = append(hit, q)
 		}
 		q.rmu.Unlock()

@@ -61,25 +61,32 @@ type qp struct {
 	waiters []waker // requesters to wake when a receive is posted or the state changes
 
 	// Requester state (progMu).
-	sqPSN      uint32
-	sqPSNPub   atomic.Uint32 // sqPSN for Query
-	req        request
-	resp       response
-	spans      *[maxSGE]span             // sendScratch, made with the send ring (post)
-	locked     *[maxSGE]*mr              // sendScratch
-	lcache     *mr                       // last local MR looked up
-	cbuf       *[cbufLen]prov.Completion // sendScratch
-	ncbuf      int
-	retrying   bool
-	notReady   time.Time // when the head request was first found its target not ready (progMu)
-	rnrLeft    int
-	retryLeft  int
-	blocked    bool
-	blockedSeq uint64
-	timer      *time.Timer
-	timerArmed bool
-	timerFired atomic.Bool
-	wakeSeq    atomic.Uint64
+	sqPSN    uint32
+	sqPSNPub atomic.Uint32 // sqPSN for Query
+	req      request
+	resp     response
+	spans    *[maxSGE]span             // sendScratch, made with the send ring (post)
+	locked   *[maxSGE]*mr              // sendScratch
+	lcache   *mr                       // last local MR looked up
+	cbuf     *[cbufLen]prov.Completion // sendScratch
+	ncbuf    int
+	retrying bool
+	// peerLost: the QP went to ERR because its peer's process is gone
+	// (conn.failQPs); errReported: a send request completed with an
+	// error other than a flush since the QP left RESET (progMu). The
+	// first request the QP then flushes fails with RETRY_EXC_ERR, as a
+	// NIC's QP fails its oldest request when the peer stops answering.
+	peerLost    atomic.Bool
+	errReported bool
+	notReady    time.Time // when the head request was first found its target not ready (progMu)
+	rnrLeft     int
+	retryLeft   int
+	blocked     bool
+	blockedSeq  uint64
+	timer       *time.Timer
+	timerArmed  bool
+	timerFired  atomic.Bool
+	wakeSeq     atomic.Uint64
 
 	// Cross-process requests (conn.go). Once a request of this QP goes to
 	// another process, xproc is set and the send queue runs in the QP's
@@ -719,6 +726,8 @@ func (q *qp) resetLocked() {
 	q.stopRetry()
 	q.rnrLeft, q.retryLeft = 0, 0
 	q.ncbuf = 0
+	q.peerLost.Store(false)
+	q.errReported = false
 	q.state.Store(uint32(prov.QPStateReset))
 }
 

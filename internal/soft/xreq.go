@@ -309,6 +309,7 @@ func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 			return false
 		case postFailed:
 			// Only the head fails this way (nothing in flight).
+			q.errReported = true
 			q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: status, Opcode: wcOpcodes[w.op], QPN: q.qpn}
 			q.ncbuf++
 			q.commit(1)
@@ -333,17 +334,28 @@ func (q *qp) readsInFlight(head int) bool {
 	return false
 }
 
-// flushSQ completes the n requests from head with WR_FLUSH_ERR.
+// flushSQ completes the n requests from head with WR_FLUSH_ERR; the
+// first with RETRY_EXC_ERR if the QP went to ERR because its peer's
+// process is gone and no request failed before (qp.peerLost).
 func (q *qp) flushSQ(n, head int) {
 	size := q.sq.depth
 	done := 0
+	first := prov.StatusWRFlushErr
+	if q.peerLost.Swap(false) && !q.errReported && n > 0 {
+		first = prov.StatusRetryExcErr
+		q.errReported = true
+	}
 	for i := 0; i < n; i++ {
 		j := head + i
 		if j >= size {
 			j -= size
 		}
 		w := &q.sq.slots[j]
-		q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: prov.StatusWRFlushErr, Opcode: wcOpcodes[w.op], QPN: q.qpn}
+		st := prov.StatusWRFlushErr
+		if i == 0 {
+			st = first
+		}
+		q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: st, Opcode: wcOpcodes[w.op], QPN: q.qpn}
 		q.ncbuf++
 		w.fconn = nil
 		done++
@@ -630,6 +642,7 @@ func (q *qp) flight(retired int) *sendWQE {
 // failFlight completes the oldest request in flight with status and
 // abandons the others (the QP is about to go to ERR).
 func (q *qp) failFlight(w *sendWQE, status prov.Status, retired *int) {
+	q.errReported = true
 	q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: status, Opcode: wcOpcodes[w.op], QPN: q.qpn}
 	q.ncbuf++
 	w.fconn = nil
