@@ -152,9 +152,7 @@ func peerKilled(t *testing.T, mode string, env string) {
 func TestCrossProcessPeerStopped(t *testing.T) {
 	for _, tr := range crossTransports {
 		t.Run(tr, func(t *testing.T) {
-			t.Setenv("GOVERBS_SOFT_TRANSPORT", tr)
-			CheckLeaks(t)
-			c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults()}, peer: StartPeer(t, "GOVERBS_SOFT_TRANSPORT="+tr)}
+			c := peerOver(t, tr)
 			p := newXRC(t, c, verbs.QPSpec{Timeout: 8, RetryCount: 1}, 4096, accessAll)
 			src := p.a.Alloc(t, 4096, accessLocal)
 			// A first write makes sure the connection is up.
@@ -437,9 +435,7 @@ func TestCrossProcessPull(t *testing.T) {
 func TestCrossProcessPeerGoneFirstFails(t *testing.T) {
 	for _, tr := range crossTransports {
 		t.Run(tr, func(t *testing.T) {
-			t.Setenv("GOVERBS_SOFT_TRANSPORT", tr)
-			CheckLeaks(t)
-			c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults()}, peer: StartPeer(t, "GOVERBS_SOFT_TRANSPORT="+tr)}
+			c := peerOver(t, tr)
 			p := newXRC(t, c, verbs.QPSpec{}, 4096, accessAll)
 			src := p.a.Alloc(t, 64, accessLocal)
 			// A message makes the connection.
@@ -462,4 +458,13 @@ func TestCrossProcessPeerGoneFirstFails(t *testing.T) {
 			}
 		})
 	}
+}
+
+// peerOver starts a peer process with both processes on transport tr,
+// and checks for leaks when the test ends.
+func peerOver(t *testing.T, tr string) *xcase {
+	t.Helper()
+	t.Setenv("GOVERBS_SOFT_TRANSPORT", tr)
+	CheckLeaks(t)
+	return &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults()}, peer: StartPeer(t, "GOVERBS_SOFT_TRANSPORT="+tr)}
 }
