@@ -7,7 +7,6 @@ import (
 	"os"
 	"sync/atomic"
 	"syscall"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -252,12 +251,11 @@ func (c *conn) offerPull() {
 func (c *conn) servePullProbe(body []byte) error {
 	status := byte(pullNo)
 	if c.pidfd >= 0 {
+		// As a pulled payload is read: one piece, 8 bytes.
 		var got [8]byte
-		local := [1]unix.Iovec{{Base: &got[0]}}
-		local[0].SetLen(len(got))
-		remote := [1]unix.RemoteIovec{{Base: uintptr(binary.LittleEndian.Uint64(body)), Len: len(got)}}
-		n, err := unix.ProcessVMReadv(int(c.peerPID), local[:], remote[:], 0)
-		if err == nil && n == len(got) && got == [8]byte(body[8:16]) && peerLives(c.pidfd) {
+		probe := pullSrc{pid: int(c.peerPID), pidfd: c.pidfd, n: 1}
+		probe.remote[0] = unix.RemoteIovec{Base: uintptr(binary.LittleEndian.Uint64(body)), Len: len(got)}
+		if probe.read([]span{{unsafe.Pointer(&got[0]), len(got)}}, 0) && got == [8]byte(body[8:16]) {
 			status = pullOK
 			c.pullServed.Store(true) // before the answer: the peer pulls once it has it
 		}
@@ -270,12 +268,7 @@ func (c *conn) servePullProbe(body []byte) error {
 		c.sendAsync([][]byte{b[:]})
 		return nil
 	}
-	c.sockMu.Lock()
-	defer c.sockMu.Unlock()
-	c.nc.SetWriteDeadline(time.Now().Add(handshakeTimeout))
-	_, err := c.nc.Write(b[:])
-	c.nc.SetWriteDeadline(time.Time{})
-	if err != nil && !errors.Is(err, syscall.EPIPE) {
+	if err := c.writeSocket(b[:], nil); err != nil && !errors.Is(err, syscall.EPIPE) {
 		return err
 	}
 	return nil
@@ -293,8 +286,8 @@ func (c *conn) handlePullAck(body []byte) error {
 	return nil
 }
 
-// pullable reports whether w, a request of total bytes in the pieces
-// data (gathered), goes as a pulled request on c.
+// pullable reports whether w, a request of total bytes (gathered), goes
+// as a pulled request on c.
 func (c *conn) pullable(w *sendWQE, total uint64) bool {
 	return c.pullReady.Load() && hasPayload(w.op) && !w.isInline && total >= pullMin && total <= maxMsgSize
 }

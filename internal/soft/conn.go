@@ -92,7 +92,7 @@ type conn struct {
 	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
 	shm     *shmLink   // the rings (nil: frames go over nc)
 
-	// Pulled payloads (cma.go, shared memory only).
+	// Pulled payloads (cma.go: shared memory and unix sockets).
 	pidfd      int         // the peer process (-1: none, nothing is pulled)
 	pullReady  atomic.Bool // the peer can read this process: large payloads are pulled
 	pullServed atomic.Bool // this process can read the peer: it accepts pulled requests

@@ -958,8 +958,8 @@ type LinkInfo struct {
 	PeerPID   uint32 `json:"peer_pid"`  // the process id the peer claimed
 	Remote    string `json:"remote"`    // the peer's socket address, if any
 	// Pulling says that the peer reads this process' large payloads
-	// itself (shared memory, cma.go); Pulled counts the payloads this
-	// process read from the peer.
+	// itself (shared memory and unix sockets, cma.go); Pulled counts the
+	// payloads this process read from the peer.
 	Pulling bool   `json:"pulling"`
 	Pulled  uint64 `json:"pulled"`
 }

@@ -610,10 +610,17 @@ func (c *conn) serveMap(id uint64, body []byte) error {
 	var b [hdrLen + mapAckLen]byte
 	putHdr(b[:], frMapAck, mapAckLen, id)
 	putMapAck(b[hdrLen:], &ack)
+	return c.writeSocket(b[:], fds)
+}
+
+// writeSocket writes the frame b, with the descriptors fds, to the unix
+// socket of a shared-memory connection (MAP_ACK, PULL_ACK: the frames
+// that do not go through the ring).
+func (c *conn) writeSocket(b []byte, fds []int) error {
 	c.sockMu.Lock()
 	defer c.sockMu.Unlock()
 	c.nc.SetWriteDeadline(time.Now().Add(handshakeTimeout))
-	_, _, err := c.nc.(*net.UnixConn).WriteMsgUnix(b[:], unix.UnixRights(fds...), nil)
+	_, _, err := c.nc.(*net.UnixConn).WriteMsgUnix(b, unix.UnixRights(fds...), nil)
 	c.nc.SetWriteDeadline(time.Time{})
 	return err
 }
@@ -702,8 +709,9 @@ func (c *conn) copyDirect(imp *mrImport, raddr uint64, local []span, write bool)
 }
 
 // watchSocket reads the unix socket of a shared-memory connection: only
-// MAP_ACK and PULL_ACK frames come over it (it first sends PULL_PROBE). Its end is how a process learns that its
-// peer died or closed the connection; the frames the peer left in the
+// MAP_ACK and PULL_ACK frames come over it (it first sends PULL_PROBE).
+// Its end is how a process learns that its peer died or closed the
+// connection; the frames the peer left in the
 // ring are handled first (failAfterDrain), as a socket's reader reads
 // up to its end of file.
 func (c *conn) watchSocket() {

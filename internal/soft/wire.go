@@ -43,8 +43,8 @@ const (
 	frMapAck    frameType = 7  // shm, over the socket: the answer, with the memfd (body mapAckLen)
 	frAuth      frameType = 8  // dialer → acceptor: handshake (body authLen)
 	frAuthAck   frameType = 9  // acceptor → dialer: handshake (body authAckLen)
-	frPullProbe frameType = 10 // shm: may the peer read this process? (body pullProbeLen; cma.go)
-	frPullAck   frameType = 11 // shm, over the socket: the answer (body pullAckLen)
+	frPullProbe frameType = 10 // shm, unix: may the peer read this process? (body pullProbeLen; cma.go)
+	frPullAck   frameType = 11 // shm (over the socket), unix: the answer (body pullAckLen)
 )
 
 const (
@@ -165,7 +165,7 @@ const (
 	reqNoResp    = 1 << 1 // UC, UD: the requester wants no response
 	reqDirect    = 1 << 2 // shm RC write or read: no data, the requester copies after the ACK
 	reqMore      = 1 << 3 // more segments of the message follow
-	reqPull      = 1 << 4 // shm RC send or write: the payload is the requester's addresses of its bytes (cma.go)
+	reqPull      = 1 << 4 // shm, unix RC send or write: the payload is the requester's addresses of its bytes (cma.go)
 )
 
 // hasPayload reports whether a request of op carries its message.
