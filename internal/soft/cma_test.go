@@ -2,6 +2,7 @@ package soft
 
 import (
 	"bytes"
+	"encoding/binary"
 	"os"
 	"os/exec"
 	"testing"
@@ -133,8 +134,8 @@ func TestPullRead(t *testing.T) {
 func TestParsePull(t *testing.T) {
 	piece := func(a, n uint64) []byte {
 		var b [pullDesc]byte
-		putU64(b[:], a)
-		putU64(b[8:], n)
+		binary.LittleEndian.PutUint64(b[:], a)
+		binary.LittleEndian.PutUint64(b[8:], n)
 		return b[:]
 	}
 	for _, tc := range []struct {
@@ -159,11 +160,5 @@ func TestParsePull(t *testing.T) {
 				t.Errorf("parsePull: %v, want ok %v", err, tc.ok)
 			}
 		})
-	}
-}
-
-func putU64(b []byte, v uint64) {
-	for i := range 8 {
-		b[i] = byte(v >> (8 * i))
 	}
 }
