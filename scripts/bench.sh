@@ -19,9 +19,9 @@
 #                                     allocator, the key-value example
 #   ./scripts/bench.sh pull [RUNS]    soft0 between two processes (goverbs bench):
 #                                     payloads the target reads from the
-#                                     sender's memory (GOVERBS_SOFT_PULL=1) vs
-#                                     copied through the ring or socket (the
-#                                     default); sends over shared
+#                                     sender's memory (the default) vs
+#                                     copied through the ring or socket
+#                                     (GOVERBS_SOFT_PULL=0); sends over shared
 #                                     memory, writes and sends over unix sockets
 #   ./scripts/bench.sh all [RUNS]     all of the above
 #
@@ -275,8 +275,8 @@ session() {
 }
 
 # pull: goverbs bench between two processes of this host, with pulled
-# payloads (GOVERBS_SOFT_PULL=1 in both, internal/soft/cma.go) and without
-# (GOVERBS_SOFT_PULL=0, the default), alternately, 2 GB per run: sends over shared memory (its RDMA
+# payloads (the default, internal/soft/cma.go) and without
+# (GOVERBS_SOFT_PULL=0 in both), alternately, 2 GB per run: sends over shared memory (its RDMA
 # writes are direct copies either way), writes and sends over unix
 # sockets.
 pull() {
@@ -303,7 +303,7 @@ pull() {
 	done
 	sed -n 's/^model name\t*: */cpu: /p' /proc/cpuinfo | head -1 >"$bin/cpu"
 	header pull
-	echo '| transport | operation | message | pulled (GOVERBS_SOFT_PULL=1) | copied (the default) | ratio |'
+	echo '| transport | operation | message | pulled (the default) | copied (GOVERBS_SOFT_PULL=0) | ratio |'
 	echo '| --- | --- | --- | --- | --- | --- |'
 	for c in "${cases[@]}"; do
 		local tr=${c% *} op=${c#* }

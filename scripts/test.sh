@@ -86,7 +86,8 @@ tier_unit() {
 # every case in a peer process (TestConformanceSoftCrossProcess). The
 # run tls is TCP encrypted as between hosts (GOVERBS_SOFT_TLS=on); the
 # last two run the cross-process half over unix sockets and shared memory
-# with pulled payloads (GOVERBS_SOFT_PULL=1, internal/soft/cma.go).
+# with large payloads copied, not pulled (GOVERBS_SOFT_PULL=0,
+# internal/soft/cma.go; pulled is the default).
 tier_multiprocess() {
 	local rc=0
 	run_go_tests multiprocess -run "CrossProcess" ./verbstest/ || rc=1
@@ -99,7 +100,7 @@ tier_multiprocess() {
 	GOVERBS_SOFT_TRANSPORT=tcp GOVERBS_SOFT_TLS=on run_go_tests "multiprocess-conformance-tls" \
 		-run "^TestConformanceSoft(CrossProcess)?\$" . || rc=1
 	for tr in unix shm; do
-		GOVERBS_SOFT_PULL=1 GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr-pull" \
+		GOVERBS_SOFT_PULL=0 GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr-copied" \
 			-run "^TestConformanceSoftCrossProcess\$" . || rc=1
 	done
 	return $rc

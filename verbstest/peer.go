@@ -322,6 +322,11 @@ func (s *peerSide) do(req *PeerReq, resp *PeerResp) error {
 	case "close":
 		s.close()
 		return nil
+	case "toerr": // RC: move the QP to ERR
+		if s.rc == nil {
+			return fmt.Errorf("toerr: not a RC QP")
+		}
+		return s.rc.Modify(verbs.QPAttr{State: verbs.StateError}, verbs.AttrState)
 	}
 	return fmt.Errorf("unknown command %q", req.Op)
 }

@@ -303,9 +303,8 @@ func TestCrossProcessLink(t *testing.T) {
 // shared memory, the ones a direct copy cannot take) are read by the
 // target from the requester's memory, once each (soft.LinkInfo.Pulled
 // counts them on the side that read), and arrive intact whatever their
-// pieces, when both processes have GOVERBS_SOFT_PULL=1; without (the
-// default) they go through the ring or the socket, and nothing is
-// pulled.
+// pieces (the default); with GOVERBS_SOFT_PULL=0 they go through the ring
+// or the socket, and nothing is pulled.
 func TestCrossProcessPull(t *testing.T) {
 	for _, tc := range []struct {
 		tr   string
@@ -320,56 +319,17 @@ func TestCrossProcessPull(t *testing.T) {
 			CheckLeaks(t)
 			env := []string{"GOVERBS_SOFT_TRANSPORT=" + tc.tr}
 			t.Setenv("GOVERBS_SOFT_TRANSPORT", tc.tr)
-			v := "0" // the default
-			if pull {
-				v = "1"
+			v := "" // the default
+			if !pull {
+				v = "0"
 			}
 			env = append(env, "GOVERBS_SOFT_PULL="+v)
 			t.Setenv("GOVERBS_SOFT_PULL", v)
 			c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults(), name: name}, peer: StartPeer(t, env...)}
 			const size = 1<<20 + 5
 			p := newXRC(t, c, verbs.QPSpec{}, 3*size, accessAll)
-			pid := uint32(c.peer.Do(PeerReq{Op: "pid"}).PID)
-			// The processes may have a connection each way (each dialed
-			// the other): sums over them, pulling if every one is.
-			sum := func(links []soft.LinkInfo, pid uint32) (l soft.LinkInfo) {
-				l.Pulling = true
-				n := 0
-				for _, k := range links {
-					if k.PeerPID == pid {
-						n++
-						l.Pulling = l.Pulling && k.Pulling
-						l.Pulled += k.Pulled
-					}
-				}
-				if n == 0 {
-					t.Fatalf("no link to process %d in %+v", pid, links)
-				}
-				return l
-			}
-			link := func() soft.LinkInfo { return sum(soft.Links(), pid) } // this process' links to the peer
-			peerLink := func() soft.LinkInfo {                             // the peer's links to this process
-				return sum(c.peer.Do(PeerReq{Op: "links"}).Links, uint32(os.Getpid()))
-			}
-
-			// A small message each way makes the connection; the
-			// answers to the pull probes come over its socket soon after.
 			src := p.a.Alloc(t, 3*size, accessLocal)
-			must(t, "post recv", p.qa.PostRecv(1, SGE(t, src, 0, 64)))
-			c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 2, Len: 64})
-			must(t, "post send", p.qa.PostSend(3, verbs.Signaled, SGE(t, src, 0, 8)))
-			c.peer.Do(PeerReq{Op: "post", ID: p.b, Kind: "send", WRID: 4, Len: 8})
-			c.poll(t, p.a.CQ, 2)
-			c.peerPoll(t, p.b, 2)
-			if pull {
-				deadline := time.Now().Add(DefaultTimeout)
-				for !link().Pulling || !peerLink().Pulling {
-					if time.Now().After(deadline) {
-						t.Skipf("the processes cannot read each other (process_vm_readv not allowed here): links %+v, %+v", link(), peerLink())
-					}
-					time.Sleep(time.Millisecond)
-				}
-			}
+			link, peerLink := pullLinks(t, c, p, src, pull)
 			before, peerBefore := link().Pulled, peerLink().Pulled
 
 			// A → peer: a send in three pieces, a send with immediate,
@@ -422,6 +382,118 @@ func TestCrossProcessPull(t *testing.T) {
 				t.Errorf("this process pulled %d payloads, want %d", got, wantHere)
 			}
 		})
+	}
+}
+
+// pullLinks makes the connection of p with a small message each way
+// (src holds at least 64 bytes) and returns what this process' links to
+// the peer and the peer's to this process report (the processes may have
+// a connection each way, each dialed the other: sums over them, pulling
+// if every one is). With pull it waits until both sides pull (the
+// answers to the probes come over the socket soon after the first
+// message), or skips the test where the processes cannot read each other.
+func pullLinks(t *testing.T, c *xcase, p *xrc, src *verbs.MemoryRegion, pull bool) (link, peerLink func() soft.LinkInfo) {
+	t.Helper()
+	sum := func(links []soft.LinkInfo, pid uint32) (l soft.LinkInfo) {
+		l.Pulling = true
+		n := 0
+		for _, k := range links {
+			if k.PeerPID == pid {
+				n++
+				l.Pulling = l.Pulling && k.Pulling
+				l.Pulled += k.Pulled
+				l.PullsLost += k.PullsLost
+			}
+		}
+		if n == 0 {
+			t.Fatalf("no link to process %d in %+v", pid, links)
+		}
+		return l
+	}
+	pid := uint32(c.peer.Do(PeerReq{Op: "pid"}).PID)
+	link = func() soft.LinkInfo { return sum(soft.Links(), pid) }
+	peerLink = func() soft.LinkInfo { return sum(c.peer.Do(PeerReq{Op: "links"}).Links, uint32(os.Getpid())) }
+
+	must(t, "post recv", p.qa.PostRecv(1, SGE(t, src, 0, 64)))
+	c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 2, Len: 64})
+	must(t, "post send", p.qa.PostSend(3, verbs.Signaled, SGE(t, src, 0, 8)))
+	c.peer.Do(PeerReq{Op: "post", ID: p.b, Kind: "send", WRID: 4, Len: 8})
+	c.poll(t, p.a.CQ, 2)
+	c.peerPoll(t, p.b, 2)
+	if pull {
+		deadline := time.Now().Add(DefaultTimeout)
+		for !link().Pulling || !peerLink().Pulling {
+			if time.Now().After(deadline) {
+				t.Skipf("the processes cannot read each other (process_vm_readv not allowed here): links %+v, %+v", link(), peerLink())
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	return link, peerLink
+}
+
+// TestCrossProcessPullLetGo: a pulled payload is read when the target
+// handles the request, so a request its requester let go of first must
+// not be delivered with what its buffer holds by then (cma.go's claims).
+// The peer is stopped (SIGSTOP) before the send, so it handles the
+// request only when resumed, after either the requester's QP timed out
+// (the request completed with RETRY_EXC_ERR) or the region of its buffer
+// was closed; then the buffer is overwritten. The peer drops the request
+// (LinkInfo.PullsLost) without consuming its receive, which its QP's
+// flush then completes; with a closed region the requester learns
+// LOC_PROT_ERR, as a NIC reports a request whose region went.
+func TestCrossProcessPullLetGo(t *testing.T) {
+	for _, tr := range []string{"shm", "unix"} {
+		for _, how := range []string{"TimedOut", "RegionClosed"} {
+			t.Run(tr+"/"+how, func(t *testing.T) {
+				c := peerOver(t, tr)
+				spec := verbs.QPSpec{Timeout: 8, RetryCount: 1} // about 2 ms
+				if how == "RegionClosed" {
+					spec = verbs.QPSpec{Timeout: 22, RetryCount: 7} // 17 s a try: no timeout
+				}
+				const size = 256 << 10
+				p := newXRC(t, c, spec, size, accessAll)
+				buf := make([]byte, size)
+				src := p.a.Register(t, buf, accessLocal)
+				link, peerLink := pullLinks(t, c, p, src, true)
+				lost := peerLink().PullsLost
+
+				c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 10, Len: size})
+				Pattern(buf, 0x11)
+				if err := syscall.Kill(c.peer.PID(), syscall.SIGSTOP); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { syscall.Kill(c.peer.PID(), syscall.SIGCONT) })
+				waitStopped(t, c.peer.PID())
+				must(t, "post send", p.qa.PostSend(20, verbs.Signaled, SGE(t, src, 0, size)))
+				if how == "TimedOut" {
+					expectStatus(t, "send to a stopped peer", c.pollOne(t, p.a.CQ), 20, verbs.StatusRetryExcErr, p.qa.QPN())
+				} else {
+					must(t, "close the region", src.Close())
+				}
+				Pattern(buf, 0x66) // the application's memory again
+				if err := syscall.Kill(c.peer.PID(), syscall.SIGCONT); err != nil {
+					t.Fatal(err)
+				}
+				deadline := time.Now().Add(DefaultTimeout)
+				for peerLink().PullsLost == lost {
+					if time.Now().After(deadline) {
+						wcs := c.peer.Do(PeerReq{Op: "poll", ID: p.b, N: 1, MS: 1}).WCs
+						t.Fatalf("the resumed peer did not drop the request it pulled after it was let go (its completions: %v; received 0x66 bytes: %v)",
+							wcs, bytes.Equal(c.peerBytes(t, p.b, 0, 64), buf[:64]))
+					}
+					time.Sleep(time.Millisecond)
+				}
+				if how == "RegionClosed" {
+					expectStatus(t, "send whose region was closed", c.pollOne(t, p.a.CQ), 20, verbs.StatusLocProtErr, p.qa.QPN())
+				}
+				c.peer.Do(PeerReq{Op: "toerr", ID: p.b})
+				expectStatus(t, "the receive the dropped request did not consume", c.peerPoll(t, p.b, 1)[0], 10, verbs.StatusWRFlushErr, p.qpnB)
+				if n := link().PullsLost; n != 0 {
+					t.Errorf("this process dropped %d pulled requests, want 0", n)
+				}
+			})
+		}
 	}
 }
 

@@ -4,7 +4,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
+	"runtime"
 	"sync/atomic"
 	"syscall"
 	"unsafe"
@@ -40,29 +42,43 @@ import (
 // answer that it could does a side pull its payloads, and only a side that
 // answered so accepts pulled requests.
 //
-// Off by default: GOVERBS_SOFT_PULL=1 turns it on (in both processes;
-// without it no probe is sent, and a side that sent none is never
-// pulled from). What keeps it off: once a request completes, in error
-// too, its buffers are the application's again, and a NIC no longer
-// reads them; a pulled request is read when the target handles it. A
-// requester that gives a pulled request up before its response (the
-// transport timeout of a stopped peer, its QP moved to ERR or closed with
-// requests in flight) completes it at once, and a target that handles it
-// later (resumed, or merely behind) reads what the application has put in
-// the buffer since, or memory freed and reused, and delivers that as the
-// message. The fix is a claim per pulled request in memory both
-// processes map (a word the target clears after its read and the
-// requester clears when it gives the request up: whoever clears it
-// decides whether the read counts), left for later; until then the
-// default keeps the copies, whose bytes are taken when the request is
-// posted.
+// A request is read when the target handles it, but once it completes,
+// in error too, its buffers are the application's again and a NIC no
+// longer reads them: a requester that gives a pulled request up before
+// its response (the transport timeout of a stopped peer, its QP moved to
+// ERR, reset or destroyed with requests in flight) completes it at once,
+// and a target that handles it later (resumed, or merely behind) must not
+// deliver what the application has put in the buffer since, or memory
+// freed and reused. So each pulled request carries claims: the address of
+// a word of the requester's send queue slot (sendWQE.claim) and the
+// value it holds while the request is in flight, a value no other request
+// of the process has; and for each piece the address and value of its
+// region's word (mr.live), which Close clears (a NIC fails a request
+// whose region was deregistered under it). The requester clears the
+// slot's word when the request completes, whatever the way
+// (sendWQE.leave), before the application can see the completion. The
+// target reads the words after the payload, in the same system call
+// (loads of one CPU are seen in order on amd64; elsewhere it reads them
+// again after a barrier): if every word still holds its value, the
+// payload was read before the requester let go of it, and counts; if not
+// (pullLost), nothing is delivered: the receive it took goes back to its
+// queue, the target QP's sequence does not move, and the requester, if it
+// still waits, fails the request with LOC_PROT_ERR (its region was
+// closed). A write whose claim is lost may have changed its target region
+// (as a failed write may on a NIC). The values come from a random base,
+// so the memory of a slot or region freed and reused does not hold one by
+// chance.
+//
+// GOVERBS_SOFT_PULL=0 turns pulling off in a process (no probe is sent,
+// and a side that sent none is never pulled from).
 //
 // The target reads the process it knows by the kernel's word (SO_PEERCRED)
 // and checks after each read, with a pidfd, that the process has not
-// exited (its id could then belong to another). A read that fails (the
-// requester freed the memory of a request in flight, or is gone) fails
-// the request as a remote operation error (REM_OP_ERR at the requester,
-// LOC_QP_OP_ERR for a receive it consumed) and moves the target QP to ERR.
+// exited (its id could then belong to another: the request is then lost).
+// A read that fails while the claims hold (the requester unmapped the
+// memory of a region it did not close) fails the request as a remote
+// operation error (REM_OP_ERR at the requester, LOC_QP_OP_ERR for a
+// receive it consumed) and moves the target QP to ERR.
 //
 // What a peer can do with it: make this process read its own memory, at
 // addresses it chooses, into a region or receive buffer it may write
@@ -73,11 +89,36 @@ import (
 // made a read block (pages under its userfaultfd) could stop this process
 // as well.
 
+// A pulled request's payload: pullHead bytes (the address of the
+// requester's claim word, its value), then a pullDesc for each piece
+// (address, length, the address of its region's word, its value); all
+// little-endian uint64.
 const (
 	pullMin  = 64 << 10
-	pullDesc = 16 // one piece of a pulled payload: address, length
+	pullHead = 16
+	pullDesc = 32
 	envPull  = "GOVERBS_SOFT_PULL"
 )
+
+// claimBase makes the values of claim words (newClaim) unlike what freed
+// memory holds.
+var (
+	claimBase = rand.Uint64()
+	claimSeq  atomic.Uint64
+)
+
+// newClaim returns a value no other claim of this process has, never 0.
+func newClaim() uint64 {
+	for {
+		if v := claimBase + claimSeq.Add(1); v != 0 {
+			return v
+		}
+	}
+}
+
+// loadsInOrder reports whether the CPU shows a thread's loads in program
+// order (the claims are then read in the payload's system call).
+const loadsInOrder = runtime.GOARCH == "amd64" || runtime.GOARCH == "386" || runtime.GOARCH == "s390x"
 
 // pullProbe is what PULL_PROBE asks the peer to read.
 var pullProbe = [8]byte{'g', 'o', 'v', 'e', 'r', 'b', 's', 'P'}
@@ -88,42 +129,71 @@ const (
 	pullNo = 1 // this process cannot read the peer: it sends the bytes
 )
 
-// pullOff reports whether pulling is off in this process (the default:
-// see above).
-func pullOff() bool { return os.Getenv(envPull) != "1" }
+// pullOff reports whether pulling is off in this process.
+func pullOff() bool { return os.Getenv(envPull) == "0" }
 
-// pullSrc is the payload of a pulled request: the requester's pieces
-// (the consumer's, rmu held).
+// pullSrc is the payload of a pulled request: the requester's pieces,
+// then its claim words (the consumer's, rmu held).
 type pullSrc struct {
 	pid    int
 	pidfd  int
-	remote [maxSGE]unix.RemoteIovec
-	n      int
-	local  [maxSGE + 1]unix.Iovec
-	count  *atomic.Uint64 // pulls that succeeded (LinkInfo.Pulled)
+	remote [2*maxSGE + 1]unix.RemoteIovec // n pieces, then nw words
+	n, nw  int
+	want   [maxSGE + 1]uint64 // what the words must hold
+	got    [maxSGE + 1]uint64
+	local  [2*maxSGE + 1]unix.Iovec
+	count  *atomic.Uint64 // pulls that counted (LinkInfo.Pulled)
+	lost   *atomic.Uint64 // pulls whose claim was lost (LinkInfo.PullsLost)
 }
 
-// parsePull decodes the pieces of a pulled request of length bytes from
-// data (the frame's payload, k × pullDesc bytes).
+// pullResult is the outcome of pullSrc.read.
+type pullResult uint8
+
+const (
+	pullRead   pullResult = iota // all of it, from the request in flight
+	pullLost                     // the requester let the request go: nothing counts
+	pullFailed                   // the requester's memory could not be read
+)
+
+// parsePull decodes the payload of a pulled request of length bytes from
+// data (the frame's payload: pullHead, then pieces).
 func (c *conn) parsePull(data []span, plen int, length uint32) (*pullSrc, error) {
 	if c.pidfd < 0 || !c.pullServed.Load() {
 		return nil, fmt.Errorf("%w: a pulled request on a connection that did not offer it", errBadReq)
 	}
-	var b [maxSGE * pullDesc]byte
-	if plen > len(b) || copySpans([]span{{unsafe.Pointer(&b[0]), plen}}, 0, data) != plen {
+	var b [pullHead + maxSGE*pullDesc]byte
+	if plen > len(b) || plen < pullHead+pullDesc || (plen-pullHead)%pullDesc != 0 ||
+		copySpans([]span{{unsafe.Pointer(&b[0]), plen}}, 0, data) != plen {
 		return nil, fmt.Errorf("%w: pulled request with %d bytes of pieces", errBadReq, plen)
 	}
+	le := binary.LittleEndian
 	ps := &c.pull
-	ps.pid, ps.pidfd, ps.n, ps.count = int(c.peerPID), c.pidfd, plen/pullDesc, &c.pulled
+	ps.pid, ps.pidfd, ps.count, ps.lost = int(c.peerPID), c.pidfd, &c.pulled, &c.pullsLost
+	ps.n = (plen - pullHead) / pullDesc
+	ps.nw = ps.n + 1
+	word := func(i int, a, v uint64) error {
+		if a == 0 || a%8 != 0 || a+8 < a || v == 0 {
+			return fmt.Errorf("%w: pulled request's claim %#x at %#x", errBadReq, v, a)
+		}
+		ps.remote[ps.n+i] = unix.RemoteIovec{Base: uintptr(a), Len: 8}
+		ps.want[i] = v
+		return nil
+	}
+	if err := word(0, le.Uint64(b[0:]), le.Uint64(b[8:])); err != nil {
+		return nil, err
+	}
 	var total uint64
 	for i := range ps.n {
-		a := binary.LittleEndian.Uint64(b[i*pullDesc:])
-		n := binary.LittleEndian.Uint64(b[i*pullDesc+8:])
+		d := b[pullHead+i*pullDesc:]
+		a, n := le.Uint64(d), le.Uint64(d[8:])
 		if n == 0 || n > maxMsgSize || a+n < a {
 			return nil, fmt.Errorf("%w: pulled piece of %d bytes at %#x", errBadReq, n, a)
 		}
 		total += n
 		ps.remote[i] = unix.RemoteIovec{Base: uintptr(a), Len: int(n)}
+		if err := word(1+i, le.Uint64(d[16:]), le.Uint64(d[24:])); err != nil {
+			return nil, err
+		}
 	}
 	if total != uint64(length) {
 		return nil, fmt.Errorf("%w: pulled pieces of %d bytes for a message of %d", errBadReq, total, length)
@@ -131,35 +201,102 @@ func (c *conn) parsePull(data []span, plen int, length uint32) (*pullSrc, error)
 	return ps, nil
 }
 
-// read copies the payload into dst, from off bytes into dst on; it
-// reports whether all of it came from the live requester.
-func (ps *pullSrc) read(dst []span, off int) bool {
-	nl := 0
-	want := 0
+// read copies the payload into dst, from off bytes into dst on (dst
+// must hold it), then checks the claims.
+func (ps *pullSrc) read(dst []span, off int) pullResult {
+	total := 0
+	for _, r := range ps.remote[:ps.n] {
+		total += r.Len
+	}
+	nl, need := 0, total
 	for _, d := range dst {
+		if need == 0 {
+			break
+		}
 		if off >= d.n {
 			off -= d.n
 			continue
 		}
-		if nl == len(ps.local) {
-			return false
+		if nl == maxSGE {
+			return pullFailed
 		}
+		take := min(d.n-off, need)
 		ps.local[nl] = unix.Iovec{Base: (*byte)(unsafe.Add(d.p, off))}
-		ps.local[nl].SetLen(d.n - off)
-		want += d.n - off
+		ps.local[nl].SetLen(take)
+		need -= take
 		nl++
 		off = 0
 	}
-	var total int
-	for _, r := range ps.remote[:ps.n] {
-		total += r.Len
+	if need > 0 {
+		return pullFailed
 	}
-	if want < total {
-		return false
+	for i := range ps.nw {
+		ps.got[i] = 0
+		ps.local[nl+i] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&ps.got[i]))}
+		ps.local[nl+i].SetLen(8)
 	}
-	local, remote := ps.local[:nl], ps.remote[:ps.n]
+	if !readv(ps.pid, ps.local[:nl+ps.nw], ps.remote[:ps.n+ps.nw], total+8*ps.nw) {
+		// The claims tell whether the requester let it go (it may have
+		// freed the memory since) or this is a failure.
+		if !ps.claimsHeld() {
+			return ps.lose()
+		}
+		return pullFailed
+	}
+	if !peerLives(ps.pidfd) {
+		// Its pid may now be another's: what came is not the request's.
+		return ps.lose()
+	}
+	held := ps.holds()
+	if held && !loadsInOrder {
+		fence.Add(1) // the payload's loads before the claims'
+		held = ps.claimsHeld()
+	}
+	if !held {
+		return ps.lose()
+	}
+	if ps.count != nil {
+		ps.count.Add(1)
+	}
+	return pullRead
+}
+
+// fence is written by read as a barrier between loads.
+var fence atomic.Uint32
+
+// claimsHeld reads the claim words again, alone, and reports whether
+// they still hold their values.
+func (ps *pullSrc) claimsHeld() bool {
+	for i := range ps.nw {
+		ps.got[i] = 0
+		ps.local[i] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&ps.got[i]))}
+		ps.local[i].SetLen(8)
+	}
+	return readv(ps.pid, ps.local[:ps.nw], ps.remote[ps.n:ps.n+ps.nw], 8*ps.nw) && peerLives(ps.pidfd) && ps.holds()
+}
+
+// holds reports whether the words read hold their values.
+func (ps *pullSrc) holds() bool {
+	for i := range ps.nw {
+		if ps.got[i] != ps.want[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func (ps *pullSrc) lose() pullResult {
+	if ps.lost != nil {
+		ps.lost.Add(1)
+	}
+	return pullLost
+}
+
+// readv reads total bytes of process pid at remote into local; local and
+// remote are consumed.
+func readv(pid int, local []unix.Iovec, remote []unix.RemoteIovec, total int) bool {
 	for total > 0 {
-		n, err := unix.ProcessVMReadv(ps.pid, local, remote, 0)
+		n, err := unix.ProcessVMReadv(pid, local, remote, 0)
 		if err == unix.EINTR {
 			continue
 		}
@@ -170,12 +307,6 @@ func (ps *pullSrc) read(dst []span, off int) bool {
 		// came, which fails at that page.
 		total -= n
 		local, remote = advanceIov(local, n), advanceRemote(remote, n)
-	}
-	if !peerLives(ps.pidfd) {
-		return false
-	}
-	if ps.count != nil {
-		ps.count.Add(1)
 	}
 	return true
 }
@@ -255,7 +386,7 @@ func (c *conn) servePullProbe(body []byte) error {
 		var got [8]byte
 		probe := pullSrc{pid: int(c.peerPID), pidfd: c.pidfd, n: 1}
 		probe.remote[0] = unix.RemoteIovec{Base: uintptr(binary.LittleEndian.Uint64(body)), Len: len(got)}
-		if probe.read([]span{{unsafe.Pointer(&got[0]), len(got)}}, 0) && got == [8]byte(body[8:16]) {
+		if probe.read([]span{{unsafe.Pointer(&got[0]), len(got)}}, 0) == pullRead && got == [8]byte(body[8:16]) {
 			status = pullOK
 			c.pullServed.Store(true) // before the answer: the peer pulls once it has it
 		}
@@ -296,21 +427,46 @@ func (c *conn) pullable(w *sendWQE, total uint64) bool {
 // processes of one host.
 func pullKind(kind uint8) bool { return kind == kindShm || kind == kindUnix }
 
-// pullPieces encodes the addresses of data, the gathered payload, as the
-// pieces of a pulled request (into x.pullBuf).
-func (x *xstate) pullPieces(data []span) []span {
+// pullPieces encodes the payload of w, a pulled request: its claim (a
+// new value in w.claim) and the addresses of data, the gathered payload,
+// whose regions are mrs (into x.pullBuf).
+func (x *xstate) pullPieces(w *sendWQE, data []span, mrs []*mr) []span {
+	le := binary.LittleEndian
+	v := newClaim()
+	w.claim.Store(v) // before the request leaves
+	w.pulled = true
+	le.PutUint64(x.pullBuf[0:], uint64(uintptr(unsafe.Pointer(&w.claim))))
+	le.PutUint64(x.pullBuf[8:], v)
 	n := 0
-	for _, s := range data {
+	for i, s := range data {
 		if s.n == 0 {
 			continue
 		}
-		binary.LittleEndian.PutUint64(x.pullBuf[n*pullDesc:], uint64(uintptr(s.p)))
-		binary.LittleEndian.PutUint64(x.pullBuf[n*pullDesc+8:], uint64(s.n))
+		d := x.pullBuf[pullHead+n*pullDesc:]
+		le.PutUint64(d, uint64(uintptr(s.p)))
+		le.PutUint64(d[8:], uint64(s.n))
+		le.PutUint64(d[16:], uint64(uintptr(unsafe.Pointer(&mrs[i].live))))
+		le.PutUint64(d[24:], mrs[i].live.Load())
 		n++
 	}
-	x.pullSpan[0] = span{unsafe.Pointer(&x.pullBuf[0]), n * pullDesc}
+	x.pullSpan[0] = span{unsafe.Pointer(&x.pullBuf[0]), pullHead + n*pullDesc}
 	return x.pullSpan[:]
 }
+
+// leave marks w as no longer in flight (its completion is about to be
+// made): a target that has yet to read its pulled payload finds the
+// claim gone.
+func (w *sendWQE) leave() {
+	w.fconn = nil
+	if w.pulled {
+		w.pulled = false
+		w.claim.Store(0)
+	}
+}
+
+// statusPullLost is what scatter returns when the claims of a pulled
+// payload were lost (not a completion status).
+const statusPullLost prov.Status = 1 << 16
 
 // pullStatus is the status of a receive whose pulled payload could not
 // be read.

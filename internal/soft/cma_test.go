@@ -5,25 +5,36 @@ import (
 	"encoding/binary"
 	"os"
 	"os/exec"
+	"sync/atomic"
 	"testing"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/goverbs/verbs/internal/prov"
 )
 
 // selfPull is a pullSrc reading this process (as a peer reads the
-// requester), with a pidfd of it.
-func selfPull(t *testing.T, pieces ...[]byte) *pullSrc {
+// requester), with a pidfd of it, and claims: the words of claims (a
+// request's, then regions'), each holding a new value when it returns.
+func selfPull(t *testing.T, claims []*atomic.Uint64, pieces ...[]byte) *pullSrc {
 	t.Helper()
 	fd, err := unix.PidfdOpen(os.Getpid(), 0)
 	if err != nil {
 		t.Skipf("no pidfd on this kernel: %v", err)
 	}
 	t.Cleanup(func() { unix.Close(fd) })
-	ps := &pullSrc{pid: os.Getpid(), pidfd: fd}
+	ps := &pullSrc{pid: os.Getpid(), pidfd: fd, lost: new(atomic.Uint64), count: new(atomic.Uint64)}
 	for _, p := range pieces {
 		ps.remote[ps.n] = unix.RemoteIovec{Base: uintptr(unsafe.Pointer(unsafe.SliceData(p))), Len: len(p)}
 		ps.n++
+	}
+	for _, w := range claims {
+		v := newClaim()
+		w.Store(v)
+		ps.remote[ps.n+ps.nw] = unix.RemoteIovec{Base: uintptr(unsafe.Pointer(w)), Len: 8}
+		ps.want[ps.nw] = v
+		ps.nw++
 	}
 	var probe [8]byte
 	local := []unix.Iovec{{Base: &probe[0]}}
@@ -63,13 +74,17 @@ func TestPullRead(t *testing.T) {
 		{"TooShort", []int{74999}, 0, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ps := selfPull(t, a, b)
+			ps := selfPull(t, claims(3), a, b)
 			var dst [][]byte
 			for _, n := range tc.dst {
 				dst = append(dst, bytes.Repeat([]byte{0xEE}, n+16)[:n])
 			}
-			if got := ps.read(spansOf(dst...), tc.off); got != tc.ok {
-				t.Fatalf("read = %v, want %v", got, tc.ok)
+			res := pullFailed
+			if tc.ok {
+				res = pullRead
+			}
+			if got := ps.read(spansOf(dst...), tc.off); got != res {
+				t.Fatalf("read = %v, want %v", got, res)
 			}
 			all := bytes.Join(dst, nil)
 			if !tc.ok {
@@ -97,10 +112,10 @@ func TestPullRead(t *testing.T) {
 		if err := unix.MunmapPtr(unsafe.Pointer(&m[4096]), 4096); err != nil { // the second page goes
 			t.Fatal(err)
 		}
-		ps := selfPull(t, m[:8192])
+		ps := selfPull(t, claims(2), m[:8192])
 		dst := make([]byte, 8192)
-		if ps.read(spansOf(dst), 0) {
-			t.Errorf("a read of an unmapped page succeeded")
+		if got := ps.read(spansOf(dst), 0); got != pullFailed {
+			t.Errorf("a read of an unmapped page with its claims held = %v, want pullFailed", got)
 		}
 	})
 	t.Run("ProcessExited", func(t *testing.T) {
@@ -121,23 +136,128 @@ func TestPullRead(t *testing.T) {
 		if peerLives(fd) {
 			t.Errorf("peerLives of an exited process = true")
 		}
-		ps := selfPull(t, a)
+		ps := selfPull(t, claims(2), a)
 		ps.pidfd = fd // the data came from a process that is gone
-		if ps.read(spansOf(make([]byte, len(a))), 0) {
-			t.Errorf("a read from an exited requester succeeded")
+		if got := ps.read(spansOf(make([]byte, len(a))), 0); got != pullLost {
+			t.Errorf("a read from an exited requester = %v, want pullLost", got)
 		}
 	})
+}
+
+// claims returns n claim words (a request's, then its regions').
+func claims(n int) []*atomic.Uint64 {
+	w := make([]*atomic.Uint64, n)
+	for i := range w {
+		w[i] = new(atomic.Uint64)
+	}
+	return w
+}
+
+// TestPullClaims: a pulled payload counts only if every claim word (the
+// request's, its regions') still holds its value after the payload was
+// read; a word cleared (the request completed, a region closed) or
+// holding another request's value loses it, even when its memory is gone
+// by then, and is counted in LinkInfo.PullsLost.
+func TestPullClaims(t *testing.T) {
+	a := bytes.Repeat([]byte{0xA1}, 70000)
+	for _, tc := range []struct {
+		name  string
+		touch func(w []*atomic.Uint64) // before the read
+		want  pullResult
+	}{
+		{"Held", func([]*atomic.Uint64) {}, pullRead},
+		{"RequestLetGo", func(w []*atomic.Uint64) { w[0].Store(0) }, pullLost},
+		{"SlotReused", func(w []*atomic.Uint64) { w[0].Store(newClaim()) }, pullLost},
+		{"RegionClosed", func(w []*atomic.Uint64) { w[2].Store(0) }, pullLost},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := claims(3)
+			ps := selfPull(t, w, a[:30000], a[30000:])
+			tc.touch(w)
+			dst := make([]byte, len(a))
+			if got := ps.read(spansOf(dst), 0); got != tc.want {
+				t.Fatalf("read = %v, want %v", got, tc.want)
+			}
+			if tc.want == pullRead && !bytes.Equal(dst, a) {
+				t.Errorf("pulled bytes differ from the source")
+			}
+			wantLost, wantCount := uint64(0), uint64(1)
+			if tc.want == pullLost {
+				wantLost, wantCount = 1, 0
+			}
+			if ps.lost.Load() != wantLost || ps.count.Load() != wantCount {
+				t.Errorf("pulled %d, lost %d; want %d, %d", ps.count.Load(), ps.lost.Load(), wantCount, wantLost)
+			}
+		})
+	}
+	t.Run("UnmappedAfterLetGo", func(t *testing.T) {
+		m, err := unix.Mmap(-1, 0, 2*4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := claims(2)
+		ps := selfPull(t, w, m)
+		w[0].Store(0)
+		if err := unix.Munmap(m); err != nil {
+			t.Fatal(err)
+		}
+		if got := ps.read(spansOf(make([]byte, 8192)), 0); got != pullLost {
+			t.Errorf("read of a let-go request whose memory is gone = %v, want pullLost", got)
+		}
+	})
+}
+
+// TestClaimWords: a region's word holds a value until Close; a request's
+// is cleared when it leaves the flight (leave) if it was pulled.
+func TestClaimWords(t *testing.T) {
+	e := newEnv(t)
+	b := e.alloc(4096, prov.AccessLocalWrite)
+	buf, m := b.b, b.mr
+	r := m.(*mr)
+	if r.live.Load() == 0 {
+		t.Errorf("a registered region's word is 0")
+	}
+	if err := m.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if v := r.live.Load(); v != 0 {
+		t.Errorf("a closed region's word = %#x, want 0", v)
+	}
+	var x xstate
+	w := &sendWQE{}
+	x.pullPieces(w, spansOf(buf), []*mr{r})
+	v := w.claim.Load()
+	if v == 0 || !w.pulled {
+		t.Fatalf("pullPieces left claim %#x, pulled %v", v, w.pulled)
+	}
+	if got := binary.LittleEndian.Uint64(x.pullBuf[8:]); got != v {
+		t.Errorf("the request carries claim %#x, the slot holds %#x", got, v)
+	}
+	w.leave()
+	if w.claim.Load() != 0 || w.pulled {
+		t.Errorf("after leave: claim %#x, pulled %v", w.claim.Load(), w.pulled)
+	}
 }
 
 // TestParsePull: the pieces must cover the message exactly, lie in the
 // address space, and come on a connection that offered pulling.
 func TestParsePull(t *testing.T) {
+	le := binary.LittleEndian
 	piece := func(a, n uint64) []byte {
 		var b [pullDesc]byte
-		binary.LittleEndian.PutUint64(b[:], a)
-		binary.LittleEndian.PutUint64(b[8:], n)
+		le.PutUint64(b[:], a)
+		le.PutUint64(b[8:], n)
+		le.PutUint64(b[16:], 0x8000)
+		le.PutUint64(b[24:], 77)
 		return b[:]
 	}
+	head := func(a, v uint64, pieces ...[]byte) []byte {
+		var b [pullHead]byte
+		le.PutUint64(b[:], a)
+		le.PutUint64(b[8:], v)
+		return append(b[:], bytes.Join(pieces, nil)...)
+	}
+	claimed := func(pieces ...[]byte) []byte { return head(0x9000, 55, pieces...) }
 	for _, tc := range []struct {
 		name   string
 		pieces []byte
@@ -145,12 +265,18 @@ func TestParsePull(t *testing.T) {
 		served bool
 		ok     bool
 	}{
-		{"Exact", append(piece(0x10000, 100), piece(0x20000, 28)...), 128, true, true},
-		{"NotOffered", piece(0x10000, 128), 128, false, false},
-		{"Short", piece(0x10000, 100), 128, true, false},
-		{"Long", piece(0x10000, 200), 128, true, false},
-		{"EmptyPiece", append(piece(0x10000, 0), piece(0x20000, 128)...), 128, true, false},
-		{"Wraps", piece(^uint64(0)-10, 128), 128, true, false},
+		{"Exact", claimed(piece(0x10000, 100), piece(0x20000, 28)), 128, true, true},
+		{"NotOffered", claimed(piece(0x10000, 128)), 128, false, false},
+		{"Short", claimed(piece(0x10000, 100)), 128, true, false},
+		{"Long", claimed(piece(0x10000, 200)), 128, true, false},
+		{"EmptyPiece", claimed(piece(0x10000, 0), piece(0x20000, 128)), 128, true, false},
+		{"Wraps", claimed(piece(^uint64(0)-10, 128)), 128, true, false},
+		{"NoPieces", claimed(), 128, true, false},
+		{"NoClaim", piece(0x10000, 128)[:pullDesc-pullHead], 128, true, false},
+		{"ClaimValueZero", head(0x9000, 0, piece(0x10000, 128)), 128, true, false},
+		{"ClaimMisaligned", head(0x9004, 55, piece(0x10000, 128)), 128, true, false},
+		{"ClaimAtZero", head(0, 55, piece(0x10000, 128)), 128, true, false},
+		{"TornPiece", claimed(piece(0x10000, 128))[:pullHead+pullDesc-8], 128, true, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := &conn{pidfd: 3}

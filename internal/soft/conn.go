@@ -98,6 +98,7 @@ type conn struct {
 	pullServed atomic.Bool // this process can read the peer: it accepts pulled requests
 	pull       pullSrc     // the pulled request being handled (rmu)
 	pulled     atomic.Uint64
+	pullsLost  atomic.Uint64
 	acks       *ackPage   // unix: where held acknowledgements are published (ackpage.go)
 	link       io.Closer  // with TLS: the socket under the session (closeSocket); nil otherwise
 	tlsw       *tlsWriter // with TLS: how frames are written

@@ -175,15 +175,20 @@ func TestHostileFrames(t *testing.T) {
 		{"PullOnTCP", func(h *hostile) []byte {
 			// The peer would read this process's memory at the pieces'
 			// addresses: only where it offered to.
-			var p [pullDesc]byte
-			binary.LittleEndian.PutUint64(p[:], uint64(h.mr.Addr()))
-			binary.LittleEndian.PutUint64(p[8:], 64)
+			var p [pullHead + pullDesc]byte
+			le := binary.LittleEndian
+			le.PutUint64(p[:], uint64(h.mr.Addr())) // the claim
+			le.PutUint64(p[8:], 1)
+			le.PutUint64(p[pullHead:], uint64(h.mr.Addr())) // the piece
+			le.PutUint64(p[pullHead+8:], 64)
+			le.PutUint64(p[pullHead+16:], uint64(h.mr.Addr())+8)
+			le.PutUint64(p[pullHead+24:], 1)
 			b := h.reqFrame(opWrite, h.mr.Addr(), 64, p[:])
 			b[hdrLen+2] |= reqPull
 			return b
 		}, true, 0},
 		{"PullRead", func(h *hostile) []byte {
-			var p [pullDesc]byte
+			var p [pullHead + pullDesc]byte
 			b := h.reqFrame(opRead, h.mr.Addr(), 16, p[:])
 			b[hdrLen+2] |= reqPull
 			return b
@@ -333,7 +338,7 @@ func FuzzFrame(f *testing.F) {
 				return
 			}
 			switch {
-			case r.code > respOpErr:
+			case r.code > respPullLost:
 				t.Fatalf("accepted response code %d", r.code)
 			case payload > 0 && r.code != respACK:
 				t.Fatalf("accepted data on a response %+v", r)

@@ -73,6 +73,9 @@ type mr struct {
 	mu     sync.RWMutex
 	dead   bool
 	closed atomic.Bool
+	// live holds a claim value (cma.go) until Close: the target of a
+	// pulled request reads it after the payload.
+	live atomic.Uint64
 }
 
 // acquire checks that [addr, addr+n) lies inside the region and pins the
@@ -109,6 +112,7 @@ func (m *mr) Close() error {
 	m.pd.ctx.f.removeMR(m)
 	m.mu.Lock()
 	m.dead = true
+	m.live.Store(0)
 	m.mu.Unlock()
 	m.pd.release(&m.pd.nmr)
 	return nil

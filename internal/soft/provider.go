@@ -44,9 +44,9 @@
 // the payload of a large RC send or write (over shared memory: one that
 // cannot be direct) is read by the target's responder straight from the
 // requester's memory with process_vm_readv, in the order of the ring or
-// socket, where the kernel allows it, when GOVERBS_SOFT_PULL=1 (one copy
-// instead of two; off by default until a request given up can no longer
-// be read late: cma.go). RC requests are pipelined (see xreq.go). A connection that fails
+// socket, where the kernel allows it (one copy instead of two; a request
+// its requester let go of first is not delivered: cma.go;
+// GOVERBS_SOFT_PULL=0 turns it off). RC requests are pipelined (see xreq.go). A connection that fails
 // (the peer died, a malformed frame, a write that times out) fails the
 // oldest RC request in flight on it with RETRY_EXC_ERR and the QP flushes
 // the rest, as a RC QP whose retries are exhausted; so does a request

@@ -184,6 +184,9 @@ type sendWQE struct {
 	ftick  uint64    // the response timer's tick when it left (xstate.rtTicks)
 	fimp   *mrImport // a direct write's target mapping (nil: not direct)
 	rd     readSink  // a read's data (xreq.go; xstate.mu)
+	// A pulled request's claim (cma.go): set while it is in flight.
+	claim  atomic.Uint64
+	pulled bool
 }
 
 func (s *sendQueue) init(depth, maxSGE int) {
@@ -207,7 +210,7 @@ func (s *sendQueue) alloc() {
 func (s *sendQueue) reset() {
 	for i := range s.slots {
 		s.slots[i].ud = nil
-		s.slots[i].fconn = nil
+		s.slots[i].leave()
 	}
 	s.head, s.count = 0, 0
 }

@@ -248,6 +248,11 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 		case prov.StatusLocLenErr:
 			t.completeRecv(wrid, st, req, 0)
 			return t.classC(resp, respInvReq, evQPReqErr)
+		case statusPullLost:
+			// Not delivered (cma.go): as if it never came.
+			t.untakeRecv(wrid, sges, rpd)
+			resp.code = respPullLost
+			return false
 		default:
 			t.completeRecv(wrid, st, req, 0)
 			return t.classC(resp, respOpErr, evQPFatal)
@@ -265,9 +270,11 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			t.rspans[0] = span{p, int(req.length)}
 		}
 		var wrid uint64
+		var wsges []prov.SGE
+		var wpd *pd
 		if op == opWriteImm {
 			var ok bool
-			if wrid, _, _, ok = t.takeRecv(req.waker); !ok {
+			if wrid, wsges, wpd, ok = t.takeRecv(req.waker); !ok {
 				if m != nil {
 					m.release()
 				}
@@ -280,6 +287,9 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			if m != nil {
 				m.release()
 			}
+			if op == opWriteImm {
+				t.untakeRecv(wrid, wsges, wpd) // for the flush
+			}
 			return t.classC(resp, respAccess, evQPAccessErr)
 		}
 		if m != nil {
@@ -287,8 +297,15 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			case req.direct: // the requester copies (shm.go)
 				resp.orig = m.serial
 			case req.pull != nil: // this side reads it from the requester (cma.go)
-				if !req.pull.read(t.rspans[:1], 0) {
+				if r := req.pull.read(t.rspans[:1], 0); r != pullRead {
 					m.release()
+					if op == opWriteImm {
+						t.untakeRecv(wrid, wsges, wpd) // for the next message, or the flush
+					}
+					if r == pullLost {
+						resp.code = respPullLost // not executed
+						return false
+					}
 					return t.classC(resp, respOpErr, evQPFatal)
 				}
 			case req.placed == nil:
@@ -495,6 +512,15 @@ func (t *qp) takeRecv(w waker) (wrid uint64, sges []prov.SGE, rpd *pd, ok bool) 
 	return wrid, sges, t.pd, true
 }
 
+// untakeRecv gives back the receive wrid that takeRecv returned, for a
+// message that did not consume it: the next one takes it first (rmu
+// held).
+func (t *qp) untakeRecv(wrid uint64, sges []prov.SGE, rpd *pd) {
+	r := &t.rmsg.recv
+	r.ok, r.wrid, r.pd = true, wrid, rpd
+	r.n = copy(r.sges[:], sges)
+}
+
 // scatter writes data, the bytes of a message of length bytes from off on,
 // into the receive buffer sges (after the GRH, if grh). The buffer is
 // checked like hardware does: too small for the message gives
@@ -544,7 +570,10 @@ func (t *qp) scatter(sges []prov.SGE, rpd *pd, data []span, off int, length uint
 	}
 	st := prov.StatusSuccess
 	if pull != nil {
-		if !pull.read(t.rspans[:n], off) {
+		switch pull.read(t.rspans[:n], off) {
+		case pullLost:
+			st = statusPullLost
+		case pullFailed:
 			st = pullStatus
 		}
 	} else {

@@ -959,9 +959,12 @@ type LinkInfo struct {
 	Remote    string `json:"remote"`    // the peer's socket address, if any
 	// Pulling says that the peer reads this process' large payloads
 	// itself (shared memory and unix sockets, cma.go); Pulled counts the
-	// payloads this process read from the peer.
-	Pulling bool   `json:"pulling"`
-	Pulled  uint64 `json:"pulled"`
+	// payloads this process read from the peer; PullsLost the ones it
+	// read after the peer had let them go (completed in error, or their
+	// region closed), which it dropped.
+	Pulling   bool   `json:"pulling"`
+	Pulled    uint64 `json:"pulled"`
+	PullsLost uint64 `json:"pulls_lost"`
 }
 
 // Links returns the live connections of this process' soft service.
@@ -978,7 +981,7 @@ func Links() []LinkInfo {
 			continue
 		}
 		li := LinkInfo{Kind: kindNames[c.kind], Encrypted: c.tlsw != nil, PeerPID: c.peerPID,
-			Pulling: c.pullReady.Load(), Pulled: c.pulled.Load()}
+			Pulling: c.pullReady.Load(), Pulled: c.pulled.Load(), PullsLost: c.pullsLost.Load()}
 		if a := c.nc.RemoteAddr(); a != nil {
 			li.Remote = a.String()
 		}

@@ -119,6 +119,7 @@ const (
 	respInvReq                   // NAK: invalid request
 	respAccess                   // NAK: remote access error
 	respOpErr                    // NAK: remote operational error
+	respPullLost                 // a pulled request's claim was gone (cma.go): not executed
 
 	// respSilent is not on the wire: the responder drops a segment
 	// without an answer (the segment of a message it refused or never

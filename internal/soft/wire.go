@@ -27,7 +27,7 @@ import (
 
 const (
 	wireMagic   = 0x4756
-	wireVersion = 4 // 2: the handshake of handshake.go; 3: shared-memory rings skip to the next lap (shm.go); 4: pulled payloads (cma.go)
+	wireVersion = 5 // 2: the handshake of handshake.go; 3: shared-memory rings skip to the next lap (shm.go); 4: pulled payloads (cma.go); 5: their claims
 	hdrLen      = 16
 )
 
@@ -251,7 +251,7 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore) != 0 || payload != 0 || req.off != 0):
 		return 0, fmt.Errorf("%w: a direct request must be a RC write or read without payload", errBadReq)
 	case flags&reqPull != 0 && (!hasPayload(req.op) || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore|reqDirect) != 0 ||
-		req.off != 0 || req.length == 0 || payload == 0 || payload%pullDesc != 0 || payload > maxSGE*pullDesc):
+		req.off != 0 || req.length == 0 || payload < pullHead+pullDesc || (payload-pullHead)%pullDesc != 0 || payload > pullHead+maxSGE*pullDesc):
 		return 0, fmt.Errorf("%w: a pulled request must be a RC send or write of 1 to %d pieces", errBadReq, maxSGE)
 	case req.srcQPN > maxQPN || req.dstQPN > maxQPN || req.psn > psnMask:
 		return 0, fmt.Errorf("%w: QPN or PSN exceeds 24 bits", errBadReq)
@@ -327,7 +327,7 @@ func parseResp(b []byte, payload uint32, r *response) (qpn uint32, err error) {
 	r.more = b[2]&respMore != 0
 	qpn = binary.LittleEndian.Uint32(b[4:])
 	r.orig = binary.LittleEndian.Uint64(b[8:])
-	if r.code > respOpErr || r.rnrTimer > 31 || qpn > maxQPN || b[2]&^respMore != 0 || b[3] != 0 {
+	if r.code > respPullLost || r.rnrTimer > 31 || qpn > maxQPN || b[2]&^respMore != 0 || b[3] != 0 {
 		return 0, fmt.Errorf("%w: code %d, RNR timer %d, flags %#x, QPN %#x", errBadResp, r.code, r.rnrTimer, b[2], qpn)
 	}
 	if payload > 0 && r.code != respACK || r.more && payload != segMax || payload > 0 && (r.orig%segMax != 0 || r.orig > maxMsgSize-uint64(payload)) {

@@ -52,7 +52,7 @@ type xstate struct {
 	bufs    [maxSGE + 1][]byte
 	ndirect int // direct writes in flight (progMu)
 
-	pullBuf  [maxSGE * pullDesc]byte // the pieces of a pulled request (cma.go)
+	pullBuf  [pullHead + maxSGE*pullDesc]byte // the pieces of a pulled request (cma.go)
 	pullSpan [1]span
 
 	nfl     int   // requests in flight (progMu)
@@ -357,7 +357,7 @@ func (q *qp) flushSQ(n, head int) {
 		}
 		q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: st, Opcode: wcOpcodes[w.op], QPN: q.qpn}
 		q.ncbuf++
-		w.fconn = nil
+		w.leave()
 		done++
 		if q.ncbuf == cbufLen {
 			q.commit(done)
@@ -469,7 +469,7 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	case c.pullable(w, total):
 		// The peer reads the bytes from here (cma.go).
 		flags = reqPull
-		data = x.pullPieces(data)
+		data = x.pullPieces(w, data, q.locked[:nlocked])
 		plen = data[0].n
 	case hasPayload(req.op):
 		plen = int(length)
@@ -645,7 +645,7 @@ func (q *qp) failFlight(w *sendWQE, status prov.Status, retired *int) {
 	q.errReported = true
 	q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: status, Opcode: wcOpcodes[w.op], QPN: q.qpn}
 	q.ncbuf++
-	w.fconn = nil
+	w.leave()
 	*retired++
 	q.x.nfl, q.x.ndirect = 0, 0
 	q.x.dropReads()
@@ -765,6 +765,10 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 		status = prov.StatusRemInvReqErr
 	case respAccess:
 		status = prov.StatusRemAccessErr
+	case respPullLost:
+		// The request is in flight, so its claim was its region's,
+		// closed under it (cma.go).
+		status = prov.StatusLocProtErr
 	default:
 		status = prov.StatusRemOpErr
 	}
@@ -779,7 +783,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 		q.cbuf[q.ncbuf] = prov.Completion{WRID: w.wr.WRID, Status: status, Opcode: wcOpcodes[w.op], ByteLen: w.flen, QPN: q.qpn}
 		q.ncbuf++
 	}
-	w.fconn = nil
+	w.leave()
 	x.nfl--
 	*retired++
 	if q.ncbuf == cbufLen {
