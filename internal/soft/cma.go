@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"runtime"
+	"slices"
 	"sync/atomic"
 	"syscall"
 	"unsafe"
@@ -49,25 +50,26 @@ import (
 // ERR, reset or destroyed with requests in flight) completes it at once,
 // and a target that handles it later (resumed, or merely behind) must not
 // deliver what the application has put in the buffer since, or memory
-// freed and reused. So each pulled request carries claims: the address of
-// a word of the requester's send queue slot (sendWQE.claim) and the
+// freed and reused. So each pulled request carries a claim: the address
+// of a word of the requester's send queue slot (sendWQE.claim) and the
 // value it holds while the request is in flight, a value no other request
-// of the process has; and for each piece the address and value of its
-// region's word (mr.live), which Close clears (a NIC fails a request
-// whose region was deregistered under it). The requester clears the
-// slot's word when the request completes, whatever the way
-// (sendWQE.leave), before the application can see the completion. The
-// target reads the words after the payload, in the same system call
-// (loads of one CPU are seen in order on amd64; elsewhere it reads them
-// again after a barrier): if every word still holds its value, the
-// payload was read before the requester let go of it, and counts; if not
-// (pullLost), nothing is delivered: the receive it took goes back to its
-// queue, the target QP's sequence does not move, and the requester, if it
-// still waits, fails the request with LOC_PROT_ERR (its region was
-// closed). A write whose claim is lost may have changed its target region
-// (as a failed write may on a NIC). The values come from a random base,
-// so the memory of a slot or region freed and reused does not hold one by
-// chance.
+// of the process has. The requester clears the word when the request
+// completes, whatever the way (sendWQE.leave), before the application can
+// see the completion; and so does Close of a region a pulled request in
+// flight reads from (each region lists them: mr.pulls), as a NIC fails a
+// request whose region was deregistered under it. The target reads the
+// word after the payload, in the same system call (loads of one CPU are
+// seen in order on amd64; elsewhere it reads it again after a barrier):
+// if it still holds the value, the payload was read before the requester
+// let go of it, and counts; if not (pullLost), nothing is delivered: the
+// receive it took goes back to its queue, the target QP's sequence does
+// not move, and the requester, if it still waits, fails the request with
+// LOC_PROT_ERR (its region was closed). A write whose claim is lost may
+// have changed its target region (as a failed write may on a NIC). The
+// values come from a random base, so the memory of a slot freed and
+// reused does not hold one by chance. (A word per region in the request
+// instead of the lists cost a page more to pin per read: 5-10 % of a
+// 64 KiB pull.)
 //
 // GOVERBS_SOFT_PULL=0 turns pulling off in a process (no probe is sent,
 // and a side that sent none is never pulled from).
@@ -91,12 +93,11 @@ import (
 
 // A pulled request's payload: pullHead bytes (the address of the
 // requester's claim word, its value), then a pullDesc for each piece
-// (address, length, the address of its region's word, its value); all
-// little-endian uint64.
+// (address, length); all little-endian uint64.
 const (
 	pullMin  = 64 << 10
 	pullHead = 16
-	pullDesc = 32
+	pullDesc = 16
 	envPull  = "GOVERBS_SOFT_PULL"
 )
 
@@ -132,18 +133,19 @@ const (
 // pullOff reports whether pulling is off in this process.
 func pullOff() bool { return os.Getenv(envPull) == "0" }
 
-// pullSrc is the payload of a pulled request: the requester's pieces,
-// then its claim words (the consumer's, rmu held).
+// pullSrc is the payload of a pulled request: the requester's pieces
+// and its claim (the consumer's, rmu held).
 type pullSrc struct {
-	pid    int
-	pidfd  int
-	remote [2*maxSGE + 1]unix.RemoteIovec // n pieces, then nw words
-	n, nw  int
-	want   [maxSGE + 1]uint64 // what the words must hold
-	got    [maxSGE + 1]uint64
-	local  [2*maxSGE + 1]unix.Iovec
-	count  *atomic.Uint64 // pulls that counted (LinkInfo.Pulled)
-	lost   *atomic.Uint64 // pulls whose claim was lost (LinkInfo.PullsLost)
+	pid     int
+	pidfd   int
+	remote  [maxSGE + 1]unix.RemoteIovec // n pieces, then the claim's word
+	n       int
+	claimed bool   // the probe has no claim
+	want    uint64 // what the claim's word must hold
+	got     uint64
+	local   [maxSGE + 1]unix.Iovec
+	count   *atomic.Uint64 // pulls that counted (LinkInfo.Pulled)
+	lost    *atomic.Uint64 // pulls whose claim was lost (LinkInfo.PullsLost)
 }
 
 // pullResult is the outcome of pullSrc.read.
@@ -170,18 +172,12 @@ func (c *conn) parsePull(data []span, plen int, length uint32) (*pullSrc, error)
 	ps := &c.pull
 	ps.pid, ps.pidfd, ps.count, ps.lost = int(c.peerPID), c.pidfd, &c.pulled, &c.pullsLost
 	ps.n = (plen - pullHead) / pullDesc
-	ps.nw = ps.n + 1
-	word := func(i int, a, v uint64) error {
-		if a == 0 || a%8 != 0 || a+8 < a || v == 0 {
-			return fmt.Errorf("%w: pulled request's claim %#x at %#x", errBadReq, v, a)
-		}
-		ps.remote[ps.n+i] = unix.RemoteIovec{Base: uintptr(a), Len: 8}
-		ps.want[i] = v
-		return nil
+	a, v := le.Uint64(b[0:]), le.Uint64(b[8:])
+	if a == 0 || a%8 != 0 || a+8 < a || v == 0 {
+		return nil, fmt.Errorf("%w: pulled request's claim %#x at %#x", errBadReq, v, a)
 	}
-	if err := word(0, le.Uint64(b[0:]), le.Uint64(b[8:])); err != nil {
-		return nil, err
-	}
+	ps.remote[ps.n] = unix.RemoteIovec{Base: uintptr(a), Len: 8}
+	ps.claimed, ps.want = true, v
 	var total uint64
 	for i := range ps.n {
 		d := b[pullHead+i*pullDesc:]
@@ -191,9 +187,6 @@ func (c *conn) parsePull(data []span, plen int, length uint32) (*pullSrc, error)
 		}
 		total += n
 		ps.remote[i] = unix.RemoteIovec{Base: uintptr(a), Len: int(n)}
-		if err := word(1+i, le.Uint64(d[16:]), le.Uint64(d[24:])); err != nil {
-			return nil, err
-		}
 	}
 	if total != uint64(length) {
 		return nil, fmt.Errorf("%w: pulled pieces of %d bytes for a message of %d", errBadReq, total, length)
@@ -202,7 +195,7 @@ func (c *conn) parsePull(data []span, plen int, length uint32) (*pullSrc, error)
 }
 
 // read copies the payload into dst, from off bytes into dst on (dst
-// must hold it), then checks the claims.
+// must hold it), then checks the claim.
 func (ps *pullSrc) read(dst []span, off int) pullResult {
 	total := 0
 	for _, r := range ps.remote[:ps.n] {
@@ -230,15 +223,17 @@ func (ps *pullSrc) read(dst []span, off int) pullResult {
 	if need > 0 {
 		return pullFailed
 	}
-	for i := range ps.nw {
-		ps.got[i] = 0
-		ps.local[nl+i] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&ps.got[i]))}
-		ps.local[nl+i].SetLen(8)
+	nr := ps.n
+	if ps.claimed {
+		ps.got = 0
+		ps.local[nl] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&ps.got))}
+		ps.local[nl].SetLen(8)
+		nl, nr, total = nl+1, nr+1, total+8
 	}
-	if !readv(ps.pid, ps.local[:nl+ps.nw], ps.remote[:ps.n+ps.nw], total+8*ps.nw) {
-		// The claims tell whether the requester let it go (it may have
+	if !readv(ps.pid, ps.local[:nl], ps.remote[:nr], total) {
+		// The claim tells whether the requester let it go (it may have
 		// freed the memory since) or this is a failure.
-		if !ps.claimsHeld() {
+		if ps.claimed && !ps.claimHeld() {
 			return ps.lose()
 		}
 		return pullFailed
@@ -247,10 +242,10 @@ func (ps *pullSrc) read(dst []span, off int) pullResult {
 		// Its pid may now be another's: what came is not the request's.
 		return ps.lose()
 	}
-	held := ps.holds()
-	if held && !loadsInOrder {
-		fence.Add(1) // the payload's loads before the claims'
-		held = ps.claimsHeld()
+	held := !ps.claimed || ps.got == ps.want
+	if held && ps.claimed && !loadsInOrder {
+		fence.Add(1) // the payload's loads before the claim's
+		held = ps.claimHeld()
 	}
 	if !held {
 		return ps.lose()
@@ -264,25 +259,13 @@ func (ps *pullSrc) read(dst []span, off int) pullResult {
 // fence is written by read as a barrier between loads.
 var fence atomic.Uint32
 
-// claimsHeld reads the claim words again, alone, and reports whether
-// they still hold their values.
-func (ps *pullSrc) claimsHeld() bool {
-	for i := range ps.nw {
-		ps.got[i] = 0
-		ps.local[i] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&ps.got[i]))}
-		ps.local[i].SetLen(8)
-	}
-	return readv(ps.pid, ps.local[:ps.nw], ps.remote[ps.n:ps.n+ps.nw], 8*ps.nw) && peerLives(ps.pidfd) && ps.holds()
-}
-
-// holds reports whether the words read hold their values.
-func (ps *pullSrc) holds() bool {
-	for i := range ps.nw {
-		if ps.got[i] != ps.want[i] {
-			return false
-		}
-	}
-	return true
+// claimHeld reads the claim's word again, alone, and reports whether it
+// still holds its value.
+func (ps *pullSrc) claimHeld() bool {
+	ps.got = 0
+	ps.local[0] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&ps.got))}
+	ps.local[0].SetLen(8)
+	return readv(ps.pid, ps.local[:1], ps.remote[ps.n:ps.n+1], 8) && peerLives(ps.pidfd) && ps.got == ps.want
 }
 
 func (ps *pullSrc) lose() pullResult {
@@ -429,7 +412,8 @@ func pullKind(kind uint8) bool { return kind == kindShm || kind == kindUnix }
 
 // pullPieces encodes the payload of w, a pulled request: its claim (a
 // new value in w.claim) and the addresses of data, the gathered payload,
-// whose regions are mrs (into x.pullBuf).
+// whose regions are mrs, held (into x.pullBuf). w is listed by its
+// regions until it leaves.
 func (x *xstate) pullPieces(w *sendWQE, data []span, mrs []*mr) []span {
 	le := binary.LittleEndian
 	v := newClaim()
@@ -445,9 +429,14 @@ func (x *xstate) pullPieces(w *sendWQE, data []span, mrs []*mr) []span {
 		d := x.pullBuf[pullHead+n*pullDesc:]
 		le.PutUint64(d, uint64(uintptr(s.p)))
 		le.PutUint64(d[8:], uint64(s.n))
-		le.PutUint64(d[16:], uint64(uintptr(unsafe.Pointer(&mrs[i].live))))
-		le.PutUint64(d[24:], mrs[i].live.Load())
 		n++
+		if m := mrs[i]; !slices.Contains(w.pmrs, m) {
+			// Held (acquire), so not closed yet: Close finds w.
+			m.pullMu.Lock()
+			m.pulls = append(m.pulls, w)
+			m.pullMu.Unlock()
+			w.pmrs = append(w.pmrs, m)
+		}
 	}
 	x.pullSpan[0] = span{unsafe.Pointer(&x.pullBuf[0]), pullHead + n*pullDesc}
 	return x.pullSpan[:]
@@ -458,10 +447,30 @@ func (x *xstate) pullPieces(w *sendWQE, data []span, mrs []*mr) []span {
 // claim gone.
 func (w *sendWQE) leave() {
 	w.fconn = nil
-	if w.pulled {
-		w.pulled = false
+	if !w.pulled {
+		return
+	}
+	w.pulled = false
+	w.claim.Store(0)
+	for i, m := range w.pmrs {
+		m.pullMu.Lock()
+		if k := slices.Index(m.pulls, w); k >= 0 {
+			m.pulls = slices.Delete(m.pulls, k, k+1)
+		}
+		m.pullMu.Unlock()
+		w.pmrs[i] = nil
+	}
+	w.pmrs = w.pmrs[:0]
+}
+
+// dropPulls clears the claims of the pulled requests in flight from m,
+// which is closing: a target that has yet to read them drops them.
+func (m *mr) dropPulls() {
+	m.pullMu.Lock()
+	for _, w := range m.pulls {
 		w.claim.Store(0)
 	}
+	m.pullMu.Unlock()
 }
 
 // statusPullLost is what scatter returns when the claims of a pulled

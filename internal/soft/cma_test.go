@@ -15,9 +15,9 @@ import (
 )
 
 // selfPull is a pullSrc reading this process (as a peer reads the
-// requester), with a pidfd of it, and claims: the words of claims (a
-// request's, then regions'), each holding a new value when it returns.
-func selfPull(t *testing.T, claims []*atomic.Uint64, pieces ...[]byte) *pullSrc {
+// requester), with a pidfd of it, and claim as its claim's word, which
+// holds a new value when it returns.
+func selfPull(t *testing.T, claim *atomic.Uint64, pieces ...[]byte) *pullSrc {
 	t.Helper()
 	fd, err := unix.PidfdOpen(os.Getpid(), 0)
 	if err != nil {
@@ -29,13 +29,10 @@ func selfPull(t *testing.T, claims []*atomic.Uint64, pieces ...[]byte) *pullSrc 
 		ps.remote[ps.n] = unix.RemoteIovec{Base: uintptr(unsafe.Pointer(unsafe.SliceData(p))), Len: len(p)}
 		ps.n++
 	}
-	for _, w := range claims {
-		v := newClaim()
-		w.Store(v)
-		ps.remote[ps.n+ps.nw] = unix.RemoteIovec{Base: uintptr(unsafe.Pointer(w)), Len: 8}
-		ps.want[ps.nw] = v
-		ps.nw++
-	}
+	v := newClaim()
+	claim.Store(v)
+	ps.remote[ps.n] = unix.RemoteIovec{Base: uintptr(unsafe.Pointer(claim)), Len: 8}
+	ps.claimed, ps.want = true, v
 	var probe [8]byte
 	local := []unix.Iovec{{Base: &probe[0]}}
 	local[0].SetLen(8)
@@ -74,7 +71,7 @@ func TestPullRead(t *testing.T) {
 		{"TooShort", []int{74999}, 0, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ps := selfPull(t, claims(3), a, b)
+			ps := selfPull(t, new(atomic.Uint64), a, b)
 			var dst [][]byte
 			for _, n := range tc.dst {
 				dst = append(dst, bytes.Repeat([]byte{0xEE}, n+16)[:n])
@@ -112,10 +109,10 @@ func TestPullRead(t *testing.T) {
 		if err := unix.MunmapPtr(unsafe.Pointer(&m[4096]), 4096); err != nil { // the second page goes
 			t.Fatal(err)
 		}
-		ps := selfPull(t, claims(2), m[:8192])
+		ps := selfPull(t, new(atomic.Uint64), m[:8192])
 		dst := make([]byte, 8192)
 		if got := ps.read(spansOf(dst), 0); got != pullFailed {
-			t.Errorf("a read of an unmapped page with its claims held = %v, want pullFailed", got)
+			t.Errorf("a read of an unmapped page with its claim held = %v, want pullFailed", got)
 		}
 	})
 	t.Run("ProcessExited", func(t *testing.T) {
@@ -136,7 +133,7 @@ func TestPullRead(t *testing.T) {
 		if peerLives(fd) {
 			t.Errorf("peerLives of an exited process = true")
 		}
-		ps := selfPull(t, claims(2), a)
+		ps := selfPull(t, new(atomic.Uint64), a)
 		ps.pidfd = fd // the data came from a process that is gone
 		if got := ps.read(spansOf(make([]byte, len(a))), 0); got != pullLost {
 			t.Errorf("a read from an exited requester = %v, want pullLost", got)
@@ -144,34 +141,24 @@ func TestPullRead(t *testing.T) {
 	})
 }
 
-// claims returns n claim words (a request's, then its regions').
-func claims(n int) []*atomic.Uint64 {
-	w := make([]*atomic.Uint64, n)
-	for i := range w {
-		w[i] = new(atomic.Uint64)
-	}
-	return w
-}
-
-// TestPullClaims: a pulled payload counts only if every claim word (the
-// request's, its regions') still holds its value after the payload was
-// read; a word cleared (the request completed, a region closed) or
-// holding another request's value loses it, even when its memory is gone
-// by then, and is counted in LinkInfo.PullsLost.
+// TestPullClaims: a pulled payload counts only if the claim's word still
+// holds its value after the payload was read; a word cleared (the request
+// completed, a region closed) or holding another request's value loses
+// it, even when its memory is gone by then, and is counted in
+// LinkInfo.PullsLost.
 func TestPullClaims(t *testing.T) {
 	a := bytes.Repeat([]byte{0xA1}, 70000)
 	for _, tc := range []struct {
 		name  string
-		touch func(w []*atomic.Uint64) // before the read
+		touch func(w *atomic.Uint64) // before the read
 		want  pullResult
 	}{
-		{"Held", func([]*atomic.Uint64) {}, pullRead},
-		{"RequestLetGo", func(w []*atomic.Uint64) { w[0].Store(0) }, pullLost},
-		{"SlotReused", func(w []*atomic.Uint64) { w[0].Store(newClaim()) }, pullLost},
-		{"RegionClosed", func(w []*atomic.Uint64) { w[2].Store(0) }, pullLost},
+		{"Held", func(*atomic.Uint64) {}, pullRead},
+		{"LetGo", func(w *atomic.Uint64) { w.Store(0) }, pullLost},
+		{"SlotReused", func(w *atomic.Uint64) { w.Store(newClaim()) }, pullLost},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			w := claims(3)
+			w := new(atomic.Uint64)
 			ps := selfPull(t, w, a[:30000], a[30000:])
 			tc.touch(w)
 			dst := make([]byte, len(a))
@@ -195,9 +182,9 @@ func TestPullClaims(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		w := claims(2)
+		w := new(atomic.Uint64)
 		ps := selfPull(t, w, m)
-		w[0].Store(0)
+		w.Store(0)
 		if err := unix.Munmap(m); err != nil {
 			t.Fatal(err)
 		}
@@ -207,25 +194,17 @@ func TestPullClaims(t *testing.T) {
 	})
 }
 
-// TestClaimWords: a region's word holds a value until Close; a request's
-// is cleared when it leaves the flight (leave) if it was pulled.
+// TestClaimWords: pullPieces gives a request's slot a new claim and lists
+// it with each of its regions (once); leave clears the claim and the
+// lists; closing a region clears the claims of the requests in flight
+// from it.
 func TestClaimWords(t *testing.T) {
 	e := newEnv(t)
-	b := e.alloc(4096, prov.AccessLocalWrite)
-	buf, m := b.b, b.mr
-	r := m.(*mr)
-	if r.live.Load() == 0 {
-		t.Errorf("a registered region's word is 0")
-	}
-	if err := m.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if v := r.live.Load(); v != 0 {
-		t.Errorf("a closed region's word = %#x, want 0", v)
-	}
+	b1, b2 := e.alloc(4096, prov.AccessLocalWrite), e.alloc(4096, prov.AccessLocalWrite)
+	m1, m2 := b1.mr.(*mr), b2.mr.(*mr)
 	var x xstate
-	w := &sendWQE{}
-	x.pullPieces(w, spansOf(buf), []*mr{r})
+	w, w2 := &sendWQE{}, &sendWQE{}
+	x.pullPieces(w, spansOf(b1.b[:100], b2.b, b1.b[200:300]), []*mr{m1, m2, m1})
 	v := w.claim.Load()
 	if v == 0 || !w.pulled {
 		t.Fatalf("pullPieces left claim %#x, pulled %v", v, w.pulled)
@@ -233,10 +212,27 @@ func TestClaimWords(t *testing.T) {
 	if got := binary.LittleEndian.Uint64(x.pullBuf[8:]); got != v {
 		t.Errorf("the request carries claim %#x, the slot holds %#x", got, v)
 	}
-	w.leave()
-	if w.claim.Load() != 0 || w.pulled {
-		t.Errorf("after leave: claim %#x, pulled %v", w.claim.Load(), w.pulled)
+	if len(m1.pulls) != 1 || len(m2.pulls) != 1 || len(w.pmrs) != 2 {
+		t.Errorf("listed %d and %d times by its regions, lists %d regions; want 1, 1, 2", len(m1.pulls), len(m2.pulls), len(w.pmrs))
 	}
+	w.leave()
+	if w.claim.Load() != 0 || w.pulled || len(m1.pulls)+len(m2.pulls)+len(w.pmrs) != 0 {
+		t.Errorf("after leave: claim %#x, pulled %v, lists %d %d %d", w.claim.Load(), w.pulled, len(m1.pulls), len(m2.pulls), len(w.pmrs))
+	}
+
+	x.pullPieces(w, spansOf(b1.b), []*mr{m1})
+	x.pullPieces(w2, spansOf(b2.b), []*mr{m2})
+	if err := b1.mr.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if w.claim.Load() != 0 {
+		t.Errorf("a request from a closed region still holds its claim")
+	}
+	if w2.claim.Load() == 0 {
+		t.Errorf("closing another region cleared a request's claim")
+	}
+	w.leave()
+	w2.leave()
 }
 
 // TestParsePull: the pieces must cover the message exactly, lie in the
@@ -247,8 +243,6 @@ func TestParsePull(t *testing.T) {
 		var b [pullDesc]byte
 		le.PutUint64(b[:], a)
 		le.PutUint64(b[8:], n)
-		le.PutUint64(b[16:], 0x8000)
-		le.PutUint64(b[24:], 77)
 		return b[:]
 	}
 	head := func(a, v uint64, pieces ...[]byte) []byte {
@@ -272,7 +266,7 @@ func TestParsePull(t *testing.T) {
 		{"EmptyPiece", claimed(piece(0x10000, 0), piece(0x20000, 128)), 128, true, false},
 		{"Wraps", claimed(piece(^uint64(0)-10, 128)), 128, true, false},
 		{"NoPieces", claimed(), 128, true, false},
-		{"NoClaim", piece(0x10000, 128)[:pullDesc-pullHead], 128, true, false},
+		{"NoClaim", piece(0x10000, 128), 128, true, false},
 		{"ClaimValueZero", head(0x9000, 0, piece(0x10000, 128)), 128, true, false},
 		{"ClaimMisaligned", head(0x9004, 55, piece(0x10000, 128)), 128, true, false},
 		{"ClaimAtZero", head(0, 55, piece(0x10000, 128)), 128, true, false},

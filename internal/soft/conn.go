@@ -1244,9 +1244,6 @@ func (c *conn) readLoop() {
 		c.fail(fmt.Errorf("soft: connection to process %d has no descriptor to read", c.peerPID))
 		return
 	}
-	if c.kind == kindUnix {
-		c.offerPull() // over shared memory watchSocket does
-	}
 	c.rxLoop()
 }
 

@@ -181,8 +181,6 @@ func TestHostileFrames(t *testing.T) {
 			le.PutUint64(p[8:], 1)
 			le.PutUint64(p[pullHead:], uint64(h.mr.Addr())) // the piece
 			le.PutUint64(p[pullHead+8:], 64)
-			le.PutUint64(p[pullHead+16:], uint64(h.mr.Addr())+8)
-			le.PutUint64(p[pullHead+24:], 1)
 			b := h.reqFrame(opWrite, h.mr.Addr(), 64, p[:])
 			b[hdrLen+2] |= reqPull
 			return b

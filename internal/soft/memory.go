@@ -73,9 +73,10 @@ type mr struct {
 	mu     sync.RWMutex
 	dead   bool
 	closed atomic.Bool
-	// live holds a claim value (cma.go) until Close: the target of a
-	// pulled request reads it after the payload.
-	live atomic.Uint64
+	// The pulled requests in flight that read from the region (cma.go):
+	// Close clears their claims.
+	pullMu sync.Mutex
+	pulls  []*sendWQE
 }
 
 // acquire checks that [addr, addr+n) lies inside the region and pins the
@@ -112,8 +113,8 @@ func (m *mr) Close() error {
 	m.pd.ctx.f.removeMR(m)
 	m.mu.Lock()
 	m.dead = true
-	m.live.Store(0)
 	m.mu.Unlock()
+	m.dropPulls()
 	m.pd.release(&m.pd.nmr)
 	return nil
 }

@@ -187,6 +187,7 @@ type sendWQE struct {
 	// A pulled request's claim (cma.go): set while it is in flight.
 	claim  atomic.Uint64
 	pulled bool
+	pmrs   []*mr // its regions, which list it (mr.pulls)
 }
 
 func (s *sendQueue) init(depth, maxSGE int) {

@@ -400,6 +400,13 @@ func (s *service) track() bool {
 // addConn registers a live connection and starts its goroutines; it fails
 // if the service is stopping.
 func (s *service) addConn(c *conn) bool {
+	if pullKind(c.kind) {
+		// The first frame, before any other writer can hold the
+		// connection: a probe written while a consumer sends an
+		// acknowledgement would make it wait in the queue, and a peer
+		// that exits right after its receive would take it along.
+		c.offerPull()
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {

@@ -709,7 +709,7 @@ func (c *conn) copyDirect(imp *mrImport, raddr uint64, local []span, write bool)
 }
 
 // watchSocket reads the unix socket of a shared-memory connection: only
-// MAP_ACK and PULL_ACK frames come over it (it first sends PULL_PROBE).
+// MAP_ACK and PULL_ACK frames come over it.
 // Its end is how a process learns that its peer died or closed the
 // connection; the frames the peer left in the
 // ring are handled first (failAfterDrain), as a socket's reader reads
@@ -717,7 +717,6 @@ func (c *conn) copyDirect(imp *mrImport, raddr uint64, local []span, write bool)
 func (c *conn) watchSocket() {
 	uc := c.nc.(*net.UnixConn)
 	var b [hdrLen + mapAckLen]byte
-	c.offerPull()
 	for {
 		fds, err := readMsgFDs(uc, b[:hdrLen], 1)
 		if err != nil {
