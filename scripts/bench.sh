@@ -22,7 +22,8 @@
 #                                     sender's memory (the default) vs
 #                                     copied through the ring or socket
 #                                     (GOVERBS_SOFT_PULL=0); sends over shared
-#                                     memory, writes and sends over unix sockets
+#                                     memory, writes, sends and reads over
+#                                     unix sockets
 #   ./scripts/bench.sh all [RUNS]     all of the above
 #
 # RUNS defaults to 5. Each package's test binary is built once; every
@@ -277,11 +278,11 @@ session() {
 # pull: goverbs bench between two processes of this host, with pulled
 # payloads (the default, internal/soft/cma.go) and without
 # (GOVERBS_SOFT_PULL=0 in both), alternately, 2 GB per run: sends over shared memory (its RDMA
-# writes are direct copies either way), writes and sends over unix
-# sockets.
+# writes and reads are direct copies either way), writes, sends and
+# reads over unix sockets.
 pull() {
 	go build -o "$bin/goverbs" ./cmd/goverbs
-	local -a cases=("shm send" "unix write" "unix send")
+	local -a cases=("shm send" "unix write" "unix send" "unix read")
 	local r c s p port=18700
 	for ((r = 0; r < runs; r++)); do
 		for c in "${cases[@]}"; do

@@ -301,19 +301,25 @@ func TestCrossProcessLink(t *testing.T) {
 // TestCrossProcessPull: over shared memory and unix sockets, the large
 // payloads of sends, sends with immediate and writes with immediate (over
 // shared memory, the ones a direct copy cannot take) are read by the
-// target from the requester's memory, once each (soft.LinkInfo.Pulled
+// target from the requester's memory, and the data of a large RDMA read
+// (of a region the peer does not share: Go memory or a unix socket) by
+// the requester from the target's, once each (soft.LinkInfo.Pulled
 // counts them on the side that read), and arrive intact whatever their
 // pieces (the default); with GOVERBS_SOFT_PULL=0 they go through the ring
 // or the socket, and nothing is pulled.
 func TestCrossProcessPull(t *testing.T) {
 	for _, tc := range []struct {
-		tr   string
-		pull bool
-	}{{"shm", true}, {"shm", false}, {"unix", true}, {"unix", false}} {
+		tr    string
+		pull  bool
+		goMem bool // the peer's region is Go memory (Register): never shared
+	}{{"shm", true, false}, {"shm", false, false}, {"shm", true, true}, {"unix", true, false}, {"unix", false, false}} {
 		pull := tc.pull
 		name := tc.tr + "/pull"
 		if !pull {
 			name = tc.tr + "/copied"
+		}
+		if tc.goMem {
+			name += "/gomem"
 		}
 		t.Run(name, func(t *testing.T) {
 			CheckLeaks(t)
@@ -327,7 +333,7 @@ func TestCrossProcessPull(t *testing.T) {
 			t.Setenv("GOVERBS_SOFT_PULL", v)
 			c := &xcase{tcase: tcase{cfg: Config{DeviceA: verbs.SoftDevice}.withDefaults(), name: name}, peer: StartPeer(t, env...)}
 			const size = 1<<20 + 5
-			p := newXRC(t, c, verbs.QPSpec{}, 3*size, accessAll)
+			p := newXRCMem(t, c, verbs.QPSpec{}, 3*size, accessAll, tc.goMem)
 			src := p.a.Alloc(t, 3*size, accessLocal)
 			link, peerLink := pullLinks(t, c, p, src, pull)
 			before, peerBefore := link().Pulled, peerLink().Pulled
@@ -371,7 +377,26 @@ func TestCrossProcessPull(t *testing.T) {
 			checkBytes(t, "received from the peer", dst.Bytes()[:size], pattern(size, 0x99))
 			checkBytes(t, "receive buffer past the message", dst.Bytes()[size:], pattern(size+64, 0x77)[size:])
 
-			wantPeer, wantHere := uint64(3), uint64(1)
+			// A reads from the peer's region, into three pieces.
+			pat := pattern(size, 0x5A)
+			c.peerFill(t, p.b, size, pat)
+			rdst := p.a.Alloc(t, size+8192, accessLocal)
+			Pattern(rdst.Bytes(), 0x01)
+			before1 := append([]byte{}, rdst.Bytes()...)
+			must(t, "post read", p.qa.PostRead(40, verbs.Signaled, p.rb.At(size), SGE(t, rdst, 0, 1000), SGE(t, rdst, 2000, size-3000), SGE(t, rdst, size+100, 2000)))
+			wc = c.pollOne(t, p.a.CQ)
+			expectOK(t, "read from the peer", wc, 40, verbs.OpRead, p.qa.QPN())
+			got := rdst.Bytes()
+			checkBytes(t, "read, first piece", got[:1000], pat[:1000])
+			checkBytes(t, "read, second piece", got[2000:size-1000], pat[1000:size-2000])
+			checkBytes(t, "read, third piece", got[size+100:size+2100], pat[size-2000:])
+			checkBytes(t, "read, between the pieces", got[1000:2000], before1[1000:2000])
+			checkBytes(t, "read, past the pieces", got[size+2100:], before1[size+2100:])
+
+			wantPeer, wantHere := uint64(3), uint64(2)
+			if tc.tr == "shm" && !tc.goMem {
+				wantHere = 1 // the peer's region is shared memory: the read is a direct copy
+			}
 			if !pull {
 				wantPeer, wantHere = 0, 0
 			}

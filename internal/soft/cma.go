@@ -473,6 +473,122 @@ func (m *mr) dropPulls() {
 	m.pullMu.Unlock()
 }
 
+// --- pulled reads ---
+//
+// An RDMA read of at least pullMin bytes the other way round: the
+// requester offers to pull (reqPull on the read) where it can read the
+// target (it answered the target's probe so), and the target, after
+// every check of the read, answers with one ACK (respPulled) that gives
+// the address of the data in its memory and its region's claim word
+// (mr.live, which Close clears) instead of sending the data. The
+// requester's consumer reads the data straight into the read's local
+// memory, then the word, in the same system call: a region closed before
+// the requester read it (its memory perhaps freed) fails the read with
+// REM_ACCESS_ERR rather than deliver what the memory holds then. The
+// target keeps nothing for it: as on a NIC, a read races the target's
+// own writes to the region.
+
+// pullsReads reports whether a read of n bytes on c offers to pull its
+// data.
+func (c *conn) pullsReads(n uint64) bool {
+	return c.pidfd >= 0 && c.pullServed.Load() && n >= pullMin && n <= maxMsgSize
+}
+
+// answerPulled answers the read id of n bytes at addr of m, which
+// offered to pull, with where the data is (respPulled), if the peer can
+// read this process; it reports whether it did (else the data is sent).
+func (c *conn) answerPulled(id uint64, qpn uint32, m *mr, addr uint64, n uint32) bool {
+	if !c.pullReady.Load() || n < pullMin || addr < m.addr || uint64(n) > m.length || addr-m.addr > m.length-uint64(n) {
+		return false
+	}
+	v := m.live.Load()
+	if v == 0 {
+		return false // closed: sendRead answers so
+	}
+	var b [hdrLen + respBodyLen + pulledReadLen]byte
+	putHdr(b[:], frResp, respBodyLen+pulledReadLen, id)
+	putResp(b[hdrLen:], qpn, &response{code: respACK, pulled: true})
+	le := binary.LittleEndian
+	d := b[hdrLen+respBodyLen:]
+	le.PutUint64(d, uint64(uintptr(m.base))+(addr-m.addr))
+	le.PutUint64(d[8:], uint64(uintptr(unsafe.Pointer(&m.live))))
+	le.PutUint64(d[16:], v)
+	c.fbufs[0] = b[:]
+	err := c.send(c.fbufs[:1], false)
+	c.fbufs[0] = nil
+	if err != nil {
+		c.fail(err)
+	}
+	return true
+}
+
+// deliverPulled reads the data of the read sent as request id on c from
+// the peer's memory, as its answer (data, pulledReadLen bytes) says, into
+// the read's local memory. Called by c's consumer (rmu held: c.pull).
+func (q *qp) deliverPulled(c *conn, id uint64, data []span) error {
+	var b [pulledReadLen]byte
+	copySpans([]span{{unsafe.Pointer(&b[0]), len(b)}}, 0, data)
+	le := binary.LittleEndian
+	addr, wa, wv := le.Uint64(b[:]), le.Uint64(b[8:]), le.Uint64(b[16:])
+	x := q.x
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	var w *sendWQE
+	for _, r := range x.reads {
+		if r.rd.c == c && r.rd.id == id && !r.rd.done {
+			w = r
+			break
+		}
+	}
+	if w == nil {
+		return nil // abandoned
+	}
+	rd := &w.rd
+	if !rd.pull || c.pidfd < 0 || rd.got != 0 || wa == 0 || wa%8 != 0 || wv == 0 || addr+uint64(rd.n) < addr {
+		return fmt.Errorf("%w: a pulled read's answer (%d bytes at %#x, claim %#x at %#x) to a read that did not offer it", errBadResp, rd.n, addr, wv, wa)
+	}
+	ps := &c.pull
+	ps.pid, ps.pidfd, ps.count, ps.lost = int(c.peerPID), c.pidfd, &c.pulled, &c.pullsLost
+	ps.n, ps.claimed, ps.want = 1, true, wv
+	ps.remote[0] = unix.RemoteIovec{Base: uintptr(addr), Len: int(rd.n)}
+	ps.remote[1] = unix.RemoteIovec{Base: uintptr(wa), Len: 8}
+	var dst [maxSGE]span
+	var held [maxSGE]*mr
+	k := 0
+	st := prov.StatusSuccess
+	for _, s := range w.sge[:w.wr.NumSGE] {
+		if s.Length == 0 {
+			continue
+		}
+		m := q.f.lookupMR(s.LKey)
+		if m == nil || m.pd != q.pd || m.access&prov.AccessLocalWrite == 0 {
+			st = prov.StatusLocProtErr
+			break
+		}
+		p, ok := m.acquire(s.Addr, uint64(s.Length))
+		if !ok {
+			st = prov.StatusLocProtErr
+			break
+		}
+		held[k], dst[k] = m, span{p, int(s.Length)}
+		k++
+	}
+	if st == prov.StatusSuccess {
+		switch ps.read(dst[:k], 0) {
+		case pullLost:
+			st = prov.StatusRemAccessErr // the region was closed first
+		case pullFailed:
+			st = prov.StatusRemOpErr
+		}
+	}
+	for _, m := range held[:k] {
+		m.release()
+	}
+	rd.st, rd.got, rd.done = st, rd.n, true
+	rd.last = x.rtTicks.Load()
+	return nil
+}
+
 // statusPullLost is what scatter returns when the claims of a pulled
 // payload were lost (not a completion status).
 const statusPullLost prov.Status = 1 << 16

@@ -3,6 +3,7 @@ package soft
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"os"
 	"os/exec"
 	"sync/atomic"
@@ -202,6 +203,9 @@ func TestClaimWords(t *testing.T) {
 	e := newEnv(t)
 	b1, b2 := e.alloc(4096, prov.AccessLocalWrite), e.alloc(4096, prov.AccessLocalWrite)
 	m1, m2 := b1.mr.(*mr), b2.mr.(*mr)
+	if m1.live.Load() == 0 || m1.live.Load() == m2.live.Load() {
+		t.Errorf("regions' words %#x, %#x: want two values, not 0", m1.live.Load(), m2.live.Load())
+	}
 	var x xstate
 	w, w2 := &sendWQE{}, &sendWQE{}
 	x.pullPieces(w, spansOf(b1.b[:100], b2.b, b1.b[200:300]), []*mr{m1, m2, m1})
@@ -225,8 +229,8 @@ func TestClaimWords(t *testing.T) {
 	if err := b1.mr.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if w.claim.Load() != 0 {
-		t.Errorf("a request from a closed region still holds its claim")
+	if w.claim.Load() != 0 || m1.live.Load() != 0 {
+		t.Errorf("after Close: the claim of a request from the region %#x, the region's word %#x; want 0, 0", w.claim.Load(), m1.live.Load())
 	}
 	if w2.claim.Load() == 0 {
 		t.Errorf("closing another region cleared a request's claim")
@@ -278,6 +282,75 @@ func TestParsePull(t *testing.T) {
 			_, err := c.parsePull(spansOf(tc.pieces), len(tc.pieces), tc.length)
 			if (err == nil) != tc.ok {
 				t.Errorf("parsePull: %v, want ok %v", err, tc.ok)
+			}
+		})
+	}
+}
+
+// TestDeliverPulled: the answer to a read that offered to pull names the
+// data in the target's memory and its region's claim: the requester reads
+// it into the read's local pieces (this process stands for the target);
+// a region closed before the read fails it with REM_ACCESS_ERR; an answer
+// to a read that did not offer to pull is malformed.
+func TestDeliverPulled(t *testing.T) {
+	fd, err := unix.PidfdOpen(os.Getpid(), 0)
+	if err != nil {
+		t.Skipf("no pidfd on this kernel: %v", err)
+	}
+	defer unix.Close(fd)
+	for _, tc := range []struct {
+		name  string
+		offer bool
+		close bool
+		want  prov.Status
+	}{
+		{"Read", true, false, prov.StatusSuccess},
+		{"RegionClosed", true, true, prov.StatusRemAccessErr},
+		{"NotOffered", false, false, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t)
+			q := e.newQP(prov.QPTypeRC, defaultCaps(), nil).qp.(*qp)
+			const n = 3 * 4096
+			target := e.alloc(n, prov.AccessLocalWrite|prov.AccessRemoteRead)
+			for i := range target.b {
+				target.b[i] = byte(i * 7)
+			}
+			local := e.alloc(n+100, prov.AccessLocalWrite)
+			m := target.mr.(*mr)
+			c := &conn{peerPID: uint32(os.Getpid()), pidfd: fd}
+			w := &sendWQE{sge: []prov.SGE{local.sge(0, 1000), local.sge(1100, n-1000)}}
+			w.wr.NumSGE = 2
+			q.x.addRead(w, c, 9, n, tc.offer)
+			var d [pulledReadLen]byte
+			le := binary.LittleEndian
+			le.PutUint64(d[:], uint64(uintptr(m.base)))
+			le.PutUint64(d[8:], uint64(uintptr(unsafe.Pointer(&m.live))))
+			le.PutUint64(d[16:], m.live.Load())
+			if tc.close {
+				if err := target.mr.Close(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			err := q.deliverPulled(c, 9, spansOf(d[:]))
+			if !tc.offer {
+				if !errors.Is(err, errBadResp) {
+					t.Fatalf("deliverPulled for a read that did not offer to pull: %v, want errBadResp", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			rd := q.x.dropRead(w)
+			if rd.st != tc.want || rd.got != n || !rd.done {
+				t.Fatalf("read: status %v, %d bytes, done %v; want %v, %d, true", rd.st, rd.got, rd.done, tc.want, n)
+			}
+			if tc.want == prov.StatusSuccess {
+				got := append(append([]byte{}, local.b[:1000]...), local.b[1100:n+100]...)
+				if !bytes.Equal(got, target.b) {
+					t.Errorf("the read's local pieces differ from the target's bytes")
+				}
 			}
 		})
 	}

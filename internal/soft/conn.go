@@ -1326,7 +1326,7 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	if req.direct && c.shm == nil {
 		return fmt.Errorf("%w: a direct write on a connection without shared memory", errBadReq)
 	}
-	if flags&reqPull != 0 {
+	if flags&reqPull != 0 && req.op != opRead {
 		if req.pull, err = c.parsePull(data, plen, req.length); err != nil {
 			return err
 		}
@@ -1359,6 +1359,9 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	}
 	if resp.code == respACK && resp.src != nil {
 		c.flushResps() // the responses before it go first
+		if flags&reqPull != 0 && c.answerPulled(id, req.srcQPN, resp.src, req.raddr, req.length) {
+			return nil
+		}
 		c.sendRead(id, req.srcQPN, resp.src, req.raddr, req.length)
 		return nil
 	}
@@ -1491,7 +1494,11 @@ func (c *conn) handleResp(id uint64, body []byte, data []span, plen int) error {
 		return nil // the requester is gone
 	}
 	q.scq.fedBy(c)
-	if plen > 0 {
+	if r.pulled {
+		if err := q.deliverPulled(c, id, data); err != nil {
+			return err
+		}
+	} else if plen > 0 {
 		if err := q.deliver(c, id, r.orig, data); err != nil {
 			return err
 		}

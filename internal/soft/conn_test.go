@@ -340,6 +340,9 @@ func FuzzFrame(f *testing.F) {
 				t.Fatalf("accepted response code %d", r.code)
 			case payload > 0 && r.code != respACK:
 				t.Fatalf("accepted data on a response %+v", r)
+			case r.pulled && (r.more || payload != pulledReadLen || r.orig != 0):
+				t.Fatalf("accepted a pulled read's answer %+v of %d bytes", r, payload)
+			case r.pulled:
 			case r.more && payload != segMax, payload > 0 && (r.orig%segMax != 0 || r.orig+uint64(payload) > maxMsgSize):
 				t.Fatalf("accepted read data %+v of %d bytes", r, payload)
 			}

@@ -77,6 +77,9 @@ type mr struct {
 	// Close clears their claims.
 	pullMu sync.Mutex
 	pulls  []*sendWQE
+	// live holds a claim value until Close: a peer that pulls the data of
+	// an RDMA read reads it after the data (cma.go).
+	live atomic.Uint64
 }
 
 // acquire checks that [addr, addr+n) lies inside the region and pins the
@@ -113,6 +116,7 @@ func (m *mr) Close() error {
 	m.pd.ctx.f.removeMR(m)
 	m.mu.Lock()
 	m.dead = true
+	m.live.Store(0)
 	m.mu.Unlock()
 	m.dropPulls()
 	m.pd.release(&m.pd.nmr)

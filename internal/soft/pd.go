@@ -70,6 +70,7 @@ func (p *pd) RegMR(m prov.Mem, access prov.Access) (prov.MR, error) {
 		fd:     m.FD,
 		off:    m.Offset,
 	}
+	r.live.Store(newClaim())
 	if err := p.ctx.f.addMR(r); err != nil {
 		p.release(&p.nmr)
 		return nil, err

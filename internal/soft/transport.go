@@ -131,6 +131,7 @@ type response struct {
 	code     respCode
 	rnrTimer uint8
 	more     bool   // a segment of read data that more follow (wire.go)
+	pulled   bool   // read: the payload says where the requester reads the data (cma.go)
 	orig     uint64 // atomics: the prior value; read data: the segment's offset
 	src      *mr    // deferRead: the region checked (not pinned)
 }

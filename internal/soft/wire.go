@@ -27,7 +27,7 @@ import (
 
 const (
 	wireMagic   = 0x4756
-	wireVersion = 5 // 2: the handshake of handshake.go; 3: shared-memory rings skip to the next lap (shm.go); 4: pulled payloads (cma.go); 5: their claims
+	wireVersion = 6 // 2: the handshake of handshake.go; 3: shared-memory rings skip to the next lap (shm.go); 4: pulled payloads (cma.go); 5: their claims; 6: pulled reads
 	hdrLen      = 16
 )
 
@@ -165,7 +165,7 @@ const (
 	reqNoResp    = 1 << 1 // UC, UD: the requester wants no response
 	reqDirect    = 1 << 2 // shm RC write or read: no data, the requester copies after the ACK
 	reqMore      = 1 << 3 // more segments of the message follow
-	reqPull      = 1 << 4 // shm, unix RC send or write: the payload is the requester's addresses of its bytes (cma.go)
+	reqPull      = 1 << 4 // shm, unix RC send or write: the payload is the requester's addresses of its bytes; read: the requester can pull the data (cma.go)
 )
 
 // hasPayload reports whether a request of op carries its message.
@@ -250,7 +250,10 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return 0, fmt.Errorf("%w: flags %#x", errBadReq, flags)
 	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore) != 0 || payload != 0 || req.off != 0):
 		return 0, fmt.Errorf("%w: a direct request must be a RC write or read without payload", errBadReq)
-	case flags&reqPull != 0 && (!hasPayload(req.op) || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore|reqDirect) != 0 ||
+	case flags&reqPull != 0 && req.op == opRead && (req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore|reqDirect) != 0 ||
+		req.off != 0 || req.length == 0 || payload != 0):
+		return 0, fmt.Errorf("%w: a read offering to pull must be a RC read of at least a byte", errBadReq)
+	case flags&reqPull != 0 && req.op != opRead && (!hasPayload(req.op) || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore|reqDirect) != 0 ||
 		req.off != 0 || req.length == 0 || payload < pullHead+pullDesc || (payload-pullHead)%pullDesc != 0 || payload > pullHead+maxSGE*pullDesc):
 		return 0, fmt.Errorf("%w: a pulled request must be a RC send or write of 1 to %d pieces", errBadReq, maxSGE)
 	case req.srcQPN > maxQPN || req.dstQPN > maxQPN || req.psn > psnMask:
@@ -263,7 +266,7 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return 0, fmt.Errorf("%w: MTU %d", errBadReq, req.mtu)
 	}
 	req.direct = flags&reqDirect != 0
-	if req.direct || flags&reqPull != 0 {
+	if req.direct || flags&reqPull != 0 && req.op != opRead {
 		return flags, nil // checked above
 	}
 	if hasPayload(req.op) {
@@ -298,9 +301,17 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 // The data of an RDMA read travels in segments like the payload of a
 // write (see REQ): ACKs with respMore set and segMax bytes, then one with
 // the rest. A read whose region goes away while its data is sent ends
-// with a NAK after the segments sent so far.
+// with a NAK after the segments sent so far. A read that offered to pull
+// (reqPull) may instead be answered with one ACK with respPulled set and
+// pulledReadLen bytes: the address of the data in the responder's
+// memory, and the address and value of its region's claim word (cma.go).
 
-const respMore = 1 << 0 // read data: more segments follow
+const (
+	respMore   = 1 << 0 // read data: more segments follow
+	respPulled = 1 << 1 // read: the requester reads the data at the address given (cma.go)
+
+	pulledReadLen = 24
+)
 
 func putResp(b []byte, qpn uint32, r *response) {
 	b[0] = byte(r.code)
@@ -308,6 +319,9 @@ func putResp(b []byte, qpn uint32, r *response) {
 	b[2], b[3] = 0, 0
 	if r.more {
 		b[2] = respMore
+	}
+	if r.pulled {
+		b[2] |= respPulled
 	}
 	binary.LittleEndian.PutUint32(b[4:], qpn)
 	binary.LittleEndian.PutUint64(b[8:], r.orig)
@@ -325,10 +339,17 @@ func parseResp(b []byte, payload uint32, r *response) (qpn uint32, err error) {
 	r.code = respCode(b[0])
 	r.rnrTimer = b[1]
 	r.more = b[2]&respMore != 0
+	r.pulled = b[2]&respPulled != 0
 	qpn = binary.LittleEndian.Uint32(b[4:])
 	r.orig = binary.LittleEndian.Uint64(b[8:])
-	if r.code > respPullLost || r.rnrTimer > 31 || qpn > maxQPN || b[2]&^respMore != 0 || b[3] != 0 {
+	if r.code > respPullLost || r.rnrTimer > 31 || qpn > maxQPN || b[2]&^(respMore|respPulled) != 0 || b[3] != 0 {
 		return 0, fmt.Errorf("%w: code %d, RNR timer %d, flags %#x, QPN %#x", errBadResp, r.code, r.rnrTimer, b[2], qpn)
+	}
+	if r.pulled {
+		if r.code != respACK || r.more || payload != pulledReadLen || r.orig != 0 {
+			return 0, fmt.Errorf("%w: a pulled read's answer with code %d, %d bytes", errBadResp, r.code, payload)
+		}
+		return qpn, nil
 	}
 	if payload > 0 && r.code != respACK || r.more && payload != segMax || payload > 0 && (r.orig%segMax != 0 || r.orig > maxMsgSize-uint64(payload)) {
 		return 0, fmt.Errorf("%w: %d bytes of data at %d (more: %v) with code %d", errBadResp, payload, r.orig, r.more, r.code)

@@ -90,9 +90,9 @@ type rresp struct {
 
 // addRead registers w, an RDMA read of n > 0 bytes about to be sent on c
 // as request id, to receive its data (progMu held).
-func (x *xstate) addRead(w *sendWQE, c *conn, id uint64, n uint32) {
+func (x *xstate) addRead(w *sendWQE, c *conn, id uint64, n uint32, pull bool) {
 	x.mu.Lock()
-	w.rd = readSink{c: c, id: id, n: n, st: prov.StatusSuccess}
+	w.rd = readSink{c: c, id: id, n: n, st: prov.StatusSuccess, pull: pull}
 	x.reads = append(x.reads, w)
 	x.mu.Unlock()
 }
@@ -137,6 +137,7 @@ type readSink struct {
 	got  uint32      // the bytes received so far
 	st   prov.Status // LOC_PROT_ERR: the local memory went away
 	done bool        // the last segment came
+	pull bool        // the request offered to pull the data (cma.go)
 	last uint64      // the response timer's tick when the last segment came (xstate.rtTicks)
 }
 
@@ -471,6 +472,8 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 		flags = reqPull
 		data = x.pullPieces(w, data, q.locked[:nlocked])
 		plen = data[0].n
+	case req.op == opRead && c.pullsReads(total):
+		flags = reqPull // this side may read the data there
 	case hasPayload(req.op):
 		plen = int(length)
 	}
@@ -497,7 +500,7 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	isRead := req.op == opRead && imp == nil && length > 0
 	if isRead {
 		// Before the request: its data may come before the write returns.
-		x.addRead(w, c, id, length)
+		x.addRead(w, c, id, length, flags&reqPull != 0)
 	}
 	ok := true
 	var err error
