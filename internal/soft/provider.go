@@ -46,7 +46,8 @@
 // requester's memory with process_vm_readv, in the order of the ring or
 // socket, where the kernel allows it (one copy instead of two; a request
 // its requester let go of first is not delivered: cma.go;
-// GOVERBS_SOFT_PULL=0 turns it off). RC requests are pipelined (see xreq.go). A connection that fails
+// GOVERBS_SOFT_PULL=0 turns it off), and the data of a large RC read that
+// is not direct by the requester from the target's. RC requests are pipelined (see xreq.go). A connection that fails
 // (the peer died, a malformed frame, a write that times out) fails the
 // oldest RC request in flight on it with RETRY_EXC_ERR and the QP flushes
 // the rest, as a RC QP whose retries are exhausted; so does a request
