@@ -62,10 +62,15 @@ const (
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-func hashKey(k []byte) uint32 {
-	h := fnv.New32a()
-	h.Write(k)
-	return h.Sum32() | 1 // 0 never a key's
+// hashKey returns the key's hash as stored in its bucket (never 0, the
+// mark of an empty bucket) and the bucket its probe starts at.
+func hashKey(k []byte, buckets int) (h uint32, home int) {
+	f := fnv.New32a()
+	f.Write(k)
+	s := f.Sum32()
+	// The home bucket from the whole hash: one from the stored value,
+	// always odd, left every even bucket to collisions.
+	return s | 1, int(s % uint32(buckets))
 }
 
 func main() {
@@ -130,11 +135,11 @@ func (t *table) put(key, value []byte) error {
 	if t.next+size > len(heap) {
 		return errors.New("the heap is full")
 	}
-	h := hashKey(key)
+	h, home := hashKey(key, t.buckets)
 	idx := t.index()
 	b := -1
 	for p := range maxProbe {
-		i := (int(h) + p) % t.buckets
+		i := (home + p) % t.buckets
 		e := idx[i*bucketSize:]
 		off := binary.LittleEndian.Uint64(e)
 		if off == 0 {
@@ -339,10 +344,10 @@ func (c *client) put(ctx context.Context, key, value []byte) error {
 
 // get looks key up with RDMA reads only.
 func (c *client) get(ctx context.Context, key []byte) (value []byte, ok bool, err error) {
-	h := hashKey(key)
+	h, home := hashKey(key, c.buckets)
 	heapBase := c.buckets * bucketSize
 	for p := 0; p < maxProbe; p++ {
-		i := (int(h) + p) % c.buckets
+		i := (home + p) % c.buckets
 		var e []byte
 		for try := 0; ; try++ {
 			src, err := c.table.Slice(i*bucketSize, bucketSize)

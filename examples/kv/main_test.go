@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
@@ -122,5 +123,31 @@ func TestWrongToken(t *testing.T) {
 	b, err := cmd.CombinedOutput()
 	if err == nil || !bytes.Contains(b, []byte("authentication")) {
 		t.Fatalf("a client with the wrong token: %v\n%s", err, b)
+	}
+}
+
+// TestHashKeyHome: the keys' home buckets spread over the whole index
+// (they were all odd: the stored hash is odd, and the home bucket came
+// from it, so every even bucket held collisions only), and a key's
+// stored hash is never 0.
+func TestHashKeyHome(t *testing.T) {
+	const buckets = 4096
+	used := map[int]bool{}
+	even := 0
+	for i := range 1000 {
+		h, home := hashKey([]byte(fmt.Sprintf("key-%d", i)), buckets)
+		if h == 0 || home < 0 || home >= buckets {
+			t.Fatalf("key-%d: hash %#x, home %d", i, h, home)
+		}
+		used[home] = true
+		if home%2 == 0 {
+			even++
+		}
+	}
+	if even < 400 || even > 600 {
+		t.Errorf("%d of 1000 keys start at an even bucket, want about half", even)
+	}
+	if len(used) < 850 {
+		t.Errorf("1000 keys start at %d distinct buckets of %d, want about 890", len(used), buckets)
 	}
 }
