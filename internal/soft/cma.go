@@ -533,13 +533,7 @@ func (q *qp) deliverPulled(c *conn, id uint64, data []span) error {
 	x := q.x
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	var w *sendWQE
-	for _, r := range x.reads {
-		if r.rd.c == c && r.rd.id == id && !r.rd.done {
-			w = r
-			break
-		}
-	}
+	w := x.readOf(c, id)
 	if w == nil {
 		return nil // abandoned
 	}

@@ -150,13 +150,7 @@ func (q *qp) deliver(c *conn, id uint64, off uint64, data []span) error {
 	x := q.x
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	var w *sendWQE
-	for _, r := range x.reads {
-		if r.rd.c == c && r.rd.id == id && !r.rd.done {
-			w = r
-			break
-		}
-	}
+	w := x.readOf(c, id)
 	if w == nil {
 		return nil
 	}
@@ -171,6 +165,17 @@ func (q *qp) deliver(c *conn, id uint64, off uint64, data []span) error {
 	rd.got += uint32(n)
 	rd.done = rd.got == rd.n
 	rd.last = x.rtTicks.Load()
+	return nil
+}
+
+// readOf returns the read in flight sent as request id on c whose data
+// has not all come, or nil (x.mu held).
+func (x *xstate) readOf(c *conn, id uint64) *sendWQE {
+	for _, r := range x.reads {
+		if r.rd.c == c && r.rd.id == id && !r.rd.done {
+			return r
+		}
+	}
 	return nil
 }
 
