@@ -37,9 +37,10 @@ import (
 // The kernel allows process_vm_readv only where ptrace would be allowed
 // (same user, Yama's ptrace_scope, seccomp filters of containers). So
 // each side asks once per connection whether its peer may read it: it
-// sends PULL_PROBE with the address of pullProbe in its memory; the peer
-// reads those 8 bytes and answers PULL_ACK over the socket (in its stream
-// of frames, for a unix connection). Only after an
+// sends PULL_PROBE with the address of pullProbe in its memory, as the
+// connection's first frame (addConn: before any other writer can hold
+// it); the peer reads those 8 bytes and answers PULL_ACK over the socket
+// (in its stream of frames, for a unix connection). Only after an
 // answer that it could does a side pull its payloads, and only a side that
 // answered so accepts pulled requests.
 //
@@ -77,7 +78,7 @@ import (
 // The target reads the process it knows by the kernel's word (SO_PEERCRED)
 // and checks after each read, with a pidfd, that the process has not
 // exited (its id could then belong to another: the request is then lost).
-// A read that fails while the claims hold (the requester unmapped the
+// A read that fails while the claim holds (the requester unmapped the
 // memory of a region it did not close) fails the request as a remote
 // operation error (REM_OP_ERR at the requester, LOC_QP_OP_ERR for a
 // receive it consumed) and moves the target QP to ERR.
