@@ -823,10 +823,27 @@ func TestZeroAlloc(t *testing.T) {
 		sges := []prov.SGE{a.sge(0, 64), a.sge(64, 64)}
 		comps := make([]prov.Completion, 8)
 		var bad atomic.Value
+		full := 0
 		allocs := testing.AllocsPerRun(200, func() {
-			if _, err := a.qp.PostSend(wrs, sges); err != nil {
-				bad.Store(err)
-				return
+			// rxe may publish a send completion before it retires the
+			// WQE from the send queue: a post right after it can find
+			// the queue full (seen once in the VM tier with 64 slots).
+			// Poll and post again; the error's allocation is averaged
+			// away below one per run unless it happens often.
+			for k := 0; ; {
+				n, err := a.qp.PostSend(wrs[k:], sges)
+				if k += n; err == nil {
+					break
+				}
+				if !errors.Is(err, prov.ErrQueueFull) || full >= 1000 {
+					bad.Store(err)
+					return
+				}
+				full++
+				if _, err := a.cq.Poll(comps); err != nil {
+					bad.Store(err)
+					return
+				}
 			}
 			for got := 0; got < 1; {
 				n, err := a.cq.Poll(comps)
@@ -839,6 +856,9 @@ func TestZeroAlloc(t *testing.T) {
 		})
 		if err := bad.Load(); err != nil {
 			t.Fatal(err)
+		}
+		if full > 0 {
+			t.Logf("the send queue was full %d times in 201 batches", full)
 		}
 		if allocs != 0 {
 			t.Errorf("PostSend+Poll allocates %v per batch", allocs)
