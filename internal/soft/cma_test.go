@@ -355,3 +355,50 @@ func TestDeliverPulled(t *testing.T) {
 		})
 	}
 }
+
+// TestSRQGiveBack: a receive taken from an SRQ for a pulled message
+// whose claim was lost goes back to the SRQ's front (the oldest again,
+// with its SGEs), also when the ring must grow for it; a full SRQ
+// refuses it.
+func TestSRQGiveBack(t *testing.T) {
+	e := newEnv(t)
+	p, err := e.pd.CreateSRQ(prov.SRQAttr{MaxWR: 16, MaxSGE: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	s := p.(*srq)
+	post := func(wrids ...uint64) {
+		t.Helper()
+		for _, id := range wrids {
+			sg := []prov.SGE{{Addr: id * 100, Length: uint32(id), LKey: 7}, {Addr: id * 1000, Length: 1, LKey: 8}}
+			if _, err := s.PostRecv([]prov.RecvWR{{WRID: id, NumSGE: 2}}, sg); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	var buf [2]prov.SGE
+	take := func(want uint64) []prov.SGE {
+		t.Helper()
+		id, sg, ok := s.take(buf[:], nil)
+		if !ok || id != want || len(sg) != 2 || sg[0].Addr != want*100 || sg[1].Addr != want*1000 {
+			t.Fatalf("take: %d %v %v, want wr_id %d and its SGEs", id, sg, ok, want)
+		}
+		return append([]prov.SGE(nil), sg...)
+	}
+	post(1, 2, 3, 4) // the ring's first 4 slots
+	sg := take(1)
+	post(5) // the ring is full again: giving back grows it
+	if !s.giveBack(1, sg) {
+		t.Fatal("giveBack refused with room")
+	}
+	for _, id := range []uint64{1, 2, 3, 4, 5} {
+		take(id)
+	}
+	post(11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26)
+	sg = take(11)
+	post(27) // full: 16 of 16
+	if s.giveBack(11, sg) {
+		t.Error("giveBack to a full SRQ succeeded")
+	}
+}

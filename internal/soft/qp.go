@@ -54,11 +54,12 @@ type qp struct {
 	sqFull error
 
 	// Receive side (rmu).
-	rq      recvQueue
-	rqFull  error
-	rqPSN   uint32
-	rmsg    rmsg    // the message being received in segments (responder.go)
-	waiters []waker // requesters to wake when a receive is posted or the state changes
+	rq       recvQueue
+	rqFull   error
+	rqPSN    uint32
+	rmsg     rmsg    // the message being received in segments (responder.go)
+	tookHeld bool    // takeRecv's last receive was rmsg.recv (untakeRecv; rmu)
+	waiters  []waker // requesters to wake when a receive is posted or the state changes
 
 	// Requester state (progMu).
 	sqPSN    uint32

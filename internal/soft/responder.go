@@ -490,10 +490,12 @@ func (t *qp) remote(rkey uint32, addr, n uint64, need prov.Access) (unsafe.Point
 // takeRecv consumes the next receive (from the SRQ, if any). When there is
 // none, w (if not nil) is registered to be woken by the next post.
 func (t *qp) takeRecv(w waker) (wrid uint64, sges []prov.SGE, rpd *pd, ok bool) {
+	t.tookHeld = false
 	if r := &t.rmsg.recv; r.ok {
 		// Taken by a message that did not end: the oldest. (The SGEs
 		// stay intact until rmu is released.)
 		r.ok = false
+		t.tookHeld = true
 		return r.wrid, r.sges[:r.n], r.pd, true
 	}
 	if t.srq != nil {
@@ -514,8 +516,12 @@ func (t *qp) takeRecv(w waker) (wrid uint64, sges []prov.SGE, rpd *pd, ok bool) 
 
 // untakeRecv gives back the receive wrid that takeRecv returned, for a
 // message that did not consume it: the next one takes it first (rmu
-// held).
+// held). One from the SRQ goes back to the SRQ's front, for any of its
+// QPs, if it has room.
 func (t *qp) untakeRecv(wrid uint64, sges []prov.SGE, rpd *pd) {
+	if t.srq != nil && !t.tookHeld && t.srq.giveBack(wrid, sges) {
+		return
+	}
 	r := &t.rmsg.recv
 	r.ok, r.wrid, r.pd = true, wrid, rpd
 	r.n = copy(r.sges[:], sges)

@@ -65,6 +65,20 @@ func (q *recvQueue) pop() {
 	q.count--
 }
 
+// unpop puts a receive back at the head (the oldest again), as pop took
+// it; the queue must not be full.
+func (q *recvQueue) unpop(wrid uint64, sges []prov.SGE) {
+	if q.count == len(q.slots) {
+		q.relayout(min(q.depth, max(recvRingMin, 2*len(q.slots))))
+	}
+	if q.head--; q.head < 0 {
+		q.head = len(q.slots) - 1
+	}
+	q.slots[q.head] = recvSlot{wrid: wrid, nsge: len(sges)}
+	copy(q.sges[q.head*q.maxSGE:], sges)
+	q.count++
+}
+
 func (q *recvQueue) reset() { q.head, q.count = 0, 0 }
 
 // resize changes the depth, keeping the queued requests (depth >= count).
@@ -187,6 +201,26 @@ func (s *srq) take(buf []prov.SGE, w waker) (wrid uint64, sges []prov.SGE, ok bo
 		s.ctx.events.push(prov.AsyncEvent{Type: evSRQLimit, Element: prov.SRQ(s)})
 	}
 	return wrid, buf[:n], true
+}
+
+// giveBack returns a receive that take gave for a message that did not
+// consume it (a pulled payload its requester let go of, cma.go) to the
+// front of the queue; it reports false if the SRQ is gone or full (posts
+// since filled it), leaving the receive to the caller.
+func (s *srq) giveBack(wrid uint64, sges []prov.SGE) bool {
+	s.mu.Lock()
+	if s.dead || s.q.full() {
+		s.mu.Unlock()
+		return false
+	}
+	s.q.unpop(wrid, sges)
+	ws := s.waiters
+	s.waiters = nil
+	s.mu.Unlock()
+	for _, w := range ws {
+		w.wake()
+	}
+	return true
 }
 
 // Modify arms the limit event (limitOnly) or also resizes the queue to
