@@ -460,8 +460,9 @@ func pullLinks(t *testing.T, c *xcase, p *xrc, src *verbs.MemoryRegion, pull boo
 // TestCrossProcessPullLetGo: a pulled payload is read when the target
 // handles the request, so a request its requester let go of first must
 // not be delivered with what its buffer holds by then (cma.go's claims).
-// The peer is stopped (SIGSTOP) before the send, so it handles the
-// request only when resumed, after either the requester's QP timed out
+// The peer is stopped (SIGSTOP) before the request (a send, or a write
+// with immediate: each consumes a receive), so it handles the request
+// only when resumed, after either the requester's QP timed out
 // (the request completed with RETRY_EXC_ERR) or the region of its buffer
 // was closed; then the buffer is overwritten. The peer drops the request
 // (LinkInfo.PullsLost) without consuming its receive, which its QP's
@@ -469,56 +470,64 @@ func pullLinks(t *testing.T, c *xcase, p *xrc, src *verbs.MemoryRegion, pull boo
 // LOC_PROT_ERR, as a NIC reports a request whose region went.
 func TestCrossProcessPullLetGo(t *testing.T) {
 	for _, tr := range []string{"shm", "unix"} {
-		for _, how := range []string{"TimedOut", "RegionClosed"} {
-			t.Run(tr+"/"+how, func(t *testing.T) {
-				c := peerOver(t, tr)
-				spec := verbs.QPSpec{Timeout: 8, RetryCount: 1} // about 2 ms
-				if how == "RegionClosed" {
-					spec = verbs.QPSpec{Timeout: 22, RetryCount: 7} // 17 s a try: no timeout
-				}
-				const size = 256 << 10
-				p := newXRC(t, c, spec, size, accessAll)
-				buf := make([]byte, size)
-				src := p.a.Register(t, buf, accessLocal)
-				link, peerLink := pullLinks(t, c, p, src, true)
-				lost := peerLink().PullsLost
-
-				c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 10, Len: size})
-				Pattern(buf, 0x11)
-				if err := syscall.Kill(c.peer.PID(), syscall.SIGSTOP); err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { syscall.Kill(c.peer.PID(), syscall.SIGCONT) })
-				waitStopped(t, c.peer.PID())
-				must(t, "post send", p.qa.PostSend(20, verbs.Signaled, SGE(t, src, 0, size)))
-				if how == "TimedOut" {
-					expectStatus(t, "send to a stopped peer", c.pollOne(t, p.a.CQ), 20, verbs.StatusRetryExcErr, p.qa.QPN())
-				} else {
-					must(t, "close the region", src.Close())
-				}
-				Pattern(buf, 0x66) // the application's memory again
-				if err := syscall.Kill(c.peer.PID(), syscall.SIGCONT); err != nil {
-					t.Fatal(err)
-				}
-				deadline := time.Now().Add(DefaultTimeout)
-				for peerLink().PullsLost == lost {
-					if time.Now().After(deadline) {
-						wcs := c.peer.Do(PeerReq{Op: "poll", ID: p.b, N: 1, MS: 1}).WCs
-						t.Fatalf("the resumed peer did not drop the request it pulled after it was let go (its completions: %v; received 0x66 bytes: %v)",
-							wcs, bytes.Equal(c.peerBytes(t, p.b, 0, 64), buf[:64]))
-					}
-					time.Sleep(time.Millisecond)
-				}
-				if how == "RegionClosed" {
-					expectStatus(t, "send whose region was closed", c.pollOne(t, p.a.CQ), 20, verbs.StatusLocProtErr, p.qa.QPN())
-				}
-				c.peer.Do(PeerReq{Op: "toerr", ID: p.b})
-				expectStatus(t, "the receive the dropped request did not consume", c.peerPoll(t, p.b, 1)[0], 10, verbs.StatusWRFlushErr, p.qpnB)
-				if n := link().PullsLost; n != 0 {
-					t.Errorf("this process dropped %d pulled requests, want 0", n)
-				}
-			})
+		for _, op := range []string{"send", "writeimm"} {
+			for _, how := range []string{"TimedOut", "RegionClosed"} {
+				t.Run(tr+"/"+op+"/"+how, func(t *testing.T) { testPullLetGo(t, tr, op, how) })
+			}
 		}
+	}
+}
+
+func testPullLetGo(t *testing.T, tr, op, how string) {
+	c := peerOver(t, tr)
+	spec := verbs.QPSpec{Timeout: 8, RetryCount: 1} // about 2 ms
+	if how == "RegionClosed" {
+		spec = verbs.QPSpec{Timeout: 22, RetryCount: 7} // 17 s a try: no timeout
+	}
+	const size = 256 << 10
+	p := newXRC(t, c, spec, size, accessAll)
+	buf := make([]byte, size)
+	src := p.a.Register(t, buf, accessLocal)
+	link, peerLink := pullLinks(t, c, p, src, true)
+	lost := peerLink().PullsLost
+
+	c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 10, Len: size})
+	Pattern(buf, 0x11)
+	if err := syscall.Kill(c.peer.PID(), syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Kill(c.peer.PID(), syscall.SIGCONT) })
+	waitStopped(t, c.peer.PID())
+	if op == "send" {
+		must(t, "post send", p.qa.PostSend(20, verbs.Signaled, SGE(t, src, 0, size)))
+	} else {
+		must(t, "post write imm", p.qa.PostWriteImm(20, verbs.Signaled, p.rb.At(0), 7, SGE(t, src, 0, size)))
+	}
+	if how == "TimedOut" {
+		expectStatus(t, op+" to a stopped peer", c.pollOne(t, p.a.CQ), 20, verbs.StatusRetryExcErr, p.qa.QPN())
+	} else {
+		must(t, "close the region", src.Close())
+	}
+	Pattern(buf, 0x66) // the application's memory again
+	if err := syscall.Kill(c.peer.PID(), syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(DefaultTimeout)
+	for peerLink().PullsLost == lost {
+		if time.Now().After(deadline) {
+			wcs := c.peer.Do(PeerReq{Op: "poll", ID: p.b, N: 1, MS: 1}).WCs
+			t.Fatalf("the resumed peer did not drop the request it pulled after it was let go (its completions: %v; received 0x66 bytes: %v)",
+				wcs, bytes.Equal(c.peerBytes(t, p.b, 0, 64), buf[:64]))
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if how == "RegionClosed" {
+		expectStatus(t, op+" whose region was closed", c.pollOne(t, p.a.CQ), 20, verbs.StatusLocProtErr, p.qa.QPN())
+	}
+	c.peer.Do(PeerReq{Op: "toerr", ID: p.b})
+	expectStatus(t, "the receive the dropped request did not consume", c.peerPoll(t, p.b, 1)[0], 10, verbs.StatusWRFlushErr, p.qpnB)
+	if n := link().PullsLost; n != 0 {
+		t.Errorf("this process dropped %d pulled requests, want 0", n)
 	}
 }
 
