@@ -514,9 +514,11 @@ func (c *conn) answerPulled(id uint64, qpn uint32, m *mr, addr uint64, n uint32)
 	le.PutUint64(d, uint64(uintptr(m.base))+(addr-m.addr))
 	le.PutUint64(d[8:], uint64(uintptr(unsafe.Pointer(&m.live))))
 	le.PutUint64(d[16:], v)
+	c.respMu.Lock() // fbufs' (flushResps runs in other goroutines too)
 	c.fbufs[0] = b[:]
 	err := c.send(c.fbufs[:1], false)
 	c.fbufs[0] = nil
+	c.respMu.Unlock()
 	if err != nil {
 		c.fail(err)
 	}
