@@ -170,15 +170,11 @@ func (c *conn) parsePull(data []span, plen int, length uint32) (*pullSrc, error)
 		return nil, fmt.Errorf("%w: pulled request with %d bytes of pieces", errBadReq, plen)
 	}
 	le := binary.LittleEndian
-	ps := &c.pull
-	ps.pid, ps.pidfd, ps.count, ps.lost = int(c.peerPID), c.pidfd, &c.pulled, &c.pullsLost
-	ps.n = (plen - pullHead) / pullDesc
 	a, v := le.Uint64(b[0:]), le.Uint64(b[8:])
-	if a == 0 || a%8 != 0 || a+8 < a || v == 0 {
+	ps := c.pullFrom((plen-pullHead)/pullDesc, a, v)
+	if ps == nil {
 		return nil, fmt.Errorf("%w: pulled request's claim %#x at %#x", errBadReq, v, a)
 	}
-	ps.remote[ps.n] = unix.RemoteIovec{Base: uintptr(a), Len: 8}
-	ps.claimed, ps.want = true, v
 	var total uint64
 	for i := range ps.n {
 		d := b[pullHead+i*pullDesc:]
@@ -193,6 +189,21 @@ func (c *conn) parsePull(data []span, plen int, length uint32) (*pullSrc, error)
 		return nil, fmt.Errorf("%w: pulled pieces of %d bytes for a message of %d", errBadReq, total, length)
 	}
 	return ps, nil
+}
+
+// pullFrom readies c.pull (the consumer's) to read n pieces from the
+// peer (the caller sets them in remote[:n]) with the claim whose word is
+// at a and holds v; nil if that cannot be a claim (its word unaligned or
+// at 0, or the value 0).
+func (c *conn) pullFrom(n int, a, v uint64) *pullSrc {
+	if a == 0 || a%8 != 0 || a+8 < a || v == 0 {
+		return nil
+	}
+	ps := &c.pull
+	ps.pid, ps.pidfd, ps.count, ps.lost = int(c.peerPID), c.pidfd, &c.pulled, &c.pullsLost
+	ps.n, ps.claimed, ps.want = n, true, v
+	ps.remote[n] = unix.RemoteIovec{Base: uintptr(a), Len: 8}
+	return ps
 }
 
 // read copies the payload into dst, from off bytes into dst on (dst
@@ -499,9 +510,10 @@ func (c *conn) pullsReads(n uint64) bool {
 // offered to pull, with where the data is (respPulled), if the peer can
 // read this process; it reports whether it did (else the data is sent).
 func (c *conn) answerPulled(id uint64, qpn uint32, m *mr, addr uint64, n uint32) bool {
-	if !c.pullReady.Load() || n < pullMin || addr < m.addr || uint64(n) > m.length || addr-m.addr > m.length-uint64(n) {
+	if !c.pullReady.Load() || n < pullMin {
 		return false
 	}
+	// The responder checked addr and n against m (qp.remote).
 	v := m.live.Load()
 	if v == 0 {
 		return false // closed: sendRead answers so
@@ -541,35 +553,18 @@ func (q *qp) deliverPulled(c *conn, id uint64, data []span) error {
 		return nil // abandoned
 	}
 	rd := &w.rd
-	if !rd.pull || c.pidfd < 0 || rd.got != 0 || wa == 0 || wa%8 != 0 || wv == 0 || addr+uint64(rd.n) < addr {
+	var ps *pullSrc
+	if rd.pull && c.pidfd >= 0 && rd.got == 0 && addr+uint64(rd.n) >= addr {
+		ps = c.pullFrom(1, wa, wv)
+	}
+	if ps == nil {
 		return fmt.Errorf("%w: a pulled read's answer (%d bytes at %#x, claim %#x at %#x) to a read that did not offer it", errBadResp, rd.n, addr, wv, wa)
 	}
-	ps := &c.pull
-	ps.pid, ps.pidfd, ps.count, ps.lost = int(c.peerPID), c.pidfd, &c.pulled, &c.pullsLost
-	ps.n, ps.claimed, ps.want = 1, true, wv
 	ps.remote[0] = unix.RemoteIovec{Base: uintptr(addr), Len: int(rd.n)}
-	ps.remote[1] = unix.RemoteIovec{Base: uintptr(wa), Len: 8}
 	var dst [maxSGE]span
 	var held [maxSGE]*mr
-	k := 0
-	st := prov.StatusSuccess
-	for _, s := range w.sge[:w.wr.NumSGE] {
-		if s.Length == 0 {
-			continue
-		}
-		m := q.f.lookupMR(s.LKey)
-		if m == nil || m.pd != q.pd || m.access&prov.AccessLocalWrite == 0 {
-			st = prov.StatusLocProtErr
-			break
-		}
-		p, ok := m.acquire(s.Addr, uint64(s.Length))
-		if !ok {
-			st = prov.StatusLocProtErr
-			break
-		}
-		held[k], dst[k] = m, span{p, int(s.Length)}
-		k++
-	}
+	var cache *mr
+	k, _, st := q.pinLocal(w.sge[:w.wr.NumSGE], prov.AccessLocalWrite, &cache, dst[:], held[:])
 	if st == prov.StatusSuccess {
 		switch ps.read(dst[:k], 0) {
 		case pullLost:
@@ -578,9 +573,7 @@ func (q *qp) deliverPulled(c *conn, id uint64, data []span) error {
 			st = prov.StatusRemOpErr
 		}
 	}
-	for _, m := range held[:k] {
-		m.release()
-	}
+	releaseAll(held[:k])
 	rd.st, rd.got, rd.done = st, rd.n, true
 	rd.last = x.rtTicks.Load()
 	return nil

@@ -318,32 +318,48 @@ func (q *qp) gather(w *sendWQE) (data []span, total uint64, n int, st prov.Statu
 	if w.op >= opRead {
 		need = prov.AccessLocalWrite // read and atomic results land here
 	}
-	for _, s := range w.sge[:w.wr.NumSGE] {
-		if s.Length == 0 {
-			continue
-		}
-		m := q.f.lookupMRCached(s.LKey, &q.lcache)
-		if m == nil || m.pd != q.pd || m.access&need != need {
-			q.releaseLocal(n)
-			return nil, 0, 0, prov.StatusLocProtErr
-		}
-		p, ok := m.acquire(s.Addr, uint64(s.Length))
-		if !ok {
-			q.releaseLocal(n)
-			return nil, 0, 0, prov.StatusLocProtErr
-		}
-		q.locked[n] = m
-		q.spans[n] = span{p, int(s.Length)}
-		n++
-		total += uint64(s.Length)
+	n, total, st = q.pinLocal(w.sge[:w.wr.NumSGE], need, &q.lcache, q.spans[:], q.locked[:])
+	if st != prov.StatusSuccess {
+		return nil, 0, 0, st
 	}
 	return q.spans[:n], total, n, prov.StatusSuccess
 }
 
-func (q *qp) releaseLocal(n int) {
-	for i := 0; i < n; i++ {
-		q.locked[i].release()
-		q.locked[i] = nil
+// pinLocal checks the SGEs (but empty ones) against their regions, of
+// this QP's PD and with the access need, and holds the regions (acquire)
+// into locked and their memory into spans; it returns how many, and
+// their bytes. On LOC_PROT_ERR nothing stays held. cache is the caller's
+// (lookupMRCached).
+func (q *qp) pinLocal(sges []prov.SGE, need prov.Access, cache **mr, spans []span, locked []*mr) (n int, total uint64, st prov.Status) {
+	for _, s := range sges {
+		if s.Length == 0 {
+			continue
+		}
+		m := q.f.lookupMRCached(s.LKey, cache)
+		var p unsafe.Pointer
+		ok := m != nil && m.pd == q.pd && m.access&need == need
+		if ok {
+			p, ok = m.acquire(s.Addr, uint64(s.Length))
+		}
+		if !ok {
+			releaseAll(locked[:n])
+			return 0, 0, prov.StatusLocProtErr
+		}
+		locked[n] = m
+		spans[n] = span{p, int(s.Length)}
+		n++
+		total += uint64(s.Length)
+	}
+	return n, total, prov.StatusSuccess
+}
+
+func (q *qp) releaseLocal(n int) { releaseAll(q.locked[:n]) }
+
+// releaseAll releases the regions of ms (acquire) and forgets them.
+func releaseAll(ms []*mr) {
+	for i, m := range ms {
+		m.release()
+		ms[i] = nil
 	}
 }
 
