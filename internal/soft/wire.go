@@ -168,6 +168,19 @@ const (
 	reqPull      = 1 << 4 // shm, unix RC send or write: the payload is the requester's addresses of its bytes; read: the requester can pull the data (cma.go)
 )
 
+// pullPayload reports whether payload bytes fit a pulled request of op:
+// a send's or write's claim and 1 to maxSGE pieces, nothing for a read
+// (cma.go).
+func pullPayload(op reqOp, payload uint32) bool {
+	switch {
+	case op == opRead:
+		return payload == 0
+	case hasPayload(op):
+		return payload >= pullHead+pullDesc && (payload-pullHead)%pullDesc == 0 && payload <= pullHead+maxSGE*pullDesc
+	}
+	return false
+}
+
 // hasPayload reports whether a request of op carries its message.
 func hasPayload(op reqOp) bool { return op <= opWriteImm }
 
@@ -250,12 +263,9 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return 0, fmt.Errorf("%w: flags %#x", errBadReq, flags)
 	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore) != 0 || payload != 0 || req.off != 0):
 		return 0, fmt.Errorf("%w: a direct request must be a RC write or read without payload", errBadReq)
-	case flags&reqPull != 0 && req.op == opRead && (req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore|reqDirect) != 0 ||
-		req.off != 0 || req.length == 0 || payload != 0):
-		return 0, fmt.Errorf("%w: a read offering to pull must be a RC read of at least a byte", errBadReq)
-	case flags&reqPull != 0 && req.op != opRead && (!hasPayload(req.op) || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore|reqDirect) != 0 ||
-		req.off != 0 || req.length == 0 || payload < pullHead+pullDesc || (payload-pullHead)%pullDesc != 0 || payload > pullHead+maxSGE*pullDesc):
-		return 0, fmt.Errorf("%w: a pulled request must be a RC send or write of 1 to %d pieces", errBadReq, maxSGE)
+	case flags&reqPull != 0 && (req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore|reqDirect) != 0 ||
+		req.off != 0 || req.length == 0 || !pullPayload(req.op, payload)):
+		return 0, fmt.Errorf("%w: a pulled request must be a RC send or write of 1 to %d pieces, or a RC read without payload", errBadReq, maxSGE)
 	case req.srcQPN > maxQPN || req.dstQPN > maxQPN || req.psn > psnMask:
 		return 0, fmt.Errorf("%w: QPN or PSN exceeds 24 bits", errBadReq)
 	case req.length > maxMsgSize:
