@@ -5,6 +5,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -88,6 +89,18 @@ func TestPeerClockAfterTicks(t *testing.T) {
 	// of processor time) rarely move, its schedstat always does.
 	cmd := startChild(t, "sh", "-c", "while :; do sleep 0.01; done")
 	pid := uint32(cmd.Process.Pid)
+	// The clock follows the shell, once it runs: not the process before
+	// its exec, and not before the kernel accounted its first run time
+	// (a sum of 0 reads as unknown).
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(5 * time.Millisecond) {
+		b, _ := os.ReadFile("/proc/" + strconv.Itoa(int(pid)) + "/comm")
+		if v, _ := peerSched(pid); string(b) == "sh\n" && v != 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the shell did not start for a minute")
+		}
+	}
 	c := newPeerClock(pid)
 	ticked := 0
 	for round := range 20 {
@@ -95,16 +108,26 @@ func TestPeerClockAfterTicks(t *testing.T) {
 		if !c.ran() {
 			t.Fatalf("round %d: the ticks moved and the peer did not run", round)
 		}
-		time.Sleep(100 * time.Millisecond) // the shell runs ten times
+		// Wait until the shell ran since that look (its threads' run
+		// and wait time moved): on a loaded machine its sleep of 10 ms
+		// may take much longer.
+		mark := c.sched.Load()
+		for deadline := time.Now().Add(time.Minute); ; {
+			time.Sleep(20 * time.Millisecond)
+			if v, ok := peerSched(pid); ok && v != mark {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the shell did not run for a minute")
+			}
+		}
 		before := c.last.Load()
-		if c.ran() {
-			continue
+		if !c.ran() {
+			t.Fatalf("round %d: a peer that ran since a look that saw ticks did not run", round)
 		}
 		if v, _, _ := peerStat(pid); v != before {
-			ticked++ // it did tick: the look compared the ticks
-			continue
+			ticked++ // it ticked too: the look compared the ticks
 		}
-		t.Fatalf("round %d: a peer that ran ten times since a look that saw ticks did not run", round)
 	}
 	if ticked == 20 {
 		t.Skip("the shell used a clock tick in every round: nothing compared its run time")
