@@ -818,13 +818,19 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 	}()
 	// Spinning, as b.spin allows: poll (driving the transport's
 	// progress), check now and then, yield to the process' goroutines.
+	// The word is looked at after each poll, before the pause: soft0
+	// places the peer's write in the poll, and with ranks that outnumber
+	// the processors a pause is a context switch or several.
 	if b.spin.Spin > 0 {
+		if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
+			return err
+		}
 		until := time.Now().Add(b.spin.Spin)
 		for i := 1; ; i++ {
-			if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
+			if err := b.mc.Progress(); err != nil {
 				return err
 			}
-			if err := b.mc.Progress(); err != nil {
+			if ok, err := match(atomic.LoadUint64(w)); ok || err != nil {
 				return err
 			}
 			if i%pollCheck == 0 {

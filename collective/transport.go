@@ -892,8 +892,15 @@ func (c *Comm) idle(ctx context.Context, sends, recvs []flow) error {
 		// Spinning: drive the progress (soft0 places a peer's writes as
 		// the process polls) and let the process' goroutines (and, with
 		// ranks that outnumber the processors, the peers) run.
+		rung := c.mc.Rung()
 		if err := c.mc.Progress(); err != nil {
 			return c.fail(err, -1)
+		}
+		if c.mc.Rung() != rung && w.i%waitCheck != 0 {
+			// A peer's write arrived (every signal rings): look at it
+			// now, not after a pause, which with ranks that outnumber
+			// the processors is a context switch or several.
+			return nil
 		}
 		if w.i%waitCheck == 0 {
 			if err := c.writeRodeAcks(); err != nil {
