@@ -32,6 +32,8 @@ type fabric struct {
 
 	wakes atomic.Uint64 // completion events delivered (cq.push)
 
+	graces graceWatch // the readers in their grace (progress.go)
+
 	keysMu   sync.Mutex
 	keyPerm  perm32
 	keyIdx   indexPool

@@ -338,3 +338,57 @@ func testAckHeldWhenSleeping(t *testing.T, kind string) {
 		t.Fatalf("%d acknowledgements corked by the reader; %d pushed by an answer, %d by an arm: want 10 of each", corked, byAnswer, byArm)
 	}
 }
+
+// TestGraceWatch: the watcher leaves a reader in its grace while its
+// connection's polls move between two looks, and kicks it (once, taking
+// it off the watch) when they did not move or the connection is down;
+// the last kick ends the watch.
+func TestGraceWatch(t *testing.T) {
+	newConn := func() *conn { return &conn{pollState: pollState{kick: make(chan struct{}, 1)}} }
+	kicked := func(c *conn) bool {
+		select {
+		case <-c.kick:
+			return true
+		default:
+			return false
+		}
+	}
+	w := &graceWatch{on: true} // no timer: the test looks itself
+	polling, stopped, down := newConn(), newConn(), newConn()
+	for _, c := range []*conn{polling, stopped, down} {
+		w.add(c)
+	}
+	polling.polls.Add(1)
+	stopped.polls.Add(1)
+	down.polls.Add(1)
+	down.dead.Store(true)
+	if !w.look() {
+		t.Fatal("look: no reader left in grace, want two")
+	}
+	if kicked(polling) || kicked(stopped) {
+		t.Fatal("kicked a reader whose polls moved")
+	}
+	if !kicked(down) {
+		t.Fatal("the reader of a connection that is down was not kicked")
+	}
+	polling.polls.Add(3)
+	if !w.look() {
+		t.Fatal("look: no reader left in grace, want one")
+	}
+	if !kicked(stopped) {
+		t.Fatal("the reader whose polls stopped was not kicked")
+	}
+	if kicked(polling) {
+		t.Fatal("kicked a reader whose polls moved")
+	}
+	if len(w.conns) != 1 {
+		t.Fatalf("%d connections watched, want 1", len(w.conns))
+	}
+	w.remove(polling) // its grace ended (an arm)
+	if w.look() || w.on {
+		t.Fatal("the watch goes on with no reader in grace")
+	}
+	if kicked(polling) {
+		t.Fatal("kicked a reader off the watch")
+	}
+}
