@@ -97,7 +97,8 @@
 // reduce-scatter and doubling allgather up to RingMin, and the ring
 // (reduce-scatter then allgather in p−1 steps each, chunks pipelined)
 // above. Sizes that are not powers of two fold the first 2·(p−2^⌊log2 p⌋)
-// ranks in pairs first. Barrier is a dissemination barrier. Each
+// ranks in pairs first. Barrier is a butterfly for powers of two, else a
+// dissemination barrier (BarrierAlgorithm). Each
 // collective documents its algorithm and cost.
 //
 // Results are bitwise identical on every rank: each element's final value

@@ -250,7 +250,7 @@ var collBenches = []collBench{
 	},
 	{
 		name: "barrier",
-		alg:  func(collConfig, int, int, int) string { return "dissemination" },
+		alg:  func(_ collConfig, p, _, _ int) string { return collective.BarrierAlgorithm(p) },
 		run:  func(ctx context.Context, r *collBufs, _ int) error { return collective.Barrier(ctx, r.c) },
 	},
 	// NCCL's bus bandwidth factors: broadcast 1; allgather,

@@ -125,7 +125,7 @@ func checkCollTable(t *testing.T, out string) {
 	for i, f := range rows {
 		last := i == len(rows)-1
 		if last {
-			// 0 0 - - barrier dissemination time - -
+			// 0 0 - - barrier butterfly time - -
 			if len(f) != 9 || f[4] != "barrier" || f[7] != "-" || f[8] != "-" {
 				t.Errorf("barrier row %q", f)
 				continue
