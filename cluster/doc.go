@@ -181,8 +181,9 @@
 // no world goes on with a hole.
 //
 // A rank waits for a flag by polling — driving the transport's progress:
-// soft0 places a peer's write when a process of it polls, and every
-// fourth poll lets the process' goroutines run — for up to
+// soft0 places a peer's write when a process of it polls, so the flag is
+// looked at after each poll, before any pause; every fourth poll lets
+// the process' goroutines run — for up to
 // 1 ms, then sleeps on its channel's completion channel
 // (channel.MultiChannel.Sleep). When the machine has more ranks of the
 // world than processors (LocalRanks against runtime.NumCPU) a spinning

@@ -119,7 +119,11 @@
 // threads between any two polls (sched_yield, as MPI libraries do), so that the
 // rank it waits for runs at once; with more than 4 ranks per processor
 // it sleeps at once, since the rank waited for would queue behind every
-// spinner of its processor (internal/spinwait). Every
+// spinner of its processor (internal/spinwait). A poll that rang a
+// doorbell (a peer's write arrived: soft0 places it in the poll) is
+// followed by a look at the flows, not by a pause: with ranks that
+// outnumber the processors a pause is a context switch or more, and
+// looking after it cost one per message. Every
 // counter written at a peer (a chunk's data count, an ack count, the
 // done flag, the abort word) is an RDMA write with immediate data, which
 // rings the peer's doorbell (channel.Options.Doorbells, on by default on
