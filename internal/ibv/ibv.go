@@ -460,7 +460,30 @@ func errnoErr(op string, rc C.int) error {
 func postErr(op string, rc C.int) error {
 	e := syscall.Errno(rc)
 	if e == syscall.ENOMEM || e == syscall.ENOSPC {
-		return &prov.Errno{Sentinel: prov.ErrQueueFull, Errno: syscall.ENOMEM, Msg: op + ": queue full (" + e.Error() + ")"}
+		if errs, ok := queueFull[op]; ok {
+			if e == syscall.ENOSPC {
+				return errs.nospc
+			}
+			return errs.nomem
+		}
+		return newQueueFull(op, e)
 	}
 	return errnoErr(op, rc)
+}
+
+// queueFull holds the errors of a full queue of each post call, by
+// errno (ENOSPC or ENOMEM), made once: a full queue is flow control, met
+// in the posting loops of the hot path, which allocate nothing (rxe
+// reports it often: it may publish a completion before it retires the
+// request from the queue).
+var queueFull = func() map[string]struct{ nomem, nospc error } {
+	m := make(map[string]struct{ nomem, nospc error })
+	for _, op := range []string{"ibv_post_send", "ibv_post_recv", "ibv_post_srq_recv"} {
+		m[op] = struct{ nomem, nospc error }{newQueueFull(op, syscall.ENOMEM), newQueueFull(op, syscall.ENOSPC)}
+	}
+	return m
+}()
+
+func newQueueFull(op string, e syscall.Errno) error {
+	return &prov.Errno{Sentinel: prov.ErrQueueFull, Errno: syscall.ENOMEM, Msg: op + ": queue full (" + e.Error() + ")"}
 }
