@@ -28,6 +28,8 @@ import (
 //	                         bare channel, 16 in flight
 //	BenchmarkXprocRequest    RequestRemoteMR of 4 KiB and its Release
 //	                         (request-ns/op: the request alone)
+//	BenchmarkXprocRequestSpin  the same with Config.AgentSpin on both
+//	                         sides
 //	BenchmarkXprocWriteImm   WriteImm of 64 bytes into a requested region
 //	                         (the child releases the notices)
 //
@@ -171,10 +173,16 @@ func BenchmarkXprocBandwidth(b *testing.B) {
 	}
 }
 
-func BenchmarkXprocRequest(b *testing.B) {
+func BenchmarkXprocRequest(b *testing.B) { benchRequest(b, false) }
+
+// BenchmarkXprocRequestSpin is BenchmarkXprocRequest with Config.AgentSpin
+// on both sides.
+func BenchmarkXprocRequestSpin(b *testing.B) { benchRequest(b, true) }
+
+func benchRequest(b *testing.B, agentSpin bool) {
 	for _, kind := range benchKinds {
 		b.Run(kind, func(b *testing.B) {
-			s := benchSession(b, kind)
+			s := benchSessionWith(b, kind, agentSpin)
 			ctx := context.Background()
 			var reqTime time.Duration
 			req := func() {
@@ -243,17 +251,25 @@ const wimmBenchSize = 64
 
 // benchSession starts a child serving sessions over kind and returns a
 // session to it.
-func benchSession(b *testing.B, kind string) *Session {
+func benchSession(b *testing.B, kind string) *Session { return benchSessionWith(b, kind, false) }
+
+// benchSessionWith is benchSession, with Config.AgentSpin set as
+// agentSpin on both sides.
+func benchSessionWith(b *testing.B, kind string, agentSpin bool) *Session {
 	restore, err := soft.ForceTransport(kind)
 	if err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(restore)
-	p := testproc.Start(b, envBenchChild+"=session", "GOVERBS_SOFT_TRANSPORT="+kind)
+	child := envBenchChild + "=session"
+	if agentSpin {
+		child = envBenchChild + "=session-agentspin"
+	}
+	p := testproc.Start(b, child, "GOVERBS_SOFT_TRANSPORT="+kind)
 	addr := p.Line(b, "addr")[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	s, err := Dial(ctx, addr, Config{})
+	s, err := Dial(ctx, addr, Config{AgentSpin: agentSpin})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -332,9 +348,10 @@ func benchChildIfRequested() {
 		return
 	}
 	var err error
-	if what == "session" {
-		err = benchSessionChild()
-	} else {
+	switch what {
+	case "session", "session-agentspin":
+		err = benchSessionChild(what == "session-agentspin")
+	default:
 		err = benchChannelChild(what)
 	}
 	if err != nil {
@@ -346,11 +363,12 @@ func benchChildIfRequested() {
 
 // benchSessionChild serves one session: 8-byte messages come back, a
 // "d" is answered when every message before it was received, others are
-// released. It ends when its stdin closes.
-func benchSessionChild() error {
+// released. It ends when its stdin closes. agentSpin sets
+// Config.AgentSpin.
+func benchSessionChild(agentSpin bool) error {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	l, err := Listen(ctx, "127.0.0.1:0", Config{})
+	l, err := Listen(ctx, "127.0.0.1:0", Config{AgentSpin: agentSpin})
 	if err != nil {
 		return err
 	}
