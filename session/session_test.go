@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -72,8 +73,16 @@ func TestManyMessagesCredits(t *testing.T) {
 	}
 }
 
+// TestRemoteMemory: requested and offered regions, their bounds, access
+// and leases, with the agents sleeping at once and with AgentSpin.
 func TestRemoteMemory(t *testing.T) {
-	a, b := pair(t, Config{})
+	for _, spin := range []bool{false, true} {
+		t.Run(fmt.Sprintf("AgentSpin=%v", spin), func(t *testing.T) { testRemoteMemory(t, Config{AgentSpin: spin}) })
+	}
+}
+
+func testRemoteMemory(t *testing.T, cfg Config) {
+	a, b := pair(t, cfg)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	r, err := b.RequestRemoteMR(ctx, 4096, verbs.AccessRemoteRead|verbs.AccessRemoteWrite|verbs.AccessRemoteAtomic, 0)
