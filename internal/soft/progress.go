@@ -43,9 +43,9 @@ import (
 // message, as on a socket of one's own.
 //
 // While applications poll, the reader stays out of their way: seeing the
-// poll count move, it sleeps in a grace (until the polls stop) instead of
-// on its eventfd or socket, so producers find no sleeper to wake and make no
-// system call; a socket is silenced meanwhile (quiet.go), so that its
+// poll count move, it sleeps in a grace (until the polls stop) instead
+// of on its eventfd or socket, so producers find no sleeper to wake and
+// make no system call; a socket is silenced meanwhile (quiet.go), so that its
 // segments do not wake the runtime's poller either.
 // When the polling stops the reader takes over again within one or two
 // pollerGrace (one watcher per process looks at the polls of every
@@ -54,7 +54,7 @@ import (
 // an application that arms a CQ to sleep on its channel (cq.Arm) ends the
 // grace at once (pollConns.pollersGone), and no grace starts for the polls
 // before the arm, so a message for a sleeping application does not wait
-// for the timer. An application that sleeps on its completion channel
+// for the watcher. An application that sleeps on its completion channel
 // reads the socket itself while it waits, and the reader steps aside
 // (drive.go).
 
@@ -335,8 +335,8 @@ func readErr0(c *conn, err error) error {
 
 // waitRx waits until more bytes arrive in the ring (its tail moves past
 // seen), spinning a little, then in a grace while pollers are active
-// (until graceWatch or an arm ends it), else on the eventfd. For a socket it is one grace (rxLoop waits
-// on the socket itself).
+// (until graceWatch or an arm ends it), else on the eventfd. For a
+// socket it is one grace (rxLoop waits on the socket itself).
 func (c *conn) waitRx(seen uint64, lastPolls *uint64) error {
 	for spins := 0; ; spins++ {
 		if c.dead.Load() || c.shm != nil && atomic.LoadUint64(c.shm.in.tail) != seen {
