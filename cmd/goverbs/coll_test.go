@@ -234,3 +234,30 @@ func TestCollUsage(t *testing.T) {
 		})
 	}
 }
+
+// TestCollGoals: the latency goal is issue 15's 1.5 × ⌈log2 p⌉ × one-way,
+// and issue 14's 10 × when the spawned ranks outnumber the processors
+// (not for ranks a launcher started, which may be on other hosts).
+func TestCollGoals(t *testing.T) {
+	cpus := runtime.NumCPU()
+	for _, tc := range []struct {
+		p      int
+		launch string
+		goal   float64
+		note   string
+	}{
+		{p: max(cpus, 2), launch: "spawned", goal: goalLatency},
+		{p: cpus + 1, launch: "spawned", goal: goalOversub, note: "ranks outnumber the processors"},
+		{p: cpus + 1, launch: "launcher", goal: goalLatency},
+	} {
+		if tc.p > cpus && tc.launch == "spawned" {
+			tc.goal, tc.note = goalOversub, "ranks outnumber the processors"
+		}
+		res := collResult{Launch: tc.launch, P2P: &P2PResult{OneWayUS: 1},
+			Rows: []collRow{{Collective: "barrier", TimeUS: 5 * float64(ceilLog2(tc.p))}}}
+		g := collGoals(collConfig{p: tc.p}, res)
+		if len(g) != 1 || g[0].Goal != tc.goal || g[0].Note != tc.note || g[0].Value != 5 || g[0].Met != (5 <= tc.goal) {
+			t.Errorf("p=%d %s: goals %+v, want one of %v (%q), value 5", tc.p, tc.launch, g, tc.goal, tc.note)
+		}
+	}
+}
