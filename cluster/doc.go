@@ -189,7 +189,8 @@
 // world than processors (LocalRanks against runtime.NumCPU) a spinning
 // rank offers its processor to the other threads between polls
 // (sched_yield, as MPI libraries do), so the rank it waits for runs at
-// once; with more than 4 ranks per processor it sleeps at once, since
+// once; with more than 32 ranks per processor (spinwait.MaxYieldRanks)
+// it sleeps at once, since
 // the rank waited for would queue behind every spinner of its
 // processor. Flags are written with immediate data: each rings
 // the receiver's doorbell (NodeOptions.Channel.Doorbells, 64 per peer by

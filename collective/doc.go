@@ -117,7 +117,7 @@
 // world than processors (cluster.Node.LocalRanks against
 // runtime.NumCPU) a spinning rank offers its processor to the other
 // threads between any two polls (sched_yield, as MPI libraries do), so that the
-// rank it waits for runs at once; with more than 4 ranks per processor
+// rank it waits for runs at once; with more than 32 ranks per processor
 // it sleeps at once, since the rank waited for would queue behind every
 // spinner of its processor (internal/spinwait). A poll that rang a
 // doorbell (a peer's write arrived: soft0 places it in the poll) is

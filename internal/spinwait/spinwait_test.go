@@ -15,10 +15,11 @@ func TestFor(t *testing.T) {
 		{8, 64, Policy{Spin: MaxSpin}},
 		{3, 2, Policy{Spin: MaxSpin, Yield: true}},
 		{8, 2, Policy{Spin: MaxSpin, Yield: true}},
-		{9, 2, Policy{Yield: true}},
+		{64, 2, Policy{Spin: MaxSpin, Yield: true}},
+		{65, 2, Policy{Yield: true}},
 		{512, 2, Policy{Yield: true}},
 		{2, 0, Policy{Spin: MaxSpin, Yield: true}}, // no processor reported: one
-		{5, 0, Policy{Yield: true}},
+		{33, 0, Policy{Yield: true}},
 	} {
 		c.want.Every = interval(c.ranks, c.cpus) // TestInterval
 		if got := For(c.ranks, c.cpus); got != c.want {
