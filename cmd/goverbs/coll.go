@@ -618,7 +618,7 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 		pp := &p2p{ch: node.Channel().Peer(peer), mr: region, first: node.Rank() == 0, remote: verbs.RemoteRegion{
 			Addr: binary.LittleEndian.Uint64(b), Len: binary.LittleEndian.Uint64(b[8:]), RKey: binary.LittleEndian.Uint32(b[16:])},
 			// The ranks but 0 and 1 sleep in the barrier meanwhile.
-			yield: spinwait.For(2, runtime.NumCPU())}
+			wait: spinwait.For(2, runtime.NumCPU())}
 		if res.P2P, err = pp.measure(ctx, cfg); err != nil {
 			return fmt.Errorf("point-to-point test: %w", err)
 		}
@@ -745,11 +745,12 @@ type p2p struct {
 	mr     *verbs.MemoryRegion
 	remote verbs.RemoteRegion
 	first  bool // rank 0: measures
-	// yield makes the waits offer the processor to every thread of the
-	// machine between polls (spinwait.Policy.Pause): the two ranks
-	// share one processor, and a wait that only spins would hold it
-	// until the kernel's tick lets the peer write (milliseconds).
-	yield spinwait.Policy
+	// wait is how the waits pause between polls: with Yield they offer
+	// the processor to every thread of the machine (spinwait.Policy.Pause),
+	// as the two ranks then share one processor, and a wait that only
+	// spins would hold it until the kernel's tick lets the peer write
+	// (milliseconds).
+	wait spinwait.Policy
 }
 
 // P2PResult is the point-to-point baseline of the same transport.
@@ -789,8 +790,8 @@ func (pp *p2p) post(ctx context.Context, off, n, dst int) (channel.Handle, error
 		if err := pp.ch.Progress(); err != nil {
 			return h, err
 		}
-		if pp.yield.Yield {
-			pp.yield.Pause()
+		if pp.wait.Yield {
+			pp.wait.Pause()
 		}
 		if err := ctx.Err(); err != nil {
 			return h, err
@@ -822,10 +823,10 @@ func (pp *p2p) await(ctx context.Context, off int, v uint64) error {
 		if err := pp.ch.Progress(); err != nil {
 			return err
 		}
-		if pp.yield.Yield && atomic.LoadUint64(w) != v {
+		if pp.wait.Yield && atomic.LoadUint64(w) != v {
 			// Paused only if the poll did not place it: a pause lets
 			// the peer run, which takes a context switch or two.
-			pp.yield.Pause()
+			pp.wait.Pause()
 		}
 		if spins&1023 == 1023 {
 			if err := ctx.Err(); err != nil {
