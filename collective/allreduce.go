@@ -43,7 +43,7 @@ func Allreduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) er
 	if err != nil {
 		return err
 	}
-	c.red = red
+	c.red, c.comb = red, combinerFor[T](op)
 	var in []byte // out of place: the input
 	if len(send) > 0 && &send[0] != &recv[0] {
 		in = bytesOf(send)

@@ -161,6 +161,7 @@ type Comm struct {
 	flagOwed, ackOwed                 []bool
 	anyOwed                           bool // some flagOwed or ackOwed may be set
 	red                               reducer
+	comb                              combiner // of red, or nil (see combiner)
 	call                              callInfo
 	callSeq                           uint32
 	deadline                          time.Time // of the call: see callDeadline

@@ -307,37 +307,63 @@ func sumBytes[T Number](dst, src []byte, srcLow bool) {
 	}
 }
 
-// sumF32 and sumF64 are Sum on float32 and float64: the vector kernel
-// (sum_amd64.go) on whole vectors, when the processor has it, and
-// sumBytes on the rest. Bit for bit the same as sumBytes alone.
-func sumF32(dst, src []byte, srcLow bool) {
-	d, s := elems[float32](dst), elems[float32](src)
-	s = s[:len(d)]
-	k := 0
-	if haveVec && len(d) >= vecF32 {
-		k = len(d) &^ (vecF32 - 1)
-		if srcLow {
-			addF32(&d[0], &s[0], &d[0], k)
-		} else {
-			addF32(&d[0], &d[0], &s[0], k)
-		}
+// sumF32 and sumF64 are Sum on float32 and float64 (sumTo, dst its own
+// operand).
+func sumF32(dst, src []byte, srcLow bool) { sumTo(dst, dst, src, srcLow, vecF32, addF32) }
+func sumF64(dst, src []byte, srcLow bool) { sumTo(dst, dst, src, srcLow, vecF64, addF64) }
+
+// combiner is a reducer that takes dst's operand from own: dst = src ⊕
+// own if srcLow, else own ⊕ src, bit for bit what copying own into dst
+// and reducing src into it gives, in one pass over the memory instead of
+// two (ringAllreduce out of place combines each chunk received with the
+// caller's input so). own is dst or does not overlap it.
+type combiner func(dst, own, src []byte, srcLow bool)
+
+// combinerFor returns the combiner of op on T, or nil where the copy and
+// the reducer do (only Sum on float32 and float64 has one: their vector
+// kernels take three operands).
+func combinerFor[T Number](op Op) combiner {
+	if op.kind != opSum {
+		return nil
 	}
-	sumBytes[float32](dst[4*k:], src[4*k:], srcLow)
+	var z T
+	switch any(z).(type) {
+	case float32:
+		return sumF32To
+	case float64:
+		return sumF64To
+	}
+	return nil
 }
 
-func sumF64(dst, src []byte, srcLow bool) {
-	d, s := elems[float64](dst), elems[float64](src)
-	s = s[:len(d)]
+func sumF32To(dst, own, src []byte, srcLow bool) { sumTo(dst, own, src, srcLow, vecF32, addF32) }
+func sumF64To(dst, own, src []byte, srcLow bool) { sumTo(dst, own, src, srcLow, vecF64, addF64) }
+
+// sumTo is Sum on float32 or float64 into dst from own and src: the
+// vector kernel add (sum_amd64.go) on whole vectors of vec elements, when
+// the processor has it, and sumBytes on the rest. Bit for bit the same as
+// sumBytes alone.
+func sumTo[T float32 | float64](dst, own, src []byte, srcLow bool, vec int, add func(out, left, right *T, n int)) {
+	d, o, s := elems[T](dst), elems[T](own), elems[T](src)
+	if len(d) == 0 {
+		return
+	}
+	o, s = o[:len(d)], s[:len(d)]
 	k := 0
-	if haveVec && len(d) >= vecF64 {
-		k = len(d) &^ (vecF64 - 1)
+	if haveVec && len(d) >= vec {
+		k = len(d) &^ (vec - 1)
 		if srcLow {
-			addF64(&d[0], &s[0], &d[0], k)
+			add(&d[0], &s[0], &o[0], k)
 		} else {
-			addF64(&d[0], &d[0], &s[0], k)
+			add(&d[0], &o[0], &s[0], k)
 		}
 	}
-	sumBytes[float64](dst[8*k:], src[8*k:], srcLow)
+	var e T
+	esz := int(unsafe.Sizeof(e))
+	if &o[0] != &d[0] {
+		copy(d[k:], o[k:])
+	}
+	sumBytes[T](dst[esz*k:], src[esz*k:], srcLow)
 }
 
 func prodBytes[T Number](dst, src []byte, srcLow bool) {

@@ -32,24 +32,66 @@ func testSumKernels(t *testing.T) {
 		math.Inf(1), math.Inf(-1), 0, math.Copysign(0, -1), 5e-324, -5e-324, 1, -1, 1e308, 0.1, 1 << 53}
 	f32 := []float32{float32(math.NaN()), math.Float32frombits(0x7f800123), math.Float32frombits(0xffc00456),
 		float32(math.Inf(1)), float32(math.Inf(-1)), 0, float32(math.Copysign(0, -1)), 1e-45, -1e-45, 1, -1, 3e38, 0.1, 1 << 24}
-	t.Run("float32", func(t *testing.T) {
-		checkKernel(t, rng, 4, sumF32, sumBytes[float32], func(b []byte, i int, r *rand.Rand) {
-			v := float32(r.NormFloat64() * 1e3)
-			if r.IntN(4) == 0 {
-				v = f32[r.IntN(len(f32))]
-			}
-			*(*float32)(ptr(b, 4*i)) = v
-		})
+	set32 := func(b []byte, i int, r *rand.Rand) {
+		v := float32(r.NormFloat64() * 1e3)
+		if r.IntN(4) == 0 {
+			v = f32[r.IntN(len(f32))]
+		}
+		*(*float32)(ptr(b, 4*i)) = v
+	}
+	set64 := func(b []byte, i int, r *rand.Rand) {
+		v := r.NormFloat64() * 1e3
+		if r.IntN(4) == 0 {
+			v = f64[r.IntN(len(f64))]
+		}
+		*(*float64)(ptr(b, 8*i)) = v
+	}
+	t.Run("float32", func(t *testing.T) { checkKernel(t, rng, 4, sumF32, sumBytes[float32], set32) })
+	t.Run("float64", func(t *testing.T) { checkKernel(t, rng, 8, sumF64, sumBytes[float64], set64) })
+	// The combiners (own elsewhere than dst) against copying own into
+	// dst and reducing: what ringAllreduce did before it had them.
+	t.Run("float32/combiner", func(t *testing.T) {
+		checkKernel(t, rng, 4, combined(combinerFor[float32](Sum)), sumBytes[float32], set32)
 	})
-	t.Run("float64", func(t *testing.T) {
-		checkKernel(t, rng, 8, sumF64, sumBytes[float64], func(b []byte, i int, r *rand.Rand) {
-			v := r.NormFloat64() * 1e3
-			if r.IntN(4) == 0 {
-				v = f64[r.IntN(len(f64))]
-			}
-			*(*float64)(ptr(b, 8*i)) = v
-		})
+	t.Run("float64/combiner", func(t *testing.T) {
+		checkKernel(t, rng, 8, combined(combinerFor[float64](Sum)), sumBytes[float64], set64)
 	})
+}
+
+// combined returns a reducer that combines dst's operand, copied to
+// memory of its own (misaligned against dst by one byte when dst is
+// long enough), with src into dst through comb, and fills that copy
+// with garbage after.
+func combined(comb combiner) reducer {
+	return func(dst, src []byte, srcLow bool) {
+		own := make([]byte, len(dst)+1)[1:]
+		copy(own, dst)
+		clear(dst)
+		comb(dst, own, src, srcLow)
+		for i := range own {
+			own[i] = 0xa5
+		}
+	}
+}
+
+// TestCombinerFor: only Sum on float32 and float64 has a combiner (the
+// rest copy and reduce).
+func TestCombinerFor(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		comb combiner
+		want bool
+	}{
+		{"sum float32", combinerFor[float32](Sum), true},
+		{"sum float64", combinerFor[float64](Sum), true},
+		{"max float32", combinerFor[float32](Max), false},
+		{"sum int32", combinerFor[int32](Sum), false},
+		{"sum bfloat16", combinerFor[BFloat16](Sum), false},
+	} {
+		if got := c.comb != nil; got != c.want {
+			t.Errorf("%s: combiner %v, want %v", c.name, got, c.want)
+		}
+	}
 }
 
 // checkKernel compares red with ref on random vectors of esz-byte

@@ -146,7 +146,7 @@ type flow struct {
 	started bool
 	reduce  bool   // receive: reduce into buf instead of copying
 	srcLow  bool   // receive: the incoming data is the lower ranks' operand
-	init    []byte // receive (reduce): copied into buf chunk by chunk before the reduction (nil: buf holds the operand)
+	init    []byte // receive (reduce): buf's operand, combined with the data chunk by chunk (c.comb, or copied into buf and reduced); nil: buf holds it
 	after   *flow  // send: only what this receive has filled in (forwarding)
 
 	// A send whose data lies in a Buffer is sent from there (zeroCopy):
@@ -689,12 +689,15 @@ func (c *Comm) tryRecv(f *flow) (bool, error) {
 			}
 			data = slot[hdrBytes : hdrBytes+n]
 		}
-		if f.init != nil {
+		switch {
+		case f.init != nil && c.comb != nil:
+			c.comb(f.buf[f.off:f.off+n], f.init[f.off:f.off+n], data, f.srcLow)
+		case f.init != nil:
 			copy(f.buf[f.off:f.off+n], f.init[f.off:f.off+n])
-		}
-		if f.reduce {
 			c.red(f.buf[f.off:f.off+n], data, f.srcLow)
-		} else {
+		case f.reduce:
+			c.red(f.buf[f.off:f.off+n], data, f.srcLow)
+		default:
 			copy(f.buf[f.off:f.off+n], data)
 		}
 		if !small {
