@@ -1410,10 +1410,12 @@ func (c *conn) ackFirst() {
 	c.rxAcked = true
 	c.respMu.Lock()
 	c.appendRespLocked(c.rxID, c.rxQPN, &response{code: respACK})
-	if c.acks != nil && !c.heldOther && c.queueEmpty() && len(c.resps)+hdrLen+respBodyLen <= cap(c.resps) {
+	if c.acks != nil && !c.heldOther && c.queueEmpty() && len(c.resps)+hdrLen+respBodyLen <= cap(c.resps) &&
+		(c.shm == nil || c.grace.Load()) {
 		// Held, and published in the acknowledgement page: the answer
 		// or the next flush takes it along (ackpage.go). A full
-		// buffer goes now.
+		// buffer goes now; over shared memory, so does an
+		// acknowledgement the reader would hold (no poller polls).
 		c.acks.held(c.rxID)
 		c.respMu.Unlock()
 		return
