@@ -1341,8 +1341,10 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	if t := c.f.qps.load(req.dstQPN); t == nil {
 		resp.code = silentOr(&req, respNoQP)
 	} else {
-		t.respond(&req, data, &resp)
+		// Before the completion is visible: an application that polls
+		// it and then waits drives c (drive.go) only if it finds c here.
 		t.rcq.fedBy(c)
+		t.respond(&req, data, &resp)
 		// An acknowledged request comes from t's destination (fromPeer).
 		if resp.code == respACK && t.typ == prov.QPTypeRC && t.x.rev.Load() != c {
 			t.x.rev.Store(c)
