@@ -11,9 +11,7 @@ import (
 	"github.com/goverbs/verbs/internal/mem"
 )
 
-// Acknowledgements held over unix sockets and shared memory (the
-// acknowledgement page; a shared-memory connection's words lie in the
-// headers of its rings, see shm.go).
+// Acknowledgements held over unix sockets (the acknowledgement page).
 //
 // A request that completes a receive must be acknowledged before its
 // completion is visible: the application may exit as soon as it has polled
@@ -34,22 +32,11 @@ import (
 // as over TCP. A process that dies leaves its word behind: when the
 // connection fails, the requester reads it (fail) and completes the
 // requests in flight up to that id as acknowledged (xreq.go, retireOne).
-// A shared-memory connection needs no page of its own: each ring's
-// header holds its producer's word (shm.go), and the ring is read to its
-// end before the connection fails (failAfterDrain). There it saves a
-// frame rather than system calls (the acknowledgement of each message,
-// a doorbell of a collective or a send, rode alone through the ring: two
-// frames per message where one does), so it holds only while the
-// application polls (the reader is in its grace): the next request or
-// the next poll that finds nothing new takes the acknowledgement along
-// within microseconds. A reader holds for an answer up to ackDelay,
-// which cost a one-way stream of 64 KiB session messages a tenth of its
-// bandwidth (its sender waits for completions); a frame is cheaper.
 //
 // That is exact because the responder handles requests in the order of
 // their ids and stores an id only when every response before it either
-// left (it is in the socket or ring, which the peer reads to its end
-// before the connection fails) or is a plain acknowledgement held with it: while a
+// left (it is in the socket, which the peer reads to its end before the
+// connection fails) or is a plain acknowledgement held with it: while a
 // response of another kind (a NAK, an atomic's result) is held or
 // anything waits in the connection's queue, ackFirst writes at once as
 // before. A peer that scribbles on the page can only make this process
@@ -134,11 +121,7 @@ func (p *ackPage) held(id uint64) { atomic.StoreUint64(p.mine, id) }
 // peerHeld is the last request id whose acknowledgement the peer held.
 func (p *ackPage) peerHeld() uint64 { return atomic.LoadUint64(p.peer) }
 
-// unmap unmaps a page of its own (a shared-memory connection's words lie
-// in its segment, which shmLink.unmap unmaps).
 func (p *ackPage) unmap() {
-	if p.mem != nil {
-		unix.Munmap(p.mem)
-		p.mem = nil
-	}
+	unix.Munmap(p.mem)
+	p.mem = nil
 }

@@ -1412,12 +1412,10 @@ func (c *conn) ackFirst() {
 	c.rxAcked = true
 	c.respMu.Lock()
 	c.appendRespLocked(c.rxID, c.rxQPN, &response{code: respACK})
-	if c.acks != nil && !c.heldOther && c.queueEmpty() && len(c.resps)+hdrLen+respBodyLen <= cap(c.resps) &&
-		(c.shm == nil || c.grace.Load()) {
+	if c.acks != nil && !c.heldOther && c.queueEmpty() && len(c.resps)+hdrLen+respBodyLen <= cap(c.resps) {
 		// Held, and published in the acknowledgement page: the answer
 		// or the next flush takes it along (ackpage.go). A full
-		// buffer goes now; over shared memory, so does an
-		// acknowledgement the reader would hold (no poller polls).
+		// buffer goes now.
 		c.acks.held(c.rxID)
 		c.respMu.Unlock()
 		return

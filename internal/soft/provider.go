@@ -59,10 +59,9 @@
 // dead one; conn.alive). A receiver that exits right after it polled a
 // receive completion, without closing anything, has acknowledged the
 // message already: the acknowledgement leaves before the completion is
-// visible (conn.ackFirst), or, over a unix socket (and over shared
-// memory while the application polls), is published in the connection's
-// acknowledgement page, which the sender reads when the connection fails
-// (ackpage.go); Close hands over what is held too.
+// visible (conn.ackFirst), or, over a unix socket, is published in the
+// connection's acknowledgement page, which the sender reads when the
+// connection fails (ackpage.go); Close hands over what is held too.
 // The acknowledgement of an RDMA write is not covered: a target process
 // that sees a write land in its memory and exits at once, without
 // closing anything, may take the acknowledgement it held with it, and

@@ -571,7 +571,6 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 		} else {
 			unix.Close(fds[0])
 			fds = nil // fds[1] and fds[2] belong to shm now
-			acks = &shm.acks
 		}
 	}
 	var aa [hdrLen + authAckLen]byte
@@ -869,9 +868,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	}
 	var acks *ackPage
 	ackFD := -1
-	if shm != nil {
-		acks = &shm.acks
-	} else if kind == kindUnix {
+	if kind == kindUnix {
 		if acks, ackFD = newDialerAckPage(); acks != nil {
 			defer unix.Close(ackFD) // the mapping keeps the page
 		}

@@ -54,14 +54,7 @@ import (
 // fault per 4 KiB on the way, a quarter of the time of an oversubscribed
 // barrier), 144 MiB per rank of a 512-rank world with 18 connections.
 //
-// Acknowledgements. Each ring's header also holds its producer's word of
-// the acknowledgement page (ackpage.go: the id of the last request whose
-// acknowledgement the producer holds), which the consumer's process
-// reads when the connection fails: a shared-memory connection holds the
-// acknowledgements of requests that complete receives as a unix one
-// does, instead of writing each as a frame of its own.
-//
-//	ring header  [0:8] tail   [64:72] head   [128:132] sleeping   [192:200] lap   [256:264] held acknowledgement
+//	ring header  [0:8] tail   [64:72] head   [128:132] sleeping   [192:200] lap
 //	data         [ringHdr:ringHdr+ringCap]
 
 const (
@@ -102,10 +95,6 @@ func newRing(seg []byte, i int) ring {
 		data:  seg[i*ringSize+ringHdr : (i+1)*ringSize : (i+1)*ringSize],
 	}
 }
-
-// ringAckOff is the offset of the held-acknowledgement word in a ring's
-// header (see Acknowledgements).
-const ringAckOff = 256
 
 var errRingCorrupt = errors.New("soft: shared memory ring corrupted by the peer")
 
@@ -264,7 +253,6 @@ type shmLink struct {
 	readErr error                 // of the last readEventfd
 	efdOut  int                   // written to wake the peer
 	efdBuf  [8]byte               // what the reader reads from efdIn
-	acks    ackPage               // the words of the rings' headers (see Acknowledgements); valid until unmap
 }
 
 // newShmLink maps the segment of memfd; dialer says which side this is.
@@ -294,14 +282,10 @@ func newShmLink(memfd, efdIn, efdOut int, dialer bool) (*shmLink, error) {
 		return nil, err
 	}
 	l.efdRaw, l.readFn = raw, l.readEventfd
-	out := 0 // the ring this side writes
-	if !dialer {
-		out = 1
-	}
-	l.out, l.in = newRing(seg, out), newRing(seg, 1-out)
-	l.acks = ackPage{
-		mine: (*uint64)(unsafe.Pointer(&seg[out*ringSize+ringAckOff])),
-		peer: (*uint64)(unsafe.Pointer(&seg[(1-out)*ringSize+ringAckOff])),
+	if dialer {
+		l.out, l.in = newRing(seg, 0), newRing(seg, 1)
+	} else {
+		l.out, l.in = newRing(seg, 1), newRing(seg, 0)
 	}
 	// Both sides start at 0; a peer's later scribbling is caught by the
 	// checks in put and get.
