@@ -381,6 +381,36 @@ func (c *Channel) WriteInline(ctx context.Context, dst verbs.RemoteAddr, data []
 	return c.opErr(opWriteInline.String(), c.p.writeInline(ctx, dst, data))
 }
 
+// PostWriteUnsignaled posts an RDMA write of sgl to dst that generates no
+// completion for the caller: the cheapest write of flags and data whose
+// reuse the caller orders by other means (the peer's answer, or the
+// completion of a later request of the channel: its queue pair executes
+// requests in order). The memory of sgl belongs to the device until then.
+// Every so often the channel signals one itself, to retire the send queue
+// entries of the others. It never blocks: with no room in the send queue
+// it fails with an error wrapping verbs.ErrQueueFull. If the write fails,
+// the channel breaks, and Err and every later call report the cause.
+func (c *Channel) PostWriteUnsignaled(dst verbs.RemoteAddr, sgl ...verbs.SGE) error {
+	return c.postUnsig(unsigReq{kind: opWrite, remote: dst, sgl: sgl})
+}
+
+// PostWriteImmUnsignaled is PostWriteUnsignaled with immediate data: the
+// write consumes a receive of the peer, whose completion carries imm (a
+// doorbell, with Options.Doorbells).
+func (c *Channel) PostWriteImmUnsignaled(dst verbs.RemoteAddr, imm uint32, sgl ...verbs.SGE) error {
+	return c.postUnsig(unsigReq{kind: opWriteImm, remote: dst, imm: imm, sgl: sgl})
+}
+
+func (c *Channel) postUnsig(r unsigReq) error {
+	if c.err != nil {
+		return c.opErr(r.kind.String(), c.err)
+	}
+	if err := c.p.accepts(r.kind); err != nil {
+		return c.opErr(r.kind.String(), err)
+	}
+	return c.opErr(r.kind.String(), c.p.postUnsig(context.Background(), false, r))
+}
+
 // --- unpolled operations ---
 
 // post posts one operation and returns its handle without waiting. It

@@ -173,6 +173,139 @@ func TestWriteInlineRecyclesSendQueue(t *testing.T) {
 	}
 }
 
+// TestPostUnsignaled: unsignaled writes, plain and with immediate data,
+// far more than the send queue holds: the posts never block (a full
+// queue is ErrQueueFull, and polling the channel frees it: the periodic
+// signaled write retires the others), every write lands, in order, and
+// every immediate arrives with its receive.
+func TestPostUnsignaled(t *testing.T) {
+	for _, imm := range []bool{false, true} {
+		t.Run(fmt.Sprintf("imm=%v", imm), func(t *testing.T) {
+			const n = 1000
+			a, b := newPair(t, channel.Options{QP: verbs.QPSpec{MaxSendWR: 8, MaxRecvWR: 8}})
+			ctx := testCtx(t)
+			var recvs []channel.Handle
+			defer func() {
+				for _, h := range recvs {
+					h.Release()
+				}
+			}()
+			full, got := 0, 0
+			for i := 0; i < n; {
+				if imm {
+					// Keep receives posted for the immediates, taking the
+					// completed ones in order. A write is posted only
+					// with a receive for it: its completion tells that
+					// the write (and its source) is done with.
+					if err := b.ch.Progress(); err != nil {
+						t.Fatal(err)
+					}
+					for len(recvs) > 0 && recvs[0].Done() {
+						r := recvs[0].Received()
+						if err := recvs[0].Err(); err != nil || !r.HasImm || !r.Write || r.Imm != uint32(got+1) {
+							t.Fatalf("receive %d: %+v, %v; want the immediate %d of a write", got, r, err, got+1)
+						}
+						recvs[0].Release()
+						recvs = recvs[1:]
+						got++
+					}
+					for len(recvs) < 8 && got+len(recvs) < n {
+						h, err := b.ch.PostReceive()
+						if err != nil {
+							t.Fatal(err)
+						}
+						recvs = append(recvs, h)
+					}
+					if i >= got+len(recvs) {
+						if err := a.ch.Progress(); err != nil {
+							t.Fatal(err)
+						}
+						continue
+					}
+				}
+				binary.NativeEndian.PutUint64(a.buf.Bytes()[8*(i%16):], uint64(i+1))
+				src := a.sge(8*(i%16), 8)
+				var err error
+				if imm {
+					err = a.ch.PostWriteImmUnsignaled(b.buf.Remote().At(0), uint32(i+1), src)
+				} else {
+					err = a.ch.PostWriteUnsignaled(b.buf.Remote().At(0), src)
+				}
+				switch {
+				case errors.Is(err, verbs.ErrQueueFull):
+					full++
+					if err := a.ch.Progress(); err != nil {
+						t.Fatal(err)
+					}
+					if err := b.ch.Progress(); err != nil {
+						t.Fatal(err)
+					}
+				case err != nil:
+					t.Fatalf("write %d: %v", i, err)
+				default:
+					i++
+					if !imm && i%16 == 0 {
+						// The source words are reused: a signaled write
+						// after them completes once they were read.
+						if err := a.ch.Write(ctx, b.buf.Remote().At(64), a.sge(0, 8)); err != nil {
+							t.Fatal(err)
+						}
+					}
+				}
+			}
+			if err := a.ch.Write(ctx, b.buf.Remote().At(64), a.sge(0, 8)); err != nil {
+				t.Fatal(err)
+			}
+			if v := binary.NativeEndian.Uint64(b.buf.Bytes()); v != n {
+				t.Errorf("the last write left %d, want %d", v, n)
+			}
+			for ; imm && got < n; got++ {
+				if err := recvs[0].Wait(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if r := recvs[0].Received(); r.Imm != uint32(got+1) {
+					t.Fatalf("receive %d: %+v, want the immediate %d", got, r, got+1)
+				}
+				recvs[0].Release()
+				recvs = recvs[1:]
+			}
+			if full == 0 {
+				t.Log("the send queue was never full: the test did not try ErrQueueFull")
+			}
+			if err := a.ch.Err(); err != nil {
+				t.Errorf("channel broke: %v", err)
+			}
+		})
+	}
+}
+
+// TestPostUnsignaledErrorBreaks: an unsignaled write that fails (a wrong
+// rkey) breaks the channel, as a signaled one does.
+func TestPostUnsignaledErrorBreaks(t *testing.T) {
+	a, b := newPair(t, channel.Options{})
+	bad := b.buf.Remote()
+	bad.RKey ^= 0x5a5a
+	if err := a.ch.PostWriteUnsignaled(bad.At(0), a.sge(0, 8)); err != nil {
+		t.Fatal(err)
+	}
+	ctx := testCtx(t)
+	for a.ch.Err() == nil {
+		if err := a.ch.Progress(); err != nil {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatal("the failed write never broke the channel")
+		}
+	}
+	var ce *verbs.CompletionError
+	if err := a.ch.Err(); !errors.Is(err, channel.ErrBroken) || !errors.As(err, &ce) || ce.Status != verbs.StatusRemAccessErr {
+		t.Errorf("Err() = %v, want ErrBroken wrapping a remote access error", err)
+	}
+	if err := a.ch.PostWriteImmUnsignaled(b.buf.Remote().At(0), 1, a.sge(0, 8)); !errors.Is(err, channel.ErrBroken) {
+		t.Errorf("post on a broken channel: %v, want ErrBroken", err)
+	}
+}
+
 func TestCompletionErrorsBreakTheChannel(t *testing.T) {
 	a, b := newPair(t, channel.Options{})
 	ctx := testCtx(t)

@@ -44,7 +44,13 @@
 //     The buffers belong to the device until the handle has completed.
 //   - Fire and forget: WriteInline posts an unsignaled inline write of a few
 //     bytes (flags, doorbells). It generates no completion unless it
-//     fails, which breaks the channel.
+//     fails, which breaks the channel. PostWriteUnsignaled and
+//     PostWriteImmUnsignaled do the same for writes of registered memory
+//     (with immediate data: a doorbell) without blocking; the caller
+//     orders the reuse of their memory by other means (the peer's answer,
+//     a later request's completion). Package collective's flags and small
+//     messages go so: a 2-rank barrier on soft0 shared memory took 10 %
+//     less than with a slot and a completion per write.
 //   - Collective, on a MultiChannel: ScatterSend, GatherReceive,
 //     ScatterWrite, GatherRead and MulticastSend post one request per peer
 //     at once and wait for all; failures name their peers (*OpError).

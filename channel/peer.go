@@ -321,13 +321,32 @@ func (p *peer) post(ctx context.Context, wait bool, ws []work) (int, error) {
 }
 
 // writeInline posts an unsignaled inline RDMA write of data (copied at
-// post). Every so often the request is signaled instead, with the peer's
-// marker slot, so that the send queue entries of unsignaled requests are
-// retired. A failure surfaces as a broken peer.
+// post), waiting for room in the send queue. A failure surfaces as a
+// broken peer.
 func (p *peer) writeInline(ctx context.Context, dst verbs.RemoteAddr, data []byte) error {
 	if len(data) > p.inlineMax {
 		return fmt.Errorf("%d bytes exceed the inline limit of %d: %w", len(data), p.inlineMax, verbs.ErrNotSupported)
 	}
+	return p.postUnsig(ctx, true, unsigReq{kind: opWriteInline, remote: dst, inline: data})
+}
+
+// unsigReq is an unsignaled RDMA write: of inline (copied at post) if
+// kind is opWriteInline, else of sgl, with immediate data if kind is
+// opWriteImm.
+type unsigReq struct {
+	kind   opKind
+	remote verbs.RemoteAddr
+	imm    uint32
+	inline []byte
+	sgl    []verbs.SGE
+}
+
+// postUnsig posts r unsignaled. Every so often the request is signaled
+// instead, with the peer's marker slot, so that the send queue entries of
+// unsignaled requests are retired. When the send queue is full it waits
+// for room (until ctx ends) if wait is set and fails with
+// verbs.ErrQueueFull otherwise.
+func (p *peer) postUnsig(ctx context.Context, wait bool, r unsigReq) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for {
@@ -337,6 +356,9 @@ func (p *peer) writeInline(ctx context.Context, dst verbs.RemoteAddr, data []byt
 		if p.sqUsed.Load() < p.sqCap {
 			break
 		}
+		if !wait {
+			return fmt.Errorf("the send queue is full (%d requests): %w", p.sqCap, verbs.ErrQueueFull)
+		}
 		if err := ctx.Err(); err != nil {
 			return waitErr(err)
 		}
@@ -344,11 +366,14 @@ func (p *peer) writeInline(ctx context.Context, dst verbs.RemoteAddr, data []byt
 			return err
 		}
 	}
-	buf := p.e.scratch.Bytes()[p.inlineOff : p.inlineOff+len(data)]
-	copy(buf, data)
-	sge, err := p.e.scratch.SGE(p.inlineOff, len(data))
-	if err != nil {
-		return err
+	var sge verbs.SGE
+	if r.kind == opWriteInline {
+		buf := p.e.scratch.Bytes()[p.inlineOff : p.inlineOff+len(r.inline)]
+		copy(buf, r.inline)
+		var err error
+		if sge, err = p.e.scratch.SGE(p.inlineOff, len(r.inline)); err != nil {
+			return err
+		}
 	}
 	m := p.marker
 	signal := m.state.Load() == slotFree &&
@@ -356,7 +381,7 @@ func (p *peer) writeInline(ctx context.Context, dst verbs.RemoteAddr, data []byt
 	var wrid uint64
 	if signal {
 		m.gen.Add(1)
-		m.kind = opWriteInline
+		m.kind = r.kind
 		m.rel = p.unsig + 1
 		m.state.Store(slotDetached)
 		wrid = slotWRID(m.idx, m.gen.Load())
@@ -364,9 +389,17 @@ func (p *peer) writeInline(ctx context.Context, dst verbs.RemoteAddr, data []byt
 		wrid = unsigWRID(p.idx)
 	}
 	sb := p.sendBatch()
-	r := sb.Write(wrid, dst, sge).Inline()
+	var req *verbs.Request
+	switch r.kind {
+	case opWriteInline:
+		req = sb.Write(wrid, r.remote, sge).Inline()
+	case opWriteImm:
+		req = sb.WriteImm(wrid, r.remote, r.imm, r.sgl...)
+	default:
+		req = sb.Write(wrid, r.remote, r.sgl...)
+	}
 	if signal {
-		r.Signaled()
+		req.Signaled()
 		p.pending.Add(1)
 	}
 	p.sqUsed.Add(1)

@@ -103,14 +103,12 @@ func (c *Comm) sendSmall(f *flow, seq uint64, slot int, dst verbs.RemoteAddr) (b
 	if err != nil {
 		return false, err
 	}
-	h, err := c.post(p, dst, true, src)
-	if err != nil {
+	if err := c.signal(p, dst, src); err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return false, nil
 		}
 		return false, err
 	}
-	h.Release()
 	c.sendSeq[p] = seq + 1
 	f.off, f.started = n, true
 	if ack > c.ackSent[p] {

@@ -524,6 +524,26 @@ func (c *Comm) post(p int, dst verbs.RemoteAddr, bell bool, src ...verbs.SGE) (c
 	return h, err
 }
 
+// signal posts an RDMA write with immediate data to p (the peer's
+// doorbell, which wakes it if it sleeps for this write: see Comm.sleep)
+// without a completion: the credits and acknowledgements of the transport
+// tell when its source may change (see Transport). When the send queue is
+// full it drives the progress once and tries again, as post does.
+func (c *Comm) signal(p int, dst verbs.RemoteAddr, src verbs.SGE) error {
+	ch := c.mc.Peer(c.ranks[p])
+	err := ch.PostWriteImmUnsignaled(dst, 0, src)
+	if err != nil && errors.Is(err, verbs.ErrQueueFull) {
+		if perr := c.mc.Progress(); perr != nil {
+			return perr
+		}
+		err = ch.PostWriteImmUnsignaled(dst, 0, src)
+	}
+	if err == nil {
+		c.writes++
+	}
+	return err
+}
+
 // postWrite posts an RDMA write, with immediate data if bell is set: the
 // peer's doorbell (channel.Options.Doorbells), which wakes it if it
 // sleeps for this write (see Comm.sleep).
@@ -624,15 +644,13 @@ func (c *Comm) postFlag(p int) error {
 	if err != nil {
 		return err
 	}
-	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes)), true, src)
-	if err != nil {
+	if err := c.signal(p, c.remote[p].At(uint64(c.rank*peerFlagBytes)), src); err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			c.anyOwed = true
 			return nil
 		}
 		return err
 	}
-	h.Release()
 	c.flagOwed[p] = false
 	c.countWrites++
 	return nil
@@ -762,15 +780,13 @@ func (c *Comm) postAck(p int) error {
 	if err != nil {
 		return err
 	}
-	h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), true, src)
-	if err != nil {
+	if err := c.signal(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+8)), src); err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			c.anyOwed = true
 			return nil
 		}
 		return err
 	}
-	h.Release()
 	c.ackSent[p] = v
 	c.ackWritten[p] = v
 	c.ackOwed[p] = false
