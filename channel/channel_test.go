@@ -823,6 +823,47 @@ func TestBlockingWriteAllocatesNothing(t *testing.T) {
 			if allocs > 0 {
 				t.Errorf("post, wait and release allocate %.1f times", allocs)
 			}
+			// Unsignaled posts (a full queue is flow control: polled
+			// until there is room, allocation-free too).
+			for _, imm := range []bool{false, true} {
+				allocs = testing.AllocsPerRun(200, func() {
+					var rh channel.Handle
+					if imm {
+						// The write consumes a receive: post one first
+						// and take its completion after.
+						var err error
+						if rh, err = b.ch.PostReceive(); err != nil {
+							t.Fatal(err)
+						}
+					}
+					for {
+						var err error
+						if imm {
+							err = a.ch.PostWriteImmUnsignaled(dst, 1, src)
+						} else {
+							err = a.ch.PostWriteUnsignaled(dst, src)
+						}
+						if err == nil {
+							break
+						}
+						if !errors.Is(err, verbs.ErrQueueFull) {
+							t.Fatal(err)
+						}
+						if err := a.ch.Progress(); err != nil {
+							t.Fatal(err)
+						}
+					}
+					if imm {
+						if err := rh.Wait(ctx); err != nil {
+							t.Fatal(err)
+						}
+						rh.Release()
+					}
+				})
+				if allocs > 0 {
+					t.Errorf("an unsignaled post (imm %v) allocates %.1f times", imm, allocs)
+				}
+			}
 		})
 	}
 }

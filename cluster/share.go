@@ -189,20 +189,19 @@ func (b *barrier) post(ctx context.Context, peer, n int) error {
 }
 
 // postWrite posts a write (with immediate data, the peer's doorbell, if
-// bell is set) whose completion is not awaited (its handle is released at
-// once), retrying while the channel has no room, until ctx ends.
+// bell is set) without a completion (channel.PostWriteUnsignaled: the
+// flag protocol orders the reuse of its source), retrying while the
+// channel has no room, until ctx ends.
 func (b *barrier) postWrite(ctx context.Context, peer int, ch *channel.Channel, dst verbs.RemoteAddr, src verbs.SGE, bell bool) error {
 	b.partner(peer)
 	for {
-		var h channel.Handle
 		var err error
 		if bell {
-			h, err = ch.PostWriteImm(dst, 0, src)
+			err = ch.PostWriteImmUnsignaled(dst, 0, src)
 		} else {
-			h, err = ch.PostWrite(dst, src)
+			err = ch.PostWriteUnsignaled(dst, src)
 		}
 		if err == nil {
-			h.Release() // detached
 			return nil
 		}
 		if !errors.Is(err, verbs.ErrQueueFull) {
