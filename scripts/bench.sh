@@ -8,7 +8,11 @@
 #                                     SubmitPoll, WriteMsgRate, WriteBW vs Copy
 #   ./scripts/bench.sh xproc [RUNS]   across processes (internal/soft): shared
 #                                     memory, TCP and unix sockets vs copy(),
-#                                     raw streams and raw ping-pongs
+#                                     raw streams and raw ping-pongs (both
+#                                     QPs in one process, the transport
+#                                     forced; the bandwidth also with the
+#                                     target and the raw reader in a child
+#                                     process)
 #   ./scripts/bench.sh tls [RUNS]     soft0 RDMA-write bandwidth over TCP,
 #                                     encrypted (TLS) vs plain, 64 KiB and 1 MiB
 #   ./scripts/bench.sh poll [RUNS]    channel's ways of waiting (package
@@ -140,6 +144,10 @@ xproc() {
 			${k}pp "^BenchmarkRawPingPong\$/^$k\$"
 			${k}spinpp "^BenchmarkRawSpinPingPong\$/^$k\$"
 			${k}sleep "^BenchmarkXprocSendRTT\$/^wait=sleep\$/^$k\$"
+			${k}cbw64 "^BenchmarkChildWriteBandwidth\$/^$k\$/^size=64KiB\$"
+			${k}craw64 "^BenchmarkChildRawStream\$/^$k\$/^size=64KiB\$"
+			${k}cbw1m "^BenchmarkChildWriteBandwidth\$/^$k\$/^size=1024KiB\$"
+			${k}craw1m "^BenchmarkChildRawStream\$/^$k\$/^size=1024KiB\$"
 		)
 	done
 	rounds soft "${cases[@]}"
@@ -157,6 +165,8 @@ xproc() {
 		calc "\"| $name | RDMA write, 1 MiB | $(gib ${k}bw1m) GiB/s | $raw $(gib ${k}raw1m) GiB/s | %.2f | $(med ${k}bw1m allocs/op) |\n\", $(med ${k}bw1m MB/s)/$(med ${k}raw1m MB/s)"
 		calc "\"| $name | 8-byte send round trip, polling | $(us ${k}spin) µs | $pp $(us ${k}pp) µs; $(us ${k}spinpp) µs spinning on non-blocking reads | %.2f; %.2f | $(med ${k}spin allocs/op) |\n\", $(med ${k}spin ns/op)/$(med ${k}pp ns/op), $(med ${k}spin ns/op)/$(med ${k}spinpp ns/op)"
 		calc "\"| $name | same, sleeping | $(us ${k}sleep) µs | $pp $(us ${k}pp) µs | %.2f | $(med ${k}sleep allocs/op) |\n\", $(med ${k}sleep ns/op)/$(med ${k}pp ns/op)"
+		calc "\"| $name | RDMA write into another process, 64 KiB, 128 in flight | $(gib ${k}cbw64) GiB/s | $raw read by another process $(gib ${k}craw64) GiB/s | %.2f | $(med ${k}cbw64 allocs/op) |\n\", $(med ${k}cbw64 MB/s)/$(med ${k}craw64 MB/s)"
+		calc "\"| $name | RDMA write into another process, 1 MiB | $(gib ${k}cbw1m) GiB/s | $raw read by another process $(gib ${k}craw1m) GiB/s | %.2f | $(med ${k}cbw1m allocs/op) |\n\", $(med ${k}cbw1m MB/s)/$(med ${k}craw1m MB/s)"
 	done
 }
 

@@ -213,6 +213,20 @@ func peerChild(in *bufio.Scanner, out io.Writer) int {
 				return fail(err)
 			}
 			fmt.Fprintln(out, "ok")
+		case "region":
+			// A region of arg(1) bytes for the parent's RDMA writes
+			// (BenchmarkChildWriteBandwidth): "region ADDR RKEY".
+			reg, err := mem.Alloc(mem.RoundUp(arg(1)), "test", false)
+			if err != nil {
+				return fail(err)
+			}
+			defer reg.Free()
+			m, err := s.pd.RegMR(prov.Mem{Ptr: reg.Ptr(), Len: arg(1), FD: reg.FD()}, allAccess)
+			if err != nil {
+				return fail(err)
+			}
+			defer m.Close()
+			fmt.Fprintf(out, "region %d %d\n", m.Addr(), m.RKey())
 		case "recv":
 			for i := range arg(1) {
 				wr := []prov.RecvWR{{WRID: uint64(1000 + i), NumSGE: 1}}
