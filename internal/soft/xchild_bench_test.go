@@ -87,34 +87,7 @@ func BenchmarkChildWriteBandwidth(b *testing.B) {
 				raddr := must(strconv.ParseUint(f[0], 10, 64))
 				rkey := must(strconv.ParseUint(f[1], 10, 32))
 				src := e.alloc(size, allAccess)
-				const batch = 16
-				wrs := make([]prov.SendWR, batch)
-				for i := range wrs {
-					wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: prov.WRWrite, NumSGE: 1, RemoteAddr: raddr, RKey: uint32(rkey)}
-				}
-				wrs[batch-1].Flags = prov.SendSignaled
-				sges := []prov.SGE{src.sge(0, size)}
-				var wcs [4]prov.Completion
-				inflight := 0
-				run := func() {
-					if n, err := qa.PostSend(wrs, sges); err != nil || n != batch {
-						b.Fatalf("post: %d %v", n, err)
-					}
-					if inflight++; inflight == bwDepth/batch {
-						waitCQ(b, cqa, cha, wcs[:], 1)
-						inflight--
-					}
-				}
-				run() // warm up: both ends of the connection exist
-				waitCQ(b, cqa, cha, wcs[:], inflight)
-				inflight = 0
-				b.SetBytes(int64(batch * size))
-				b.ReportAllocs()
-				b.ResetTimer()
-				for b.Loop() {
-					run()
-				}
-				waitCQ(b, cqa, cha, wcs[:], inflight)
+				bandwidthLoop(b, rttSide{qp: qa, cq: cqa, ch: cha}, prov.WRWrite, raddr, uint32(rkey), src.sge(0, size))
 			})
 		}
 	}

@@ -63,48 +63,52 @@ func benchBandwidth(b *testing.B, op prov.WROpcode) {
 					forceTransport(b, kind)
 					forceTLS(b, tlsOff)
 				}
-				const batch = 16
 				e := newEnv(b)
 				qa, cqa, cha := xprocSide(b, e)
 				qb, _, _ := xprocSide(b, e)
 				connectOne(b, qa, qb, prov.QPTypeRC, defaultConn())
 				connectOne(b, qb, qa, prov.QPTypeRC, defaultConn())
 				src, dst := e.alloc(size, allAccess), e.alloc(size, allAccess)
-				wrs := make([]prov.SendWR, batch)
-				for i := range wrs {
-					wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: op, NumSGE: 1,
-						RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}
-				}
-				wrs[batch-1].Flags = prov.SendSignaled
-				sges := []prov.SGE{src.sge(0, size)}
-				var wcs [4]prov.Completion
-				inflight := 0
-				run := func() {
-					if n, err := qa.PostSend(wrs, sges); err != nil || n != batch {
-						b.Fatalf("post: %d %v", n, err)
-					}
-					if inflight++; inflight == bwDepth/batch {
-						waitCQ(b, cqa, cha, wcs[:], 1)
-						inflight--
-					}
-				}
-				// Warm up: a whole round trip, so that both ends of the
-				// connection exist (the acceptor's end is made in the
-				// background) before the timer and the allocation count
-				// start.
-				run()
-				waitCQ(b, cqa, cha, wcs[:], inflight)
-				inflight = 0
-				b.SetBytes(int64(batch * size))
-				b.ReportAllocs()
-				b.ResetTimer()
-				for b.Loop() {
-					run()
-				}
-				waitCQ(b, cqa, cha, wcs[:], inflight)
+				bandwidthLoop(b, rttSide{qp: qa, cq: cqa, ch: cha}, op, dst.addr(0), dst.mr.RKey(), src.sge(0, size))
 			})
 		}
 	}
+}
+
+// bandwidthLoop measures q's RDMA operations op of sge against raddr and
+// rkey: 16 per post, the last signaled, bwDepth in flight.
+func bandwidthLoop(b *testing.B, q rttSide, op prov.WROpcode, raddr uint64, rkey uint32, sge prov.SGE) {
+	const batch = 16
+	wrs := make([]prov.SendWR, batch)
+	for i := range wrs {
+		wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: op, NumSGE: 1, RemoteAddr: raddr, RKey: rkey}
+	}
+	wrs[batch-1].Flags = prov.SendSignaled
+	sges := []prov.SGE{sge}
+	var wcs [4]prov.Completion
+	inflight := 0
+	run := func() {
+		if n, err := q.qp.PostSend(wrs, sges); err != nil || n != batch {
+			b.Fatalf("post: %d %v", n, err)
+		}
+		if inflight++; inflight == bwDepth/batch {
+			waitCQ(b, q.cq, q.ch, wcs[:], 1)
+			inflight--
+		}
+	}
+	// Warm up: a whole round trip, so that both ends of the connection
+	// exist (the acceptor's end is made in the background) before the
+	// timer and the allocation count start.
+	run()
+	waitCQ(b, q.cq, q.ch, wcs[:], inflight)
+	inflight = 0
+	b.SetBytes(int64(batch) * int64(sge.Length))
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		run()
+	}
+	waitCQ(b, q.cq, q.ch, wcs[:], inflight)
 }
 
 // bwDepth is how many writes BenchmarkXprocWriteBandwidth keeps in
