@@ -191,6 +191,48 @@ func ExampleChannel_PostReceive() {
 	// done: true, got "ping"
 }
 
+// Flags without completions: a stream of unsignaled writes, each naming
+// a round, the last one with immediate data that the peer's receive
+// reports. Writes on a channel arrive in order, so the peer that has the
+// immediate sees every flag before it. The source words are rewritten
+// only after the receive proved the writes that read them done.
+func ExampleChannel_PostWriteUnsignaled() {
+	a, b := examplePair()
+	defer a.close()
+	defer b.close()
+	ctx := context.Background()
+	peer := b.mem.Remote()
+
+	h, err := b.ch.PostReceive() // for the immediate data
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer h.Release()
+	for round := range 4 {
+		binary.NativeEndian.PutUint64(a.mem.Bytes()[8*round:], uint64(100+round))
+		src := a.sge(8*round, 8)
+		if round < 3 {
+			err = a.ch.PostWriteUnsignaled(peer.At(uint64(8*round)), src)
+		} else {
+			err = a.ch.PostWriteImmUnsignaled(peer.At(uint64(8*round)), uint32(round), src)
+		}
+		if err != nil {
+			log.Fatal(err) // verbs.ErrQueueFull: poll (Progress) and post again
+		}
+	}
+	if err := h.Wait(ctx); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("immediate:", h.Received().Imm)
+	for round := range 4 {
+		fmt.Print(binary.NativeEndian.Uint64(b.mem.Bytes()[8*round:]), " ")
+	}
+	fmt.Println()
+	// Output:
+	// immediate: 3
+	// 100 101 102 103
+}
+
 // Addressing a field of a Go type that lives in the peer's memory, without
 // computing its offset by hand.
 func ExampleRemoteField() {
