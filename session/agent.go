@@ -147,10 +147,21 @@ func (a *agentState) dropFin(id uint64) {
 	}
 }
 
+// agentSpins reports whether an agent spins before it sleeps in its next
+// wait, given when the two last control messages came: always with
+// Config.AgentSpin (spin), else in a burst (they came less than
+// agentBurst apart: a request, its answer, the release, the next
+// request), so that a session whose control messages are far apart
+// (keepalives, a request now and then) costs no processor between them.
+func agentSpins(spin bool, prev, last time.Time) bool {
+	return spin || !prev.IsZero() && last.Sub(prev) < agentBurst
+}
+
 // agentLoop reads the control queue pair until the session ends.
 func (s *Session) agentLoop() {
 	defer s.agentWG.Done()
 	var b [ctrlBufSize]byte
+	var prev, last time.Time // when the two last control messages came
 	for {
 		s.cmu.Lock()
 		if len(s.cfifo) == 0 {
@@ -160,9 +171,16 @@ func (s *Session) agentLoop() {
 		slot := s.cfifo[0]
 		h := s.crh[slot]
 		s.cmu.Unlock()
-		if err := h.Wait(s.bg); err != nil && !h.Done() {
+		var err error
+		if agentSpins(s.cfg.AgentSpin, prev, last) {
+			err = h.Wait(s.bg) // spins first (ctrlOptions)
+		} else {
+			err = s.agc.Sleep(s.bg, h.Done)
+		}
+		if err != nil && !h.Done() {
 			return
 		}
+		prev, last = last, time.Now()
 		s.cmu.Lock()
 		s.cfifo = s.cfifo[1:]
 		s.cmu.Unlock()

@@ -135,7 +135,7 @@ func (s *Session) dialCM(ctx context.Context, addr string, cookie []byte) error 
 	if _, err := channel.DialCM(ctx, addr, s.pd, s.dataOptions(), pdata(cmData), s.postDataAll); err != nil {
 		return err
 	}
-	_, err := channel.DialCM(ctx, addr, s.pd, ctrlOptions(s.cfg.AgentSpin), pdata(cmCtrl), s.postCtrlAll)
+	_, err := channel.DialCM(ctx, addr, s.pd, ctrlOptions(), pdata(cmCtrl), s.postCtrlAll)
 	return err
 }
 
@@ -154,7 +154,7 @@ func (s *Session) acceptCM(ctx context.Context, w *cmWait) error {
 		case which == cmData && s.data == nil:
 			_, err = channel.AcceptCM(ctx, req, s.pd, s.dataOptions(), nil, s.postDataAll)
 		case which == cmCtrl && s.agc == nil:
-			_, err = channel.AcceptCM(ctx, req, s.pd, ctrlOptions(s.cfg.AgentSpin), nil, s.postCtrlAll)
+			_, err = channel.AcceptCM(ctx, req, s.pd, ctrlOptions(), nil, s.postCtrlAll)
 		default:
 			req.Reject(nil)
 			err = fmt.Errorf("%w: two CM requests for one queue pair", ErrProtocol)

@@ -92,12 +92,14 @@ type Config struct {
 	// AgentSpin lets this side's agent (the goroutine that reads the
 	// control messages: RequestRemoteMR and its answer, SendLocalMR,
 	// releases, keepalives) poll for a while (a thousand polls) after
-	// each message before it sleeps. Off (the default) it sleeps at
-	// once: a session costs no processor between messages, but every
-	// control message wakes a sleeping thread, tens of microseconds on a
-	// virtual machine, two of them per RequestRemoteMR (about 6 times
-	// slower over soft0 shared memory: README). Set it on both sides
-	// for a program that requests remote memory in a hurry.
+	// every message before it sleeps. Off (the default) it polls so only
+	// in a burst, when the last two control messages came less than a
+	// millisecond apart (a request, its answer, the release, the next
+	// request), and sleeps at once otherwise: a session whose control
+	// messages are far apart costs no processor between them, while
+	// each of them wakes a sleeping thread (tens of microseconds on a
+	// virtual machine, two per isolated RequestRemoteMR). Set it on both
+	// sides for a program whose isolated requests must be fast too.
 	AgentSpin bool
 }
 

@@ -44,11 +44,13 @@
 // knows would fail (ErrOutOfBounds, ErrAccess, ErrLeaseExpired,
 // ErrMisaligned), so the session is not broken by a mistake. Config caps
 // what the peer may hold (MaxGranted) and ask for at once (MaxRequest).
-// Each agent sleeps between control messages, so a RequestRemoteMR costs
-// two wake-ups of a sleeping thread (one per side); Config.AgentSpin,
-// set on both sides, keeps the agents polling for a while after each
-// message, for programs that request memory in bursts (about a fifth of
-// the time over soft0, for processor time after every message).
+// Each agent sleeps between control messages far apart, so an isolated
+// RequestRemoteMR costs two wake-ups of a sleeping thread (one per side);
+// in a burst (the last two control messages less than a millisecond
+// apart) an agent polls for a while before it sleeps, so requests in a
+// loop find the agents awake (about a fifth of the time over soft0).
+// Config.AgentSpin, set on both sides, has them poll after every
+// message, isolated ones too, for processor time after each.
 //
 // # Contexts and cancellation
 //
