@@ -37,9 +37,10 @@ import (
 // reduces it into its destination) and, every Slots/2 chunks, writes its
 // ack count back. Staging slots and flag words are reused only after the
 // credit for them came back, which proves the writes reading them were
-// executed; so no write needs its completion awaited: every write is
-// posted unsignaled in effect (its handle released at once), and a
-// failure shows as a broken channel.
+// executed; so no write needs its completion awaited: flags,
+// acknowledgements and small messages are posted unsignaled (signal), the
+// chunks' writes with their handles released at once, and a failure shows
+// as a broken channel.
 //
 // A message of at most llMax bytes is one write instead (small.go).
 //
@@ -505,43 +506,44 @@ func (c *Comm) trySend(f *flow) (bool, error) {
 	return true, nil
 }
 
-// post posts an RDMA write to p. When the send queue or the channel's
-// handles are full it drives the progress once (completions free them:
-// writes are posted detached, and only polling retires them) and tries
-// again.
+// post posts an RDMA write to p and returns its handle; a full send queue
+// or a channel without free handles gets a second try (postTwice).
 func (c *Comm) post(p int, dst verbs.RemoteAddr, bell bool, src ...verbs.SGE) (channel.Handle, error) {
 	ch := c.mc.Peer(c.ranks[p])
-	h, err := postWrite(ch, dst, bell, src)
-	if err != nil && errors.Is(err, verbs.ErrQueueFull) {
-		if perr := c.mc.Progress(); perr != nil {
-			return h, perr
-		}
+	var h channel.Handle
+	err := c.postTwice(func() (err error) {
 		h, err = postWrite(ch, dst, bell, src)
-	}
-	if err == nil {
-		c.writes++
-	}
+		return err
+	})
 	return h, err
 }
 
-// signal posts an RDMA write with immediate data to p (the peer's
-// doorbell, which wakes it if it sleeps for this write: see Comm.sleep)
-// without a completion: the credits and acknowledgements of the transport
-// tell when its source may change (see Transport). When the send queue is
-// full it drives the progress once and tries again, as post does.
-func (c *Comm) signal(p int, dst verbs.RemoteAddr, src verbs.SGE) error {
-	ch := c.mc.Peer(c.ranks[p])
-	err := ch.PostWriteImmUnsignaled(dst, 0, src)
+// postTwice runs postOnce, and once more after a drive of the progress
+// if the send queue or the channel's handles were full (completions free
+// them: writes are posted detached or unsignaled, and only polling
+// retires them). It counts the write posted.
+func (c *Comm) postTwice(postOnce func() error) error {
+	err := postOnce()
 	if err != nil && errors.Is(err, verbs.ErrQueueFull) {
 		if perr := c.mc.Progress(); perr != nil {
 			return perr
 		}
-		err = ch.PostWriteImmUnsignaled(dst, 0, src)
+		err = postOnce()
 	}
 	if err == nil {
 		c.writes++
 	}
 	return err
+}
+
+// signal posts an RDMA write with immediate data to p (the peer's
+// doorbell, which wakes it if it sleeps for this write: see Comm.sleep)
+// without a completion: the credits and acknowledgements of the transport
+// tell when its source may change (see Transport). A full send queue gets
+// a second try (postTwice).
+func (c *Comm) signal(p int, dst verbs.RemoteAddr, src verbs.SGE) error {
+	ch := c.mc.Peer(c.ranks[p])
+	return c.postTwice(func() error { return ch.PostWriteImmUnsignaled(dst, 0, src) })
 }
 
 // postWrite posts an RDMA write, with immediate data if bell is set: the

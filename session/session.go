@@ -435,12 +435,11 @@ func (s *Session) dataOptions() channel.Options {
 // agentSpinPolls times before it sleeps; the agent waits so only when it
 // spins (agentSpins), and sleeps at once otherwise (Channel.Sleep).
 func ctrlOptions() channel.Options {
-	o := channel.Options{
+	return channel.Options{
 		QP:             verbs.QPSpec{MaxSendWR: 2 * ctrlBuffers, MaxRecvWR: ctrlBuffers, MaxSendSGE: 1, MaxRecvSGE: 1},
 		MaxOutstanding: 4 * ctrlBuffers,
 		SpinPolls:      agentSpinPolls,
 	}
-	return o
 }
 
 // agentSpinPolls is how many empty polls an agent that spins (agentSpins)

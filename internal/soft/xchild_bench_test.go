@@ -100,16 +100,9 @@ func BenchmarkChildRawStream(b *testing.B) {
 	for _, kind := range rawKinds {
 		for _, size := range []int{64 << 10, 1 << 20} {
 			b.Run(fmt.Sprintf("%s/size=%dKiB", kind, size>>10), func(b *testing.B) {
-				network, laddr := "tcp", "127.0.0.1:0"
-				if kind == "unix" {
-					network, laddr = "unix", fmt.Sprintf("@goverbs-bench-child-%d", os.Getpid())
-				}
-				ln, err := net.Listen(network, laddr)
-				if err != nil {
-					b.Fatal(err)
-				}
+				ln := benchListener(b, kind)
 				defer ln.Close()
-				p := testproc.Start(b, envTestChild+"=sink", envSink+"="+network+" "+ln.Addr().String())
+				p := testproc.Start(b, envTestChild+"=sink", envSink+"="+ln.Addr().Network()+" "+ln.Addr().String())
 				c, err := ln.Accept()
 				if err != nil {
 					b.Fatal(err)

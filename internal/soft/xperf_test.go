@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"testing"
 
@@ -157,16 +158,26 @@ func waitCQ(b testing.TB, cq prov.CQ, ch prov.CompChannel, dst []prov.Completion
 	}
 }
 
-// socketPair returns the two ends of a loopback connection of kind.
-func socketPair(tb testing.TB, kind string) (net.Conn, net.Conn) {
+// benchListener listens on a loopback address of kind: TCP on
+// 127.0.0.1, or an abstract unix socket of this process.
+func benchListener(tb testing.TB, kind string) net.Listener {
 	network, addr := "tcp", "127.0.0.1:0"
 	if kind == "unix" {
-		network, addr = "unix", fmt.Sprintf("@goverbs-bench-%d", os.Getpid())
+		network, addr = "unix", fmt.Sprintf("@goverbs-bench-%d-%d", os.Getpid(), benchListeners.Add(1))
 	}
 	ln, err := net.Listen(network, addr)
 	if err != nil {
 		tb.Fatal(err)
 	}
+	return ln
+}
+
+// benchListeners numbers benchListener's unix sockets.
+var benchListeners atomic.Uint64
+
+// socketPair returns the two ends of a loopback connection of kind.
+func socketPair(tb testing.TB, kind string) (net.Conn, net.Conn) {
+	ln := benchListener(tb, kind)
 	defer ln.Close()
 	ch := make(chan net.Conn, 1)
 	go func() {
@@ -177,7 +188,7 @@ func socketPair(tb testing.TB, kind string) (net.Conn, net.Conn) {
 		}
 		ch <- c
 	}()
-	c1, err := net.Dial(network, ln.Addr().String())
+	c1, err := net.Dial(ln.Addr().Network(), ln.Addr().String())
 	if err != nil {
 		tb.Fatal(err)
 	}
