@@ -125,8 +125,8 @@ const (
 	windowBudget  = 8 << 20
 	directChunk   = 256 << 10 // from this ChunkSize the windows take direct writes (newComm)
 	minChunk      = 256
-	hdrBytes      = 64 // header of a slot: 40 bytes used (see header), data 64-byte aligned
-	peerFlagBytes = 64 // data count, ack count, done flag (Close), abort word (abort), landing (announce)
+	hdrBytes      = 64  // header of a slot: 40 bytes used (see header), data 64-byte aligned
+	peerFlagBytes = 128 // data count, ack count, done flag (Close), abort word (abort), landing (announce), sleep word (bells.go)
 )
 
 // Comm is a communicator: an ordered group of ranks of a cluster.Node's
@@ -150,9 +150,20 @@ type Comm struct {
 
 	chunk, slots, slotBytes, ackEvery int
 	rx, tx                            *verbs.MemoryRegion
-	slotBase                          int // offset of the slots in rx
-	flagBase, ackBase, probeSrc       int // offsets in tx (the done flag's and the abort word's sources follow the probe's)
-	landSrc                           int // offset in tx of the landing announcement's source (announce)
+	slotBase                          int              // offset of the slots in rx
+	flagBase, ackBase, probeSrc       int              // offsets in tx (the done flag's and the abort word's sources follow the probe's)
+	landSrc                           int              // offset in tx of the landing announcement's source (announce)
+	sleepSrc                          int              // offset in tx of the sleep announcement's source (bells.go)
+	onDemand                          bool             // writes ring no doorbell unless the peer sleeps (bells.go)
+	sleepEpoch                        uint64           // sleeps of this rank announced (bells.go)
+	belled, bellSeq, quietSeq         []uint64         // per peer: its last sleep rung for, quietSeq then, writes without a doorbell
+	asleep                            []bool           // the peers told this rank sleeps (membership of asleepTo)
+	asleepTo                          []int            // since it last told them it is awake
+	quietTo                           []int            // peers written to without a doorbell in this call
+	wroteQuiet                        []bool           // membership of quietTo
+	ann                               []channel.Handle // sleep announcements in flight
+	annPartial                        bool             // some of them could not be posted
+	sleeps                            atomic.Uint64    // sleeps begun, announced where bells are on demand (tests)
 	remote                            []verbs.RemoteRegion
 	sendSeq, recvSeq, ackSent         []uint64
 	ackWritten, llAcked               []uint64 // ack counts written (ackSent counts those that rode on small messages too), and acks that came so (small.go)
@@ -240,6 +251,9 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 	c.wokenFn = c.woken
 	c.alarm = spinwait.NewAlarm(c.ring)
 	c.spin = spinwait.For(node.LocalRanks(), runtime.NumCPU())
+	c.onDemand = c.spin.Spin > 0
+	c.belled, c.bellSeq, c.quietSeq = make([]uint64, p), make([]uint64, p), make([]uint64, p)
+	c.wroteQuiet, c.asleep = make([]bool, p), make([]bool, p)
 	c.slotBytes = (hdrBytes + c.chunk + 63) &^ 63
 	c.slotBase = (p*peerFlagBytes + 8 + 63) &^ 63 // flags, the probe word
 	rxLen := c.slotBase + p*c.slots*c.slotBytes
@@ -247,7 +261,8 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 	c.ackBase = c.flagBase + p*c.slots*8
 	c.probeSrc = c.ackBase + p*8
 	c.landSrc = c.probeSrc + 24
-	txLen := c.landSrc + landBytes
+	c.sleepSrc = c.landSrc + landBytes
+	txLen := c.sleepSrc + 16 // the sleep words' sources: asleep, awake
 	var err error
 	// With chunks of directChunk bytes or more the windows allow remote
 	// reads too: soft0 then maps them into the peer processes of the
@@ -535,6 +550,8 @@ func (c *Comm) release() error {
 		h.Release()
 	}
 	c.doneHs = nil
+	releaseAnn(c.ann)
+	c.ann = nil
 	return errors.Join(c.rx.Close(), c.tx.Close())
 }
 

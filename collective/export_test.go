@@ -1,6 +1,10 @@
 package collective
 
-import "github.com/goverbs/verbs/cluster"
+import (
+	"time"
+
+	"github.com/goverbs/verbs/cluster"
+)
 
 // LateWindows returns how many closed communicators of node still hold
 // their windows, waiting for their peers to close (see Close).
@@ -48,3 +52,24 @@ func SmallWordsClear(c *Comm) bool {
 
 // LLMax is the largest message sent as one write of LL words.
 const LLMax = llMax
+
+// Sleeps returns how many times c's waits went to sleep (announced, where
+// doorbells are on demand: bells.go).
+func Sleeps(c *Comm) uint64 { return c.sleeps.Load() }
+
+// BellsOnDemand reports whether c's writes ring a doorbell only for a
+// peer that announced it sleeps.
+func BellsOnDemand(c *Comm) bool { return c.onDemand }
+
+// Announcements returns how many sleeps c's waits announced to their
+// peers (bells.go).
+func Announcements(c *Comm) uint64 { return (c.sleepEpoch + 1) / 2 }
+
+// RingAlways makes every write of c that doorbells may wake a peer for
+// ring one, as where waits do not spin (bells.go).
+func RingAlways(c *Comm) { c.onDemand = false }
+
+// SetAlarmEvery sets the interval of the alarms (and probes) of c's
+// sleeping waits: a test that makes it long finds whether a sleeper is
+// woken by anything else.
+func SetAlarmEvery(c *Comm, d time.Duration) { c.spin.Every = d }

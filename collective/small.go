@@ -103,7 +103,7 @@ func (c *Comm) sendSmall(f *flow, seq uint64, slot int, dst verbs.RemoteAddr) (b
 	if err != nil {
 		return false, err
 	}
-	if err := c.signalSmall(p, dst, src); err != nil {
+	if err := c.signal(p, dst, src); err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return false, nil
 		}
@@ -208,26 +208,4 @@ func (c *Comm) writeRodeAcks() error {
 		}
 	}
 	return nil
-}
-
-// signalSmall posts a small message's write (with immediate data: the
-// doorbell). Where every local rank has a processor it goes unsignaled
-// (signal): a 2-rank barrier on soft0 shared memory took 1.60-1.62 µs
-// instead of 1.79-1.80. Where the ranks outnumber the processors (they
-// yield, spinwait.Policy.Yield) it is signaled, its completion dispatched
-// and dropped: measured with 4 ranks on one CPU, unsignaled small
-// messages made barriers settle at 29-34 µs in 15 runs of 15, signaled
-// ones at 20 µs in 6 (30 and 42 µs in the others), a median of 33.4
-// against 29.7 µs; how the completions shape the ranks' turns there is not
-// understood (the flags' and acknowledgements' writes made no
-// difference either way).
-func (c *Comm) signalSmall(p int, dst verbs.RemoteAddr, src verbs.SGE) error {
-	if !c.spin.Yield {
-		return c.signal(p, dst, src)
-	}
-	h, err := c.post(p, dst, true, src)
-	if err == nil {
-		h.Release()
-	}
-	return err
 }

@@ -638,7 +638,8 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 		return err
 	}
 	defer bufs.release()
-	samples, peak := make([]float64, cfg.iters), make([]float64, cfg.iters)
+	// The iterations' times, and the whole loop's (the last element).
+	samples, peak := make([]float64, cfg.iters+1), make([]float64, cfg.iters+1)
 	if cfg.cpuProfile != "" {
 		f, err := os.Create(fmt.Sprintf("%s.rank%d", cfg.cpuProfile, node.Rank()))
 		if err != nil {
@@ -665,8 +666,12 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 			if err := collective.Barrier(ctx, comm); err != nil {
 				return err
 			}
+			var loop0 time.Time
 			for i := -cfg.warmup; i < cfg.iters; i++ {
 				t0 := time.Now()
+				if i == 0 {
+					loop0 = t0
+				}
 				if err := b.run(ctx, bufs, count); err != nil {
 					return fmt.Errorf("%s of %d bytes: %w", name, bytes, err)
 				}
@@ -674,13 +679,16 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 					samples[i] = time.Since(t0).Seconds()
 				}
 			}
+			samples[cfg.iters] = time.Since(loop0).Seconds()
 			// An iteration takes as long as its slowest rank.
 			if err := collective.Allreduce(ctx, comm, samples, peak, collective.Max); err != nil {
 				return err
 			}
-			slices.Sort(peak)
+			loop, iter := peak[cfg.iters], peak[:cfg.iters]
+			slices.Sort(iter)
 			row := collRow{Collective: name, Size: bytes, Count: count, Type: cfg.dtype, Algorithm: b.alg(cfg, cfg.p, bytes, bufs.esz),
-				TimeUS: median(peak) * 1e6, MinUS: peak[0] * 1e6, MaxUS: peak[len(peak)-1] * 1e6}
+				TimeUS: median(iter) * 1e6, MinUS: iter[0] * 1e6, MaxUS: iter[len(iter)-1] * 1e6,
+				MeanUS: loop / float64(cfg.iters) * 1e6}
 			if b.busFactor == nil {
 				row.Type, row.Count, row.Op = "", 0, ""
 			} else {
@@ -973,8 +981,13 @@ type collRow struct {
 	TimeUS     float64 `json:"time_us"`
 	MinUS      float64 `json:"min_us"` // the fastest iteration (of the slowest rank)
 	MaxUS      float64 `json:"max_us"` // the slowest
-	AlgBW      float64 `json:"algbw_gbps"`
-	BusBW      float64 `json:"busbw_gbps"`
+	// MeanUS is the slowest rank's loop of iterations divided by their
+	// number, as OSU's osu_barrier and nccl-tests time their loops: the
+	// rate at which calls follow each other, where TimeUS also counts
+	// the wait of a rank that entered before the others.
+	MeanUS float64 `json:"mean_us"`
+	AlgBW  float64 `json:"algbw_gbps"`
+	BusBW  float64 `json:"busbw_gbps"`
 }
 
 // collGoal is one of issue 15's goals, measured.
@@ -1053,16 +1066,19 @@ func (res *collResult) print(w io.Writer) {
 		}
 		fmt.Fprintf(w, "#   write bandwidth (GB/s): %s; peak %.3g\n", strings.Join(bw, ", "), p.PeakGBps)
 	}
-	fmt.Fprintf(w, "#\n# %10s %10s %8s %5s  %-12s %-20s %11s %11s %11s\n",
-		"size(B)", "count", "type", "redop", "collective", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)")
+	fmt.Fprintf(w, "#\n# %10s %10s %8s %5s  %-12s %-20s %11s %11s %11s %11s\n",
+		"size(B)", "count", "type", "redop", "collective", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "mean(us)")
 	for _, r := range res.Rows {
 		if r.Type == "" {
-			fmt.Fprintf(w, "  %10d %10d %8s %5s  %-12s %-20s %11.2f %11s %11s\n",
-				r.Size, r.Count, "-", "-", r.Collective, r.Algorithm, r.TimeUS, "-", "-")
+			fmt.Fprintf(w, "  %10d %10d %8s %5s  %-12s %-20s %11.2f %11s %11s %11.2f\n",
+				r.Size, r.Count, "-", "-", r.Collective, r.Algorithm, r.TimeUS, "-", "-", r.MeanUS)
 			continue
 		}
-		fmt.Fprintf(w, "  %10d %10d %8s %5s  %-12s %-20s %11.2f %11.3f %11.3f\n",
-			r.Size, r.Count, r.Type, r.Op, r.Collective, r.Algorithm, r.TimeUS, r.AlgBW, r.BusBW)
+		fmt.Fprintf(w, "  %10d %10d %8s %5s  %-12s %-20s %11.2f %11.3f %11.3f %11.2f\n",
+			r.Size, r.Count, r.Type, r.Op, r.Collective, r.Algorithm, r.TimeUS, r.AlgBW, r.BusBW, r.MeanUS)
+	}
+	if len(res.Rows) > 0 {
+		fmt.Fprintf(w, "# time: median over the iterations of the slowest rank's; mean: the slowest rank's loop / iterations (as OSU and nccl-tests)\n")
 	}
 	if len(res.Goals) > 0 {
 		fmt.Fprintf(w, "#\n# goals (issue 15; issue 14 where the ranks outnumber the processors):\n")

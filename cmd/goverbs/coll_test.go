@@ -89,7 +89,7 @@ func checkCollTable(t *testing.T, out string) {
 	for _, l := range strings.Split(strings.TrimRight(out, "\n"), "\n") {
 		switch {
 		case strings.HasPrefix(l, "# ") && strings.Contains(l, "size(B)"):
-			want := "size(B) count type redop collective algorithm time(us) algbw(GB/s) busbw(GB/s)"
+			want := "size(B) count type redop collective algorithm time(us) algbw(GB/s) busbw(GB/s) mean(us)"
 			if got := strings.Join(strings.Fields(l[1:]), " "); got != want {
 				t.Errorf("header %q, want %q", got, want)
 			}
@@ -125,16 +125,16 @@ func checkCollTable(t *testing.T, out string) {
 	for i, f := range rows {
 		last := i == len(rows)-1
 		if last {
-			// 0 0 - - barrier butterfly time - -
-			if len(f) != 9 || f[4] != "barrier" || f[7] != "-" || f[8] != "-" {
+			// 0 0 - - barrier butterfly time - - mean
+			if len(f) != 10 || f[4] != "barrier" || f[7] != "-" || f[8] != "-" {
 				t.Errorf("barrier row %q", f)
 				continue
 			}
-			positive(t, f, 6)
+			positive(t, f, 6, 9)
 			continue
 		}
-		// size count float32 sum allreduce <algorithm: 1 or 2 words> time algbw busbw
-		if len(f) < 9 || f[2] != "float32" || f[3] != "sum" || f[4] != "allreduce" {
+		// size count float32 sum allreduce <algorithm: 1 or 2 words> time algbw busbw mean
+		if len(f) < 10 || f[2] != "float32" || f[3] != "sum" || f[4] != "allreduce" {
 			t.Errorf("allreduce row %q", f)
 			continue
 		}
@@ -142,9 +142,9 @@ func checkCollTable(t *testing.T, out string) {
 			t.Errorf("row %d: size %s count %s, want %d and %d", i, f[0], f[1], sizes[i], sizes[i]/4)
 		}
 		n := len(f)
-		positive(t, f, n-3, n-2, n-1)
-		algbw, _ := strconv.ParseFloat(f[n-2], 64)
-		busbw, _ := strconv.ParseFloat(f[n-1], 64)
+		positive(t, f, n-4, n-3, n-2, n-1)
+		algbw, _ := strconv.ParseFloat(f[n-3], 64)
+		busbw, _ := strconv.ParseFloat(f[n-2], 64)
 		if d := busbw - algbw; d > 0.0011 || d < -0.0011 { // p = 2: factor 2(p−1)/p = 1
 			t.Errorf("row %q: busbw %v != algbw %v at p = 2", f, busbw, algbw)
 		}
@@ -188,12 +188,12 @@ func checkCollJSON(t *testing.T, out string) {
 	}
 	for i, r := range res.Rows {
 		if i == len(sizes) {
-			if r.Collective != "barrier" || r.TimeUS <= 0 || r.AlgBW != 0 {
+			if r.Collective != "barrier" || r.TimeUS <= 0 || r.MeanUS <= 0 || r.AlgBW != 0 {
 				t.Errorf("barrier row %+v", r)
 			}
 			continue
 		}
-		if r.Collective != "allreduce" || r.Size != sizes[i] || r.Count != sizes[i]/4 || r.TimeUS <= 0 || r.AlgBW <= 0 ||
+		if r.Collective != "allreduce" || r.Size != sizes[i] || r.Count != sizes[i]/4 || r.TimeUS <= 0 || r.MeanUS <= 0 || r.AlgBW <= 0 ||
 			r.BusBW != r.AlgBW || r.Algorithm == "" {
 			t.Errorf("row %d: %+v", i, r)
 		}

@@ -1,0 +1,238 @@
+package collective
+
+import (
+	"errors"
+	"sync/atomic"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+)
+
+// Doorbells on demand.
+//
+// A write with immediate data (a doorbell: channel.Options.Doorbells)
+// wakes a peer that sleeps in its completion channel, but costs the peer
+// a receive, its completion and its repost even when it spins and would
+// have seen the write anyway: on soft0 shared memory a sixth of a 2-rank
+// barrier. When waits spin before they sleep (spinwait.Policy.Spin),
+// flags, acknowledgements and small messages are plain writes
+// (c.onDemand), and a rank rings a peer only when the peer said that it
+// sleeps. Each rank has a sleep word at each peer, odd while it sleeps:
+//
+//   - A rank about to sleep writes the next odd number (sleepEpoch)
+//     into its sleep word at every peer its wait depends on, waits for
+//     these writes to complete (they are placed at the peers), then looks
+//     at its flows once more before it sleeps. When the wait ends it
+//     writes the next even number there (awake). These writes ring no
+//     doorbell: a peer that does not poll (busy outside the calls) may
+//     have used up its doorbell receives, and a write with immediate
+//     data would wait for it.
+//   - A rank that wrote to a peer without a doorbell in a call (quietTo)
+//     reads the peer's sleep word as its waits spin, before it sleeps,
+//     and when the call ends. It rings (a write with immediate data of
+//     the probe word) when the word is odd and either new or older than
+//     some of its writes: a queue pair places writes in order, so the
+//     doorbell arrives after every write posted before it.
+//
+// If the sleeper's last look missed a write, the write was placed after
+// the announcement was, so the writer, reading after its write was
+// placed, finds the announcement: as long as it still looks. It looks
+// until its call ends; a write placed later than that (more than a
+// sleeper's whole spin, spinwait.MaxSpin, after it was posted, since the
+// sleeper spins before it announces) is found by the sleeper's alarm
+// instead (spinwait.Policy.Every). Waits that do not spin (more ranks
+// than spinwait.MaxYieldRanks per processor) ring on every write.
+
+// sleepOff is the offset of a peer's sleep word in its flags at a rank.
+const sleepOff = 64
+
+// quietWrote records a write to p without a doorbell.
+func (c *Comm) quietWrote(p int) {
+	c.quietSeq[p]++
+	if !c.wroteQuiet[p] {
+		c.wroteQuiet[p] = true
+		c.quietTo = append(c.quietTo, p)
+	}
+}
+
+// owesBell reports whether p sleeps and may have missed a write of this
+// rank: its sleep word is odd, and this rank has not rung for that sleep,
+// or wrote to p since it last did.
+func (c *Comm) owesBell(p int) (uint64, bool) {
+	v := atomic.LoadUint64(word(c.rx, p*peerFlagBytes+sleepOff))
+	return v, v&1 == 1 && (v > c.belled[p] || c.quietSeq[p] > c.bellSeq[p])
+}
+
+// ringSleepers rings the peers written to without a doorbell in this call
+// that owe it (owesBell). A full send queue leaves the bell for the next
+// look.
+func (c *Comm) ringSleepers() error {
+	for _, p := range c.quietTo {
+		v, owed := c.owesBell(p)
+		if !owed {
+			continue
+		}
+		if err := c.bell(p); err != nil {
+			if errors.Is(err, verbs.ErrQueueFull) {
+				continue
+			}
+			return c.stepErr(p, err)
+		}
+		c.belled[p], c.bellSeq[p] = v, c.quietSeq[p]
+	}
+	return nil
+}
+
+// bell posts a doorbell to p: a write with immediate data of the probe
+// word, which nobody reads.
+func (c *Comm) bell(p int) error {
+	src, err := c.tx.SGE(c.probeSrc, 8)
+	if err != nil {
+		return err
+	}
+	ch := c.mc.Peer(c.ranks[p])
+	return c.postTwice(func() error { return ch.PostWriteImmUnsignaled(c.remote[p].At(uint64(c.size*peerFlagBytes)), 0, src) })
+}
+
+// endQuiet rings, once more, the peers of the call that ends that sleep,
+// and forgets which peers it wrote to in the call. Best effort: a peer it
+// cannot ring wakes at its alarm.
+func (c *Comm) endQuiet() {
+	if len(c.quietTo) == 0 {
+		return
+	}
+	for tries := 0; tries < 100; tries++ {
+		if c.ringSleepers() != nil || !c.bellsOwed() {
+			break
+		}
+		c.mc.Progress()
+		c.spin.Pause()
+	}
+	for _, p := range c.quietTo {
+		c.wroteQuiet[p] = false
+	}
+	c.quietTo = c.quietTo[:0]
+}
+
+// bellsOwed reports whether a peer of quietTo is owed a bell (its bell met
+// a full send queue).
+func (c *Comm) bellsOwed() bool {
+	for _, p := range c.quietTo {
+		if _, owed := c.owesBell(p); owed {
+			return true
+		}
+	}
+	return false
+}
+
+// announceSleep makes sure the peers of the pending flows know that this
+// rank sleeps before it does (see above), and reports whether it may
+// sleep now: false while its announcements are in flight (the sleep then
+// waits for their completions, woken, and the run looks at the flows
+// again) or could not be posted (the send queue is full: the wait spins
+// on).
+func (c *Comm) announceSleep(sends, recvs []flow) (bool, error) {
+	w := &c.w
+	if !c.onDemand || w.announced {
+		return true, nil
+	}
+	if len(c.ann) > 0 {
+		return false, nil // the sleep waits for them (woken)
+	}
+	c.sleepEpoch = (c.sleepEpoch + 1) | 1 // the next odd number
+	*word(c.tx, c.sleepSrc) = c.sleepEpoch
+	src, err := c.tx.SGE(c.sleepSrc, 8)
+	if err != nil {
+		return false, err
+	}
+	for _, fs := range [2][]flow{recvs, sends} {
+		for i := range fs {
+			p := fs[i].peer
+			if fs[i].done() || c.asleep[p] {
+				continue
+			}
+			h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+sleepOff)), false, src)
+			if err != nil {
+				if errors.Is(err, verbs.ErrQueueFull) {
+					// What was posted completes; the sleep after it
+					// announces again, to every peer.
+					c.annPartial = len(c.ann) > 0
+					return false, nil
+				}
+				return false, c.stepErr(p, err)
+			}
+			c.ann = append(c.ann, h)
+			c.asleep[p] = true
+			c.asleepTo = append(c.asleepTo, p)
+		}
+	}
+	if len(c.ann) == 0 {
+		w.announced = true // nothing pending: waiting for its own completions
+		return true, nil
+	}
+	return false, nil
+}
+
+// slept ends the sleep announce began, once the announcements completed
+// (placed at the peers): the run looks at the flows once more, and the
+// next sleep is the real one. An announcement that failed leaves the
+// next round's checks to find the broken peer.
+func (c *Comm) slept() {
+	for _, h := range c.ann {
+		if !h.Done() {
+			return
+		}
+	}
+	failed := false
+	for _, h := range c.ann {
+		failed = failed || h.Err() != nil
+		h.Release()
+	}
+	c.ann = c.ann[:0]
+	if !failed && !c.annPartial {
+		c.w.announced = true
+	}
+	c.annPartial = false
+}
+
+// awake tells the peers told that this rank sleeps that it no longer
+// does (their sleep words become even), when a wait ends or moves: they
+// then ring only for its next sleep. The announcements may still be in
+// flight: the queue pairs place this after them. Best effort: a peer
+// that misses it rings once more than needed.
+func (c *Comm) awake() {
+	if len(c.asleepTo) == 0 {
+		return
+	}
+	c.sleepEpoch = (c.sleepEpoch | 1) + 1 // the next even number
+	*word(c.tx, c.sleepSrc+8) = c.sleepEpoch
+	if src, err := c.tx.SGE(c.sleepSrc+8, 8); err == nil {
+		for _, p := range c.asleepTo {
+			ch := c.mc.Peer(c.ranks[p])
+			_ = c.postTwice(func() error {
+				return ch.PostWriteUnsignaled(c.remote[p].At(uint64(c.rank*peerFlagBytes+sleepOff)), src)
+			})
+		}
+	}
+	for _, p := range c.asleepTo {
+		c.asleep[p] = false
+	}
+	c.asleepTo = c.asleepTo[:0]
+}
+
+// annDone is the part of woken that ends the sleep announceSleep began.
+func (c *Comm) annDone() bool {
+	for _, h := range c.ann {
+		if !h.Done() {
+			return false
+		}
+	}
+	return len(c.ann) > 0
+}
+
+// releaseAnn releases the announcements' handles (Close).
+func releaseAnn(hs []channel.Handle) {
+	for _, h := range hs {
+		h.Release()
+	}
+}
