@@ -119,18 +119,24 @@
 // threads between any two polls (sched_yield, as MPI libraries do), so that the
 // rank it waits for runs at once; with more than 32 ranks per processor
 // it sleeps at once, since the rank waited for would queue behind every
-// spinner of its processor (internal/spinwait). A poll that rang a
-// doorbell (a peer's write arrived: soft0 places it in the poll) is
-// followed by a look at the flows, not by a pause: with ranks that
-// outnumber the processors a pause is a context switch or more, and
-// looking after it cost one per message. Every
-// counter written at a peer (a chunk's data count, an ack count, the
-// done flag, the abort word) is an RDMA write with immediate data, which
-// rings the peer's doorbell (channel.Options.Doorbells, on by default on
-// a cluster.Node's channel): its completion wakes a sleeping rank. So
-// ranks that outnumber the processors leave them to the ranks with work
-// and wake when their data arrives. An alarm every 10 ms (or at the
-// Options.Timeout deadline) wakes a sleeper for its checks; when the
+// spinner of its processor (internal/spinwait). A spinning wait pauses
+// before it drives the progress, not after, so that it looks at what the
+// poll placed (soft0 places a peer's writes as the process polls) before
+// the next pause: with ranks that outnumber the processors a pause is a
+// context switch or more, and looking after it cost one per message.
+//
+// A sleeping rank is woken by a doorbell: an RDMA write with immediate
+// data (channel.Options.Doorbells, on by default on a cluster.Node's
+// channel), whose completion wakes it. Where waits spin first, the
+// counters written at a peer (a chunk's data count, an ack count) and the
+// small messages are plain writes, and a rank rings a peer only when the
+// peer wrote, before it went to sleep, that it sleeps (bells.go: it then
+// looks once more; its peers read that word as they spin and when their
+// calls end). Where waits sleep at once (more than 32 ranks per
+// processor), and for the done flag and the abort word, every write
+// rings. So ranks that outnumber the processors leave them to the ranks
+// with work and wake when their data arrives. An alarm every 10 ms (or at
+// the Options.Timeout deadline) wakes a sleeper for its checks; when the
 // ranks outnumber the processors it comes every 10 ms times the ranks
 // per processor, up to 1 s, as cluster's barrier's, so that the alarms
 // of many sleeping ranks do not keep the processors busy waking them (a
