@@ -91,7 +91,11 @@ func (c *Comm) bell(p int) error {
 		return err
 	}
 	ch := c.mc.Peer(c.ranks[p])
-	return c.postTwice(func() error { return ch.PostWriteImmUnsignaled(c.remote[p].At(uint64(c.size*peerFlagBytes)), 0, src) })
+	err = c.postTwice(func() error { return ch.PostWriteImmUnsignaled(c.remote[p].At(uint64(c.size*peerFlagBytes)), 0, src) })
+	if err == nil {
+		c.sleepWrites++
+	}
+	return err
 }
 
 // endQuiet rings, once more, the peers of the call that ends that sleep,
@@ -162,6 +166,7 @@ func (c *Comm) announceSleep(sends, recvs []flow) (bool, error) {
 				return false, c.stepErr(p, err)
 			}
 			c.ann = append(c.ann, h)
+			c.sleepWrites++
 			c.asleep[p] = true
 			c.asleepTo = append(c.asleepTo, p)
 		}
@@ -209,9 +214,11 @@ func (c *Comm) awake() {
 	if src, err := c.tx.SGE(c.sleepSrc+8, 8); err == nil {
 		for _, p := range c.asleepTo {
 			ch := c.mc.Peer(c.ranks[p])
-			_ = c.postTwice(func() error {
+			if c.postTwice(func() error {
 				return ch.PostWriteUnsignaled(c.remote[p].At(uint64(c.rank*peerFlagBytes+sleepOff)), src)
-			})
+			}) == nil {
+				c.sleepWrites++
+			}
 		}
 	}
 	for _, p := range c.asleepTo {

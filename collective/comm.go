@@ -189,6 +189,7 @@ type Comm struct {
 	zeroCopied                        uint64           // chunks sent from a Buffer (tests)
 	landedChunks                      uint64           // chunks received in place, into a Buffer (tests)
 	writes, countWrites, ackWrites    uint64           // writes posted by the calls, and how many were data counts and ack counts (tests)
+	sleepWrites                       uint64           // and how many told peers of sleeps or rang them (bells.go, tests)
 
 	mu      sync.Mutex
 	issued  uint64        // tickets handed out

@@ -33,6 +33,10 @@ func Landed(c *Comm) uint64 { return c.landedChunks }
 // counts.
 func Writes(c *Comm) (total, counts, acks uint64) { return c.writes, c.countWrites, c.ackWrites }
 
+// SleepWrites returns how many of c's writes announced its sleeps, said
+// it woke, or rang a sleeping peer (bells.go).
+func SleepWrites(c *Comm) uint64 { return c.sleepWrites }
+
 // SmallWordsClear reports whether the words small messages take in every
 // slot of c's window are zero, as they must be between calls (every chunk
 // consumed clears what it wrote there).

@@ -501,9 +501,11 @@ func (m *mr) dropPulls() {
 // own writes to the region.
 
 // pullsReads reports whether a read of n bytes on c offers to pull its
-// data.
+// data. It runs on the requester's path, without rmu: it reads pidfdOpen,
+// not the pidfd closePidfd changes (the consumer that takes the answer
+// looks at the pidfd again, rmu held).
 func (c *conn) pullsReads(n uint64) bool {
-	return c.pidfd >= 0 && c.pullServed.Load() && n >= pullMin && n <= maxMsgSize
+	return c.pidfdOpen.Load() && c.pullServed.Load() && n >= pullMin && n <= maxMsgSize
 }
 
 // answerPulled answers the read id of n bytes at addr of m, which
@@ -590,6 +592,7 @@ const pullStatus = prov.StatusLocQPOpErr
 // closePidfd closes the pidfd (rmu held, or the connection never ran).
 func (c *conn) closePidfd() {
 	if c.pidfd >= 0 {
+		c.pidfdOpen.Store(false)
 		unix.Close(c.pidfd)
 		c.pidfd = -1
 	}

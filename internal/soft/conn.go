@@ -94,6 +94,7 @@ type conn struct {
 
 	// Pulled payloads (cma.go: shared memory and unix sockets).
 	pidfd      int         // the peer process (-1: none, nothing is pulled)
+	pidfdOpen  atomic.Bool // pidfd >= 0, for readers without rmu (pullsReads)
 	pullReady  atomic.Bool // the peer can read this process: large payloads are pulled
 	pullServed atomic.Bool // this process can read the peer: it accepts pulled requests
 	pull       pullSrc     // the pulled request being handled (rmu)
@@ -221,6 +222,7 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 	c.kick = make(chan struct{}, 1)
 	if pullKind(kind) {
 		c.pidfd = openPidfd(peerPID)
+		c.pidfdOpen.Store(c.pidfd >= 0)
 	}
 	if kind != kindTCP && int(peerPID) != os.Getpid() {
 		c.life = newPeerClock(peerPID) // the kernel vouched for the process id (SO_PEERCRED)
