@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
-	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -187,39 +187,33 @@ var ErrBadOp = errors.New("collective: operation not defined for the element typ
 type reducer func(dst, src []byte, srcLow bool)
 
 // reducerFor returns the reducer of op on T. The reducers of the
-// predefined operations are cached: a func value of a generic function
-// instantiated inside a generic function is a closure (it binds the
-// instantiation's dictionary), allocated each time it is taken.
+// predefined operations are cached, per element type code (dtypeOf: types
+// of one kind share a reducer, which works on bytes) and operation: a
+// func value of a generic function instantiated inside a generic function
+// is a closure (it binds the instantiation's dictionary), allocated each
+// time it is taken. The cache is a table of atomic pointers: a map behind
+// a read lock, keyed by reflect.Type, cost 60 ns per call, a tenth of
+// what the rest of a 2-rank 8-byte Allreduce spends on the processor.
 func reducerFor[T Number](op Op) (reducer, error) {
 	if op.kind == opCustom {
 		return customReducer[T](op)
 	}
-	key := reducerKey{reflect.TypeFor[T](), op.kind}
-	reducers.RLock()
-	r, ok := reducers.m[key]
-	reducers.RUnlock()
-	if ok {
-		return r, nil
+	slot := &reducers[dtypeOf[T]()%numDtypes][op.kind%opCustom]
+	if r := slot.Load(); r != nil {
+		return *r, nil
 	}
 	r, err := newReducer[T](op)
 	if err != nil {
 		return nil, err
 	}
-	reducers.Lock()
-	reducers.m[key] = r
-	reducers.Unlock()
+	slot.Store(&r)
 	return r, nil
 }
 
-type reducerKey struct {
-	t reflect.Type
-	k opKind
-}
+// numDtypes bounds the codes of dtypeOf.
+const numDtypes = 32
 
-var reducers = struct {
-	sync.RWMutex
-	m map[reducerKey]reducer
-}{m: make(map[reducerKey]reducer)}
+var reducers [numDtypes][opCustom]atomic.Pointer[reducer]
 
 func newReducer[T Number](op Op) (reducer, error) {
 	var z T

@@ -553,3 +553,61 @@ func TestReduceCustomOrder(t *testing.T) {
 	}
 	red(nil, nil, true) // empty: f not called with nothing to do, no panic
 }
+
+// TestReducerCacheByType: the reducers are cached per element type code
+// and operation (reducerFor), so types that share a code share a reducer
+// and the others do not: uint16, BFloat16 and Float16 hold the same bits
+// and sum differently, whatever order they are first asked for in; a
+// named float32 type sums as float32.
+func TestReducerCacheByType(t *testing.T) {
+	type celsius float32
+	one, two := BFloat16From(1), BFloat16From(2)
+	hOne, hTwo := Float16From(1), Float16From(2)
+	for round := range 2 {
+		sumOf := func(name string, a, b []byte) []byte {
+			t.Helper()
+			var r reducer
+			var err error
+			switch name {
+			case "uint16":
+				r, err = reducerFor[uint16](Sum)
+			case "bfloat16":
+				r, err = reducerFor[BFloat16](Sum)
+			case "float16":
+				r, err = reducerFor[Float16](Sum)
+			case "celsius":
+				r, err = reducerFor[celsius](Sum)
+			}
+			if err != nil {
+				t.Fatalf("round %d, %s: %v", round, name, err)
+			}
+			dst := append([]byte(nil), a...)
+			r(dst, b, false)
+			return dst
+		}
+		order := []string{"bfloat16", "uint16", "float16", "celsius"}
+		if round == 1 {
+			order = []string{"celsius", "float16", "uint16", "bfloat16"}
+		}
+		for _, name := range order {
+			var got, want uint64
+			switch name {
+			case "uint16":
+				d := sumOf(name, bytesOf([]uint16{uint16(one)}), bytesOf([]uint16{uint16(two)}))
+				got, want = uint64(elems[uint16](d)[0]), uint64(uint16(one)+uint16(two))
+			case "bfloat16":
+				d := sumOf(name, bytesOf([]BFloat16{one}), bytesOf([]BFloat16{two}))
+				got, want = uint64(elems[BFloat16](d)[0]), uint64(BFloat16From(3))
+			case "float16":
+				d := sumOf(name, bytesOf([]Float16{hOne}), bytesOf([]Float16{hTwo}))
+				got, want = uint64(elems[Float16](d)[0]), uint64(Float16From(3))
+			case "celsius":
+				d := sumOf(name, bytesOf([]celsius{1.5}), bytesOf([]celsius{2.25}))
+				got, want = uint64(math.Float32bits(float32(elems[celsius](d)[0]))), uint64(math.Float32bits(3.75))
+			}
+			if got != want {
+				t.Errorf("round %d: %s: 1+2 gave bits %#x, want %#x", round, name, got, want)
+			}
+		}
+	}
+}
