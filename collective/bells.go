@@ -8,66 +8,38 @@ import (
 	"github.com/goverbs/verbs/channel"
 )
 
-// Doorbells on demand.
-//
-// A write with immediate data (a doorbell: channel.Options.Doorbells)
-// wakes a peer that sleeps in its completion channel, but costs the peer
-// a receive, its completion and its repost even when it spins and would
-// have seen the write anyway: on soft0 shared memory a sixth of a 2-rank
-// barrier. When waits spin before they sleep (spinwait.Policy.Spin),
-// flags, acknowledgements and small messages are plain writes
-// (c.onDemand), and a rank rings a peer only when the peer said that it
-// sleeps. Each rank has a sleep word at each peer, odd while it sleeps:
-//
-//   - A rank about to sleep writes the next odd number (sleepEpoch)
-//     into its sleep word at every peer its wait depends on, waits for
-//     these writes to complete (they are placed at the peers), then looks
-//     at its flows once more before it sleeps. When the wait ends it
-//     writes the next even number there (awake). These writes ring no
-//     doorbell: a peer that does not poll (busy outside the calls) may
-//     have used up its doorbell receives, and a write with immediate
-//     data would wait for it.
-//   - A rank that wrote to a peer without a doorbell in a call (quietTo)
-//     reads the peer's sleep word as its waits spin, before it sleeps,
-//     and when the call ends. It rings (a write with immediate data of
-//     the probe word) when the word is odd and either new or older than
-//     some of its writes: a queue pair places writes in order, so the
-//     doorbell arrives after every write posted before it.
-//
-// If the sleeper's last look missed a write, the write was placed after
-// the announcement was, so the writer, reading after its write was
-// placed, finds the announcement: as long as it still looks. It looks
-// until its call ends; a write placed later than that (more than a
-// sleeper's whole spin, spinwait.MaxSpin, after it was posted, since the
-// sleeper spins before it announces) is found by the sleeper's alarm
-// instead (spinwait.Policy.Every). Waits that do not spin (more ranks
-// than spinwait.MaxYieldRanks per processor) ring on every write.
+// Doorbells on demand (internal/bells has the protocol and its books).
+// A doorbell costs a sleeping peer nothing it would not pay anyway, but a
+// spinning one a receive, its completion and its repost: on soft0 shared
+// memory a sixth of a 2-rank barrier. Where waits spin before they sleep
+// (spinwait.Policy.Spin), flags, acknowledgements and small messages are
+// plain writes (c.onDemand), and a rank rings a peer only when the peer
+// said it sleeps, in its sleep word at this rank (sleepOff). The
+// announcements and the awake words ring no doorbell: a peer that does
+// not poll (busy outside the calls) may have used up its doorbell
+// receives, and a write with immediate data would wait for it. A rank
+// looks at the sleep words of the peers it wrote to as its waits spin,
+// before it sleeps, and when its call ends; a write placed later than
+// that and after the sleeper's whole spin (spinwait.MaxSpin) is found by
+// the sleeper's alarm instead (spinwait.Policy.Every). Waits that do not
+// spin (more ranks than spinwait.MaxYieldRanks per processor) ring on
+// every write.
 
 // sleepOff is the offset of a peer's sleep word in its flags at a rank.
 const sleepOff = 64
 
-// quietWrote records a write to p without a doorbell.
-func (c *Comm) quietWrote(p int) {
-	c.quietSeq[p]++
-	if !c.wroteQuiet[p] {
-		c.wroteQuiet[p] = true
-		c.quietTo = append(c.quietTo, p)
-	}
-}
-
-// owesBell reports whether p sleeps and may have missed a write of this
-// rank: its sleep word is odd, and this rank has not rung for that sleep,
-// or wrote to p since it last did.
+// owesBell reads p's sleep word and reports whether p is owed a bell
+// (bells.Book.Owes).
 func (c *Comm) owesBell(p int) (uint64, bool) {
 	v := atomic.LoadUint64(word(c.rx, p*peerFlagBytes+sleepOff))
-	return v, v&1 == 1 && (v > c.belled[p] || c.quietSeq[p] > c.bellSeq[p])
+	return v, c.book.Owes(p, v)
 }
 
 // ringSleepers rings the peers written to without a doorbell in this call
-// that owe it (owesBell). A full send queue leaves the bell for the next
-// look.
+// that are owed it (owesBell). A full send queue leaves the bell for the
+// next look.
 func (c *Comm) ringSleepers() error {
-	for _, p := range c.quietTo {
+	for _, p := range c.book.WroteTo() {
 		v, owed := c.owesBell(p)
 		if !owed {
 			continue
@@ -78,7 +50,7 @@ func (c *Comm) ringSleepers() error {
 			}
 			return c.stepErr(p, err)
 		}
-		c.belled[p], c.bellSeq[p] = v, c.quietSeq[p]
+		c.book.Rang(p, v)
 	}
 	return nil
 }
@@ -102,7 +74,7 @@ func (c *Comm) bell(p int) error {
 // and forgets which peers it wrote to in the call. Best effort: a peer it
 // cannot ring wakes at its alarm.
 func (c *Comm) endQuiet() {
-	if len(c.quietTo) == 0 {
+	if len(c.book.WroteTo()) == 0 {
 		return
 	}
 	for tries := 0; tries < 100; tries++ {
@@ -112,16 +84,13 @@ func (c *Comm) endQuiet() {
 		c.mc.Progress()
 		c.spin.Pause()
 	}
-	for _, p := range c.quietTo {
-		c.wroteQuiet[p] = false
-	}
-	c.quietTo = c.quietTo[:0]
+	c.book.Forget()
 }
 
-// bellsOwed reports whether a peer of quietTo is owed a bell (its bell met
-// a full send queue).
+// bellsOwed reports whether a peer written to in this call is owed a
+// bell (its bell met a full send queue).
 func (c *Comm) bellsOwed() bool {
-	for _, p := range c.quietTo {
+	for _, p := range c.book.WroteTo() {
 		if _, owed := c.owesBell(p); owed {
 			return true
 		}
@@ -143,8 +112,7 @@ func (c *Comm) announceSleep(sends, recvs []flow) (bool, error) {
 	if len(c.ann) > 0 {
 		return false, nil // the sleep waits for them (woken)
 	}
-	c.sleepEpoch = (c.sleepEpoch + 1) | 1 // the next odd number
-	*word(c.tx, c.sleepSrc) = c.sleepEpoch
+	*word(c.tx, c.sleepSrc) = c.book.NextSleep()
 	src, err := c.tx.SGE(c.sleepSrc, 8)
 	if err != nil {
 		return false, err
@@ -152,7 +120,7 @@ func (c *Comm) announceSleep(sends, recvs []flow) (bool, error) {
 	for _, fs := range [2][]flow{recvs, sends} {
 		for i := range fs {
 			p := fs[i].peer
-			if fs[i].done() || c.asleep[p] {
+			if fs[i].done() || c.book.Telling(p) {
 				continue
 			}
 			h, err := c.post(p, c.remote[p].At(uint64(c.rank*peerFlagBytes+sleepOff)), false, src)
@@ -167,8 +135,7 @@ func (c *Comm) announceSleep(sends, recvs []flow) (bool, error) {
 			}
 			c.ann = append(c.ann, h)
 			c.sleepWrites++
-			c.asleep[p] = true
-			c.asleepTo = append(c.asleepTo, p)
+			c.book.Told(p)
 		}
 	}
 	if len(c.ann) == 0 {
@@ -206,25 +173,23 @@ func (c *Comm) slept() {
 // flight: the queue pairs place this after them. Best effort: a peer
 // that misses it rings once more than needed.
 func (c *Comm) awake() {
-	if len(c.asleepTo) == 0 {
+	v, to := c.book.Awake()
+	if len(to) == 0 {
 		return
 	}
-	c.sleepEpoch = (c.sleepEpoch | 1) + 1 // the next even number
-	*word(c.tx, c.sleepSrc+8) = c.sleepEpoch
-	if src, err := c.tx.SGE(c.sleepSrc+8, 8); err == nil {
-		for _, p := range c.asleepTo {
-			ch := c.mc.Peer(c.ranks[p])
-			if c.postTwice(func() error {
-				return ch.PostWriteUnsignaled(c.remote[p].At(uint64(c.rank*peerFlagBytes+sleepOff)), src)
-			}) == nil {
-				c.sleepWrites++
-			}
+	*word(c.tx, c.sleepSrc+8) = v
+	src, err := c.tx.SGE(c.sleepSrc+8, 8)
+	if err != nil {
+		return
+	}
+	for _, p := range to {
+		ch := c.mc.Peer(c.ranks[p])
+		if c.postTwice(func() error {
+			return ch.PostWriteUnsignaled(c.remote[p].At(uint64(c.rank*peerFlagBytes+sleepOff)), src)
+		}) == nil {
+			c.sleepWrites++
 		}
 	}
-	for _, p := range c.asleepTo {
-		c.asleep[p] = false
-	}
-	c.asleepTo = c.asleepTo[:0]
 }
 
 // annDone is the part of woken that ends the sleep announceSleep began.

@@ -14,6 +14,7 @@ import (
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
 	"github.com/goverbs/verbs/cluster"
+	"github.com/goverbs/verbs/internal/bells"
 )
 
 // Errors of the package. A failed collective returns an *Error wrapping
@@ -155,12 +156,7 @@ type Comm struct {
 	landSrc                           int              // offset in tx of the landing announcement's source (announce)
 	sleepSrc                          int              // offset in tx of the sleep announcement's source (bells.go)
 	onDemand                          bool             // writes ring no doorbell unless the peer sleeps (bells.go)
-	sleepEpoch                        uint64           // sleeps of this rank announced (bells.go)
-	belled, bellSeq, quietSeq         []uint64         // per peer: its last sleep rung for, quietSeq then, writes without a doorbell
-	asleep                            []bool           // the peers told this rank sleeps (membership of asleepTo)
-	asleepTo                          []int            // since it last told them it is awake
-	quietTo                           []int            // peers written to without a doorbell in this call
-	wroteQuiet                        []bool           // membership of quietTo
+	book                              *bells.Book      // of the doorbells on demand (bells.go)
 	ann                               []channel.Handle // sleep announcements in flight
 	annPartial                        bool             // some of them could not be posted
 	sleeps                            atomic.Uint64    // sleeps begun, announced where bells are on demand (tests)
@@ -253,8 +249,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 	c.alarm = spinwait.NewAlarm(c.ring)
 	c.spin = spinwait.For(node.LocalRanks(), runtime.NumCPU())
 	c.onDemand = c.spin.Spin > 0
-	c.belled, c.bellSeq, c.quietSeq = make([]uint64, p), make([]uint64, p), make([]uint64, p)
-	c.wroteQuiet, c.asleep = make([]bool, p), make([]bool, p)
+	c.book = bells.New(p)
 	c.slotBytes = (hdrBytes + c.chunk + 63) &^ 63
 	c.slotBase = (p*peerFlagBytes + 8 + 63) &^ 63 // flags, the probe word
 	rxLen := c.slotBase + p*c.slots*c.slotBytes

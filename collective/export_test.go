@@ -67,7 +67,7 @@ func BellsOnDemand(c *Comm) bool { return c.onDemand }
 
 // Announcements returns how many sleeps c's waits announced to their
 // peers (bells.go).
-func Announcements(c *Comm) uint64 { return (c.sleepEpoch + 1) / 2 }
+func Announcements(c *Comm) uint64 { return c.book.Sleeps() }
 
 // RingAlways makes every write of c that doorbells may wake a peer for
 // ring one, as where waits do not spin (bells.go).

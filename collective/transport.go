@@ -563,7 +563,7 @@ func (c *Comm) postTwice(postOnce func() error) error {
 func (c *Comm) signal(p int, dst verbs.RemoteAddr, src verbs.SGE) error {
 	ch := c.mc.Peer(c.ranks[p])
 	if c.onDemand {
-		c.quietWrote(p)
+		c.book.Wrote(p)
 		return c.postTwice(func() error { return ch.PostWriteUnsignaled(dst, src) })
 	}
 	return c.postTwice(func() error { return ch.PostWriteImmUnsignaled(dst, 0, src) })
