@@ -16,6 +16,7 @@ import (
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
+	"github.com/goverbs/verbs/internal/bells"
 )
 
 // BarrierAlgorithm selects how a barrier synchronises its group. Every
@@ -176,8 +177,9 @@ const (
 )
 
 // flagWords is the number of words of the flag region of a world of n
-// (before the mailboxes).
-func flagWords(n int) int { return n*wordsPerPeer + extraWords }
+// (before the mailboxes): the signals' words, the poison and probe words,
+// and a sleep word per rank (bells.go).
+func flagWords(n int) int { return n*wordsPerPeer + extraWords + n }
 
 // regionBytes is the length of the flag region of a world of n: the
 // words, then n mailboxes.
@@ -190,10 +192,11 @@ func regionBytes(n int) int { return flagWords(n)*flagBytes + n*boxBytes }
 //
 // little endian, 44 bytes. Version 4 has the host (hostID), which counts
 // the ranks sharing a machine (Node.LocalRanks). Version 2 has the poison and probe words;
-// version 3 the mailboxes of Share after them.
+// version 3 the mailboxes of Share after them; version 5 a sleep word per
+// rank between the probe word and the mailboxes (bells.go).
 const (
 	barrierMagic    = "GVBR"
-	barrierVersion  = 4
+	barrierVersion  = 5
 	barrierInfoSize = 44
 )
 
@@ -206,9 +209,11 @@ const (
 // (Node.LocalRanks), and for every thread of the machine (sched_yield)
 // when the ranks outnumber the processors up to 4 to 1, so that the peer
 // it waits for runs; beyond that it sleeps at once (internal/spinwait).
-// Signals are written with immediate data: each consumes one of the receiver's
-// doorbell receives (channel.Options.Doorbells), whose completion wakes a
-// rank sleeping for it, instead of timers (milliseconds per barrier). A
+// A sleeping rank is woken by a doorbell, a write with immediate data
+// (channel.Options.Doorbells), whose completion wakes it, instead of
+// timers (milliseconds per barrier): every signal carries one where waits
+// sleep at once, and where they spin first a rank rings only a peer that
+// said it sleeps (bells.go). A
 // wait woken without its signal (an alarm every spinwait.Policy.Every, the poison
 // word, the context) checks the context, the poison word and the peer's
 // channel; after probeAfter it probes the peer it waits for.
@@ -246,26 +251,32 @@ type barrier struct {
 	rank, n int
 
 	flags   *verbs.MemoryRegion // 2 words per world rank, written by peers, then the poison and probe words
-	staging *verbs.MemoryRegion // source words of the signals: two per peer
+	staging *verbs.MemoryRegion // source words of the signals: two per peer; then the sleep and awake numbers' (bells.go)
 	aux     *verbs.MemoryRegion // sources of probes (word 0, zero), of the poison (word 1) and of Share (auxShare)
 	remote  []verbs.RemoteRegion
 
-	mu       sync.Mutex
-	closed   atomic.Bool
-	gen      uint64
-	sendSeq  []uint32 // writes to each peer since reset
-	recvSeq  []uint32 // writes expected from each peer since reset
-	world    *group
-	calls    uint32                    // Shares entered since reset (low 32 bits)
-	groups   map[uint64][]*group       // by member hash
-	poison   error                     // a local failure (timeout, mismatch): until reset
-	lost     atomic.Pointer[RankError] // a rank failed: for good
-	tellMu   sync.Mutex                // serialises tell (the source word in aux)
-	told     bool                      // this rank told every peer of lost (under tellMu)
-	partners []atomic.Bool             // the peers this rank wrote to or waited for (spread)
-	wokenFn  func() bool               // b.woken, bound once
-	local    atomic.Int32              // ranks of the world on this host (setRemote)
-	spin     spinwait.Policy           // how a wait spins before it sleeps, and its alarms and probes (setRemote, mu)
+	mu         sync.Mutex
+	closed     atomic.Bool
+	gen        uint64
+	sendSeq    []uint32 // writes to each peer since reset
+	recvSeq    []uint32 // writes expected from each peer since reset
+	world      *group
+	calls      uint32                    // Shares entered since reset (low 32 bits)
+	groups     map[uint64][]*group       // by member hash
+	poison     error                     // a local failure (timeout, mismatch): until reset
+	lost       atomic.Pointer[RankError] // a rank failed: for good
+	tellMu     sync.Mutex                // serialises tell (the source word in aux)
+	told       bool                      // this rank told every peer of lost (under tellMu)
+	partners   []atomic.Bool             // the peers this rank wrote to or waited for (spread)
+	wokenFn    func() bool               // b.woken, bound once
+	local      atomic.Int32              // ranks of the world on this host (setRemote)
+	spin       spinwait.Policy           // how a wait spins before it sleeps, and its alarms and probes (setRemote, mu)
+	onDemand   bool                      // signals ring no doorbell unless the peer sleeps (bells.go; setRemote, mu)
+	book       *bells.Book               // of the doorbells on demand (mu)
+	ann        channel.Handle            // the sleep announcement in flight, if annPending (mu)
+	annPending bool
+	annPeer    int           // where it goes
+	sleeps     atomic.Uint64 // sleeps begun (tests)
 
 	// The sleep of a wait (mu): its alarm (ring), and what woken looks at.
 	alarm                *spinwait.Alarm
@@ -302,12 +313,13 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 	}
 	b := &barrier{mc: mc, alg: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1, spin: spinwait.Policy{Every: spinwait.ProbeEvery},
 		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), partners: make([]atomic.Bool, n), groups: make(map[uint64][]*group)}
-	if b.staging, err = mc.PD().Alloc(2*n*flagBytes, verbs.AccessLocalWrite); err != nil {
+	if b.staging, err = mc.PD().Alloc((2*n+2)*flagBytes, verbs.AccessLocalWrite); err != nil {
 		flags.Close()
 		aux.Close()
 		return nil, fmt.Errorf("cluster: barrier: staging memory: %w", err)
 	}
 	b.wokenFn = b.woken
+	b.book = bells.New(n)
 	b.alarm = spinwait.NewAlarm(b.ring)
 	b.world = b.newGroup(nil)
 	return b, nil
@@ -382,6 +394,7 @@ func (b *barrier) setRemote(infos [][]byte) error {
 	b.remote = remote
 	b.local.Store(int32(local))
 	b.spin = spinwait.For(local, runtime.NumCPU())
+	b.onDemand = b.spin.Spin > 0
 	return nil
 }
 
@@ -591,9 +604,11 @@ func (b *barrier) run(ctx context.Context, g *group) (int, error) {
 			err = b.signal(ctx, g, s.peer)
 		}
 		if err != nil {
+			b.book.Forget()
 			return s.peer, err
 		}
 	}
+	b.endQuiet(ctx)
 	g.epoch++
 	return -1, nil
 }
@@ -750,8 +765,9 @@ func (b *barrier) value(g *group, seq uint32) uint64 {
 }
 
 // signal writes this rank's word for g into peer's flags, with
-// immediate data: the peer's doorbell, which wakes it if it sleeps in
-// awaitWord. The write is not awaited. Its source is one of two staging
+// immediate data (the peer's doorbell, which wakes it if it sleeps in
+// awaitWord) unless doorbells are on demand (bells.go). The write is not
+// awaited. Its source is one of two staging
 // words of the pair, by the parity of the pair's write count: the next
 // write with the same parity comes after the peer has read this one (see
 // Flag memory), so after the device has read the source.
@@ -765,8 +781,11 @@ func (b *barrier) signal(ctx context.Context, g *group, peer int) error {
 	if err != nil {
 		return err
 	}
-	if err := b.postWrite(ctx, peer, b.mc.Peer(peer), b.remote[peer].At(off), src, true); err != nil {
+	if err := b.postWrite(ctx, peer, b.mc.Peer(peer), b.remote[peer].At(off), src, !b.onDemand); err != nil {
 		return err
+	}
+	if b.onDemand {
+		b.book.Wrote(peer)
 	}
 	b.sendSeq[peer] = seq + 1
 	return nil
@@ -811,10 +830,12 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 	var probe channel.Handle // in flight if probing
 	probing := false
 	var start, nextProbe time.Time
+	told := !b.onDemand // the peer knows this rank sleeps: its announcement was placed
 	defer func() {
 		if probing {
 			probe.Release()
 		}
+		b.awake(ctx)
 	}()
 	// Spinning, as b.spin allows: poll (driving the transport's
 	// progress), check now and then, yield to the process' goroutines.
@@ -841,6 +862,9 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 					break
 				}
 			}
+			if err := b.ringSleepers(ctx); err != nil {
+				return err
+			}
 			b.spin.PauseAt(i)
 		}
 	}
@@ -863,6 +887,33 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 					return err
 				}
 			}
+		}
+		if b.onDemand {
+			// Tell the peer, wait until it is placed, look once more
+			// (bells.go); a peer signalled in this barrier may sleep too.
+			if err := b.ringSleepers(ctx); err != nil {
+				return err
+			}
+			if done, err := b.announced(); done && err == nil && b.annPeer == peer {
+				told = true
+				continue
+			}
+			if !told {
+				pending, err := b.announce(peer)
+				if err != nil {
+					return err
+				}
+				if !pending { // a full send queue: its completions free it
+					if err := b.mc.Progress(); err != nil {
+						return err
+					}
+					b.spin.Pause()
+					continue
+				}
+			}
+		}
+		if !b.annPending {
+			b.sleeps.Add(1)
 		}
 		b.sleep(ctx, peer, w, v)
 	}
@@ -890,9 +941,9 @@ func (b *barrier) checkWait(ctx context.Context, peer int, pw *uint64) error {
 // Options.SpinPolls says, then sleeps on the completion channel), until
 // the word w no longer holds seen, the poison word is set, the barrier
 // closes, the alarm goes off or ctx ends (which the caller's checks
-// report). Signals are written with immediate data: their doorbell wakes
-// a sleeping rank, and the word is in memory when the doorbell's
-// completion is. The alarm (ring, after b.spin.Every) posts a probe to the
+// report). A doorbell (bells.go) wakes a sleeping rank, and the word is
+// in memory when the doorbell's completion is (a queue pair places
+// writes in order). The alarm (ring, after b.spin.Every) posts a probe to the
 // peer waited for, whose completion wakes this rank for its checks
 // (liveness; the context's end is seen at once).
 func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, seen uint64) {
@@ -906,7 +957,8 @@ func (b *barrier) sleep(ctx context.Context, peer int, w *uint64, seen uint64) {
 // the doorbell receives, whose completions wake the sleeper).
 func (b *barrier) woken() bool {
 	return atomic.LoadUint64(b.waitWord) != b.waitSeen || atomic.LoadUint64(b.poisonWord()) != 0 ||
-		b.alarm.Fired() != b.seenAlarms || b.closed.Load() || b.mc.Peer(b.waitPeer).Broken()
+		b.alarm.Fired() != b.seenAlarms || b.closed.Load() || b.mc.Peer(b.waitPeer).Broken() ||
+		b.annPending && b.ann.Done()
 }
 
 // ring is the alarm of sleep (on a timer's goroutine, while the sleep
@@ -1009,6 +1061,10 @@ func (b *barrier) close() error {
 	defer b.mu.Unlock()
 	b.tellMu.Lock() // a report in progress has finished posting
 	defer b.tellMu.Unlock()
+	if b.annPending {
+		b.ann.Release()
+		b.annPending = false
+	}
 	var errs []error
 	if err := b.flags.Close(); err != nil {
 		errs = append(errs, err)

@@ -192,10 +192,13 @@
 // once; with more than 32 ranks per processor (spinwait.MaxYieldRanks)
 // it sleeps at once, since
 // the rank waited for would queue behind every spinner of its
-// processor. Flags are written with immediate data: each rings
-// the receiver's doorbell (NodeOptions.Channel.Doorbells, 64 per peer by
-// default), whose completion wakes it. So ranks that outnumber the
-// processors sleep until their signal arrives. The queue pairs of a
+// processor. A sleeping rank is woken by a doorbell: a write with
+// immediate data (NodeOptions.Channel.Doorbells, 64 per peer by default),
+// whose completion wakes it. Where waits spin first, a barrier's flags
+// are plain writes and a rank rings a peer only when the peer wrote,
+// before it went to sleep, that it sleeps (doorbells on demand, see
+// internal/bells); where they sleep at once, every flag rings. So ranks
+// that outnumber the processors sleep until their signal arrives. The queue pairs of a
 // Node's channel carry one-sided operations only: its receive queues
 // hold the doorbells (sends and receives fail with ErrNotSupported);
 // exchange small data with Share. Ranks that outnumber the processors

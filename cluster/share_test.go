@@ -355,7 +355,8 @@ func TestShareLayout(t *testing.T) {
 	}
 	infos := [][]byte{nodes[0].bar.localInfo(), nodes[1].bar.localInfo(), nodes[2].bar.localInfo()}
 	binary.LittleEndian.PutUint64(infos[2][24:], uint64(flagWords(3)*flagBytes))
-	if err := b.setRemote(infos); err == nil || !strings.Contains(err.Error(), "rank 2's flag region has 64 bytes, want 856") {
+	want := fmt.Sprintf("rank 2's flag region has %d bytes, want %d", flagWords(3)*flagBytes, regionBytes(3))
+	if err := b.setRemote(infos); err == nil || !strings.Contains(err.Error(), want) {
 		t.Errorf("setRemote with a region without mailboxes: %v", err)
 	}
 }

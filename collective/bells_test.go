@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs/collective"
+	"github.com/goverbs/verbs/verbstest"
 )
 
 // TestSleepersWokenByBells: with doorbells on demand (bells.go), a rank
@@ -83,24 +84,20 @@ func TestSleepersWokenByBells(t *testing.T) {
 }
 
 // untilAsleep waits until every rank but late has gone to sleep since
-// before (a condition, not a timing).
+// before.
 func untilAsleep(ctx context.Context, cs []*collective.Comm, before []uint64, late int) error {
-	for {
-		asleep := true
+	err := verbstest.Until(ctx, func() bool {
 		for r, c := range cs {
 			if r != late && collective.Sleeps(c) == before[r] {
-				asleep = false
+				return false
 			}
 		}
-		if asleep {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("the other ranks never slept: %w", ctx.Err())
-		case <-time.After(200 * time.Microsecond):
-		}
+		return true
+	})
+	if err != nil {
+		return fmt.Errorf("the other ranks never slept: %w", err)
 	}
+	return nil
 }
 
 // sumCheck runs an Allreduce (Sum) of n float64 and checks its result.

@@ -459,3 +459,17 @@ func checkBytes(t testing.TB, what string, got, want []byte) {
 		t.Errorf("%s: %s", what, d)
 	}
 }
+
+// Until polls cond every 200 µs until it holds, and returns nil, or ctx
+// ends, and returns ctx's error: a wait for a condition another goroutine
+// or process brings about, bounded by ctx (a hang guard, not a timing).
+func Until(ctx context.Context, cond func() bool) error {
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Microsecond):
+		}
+	}
+	return nil
+}
