@@ -145,7 +145,7 @@ func (c *Comm) announceSleep(sends, recvs []flow) (bool, error) {
 	return false, nil
 }
 
-// slept ends the sleep announce began, once the announcements completed
+// slept ends the sleep announceSleep began, once the announcements completed
 // (placed at the peers): the run looks at the flows once more, and the
 // next sleep is the real one. An announcement that failed leaves the
 // next round's checks to find the broken peer.
