@@ -2,15 +2,23 @@ package collective
 
 import "context"
 
-// Barrier returns once every rank of the communicator has entered it:
-// ⌈log2 p⌉ rounds of empty messages. With p a power of two it is a
-// butterfly (in round k, rank r and r XOR 2^k signal each other, as in
-// the recursive doubling of a small Allreduce): a pair's signals cross,
-// and each carries the acknowledgement of the other's slot, so no round
-// needs a separate acknowledgement write. Other sizes use a dissemination
-// barrier (in round k, rank r signals r+2^k and waits for r−2^k), whose
+// Barrier returns once every rank of the communicator has entered it.
+// Where every rank has a processor it takes ⌈log2 p⌉ rounds of empty
+// messages: with p a power of two a butterfly (in round k, rank r and r
+// XOR 2^k signal each other, as in the recursive doubling of a small
+// Allreduce): a pair's signals cross, and each carries the
+// acknowledgement of the other's slot, so no round needs a separate
+// acknowledgement write; other sizes use a dissemination barrier (in
+// round k, rank r signals r+2^k and waits for r−2^k), whose
 // acknowledgements travel apart from the signals (a third more writes).
-// It fails, naming the rank, when a rank of the world failed, like every
+// Where some rank's machine has more ranks than processors (its waits
+// yield: every rank learns it from the window descriptors, so all choose
+// alike) and p > 2, every rank signals rank 0, which releases them all
+// once it heard from every one: 2(p−1) messages instead of p⌈log2 p⌉,
+// and fewer turns of the ranks that share a processor (8 ranks on 2
+// CPUs, soft0 shared memory: 28-44 µs against 49-77 µs for the
+// butterfly, median of the slowest rank, three alternating runs). It
+// fails, naming the rank, when a rank of the world failed, like every
 // collective.
 func Barrier(ctx context.Context, c *Comm) error {
 	t, err := c.begin(ctx, callInfo{kind: kindBarrier, root: -1})
@@ -18,6 +26,9 @@ func Barrier(ctx context.Context, c *Comm) error {
 		return err
 	}
 	p, r := c.size, c.rank
+	if c.gather && p > 2 {
+		return c.end(t, c.gatherBarrier(ctx))
+	}
 	for d := 1; d < p && err == nil; d <<= 1 {
 		if p&(p-1) == 0 {
 			err = c.step(ctx, r^d, nil, r^d, nil, false, false)
@@ -28,11 +39,45 @@ func Barrier(ctx context.Context, c *Comm) error {
 	return c.end(t, err)
 }
 
+// gatherBarrier is Barrier through rank 0: every other rank signals it
+// and waits for its release.
+func (c *Comm) gatherBarrier(ctx context.Context) error {
+	if c.rank != 0 {
+		if err := c.step(ctx, 0, nil, -1, nil, false, false); err != nil {
+			return err
+		}
+		return c.step(ctx, -1, nil, 0, nil, false, false)
+	}
+	c.recvs = c.recvs[:0]
+	for q := 1; q < c.size; q++ {
+		c.recvs = append(c.recvs, flow{peer: q})
+	}
+	if err := c.run(ctx, nil, c.recvs); err != nil {
+		return err
+	}
+	c.sends = c.sends[:0]
+	for q := 1; q < c.size; q++ {
+		c.sends = append(c.sends, flow{peer: q})
+	}
+	return c.run(ctx, c.sends, nil)
+}
+
 // BarrierAlgorithm names the algorithm of Barrier on a communicator of
-// p ranks: "butterfly" or "dissemination".
+// p ranks that each have a processor: "butterfly" or "dissemination".
+// See Comm.BarrierAlgorithm.
 func BarrierAlgorithm(p int) string {
 	if p&(p-1) == 0 {
 		return "butterfly"
 	}
 	return "dissemination"
+}
+
+// BarrierAlgorithm names the algorithm of Barrier on c: "butterfly",
+// "dissemination", or "gather" (through rank 0, where some rank's
+// machine has more ranks than processors).
+func (c *Comm) BarrierAlgorithm() string {
+	if c.gather && c.size > 2 {
+		return "gather"
+	}
+	return BarrierAlgorithm(c.size)
 }

@@ -156,6 +156,7 @@ type Comm struct {
 	landSrc                           int              // offset in tx of the landing announcement's source (announce)
 	sleepSrc                          int              // offset in tx of the sleep announcement's source (bells.go)
 	onDemand                          bool             // writes ring no doorbell unless the peer sleeps (bells.go)
+	gather                            bool             // some rank's waits yield: Barrier gathers at rank 0 (the descriptors' flags)
 	book                              *bells.Book      // of the doorbells on demand (bells.go)
 	ann                               []channel.Handle // sleep announcements in flight
 	annPartial                        bool             // some of them could not be posted
@@ -249,6 +250,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 	c.alarm = spinwait.NewAlarm(c.ring)
 	c.spin = spinwait.For(node.LocalRanks(), runtime.NumCPU())
 	c.onDemand = c.spin.Spin > 0
+	c.gather = c.spin.Yield
 	c.book = bells.New(p)
 	c.slotBytes = (hdrBytes + c.chunk + 63) &^ 63
 	c.slotBase = (p*peerFlagBytes + 8 + 63) &^ 63 // flags, the probe word
@@ -284,13 +286,16 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 // Window descriptor a rank hands each peer:
 //
 //	magic "GVCO" | version u16 | slots u16 | comm size u32 | comm rank u32 |
-//	chunk u32 | addr u64 | len u64 | rkey u32
+//	chunk u32 | addr u64 | len u64 | rkey u32 | flags u32
 //
-// little endian, 40 bytes.
+// little endian, 44 bytes. Flag descYields: the rank's waits yield (its
+// machine has more ranks of the world than processors): Barrier gathers
+// at rank 0 if any rank's do, a choice every rank makes alike.
 const (
 	descMagic   = "GVCO"
-	descVersion = 2 // 2: 64-byte peer flags (the landing announcement)
-	descBytes   = 40
+	descVersion = 3 // 2: 64-byte peer flags (the landing announcement); 3: 128 (the sleep word), the flags
+	descBytes   = 44
+	descYields  = 1
 )
 
 func (c *Comm) descriptor(b []byte) {
@@ -304,6 +309,11 @@ func (c *Comm) descriptor(b []byte) {
 	binary.LittleEndian.PutUint64(b[20:], r.Addr)
 	binary.LittleEndian.PutUint64(b[28:], r.Len)
 	binary.LittleEndian.PutUint32(b[36:], r.RKey)
+	var flags uint32
+	if c.spin.Yield {
+		flags |= descYields
+	}
+	binary.LittleEndian.PutUint32(b[40:], flags)
 }
 
 // setRemote checks and keeps rank j's descriptor.
@@ -325,6 +335,9 @@ func (c *Comm) setRemote(j int, b []byte) error {
 	}
 	if r := int(binary.LittleEndian.Uint32(b[12:])); r != j {
 		return fmt.Errorf("entry %d holds the window description of rank %d", j, r)
+	}
+	if binary.LittleEndian.Uint32(b[40:])&descYields != 0 {
+		c.gather = true
 	}
 	s, ch := int(binary.LittleEndian.Uint16(b[6:])), int(binary.LittleEndian.Uint32(b[16:]))
 	if s != c.slots || ch != c.chunk {

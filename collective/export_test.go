@@ -77,3 +77,8 @@ func RingAlways(c *Comm) { c.onDemand = false }
 // sleeping waits: a test that makes it long finds whether a sleeper is
 // woken by anything else.
 func SetAlarmEvery(c *Comm, d time.Duration) { c.spin.Every = d }
+
+// SetBarrierGather makes Barrier on c gather at rank 0 (on) or use the
+// butterfly or dissemination barrier (off), whatever the descriptors
+// said: every rank of c must be set alike.
+func SetBarrierGather(c *Comm, on bool) { c.gather = on }

@@ -686,7 +686,11 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 			}
 			loop, iter := peak[cfg.iters], peak[:cfg.iters]
 			slices.Sort(iter)
-			row := collRow{Collective: name, Size: bytes, Count: count, Type: cfg.dtype, Algorithm: b.alg(cfg, cfg.p, bytes, bufs.esz),
+			alg := b.alg(cfg, cfg.p, bytes, bufs.esz)
+			if name == "barrier" {
+				alg = bufs.c.BarrierAlgorithm() // as the ranks chose it (where they outnumber the processors)
+			}
+			row := collRow{Collective: name, Size: bytes, Count: count, Type: cfg.dtype, Algorithm: alg,
 				TimeUS: median(iter) * 1e6, MinUS: iter[0] * 1e6, MaxUS: iter[len(iter)-1] * 1e6,
 				MeanUS: loop / float64(cfg.iters) * 1e6}
 			if b.busFactor == nil {
