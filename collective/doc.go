@@ -98,7 +98,9 @@
 // (reduce-scatter then allgather in p−1 steps each, chunks pipelined)
 // above. Sizes that are not powers of two fold the first 2·(p−2^⌊log2 p⌋)
 // ranks in pairs first. Barrier is a butterfly for powers of two, else a
-// dissemination barrier (BarrierAlgorithm). Each
+// dissemination barrier, or, where some rank's machine has more ranks
+// than processors, a gather at rank 0 and its release
+// (Comm.BarrierAlgorithm). Each
 // collective documents its algorithm and cost.
 //
 // Results are bitwise identical on every rank: each element's final value
