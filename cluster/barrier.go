@@ -830,7 +830,7 @@ func (b *barrier) awaitWord(ctx context.Context, peer int, w *uint64, match func
 	var probe channel.Handle // in flight if probing
 	probing := false
 	var start, nextProbe time.Time
-	told := !b.onDemand // the peer knows this rank sleeps: its announcement was placed
+	told := false // the peer knows this rank sleeps: its announcement was placed (bells.go)
 	defer func() {
 		if probing {
 			probe.Release()
@@ -975,8 +975,11 @@ func (b *barrier) postProbe(peer int) (channel.Handle, error) {
 	if err != nil {
 		return channel.Handle{}, err
 	}
-	return b.mc.Peer(peer).PostWrite(b.remote[peer].At(uint64((b.n*wordsPerPeer+1)*flagBytes)), src)
+	return b.mc.Peer(peer).PostWrite(b.remote[peer].At(b.probeOff()), src)
 }
+
+// probeOff is the offset of the probe word in a rank's flag region.
+func (b *barrier) probeOff() uint64 { return uint64((b.n*wordsPerPeer + 1) * flagBytes) }
 
 // probe checks that peer is alive during a long wait: it keeps one write
 // of the probe word in flight to it, a new one every b.spin.Every. A peer

@@ -26,8 +26,8 @@ import (
 // sleeper's whole spin is found at the sleeper's alarm instead. Share's
 // mailboxes keep their doorbells.
 
-// sleepOff is the offset, in this rank's flag region, of peer j's sleep
-// word.
+// sleepOff is the offset, in a rank's flag region, of rank j's sleep
+// word there.
 func (b *barrier) sleepOff(j int) int { return (b.n*wordsPerPeer + extraWords + j) * flagBytes }
 
 // ringSleepers rings the peers signalled without a doorbell in this
@@ -42,7 +42,7 @@ func (b *barrier) ringSleepers(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if err := b.postWrite(ctx, p, b.mc.Peer(p), b.remote[p].At(uint64((b.n*wordsPerPeer+1)*flagBytes)), src, true); err != nil {
+		if err := b.postWrite(ctx, p, b.mc.Peer(p), b.remote[p].At(b.probeOff()), src, true); err != nil {
 			return err
 		}
 		b.book.Rang(p, v)
@@ -67,13 +67,13 @@ func (b *barrier) announce(peer int) (bool, error) {
 	if b.annPending {
 		return true, nil
 	}
-	off := (2*b.n + 0) * flagBytes
+	off := 2 * b.n * flagBytes
 	binary.NativeEndian.PutUint64(b.staging.Bytes()[off:], b.book.NextSleep())
 	src, err := b.staging.SGE(off, flagBytes)
 	if err != nil {
 		return false, err
 	}
-	h, err := b.mc.Peer(peer).PostWrite(b.remote[peer].At(uint64((b.n*wordsPerPeer+extraWords+b.rank)*flagBytes)), src)
+	h, err := b.mc.Peer(peer).PostWrite(b.remote[peer].At(uint64(b.sleepOff(b.rank))), src)
 	if err != nil {
 		if errors.Is(err, verbs.ErrQueueFull) {
 			return false, nil
@@ -114,6 +114,6 @@ func (b *barrier) awake(ctx context.Context) {
 		return
 	}
 	for _, p := range to {
-		_ = b.postWrite(ctx, p, b.mc.Peer(p), b.remote[p].At(uint64((b.n*wordsPerPeer+extraWords+b.rank)*flagBytes)), src, false)
+		_ = b.postWrite(ctx, p, b.mc.Peer(p), b.remote[p].At(uint64(b.sleepOff(b.rank))), src, false)
 	}
 }

@@ -26,7 +26,7 @@ func Barrier(ctx context.Context, c *Comm) error {
 		return err
 	}
 	p, r := c.size, c.rank
-	if c.gather && p > 2 {
+	if c.gathers() {
 		return c.end(t, c.gatherBarrier(ctx))
 	}
 	for d := 1; d < p && err == nil; d <<= 1 {
@@ -76,8 +76,11 @@ func BarrierAlgorithm(p int) string {
 // "dissemination", or "gather" (through rank 0, where some rank's
 // machine has more ranks than processors).
 func (c *Comm) BarrierAlgorithm() string {
-	if c.gather && c.size > 2 {
+	if c.gathers() {
 		return "gather"
 	}
 	return BarrierAlgorithm(c.size)
 }
+
+// gathers reports whether Barrier on c gathers at rank 0.
+func (c *Comm) gathers() bool { return c.gather && c.size > 2 }

@@ -150,10 +150,8 @@ func (c *Comm) announceSleep(sends, recvs []flow) (bool, error) {
 // next sleep is the real one. An announcement that failed leaves the
 // next round's checks to find the broken peer.
 func (c *Comm) slept() {
-	for _, h := range c.ann {
-		if !h.Done() {
-			return
-		}
+	if !c.annDone() {
+		return
 	}
 	failed := false
 	for _, h := range c.ann {

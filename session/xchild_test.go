@@ -22,6 +22,7 @@ import (
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/internal/leak"
 	"github.com/goverbs/verbs/internal/vmtest"
+	"github.com/goverbs/verbs/verbstest"
 )
 
 // The child process of the cross-process tests (xproc_test.go): the test
@@ -253,18 +254,6 @@ func grantedBytes(s *Session) int64 {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.granted
-}
-
-// waitFor polls cond until it holds or ctx ends.
-func waitFor(ctx context.Context, cond func() bool) error {
-	for !cond() {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
-	return nil
 }
 
 // errClass names the end of a session as the tests assert it.
@@ -670,7 +659,7 @@ func serveRawLease(ctx context.Context, s *Session, args []string, _ *lines) err
 	if err != nil {
 		return err
 	}
-	if err := waitFor(ctx, func() bool { return !grantLive(g) }); err != nil {
+	if err := verbstest.Until(ctx, func() bool { return !grantLive(g) }); err != nil {
 		return fmt.Errorf("the grant of %v did not end: %w", leaseShort, err)
 	}
 	mr.Free()
@@ -743,7 +732,7 @@ func serveCancel(ctx context.Context, s *Session, _ []string, _ *lines) error {
 				return err
 			}
 			wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-			err := waitFor(wctx, func() bool { return grantedBytes(s) == 0 })
+			err := verbstest.Until(wctx, func() bool { return grantedBytes(s) == 0 })
 			cancel()
 			if err != nil {
 				return fmt.Errorf("%d bytes still granted to the client, which holds none", grantedBytes(s))
