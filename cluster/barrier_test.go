@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -170,7 +171,7 @@ func TestBarrierAlgorithmString(t *testing.T) {
 		a    BarrierAlgorithm
 		want string
 	}{
-		{BinaryTree, "binary tree"}, {Dissemination, "dissemination"}, {Centralized, "centralized"},
+		{Auto, "auto"}, {BinaryTree, "binary tree"}, {Dissemination, "dissemination"}, {Centralized, "centralized"},
 		{BarrierAlgorithm(7), "BarrierAlgorithm(7)"},
 	} {
 		if got := tc.a.String(); got != tc.want {
@@ -178,8 +179,8 @@ func TestBarrierAlgorithmString(t *testing.T) {
 		}
 	}
 	var zero BarrierAlgorithm
-	if zero != BinaryTree {
-		t.Error("the zero BarrierAlgorithm is not BinaryTree")
+	if zero != Auto {
+		t.Error("the zero BarrierAlgorithm is not Auto")
 	}
 }
 
@@ -485,6 +486,7 @@ func TestBarrierSetRemote(t *testing.T) {
 		{"world size", func(in [][]byte) [][]byte { in[1][12] = 5; return in }, "world of 5 ranks"},
 		{"region too small", func(in [][]byte) [][]byte { in[1][24] = 8; clear(in[1][25:32]); return in }, "has 8 bytes"},
 		{"misaligned", func(in [][]byte) [][]byte { in[2][16] |= 3; return in }, "not 8-byte aligned"},
+		{"no processor", func(in [][]byte) [][]byte { clear(in[1][44:48]); return in }, "rank 1 says it has no processor"},
 		{"wraps", func(in [][]byte) [][]byte {
 			for i := 16; i < 24; i++ {
 				in[2][i] = 0xff
@@ -511,12 +513,97 @@ func TestBarrierSetRemote(t *testing.T) {
 	}
 }
 
+func TestAutoAlgorithm(t *testing.T) {
+	many := func(n int, v uint64) []uint64 {
+		s := make([]uint64, n)
+		for i := range s {
+			s[i] = v
+		}
+		return s
+	}
+	ints := func(n, v int) []int {
+		s := make([]int, n)
+		for i := range s {
+			s[i] = v
+		}
+		return s
+	}
+	for _, tc := range []struct {
+		name  string
+		hosts []uint64
+		cpus  []int
+		want  BarrierAlgorithm
+	}{
+		{"one rank", many(1, 7), ints(1, 1), Dissemination},
+		{"a processor each", many(2, 7), ints(2, 2), Dissemination},
+		{"one too many", many(3, 7), ints(3, 2), Centralized},
+		{"two hosts, a processor each", append(many(4, 1), many(4, 2)...), ints(8, 4), Dissemination},
+		{"one host of two oversubscribed", append(many(4, 1), many(2, 2)...), append(ints(4, 4), ints(2, 1)...), Centralized},
+		{"one rank sees fewer processors", many(2, 7), []int{2, 1}, Centralized},
+		{"256 oversubscribed", many(256, 7), ints(256, 2), Centralized},
+		{"257 oversubscribed", many(257, 7), ints(257, 2), BinaryTree},
+		{"4096 with a processor each", many(4096, 7), ints(4096, 4096), Dissemination},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := autoAlgorithm(len(tc.hosts), oversubscribed(tc.hosts, tc.cpus)); got != tc.want {
+				t.Errorf("Auto picks %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestBarrierAuto: every rank of a world that asks for Auto picks the same
+// algorithm, from what the flag descriptions say of hosts and processors,
+// and synchronises with it.
+func TestBarrierAuto(t *testing.T) {
+	cpus := runtime.NumCPU()
+	for _, tc := range []struct {
+		name string
+		n    int
+		edit func(info []byte) // applied to every rank's description
+		want BarrierAlgorithm
+	}{
+		{"as found", 2, nil, autoAlgorithm(2, 2 > cpus)},
+		{"as found, one more than processors", cpus + 1, nil, Centralized},
+		{"one processor each", 3, func(in []byte) { binary.LittleEndian.PutUint32(in[44:], 1) }, Centralized},
+		{"a processor each", 3, func(in []byte) { binary.LittleEndian.PutUint32(in[44:], 3) }, Dissemination},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rs := barWorld(t, tc.n, Auto)
+			infos := make([][]byte, tc.n)
+			for i, r := range rs {
+				infos[i] = r.b.localInfo()
+				if tc.edit != nil {
+					tc.edit(infos[i])
+				}
+			}
+			for _, r := range rs {
+				if err := r.b.setRemote(infos); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for i, r := range rs {
+				if got := BarrierAlgorithm(r.b.inUse.Load()); got != tc.want {
+					t.Errorf("rank %d uses %v, want %v", i, got, tc.want)
+				}
+				if got := binary.LittleEndian.Uint16(r.b.localInfo()[6:]); got != uint16(Auto) {
+					t.Errorf("rank %d describes algorithm %d, want Auto (%d): what it asked for", i, got, Auto)
+				}
+			}
+			barNoErrors(t, barRounds(barCtx(t), rs, nil, 20))
+			if tc.n > 2 {
+				barNoErrors(t, barRounds(barCtx(t), rs, []int{0, tc.n - 1}, 5))
+			}
+		})
+	}
+}
+
 func TestNewBarrierBadInput(t *testing.T) {
 	rs := barWorld(t, 2, BinaryTree)
 	if _, err := newBarrier(nil, BinaryTree); err == nil {
 		t.Error("newBarrier(nil) succeeded")
 	}
-	if _, err := newBarrier(rs[0].mc, BarrierAlgorithm(3)); err == nil || !strings.Contains(err.Error(), "unknown algorithm 3") {
+	if _, err := newBarrier(rs[0].mc, BarrierAlgorithm(4)); err == nil || !strings.Contains(err.Error(), "unknown algorithm 4") {
 		t.Errorf("unknown algorithm: %v", err)
 	}
 	noSelf, err := channel.NewMulti(rs[0].pd, 2, -1, channel.Options{Doorbells: 1})

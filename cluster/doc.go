@@ -142,9 +142,12 @@
 //
 // Node.Barrier synchronises the world or a sorted subgroup of it with
 // one-sided RDMA writes of epoch counters into registered flags; the
-// algorithm (BinaryTree, Dissemination, Centralized) is chosen per node
-// and must be the same on every rank. A barrier that times out poisons
-// the node's barrier until every rank calls ResetBarrier.
+// algorithm (BinaryTree, Dissemination, Centralized) is asked for per
+// node and must be the same on every rank. The default, Auto, picks
+// Dissemination where every rank has a processor and Centralized where
+// ranks outnumber them (BinaryTree beyond 256 ranks), alike on every
+// rank. A barrier that times out poisons the node's barrier until every
+// rank calls ResetBarrier.
 //
 // Node.Share is a small all-to-all exchange (up to MaxShare bytes per
 // rank, every rank gets every rank's bytes) over the same kind of

@@ -27,8 +27,9 @@ type NodeOptions struct {
 	// data (see channel.Options.Doorbells). Every rank of a world must
 	// use doorbells.
 	Channel channel.Options
-	// Barrier is the barrier algorithm; every rank must use the same one.
-	// Default BinaryTree.
+	// Barrier is the barrier algorithm; every rank must ask for the same
+	// one. Default Auto: chosen from where the ranks run, alike on every
+	// rank (Node.BarrierAlgorithm says which).
 	Barrier BarrierAlgorithm
 	// CloseGrace bounds how long Close waits for this rank's last
 	// unsignaled writes (a barrier's final signals) to reach the peers
@@ -121,6 +122,12 @@ func NewNode(pd *verbs.ProtectionDomain, rank, size int, opts NodeOptions) (*Nod
 // wait for, so the library's waits sleep at once (see Barrier, and the
 // collective package).
 func (n *Node) LocalRanks() int { return max(1, int(n.bar.local.Load())) }
+
+// BarrierAlgorithm returns the algorithm of the node's barriers: the one
+// NodeOptions.Barrier asked for, or, when that is Auto, the one Auto
+// picked once the endpoint exchange connected the world (Auto before
+// that).
+func (n *Node) BarrierAlgorithm() BarrierAlgorithm { return BarrierAlgorithm(n.bar.inUse.Load()) }
 
 // Rank returns this node's rank.
 func (n *Node) Rank() int { return n.rank }

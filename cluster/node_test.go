@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -222,15 +223,28 @@ func TestWorld(t *testing.T) {
 }
 
 // TestWorldAlgorithms checks that Join passes the barrier algorithm on
-// (every algorithm synchronises a world of 4).
+// (every algorithm synchronises a world of 4) and that Node says which it
+// uses: the one asked for, or the one Auto picked — 4 ranks in one
+// process: centralized where the machine has fewer than 4 processors.
 func TestWorldAlgorithms(t *testing.T) {
-	for _, alg := range []cluster.BarrierAlgorithm{cluster.BinaryTree, cluster.Dissemination, cluster.Centralized} {
+	auto := cluster.Dissemination
+	if runtime.NumCPU() < 4 {
+		auto = cluster.Centralized
+	}
+	for _, alg := range []cluster.BarrierAlgorithm{cluster.Auto, cluster.BinaryTree, cluster.Dissemination, cluster.Centralized} {
 		t.Run(alg.String(), func(t *testing.T) {
 			const n = 4
 			ms := joinWorld(t, n, cluster.AllToAll, cluster.JoinOptions{Node: cluster.NodeOptions{Barrier: alg}})
 			ctx := testContext(t)
+			want := alg
+			if alg == cluster.Auto {
+				want = auto
+			}
 			var arrived atomic.Int64
 			forEach(t, ms, func(i int, m *member) error {
+				if got := m.node.BarrierAlgorithm(); got != want {
+					return fmt.Errorf("BarrierAlgorithm() = %v, want %v", got, want)
+				}
 				arrived.Add(1)
 				if err := m.node.Barrier(ctx, nil); err != nil {
 					return err

@@ -407,7 +407,7 @@ func TestShareCrossProcess(t *testing.T) {
 			lns, addrs := xListeners(t, tc.n)
 			guard := xContext(t, 2*time.Minute)
 			cmd, lines := failStart(t, tc.transport, lns[tc.child], fmt.Sprintf("rank,%d,%d,%d,%d,shares:%d,%s",
-				BinaryTree, tc.mode, tc.child, tc.n, calls, strings.Join(addrs, ";")))
+				Auto, tc.mode, tc.child, tc.n, calls, strings.Join(addrs, ";")))
 			errs := make([]error, tc.n)
 			var wg sync.WaitGroup
 			for r := range tc.n {

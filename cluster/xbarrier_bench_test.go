@@ -21,6 +21,14 @@ import (
 // and 1).
 const xbenchEnv = "GOVERBS_CLUSTER_XBENCH"
 
+// xbenchSizesEnv overrides BenchmarkBarrierXproc's world sizes: a
+// comma-separated list ("16,32,64").
+const xbenchSizesEnv = "GOVERBS_XBENCH_SIZES"
+
+// xbenchAlgorithms are the barriers BenchmarkBarrierXproc measures: the
+// default first, then each algorithm.
+var xbenchAlgorithms = append([]BarrierAlgorithm{Auto}, barAlgorithms...)
+
 func init() {
 	// Before TestMain: a benchmark rank only runs its part and exits. It
 	// runs on a goroutine of its own: the goroutine of package
@@ -88,7 +96,7 @@ func xbenchRank(spec string) error {
 	defer cancel()
 	a := BinaryTree
 	if alg >= 0 {
-		a = barAlgorithms[alg]
+		a = xbenchAlgorithms[alg]
 	}
 	n, err := xbenchJoin(ctx, rank, size, a, f[4], nil)
 	if err != nil {
@@ -111,6 +119,9 @@ func xbenchRank(spec string) error {
 // example:
 //
 //	go test -run '^$' -bench BarrierXproc -benchtime 200x ./cluster/
+//
+// GOVERBS_XBENCH_SIZES replaces the world sizes (2, CPUs+1, 2 × CPUs,
+// 4 × CPUs) with its comma-separated list.
 func BenchmarkBarrierXproc(b *testing.B) {
 	exe, err := os.Executable()
 	if err != nil {
@@ -151,7 +162,7 @@ func BenchmarkBarrierXproc(b *testing.B) {
 		}
 		a := BinaryTree
 		if alg >= 0 {
-			a = barAlgorithms[alg]
+			a = xbenchAlgorithms[alg]
 		}
 		n, err := xbenchJoin(ctx, 0, size, a, ln.Addr().String(), ln)
 		if err != nil {
@@ -177,8 +188,19 @@ func BenchmarkBarrierXproc(b *testing.B) {
 		b.ReportMetric(oneWay, "ns/one-way")
 	})
 	cpus := runtime.NumCPU()
-	for ai, alg := range barAlgorithms {
-		for _, p := range []int{2, cpus + 1, 2 * cpus, 4 * cpus} {
+	sizes := []int{2, cpus + 1, 2 * cpus, 4 * cpus}
+	if s := os.Getenv(xbenchSizesEnv); s != "" {
+		sizes = sizes[:0]
+		for _, f := range strings.Split(s, ",") {
+			p, err := strconv.Atoi(f)
+			if err != nil || p < 2 {
+				b.Fatalf("%s=%q: want a comma-separated list of world sizes of at least 2", xbenchSizesEnv, s)
+			}
+			sizes = append(sizes, p)
+		}
+	}
+	for ai, alg := range xbenchAlgorithms {
+		for _, p := range sizes {
 			b.Run(fmt.Sprintf("%s/p=%d", strings.ReplaceAll(alg.String(), " ", "-"), p), func(b *testing.B) {
 				d := world(b, p, ai, func(n *Node) (time.Duration, error) { return xbenchRun(context.Background(), n, ai, b.N) })
 				per := float64(d.Nanoseconds()) / float64(b.N)

@@ -21,7 +21,7 @@
 // run.sh in this directory does that for N ranks. Rank r prints
 //
 //	rank 1/3: connected in 12ms (device soft0, all-to-all exchange)
-//	rank 1/3: 10 barriers (binary tree) done in 1.2ms
+//	rank 1/3: 10 barriers (centralized) done in 1.2ms
 //	rank 1/3: all-to-all write in 350µs: received 0x0000000000000001 from rank 0, 0x0000000200000001 from rank 2
 //	rank 1/3: ok
 //
@@ -37,7 +37,9 @@
 // Flags: -config and -rank (required without -launcher); -mode all-to-all|rendezvous; -job
 // and -token (or GOVERBS_TOKEN) which every rank must share; -barriers;
 // -write=false to skip the all-to-all write;
-// -algorithm binary-tree|dissemination|centralized; -timeout for the
+// -algorithm auto|binary-tree|dissemination|centralized (auto, the
+// default, picks from where the ranks run; the output names the one in
+// use); -timeout for the
 // whole run; -listen-fd to use an inherited listening socket for the
 // rank's exchange address; -launcher to take rank, size and rank 0's
 // address from the launcher's environment (cluster.FromEnv) instead of a
@@ -88,7 +90,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ln net.Li
 		token      = fs.String("token", os.Getenv("GOVERBS_TOKEN"), "shared `secret` authenticating the exchange (default $GOVERBS_TOKEN)")
 		barriers   = fs.Int("barriers", 10, "`number` of barriers to run")
 		write      = fs.Bool("write", true, "after the barriers, RDMA-write one word to every other rank (all-to-all)")
-		algorithm  = fs.String("algorithm", "binary-tree", "barrier `algorithm`: binary-tree, dissemination or centralized")
+		algorithm  = fs.String("algorithm", "auto", "barrier `algorithm`: auto, binary-tree, dissemination or centralized")
 		timeout    = fs.Duration("timeout", time.Minute, "deadline of the whole run")
 		listenFD   = fs.Int("listen-fd", -1, "inherited listening socket `fd` for this rank's exchange address")
 		launcher   = fs.Bool("launcher", false, "take rank, world size and rank 0's address from the launcher's environment instead of -config and -rank")
@@ -167,7 +169,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ln net.Li
 	prefix := fmt.Sprintf("rank %d/%d: ", node.Rank(), node.Size())
 	dev := node.PD().Context().Name()
 	fmt.Fprintf(stdout, "%sconnected in %v (device %s, %v exchange)\n", prefix, time.Since(start).Round(time.Microsecond), dev, m)
-	if err := ex.exercise(ctx, *barriers, *write, alg, stdout, prefix); err != nil {
+	if err := ex.exercise(ctx, *barriers, *write, stdout, prefix); err != nil {
 		return fail(stderr, node.Rank(), err)
 	}
 	fmt.Fprintf(stdout, "%sok\n", prefix)
@@ -180,7 +182,7 @@ func fail(stderr io.Writer, rank int, err error) int {
 }
 
 func parseAlgorithm(s string) (cluster.BarrierAlgorithm, error) {
-	for _, a := range []cluster.BarrierAlgorithm{cluster.BinaryTree, cluster.Dissemination, cluster.Centralized} {
+	for _, a := range []cluster.BarrierAlgorithm{cluster.Auto, cluster.BinaryTree, cluster.Dissemination, cluster.Centralized} {
 		if strings.ReplaceAll(a.String(), " ", "-") == s {
 			return a, nil
 		}
@@ -217,7 +219,7 @@ func (e *example) close() {
 func word(i, j int) uint64 { return uint64(i)<<32 | uint64(j) }
 
 // exercise runs the barriers and the all-to-all write.
-func (e *example) exercise(ctx context.Context, barriers int, write bool, alg cluster.BarrierAlgorithm, out io.Writer, prefix string) error {
+func (e *example) exercise(ctx context.Context, barriers int, write bool, out io.Writer, prefix string) error {
 	n := e.node
 	start := time.Now()
 	for i := range barriers {
@@ -225,7 +227,7 @@ func (e *example) exercise(ctx context.Context, barriers int, write bool, alg cl
 			return fmt.Errorf("barrier %d: %w", i, err)
 		}
 	}
-	fmt.Fprintf(out, "%s%d barriers (%v) done in %v\n", prefix, barriers, alg, time.Since(start).Round(time.Microsecond))
+	fmt.Fprintf(out, "%s%d barriers (%v) done in %v\n", prefix, barriers, n.BarrierAlgorithm(), time.Since(start).Round(time.Microsecond))
 	if !write {
 		return nil
 	}
