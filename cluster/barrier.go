@@ -48,13 +48,16 @@ const (
 	// rank runs at once); Centralized when some machine runs more ranks
 	// than processors, up to autoCentralMax ranks (each rank waits for
 	// one signal and sends one, so ranks that share a processor take the
-	// fewest turns); BinaryTree beyond that (the root's fan-in bounded).
-	// Node.BarrierAlgorithm says which. Measured on a 2-CPU machine,
-	// soft0 shared memory, one process per rank (BenchmarkBarrierXproc):
-	// with 2 ranks dissemination 1.5 µs against 2.4 for the binary tree;
-	// with 8 to 64 ranks the centralized barrier 2–2.8 × faster than the
-	// binary tree and 2.3–5 × faster than dissemination; at 128 and 256
-	// ranks centralized and binary tree within 20 % of each other.
+	// fewest turns); BinaryTree beyond that (the root talks to 2 peers,
+	// not to all). Node.BarrierAlgorithm says which. Measured on a 2-CPU
+	// machine, soft0 shared memory, one process per rank
+	// (BenchmarkBarrierXproc): with 2 ranks dissemination 1.9 µs against
+	// 2.7 for the binary tree; with 16 to 64 ranks the centralized
+	// barrier 2.5–2.7 × faster than the binary tree and 2.9–4.6 × faster
+	// than dissemination; at 128 and 256 ranks centralized and binary
+	// tree within 20 % of each other, while the centralized root holds a
+	// connection to every rank (scripts/scale.sh, 128 ranks: 89 MiB
+	// resident at the root against 16).
 	Auto BarrierAlgorithm = iota
 	// BinaryTree gathers arrivals up a binary tree and broadcasts the
 	// release down it.
@@ -83,7 +86,7 @@ func (a BarrierAlgorithm) valid() bool { return a >= Auto && a <= Centralized }
 
 // autoCentralMax is the largest world in which Auto picks the centralized
 // barrier where ranks outnumber processors (see Auto).
-const autoCentralMax = 256
+const autoCentralMax = 64
 
 // autoAlgorithm is what Auto stands for in a world of n ranks, where
 // oversubscribed says whether some machine runs more of them than it has

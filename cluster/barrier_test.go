@@ -540,8 +540,8 @@ func TestAutoAlgorithm(t *testing.T) {
 		{"two hosts, a processor each", append(many(4, 1), many(4, 2)...), ints(8, 4), Dissemination},
 		{"one host of two oversubscribed", append(many(4, 1), many(2, 2)...), append(ints(4, 4), ints(2, 1)...), Centralized},
 		{"one rank sees fewer processors", many(2, 7), []int{2, 1}, Centralized},
-		{"256 oversubscribed", many(256, 7), ints(256, 2), Centralized},
-		{"257 oversubscribed", many(257, 7), ints(257, 2), BinaryTree},
+		{"64 oversubscribed", many(64, 7), ints(64, 2), Centralized},
+		{"65 oversubscribed", many(65, 7), ints(65, 2), BinaryTree},
 		{"4096 with a processor each", many(4096, 7), ints(4096, 4096), Dissemination},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -145,7 +145,7 @@
 // algorithm (BinaryTree, Dissemination, Centralized) is asked for per
 // node and must be the same on every rank. The default, Auto, picks
 // Dissemination where every rank has a processor and Centralized where
-// ranks outnumber them (BinaryTree beyond 256 ranks), alike on every
+// ranks outnumber them (BinaryTree beyond 64 ranks), alike on every
 // rank. A barrier that times out poisons the node's barrier until every
 // rank calls ResetBarrier.
 //

@@ -29,6 +29,7 @@
 # anonymised) with their counts.
 #
 # Environment: BARRIERS (default 100), WRITE (1), TIMEOUT (per rank, 300s),
+# ALGORITHM (the barrier's, examples/network -algorithm: auto),
 # TRANSPORT (GOVERBS_SOFT_TRANSPORT, shm), PORT (rank 0's exchange port,
 # 19614), KEEP=1 keeps the per-rank output in $TMPDIR.
 #
@@ -44,6 +45,7 @@ SIZES=("$@")
 BARRIERS=${BARRIERS:-100}
 WRITE=${WRITE:-1}
 TIMEOUT=${TIMEOUT:-300s}
+ALGORITHM=${ALGORITHM:-auto}
 TRANSPORT=${TRANSPORT:-shm}
 PORT=${PORT:-19614}
 
@@ -75,7 +77,7 @@ for n in "${SIZES[@]}"; do
 		GOVERBS_RANK=$r GOVERBS_WORLD_SIZE=$n GOVERBS_ROOT=127.0.0.1:$PORT GOVERBS_TOKEN=scale \
 			GOVERBS_JOB=scale-$n GOVERBS_SOFT_TRANSPORT=$TRANSPORT \
 			/usr/bin/time -f 'maxrss %M cpu %U %S' -o "$dir/$r.rss" \
-			${NETWORK:-$WORK/network} -launcher -barriers "$BARRIERS" "${write[@]}" -timeout "$TIMEOUT" \
+			${NETWORK:-$WORK/network} -launcher -barriers "$BARRIERS" -algorithm "$ALGORITHM" "${write[@]}" -timeout "$TIMEOUT" \
 			>"$dir/$r.out" 2>&1 &
 		pids+=($!)
 	done

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -217,4 +218,77 @@ func startChild(t *testing.T, name string, args ...string) *exec.Cmd {
 		cmd.Wait()
 	})
 	return cmd
+}
+
+// TestExited: a process of this host that exited (reaped, or a zombie
+// not yet reaped) has exited; this process, a stopped one and any
+// process of another host have not. soft0 logs a connection refused by
+// an exited process (how a job ends) at debug level only.
+func TestExited(t *testing.T) {
+	s := &service{host: [16]byte{1, 2, 3}} // exited reads only the host
+	start := func(t *testing.T) *exec.Cmd {
+		cmd := exec.Command("sleep", "60")
+		if err := cmd.Start(); err != nil {
+			t.Skipf("no sleep to run: %v", err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		return cmd
+	}
+	here := func(pid int) *peerAddr { return &peerAddr{pid: uint32(pid), host: s.host, hasHost: true} }
+	elsewhere := func(pid int) *peerAddr {
+		pa := here(pid)
+		pa.host[0] ^= 1
+		return pa
+	}
+	for _, tc := range []struct {
+		name string
+		addr func(t *testing.T) *peerAddr
+		want bool
+	}{
+		{"this process", func(t *testing.T) *peerAddr { return here(os.Getpid()) }, false},
+		{"running", func(t *testing.T) *peerAddr { return here(start(t).Process.Pid) }, false},
+		{"stopped", func(t *testing.T) *peerAddr {
+			cmd := start(t)
+			if err := cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			return here(cmd.Process.Pid)
+		}, false},
+		{"zombie", func(t *testing.T) *peerAddr {
+			cmd := start(t)
+			pid := cmd.Process.Pid
+			if err := cmd.Process.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			// Not reaped: wait until the kernel says it is a zombie.
+			for deadline := time.Now().Add(hangGuard); ; time.Sleep(time.Millisecond) {
+				if b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat"); err == nil && strings.Contains(string(b), ") Z") {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("a killed child did not become a zombie")
+				}
+			}
+			return here(pid)
+		}, true},
+		{"reaped", func(t *testing.T) *peerAddr {
+			cmd := start(t)
+			cmd.Process.Kill()
+			cmd.Wait()
+			return here(cmd.Process.Pid)
+		}, true},
+		{"reaped, of another host", func(t *testing.T) *peerAddr {
+			cmd := start(t)
+			cmd.Process.Kill()
+			cmd.Wait()
+			return elsewhere(cmd.Process.Pid)
+		}, false},
+		{"no host", func(t *testing.T) *peerAddr { return &peerAddr{pid: 1 << 30} }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := s.exited(tc.addr(t)); got != tc.want {
+				t.Errorf("exited = %v, want %v", got, tc.want)
+			}
+		})
+	}
 }

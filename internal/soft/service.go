@@ -1,15 +1,18 @@
 package soft
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -659,8 +662,15 @@ func (p *peer) conn() *conn {
 	if err != nil {
 		if p.lastErr == nil || p.lastErr.Error() != err.Error() {
 			// Requests to the peer fail with RETRY_EXC_ERR, which
-			// cannot say why: the log does, once per new reason.
-			slog.Warn("soft: cannot connect to a peer process", "pid", p.addr.pid, "err", err)
+			// cannot say why: the log does, once per new reason. A
+			// process of this host that has exited is how a job ends
+			// (the ranks that finish last read from those that left, as
+			// cluster's Close does): said at debug level.
+			if p.s.exited(&p.addr) {
+				slog.Debug("soft: a peer process has exited", "pid", p.addr.pid, "err", err)
+			} else {
+				slog.Warn("soft: cannot connect to a peer process", "pid", p.addr.pid, "err", err)
+			}
 		}
 		p.lastErr, p.lastFail = err, time.Now()
 		return nil
@@ -668,6 +678,20 @@ func (p *peer) conn() *conn {
 	p.cur.Store(c)
 	p.lastErr, p.lastFail = nil, time.Time{}
 	return c
+}
+
+// exited reports whether pa is a process of this host that no longer
+// runs (its /proc entry is gone, or it is a zombie).
+func (s *service) exited(pa *peerAddr) bool {
+	if !pa.hasHost || pa.host != s.host || pa.pid == 0 {
+		return false
+	}
+	b, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(pa.pid), 10) + "/stat")
+	if err != nil {
+		return errors.Is(err, fs.ErrNotExist)
+	}
+	i := bytes.LastIndexByte(b, ')')
+	return i >= 0 && i+2 < len(b) && (b[i+2] == 'Z' || b[i+2] == 'X')
 }
 
 // current returns the live connection to the peer, or nil (without
