@@ -39,6 +39,7 @@ type collConfig struct {
 	sizes        []int
 	iters        int
 	warmup       int
+	settle       time.Duration // each collective runs unmeasured this long before its first size (collSettle)
 	latIters     int
 	ops          []string
 	alg          collective.Algorithm
@@ -73,6 +74,7 @@ const (
 	p2pInFlight      = 32 << 20 // bytes in flight in the bandwidth test, at most (2 writes at least)
 	collMaxRanks     = 256
 	defaultCollIters = 20
+	defaultSettle    = 500 * time.Millisecond
 )
 
 // p2pBWSizes are the sizes of the point-to-point bandwidth test (those up
@@ -90,6 +92,7 @@ func runColl(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&step, "step", 2, "size `factor` between rows (2 or 4)")
 	fs.IntVar(&cfg.iters, "iters", defaultCollIters, "measured `iterations` per size (the time is their median)")
 	fs.IntVar(&cfg.warmup, "warmup", 5, "unmeasured `iterations` before each size")
+	fs.DurationVar(&cfg.settle, "settle", defaultSettle, "before its first size, each collective runs unmeasured for this `duration` (processes just started run slower for a while: see collSettle)")
 	fs.IntVar(&cfg.latIters, "lat-iters", 1000, "ping-pongs of the point-to-point latency test")
 	fs.StringVar(&ops, "ops", "allreduce,barrier", "comma-separated `collectives` to measure ("+strings.Join(collNames(), ", ")+")")
 	fs.StringVar(&alg, "alg", "auto", "allreduce `algorithm`: auto, rd (recursive doubling), rabenseifner, ring")
@@ -132,6 +135,8 @@ func runColl(args []string, stdout, stderr io.Writer) int {
 		return usageErr(stderr, "coll", "-iters must be at least 1, not %d", cfg.iters)
 	case cfg.warmup < 0:
 		return usageErr(stderr, "coll", "-warmup must not be negative")
+	case cfg.settle < 0:
+		return usageErr(stderr, "coll", "-settle must not be negative")
 	case cfg.latIters < 1:
 		return usageErr(stderr, "coll", "-lat-iters must be at least 1, not %d", cfg.latIters)
 	case cfg.timeout <= 0:
@@ -597,7 +602,8 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 		return errors.New("the world has 1 rank: a collective benchmark needs at least 2")
 	}
 	res := collResult{Ranks: cfg.p, Device: cfg.dev, Transport: cfg.transport, Type: cfg.dtype, Iters: cfg.iters, Warmup: cfg.warmup,
-		InPlace: cfg.inPlace, Registered: cfg.registered, Launch: "spawned", Procs: runtime.GOMAXPROCS(0)}
+		SettleMS: float64(cfg.settle) / 1e6,
+		InPlace:  cfg.inPlace, Registered: cfg.registered, Launch: "spawned", Procs: runtime.GOMAXPROCS(0)}
 	if os.Getenv(envCollChild) == "" {
 		res.Launch = "launcher"
 	}
@@ -657,12 +663,19 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 		if b.busFactor == nil {
 			sizes = []int{0}
 		}
+		settled := cfg.settle == 0
 		for _, size := range sizes {
 			count := size / bufs.esz
 			if b.busFactor != nil && count == 0 {
 				continue // below one element
 			}
 			bytes := count * bufs.esz
+			if !settled {
+				if err := collSettle(ctx, comm, cfg.settle, func() error { return b.run(ctx, bufs, count) }); err != nil {
+					return fmt.Errorf("%s of %d bytes, settling: %w", name, bytes, err)
+				}
+				settled = true
+			}
 			if err := collective.Barrier(ctx, comm); err != nil {
 				return err
 			}
@@ -714,6 +727,39 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 	}
 	res.print(stdout)
 	return nil
+}
+
+// collSettle runs run on every rank, unmeasured, until d has passed on
+// some rank (the ranks agree every 16 runs, with an Allreduce of Max, so
+// that they run it alike). Processes just started, and a pattern of
+// load just begun, run slower for a while, whatever they run: on a
+// 2-vCPU machine with 8 ranks the floor of a barrier between processes
+// (internal/spinwait, BenchmarkFloorBarrier) took 12–17.5 µs over its
+// first 3000 rounds against 8.9–9.4 µs over 40 000, and goverbs coll's
+// 3000 barriers 37–59 µs (median 41) right after the start against
+// 27–28 µs (one run of six 38) after 20 000 unmeasured ones. A
+// collective's steady state is what a job that runs it over and over
+// gets.
+func collSettle(ctx context.Context, c *collective.Comm, d time.Duration, run func() error) error {
+	start := time.Now()
+	in, out := []float64{0}, []float64{0}
+	for {
+		for range 16 {
+			if err := run(); err != nil {
+				return err
+			}
+		}
+		in[0] = 0
+		if time.Since(start) >= d {
+			in[0] = 1
+		}
+		if err := collective.Allreduce(ctx, c, in, out, collective.Max); err != nil {
+			return err
+		}
+		if out[0] > 0 {
+			return nil
+		}
+	}
 }
 
 func elemBytes(dtype string) int {
@@ -966,6 +1012,7 @@ type collResult struct {
 	Registered bool       `json:"registered"` // buffers in collective.Buffers
 	Iters      int        `json:"iters"`
 	Warmup     int        `json:"warmup"`
+	SettleMS   float64    `json:"settle_ms"`  // each collective ran unmeasured this long before its first size
 	Procs      int        `json:"gomaxprocs"` // of each rank (of rank 0)
 	P2P        *P2PResult `json:"p2p"`
 	Rows       []collRow  `json:"rows"`
@@ -1060,8 +1107,8 @@ func (res *collResult) print(w io.Writer) {
 	if res.Registered {
 		place += ", registered buffers"
 	}
-	fmt.Fprintf(w, "# goverbs coll: %d ranks (%s, GOMAXPROCS %d), device %s%s, %s, %d iterations (median of the slowest rank's), %d warm-up\n",
-		res.Ranks, res.Launch, res.Procs, res.Device, tr, place, res.Iters, res.Warmup)
+	fmt.Fprintf(w, "# goverbs coll: %d ranks (%s, GOMAXPROCS %d), device %s%s, %s, %d iterations (median of the slowest rank's), %d warm-up, each collective settled %v first\n",
+		res.Ranks, res.Launch, res.Procs, res.Device, tr, place, res.Iters, res.Warmup, time.Duration(res.SettleMS*1e6))
 	if p := res.P2P; p != nil {
 		fmt.Fprintf(w, "# point to point, rank 0 -> 1, RDMA write: one-way latency (8 B, half a ping-pong) %.3g us\n", p.OneWayUS)
 		var bw []string

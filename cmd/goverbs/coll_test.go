@@ -33,7 +33,7 @@ func collSizes() []int {
 // measured value is positive.
 func TestColl(t *testing.T) {
 	t.Setenv("GOVERBS_SOFT_TRANSPORT", "shm")
-	base := []string{"coll", "-p", "2", "-max", "64KiB", "-iters", "3", "-warmup", "1", "-lat-iters", "50", "-timeout", "2m"}
+	base := []string{"coll", "-p", "2", "-max", "64KiB", "-iters", "3", "-warmup", "1", "-settle", "20ms", "-lat-iters", "50", "-timeout", "2m"}
 	for _, tc := range []struct {
 		name  string
 		args  []string
@@ -41,7 +41,12 @@ func TestColl(t *testing.T) {
 		procs string // GOMAXPROCS of the run
 	}{
 		{name: "table", check: checkCollTable},
-		{name: "json", args: []string{"-json"}, check: checkCollJSON},
+		{name: "json", args: []string{"-json"}, check: func(t *testing.T, out string) {
+			checkCollJSON(t, out)
+			if res := decodeColl(t, out); res.SettleMS != 20 {
+				t.Errorf("settle_ms %v, want 20 (-settle 20ms)", res.SettleMS)
+			}
+		}},
 		// The ranks share out the processors (rankProcs), unless
 		// GOMAXPROCS says otherwise.
 		{name: "shared processors", args: []string{"-ops", "barrier", "-json"}, check: func(t *testing.T, out string) {
@@ -223,6 +228,7 @@ func TestCollUsage(t *testing.T) {
 		{[]string{"-alg", "tree"}, `unknown algorithm "tree"`},
 		{[]string{"-type", "uint8"}, `-type "uint8"`},
 		{[]string{"-iters", "0"}, "-iters must be at least 1"},
+		{[]string{"-settle", "-1s"}, "-settle must not be negative"},
 		{[]string{"-launch", "mpi"}, `-launch "mpi"`},
 		{[]string{"extra"}, `unexpected argument "extra"`},
 	} {
