@@ -695,6 +695,9 @@ func (b *barrier) run(ctx context.Context, g *group) (int, error) {
 		}
 		if err != nil {
 			b.book.Forget()
+			if pf := (*peerFault)(nil); errors.As(err, &pf) {
+				return pf.peer, pf.err // a doorbell to another peer failed
+			}
 			return s.peer, err
 		}
 	}

@@ -43,12 +43,23 @@ func (b *barrier) ringSleepers(ctx context.Context) error {
 			return err
 		}
 		if err := b.postWrite(ctx, p, b.mc.Peer(p), b.remote[p].At(b.probeOff()), src, true); err != nil {
-			return err
+			return &peerFault{peer: p, err: err}
 		}
 		b.book.Rang(p, v)
 	}
 	return nil
 }
+
+// peerFault is the failure of a write to peer made while a step involved
+// another (a doorbell rung during a wait): run reports peer, not the
+// step's, as the rank whose transport broke.
+type peerFault struct {
+	peer int
+	err  error
+}
+
+func (e *peerFault) Error() string { return e.err.Error() }
+func (e *peerFault) Unwrap() error { return e.err }
 
 // endQuiet rings, once more, the peers signalled in the barrier that
 // ends that sleep, and forgets which peers it signalled. Best effort: a

@@ -2,10 +2,13 @@ package cluster
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/goverbs/verbs/channel"
 	"github.com/goverbs/verbs/verbstest"
 )
 
@@ -71,4 +74,34 @@ func barUntilAsleep(ctx context.Context, rs []*barRank, before []uint64, late in
 		return fmt.Errorf("the other ranks never slept: %w", err)
 	}
 	return nil
+}
+
+// TestBellFailureNamesItsPeer: a doorbell that fails while a wait is for
+// another peer (rank 0 signalled rank 1, which sleeps and whose queue
+// pair broke, and waits for rank 2) names rank 1, the rank whose
+// transport broke, not rank 2, which the wait was for. Seen once in
+// TestFailureReachesEveryRank (8 ranks, the last killed: a survivor
+// blamed a live rank).
+func TestBellFailureNamesItsPeer(t *testing.T) {
+	rs := barWorld(t, 3, Dissemination)
+	b := rs[0].b
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.onDemand {
+		t.Skip("doorbells are rung on every signal here (waits do not spin): no doorbell on demand to fail")
+	}
+	b.book.Wrote(1)
+	atomic.StoreUint64(b.word64(b.sleepOff(1)), 1) // rank 1 says it sleeps
+	rs[0].mc.Peer(1).Break()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	g := &group{size: 3, steps: []step{{wait: true, peer: 2}}}
+	peer, err := b.run(ctx, g)
+	if peer != 1 || !errors.Is(err, channel.ErrBroken) {
+		t.Fatalf("run = peer %d, %v; want peer 1 and the broken channel", peer, err)
+	}
+	var pf *peerFault
+	if errors.As(err, &pf) {
+		t.Errorf("run returned the wrapper %v, want its error", err)
+	}
 }
