@@ -2,6 +2,7 @@ package collective_test
 
 import (
 	"fmt"
+	"math"
 	"testing"
 
 	"github.com/goverbs/verbs/channel"
@@ -117,5 +118,65 @@ func TestAllreduceRingOutOfPlace(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestAllreduceGathered: where the ranks outnumber the processors, a
+// small Allreduce is recursive doubling computed at rank 0 (every rank
+// sends it its vector, it combines them in recursive doubling's order
+// and sends the result back): the same bits as recursive doubling on
+// every rank, for a float sum whose result depends on the order and for
+// a custom operation that is not commutative, on every world size from
+// 3 (with and without fold-in) and vector sizes up to GatherMax; beyond
+// GatherMax, AlgAuto's choice as where every rank has a processor.
+func TestAllreduceGathered(t *testing.T) {
+	notCommutative := collective.Custom("2a+b", func(inout, in []int64) {
+		for i := range inout {
+			inout[i] = 2*inout[i] + in[i]
+		}
+	})
+	for p := 3; p <= 9; p++ {
+		t.Run(fmt.Sprintf("p=%d", p), func(t *testing.T) {
+			cs := world(t, p, collective.Options{})
+			run := func(gather bool, n int) ([][]float64, [][]int64) {
+				fs, is := make([][]float64, p), make([][]int64, p)
+				for _, c := range cs {
+					collective.SetBarrierGather(c, gather)
+				}
+				noErrors(t, "allreduce", parallel(p, func(r int) error {
+					fs[r], is[r] = make([]float64, n), make([]int64, n)
+					for i := range n {
+						// Magnitudes 1e-8 to 1e8: the sum's bits depend on
+						// the order of the additions.
+						fs[r][i] = float64(i+1) * math.Pow(10, float64((r*7+i)%17-8))
+						is[r][i] = int64(r*31 + i)
+					}
+					if err := collective.Allreduce(testCtx(t), cs[r], nil, fs[r], collective.Sum); err != nil {
+						return err
+					}
+					return collective.Allreduce(testCtx(t), cs[r], nil, is[r], notCommutative)
+				}))
+				return fs, is
+			}
+			for _, n := range []int{0, 1, 13, collective.GatherMax/8 - 1, collective.GatherMax/8 + 1} {
+				for _, c := range cs {
+					collective.SetBarrierGather(c, true)
+					got := c.AllreduceAlgorithm(n*8, 8)
+					if gathers := n*8 <= collective.GatherMax; gathers != (got == "gather") {
+						t.Fatalf("n=%d: rank %d's algorithm %q; gathers %v", n, c.Rank(), got, gathers)
+					}
+				}
+				rdF, rdI := run(false, n)
+				gF, gI := run(true, n)
+				for r := range p {
+					for i := range n {
+						if math.Float64bits(gF[r][i]) != math.Float64bits(rdF[0][i]) || gI[r][i] != rdI[0][i] {
+							t.Fatalf("n=%d: rank %d element %d: gathered %v, %d; recursive doubling %v, %d",
+								n, r, i, gF[r][i], gI[r][i], rdF[0][i], rdI[0][i])
+						}
+					}
+				}
+			}
+		})
 	}
 }

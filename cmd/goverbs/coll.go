@@ -226,8 +226,8 @@ type collBench struct {
 	// busFactor is NCCL's busbw/algbw for p ranks; nil: a collective
 	// without payload (one row, no bandwidth).
 	busFactor func(p int) float64
-	// alg names the algorithm used for bytes of elements of esz bytes.
-	alg func(cfg collConfig, p, bytes, esz int) string
+	// alg names the algorithm c uses for bytes of elements of esz bytes.
+	alg func(c *collective.Comm, cfg collConfig, bytes, esz int) string
 	// run runs one iteration on count elements of the rank's buffers.
 	run func(ctx context.Context, r *collBufs, count int) error
 }
@@ -250,12 +250,12 @@ var collBenches = []collBench{
 	{
 		name:      "allreduce",
 		busFactor: func(p int) float64 { return 2 * float64(p-1) / float64(p) },
-		alg:       allreduceAlg,
+		alg:       func(c *collective.Comm, _ collConfig, bytes, esz int) string { return c.AllreduceAlgorithm(bytes, esz) },
 		run:       func(ctx context.Context, r *collBufs, n int) error { return r.allreduce(ctx, n) },
 	},
 	{
 		name: "barrier",
-		alg:  func(_ collConfig, p, _, _ int) string { return collective.BarrierAlgorithm(p) },
+		alg:  func(c *collective.Comm, _ collConfig, _, _ int) string { return c.BarrierAlgorithm() },
 		run:  func(ctx context.Context, r *collBufs, _ int) error { return collective.Barrier(ctx, r.c) },
 	},
 	// NCCL's bus bandwidth factors: broadcast 1; allgather,
@@ -289,7 +289,7 @@ var collBenches = []collBench{
 
 // autoAlg names the algorithm of the collectives that choose theirs by
 // size (see each one's documentation).
-func autoAlg(cfg collConfig, _, _, _ int) string {
+func autoAlg(_ *collective.Comm, cfg collConfig, _, _ int) string {
 	if cfg.alg == collective.AlgAuto {
 		return "auto"
 	}
@@ -311,27 +311,6 @@ func collNames() []string {
 		s = append(s, b.name)
 	}
 	return s
-}
-
-// allreduceAlg is the algorithm collective.Allreduce runs: the forced
-// one, or AlgAuto's choice (the rule of collective/allreduce.go, with its
-// exported thresholds).
-func allreduceAlg(cfg collConfig, p, bytes, esz int) string {
-	alg := cfg.alg
-	if alg == collective.AlgAuto {
-		switch {
-		case bytes < collective.SmallMax || bytes/esz < p:
-			alg = collective.AlgRecursiveDoubling
-		case bytes < collective.RingMin:
-			alg = collective.AlgRabenseifner
-		default:
-			alg = collective.AlgRing
-		}
-	}
-	if bytes/esz < p {
-		alg = collective.AlgRecursiveDoubling
-	}
-	return alg.String()
 }
 
 // newCollBufs allocates the buffers of count elements of type dtype, in
@@ -699,10 +678,7 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 			}
 			loop, iter := peak[cfg.iters], peak[:cfg.iters]
 			slices.Sort(iter)
-			alg := b.alg(cfg, cfg.p, bytes, bufs.esz)
-			if name == "barrier" {
-				alg = bufs.c.BarrierAlgorithm() // as the ranks chose it (where they outnumber the processors)
-			}
+			alg := b.alg(bufs.c, cfg, bytes, bufs.esz) // as the ranks chose it
 			row := collRow{Collective: name, Size: bytes, Count: count, Type: cfg.dtype, Algorithm: alg,
 				TimeUS: median(iter) * 1e6, MinUS: iter[0] * 1e6, MaxUS: iter[len(iter)-1] * 1e6,
 				MeanUS: loop / float64(cfg.iters) * 1e6}
