@@ -234,6 +234,12 @@ func TestExited(t *testing.T) {
 		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 		return cmd
 	}
+	reaped := func(t *testing.T) int { // a child that exited and was waited for
+		cmd := start(t)
+		cmd.Process.Kill()
+		cmd.Wait()
+		return cmd.Process.Pid
+	}
 	here := func(pid int) *peerAddr { return &peerAddr{pid: uint32(pid), host: s.host, hasHost: true} }
 	elsewhere := func(pid int) *peerAddr {
 		pa := here(pid)
@@ -271,18 +277,8 @@ func TestExited(t *testing.T) {
 			}
 			return here(pid)
 		}, true},
-		{"reaped", func(t *testing.T) *peerAddr {
-			cmd := start(t)
-			cmd.Process.Kill()
-			cmd.Wait()
-			return here(cmd.Process.Pid)
-		}, true},
-		{"reaped, of another host", func(t *testing.T) *peerAddr {
-			cmd := start(t)
-			cmd.Process.Kill()
-			cmd.Wait()
-			return elsewhere(cmd.Process.Pid)
-		}, false},
+		{"reaped", func(t *testing.T) *peerAddr { return here(reaped(t)) }, true},
+		{"reaped, of another host", func(t *testing.T) *peerAddr { return elsewhere(reaped(t)) }, false},
 		{"no host", func(t *testing.T) *peerAddr { return &peerAddr{pid: 1 << 30} }, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
