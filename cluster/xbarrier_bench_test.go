@@ -54,12 +54,38 @@ func xbenchJoin(ctx context.Context, rank, size int, alg BarrierAlgorithm, root 
 	return join(ctx, "soft0", xc, JoinOptions{Node: NodeOptions{Barrier: alg}, Job: "xbench", Token: []byte("xbench"), Listener: ln})
 }
 
-// xbenchRun runs a rank's part: a warm-up barrier, iters one-way round
-// trips (alg < 0; ranks 0 and 1) or iters barriers, then a last barrier.
-// It returns how long the iterations took.
+// xbenchSettle is how long the ranks run barriers, unmeasured, before a
+// barrier benchmark: processes just started run slower for a while
+// (goverbs coll -settle has the measurements).
+const xbenchSettle = 500 * time.Millisecond
+
+// xbenchRun runs a rank's part: a warm-up barrier, xbenchSettle of
+// barriers, iters one-way round trips (alg < 0; ranks 0 and 1) or iters
+// barriers, then a last barrier. It returns how long the
+// iterations took.
 func xbenchRun(ctx context.Context, n *Node, alg, iters int) (time.Duration, error) {
 	if err := n.Barrier(ctx, nil); err != nil {
 		return 0, err
+	}
+	// Until rank 0 says the time is up (every 64 barriers, through
+	// Share, so that every rank runs as many).
+	for start := time.Now(); ; {
+		for range 64 {
+			if err := n.Barrier(ctx, nil); err != nil {
+				return 0, err
+			}
+		}
+		up := []byte{0}
+		if time.Since(start) >= xbenchSettle {
+			up[0] = 1
+		}
+		all, err := n.Share(ctx, up)
+		if err != nil {
+			return 0, err
+		}
+		if all[0][0] == 1 {
+			break
+		}
 	}
 	b := n.bar
 	start := time.Now()
@@ -113,7 +139,8 @@ func xbenchRank(spec string) error {
 // same run, is the one-way latency L of the barrier's flag write between
 // two processes (half a ping-pong of signal and await). Each barrier
 // sub-benchmark reports ⌈log2 p⌉ × L as ns-log2p-oneway and the ratio as
-// x-log2p-oneway. The benchmark process is rank 0; the others are child
+// x-log2p-oneway. The ranks run barriers unmeasured for xbenchSettle
+// before the measured round trips or barriers. The benchmark process is rank 0; the others are child
 // processes started for each run of the function. Each rank runs with
 // GOMAXPROCS = max(1, processors ÷ ranks) unless GOMAXPROCS is set. For
 // example:
