@@ -3,6 +3,8 @@ package soft
 import (
 	"bytes"
 	"context"
+	"errors"
+	"io/fs"
 	"net"
 	"os"
 	"strconv"
@@ -45,23 +47,40 @@ import (
 // small file per look: hundreds of connections may watch their peers at
 // once.
 func peerStat(pid uint32) (runtime uint64, halted, ok bool) {
-	b, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(pid), 10) + "/stat")
+	b, err := readStat(pid)
 	if err != nil {
 		return 0, false, false
 	}
 	return parseStat(b)
 }
 
-// parseStat parses the contents of /proc/PID/stat for peerStat.
-func parseStat(b []byte) (runtime uint64, halted, ok bool) {
-	// pid (comm) state ppid ...: the fields after the last ')' start
-	// with state (field 3); utime and stime are fields 14 and 15.
+// readStat reads /proc/PID/stat.
+func readStat(pid uint32) ([]byte, error) {
+	return os.ReadFile("/proc/" + strconv.FormatUint(uint64(pid), 10) + "/stat")
+}
+
+// statFields returns the fields of the contents of /proc/PID/stat after
+// the command name, state (field 3) first; nil if they do not start with
+// a one-letter state.
+func statFields(b []byte) [][]byte {
+	// pid (comm) state ppid ...: the command name may hold anything but
+	// ends at the last ')'.
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
-		return 0, false, false
+		return nil
 	}
 	f := bytes.Fields(b[i+1:])
-	if len(f) < 13 || len(f[0]) != 1 {
+	if len(f) == 0 || len(f[0]) != 1 {
+		return nil
+	}
+	return f
+}
+
+// parseStat parses the contents of /proc/PID/stat for peerStat.
+func parseStat(b []byte) (runtime uint64, halted, ok bool) {
+	// utime and stime are fields 14 and 15 (f[11] and f[12]).
+	f := statFields(b)
+	if len(f) < 13 {
 		return 0, false, false
 	}
 	u, err1 := strconv.ParseUint(string(f[11]), 10, 64)
@@ -74,6 +93,20 @@ func parseStat(b []byte) (runtime uint64, halted, ok bool) {
 		halted = true
 	}
 	return u + s, halted, true
+}
+
+// exited reports whether pa is a process of this host that no longer
+// runs: its /proc entry is gone, or it is a zombie.
+func (s *service) exited(pa *peerAddr) bool {
+	if !pa.hasHost || pa.host != s.host || pa.pid == 0 {
+		return false
+	}
+	b, err := readStat(pa.pid)
+	if err != nil {
+		return errors.Is(err, fs.ErrNotExist)
+	}
+	f := statFields(b)
+	return f != nil && (f[0][0] == 'Z' || f[0][0] == 'X')
 }
 
 // peerClock follows the processor time of a peer process on this host.

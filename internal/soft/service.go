@@ -1,18 +1,15 @@
 package soft
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"log/slog"
 	"net"
 	"os"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -678,20 +675,6 @@ func (p *peer) conn() *conn {
 	p.cur.Store(c)
 	p.lastErr, p.lastFail = nil, time.Time{}
 	return c
-}
-
-// exited reports whether pa is a process of this host that no longer
-// runs (its /proc entry is gone, or it is a zombie).
-func (s *service) exited(pa *peerAddr) bool {
-	if !pa.hasHost || pa.host != s.host || pa.pid == 0 {
-		return false
-	}
-	b, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(pa.pid), 10) + "/stat")
-	if err != nil {
-		return errors.Is(err, fs.ErrNotExist)
-	}
-	i := bytes.LastIndexByte(b, ')')
-	return i >= 0 && i+2 < len(b) && (b[i+2] == 'Z' || b[i+2] == 'X')
 }
 
 // current returns the live connection to the peer, or nil (without
