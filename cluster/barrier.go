@@ -304,9 +304,9 @@ type step struct {
 type barrier struct {
 	mc      *channel.MultiChannel
 	want    BarrierAlgorithm // asked for (Auto too): what the ranks compare
-	alg     BarrierAlgorithm // in use: want, or what Auto picked (setRemote, mu)
-	inUse   atomic.Int32     // alg, for Node.BarrierAlgorithm
+	inUse   atomic.Int32     // the algorithm in use: want, or what Auto picked (setRemote, under mu; read anywhere: alg)
 	rank, n int
+	all     []int // the world's ranks, 0 to n−1 (the world group's members)
 
 	flags   *verbs.MemoryRegion // 2 words per world rank, written by peers, then the poison and probe words
 	staging *verbs.MemoryRegion // source words of the signals: two per peer; then the sleep and awake numbers' (bells.go)
@@ -369,7 +369,7 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 		flags.Close()
 		return nil, fmt.Errorf("cluster: barrier: probe memory: %w", err)
 	}
-	b := &barrier{mc: mc, want: alg, alg: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1, spin: spinwait.Policy{Every: spinwait.ProbeEvery},
+	b := &barrier{mc: mc, want: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1, spin: spinwait.Policy{Every: spinwait.ProbeEvery},
 		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), partners: make([]atomic.Bool, n), groups: make(map[uint64][]*group)}
 	if b.staging, err = mc.PD().Alloc((2*n+2)*flagBytes, verbs.AccessLocalWrite); err != nil {
 		flags.Close()
@@ -377,6 +377,10 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 		return nil, fmt.Errorf("cluster: barrier: staging memory: %w", err)
 	}
 	b.inUse.Store(int32(alg))
+	b.all = make([]int, n)
+	for i := range b.all {
+		b.all[i] = i
+	}
 	b.wokenFn = b.woken
 	b.book = bells.New(n)
 	b.alarm = spinwait.NewAlarm(b.ring)
@@ -462,8 +466,7 @@ func (b *barrier) setRemote(infos [][]byte) error {
 	b.remote = remote
 	b.local.Store(int32(local))
 	if b.want == Auto {
-		b.alg = autoAlgorithm(b.n, oversubscribed(hosts, cpus))
-		b.inUse.Store(int32(b.alg))
+		b.inUse.Store(int32(autoAlgorithm(b.n, oversubscribed(hosts, cpus))))
 		b.reschedule(b.world)
 		for _, gs := range b.groups {
 			for _, g := range gs {
@@ -508,15 +511,11 @@ func hashGroup(members []int) uint64 {
 // newGroup builds the state of a group (nil: the world) at this rank.
 func (b *barrier) newGroup(members []int) *group {
 	g := &group{size: b.n}
-	world := members
+	world := b.all
 	if members != nil {
 		g.members = append([]int(nil), members...)
 		g.size = len(members)
-	} else {
-		world = make([]int, b.n)
-		for i := range world {
-			world[i] = i
-		}
+		world = g.members
 	}
 	h := hashGroup(world)
 	g.tag = (h >> 48) ^ (h & 0xffff)
@@ -524,14 +523,14 @@ func (b *barrier) newGroup(members []int) *group {
 	return g
 }
 
-// reschedule computes g's steps for b.alg.
+// alg returns the algorithm in use.
+func (b *barrier) alg() BarrierAlgorithm { return BarrierAlgorithm(b.inUse.Load()) }
+
+// reschedule computes g's steps for b.alg().
 func (b *barrier) reschedule(g *group) {
 	world := g.members
 	if world == nil {
-		world = make([]int, b.n)
-		for i := range world {
-			world[i] = i
-		}
+		world = b.all
 	}
 	me := 0
 	for i, m := range world {
@@ -539,7 +538,7 @@ func (b *barrier) reschedule(g *group) {
 			me = i
 		}
 	}
-	g.steps = schedule(b.alg, world, me)
+	g.steps = schedule(b.alg(), world, me)
 }
 
 // schedule returns the steps of rank members[me] in a barrier of members.
@@ -841,7 +840,7 @@ func (b *barrier) tell(dead int, to func(p int) bool) {
 
 // fail builds the error of a barrier.
 func (b *barrier) fail(g *group, peers []int, peer int, err error) error {
-	e := &BarrierError{Algorithm: b.alg, Rank: b.rank, Peer: peer, Err: err}
+	e := &BarrierError{Algorithm: b.alg(), Rank: b.rank, Peer: peer, Err: err}
 	if peers != nil {
 		e.Group = append([]int(nil), peers...)
 	}
