@@ -112,13 +112,10 @@ func (c *Comm) gathersAllreduce(n int) bool {
 // processors, the turns are what costs (8 ranks on 2 CPUs: see the
 // package documentation).
 func (c *Comm) gatherDoubling(ctx context.Context, buf []byte) error {
-	p, n := c.size, len(buf)
 	if c.rank != 0 {
-		if err := c.step(ctx, 0, buf, -1, nil, false, false); err != nil {
-			return err
-		}
-		return c.step(ctx, -1, nil, 0, buf, false, false)
+		return c.viaRoot(ctx, buf)
 	}
+	p, n := c.size, len(buf)
 	// v[r] is rank r's vector: buf for rank 0, a slice of scratch for
 	// the others.
 	all := c.scratchBytes((p - 1) * n)
@@ -128,11 +125,7 @@ func (c *Comm) gatherDoubling(ctx context.Context, buf []byte) error {
 		}
 		return all[(r-1)*n : r*n]
 	}
-	c.recvs = c.recvs[:0]
-	for q := 1; q < p; q++ {
-		c.recvs = append(c.recvs, flow{peer: q, buf: v(q)})
-	}
-	if err := c.run(ctx, nil, c.recvs); err != nil {
+	if err := c.gatherAt0(ctx, all, n); err != nil {
 		return err
 	}
 	// Fold in: among the first 2·rem ranks, the odd rank combines its
@@ -152,11 +145,7 @@ func (c *Comm) gatherDoubling(ctx context.Context, buf []byte) error {
 	if rem > 0 {
 		copy(buf, pos(0)) // position 0 is rank 1
 	}
-	c.sends = c.sends[:0]
-	for r := 1; r < p; r++ {
-		c.sends = append(c.sends, flow{peer: r, buf: buf})
-	}
-	return c.run(ctx, c.sends, nil)
+	return c.releaseFrom0(ctx, buf)
 }
 
 // chooseAlg returns the algorithm of an allreduce of n bytes in
@@ -193,7 +182,7 @@ func (c *Comm) AllreduceAlgorithm(n, esz int) string {
 		return "none"
 	}
 	alg := c.chooseAlg(n, esz, false)
-	if alg == AlgRecursiveDoubling && c.size > 1 && c.gathersAllreduce(n) {
+	if alg == AlgRecursiveDoubling && c.gathersAllreduce(n) {
 		return "gather"
 	}
 	return alg.String()

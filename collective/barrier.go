@@ -43,21 +43,39 @@ func Barrier(ctx context.Context, c *Comm) error {
 // and waits for its release.
 func (c *Comm) gatherBarrier(ctx context.Context) error {
 	if c.rank != 0 {
-		if err := c.step(ctx, 0, nil, -1, nil, false, false); err != nil {
-			return err
-		}
-		return c.step(ctx, -1, nil, 0, nil, false, false)
+		return c.viaRoot(ctx, nil)
 	}
-	c.recvs = c.recvs[:0]
-	for q := 1; q < c.size; q++ {
-		c.recvs = append(c.recvs, flow{peer: q})
-	}
-	if err := c.run(ctx, nil, c.recvs); err != nil {
+	if err := c.gatherAt0(ctx, nil, 0); err != nil {
 		return err
 	}
+	return c.releaseFrom0(ctx, nil)
+}
+
+// viaRoot, at a rank other than 0, sends buf to rank 0, then receives
+// rank 0's answer into it (buf nil: empty messages).
+func (c *Comm) viaRoot(ctx context.Context, buf []byte) error {
+	if err := c.step(ctx, 0, buf, -1, nil, false, false); err != nil {
+		return err
+	}
+	return c.step(ctx, -1, nil, 0, buf, false, false)
+}
+
+// gatherAt0, at rank 0, receives rank q's n bytes into
+// all[(q−1)n : qn] from every other rank q (n = 0, all nil: empty
+// messages, arrivals).
+func (c *Comm) gatherAt0(ctx context.Context, all []byte, n int) error {
+	c.recvs = c.recvs[:0]
+	for q := 1; q < c.size; q++ {
+		c.recvs = append(c.recvs, flow{peer: q, buf: all[(q-1)*n : q*n]})
+	}
+	return c.run(ctx, nil, c.recvs)
+}
+
+// releaseFrom0, at rank 0, sends buf to every other rank.
+func (c *Comm) releaseFrom0(ctx context.Context, buf []byte) error {
 	c.sends = c.sends[:0]
 	for q := 1; q < c.size; q++ {
-		c.sends = append(c.sends, flow{peer: q})
+		c.sends = append(c.sends, flow{peer: q, buf: buf})
 	}
 	return c.run(ctx, c.sends, nil)
 }
