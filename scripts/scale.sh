@@ -24,6 +24,9 @@
 #             work of the run, whatever else shares the machine
 #   rss       largest peak resident set of a rank (MiB)
 #   fds       most open descriptors seen in rank 0, N/2 and N-1
+#   shm       most shared memory in use on the machine while the world ran
+#             (MiB, Shmem of /proc/meminfo, less what was in use before):
+#             soft0's shared-memory rings
 #
 # and, below a line that failed, the distinct error lines (ranks
 # anonymised) with their counts.
@@ -65,12 +68,17 @@ now() { date +%s.%N; }
 # fdcount PID: open descriptors of PID (0 when it is gone).
 fdcount() { (ls "/proc/$1/fd" 2>/dev/null || true) | wc -l; }
 
-printf '%6s %9s %7s %8s %9s %7s %7s %7s %5s %6s\n' N ok spawn startup barriers a2a wall cpu rss fds
+# shmem: Shmem of /proc/meminfo (KiB).
+shmem() { awk '/^Shmem:/ { print $2 }' /proc/meminfo; }
+
+printf '%6s %9s %7s %8s %9s %7s %7s %7s %5s %6s %6s\n' N ok spawn startup barriers a2a wall cpu rss fds shm
 for n in "${SIZES[@]}"; do
 	dir="$WORK/$n"
 	mkdir -p "$dir"
 	write=()
 	[[ $WRITE == 1 ]] || write=(-write=false)
+	shm0=$(shmem)
+	shm=0
 	t0=$(now)
 	pids=()
 	for ((r = 0; r < n; r++)); do
@@ -93,6 +101,8 @@ for n in "${SIZES[@]}"; do
 				if ((f > fds)); then fds=$f; fi
 			done
 		done
+		s=$(($(shmem) - shm0))
+		if ((s > shm)); then shm=$s; fi
 		sleep 1
 	done
 	wait || true
@@ -118,8 +128,8 @@ for n in "${SIZES[@]}"; do
 	startup=$(maxdur 'connected in')
 	rss=$(awk '/maxrss/ { if ($2 > m) m = $2 } END { printf "%.0f", m / 1024 }' "$dir"/*.rss 2>/dev/null)
 	cpu=$(awk '/maxrss/ { s += $4 + $5 } END { printf "%.1f", s }' "$dir"/*.rss 2>/dev/null)
-	printf '%6s %9s %7.2f %8s %9s %7s %7.2f %7s %5s %6s\n' "$n" "$ok/$n" "$(echo "$t1 - $t0" | bc)" "$startup" \
-		"$(maxdur 'done in')" "$(maxdur 'all-to-all write in')" "$(echo "$t2 - $t0" | bc)" "$cpu" "$rss" "$fds"
+	printf '%6s %9s %7.2f %8s %9s %7s %7.2f %7s %5s %6s %6s\n' "$n" "$ok/$n" "$(echo "$t1 - $t0" | bc)" "$startup" \
+		"$(maxdur 'done in')" "$(maxdur 'all-to-all write in')" "$(echo "$t2 - $t0" | bc)" "$cpu" "$rss" "$fds" "$((shm / 1024))"
 	if ((ok < n)); then
 		grep -hv ': ok$\|connected in\|barriers (.*) done\|all-to-all write in\|launched by' "$dir"/*.out |
 			sed 's/rank [0-9]*\/[0-9]*/rank R/g; s/rank [0-9][0-9]*/rank R/g; s/process [0-9]*/process P/g; s/pid=[0-9]*/pid=P/g' |

@@ -51,6 +51,7 @@ func TestPeerClock(t *testing.T) {
 			}
 		}
 	}
+	c.ran() // the first look, which reads the threads' time (TestPeerClockFirstLook)
 	waitRan(true)
 	if halted() {
 		t.Fatal("a running process is halted")
@@ -76,6 +77,61 @@ func TestPeerClock(t *testing.T) {
 	var none peerClock
 	if none.ran() {
 		t.Error("a clock of no process ran")
+	}
+}
+
+// TestPeerClockFirstLook: a clock reads its peer's threads' run time at
+// its first look, not when it is made (a file per thread, for each of
+// the thousands of connections of a large world), and that look gives a
+// peer whose clock ticks did not move the benefit of the doubt; the next
+// finds a peer that sleeps quiet. A stopped peer is never given it.
+func TestPeerClockFirstLook(t *testing.T) {
+	sleeper := startChild(t, "sleep", "1000")
+	waitSlept(t, uint32(sleeper.Process.Pid))
+	c := newPeerClock(uint32(sleeper.Process.Pid))
+	if c.sched.Load() != schedUnread {
+		t.Fatalf("a new clock read the threads' time: %d", c.sched.Load())
+	}
+	if !c.ran() {
+		t.Error("the first look at a sleeping process: not given the benefit of the doubt")
+	}
+	if c.sched.Load() == schedUnread {
+		t.Error("the first look did not read the threads' time")
+	}
+	if c.ran() {
+		t.Error("the second look at a sleeping process: it ran")
+	}
+
+	stopped := startChild(t, "sleep", "1000")
+	waitSlept(t, uint32(stopped.Process.Pid))
+	if err := stopped.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(hangGuard); ; time.Sleep(time.Millisecond) {
+		if _, h, _ := peerStat(uint32(stopped.Process.Pid)); h {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a stopped process is not halted")
+		}
+	}
+	if newPeerClock(uint32(stopped.Process.Pid)).ran() {
+		t.Error("the first look at a stopped process: it ran")
+	}
+}
+
+// waitSlept waits until the process pid runs sleep and sleeps in it.
+func waitSlept(t *testing.T, pid uint32) {
+	t.Helper()
+	for deadline := time.Now().Add(hangGuard); ; time.Sleep(5 * time.Millisecond) {
+		comm, _ := os.ReadFile("/proc/" + strconv.Itoa(int(pid)) + "/comm")
+		b, _ := readStat(pid)
+		if f := statFields(b); string(comm) == "sleep\n" && f != nil && f[0][0] == 'S' {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the child did not go to sleep")
+		}
 	}
 }
 

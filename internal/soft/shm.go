@@ -54,6 +54,16 @@ import (
 // fault per 4 KiB on the way, a quarter of the time of an oversubscribed
 // barrier), 144 MiB per rank of a 512-rank world with 18 connections.
 //
+// Budget. The pages a ring of small messages uses over and over are
+// populated when the connection is set up (newShmLink), and they stay
+// until it closes. A process with a few connections gives each
+// lapSkipAt of each ring; past populateBudget of them (32 connections),
+// lapSkipMin. Before, a dense all-to-all of 256 ranks on one host, 65 280
+// connections of 520 KiB each, ran a 24 GiB machine out of memory, and
+// 128 ranks spent 41 s of the one write to every peer populating 8 GiB
+// (scripts/scale.sh 128). The producer alone decides where its laps end,
+// so the two sides of a connection need not agree.
+//
 //	ring header  [0:8] tail   [64:72] head   [128:132] sleeping   [192:200] lap
 //	data         [ringHdr:ringHdr+ringCap]
 
@@ -62,9 +72,15 @@ const (
 	ringCap  = 4 << 20
 	ringSize = ringHdr + ringCap
 	// lapSkipAt is how far into a lap a producer that finds its ring
-	// empty goes on at the next lap instead (see Laps).
-	lapSkipAt = 256 << 10
-	segSize   = 2 * ringSize
+	// empty goes on at the next lap instead (see Laps), on the
+	// connections a process populates at set-up while its
+	// populateBudget lasts; lapSkipMin on the others (see Budget).
+	lapSkipAt  = 256 << 10
+	lapSkipMin = 16 << 10
+	// populateBudget is how much of its connections' rings a process
+	// populates at lapSkipAt each (2 × lapSkipAt a connection).
+	populateBudget = 16 << 20
+	segSize        = 2 * ringSize
 
 	shmFDs = 3 // memfd, eventfd of ring 0, eventfd of ring 1
 )
@@ -77,6 +93,9 @@ type ring struct {
 	lap   *uint64 // where the producer went on at a lap's start
 	data  []byte
 	pos   uint64 // the private index: tail for the producer, head for the consumer
+	// skipAt is how far into a lap the producer goes on at the next one
+	// (producer, Laps).
+	skipAt uint64
 	// seen is the head the producer loaded last (producer): the room it
 	// knows of. It loads head again only when that room is short or the
 	// lap may end (Laps): a load of head at every put brought the line
@@ -88,11 +107,12 @@ type ring struct {
 func newRing(seg []byte, i int) ring {
 	base := unsafe.Pointer(&seg[i*ringSize])
 	return ring{
-		tail:  (*uint64)(base),
-		head:  (*uint64)(unsafe.Add(base, 64)),
-		sleep: (*uint32)(unsafe.Add(base, 128)),
-		lap:   (*uint64)(unsafe.Add(base, 192)),
-		data:  seg[i*ringSize+ringHdr : (i+1)*ringSize : (i+1)*ringSize],
+		tail:   (*uint64)(base),
+		head:   (*uint64)(unsafe.Add(base, 64)),
+		sleep:  (*uint32)(unsafe.Add(base, 128)),
+		lap:    (*uint64)(unsafe.Add(base, 192)),
+		data:   seg[i*ringSize+ringHdr : (i+1)*ringSize : (i+1)*ringSize],
+		skipAt: lapSkipAt,
 	}
 }
 
@@ -102,9 +122,9 @@ var errRingCorrupt = errors.New("soft: shared memory ring corrupted by the peer"
 // length and whether the consumer must be woken.
 func (r *ring) put(bufs [][]byte) (int, bool, error) {
 	used := r.pos - r.seen
-	if r.pos&(ringCap-1) >= lapSkipAt || ringCap-used < uint64(total(bufs)) {
+	if r.pos&(ringCap-1) >= r.skipAt || ringCap-used < uint64(total(bufs)) {
 		head := atomic.LoadUint64(r.head)
-		if head == r.pos && r.pos&(ringCap-1) >= lapSkipAt {
+		if head == r.pos && r.pos&(ringCap-1) >= r.skipAt {
 			// Empty, and far into the lap: on at the next one (Laps),
 			// stored before the tail that publishes what follows.
 			r.pos = (r.pos + ringCap) &^ (ringCap - 1)
@@ -253,6 +273,22 @@ type shmLink struct {
 	readErr error                 // of the last readEventfd
 	efdOut  int                   // written to wake the peer
 	efdBuf  [8]byte               // what the reader reads from efdIn
+	budget  int64                 // of populateBudget this link holds
+}
+
+// populated is how much of populateBudget the process' links hold.
+var populated atomic.Int64
+
+// reserve takes 2 × lapSkipAt of populateBudget for a new link and
+// returns its rings' lap length: lapSkipAt if the budget had it, else
+// lapSkipMin and nothing taken.
+func reserve() (skip uint64, budget int64) {
+	const n = 2 * lapSkipAt
+	if populated.Add(n) <= populateBudget {
+		return lapSkipAt, n
+	}
+	populated.Add(-n)
+	return lapSkipMin, 0
 }
 
 // newShmLink maps the segment of memfd; dialer says which side this is.
@@ -266,19 +302,23 @@ func newShmLink(memfd, efdIn, efdOut int, dialer bool) (*shmLink, error) {
 		return nil, err
 	}
 	// The pages a ring of small messages uses over and over (its header
-	// and its first lapSkipAt bytes, Laps) are faulted in now rather than
-	// one by one on the data path (a fault costs microseconds on a
+	// and its first skip bytes, Laps, Budget) are faulted in now rather
+	// than one by one on the data path (a fault costs microseconds on a
 	// virtual machine: a quarter of an oversubscribed barrier's time went
 	// there). A kernel without MADV_POPULATE_WRITE (5.14) faults them in
-	// later, as before.
+	// later, as before. The peer's producer may lap later than this one
+	// (its own budget): the pages past skip of the inbound ring are then
+	// faulted in as they come.
+	skip, budget := reserve()
 	for i := range 2 {
-		unix.Madvise(seg[i*ringSize:i*ringSize+ringHdr+lapSkipAt], unix.MADV_POPULATE_WRITE)
+		unix.Madvise(seg[i*ringSize:i*ringSize+ringHdr+int(skip)], unix.MADV_POPULATE_WRITE)
 	}
-	l := &shmLink{seg: seg, efdIn: os.NewFile(uintptr(efdIn), "eventfd"), efdOut: efdOut}
+	l := &shmLink{seg: seg, efdIn: os.NewFile(uintptr(efdIn), "eventfd"), efdOut: efdOut, budget: budget}
 	raw, err := l.efdIn.SyscallConn()
 	if err != nil {
 		l.efdIn.Close()
 		unix.Munmap(seg)
+		populated.Add(-budget)
 		return nil, err
 	}
 	l.efdRaw, l.readFn = raw, l.readEventfd
@@ -287,6 +327,7 @@ func newShmLink(memfd, efdIn, efdOut int, dialer bool) (*shmLink, error) {
 	} else {
 		l.out, l.in = newRing(seg, 1), newRing(seg, 0)
 	}
+	l.out.skipAt = skip
 	// Both sides start at 0; a peer's later scribbling is caught by the
 	// checks in put and get.
 	return l, nil
@@ -357,6 +398,8 @@ func (l *shmLink) unmap() {
 	unix.Close(l.efdOut)
 	unix.Munmap(l.seg)
 	l.seg = nil
+	populated.Add(-l.budget)
+	l.budget = 0
 }
 
 // --- handshake helpers ---

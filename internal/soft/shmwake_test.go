@@ -20,34 +20,8 @@ import (
 // with the race detector on, plain stores made that happen within a few
 // thousand rounds. The watchdog only guards against the hang.
 func TestShmRingWakeup(t *testing.T) {
-	fds, err := newShmFDs()
-	if err != nil {
-		t.Fatal(err)
-	}
-	dup := func(fd int) int {
-		d, err := unix.Dup(fd)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return d
-	}
-	// Ring 0 carries the dialer's frames, woken through fds[1]; ring 1
-	// the acceptor's, through fds[2].
-	dialer, err := newShmLink(fds[0], fds[2], dup(fds[1]), true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	acceptor, err := newShmLink(fds[0], fds[1], dup(fds[2]), false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	unix.Close(fds[0])
-	defer func() {
-		for _, l := range []*shmLink{dialer, acceptor} {
-			l.close()
-			l.unmap()
-		}
-	}()
+	dialer, acceptor := linkPair(t)
+	defer closeLinks(dialer, acceptor)
 
 	const rounds = 200000
 	var progress, sink atomic.Uint64
@@ -145,6 +119,119 @@ func TestShmRingWakeup(t *testing.T) {
 	wg.Wait()
 }
 
+// linkPair sets up the two sides of a shared-memory segment in this
+// process, as a dialer and an acceptor would (closeLinks undoes it).
+func linkPair(t *testing.T) (dialer, acceptor *shmLink) {
+	t.Helper()
+	fds, err := newShmFDs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	dup := func(fd int) int {
+		d, err := unix.Dup(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	// Ring 0 carries the dialer's frames, woken through fds[1]; ring 1
+	// the acceptor's, through fds[2].
+	if dialer, err = newShmLink(fds[0], fds[2], dup(fds[1]), true); err != nil {
+		t.Fatal(err)
+	}
+	if acceptor, err = newShmLink(fds[0], fds[1], dup(fds[2]), false); err != nil {
+		closeLinks(dialer)
+		t.Fatal(err)
+	}
+	return dialer, acceptor
+}
+
+func closeLinks(links ...*shmLink) {
+	for _, l := range links {
+		l.close()
+		l.unmap()
+	}
+}
+
+// TestShmPopulateBudget: a process populates lapSkipAt of each ring for
+// its first connections only (Budget in shm.go); past populateBudget a
+// connection's rings lap at lapSkipMin, with that much populated, and
+// closing connections returns their share. Before, every connection
+// populated 2 × lapSkipAt: 520 KiB of memory for each of the 65 280
+// connections of a 256-rank all-to-all.
+func TestShmPopulateBudget(t *testing.T) {
+	if !canPopulate() {
+		t.Skip("the kernel cannot populate mappings (MADV_POPULATE_WRITE, Linux 5.14)")
+	}
+	// What the process' other connections (none, unless a test leaked
+	// them) left of the budget, in links of two sides each.
+	free := int((populateBudget - populated.Load()) / (2 * lapSkipAt))
+	var full []*shmLink
+	defer func() { closeLinks(full...) }()
+	for range free / 2 {
+		d, a := linkPair(t)
+		full = append(full, d, a)
+	}
+	for i, l := range full {
+		if l.out.skipAt != lapSkipAt || l.budget != 2*lapSkipAt {
+			t.Fatalf("link %d of %d within the budget laps at %d, holds %d", i, len(full), l.out.skipAt, l.budget)
+		}
+	}
+	d, a := linkPair(t)
+	defer closeLinks(d, a)
+	for _, l := range []*shmLink{d, a} {
+		if l.out.skipAt != lapSkipMin || l.budget != 0 {
+			t.Fatalf("a link past the budget laps at %d, holds %d", l.out.skipAt, l.budget)
+		}
+	}
+	const page = 4096
+	for r := range 2 {
+		base := r*ringSize + ringHdr
+		if n := residentPages(t, d.seg[base:base+ringCap]); n != lapSkipMin/page {
+			t.Errorf("ring %d of a link past the budget: %d pages resident, want %d", r, n, lapSkipMin/page)
+		}
+	}
+	// Closing links returns their share: the next one laps at lapSkipAt.
+	if len(full) == 0 {
+		t.Fatal("the budget was spent before the test began")
+	}
+	closeLinks(full[len(full)-2:]...)
+	full = full[:len(full)-2]
+	d2, a2 := linkPair(t)
+	defer closeLinks(d2, a2)
+	if d2.out.skipAt != lapSkipAt {
+		t.Errorf("after two links closed, a new one laps at %d, want %d", d2.out.skipAt, lapSkipAt)
+	}
+	// And a producer past the budget laps early: after 4 KiB messages
+	// through lapSkipMin and more, one at a time, its ring uses no more
+	// pages than lapSkipMin and the message that crossed it.
+	msg := make([]byte, 4096)
+	got := make([]byte, len(msg))
+	for range 64 {
+		if n, _, err := d.out.put([][]byte{msg}); err != nil || n != len(msg) {
+			t.Fatalf("put %d, %v", n, err)
+		}
+		if n, err := a.in.get(got); err != nil || n != len(msg) {
+			t.Fatalf("get %d, %v", n, err)
+		}
+	}
+	if n, max := residentPages(t, d.seg[ringHdr:ringSize]), (lapSkipMin+len(msg))/page+1; n > max {
+		t.Errorf("%d pages of a ring past the budget resident after 256 KiB of traffic, want at most %d", n, max)
+	}
+}
+
+// canPopulate says whether the kernel populates mappings on request
+// (MADV_POPULATE_WRITE, Linux 5.14).
+func canPopulate() bool {
+	probe, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return false
+	}
+	defer unix.Munmap(probe)
+	return unix.Madvise(probe, unix.MADV_POPULATE_WRITE) == nil
+}
+
 // TestShmRingWorkingSet: a shared-memory connection that carries small
 // messages one at a time uses the first pages of its rings over and over
 // (lapSkipAt of each, Laps in shm.go): after 16 MiB of 4 KiB writes, 4
@@ -200,19 +287,13 @@ func residentPages(t *testing.T, b []byte) int {
 }
 
 // TestShmRingPrefaulted: the pages a ring of small messages uses over and
-// over (its first lapSkipAt bytes) are resident once the connection is
+// over (its first skipAt bytes) are resident once the connection is
 // up, faulted in at its set-up rather than one by one on the data path.
 // Before, a connection that had carried one message had one page of
 // each ring resident.
 func TestShmRingPrefaulted(t *testing.T) {
-	probe, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_ANONYMOUS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = unix.Madvise(probe, unix.MADV_POPULATE_WRITE)
-	unix.Munmap(probe)
-	if err != nil {
-		t.Skipf("the kernel cannot populate mappings (MADV_POPULATE_WRITE, Linux 5.14): %v", err)
+	if !canPopulate() {
+		t.Skip("the kernel cannot populate mappings (MADV_POPULATE_WRITE, Linux 5.14)")
 	}
 	forceTransport(t, "shm")
 	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
@@ -233,7 +314,8 @@ func TestShmRingPrefaulted(t *testing.T) {
 	}
 	for r := range 2 {
 		base := r*ringSize + ringHdr
-		if n, want := residentPages(t, c.shm.seg[base:base+lapSkipAt]), lapSkipAt/4096; n < want {
+		skip := int(c.shm.out.skipAt)
+		if n, want := residentPages(t, c.shm.seg[base:base+skip]), skip/4096; n < want {
 			t.Errorf("ring %d: %d of its first %d pages resident", r, n, want)
 		}
 	}
