@@ -34,10 +34,20 @@ import (
 // ranks on 2 CPUs: a peer "quiet" for 15 s that was runnable all along).
 // When the ticks did not move, the look sums /proc/PID/task/*/schedstat:
 // each thread's time on a processor and time waiting on a run queue, in
-// nanoseconds. A stopped process
-// (SIGSTOP, a debugger) or one that waits forever is still found dead by
-// the timeouts. A connection to this very process (a forced transport)
-// follows nothing: the process runs, whatever its QPs do.
+// nanoseconds. A thread waits on a run queue only once it can run, and
+// the sums move only when a thread gets a processor: a peer whose
+// threads are all blocked in the kernel (uninterruptible sleep, state D:
+// the memory map's lock behind a mapping or a page fault, the file
+// table's growth waiting for an RCU grace period) shows no sign, and
+// such a wait lasted 2.4 s in a 256-rank all-to-all on 2 CPUs, which
+// then failed writes to a live peer with "transport retry counter
+// exceeded". So a look that finds no sign also looks for a thread in
+// state D, and counts one as a sign of life for up to localBlockedMax
+// in a row: a process frozen by a cgroup freezer shows D too, and must
+// still be found quiet. A stopped process (SIGSTOP, a debugger) or one
+// that waits forever is still found dead by the timeouts. A connection
+// to this very process (a forced transport) follows nothing: the process
+// runs, whatever its QPs do.
 
 // peerStat reads what /proc/PID/stat says of process pid: the processor
 // time it has used so far (clock ticks, user and system: fields 14 and
@@ -116,7 +126,12 @@ type peerClock struct {
 	last    atomic.Uint64 // the processor time at the last look
 	sched   atomic.Uint64 // the threads' run and wait time (ns) at the last look; 0: unknown, schedUnread: no look yet
 	changed atomic.Int64  // when a look last found it changed (unix ns)
+	blocked atomic.Int64  // since when looks found only threads blocked in the kernel (unix ns); 0: not
 }
+
+// localBlockedMax bounds how long a peer whose threads are blocked in the
+// kernel (state D) counts as alive without running (see above).
+const localBlockedMax = 10 * time.Second
 
 // schedUnread is peerClock.sched before the first look.
 const schedUnread = ^uint64(0)
@@ -146,26 +161,38 @@ func newPeerClock(pid uint32) *peerClock {
 // could be read (no schedstat: a kernel without CONFIG_SCHED_INFO, or
 // the process is gone).
 func peerSched(pid uint32) (sum uint64, ok bool) {
+	eachThread(pid, "schedstat", func(b []byte) bool {
+		if v, good := parseSchedstat(b); good {
+			sum, ok = sum+v, true
+		}
+		return true
+	})
+	return sum, ok
+}
+
+// eachThread calls fn with the contents of the file name of
+// /proc/PID/task/TID of each thread of process pid that still has it,
+// until fn returns false.
+func eachThread(pid uint32, name string, fn func(b []byte) bool) {
 	dir := "/proc/" + strconv.FormatUint(uint64(pid), 10) + "/task/"
 	f, err := os.Open(dir)
 	if err != nil {
-		return 0, false
+		return
 	}
 	tids, err := f.Readdirnames(-1)
 	f.Close()
 	if err != nil {
-		return 0, false
+		return
 	}
 	for _, tid := range tids {
-		b, err := os.ReadFile(dir + tid + "/schedstat")
+		b, err := os.ReadFile(dir + tid + "/" + name)
 		if err != nil {
 			continue // the thread exited
 		}
-		if v, good := parseSchedstat(b); good {
-			sum, ok = sum+v, true
+		if !fn(b) {
+			return
 		}
 	}
-	return sum, ok
 }
 
 // parseSchedstat parses a schedstat file ("run_ns wait_ns slices"): the
@@ -202,15 +229,45 @@ func (p *peerClock) look() (ran, halted bool) {
 		// ticks would end a watch whose looks come late (a loaded
 		// machine), though the peer ran all along.
 		if w == 0 || prev == 0 || prev == w {
-			return false, halted
+			return p.inKernel(), halted
 		}
 		// prev == schedUnread: the first look (newPeerClock); w != 0
 		// says at least that the peer's threads are there to run.
 		// Otherwise the run and wait time moved: it ran, or waited for
 		// a processor.
 	}
+	p.blocked.Store(0)
 	p.changed.Store(time.Now().UnixNano())
 	return true, halted
+}
+
+// inKernel reports whether a look that found no sign of life finds a
+// thread of the peer blocked in the kernel (state D) and the looks have
+// found it so for less than localBlockedMax; if so, that counts as the
+// peer having run (changed).
+func (p *peerClock) inKernel() bool {
+	if !threadBlocked(p.pid) {
+		p.blocked.Store(0)
+		return false
+	}
+	now := time.Now().UnixNano()
+	p.blocked.CompareAndSwap(0, now)
+	if time.Duration(now-p.blocked.Load()) >= localBlockedMax {
+		return false
+	}
+	p.changed.Store(now)
+	return true
+}
+
+// threadBlocked reports whether a thread of process pid is in
+// uninterruptible sleep (state D of /proc/PID/task/TID/stat).
+func threadBlocked(pid uint32) (blocked bool) {
+	eachThread(pid, "stat", func(b []byte) bool {
+		f := statFields(b)
+		blocked = f != nil && f[0][0] == 'D'
+		return !blocked
+	})
+	return blocked
 }
 
 // ran reports whether the peer used processor time since the last look

@@ -120,6 +120,61 @@ func TestPeerClockFirstLook(t *testing.T) {
 	}
 }
 
+// TestPeerClockBlockedInKernel: a peer with a thread in uninterruptible
+// sleep (state D: here, frozen by the cgroup v1 freezer, which is how
+// the state can be made at will) counts as running for up to
+// localBlockedMax of looks in a row, then as quiet. Before, the looks
+// found no sign of a peer whose threads were all blocked in the kernel
+// for 2.4 s (the memory map's lock, the file table's growth) and a
+// 256-rank all-to-all failed writes to it.
+func TestPeerClockBlockedInKernel(t *testing.T) {
+	const freezer = "/sys/fs/cgroup/freezer"
+	dir := freezer + "/goverbs-test-" + strconv.Itoa(os.Getpid())
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Skipf("no cgroup v1 freezer to put a process in state D: %v", err)
+	}
+	sleeper := startChild(t, "sleep", "1000")
+	defer func() {
+		// Thawed, killed and reaped, so that its group can go.
+		os.WriteFile(dir+"/freezer.state", []byte("THAWED"), 0o644)
+		sleeper.Process.Kill()
+		sleeper.Wait()
+		if err := os.Remove(dir); err != nil {
+			t.Errorf("remove the test's freezer group: %v", err)
+		}
+	}()
+	pid := uint32(sleeper.Process.Pid)
+	waitSlept(t, pid)
+	c := newPeerClock(pid)
+	c.ran() // the first look (TestPeerClockFirstLook)
+	if c.ran() || threadBlocked(pid) {
+		t.Fatal("a sleeping process ran, or is blocked in the kernel")
+	}
+	write := func(file, v string) {
+		t.Helper()
+		if err := os.WriteFile(dir+"/"+file, []byte(v), 0o644); err != nil {
+			t.Skipf("cannot use the cgroup freezer: %v", err)
+		}
+	}
+	write("cgroup.procs", strconv.Itoa(int(pid)))
+	write("freezer.state", "FROZEN")
+	for deadline := time.Now().Add(hangGuard); !threadBlocked(pid); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Skip("a frozen process is not in state D on this kernel")
+		}
+	}
+	for i := range 3 {
+		if !c.ran() {
+			t.Fatalf("look %d: a process blocked in the kernel is quiet", i)
+		}
+	}
+	// As if the looks had found it blocked for localBlockedMax.
+	c.blocked.Store(time.Now().Add(-localBlockedMax).UnixNano())
+	if c.ran() {
+		t.Error("a process blocked in the kernel for localBlockedMax still runs")
+	}
+}
+
 // waitSlept waits until the process pid runs sleep and sleeps in it.
 func waitSlept(t *testing.T, pid uint32) {
 	t.Helper()

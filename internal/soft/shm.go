@@ -57,8 +57,9 @@ import (
 // Budget. The pages a ring of small messages uses over and over are
 // populated when the connection is set up (newShmLink), and they stay
 // until it closes. A process with a few connections gives each
-// lapSkipAt of each ring; past populateBudget of them (32 connections),
-// lapSkipMin. Before, a dense all-to-all of 256 ranks on one host, 65 280
+// lapSkipAt of each ring; past populateBudget of them (32 connections)
+// a connection's rings lap at lapSkipMin and are faulted in as they are
+// used. Before, a dense all-to-all of 256 ranks on one host, 65 280
 // connections of 520 KiB each, ran a 24 GiB machine out of memory, and
 // 128 ranks spent 41 s of the one write to every peer populating 8 GiB
 // (scripts/scale.sh 128). The producer alone decides where its laps end,
@@ -301,17 +302,19 @@ func newShmLink(memfd, efdIn, efdOut int, dialer bool) (*shmLink, error) {
 		unix.Munmap(seg)
 		return nil, err
 	}
-	// The pages a ring of small messages uses over and over (its header
-	// and its first skip bytes, Laps, Budget) are faulted in now rather
-	// than one by one on the data path (a fault costs microseconds on a
-	// virtual machine: a quarter of an oversubscribed barrier's time went
-	// there). A kernel without MADV_POPULATE_WRITE (5.14) faults them in
-	// later, as before. The peer's producer may lap later than this one
-	// (its own budget): the pages past skip of the inbound ring are then
-	// faulted in as they come.
+	// Within the budget, the pages a ring of small messages uses over
+	// and over (its header and its first lapSkipAt bytes, Laps, Budget)
+	// are faulted in now rather than one by one on the data path (a
+	// fault costs microseconds on a virtual machine: a quarter of an
+	// oversubscribed barrier's time went there). A kernel without
+	// MADV_POPULATE_WRITE (5.14) faults them in later, as before; so
+	// does a connection past the budget, which has few pages to fault
+	// in (lapSkipMin) and, in the worlds that make many, carries little.
 	skip, budget := reserve()
 	for i := range 2 {
-		unix.Madvise(seg[i*ringSize:i*ringSize+ringHdr+int(skip)], unix.MADV_POPULATE_WRITE)
+		if budget > 0 {
+			unix.Madvise(seg[i*ringSize:i*ringSize+ringHdr+int(skip)], unix.MADV_POPULATE_WRITE)
+		}
 	}
 	l := &shmLink{seg: seg, efdIn: os.NewFile(uintptr(efdIn), "eventfd"), efdOut: efdOut, budget: budget}
 	raw, err := l.efdIn.SyscallConn()

@@ -156,8 +156,8 @@ func closeLinks(links ...*shmLink) {
 
 // TestShmPopulateBudget: a process populates lapSkipAt of each ring for
 // its first connections only (Budget in shm.go); past populateBudget a
-// connection's rings lap at lapSkipMin, with that much populated, and
-// closing connections returns their share. Before, every connection
+// connection's rings lap at lapSkipMin and are not populated, and
+// closing connections returns the budget's share. Before, every connection
 // populated 2 × lapSkipAt: 520 KiB of memory for each of the 65 280
 // connections of a 256-rank all-to-all.
 func TestShmPopulateBudget(t *testing.T) {
@@ -188,8 +188,8 @@ func TestShmPopulateBudget(t *testing.T) {
 	const page = 4096
 	for r := range 2 {
 		base := r*ringSize + ringHdr
-		if n := residentPages(t, d.seg[base:base+ringCap]); n != lapSkipMin/page {
-			t.Errorf("ring %d of a link past the budget: %d pages resident, want %d", r, n, lapSkipMin/page)
+		if n := residentPages(t, d.seg[base:base+ringCap]); n != 0 {
+			t.Errorf("ring %d of a link past the budget: %d pages resident before any traffic, want 0", r, n)
 		}
 	}
 	// Closing links returns their share: the next one laps at lapSkipAt.
@@ -311,6 +311,9 @@ func TestShmRingPrefaulted(t *testing.T) {
 	}
 	if c == nil || c.shm == nil {
 		t.Fatal("no shared-memory connection")
+	}
+	if c.shm.budget == 0 {
+		t.Fatalf("the connection is past the populate budget: %d bytes of it held by others", populated.Load())
 	}
 	for r := range 2 {
 		base := r*ringSize + ringHdr
