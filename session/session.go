@@ -281,8 +281,8 @@ func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Sessi
 		return nil, err
 	}
 	s.peerBlock = s.peer.Block
-	s.dflow = sendFlow{r: uint32(s.peer.RecvBuffers), word: s.word(0)}
-	s.cflow = sendFlow{r: uint32(s.peer.CtrlBuffers), word: s.word(4)}
+	s.dflow = sendFlow{r: uint32(s.peer.RecvBuffers), word: s.word(0), progress: s.data.Progress}
+	s.cflow = sendFlow{r: uint32(s.peer.CtrlBuffers), word: s.word(4), progress: s.agc.Progress}
 	switch {
 	case !mine.CM:
 		if err := s.data.Connect(*s.peer.Data); err != nil {
