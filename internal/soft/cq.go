@@ -362,6 +362,9 @@ func (ch *compChannel) Close() error {
 	ch.queue = nil
 	close(ch.done)
 	ch.mu.Unlock()
+	if d := ch.drv.Load(); d != nil {
+		d.interrupt(ch) // a drive without a deadline (drive.go)
+	}
 	ch.ctx.release(&ch.ctx.nch)
 	return nil
 }

@@ -37,9 +37,15 @@ import (
 // a read deadline in the past, and waits in the channel as before; the
 // reader pokes the channel when it has stepped aside, and the waiter takes
 // the socket. An event queued on the channel by another connection ends
-// the driver's wait the same way (interrupt). A drive lasts driveMax at
-// most, so a cancelled ctx or a closed channel is seen within that bound;
-// the reader then takes the socket back at once.
+// the driver's wait the same way (interrupt). A drive whose ctx can end
+// lasts driveMax at most, so a cancelled ctx or a closed channel is seen
+// within that bound; the reader then takes the socket back at once. A
+// drive whose ctx cannot end (context.Background) waits without a
+// deadline, and closing the channel interrupts it: setting a deadline
+// before each wait and clearing it after was a tenth of the processor
+// time of a sleeping round trip over a unix socket
+// (BenchmarkXprocSendRTT/wait=sleep/unix: 0.6 of 5.5 s, in the runtime's
+// timers).
 //
 // Responses the driver's handling produces are held when the channel got
 // its event (the application's answer takes them along, as the reader
@@ -49,8 +55,8 @@ import (
 // Only sockets of the connection's own (quietSock, not TLS) are driven;
 // shared memory has its own cheap wake-ups (shm.go).
 
-// driveMax bounds one drive: a cancelled ctx or a closed channel ends the
-// Wait within it.
+// driveMax bounds one drive whose ctx can end: a cancelled ctx or a
+// closed channel ends the Wait within it.
 var driveMax = time.Millisecond
 
 // aLongTimeAgo is a read deadline that ends a wait at once.
@@ -156,7 +162,7 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 			}
 		}
 		c.drvSlept = true
-		if !dl {
+		if !dl && ctx.Done() != nil {
 			if end.IsZero() {
 				end = time.Now().Add(driveMax)
 				if d, ok := ctx.Deadline(); ok && d.Before(end) {
@@ -174,6 +180,12 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 		err = c.sock.fillWait()
 		if errors.Is(err, os.ErrDeadlineExceeded) {
 			err = nil
+			if !dl {
+				// Interrupted, without a deadline of the drive's
+				// own: the past one stays until the drive ends.
+				ev = ch.takeEvent()
+				break
+			}
 			if time.Now().Before(end) {
 				dl = false // interrupted: look again
 				continue

@@ -230,6 +230,59 @@ func TestDriveHonoursContext(t *testing.T) {
 	}
 }
 
+// TestDriveEndsAtClose: a wait whose ctx cannot end drives without a
+// read deadline (none ends it every driveMax, as one that can end is);
+// closing its channel ends it. Before, every drive set a deadline before
+// its wait and cleared it after, a tenth of a sleeping round trip's
+// processor time.
+func TestDriveEndsAtClose(t *testing.T) {
+	defer func(d time.Duration) { driveMax = d }(driveMax)
+	driveMax = time.Millisecond // a deadline, if one were set, would end the drive at once
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			p := newDrivePair(t, kind)
+			p.sendOne(t)
+			if err := p.cqb.Arm(false); err != nil {
+				t.Fatal(err)
+			}
+			before := drivesNow()
+			done := make(chan error, 1)
+			go func() {
+				_, err := p.chb.Wait(context.Background())
+				done <- err
+			}()
+			waitDrive(t, before)
+			// Many driveMax later the same drive goes on: no deadline
+			// ended it (a drive that ends is followed by the reader,
+			// and the wait sleeps in the channel without driving).
+			time.Sleep(50 * driveMax)
+			if n := drivesNow(); n != before+1 {
+				t.Errorf("%d drives since the wait began, want 1", n-before)
+			}
+			c := p.qb.(*qp).x.rev.Load()
+			if c == nil {
+				c = p.qa.(*qp).x.rev.Load()
+			}
+			if c == nil || c.driveOn.Load() != driveNow {
+				t.Fatal("the wait no longer drives the connection")
+			}
+			for _, cl := range []interface{ Close() error }{p.qb, p.cqb, p.chb} {
+				if err := cl.Close(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			select {
+			case err := <-done:
+				if err == nil {
+					t.Fatal("the wait on a closed channel returned no error")
+				}
+			case <-time.After(hangGuard):
+				t.Fatal("closing the channel did not end the wait")
+			}
+		})
+	}
+}
+
 // TestDriveOnePeerOnly: a Wait drives a connection only while the
 // process talks to one peer process; with connections to several, the
 // readers keep them all (the event may come on any).
