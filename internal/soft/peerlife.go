@@ -212,8 +212,9 @@ func parseSchedstat(b []byte) (uint64, bool) {
 
 // look reads the peer's processor time: ran reports whether it changed
 // since the last look (or since newPeerClock), or, when the clock ticks
-// did not, whether its threads ran or waited for a processor (schedstat),
-// and halted whether the peer is stopped or gone. Safe for concurrent use; a read of /proc, so
+// did not, whether its threads ran or waited for a processor (schedstat)
+// or one is blocked in the kernel (inKernel), and halted whether the peer
+// is stopped or gone. Safe for concurrent use; a read of /proc, so
 // for timeouts, not for the data path.
 func (p *peerClock) look() (ran, halted bool) {
 	v, halted, ok := peerStat(p.pid)
@@ -229,7 +230,7 @@ func (p *peerClock) look() (ran, halted bool) {
 		// ticks would end a watch whose looks come late (a loaded
 		// machine), though the peer ran all along.
 		if w == 0 || prev == 0 || prev == w {
-			return p.inKernel(), halted
+			return !halted && p.inKernel(), halted
 		}
 		// prev == schedUnread: the first look (newPeerClock); w != 0
 		// says at least that the peer's threads are there to run.

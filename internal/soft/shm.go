@@ -311,8 +311,8 @@ func newShmLink(memfd, efdIn, efdOut int, dialer bool) (*shmLink, error) {
 	// does a connection past the budget, which has few pages to fault
 	// in (lapSkipMin) and, in the worlds that make many, carries little.
 	skip, budget := reserve()
-	for i := range 2 {
-		if budget > 0 {
+	if budget > 0 {
+		for i := range 2 {
 			unix.Madvise(seg[i*ringSize:i*ringSize+ringHdr+int(skip)], unix.MADV_POPULATE_WRITE)
 		}
 	}
