@@ -30,6 +30,9 @@
 // ReceiveInto copies it out instead. Messages larger than a buffer go by
 // rendezvous: the sender registers a window of the message, the receiver
 // reads it into memory of its allocator and tells the sender's agent.
+// Send returns once the message is delivered; PostSendSlice returns once
+// it is posted, with a Pending to Wait for (or Release) once, so that one
+// goroutine can keep several messages in flight.
 //
 // Memory: each session has an Allocator of registered memory (arenas
 // registered once, size classes, handles as values). Memory of the peer

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
@@ -154,6 +155,125 @@ func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, ha
 	return s.sendRendezvous(ctx, data, LocalMR{}, imm, hasImm)
 }
 
+// PostSendSlice posts the bytes of a region of the session's allocator
+// as one message, without copying them, and returns without waiting for
+// the message's delivery: Wait for it (or Release it) later, so that one
+// goroutine can keep many messages in flight, as a Channel's Post methods
+// do. The bytes must not change until Wait returns. It may wait (until
+// ctx ends) for a credit of the peer's receive buffers and for room in
+// the session's queue (Config.QueueDepth posted messages and other
+// requests at most). A message larger than the peer's receive buffers
+// goes by rendezvous, synchronously: PostSendSlice returns once the peer
+// has read it, with a Pending that is done (as is the zero Pending).
+// Messages arrive in the order they were posted, with those of Send.
+func (s *Session) PostSendSlice(ctx context.Context, data LocalSlice, imm uint32, hasImm bool) (Pending, error) {
+	if err := s.live("send"); err != nil {
+		return Pending{}, err
+	}
+	if !data.MR().Valid() {
+		return Pending{}, fmt.Errorf("session: send: %w: the region was freed", ErrClosed)
+	}
+	n := data.Len()
+	if n > s.peer.MaxMessage {
+		return Pending{}, fmt.Errorf("session: send: %w: a message of %d bytes, the peer takes at most %d", ErrLimit, n, s.peer.MaxMessage)
+	}
+	if n > s.peer.SlotSize-dataHdr {
+		return Pending{}, s.sendRendezvous(ctx, data, LocalMR{}, imm, hasImm)
+	}
+	buf, err := s.mem.Alloc(dataHdr)
+	if err != nil {
+		return Pending{}, fmt.Errorf("session: send: %w", err)
+	}
+	if err := s.acquireOp(ctx, "send"); err != nil {
+		buf.Free()
+		return Pending{}, err
+	}
+	putDataHdr(buf.Bytes(), dataEager, 0, uint32(n))
+	setImm(buf.Bytes(), imm, hasImm)
+	hs, _ := buf.Slice(0, dataHdr)
+	h, err := s.postSlotH(ctx, "send", buf, hs.SGE(), data.SGE())
+	if err != nil {
+		return Pending{}, err
+	}
+	// A record is free: there are no more records taken than op tokens
+	// (a record goes back when its Pending is claimed, its token when the
+	// device is done).
+	r := <-s.pend
+	if r.gen++; r.gen == 0 {
+		r.gen = 1
+	}
+	r.h, r.buf = h, buf
+	r.live.Store(r.gen)
+	return Pending{r: r, gen: r.gen}, nil
+}
+
+// Pending is a message posted by PostSendSlice, on its way. Wait for it
+// or Release it, once: a Pending used again (or a copy of it) reports an
+// error wrapping ErrClosed. A Pending is a small value; the zero Pending
+// is done.
+type Pending struct {
+	r   *pendSend
+	gen uint32
+}
+
+// pendSend is the session's record of a posted message; the session
+// keeps QueueDepth of them, so posting allocates nothing.
+type pendSend struct {
+	s    *Session
+	live atomic.Uint32 // gen while its Pending is unclaimed, else 0
+	gen  uint32
+	h    channel.Handle
+	buf  LocalMR // the header, freed when the device is done
+}
+
+// claim takes the record's request from p (once) and gives the record
+// back.
+func (p Pending) claim() (s *Session, h channel.Handle, buf LocalMR, ok bool) {
+	r := p.r
+	if r == nil || !r.live.CompareAndSwap(p.gen, 0) {
+		return nil, channel.Handle{}, LocalMR{}, false
+	}
+	s, h, buf = r.s, r.h, r.buf
+	r.h, r.buf = channel.Handle{}, LocalMR{}
+	s.pend <- r
+	return s, h, buf, true
+}
+
+// Wait waits until the message is delivered (the peer's device has it).
+// If ctx ends first, Wait returns its error, the message may still be
+// delivered, and the library reclaims what the device holds when it is
+// done with it (the bytes must then not change until the session ends,
+// or the region is freed: freeing waits for the device). An error of
+// the session (the peer lost, the session closed) ends it as for Send.
+func (p Pending) Wait(ctx context.Context) error {
+	if p.r == nil {
+		return nil
+	}
+	s, h, buf, ok := p.claim()
+	if !ok {
+		return fmt.Errorf("session: send: %w: the pending message was waited for or released already", ErrClosed)
+	}
+	return s.await(ctx, "send", h, buf)
+}
+
+// Release gives up the Pending without waiting: the library reclaims
+// what the device holds when it is done with it (the bytes must not
+// change until then, as for a cancelled Wait). Releasing a Pending again,
+// or after Wait, does nothing.
+func (p Pending) Release() {
+	s, h, buf, ok := p.claim()
+	if !ok {
+		return
+	}
+	o := orphaned{buf: buf, op: true}
+	if h.Done() {
+		h.Release()
+		s.giveBack(o)
+		return
+	}
+	s.goTask(func() { s.reap(h, o) })
+}
+
 // sendEager sends the header in buf (n bytes: the header, maybe the
 // payload) and the payload in extra (if not empty) into the peer's next
 // ring slot. buf is freed when the device is done with it.
@@ -195,11 +315,22 @@ func (s *Session) sendSlot(ctx context.Context, op string, buf LocalMR, hdr, pay
 // postSlot is sendSlot with the op token taken: it gives it back with
 // buf.
 func (s *Session) postSlot(ctx context.Context, op string, buf LocalMR, hdr, payload verbs.SGE) (posted bool, err error) {
+	h, err := s.postSlotH(ctx, op, buf, hdr, payload)
+	if err != nil {
+		return false, err
+	}
+	return true, s.await(ctx, op, h, buf)
+}
+
+// postSlotH is postSlot without the wait: it returns the write's handle,
+// which owns the op token and buf from then on (on an error, both are
+// given back).
+func (s *Session) postSlotH(ctx context.Context, op string, buf LocalMR, hdr, payload verbs.SGE) (h channel.Handle, err error) {
 	for {
 		if err := s.dflow.wait(ctx, s.done); err != nil {
 			s.releaseOp()
 			buf.Free()
-			return false, s.ctxErr(op, err)
+			return channel.Handle{}, s.ctxErr(op, err)
 		}
 		s.smu.Lock()
 		if s.dflow.tryTake() {
@@ -212,7 +343,6 @@ func (s *Session) postSlot(ctx context.Context, op string, buf LocalMR, hdr, pay
 	rep := s.drflow.reposted.Load()
 	binary.LittleEndian.PutUint32(buf.Bytes()[4:], rep)
 	dst := verbs.RemoteAddr{Addr: s.peer.Ring.Addr + uint64(slot)*uint64(s.peer.SlotSize), RKey: s.peer.Ring.RKey}
-	var h channel.Handle
 	if payload.Length > 0 {
 		sgl := [2]verbs.SGE{hdr, payload}
 		h, err = s.data.PostWriteImm(dst, slot, sgl[:]...)
@@ -223,10 +353,10 @@ func (s *Session) postSlot(ctx context.Context, op string, buf LocalMR, hdr, pay
 	if err != nil {
 		s.releaseOp()
 		buf.Free()
-		return false, s.fail(op, err)
+		return channel.Handle{}, s.fail(op, err)
 	}
 	s.drflow.told(rep)
-	return true, s.await(ctx, op, h, buf)
+	return h, nil
 }
 
 func setImm(b []byte, imm uint32, hasImm bool) {

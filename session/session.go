@@ -105,8 +105,9 @@ type Session struct {
 	tasks   tasks          // reapers, the agent's answers and revocations
 	leases  sync.WaitGroup // lease timers of grants: one per timer not stopped before it fired
 
-	ops     chan struct{} // a token per request of the data queue pair in flight (QueueDepth)
-	pairs   chan struct{} // one caller taking two tokens at a time (acquireOps2)
+	ops     chan struct{}  // a token per request of the data queue pair in flight (QueueDepth)
+	pend    chan *pendSend // free records of posted messages (PostSendSlice), QueueDepth of them
+	pairs   chan struct{}  // one caller taking two tokens at a time (acquireOps2)
 	done    chan struct{}
 	endOnce sync.Once
 	err     error // why it ended (set before done is closed)
@@ -249,6 +250,10 @@ func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Sessi
 		name = softDevice
 	}
 	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), turn: make(chan struct{}, 1), ops: make(chan struct{}, cfg.QueueDepth), pairs: make(chan struct{}, 1)}
+	s.pend = make(chan *pendSend, cfg.QueueDepth)
+	for range cfg.QueueDepth {
+		s.pend <- &pendSend{s: s}
+	}
 	s.turn <- struct{}{}
 	s.bg, s.bgStop = context.WithCancel(context.Background())
 	sess := s // s is nil once a failure is returned

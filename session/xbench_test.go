@@ -143,6 +143,47 @@ func BenchmarkXprocBandwidth(b *testing.B) {
 			b.ResetTimer()
 			send(b.N)
 		})
+		b.Run(kind+"/session-posted", func(b *testing.B) {
+			// One goroutine keeps 16 messages in flight with
+			// PostSendSlice, as the baseline keeps 16 writes.
+			s := benchSession(b, kind)
+			ctx := context.Background()
+			msg, err := s.Alloc(bwSize)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer msg.Free()
+			send := func(n int) {
+				var ring [16]Pending
+				for i := range n + 16 {
+					p := &ring[i%16]
+					if i >= 16 {
+						if err := p.Wait(ctx); err != nil {
+							b.Fatal(err)
+						}
+					}
+					if i < n {
+						var err error
+						if *p, err = s.PostSendSlice(ctx, msg.All(), 0, false); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+				if err := s.Send(ctx, []byte("d")); err != nil { // the child answers when it has them all
+					b.Fatal(err)
+				}
+				m, err := s.Receive(ctx)
+				if err != nil {
+					b.Fatal(err)
+				}
+				m.Release()
+			}
+			send(64)
+			b.SetBytes(bwSize)
+			b.ReportAllocs()
+			b.ResetTimer()
+			send(b.N)
+		})
 		b.Run(kind+"/channel", func(b *testing.B) {
 			ch, buf := benchChannel(b, kind, "sink")
 			ctx := context.Background()
