@@ -101,16 +101,9 @@ const bwSize = 64 << 10
 func BenchmarkXprocBandwidth(b *testing.B) {
 	for _, kind := range benchKinds {
 		b.Run(kind+"/session", func(b *testing.B) {
-			s := benchSession(b, kind)
-			ctx := context.Background()
-			msg, err := s.Alloc(bwSize)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer msg.Free()
 			// Messages go out with up to 16 senders at once, as the
 			// baseline keeps 16 writes in flight.
-			send := func(n int) {
+			benchMessages(b, kind, func(ctx context.Context, s *Session, msg LocalMR, n int) {
 				errc := make(chan error, 16)
 				for w := range 16 {
 					go func() {
@@ -128,32 +121,12 @@ func BenchmarkXprocBandwidth(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
-				if err := s.Send(ctx, []byte("d")); err != nil { // the child answers when it has them all
-					b.Fatal(err)
-				}
-				m, err := s.Receive(ctx)
-				if err != nil {
-					b.Fatal(err)
-				}
-				m.Release()
-			}
-			send(64)
-			b.SetBytes(bwSize)
-			b.ReportAllocs()
-			b.ResetTimer()
-			send(b.N)
+			})
 		})
 		b.Run(kind+"/session-posted", func(b *testing.B) {
 			// One goroutine keeps 16 messages in flight with
 			// PostSendSlice, as the baseline keeps 16 writes.
-			s := benchSession(b, kind)
-			ctx := context.Background()
-			msg, err := s.Alloc(bwSize)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer msg.Free()
-			send := func(n int) {
+			benchMessages(b, kind, func(ctx context.Context, s *Session, msg LocalMR, n int) {
 				var ring [16]Pending
 				for i := range n + 16 {
 					p := &ring[i%16]
@@ -169,20 +142,7 @@ func BenchmarkXprocBandwidth(b *testing.B) {
 						}
 					}
 				}
-				if err := s.Send(ctx, []byte("d")); err != nil { // the child answers when it has them all
-					b.Fatal(err)
-				}
-				m, err := s.Receive(ctx)
-				if err != nil {
-					b.Fatal(err)
-				}
-				m.Release()
-			}
-			send(64)
-			b.SetBytes(bwSize)
-			b.ReportAllocs()
-			b.ResetTimer()
-			send(b.N)
+			})
 		})
 		b.Run(kind+"/channel", func(b *testing.B) {
 			ch, buf := benchChannel(b, kind, "sink")
@@ -289,6 +249,34 @@ func BenchmarkXprocWriteImm(b *testing.B) {
 
 // wimmBenchSize is the size of BenchmarkXprocWriteImm's writes.
 const wimmBenchSize = 64
+
+// benchMessages measures bwSize messages over a session with a child:
+// send sends n of them from msg; the child answers once it has them all.
+func benchMessages(b *testing.B, kind string, send func(ctx context.Context, s *Session, msg LocalMR, n int)) {
+	s := benchSession(b, kind)
+	ctx := context.Background()
+	msg, err := s.Alloc(bwSize)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer msg.Free()
+	round := func(n int) {
+		send(ctx, s, msg, n)
+		if err := s.Send(ctx, []byte("d")); err != nil { // the child answers when it has them all
+			b.Fatal(err)
+		}
+		m, err := s.Receive(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		m.Release()
+	}
+	round(64)
+	b.SetBytes(bwSize)
+	b.ReportAllocs()
+	b.ResetTimer()
+	round(b.N)
+}
 
 // benchSession starts a child serving sessions over kind and returns a
 // session to it.

@@ -81,6 +81,24 @@ func (p *drivePair) sendOne(t *testing.T) {
 	waitCQ(t, p.cqa, p.cha, dst[:], 1)
 }
 
+// drivenWait sends a message from a to b, arms b's CQ and starts a Wait
+// on b's channel with ctx, whose result goes to done, once the wait
+// drives the connection; before is the count of drives before it.
+func (p *drivePair) drivenWait(t *testing.T, ctx context.Context) (done chan error, before uint64) {
+	p.sendOne(t)
+	if err := p.cqb.Arm(false); err != nil {
+		t.Fatal(err)
+	}
+	before = drivesNow()
+	done = make(chan error, 1)
+	go func() {
+		_, err := p.chb.Wait(ctx)
+		done <- err
+	}()
+	waitDrive(t, before)
+	return done, before
+}
+
 // TestWaitDrivesSocket: an application that sleeps in its completion
 // channel reads the socket itself (most of its waits drive the
 // connection), and the messages arrive whole.
@@ -203,18 +221,8 @@ func TestDriveHonoursContext(t *testing.T) {
 	for _, kind := range []string{"tcp", "unix"} {
 		t.Run(kind, func(t *testing.T) {
 			p := newDrivePair(t, kind)
-			p.sendOne(t)
-			if err := p.cqb.Arm(false); err != nil {
-				t.Fatal(err)
-			}
 			ctx, cancel := context.WithCancel(context.Background())
-			before := drivesNow()
-			done := make(chan error, 1)
-			go func() {
-				_, err := p.chb.Wait(ctx)
-				done <- err
-			}()
-			waitDrive(t, before)
+			done, _ := p.drivenWait(t, ctx)
 			cancel()
 			select {
 			case err := <-done:
@@ -241,17 +249,7 @@ func TestDriveEndsAtClose(t *testing.T) {
 	for _, kind := range []string{"tcp", "unix"} {
 		t.Run(kind, func(t *testing.T) {
 			p := newDrivePair(t, kind)
-			p.sendOne(t)
-			if err := p.cqb.Arm(false); err != nil {
-				t.Fatal(err)
-			}
-			before := drivesNow()
-			done := make(chan error, 1)
-			go func() {
-				_, err := p.chb.Wait(context.Background())
-				done <- err
-			}()
-			waitDrive(t, before)
+			done, before := p.drivenWait(t, context.Background())
 			// Many driveMax later the same drive goes on: no deadline
 			// ended it (a drive that ends is followed by the reader,
 			// and the wait sleeps in the channel without driving).
