@@ -286,8 +286,8 @@ func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Sessi
 		return nil, err
 	}
 	s.peerBlock = s.peer.Block
-	s.dflow = sendFlow{r: uint32(s.peer.RecvBuffers), word: s.word(0), progress: s.data.Progress}
-	s.cflow = sendFlow{r: uint32(s.peer.CtrlBuffers), word: s.word(4), progress: s.agc.Progress}
+	s.dflow = sendFlow{r: uint32(s.peer.RecvBuffers), word: s.word(0), progress: s.dataProgress}
+	s.cflow = sendFlow{r: uint32(s.peer.CtrlBuffers), word: s.word(4), progress: s.ctrlProgress}
 	switch {
 	case !mine.CM:
 		if err := s.data.Connect(*s.peer.Data); err != nil {
@@ -426,6 +426,19 @@ func (s *Session) build(name string, cm bool) (err error) {
 		return err
 	}
 	return s.postCtrlAll(s.agc)
+}
+
+// dataProgress and ctrlProgress drive the progress of the data and
+// control queue pairs (sendFlow.progress). They read the channels when
+// called: with the RDMA CM the channels are made after the flows.
+func (s *Session) dataProgress() error { return progressOf(s.data) }
+func (s *Session) ctrlProgress() error { return progressOf(s.agc) }
+
+func progressOf(c *channel.Channel) error {
+	if c == nil {
+		return nil
+	}
+	return c.Progress()
 }
 
 func (s *Session) dataOptions() channel.Options {
