@@ -135,17 +135,10 @@ func (s *Session) sendBytes(ctx context.Context, data []byte, imm uint32, hasImm
 // then deferred by the library until the device is done with it... the
 // caller must not Free it before SendSlice returns).
 func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, hasImm bool) error {
-	if err := s.live("send"); err != nil {
+	if err := s.checkSlice(data); err != nil {
 		return err
 	}
-	if !data.MR().Valid() {
-		return fmt.Errorf("session: send: %w: the region was freed", ErrClosed)
-	}
-	n := data.Len()
-	if n > s.peer.MaxMessage {
-		return fmt.Errorf("session: send: %w: a message of %d bytes, the peer takes at most %d", ErrLimit, n, s.peer.MaxMessage)
-	}
-	if n <= s.peer.SlotSize-dataHdr {
+	if data.Len() <= s.peer.SlotSize-dataHdr {
 		hdr, err := s.mem.Alloc(dataHdr)
 		if err != nil {
 			return fmt.Errorf("session: send: %w", err)
@@ -167,31 +160,17 @@ func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, ha
 // has read it, with a Pending that is done (as is the zero Pending).
 // Messages arrive in the order they were posted, with those of Send.
 func (s *Session) PostSendSlice(ctx context.Context, data LocalSlice, imm uint32, hasImm bool) (Pending, error) {
-	if err := s.live("send"); err != nil {
+	if err := s.checkSlice(data); err != nil {
 		return Pending{}, err
 	}
-	if !data.MR().Valid() {
-		return Pending{}, fmt.Errorf("session: send: %w: the region was freed", ErrClosed)
-	}
-	n := data.Len()
-	if n > s.peer.MaxMessage {
-		return Pending{}, fmt.Errorf("session: send: %w: a message of %d bytes, the peer takes at most %d", ErrLimit, n, s.peer.MaxMessage)
-	}
-	if n > s.peer.SlotSize-dataHdr {
+	if data.Len() > s.peer.SlotSize-dataHdr {
 		return Pending{}, s.sendRendezvous(ctx, data, LocalMR{}, imm, hasImm)
 	}
 	buf, err := s.mem.Alloc(dataHdr)
 	if err != nil {
 		return Pending{}, fmt.Errorf("session: send: %w", err)
 	}
-	if err := s.acquireOp(ctx, "send"); err != nil {
-		buf.Free()
-		return Pending{}, err
-	}
-	putDataHdr(buf.Bytes(), dataEager, 0, uint32(n))
-	setImm(buf.Bytes(), imm, hasImm)
-	hs, _ := buf.Slice(0, dataHdr)
-	h, err := s.postSlotH(ctx, "send", buf, hs.SGE(), data.SGE())
+	h, err := s.postEager(ctx, buf, dataHdr, data, imm, hasImm)
 	if err != nil {
 		return Pending{}, err
 	}
@@ -278,6 +257,17 @@ func (p Pending) Release() {
 // payload) and the payload in extra (if not empty) into the peer's next
 // ring slot. buf is freed when the device is done with it.
 func (s *Session) sendEager(ctx context.Context, buf LocalMR, n int, extra LocalSlice, imm uint32, hasImm bool) error {
+	h, err := s.postEager(ctx, buf, n, extra, imm, hasImm)
+	if err != nil {
+		return err
+	}
+	return s.await(ctx, "send", h, buf)
+}
+
+// postEager is sendEager without the wait: it returns the write's
+// handle, which owns an op token and buf from then on (on an error, both
+// are given back).
+func (s *Session) postEager(ctx context.Context, buf LocalMR, n int, extra LocalSlice, imm uint32, hasImm bool) (channel.Handle, error) {
 	plen := n - dataHdr + extra.Len()
 	putDataHdr(buf.Bytes(), dataEager, 0, uint32(plen))
 	setImm(buf.Bytes(), imm, hasImm)
@@ -289,8 +279,26 @@ func (s *Session) sendEager(ctx context.Context, buf LocalMR, n int, extra Local
 		ps, _ := buf.Slice(dataHdr, n-dataHdr)
 		payload = ps.SGE()
 	}
-	_, err := s.sendSlot(ctx, "send", buf, hs.SGE(), payload)
-	return err
+	if err := s.acquireOp(ctx, "send"); err != nil {
+		buf.Free()
+		return channel.Handle{}, err
+	}
+	return s.postSlotH(ctx, "send", buf, hs.SGE(), payload)
+}
+
+// checkSlice checks a slice to send: the session is live, its region
+// not freed, its length within the peer's MaxMessage.
+func (s *Session) checkSlice(data LocalSlice) error {
+	if err := s.live("send"); err != nil {
+		return err
+	}
+	if !data.MR().Valid() {
+		return fmt.Errorf("session: send: %w: the region was freed", ErrClosed)
+	}
+	if n := data.Len(); n > s.peer.MaxMessage {
+		return fmt.Errorf("session: send: %w: a message of %d bytes, the peer takes at most %d", ErrLimit, n, s.peer.MaxMessage)
+	}
+	return nil
 }
 
 // sendSlot writes a message, its header (hdr, in buf) and payload (if
