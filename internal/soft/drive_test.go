@@ -124,6 +124,50 @@ func TestWaitDrivesSocket(t *testing.T) {
 	}
 }
 
+// TestDriveLooksAgain: a drive that had to wait for its bytes makes the
+// next drive wait on the socket at once (it listens), but one whose bytes
+// were there when it read makes the next look first, without listening:
+// a socket that listens wakes the runtime's poller with every segment.
+// Before, one drive that waited made every later one listen.
+func TestDriveLooksAgain(t *testing.T) {
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			p := newDrivePair(t, kind)
+			// A drive that waits: nothing has come when it starts.
+			done, _ := p.drivenWait(t, context.Background())
+			if _, err := p.qb.PostRecv([]prov.RecvWR{{NumSGE: 1}}, []prov.SGE{p.m.sge(1024, 8)}); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := p.qa.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}, []prov.SGE{p.m.sge(0, 8)}); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			var dst [4]prov.Completion
+			waitCQ(t, p.cqb, p.chb, dst[:], 1)
+			waitCQ(t, p.cqa, p.cha, dst[:], 1)
+			// Then messages that are there before b waits for them.
+			if err := p.cqb.Arm(false); err != nil {
+				t.Fatal(err)
+			}
+			c := p.chb.(*compChannel).driveConn() // b's
+			if c == nil {
+				t.Fatal("no connection to drive")
+			}
+			before, drives := c.looked.Load(), c.drives.Load()
+			const rounds = 20
+			for range rounds {
+				p.sendOne(t)
+			}
+			t.Logf("%d drives of b's connection, %d looked first and found their bytes", c.drives.Load()-drives, c.looked.Load()-before)
+			if c.looked.Load() == before {
+				t.Errorf("%d messages there before their waits, and no drive looked for them first: every drive listened", rounds)
+			}
+		})
+	}
+}
+
 // TestDriveHandsBack: after a wait drove the connection, the application
 // stops waiting; the reader takes the socket back, and the peer's RDMA
 // reads of the application's memory are answered.

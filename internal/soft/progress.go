@@ -505,6 +505,7 @@ type sockRx struct {
 	fillE  error
 	full   bool // the last fill filled buf
 	waitFn func(fd uintptr) bool
+	tries  int // reads of the last fillWait: 1 if it did not wait
 
 	place    sockPlace // the payload being placed (place.go)
 	placing  bool      // the last large frame was placed: reads stop at placeTail
@@ -519,6 +520,7 @@ func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
 	x := &sockRx{nc: nc, raw: raw, buf: make([]byte, sockRxSize)}
 	x.fillFn = x.readFD
 	x.waitFn = func(fd uintptr) bool {
+		x.tries++
 		x.readFD(fd)
 		return x.fillE != unix.EAGAIN
 	}
@@ -581,6 +583,7 @@ func (x *sockRx) fillMode(wait bool) error {
 	x.fillN, x.fillE = 0, nil
 	var err error
 	if wait {
+		x.tries = 0
 		err = x.raw.Read(x.waitFn)
 	} else {
 		err = x.raw.Control(x.fillFn)
