@@ -1353,6 +1353,9 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		}
 	}
 	big := req.length >= ackNowMin && c.shm != nil // its responses leave now
+	if req.op < opRead {
+		c.rxMoved += uint64(req.length) // its payload came (pollMoveMax)
+	}
 	if c.rxAcked {
 		// Answered before its receive completion (ackFirst).
 		err := c.rxErr

@@ -457,3 +457,70 @@ func TestBigResponsesLeave(t *testing.T) {
 		}
 	}
 }
+
+// TestPollMovesAShare: a poll of a shared-memory connection returns once
+// the requests it handled brought pollMoveMax bytes, leaving the rest to
+// the next poll, so that its application works on what came while the
+// peer sends more; small messages are not held back (a poll handles all
+// the 8-byte writes that came).
+func TestPollMovesAShare(t *testing.T) {
+	forceTransport(t, "shm")
+	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	const size = pullMin
+	src := privMem(t, e, size)
+	dst := privMem(t, e, size)
+	write := func(n int, signaled bool) error {
+		wr := []prov.SendWR{{Opcode: prov.WRWrite, NumSGE: 1, RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}
+		if signaled {
+			wr[0].Flags = prov.SendSignaled
+		}
+		_, err := a.qp.PostSend(wr, []prov.SGE{src.sge(0, n)})
+		return err
+	}
+	// The first large write sets up what the later ones use (the
+	// requester maps the target's region: MAP), which b's consumer
+	// answers.
+	for _, n := range []int{8, size} {
+		if err := write(n, true); err != nil {
+			t.Fatal(err)
+		}
+		spin(t, a.scq, 1)
+	}
+	c := revConn(t, b.qp) // b's side of the connection
+	for _, tc := range []struct {
+		size, count int
+		perPoll     int // frames the first poll handles
+	}{
+		{8, 32, 32},
+		{size, 2 * pollMoveMax / size, pollMoveMax / size},
+	} {
+		// b's consumer is this test: the reader and polls wait. The
+		// frames are in the ring when PostSend returns (it runs the
+		// send queue in this goroutine).
+		c.rmu.Lock()
+		var err error
+		for i := 0; i < tc.count && err == nil; i++ {
+			err = write(tc.size, i == tc.count-1)
+		}
+		first, rest := 0, 0
+		if err == nil {
+			first, err = c.pollDrain()
+		}
+		for deadline := time.Now().Add(hangGuard); err == nil && first+rest < tc.count && time.Now().Before(deadline); {
+			var k int
+			k, err = c.pollDrain()
+			rest += k
+		}
+		c.flushResps()
+		c.rmu.Unlock()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if first != tc.perPoll || first+rest != tc.count {
+			t.Errorf("%d writes of %d bytes: the first poll handled %d, want %d; %d in all", tc.count, tc.size, first, tc.perPoll, first+rest)
+		}
+		if got := spin(t, a.scq, 1)[0]; got.Status != prov.StatusSuccess {
+			t.Fatalf("%d-byte writes: %+v", tc.size, got)
+		}
+	}
+}
