@@ -403,23 +403,7 @@ func TestGraceWatch(t *testing.T) {
 // into a process, 16 in flight, went at half the speed (session's
 // BenchmarkXprocBandwidth/shm/channel, 5.6 against 11 GB/s).
 func TestBigResponsesLeave(t *testing.T) {
-	forceTransport(t, "shm")
-	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
-	src := privMem(t, e, ackNowMin)
-	dst := privMem(t, e, ackNowMin)
-	write := func(size int, signaled bool) {
-		t.Helper()
-		wr := []prov.SendWR{{Opcode: prov.WRWrite, NumSGE: 1, RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}
-		if signaled {
-			wr[0].Flags = prov.SendSignaled
-		}
-		if _, err := a.qp.PostSend(wr, []prov.SGE{src.sge(0, size)}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	write(8, true)
-	spin(t, a.scq, 1)
-	c := revConn(t, b.qp) // b's side of the connection
+	p := newConsumedPair(t, ackNowMin)
 	for _, tc := range []struct {
 		size int
 		held bool
@@ -428,31 +412,17 @@ func TestBigResponsesLeave(t *testing.T) {
 		{ackNowMin - 1, true},
 		{ackNowMin, false},
 	} {
-		// b's consumer is this test: the reader and polls wait.
-		c.rmu.Lock()
-		for range 3 {
-			write(tc.size, false)
-		}
-		write(tc.size, true)
-		n, err := 0, error(nil)
-		for deadline := time.Now().Add(hangGuard); n < 4 && err == nil; {
-			var k int
-			k, err = c.drain(false)
-			n += k
-			if time.Now().After(deadline) {
-				t.Fatalf("%d-byte writes: %d of 4 arrived", tc.size, n)
-			}
-		}
-		held := c.holdsResps()
-		c.flushResps()
-		c.rmu.Unlock()
+		_, all, held, err := p.consume(tc.size, 4, func() (int, error) { return p.c.drain(false) })
 		if err != nil {
 			t.Fatal(err)
+		}
+		if all != 4 {
+			t.Fatalf("%d-byte writes: %d of 4 arrived", tc.size, all)
 		}
 		if held != tc.held {
 			t.Errorf("%d-byte writes: acknowledgements held after the drain %v, want %v", tc.size, held, tc.held)
 		}
-		if got := spin(t, a.scq, 1)[0]; got.Status != prov.StatusSuccess {
+		if got := spin(t, p.a.scq, 1)[0]; got.Status != prov.StatusSuccess {
 			t.Fatalf("%d-byte writes: %+v", tc.size, got)
 		}
 	}
@@ -464,29 +434,8 @@ func TestBigResponsesLeave(t *testing.T) {
 // peer sends more; small messages are not held back (a poll handles all
 // the 8-byte writes that came).
 func TestPollMovesAShare(t *testing.T) {
-	forceTransport(t, "shm")
-	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
 	const size = pullMin
-	src := privMem(t, e, size)
-	dst := privMem(t, e, size)
-	write := func(n int, signaled bool) error {
-		wr := []prov.SendWR{{Opcode: prov.WRWrite, NumSGE: 1, RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}
-		if signaled {
-			wr[0].Flags = prov.SendSignaled
-		}
-		_, err := a.qp.PostSend(wr, []prov.SGE{src.sge(0, n)})
-		return err
-	}
-	// The first large write sets up what the later ones use (the
-	// requester maps the target's region: MAP), which b's consumer
-	// answers.
-	for _, n := range []int{8, size} {
-		if err := write(n, true); err != nil {
-			t.Fatal(err)
-		}
-		spin(t, a.scq, 1)
-	}
-	c := revConn(t, b.qp) // b's side of the connection
+	p := newConsumedPair(t, size)
 	for _, tc := range []struct {
 		size, count int
 		perPoll     int // frames the first poll handles
@@ -494,33 +443,78 @@ func TestPollMovesAShare(t *testing.T) {
 		{8, 32, 32},
 		{size, 2 * pollMoveMax / size, pollMoveMax / size},
 	} {
-		// b's consumer is this test: the reader and polls wait. The
-		// frames are in the ring when PostSend returns (it runs the
-		// send queue in this goroutine).
-		c.rmu.Lock()
-		var err error
-		for i := 0; i < tc.count && err == nil; i++ {
-			err = write(tc.size, i == tc.count-1)
-		}
-		first, rest := 0, 0
-		if err == nil {
-			first, err = c.pollDrain()
-		}
-		for deadline := time.Now().Add(hangGuard); err == nil && first+rest < tc.count && time.Now().Before(deadline); {
-			var k int
-			k, err = c.pollDrain()
-			rest += k
-		}
-		c.flushResps()
-		c.rmu.Unlock()
+		first, all, _, err := p.consume(tc.size, tc.count, p.c.pollDrain)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if first != tc.perPoll || first+rest != tc.count {
-			t.Errorf("%d writes of %d bytes: the first poll handled %d, want %d; %d in all", tc.count, tc.size, first, tc.perPoll, first+rest)
+		if first != tc.perPoll || all != tc.count {
+			t.Errorf("%d writes of %d bytes: the first poll handled %d, want %d; %d in all", tc.count, tc.size, first, tc.perPoll, all)
 		}
-		if got := spin(t, a.scq, 1)[0]; got.Status != prov.StatusSuccess {
+		if got := spin(t, p.a.scq, 1)[0]; got.Status != prov.StatusSuccess {
 			t.Fatalf("%d-byte writes: %+v", tc.size, got)
 		}
 	}
+}
+
+// consumedPair is an RC pair over shared memory whose target side's
+// connection a test consumes itself (it holds the connection's rmu and
+// drains it), with a region of the same size on each side.
+type consumedPair struct {
+	a        *ep
+	c        *conn // b's side of the connection
+	src, dst *buf
+}
+
+func newConsumedPair(t *testing.T, size int) *consumedPair {
+	t.Helper()
+	forceTransport(t, "shm")
+	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	p := &consumedPair{a: a, src: privMem(t, e, size), dst: privMem(t, e, size)}
+	// The first writes set up what the later ones use (a large one has
+	// the requester map the target's region: MAP, which b's consumer
+	// answers).
+	for _, n := range []int{8, size} {
+		if err := p.write(n, true); err != nil {
+			t.Fatal(err)
+		}
+		spin(t, a.scq, 1)
+	}
+	p.c = revConn(t, b.qp)
+	return p
+}
+
+// write posts an RDMA write of n bytes from a to b.
+func (p *consumedPair) write(n int, signaled bool) error {
+	wr := []prov.SendWR{{Opcode: prov.WRWrite, NumSGE: 1, RemoteAddr: p.dst.addr(0), RKey: p.dst.mr.RKey()}}
+	if signaled {
+		wr[0].Flags = prov.SendSignaled
+	}
+	_, err := p.a.qp.PostSend(wr, []prov.SGE{p.src.sge(0, n)})
+	return err
+}
+
+// consume posts count writes of size bytes (the last signaled) and
+// drains b's side with drain until they have all been handled (or a
+// hang guard passed): first is what the first drain handled, all what
+// the drains handled, held whether responses were held after the last.
+// The reader and polls wait meanwhile; the responses leave before it
+// returns. The frames are in the ring when PostSend returns (it runs
+// the send queue in this goroutine).
+func (p *consumedPair) consume(size, count int, drain func() (int, error)) (first, all int, held bool, err error) {
+	p.c.rmu.Lock()
+	defer p.c.rmu.Unlock()
+	for i := 0; i < count && err == nil; i++ {
+		err = p.write(size, i == count-1)
+	}
+	for i, deadline := 0, time.Now().Add(hangGuard); err == nil && all < count && time.Now().Before(deadline); i++ {
+		var k int
+		k, err = drain()
+		if i == 0 {
+			first = k
+		}
+		all += k
+	}
+	held = p.c.holdsResps()
+	p.c.flushResps()
+	return first, all, held, err
 }
