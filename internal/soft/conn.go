@@ -1388,9 +1388,6 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		c.flushRespsLocked()
 	}
 	c.respMu.Unlock()
-	if big {
-		c.pushAck()
-	}
 	return nil
 }
 
