@@ -653,3 +653,36 @@ func TestTLSTraffic(t *testing.T) {
 		t.Fatalf("data differs after an encrypted write and read")
 	}
 }
+
+// TestProvesAfterProof: once a connection's peer has proven a secret,
+// proves compares the secret of the address asked about with it, every
+// byte of it.
+func TestProvesAfterProof(t *testing.T) {
+	secret := [16]byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}
+	var a peerAuth
+	a.proven.Store(&secret)
+	tests := []struct {
+		name string
+		flip int // the byte changed (-1: none)
+		has  bool
+		want bool
+	}{
+		{"same", -1, true, true},
+		{"no secret", -1, false, false},
+		{"first byte", 0, true, false},
+		{"last of the first word", 7, true, false},
+		{"first of the second word", 8, true, false},
+		{"last byte", 15, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pa := peerAddr{secret: secret, hasSecret: tt.has}
+			if tt.flip >= 0 {
+				pa.secret[tt.flip] ^= 0x80
+			}
+			if got := a.proves(&pa); got != tt.want {
+				t.Fatalf("proves = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
