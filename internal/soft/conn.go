@@ -158,6 +158,12 @@ type conn struct {
 	// connection failed (set before done is closed).
 	peerAcked uint64
 	rxErr     error // ackFirst could not send
+	// wakeOwed says that ackFirst put an acknowledgement in the ring of a
+	// shared-memory connection whose consumer sleeps, without waking it
+	// (rmu): drain does, once it has handled wakeBatch frames more or
+	// when it returns (payWake).
+	wakeOwed   bool
+	wakeFrames int
 
 	// Responses held back (progress.go): appended by the consumer,
 	// taken by whoever writes to the connection next.
@@ -1450,13 +1456,69 @@ func (c *conn) ackFirst() {
 		// Over TCP the acknowledgement is corked (send): the answer,
 		// or what else the application does next, pushes it (see
 		// Acknowledgements).
-		err = c.send(c.fbufs[:1], c.kind == kindTCP && c.shm == nil && c.tlsw == nil)
+		if c.shm != nil {
+			err = c.sendAck(c.fbufs[:1])
+		} else {
+			err = c.send(c.fbufs[:1], c.kind == kindTCP && c.tlsw == nil)
+		}
 	}
 	c.fbufs[0] = nil
 	c.setResps(c.resps[:0])
 	c.respMu.Unlock()
 	if err != nil && c.rxErr == nil {
 		c.rxErr = err
+	}
+}
+
+// sendAck is send of ackFirst over shared memory: the acknowledgement is
+// in the ring before the completion it precedes is visible (a peer that
+// finds this process gone handles what its ring holds first:
+// failAfterDrain), but a consumer it finds asleep is woken by drain
+// (payWake), after the frames that follow, not for each: the receiver
+// of a stream of sends woke the sleeping sender once per message, an
+// eventfd write that was a tenth of the receiving process' time
+// (session's BenchmarkXprocBandwidth/shm/session, perf).
+func (c *conn) sendAck(bufs [][]byte) error {
+	if !c.wmu.TryLock() {
+		return c.send(bufs, false)
+	}
+	if c.dead.Load() || !c.queueEmpty() {
+		c.wmu.Unlock()
+		return c.send(bufs, false)
+	}
+	n, wake, err := c.shm.out.put(bufs)
+	if wake && !c.wakeOwed {
+		c.wakeOwed, c.wakeFrames = true, 0
+	}
+	if err != nil {
+		c.wmu.Unlock()
+		return fmt.Errorf("soft: write to process %d: %w", c.peerPID, err)
+	}
+	over := false
+	if n < total(bufs) {
+		// No room: the rest goes before what others queued (as in send).
+		over = c.enqueue(bufs, n, nil, n > 0)
+	}
+	c.wmu.Unlock()
+	if n == total(bufs) {
+		return nil
+	}
+	if over {
+		return c.overflowErr()
+	}
+	c.wakeFlusher()
+	return nil
+}
+
+// wakeBatch is how many frames drain handles after an acknowledgement
+// whose wake-up it owes (sendAck) before it wakes the peer.
+const wakeBatch = 4
+
+// payWake wakes the peer's consumer if ackFirst left it asleep (rmu).
+func (c *conn) payWake() {
+	if c.wakeOwed {
+		c.wakeOwed = false
+		c.shm.signal()
 	}
 }
 

@@ -291,7 +291,7 @@ func macEqual(a, b *[hsMACLen]byte) bool { return subtle.ConstantTimeCompare(a[:
 // of a shared-memory round trip (BenchmarkXprocSendRTT/wait=spin/shm).
 func secretEqual(a, b *[16]byte) bool {
 	le := binary.LittleEndian
-	d := le.Uint64(a[:8])^le.Uint64(b[:8]) | le.Uint64(a[8:])^le.Uint64(b[8:])
+	d := le.Uint64(a[:8]) ^ le.Uint64(b[:8]) | le.Uint64(a[8:]) ^ le.Uint64(b[8:])
 	return d == 0 // no branch on the bytes before the one answer
 }
 

@@ -156,6 +156,12 @@ func (c *conn) pollDrain() (int, error) {
 // not read again unless that filled it up. Every frame fits in the source
 // (maxFrame), and is handled in place.
 func (c *conn) drain(justFilled bool) (n int, err error) {
+	n, err = c.drainFrames(justFilled)
+	c.payWake()
+	return n, err
+}
+
+func (c *conn) drainFrames(justFilled bool) (n int, err error) {
 	src := c.rx
 	hb, body := &c.rxHdr, &c.rxBody
 	filled := justFilled && !src.more()
@@ -246,6 +252,11 @@ func (c *conn) drain(justFilled bool) (n int, err error) {
 		src.skip(uint64(hdrLen) + uint64(h.length))
 		n++
 		c.rxSeen.Add(1)
+		if c.wakeOwed {
+			if c.wakeFrames++; c.wakeFrames > wakeBatch {
+				c.payWake()
+			}
+		}
 		if err != nil {
 			return n, fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
 		}

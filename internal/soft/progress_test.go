@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -460,7 +461,7 @@ func TestPollMovesAShare(t *testing.T) {
 // connection a test consumes itself (it holds the connection's rmu and
 // drains it), with a region of the same size on each side.
 type consumedPair struct {
-	a        *ep
+	a, b     *ep
 	c        *conn // b's side of the connection
 	src, dst *buf
 }
@@ -469,7 +470,7 @@ func newConsumedPair(t *testing.T, size int) *consumedPair {
 	t.Helper()
 	forceTransport(t, "shm")
 	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
-	p := &consumedPair{a: a, src: privMem(t, e, size), dst: privMem(t, e, size)}
+	p := &consumedPair{a: a, b: b, src: privMem(t, e, size), dst: privMem(t, e, size)}
 	// The first writes set up what the later ones use (a large one has
 	// the requester map the target's region: MAP, which b's consumer
 	// answers).
@@ -517,4 +518,66 @@ func (p *consumedPair) consume(size, count int, drain func() (int, error)) (firs
 	held = p.c.holdsResps()
 	p.c.flushResps()
 	return first, all, held, err
+}
+
+// TestAckWakeWaits: over shared memory, the acknowledgement that goes
+// ahead of a receive completion (ackFirst) is in the ring at once, but a
+// peer whose consumer sleeps is not woken for it then: the drain wakes
+// it once wakeBatch more frames were handled, or when it returns (a
+// stream of sends woke a sleeping sender once per message).
+func TestAckWakeWaits(t *testing.T) {
+	p := newConsumedPair(t, 64)
+	// a's side of the connection: its consumer is held (the test holds
+	// its rmu), and said to sleep.
+	var ac *conn
+	s := p.c.s
+	s.mu.Lock()
+	for c := range s.conns {
+		if c != p.c && c.shm != nil {
+			ac = c
+		}
+	}
+	s.mu.Unlock()
+	if ac == nil {
+		t.Fatal("no connection of a")
+	}
+	ac.rmu.Lock()
+	defer ac.rmu.Unlock()
+	var woke []uint64 // frames handled when b woke a
+	for _, tc := range []struct{ sends, wokeAt int }{
+		{1, 1},
+		{wakeBatch - 1, wakeBatch - 1},
+		{2 * wakeBatch, wakeBatch + 1},
+	} {
+		woke = woke[:0]
+		base := p.c.rxSeen.Load()
+		p.c.shm.onSignal = func() { woke = append(woke, p.c.rxSeen.Load()-base) }
+		atomic.StoreUint32(p.c.shm.out.sleep, 1)
+		for i := range tc.sends {
+			postRecv(t, p.b.qp, uint64(i), p.dst.sge(0, 8))
+		}
+		p.c.rmu.Lock()
+		var err error
+		for i := 0; i < tc.sends && err == nil; i++ {
+			_, err = p.a.qp.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1}}, []prov.SGE{p.src.sge(0, 8)})
+		}
+		handled := 0
+		for deadline := time.Now().Add(hangGuard); err == nil && handled < tc.sends && time.Now().Before(deadline); {
+			var k int
+			k, err = p.c.drain(false)
+			handled += k
+		}
+		p.c.flushResps()
+		p.c.rmu.Unlock()
+		p.c.shm.onSignal = nil
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := poll(t, p.b.rcq, tc.sends); len(got) != tc.sends {
+			t.Fatalf("%d receives of %d", len(got), tc.sends)
+		}
+		if len(woke) != 1 || woke[0] != uint64(tc.wokeAt) {
+			t.Errorf("%d sends to a sleeping peer: woken after frames %v, want once, after %d", tc.sends, woke, tc.wokeAt)
+		}
+	}
 }
