@@ -44,6 +44,29 @@ import (
 // the peer could do with acknowledgements.
 //
 //	[0:8] the dialer's word   [64:72] the acceptor's word
+//
+// Writes. An RDMA write completes nothing at its target, and its
+// acknowledgement is held like any other (progress.go): a target process
+// that sees the write land in its memory and exits at once, without
+// closing anything, took the acknowledgement with it, and the writer
+// saw RETRY_EXC_ERR for a write that was executed (a NIC acknowledges
+// whatever its process does next). So the responder publishes the id of
+// a write in the same word, on the same condition, after its checks and
+// before the payload lands (publishWrite): over unix sockets in this
+// page, over shared memory in a word of the header of the ring the
+// requests arrive on (shmAckWords); if the payload then cannot be read
+// (a pull that fails, cma.go), it takes the publication back before
+// anything else; so does handleReq when the responder does not
+// acknowledge it after all. A write placed straight from a unix socket
+// into its region (place.go) is published by placeReq before it reads
+// the payload; a message of several segments (over a socket, past
+// segMax) when its last segment lands: an application that exits on
+// seeing its first bytes, before the rest came, loses it, which did not
+// fully execute. TCP has no page: between hosts nothing but the socket
+// can carry an acknowledgement, and writing one into it before each
+// write's payload lands would be a system call per write. A direct write
+// over shared memory (shm.go) is copied by the requester after the
+// acknowledgement arrived, so nothing lands before it left.
 const ackPageSize = 4096
 
 // ackPage is a mapped acknowledgement page.
@@ -122,6 +145,16 @@ func (p *ackPage) held(id uint64) { atomic.StoreUint64(p.mine, id) }
 func (p *ackPage) peerHeld() uint64 { return atomic.LoadUint64(p.peer) }
 
 func (p *ackPage) unmap() {
-	unix.Munmap(p.mem)
-	p.mem = nil
+	if p.mem != nil {
+		unix.Munmap(p.mem)
+		p.mem = nil
+	}
+}
+
+// shmAckWords are the words of a shared-memory connection in which each
+// side publishes the acknowledgements of RDMA writes it holds (see
+// Writes): this side's in the header of the ring it consumes, the peer's
+// in the other. They belong to the segment (no mapping of their own).
+func shmAckWords(l *shmLink) *ackPage {
+	return &ackPage{mine: l.in.ackWord(), peer: l.out.ackWord()}
 }

@@ -152,9 +152,16 @@ type conn struct {
 	rxAnswer bool // it is to be answered
 	rxAcked  bool // ackFirst answered it
 	// heldOther says that the held responses include one that is not a
-	// plain acknowledgement (respMu): ackFirst then sends at once.
-	heldOther bool
-	// peerAcked is the peer's word of the acknowledgement page when the
+	// plain acknowledgement: ackFirst then sends at once. Set by the
+	// consumer (respMu held), cleared by whoever sends the held
+	// responses (respMu held) after they went to the connection's queue
+	// or out, so the consumer may load it without respMu (publishWrite).
+	heldOther atomic.Bool
+	// wacks holds the words in which the acknowledgements of writes are
+	// published (ackpage.go, Writes): the acknowledgement page over unix,
+	// words of the rings over shared memory; nil over TCP.
+	wacks *ackPage
+	// peerAcked is the peer's word of wacks when the
 	// connection failed (set before done is closed).
 	peerAcked uint64
 	rxErr     error // ackFirst could not send
@@ -164,6 +171,10 @@ type conn struct {
 	// when it returns (payWake).
 	wakeOwed   bool
 	wakeFrames int
+	// rxPub says that publishWrite published the request being handled,
+	// over rxPubPrev (rmu).
+	rxPub     bool
+	rxPubPrev uint64
 
 	// Responses held back (progress.go): appended by the consumer,
 	// taken by whoever writes to the connection next.
@@ -226,6 +237,9 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 	c := &conn{s: s, f: s.f, kind: kind, peerFab: peerFab, peerPID: peerPID, nc: nc, shm: shm,
 		done: make(chan struct{}), qwake: make(chan struct{}, 1), wakers: map[uint32]*remoteWaker{}, pidfd: -1}
 	c.kick = make(chan struct{}, 1)
+	if shm != nil {
+		c.wacks = shmAckWords(shm)
+	}
 	if pullKind(kind) {
 		c.pidfd = openPidfd(peerPID)
 		c.pidfdOpen.Store(c.pidfd >= 0)
@@ -328,9 +342,10 @@ func (c *conn) fail(err error) {
 	c.errMu.Lock()
 	c.err = err
 	c.errMu.Unlock()
-	if c.acks != nil {
-		// Before done: the page stays mapped until then (addConn).
-		c.peerAcked = c.acks.peerHeld()
+	if c.wacks != nil {
+		// Before done: the page and the segment stay mapped until then
+		// (addConn).
+		c.peerAcked = c.wacks.peerHeld()
 	}
 	close(c.done)
 	c.closeSocket()
@@ -729,7 +744,9 @@ func (c *conn) trySendFrame(bufs [][]byte) (ok bool, err error) {
 func (c *conn) setResps(b []byte) {
 	c.resps = b
 	if len(b) == 0 {
-		c.heldOther = false
+		if c.heldOther.Load() {
+			c.heldOther.Store(false)
+		}
 	}
 	if h := len(b) > 0; c.held.Load() != h { // a store only if it changes (respMu)
 		c.held.Store(h)
@@ -1358,6 +1375,10 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 			t.x.rev.Store(c)
 		}
 	}
+	if resp.code != respACK {
+		c.unpublish() // not executed (publishWrite)
+	}
+	c.rxPub = false
 	big := req.length >= ackNowMin && c.shm != nil // its responses leave now
 	if req.op < opRead {
 		c.rxMoved += uint64(req.length) // its payload came (pollMoveMax)
@@ -1388,7 +1409,7 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	c.respMu.Lock()
 	c.appendRespLocked(id, req.srcQPN, &resp)
 	if resp.code != respACK || req.op == opCAS || req.op == opFAA {
-		c.heldOther = true
+		c.heldOther.Store(true)
 	}
 	if big || resp.code >= respInvReq || len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
 		c.flushRespsLocked()
@@ -1442,7 +1463,7 @@ func (c *conn) ackFirst() {
 	c.rxAcked = true
 	c.respMu.Lock()
 	c.appendRespLocked(c.rxID, c.rxQPN, &response{code: respACK})
-	if c.acks != nil && !c.heldOther && c.queueEmpty() && len(c.resps)+hdrLen+respBodyLen <= cap(c.resps) {
+	if c.acks != nil && !c.heldOther.Load() && c.queueEmpty() && len(c.resps)+hdrLen+respBodyLen <= cap(c.resps) {
 		// Held, and published in the acknowledgement page: the answer
 		// or the next flush takes it along (ackpage.go). A full
 		// buffer goes now.
@@ -1519,6 +1540,41 @@ func (c *conn) payWake() {
 	if c.wakeOwed {
 		c.wakeOwed = false
 		c.shm.signal()
+	}
+}
+
+// useAckPage gives a unix connection its acknowledgement page.
+func (c *conn) useAckPage(p *ackPage) {
+	c.acks = p
+	if p != nil {
+		c.wacks = p
+	}
+}
+
+// publishWrite publishes, before the payload of the RDMA write id
+// lands in its region, that this side holds its acknowledgement
+// (ackpage.go, Writes), if it can say so exactly: every response held
+// before it is a plain acknowledgement and nothing waits in the
+// connection's queue (consumer: the responder, or placeReq).
+func (c *conn) publishWrite(id uint64) {
+	if c.wacks == nil {
+		return
+	}
+	// Without respMu (heldOther): a response that is not a plain
+	// acknowledgement held by this consumer, or sent meanwhile into the
+	// queue, shows in one of the two loads.
+	if !c.heldOther.Load() && c.queueEmpty() {
+		c.rxPubPrev, c.rxPub = atomic.LoadUint64(c.wacks.mine), true
+		c.wacks.held(id)
+	}
+}
+
+// unpublish takes the last publishWrite back, if it published: the
+// write was not executed after all (consumer).
+func (c *conn) unpublish() {
+	if c.rxPub {
+		c.wacks.held(c.rxPubPrev)
+		c.rxPub = false
 	}
 }
 

@@ -3,6 +3,7 @@ package soft
 import (
 	"bufio"
 	"context"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -11,9 +12,11 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/prov"
@@ -174,6 +177,12 @@ func waitComps(ctx context.Context, cq prov.CQ, ch prov.CompChannel, n int, spin
 //	                     succeeded, without closing anything
 //	recvclose MODE       wait for one receive completion, then close
 //	                     everything at once: "closed STATUS"
+//	writeexit SIZE KIND  register a region of SIZE bytes (KIND memfd:
+//	                     memory from mem.Alloc, which a peer over shared
+//	                     memory maps and writes directly; heap: Go memory),
+//	                     "region ADDR RKEY", and exit at once (status 0,
+//	                     closing nothing) when its last 8 bytes hold
+//	                     writeMark; status 4 after hangGuard
 //	stall MS             handle nothing from the parent for MS ms while
 //	                     keeping a processor busy: "stalling", then
 //	                     "resumed"
@@ -265,6 +274,31 @@ func peerChild(in *bufio.Scanner, out io.Writer) int {
 			}
 			s = nil
 			fmt.Fprintf(out, "closed%s\n", statuses(cs))
+		case "writeexit":
+			n := arg(1)
+			var p unsafe.Pointer
+			fd := -1
+			if f[2] == "memfd" {
+				reg, err := mem.Alloc(mem.RoundUp(n), "test", false)
+				if err != nil {
+					return fail(err)
+				}
+				p, fd = reg.Ptr(), reg.FD()
+			} else {
+				p = unsafe.Pointer(unsafe.SliceData(make([]uint64, (n+7)/8)))
+			}
+			m, err := s.pd.RegMR(prov.Mem{Ptr: p, Len: n, FD: fd}, allAccess)
+			if err != nil {
+				return fail(err)
+			}
+			fmt.Fprintf(out, "region %d %d\n", m.Addr(), m.RKey())
+			last := (*uint64)(unsafe.Add(p, n-8))
+			for end := time.Now().Add(hangGuard); atomic.LoadUint64(last) != writeMark; {
+				if time.Now().After(end) {
+					os.Exit(4)
+				}
+			}
+			os.Exit(0) // at once: no Close, no output
 		case "stall":
 			// Answer nothing for arg(1) ms while running: the QP's
 			// responder lock held (the connection's consumer waits for
@@ -718,4 +752,74 @@ func localLife(t *testing.T, kind string) (*testproc.Proc, *lifeQP) {
 	e := newEnv(t)
 	p := testproc.Start(t, lifeEnv(kind)...)
 	return p, newLifeQP(t, e)
+}
+
+// writeMark is what TestWrittenBeforeExit writes at the end of the
+// child's region.
+const writeMark = 0x5752495445455849
+
+// TestWrittenBeforeExit: a peer sees an RDMA write land in its memory
+// and at once exits, without closing anything: the writer must see
+// success, every time (a NIC acknowledges whatever its process does
+// next). soft0 held the write's acknowledgement and lost it with the
+// process: the writer saw RETRY_EXC_ERR for a write that was executed.
+// Over the transports and paths that publish the acknowledgement before
+// the payload lands (ackpage.go, Writes): a small write (copied by the
+// responder), over unix and shared memory; over unix a large one (placed
+// into the region from the socket, place.go); over shared memory a large
+// one into Go memory (pulled by the responder, cma.go) and into a memfd
+// (copied by the requester once acknowledged, shm.go).
+// GOVERBS_SOFT_TEST_EXIT_ROUNDS sets the rounds (1000 for "1000 times in
+// a row").
+func TestWrittenBeforeExit(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts dozens of processes")
+	}
+	rounds := exitRounds
+	if v := os.Getenv("GOVERBS_SOFT_TEST_EXIT_ROUNDS"); v != "" {
+		rounds = must(strconv.Atoi(v))
+	}
+	for _, tc := range []struct {
+		kind, mem string
+		size      int
+	}{
+		{"unix", "heap", 64},
+		{"unix", "heap", 1 << 20},
+		{"shm", "heap", 64},
+		{"shm", "heap", pullMin},
+		{"shm", "memfd", pullMin},
+	} {
+		t.Run(fmt.Sprintf("%s/%s/%d", tc.kind, tc.mem, tc.size), func(t *testing.T) {
+			forceLife(t, tc.kind)
+			e := newEnv(t)
+			src := e.alloc(tc.size, allAccess)
+			binary.LittleEndian.PutUint64(src.b[tc.size-8:], writeMark)
+			const ahead = 4 // children start ahead, as in TestDeliveredBeforeExit
+			var procs []*testproc.Proc
+			started := 0
+			for i := 0; i < rounds; i++ {
+				for len(procs) < ahead && started < rounds {
+					procs = append(procs, testproc.Start(t, lifeEnv(tc.kind)...))
+					started++
+				}
+				p := procs[0]
+				procs = procs[1:]
+				l := newLifeQP(t, e)
+				l.connectChild(t, p, ackTimeout, 7)
+				p.Send(t, "writeexit %d %s", tc.size, tc.mem)
+				f := p.Line(t, "region")
+				addr, rkey := must(strconv.ParseUint(f[0], 10, 64)), must(strconv.ParseUint(f[1], 10, 32))
+				wr := []prov.SendWR{{WRID: uint64(i), Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled, RemoteAddr: addr, RKey: uint32(rkey)}}
+				if _, err := l.qp.PostSend(wr, []prov.SGE{src.sge(0, tc.size)}); err != nil {
+					t.Fatal(err)
+				}
+				c := l.wait(t, 1)[0]
+				p.Stop(t) // fails the test unless the child saw the write
+				if c.Status != prov.StatusSuccess {
+					t.Fatalf("round %d: the peer saw the write land and exited, the writer saw %+v", i, c)
+				}
+				l.close(t)
+			}
+		})
+	}
 }

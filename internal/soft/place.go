@@ -126,7 +126,8 @@ func (c *conn) placeReq(h frameHdr, a uint64) (bool, error) {
 	x.peek(hdrLen, body)
 	plen := int(h.length) - reqBodyLen
 	var req request
-	if flags, err := parseReq(body, uint32(plen), &req); err != nil || plen <= 0 || req.direct || flags&reqPull != 0 {
+	flags, err := parseReq(body, uint32(plen), &req)
+	if err != nil || plen <= 0 || req.direct || flags&reqPull != 0 {
 		return false, nil // the frame is handled (and refused) once whole
 	}
 	if req.op != opWrite && req.op != opWriteImm || req.qpType != uint8(prov.QPTypeRC) {
@@ -141,6 +142,12 @@ func (c *conn) placeReq(h frameHdr, a uint64) (bool, error) {
 	if m == nil {
 		return false, nil
 	}
+	if flags&reqNoResp == 0 && !req.more {
+		// It lands now: its acknowledgement is published first
+		// (ackpage.go, Writes); handleReq takes it back unless the
+		// responder acknowledges it.
+		c.publishWrite(h.id)
+	}
 	// What arrived of the payload goes first; the header and body move
 	// to the front of the buffer, the rest of the payload stays in the
 	// socket.
@@ -151,11 +158,12 @@ func (c *conn) placeReq(h frameHdr, a uint64) (bool, error) {
 	x.r, x.w = 0, head
 	pl := &x.place
 	*pl = sockPlace{m: m, off: uint64(uintptr(p)-uintptr(m.base)) + uint64(have), rem: plen - have}
-	err := c.readPlaced()
+	err = c.readPlaced()
 	x.placing = true
 	fail := pl.fail
 	*pl = sockPlace{}
 	if err != nil {
+		c.unpublish()
 		return false, readErr(c, err)
 	}
 	// The frame, with its payload in place (or, if the region went away,

@@ -62,12 +62,15 @@
 // visible (conn.ackFirst), or, over a unix socket, is published in the
 // connection's acknowledgement page, which the sender reads when the
 // connection fails (ackpage.go); Close hands over what is held too.
-// The acknowledgement of an RDMA write is not covered: a target process
-// that sees a write land in its memory and exits at once, without
-// closing anything, may take the acknowledgement it held with it, and
-// the writer sees RETRY_EXC_ERR for a write that was executed (a NIC
-// acknowledges whatever its process does next). A later receive's
-// acknowledgement over a unix socket covers the writes before it.
+// So is an RDMA write's, which completes nothing at the target: over
+// shared memory and unix sockets the responder publishes that it holds
+// the acknowledgement before the payload lands (ackpage.go, Writes), so
+// a target that sees a write land and exits at once does not take it
+// along. Over TCP it may: the writer then sees RETRY_EXC_ERR for a write
+// that was executed (a NIC acknowledges whatever its process does next;
+// between hosts only the socket can carry the acknowledgement, and
+// writing it before each write's payload lands would be a system call
+// per write).
 // Requests run in the poster's goroutine
 // where possible: PostSend executes the work requests it queued (copying
 // memory directly between registered regions) unless another goroutine is

@@ -158,6 +158,9 @@ func (t *qp) continueMsg(req *request, data []span, resp *response) bool {
 		}
 		switch {
 		case req.placed == nil:
+			if c := req.srcConn; c != nil && rc && !req.more && c.rxAnswer {
+				c.publishWrite(c.rxID) // its last bytes land now (ackpage.go, Writes)
+			}
 			t.rspans[0] = span{p, int(m.length)}
 			copySpans(t.rspans[:1], int(req.off), data)
 		case !placed(req, mr, unsafe.Add(p, req.off), data):
@@ -293,11 +296,18 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			return t.classC(resp, respAccess, evQPAccessErr)
 		}
 		if m != nil {
+			// A write that is executed once its payload lands: its
+			// acknowledgement is published first (ackpage.go, Writes;
+			// placeReq did for a placed one).
+			if c := req.srcConn; c != nil && !req.direct && req.placed == nil && !req.more && c.rxAnswer {
+				c.publishWrite(c.rxID)
+			}
 			switch {
 			case req.direct: // the requester copies (shm.go)
 				resp.orig = m.serial
 			case req.pull != nil: // this side reads it from the requester (cma.go)
 				if r := req.pull.read(t.rspans[:1], 0); r != pullRead {
+					req.srcConn.unpublish() // before anything else
 					m.release()
 					if op == opWriteImm {
 						t.untakeRecv(wrid, wsges, wpd) // for the next message, or the flush

@@ -590,7 +590,7 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 	stopWatch()
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, hl.kind, hl.fabric, hl.pid, dataConn(nc, tc), shm)
-	c.acks = acks
+	c.useAckPage(acks)
 	c.auth.ident, c.auth.t = a.ident, t
 	if !s.addConn(c) {
 		c.abandon()
@@ -953,7 +953,7 @@ func (s *service) dialKind(pa *peerAddr, kind uint8, address string) (*conn, err
 	stopWatch()
 	nc.SetDeadline(time.Time{})
 	c := newConn(s, kind, pa.fabric, pa.pid, dataConn(nc, tc), shm)
-	c.acks = acks
+	c.useAckPage(acks)
 	secret := pa.secret
 	c.auth.proven.Store(&secret)
 	if !s.addConn(c) {

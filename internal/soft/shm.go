@@ -66,6 +66,7 @@ import (
 // so the two sides of a connection need not agree.
 //
 //	ring header  [0:8] tail   [64:72] head   [128:132] sleeping   [192:200] lap
+//	             [256:264] the consumer's published acknowledgement (ackpage.go)
 //	data         [ringHdr:ringHdr+ringCap]
 
 const (
@@ -116,6 +117,10 @@ func newRing(seg []byte, i int) ring {
 		skipAt: lapSkipAt,
 	}
 }
+
+// ackWord is the word of the ring's header in which its consumer
+// publishes the acknowledgements of writes it holds (ackpage.go, Writes).
+func (r *ring) ackWord() *uint64 { return (*uint64)(unsafe.Add(unsafe.Pointer(r.tail), 256)) }
 
 var errRingCorrupt = errors.New("soft: shared memory ring corrupted by the peer")
 
