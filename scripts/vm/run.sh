@@ -20,7 +20,10 @@
 # Options:
 #   --timeout SECS   kill the VM after SECS seconds (default: $GOVERBS_VM_TIMEOUT,
 #                    else a Go test binary's -test.timeout + 60, else 600);
-#                    exit status 124 then
+#                    exit status 124 then. A guest that has not started its
+#                    init within $GOVERBS_VM_BOOT_WAIT seconds (default 180)
+#                    is stopped and booted once more (exit status 125 if it
+#                    hangs again)
 #   --env NAME[=VAL] pass NAME (from this environment, or set to VAL) into the
 #                    guest; repeatable. GOVERBS_*, GOTRACEBACK, GODEBUG,
 #                    GOMAXPROCS, GOGC, GOMEMLIMIT, GORACE, PATH, LANG, LC_ALL
@@ -143,6 +146,8 @@ MODULES=(virtio_pci 9pnet_virtio 9p virtio_rng crc32_generic rdma_rxe rdma_ucm v
 PASS_ENV_RE='^(GOVERBS_[A-Za-z0-9_]*|GOTRACEBACK|GODEBUG|GOMAXPROCS|GOGC|GOMEMLIMIT|GORACE|PATH|LANG|LC_ALL|TZ)$'
 
 timeout_s=${GOVERBS_VM_TIMEOUT:-600}
+# boot_wait is how long a guest may take to start its init (see boot).
+boot_wait=${GOVERBS_VM_BOOT_WAIT:-180}
 timeout_set=${GOVERBS_VM_TIMEOUT:+1}
 mtu=${GOVERBS_VM_MTU:-1500}
 mem=2G
@@ -622,22 +627,54 @@ qemu_args=(
 	-virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap,id=hostroot"
 	-virtfs "local,path=$OUT,mount_tag=results,security_model=none,id=results"
 )
-info "booting (timeout ${timeout_s}s)"
+# boot runs the VM once: qemu_rc is qemu's status. A guest whose init has
+# not said "init started" on the console within boot_wait seconds is
+# stopped and reported in $OUT/boot-hung: under TCG a guest kernel hung
+# once before init (an empty console, the 1260-s test timeout spent),
+# which a second boot gets past.
+boot() {
+	: >"$OUT/console.log"
+	rm -f "$OUT/boot-hung"
+	info "booting (timeout ${timeout_s}s)"
+	# setpriv --pdeathsig: if this script is killed (even with SIGKILL),
+	# timeout gets SIGTERM and passes it on to qemu, so no VM outlives its
+	# caller.
+	setpriv --pdeathsig TERM timeout -k 5 "$timeout_s" qemu-system-x86_64 "${qemu_args[@]}" </dev/null >"$OUT/qemu.log" 2>&1 &
+	qemu_pid=$!
+	(
+		for ((i = 0; i < 5 * boot_wait; i++)); do
+			if grep -q "init started" "$OUT/console.log" 2>/dev/null || ! kill -0 "$qemu_pid" 2>/dev/null; then
+				exit 0
+			fi
+			sleep 0.2
+		done
+		: >"$OUT/boot-hung"
+		kill -TERM "$qemu_pid" 2>/dev/null
+	) &
+	local watch=$!
+	tail -n +1 -s 0.2 -f --pid="$qemu_pid" "$OUT/stdout" &
+	tail_out=$!
+	tail -n +1 -s 0.2 -f --pid="$qemu_pid" "$OUT/stderr" >&2 &
+	tail_err=$!
+	set +e
+	wait "$qemu_pid"
+	qrc=$?
+	set -e
+	qemu_pid=
+	kill "$watch" 2>/dev/null || true
+	wait "$watch" "$tail_out" "$tail_err" 2>/dev/null || true
+}
 t_boot=$(date +%s.%N)
-# setpriv --pdeathsig: if this script is killed (even with SIGKILL), timeout
-# gets SIGTERM and passes it on to qemu, so no VM outlives its caller.
-setpriv --pdeathsig TERM timeout -k 5 "$timeout_s" qemu-system-x86_64 "${qemu_args[@]}" </dev/null >"$OUT/qemu.log" 2>&1 &
-qemu_pid=$!
-tail -n +1 -s 0.2 -f --pid="$qemu_pid" "$OUT/stdout" &
-tail_out=$!
-tail -n +1 -s 0.2 -f --pid="$qemu_pid" "$OUT/stderr" >&2 &
-tail_err=$!
-set +e
-wait "$qemu_pid"
-qrc=$?
-set -e
-qemu_pid=
-wait "$tail_out" "$tail_err" 2>/dev/null || true
+boot
+if [[ -e $OUT/boot-hung ]]; then
+	say "the guest did not start within ${boot_wait}s (nothing on its console): booting it again"
+	mv "$OUT/console.log" "$OUT/console-hung.log"
+	boot
+	if [[ -e $OUT/boot-hung ]]; then
+		say "error: the guest did not start within ${boot_wait}s, twice (command: $cmd)"
+		exit 125
+	fi
+fi
 t_end=$(date +%s.%N)
 info "$(awk -v a="$t_start" -v b="$t_boot" -v c="$t_end" 'BEGIN{printf "prepare %.1fs, VM %.1fs", b-a, c-b}')"
 
