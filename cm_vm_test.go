@@ -52,13 +52,6 @@ func openCMSide(t *testing.T, name string) *cmSide {
 	return s
 }
 
-func checkClose(t *testing.T, what string, c interface{ Close() error }) {
-	t.Helper()
-	if err := c.Close(); err != nil {
-		t.Errorf("close %s: %v", what, err)
-	}
-}
-
 // spec returns the QP spec of the side's connections.
 func (s *cmSide) spec() verbs.QPSpec {
 	return verbs.QPSpec{SendCQ: s.cq, MaxSendWR: 16, MaxRecvWR: 16}

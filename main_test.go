@@ -14,3 +14,11 @@ func TestMain(m *testing.M) {
 	verbstest.ServePeerIfRequested()
 	os.Exit(m.Run())
 }
+
+// checkClose closes c, failing t (not at once) if that fails.
+func checkClose(t *testing.T, what string, c interface{ Close() error }) {
+	t.Helper()
+	if err := c.Close(); err != nil {
+		t.Errorf("close %s: %v", what, err)
+	}
+}

@@ -10,8 +10,10 @@ import (
 	"os"
 	"os/exec"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/internal/provproxy"
@@ -60,6 +62,7 @@ func ServePeerIfRequested() {
 type PeerReq struct {
 	Op     string          `json:"op"`
 	ID     int             `json:"id,omitempty"`     // the side
+	Device string          `json:"device,omitempty"` // new: the device (default soft0)
 	Type   string          `json:"type,omitempty"`   // new: "rc", "uc" or "ud"
 	Size   int             `json:"size,omitempty"`   // new: MR size
 	Access verbs.Access    `json:"access,omitempty"` // new: MR access
@@ -174,7 +177,42 @@ func ServePeer(r io.Reader, w io.Writer) error {
 		if err := enc.Encode(&resp); err != nil {
 			return err
 		}
+		if req.Op == "exitwhen" && err == nil {
+			sides[req.ID].exitWhen(&req) // does not return
+		}
 	}
+}
+
+// exitWhen waits for what an "exitwhen" command names and exits at once,
+// closing nothing: Kind "recv", one completion (status 0 if it succeeded,
+// 3 if not); Kind "word", the 8 bytes at Off of the side's region holding
+// A1 (status 0). Status 4 if it did not come within MS milliseconds.
+func (s *peerSide) exitWhen(req *PeerReq) {
+	end := time.Now().Add(time.Duration(req.MS) * time.Millisecond)
+	switch req.Kind {
+	case "recv":
+		ctx, cancel := context.WithDeadline(context.Background(), end)
+		wcs, err := PollN(ctx, s.cq, 1)
+		cancel()
+		if err != nil {
+			os.Exit(4)
+		}
+		if wcs[0].Status != verbs.StatusSuccess {
+			os.Exit(3)
+		}
+		os.Exit(0)
+	case "word":
+		// Written by the device: loaded atomically, as another thread's
+		// store.
+		w := (*uint64)(unsafe.Pointer(&s.mr.Bytes()[req.Off]))
+		for atomic.LoadUint64(w) != req.A1 {
+			if time.Now().After(end) {
+				os.Exit(4)
+			}
+		}
+		os.Exit(0)
+	}
+	os.Exit(5)
 }
 
 func newPeerSide(req *PeerReq) (s *peerSide, resp PeerResp, err error) {
@@ -184,7 +222,11 @@ func newPeerSide(req *PeerReq) (s *peerSide, resp PeerResp, err error) {
 			s.close()
 		}
 	}()
-	if s.ctx, err = verbs.Open(verbs.SoftDevice); err != nil {
+	dev := verbs.SoftDevice
+	if req.Device != "" {
+		dev = req.Device
+	}
+	if s.ctx, err = verbs.Open(dev); err != nil {
 		return
 	}
 	if s.pd, err = s.ctx.AllocPD(); err != nil {
@@ -322,6 +364,11 @@ func (s *peerSide) do(req *PeerReq, resp *PeerResp) error {
 	case "close":
 		s.close()
 		return nil
+	case "exitwhen": // answered, then served by exitWhen (ServePeer)
+		if req.Kind != "recv" && req.Kind != "word" || req.Kind == "word" && (s.mr == nil || req.Off < 0 || req.Off+8 > s.mr.Len() || req.Off%8 != 0) {
+			return fmt.Errorf("exitwhen: kind %q at %d", req.Kind, req.Off)
+		}
+		return nil
 	case "toerr": // RC: move the QP to ERR
 		if s.rc == nil {
 			return fmt.Errorf("toerr: not a RC QP")
@@ -421,6 +468,26 @@ func startPeer(t testing.TB, wrap []string, env ...string) *Peer {
 
 // PID is the peer's process id.
 func (p *Peer) PID() int { return p.cmd.Process.Pid }
+
+// Exited waits for the peer to exit by itself (after "exitwhen") and
+// returns its exit status, or -1 if it did not exit within
+// DefaultTimeout (it is killed then).
+func (p *Peer) Exited() int {
+	done := make(chan struct{})
+	go func() {
+		p.cmd.Wait()
+		close(done)
+	}()
+	p.killed = true // waited for here: Stop does not judge its status
+	select {
+	case <-done:
+		return p.cmd.ProcessState.ExitCode()
+	case <-time.After(DefaultTimeout):
+		p.cmd.Process.Kill()
+		<-done
+		return -1
+	}
+}
 
 // Kill kills the peer with SIGKILL and waits for it.
 func (p *Peer) Kill() {
