@@ -75,7 +75,9 @@ tier_unit() {
 
 # Tier 2: several OS processes on loopback. The cross-process conformance
 # cases and fault tests of soft0 (verbstest: the test binary re-executes
-# itself as the peer process) over TCP, unix sockets and shared memory, the
+# itself as the peer process) over TCP, unix sockets and shared memory,
+# cluster's Shares between processes, a peer that exits right after a
+# message or a write lands (TestExitAtOnceCrossProcess), the
 # session package's (async-rdma's scenarios, faults and reconnects between
 # processes, over every transport), the collective package's (worlds of
 # 2 to 8 rank processes over every transport running the collectives,
@@ -90,7 +92,9 @@ tier_unit() {
 # internal/soft/cma.go; pulled is the default).
 tier_multiprocess() {
 	local rc=0
-	run_go_tests multiprocess -run "CrossProcess" ./verbstest/ || rc=1
+	# Every other *CrossProcess* test, which the unit tier skips: the
+	# conformance suite's own runs come below, per transport.
+	run_go_tests multiprocess -run "CrossProcess" -skip "^TestConformanceSoftCrossProcess\$" ./verbstest/ ./cluster/ . || rc=1
 	run_go_tests multiprocess-session -run "CrossProcess" ./session/ || rc=1
 	run_go_tests multiprocess-collective -run "CrossProcess" ./collective/ || rc=1
 	for tr in tcp unix shm; do
