@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -543,20 +544,27 @@ func TestAckWakeWaits(t *testing.T) {
 	}
 	ac.rmu.Lock()
 	defer ac.rmu.Unlock()
-	var woke []uint64 // frames handled when b woke a
 	for _, tc := range []struct{ sends, wokeAt int }{
 		{1, 1},
 		{wakeBatch - 1, wakeBatch - 1},
 		{2 * wakeBatch, wakeBatch + 1},
 	} {
-		woke = woke[:0]
-		base := p.c.rxSeen.Load()
-		p.c.shm.onSignal = func() { woke = append(woke, p.c.rxSeen.Load()-base) }
-		atomic.StoreUint32(p.c.shm.out.sleep, 1)
 		for i := range tc.sends {
 			postRecv(t, p.b.qp, uint64(i), p.dst.sge(0, 8))
 		}
+		// Under b's rmu: its reader, which flushes under it too, signals
+		// nothing meanwhile.
 		p.c.rmu.Lock()
+		base := p.c.rxSeen.Load()
+		var mu sync.Mutex
+		var woke []uint64 // frames handled when b woke a
+		record := func() {
+			mu.Lock()
+			woke = append(woke, p.c.rxSeen.Load()-base)
+			mu.Unlock()
+		}
+		p.c.shm.onSignal.Store(&record)
+		atomic.StoreUint32(p.c.shm.out.sleep, 1)
 		var err error
 		for i := 0; i < tc.sends && err == nil; i++ {
 			_, err = p.a.qp.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1}}, []prov.SGE{p.src.sge(0, 8)})
@@ -568,16 +576,19 @@ func TestAckWakeWaits(t *testing.T) {
 			handled += k
 		}
 		p.c.flushResps()
+		p.c.shm.onSignal.Store(nil)
 		p.c.rmu.Unlock()
-		p.c.shm.onSignal = nil
+		mu.Lock()
+		woken := woke
+		mu.Unlock()
 		if err != nil {
 			t.Fatal(err)
 		}
 		if got := poll(t, p.b.rcq, tc.sends); len(got) != tc.sends {
 			t.Fatalf("%d receives of %d", len(got), tc.sends)
 		}
-		if len(woke) != 1 || woke[0] != uint64(tc.wokeAt) {
-			t.Errorf("%d sends to a sleeping peer: woken after frames %v, want once, after %d", tc.sends, woke, tc.wokeAt)
+		if len(woken) != 1 || woken[0] != uint64(tc.wokeAt) {
+			t.Errorf("%d sends to a sleeping peer: woken after frames %v, want once, after %d", tc.sends, woken, tc.wokeAt)
 		}
 	}
 }

@@ -280,9 +280,8 @@ type shmLink struct {
 	efdOut  int                   // written to wake the peer
 	efdBuf  [8]byte               // what the reader reads from efdIn
 	budget  int64                 // of populateBudget this link holds
-	// onSignal, if set (by a test, before traffic), runs at every
-	// signal.
-	onSignal func()
+	// onSignal, if set (by a test), runs at every signal.
+	onSignal atomic.Pointer[func()]
 }
 
 // populated is how much of populateBudget the process' links hold.
@@ -393,8 +392,8 @@ var eventOne = [8]byte{1}
 // the runtime's monitor thread (see readEventfd); a write to an eventfd
 // does not block.
 func (l *shmLink) signal() {
-	if l.onSignal != nil {
-		l.onSignal()
+	if f := l.onSignal.Load(); f != nil {
+		(*f)()
 	}
 	for {
 		_, _, errno := unix.RawSyscall(unix.SYS_WRITE, uintptr(l.efdOut), uintptr(unsafe.Pointer(&eventOne[0])), uintptr(len(eventOne)))
