@@ -473,20 +473,11 @@ func (p *Peer) PID() int { return p.cmd.Process.Pid }
 // returns its exit status, or -1 if it did not exit within
 // DefaultTimeout (it is killed then).
 func (p *Peer) Exited() int {
-	done := make(chan struct{})
-	go func() {
-		p.cmd.Wait()
-		close(done)
-	}()
 	p.killed = true // waited for here: Stop does not judge its status
-	select {
-	case <-done:
-		return p.cmd.ProcessState.ExitCode()
-	case <-time.After(DefaultTimeout):
-		p.cmd.Process.Kill()
-		<-done
+	if waitPeer(p.cmd, p.Stderr, "exitwhen", true) != nil {
 		return -1
 	}
+	return p.cmd.ProcessState.ExitCode()
 }
 
 // Kill kills the peer with SIGKILL and waits for it.

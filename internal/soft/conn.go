@@ -956,10 +956,18 @@ func (c *conn) sendAsync(bufs [][]byte) {
 // connection down (the caller must, without the locks it holds).
 func (c *conn) sendNow(bufs [][]byte) error { return c.send(bufs, false) }
 
-// send is sendNow; with cork, bufs (one acknowledgement frame, ackFirst's)
-// written straight into a TCP socket are written with MSG_MORE.
+// send is sendNow; with later, bufs are one acknowledgement frame,
+// ackFirst's, which what the consumer does next pushes: written straight
+// into a TCP socket it is written with MSG_MORE (below); put straight into
+// a shared-memory ring, a peer found asleep is woken by the drain (the
+// frame is in the ring before the completion it precedes is visible, and
+// a peer that finds this process gone handles what its ring holds first:
+// failAfterDrain), after the frames that follow, not for each: the
+// receiver of a stream of sends woke the sleeping sender once per
+// message, an eventfd write that was a tenth of the receiving process'
+// time (session's BenchmarkXprocBandwidth/shm/session, perf).
 //
-// The frame is then in the kernel, which sends it when the process
+// Over TCP the frame is then in the kernel, which sends it when the process
 // exits or closes the socket, as ackFirst requires, but it need not be
 // pushed onto the network now: on loopback a push is most of a write's
 // cost (the whole receive path of the peer's stack runs in it). The next
@@ -971,7 +979,7 @@ func (c *conn) sendNow(bufs [][]byte) error { return c.send(bufs, false) }
 // it has not read makes its kernel reset the connection instead, and a
 // frame still corked is lost with it: the peer sees the request fail, as
 // it does when the process exits before the acknowledgement.
-func (c *conn) send(bufs [][]byte, cork bool) error {
+func (c *conn) send(bufs [][]byte, later bool) error {
 	if c.dead.Load() {
 		return nil
 	}
@@ -979,8 +987,14 @@ func (c *conn) send(bufs [][]byte, cork bool) error {
 	if c.wmu.TryLock() {
 		written := 0
 		if c.queueEmpty() {
-			c.twMore = cork && c.corkedLen+total(bufs) <= cap(c.resps)
-			n, err := c.tryWrite(bufs)
+			var n int
+			var err error
+			if later && c.shm != nil {
+				n, err = c.putLater(bufs)
+			} else {
+				c.twMore = later && c.corkedLen+total(bufs) <= cap(c.resps)
+				n, err = c.tryWrite(bufs)
+			}
 			if c.twMore && n > 0 {
 				c.corked.Store(true)
 				c.corkedLen += n
@@ -1474,14 +1488,11 @@ func (c *conn) ackFirst() {
 	c.fbufs[0] = c.resps
 	var err error
 	if c.tlsw == nil || !c.writeTLSNow(c.fbufs[:1], &err) {
-		// Over TCP the acknowledgement is corked (send): the answer,
-		// or what else the application does next, pushes it (see
+		// Over TCP the acknowledgement is corked, over shared memory
+		// a sleeping peer is woken later (send): the answer, or what
+		// else the consumer does next, pushes it (see
 		// Acknowledgements).
-		if c.shm != nil {
-			err = c.sendAck(c.fbufs[:1])
-		} else {
-			err = c.send(c.fbufs[:1], c.kind == kindTCP && c.tlsw == nil)
-		}
+		err = c.send(c.fbufs[:1], c.shm != nil || c.kind == kindTCP && c.tlsw == nil)
 	}
 	c.fbufs[0] = nil
 	c.setResps(c.resps[:0])
@@ -1491,48 +1502,21 @@ func (c *conn) ackFirst() {
 	}
 }
 
-// sendAck is send of ackFirst over shared memory: the acknowledgement is
-// in the ring before the completion it precedes is visible (a peer that
-// finds this process gone handles what its ring holds first:
-// failAfterDrain), but a consumer it finds asleep is woken by drain
-// (payWake), after the frames that follow, not for each: the receiver
-// of a stream of sends woke the sleeping sender once per message, an
-// eventfd write that was a tenth of the receiving process' time
-// (session's BenchmarkXprocBandwidth/shm/session, perf).
-func (c *conn) sendAck(bufs [][]byte) error {
-	if !c.wmu.TryLock() {
-		return c.send(bufs, false)
-	}
-	if c.dead.Load() || !c.queueEmpty() {
-		c.wmu.Unlock()
-		return c.send(bufs, false)
+// putLater is tryWrite of send's later over shared memory (wmu held):
+// a peer found asleep is woken by the drain (payWake).
+func (c *conn) putLater(bufs [][]byte) (int, error) {
+	if c.dead.Load() {
+		return 0, errConnDown
 	}
 	n, wake, err := c.shm.out.put(bufs)
 	if wake && !c.wakeOwed {
 		c.wakeOwed, c.wakeFrames = true, 0
 	}
-	if err != nil {
-		c.wmu.Unlock()
-		return fmt.Errorf("soft: write to process %d: %w", c.peerPID, err)
-	}
-	over := false
-	if n < total(bufs) {
-		// No room: the rest goes before what others queued (as in send).
-		over = c.enqueue(bufs, n, nil, n > 0)
-	}
-	c.wmu.Unlock()
-	if n == total(bufs) {
-		return nil
-	}
-	if over {
-		return c.overflowErr()
-	}
-	c.wakeFlusher()
-	return nil
+	return n, err
 }
 
 // wakeBatch is how many frames drain handles after an acknowledgement
-// whose wake-up it owes (sendAck) before it wakes the peer.
+// whose wake-up it owes (putLater) before it wakes the peer.
 const wakeBatch = 4
 
 // payWake wakes the peer's consumer if ackFirst left it asleep (rmu).

@@ -442,18 +442,9 @@ func TestDeliveredBeforeExit(t *testing.T) {
 			forceLife(t, kind)
 			t.Run("Exit", func(t *testing.T) {
 				e := newEnv(t)
-				// Children start ahead: most of a round is the start of
-				// a process, which runs meanwhile.
-				const ahead = 4
-				var procs []*testproc.Proc
-				started := 0
+				children := &childrenAhead{rounds: rounds, env: lifeEnv(kind)}
 				for i := 0; i < rounds; i++ {
-					for len(procs) < ahead && started < rounds {
-						procs = append(procs, testproc.Start(t, lifeEnv(kind)...))
-						started++
-					}
-					p := procs[0]
-					procs = procs[1:]
+					p := children.next(t)
 					mode := []string{"poll", "wait"}[i%2]
 					l := newLifeQP(t, e)
 					l.connectChild(t, p, ackTimeout, 7)
@@ -794,16 +785,9 @@ func TestWrittenBeforeExit(t *testing.T) {
 			e := newEnv(t)
 			src := e.alloc(tc.size, allAccess)
 			binary.LittleEndian.PutUint64(src.b[tc.size-8:], writeMark)
-			const ahead = 4 // children start ahead, as in TestDeliveredBeforeExit
-			var procs []*testproc.Proc
-			started := 0
+			children := &childrenAhead{rounds: rounds, env: lifeEnv(tc.kind)}
 			for i := 0; i < rounds; i++ {
-				for len(procs) < ahead && started < rounds {
-					procs = append(procs, testproc.Start(t, lifeEnv(tc.kind)...))
-					started++
-				}
-				p := procs[0]
-				procs = procs[1:]
+				p := children.next(t)
 				l := newLifeQP(t, e)
 				l.connectChild(t, p, ackTimeout, 7)
 				p.Send(t, "writeexit %d %s", tc.size, tc.mem)
@@ -822,4 +806,27 @@ func TestWrittenBeforeExit(t *testing.T) {
 			}
 		})
 	}
+}
+
+// childrenAhead starts the child processes of a test's rounds, one a
+// round, a few rounds ahead: most of a round is the start of a process,
+// which runs meanwhile.
+type childrenAhead struct {
+	rounds  int
+	env     []string
+	started int
+	queue   []*testproc.Proc
+}
+
+// next returns the child of the next round.
+func (c *childrenAhead) next(t *testing.T) *testproc.Proc {
+	t.Helper()
+	const ahead = 4
+	for len(c.queue) < ahead && c.started < c.rounds {
+		c.queue = append(c.queue, testproc.Start(t, c.env...))
+		c.started++
+	}
+	p := c.queue[0]
+	c.queue = c.queue[1:]
+	return p
 }

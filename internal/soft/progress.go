@@ -77,8 +77,7 @@ type pollState struct {
 	rxHdr    [hdrLen]byte // drain's (rmu)
 	rxBody   [reqBodyLen]byte
 	rxReader bool   // the consumer is the reader (rxLoop), which may wait
-	rxMoved  uint64 // payload bytes of the requests handled since rxLimit was set
-	rxLimit  uint64 // drain returns once rxMoved reaches it (0: no limit)
+	rxMoved  uint64 // payload bytes of the requests handled (reset by pollDrain)
 	rxPlaced *mr    // the region the frame being handled was placed in (place.go)
 }
 
@@ -142,12 +141,11 @@ func (c *conn) poll() bool {
 // pollDrain is a poll's drain (rmu held): over shared memory it returns
 // once the requests it handled brought pollMoveMax bytes.
 func (c *conn) pollDrain() (int, error) {
-	if c.shm != nil {
-		c.rxMoved, c.rxLimit = 0, pollMoveMax
+	if c.shm == nil {
+		return c.drain(false)
 	}
-	n, err := c.drain(false)
-	c.rxLimit = 0
-	return n, err
+	c.rxMoved = 0
+	return c.drainUpTo(false, pollMoveMax)
 }
 
 // drain handles the complete frames that have arrived (rmu held) and
@@ -155,13 +153,18 @@ func (c *conn) pollDrain() (int, error) {
 // justFilled says the source was just filled (by the reader's wait): it is
 // not read again unless that filled it up. Every frame fits in the source
 // (maxFrame), and is handled in place.
-func (c *conn) drain(justFilled bool) (n int, err error) {
-	n, err = c.drainFrames(justFilled)
+func (c *conn) drain(justFilled bool) (n int, err error) { return c.drainUpTo(justFilled, 0) }
+
+// drainUpTo is drain, returning once the requests it handled brought
+// limit payload bytes (rxMoved; 0: no limit). It wakes the peer if an
+// acknowledgement left it asleep (payWake).
+func (c *conn) drainUpTo(justFilled bool, limit uint64) (n int, err error) {
+	n, err = c.drainFrames(justFilled, limit)
 	c.payWake()
 	return n, err
 }
 
-func (c *conn) drainFrames(justFilled bool) (n int, err error) {
+func (c *conn) drainFrames(justFilled bool, limit uint64) (n int, err error) {
 	src := c.rx
 	hb, body := &c.rxHdr, &c.rxBody
 	filled := justFilled && !src.more()
@@ -169,7 +172,7 @@ func (c *conn) drainFrames(justFilled bool) (n int, err error) {
 	// (place.go); pollers never wait for the socket.
 	place := c.rxReader && c.sock != nil && c.sock.src == nil
 	for !c.dead.Load() {
-		if c.rxLimit > 0 && c.rxMoved >= c.rxLimit {
+		if limit > 0 && c.rxMoved >= limit {
 			return n, nil // a poll's share (pollMoveMax)
 		}
 		a, err := src.avail()

@@ -158,8 +158,8 @@ func (t *qp) continueMsg(req *request, data []span, resp *response) bool {
 		}
 		switch {
 		case req.placed == nil:
-			if c := req.srcConn; c != nil && rc && !req.more && c.rxAnswer {
-				c.publishWrite(c.rxID) // its last bytes land now (ackpage.go, Writes)
+			if rc {
+				req.publishWrite() // its last bytes land now
 			}
 			t.rspans[0] = span{p, int(m.length)}
 			copySpans(t.rspans[:1], int(req.off), data)
@@ -210,6 +210,16 @@ func (t *qp) fromPeer(req *request) bool {
 	}
 	p, ok := t.route.(*peer)
 	return ok && p != nil && req.srcConn.auth.proves(&p.addr)
+}
+
+// publishWrite publishes that the acknowledgement of the write being
+// handled is held, before its payload lands (conn.publishWrite;
+// ackpage.go, Writes): for the last segment of a message from another
+// process that is to be answered.
+func (req *request) publishWrite() {
+	if c := req.srcConn; c != nil && !req.more && c.rxAnswer {
+		c.publishWrite(c.rxID)
+	}
 }
 
 func (t *qp) respondRC(req *request, data []span, resp *response) bool {
@@ -299,8 +309,8 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			// A write that is executed once its payload lands: its
 			// acknowledgement is published first (ackpage.go, Writes;
 			// placeReq did for a placed one).
-			if c := req.srcConn; c != nil && !req.direct && req.placed == nil && !req.more && c.rxAnswer {
-				c.publishWrite(c.rxID)
+			if !req.direct && req.placed == nil {
+				req.publishWrite()
 			}
 			switch {
 			case req.direct: // the requester copies (shm.go)
