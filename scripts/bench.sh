@@ -129,6 +129,8 @@ xproc() {
 	local -a cases=(
 		shmbw '^BenchmarkXprocWriteBandwidth$/^shm$/^size=1024KiB$'
 		copy '^BenchmarkCopy$/^size=1024KiB$'
+		shmpollbw '^BenchmarkXprocWriteBandwidthPolling$/^shm$/^size=1024KiB$'
+		copy2 '^BenchmarkCopy$/^size=1024KiB$'
 		shmspin '^BenchmarkXprocSendRTT$/^wait=spin$/^shm$'
 		shmsleep '^BenchmarkXprocSendRTT$/^wait=sleep$/^shm$'
 		unixpp '^BenchmarkRawPingPong$/^unix$'
@@ -155,6 +157,7 @@ xproc() {
 	echo '| transport | measure | soft0 | baseline | ratio | soft0 allocs/op |'
 	echo '| --- | --- | --- | --- | --- | --- |'
 	calc "\"| shared memory | RDMA write, 1 MiB | $(gib shmbw) GiB/s | \`copy()\` $(gib copy) GiB/s | %.2f | $(med shmbw allocs/op) |\n\", $(med shmbw MB/s)/$(med copy MB/s)"
+	calc "\"| shared memory | same, the poster polling its CQ (as ib_write_bw) | $(gib shmpollbw) GiB/s | \`copy()\` $(gib copy2) GiB/s | %.2f | $(med shmpollbw allocs/op) |\n\", $(med shmpollbw MB/s)/$(med copy2 MB/s)"
 	calc "\"| shared memory | 8-byte send round trip, polling | $(us shmspin) µs | unix socket ping-pong $(us unixpp) µs | %.2f | $(med shmspin allocs/op) |\n\", $(med shmspin ns/op)/$(med unixpp ns/op)"
 	calc "\"| shared memory | same, sleeping in the completion channel | $(us shmsleep) µs | unix socket ping-pong $(us unixpp) µs | %.2f | $(med shmsleep allocs/op) |\n\", $(med shmsleep ns/op)/$(med unixpp ns/op)"
 	local name
