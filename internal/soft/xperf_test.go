@@ -46,7 +46,9 @@ var (
 // channel while it waits, as the baseline's reader sleeps in its reads.
 // Baseline: BenchmarkRawStream. Kind tls is tcp encrypted (tls.go, as
 // between hosts); its baseline is tcp in the same run.
-func BenchmarkXprocWriteBandwidth(b *testing.B) { benchBandwidth(b, prov.WRWrite) }
+func BenchmarkXprocWriteBandwidth(b *testing.B) {
+	benchBandwidthWith(b, prov.WRWrite, append(xprocKinds, "tls"), false)
+}
 
 // BenchmarkXprocWriteBandwidthPolling is BenchmarkXprocWriteBandwidth
 // with a poster that polls its CQ while it waits, never sleeping, as
@@ -60,30 +62,21 @@ func BenchmarkXprocWriteBandwidth(b *testing.B) { benchBandwidth(b, prov.WRWrite
 // 2-vCPU VM), a gap of that length between two copies 1.25 times per
 // batch of 16 (README).
 func BenchmarkXprocWriteBandwidthPolling(b *testing.B) {
-	for _, kind := range xprocKinds {
-		for _, size := range []int{64 << 10, 1 << 20} {
-			b.Run(fmt.Sprintf("%s/size=%dKiB", kind, size>>10), func(b *testing.B) {
-				forceTransport(b, kind)
-				forceTLS(b, tlsOff)
-				e := newEnv(b)
-				qa, cqa, _ := xprocSide(b, e)
-				qb, _, _ := xprocSide(b, e)
-				connectOne(b, qa, qb, prov.QPTypeRC, defaultConn())
-				connectOne(b, qb, qa, prov.QPTypeRC, defaultConn())
-				src, dst := e.alloc(size, allAccess), e.alloc(size, allAccess)
-				bandwidthLoop(b, rttSide{qp: qa, cq: cqa}, prov.WRWrite, dst.addr(0), dst.mr.RKey(), src.sge(0, size))
-			})
-		}
-	}
+	benchBandwidthWith(b, prov.WRWrite, xprocKinds, true)
 }
 
 // BenchmarkXprocReadBandwidth is BenchmarkXprocWriteBandwidth with RDMA
 // reads: the data comes back in the responses. Baseline:
 // BenchmarkRawStream.
-func BenchmarkXprocReadBandwidth(b *testing.B) { benchBandwidth(b, prov.WRRead) }
+func BenchmarkXprocReadBandwidth(b *testing.B) {
+	benchBandwidthWith(b, prov.WRRead, append(xprocKinds, "tls"), false)
+}
 
-func benchBandwidth(b *testing.B, op prov.WROpcode) {
-	for _, kind := range append(xprocKinds, "tls") {
+// benchBandwidthWith runs bandwidthLoop of op over each transport kind
+// ("tls": tcp encrypted), both sizes; the poster polls if poll is set,
+// else it sleeps in its completion channel.
+func benchBandwidthWith(b *testing.B, op prov.WROpcode, kinds []string, poll bool) {
+	for _, kind := range kinds {
 		for _, size := range []int{64 << 10, 1 << 20} {
 			b.Run(fmt.Sprintf("%s/size=%dKiB", kind, size>>10), func(b *testing.B) {
 				if kind == "tls" {
@@ -99,7 +92,11 @@ func benchBandwidth(b *testing.B, op prov.WROpcode) {
 				connectOne(b, qa, qb, prov.QPTypeRC, defaultConn())
 				connectOne(b, qb, qa, prov.QPTypeRC, defaultConn())
 				src, dst := e.alloc(size, allAccess), e.alloc(size, allAccess)
-				bandwidthLoop(b, rttSide{qp: qa, cq: cqa, ch: cha}, op, dst.addr(0), dst.mr.RKey(), src.sge(0, size))
+				side := rttSide{qp: qa, cq: cqa, ch: cha}
+				if poll {
+					side.ch = nil
+				}
+				bandwidthLoop(b, side, op, dst.addr(0), dst.mr.RKey(), src.sge(0, size))
 			})
 		}
 	}
