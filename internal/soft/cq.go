@@ -250,6 +250,7 @@ type compChannel struct {
 	sig    chan struct{} // token: events may be queued
 	done   chan struct{} // closed by Close
 
+	queued  atomic.Int32         // len(queue), for a driver's drain (drive.go)
 	armed   atomic.Pointer[cq]   // the CQ armed last (drive.go)
 	drv     atomic.Pointer[conn] // the connection a Wait drives
 	inDrain atomic.Bool          // the driver handles frames: notify need not interrupt it
@@ -280,6 +281,7 @@ func (ch *compChannel) detach(c *cq) {
 		}
 		clear(ch.queue[len(q):])
 		ch.queue = q
+		ch.queued.Store(int32(len(q)))
 	}
 	ch.mu.Unlock()
 }
@@ -289,6 +291,7 @@ func (ch *compChannel) notify(c *cq) {
 	ch.mu.Lock()
 	if !ch.closed {
 		ch.queue = append(ch.queue, c)
+		ch.queued.Store(int32(len(ch.queue)))
 	}
 	ch.mu.Unlock()
 	ch.poke()
@@ -317,7 +320,11 @@ func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
 		if drive {
 			drive = false
 			if c := ch.driveConn(); c != nil {
-				if q := ch.drive(ctx, c); q != nil {
+				drive := ch.drive
+				if c.shm != nil {
+					drive = ch.driveShm
+				}
+				if q := drive(ctx, c); q != nil {
 					return q, nil
 				}
 				continue
@@ -340,6 +347,7 @@ func (ch *compChannel) popLocked() *cq {
 	copy(ch.queue, ch.queue[1:])
 	ch.queue[len(ch.queue)-1] = nil
 	ch.queue = ch.queue[:len(ch.queue)-1]
+	ch.queued.Store(int32(len(ch.queue)))
 	if len(ch.queue) > 0 {
 		ch.poke()
 	}
@@ -360,6 +368,7 @@ func (ch *compChannel) Close() error {
 	}
 	ch.closed = true
 	ch.queue = nil
+	ch.queued.Store(0)
 	close(ch.done)
 	ch.mu.Unlock()
 	if d := ch.drv.Load(); d != nil {

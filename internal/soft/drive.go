@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -52,8 +53,8 @@ import (
 // holds them in waitSock); the next drive sends them first, and the reader
 // within a grace if the application neither answers nor waits again.
 //
-// Only sockets of the connection's own (quietSock, not TLS) are driven;
-// shared memory has its own cheap wake-ups (shm.go).
+// Only sockets of the connection's own (quietSock, not TLS) are driven,
+// and shared-memory rings (driveShm).
 
 // driveMax bounds one drive whose ctx can end: a cancelled ctx or a
 // closed channel ends the Wait within it.
@@ -80,12 +81,18 @@ type driveState struct {
 	driver   *compChannel // whose Wait drives the socket
 
 	drvSlept bool          // the last drive waited for its bytes (rmu)
+	drvEnd   time.Time     // when the last drive of a ring ended (rmu)
+	drvGap   time.Duration // the time between the last two drives of a ring (rmu)
 	looked   atomic.Uint64 // drives that found their bytes without listening
 }
 
-// drivable reports whether a Wait can read c's socket itself.
+// drivable reports whether a Wait can read c's socket, or consume its
+// shared-memory ring, itself.
 func (c *conn) drivable() bool {
-	return c.quiet != nil && c.sock != nil && c.sock.src == nil && c.shm == nil && !c.dead.Load()
+	if c.shm != nil {
+		return !c.dead.Load()
+	}
+	return c.quiet != nil && c.sock != nil && c.sock.src == nil && !c.dead.Load()
 }
 
 // driveConn is the connection a Wait on ch drives, or nil: only in a
@@ -166,10 +173,7 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 		c.drvSlept = true
 		if !dl && ctx.Done() != nil {
 			if end.IsZero() {
-				end = time.Now().Add(driveMax)
-				if d, ok := ctx.Deadline(); ok && d.Before(end) {
-					end = d
-				}
+				end = driveDeadline(ctx)
 			}
 			dl = true
 			nc.SetReadDeadline(end)
@@ -245,6 +249,153 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 	return nil
 }
 
+// driveShm is drive for a shared-memory connection: the waiter consumes
+// the ring as the reader would (drain), until an event is queued on ch
+// (a drain returns as soon as one is: rxStop), ctx ends, or the
+// connection fails; an empty ring it waits for on the eventfd, as the
+// reader does (spinning a little first, as waitRx). The reader steps
+// aside meanwhile (rxLoop), and takes the ring back when no Wait drove
+// it for a pollerGrace. Measured, with a poster that sleeps in its
+// channel between batches of 1 MiB RDMA writes (the copies of direct
+// writes are made by whoever drains the ring): each completion the
+// reader made woke the sleeping poster, a futex wake of an idle
+// processor that stalled the copies for 15 µs (README).
+//
+// The eventfd has one sleeper at most: the driver wakes a reader that
+// sleeps on it (efdSleeping), which then steps aside, and sleeps there
+// only once it has left (their flags, driveOn and efdSleeping, are a
+// Dekker handshake); a reader that does not leave within a thousand
+// yields keeps the ring. A wait on the eventfd ends with a signal of the
+// peer, with an event of another connection (notify: interrupt), with
+// Close of the channel, with the connection's failure (failAfterDrain
+// ends it before it takes rmu), or after driveMax if ctx can end.
+func (ch *compChannel) driveShm(ctx context.Context, c *conn) prov.CQ {
+	if !c.rmu.TryLock() {
+		// Its consumer is at work, and notifies ch. If it is the
+		// reader, it leaves the ring to this Wait after the frame it
+		// handles, and pokes ch (rxLoop).
+		c.wantDrive.Store(ch)
+		return nil
+	}
+	if c.dead.Load() || c.failing.Load() || !ch.drv.CompareAndSwap(nil, c) {
+		c.rmu.Unlock()
+		return nil
+	}
+	c.drives.Add(1)
+	c.driveOn.Swap(driveNow) // before the load of efdSleeping (a full barrier)
+	c.rxStop = ch
+	start := time.Now()
+	if c.drvEnd != (time.Time{}) {
+		c.drvGap = start.Sub(c.drvEnd)
+	}
+	var ev prov.CQ
+	var err error
+	var end time.Time // the deadline of the waits, once one waits
+	for ctx.Err() == nil && !c.dead.Load() && !c.failing.Load() && !ch.isClosed() {
+		if ev = ch.takeEvent(); ev != nil {
+			break
+		}
+		ch.inDrain.Store(true)
+		_, err = c.drain(false)
+		ch.inDrain.Store(false)
+		if err != nil {
+			break
+		}
+		if ev = ch.takeEvent(); ev != nil {
+			break // its responses leave now: a ring write costs no system call
+		}
+		c.flushResps()
+		seen := c.seen
+		spins := 0
+		for spins < 64 && atomic.LoadUint64(c.shm.in.tail) == seen {
+			spins++
+		}
+		if spins < 64 {
+			continue
+		}
+		if c.efdSleeping.Load() {
+			// The reader sleeps on the eventfd: wake it, and it
+			// steps aside (rxLoop); give it a little time, else
+			// leave the ring to it.
+			c.shm.wakeReader()
+			for i := 0; i < 1000 && c.efdSleeping.Load(); i++ {
+				runtime.Gosched()
+			}
+			if c.efdSleeping.Load() {
+				break
+			}
+			continue // look again before sleeping
+		}
+		if ctx.Done() != nil {
+			if end.IsZero() {
+				end = driveDeadline(ctx)
+			}
+			if !time.Now().Before(end) {
+				break
+			}
+		}
+		c.dlMu.Lock()
+		if c.failing.Load() {
+			c.dlMu.Unlock()
+			break
+		}
+		c.driver = ch
+		if !end.IsZero() {
+			c.setWaitDeadline(end)
+		}
+		c.dlMu.Unlock()
+		// An event queued before the driver was set did not interrupt.
+		if ev = ch.takeEvent(); ev == nil {
+			err = c.shm.sleep(seen)
+		}
+		c.dlMu.Lock()
+		c.driver = nil
+		if !end.IsZero() || c.dlPast {
+			c.dlPast = false
+			c.setWaitDeadline(time.Time{})
+		}
+		c.dlMu.Unlock()
+		if ev != nil {
+			break
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			err = nil
+			if end.IsZero() {
+				// Interrupted (an event of another connection,
+				// the channel closed, the connection failing):
+				// the Wait looks at the channel.
+				ev = ch.takeEvent()
+				break
+			}
+			continue // interrupted, or the drive's time is up: look again
+		}
+		if err != nil {
+			break
+		}
+	}
+	c.rxStop = nil
+	c.flushResps()
+	ch.drv.Store(nil)
+	if ev != nil && err == nil && c.drvGap < shmAsideMax {
+		c.drvEnd = time.Now()
+		c.driveOn.Store(driveRecent)
+		c.rmu.Unlock()
+		return ev
+	}
+	c.drvEnd = time.Now()
+	c.driveOn.Store(driveNone)
+	c.rmu.Unlock()
+	// The reader takes the ring back now.
+	select {
+	case c.kick <- struct{}{}:
+	default:
+	}
+	if err != nil && !c.dead.Load() {
+		c.fail(readErr(c, err))
+	}
+	return ev // taken only while err is nil
+}
+
 // askSocket asks the reader, which holds the socket, to step aside for
 // ch's next drive, ending its wait on the socket.
 func (c *conn) askSocket(ch *compChannel) {
@@ -278,7 +429,17 @@ func (c *conn) endReaderWaitLocked() {
 // resets it under dlMu when its wait is over).
 func (c *conn) endWaitLocked() {
 	c.dlPast = true
-	c.quiet.conn().SetReadDeadline(aLongTimeAgo)
+	c.setWaitDeadline(aLongTimeAgo)
+}
+
+// setWaitDeadline sets the read deadline of what a drive waits on: the
+// socket, or the eventfd of a shared-memory connection (dlMu held).
+func (c *conn) setWaitDeadline(t time.Time) {
+	if c.shm != nil {
+		c.shm.efdIn.SetReadDeadline(t)
+		return
+	}
+	c.quiet.conn().SetReadDeadline(t)
 }
 
 // interrupt ends the wait of ch's drive of c: an event is queued on ch.
@@ -366,6 +527,35 @@ func (c *conn) graceSleep(timer *time.Timer) (kicked bool) {
 		timer.Stop()
 	}
 	return kicked
+}
+
+// shmAsideMax bounds the time an application spent between its last two
+// drives of a shared-memory ring (drvGap) for the reader to stay aside
+// after a drive (driveRecent): an application that works longer between
+// its waits has the reader consume the ring meanwhile, as before drives
+// (a 16 MiB allreduce of two ranks, which reduce between waits while
+// their readers take in the next chunks, lost a tenth of its bandwidth
+// with the reader aside).
+const shmAsideMax = 50 * time.Microsecond
+
+// driveDeadline is the end of a drive whose ctx can end: driveMax from
+// now, or ctx's deadline if sooner.
+func driveDeadline(ctx context.Context) time.Time {
+	end := time.Now().Add(driveMax)
+	if d, ok := ctx.Deadline(); ok && d.Before(end) {
+		end = d
+	}
+	return end
+}
+
+// isClosed reports whether ch was closed.
+func (ch *compChannel) isClosed() bool {
+	select {
+	case <-ch.done:
+		return true
+	default:
+		return false
+	}
 }
 
 // takeEvent takes the next event queued on ch, or returns nil.

@@ -101,7 +101,8 @@ func (p *drivePair) drivenWait(t *testing.T, ctx context.Context) (done chan err
 
 // TestWaitDrivesSocket: an application that sleeps in its completion
 // channel reads the socket itself (most of its waits drive the
-// connection), and the messages arrive whole.
+// connection), and the messages arrive whole. (In one process, polls
+// consume a shared-memory ring before any wait: TestDriveShmWakes.)
 func TestWaitDrivesSocket(t *testing.T) {
 	for _, kind := range []string{"tcp", "unix"} {
 		t.Run(kind, func(t *testing.T) {
@@ -135,18 +136,7 @@ func TestDriveLooksAgain(t *testing.T) {
 			p := newDrivePair(t, kind)
 			// A drive that waits: nothing has come when it starts.
 			done, _ := p.drivenWait(t, context.Background())
-			if _, err := p.qb.PostRecv([]prov.RecvWR{{NumSGE: 1}}, []prov.SGE{p.m.sge(1024, 8)}); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := p.qa.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}, []prov.SGE{p.m.sge(0, 8)}); err != nil {
-				t.Fatal(err)
-			}
-			if err := <-done; err != nil {
-				t.Fatal(err)
-			}
-			var dst [4]prov.Completion
-			waitCQ(t, p.cqb, p.chb, dst[:], 1)
-			waitCQ(t, p.cqa, p.cha, dst[:], 1)
+			p.endWait(t, done)
 			// Then messages that are there before b waits for them.
 			if err := p.cqb.Arm(false); err != nil {
 				t.Fatal(err)
@@ -210,7 +200,7 @@ func TestDriveHandsBack(t *testing.T) {
 func TestDriveEndsForOtherEvents(t *testing.T) {
 	defer func(d time.Duration) { driveMax = d }(driveMax)
 	driveMax = time.Hour
-	for _, kind := range []string{"tcp", "unix"} {
+	for _, kind := range []string{"tcp", "unix", "shm"} {
 		t.Run(kind, func(t *testing.T) {
 			p := newDrivePair(t, kind)
 			p.sendOne(t) // b's CQ is fed by b's end of the connection
@@ -262,7 +252,7 @@ func TestDriveEndsForOtherEvents(t *testing.T) {
 // TestDriveHonoursContext: a wait that drives the connection ends when
 // its ctx does.
 func TestDriveHonoursContext(t *testing.T) {
-	for _, kind := range []string{"tcp", "unix"} {
+	for _, kind := range []string{"tcp", "unix", "shm"} {
 		t.Run(kind, func(t *testing.T) {
 			p := newDrivePair(t, kind)
 			ctx, cancel := context.WithCancel(context.Background())
@@ -290,7 +280,7 @@ func TestDriveHonoursContext(t *testing.T) {
 func TestDriveEndsAtClose(t *testing.T) {
 	defer func(d time.Duration) { driveMax = d }(driveMax)
 	driveMax = time.Millisecond // a deadline, if one were set, would end the drive at once
-	for _, kind := range []string{"tcp", "unix"} {
+	for _, kind := range []string{"tcp", "unix", "shm"} {
 		t.Run(kind, func(t *testing.T) {
 			p := newDrivePair(t, kind)
 			done, before := p.drivenWait(t, context.Background())
@@ -298,15 +288,20 @@ func TestDriveEndsAtClose(t *testing.T) {
 			// ended it (a drive that ends is followed by the reader,
 			// and the wait sleeps in the channel without driving).
 			time.Sleep(50 * driveMax)
-			if n := drivesNow(); n != before+1 {
-				t.Errorf("%d drives since the wait began, want 1", n-before)
-			}
-			c := p.qb.(*qp).x.rev.Load()
-			if c == nil {
-				c = p.qa.(*qp).x.rev.Load()
-			}
-			if c == nil || c.driveOn.Load() != driveNow {
-				t.Fatal("the wait no longer drives the connection")
+			if kind != "shm" {
+				// (A drive of a ring gives it back at once to a
+				// reader that sleeps on its eventfd, and the wait
+				// sleeps in the channel: TestDriveShmFails.)
+				if n := drivesNow(); n != before+1 {
+					t.Errorf("%d drives since the wait began, want 1", n-before)
+				}
+				c := p.qb.(*qp).x.rev.Load()
+				if c == nil {
+					c = p.qa.(*qp).x.rev.Load()
+				}
+				if c == nil || c.driveOn.Load() != driveNow {
+					t.Fatal("the wait no longer drives the connection")
+				}
 			}
 			for _, cl := range []interface{ Close() error }{p.qb, p.cqb, p.chb} {
 				if err := cl.Close(); err != nil {
@@ -415,5 +410,130 @@ func TestPollEndsReaderWait(t *testing.T) {
 				t.Fatalf("the polls took the message in %d rounds of %d, the reader in the others", byPolls, rounds)
 			}
 		})
+	}
+}
+
+// endWait sends a message from a to b, which ends the wait on b's
+// channel whose result comes to done, and takes both completions.
+func (p *drivePair) endWait(t *testing.T, done chan error) {
+	t.Helper()
+	if _, err := p.qb.PostRecv([]prov.RecvWR{{NumSGE: 1}}, []prov.SGE{p.m.sge(1024, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.qa.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}, []prov.SGE{p.m.sge(0, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	var dst [4]prov.Completion
+	waitCQ(t, p.cqb, p.chb, dst[:], 1)
+	waitCQ(t, p.cqa, p.cha, dst[:], 1)
+}
+
+// drivenSleep starts a Wait on b's channel (after a message from a to b,
+// b's CQ armed) and returns once it sleeps on the eventfd of b's
+// shared-memory ring itself (driveShm), with the connection. A drive
+// that finds the reader asleep there gives the ring back to it, so it
+// tries again after another message, until one sleeps.
+func (p *drivePair) drivenSleep(t *testing.T) (done chan error, c *conn) {
+	t.Helper()
+	for try := 0; try < 200; try++ {
+		done, _ = p.drivenWait(t, context.Background())
+		c = p.chb.(*compChannel).drv.Load()
+		deadline := time.Now().Add(20 * time.Millisecond)
+		for c != nil && time.Now().Before(deadline) {
+			c.dlMu.Lock()
+			sleeping := c.driver != nil
+			c.dlMu.Unlock()
+			if sleeping {
+				return done, c
+			}
+			time.Sleep(100 * time.Microsecond)
+			c = p.chb.(*compChannel).drv.Load()
+		}
+		p.endWait(t, done) // this wait does not drive: a message ends it
+	}
+	t.Fatal("no wait slept on the ring's eventfd in 200 tries")
+	return nil, nil
+}
+
+// TestDriveShmWakes: a wait that sleeps on the eventfd of the ring it
+// drives is woken by the peer's message, and returns its event.
+func TestDriveShmWakes(t *testing.T) {
+	p := newDrivePair(t, "shm")
+	done, _ := p.drivenSleep(t)
+	if _, err := p.qb.PostRecv([]prov.RecvWR{{NumSGE: 1}}, []prov.SGE{p.m.sge(1024, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	copy(p.m.b[:8], "woken up")
+	if _, err := p.qa.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}, []prov.SGE{p.m.sge(0, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(hangGuard):
+		t.Fatal("the message did not wake the driving wait")
+	}
+	var dst [4]prov.Completion
+	waitCQ(t, p.cqb, p.chb, dst[:], 1)
+	if dst[0].Status != prov.StatusSuccess || string(p.m.b[1024:1032]) != "woken up" {
+		t.Fatalf("completion %+v, bytes %q", dst[0], p.m.b[1024:1032])
+	}
+}
+
+// TestDriveShmFails: the connection fails (its peer went: watchSocket's
+// failAfterDrain) while a wait sleeps on the eventfd of the ring it
+// drives, holding the ring: the failure ends that wait before it takes
+// the ring, so it neither waits for the wait nor the wait for a signal
+// that cannot come; the posted receive is flushed and its event ends the
+// wait.
+func TestDriveShmFails(t *testing.T) {
+	p := newDrivePair(t, "shm")
+	if _, err := p.qb.PostRecv([]prov.RecvWR{{NumSGE: 1}}, []prov.SGE{p.m.sge(1024, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	p.sendOne(t) // takes that receive; sendOne posts its own
+	done, c := p.drivenSleep(t)
+	if _, err := p.qb.PostRecv([]prov.RecvWR{{NumSGE: 1}}, []prov.SGE{p.m.sge(2048, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	failed := make(chan struct{})
+	go func() {
+		c.failAfterDrain(errors.New("test: the peer went"))
+		close(failed)
+	}()
+	select {
+	case <-failed:
+	case <-time.After(hangGuard):
+		t.Fatal("failAfterDrain waited for the driving wait")
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(hangGuard):
+		t.Fatal("the failure did not end the driving wait")
+	}
+}
+
+// TestDriveShmHandsBack: after a wait that drove the ring got its event,
+// the application neither waits nor polls: its reader, aside meanwhile,
+// takes the ring back and sleeps on the eventfd again (where the peer's
+// next message wakes it), within two pollerGrace.
+func TestDriveShmHandsBack(t *testing.T) {
+	p := newDrivePair(t, "shm")
+	done, c := p.drivenSleep(t)
+	p.endWait(t, done)
+	deadline := time.Now().Add(hangGuard)
+	for c.driveOn.Load() != driveNone || !c.efdSleeping.Load() {
+		if time.Now().After(deadline) {
+			t.Fatalf("the reader did not take the ring back (driveOn %d, reader on the eventfd %v)", c.driveOn.Load(), c.efdSleeping.Load())
+		}
+		time.Sleep(100 * time.Microsecond)
 	}
 }

@@ -55,8 +55,8 @@ import (
 // grace at once (pollConns.pollersGone), and no grace starts for the polls
 // before the arm, so a message for a sleeping application does not wait
 // for the watcher. An application that sleeps on its completion channel
-// reads the socket itself while it waits, and the reader steps aside
-// (drive.go).
+// reads the socket, or consumes the shared-memory ring, itself while it
+// waits, and the reader steps aside (drive.go).
 
 // pollerGrace is how long the reader leaves a ring to the pollers after
 // it saw them poll.
@@ -76,9 +76,22 @@ type pollState struct {
 
 	rxHdr    [hdrLen]byte // drain's (rmu)
 	rxBody   [reqBodyLen]byte
-	rxReader bool   // the consumer is the reader (rxLoop), which may wait
-	rxMoved  uint64 // payload bytes of the requests handled (reset by pollDrain)
-	rxPlaced *mr    // the region the frame being handled was placed in (place.go)
+	rxReader bool         // the consumer is the reader (rxLoop), which may wait
+	rxMoved  uint64       // payload bytes of the requests handled (reset by pollDrain)
+	rxPlaced *mr          // the region the frame being handled was placed in (place.go)
+	rxStop   *compChannel // a driver's channel: drain returns once it has an event (driveShm)
+
+	// efdSleeping says that the reader sleeps on the eventfd of a
+	// shared-memory connection (or is about to): a driver must not
+	// (driveShm).
+	efdSleeping atomic.Bool
+	// failing says that the connection is about to fail once its ring is
+	// drained (failAfterDrain): a driver gives the ring up.
+	failing atomic.Bool
+	// wantDrive is the channel of a Wait that found the reader consuming
+	// a shared-memory ring: the reader leaves the ring to it at the end
+	// of the frame it handles, and pokes it (driveShm).
+	wantDrive atomic.Pointer[compChannel]
 }
 
 // pollMoveMax is how many payload bytes a poll of a shared-memory
@@ -263,6 +276,12 @@ func (c *conn) drainFrames(justFilled bool, limit uint64) (n int, err error) {
 		if err != nil {
 			return n, fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
 		}
+		if c.rxStop != nil && c.rxStop.queued.Load() > 0 {
+			return n, nil // the driver's event (driveShm)
+		}
+		if c.rxReader && c.shm != nil && c.wantDrive.Load() != nil {
+			return n, nil // a Wait would drive the ring (rxLoop)
+		}
 	}
 	return n, nil
 }
@@ -275,6 +294,11 @@ func (c *conn) rxLoop() {
 	var lastPolls uint64
 	justFilled := false
 	for !c.dead.Load() {
+		if c.shm != nil && c.driveOn.Load() != driveNone {
+			// A Wait drives the ring (driveShm).
+			c.stepAside(timer)
+			continue
+		}
 		c.rmu.Lock()
 		if c.dead.Load() {
 			c.rmu.Unlock()
@@ -320,6 +344,14 @@ func (c *conn) rxLoop() {
 		}
 		c.flushResps()
 		seen := c.seen
+		if w := c.wantDrive.Swap(nil); w != nil && err == nil {
+			// A Wait would drive the ring: leave it to the Wait.
+			c.driveOn.CompareAndSwap(driveNone, driveRecent)
+			c.rmu.Unlock()
+			w.poke()
+			c.stepAside(timer)
+			continue
+		}
 		c.rmu.Unlock()
 		if err != nil {
 			c.fail(err)
@@ -413,7 +445,22 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64) error {
 			*lastPolls = c.polls.Load()
 			return nil // the reader sends what pollers held, looks again
 		}
-		if err := c.shm.sleep(seen); err != nil {
+		// Dekker's handshake with a driver (driveShm): each side stores
+		// its flag, then loads the other's (swaps: full barriers), so
+		// that one of them leaves the eventfd to the other.
+		c.efdSleeping.Swap(true)
+		if c.driveOn.Load() != driveNone {
+			c.efdSleeping.Store(false)
+			return nil // rxLoop steps aside
+		}
+		err := c.shm.sleep(seen)
+		c.efdSleeping.Store(false)
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			// A deadline meant for a driver's wait (never set while
+			// this one waits: a safeguard): look again.
+			err = nil
+		}
+		if err != nil {
 			return err
 		}
 	}

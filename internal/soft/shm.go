@@ -276,6 +276,7 @@ type shmLink struct {
 	efdIn   *os.File // waited on (poller)
 	efdRaw  syscall.RawConn
 	readFn  func(fd uintptr) bool // readEventfd, bound once
+	wakeFn  func(fd uintptr) bool // wakeEventfd, bound once
 	readErr error                 // of the last readEventfd
 	efdOut  int                   // written to wake the peer
 	efdBuf  [8]byte               // what the reader reads from efdIn
@@ -331,7 +332,7 @@ func newShmLink(memfd, efdIn, efdOut int, dialer bool) (*shmLink, error) {
 		populated.Add(-budget)
 		return nil, err
 	}
-	l.efdRaw, l.readFn = raw, l.readEventfd
+	l.efdRaw, l.readFn, l.wakeFn = raw, l.readEventfd, wakeEventfd
 	if dialer {
 		l.out, l.in = newRing(seg, 0), newRing(seg, 1)
 	} else {
@@ -399,6 +400,20 @@ func (l *shmLink) signal() {
 		_, _, errno := unix.RawSyscall(unix.SYS_WRITE, uintptr(l.efdOut), uintptr(unsafe.Pointer(&eventOne[0])), uintptr(len(eventOne)))
 		if errno != unix.EINTR {
 			return
+		}
+	}
+}
+
+// wakeReader ends the reader's wait on this side's eventfd, as a signal
+// of the peer would (a driver takes the ring over: driveShm).
+func (l *shmLink) wakeReader() { l.efdRaw.Write(l.wakeFn) }
+
+// wakeEventfd adds one to the eventfd fd.
+func wakeEventfd(fd uintptr) bool {
+	for {
+		_, _, errno := unix.RawSyscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(&eventOne[0])), uintptr(len(eventOne)))
+		if errno != unix.EINTR {
+			return true
 		}
 	}
 }
@@ -631,6 +646,14 @@ func (c *conn) callMap(rkey uint32) mapReply {
 // the inbound ring are handled: the peer is gone, what it sent before is
 // delivered (the acknowledgements of its last requests among them).
 func (c *conn) failAfterDrain(err error) {
+	// A driver may hold rmu, waiting on the eventfd: end its wait, and it
+	// gives the ring up (driveShm).
+	c.failing.Store(true)
+	c.dlMu.Lock()
+	if c.driver != nil {
+		c.endWaitLocked()
+	}
+	c.dlMu.Unlock()
 	c.rmu.Lock()
 	if !c.dead.Load() {
 		if _, derr := c.drain(false); derr != nil {
