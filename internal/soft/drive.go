@@ -534,8 +534,8 @@ func (c *conn) graceSleep(timer *time.Timer) (kicked bool) {
 // after a drive (driveRecent): an application that works longer between
 // its waits has the reader consume the ring meanwhile, as before drives
 // (a 16 MiB allreduce of two ranks, which reduce between waits while
-// their readers take in the next chunks, lost a tenth of its bandwidth
-// with the reader aside).
+// their readers take in the next chunks, lost 8-10 % of its bandwidth
+// with the reader always aside).
 const shmAsideMax = 50 * time.Microsecond
 
 // driveDeadline is the end of a drive whose ctx can end: driveMax from
