@@ -224,6 +224,7 @@ func TestCtrlWarnNoToken(t *testing.T) {
 	defer slog.SetDefault(old)
 	public := &net.TCPAddr{IP: net.IPv4(192, 0, 2, 1), Port: 9}
 	loop := &net.TCPAddr{IP: net.IPv6loopback, Port: 9}
+	warnedNoToken = sync.Once{} // as in a new process (-count > 1)
 	warnNoToken(nil, loop)
 	warnNoToken([]byte("k"), public)
 	mu.Lock()
