@@ -376,13 +376,12 @@ func (ch *compChannel) driveShm(ctx context.Context, c *conn) prov.CQ {
 	c.rxStop = nil
 	c.flushResps()
 	ch.drv.Store(nil)
+	c.drvEnd = time.Now()
 	if ev != nil && err == nil && c.drvGap < shmAsideMax {
-		c.drvEnd = time.Now()
 		c.driveOn.Store(driveRecent)
 		c.rmu.Unlock()
 		return ev
 	}
-	c.drvEnd = time.Now()
 	c.driveOn.Store(driveNone)
 	c.rmu.Unlock()
 	// The reader takes the ring back now.

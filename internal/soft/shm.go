@@ -396,12 +396,7 @@ func (l *shmLink) signal() {
 	if f := l.onSignal.Load(); f != nil {
 		(*f)()
 	}
-	for {
-		_, _, errno := unix.RawSyscall(unix.SYS_WRITE, uintptr(l.efdOut), uintptr(unsafe.Pointer(&eventOne[0])), uintptr(len(eventOne)))
-		if errno != unix.EINTR {
-			return
-		}
-	}
+	wakeEventfd(uintptr(l.efdOut))
 }
 
 // wakeReader ends the reader's wait on this side's eventfd, as a signal
