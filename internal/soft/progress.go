@@ -133,6 +133,17 @@ func (c *conn) poll() bool {
 		c.rmu.Unlock()
 		return false
 	}
+	if c.quiet != nil && c.grace.Load() {
+		// A reader that went into its grace while a poller held rmu
+		// left the socket listening (waitRx): every segment then woke
+		// the runtime's poller for nothing (quiet.go). Silence it for
+		// the reader.
+		if err := c.quiet.silence(); err != nil {
+			c.rmu.Unlock()
+			c.fail(err)
+			return false
+		}
+	}
 	n, err := c.pollDrain()
 	if n > 0 {
 		c.polled.Add(uint64(n))
@@ -427,7 +438,9 @@ func (c *conn) waitRx(seen uint64, lastPolls *uint64) error {
 				// The pollers read the socket: its segments need
 				// not wake anybody (quiet.go). The next fillWait
 				// listens again. Under rmu: a Wait that drives
-				// the socket (drive.go) listens meanwhile.
+				// the socket (drive.go) listens meanwhile. A
+				// poller that holds rmu now silences it when it
+				// sees the grace (poll).
 				err := c.quiet.silence()
 				c.rmu.Unlock()
 				if err != nil {
