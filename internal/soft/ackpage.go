@@ -11,7 +11,8 @@ import (
 	"github.com/goverbs/verbs/internal/mem"
 )
 
-// Acknowledgements held over unix sockets (the acknowledgement page).
+// Acknowledgements held over unix sockets (the acknowledgement page) and
+// shared memory (words of the rings' headers).
 //
 // A request that completes a receive must be acknowledged before its
 // completion is visible: the application may exit as soon as it has polled

@@ -65,10 +65,10 @@ import (
 // leaves before the completion is visible (ackFirst): an application
 // may exit as soon as it has polled it. Over TCP it is corked in the
 // socket (send), for the answer that usually follows to push it along
-// in one segment; over a unix socket it is held, and the id of the
-// request published in the connection's acknowledgement page, which
-// outlives the process (ackpage.go); what the application does otherwise
-// next pushes it:
+// in one segment; over a unix socket or shared memory it is held, and
+// the id of the request published in the connection's acknowledgement
+// page or the header of the ring it came on, which outlive the process
+// (ackpage.go); what the application does otherwise next pushes it:
 // a poll that finds nothing, an arm of a CQ to sleep (pollersGone), or
 // the end of the reader's wait for the answer (ackDelay). Other
 // responses may be held for a while (progress.go) and leave at the
@@ -239,6 +239,7 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 	c.kick = make(chan struct{}, 1)
 	if shm != nil {
 		c.wacks = shmAckWords(shm)
+		c.acks = c.wacks
 	}
 	if pullKind(kind) {
 		c.pidfd = openPidfd(peerPID)
@@ -1529,9 +1530,8 @@ func (c *conn) payWake() {
 
 // useAckPage gives a unix connection its acknowledgement page.
 func (c *conn) useAckPage(p *ackPage) {
-	c.acks = p
 	if p != nil {
-		c.wacks = p
+		c.acks, c.wacks = p, p
 	}
 }
 

@@ -522,10 +522,14 @@ func (p *consumedPair) consume(size, count int, drain func() (int, error)) (firs
 }
 
 // TestAckWakeWaits: over shared memory, the acknowledgement that goes
-// ahead of a receive completion (ackFirst) is in the ring at once, but a
-// peer whose consumer sleeps is not woken for it then: the drain wakes
-// it once wakeBatch more frames were handled, or when it returns (a
-// stream of sends woke a sleeping sender once per message).
+// ahead of a receive completion (ackFirst) is held, published in the
+// ring's acknowledgement word, and leaves with the other held responses
+// when the consumer is done (one wake-up of a sleeping peer for all).
+// When it cannot be held (a response of another kind is held: heldOther)
+// it is in the ring at once, but a peer whose consumer sleeps is not
+// woken for it then: the drain wakes it once wakeBatch more frames were
+// handled, or when it returns (a stream of sends woke a sleeping sender
+// once per message).
 func TestAckWakeWaits(t *testing.T) {
 	p := newConsumedPair(t, 64)
 	// a's side of the connection: its consumer is held (the test holds
@@ -544,11 +548,23 @@ func TestAckWakeWaits(t *testing.T) {
 	}
 	ac.rmu.Lock()
 	defer ac.rmu.Unlock()
-	for _, tc := range []struct{ sends, wokeAt int }{
-		{1, 1},
-		{wakeBatch - 1, wakeBatch - 1},
-		{2 * wakeBatch, wakeBatch + 1},
+	for _, tc := range []struct {
+		held          bool // the acknowledgements can be held
+		sends, wokeAt int
+	}{
+		{true, 1, 1},
+		{true, 2 * wakeBatch, 2 * wakeBatch},
+		{false, 1, 1},
+		{false, wakeBatch - 1, wakeBatch - 1},
+		{false, 2 * wakeBatch, wakeBatch + 1},
 	} {
+		// Without the acknowledgement words, ackFirst sends at once, as
+		// when it may not hold (a response of another kind held, or
+		// frames queued).
+		acks := p.c.acks
+		if !tc.held {
+			p.c.acks = nil
+		}
 		for i := range tc.sends {
 			postRecv(t, p.b.qp, uint64(i), p.dst.sge(0, 8))
 		}
@@ -575,7 +591,11 @@ func TestAckWakeWaits(t *testing.T) {
 			k, err = p.c.drain(false)
 			handled += k
 		}
+		if held := p.c.holdsResps(); held != tc.held {
+			t.Errorf("held %t, want %t", held, tc.held)
+		}
 		p.c.flushResps()
+		p.c.acks = acks
 		p.c.shm.onSignal.Store(nil)
 		p.c.rmu.Unlock()
 		mu.Lock()
@@ -588,7 +608,7 @@ func TestAckWakeWaits(t *testing.T) {
 			t.Fatalf("%d receives of %d", len(got), tc.sends)
 		}
 		if len(woken) != 1 || woken[0] != uint64(tc.wokeAt) {
-			t.Errorf("%d sends to a sleeping peer: woken after frames %v, want once, after %d", tc.sends, woken, tc.wokeAt)
+			t.Errorf("%d sends to a sleeping peer (held %t): woken after frames %v, want once, after %d", tc.sends, tc.held, woken, tc.wokeAt)
 		}
 	}
 }

@@ -59,9 +59,10 @@
 // dead one; conn.alive). A receiver that exits right after it polled a
 // receive completion, without closing anything, has acknowledged the
 // message already: the acknowledgement leaves before the completion is
-// visible (conn.ackFirst), or, over a unix socket, is published in the
-// connection's acknowledgement page, which the sender reads when the
-// connection fails (ackpage.go); Close hands over what is held too.
+// visible (conn.ackFirst), or, over a unix socket or shared memory, is
+// published in the connection's acknowledgement page or ring header,
+// which the sender reads when the connection fails (ackpage.go); Close
+// hands over what is held too.
 // So is an RDMA write's, which completes nothing at the target: over
 // shared memory and unix sockets the responder publishes that it holds
 // the acknowledgement before the payload lands (ackpage.go, Writes), so
