@@ -304,6 +304,17 @@ func (ch *compChannel) notify(c *cq) {
 // ctx ends. The event is acknowledged. While it waits it may handle the
 // connection that feeds the CQ armed last itself (drive.go).
 func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
+	var asked *conn // the connection whose reader this Wait asked for its ring
+	q, err := ch.wait(ctx, &asked)
+	if asked != nil {
+		// Not wanted any more: the reader would step aside for nobody
+		// (rxLoop), and its ring wait until the next Wait or poll.
+		asked.wantDrive.CompareAndSwap(ch, nil)
+	}
+	return q, err
+}
+
+func (ch *compChannel) wait(ctx context.Context, asked **conn) (prov.CQ, error) {
 	drive := true
 	for {
 		ch.mu.Lock()
@@ -326,6 +337,9 @@ func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
 				}
 				if q := drive(ctx, c); q != nil {
 					return q, nil
+				}
+				if c.shm != nil && c.wantDrive.Load() == ch {
+					*asked = c
 				}
 				continue
 			}

@@ -537,3 +537,89 @@ func TestDriveShmHandsBack(t *testing.T) {
 		time.Sleep(100 * time.Microsecond)
 	}
 }
+
+// TestDriveShmStaleWant: a Wait that found the ring's consumer at work
+// asked the reader for the ring (wantDrive); when the Wait then returns
+// without it (its event came from that consumer, or its context ended),
+// it takes the request back. Before, the request stayed, and a reader
+// that later consumed the ring stepped aside for nobody at its next frame,
+// leaving the ring to the next Wait or poll (up to two pollerGraces).
+func TestDriveShmStaleWant(t *testing.T) {
+	for _, end := range []string{"event", "context"} {
+		t.Run(end, func(t *testing.T) {
+			p := newDrivePair(t, "shm")
+			p.sendOne(t)
+			c := revConn(t, p.qb)
+			ch := p.chb.(*compChannel)
+			if _, err := p.qb.PostRecv([]prov.RecvWR{{NumSGE: 1}}, []prov.SGE{p.m.sge(1024, 8)}); err != nil {
+				t.Fatal(err)
+			}
+			// The test is the ring's consumer at work.
+			c.rmu.Lock()
+			locked := true
+			defer func() {
+				if locked {
+					c.rmu.Unlock()
+				}
+			}()
+			if err := p.cqb.Arm(false); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			done := make(chan error, 1)
+			go func() {
+				_, err := p.chb.Wait(ctx)
+				done <- err
+			}()
+			for deadline := time.Now().Add(hangGuard); c.wantDrive.Load() != ch; time.Sleep(50 * time.Microsecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("the Wait did not ask for the ring")
+				}
+			}
+			if end == "event" {
+				if _, err := p.qa.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}, []prov.SGE{p.m.sge(0, 8)}); err != nil {
+					t.Fatal(err)
+				}
+				// The consumer delivers the message; its completion
+				// ends the Wait.
+				for deadline := time.Now().Add(hangGuard); ; {
+					n, err := c.drain(false)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if n > 0 {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatal("the message did not come")
+					}
+				}
+				c.flushResps()
+			} else {
+				cancel()
+			}
+			select {
+			case err := <-done:
+				if end == "event" && err != nil {
+					t.Fatal(err)
+				}
+				if end == "context" && !errors.Is(err, context.Canceled) {
+					t.Fatalf("Wait returned %v, want context.Canceled", err)
+				}
+			case <-time.After(hangGuard):
+				t.Fatal("the Wait did not return")
+			}
+			if w := c.wantDrive.Load(); w != nil {
+				t.Errorf("the Wait returned and left its request for the ring (wantDrive %p)", w)
+			}
+			c.rmu.Unlock()
+			locked = false
+			var dst [4]prov.Completion
+			if end == "event" {
+				waitCQ(t, p.cqb, p.chb, dst[:], 1)
+				waitCQ(t, p.cqa, p.cha, dst[:], 1)
+			}
+		})
+	}
+}
