@@ -34,6 +34,13 @@ import (
 // connection fails, the requester reads it (fail) and completes the
 // requests in flight up to that id as acknowledged (xreq.go, retireOne).
 //
+// A shared-memory connection does the same with words of its rings'
+// headers (shmAckWords), which outlive the process as the page does.
+// There an acknowledgement put in the ring at once costs no system call,
+// but it was a frame of its own to put and to handle: held, it goes in
+// the same put as the answer (polling 8-byte round trips: 4 ring puts →
+// 2, perf probe; 1.09 → 1.07 µs, medians of 21 alternating runs).
+//
 // That is exact because the responder handles requests in the order of
 // their ids and stores an id only when every response before it either
 // left (it is in the socket, which the peer reads to its end before the
