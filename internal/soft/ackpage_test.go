@@ -63,13 +63,14 @@ func TestAckPageHandshakeRefused(t *testing.T) {
 	}
 }
 
-// TestAckPageInUse: unix connections have an acknowledgement page, TCP
-// connections none (their acknowledgements are corked in the socket).
+// TestAckPageInUse: unix connections have an acknowledgement page,
+// shared-memory ones its words in their rings' headers, TCP connections
+// none (their acknowledgements are corked in the socket).
 func TestAckPageInUse(t *testing.T) {
 	for _, tc := range []struct {
 		kind string
 		page bool
-	}{{"unix", true}, {"tcp", false}} {
+	}{{"unix", true}, {"shm", true}, {"tcp", false}} {
 		t.Run(tc.kind, func(t *testing.T) {
 			forceTransport(t, tc.kind)
 			e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
@@ -91,8 +92,11 @@ func TestAckPageInUse(t *testing.T) {
 			if (c.acks != nil) != tc.page {
 				t.Errorf("acknowledgement page %v, want %v", c.acks != nil, tc.page)
 			}
-			if tc.page && c.acks.mem == nil {
+			if tc.kind == "unix" && c.acks.mem == nil {
 				t.Errorf("the page is not mapped")
+			}
+			if tc.kind == "shm" && (c.shm == nil || c.acks.mine != c.shm.in.ackWord()) {
+				t.Errorf("the acknowledgements are not published in the inbound ring's word")
 			}
 		})
 	}
@@ -102,9 +106,16 @@ func TestAckPageInUse(t *testing.T) {
 // responses for, handled in one go by the target's consumer, each held
 // behind the acknowledgement page: every one is acknowledged and
 // received (the held responses go out when they fill their buffer; the
-// consumer used to append past it and panic).
+// consumer used to append past it and panic). Over unix sockets and
+// shared memory.
 func TestAckPageBurst(t *testing.T) {
-	forceTransport(t, "unix")
+	for _, kind := range []string{"unix", "shm"} {
+		t.Run(kind, func(t *testing.T) { testAckPageBurst(t, kind) })
+	}
+}
+
+func testAckPageBurst(t *testing.T, kind string) {
+	forceTransport(t, kind)
 	e := newEnv(t)
 	caps := defaultCaps()
 	caps.MaxSendWR, caps.MaxRecvWR = 256, 256
