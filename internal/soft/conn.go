@@ -272,6 +272,9 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 		c.rx = shm
 	} else if c.raw != nil {
 		c.sock = newSockRx(c.nc, c.raw)
+		if kind == kindTCP {
+			c.sock.tail = placeTailTCP
+		}
 		c.rx = c.sock
 	} else if tc, ok := nc.(*tls.Conn); ok {
 		c.sock = newStreamRx(tc)

@@ -47,11 +47,26 @@ const placeMin = 32 << 10
 // placed payload, in the same system call, and in each read while writes
 // are being placed: the next frames' headers and small frames, and the
 // start of the next payload, whose rest is placed if it is at least
-// placeMin. Reads of that size keep what the responder copies in the
-// cache (measured, BenchmarkXprocWriteBandwidth over unix sockets on 2
-// cores: 64 KiB writes 0.85 of the raw stream with 4 KiB, 1.0 with
-// 64 KiB; 1 MiB writes 0.8 and 0.75).
+// placeMin. Over unix sockets, reads of that size keep what the
+// responder copies in the cache (measured, BenchmarkXprocWriteBandwidth
+// on 2 cores: 64 KiB writes 0.85 of the raw stream with 4 KiB, 1.0 with
+// 64 KiB; 1 MiB writes 0.8 and 0.75; again on 2026-11-27, five
+// alternating runs: 64 KiB writes 5.39 GB/s with 64 KiB, 4.95 with 4
+// KiB, medians). Over TCP the smaller tail wins (placeTailTCP).
 const placeTail = 64 << 10
+
+// placeTailTCP is placeTail over TCP: after a placed 64 KiB write, a
+// 64 KiB tail read the next frame nearly whole into the buffer, whose
+// payload the responder then copied (a user-space copy of about half the
+// bytes, 5 % of the process's time: runtime.memmove under respondRC,
+// perf); with 4 KiB the next payload is placed too (TestPlacedStream:
+// 61-63 of 64 writes placed, against 1-7). Measured with the reader
+// also keeping to the tail after a large write it read whole (progress.go,
+// drainFrames), five alternating runs of BenchmarkXprocWriteBandwidth,
+// medians: over TCP 64 KiB writes 1.70 → 1.90 GB/s, 1 MiB 3.42 → 4.18;
+// over unix sockets 64 KiB 3.76 → 4.23, 1 MiB 5.70 → 5.41 (noise: the
+// same build gave 5.0-6.2).
+const placeTailTCP = 4 << 10
 
 // sockPlace is the payload being placed (rmu).
 type sockPlace struct {
@@ -181,7 +196,7 @@ func (c *conn) placeReq(h frameHdr, a uint64) (bool, error) {
 }
 
 // readPlaced reads the rest of the payload being placed (x.place) into
-// its region, and what follows it (up to placeTail bytes) into the
+// its region, and what follows it (up to x.tail bytes) into the
 // receive buffer, waiting for the socket if need be (rmu held). The
 // responses held are sent before it waits.
 func (c *conn) readPlaced() error {
@@ -221,7 +236,7 @@ func (x *sockRx) placeRead(fd uintptr) bool {
 		} else {
 			pl.iov[0].Base = (*byte)(p)
 			pl.iov[0].SetLen(pl.rem)
-			if n := min(placeTail, len(x.buf)-x.w); n > 0 {
+			if n := min(x.tail, len(x.buf)-x.w); n > 0 {
 				pl.iov[1].Base = &x.buf[x.w]
 				pl.iov[1].SetLen(n)
 				k = 2

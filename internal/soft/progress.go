@@ -76,10 +76,11 @@ type pollState struct {
 
 	rxHdr    [hdrLen]byte // drain's (rmu)
 	rxBody   [reqBodyLen]byte
-	rxReader bool         // the consumer is the reader (rxLoop), which may wait
-	rxMoved  uint64       // payload bytes of the requests handled (reset by pollDrain)
-	rxPlaced *mr          // the region the frame being handled was placed in (place.go)
-	rxStop   *compChannel // a driver's channel: drain returns once it has an event (driveShm)
+	rxReader bool          // the consumer is the reader (rxLoop), which may wait
+	rxMoved  uint64        // payload bytes of the requests handled (reset by pollDrain)
+	rxPlaced *mr           // the region the frame being handled was placed in (place.go)
+	nPlaced  atomic.Uint64 // frames placed so far (place.go)
+	rxStop   *compChannel  // a driver's channel: drain returns once it has an event (driveShm)
 
 	// efdSleeping says that the reader sleeps on the eventfd of a
 	// shared-memory connection (or is about to): a driver must not
@@ -227,6 +228,7 @@ func (c *conn) drainFrames(justFilled bool, limit uint64) (n int, err error) {
 			ok, err := c.placeReq(h, a)
 			if ok {
 				n++
+				c.nPlaced.Add(1)
 				c.rxSeen.Add(1)
 			}
 			if err != nil {
@@ -253,13 +255,17 @@ func (c *conn) drainFrames(justFilled bool, limit uint64) (n int, err error) {
 		// One read per drain unless it filled the buffer: the next poll
 		// takes what came since.
 		filled = filled && !src.more()
-		if c.sock != nil && c.sock.placing {
-			// A frame read whole: not a stream of placed writes any
-			// more (or not only), back to full reads.
-			c.sock.placing = false
-		}
 		bl := bodyLen(h)
 		src.peek(hdrLen, body[:bl])
+		if c.sock != nil && (place || c.sock.placing) {
+			// A large RDMA write read whole by the reader (it was
+			// behind, or a full read took it in) is a stream of them:
+			// the next reads stop at the tail, so that the next
+			// payloads are placed (place.go). Another frame read
+			// whole, or any frame a poller or a drive reads (they
+			// never place), ends that: back to full reads.
+			c.sock.placing = place && h.typ == frReq && h.length >= placeMin && (reqOp(body[0]) == opWrite || reqOp(body[0]) == opWriteImm)
+		}
 		// The payload is used in place: the responder copies it into the
 		// target, the requester into a read's memory, before the space is
 		// released.
@@ -613,7 +619,8 @@ type sockRx struct {
 	tries  int // reads of the last fillWait: 1 if it did not wait
 
 	place    sockPlace // the payload being placed (place.go)
-	placing  bool      // the last large frame was placed: reads stop at placeTail
+	placing  bool      // the last large frame was placed: reads stop at tail
+	tail     int       // placeTail, or placeTailTCP over TCP
 	capped   bool      // the last read stopped there
 	placeFn  func(fd uintptr) bool
 	placeTry func(fd uintptr)
@@ -622,7 +629,7 @@ type sockRx struct {
 const sockRxSize = 1 << 20
 
 func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
-	x := &sockRx{nc: nc, raw: raw, buf: make([]byte, sockRxSize)}
+	x := &sockRx{nc: nc, raw: raw, buf: make([]byte, sockRxSize), tail: placeTail}
 	x.fillFn = x.readFD
 	x.waitFn = func(fd uintptr) bool {
 		x.tries++
@@ -636,7 +643,7 @@ func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
 
 // newStreamRx is the receive buffer of a stream read waiting.
 func newStreamRx(src io.Reader) *sockRx {
-	return &sockRx{src: src, buf: make([]byte, sockRxSize)}
+	return &sockRx{src: src, buf: make([]byte, sockRxSize), tail: placeTail}
 }
 
 // readFD reads what the (non-blocking) socket holds into the free end of
@@ -645,11 +652,11 @@ func newStreamRx(src io.Reader) *sockRx {
 func (x *sockRx) readFD(fd uintptr) {
 	for {
 		b := x.buf[x.w:]
-		x.capped = x.placing && len(b) > placeTail
+		x.capped = x.placing && len(b) > x.tail
 		if x.capped {
 			// Large writes come: the next header, whose payload is
 			// placed (place.go).
-			b = b[:placeTail]
+			b = b[:x.tail]
 		}
 		n, err := unix.Read(int(fd), b)
 		if err == unix.EINTR {
@@ -705,7 +712,7 @@ func (x *sockRx) fillMode(wait bool) error {
 	default:
 		x.w += x.fillN
 	}
-	x.full = x.w == len(x.buf) || x.capped && x.fillN == placeTail
+	x.full = x.w == len(x.buf) || x.capped && x.fillN == x.tail
 	return nil
 }
 
