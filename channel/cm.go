@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"runtime"
 	"slices"
 	"sync/atomic"
 	"syscall"
@@ -13,6 +12,7 @@ import (
 	"unsafe"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/sched"
 )
 
 // Channels connected through the RDMA connection manager: DialCM,
@@ -97,7 +97,7 @@ func (h *cmHandshake) wait(ctx context.Context, c *Channel) error {
 			return waitErr(err)
 		}
 		if i < 64 {
-			runtime.Gosched()
+			sched.Gosched()
 			continue
 		}
 		t := time.NewTimer(delay)

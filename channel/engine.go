@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -496,7 +495,7 @@ func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct
 					return waitErr(ctx.Err())
 				default:
 				}
-				runtime.Gosched()
+				sched.Gosched()
 				if w.mode == SpinAdaptive {
 					sched.Yield() // see spin.go
 				}

@@ -3,5 +3,7 @@
 // process' own goroutines run; when processes outnumber processors, the
 // thread that would end the spin (a peer process, or a reader of the same
 // process on another thread) waits for the spinner's time slice unless it
-// yields. Safe for concurrent use.
+// yields. Gosched is runtime.Gosched for spinning waits: only when the
+// process has one processor (see Gosched for why not otherwise). Safe
+// for concurrent use.
 package sched
