@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"sync/atomic"
 	"syscall"
@@ -12,7 +13,6 @@ import (
 	"unsafe"
 
 	"github.com/goverbs/verbs"
-	"github.com/goverbs/verbs/internal/sched"
 )
 
 // Channels connected through the RDMA connection manager: DialCM,
@@ -97,7 +97,7 @@ func (h *cmHandshake) wait(ctx context.Context, c *Channel) error {
 			return waitErr(err)
 		}
 		if i < 64 {
-			sched.Gosched()
+			runtime.Gosched()
 			continue
 		}
 		t := time.NewTimer(delay)

@@ -52,10 +52,10 @@ const (
 //     complete them: a spinner whose processor is wanted is descheduled
 //     for a whole time slice, and pays for it again when it sleeps.
 //   - Between polls a spinning wait offers its processor to the threads
-//     ready to run on it (runtime.Gosched for goroutines when the process
-//     has one processor, sched.Gosched: with more, the runtime runs a
-//     goroutine that becomes ready on an idle one, and runtime.Gosched
-//     woke an idle processor's thread for nothing at every call; then
+//     ready to run on it (runtime.Gosched for goroutines, every
+//     goschedEvery spins, or at every one when the process has one
+//     processor: with more, runtime.Gosched wakes an idle processor's
+//     thread at every call, for nothing most of the time; then
 //     sched_yield, sched.Yield), and with nothing else ready goes on at
 //     once. The thread that would complete the wait, the peer's or the
 //     provider's, may be one of them: after waits that slept, the

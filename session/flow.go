@@ -2,10 +2,9 @@ package session
 
 import (
 	"context"
+	"runtime"
 	"sync/atomic"
 	"time"
-
-	"github.com/goverbs/verbs/internal/sched"
 )
 
 // Credit-based flow control of one direction of a queue pair: the sender
@@ -97,7 +96,7 @@ func (f *sendFlow) wait(ctx context.Context, done <-chan struct{}) error {
 		if f.has() || f.drive() {
 			return nil
 		}
-		sched.Gosched()
+		runtime.Gosched()
 	}
 	d := 10 * time.Microsecond
 	t := time.NewTimer(d)

@@ -19,9 +19,12 @@ import (
 // them 0.02-0.04 and 0.2-1.5, and the read's median went from 11-18 to
 // 4-10 µs (examples/kv, reads only, three alternating runs).
 //
-// Only for spins that leave a processor to the rest of the process:
-// channel's waits, which let fewer goroutines spin than there are
-// processors, and spins of a few dozen polls. Where the spinners may
+// Only for spins that leave a processor to the rest of the process, and
+// that let the process' goroutines run now and then all the same:
+// channel's waits let fewer goroutines spin than there are processors,
+// and call runtime.Gosched every goschedEvery spins (a goroutine the
+// spinner readied on its own processor otherwise waits for the end of
+// the spin). Where the spinners may
 // outnumber the processors (the ranks of a collective in one process)
 // runtime.Gosched is what lets the others run before the runtime
 // preempts the spinner, 10 ms later: the collective tests took 88 s

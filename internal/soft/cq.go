@@ -3,12 +3,12 @@ package soft
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"unsafe"
 
 	"github.com/goverbs/verbs/internal/prov"
-	"github.com/goverbs/verbs/internal/sched"
 )
 
 // cq is a completion queue: a ring of completions filled by requesters and
@@ -160,15 +160,15 @@ func (c *cq) poll(dst []prov.Completion) (int, error) {
 }
 
 // PollBusy polls until it finds completions (or fails) or spins polls
-// found the CQ empty, yielding the processor between polls (sched.Gosched)
-// so that the goroutines that complete requests run.
+// found the CQ empty, yielding the processor between polls so that the
+// goroutines that complete requests run.
 func (c *cq) PollBusy(dst []prov.Completion, spins int) (int, error) {
 	for i := 1; ; i++ {
 		n, err := c.Poll(dst)
 		if n > 0 || err != nil || len(dst) == 0 || i >= spins {
 			return n, err
 		}
-		sched.Gosched()
+		runtime.Gosched()
 	}
 }
 
