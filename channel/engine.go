@@ -468,7 +468,8 @@ func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct
 	}
 	w := newWaiter(mode)
 	defer func() { w.done(&e.spin, err == nil) }()
-	spins := 0
+	var yielded time.Time // the last runtime.Gosched of this wait's spins
+	spins := 0            // since then
 	for {
 		if ready() {
 			return nil
@@ -497,10 +498,15 @@ func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct
 					return waitErr(ctx.Err())
 				default:
 				}
-				// The process' goroutines get this processor every
-				// goschedEvery spins (and at every one with
-				// GOMAXPROCS 1): see goschedEvery.
-				if spins++; spins%goschedEvery == 0 {
+				// The process' goroutines get this processor at the
+				// first spin after goschedGap (and at every one with
+				// GOMAXPROCS 1): see goschedGap.
+				spins++
+				if now := time.Now(); yielded.IsZero() {
+					yielded = now
+					sched.Gosched()
+				} else if spins >= goschedSpins || now.Sub(yielded) >= goschedGap {
+					yielded, spins = now, 0
 					runtime.Gosched()
 				} else {
 					sched.Gosched()
@@ -528,20 +534,27 @@ func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct
 	}
 }
 
-// goschedEvery is how many spins of a wait go by between two in which it
-// offers its processor to the process' other goroutines
-// (runtime.Gosched; sched.Gosched in the others, which yields only with
-// GOMAXPROCS 1). With more than one processor, runtime.Gosched wakes an
-// idle processor's thread at every call, which finds nothing to do and
-// sleeps again: yielding at every spin, a session round trip between two
-// processes over shared memory took 19-24 µs, a bare channel's 16-21;
-// never yielding, 5 and 3-6 µs, but a goroutine the spinner had readied
-// on its processor (an agent's answer for its requester) waited for the
-// end of the spin, and remote memory requests took 250 µs instead of
-// 12-19. Every 16th spin: round trips 4.8-5.4 and 3.0-6.0 µs (unix
-// sockets 18-35 against 41-54), requests 12-20 µs (session's
-// BenchmarkXprocRTT and BenchmarkXprocRequest, three alternating runs).
-const goschedEvery = 16
+// goschedSpins and goschedGap: a spinning wait offers its processor to
+// the process' other goroutines (runtime.Gosched) once goschedSpins spins
+// or goschedGap went by since it last did, whichever comes first; in the
+// spins between, only with GOMAXPROCS 1 (sched.Gosched). With more than
+// one processor, runtime.Gosched wakes an idle processor's thread at
+// every call, which finds nothing to do and sleeps again. Measured with
+// session's BenchmarkXprocRTT and BenchmarkXprocRequest between two
+// processes, three alternating runs: yielding at every spin (before),
+// round trips over shared memory 13.0-16.6 µs (session and bare channel),
+// over unix sockets 33-51, remote memory requests 9-20 and 27-42 µs;
+// never yielding, round trips 4-7 µs, but a goroutine the spinner had
+// readied on its processor (an agent's answer for its requester) waited
+// for the end of the spin: requests 250 µs; every 16th spin, round trips
+// 3.6-7.6 and 15-20 µs, requests 11-16 and 54-69 µs (a spin over a unix
+// socket reads it, and takes longer); with this rule, round trips 4.1-6.1
+// µs over shared memory and 25-37 over unix sockets, requests 14-16 and
+// 32-38 µs.
+const (
+	goschedSpins = 16
+	goschedGap   = 2 * time.Microsecond
+)
 
 // waitCond is wait for a condition of the caller's (Channel.Wait, and
 // Channel.Sleep with mode SpinNever).

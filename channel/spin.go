@@ -53,8 +53,8 @@ const (
 //     for a whole time slice, and pays for it again when it sleeps.
 //   - Between polls a spinning wait offers its processor to the threads
 //     ready to run on it (runtime.Gosched for goroutines, every
-//     goschedEvery spins, or at every one when the process has one
-//     processor: with more, runtime.Gosched wakes an idle processor's
+//     goschedSpins spins or goschedGap, or at every one when the process
+//     has one processor: with more, runtime.Gosched wakes an idle processor's
 //     thread at every call, for nothing most of the time; then
 //     sched_yield, sched.Yield), and with nothing else ready goes on at
 //     once. The thread that would complete the wait, the peer's or the

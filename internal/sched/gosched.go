@@ -22,7 +22,7 @@ import (
 // Only for spins that leave a processor to the rest of the process, and
 // that let the process' goroutines run now and then all the same:
 // channel's waits let fewer goroutines spin than there are processors,
-// and call runtime.Gosched every goschedEvery spins (a goroutine the
+// and call runtime.Gosched every few spins (a goroutine the
 // spinner readied on its own processor otherwise waits for the end of
 // the spin). Where the spinners may
 // outnumber the processors (the ranks of a collective in one process)
