@@ -502,10 +502,11 @@ func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct
 				// first spin after goschedGap (and at every one with
 				// GOMAXPROCS 1): see goschedGap.
 				spins++
-				if now := time.Now(); yielded.IsZero() {
-					yielded = now
-					sched.Gosched()
-				} else if spins >= goschedSpins || now.Sub(yielded) >= goschedGap {
+				now := time.Now()
+				if yielded.IsZero() {
+					yielded = now // the gap counts from the first spin
+				}
+				if spins >= goschedSpins || now.Sub(yielded) >= goschedGap {
 					yielded, spins = now, 0
 					runtime.Gosched()
 				} else {

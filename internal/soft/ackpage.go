@@ -160,9 +160,10 @@ func (p *ackPage) unmap() {
 }
 
 // shmAckWords are the words of a shared-memory connection in which each
-// side publishes the acknowledgements of RDMA writes it holds (see
-// Writes): this side's in the header of the ring it consumes, the peer's
-// in the other. They belong to the segment (no mapping of their own).
+// side publishes the acknowledgements it holds (of receives, and of RDMA
+// writes: see Writes): this side's in the header of the ring it
+// consumes, the peer's in the other. They belong to the segment (no
+// mapping of their own).
 func shmAckWords(l *shmLink) *ackPage {
 	return &ackPage{mine: l.in.ackWord(), peer: l.out.ackWord()}
 }

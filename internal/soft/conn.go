@@ -100,7 +100,6 @@ type conn struct {
 	pull       pullSrc     // the pulled request being handled (rmu)
 	pulled     atomic.Uint64
 	pullsLost  atomic.Uint64
-	acks       *ackPage   // unix: where held acknowledgements are published (ackpage.go)
 	link       io.Closer  // with TLS: the socket under the session (closeSocket); nil otherwise
 	tlsw       *tlsWriter // with TLS: how frames are written
 	auth       peerAuth   // what the peer proved of its identity (handshake.go)
@@ -157,11 +156,12 @@ type conn struct {
 	// responses (respMu held) after they went to the connection's queue
 	// or out, so the consumer may load it without respMu (publishWrite).
 	heldOther atomic.Bool
-	// wacks holds the words in which the acknowledgements of writes are
-	// published (ackpage.go, Writes): the acknowledgement page over unix,
-	// words of the rings over shared memory; nil over TCP.
-	wacks *ackPage
-	// peerAcked is the peer's word of wacks when the
+	// acks holds the words in which held acknowledgements, of receives
+	// (ackFirst) and of writes (publishWrite), are published (ackpage.go):
+	// the acknowledgement page over unix, words of the rings over shared
+	// memory; nil over TCP.
+	acks *ackPage
+	// peerAcked is the peer's word of acks when the
 	// connection failed (set before done is closed).
 	peerAcked uint64
 	rxErr     error // ackFirst could not send
@@ -238,8 +238,7 @@ func newConn(s *service, kind uint8, peerFab uint64, peerPID uint32, nc net.Conn
 		done: make(chan struct{}), qwake: make(chan struct{}, 1), wakers: map[uint32]*remoteWaker{}, pidfd: -1}
 	c.kick = make(chan struct{}, 1)
 	if shm != nil {
-		c.wacks = shmAckWords(shm)
-		c.acks = c.wacks
+		c.acks = shmAckWords(shm)
 	}
 	if pullKind(kind) {
 		c.pidfd = openPidfd(peerPID)
@@ -346,10 +345,10 @@ func (c *conn) fail(err error) {
 	c.errMu.Lock()
 	c.err = err
 	c.errMu.Unlock()
-	if c.wacks != nil {
+	if c.acks != nil {
 		// Before done: the page and the segment stay mapped until then
 		// (addConn).
-		c.peerAcked = c.wacks.peerHeld()
+		c.peerAcked = c.acks.peerHeld()
 	}
 	close(c.done)
 	c.closeSocket()
@@ -1534,7 +1533,7 @@ func (c *conn) payWake() {
 // useAckPage gives a unix connection its acknowledgement page.
 func (c *conn) useAckPage(p *ackPage) {
 	if p != nil {
-		c.acks, c.wacks = p, p
+		c.acks = p
 	}
 }
 
@@ -1544,15 +1543,15 @@ func (c *conn) useAckPage(p *ackPage) {
 // before it is a plain acknowledgement and nothing waits in the
 // connection's queue (consumer: the responder, or placeReq).
 func (c *conn) publishWrite(id uint64) {
-	if c.wacks == nil {
+	if c.acks == nil {
 		return
 	}
 	// Without respMu (heldOther): a response that is not a plain
 	// acknowledgement held by this consumer, or sent meanwhile into the
 	// queue, shows in one of the two loads.
 	if !c.heldOther.Load() && c.queueEmpty() {
-		c.rxPubPrev, c.rxPub = atomic.LoadUint64(c.wacks.mine), true
-		c.wacks.held(id)
+		c.rxPubPrev, c.rxPub = atomic.LoadUint64(c.acks.mine), true
+		c.acks.held(id)
 	}
 }
 
@@ -1560,7 +1559,7 @@ func (c *conn) publishWrite(id uint64) {
 // write was not executed after all (consumer).
 func (c *conn) unpublish() {
 	if c.rxPub {
-		c.wacks.held(c.rxPubPrev)
+		c.acks.held(c.rxPubPrev)
 		c.rxPub = false
 	}
 }

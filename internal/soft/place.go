@@ -107,7 +107,7 @@ func (t *qp) placement(req *request, plen int) (*mr, unsafe.Pointer) {
 		}
 	} else {
 		m := &t.rmsg
-		if !m.active || req.op != m.op || m.op != opWrite && m.op != opWriteImm || req.off != m.next || req.length != m.length {
+		if !m.active || req.op != m.op || !m.op.isWrite() || req.off != m.next || req.length != m.length {
 			return nil, nil
 		}
 		rkey, raddr, length = m.rkey, m.raddr, m.length
@@ -145,7 +145,7 @@ func (c *conn) placeReq(h frameHdr, a uint64) (bool, error) {
 	if err != nil || plen <= 0 || req.direct || flags&reqPull != 0 {
 		return false, nil // the frame is handled (and refused) once whole
 	}
-	if req.op != opWrite && req.op != opWriteImm || req.qpType != uint8(prov.QPTypeRC) {
+	if !req.op.isWrite() || req.qpType != uint8(prov.QPTypeRC) {
 		return false, nil
 	}
 	t := c.f.qps.load(req.dstQPN)

@@ -192,13 +192,8 @@ func TestPlacedWrite(t *testing.T) {
 // itself, and polls never place (they never wait).
 func TestPlacedStream(t *testing.T) {
 	const n, size = 64, 64 << 10
-	forceTransport(t, "tcp")
-	forceTLS(t, tlsOff)
-	e := newEnv(t)
-	qa, cqa, cha := xprocSide(t, e)
-	qb, _, _ := xprocSide(t, e)
-	connectOne(t, qa, qb, prov.QPTypeRC, defaultConn())
-	connectOne(t, qb, qa, prov.QPTypeRC, defaultConn())
+	p := newDrivePair(t, "tcp")
+	e, qa, cqa, cha, qb := p.e, p.qa, p.cqa, p.cha, p.qb
 	src := e.alloc(size, allAccess)
 	for i := range src.b {
 		src.b[i] = byte(i % 251)

@@ -264,7 +264,7 @@ func (c *conn) drainFrames(justFilled bool, limit uint64) (n int, err error) {
 			// payloads are placed (place.go). Another frame read
 			// whole, or any frame a poller or a drive reads (they
 			// never place), ends that: back to full reads.
-			c.sock.placing = place && h.typ == frReq && h.length >= placeMin && (reqOp(body[0]) == opWrite || reqOp(body[0]) == opWriteImm)
+			c.sock.placing = place && h.typ == frReq && h.length >= placeMin && reqOp(body[0]).isWrite()
 		}
 		// The payload is used in place: the responder copies it into the
 		// target, the requester into a read's memory, before the space is

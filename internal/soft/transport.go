@@ -47,6 +47,10 @@ const (
 	opFAA
 )
 
+// isWrite reports whether op is an RDMA write, with or without immediate
+// data.
+func (op reqOp) isWrite() bool { return op == opWrite || op == opWriteImm }
+
 // request is one message from a requester to a responder.
 type request struct {
 	op        reqOp

@@ -694,7 +694,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 		// The peer held the acknowledgements of the requests up to
 		// peerAcked when the connection went (ackpage.go): those were
 		// executed. The first one after them failed.
-		for r.c.wacks != nil && w.fid <= r.c.peerAcked {
+		for r.c.acks != nil && w.fid <= r.c.peerAcked {
 			ack := rresp{c: r.c, id: w.fid}
 			if q.retireOne(&ack, retired) {
 				return true
