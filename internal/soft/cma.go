@@ -75,9 +75,12 @@ import (
 // GOVERBS_SOFT_PULL=0 turns pulling off in a process (no probe is sent,
 // and a side that sent none is never pulled from).
 //
-// The target reads the process it knows by the kernel's word (SO_PEERCRED)
-// and checks after each read, with a pidfd, that the process has not
-// exited (its id could then belong to another: the request is then lost).
+// The target reads the process it knows by the kernel's word (SO_PEERCRED).
+// Its id could belong to another process once it exited: a claimed read
+// counts only if the claim's word, read in the same system call (which
+// reads one process), holds the value of the requester's random base;
+// the probe, which has no claim, is checked after its read with a pidfd
+// (the process has not exited).
 // A read that fails while the claim holds (the requester unmapped the
 // memory of a region it did not close) fails the request as a remote
 // operation error (REM_OP_ERR at the requester, LOC_QP_OP_ERR for a
@@ -250,8 +253,13 @@ func (ps *pullSrc) read(dst []span, off int) pullResult {
 		}
 		return pullFailed
 	}
-	if !peerLives(ps.pidfd) {
+	if !ps.claimed && !peerLives(ps.pidfd) {
 		// Its pid may now be another's: what came is not the request's.
+		// (A claimed read needs no such look, a system call per message:
+		// one process_vm_readv reads one process, whose pid it resolved
+		// when the call began, and the claim's word, read last, holds a
+		// value of the requester's random claimBase, which another
+		// process that got its pid does not hold.)
 		return ps.lose()
 	}
 	held := !ps.claimed || ps.got == ps.want

@@ -134,10 +134,22 @@ func TestPullRead(t *testing.T) {
 		if peerLives(fd) {
 			t.Errorf("peerLives of an exited process = true")
 		}
+		// A read without a claim (the probe's) from a process that is
+		// gone is lost: its pid may be another's now.
 		ps := selfPull(t, new(atomic.Uint64), a)
+		ps.claimed = false
 		ps.pidfd = fd // the data came from a process that is gone
 		if got := ps.read(spansOf(make([]byte, len(a))), 0); got != pullLost {
-			t.Errorf("a read from an exited requester = %v, want pullLost", got)
+			t.Errorf("a read without a claim from an exited requester = %v, want pullLost", got)
+		}
+		// A claimed read is the requester's whatever the pidfd says: its
+		// claim's word, read in the same call, holds the requester's
+		// value (another process at its pid would not: SlotReused in
+		// TestPullClaims), so it looks at no pidfd.
+		ps = selfPull(t, new(atomic.Uint64), a)
+		ps.pidfd = fd
+		if got := ps.read(spansOf(make([]byte, len(a))), 0); got != pullRead {
+			t.Errorf("a claimed read whose claim holds = %v, want pullRead", got)
 		}
 	})
 }
