@@ -167,6 +167,17 @@ func TestHostileFrames(t *testing.T) {
 			b[hdrLen+2] |= reqDirect
 			return b
 		}, true, 0},
+		{"DirectWriteImmOnTCP", func(h *hostile) []byte {
+			// Its data would be in a mapping only shared memory has.
+			b := h.reqFrame(opWriteImm, h.mr.Addr(), 64, nil)
+			b[hdrLen+2] |= reqDirect
+			return b
+		}, true, 0},
+		{"DirectSend", func(h *hostile) []byte {
+			b := h.reqFrame(opSend, 0, 64, nil)
+			b[hdrLen+2] |= reqDirect
+			return b
+		}, true, 0},
 		{"PullProbeOnTCP", func(h *hostile) []byte {
 			b := make([]byte, hdrLen+pullProbeLen)
 			putHdr(b, frPullProbe, pullProbeLen, 0)
@@ -701,4 +712,137 @@ func TestShmDirectReadOnlyRegion(t *testing.T) {
 	if err := unix.Mprotect(imp.mem, unix.PROT_READ|unix.PROT_WRITE); err == nil {
 		t.Error("the mapping of a read-only region could be made writable")
 	}
+}
+
+// TestShmDirectWriteImm: over shared memory, a large RDMA write with
+// immediate into a region the target shares is copied by the requester
+// into its mapping of the region before the request leaves, from
+// PostSend or, above maxNBFrame, from the QP's goroutine; a small one
+// goes through the ring. The receive completes with the immediate and the
+// length, and a direct write posted before it (copied after its ACK) has
+// landed by then.
+func TestShmDirectWriteImm(t *testing.T) {
+	forceTransport(t, "shm")
+	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	const size = 1 << 20
+	src, first := e.alloc(size, allAccess), e.alloc(64<<10, allAccess)
+	dst, other := e.alloc(size, allAccess), e.alloc(64<<10, allAccess)
+	mapped := func() bool {
+		cn := a.qp.(*qp).route.(*peer).current()
+		if cn == nil {
+			t.Fatal("no connection")
+		}
+		cn.impMu.RLock()
+		defer cn.impMu.RUnlock()
+		imp := cn.imports[dst.mr.RKey()]
+		return imp != nil && imp.mem != nil
+	}
+	for i, tc := range []struct {
+		name   string
+		n      int
+		direct bool
+	}{
+		{"BelowDirectMin", directMin / 2, false}, // first: nothing mapped the region yet
+		{"DirectMin", directMin, true},
+		{"64KiB", 64 << 10, true},
+		{"AboveMaxNBFrame", maxNBFrame + 4096, true},
+		{"1MiB", size, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for j := range src.b {
+				src.b[j] = byte(j*7 + i)
+			}
+			for j := range first.b {
+				first.b[j] = byte(j*13 + i)
+			}
+			clear(dst.b)
+			if _, err := b.qp.PostRecv([]prov.RecvWR{{WRID: uint64(i)}}, nil); err != nil {
+				t.Fatal(err)
+			}
+			imm := uint32(0xabc000 + i)
+			wrs := []prov.SendWR{
+				{WRID: 1, Opcode: prov.WRWrite, NumSGE: 1, RemoteAddr: other.addr(0), RKey: other.mr.RKey()},
+				{WRID: 2, Opcode: prov.WRWriteImm, SGEIndex: 1, NumSGE: 1, Flags: prov.SendSignaled, Imm: imm, RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()},
+			}
+			postSend(t, a.qp, wrs, []prov.SGE{first.sge(0, len(first.b)), src.sge(0, tc.n)})
+			rc := poll(t, b.rcq, 1)[0]
+			if rc.Status != prov.StatusSuccess || rc.Opcode != prov.WCRecvRDMAImm || rc.Imm != imm || int(rc.ByteLen) != tc.n {
+				t.Fatalf("receive: %+v", rc)
+			}
+			// By the receive's completion, both writes have landed.
+			if !bytes.Equal(other.b, first.b) {
+				t.Error("the write before the write with immediate has not landed")
+			}
+			if !bytes.Equal(dst.b[:tc.n], src.b[:tc.n]) {
+				t.Error("the data of the write with immediate differs")
+			}
+			if tc.n < size && dst.b[tc.n] != 0 {
+				t.Error("a byte past the write with immediate changed")
+			}
+			if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess || c.WRID != 2 {
+				t.Fatalf("send completion: %+v", c)
+			}
+			if got := mapped(); got != tc.direct {
+				t.Errorf("the requester mapped the target region: %v, want %v", got, tc.direct)
+			}
+		})
+	}
+}
+
+// TestShmDirectWriteImmStale: a write with immediate copied into a
+// mapping the target no longer names by its key (here: the mapping's
+// serial falsified, as after the key was reused for another region) is
+// refused without taking a receive (respStale); the requester drops the
+// mapping, maps the region again and sends the request again: the
+// receive completes once, with the data in the region.
+func TestShmDirectWriteImmStale(t *testing.T) {
+	forceTransport(t, "shm")
+	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	const n = 64 << 10
+	src, dst := e.alloc(n, allAccess), e.alloc(n, allAccess)
+	send := func(wrid uint64, fill byte) {
+		t.Helper()
+		for j := range src.b {
+			src.b[j] = fill + byte(j)
+		}
+		if _, err := b.qp.PostRecv([]prov.RecvWR{{WRID: wrid}}, nil); err != nil {
+			t.Fatal(err)
+		}
+		postSend(t, a.qp, []prov.SendWR{{WRID: wrid, Opcode: prov.WRWriteImm, NumSGE: 1, Flags: prov.SendSignaled,
+			Imm: uint32(wrid), RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}, []prov.SGE{src.sge(0, n)})
+		if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+			t.Fatalf("send %d: %+v", wrid, c)
+		}
+		rc := poll(t, b.rcq, 1)[0]
+		if rc.Status != prov.StatusSuccess || rc.WRID != wrid || rc.Imm != uint32(wrid) || rc.ByteLen != n {
+			t.Fatalf("receive %d: %+v", wrid, rc)
+		}
+		if !bytes.Equal(dst.b, src.b) {
+			t.Fatalf("write %d: the region does not hold its data", wrid)
+		}
+	}
+	send(1, 0x10) // maps the region
+	cn := a.qp.(*qp).route.(*peer).current()
+	if cn == nil {
+		t.Fatal("no connection")
+	}
+	cn.impMu.Lock()
+	old := cn.imports[dst.mr.RKey()]
+	if old == nil || old.mem == nil {
+		cn.impMu.Unlock()
+		t.Fatal("the first write did not map the region (not a direct copy)")
+	}
+	old.serial += 1000 // another region's, as far as the target knows
+	cn.impMu.Unlock()
+	send(2, 0x40)
+	cn.impMu.RLock()
+	now := cn.imports[dst.mr.RKey()]
+	cn.impMu.RUnlock()
+	if now == nil || now == old || now.serial == old.serial {
+		t.Errorf("the stale mapping was kept (%p, was %p)", now, old)
+	}
+	if k, err := b.rcq.Poll(make([]prov.Completion, 4)); err != nil || k != 0 {
+		t.Errorf("%d more receive completions (%v): the refused request took a receive", k, err)
+	}
+	send(3, 0x70) // and the new mapping serves the next one
 }

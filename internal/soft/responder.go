@@ -280,6 +280,14 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			if p, m = t.remote(req.rkey, req.raddr, uint64(req.length), prov.AccessRemoteWrite); m == nil {
 				return t.classC(resp, respAccess, evQPAccessErr)
 			}
+			if req.direct && op == opWriteImm && m.serial != req.compare {
+				// The requester copied the payload into a mapping of
+				// another region the key once named (shm.go): not
+				// executed, it goes back and maps the key again.
+				m.release()
+				resp.code = respStale
+				return false
+			}
 			t.rspans[0] = span{p, int(req.length)}
 		}
 		var wrid uint64
@@ -313,6 +321,7 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 				req.publishWrite()
 			}
 			switch {
+			case req.direct && op == opWriteImm: // the requester copied it (shm.go)
 			case req.direct: // the requester copies (shm.go)
 				resp.orig = m.serial
 			case req.pull != nil: // this side reads it from the requester (cma.go)

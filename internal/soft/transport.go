@@ -124,6 +124,7 @@ const (
 	respAccess                   // NAK: remote access error
 	respOpErr                    // NAK: remote operational error
 	respPullLost                 // a pulled request's claim was gone (cma.go): not executed
+	respStale                    // a direct write with immediate named another region than the one the key names (shm.go): not executed
 
 	// respSilent is not on the wire: the responder drops a segment
 	// without an answer (the segment of a message it refused or never

@@ -151,7 +151,8 @@ func parseHdr(b []byte) (frameHdr, error) {
 //	        [32:36]  rkey                [36:40] immediate
 //	        [40:44]  Q_Key               [44:48] UD: flow label
 //	        [48:56]  remote address of the message
-//	        [56:64]  compare (FAA: add)  [64:72] swap
+//	        [56:64]  compare (FAA: add; a direct write with immediate: the
+//	                 serial of the region it was copied into)  [64:72] swap
 //	        [72:88]  UD: source GID      [88:104] UD: destination GID
 //	        [104:108] offset of the segment in the message  [108:112] 0
 //
@@ -163,7 +164,7 @@ func parseHdr(b []byte) (frameHdr, error) {
 const (
 	reqSolicited = 1 << 0
 	reqNoResp    = 1 << 1 // UC, UD: the requester wants no response
-	reqDirect    = 1 << 2 // shm RC write or read: no data, the requester copies after the ACK
+	reqDirect    = 1 << 2 // shm RC write or read: no data, the requester copies after the ACK; write with immediate: the requester copied before, compare holds the region's serial
 	reqMore      = 1 << 3 // more segments of the message follow
 	reqPull      = 1 << 4 // shm, unix RC send or write: the payload is the requester's addresses of its bytes; read: the requester can pull the data (cma.go)
 )
@@ -261,8 +262,8 @@ func parseReq(b []byte, payload uint32, req *request) (flags uint8, err error) {
 		return 0, fmt.Errorf("%w: QP type %d", errBadReq, req.qpType)
 	case flags&^(reqSolicited|reqNoResp|reqDirect|reqMore|reqPull) != 0 || b[5]|b[6]|b[7] != 0 || le.Uint32(b[108:]) != 0:
 		return 0, fmt.Errorf("%w: flags %#x", errBadReq, flags)
-	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore) != 0 || payload != 0 || req.off != 0):
-		return 0, fmt.Errorf("%w: a direct request must be a RC write or read without payload", errBadReq)
+	case flags&reqDirect != 0 && (req.op != opWrite && req.op != opRead && req.op != opWriteImm || req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore) != 0 || payload != 0 || req.off != 0):
+		return 0, fmt.Errorf("%w: a direct request must be a RC write, write with immediate or read without payload", errBadReq)
 	case flags&reqPull != 0 && (req.qpType != uint8(prov.QPTypeRC) || flags&(reqNoResp|reqMore|reqDirect) != 0 ||
 		req.off != 0 || req.length == 0 || !pullPayload(req.op, payload)):
 		return 0, fmt.Errorf("%w: a pulled request must be a RC send or write of 1 to %d pieces, or a RC read without payload", errBadReq, maxSGE)
@@ -352,7 +353,7 @@ func parseResp(b []byte, payload uint32, r *response) (qpn uint32, err error) {
 	r.pulled = b[2]&respPulled != 0
 	qpn = binary.LittleEndian.Uint32(b[4:])
 	r.orig = binary.LittleEndian.Uint64(b[8:])
-	if r.code > respPullLost || r.rnrTimer > 31 || qpn > maxQPN || b[2]&^(respMore|respPulled) != 0 || b[3] != 0 {
+	if r.code > respStale || r.rnrTimer > 31 || qpn > maxQPN || b[2]&^(respMore|respPulled) != 0 || b[3] != 0 {
 		return 0, fmt.Errorf("%w: code %d, RNR timer %d, flags %#x, QPN %#x", errBadResp, r.code, r.rnrTimer, b[2], qpn)
 	}
 	if r.pulled {

@@ -41,6 +41,10 @@ import (
 // (or the rest fits the connection's queue), and otherwise leave it to the
 // QP's own goroutine (workLoop), which may wait.
 
+// maxStale bounds the go-backs of a request the target found copied
+// into a stale mapping (respStale): a key is remapped once per reuse.
+const maxStale = 4
+
 // maxNBFrame is the largest request frame written without the QP's
 // goroutine; larger ones are written by it, straight from the registered
 // memory.
@@ -51,6 +55,7 @@ type xstate struct {
 	frame   [hdrLen + reqBodyLen]byte
 	bufs    [maxSGE + 1][]byte
 	ndirect int // direct writes in flight (progMu)
+	stale   int // respStale go-backs since a request last completed (progMu)
 
 	pullBuf  [pullHead + maxSGE*pullDesc]byte // the pieces of a pulled request (cma.go)
 	pullSpan [1]span
@@ -429,9 +434,10 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	}
 	// A large write or read on a region the peer shares becomes a direct
 	// copy (shm.go). Other requests wait until the direct writes before them
-	// are copied.
+	// are copied. A large write with immediate is copied now (pre), before
+	// its request leaves, and waits like those others.
 	var imp *mrImport
-	if c.shm != nil && (w.op == opWrite || w.op == opRead) && !w.isInline && w.wr.NumSGE > 0 {
+	if c.shm != nil && (w.op == opWrite || w.op == opRead || w.op == opWriteImm) && !w.isInline && w.wr.NumSGE > 0 {
 		var n uint64
 		for _, s := range w.sge[:w.wr.NumSGE] {
 			n += uint64(s.Length)
@@ -445,13 +451,19 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 				imp = c.importRegion(w.wr.RKey, true)
 			}
 			raddr := w.wr.RemoteAddr
-			if imp != nil && (imp.mem == nil || w.op == opWrite && !imp.writable ||
+			if imp != nil && (imp.mem == nil || w.op != opRead && !imp.writable ||
 				raddr < imp.addr || n > imp.length || raddr-imp.addr > imp.length-n) {
 				imp = nil
 			}
+			if imp != nil && w.op == opWriteImm && !mayBlock && n > maxNBFrame {
+				// PostSend copies at most what it would write.
+				q.needWorker()
+				return postLater, 0
+			}
 		}
 	}
-	if imp == nil && x.ndirect > 0 {
+	pre := imp != nil && w.op == opWriteImm
+	if (imp == nil || pre) && x.ndirect > 0 {
 		return postLater, 0
 	}
 	data, total, nlocked, st := q.gather(w)
@@ -465,6 +477,9 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 		}
 		return postFailed, st
 	}
+	if pre && !c.copyDirect(imp, w.wr.RemoteAddr, data, true) {
+		imp, pre = nil, false // unmapped meanwhile: through the peer
+	}
 	length := uint32(total)
 	_, req := q.buildReq(w, length)
 	plen := 0
@@ -472,6 +487,9 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	switch {
 	case imp != nil:
 		flags = reqDirect
+		if pre {
+			req.compare = imp.serial // the target checks it names the region
+		}
 	case c.pullable(w, total):
 		// The peer reads the bytes from here (cma.go).
 		flags = reqPull
@@ -533,8 +551,11 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	// record for this QP, which fails the request like a lost response.
 	w.fid, w.fconn, w.fpsn, w.fnpkts, w.flen = id, c, q.sqPSN, req.npkts, length
 	w.fseq = q.wakeSeq.Load()
-	w.fimp = imp
-	if imp != nil {
+	w.fimp, w.fpre = imp, nil
+	if pre {
+		w.fimp, w.fpre = nil, imp // copied: nothing to do on its ACK
+	}
+	if w.fimp != nil {
 		x.ndirect++
 	}
 	q.sqPSN = (q.sqPSN + req.npkts) & psnMask
@@ -715,6 +736,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 	status := prov.StatusSuccess
 	switch r.resp.code {
 	case respACK:
+		w.fpre = nil
 		if w.fimp != nil {
 			data, _, n, st := q.gather(w)
 			if st != prov.StatusSuccess {
@@ -777,6 +799,25 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 		// The request is in flight, so its claim was its region's,
 		// closed under it (cma.go).
 		status = prov.StatusLocProtErr
+	case respStale:
+		// A write with immediate was copied into a mapping of a region
+		// the target's key no longer names (its key was reused, shm.go):
+		// not executed. The mapping goes, and so does the request, again
+		// at once (maxStale times in a row at most), with what followed
+		// it: the target did not move on.
+		if w.fpre != nil {
+			r.c.dropImport(w.wr.RKey, w.fpre)
+			w.fpre = nil
+		}
+		if x.stale < maxStale {
+			x.stale++
+			q.sqPSN = w.fpsn
+			q.sqPSNPub.Store(q.sqPSN)
+			x.nfl, x.ndirect = 0, 0
+			x.dropReads()
+			return false
+		}
+		status = prov.StatusRetryExcErr
 	default:
 		status = prov.StatusRemOpErr
 	}
@@ -784,6 +825,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 		q.failFlight(w, status, retired)
 		return true
 	}
+	x.stale = 0
 	if q.retrying {
 		q.stopRetry()
 	}
