@@ -146,14 +146,26 @@ func (f *recvFlow) told(n uint32) {
 }
 
 // shouldWrite reports whether the sender must be told the reposted
-// count by a write now: it may be low on credits (fewer than half of the
-// buffers, as far as we know: the count must reach a sender that
-// streams before it runs dry) and there is something new to tell.
+// count by a write now: there is something new to tell, and the sender
+// may be low on credits (fewer than half of the buffers, as far as we
+// know: the count must reach a sender that streams before it runs dry)
+// or a quarter of the buffers were posted again since it was last told.
+//
+// The second rule is for a receiver that is behind: what it has not
+// consumed yet still counts as the sender's credits in its view, so with
+// as many messages in flight as buffers the first rule wrote only once
+// half of the buffers were consumed since the last count, and the sender
+// waited for every such half (on a timer, since the count comes without a
+// completion). BenchmarkXprocBandwidth/unix with 16 buffers and 16
+// messages in flight: 0.74-0.91 GB/s with the first rule alone, 3.4-3.6
+// with both (64 buffers: unchanged). It costs a write per quarter of the
+// buffers in a stream that goes one way, whose reverse direction carries
+// no counts.
 func (f *recvFlow) shouldWrite() (uint32, bool) {
 	rep, adv := f.reposted.Load(), f.advertised.Load()
 	if rep == adv {
 		return rep, false
 	}
 	credits := int32(f.r + adv - f.consumed.Load())
-	return rep, credits < int32(max(f.r/2, 1))
+	return rep, credits < int32(max(f.r/2, 1)) || rep-adv >= max(f.r/4, 1)
 }

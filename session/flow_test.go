@@ -58,8 +58,9 @@ func TestCreditWaitDrives(t *testing.T) {
 }
 
 // TestCreditWrite: the receiver tells the sender its count by a write
-// once the sender may have fewer than half of the buffers left, and only
-// when there is something new to tell.
+// once the sender may have fewer than half of the buffers left or a
+// quarter of them were posted again since it was told, and only when
+// there is something new to tell.
 func TestCreditWrite(t *testing.T) {
 	for _, tc := range []struct {
 		name                           string
@@ -67,11 +68,15 @@ func TestCreditWrite(t *testing.T) {
 		want                           bool
 	}{
 		{"nothing new", 40, 40, 40, false},
-		{"plenty left", 10, 0, 10, false},           // 64 + 0 - 10 = 54 credits
-		{"half left", 32, 0, 32, false},             // 32: not fewer than half
-		{"fewer than half", 33, 0, 33, true},        // 31
-		{"wrapped", 5, 1<<32 - 40, 5, true},         // 64 - 45 = 19
-		{"wrapped, plenty", 5, 1<<32 - 4, 3, false}, // 64 - 7 = 57
+		{"nothing new, none left", 40, 40, 104, false},
+		{"plenty left", 10, 0, 10, false},                   // 64 + 0 - 10 = 54 credits, 10 new
+		{"a quarter new", 16, 0, 16, true},                  // 48 credits, 16 new
+		{"fewer than half, few new", 33, 30, 63, true},      // 31 credits, 3 new
+		{"half left, few new", 33, 30, 62, false},           // 32: not fewer than half, 3 new
+		{"behind, a quarter new", 16, 0, 20, true},          // the receiver consumed 20 of 64 sent
+		{"wrapped", 5, 1<<32 - 40, 5, true},                 // 64 - 45 = 19
+		{"wrapped, plenty", 5, 1<<32 - 4, 3, false},         // 64 - 7 = 57, 9 new
+		{"wrapped, a quarter new", 12, 1<<32 - 4, 12, true}, // 16 new
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := recvFlow{r: 64}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -39,6 +40,10 @@ import (
 // ratios.
 
 const envBenchChild = "GOVERBS_SESSION_BENCH_CHILD"
+
+// envBenchBuffers is the Config.ReceiveBuffers of a session child (0: the
+// default).
+const envBenchBuffers = "GOVERBS_SESSION_BENCH_BUFFERS"
 
 var benchKinds = []string{"shm", "unix", "tcp"}
 
@@ -123,27 +128,17 @@ func BenchmarkXprocBandwidth(b *testing.B) {
 				}
 			})
 		})
-		b.Run(kind+"/session-posted", func(b *testing.B) {
-			// One goroutine keeps 16 messages in flight with
-			// PostSendSlice, as the baseline keeps 16 writes.
-			benchMessages(b, kind, func(ctx context.Context, s *Session, msg LocalMR, n int) {
-				var ring [16]Pending
-				for i := range n + 16 {
-					p := &ring[i%16]
-					if i >= 16 {
-						if err := p.Wait(ctx); err != nil {
-							b.Fatal(err)
-						}
-					}
-					if i < n {
-						var err error
-						if *p, err = s.PostSendSlice(ctx, msg.All(), 0, false); err != nil {
-							b.Fatal(err)
-						}
-					}
-				}
-			})
-		})
+		// One goroutine keeps 16 messages in flight with PostSendSlice,
+		// as the baseline keeps 16 writes; with 16 receive buffers, as
+		// many as messages in flight, it also waits for credits all the
+		// time (recvFlow.shouldWrite).
+		for _, buffers := range []int{0, 16} {
+			name := kind + "/session-posted"
+			if buffers > 0 {
+				name += fmt.Sprintf("-buffers=%d", buffers)
+			}
+			b.Run(name, func(b *testing.B) { benchPosted(b, kind, buffers) })
+		}
 		b.Run(kind+"/channel", func(b *testing.B) {
 			ch, buf := benchChannel(b, kind, "sink")
 			ctx := context.Background()
@@ -174,6 +169,29 @@ func BenchmarkXprocBandwidth(b *testing.B) {
 	}
 }
 
+// benchPosted: one goroutine keeps 16 messages of BenchmarkXprocBandwidth
+// in flight with PostSendSlice, to a child with buffers receive buffers
+// (0: the default).
+func benchPosted(b *testing.B, kind string, buffers int) {
+	benchMessagesTo(b, benchSessionWith(b, kind, false, buffers), func(ctx context.Context, s *Session, msg LocalMR, n int) {
+		var ring [16]Pending
+		for i := range n + 16 {
+			p := &ring[i%16]
+			if i >= 16 {
+				if err := p.Wait(ctx); err != nil {
+					b.Fatal(err)
+				}
+			}
+			if i < n {
+				var err error
+				if *p, err = s.PostSendSlice(ctx, msg.All(), 0, false); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+	})
+}
+
 func BenchmarkXprocRequest(b *testing.B) { benchRequest(b, false) }
 
 // BenchmarkXprocRequestSpin is BenchmarkXprocRequest with Config.AgentSpin
@@ -183,7 +201,7 @@ func BenchmarkXprocRequestSpin(b *testing.B) { benchRequest(b, true) }
 func benchRequest(b *testing.B, agentSpin bool) {
 	for _, kind := range benchKinds {
 		b.Run(kind, func(b *testing.B) {
-			s := benchSessionWith(b, kind, agentSpin)
+			s := benchSessionWith(b, kind, agentSpin, 0)
 			ctx := context.Background()
 			var reqTime time.Duration
 			req := func() {
@@ -253,7 +271,11 @@ const wimmBenchSize = 64
 // benchMessages measures bwSize messages over a session with a child:
 // send sends n of them from msg; the child answers once it has them all.
 func benchMessages(b *testing.B, kind string, send func(ctx context.Context, s *Session, msg LocalMR, n int)) {
-	s := benchSession(b, kind)
+	benchMessagesTo(b, benchSession(b, kind), send)
+}
+
+// benchMessagesTo is benchMessages on the session s.
+func benchMessagesTo(b *testing.B, s *Session, send func(ctx context.Context, s *Session, msg LocalMR, n int)) {
 	ctx := context.Background()
 	msg, err := s.Alloc(bwSize)
 	if err != nil {
@@ -280,11 +302,11 @@ func benchMessages(b *testing.B, kind string, send func(ctx context.Context, s *
 
 // benchSession starts a child serving sessions over kind and returns a
 // session to it.
-func benchSession(b *testing.B, kind string) *Session { return benchSessionWith(b, kind, false) }
+func benchSession(b *testing.B, kind string) *Session { return benchSessionWith(b, kind, false, 0) }
 
 // benchSessionWith is benchSession, with Config.AgentSpin set as
-// agentSpin on both sides.
-func benchSessionWith(b *testing.B, kind string, agentSpin bool) *Session {
+// agentSpin and Config.ReceiveBuffers as buffers on both sides.
+func benchSessionWith(b *testing.B, kind string, agentSpin bool, buffers int) *Session {
 	restore, err := soft.ForceTransport(kind)
 	if err != nil {
 		b.Fatal(err)
@@ -294,11 +316,11 @@ func benchSessionWith(b *testing.B, kind string, agentSpin bool) *Session {
 	if agentSpin {
 		child = envBenchChild + "=session-agentspin"
 	}
-	p := testproc.Start(b, child, "GOVERBS_SOFT_TRANSPORT="+kind)
+	p := testproc.Start(b, child, "GOVERBS_SOFT_TRANSPORT="+kind, fmt.Sprintf("%s=%d", envBenchBuffers, buffers))
 	addr := p.Line(b, "addr")[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	s, err := Dial(ctx, addr, Config{AgentSpin: agentSpin})
+	s, err := Dial(ctx, addr, Config{AgentSpin: agentSpin, ReceiveBuffers: buffers})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -397,7 +419,8 @@ func benchChildIfRequested() {
 func benchSessionChild(agentSpin bool) error {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	l, err := Listen(ctx, "127.0.0.1:0", Config{AgentSpin: agentSpin})
+	buffers, _ := strconv.Atoi(os.Getenv(envBenchBuffers))
+	l, err := Listen(ctx, "127.0.0.1:0", Config{AgentSpin: agentSpin, ReceiveBuffers: buffers})
 	if err != nil {
 		return err
 	}
