@@ -395,7 +395,9 @@ func TestCrossProcessPull(t *testing.T) {
 
 			wantPeer, wantHere := uint64(3), uint64(2)
 			if tc.tr == "shm" && !tc.goMem {
-				wantHere = 1 // the peer's region is shared memory: the read is a direct copy
+				// The peer's region is shared memory: the write with
+				// immediate and the read are direct copies by this process.
+				wantPeer, wantHere = 2, 1
 			}
 			if !pull {
 				wantPeer, wantHere = 0, 0
@@ -485,11 +487,22 @@ func testPullLetGo(t *testing.T, tr, op, how string) {
 		spec = verbs.QPSpec{Timeout: 22, RetryCount: 7} // 17 s a try: no timeout
 	}
 	const size = 256 << 10
-	p := newXRC(t, c, spec, size, accessAll)
+	// Over shared memory a write with immediate into a region the peer
+	// shares is copied by the requester before it leaves (direct: the
+	// bytes of the post are what lands, never later ones); into Go
+	// memory it is pulled.
+	p := newXRCMem(t, c, spec, size, accessAll, tr == "shm" && op == "writeimm")
 	buf := make([]byte, size)
 	src := p.a.Register(t, buf, accessLocal)
 	link, peerLink := pullLinks(t, c, p, src, true)
 	lost := peerLink().PullsLost
+	if op == "writeimm" {
+		// A large write first asks the peer whether it shares the region
+		// (shm.go, direct writes); asked now, the answer is known before
+		// the peer stops, and the write with immediate is pulled.
+		must(t, "post write", p.qa.PostWrite(19, verbs.Signaled, p.rb.At(0), SGE(t, src, 0, size)))
+		expectOK(t, "write", c.pollOne(t, p.a.CQ), 19, verbs.OpWrite, p.qa.QPN())
+	}
 
 	c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 10, Len: size})
 	Pattern(buf, 0x11)
