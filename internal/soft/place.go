@@ -84,8 +84,13 @@ type sockPlace struct {
 // the payload's first byte in memory. It makes the responder's checks
 // (respondLocked, respondRC, continueMsg) without their effects; nil if
 // any fails (the responder will refuse the frame, or it is not worth
-// placing). A write with immediate is placed only after its first
-// segment (which took the receive: an RNR NAK leaves memory untouched).
+// placing). A write with immediate is placed from its first segment on
+// only if it is more than one packet long and a receive waits for it
+// (not one of an SRQ, which other QPs take from): a NIC writes the first
+// packets of such a message before its last one takes the receive, and
+// an RNR NAK of the last leaves them in memory; a message of one packet
+// is checked whole (no receive: memory untouched). The second segment of
+// a longer one is placed in any case: the first took the receive.
 func (t *qp) placement(req *request, plen int) (*mr, unsafe.Pointer) {
 	t.rmu.Lock()
 	defer t.rmu.Unlock()
@@ -102,7 +107,10 @@ func (t *qp) placement(req *request, plen int) (*mr, unsafe.Pointer) {
 	}
 	rkey, raddr, length := req.rkey, req.raddr, req.length
 	if req.off == 0 {
-		if t.rmsg.active || req.op != opWrite || req.mtu != t.mtu && req.length > min(req.mtu, t.mtu) {
+		if t.rmsg.active || !req.op.isWrite() || req.mtu != t.mtu && req.length > min(req.mtu, t.mtu) {
+			return nil, nil
+		}
+		if req.op == opWriteImm && (req.length <= t.mtu || !t.rmsg.recv.ok && (t.srq != nil || t.rq.count == 0)) {
 			return nil, nil
 		}
 	} else {

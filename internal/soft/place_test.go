@@ -238,3 +238,98 @@ func TestPlacedStream(t *testing.T) {
 		t.Errorf("%d of %d 64 KiB writes placed, want at least %d", placed, n, 3*n/4)
 	}
 }
+
+// TestPlacementWriteImm: the reader places the first segment of a RC
+// write with immediate only when the message is more than one packet
+// long and a receive waits for it on the QP (not an SRQ's): a NIC writes
+// the first packets of such a message before its last takes the
+// receive; one that would be refused (RNR) is read whole and leaves
+// memory untouched.
+func TestPlacementWriteImm(t *testing.T) {
+	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	dst := e.alloc(128<<10, allAccess)
+	tq := b.qp.(*qp)
+	req := func(op reqOp, n uint32) *request {
+		return &request{op: op, qpType: uint8(prov.QPTypeRC), srcQPN: a.qp.QPN(), dstQPN: tq.qpn, srcFabric: tq.destFabric,
+			psn: tq.rqPSN, npkts: (n + tq.mtu - 1) / tq.mtu, mtu: tq.mtu, length: n, rkey: dst.mr.RKey(), raddr: dst.addr(0)}
+	}
+	placed := func(r *request) bool {
+		m, _ := tq.placement(r, int(r.length))
+		if m != nil {
+			m.release()
+		}
+		return m != nil
+	}
+	const n = 64 << 10
+	if !placed(req(opWrite, n)) {
+		t.Fatal("a write is not placed")
+	}
+	if placed(req(opWriteImm, n)) {
+		t.Error("a write with immediate is placed with no receive posted")
+	}
+	postRecv(t, b.qp, 1)
+	if !placed(req(opWriteImm, n)) {
+		t.Error("a write with immediate of 16 packets is not placed with a receive posted")
+	}
+	if placed(req(opWriteImm, tq.mtu)) {
+		t.Error("a write with immediate of one packet is placed")
+	}
+}
+
+// TestPlacedWriteImmStream: RDMA writes with immediate of 64 KiB over TCP,
+// each with a receive waiting, are placed like writes (before, none was:
+// the reader read every payload into its buffer and the responder copied
+// it); the receives complete in order with their immediates and lengths,
+// and the region holds the bytes.
+func TestPlacedWriteImmStream(t *testing.T) {
+	const n, size = 16, 64 << 10
+	p := newDrivePair(t, "tcp")
+	e, qa, cqa, cha, qb := p.e, p.qa, p.cqa, p.cha, p.qb
+	src, dst := e.alloc(n*size, allAccess), e.alloc(n*size, allAccess)
+	for i := range src.b {
+		src.b[i] = byte(i % 253)
+	}
+	p.sendOne(t) // sets the connection up
+	placedNow := func() (k uint64) {
+		s := qb.(*qp).f.svc.Load()
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		for c := range s.conns {
+			k += c.nPlaced.Load()
+		}
+		return k
+	}
+	before := placedNow()
+	for i := range n {
+		if _, err := qb.PostRecv([]prov.RecvWR{{WRID: uint64(100 + i)}}, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wrs := make([]prov.SendWR, n)
+	sges := make([]prov.SGE, n)
+	for i := range wrs {
+		wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: prov.WRWriteImm, SGEIndex: uint32(i), NumSGE: 1, Imm: uint32(7000 + i),
+			RemoteAddr: dst.addr(i * size), RKey: dst.mr.RKey()}
+		sges[i] = src.sge(i*size, size)
+	}
+	wrs[n-1].Flags = prov.SendSignaled
+	if k, err := qa.PostSend(wrs, sges); err != nil || k != n {
+		t.Fatalf("post: %d, %v", k, err)
+	}
+	var cs [4]prov.Completion
+	waitCQ(t, cqa, cha, cs[:], 1)
+	for i := range n {
+		waitCQ(t, p.cqb, p.chb, cs[:1], 1)
+		if c := cs[0]; c.Status != prov.StatusSuccess || c.WRID != uint64(100+i) || c.Imm != uint32(7000+i) || c.ByteLen != size {
+			t.Fatalf("receive %d: %+v", i, c)
+		}
+	}
+	if !bytes.Equal(dst.b, src.b) {
+		t.Fatal("the region does not hold the writes' bytes")
+	}
+	placed := placedNow() - before
+	t.Logf("%d of %d writes with immediate placed", placed, n)
+	if placed < 3*n/4 {
+		t.Errorf("%d of %d 64 KiB writes with immediate placed, want at least %d", placed, n, 3*n/4)
+	}
+}
