@@ -549,3 +549,31 @@ func benchChannelChild(what string) error {
 	cancel()
 	return nil
 }
+
+// BenchmarkServeRequest is what a peer's agent does for a
+// RequestRemoteMR of 4 KiB, the "allocation" of the request's goal (2
+// round trips + allocation): allocate the memory, zero it, register its
+// window for the peer, start its lease; then, as a release does, close
+// the window and free the memory. Both sessions live in this process.
+func BenchmarkServeRequest(b *testing.B) {
+	s, _ := pair(b, Config{})
+	m := ctrlMsg{len: 4096, access: verbs.AccessRemoteWrite, lease: time.Minute}
+	serve := func() {
+		g, _, err := s.serveRequest(m)
+		if err != nil {
+			b.Fatal(err)
+		}
+		a := &s.agent
+		a.mu.Lock()
+		a.dropGrantLocked(g.id, g)
+		a.mu.Unlock()
+	}
+	for range 100 {
+		serve()
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		serve()
+	}
+}
