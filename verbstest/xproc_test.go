@@ -364,6 +364,17 @@ func TestCrossProcessPull(t *testing.T) {
 			checkBytes(t, "sent with immediate", c.peerBytes(t, p.b, size, size), b[size:2*size])
 			checkBytes(t, "written with immediate", c.peerBytes(t, p.b, 2*size, size), b[3:3+size])
 
+			// Again, now that a write of the QP was acknowledged: over
+			// shared memory into the peer's shared region, this process
+			// copies it (soft's xstate.wrOK, direct writes).
+			c.peer.Do(PeerReq{Op: "recv", ID: p.b, WRID: 13})
+			must(t, "post write imm", p.qa.PostWriteImm(23, verbs.Signaled, p.rb.At(2*size), 0xBEEF, SGE(t, src, 5, size)))
+			expectOK(t, "requester completion", c.pollOne(t, p.a.CQ), 23, verbs.OpWrite, p.qa.QPN())
+			wc2 := c.peerPoll(t, p.b, 1)[0]
+			expectOK(t, "second write imm's receive", wc2, 13, verbs.OpRecvWriteImm, p.qpnB)
+			expectImm(t, "second write imm's receive", wc2, 0xBEEF)
+			checkBytes(t, "written with immediate again", c.peerBytes(t, p.b, 2*size, size), b[5:5+size])
+
 			// Peer → A: a send.
 			dst := p.a.Alloc(t, size+64, accessLocal)
 			Pattern(dst.Bytes(), 0x77)
@@ -393,11 +404,12 @@ func TestCrossProcessPull(t *testing.T) {
 			checkBytes(t, "read, between the pieces", got[1000:2000], before1[1000:2000])
 			checkBytes(t, "read, past the pieces", got[size+2100:], before1[size+2100:])
 
-			wantPeer, wantHere := uint64(3), uint64(2)
+			wantPeer, wantHere := uint64(4), uint64(2)
 			if tc.tr == "shm" && !tc.goMem {
-				// The peer's region is shared memory: the write with
-				// immediate and the read are direct copies by this process.
-				wantPeer, wantHere = 2, 1
+				// The peer's region is shared memory: the second write
+				// with immediate and the read are direct copies by this
+				// process.
+				wantPeer, wantHere = 3, 1
 			}
 			if !pull {
 				wantPeer, wantHere = 0, 0

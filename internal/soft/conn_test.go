@@ -846,3 +846,40 @@ func TestShmDirectWriteImmStale(t *testing.T) {
 	}
 	send(3, 0x70) // and the new mapping serves the next one
 }
+
+// TestShmDirectWriteImmRefused: a write with immediate to a QP that
+// refuses remote writes (its access flags) fails and leaves the region
+// as it was, although the region allows remote writes and is shared: a
+// write with immediate is copied before it leaves only once a write of
+// the QP was acknowledged (xstate.wrOK); before, it goes through the
+// target, which checks the QP first, as a NIC does.
+func TestShmDirectWriteImmRefused(t *testing.T) {
+	forceTransport(t, "shm")
+	ob := defaultConn()
+	ob.access = prov.AccessLocalWrite | prov.AccessRemoteRead
+	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), ob)
+	const n = 64 << 10
+	src, dst := e.alloc(n, allAccess), e.alloc(n, allAccess)
+	for i := range src.b {
+		src.b[i] = 0x5A
+	}
+	postRecv(t, b.qp, 1)
+	// A read maps the region (the requester then holds a writable
+	// mapping of it): only the QP's refusal stands in the way.
+	postSend(t, a.qp, []prov.SendWR{{WRID: 1, Opcode: prov.WRRead, NumSGE: 1, Flags: prov.SendSignaled, RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}},
+		[]prov.SGE{src.sge(0, n)})
+	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+		t.Fatalf("read: %+v", c)
+	}
+	for i := range src.b {
+		src.b[i] = 0x5A
+	}
+	postSend(t, a.qp, []prov.SendWR{{WRID: 2, Opcode: prov.WRWriteImm, NumSGE: 1, Flags: prov.SendSignaled, Imm: 9, RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}},
+		[]prov.SGE{src.sge(0, n)})
+	if c := poll(t, a.scq, 1)[0]; c.Status == prov.StatusSuccess {
+		t.Fatalf("a write with immediate to a QP without remote write access succeeded: %+v", c)
+	}
+	if !bytes.Equal(dst.b, make([]byte, n)) {
+		t.Error("the refused write with immediate changed the region")
+	}
+}

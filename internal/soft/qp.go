@@ -733,6 +733,7 @@ func (q *qp) resetLocked() {
 	q.rnrLeft, q.retryLeft = 0, 0
 	q.ncbuf = 0
 	q.peerLost.Store(false)
+	q.x.wrOK = false // the next destination may refuse remote writes
 	q.errReported = false
 	q.state.Store(uint32(prov.QPStateReset))
 }

@@ -534,7 +534,10 @@ func readMsgFDs(c *net.UnixConn, b []byte, max int) ([]int, error) {
 // when it handles the request, and the data must be there by then. The
 // requester copies it into its mapping before the request leaves (after
 // the direct writes before it were copied, like any other request), from
-// PostSend up to maxNBFrame bytes, from the QP's goroutine beyond, and
+// PostSend up to maxNBFrame bytes, from the QP's goroutine beyond, once a
+// write of the QP was acknowledged since it left RESET (xstate.wrOK:
+// before, the target may refuse remote writes on the QP, which it checks
+// first, and the request goes through it), and
 // the request carries the serial of the region it mapped: the target
 // checks it before it takes a receive, and refuses a request copied into
 // another region than the one its key names now (respStale: not
@@ -543,7 +546,11 @@ func readMsgFDs(c *net.UnixConn, b []byte, max int) ([]int, error) {
 // before the target checked the request, as the first packets of a
 // multi-packet write land on a NIC before the last one's checks: a
 // request that fails (an RNR NAK, a QP in error) may have changed the
-// region. The target's process then does no copy at all, where a pull
+// region. It may also land before requests posted earlier were executed
+// at the target (those that are not direct): the contents of a write's
+// target are defined once it completes (InfiniBand's rule for RDMA
+// writes), and by then the target has executed the earlier ones, in
+// order. The target's process then does no copy at all, where a pull
 // (cma.go) made it copy every payload while the requester's waited:
 // session's 64 KiB messages between two processes (BenchmarkXprocBandwidth
 // /shm, five alternating runs) went from 0.73 to 2.01 times a bare

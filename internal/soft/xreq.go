@@ -56,6 +56,10 @@ type xstate struct {
 	bufs    [maxSGE + 1][]byte
 	ndirect int // direct writes in flight (progMu)
 	stale   int // respStale go-backs since a request last completed (progMu)
+	// wrOK: a write of this QP was acknowledged since it left RESET, so
+	// its destination QP accepts remote writes (progMu): a write with
+	// immediate is copied before it leaves only then (shm.go).
+	wrOK bool
 
 	pullBuf  [pullHead + maxSGE*pullDesc]byte // the pieces of a pulled request (cma.go)
 	pullSpan [1]span
@@ -462,6 +466,9 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 			}
 		}
 	}
+	if imp != nil && w.op == opWriteImm && !x.wrOK {
+		imp = nil // through the target first: it may refuse remote writes
+	}
 	pre := imp != nil && w.op == opWriteImm
 	if (imp == nil || pre) && x.ndirect > 0 {
 		return postLater, 0
@@ -737,6 +744,9 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 	switch r.resp.code {
 	case respACK:
 		w.fpre = nil
+		if w.op.isWrite() {
+			x.wrOK = true
+		}
 		if w.fimp != nil {
 			data, _, n, st := q.gather(w)
 			if st != prov.StatusSuccess {
