@@ -1257,9 +1257,9 @@ func (c *conn) tryWriteFD(fd uintptr) bool {
 		var r uintptr
 		var errno syscall.Errno
 		if c.twMore && n == 1 {
-			r, _, errno = unix.Syscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(c.iov[0].Base)), uintptr(c.iov[0].Len), unix.MSG_MORE, 0, 0)
+			r, _, errno = unix.RawSyscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(c.iov[0].Base)), uintptr(c.iov[0].Len), unix.MSG_MORE, 0, 0)
 		} else {
-			r, _, errno = unix.Syscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&c.iov[0])), uintptr(n))
+			r, _, errno = unix.RawSyscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&c.iov[0])), uintptr(n))
 			if errno == 0 && c.corked.Load() {
 				c.uncorked() // pushed along
 			}

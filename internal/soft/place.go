@@ -250,7 +250,7 @@ func (x *sockRx) placeRead(fd uintptr) bool {
 				k = 2
 			}
 		}
-		r, _, errno := unix.Syscall(unix.SYS_READV, fd, uintptr(unsafe.Pointer(&pl.iov[0])), uintptr(k))
+		r, _, errno := unix.RawSyscall(unix.SYS_READV, fd, uintptr(unsafe.Pointer(&pl.iov[0])), uintptr(k))
 		if !pl.fail {
 			pl.m.release()
 		}

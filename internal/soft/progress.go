@@ -658,7 +658,7 @@ func (x *sockRx) readFD(fd uintptr) {
 			// placed (place.go).
 			b = b[:x.tail]
 		}
-		n, err := unix.Read(int(fd), b)
+		n, err := rawRead(fd, b)
 		if err == unix.EINTR {
 			continue
 		}
