@@ -206,17 +206,7 @@ func TestPlacedStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitCQ(t, cqa, cha, cs[:], 1)
-	// Whichever connection carries them (both ends are in this
-	// process).
-	placedNow := func() (k uint64) {
-		s := qb.(*qp).f.svc.Load()
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		for c := range s.conns {
-			k += c.nPlaced.Load()
-		}
-		return k
-	}
+	placedNow := func() uint64 { return placedBy(qb) }
 	before := placedNow()
 	wrs := make([]prov.SendWR, n)
 	sges := make([]prov.SGE, n)
@@ -290,15 +280,7 @@ func TestPlacedWriteImmStream(t *testing.T) {
 		src.b[i] = byte(i % 253)
 	}
 	p.sendOne(t) // sets the connection up
-	placedNow := func() (k uint64) {
-		s := qb.(*qp).f.svc.Load()
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		for c := range s.conns {
-			k += c.nPlaced.Load()
-		}
-		return k
-	}
+	placedNow := func() uint64 { return placedBy(qb) }
 	before := placedNow()
 	for i := range n {
 		if _, err := qb.PostRecv([]prov.RecvWR{{WRID: uint64(100 + i)}}, nil); err != nil {
@@ -332,4 +314,16 @@ func TestPlacedWriteImmStream(t *testing.T) {
 	if placed < 3*n/4 {
 		t.Errorf("%d of %d 64 KiB writes with immediate placed, want at least %d", placed, n, 3*n/4)
 	}
+}
+
+// placedBy is how many frames the connections of q's service have placed
+// (whichever connection carries them: both ends are in this process).
+func placedBy(q prov.QP) (k uint64) {
+	s := q.(*qp).f.svc.Load()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for c := range s.conns {
+		k += c.nPlaced.Load()
+	}
+	return k
 }

@@ -675,6 +675,16 @@ func (q *qp) flight(retired int) *sendWQE {
 	return &q.sq.slots[j]
 }
 
+// goBack makes w, the oldest request in flight, the next to go again;
+// the requests in flight after it are dropped (the target did not move
+// on: they come again after it). progMu held.
+func (q *qp) goBack(w *sendWQE) {
+	q.sqPSN = w.fpsn
+	q.sqPSNPub.Store(q.sqPSN)
+	q.x.nfl, q.x.ndirect = 0, 0
+	q.x.dropReads()
+}
+
 // failFlight completes the oldest request in flight with status and
 // abandons the others (the QP is about to go to ERR).
 func (q *qp) failFlight(w *sendWQE, status prov.Status, retired *int) {
@@ -788,11 +798,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 			ok = q.backoff(d, &q.retryLeft, d == 0 || q.patientNotReady(r.c), w.fseq)
 		}
 		if ok {
-			// Go back to this request; what followed it is dropped.
-			q.sqPSN = w.fpsn
-			q.sqPSNPub.Store(q.sqPSN)
-			x.nfl, x.ndirect = 0, 0
-			x.dropReads()
+			q.goBack(w)
 			return false
 		}
 		status = prov.StatusRNRRetryExcErr
@@ -821,10 +827,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 		}
 		if x.stale < maxStale {
 			x.stale++
-			q.sqPSN = w.fpsn
-			q.sqPSNPub.Store(q.sqPSN)
-			x.nfl, x.ndirect = 0, 0
-			x.dropReads()
+			q.goBack(w)
 			return false
 		}
 		status = prov.StatusRetryExcErr
