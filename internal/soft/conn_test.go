@@ -821,7 +821,8 @@ func TestShmDirectWriteImmStale(t *testing.T) {
 			t.Fatalf("write %d: the region does not hold its data", wrid)
 		}
 	}
-	send(1, 0x10) // maps the region
+	send(1, 0x10) // through the target (the QP's first write: wrOK)
+	send(2, 0x20) // maps the region
 	cn := a.qp.(*qp).route.(*peer).current()
 	if cn == nil {
 		t.Fatal("no connection")
@@ -830,11 +831,11 @@ func TestShmDirectWriteImmStale(t *testing.T) {
 	old := cn.imports[dst.mr.RKey()]
 	if old == nil || old.mem == nil {
 		cn.impMu.Unlock()
-		t.Fatal("the first write did not map the region (not a direct copy)")
+		t.Fatal("the second write did not map the region (not a direct copy)")
 	}
 	old.serial += 1000 // another region's, as far as the target knows
 	cn.impMu.Unlock()
-	send(2, 0x40)
+	send(3, 0x40)
 	cn.impMu.RLock()
 	now := cn.imports[dst.mr.RKey()]
 	cn.impMu.RUnlock()
@@ -844,7 +845,7 @@ func TestShmDirectWriteImmStale(t *testing.T) {
 	if k, err := b.rcq.Poll(make([]prov.Completion, 4)); err != nil || k != 0 {
 		t.Errorf("%d more receive completions (%v): the refused request took a receive", k, err)
 	}
-	send(3, 0x70) // and the new mapping serves the next one
+	send(4, 0x70) // and the new mapping serves the next one
 }
 
 // TestShmDirectWriteImmRefused: a write with immediate to a QP that

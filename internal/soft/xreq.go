@@ -439,9 +439,11 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	// A large write or read on a region the peer shares becomes a direct
 	// copy (shm.go). Other requests wait until the direct writes before them
 	// are copied. A large write with immediate is copied now (pre), before
-	// its request leaves, and waits like those others.
+	// its request leaves, and waits like those others; only once a write
+	// of the QP was acknowledged (wrOK: the target may refuse remote
+	// writes, which it checks first).
 	var imp *mrImport
-	if c.shm != nil && (w.op == opWrite || w.op == opRead || w.op == opWriteImm) && !w.isInline && w.wr.NumSGE > 0 {
+	if c.shm != nil && (w.op == opWrite || w.op == opRead || w.op == opWriteImm && x.wrOK) && !w.isInline && w.wr.NumSGE > 0 {
 		var n uint64
 		for _, s := range w.sge[:w.wr.NumSGE] {
 			n += uint64(s.Length)
@@ -465,9 +467,6 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 				return postLater, 0
 			}
 		}
-	}
-	if imp != nil && w.op == opWriteImm && !x.wrOK {
-		imp = nil // through the target first: it may refuse remote writes
 	}
 	pre := imp != nil && w.op == opWriteImm
 	if (imp == nil || pre) && x.ndirect > 0 {
