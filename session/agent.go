@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
 )
 
 // The agent: a goroutine per session that reads the control queue pair
@@ -243,20 +244,47 @@ func (s *Session) sendCtrl(ctx context.Context, m ctrlMsg) error {
 		buf.Free()
 		return s.ctxErr("agent", err)
 	}
+	h, err := s.postCtrlMsg(buf, m)
+	if err != nil {
+		return err
+	}
+	return s.awaitFor(ctx, "agent", h, orphaned{buf: buf})
+}
+
+// postCtrlMsg posts m from buf (a credit taken); on an error buf is
+// freed and the session fails.
+func (s *Session) postCtrlMsg(buf LocalMR, m ctrlMsg) (channel.Handle, error) {
 	m.credits = s.crflow.reposted.Load()
 	n := m.put(buf.Bytes())
 	sl, _ := buf.Slice(0, n)
 	h, err := s.agc.PostSend(sl.SGE())
 	if err != nil {
 		buf.Free()
-		return s.fail("agent", err)
+		return channel.Handle{}, s.fail("agent", err)
 	}
 	s.crflow.told(m.credits)
-	return s.awaitFor(ctx, "agent", h, orphaned{buf: buf})
+	return h, nil
 }
 
-// sendAsync sends m in the background (answers of the agent, fins).
+// sendAsyncCtrl sends m without waiting (answers of the agent, fins):
+// posted at once if a credit is free (its completion is awaited in the
+// background), else entirely in the background. An answer posted by the
+// agent itself leaves before the agent reads on; one left to a new
+// goroutine waited for that goroutine to run: RequestRemoteMR in a loop
+// (BenchmarkXprocRequest, five alternating runs, medians) took 23.8 µs
+// that way over shared memory and 59.0 over unix sockets, 17.4 and 40.0
+// posted at once.
 func (s *Session) sendAsyncCtrl(m ctrlMsg) {
+	if buf, err := s.mem.Alloc(ctrlBufSize); err == nil {
+		if s.cflow.tryTake() {
+			h, err := s.postCtrlMsg(buf, m)
+			if err == nil {
+				s.goTask(func() { s.awaitFor(s.bg, "agent", h, orphaned{buf: buf}) })
+			}
+			return
+		}
+		buf.Free()
+	}
 	s.goTask(func() { s.sendCtrl(s.bg, m) })
 }
 
