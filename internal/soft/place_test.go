@@ -206,8 +206,7 @@ func TestPlacedStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitCQ(t, cqa, cha, cs[:], 1)
-	placedNow := func() uint64 { return placedBy(qb) }
-	before := placedNow()
+	before := placedBy(qb)
 	wrs := make([]prov.SendWR, n)
 	sges := make([]prov.SGE, n)
 	for i := range wrs {
@@ -222,7 +221,7 @@ func TestPlacedStream(t *testing.T) {
 	if !bytes.Equal(dst.b, src.b) {
 		t.Fatal("the region does not hold the writes' bytes")
 	}
-	placed := placedNow() - before
+	placed := placedBy(qb) - before
 	t.Logf("%d of %d writes placed", placed, n)
 	if placed < 3*n/4 {
 		t.Errorf("%d of %d 64 KiB writes placed, want at least %d", placed, n, 3*n/4)
@@ -280,8 +279,7 @@ func TestPlacedWriteImmStream(t *testing.T) {
 		src.b[i] = byte(i % 253)
 	}
 	p.sendOne(t) // sets the connection up
-	placedNow := func() uint64 { return placedBy(qb) }
-	before := placedNow()
+	before := placedBy(qb)
 	for i := range n {
 		if _, err := qb.PostRecv([]prov.RecvWR{{WRID: uint64(100 + i)}}, nil); err != nil {
 			t.Fatal(err)
@@ -309,7 +307,7 @@ func TestPlacedWriteImmStream(t *testing.T) {
 	if !bytes.Equal(dst.b, src.b) {
 		t.Fatal("the region does not hold the writes' bytes")
 	}
-	placed := placedNow() - before
+	placed := placedBy(qb) - before
 	t.Logf("%d of %d writes with immediate placed", placed, n)
 	if placed < 3*n/4 {
 		t.Errorf("%d of %d 64 KiB writes with immediate placed, want at least %d", placed, n, 3*n/4)
