@@ -488,7 +488,8 @@ func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct
 		// This goroutine is the poller.
 		n, err := e.poll()
 		if err == nil && n == 0 && !ready() {
-			if w.spin(&e.spin) {
+			now := time.Now()
+			if w.spin(&e.spin, now) {
 				e.unlockPoll()
 				select {
 				case <-ctx.Done():
@@ -502,7 +503,6 @@ func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct
 				// first spin after goschedGap (and at every one with
 				// GOMAXPROCS 1): see goschedGap.
 				spins++
-				now := time.Now()
 				if yielded.IsZero() {
 					yielded = now // the gap counts from the first spin
 				}

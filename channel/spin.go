@@ -118,9 +118,10 @@ func newWaiter(mode int) waiter {
 }
 
 // spin reports whether the poller should poll again (after yielding the
-// processor) rather than sleep on the completion channel. Once it said
-// no, it says no until the wait ends.
-func (w *waiter) spin(s *spinStats) bool {
+// processor) rather than sleep on the completion channel; now is the
+// time (the caller's clock read, which it uses for its yields too). Once
+// it said no, it says no until the wait ends.
+func (w *waiter) spin(s *spinStats, now time.Time) bool {
 	if w.over {
 		return false
 	}
@@ -142,7 +143,7 @@ func (w *waiter) spin(s *spinStats) bool {
 		w.chose = true
 		w.budget, w.probe = s.budget()
 	}
-	if w.budget > 0 && time.Since(w.start) < w.budget {
+	if w.budget > 0 && now.Sub(w.start) < w.budget {
 		if w.counted {
 			return true
 		}

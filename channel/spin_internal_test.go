@@ -113,7 +113,7 @@ func TestSpinnerLimit(t *testing.T) {
 	spinners.Add(limit)
 	var s spinStats // no data: spinning wins
 	w := unhurried(newWaiter(SpinAdaptive))
-	if w.spin(&s) {
+	if w.spin(&s, time.Now()) {
 		spinners.Add(-limit)
 		t.Fatalf("a wait spins with %d spinners already", limit)
 	}
@@ -126,7 +126,7 @@ func TestSpinnerLimit(t *testing.T) {
 		t.Error("a wait kept from spinning was recorded as a choice")
 	}
 	w = unhurried(newWaiter(SpinAdaptive))
-	if !w.spin(&s) {
+	if !w.spin(&s, time.Now()) {
 		t.Fatal("a wait does not spin with no spinners")
 	}
 	if got := spinners.Load(); got != 1 {
@@ -167,13 +167,13 @@ func TestSpinModes(t *testing.T) {
 			var s spinStats
 			w := newWaiter(opts.SpinPolls)
 			n := 0
-			for n < 10000 && w.spin(&s) {
+			for n < 10000 && w.spin(&s, time.Now()) {
 				n++
 			}
 			if tc.spins < 0 && n != 10000 || tc.spins >= 0 && n != tc.spins {
 				t.Errorf("spun %d times, want %d (-1: without end)", n, tc.spins)
 			}
-			if w.spin(&s) && tc.spins >= 0 {
+			if w.spin(&s, time.Now()) && tc.spins >= 0 {
 				t.Error("spins again after saying no")
 			}
 		})
