@@ -39,7 +39,9 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 COUNTS="$WORK/counts" # one line per tier run: NAME PASSED FAILED SKIPPED PKGFAILS
 SUMMARY="$WORK/testsummary"
+FAILED="$WORK/failed" # one line per failed test or package: TIER: PACKAGE TEST
 : >"$COUNTS"
+: >"$FAILED"
 
 # run_go_tests TIER [go test args...] — run `go test -race -count=1 -json`
 # with the given arguments and summarize it as tier TIER.
@@ -51,7 +53,7 @@ run_go_tests() {
 	# stderr is merged: go's own errors (bad go.mod, ...) are echoed unchanged.
 	set +e
 	go test -race -count=1 -json -timeout "$GO_TEST_TIMEOUT" "$@" 2>&1 |
-		"$SUMMARY" -tier "$tier" -counts "$COUNTS"
+		"$SUMMARY" -tier "$tier" -counts "$COUNTS" -failed "$FAILED"
 	go_rc=${PIPESTATUS[0]} sum_rc=${PIPESTATUS[1]}
 	set -e
 	# The summarizer knows about failed tests and packages; go test's own
@@ -178,6 +180,13 @@ if ((failed + pkgfails > 0)); then
 fi
 if ((pkgfails > 0)); then
 	echo "$pkgfails package or build failure(s) outside any test: see the tier summaries above"
+fi
+# Every failure once more, next to the closing line, so that the end of a
+# long log names them.
+if [[ -s "$FAILED" ]]; then
+	echo
+	echo "failed, in all tiers:"
+	sed 's/^/  /' "$FAILED"
 fi
 echo
 echo "$passed passed, $failed failed, $skipped skipped"

@@ -223,18 +223,27 @@ func (r *result) report(w io.Writer, tier string) {
 	for _, s := range r.skips {
 		fmt.Fprintf(w, "  skipped: %s %s: %s\n", s.key.pkg, s.key.test, s.reason)
 	}
+	for _, l := range r.failureLines() {
+		fmt.Fprintf(w, "  FAILED:  %s\n", l)
+	}
+	fmt.Fprintf(w, "tier %s: %d passed, %d failed, %d skipped\n", tier, r.passed, r.failed, r.skipped)
+}
+
+// failureLines names every failed test and package, a line each, sorted.
+func (r *result) failureLines() []string {
 	sort.SliceStable(r.failures, func(i, j int) bool { return less(r.failures[i], r.failures[j]) })
+	var lines []string
 	for _, k := range r.failures {
 		suffix := ""
 		if r.unfinished[k] {
 			suffix = " (did not finish)"
 		}
-		fmt.Fprintf(w, "  FAILED:  %s %s%s\n", k.pkg, k.test, suffix)
+		lines = append(lines, k.pkg+" "+k.test+suffix)
 	}
 	for _, p := range r.pkgFails {
-		fmt.Fprintf(w, "  FAILED:  package %s: %s\n", p.pkg, p.reason)
+		lines = append(lines, "package "+p.pkg+": "+p.reason)
 	}
-	fmt.Fprintf(w, "tier %s: %d passed, %d failed, %d skipped\n", tier, r.passed, r.failed, r.skipped)
+	return lines
 }
 
 func less(a, b testKey) bool {
@@ -247,6 +256,7 @@ func less(a, b testKey) bool {
 func main() {
 	tier := flag.String("tier", "unit", "name of the tier, for the summary")
 	countsFile := flag.String("counts", "", "if set, append a line `TIER PASSED FAILED SKIPPED PKGFAILS` to this file")
+	failedFile := flag.String("failed", "", "if set, append a line `TIER: PACKAGE TEST` per failed test or package to this file")
 	flag.Parse()
 
 	r := newResult()
@@ -285,15 +295,19 @@ func main() {
 	r.report(out, *tier)
 	out.Flush()
 
-	if *countsFile != "" {
-		f, err := os.OpenFile(*countsFile, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
-		if err == nil {
-			_, err = fmt.Fprintf(f, "%s %d %d %d %d\n", *tier, r.passed, r.failed, r.skipped, len(r.pkgFails))
-			if cerr := f.Close(); err == nil {
-				err = cerr
-			}
+	if *failedFile != "" {
+		var b strings.Builder
+		for _, l := range r.failureLines() {
+			b.WriteString(*tier + ": " + l + "\n")
 		}
-		if err != nil {
+		if err := appendFile(*failedFile, b.String()); err != nil {
+			fmt.Fprintf(os.Stderr, "testsummary: writing failures: %v\n", err)
+			os.Exit(2)
+		}
+	}
+	if *countsFile != "" {
+		line := fmt.Sprintf("%s %d %d %d %d\n", *tier, r.passed, r.failed, r.skipped, len(r.pkgFails))
+		if err := appendFile(*countsFile, line); err != nil {
 			fmt.Fprintf(os.Stderr, "testsummary: writing counts: %v\n", err)
 			os.Exit(2)
 		}
@@ -301,4 +315,17 @@ func main() {
 	if !r.ok() {
 		os.Exit(1)
 	}
+}
+
+// appendFile appends text to the file at path, creating it if needed.
+func appendFile(path, text string) error {
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString(text)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
