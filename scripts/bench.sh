@@ -264,7 +264,7 @@ session() {
 	go build -o "$bin/kv" ./examples/kv
 	for k in ${SESSION_KINDS:-shm unix tcp}; do
 		for ((r = 0; r < runs; r++)); do
-			GOVERBS_SOFT_TRANSPORT=$k "$bin/kv" -serve 127.0.0.1:0 -buckets 4096 -heap 1048576 >"$bin/kvsrv" 2>&1 &
+			GOVERBS_SOFT_TRANSPORT=$k "$bin/kv" -serve 127.0.0.1:0 -buckets 1024 -heap 1048576 >"$bin/kvsrv" 2>&1 &
 			local pid=$! addr=
 			for ((i = 0; i < 100; i++)); do
 				[[ -n $addr ]] && break

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -11,6 +12,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/session"
 )
 
 // childEnv marks a re-executed test binary that runs the command with
@@ -49,7 +53,7 @@ func command(t *testing.T, kind string, args ...string) *exec.Cmd {
 func TestServerAndClients(t *testing.T) {
 	for _, kind := range []string{"shm", "unix", "tcp"} {
 		t.Run(kind, func(t *testing.T) {
-			srv := command(t, kind, "-serve", "127.0.0.1:0", "-buckets", "4096", "-heap", "1048576")
+			srv := command(t, kind, "-serve", "127.0.0.1:0", "-buckets", "1024", "-heap", "1048576")
 			var stderr bytes.Buffer
 			srv.Stderr = &stderr
 			out, err := srv.StdoutPipe()
@@ -149,5 +153,105 @@ func TestHashKeyHome(t *testing.T) {
 	}
 	if len(used) < 850 {
 		t.Errorf("1000 keys start at %d distinct buckets of %d, want about 890", len(used), buckets)
+	}
+}
+
+// TestBucketOverflow: keys that share a home bucket fill its 4 slots and
+// then the next bucket's, and every one is found by a GET (two reads, or
+// three for those in the next bucket); a missing key with the same home
+// ends at the next bucket's empty slot; a full table refuses a PUT.
+// Server and client are sessions of this process.
+func TestBucketOverflow(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const buckets = 2
+	dev, err := verbs.Open("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	pd, err := dev.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pd.Close()
+	mr, err := pd.Alloc(buckets*bucketSize+64<<10, verbs.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mr.Close()
+	tab := &table{mr: mr, buckets: buckets}
+	l, err := session.Listen(ctx, "127.0.0.1:0", session.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	served := make(chan error, 1)
+	go func() {
+		s, err := l.Accept(ctx)
+		if err != nil {
+			served <- err
+			return
+		}
+		defer s.Close()
+		served <- serveClient(ctx, s, tab)
+	}()
+	s, err := session.Dial(ctx, l.Addr().String(), session.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := newClient(ctx, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Keys whose home is bucket 0, and one more of bucket 1's.
+	var home0 [][]byte
+	var other []byte
+	for i := 0; len(home0) < 7 || other == nil; i++ {
+		k := []byte(fmt.Sprintf("k%d", i))
+		if _, home := hashKey(k, buckets); home == 0 {
+			home0 = append(home0, k)
+		} else if other == nil {
+			other = k
+		}
+	}
+	for i, k := range home0[:6] {
+		if err := c.put(ctx, k, []byte(fmt.Sprintf("value %d", i))); err != nil {
+			t.Fatalf("put %s: %v", k, err)
+		}
+	}
+	if err := c.put(ctx, other, []byte("other")); err != nil {
+		t.Fatal(err)
+	}
+	for i, k := range home0[:6] {
+		v, ok, err := c.get(ctx, k)
+		if want := fmt.Sprintf("value %d", i); err != nil || !ok || string(v) != want {
+			t.Errorf("get %s: %q, %v, %v; want %q", k, v, ok, err, want)
+		}
+	}
+	if v, ok, err := c.get(ctx, other); err != nil || !ok || string(v) != "other" {
+		t.Errorf("get %s: %q, %v, %v", other, v, ok, err)
+	}
+	// Bucket 1 holds 2 of home 0's keys and other: one slot is empty.
+	if v, ok, err := c.get(ctx, home0[6]); err != nil || ok {
+		t.Errorf("get of missing %s: %q, %v, %v", home0[6], v, ok, err)
+	}
+	// An update of a key in the next bucket stays there.
+	if err := c.put(ctx, home0[5], []byte("new")); err != nil {
+		t.Fatal(err)
+	}
+	if v, ok, err := c.get(ctx, home0[5]); err != nil || !ok || string(v) != "new" {
+		t.Errorf("get %s after its update: %q, %v, %v", home0[5], v, ok, err)
+	}
+	if err := c.put(ctx, home0[6], []byte("fills the table")); err != nil {
+		t.Fatal(err)
+	}
+	err = c.put(ctx, []byte("one too many"), nil)
+	if err == nil || !strings.Contains(err.Error(), "no free slot") {
+		t.Errorf("put into a full table: %v", err)
+	}
+	s.Close()
+	if err := <-served; err != nil && !errors.Is(err, session.ErrPeerClosed) {
+		t.Errorf("server: %v", err)
 	}
 }
