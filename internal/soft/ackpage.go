@@ -66,7 +66,7 @@ import (
 // (a pull that fails, cma.go), it takes the publication back before
 // anything else; so does handleReq when the responder does not
 // acknowledge it after all. A write placed straight from a unix socket
-// into its region (place.go) is published by placeReq before it reads
+// into its region (place.go) is published by placeStart before it reads
 // the payload; a message of several segments (over a socket, past
 // segMax) when its last segment lands: an application that exits on
 // seeing its first bytes, before the rest came, loses it, which did not

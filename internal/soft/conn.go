@@ -1541,7 +1541,7 @@ func (c *conn) useAckPage(p *ackPage) {
 // lands in its region, that this side holds its acknowledgement
 // (ackpage.go, Writes), if it can say so exactly: every response held
 // before it is a plain acknowledgement and nothing waits in the
-// connection's queue (consumer: the responder, or placeReq).
+// connection's queue (consumer: the responder, or placeStart).
 func (c *conn) publishWrite(id uint64) {
 	if c.acks == nil {
 		return

@@ -157,11 +157,11 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 			// poller with every segment, for nobody, while the
 			// application is ahead of its peer; quiet.go).
 			look = false
-			a := c.sock.w - c.sock.r
+			a := c.sock.mark()
 			if err = c.sock.fill(); err != nil {
 				break
 			}
-			if c.sock.w-c.sock.r != a {
+			if c.sock.mark() != a {
 				c.looked.Add(1)
 				if err = c.quiet.silence(); err != nil {
 					break

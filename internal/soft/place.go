@@ -1,7 +1,9 @@
 package soft
 
 import (
+	"errors"
 	"io"
+	"os"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -16,12 +18,21 @@ import (
 // the buffer, the responder copies it from there into the target region.
 // For a large RDMA write that is a third copy of every byte (the sender's
 // kernel made the first), as expensive as each of the other two: a raw
-// socket stream makes two. So the connection's reader (never a poller: it
-// may wait) does what a NIC does with the packets of a write: once the
-// header and body of a RC write have arrived and the target QP would
-// accept the segment (placement: the checks of the responder, without
-// its effects), it reads the rest of the payload from the socket straight
-// into the target region, and only the bytes after it into the buffer.
+// socket stream makes two. So whoever consumes the socket (the reader, a
+// poll, a drive: progress.go, drive.go) does what a NIC does with the
+// packets of a write: once the header and body of a RC write have
+// arrived and the target QP would accept the segment (placement: the
+// checks of the responder, without its effects), it reads the rest of
+// the payload from the socket straight into the target region, and only
+// the bytes after it into the buffer. The placement is a state of the
+// socket (sockRx.pend), kept across consumers: the reader waits for the
+// rest of a payload (until a read deadline asks it aside); a poll or a
+// drive reads what arrived and returns, and the next consumer goes on
+// (placeRun; sockRx.fillPlace for the waits of drives and the reader),
+// before any other frame. Polls placed nothing before: a session's 64
+// KiB messages over TCP, which its Receive polls for, were read into the
+// buffer and copied from there (6.5 µs of the receiving process per
+// message, runtime.memmove).
 // The responder then runs the frame as usual (it checks again and makes
 // the effects), except that the payload is already where it goes: it
 // does not copy it, and refuses the write (remote access error) if the
@@ -138,32 +149,33 @@ func placed(req *request, m *mr, p unsafe.Pointer, data []span) bool {
 	return m == req.placed && len(data) == 1 && data[0].p == p
 }
 
-// placeReq places the payload of the frame h at the head of the receive
-// buffer (a bytes of it there, the header and body whole) if it is a RC
-// write the target accepts, and handles the frame (rmu held, the
-// reader). It reports whether it did; an error fails the connection.
-func (c *conn) placeReq(h frameHdr, a uint64) (bool, error) {
+// placeStart begins to place the payload of the frame h at the head of
+// the receive buffer (a bytes of it there, the header and body whole) if
+// it is a RC write the target accepts (rmu held): what arrived of the
+// payload goes into the region, the header and body move to the front of
+// the buffer, and the rest of the payload, still in the socket, is read
+// into the region by placeRun. It reports whether it began.
+func (c *conn) placeStart(h frameHdr, a uint64) bool {
 	x := c.sock
-	const head = hdrLen + reqBodyLen
 	body := c.rxBody[:reqBodyLen]
 	x.peek(hdrLen, body)
 	plen := int(h.length) - reqBodyLen
 	var req request
 	flags, err := parseReq(body, uint32(plen), &req)
 	if err != nil || plen <= 0 || req.direct || flags&reqPull != 0 {
-		return false, nil // the frame is handled (and refused) once whole
+		return false // the frame is handled (and refused) once whole
 	}
 	if !req.op.isWrite() || req.qpType != uint8(prov.QPTypeRC) {
-		return false, nil
+		return false
 	}
 	t := c.f.qps.load(req.dstQPN)
 	if t == nil {
-		return false, nil
+		return false
 	}
 	req.srcFabric, req.srcConn = c.peerFab, c
 	m, p := t.placement(&req, plen)
 	if m == nil {
-		return false, nil
+		return false
 	}
 	if flags&reqNoResp == 0 && !req.more {
 		// It lands now: its acknowledgement is published first
@@ -171,54 +183,76 @@ func (c *conn) placeReq(h frameHdr, a uint64) (bool, error) {
 		// responder acknowledges it.
 		c.publishWrite(h.id)
 	}
-	// What arrived of the payload goes first; the header and body move
-	// to the front of the buffer, the rest of the payload stays in the
-	// socket.
-	have := int(a) - head
-	dmaCopy(unsafe.Slice((*byte)(p), have), x.buf[x.r+head:x.w])
+	have := int(a) - placeHead
+	dmaCopy(unsafe.Slice((*byte)(p), have), x.buf[x.r+placeHead:x.w])
 	m.release()
-	copy(x.buf, x.buf[x.r:x.r+head])
-	x.r, x.w = 0, head
-	pl := &x.place
-	*pl = sockPlace{m: m, off: uint64(uintptr(p)-uintptr(m.base)) + uint64(have), rem: plen - have}
-	err = c.readPlaced()
-	x.placing = true
-	fail := pl.fail
-	*pl = sockPlace{}
-	if err != nil {
-		c.unpublish()
-		return false, readErr(c, err)
-	}
-	// The frame, with its payload in place (or, if the region went away,
-	// a pointer the responder refuses).
-	c.rxPlaced = m
-	c.rxData[0] = span{p, plen}
-	if fail {
-		c.rxData[0].p = nil
-	}
-	err = c.handle(h, body, c.rxData[:1], plen)
-	c.rxData = [2]span{}
-	c.rxPlaced = nil
-	x.skip(head)
-	return true, err
+	copy(x.buf, x.buf[x.r:x.r+placeHead])
+	x.r, x.w = 0, placeHead
+	x.place = sockPlace{m: m, off: uint64(uintptr(p)-uintptr(m.base)) + uint64(have), rem: plen - have}
+	x.pend, x.pendAt, x.pendLen = true, p, plen
+	return true
 }
 
-// readPlaced reads the rest of the payload being placed (x.place) into
-// its region, and what follows it (up to x.tail bytes) into the
-// receive buffer, waiting for the socket if need be (rmu held). The
-// responses held are sent before it waits.
-func (c *conn) readPlaced() error {
+// placeHead is the bytes of a placed frame before its payload.
+const placeHead = hdrLen + reqBodyLen
+
+// placeRun reads the rest of the payload being placed (x.pend) into its
+// region, and what follows it (up to x.tail bytes) into the receive
+// buffer (rmu held). Without wait it reads what the socket holds; with
+// it (the reader) it waits for the rest, sending the responses held
+// first, until a read deadline ends the wait (a Wait wants the socket:
+// the placement goes on with whoever takes it). done: the payload is all
+// there. An error ends the placement and fails the connection.
+func (c *conn) placeRun(wait bool) (done bool, err error) {
 	x := c.sock
-	if err := x.raw.Control(x.placeTry); err != nil {
-		return err
-	}
-	if x.place.rem > 0 && x.place.err == nil {
-		c.flushResps()
-		if err := x.raw.Read(x.placeFn); err != nil {
-			return err
+	pl := &x.place
+	if pl.rem > 0 && pl.err == nil {
+		err = x.raw.Control(x.placeTry)
+		if err == nil && pl.rem > 0 && pl.err == nil && wait {
+			c.flushResps()
+			err = x.raw.Read(x.placeFn)
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				return false, nil
+			}
 		}
 	}
-	return x.place.err
+	if err == nil {
+		err = pl.err
+	}
+	if err != nil {
+		c.unpublish()
+		*pl = sockPlace{}
+		x.pend = false
+		return false, readErr(c, err)
+	}
+	return pl.rem == 0, nil
+}
+
+// placeFinish handles the frame whose payload was placed (rmu held): the
+// responder finds the payload in place (or, if the region went away, a
+// pointer it refuses).
+func (c *conn) placeFinish() error {
+	x := c.sock
+	pl := &x.place
+	h, err := parseHdr(x.buf[x.r : x.r+hdrLen])
+	if err != nil {
+		return err // it parsed when the placement began
+	}
+	body := c.rxBody[:reqBodyLen]
+	x.peek(hdrLen, body)
+	c.rxPlaced = pl.m
+	c.rxData[0] = span{x.pendAt, x.pendLen}
+	if pl.fail {
+		c.rxData[0].p = nil
+	}
+	*pl = sockPlace{}
+	x.pend, x.pendAt = false, nil
+	x.placing = true
+	err = c.handle(h, body, c.rxData[:1], x.pendLen)
+	c.rxData = [2]span{}
+	c.rxPlaced = nil
+	x.skip(placeHead)
+	return err
 }
 
 // placeRead reads the socket (non-blocking) into the region being placed

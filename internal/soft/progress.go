@@ -74,13 +74,14 @@ type pollState struct {
 	sock    *sockRx       // rx of a socket connection
 	seen    uint64        // shared memory: the ring's tail drain last saw (rmu)
 
-	rxHdr    [hdrLen]byte // drain's (rmu)
-	rxBody   [reqBodyLen]byte
-	rxReader bool          // the consumer is the reader (rxLoop), which may wait
-	rxMoved  uint64        // payload bytes of the requests handled (reset by pollDrain)
-	rxPlaced *mr           // the region the frame being handled was placed in (place.go)
-	nPlaced  atomic.Uint64 // frames placed so far (place.go)
-	rxStop   *compChannel  // a driver's channel: drain returns once it has an event (driveShm)
+	rxHdr       [hdrLen]byte // drain's (rmu)
+	rxBody      [reqBodyLen]byte
+	rxReader    bool          // the consumer is the reader (rxLoop), which may wait
+	rxMoved     uint64        // payload bytes of the requests handled (reset by pollDrain)
+	rxPlaced    *mr           // the region the frame being handled was placed in (place.go)
+	nPlaced     atomic.Uint64 // frames placed so far (place.go)
+	nPlacedPoll atomic.Uint64 // of them, by a poll or a drive
+	rxStop      *compChannel  // a driver's channel: drain returns once it has an event (driveShm)
 
 	// efdSleeping says that the reader sleeps on the eventfd of a
 	// shared-memory connection (or is about to): a driver must not
@@ -193,12 +194,32 @@ func (c *conn) drainFrames(justFilled bool, limit uint64) (n int, err error) {
 	src := c.rx
 	hb, body := &c.rxHdr, &c.rxBody
 	filled := justFilled && !src.more()
-	// The reader places large write payloads in their regions
-	// (place.go); pollers never wait for the socket.
-	place := c.rxReader && c.sock != nil && c.sock.src == nil
+	// Large write payloads are placed in their regions (place.go), by
+	// whoever consumes the socket; only the reader waits for the rest of
+	// one, pollers and drives read what arrived and leave the rest to the
+	// next consumer.
+	place := c.sock != nil && c.sock.src == nil
 	for !c.dead.Load() {
 		if limit > 0 && c.rxMoved >= limit {
 			return n, nil // a poll's share (pollMoveMax)
+		}
+		if place && c.sock.pend {
+			done, err := c.placeRun(c.rxReader)
+			if err != nil || !done {
+				return n, err
+			}
+			err = c.placeFinish()
+			n++
+			c.nPlaced.Add(1)
+			if !c.rxReader {
+				c.nPlacedPoll.Add(1)
+			}
+			c.rxSeen.Add(1)
+			if err != nil {
+				return n, fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
+			}
+			filled = true // the placement read what followed
+			continue
 		}
 		a, err := src.avail()
 		if err != nil {
@@ -225,20 +246,8 @@ func (c *conn) drainFrames(justFilled bool, limit uint64) (n int, err error) {
 			}
 		}
 		if !complete && place && h.typ == frReq && a >= hdrLen+reqBodyLen && uint64(hdrLen)+uint64(h.length)-a >= placeMin {
-			ok, err := c.placeReq(h, a)
-			if ok {
-				n++
-				c.nPlaced.Add(1)
-				c.rxSeen.Add(1)
-			}
-			if err != nil {
-				if ok {
-					return n, fmt.Errorf("soft: bad frame from process %d: %w", c.peerPID, err)
-				}
-				return n, err
-			}
-			if ok {
-				filled = true // the placement read what followed
+			if c.placeStart(h, a) {
+				filled = false // the rest is in the socket
 				continue
 			}
 		}
@@ -257,14 +266,13 @@ func (c *conn) drainFrames(justFilled bool, limit uint64) (n int, err error) {
 		filled = filled && !src.more()
 		bl := bodyLen(h)
 		src.peek(hdrLen, body[:bl])
-		if c.sock != nil && (place || c.sock.placing) {
-			// A large RDMA write read whole by the reader (it was
-			// behind, or a full read took it in) is a stream of them:
-			// the next reads stop at the tail, so that the next
-			// payloads are placed (place.go). Another frame read
-			// whole, or any frame a poller or a drive reads (they
-			// never place), ends that: back to full reads.
-			c.sock.placing = place && h.typ == frReq && h.length >= placeMin && reqOp(body[0]).isWrite()
+		if place {
+			// A large RDMA write read whole (the consumer was behind,
+			// or a full read took it in) is a stream of them: the
+			// next reads stop at the tail, so that the next payloads
+			// are placed (place.go). Another frame read whole ends
+			// that: back to full reads.
+			c.sock.placing = h.typ == frReq && h.length >= placeMin && reqOp(body[0]).isWrite()
 		}
 		// The payload is used in place: the responder copies it into the
 		// target, the requester into a read's memory, before the space is
@@ -618,10 +626,13 @@ type sockRx struct {
 	waitFn func(fd uintptr) bool
 	tries  int // reads of the last fillWait: 1 if it did not wait
 
-	place    sockPlace // the payload being placed (place.go)
-	placing  bool      // the last large frame was placed: reads stop at tail
-	tail     int       // placeTail, or placeTailTCP over TCP
-	capped   bool      // the last read stopped there
+	place    sockPlace      // the payload being placed (place.go)
+	pend     bool           // a placement is under way: its frame's header and body are at buf[r:]
+	pendAt   unsafe.Pointer // where its payload goes
+	pendLen  int            // its payload's length
+	placing  bool           // the last large frame was placed: reads stop at tail
+	tail     int            // placeTail, or placeTailTCP over TCP
+	capped   bool           // the last read stopped there
 	placeFn  func(fd uintptr) bool
 	placeTry func(fd uintptr)
 }
@@ -674,6 +685,9 @@ func (x *sockRx) fill() error { return x.fillMode(false) }
 func (x *sockRx) fillWait() error { return x.fillMode(true) }
 
 func (x *sockRx) fillMode(wait bool) error {
+	if x.pend {
+		return x.fillPlace(wait)
+	}
 	if x.r == x.w {
 		x.r, x.w = 0, 0
 	} else if x.w == len(x.buf) && x.r > 0 {
@@ -715,6 +729,28 @@ func (x *sockRx) fillMode(wait bool) error {
 	x.full = x.w == len(x.buf) || x.capped && x.fillN == x.tail
 	return nil
 }
+
+// fillPlace is fillMode while a payload is placed (pend): the socket's
+// next bytes are the payload's, read into its region (and what follows
+// them, up to the tail, into buf). Once the payload is all there it
+// reads nothing and does not wait: the frame waits to be handled
+// (drainFrames, placeFinish). An error of the placement's own reads is
+// left in place.err for placeRun.
+func (x *sockRx) fillPlace(wait bool) error {
+	x.full = false
+	pl := &x.place
+	if pl.rem == 0 || pl.err != nil {
+		return nil
+	}
+	if !wait {
+		return x.raw.Control(x.placeTry)
+	}
+	x.tries = 2 // a wait that may have waited (drive.go)
+	return x.raw.Read(x.placeFn)
+}
+
+// mark is what a fill changes when the socket brought bytes (drive.go).
+func (x *sockRx) mark() [2]int { return [2]int{x.w - x.r, x.place.rem} }
 
 func (x *sockRx) avail() (uint64, error)    { return uint64(x.w - x.r), nil }
 func (x *sockRx) peek(off uint64, p []byte) { copy(p, x.buf[x.r+int(off):]) }

@@ -316,7 +316,7 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 		if m != nil {
 			// A write that is executed once its payload lands: its
 			// acknowledgement is published first (ackpage.go, Writes;
-			// placeReq did for a placed one).
+			// placeStart did for a placed one).
 			if !req.direct && req.placed == nil {
 				req.publishWrite()
 			}
