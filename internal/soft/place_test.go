@@ -116,6 +116,60 @@ func TestPlacedWrite(t *testing.T) {
 			}
 		}
 	})
+	t.Run("BegunByPollEndedByReader", func(t *testing.T) {
+		// A poll begins the placement with the first bytes and leaves;
+		// the reader reads the rest into the region and handles the
+		// frame before anything else.
+		h := newHostileOn(t, prov.QPTypeRC, 4*segMax, "unix")
+		p := h.peer()
+		c := connOf(t, getFabric().qps.load(h.qpn).destFabric)
+		deadline := time.Now().Add(hangGuard)
+		for {
+			c.polls.Add(1)
+			if c.rmu.TryLock() {
+				break
+			}
+			c.askReaderAside()
+			if time.Now().After(deadline) {
+				t.Fatal("the reader kept the socket")
+			}
+			runtime.Gosched()
+		}
+		placed, byPolls := c.nPlaced.Load(), c.nPlacedPoll.Load()
+		left := make(chan bool, 1)
+		go func() {
+			defer c.rmu.Unlock()
+			for time.Now().Before(deadline) {
+				if _, err := c.drain(false); err != nil {
+					left <- false
+					return
+				}
+				if c.sock.pend {
+					left <- c.sock.place.rem == segMax-first
+					return
+				}
+				runtime.Gosched()
+			}
+			left <- false
+		}()
+		req, id := p.msg(opWrite, h.mr.Addr()+8, h.mr.RKey(), segMax)
+		p.segSplit(t, &req, id, 0, first, func() {
+			if !<-left {
+				t.Error("the poll did not begin the placement with the first bytes")
+			}
+		})
+		if r := p.resp(t); r.code != respACK || p.lastID != id {
+			t.Fatalf("response %d to %d, want an ACK to %d", r.code, p.lastID, id)
+		}
+		b := h.mrBytes()
+		if !patternOK(b[8:8+segMax], 0) || !allEq(b[:8], 0) || !allEq(b[8+segMax:], 0) {
+			t.Fatal("the region does not hold exactly the message")
+		}
+		if k, kp := c.nPlaced.Load()-placed, c.nPlacedPoll.Load()-byPolls; k != 1 || kp != 0 {
+			t.Errorf("%d frames placed, %d of them ended by polls; want 1 ended by the reader", k, kp)
+		}
+		probe(t, p, respACK)
+	})
 	t.Run("RegionClosedWhilePlacing", func(t *testing.T) {
 		// The reader waits for the rest of the first segment: the
 		// region's Close does not wait for it, and the write fails with
