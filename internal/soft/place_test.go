@@ -124,17 +124,7 @@ func TestPlacedWrite(t *testing.T) {
 		p := h.peer()
 		c := connOf(t, getFabric().qps.load(h.qpn).destFabric)
 		deadline := time.Now().Add(hangGuard)
-		for {
-			c.polls.Add(1)
-			if c.rmu.TryLock() {
-				break
-			}
-			c.askReaderAside()
-			if time.Now().After(deadline) {
-				t.Fatal("the reader kept the socket")
-			}
-			runtime.Gosched()
-		}
+		takeSocket(t, c)
 		placed, byPolls := c.nPlaced.Load(), c.nPlacedPoll.Load()
 		left := make(chan bool, 1)
 		go func() {
@@ -243,12 +233,12 @@ func TestPlacedWrite(t *testing.T) {
 // placed (ten runs), and without the second rule none at all in about
 // one run of thirty (a reader that fell behind took in whole frames
 // with full reads from then on); now 61 to 63. The poster sleeps in
-// its completion channel: a poll would consume the target's socket
-// itself, and polls never place (they never wait).
+// its completion channel, so the target's socket is the reader's
+// (polls place too: TestPlacedByPolls).
 func TestPlacedStream(t *testing.T) {
 	const n, size = 64, 64 << 10
 	p := newDrivePair(t, "tcp")
-	e, qa, cqa, cha, qb := p.e, p.qa, p.cqa, p.cha, p.qb
+	e, qa, cqa, cha := p.e, p.qa, p.cqa, p.cha
 	src := e.alloc(size, allAccess)
 	for i := range src.b {
 		src.b[i] = byte(i % 251)
@@ -261,7 +251,7 @@ func TestPlacedStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitCQ(t, cqa, cha, cs[:], 1)
-	before := placedBy(qb)
+	before := placedBy()
 	wrs := make([]prov.SendWR, n)
 	sges := make([]prov.SGE, n)
 	for i := range wrs {
@@ -276,7 +266,7 @@ func TestPlacedStream(t *testing.T) {
 	if !bytes.Equal(dst.b, src.b) {
 		t.Fatal("the region does not hold the writes' bytes")
 	}
-	placed := placedBy(qb) - before
+	placed := placedBy() - before
 	t.Logf("%d of %d writes placed", placed, n)
 	if placed < 3*n/4 {
 		t.Errorf("%d of %d 64 KiB writes placed, want at least %d", placed, n, 3*n/4)
@@ -327,27 +317,11 @@ func TestPlacementWriteImm(t *testing.T) {
 // and the region holds the bytes.
 func TestPlacedWriteImmStream(t *testing.T) {
 	const n, size = 16, 64 << 10
-	p := newDrivePair(t, "tcp")
-	e, qa, cqa, cha, qb := p.e, p.qa, p.cqa, p.cha, p.qb
-	src, dst := e.alloc(n*size, allAccess), e.alloc(n*size, allAccess)
-	for i := range src.b {
-		src.b[i] = byte(i % 253)
-	}
-	p.sendOne(t) // sets the connection up
-	before := placedBy(qb)
-	for i := range n {
-		if _, err := qb.PostRecv([]prov.RecvWR{{WRID: uint64(100 + i)}}, nil); err != nil {
-			t.Fatal(err)
-		}
-	}
-	wrs := make([]prov.SendWR, n)
-	sges := make([]prov.SGE, n)
-	for i := range wrs {
-		wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: prov.WRWriteImm, SGEIndex: uint32(i), NumSGE: 1, Imm: uint32(7000 + i),
-			RemoteAddr: dst.addr(i * size), RKey: dst.mr.RKey()}
-		sges[i] = src.sge(i*size, size)
-	}
-	wrs[n-1].Flags = prov.SendSignaled
+	p, src, dst := newStreamPair(t, n*size, 253)
+	qa, cqa, cha, qb := p.qa, p.cqa, p.cha, p.qb
+	before := placedBy()
+	postRecvs(t, qb, n)
+	wrs, sges := writeImmStream(src, dst, n, size, 7000)
 	if k, err := qa.PostSend(wrs, sges); err != nil || k != n {
 		t.Fatalf("post: %d, %v", k, err)
 	}
@@ -362,7 +336,7 @@ func TestPlacedWriteImmStream(t *testing.T) {
 	if !bytes.Equal(dst.b, src.b) {
 		t.Fatal("the region does not hold the writes' bytes")
 	}
-	placed := placedBy(qb) - before
+	placed := placedBy() - before
 	t.Logf("%d of %d writes with immediate placed", placed, n)
 	if placed < 3*n/4 {
 		t.Errorf("%d of %d 64 KiB writes with immediate placed, want at least %d", placed, n, 3*n/4)
@@ -383,13 +357,8 @@ func TestPlacedWriteImmStream(t *testing.T) {
 // immediates and bytes.
 func TestPlacedByPolls(t *testing.T) {
 	const n, size = 16, 64 << 10
-	p := newDrivePair(t, "tcp")
-	e, qa, cqa, cha, qb := p.e, p.qa, p.cqa, p.cha, p.qb
-	src, dst := e.alloc(n*size, allAccess), e.alloc(n*size, allAccess)
-	for i := range src.b {
-		src.b[i] = byte(i % 249)
-	}
-	p.sendOne(t) // sets the connection up
+	p, src, dst := newStreamPair(t, n*size, 249)
+	qa, cqa, cha, qb := p.qa, p.cqa, p.cha, p.qb
 	// Both ends of the connection are in this process: take both.
 	var conns []*conn
 	svc := qb.(*qp).f.svc.Load()
@@ -398,24 +367,10 @@ func TestPlacedByPolls(t *testing.T) {
 		conns = append(conns, k)
 	}
 	svc.mu.Unlock()
-	for i := range n {
-		if _, err := qb.PostRecv([]prov.RecvWR{{WRID: uint64(100 + i)}}, nil); err != nil {
-			t.Fatal(err)
-		}
-	}
+	postRecvs(t, qb, n)
 	deadline := time.Now().Add(hangGuard)
 	for _, c := range conns {
-		for {
-			c.polls.Add(1)
-			if c.rmu.TryLock() {
-				break
-			}
-			c.askReaderAside()
-			if time.Now().After(deadline) {
-				t.Fatal("the reader kept the socket")
-			}
-			runtime.Gosched()
-		}
+		takeSocket(t, c)
 	}
 	unlock := func() {
 		for _, c := range conns {
@@ -431,15 +386,8 @@ func TestPlacedByPolls(t *testing.T) {
 		// socket holds when the drains begin.
 		c.sock.placing = true
 	}
-	placed, byPolls := placedBy(qb), placedByPolls(qb)
-	wrs := make([]prov.SendWR, n)
-	sges := make([]prov.SGE, n)
-	for i := range wrs {
-		wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: prov.WRWriteImm, SGEIndex: uint32(i), NumSGE: 1, Imm: uint32(9000 + i),
-			RemoteAddr: dst.addr(i * size), RKey: dst.mr.RKey()}
-		sges[i] = src.sge(i*size, size)
-	}
-	wrs[n-1].Flags = prov.SendSignaled
+	placed, byPolls := placedBy(), placedByPolls()
+	wrs, sges := writeImmStream(src, dst, n, size, 9000)
 	if k, err := qa.PostSend(wrs, sges); err != nil || k != n {
 		t.Fatalf("post: %d, %v", k, err)
 	}
@@ -467,7 +415,7 @@ func TestPlacedByPolls(t *testing.T) {
 			t.Fatalf("%d of %d receives after %v", got, n, hangGuard)
 		}
 	}
-	placed, byPolls = placedBy(qb)-placed, placedByPolls(qb)-byPolls
+	placed, byPolls = placedBy()-placed, placedByPolls()-byPolls
 	unlock()
 	t.Logf("%d of %d writes with immediate placed, %d of them by the polls", placed, n, byPolls)
 	if byPolls != n || placed != n {
@@ -479,26 +427,70 @@ func TestPlacedByPolls(t *testing.T) {
 	}
 }
 
-// placedByPolls is placedBy, counting the frames placed by polls and
-// drives only.
-func placedByPolls(q prov.QP) (k uint64) {
-	s := q.(*qp).f.svc.Load()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for c := range s.conns {
-		k += c.nPlacedPoll.Load()
+// newStreamPair is a drive pair over TCP, its connection set up, with a
+// source of size bytes (byte i is i mod mod) and a destination as large.
+func newStreamPair(t *testing.T, size, mod int) (p *drivePair, src, dst *buf) {
+	p = newDrivePair(t, "tcp")
+	src, dst = p.e.alloc(size, allAccess), p.e.alloc(size, allAccess)
+	for i := range src.b {
+		src.b[i] = byte(i % mod)
 	}
-	return k
+	p.sendOne(t) // sets the connection up
+	return p, src, dst
 }
 
-// placedBy is how many frames the connections of q's service have placed
-// (whichever connection carries them: both ends are in this process).
-func placedBy(q prov.QP) (k uint64) {
-	s := q.(*qp).f.svc.Load()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for c := range s.conns {
-		k += c.nPlaced.Load()
+// writeImmStream is n RDMA writes with immediate (immBase + i) of size
+// bytes each, from src to dst, the i-th at i*size in both, the last
+// signaled: their work requests and SGEs.
+func writeImmStream(src, dst *buf, n, size int, immBase uint32) ([]prov.SendWR, []prov.SGE) {
+	wrs := make([]prov.SendWR, n)
+	sges := make([]prov.SGE, n)
+	for i := range wrs {
+		wrs[i] = prov.SendWR{WRID: uint64(i), Opcode: prov.WRWriteImm, SGEIndex: uint32(i), NumSGE: 1, Imm: immBase + uint32(i),
+			RemoteAddr: dst.addr(i * size), RKey: dst.mr.RKey()}
+		sges[i] = src.sge(i*size, size)
 	}
-	return k
+	wrs[n-1].Flags = prov.SendSignaled
+	return wrs, sges
+}
+
+// postRecvs posts n receives without buffers on q, WRIDs 100 on.
+func postRecvs(t *testing.T, q prov.QP, n int) {
+	t.Helper()
+	for i := range n {
+		if _, err := q.PostRecv([]prov.RecvWR{{WRID: uint64(100 + i)}}, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// takeSocket takes c's socket as a poll does (its rmu), asking the
+// reader aside while it holds it.
+func takeSocket(t *testing.T, c *conn) {
+	t.Helper()
+	deadline := time.Now().Add(hangGuard)
+	for {
+		c.polls.Add(1)
+		if c.rmu.TryLock() {
+			return
+		}
+		c.askReaderAside()
+		if time.Now().After(deadline) {
+			t.Fatal("the reader kept the socket")
+		}
+		runtime.Gosched()
+	}
+}
+
+// placedByPolls is placedBy, counting the frames placed by polls and
+// drives only.
+func placedByPolls() uint64 {
+	return sumConns(func(c *conn) uint64 { return c.nPlacedPoll.Load() })
+}
+
+// placedBy is how many frames the connections of the process' fabric
+// have placed (whichever connection carries them: both ends of a drive
+// pair are in this process).
+func placedBy() uint64 {
+	return sumConns(func(c *conn) uint64 { return c.nPlaced.Load() })
 }
