@@ -53,14 +53,21 @@ func TestXprocNoAllocs(t *testing.T) {
 				}
 				// Fewer allocations than operations by far: a run is
 				// 16 one-sided operations (fewer than one
-				// allocation per run passes) or two sends (fewer than one per 4
-				// runs), which is stricter than testing.AllocsPerRun's
-				// 0 (fewer than one per run). What the runtime
-				// allocates now and then on its own account passes:
+				// allocation per run passes) or two sends (fewer than
+				// one per 2 runs: a per-message allocation makes 400),
+				// which is stricter than testing.AllocsPerRun's 0
+				// (fewer than one per run). What the runtime and soft0
+				// allocate now and then on their own account passes:
 				// the records of goroutines that wait for a channel or
 				// a mutex, refilled when a processor's cache runs dry,
-				// a slice that grows to a new largest burst.
-				warm, runs, limit := 100, 200, uint64(50)
+				// a slice that grows to a new largest burst, a QP's
+				// goroutine or response timer started at its first
+				// use. On a loaded machine (CI: the race detector,
+				// other packages' tests beside) those came to 51 in
+				// 200 ping-pongs once, against a limit of 50 then
+				// (0-35 on an idle machine, 12-30 with two busy loops
+				// beside).
+				warm, runs, limit := 100, 200, uint64(100)
 				if o.op != prov.WRSend {
 					warm, runs, limit = 20, 40, 40
 				}
