@@ -130,6 +130,11 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 		c.askSocket(ch)
 		return nil
 	}
+	return ch.driveLocked(ctx, c)
+}
+
+// driveLocked is drive with c.rmu held; it releases it.
+func (ch *compChannel) driveLocked(ctx context.Context, c *conn) prov.CQ {
 	if c.dead.Load() || !ch.drv.CompareAndSwap(nil, c) {
 		c.rmu.Unlock()
 		return nil
@@ -146,10 +151,21 @@ func (ch *compChannel) drive(ctx context.Context, c *conn) prov.CQ {
 	var err error
 	var end time.Time // the deadline of the waits, once one waits
 	look := !c.drvSlept
+	// Frames the last consumer read in but left (the reader hands the
+	// socket over between its read and its drain when a Wait takes rmu
+	// first) are handled before any wait: waiting on the socket with
+	// them in the buffer left a request unanswered until its sender's
+	// retries ran out (RETRY_EXC_ERR, and a peer waiting for a message
+	// that never came; a loaded machine, one ping-pong in thousands).
+	buffered := c.sock.w != c.sock.r || c.sock.pend
 	dl := false // the socket's read deadline is end
 	for ctx.Err() == nil && !c.dead.Load() {
 		if ev = ch.takeEvent(); ev != nil {
 			break
+		}
+		if buffered {
+			buffered = false
+			goto drain
 		}
 		if look {
 			// The last drive found its bytes waiting: look without

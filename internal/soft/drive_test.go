@@ -623,3 +623,82 @@ func TestDriveShmStaleWant(t *testing.T) {
 		})
 	}
 }
+
+// TestDriveHandlesBuffered: a Wait that drives a socket first handles
+// the frames the last consumer read into the buffer but left there (the
+// reader hands the socket over between its read and its drain when a
+// Wait takes rmu first). Before, the drive waited on the socket with a
+// request in the buffer: nothing more came, the requester retried until
+// RETRY_EXC_ERR and its peer waited forever for the message (a loaded
+// machine, one sleeping ping-pong in thousands: TestXprocNoAllocs). The
+// test takes both ends' sockets as a poll does, reads the request in
+// without handling it, and drives with a deadline shorter than any
+// retransmission.
+func TestDriveHandlesBuffered(t *testing.T) {
+	p := newDrivePair(t, "tcp")
+	p.sendOne(t) // sets the connection up
+	var conns []*conn
+	s := getFabric().svc.Load()
+	s.mu.Lock()
+	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	s.mu.Unlock()
+	for _, c := range conns {
+		takeSocket(t, c)
+	}
+	locked := map[*conn]bool{}
+	for _, c := range conns {
+		locked[c] = true
+	}
+	defer func() {
+		for c, l := range locked {
+			if l {
+				c.rmu.Unlock()
+			}
+		}
+	}()
+	if _, err := p.qb.PostRecv([]prov.RecvWR{{WRID: 7, NumSGE: 1}}, []prov.SGE{p.m.sge(1024, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	p.m.b[0] = 0x5a
+	if _, err := p.qa.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}, []prov.SGE{p.m.sge(0, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	var in *conn // the end the request arrived at, read in and not handled
+	deadline := time.Now().Add(hangGuard)
+	for in == nil {
+		for _, c := range conns {
+			if err := c.sock.fill(); err != nil {
+				t.Fatal(err)
+			}
+			if c.sock.w-c.sock.r >= hdrLen+reqBodyLen+8 {
+				in = c
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the request did not arrive")
+		}
+	}
+	for _, c := range conns {
+		if c != in {
+			c.rmu.Unlock()
+			locked[c] = false
+		}
+	}
+	if err := p.cqb.Arm(false); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	locked[in] = false // driveLocked releases it
+	ev := p.chb.(*compChannel).driveLocked(ctx, in)
+	if ev != p.cqb {
+		t.Fatalf("the drive returned %v, want the event of b's CQ (the buffered request not handled)", ev)
+	}
+	var cs [1]prov.Completion
+	if n, err := p.cqb.Poll(cs[:]); err != nil || n != 1 || cs[0].Status != prov.StatusSuccess || cs[0].WRID != 7 || p.m.b[1024] != 0x5a {
+		t.Fatalf("b's receive: %d %v %+v, byte %#x", n, err, cs[0], p.m.b[1024])
+	}
+	waitCQ(t, p.cqa, p.cha, cs[:], 1)
+}
