@@ -157,7 +157,7 @@ func (ch *compChannel) driveLocked(ctx context.Context, c *conn) prov.CQ {
 	// them in the buffer left a request unanswered until its sender's
 	// retries ran out (RETRY_EXC_ERR, and a peer waiting for a message
 	// that never came; a loaded machine, one ping-pong in thousands).
-	buffered := c.sock.w != c.sock.r || c.sock.pend
+	buffered := c.sock.w != c.sock.r || c.sock.pending()
 	dl := false // the socket's read deadline is end
 	for ctx.Err() == nil && !c.dead.Load() {
 		if ev = ch.takeEvent(); ev != nil {

@@ -25,7 +25,7 @@ import (
 // checks of the responder, without its effects), it reads the rest of
 // the payload from the socket straight into the target region, and only
 // the bytes after it into the buffer. The placement is a state of the
-// socket (sockRx.pend), kept across consumers: the reader waits for the
+// socket (sockRx.place), kept across consumers: the reader waits for the
 // rest of a payload (until a read deadline asks it aside); a poll or a
 // drive reads what arrived and returns, and the next consumer goes on
 // (placeRun; sockRx.fillPlace for the waits of drives and the reader),
@@ -79,12 +79,14 @@ const placeTail = 64 << 10
 // same build gave 5.0-6.2).
 const placeTailTCP = 4 << 10
 
-// sockPlace is the payload being placed (rmu).
+// sockPlace is the payload being placed (rmu); its zero value: none
+// (sockRx.pending).
 type sockPlace struct {
-	m    *mr
-	off  uint64 // the next byte's offset in the region
-	rem  int    // bytes still in the socket
-	fail bool   // the region went away: the rest is dropped
+	m    *mr            // the region, pinned only for each read
+	at   unsafe.Pointer // the payload's first byte in the region
+	off  uint64         // the next byte's offset in the region
+	rem  int            // bytes still in the socket
+	fail bool           // the region went away: the rest is dropped
 	err  error
 	iov  [2]unix.Iovec
 }
@@ -188,15 +190,14 @@ func (c *conn) placeStart(h frameHdr, a uint64) bool {
 	m.release()
 	copy(x.buf, x.buf[x.r:x.r+placeHead])
 	x.r, x.w = 0, placeHead
-	x.place = sockPlace{m: m, off: uint64(uintptr(p)-uintptr(m.base)) + uint64(have), rem: plen - have}
-	x.pend, x.pendAt, x.pendLen = true, p, plen
+	x.place = sockPlace{m: m, at: p, off: uint64(uintptr(p)-uintptr(m.base)) + uint64(have), rem: plen - have}
 	return true
 }
 
 // placeHead is the bytes of a placed frame before its payload.
 const placeHead = hdrLen + reqBodyLen
 
-// placeRun reads the rest of the payload being placed (x.pend) into its
+// placeRun reads the rest of the payload being placed (x.place) into its
 // region, and what follows it (up to x.tail bytes) into the receive
 // buffer (rmu held). Without wait it reads what the socket holds; with
 // it (the reader) it waits for the rest, sending the responses held
@@ -222,7 +223,6 @@ func (c *conn) placeRun(wait bool) (done bool, err error) {
 	if err != nil {
 		c.unpublish()
 		*pl = sockPlace{}
-		x.pend = false
 		return false, readErr(c, err)
 	}
 	return pl.rem == 0, nil
@@ -240,15 +240,15 @@ func (c *conn) placeFinish() error {
 	}
 	body := c.rxBody[:reqBodyLen]
 	x.peek(hdrLen, body)
+	plen := int(h.length) - reqBodyLen
 	c.rxPlaced = pl.m
-	c.rxData[0] = span{x.pendAt, x.pendLen}
+	c.rxData[0] = span{pl.at, plen}
 	if pl.fail {
 		c.rxData[0].p = nil
 	}
 	*pl = sockPlace{}
-	x.pend, x.pendAt = false, nil
 	x.placing = true
-	err = c.handle(h, body, c.rxData[:1], x.pendLen)
+	err = c.handle(h, body, c.rxData[:1], plen)
 	c.rxData = [2]span{}
 	c.rxPlaced = nil
 	x.skip(placeHead)

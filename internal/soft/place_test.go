@@ -134,7 +134,7 @@ func TestPlacedWrite(t *testing.T) {
 					left <- false
 					return
 				}
-				if c.sock.pend {
+				if c.sock.pending() {
 					left <- c.sock.place.rem == segMax-first
 					return
 				}

@@ -203,7 +203,7 @@ func (c *conn) drainFrames(justFilled bool, limit uint64) (n int, err error) {
 		if limit > 0 && c.rxMoved >= limit {
 			return n, nil // a poll's share (pollMoveMax)
 		}
-		if place && c.sock.pend {
+		if place && c.sock.pending() {
 			done, err := c.placeRun(c.rxReader)
 			if err != nil || !done {
 				return n, err
@@ -626,13 +626,10 @@ type sockRx struct {
 	waitFn func(fd uintptr) bool
 	tries  int // reads of the last fillWait: 1 if it did not wait
 
-	place    sockPlace      // the payload being placed (place.go)
-	pend     bool           // a placement is under way: its frame's header and body are at buf[r:]
-	pendAt   unsafe.Pointer // where its payload goes
-	pendLen  int            // its payload's length
-	placing  bool           // the last large frame was placed: reads stop at tail
-	tail     int            // placeTail, or placeTailTCP over TCP
-	capped   bool           // the last read stopped there
+	place    sockPlace // the payload being placed, if any (place.go)
+	placing  bool      // the last large frame was placed: reads stop at tail
+	tail     int       // placeTail, or placeTailTCP over TCP
+	capped   bool      // the last read stopped there
 	placeFn  func(fd uintptr) bool
 	placeTry func(fd uintptr)
 }
@@ -685,7 +682,7 @@ func (x *sockRx) fill() error { return x.fillMode(false) }
 func (x *sockRx) fillWait() error { return x.fillMode(true) }
 
 func (x *sockRx) fillMode(wait bool) error {
-	if x.pend {
+	if x.pending() {
 		return x.fillPlace(wait)
 	}
 	if x.r == x.w {
@@ -730,7 +727,12 @@ func (x *sockRx) fillMode(wait bool) error {
 	return nil
 }
 
-// fillPlace is fillMode while a payload is placed (pend): the socket's
+// pending reports whether a payload is being placed: the header and body
+// of its frame are at buf[r:], the rest of the payload is to come from
+// the socket into its region (place.go).
+func (x *sockRx) pending() bool { return x.place.m != nil }
+
+// fillPlace is fillMode while a payload is placed (pending): the socket's
 // next bytes are the payload's, read into its region (and what follows
 // them, up to the tail, into buf). Once the payload is all there it
 // reads nothing and does not wait: the frame waits to be handled
