@@ -15,6 +15,7 @@ import (
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/session"
+	"github.com/goverbs/verbs/verbstest"
 )
 
 // childEnv marks a re-executed test binary that runs the command with
@@ -165,16 +166,7 @@ func TestBucketOverflow(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	const buckets = 2
-	dev, err := verbs.Open("")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
-	pd, err := dev.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pd.Close()
+	pd := verbstest.OpenPD(t, "")
 	mr, err := pd.Alloc(buckets*bucketSize+64<<10, verbs.AccessLocalWrite)
 	if err != nil {
 		t.Fatal(err)

@@ -637,27 +637,8 @@ func TestDriveShmStaleWant(t *testing.T) {
 func TestDriveHandlesBuffered(t *testing.T) {
 	p := newDrivePair(t, "tcp")
 	p.sendOne(t) // sets the connection up
-	var conns []*conn
-	s := getFabric().svc.Load()
-	s.mu.Lock()
-	for c := range s.conns {
-		conns = append(conns, c)
-	}
-	s.mu.Unlock()
-	for _, c := range conns {
-		takeSocket(t, c)
-	}
-	locked := map[*conn]bool{}
-	for _, c := range conns {
-		locked[c] = true
-	}
-	defer func() {
-		for c, l := range locked {
-			if l {
-				c.rmu.Unlock()
-			}
-		}
-	}()
+	held := takeSockets(t)
+	conns := held.conns
 	if _, err := p.qb.PostRecv([]prov.RecvWR{{WRID: 7, NumSGE: 1}}, []prov.SGE{p.m.sge(1024, 8)}); err != nil {
 		t.Fatal(err)
 	}
@@ -682,8 +663,7 @@ func TestDriveHandlesBuffered(t *testing.T) {
 	}
 	for _, c := range conns {
 		if c != in {
-			c.rmu.Unlock()
-			locked[c] = false
+			held.release(c)
 		}
 	}
 	if err := p.cqb.Arm(false); err != nil {
@@ -691,7 +671,7 @@ func TestDriveHandlesBuffered(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	locked[in] = false // driveLocked releases it
+	held.handOver(in) // driveLocked releases it
 	ev := p.chb.(*compChannel).driveLocked(ctx, in)
 	if ev != p.cqb {
 		t.Fatalf("the drive returned %v, want the event of b's CQ (the buffered request not handled)", ev)

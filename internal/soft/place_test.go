@@ -359,26 +359,10 @@ func TestPlacedByPolls(t *testing.T) {
 	const n, size = 16, 64 << 10
 	p, src, dst := newStreamPair(t, n*size, 249)
 	qa, cqa, cha, qb := p.qa, p.cqa, p.cha, p.qb
-	// Both ends of the connection are in this process: take both.
-	var conns []*conn
-	svc := qb.(*qp).f.svc.Load()
-	svc.mu.Lock()
-	for k := range svc.conns {
-		conns = append(conns, k)
-	}
-	svc.mu.Unlock()
 	postRecvs(t, qb, n)
 	deadline := time.Now().Add(hangGuard)
-	for _, c := range conns {
-		takeSocket(t, c)
-	}
-	unlock := func() {
-		for _, c := range conns {
-			c.rmu.Unlock()
-		}
-		conns = nil
-	}
-	defer func() { unlock() }()
+	held := takeSockets(t) // both ends of the connection are in this process
+	conns := held.conns
 	for _, c := range conns {
 		// As after a large write: reads stop at the tail, so that the
 		// first write is not taken in whole (a full read may take
@@ -416,7 +400,7 @@ func TestPlacedByPolls(t *testing.T) {
 		}
 	}
 	placed, byPolls = placedBy()-placed, placedByPolls()-byPolls
-	unlock()
+	held.releaseAll()
 	t.Logf("%d of %d writes with immediate placed, %d of them by the polls", placed, n, byPolls)
 	if byPolls != n || placed != n {
 		t.Errorf("%d of %d 64 KiB writes with immediate placed by the polls (%d in all), want all", byPolls, n, placed)
@@ -479,6 +463,50 @@ func takeSocket(t *testing.T, c *conn) {
 			t.Fatal("the reader kept the socket")
 		}
 		runtime.Gosched()
+	}
+}
+
+// heldSockets are sockets a test took as polls do (takeSockets).
+type heldSockets struct {
+	conns []*conn
+	held  map[*conn]bool
+}
+
+// takeSockets takes the socket of every connection of the process'
+// fabric (takeSocket): both ends of a drive pair's connection are in
+// this process. The test's end gives back those still held.
+func takeSockets(t *testing.T) *heldSockets {
+	t.Helper()
+	h := &heldSockets{held: map[*conn]bool{}}
+	s := getFabric().svc.Load()
+	s.mu.Lock()
+	for c := range s.conns {
+		h.conns = append(h.conns, c)
+	}
+	s.mu.Unlock()
+	t.Cleanup(h.releaseAll)
+	for _, c := range h.conns {
+		takeSocket(t, c)
+		h.held[c] = true
+	}
+	return h
+}
+
+// release gives c's socket back, if it is still held.
+func (h *heldSockets) release(c *conn) {
+	if h.held[c] {
+		h.held[c] = false
+		c.rmu.Unlock()
+	}
+}
+
+// handOver forgets c's socket: the callee it is handed to releases it.
+func (h *heldSockets) handOver(c *conn) { h.held[c] = false }
+
+// releaseAll gives back every socket still held.
+func (h *heldSockets) releaseAll() {
+	for _, c := range h.conns {
+		h.release(c)
 	}
 }
 
