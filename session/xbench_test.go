@@ -63,14 +63,7 @@ func BenchmarkXprocRTT(b *testing.B) {
 				}
 				m.Release()
 			}
-			for range 1000 {
-				rtt()
-			}
-			b.ReportAllocs()
-			b.ResetTimer()
-			for range b.N {
-				rtt()
-			}
+			warmThenTime(b, 1000, rtt)
 		})
 		b.Run(kind+"/channel", func(b *testing.B) {
 			ch, buf := benchChannel(b, kind, "echo")
@@ -89,14 +82,7 @@ func BenchmarkXprocRTT(b *testing.B) {
 				}
 				h.Release()
 			}
-			for range 1000 {
-				rtt()
-			}
-			b.ReportAllocs()
-			b.ResetTimer()
-			for range b.N {
-				rtt()
-			}
+			warmThenTime(b, 1000, rtt)
 		})
 	}
 }
@@ -298,6 +284,19 @@ func benchMessagesTo(b *testing.B, s *Session, send func(ctx context.Context, s 
 	b.ReportAllocs()
 	b.ResetTimer()
 	round(b.N)
+}
+
+// warmThenTime runs f warm times, then b.N times with the timer and the
+// allocation count on.
+func warmThenTime(b *testing.B, warm int, f func()) {
+	for range warm {
+		f()
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		f()
+	}
 }
 
 // benchSession starts a child serving sessions over kind and returns a
@@ -568,12 +567,5 @@ func BenchmarkServeRequest(b *testing.B) {
 		a.dropGrantLocked(g.id, g)
 		a.mu.Unlock()
 	}
-	for range 100 {
-		serve()
-	}
-	b.ReportAllocs()
-	b.ResetTimer()
-	for range b.N {
-		serve()
-	}
+	warmThenTime(b, 100, serve)
 }
