@@ -27,9 +27,14 @@
 // bytes, and a sender holds one credit per buffer of its peer, so it
 // never meets "receiver not ready": when credits run out it waits. A
 // received Message lies in a library buffer until Release (zero copy);
-// ReceiveInto copies it out instead. Messages larger than a buffer go by
-// rendezvous: the sender registers a window of the message, the receiver
-// reads it into memory of its allocator and tells the sender's agent.
+// ReceiveInto copies it out instead. Buffers go back to the sender in the
+// order their messages came, as a receive queue's do: a message held
+// keeps the buffers of those after it from the sender until its Release,
+// so a receiver can get at most ReceiveBuffers-1 messages past the oldest
+// one it holds (copy out what it keeps longer). Messages larger than a
+// buffer go by rendezvous: the sender registers a window of the message,
+// the receiver reads it into memory of its allocator and tells the
+// sender's agent.
 // Send returns once the message is delivered; PostSendSlice returns once
 // it is posted, with a Pending to Wait for (or Release) once, so that one
 // goroutine can keep several messages in flight.

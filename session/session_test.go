@@ -73,6 +73,56 @@ func TestManyMessagesCredits(t *testing.T) {
 	}
 }
 
+// TestHeldMessageHoldsCredits: buffers go back to the sender in the order
+// their messages came. A message held while those after it are released
+// keeps the sender waiting once the others are used again; its release
+// frees them all, and nothing is lost or reordered.
+func TestHeldMessageHoldsCredits(t *testing.T) {
+	const r = 4
+	a, b := pair(t, Config{ReceiveBuffers: r, MessageSize: 64})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	recv := func(want byte) Message {
+		t.Helper()
+		m, err := b.Receive(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Len() != 1 || m.Bytes()[0] != want {
+			t.Fatalf("got %v, want message %d", m.Bytes(), want)
+		}
+		return m
+	}
+	for i := range r {
+		if err := a.Send(ctx, []byte{byte(i)}); err != nil {
+			t.Fatal(i, err)
+		}
+	}
+	held := recv(0)
+	for i := 1; i < r; i++ {
+		recv(byte(i)).Release()
+	}
+	// Three buffers are free, but behind the held one: no credit.
+	short, stop := context.WithTimeout(ctx, 200*time.Millisecond)
+	err := a.Send(short, []byte{r})
+	stop()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a send with the first buffer held: %v, want the deadline", err)
+	}
+	held.Release()
+	for i := r; i < 2*r; i++ {
+		if err := a.Send(ctx, []byte{byte(i)}); err != nil {
+			t.Fatal(i, err)
+		}
+	}
+	for i := r; i < 2*r; i++ {
+		recv(byte(i)).Release()
+	}
+	if a.Err() != nil || b.Err() != nil {
+		t.Fatal(a.Err(), b.Err())
+	}
+}
+
 // TestRemoteMemory: requested and offered regions, their bounds, access
 // and leases, with the agents sleeping at once and with AgentSpin.
 func TestRemoteMemory(t *testing.T) {
