@@ -26,7 +26,9 @@ import (
 //	                         posted ahead, Send, wait)
 //	BenchmarkXprocBandwidth  64 KiB messages (Send, the child releases
 //	                         them); baseline: 64 KiB RDMA writes of a
-//	                         bare channel, 16 in flight
+//	                         bare channel, 16 in flight (channel-imm:
+//	                         writes with immediate data, each completing
+//	                         a receive of the child's, as a message does)
 //	BenchmarkXprocRequest    RequestRemoteMR of 4 KiB and its Release
 //	                         (request-ns/op: the request alone)
 //	BenchmarkXprocRequestSpin  the same with Config.AgentSpin on both
@@ -125,34 +127,52 @@ func BenchmarkXprocBandwidth(b *testing.B) {
 			}
 			b.Run(name, func(b *testing.B) { benchPosted(b, kind, buffers) })
 		}
-		b.Run(kind+"/channel", func(b *testing.B) {
-			ch, buf := benchChannel(b, kind, "sink")
-			ctx := context.Background()
-			write := func(n int) {
-				var ring [16]channel.Handle
-				for i := range n + 16 {
-					h := &ring[i%16]
-					if i >= 16 {
-						if err := h.Wait(ctx); err != nil || h.Err() != nil {
-							b.Fatal(err, h.Err())
-						}
-						h.Release()
-					}
-					if i < n {
-						var err error
-						if *h, err = ch.PostWrite(benchRemote.At(uint64(i%4)*bwSize), buf.All()); err != nil {
-							b.Fatal(err)
-						}
-					}
+		b.Run(kind+"/channel", func(b *testing.B) { benchChannelWrites(b, kind, false) })
+		b.Run(kind+"/channel-imm", func(b *testing.B) { benchChannelWrites(b, kind, true) })
+	}
+}
+
+// benchChannelWrites is the baseline of BenchmarkXprocBandwidth: 64 KiB
+// RDMA writes of a bare channel into a "sink" child, 16 in flight; with
+// imm, writes with immediate data, each completing a receive the child
+// posted ("sink-imm": a message's delivery on the verbs level, what a
+// session message is made of).
+func benchChannelWrites(b *testing.B, kind string, imm bool) {
+	what := "sink"
+	if imm {
+		what = "sink-imm"
+	}
+	ch, buf := benchChannel(b, kind, what)
+	ctx := context.Background()
+	write := func(n int) {
+		var ring [16]channel.Handle
+		for i := range n + 16 {
+			h := &ring[i%16]
+			if i >= 16 {
+				if err := h.Wait(ctx); err != nil || h.Err() != nil {
+					b.Fatal(err, h.Err())
+				}
+				h.Release()
+			}
+			if i < n {
+				dst := benchRemote.At(uint64(i%4) * bwSize)
+				var err error
+				if imm {
+					*h, err = ch.PostWriteImm(dst, uint32(i), buf.All())
+				} else {
+					*h, err = ch.PostWrite(dst, buf.All())
+				}
+				if err != nil {
+					b.Fatal(err)
 				}
 			}
-			write(64)
-			b.SetBytes(bwSize)
-			b.ReportAllocs()
-			b.ResetTimer()
-			write(b.N)
-		})
+		}
 	}
+	write(64)
+	b.SetBytes(bwSize)
+	b.ReportAllocs()
+	b.ResetTimer()
+	write(b.N)
 }
 
 // benchPosted: one goroutine keeps 16 messages of BenchmarkXprocBandwidth
@@ -327,12 +347,14 @@ func benchSessionWith(b *testing.B, kind string, agentSpin bool, buffers int) *S
 	return s
 }
 
-// benchRemote is the region of a "sink" child (4 × bwSize bytes).
+// benchRemote is the region of a "sink" or "sink-imm" child (4 × bwSize
+// bytes).
 var benchRemote verbs.RemoteRegion
 
 // benchChannel starts a child with a channel over kind doing what
 // ("echo": sends back every 8-byte message; "sink": a region for
-// writes) and returns this side's connected channel and an 8-byte or
+// writes; "sink-imm": the same, and receives for writes with immediate
+// data) and returns this side's connected channel and an 8-byte or
 // bwSize buffer.
 func benchChannel(b *testing.B, kind, what string) (*channel.Channel, *verbs.MemoryRegion) {
 	restore, err := soft.ForceTransport(kind)
@@ -341,11 +363,12 @@ func benchChannel(b *testing.B, kind, what string) (*channel.Channel, *verbs.Mem
 	}
 	b.Cleanup(restore)
 	p := testproc.Start(b, envBenchChild+"="+what, "GOVERBS_SOFT_TRANSPORT="+kind)
+	sink := what == "sink" || what == "sink-imm"
 	var ep verbs.Endpoint
 	if err := json.Unmarshal([]byte(p.Line(b, "ep")[0]), &ep); err != nil {
 		b.Fatal(err)
 	}
-	if what == "sink" {
+	if sink {
 		if err := json.Unmarshal([]byte(p.Line(b, "region")[0]), &benchRemote); err != nil {
 			b.Fatal(err)
 		}
@@ -373,7 +396,7 @@ func benchChannel(b *testing.B, kind, what string) (*channel.Channel, *verbs.Mem
 	p.Send(b, "ep %s", js)
 	p.Line(b, "ready")
 	n := 8
-	if what == "sink" {
+	if sink {
 		n = bwSize
 	}
 	buf, err := pd.Alloc(n, verbs.AccessLocalWrite)
@@ -483,8 +506,9 @@ func benchChannelChild(what string) error {
 	}
 	js, _ := json.Marshal(ep)
 	fmt.Printf("ep %s\n", js)
+	sink := what == "sink" || what == "sink-imm"
 	size := 16
-	if what == "sink" {
+	if sink {
 		size = 4 * bwSize
 	}
 	buf, err := pd.Alloc(size, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
@@ -492,7 +516,7 @@ func benchChannelChild(what string) error {
 		return err
 	}
 	defer buf.Close()
-	if what == "sink" {
+	if sink {
 		js, _ := json.Marshal(buf.Remote())
 		fmt.Printf("region %s\n", js)
 	}
@@ -537,6 +561,30 @@ func benchChannelChild(what string) error {
 					return
 				}
 				if ch.Send(ctx, bufs[(i+1)%2]) != nil {
+					return
+				}
+			}
+		}()
+	}
+	if what == "sink-imm" {
+		// 64 receives posted, each posted again as soon as its write
+		// with immediate data completed it, as a session's are.
+		go func() {
+			var ring [64]channel.Handle
+			for i := range ring {
+				var err error
+				if ring[i], err = ch.PostReceive(); err != nil {
+					return
+				}
+			}
+			for i := 0; ; i++ {
+				h := &ring[i%len(ring)]
+				if h.Wait(ctx) != nil || h.Err() != nil {
+					return
+				}
+				h.Release()
+				var err error
+				if *h, err = ch.PostReceive(); err != nil {
 					return
 				}
 			}
