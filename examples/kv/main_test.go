@@ -185,8 +185,9 @@ func TestBucketOverflow(t *testing.T) {
 			served <- err
 			return
 		}
-		defer s.Close()
-		served <- serveClient(ctx, s, tab)
+		err = serveClient(ctx, s, tab)
+		s.Close() // its grant of the table ends before the table's region closes
+		served <- err
 	}()
 	s, err := session.Dial(ctx, l.Addr().String(), session.Config{})
 	if err != nil {
