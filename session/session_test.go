@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"strings"
 	"testing"
 	"time"
 
@@ -123,6 +125,91 @@ func TestHeldMessageHoldsCredits(t *testing.T) {
 	}
 }
 
+// TestReceiveInto copies messages out, eager and by rendezvous, with and
+// without immediate data. A destination too small is an error that says
+// the sizes and loses nothing: the message stays for the next Receive or
+// ReceiveInto.
+func TestReceiveInto(t *testing.T) {
+	a, b := pair(t, Config{MessageSize: 256})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	big := bytes.Repeat([]byte("rendezvous"), 100) // over MessageSize
+	cases := []struct {
+		name    string
+		data    []byte
+		imm     uint32
+		hasImm  bool
+		short   int // a first ReceiveInto into this many bytes fails (0: none)
+		thenGet bool
+	}{
+		{name: "eager", data: []byte("hello")},
+		{name: "eager with immediate", data: []byte("hi"), imm: 7, hasImm: true},
+		{name: "empty", data: []byte{}},
+		{name: "eager, short first", data: []byte("hello"), short: 4},
+		{name: "eager, short first, then Receive", data: []byte("held"), short: 1, thenGet: true},
+		{name: "rendezvous", data: big, imm: 9, hasImm: true},
+		{name: "rendezvous, short first", data: big, short: 256},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			errc := make(chan error, 1)
+			go func() {
+				if tc.hasImm {
+					errc <- a.SendImm(ctx, tc.imm, tc.data)
+				} else {
+					errc <- a.Send(ctx, tc.data)
+				}
+			}()
+			if tc.short > 0 {
+				dst := make([]byte, tc.short)
+				_, _, _, err := b.ReceiveInto(ctx, dst)
+				if !errors.Is(err, io.ErrShortBuffer) {
+					t.Fatalf("into %d bytes: %v, want io.ErrShortBuffer", tc.short, err)
+				}
+				if want := fmt.Sprintf("%d bytes into %d", len(tc.data), tc.short); !strings.Contains(err.Error(), want) {
+					t.Errorf("error %q does not say %q", err, want)
+				}
+			}
+			var got []byte
+			var imm uint32
+			var hasImm bool
+			if tc.thenGet {
+				m, err := b.Receive(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				got = append([]byte(nil), m.Bytes()...)
+				imm, hasImm = m.Imm()
+				m.Release()
+			} else {
+				dst := make([]byte, len(tc.data)+10)
+				n, i, ok, err := b.ReceiveInto(ctx, dst)
+				if err != nil {
+					t.Fatal(err)
+				}
+				got, imm, hasImm = dst[:n], i, ok
+			}
+			if !bytes.Equal(got, tc.data) || imm != tc.imm || hasImm != tc.hasImm {
+				t.Fatalf("got %d bytes, imm %d %v; want %d bytes, imm %d %v", len(got), imm, hasImm, len(tc.data), tc.imm, tc.hasImm)
+			}
+			if err := <-errc; err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	// Every buffer went back: as many messages again as there are
+	// buffers go through.
+	for i := range 2 * 64 {
+		if err := a.Send(ctx, []byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+		var one [1]byte
+		if n, _, _, err := b.ReceiveInto(ctx, one[:]); err != nil || n != 1 || one[0] != byte(i) {
+			t.Fatalf("message %d: %d %v %v", i, n, one, err)
+		}
+	}
+}
+
 // TestRemoteMemory: requested and offered regions, their bounds, access
 // and leases, with the agents sleeping at once and with AgentSpin.
 func TestRemoteMemory(t *testing.T) {
@@ -198,6 +285,100 @@ func testRemoteMemory(t *testing.T, cfg Config) {
 	}
 	if err := b.Read(ctx, dst, rr.All()); !errors.Is(err, ErrLeaseExpired) {
 		t.Fatal(err)
+	}
+}
+
+// TestSendRegion grants part of a region the caller registered itself:
+// bad bounds or access are errors before anything reaches the peer; the
+// peer reads and writes exactly the part granted, with the access
+// granted, and nothing after a revoke.
+func TestSendRegion(t *testing.T) {
+	a, b := pair(t, Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	mr, err := a.pd.Alloc(4096, verbs.AccessLocalWrite|verbs.AccessRemoteRead|verbs.AccessRemoteWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		// The grants are over: the region is the caller's alone.
+		if err := mr.Close(); err != nil {
+			t.Error(err)
+		}
+	}()
+	rw := verbs.AccessRemoteRead | verbs.AccessRemoteWrite
+	for _, tc := range []struct {
+		name   string
+		mr     *verbs.MemoryRegion
+		off, n int
+		access verbs.Access
+		want   error
+	}{
+		{"no region", nil, 0, 16, rw, ErrAccess},
+		{"negative offset", mr, -1, 16, rw, ErrOutOfBounds},
+		{"no bytes", mr, 0, 0, rw, ErrOutOfBounds},
+		{"past the end", mr, 4000, 100, rw, ErrOutOfBounds},
+		{"local access only", mr, 0, 16, verbs.AccessLocalWrite, ErrAccess},
+	} {
+		if g, err := a.SendRegion(ctx, tc.mr, tc.off, tc.n, tc.access, time.Minute); !errors.Is(err, tc.want) || g != nil {
+			t.Errorf("%s: %v, %v; want %v", tc.name, g, err, tc.want)
+		}
+	}
+	copy(mr.Bytes()[1024:], "granted part")
+	g, err := a.SendRegion(ctx, mr, 1024, 64, verbs.AccessRemoteRead, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := b.ReceiveRemoteMR(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Len() != 64 {
+		t.Fatalf("the peer got %d bytes", r.Len())
+	}
+	loc, err := b.Alloc(128)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer loc.Free()
+	dst, _ := loc.Slice(0, 64)
+	if err := b.Read(ctx, dst, r.All()); err != nil {
+		t.Fatal(err)
+	}
+	if got := string(dst.Bytes()[:12]); got != "granted part" {
+		t.Fatalf("the peer read %q", got)
+	}
+	if _, err := r.Slice(0, 65); !errors.Is(err, ErrOutOfBounds) {
+		t.Errorf("a slice past the grant: %v", err)
+	}
+	if err := b.Write(ctx, r.All(), dst); !errors.Is(err, ErrAccess) {
+		t.Errorf("a write into a read-only grant: %v", err)
+	}
+	if err := g.Revoke(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Read(ctx, dst, r.All()); !errors.Is(err, ErrLeaseExpired) {
+		t.Errorf("a read after the revoke: %v", err)
+	}
+	// Written by the peer: the bytes land in the granted part only.
+	g, err = a.SendRegion(ctx, mr, 2048, 16, verbs.AccessRemoteWrite, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Revoke(ctx)
+	if r, err = b.ReceiveRemoteMR(ctx); err != nil {
+		t.Fatal(err)
+	}
+	src, _ := loc.Slice(0, 16)
+	copy(src.Bytes(), "sixteen bytes ok")
+	if err := b.Write(ctx, r.All(), src); err != nil {
+		t.Fatal(err)
+	}
+	if got := string(mr.Bytes()[2048:2064]); got != "sixteen bytes ok" {
+		t.Fatalf("the region holds %q", got)
+	}
+	if mr.Bytes()[2047] != 0 || mr.Bytes()[2064] != 0 {
+		t.Fatal("a write went past the granted part")
 	}
 }
 
