@@ -867,3 +867,160 @@ func TestBlockingWriteAllocatesNothing(t *testing.T) {
 		})
 	}
 }
+
+// TestPostedOperations: the posted form of every operation does what its
+// blocking form does, its Handle saying so (the received immediate data,
+// an atomic's prior value); the Batch forms with immediate data too.
+func TestPostedOperations(t *testing.T) {
+	a, b := newPair(t, channel.Options{})
+	ctx := testCtx(t)
+	word := func(s *side, off int) uint64 { return binary.NativeEndian.Uint64(s.buf.Bytes()[off:]) }
+	setWord := func(s *side, off int, v uint64) { binary.NativeEndian.PutUint64(s.buf.Bytes()[off:], v) }
+	wait := func(t *testing.T, h channel.Handle) {
+		t.Helper()
+		if err := h.Wait(ctx); err != nil || h.Err() != nil {
+			t.Fatal(err, h.Err())
+		}
+	}
+	// received posts a receive at b, runs post, and returns what it got.
+	received := func(t *testing.T, post func() channel.Handle) channel.Received {
+		t.Helper()
+		r, err := b.ch.PostReceive(b.sge(1024, 64))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Release()
+		h := post()
+		defer h.Release()
+		wait(t, h)
+		wait(t, r)
+		return r.Received()
+	}
+	// must(t)(post()) is post's Handle, failing t if post failed.
+	must := func(t *testing.T) func(channel.Handle, error) channel.Handle {
+		return func(h channel.Handle, err error) channel.Handle {
+			t.Helper()
+			if err != nil {
+				t.Fatal(err)
+			}
+			return h
+		}
+	}
+	tests := []struct {
+		name string
+		run  func(t *testing.T)
+	}{
+		{"PostSendImm", func(t *testing.T) {
+			copy(a.buf.Bytes(), "imm")
+			got := received(t, func() channel.Handle { return must(t)(a.ch.PostSendImm(0xabc, a.sge(0, 3))) })
+			if got.Len != 3 || !got.HasImm || got.Imm != 0xabc || got.Write || string(b.buf.Bytes()[1024:1027]) != "imm" {
+				t.Errorf("received %+v %q", got, b.buf.Bytes()[1024:1027])
+			}
+		}},
+		{"PostWriteImm", func(t *testing.T) {
+			copy(a.buf.Bytes()[100:], "posted")
+			got := received(t, func() channel.Handle {
+				return must(t)(a.ch.PostWriteImm(b.buf.Remote().At(3000), 77, a.sge(100, 6)))
+			})
+			if got.Len != 6 || !got.HasImm || got.Imm != 77 || !got.Write || string(b.buf.Bytes()[3000:3006]) != "posted" {
+				t.Errorf("received %+v %q", got, b.buf.Bytes()[3000:3006])
+			}
+		}},
+		{"PostRead", func(t *testing.T) {
+			copy(b.buf.Bytes()[500:], "read back")
+			h := must(t)(a.ch.PostRead(b.buf.Remote().At(500), a.sge(2000, 9)))
+			defer h.Release()
+			wait(t, h)
+			if got := string(a.buf.Bytes()[2000:2009]); got != "read back" {
+				t.Errorf("read %q", got)
+			}
+		}},
+		{"PostCompareSwap", func(t *testing.T) {
+			setWord(b, 4000, 5)
+			miss := must(t)(a.ch.PostCompareSwap(b.buf.Remote().At(4000), 4, 100))
+			defer miss.Release()
+			wait(t, miss)
+			hit := must(t)(a.ch.PostCompareSwap(b.buf.Remote().At(4000), 5, 100))
+			defer hit.Release()
+			wait(t, hit)
+			if miss.Value() != 5 || hit.Value() != 5 || word(b, 4000) != 100 {
+				t.Errorf("prior values %d, %d; word %d", miss.Value(), hit.Value(), word(b, 4000))
+			}
+		}},
+		{"PostFetchAdd", func(t *testing.T) {
+			setWord(b, 4008, 40)
+			h := must(t)(a.ch.PostFetchAdd(b.buf.Remote().At(4008), 2))
+			defer h.Release()
+			wait(t, h)
+			if h.Value() != 40 || word(b, 4008) != 42 {
+				t.Errorf("prior %d, word %d", h.Value(), word(b, 4008))
+			}
+		}},
+		{"Batch SendImm and WriteImm", func(t *testing.T) {
+			r1, err := b.ch.PostReceive(b.sge(1024, 64))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r1.Release()
+			r2, err := b.ch.PostReceive()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r2.Release()
+			copy(a.buf.Bytes()[200:], "batched")
+			err = a.ch.Batch(ctx, func(bt *channel.Batch) error {
+				if bt.Context() != ctx {
+					return errors.New("the batch's context is not its scope's")
+				}
+				s := bt.SendImm(1, a.sge(200, 7))
+				w := bt.WriteImm(b.buf.Remote().At(3500), 2, a.sge(200, 7))
+				return bt.WaitAll(s, w)
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			wait(t, r1)
+			wait(t, r2)
+			g1, g2 := r1.Received(), r2.Received()
+			if g1.Imm != 1 || g1.Write || g1.Len != 7 || g2.Imm != 2 || !g2.Write || string(b.buf.Bytes()[3500:3507]) != "batched" {
+				t.Errorf("received %+v and %+v", g1, g2)
+			}
+		}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, tc.run)
+	}
+}
+
+// TestBreak: Break fails what is in flight with a flush, and the channel
+// stays broken: Broken and Err say so, later operations fail at once.
+func TestBreak(t *testing.T) {
+	a, b := newPair(t, channel.Options{})
+	ctx := testCtx(t)
+	r, err := b.ch.PostReceive(b.sge(0, 64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Release()
+	if b.ch.Broken() || b.ch.Err() != nil {
+		t.Fatal("broken before Break", b.ch.Err())
+	}
+	b.ch.Break()
+	err = r.Wait(ctx)
+	for _, err := range []error{err, r.Err()} {
+		var ce *verbs.CompletionError
+		if !errors.As(err, &ce) || ce.Status != verbs.StatusWRFlushErr {
+			t.Fatalf("the receive in flight: %v, want a flush", err)
+		}
+	}
+	if !b.ch.Broken() || b.ch.Err() == nil {
+		t.Fatal("not broken after Break")
+	}
+	if err := b.ch.Send(ctx, b.sge(0, 1)); err == nil {
+		t.Fatal("a send on a broken channel succeeded")
+	}
+	// The other side's channel is not broken by it.
+	if a.ch.Broken() {
+		t.Fatal("Break broke the peer's channel too")
+	}
+}
