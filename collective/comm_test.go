@@ -124,6 +124,11 @@ func TestNonBlockingOrder(t *testing.T) {
 			if done, err := req.Test(); !done || err != nil {
 				return fmt.Errorf("request %d after the blocking call: done %v, err %v", i, done, err)
 			}
+			select {
+			case <-req.Done():
+			default:
+				return fmt.Errorf("request %d: Test says done, Done is not closed", i)
+			}
 		}
 		if last[0] != 6 {
 			return fmt.Errorf("blocking allreduce: %d, want 6", last[0])
