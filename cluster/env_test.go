@@ -151,6 +151,12 @@ func TestParseLaunchErrors(t *testing.T) {
 			if ee.Var != tc.wantVar {
 				t.Errorf("variable %q, want %q (%v)", ee.Var, tc.wantVar, err)
 			}
+			// The text says what is wrong where: the launcher, the
+			// variable, the cause.
+			msg := err.Error()
+			if !strings.HasPrefix(msg, "cluster: env") || !strings.Contains(msg, tc.wantVar) || !strings.Contains(msg, ee.Launcher) || !strings.HasSuffix(msg, ee.Err.Error()) {
+				t.Errorf("message %q (launcher %q, variable %q)", msg, ee.Launcher, tc.wantVar)
+			}
 		})
 	}
 	if _, err := cluster.ParseLaunch(cluster.EnvOptions{Lookup: lookupIn(nil), Launcher: "lsf"}); !errors.Is(err, cluster.ErrNoLauncher) {
