@@ -191,3 +191,66 @@ func testUCSendWrite(t *testing.T, c *tcase) {
 	copy(want[6000:], src.Bytes()[6000:6100])
 	checkBytes(t, "remote MR after UC writes", dst.Bytes(), want)
 }
+
+// testUDBatch posts datagrams in one batch (send, with immediate data,
+// inline, inline with immediate data): they arrive in order, each after
+// its GRH. Reset drops what a batch collected, nothing posted; a
+// destination without an address handle makes Submit fail before
+// anything is posted.
+func testUDBatch(t *testing.T, c *tcase) {
+	a, b, qa, qb, ah, eb := udSetup(t, c)
+	to := verbs.Destination{AH: ah, QPN: eb.QPN, QKey: eb.QKey}
+	src := a.Alloc(t, 64, accessLocal)
+	const slot = grhLen + 64
+	dst := b.Alloc(t, 4*slot, accessLocal)
+	Pattern(src.Bytes(), 0x3C)
+	for i := range 4 {
+		must(t, "post recv", qb.PostRecv(uint64(i), SGE(t, dst, i*slot, slot)))
+	}
+
+	bt := qa.NewBatch(4)
+	if bt.Cap() != 4 {
+		t.Fatalf("batch cap %d, want 4", bt.Cap())
+	}
+	bt.Send(1, to, SGE(t, src, 0, 8))
+	bt.Reset()
+	if bt.Len() != 0 {
+		t.Fatalf("batch holds %d after Reset", bt.Len())
+	}
+	must(t, "submit an empty batch", bt.Submit())
+	expectEmpty(t, "receiver cq after a Reset batch", b.CQ)
+
+	inline := []byte("inline datagram")
+	bt.Send(10, to, SGE(t, src, 0, 20))
+	bt.SendImm(11, to, 0xA11, SGE(t, src, 20, 7))
+	bt.SendInline(12, to, inline)
+	bt.SendImmInline(13, to, 0xB22, inline[:6]).WithFlags(verbs.Signaled)
+	if bt.Len() != 4 {
+		t.Fatalf("batch holds %d, want 4", bt.Len())
+	}
+	must(t, "submit", bt.Submit())
+	expectOK(t, "signaled last datagram", c.pollOne(t, a.CQ), 13, verbs.OpSend, qa.QPN())
+	want := []struct {
+		data []byte
+		imm  uint32
+	}{{src.Bytes()[:20], 0}, {src.Bytes()[20:27], 0xA11}, {inline, 0}, {inline[:6], 0xB22}}
+	for i, wc := range c.poll(t, b.CQ, 4) {
+		expectOK(t, "UD batch receive", wc, uint64(i), verbs.OpRecv, qb.QPN())
+		expectByteLen(t, "UD batch receive", wc, grhLen+len(want[i].data))
+		if want[i].imm != 0 {
+			expectImm(t, "UD batch receive", wc, want[i].imm)
+		} else {
+			expectNoImm(t, "UD batch receive", wc)
+		}
+		off := i*slot + grhLen
+		checkBytes(t, "UD batch payload", dst.Bytes()[off:off+len(want[i].data)], want[i].data)
+	}
+
+	bt.Send(20, to, SGE(t, src, 0, 8))
+	bt.Send(21, verbs.Destination{QPN: eb.QPN, QKey: eb.QKey}, SGE(t, src, 0, 8))
+	if err := bt.Submit(); err == nil {
+		t.Fatal("a batch with a destination without an address handle was submitted")
+	}
+	expectEmpty(t, "sender cq after a refused batch", a.CQ)
+	expectEmpty(t, "receiver cq after a refused batch", b.CQ)
+}

@@ -140,6 +140,7 @@ var cases = []caseDef{
 	{"UDSend", testUDSend},
 	{"UDQKeyMismatch", testUDQKeyMismatch},
 	{"UDOversize", testUDOversize},
+	{"UDBatch", testUDBatch},
 	{"UCSendWrite", testUCSendWrite},
 	{"UCHelpers", testUCHelpers},
 	{"SrcQP", testSrcQP},
