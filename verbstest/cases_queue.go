@@ -217,8 +217,17 @@ func testSRQShared(t *testing.T, c *tcase) {
 
 	const slot = 128
 	bufs := b.Alloc(t, 4*slot, accessLocal)
+	// Posted in one batch of the SRQ (PostRecv: testSRQLimitEvent).
+	rb := srq.NewRecvBatch(4)
 	for i := range 4 {
-		must(t, "post srq recv", srq.PostRecv(uint64(100+i), SGE(t, bufs, i*slot, slot)))
+		rb.Recv(uint64(100+i), SGE(t, bufs, i*slot, slot))
+	}
+	if rb.Len() != 4 {
+		t.Fatalf("srq batch holds %d receives, want 4", rb.Len())
+	}
+	must(t, "submit srq recv batch", rb.Submit())
+	if rb.Len() != 0 {
+		t.Errorf("srq batch holds %d receives after Submit", rb.Len())
 	}
 	src := a.Alloc(t, 256, accessLocal)
 	Pattern(src.Bytes()[:128], 0x01)
