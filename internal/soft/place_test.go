@@ -2,6 +2,7 @@ package soft
 
 import (
 	"bytes"
+	"context"
 	"net"
 	"runtime"
 	"syscall"
@@ -521,4 +522,74 @@ func placedByPolls() uint64 {
 // pair are in this process).
 func placedBy() uint64 {
 	return sumConns(func(c *conn) uint64 { return c.nPlaced.Load() })
+}
+
+// TestDrivePlacesAcrossWaits: a write with immediate data larger than
+// the socket's buffers arrives in pieces while the target sleeps in its
+// completion channel: one drive places it all, the pieces that come after
+// the first read into the region as they arrive (its waits on the socket
+// go through sockRx.fillPlace), then completes the receive. The payload
+// is exact and nothing else of the region is touched. (Whether those
+// waits sleep or spin is not visible here: a fillPlace that read nothing
+// left the drive looping on placeRun's reads, with the same result.)
+func TestDrivePlacesAcrossWaits(t *testing.T) {
+	for _, kind := range []string{"unix", "tcp"} {
+		t.Run(kind, func(t *testing.T) {
+			const size = 4 << 20 // several socket buffers
+			p := newDrivePair(t, kind)
+			src, dst := p.e.alloc(size, allAccess), p.e.alloc(size+8192, allAccess)
+			for i := range src.b {
+				src.b[i] = byte(i % 247)
+			}
+			var wcs [4]prov.Completion
+			// Once, so that the target's CQ was fed by the connection
+			// its waits drive (cq.hot), then sleeping for the write.
+			p.sendOne(t)
+			if _, err := p.qb.PostRecv([]prov.RecvWR{{WRID: 7}}, nil); err != nil {
+				t.Fatal(err)
+			}
+			if err := p.cqb.Arm(false); err != nil {
+				t.Fatal(err)
+			}
+			before, placed := drivesNow(), placedBy()
+			woke := make(chan error, 1)
+			go func() {
+				// A ctx that cannot end: the drive waits on the socket
+				// without a deadline (a drive with one would end after
+				// driveMax and leave the rest to the reader).
+				_, err := p.chb.Wait(context.Background())
+				woke <- err
+			}()
+			waitDrive(t, before)
+			wr := []prov.SendWR{{WRID: 9, Opcode: prov.WRWriteImm, Imm: 0xD21, NumSGE: 1, Flags: prov.SendSignaled,
+				RemoteAddr: dst.addr(4096), RKey: dst.mr.RKey()}}
+			if _, err := p.qa.PostSend(wr, []prov.SGE{src.sge(0, size)}); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-woke:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(hangGuard):
+				t.Fatal("the sleeping target never woke")
+			}
+			// One drive did it all, the pieces that came after the
+			// first read in its waits.
+			if d := drivesNow() - before; d != 1 {
+				t.Errorf("%d drives, want 1", d)
+			}
+			waitCQ(t, p.cqb, p.chb, wcs[:], 1)
+			if c := wcs[0]; c.Status != prov.StatusSuccess || c.WRID != 7 || c.Imm != 0xD21 || c.ByteLen != size {
+				t.Fatalf("receive completion %+v", c)
+			}
+			waitCQ(t, p.cqa, p.cha, wcs[:], 1)
+			if !bytes.Equal(dst.b[4096:4096+size], src.b) || !allEq(dst.b[:4096], 0) || !allEq(dst.b[4096+size:], 0) {
+				t.Fatal("the region does not hold exactly the payload")
+			}
+			if placedBy() == placed {
+				t.Error("the payload was not placed")
+			}
+		})
+	}
 }
