@@ -192,6 +192,39 @@ func TestPlacedWrite(t *testing.T) {
 			t.Fatal("bytes written after the region was closed")
 		}
 	})
+	t.Run("WriteImmRegionClosedWhilePlacing", func(t *testing.T) {
+		// The same with immediate data: the write is refused when it
+		// would execute (its region is gone), so it consumes no
+		// receive; the QP goes to ERR and flushes the receive, and
+		// nothing lands after the Close.
+		h := newHostileOn(t, prov.QPTypeRC, 4*segMax, "unix")
+		if _, err := h.q.qp.PostRecv([]prov.RecvWR{{WRID: 0x5E}}, nil); err != nil {
+			t.Fatal(err)
+		}
+		p := h.peer()
+		req, id := p.msg(opWriteImm, h.mr.Addr(), h.mr.RKey(), n)
+		req.imm = 0x1A
+		p.segSplit(t, &req, id, 0, first, func() {
+			if err := h.mr.Close(); err != nil {
+				t.Fatal(err)
+			}
+		})
+		for off := segMax; off < n; off += segMax {
+			p.seg(t, &req, id, off)
+		}
+		if r := p.resp(t); r.code != respAccess || p.lastID != id {
+			t.Fatalf("response %d to %d, want a remote access NAK to %d", r.code, p.lastID, id)
+		}
+		var wc [2]prov.Completion
+		k, err := h.q.rcq.Poll(wc[:])
+		if err != nil || k != 1 || wc[0].WRID != 0x5E || wc[0].Status != prov.StatusWRFlushErr {
+			t.Fatalf("receive completions %d %+v, %v; want the receive flushed", k, wc[:k], err)
+		}
+		b := h.mrBytes()
+		if !patternOK(b[:first], 0) && !allEq(b[:first], 0) || !allEq(b[first:], 0) {
+			t.Fatal("bytes written after the region was closed")
+		}
+	})
 	// Writes the responder refuses: the checks before the payload is
 	// placed are its, and nothing is written.
 	refused := []struct {
