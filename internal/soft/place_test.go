@@ -164,65 +164,55 @@ func TestPlacedWrite(t *testing.T) {
 	t.Run("RegionClosedWhilePlacing", func(t *testing.T) {
 		// The reader waits for the rest of the first segment: the
 		// region's Close does not wait for it, and the write fails with
-		// a remote access error; nothing is written after Close.
-		h := newHostileOn(t, prov.QPTypeRC, 4*segMax, "unix")
-		p := h.peer()
-		req, id := p.msg(opWrite, h.mr.Addr(), h.mr.RKey(), n)
-		p.segSplit(t, &req, id, 0, first, func() {
-			done := make(chan error, 1)
-			go func() { done <- h.mr.Close() }()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Fatal(err)
+		// a remote access error; nothing is written after Close. With
+		// immediate data the write is refused when it would execute
+		// (its region is gone), so it consumes no receive: the QP goes
+		// to ERR and flushes the receive.
+		for _, tc := range []struct {
+			name string
+			op   reqOp
+		}{{"Write", opWrite}, {"WriteImm", opWriteImm}} {
+			op := tc.op
+			t.Run(tc.name, func(t *testing.T) {
+				h := newHostileOn(t, prov.QPTypeRC, 4*segMax, "unix")
+				if op == opWriteImm {
+					if _, err := h.q.qp.PostRecv([]prov.RecvWR{{WRID: 0x5E}}, nil); err != nil {
+						t.Fatal(err)
+					}
 				}
-			case <-time.After(hangGuard):
-				t.Fatal("the region's Close waits for the peer")
-			}
-		})
-		for off := segMax; off < n; off += segMax {
-			p.seg(t, &req, id, off)
-		}
-		if r := p.resp(t); r.code != respAccess || p.lastID != id {
-			t.Fatalf("response %d to %d, want a remote access NAK to %d", r.code, p.lastID, id)
-		}
-		probe(t, p, respDropped) // the QP is in ERR
-		b := h.mrBytes()
-		if !patternOK(b[:first], 0) && !allEq(b[:first], 0) || !allEq(b[first:], 0) {
-			t.Fatal("bytes written after the region was closed")
-		}
-	})
-	t.Run("WriteImmRegionClosedWhilePlacing", func(t *testing.T) {
-		// The same with immediate data: the write is refused when it
-		// would execute (its region is gone), so it consumes no
-		// receive; the QP goes to ERR and flushes the receive, and
-		// nothing lands after the Close.
-		h := newHostileOn(t, prov.QPTypeRC, 4*segMax, "unix")
-		if _, err := h.q.qp.PostRecv([]prov.RecvWR{{WRID: 0x5E}}, nil); err != nil {
-			t.Fatal(err)
-		}
-		p := h.peer()
-		req, id := p.msg(opWriteImm, h.mr.Addr(), h.mr.RKey(), n)
-		req.imm = 0x1A
-		p.segSplit(t, &req, id, 0, first, func() {
-			if err := h.mr.Close(); err != nil {
-				t.Fatal(err)
-			}
-		})
-		for off := segMax; off < n; off += segMax {
-			p.seg(t, &req, id, off)
-		}
-		if r := p.resp(t); r.code != respAccess || p.lastID != id {
-			t.Fatalf("response %d to %d, want a remote access NAK to %d", r.code, p.lastID, id)
-		}
-		var wc [2]prov.Completion
-		k, err := h.q.rcq.Poll(wc[:])
-		if err != nil || k != 1 || wc[0].WRID != 0x5E || wc[0].Status != prov.StatusWRFlushErr {
-			t.Fatalf("receive completions %d %+v, %v; want the receive flushed", k, wc[:k], err)
-		}
-		b := h.mrBytes()
-		if !patternOK(b[:first], 0) && !allEq(b[:first], 0) || !allEq(b[first:], 0) {
-			t.Fatal("bytes written after the region was closed")
+				p := h.peer()
+				req, id := p.msg(op, h.mr.Addr(), h.mr.RKey(), n)
+				p.segSplit(t, &req, id, 0, first, func() {
+					done := make(chan error, 1)
+					go func() { done <- h.mr.Close() }()
+					select {
+					case err := <-done:
+						if err != nil {
+							t.Fatal(err)
+						}
+					case <-time.After(hangGuard):
+						t.Fatal("the region's Close waits for the peer")
+					}
+				})
+				for off := segMax; off < n; off += segMax {
+					p.seg(t, &req, id, off)
+				}
+				if r := p.resp(t); r.code != respAccess || p.lastID != id {
+					t.Fatalf("response %d to %d, want a remote access NAK to %d", r.code, p.lastID, id)
+				}
+				probe(t, p, respDropped) // the QP is in ERR
+				if op == opWriteImm {
+					var wc [2]prov.Completion
+					k, err := h.q.rcq.Poll(wc[:])
+					if err != nil || k != 1 || wc[0].WRID != 0x5E || wc[0].Status != prov.StatusWRFlushErr {
+						t.Fatalf("receive completions %d %+v, %v; want the receive flushed", k, wc[:k], err)
+					}
+				}
+				b := h.mrBytes()
+				if !patternOK(b[:first], 0) && !allEq(b[:first], 0) || !allEq(b[first:], 0) {
+					t.Fatal("bytes written after the region was closed")
+				}
+			})
 		}
 	})
 	// Writes the responder refuses: the checks before the payload is
