@@ -668,3 +668,67 @@ func TestPollSilencesInGrace(t *testing.T) {
 		})
 	}
 }
+
+// TestAckHoldBounded: over a unix socket, a consumer that finds message
+// after message waiting holds at most ackHoldMax acknowledgements: the
+// sender's sends complete while the consumer is still busy, not when it
+// next finds nothing. Holding them all (up to 64) left a sender with
+// fewer messages in flight than that waiting for the consumer to go idle.
+func TestAckHoldBounded(t *testing.T) {
+	forceTransport(t, "unix")
+	e, a, b := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	src, dst := privMem(t, e, 64), privMem(t, e, 64)
+	send := func() error {
+		_, err := a.qp.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}, []prov.SGE{src.sge(0, 8)})
+		return err
+	}
+	// One message first, so that the connection b's consumer serves is
+	// known (revConn).
+	postRecv(t, b.qp, 0, dst.sge(0, 8))
+	if err := send(); err != nil {
+		t.Fatal(err)
+	}
+	poll(t, b.rcq, 1)
+	poll(t, a.scq, 1)
+	c := revConn(t, b.qp)
+	if c.acks == nil {
+		t.Fatal("the unix connection holds no acknowledgements (no acknowledgement page)")
+	}
+	const n = 3*ackHoldMax + 2
+	for i := range n {
+		postRecv(t, b.qp, uint64(i), dst.sge(0, 8))
+	}
+	// The test is b's consumer: the reader stays aside meanwhile.
+	takeSocket(t, c)
+	var err error
+	for i := 0; i < n && err == nil; i++ {
+		err = send()
+	}
+	for handled, deadline := 0, time.Now().Add(hangGuard); err == nil && handled < n; {
+		if time.Now().After(deadline) {
+			c.rmu.Unlock()
+			t.Fatalf("the consumer handled %d of %d", handled, n)
+		}
+		var k int
+		k, err = c.drain(false)
+		handled += k
+	}
+	c.respMu.Lock()
+	held := len(c.resps) / (hdrLen + respBodyLen)
+	c.respMu.Unlock()
+	if err != nil || held > ackHoldMax {
+		c.rmu.Unlock()
+		t.Fatalf("%d acknowledgements held after %d messages (at most %d), %v", held, n, ackHoldMax, err)
+	}
+	// Those that left completed their sends while the consumer had not
+	// gone idle yet.
+	done := poll(t, a.scq, n-held)
+	c.flushResps()
+	c.rmu.Unlock()
+	done = append(done, poll(t, a.scq, held)...)
+	for _, wc := range append(done, poll(t, b.rcq, n)...) {
+		if wc.Status != prov.StatusSuccess {
+			t.Fatalf("%+v", wc)
+		}
+	}
+}
