@@ -17,8 +17,6 @@ import (
 func TestBlockingOperations(t *testing.T) {
 	a, b := newPair(t, channel.Options{})
 	ctx := testCtx(t)
-	word := func(s *side, off int) uint64 { return binary.NativeEndian.Uint64(s.buf.Bytes()[off:]) }
-	setWord := func(s *side, off int, v uint64) { binary.NativeEndian.PutUint64(s.buf.Bytes()[off:], v) }
 
 	tests := []struct {
 		name  string
@@ -107,24 +105,24 @@ func TestBlockingOperations(t *testing.T) {
 			}
 		}},
 		{name: "fetch-and-add", run: func(t *testing.T) {
-			setWord(b, 8192, 10)
+			*b.word(8192) = 10
 			prior, err := a.ch.FetchAdd(ctx, b.buf.Remote().At(8192), 5)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if prior != 10 || word(b, 8192) != 15 {
-				t.Errorf("prior %d, now %d; want 10, 15", prior, word(b, 8192))
+			if prior != 10 || *b.word(8192) != 15 {
+				t.Errorf("prior %d, now %d; want 10, 15", prior, *b.word(8192))
 			}
 		}},
 		{name: "compare-and-swap", run: func(t *testing.T) {
-			setWord(b, 8192, 7)
+			*b.word(8192) = 7
 			for _, tc := range []struct{ cmp, swap, prior, now uint64 }{{7, 100, 7, 100}, {7, 5, 100, 100}} {
 				prior, err := a.ch.CompareSwap(ctx, b.buf.Remote().At(8192), tc.cmp, tc.swap)
 				if err != nil {
 					t.Fatal(err)
 				}
-				if prior != tc.prior || word(b, 8192) != tc.now {
-					t.Errorf("CAS(%d, %d): prior %d, now %d; want %d, %d", tc.cmp, tc.swap, prior, word(b, 8192), tc.prior, tc.now)
+				if prior != tc.prior || *b.word(8192) != tc.now {
+					t.Errorf("CAS(%d, %d): prior %d, now %d; want %d, %d", tc.cmp, tc.swap, prior, *b.word(8192), tc.prior, tc.now)
 				}
 			}
 		}},
@@ -874,8 +872,6 @@ func TestBlockingWriteAllocatesNothing(t *testing.T) {
 func TestPostedOperations(t *testing.T) {
 	a, b := newPair(t, channel.Options{})
 	ctx := testCtx(t)
-	word := func(s *side, off int) uint64 { return binary.NativeEndian.Uint64(s.buf.Bytes()[off:]) }
-	setWord := func(s *side, off int, v uint64) { binary.NativeEndian.PutUint64(s.buf.Bytes()[off:], v) }
 	wait := func(t *testing.T, h channel.Handle) {
 		t.Helper()
 		if err := h.Wait(ctx); err != nil || h.Err() != nil {
@@ -936,24 +932,24 @@ func TestPostedOperations(t *testing.T) {
 			}
 		}},
 		{"PostCompareSwap", func(t *testing.T) {
-			setWord(b, 4000, 5)
+			*b.word(4000) = 5
 			miss := must(t)(a.ch.PostCompareSwap(b.buf.Remote().At(4000), 4, 100))
 			defer miss.Release()
 			wait(t, miss)
 			hit := must(t)(a.ch.PostCompareSwap(b.buf.Remote().At(4000), 5, 100))
 			defer hit.Release()
 			wait(t, hit)
-			if miss.Value() != 5 || hit.Value() != 5 || word(b, 4000) != 100 {
-				t.Errorf("prior values %d, %d; word %d", miss.Value(), hit.Value(), word(b, 4000))
+			if miss.Value() != 5 || hit.Value() != 5 || *b.word(4000) != 100 {
+				t.Errorf("prior values %d, %d; word %d", miss.Value(), hit.Value(), *b.word(4000))
 			}
 		}},
 		{"PostFetchAdd", func(t *testing.T) {
-			setWord(b, 4008, 40)
+			*b.word(4008) = 40
 			h := must(t)(a.ch.PostFetchAdd(b.buf.Remote().At(4008), 2))
 			defer h.Release()
 			wait(t, h)
-			if h.Value() != 40 || word(b, 4008) != 42 {
-				t.Errorf("prior %d, word %d", h.Value(), word(b, 4008))
+			if h.Value() != 40 || *b.word(4008) != 42 {
+				t.Errorf("prior %d, word %d", h.Value(), *b.word(4008))
 			}
 		}},
 		{"Batch SendImm and WriteImm", func(t *testing.T) {
