@@ -55,11 +55,17 @@ func FuzzParseCtrl(f *testing.F) {
 	})
 }
 
+// setupEndpoint is a well-formed endpoint for the setup messages of the
+// tests below.
+func setupEndpoint() *verbs.Endpoint {
+	return &verbs.Endpoint{Version: verbs.EndpointVersion, Transport: verbs.TransportRC, LinkLayer: verbs.LinkLayerEthernet, Port: 1, QPN: 5, PSN: 1, MTU: verbs.MTU1024}
+}
+
 // TestSetupValidate: a peer's setup message that would make this side
 // write outside the peer's ring or control block, or hold more than the
 // bounds allow, is ErrProtocol, naming what is wrong.
 func TestSetupValidate(t *testing.T) {
-	ep := &verbs.Endpoint{Version: verbs.EndpointVersion, Transport: verbs.TransportRC, LinkLayer: verbs.LinkLayerEthernet, Port: 1, QPN: 5, PSN: 1, MTU: verbs.MTU1024}
+	ep := setupEndpoint()
 	good := func() setup {
 		return setup{
 			Data: ep, Ctrl: ep,
@@ -109,7 +115,7 @@ func TestSetupValidate(t *testing.T) {
 // validates without a panic, and what validates leaves the ring large
 // enough for its slots (the bound every write into it relies on).
 func FuzzSetup(f *testing.F) {
-	ep := &verbs.Endpoint{Version: verbs.EndpointVersion, Transport: verbs.TransportRC, LinkLayer: verbs.LinkLayerEthernet, Port: 1, QPN: 5, PSN: 1, MTU: verbs.MTU1024}
+	ep := setupEndpoint()
 	js, _ := json.Marshal(setup{Data: ep, Ctrl: ep, Block: verbs.RemoteRegion{Len: 64}, Ring: verbs.RemoteRegion{Len: 8 * 512},
 		RecvBuffers: 8, SlotSize: 512, CtrlBuffers: 4, MaxMessage: 4096})
 	f.Add(js)
