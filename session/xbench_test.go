@@ -351,6 +351,10 @@ func benchSessionWith(b *testing.B, kind string, agentSpin bool, buffers int) *S
 // bytes).
 var benchRemote verbs.RemoteRegion
 
+// isSink reports whether a channel child of kind what offers a region
+// for writes ("sink", "sink-imm").
+func isSink(what string) bool { return what == "sink" || what == "sink-imm" }
+
 // benchChannel starts a child with a channel over kind doing what
 // ("echo": sends back every 8-byte message; "sink": a region for
 // writes; "sink-imm": the same, and receives for writes with immediate
@@ -363,7 +367,7 @@ func benchChannel(b *testing.B, kind, what string) (*channel.Channel, *verbs.Mem
 	}
 	b.Cleanup(restore)
 	p := testproc.Start(b, envBenchChild+"="+what, "GOVERBS_SOFT_TRANSPORT="+kind)
-	sink := what == "sink" || what == "sink-imm"
+	sink := isSink(what)
 	var ep verbs.Endpoint
 	if err := json.Unmarshal([]byte(p.Line(b, "ep")[0]), &ep); err != nil {
 		b.Fatal(err)
@@ -506,7 +510,7 @@ func benchChannelChild(what string) error {
 	}
 	js, _ := json.Marshal(ep)
 	fmt.Printf("ep %s\n", js)
-	sink := what == "sink" || what == "sink-imm"
+	sink := isSink(what)
 	size := 16
 	if sink {
 		size = 4 * bwSize
