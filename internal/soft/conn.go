@@ -1465,11 +1465,11 @@ func (c *conn) appendRespLocked(id uint64, qpn uint32, r *response) {
 // when it finds none; holding up to the buffer's 64 let a sender with 16
 // messages in flight run out of them and wait for the consumer to go
 // idle, both processes then idle between bursts (a bare channel's 64 KiB
-// writes with immediate data over unix sockets: 0.71-0.86 of plain
-// writes, a third of the two processors idle; with 4, 1.06-1.17; the
-// session's one-poster 64 KiB messages 0.58-0.79 of the channel's
-// writes against 0.78-1.17, ten alternating runs). A round trip holds
-// one, which its answer takes along, as before. Over shared memory an
+// writes with immediate data over unix sockets, a third of the two
+// processors idle: 0.81 of plain writes, 1.00 with 4; the session's
+// one-poster 64 KiB messages 0.72 of the channel's writes, 0.87 with 4;
+// medians of fifteen alternating runs). A round trip holds one, which
+// its answer takes along, as before. Over shared memory an
 // acknowledgement costs no system call and wakes nobody (send's later):
 // there they are held up to the buffer's size, as before.
 const ackHoldMax = 4
