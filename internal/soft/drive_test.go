@@ -45,6 +45,20 @@ func waitDrive(t *testing.T, before uint64) {
 	}
 }
 
+// awaitNil waits for the error from done, failing t if it is not nil, or
+// with hang if none comes within hangGuard.
+func awaitNil(t *testing.T, done <-chan error, hang string) {
+	t.Helper()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(hangGuard):
+		t.Fatal(hang)
+	}
+}
+
 // drivePair is two RC QPs of one process connected through a socket of
 // kind, each with its CQ and completion channel, and registered memory.
 type drivePair struct {
@@ -470,14 +484,7 @@ func TestDriveShmWakes(t *testing.T) {
 	if _, err := p.qa.PostSend([]prov.SendWR{{Opcode: prov.WRSend, NumSGE: 1, Flags: prov.SendSignaled}}, []prov.SGE{p.m.sge(0, 8)}); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(hangGuard):
-		t.Fatal("the message did not wake the driving wait")
-	}
+	awaitNil(t, done, "the message did not wake the driving wait")
 	var dst [4]prov.Completion
 	waitCQ(t, p.cqb, p.chb, dst[:], 1)
 	if dst[0].Status != prov.StatusSuccess || string(p.m.b[1024:1032]) != "woken up" {
@@ -511,14 +518,7 @@ func TestDriveShmFails(t *testing.T) {
 	case <-time.After(hangGuard):
 		t.Fatal("failAfterDrain waited for the driving wait")
 	}
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(hangGuard):
-		t.Fatal("the failure did not end the driving wait")
-	}
+	awaitNil(t, done, "the failure did not end the driving wait")
 }
 
 // TestDriveShmHandsBack: after a wait that drove the ring got its event,

@@ -185,14 +185,7 @@ func TestPlacedWrite(t *testing.T) {
 				p.segSplit(t, &req, id, 0, first, func() {
 					done := make(chan error, 1)
 					go func() { done <- h.mr.Close() }()
-					select {
-					case err := <-done:
-						if err != nil {
-							t.Fatal(err)
-						}
-					case <-time.After(hangGuard):
-						t.Fatal("the region's Close waits for the peer")
-					}
+					awaitNil(t, done, "the region's Close waits for the peer")
 				})
 				for off := segMax; off < n; off += segMax {
 					p.seg(t, &req, id, off)
@@ -589,14 +582,7 @@ func TestDrivePlacesAcrossWaits(t *testing.T) {
 			if _, err := p.qa.PostSend(wr, []prov.SGE{src.sge(0, size)}); err != nil {
 				t.Fatal(err)
 			}
-			select {
-			case err := <-woke:
-				if err != nil {
-					t.Fatal(err)
-				}
-			case <-time.After(hangGuard):
-				t.Fatal("the sleeping target never woke")
-			}
+			awaitNil(t, woke, "the sleeping target never woke")
 			// One drive did it all, the pieces that came after the
 			// first read in its waits.
 			if d := drivesNow() - before; d != 1 {
