@@ -40,6 +40,7 @@ func TestMalformedMessages(t *testing.T) {
 		{"another slot", 3, eager(1), dataHdr + 1, ErrProtocol},
 		{"shorter than a header", 0, eager(0), dataHdr - 4, ErrProtocol},
 		{"length not what arrived", 0, eager(100), dataHdr + 10, ErrProtocol},
+		{"longer than a slot", 0, eager(msgSize + payOff - hdrAt + 1 - dataHdr), msgSize + payOff - hdrAt + 1, ErrProtocol},
 		{"unknown kind", 0, func(b []byte) { b[0] = 9 }, dataHdr, ErrProtocol},
 		{"kind zero", 0, func([]byte) {}, dataHdr, ErrProtocol},
 		{"rendezvous header of the wrong size", 0, rts(1000), rtsHdr + 8, ErrProtocol},
@@ -59,7 +60,7 @@ func TestMalformedMessages(t *testing.T) {
 			tc.hdr(buf.Bytes())
 			// Straight to the ring's first slot, as a peer that does
 			// not follow the protocol would.
-			dst := verbs.RemoteAddr{Addr: a.peer.Ring.Addr, RKey: a.peer.Ring.RKey}
+			dst := verbs.RemoteAddr{Addr: a.peer.Ring.Addr + hdrAt, RKey: a.peer.Ring.RKey}
 			if err := a.data.WriteImm(ctx, dst, tc.imm, buf.All().SGE()); err != nil {
 				t.Fatal(err)
 			}

@@ -46,7 +46,7 @@ func (m Message) Bytes() []byte {
 		return nil
 	}
 	if m.slot >= 0 {
-		off := int(m.slot)*m.s.slot + dataHdr
+		off := int(m.slot)*m.s.slot + payOff
 		return m.s.ring.Bytes()[off : off+m.n]
 	}
 	if m.mr.Valid() {
@@ -113,13 +113,14 @@ func (s *Session) sendBytes(ctx context.Context, data []byte, imm uint32, hasImm
 	if len(data) > s.peer.MaxMessage {
 		return fmt.Errorf("session: send: %w: a message of %d bytes, the peer takes at most %d", ErrLimit, len(data), s.peer.MaxMessage)
 	}
-	if len(data) <= s.peer.SlotSize-dataHdr {
-		buf, err := s.mem.Alloc(dataHdr + len(data))
+	if len(data) <= s.peer.SlotSize-payOff {
+		// The header at hdrAt, the payload at payOff, as in the slot.
+		buf, err := s.mem.Alloc(payOff + len(data))
 		if err != nil {
 			return fmt.Errorf("session: send: %w", err)
 		}
-		copy(buf.Bytes()[dataHdr:], data)
-		return s.sendEager(ctx, buf, dataHdr+len(data), LocalSlice{}, imm, hasImm)
+		copy(buf.Bytes()[payOff:], data)
+		return s.sendEager(ctx, buf, hdrAt, len(data), LocalSlice{}, imm, hasImm)
 	}
 	buf, err := s.mem.Alloc(len(data))
 	if err != nil {
@@ -138,12 +139,12 @@ func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, ha
 	if err := s.checkSlice(data); err != nil {
 		return err
 	}
-	if data.Len() <= s.peer.SlotSize-dataHdr {
+	if data.Len() <= s.peer.SlotSize-payOff {
 		hdr, err := s.mem.Alloc(dataHdr)
 		if err != nil {
 			return fmt.Errorf("session: send: %w", err)
 		}
-		return s.sendEager(ctx, hdr, dataHdr, data, imm, hasImm)
+		return s.sendEager(ctx, hdr, 0, 0, data, imm, hasImm)
 	}
 	return s.sendRendezvous(ctx, data, LocalMR{}, imm, hasImm)
 }
@@ -163,14 +164,14 @@ func (s *Session) PostSendSlice(ctx context.Context, data LocalSlice, imm uint32
 	if err := s.checkSlice(data); err != nil {
 		return Pending{}, err
 	}
-	if data.Len() > s.peer.SlotSize-dataHdr {
+	if data.Len() > s.peer.SlotSize-payOff {
 		return Pending{}, s.sendRendezvous(ctx, data, LocalMR{}, imm, hasImm)
 	}
 	buf, err := s.mem.Alloc(dataHdr)
 	if err != nil {
 		return Pending{}, fmt.Errorf("session: send: %w", err)
 	}
-	h, err := s.postEager(ctx, buf, dataHdr, data, imm, hasImm)
+	h, err := s.postEager(ctx, buf, 0, 0, data, imm, hasImm)
 	if err != nil {
 		return Pending{}, err
 	}
@@ -256,8 +257,8 @@ func (p Pending) Release() {
 // sendEager sends the header in buf (n bytes: the header, maybe the
 // payload) and the payload in extra (if not empty) into the peer's next
 // ring slot. buf is freed when the device is done with it.
-func (s *Session) sendEager(ctx context.Context, buf LocalMR, n int, extra LocalSlice, imm uint32, hasImm bool) error {
-	h, err := s.postEager(ctx, buf, n, extra, imm, hasImm)
+func (s *Session) sendEager(ctx context.Context, buf LocalMR, at, n int, extra LocalSlice, imm uint32, hasImm bool) error {
+	h, err := s.postEager(ctx, buf, at, n, extra, imm, hasImm)
 	if err != nil {
 		return err
 	}
@@ -266,24 +267,21 @@ func (s *Session) sendEager(ctx context.Context, buf LocalMR, n int, extra Local
 
 // postEager is sendEager without the wait: it returns the write's
 // handle, which owns an op token and buf from then on (on an error, both
-// are given back).
-func (s *Session) postEager(ctx context.Context, buf LocalMR, n int, extra LocalSlice, imm uint32, hasImm bool) (channel.Handle, error) {
-	plen := n - dataHdr + extra.Len()
-	putDataHdr(buf.Bytes(), dataEager, 0, uint32(plen))
-	setImm(buf.Bytes(), imm, hasImm)
-	hs, _ := buf.Slice(0, dataHdr)
+// are given back). The header goes in buf at at, followed there by n
+// bytes of payload or else by extra's.
+func (s *Session) postEager(ctx context.Context, buf LocalMR, at, n int, extra LocalSlice, imm uint32, hasImm bool) (channel.Handle, error) {
+	hs, _ := buf.Slice(at, dataHdr+n)
+	putDataHdr(hs.Bytes(), dataEager, 0, uint32(n+extra.Len()))
+	setImm(hs.Bytes(), imm, hasImm)
 	var payload verbs.SGE
 	if extra.Len() > 0 {
 		payload = extra.SGE()
-	} else if n > dataHdr {
-		ps, _ := buf.Slice(dataHdr, n-dataHdr)
-		payload = ps.SGE()
 	}
 	if err := s.acquireOp(ctx, "send"); err != nil {
 		buf.Free()
 		return channel.Handle{}, err
 	}
-	return s.postSlotH(ctx, "send", buf, hs.SGE(), payload)
+	return s.postSlotH(ctx, "send", buf, hs, payload)
 }
 
 // checkSlice checks a slice to send: the session is live, its region
@@ -312,7 +310,7 @@ func (s *Session) checkSlice(data LocalSlice) error {
 // payload once instead of twice, but holds every later request until
 // the peer acknowledges the write, which serialises the messages:
 // 0.5 GB/s against 3 GB/s.)
-func (s *Session) sendSlot(ctx context.Context, op string, buf LocalMR, hdr, payload verbs.SGE) (posted bool, err error) {
+func (s *Session) sendSlot(ctx context.Context, op string, buf LocalMR, hdr LocalSlice, payload verbs.SGE) (posted bool, err error) {
 	if err := s.acquireOp(ctx, op); err != nil {
 		buf.Free()
 		return false, err
@@ -322,7 +320,7 @@ func (s *Session) sendSlot(ctx context.Context, op string, buf LocalMR, hdr, pay
 
 // postSlot is sendSlot with the op token taken: it gives it back with
 // buf.
-func (s *Session) postSlot(ctx context.Context, op string, buf LocalMR, hdr, payload verbs.SGE) (posted bool, err error) {
+func (s *Session) postSlot(ctx context.Context, op string, buf LocalMR, hdr LocalSlice, payload verbs.SGE) (posted bool, err error) {
 	h, err := s.postSlotH(ctx, op, buf, hdr, payload)
 	if err != nil {
 		return false, err
@@ -333,7 +331,7 @@ func (s *Session) postSlot(ctx context.Context, op string, buf LocalMR, hdr, pay
 // postSlotH is postSlot without the wait: it returns the write's handle,
 // which owns the op token and buf from then on (on an error, both are
 // given back).
-func (s *Session) postSlotH(ctx context.Context, op string, buf LocalMR, hdr, payload verbs.SGE) (h channel.Handle, err error) {
+func (s *Session) postSlotH(ctx context.Context, op string, buf LocalMR, hdr LocalSlice, payload verbs.SGE) (h channel.Handle, err error) {
 	for {
 		if err := s.dflow.wait(ctx, s.done); err != nil {
 			s.releaseOp()
@@ -349,13 +347,13 @@ func (s *Session) postSlotH(ctx context.Context, op string, buf LocalMR, hdr, pa
 	k := s.dflow.sent.Load() - 1
 	slot := k % s.dflow.r
 	rep := s.drflow.reposted.Load()
-	binary.LittleEndian.PutUint32(buf.Bytes()[4:], rep)
-	dst := verbs.RemoteAddr{Addr: s.peer.Ring.Addr + uint64(slot)*uint64(s.peer.SlotSize), RKey: s.peer.Ring.RKey}
+	binary.LittleEndian.PutUint32(hdr.Bytes()[4:], rep)
+	dst := verbs.RemoteAddr{Addr: s.peer.Ring.Addr + uint64(slot)*uint64(s.peer.SlotSize) + hdrAt, RKey: s.peer.Ring.RKey}
 	if payload.Length > 0 {
-		sgl := [2]verbs.SGE{hdr, payload}
+		sgl := [2]verbs.SGE{hdr.SGE(), payload}
 		h, err = s.data.PostWriteImm(dst, slot, sgl[:]...)
 	} else {
-		h, err = s.data.PostWriteImm(dst, slot, hdr)
+		h, err = s.data.PostWriteImm(dst, slot, hdr.SGE())
 	}
 	s.smu.Unlock()
 	if err != nil {
@@ -456,7 +454,7 @@ func (s *Session) sendRendezvous(ctx context.Context, data LocalSlice, owned Loc
 	}
 	putRTS(hdr.Bytes(), 0, uint32(data.Len()), win.Addr(), win.RKey(), id)
 	setImm(hdr.Bytes(), imm, hasImm)
-	if posted, err := s.sendSlot(ctx, "send", hdr, hdr.All().SGE(), verbs.SGE{}); err != nil {
+	if posted, err := s.sendSlot(ctx, "send", hdr, hdr.All(), verbs.SGE{}); err != nil {
 		if !posted {
 			s.agent.dropFin(id)
 		}
@@ -572,7 +570,7 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	}
 	n := s.drflow.consumed.Load()
 	slot := n % s.drflow.r
-	if !rc.Write || !rc.HasImm || rc.Imm != slot || rc.Len < dataHdr || rc.Len > s.slot {
+	if !rc.Write || !rc.HasImm || rc.Imm != slot || rc.Len < dataHdr || rc.Len > s.slot-hdrAt {
 		return Message{}, s.protocol(fmt.Errorf("%w: message %d: a write of %d bytes with immediate %d (%v), for ring slot %d of %d bytes", ErrProtocol, n, rc.Len, rc.Imm, rc.HasImm, slot, s.slot))
 	}
 	s.drflow.consumed.Add(1)
@@ -580,7 +578,7 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	s.busy[slot] = true
 	gen := s.rgen[slot]
 	s.rmu.Unlock()
-	b := s.ring.Bytes()[int(slot)*s.slot : int(slot+1)*s.slot]
+	b := s.ring.Bytes()[int(slot)*s.slot+hdrAt : int(slot+1)*s.slot]
 	s.dflow.learn(binary.LittleEndian.Uint32(b[4:]))
 	m := Message{s: s, slot: int32(slot), gen: gen}
 	if b[1]&hdrHasImm != 0 {

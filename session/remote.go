@@ -362,7 +362,7 @@ func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src
 			note.Free()
 			return err
 		}
-		_, err = s.sendSlot(ctx, op, note, note.All().SGE(), verbs.SGE{})
+		_, err = s.sendSlot(ctx, op, note, note.All(), verbs.SGE{})
 		return err
 	}
 	// Both requests at once: the write, then the notice (a write with
@@ -395,7 +395,7 @@ func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src
 		note.Free()
 		return s.fail(op, err)
 	}
-	_, nerr := s.postSlot(ctx, op, note, note.All().SGE(), verbs.SGE{})
+	_, nerr := s.postSlot(ctx, op, note, note.All(), verbs.SGE{})
 	// The write completed before the notice did, if it did; if the
 	// notice was not posted (ctx ended while it waited for a credit),
 	// or its wait ended with ctx, the write may still be in flight.

@@ -347,7 +347,7 @@ func (p *setup) validate(endpoints bool) error {
 	switch {
 	case p.RecvBuffers < 1 || p.RecvBuffers > 1<<16:
 		return fmt.Errorf("%w: the peer posts %d receive buffers", ErrProtocol, p.RecvBuffers)
-	case p.SlotSize < rtsHdr || p.SlotSize > 64<<20:
+	case p.SlotSize < hdrAt+rtsHdr || p.SlotSize > 64<<20:
 		return fmt.Errorf("%w: the peer's receive buffers are %d bytes", ErrProtocol, p.SlotSize)
 	case p.CtrlBuffers < 2 || p.CtrlBuffers > 1<<12:
 		return fmt.Errorf("%w: the peer posts %d control buffers", ErrProtocol, p.CtrlBuffers)
@@ -393,7 +393,7 @@ func (s *Session) build(name string, cm bool) (err error) {
 	if s.block, err = s.pd.Alloc(64, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
 		return err
 	}
-	s.slot = (cfg.MessageSize + rtsHdr + 63) &^ 63
+	s.slot = (max(cfg.MessageSize, rtsHdr-dataHdr) + payOff + 63) &^ 63
 	n := cfg.ReceiveBuffers
 	// A region of its own, with remote read access too, so that soft0
 	// can share it with the peer's process (large payloads are then

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/goverbs/verbs"
 )
@@ -43,6 +44,68 @@ func TestSendReceiveSizes(t *testing.T) {
 		}
 	}
 	t.Log(a.Transport(), b.Transport())
+}
+
+// TestEagerLayout: a message of up to MessageSize bytes travels eager,
+// into a ring slot, whether sent as bytes (Send) or from a region
+// (SendSlice), with its payload on a cache line (payOff), where a
+// provider's copy is fastest; one byte more goes by rendezvous.
+func TestEagerLayout(t *testing.T) {
+	const size = 4096
+	a, b := pair(t, Config{MessageSize: size})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	region, err := a.Alloc(size + 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer region.Free()
+	for i := range region.Bytes() {
+		region.Bytes()[i] = byte(i * 7)
+	}
+	for _, tc := range []struct {
+		name  string
+		n     int
+		slice bool
+		eager bool
+	}{
+		{"Send 1", 1, false, true},
+		{"Send MessageSize", size, false, true},
+		{"Send MessageSize+1", size + 1, false, false},
+		{"SendSlice 1", 1, true, true},
+		{"SendSlice MessageSize", size, true, true},
+		{"SendSlice MessageSize+1", size + 1, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			data := region.Bytes()[:tc.n]
+			errc := make(chan error, 1)
+			go func() {
+				if tc.slice {
+					sl, _ := region.Slice(0, tc.n)
+					errc <- a.SendSlice(ctx, sl, 0, false)
+					return
+				}
+				errc <- a.Send(ctx, data)
+			}()
+			m, err := b.Receive(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Release()
+			if err := <-errc; err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(m.Bytes(), data) {
+				t.Fatalf("got %d bytes, not the %d sent", m.Len(), tc.n)
+			}
+			if eager := m.slot >= 0; eager != tc.eager {
+				t.Fatalf("eager %v, want %v", eager, tc.eager)
+			}
+			if p := uintptr(unsafe.Pointer(&m.Bytes()[0])); tc.eager && p%64 != 0 {
+				t.Fatalf("the payload is at %#x, not on a cache line", p)
+			}
+		})
+	}
 }
 
 func TestManyMessagesCredits(t *testing.T) {

@@ -15,8 +15,12 @@ import (
 // ring (a window of ReceiveBuffers slots of SlotSize bytes, granted for
 // remote write at setup; the immediate data is the slot's number, and
 // message k goes to slot k mod ReceiveBuffers), which consumes one of
-// the receiver's receives (posted without buffers). It starts with a
-// header:
+// the receiver's receives (posted without buffers). The write lands
+// hdrAt (48) bytes into the slot, so that a payload after its header
+// starts at payOff (64), on a cache line, as it does in the sender's
+// buffers (a 64 KiB payload copied to 16 bytes into the slot cost
+// soft0's unix sockets a tenth more in process_vm_readv: its copy then
+// stores across cache lines). It starts with a header:
 //
 //	[0]     kind: dataEager (the payload follows the header), dataRTS
 //	        (a rendezvous: the receiver reads the payload) or dataWrite
@@ -58,6 +62,8 @@ const (
 
 	dataHdr = 16
 	rtsHdr  = 40
+	hdrAt   = payOff - dataHdr // where a data write lands in a slot
+	payOff  = 64               // where an eager payload starts, in a slot and in a send buffer
 
 	ctrlHdr     = 56
 	ctrlTextMax = 200
