@@ -525,6 +525,11 @@ func (s *Session) ReceiveInto(ctx context.Context, dst []byte) (n int, imm uint3
 // ctx or the session ends.
 func (s *Session) takeTurn(ctx context.Context) error {
 	select {
+	case <-s.turn: // free: one channel operation, not a select of three
+		return nil
+	default:
+	}
+	select {
 	case <-s.turn:
 		return nil
 	case <-ctx.Done():
@@ -553,31 +558,30 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	if err := h.Wait(ctx); err != nil && !h.Done() {
 		return Message{}, s.ctxErr("receive", err)
 	}
-	s.rmu.Lock()
-	s.fifo = s.fifo[1:]
-	s.rmu.Unlock()
-	if err := h.Err(); err != nil {
-		h.Release()
-		return Message{}, s.fail("receive", err)
-	}
+	err := h.Err()
 	rc := h.Received()
 	h.Release()
+	n := s.drflow.consumed.Load()
+	slot := n % s.drflow.r
+	ok := rc.Write && rc.HasImm && rc.Imm == slot && rc.Len >= dataHdr && rc.Len <= s.slot-hdrAt
+	// One critical section: the receive leaves the queue and is posted
+	// again; a message's slot is busy until it is released.
 	s.rmu.Lock()
-	err := s.postRecv(int(idx))
+	s.fifo = s.fifo[1:]
+	if err == nil {
+		if err = s.postRecv(int(idx)); err == nil && ok {
+			s.busy[slot] = true
+		}
+	}
+	gen := s.rgen[slot]
 	s.rmu.Unlock()
 	if err != nil {
 		return Message{}, s.fail("receive", err)
 	}
-	n := s.drflow.consumed.Load()
-	slot := n % s.drflow.r
-	if !rc.Write || !rc.HasImm || rc.Imm != slot || rc.Len < dataHdr || rc.Len > s.slot-hdrAt {
+	if !ok {
 		return Message{}, s.protocol(fmt.Errorf("%w: message %d: a write of %d bytes with immediate %d (%v), for ring slot %d of %d bytes", ErrProtocol, n, rc.Len, rc.Imm, rc.HasImm, slot, s.slot))
 	}
 	s.drflow.consumed.Add(1)
-	s.rmu.Lock()
-	s.busy[slot] = true
-	gen := s.rgen[slot]
-	s.rmu.Unlock()
 	b := s.ring.Bytes()[int(slot)*s.slot+hdrAt : int(slot+1)*s.slot]
 	s.dflow.learn(binary.LittleEndian.Uint32(b[4:]))
 	m := Message{s: s, slot: int32(slot), gen: gen}
