@@ -35,9 +35,11 @@
 // buffer go by rendezvous: the sender registers a window of the message,
 // the receiver reads it into memory of its allocator and tells the
 // sender's agent.
-// Send returns once the message is delivered; PostSendSlice returns once
-// it is posted, with a Pending to Wait for (or Release) once, so that one
-// goroutine can keep several messages in flight.
+// Send returns once the message is delivered (and a delivered message is
+// received even if the peer closed the session since: Receive reports the
+// end after the last one); PostSendSlice returns once it is posted, with a
+// Pending to Wait for (or Release) once, so that one goroutine can keep
+// several messages in flight.
 //
 // Memory: each session has an Allocator of registered memory (arenas
 // registered once, size classes, handles as values). Memory of the peer

@@ -569,7 +569,13 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	s.rmu.Lock()
 	s.fifo = s.fifo[1:]
 	if err == nil {
-		if err = s.postRecv(int(idx)); err == nil && ok {
+		// A message that arrived is the application's even if the
+		// session ended since (the peer sent it, then closed): only a
+		// live session needs its receive back.
+		if err = s.postRecv(int(idx)); err != nil && s.Err() != nil {
+			err = nil
+		}
+		if err == nil && ok {
 			s.busy[slot] = true
 		}
 	}
