@@ -549,8 +549,15 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	}
 	s.rmu.Lock()
 	if len(s.fifo) == 0 {
+		// Every receive taken and none posted again: the queue pair
+		// broke, and the session is ending.
 		s.rmu.Unlock()
-		return Message{}, s.fail("receive", errors.New("no receive posted"))
+		select {
+		case <-s.done:
+		case <-ctx.Done():
+			return Message{}, s.ctxErr("receive", ctx.Err())
+		}
+		return Message{}, s.fail("receive", nil)
 	}
 	idx := s.fifo[0]
 	h := s.rh[idx]
@@ -570,12 +577,12 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	s.fifo = s.fifo[1:]
 	if err == nil {
 		// A message that arrived is the application's even if the
-		// session ended since (the peer sent it, then closed): only a
-		// live session needs its receive back.
-		if err = s.postRecv(int(idx)); err != nil && s.Err() != nil {
-			err = nil
-		}
-		if err == nil && ok {
+		// queue pair broke since (the peer sent it, then closed: the
+		// next credit write failed), so that posting its receive again
+		// fails: the session is ending (watch), and the receives after
+		// it report the end once the messages that arrived are taken.
+		_ = s.postRecv(int(idx))
+		if ok {
 			s.busy[slot] = true
 		}
 	}

@@ -613,6 +613,12 @@ func (s *Session) live(op string) error { return s.fail(op, nil) }
 // verbs.RCQueuePair.Link).
 func (s *Session) Transport() string { return s.describe() }
 
+// PeerMessageSize is the largest message that reaches the peer in one
+// write into one of its receive buffers (eager): at least the peer's
+// Config.MessageSize. Larger messages go by rendezvous, which costs a
+// round trip more.
+func (s *Session) PeerMessageSize() int { return s.peer.SlotSize - payOff }
+
 // LocalAddr and RemoteAddr are the bootstrap connection's addresses.
 func (s *Session) LocalAddr() net.Addr { return s.ctl.localAddr() }
 
