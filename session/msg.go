@@ -78,9 +78,10 @@ func (m Message) valid() bool {
 
 // Release gives the message's buffer back.
 func (m Message) Release() {
-	if m.s == nil {
+	if m.s == nil || m.s.enter(&m.s.calls, "release") != nil {
 		return
 	}
+	defer m.s.calls.RUnlock()
 	if m.slot >= 0 {
 		m.s.freeSlot(int(m.slot), m.gen)
 		return
@@ -107,6 +108,10 @@ func (s *Session) SendImm(ctx context.Context, imm uint32, data []byte) error {
 }
 
 func (s *Session) sendBytes(ctx context.Context, data []byte, imm uint32, hasImm bool) error {
+	if err := s.enter(&s.calls, "send"); err != nil {
+		return err
+	}
+	defer s.calls.RUnlock()
 	if err := s.live("send"); err != nil {
 		return err
 	}
@@ -136,6 +141,10 @@ func (s *Session) sendBytes(ctx context.Context, data []byte, imm uint32, hasImm
 // then deferred by the library until the device is done with it... the
 // caller must not Free it before SendSlice returns).
 func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, hasImm bool) error {
+	if err := s.enter(&s.calls, "send"); err != nil {
+		return err
+	}
+	defer s.calls.RUnlock()
 	if err := s.checkSlice(data); err != nil {
 		return err
 	}
@@ -161,6 +170,10 @@ func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, ha
 // has read it, with a Pending that is done (as is the zero Pending).
 // Messages arrive in the order they were posted, with those of Send.
 func (s *Session) PostSendSlice(ctx context.Context, data LocalSlice, imm uint32, hasImm bool) (Pending, error) {
+	if err := s.enter(&s.calls, "send"); err != nil {
+		return Pending{}, err
+	}
+	defer s.calls.RUnlock()
 	if err := s.checkSlice(data); err != nil {
 		return Pending{}, err
 	}
@@ -229,6 +242,11 @@ func (p Pending) Wait(ctx context.Context) error {
 	if p.r == nil {
 		return nil
 	}
+	if err := p.r.s.enter(&p.r.s.calls, "send"); err != nil {
+		p.Release()
+		return err
+	}
+	defer p.r.s.calls.RUnlock()
 	s, h, buf, ok := p.claim()
 	if !ok {
 		return fmt.Errorf("session: send: %w: the pending message was waited for or released already", ErrClosed)
@@ -486,6 +504,10 @@ type pendingRead struct {
 // Receive returns its error and nothing is lost: the next Receive gets
 // the message.
 func (s *Session) Receive(ctx context.Context) (Message, error) {
+	if err := s.enter(&s.rcalls, "receive"); err != nil {
+		return Message{}, err
+	}
+	defer s.rcalls.RUnlock()
 	if err := s.takeTurn(ctx); err != nil {
 		return Message{}, err
 	}
@@ -501,6 +523,10 @@ func (s *Session) Receive(ctx context.Context) (Message, error) {
 // A dst too small is an error (io.ErrShortBuffer, wrapped, saying the
 // size) and the message stays for the next Receive.
 func (s *Session) ReceiveInto(ctx context.Context, dst []byte) (n int, imm uint32, hasImm bool, err error) {
+	if err := s.enter(&s.rcalls, "receive"); err != nil {
+		return 0, 0, false, err
+	}
+	defer s.rcalls.RUnlock()
 	if err := s.takeTurn(ctx); err != nil {
 		return 0, 0, false, err
 	}

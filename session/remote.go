@@ -196,6 +196,10 @@ func (r *RemoteMR) quiesce(done <-chan struct{}) {
 // frees it, if it allocated it for RequestRemoteMR). It waits for this
 // side's operations on it to finish first.
 func (r *RemoteMR) Release(ctx context.Context) error {
+	if err := r.s.enter(&r.s.calls, "release remote region"); err != nil {
+		return err
+	}
+	defer r.s.calls.RUnlock()
 	return r.giveUp(ctx, ctrlRelease, "release remote region")
 }
 
@@ -311,6 +315,10 @@ func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, post
 
 // Read reads src into dst (same length).
 func (s *Session) Read(ctx context.Context, dst LocalSlice, src RemoteSlice) error {
+	if err := s.enter(&s.calls, "read"); err != nil {
+		return err
+	}
+	defer s.calls.RUnlock()
 	if err := s.checkRemote("read", src, verbs.AccessRemoteRead); err != nil {
 		return err
 	}
@@ -323,6 +331,10 @@ func (s *Session) Read(ctx context.Context, dst LocalSlice, src RemoteSlice) err
 
 // Write writes src into dst (same length).
 func (s *Session) Write(ctx context.Context, dst RemoteSlice, src LocalSlice) error {
+	if err := s.enter(&s.calls, "write"); err != nil {
+		return err
+	}
+	defer s.calls.RUnlock()
 	if err := s.checkRemote("write", dst, verbs.AccessRemoteWrite); err != nil {
 		return err
 	}
@@ -342,6 +354,10 @@ func (s *Session) Write(ctx context.Context, dst RemoteSlice, src LocalSlice) er
 // was posted, may still take place (the library reclaims their buffers
 // and tokens when the device is done with them).
 func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src LocalSlice) error {
+	if err := s.enter(&s.calls, "write with immediate"); err != nil {
+		return err
+	}
+	defer s.calls.RUnlock()
 	const op = "write with immediate"
 	if err := s.checkRemote(op, dst, verbs.AccessRemoteWrite); err != nil {
 		return err
@@ -453,6 +469,10 @@ func (s *Session) checkAtomic(op string, dst RemoteSlice) error {
 // CompareSwap swaps the 8-byte word dst for swap if it holds compare and
 // returns what it held.
 func (s *Session) CompareSwap(ctx context.Context, dst RemoteSlice, compare, swap uint64) (uint64, error) {
+	if err := s.enter(&s.calls, "compare and swap"); err != nil {
+		return 0, err
+	}
+	defer s.calls.RUnlock()
 	if err := s.checkAtomic("compare and swap", dst); err != nil {
 		return 0, err
 	}
@@ -463,6 +483,10 @@ func (s *Session) CompareSwap(ctx context.Context, dst RemoteSlice, compare, swa
 
 // FetchAdd adds add to the 8-byte word dst and returns what it held.
 func (s *Session) FetchAdd(ctx context.Context, dst RemoteSlice, add uint64) (uint64, error) {
+	if err := s.enter(&s.calls, "fetch and add"); err != nil {
+		return 0, err
+	}
+	defer s.calls.RUnlock()
 	if err := s.checkAtomic("fetch and add", dst); err != nil {
 		return 0, err
 	}
@@ -475,6 +499,10 @@ func (s *Session) FetchAdd(ctx context.Context, dst RemoteSlice, add uint64) (ui
 // access (remote read, write, atomic), for lease (0: Config.Lease). The
 // memory is zeroed. It fails if the peer's caps refuse (ErrLimit).
 func (s *Session) RequestRemoteMR(ctx context.Context, n int, access verbs.Access, lease time.Duration) (*RemoteMR, error) {
+	if err := s.enter(&s.calls, "request remote region"); err != nil {
+		return nil, err
+	}
+	defer s.calls.RUnlock()
 	if n <= 0 {
 		return nil, fmt.Errorf("session: request remote region: %w: %d bytes", ErrOutOfBounds, n)
 	}
@@ -506,6 +534,10 @@ func (g *Grant) MR() LocalMR { return g.mr }
 // region (its operations in flight finish first), then its window is
 // closed. The region stays this side's.
 func (g *Grant) Revoke(ctx context.Context) error {
+	if err := g.s.enter(&g.s.calls, "revoke"); err != nil {
+		return err
+	}
+	defer g.s.calls.RUnlock()
 	s := g.s
 	a := &s.agent
 	a.mu.Lock()
@@ -532,6 +564,10 @@ func (g *Grant) Revoke(ctx context.Context) error {
 // with the context's error, and the grant lasts until it is revoked or
 // its lease ends.
 func (s *Session) SendLocalMR(ctx context.Context, mr LocalMR, access verbs.Access, lease time.Duration) (*Grant, error) {
+	if err := s.enter(&s.calls, "send local region"); err != nil {
+		return nil, err
+	}
+	defer s.calls.RUnlock()
 	if !mr.Valid() {
 		return nil, fmt.Errorf("session: send local region: %w", ErrClosed)
 	}
@@ -579,6 +615,10 @@ func (s *Session) offer(ctx context.Context, op string, mem []byte, mr LocalMR, 
 // registered while the grant lasts. A hand-back of such a grant ends it
 // (ReceiveLocalMR returns nothing for it).
 func (s *Session) SendRegion(ctx context.Context, mr *verbs.MemoryRegion, off, n int, access verbs.Access, lease time.Duration) (*Grant, error) {
+	if err := s.enter(&s.calls, "send region"); err != nil {
+		return nil, err
+	}
+	defer s.calls.RUnlock()
 	const op = "send region"
 	if mr == nil || mr.Bytes() == nil {
 		return nil, fmt.Errorf("session: %s: %w: no memory (a dma-buf or closed region?)", op, ErrAccess)
@@ -595,6 +635,10 @@ func (s *Session) SendRegion(ctx context.Context, mr *verbs.MemoryRegion, off, n
 // ReceiveRemoteMR returns the next region the peer offered
 // (SendLocalMR).
 func (s *Session) ReceiveRemoteMR(ctx context.Context) (*RemoteMR, error) {
+	if err := s.enter(&s.calls, "receive remote region"); err != nil {
+		return nil, err
+	}
+	defer s.calls.RUnlock()
 	return nextQueued(ctx, s, "receive remote region", &s.agent.offers)
 }
 
@@ -628,6 +672,10 @@ func nextQueued[T any](ctx context.Context, s *Session, op string, q *[]T) (T, e
 // operations on it finish, then the peer's ReceiveLocalMR returns it (to
 // read what was written, for example).
 func (s *Session) SendRemoteMR(ctx context.Context, r *RemoteMR) error {
+	if err := s.enter(&s.calls, "send remote region"); err != nil {
+		return err
+	}
+	defer s.calls.RUnlock()
 	if r == nil || r.s != s {
 		return fmt.Errorf("session: send remote region: %w: not a region of this session's peer", ErrAccess)
 	}
@@ -638,5 +686,9 @@ func (s *Session) SendRemoteMR(ctx context.Context, r *RemoteMR) error {
 // handed back (SendRemoteMR): one it was offered, or one it requested
 // (then the caller owns it and must Free it).
 func (s *Session) ReceiveLocalMR(ctx context.Context) (LocalMR, error) {
+	if err := s.enter(&s.calls, "receive local region"); err != nil {
+		return LocalMR{}, err
+	}
+	defer s.calls.RUnlock()
 	return nextQueued(ctx, s, "receive local region", &s.agent.returns)
 }

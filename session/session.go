@@ -112,6 +112,12 @@ type Session struct {
 	endOnce sync.Once
 	err     error // why it ended (set before done is closed)
 	closed  atomic.Bool
+
+	// API calls that touch the session's memory (its ring, buffers and
+	// the allocator's arenas) hold one of these for reading (enter), the
+	// receives their own; Close takes both before it releases that
+	// memory, once the calls in progress returned for the session's end.
+	calls, rcalls sync.RWMutex
 }
 
 var errSessionEnded = errors.New("session: ended")
@@ -637,7 +643,10 @@ func (s *Session) Alloc(n int) (LocalMR, error) { return s.mem.Alloc(n) }
 // granted becomes unreachable; regions of the allocator become invalid.
 // When Close returns, every goroutine the session started has ended
 // (the bootstrap connection's reader, pinger and keepalive, the agent,
-// reapers of cancelled requests, lease timers). Close is idempotent.
+// reapers of cancelled requests, lease timers). Calls of other
+// goroutines in progress return an error (the session's end) before Close
+// releases the memory they may touch; calls made after it began fail.
+// Close is idempotent.
 func (s *Session) Close() error {
 	if !s.closed.CompareAndSwap(false, true) {
 		return nil
@@ -648,7 +657,27 @@ func (s *Session) Close() error {
 	// The agent is gone: nothing starts tasks but tasks and callers of
 	// the API racing Close, whose tasks no longer run (see goTask).
 	s.tasks.close()
+	s.rcalls.Lock()
+	s.calls.Lock()
 	s.release()
+	s.calls.Unlock()
+	s.rcalls.Unlock()
+	return nil
+}
+
+// enter begins an API call that touches the session's memory (l is
+// s.calls, or s.rcalls for receives): Close waits for the call to leave
+// (l.RUnlock) before it releases the memory. It fails once Close began.
+// A call must not enter twice (a Close waiting between would deadlock).
+func (s *Session) enter(l *sync.RWMutex, op string) error {
+	l.RLock()
+	if s.closed.Load() {
+		l.RUnlock()
+		if e := s.Err(); e != nil {
+			return fmt.Errorf("session: %s: %w", op, e)
+		}
+		return fmt.Errorf("session: %s: %w", op, ErrClosed)
+	}
 	return nil
 }
 
