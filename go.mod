@@ -6,6 +6,7 @@ require (
 	github.com/HdrHistogram/hdrhistogram-go v1.4.0
 	github.com/google/go-cmp v0.7.0
 	go.uber.org/goleak v1.3.0
+	golang.org/x/net v0.50.0
 	golang.org/x/sys v0.41.0
 )
 

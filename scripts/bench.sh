@@ -21,6 +21,10 @@
 #   ./scripts/bench.sh session [RUNS] package session between processes vs
 #                                     bare channels, RequestRemoteMR, WriteImm, the
 #                                     allocator, the key-value example
+#   ./scripts/bench.sh stream [RUNS]  package stream (net.Conn over a session)
+#                                     between two processes vs kernel TCP
+#                                     between the same two: 64 KiB Writes,
+#                                     8-byte round trips
 #   ./scripts/bench.sh pull [RUNS]    soft0 between two processes (goverbs bench):
 #                                     payloads the target reads from the
 #                                     sender's memory (the default) vs
@@ -298,6 +302,38 @@ session() {
 	calc "\"| - | Alloc + Free, 64 B | %.1f ns | sync.Pool Get + Put %.1f ns | %.2f | ≤ 100 ns | $(med alloc allocs/op) |\n\", $(med alloc ns/op), $(med pool ns/op), $(med alloc ns/op)/$(med pool ns/op)"
 }
 
+# stream: package stream between two processes (its benchmark's child)
+# over each soft0 transport, against kernel TCP between the same two
+# processes (a net.Conn without goverbs), alternately.
+stream() {
+	build stream ./stream/
+	local k
+	local -a cases=()
+	for k in shm unix tcp; do
+		cases+=(
+			w-$k "^BenchmarkXprocStream\$/^write64k\$/^$k\$"
+			w-kernel-$k '^BenchmarkXprocStream$/^write64k$/^kernel$'
+			r-$k "^BenchmarkXprocStream\$/^rtt8\$/^$k\$"
+			r-kernel-$k '^BenchmarkXprocStream$/^rtt8$/^kernel$'
+		)
+	done
+	local r i
+	for ((r = 0; r < runs; r++)); do
+		for ((i = 0; i < ${#cases[@]}; i += 2)); do
+			run stream "${cases[i + 1]}" 20000x >>"$bin/${cases[i]}"
+		done
+	done
+	header stream
+	echo '| transport | measure | stream | kernel TCP (same run) | ratio | stream allocs/op |'
+	echo '| --- | --- | --- | --- | --- | --- |'
+	for k in shm unix tcp; do
+		calc ""| $k | 64 KiB Writes | $(gib w-$k) GiB/s | $(gib w-kernel-$k) GiB/s | %.2f | $(med w-$k allocs/op) |
+", $(med w-$k MB/s)/$(med w-kernel-$k MB/s)"
+		calc ""| $k | 8-byte round trip | $(us r-$k) µs | $(us r-kernel-$k) µs | %.2f | $(med r-$k allocs/op) |
+", $(med r-$k ns/op)/$(med r-kernel-$k ns/op)"
+	done
+}
+
 # pull: goverbs bench between two processes of this host, with pulled
 # payloads (the default, internal/soft/cma.go) and without
 # (GOVERBS_SOFT_PULL=0 in both), alternately, 2 GB per run: sends over shared memory (its RDMA
@@ -339,17 +375,18 @@ pull() {
 }
 
 case "$what" in
-inproc | xproc | tls | poll | session | pull) "$what" ;;
+inproc | xproc | tls | poll | session | stream | pull) "$what" ;;
 all)
 	inproc
 	xproc
 	tls
 	poll
 	session
+	stream
 	pull
 	;;
 *)
-	echo "usage: $0 inproc|xproc|tls|poll|session|pull|all [RUNS]" >&2
+	echo "usage: $0 inproc|xproc|tls|poll|session|stream|pull|all [RUNS]" >&2
 	exit 2
 	;;
 esac

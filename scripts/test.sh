@@ -81,7 +81,9 @@ tier_unit() {
 # cluster's Shares between processes, a peer that exits right after a
 # message or a write lands (TestExitAtOnceCrossProcess), the
 # session package's (async-rdma's scenarios, faults and reconnects between
-# processes, over every transport), the collective package's (worlds of
+# processes, over every transport) and the stream package's (an echo and
+# a writer that closes at once, in a child process, over every
+# transport), the collective package's (worlds of
 # 2 to 8 rank processes over every transport running the collectives,
 # ranks killed and stopped mid-allreduce), then,
 # per inter-process transport of soft0 (GOVERBS_SOFT_TRANSPORT), the whole
@@ -97,7 +99,7 @@ tier_multiprocess() {
 	# Every other *CrossProcess* test, which the unit tier skips: the
 	# conformance suite's own runs come below, per transport.
 	run_go_tests multiprocess -run "CrossProcess" -skip "^TestConformanceSoftCrossProcess\$" ./verbstest/ ./cluster/ . || rc=1
-	run_go_tests multiprocess-session -run "CrossProcess" ./session/ || rc=1
+	run_go_tests multiprocess-session -run "CrossProcess" ./session/ ./stream/ || rc=1
 	run_go_tests multiprocess-collective -run "CrossProcess" ./collective/ || rc=1
 	for tr in tcp unix shm; do
 		GOVERBS_SOFT_TRANSPORT=$tr run_go_tests "multiprocess-conformance-$tr" \

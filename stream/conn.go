@@ -1,0 +1,365 @@
+package stream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/goverbs/verbs/session"
+)
+
+const (
+	// netName is the Net of the errors and addresses' network.
+	netName = "goverbs"
+	// inFlight is how many messages a Conn's writes keep posted before
+	// they wait for the oldest one's delivery.
+	inFlight = 16
+	// finImm is the immediate data of the empty message that ends a
+	// direction of the stream (CloseWrite).
+	finImm = 1
+)
+
+// ErrProtocol is wrapped by the error of a Read that met a message the
+// stream did not send (immediate data other than the end's, or the
+// notice of a WriteImm): the session's messages belong to the stream.
+var ErrProtocol = errors.New("stream: a message that is not the stream's")
+
+// errWriteClosed is the error of a Write after CloseWrite.
+var errWriteClosed = errors.New("stream: write after CloseWrite")
+
+// Conn is a net.Conn over a session. See the package documentation.
+type Conn struct {
+	s             *session.Session
+	chunk         int
+	local, remote net.Addr
+
+	rmu  sync.Mutex
+	cur  session.Message // the message being read (held)
+	off  int             // bytes of cur read
+	held bool
+	eof  bool
+	rerr error // the stream cannot be read further
+
+	wmu   sync.Mutex
+	ring  [inFlight]posted
+	head  int // oldest posted message in ring
+	n     int // messages posted and not yet waited for
+	werr  error
+	wshut bool // CloseWrite
+
+	rd, wd deadline
+	closed atomic.Bool
+	// mem is held for reading while a Read or Write copies to or from
+	// the session's memory (its ring, the allocator's arenas), and by
+	// Close while it closes the session, which unmaps that memory.
+	mem sync.RWMutex
+}
+
+// posted is a message a Write posted: its Pending and the registered
+// copy of its bytes, freed once it is delivered.
+type posted struct {
+	p   session.Pending
+	buf session.LocalMR
+}
+
+// New makes a Conn of s, which it owns from then on: the Conn's Close
+// closes s, and s's messages are the stream's (its remote memory
+// operations remain the caller's to use).
+func New(s *session.Session) *Conn {
+	return &Conn{s: s, chunk: max(s.PeerMessageSize(), 1), local: s.LocalAddr(), remote: s.RemoteAddr()}
+}
+
+// Dial connects to a Listener at addr (host:port of its bootstrap) and
+// returns the stream; cfg configures the session under it.
+func Dial(ctx context.Context, addr string, cfg session.Config) (*Conn, error) {
+	s, err := session.Dial(ctx, addr, cfg)
+	if err != nil {
+		return nil, &net.OpError{Op: "dial", Net: netName, Err: err}
+	}
+	return New(s), nil
+}
+
+// Session returns the session under the stream, for its remote memory
+// operations.
+func (c *Conn) Session() *session.Session { return c.s }
+
+// LocalAddr returns the session's local bootstrap address.
+func (c *Conn) LocalAddr() net.Addr { return c.local }
+
+// RemoteAddr returns the peer's bootstrap address.
+func (c *Conn) RemoteAddr() net.Addr { return c.remote }
+
+// SetDeadline sets the read and write deadlines.
+func (c *Conn) SetDeadline(t time.Time) error {
+	if c.closed.Load() {
+		return c.opErr("set deadline", net.ErrClosed)
+	}
+	c.rd.set(t)
+	c.wd.set(t)
+	return nil
+}
+
+// SetReadDeadline sets the deadline of Reads, pending ones included.
+func (c *Conn) SetReadDeadline(t time.Time) error {
+	if c.closed.Load() {
+		return c.opErr("set deadline", net.ErrClosed)
+	}
+	c.rd.set(t)
+	return nil
+}
+
+// SetWriteDeadline sets the deadline of Writes, pending ones included.
+func (c *Conn) SetWriteDeadline(t time.Time) error {
+	if c.closed.Load() {
+		return c.opErr("set deadline", net.ErrClosed)
+	}
+	c.wd.set(t)
+	return nil
+}
+
+// Read reads the next bytes of the stream into p: at most the rest of
+// one message. It returns io.EOF once the peer closed the stream or its
+// direction (CloseWrite) and every byte before was read.
+func (c *Conn) Read(p []byte) (int, error) {
+	c.rmu.Lock()
+	defer c.rmu.Unlock()
+	if c.closed.Load() {
+		return 0, c.opErr("read", net.ErrClosed)
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	for !c.held {
+		if c.eof {
+			return 0, io.EOF
+		}
+		if c.rerr != nil {
+			return 0, c.rerr
+		}
+		ctx := c.rd.context()
+		if ctx.Err() != nil {
+			return 0, c.opErr("read", os.ErrDeadlineExceeded)
+		}
+		m, err := c.s.Receive(ctx)
+		if err != nil {
+			return 0, c.readErr(ctx, err)
+		}
+		imm, hasImm := m.Imm()
+		n, isWrite := m.Len(), m.IsWrite()
+		switch {
+		case hasImm || isWrite:
+			m.Release()
+			if hasImm && imm == finImm && n == 0 && !isWrite {
+				c.eof = true
+				continue
+			}
+			c.rerr = c.opErr("read", fmt.Errorf("%w (immediate data %d, %d bytes, write notice %v)", ErrProtocol, imm, n, isWrite))
+		case n == 0:
+			m.Release()
+		default:
+			c.cur, c.off, c.held = m, 0, true
+		}
+	}
+	if !c.lockMem() {
+		return 0, c.opErr("read", net.ErrClosed)
+	}
+	b := c.cur.Bytes()
+	n := copy(p, b[c.off:])
+	c.mem.RUnlock()
+	c.off += n
+	if c.off == len(b) {
+		c.cur.Release()
+		c.cur, c.held = session.Message{}, false
+	}
+	return n, nil
+}
+
+// lockMem takes mem for reading, unless the Conn is closed.
+func (c *Conn) lockMem() bool {
+	c.mem.RLock()
+	if c.closed.Load() {
+		c.mem.RUnlock()
+		return false
+	}
+	return true
+}
+
+// readErr is the error of a Read whose Receive (with ctx) failed with
+// err.
+func (c *Conn) readErr(ctx context.Context, err error) error {
+	if c.closed.Load() {
+		return c.opErr("read", net.ErrClosed)
+	}
+	if e := c.s.Err(); e != nil {
+		if errors.Is(e, session.ErrPeerClosed) {
+			c.eof = true
+			return io.EOF
+		}
+		c.rerr = c.opErr("read", e)
+		return c.rerr
+	}
+	if ctx.Err() != nil {
+		return c.opErr("read", os.ErrDeadlineExceeded)
+	}
+	c.rerr = c.opErr("read", err)
+	return c.rerr
+}
+
+// Write writes p to the stream: it returns once its bytes are posted
+// (copied into registered memory the library holds until the peer's
+// device has them). With the write deadline past, it returns how many
+// bytes it posted and a timeout; those are in the stream, the rest is
+// not.
+func (c *Conn) Write(p []byte) (int, error) {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if err := c.writable(); err != nil {
+		return 0, err
+	}
+	ctx := c.wd.context()
+	if len(p) == 0 && ctx.Err() != nil {
+		return 0, c.opErr("write", os.ErrDeadlineExceeded)
+	}
+	n := 0
+	for n < len(p) {
+		if ctx.Err() != nil {
+			return n, c.opErr("write", os.ErrDeadlineExceeded)
+		}
+		k := min(len(p)-n, c.chunk)
+		if err := c.post(ctx, p[n:n+k], 0, false); err != nil {
+			return n, c.writeErr(ctx, err)
+		}
+		n += k
+	}
+	return n, nil
+}
+
+// writable reports why this side cannot write, if it cannot (wmu held).
+func (c *Conn) writable() error {
+	switch {
+	case c.closed.Load():
+		return c.opErr("write", net.ErrClosed)
+	case c.wshut:
+		return c.opErr("write", errWriteClosed)
+	}
+	return c.werr
+}
+
+// post copies b into memory of the session's allocator and posts it as
+// one message, after waiting for the oldest message in flight if
+// inFlight are (wmu held).
+func (c *Conn) post(ctx context.Context, b []byte, imm uint32, hasImm bool) error {
+	if c.n == inFlight {
+		if err := c.reap(); err != nil {
+			return err
+		}
+	}
+	if !c.lockMem() {
+		return net.ErrClosed
+	}
+	buf, err := c.s.Alloc(max(len(b), 1))
+	if err != nil {
+		c.mem.RUnlock()
+		return err
+	}
+	copy(buf.Bytes(), b)
+	c.mem.RUnlock()
+	sl, _ := buf.Slice(0, len(b))
+	p, err := c.s.PostSendSlice(ctx, sl, imm, hasImm)
+	if err != nil {
+		buf.Free()
+		return err
+	}
+	c.ring[(c.head+c.n)%inFlight] = posted{p: p, buf: buf}
+	c.n++
+	return nil
+}
+
+// reap waits for the oldest message in flight to be delivered and frees
+// its copy (wmu held). It waits while the session lives: the peer's
+// device acknowledges a message without the peer reading it.
+func (c *Conn) reap() error {
+	e := &c.ring[c.head]
+	err := e.p.Wait(context.Background())
+	if err == nil {
+		e.buf.Free() // after a failure, the session's end frees it
+	}
+	*e = posted{}
+	c.head = (c.head + 1) % inFlight
+	c.n--
+	return err
+}
+
+// writeErr is the error of a Write whose post (with ctx) failed with
+// err; it sticks unless it is the deadline's.
+func (c *Conn) writeErr(ctx context.Context, err error) error {
+	if c.closed.Load() {
+		return c.opErr("write", net.ErrClosed)
+	}
+	if e := c.s.Err(); e != nil {
+		c.werr = c.opErr("write", e)
+		return c.werr
+	}
+	if ctx.Err() != nil {
+		return c.opErr("write", os.ErrDeadlineExceeded)
+	}
+	c.werr = c.opErr("write", err)
+	return c.werr
+}
+
+// CloseWrite ends this side's direction of the stream: the peer reads
+// the bytes written before, then io.EOF. Reads go on; later Writes fail.
+// It waits for credit to post the end (until the write deadline).
+func (c *Conn) CloseWrite() error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if c.wshut && !c.closed.Load() {
+		return nil
+	}
+	if err := c.writable(); err != nil {
+		return err
+	}
+	ctx := c.wd.context()
+	if err := c.post(ctx, nil, finImm, true); err != nil {
+		return c.writeErr(ctx, err)
+	}
+	c.wshut = true
+	return nil
+}
+
+// Close closes the stream and its session: it waits for the messages
+// posted to be delivered (unless a Write is under way: Close does not
+// wait for it), so that the peer reads every byte written before Close,
+// then io.EOF. It unblocks every Read and Write, which return an error
+// wrapping net.ErrClosed.
+func (c *Conn) Close() error {
+	if !c.closed.CompareAndSwap(false, true) {
+		return c.opErr("close", net.ErrClosed)
+	}
+	if c.wmu.TryLock() {
+		for c.n > 0 {
+			if c.reap() != nil {
+				break
+			}
+		}
+		c.wmu.Unlock()
+	}
+	c.rd.stop()
+	c.wd.stop()
+	c.mem.Lock()
+	defer c.mem.Unlock()
+	if err := c.s.Close(); err != nil {
+		return c.opErr("close", err)
+	}
+	return nil
+}
+
+func (c *Conn) opErr(op string, err error) error {
+	return &net.OpError{Op: op, Net: netName, Source: c.local, Addr: c.remote, Err: err}
+}

@@ -1,0 +1,73 @@
+package stream
+
+import (
+	"context"
+	"sync"
+	"time"
+)
+
+// deadline is one direction's deadline as a context: the calls of that
+// direction wait with context(), which is cancelled when the deadline
+// passes. Moving the deadline keeps the context while it has not
+// passed, so a call already waiting sees the new one; once a context is
+// cancelled, it stays so until the next set makes a new one.
+type deadline struct {
+	mu     sync.Mutex
+	ctx    context.Context
+	cancel context.CancelFunc
+	timer  *time.Timer // cancels ctx when the deadline passes; nil: none armed for it
+}
+
+// context returns the context that ends when the deadline passes (or
+// passed).
+func (d *deadline) context() context.Context {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.ctx == nil {
+		d.renewLocked()
+	}
+	return d.ctx
+}
+
+// renewLocked makes a new context if there is none or the current one
+// ended.
+func (d *deadline) renewLocked() {
+	if d.ctx != nil && d.ctx.Err() == nil {
+		return
+	}
+	d.ctx, d.cancel = context.WithCancel(context.Background())
+	d.timer = nil // armed for the old cancel
+}
+
+// set moves the deadline to t (zero: none).
+func (d *deadline) set(t time.Time) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.timer != nil && !d.timer.Stop() {
+		// It fired: the context is cancelled, or is being.
+		d.cancel()
+	}
+	d.renewLocked()
+	if t.IsZero() {
+		return
+	}
+	wait := time.Until(t)
+	if wait <= 0 {
+		d.cancel()
+		return
+	}
+	if d.timer == nil {
+		d.timer = time.AfterFunc(wait, d.cancel)
+	} else {
+		d.timer.Reset(wait)
+	}
+}
+
+// stop disarms the timer (Close).
+func (d *deadline) stop() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.timer != nil {
+		d.timer.Stop()
+	}
+}
