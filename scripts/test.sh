@@ -135,7 +135,7 @@ tier_vm() {
 	run_go_tests vm "${exec[@]}" ./internal/ibv/... ./internal/vmtest/ ./cmd/goverbs/ &&
 		run_go_tests vm-conformance "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" . &&
 		run_go_tests vm-channel "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" ./channel/ &&
-		run_go_tests vm-session "${exec[@]}" -run "^Test[A-Za-z]*Devices$" ./session/ &&
+		run_go_tests vm-session "${exec[@]}" -run "^Test[A-Za-z]*Devices$" ./session/ ./stream/ &&
 		run_go_tests vm-collective "${exec[@]}" -run "^Test[A-Za-z]*Devices$" ./collective/ &&
 		run_go_tests vm-cgo-count -tags ibverbs,ibv_count -p 1 -exec "$PWD/scripts/vm/run.sh --" -run "^TestCgoCrossings$" ./internal/ibv/
 }

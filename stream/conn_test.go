@@ -18,9 +18,15 @@ import (
 // pipe makes a connected pair of streams in this process, over a
 // listener on loopback; stop closes them and the listener.
 func pipe(cfg session.Config) (c1, c2 net.Conn, stop func(), err error) {
+	return pipeWith(cfg, cfg)
+}
+
+// pipeWith is pipe with a configuration per side: the listener's and
+// the dialer's.
+func pipeWith(lcfg, cfg session.Config) (c1, c2 net.Conn, stop func(), err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	l, err := Listen(ctx, "127.0.0.1:0", cfg)
+	l, err := Listen(ctx, "127.0.0.1:0", lcfg)
 	if err != nil {
 		return nil, nil, nil, err
 	}
