@@ -1,0 +1,813 @@
+package session
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+)
+
+// Adversarial tests: the session used the way a careless or demanding
+// application would (messages released out of order from several
+// goroutines, receivers racing each other, contexts cancelled at any
+// moment, Close in the middle of everything), each asserting what must
+// hold: every message delivered once, in order, with its bytes and
+// immediate data, and clear errors.
+
+// advCtx is a context that only guards against a hang.
+func advCtx(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// A test message is identified by its immediate data: kind (a message
+// or the notice of a WriteImm), sender and sequence number. Its size
+// and bytes follow from them (advPlan).
+const (
+	advMsg    = 0
+	advNotice = 1
+)
+
+func advImm(kind, sender, seq int) uint32 {
+	return uint32(kind)<<30 | uint32(sender)<<22 | uint32(seq)
+}
+
+func advDecode(imm uint32) (kind, sender, seq int) {
+	return int(imm >> 30), int(imm>>22) & 0xff, int(imm & (1<<22 - 1))
+}
+
+func advFill(b []byte, sender, seq int) {
+	for i := range b {
+		b[i] = byte(seq*31 + sender*7 + i)
+	}
+}
+
+// advPlan is the traffic of a test: senders send msgs messages each,
+// message seq of size sizes[seq%len(sizes)], every notice-th a WriteImm
+// into the receiver's region (0: none).
+type advPlan struct {
+	senders, msgs int
+	sizes         []int
+	notice        int
+}
+
+func (p advPlan) kind(seq int) int {
+	if p.notice > 0 && seq%p.notice == p.notice-1 {
+		return advNotice
+	}
+	return advMsg
+}
+
+func (p advPlan) size(seq int) int { return p.sizes[seq%len(p.sizes)] }
+
+func (p advPlan) total() int { return p.senders * p.msgs }
+
+// noticeOff is where the WriteImm of (sender, seq) writes its 8 bytes in
+// the receiver's region.
+func (p advPlan) noticeOff(sender, seq int) int { return (sender*p.msgs + seq) * 8 }
+
+func (p advPlan) noticeRegion() int { return max(p.total()*8, 8) }
+
+func advNoticeWord(sender, seq int) uint64 { return 1<<40 | uint64(sender)<<24 | uint64(seq) }
+
+// advEnds are the two ends of the traffic: the sending session, with
+// the region of the receiver it may write (notices), and the receiving
+// session with that region.
+type advEnds struct {
+	plan   advPlan
+	tx, rx *Session
+	remote *RemoteMR // rx's region, for tx's WriteImm
+	region LocalMR   // the same, rx's
+}
+
+// advSetup offers a region of rx to tx for the plan's notices.
+func advSetup(t testing.TB, ctx context.Context, plan advPlan, tx, rx *Session) *advEnds {
+	t.Helper()
+	e := &advEnds{plan: plan, tx: tx, rx: rx}
+	if plan.notice == 0 {
+		return e
+	}
+	var err error
+	if e.region, err = rx.mem.AllocZeroed(plan.noticeRegion()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rx.SendLocalMR(ctx, e.region, verbs.AccessRemoteWrite, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	if e.remote, err = tx.ReceiveRemoteMR(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// send sends message seq of sender, by a method chosen by seq (SendImm,
+// SendSlice, PostSendSlice and Wait), or its notice (WriteImm). ctx may
+// be cancelled: a region whose send did not return nil is kept (it may
+// still be read), in keep.
+func (e *advEnds) send(ctx context.Context, sender, seq int, keep *[]LocalMR) error {
+	imm := advImm(e.plan.kind(seq), sender, seq)
+	if e.plan.kind(seq) == advNotice {
+		src, err := e.tx.Alloc(8)
+		if err != nil {
+			return err
+		}
+		binary.LittleEndian.PutUint64(src.Bytes(), advNoticeWord(sender, seq))
+		dst, err := e.remote.Slice(e.plan.noticeOff(sender, seq), 8)
+		if err != nil {
+			return err
+		}
+		err = e.tx.WriteImm(ctx, dst, imm, src.All())
+		if err != nil {
+			*keep = append(*keep, src)
+		} else {
+			src.Free()
+		}
+		return err
+	}
+	n := e.plan.size(seq)
+	switch seq % 4 {
+	case 1, 2:
+		r, err := e.tx.Alloc(max(n, 1))
+		if err != nil {
+			return err
+		}
+		advFill(r.Bytes()[:n], sender, seq)
+		sl, _ := r.Slice(0, n)
+		if seq%4 == 1 {
+			err = e.tx.SendSlice(ctx, sl, imm, true)
+		} else {
+			var p Pending
+			if p, err = e.tx.PostSendSlice(ctx, sl, imm, true); err == nil {
+				err = p.Wait(ctx)
+			}
+		}
+		if err != nil {
+			*keep = append(*keep, r)
+		} else {
+			r.Free()
+		}
+		return err
+	default:
+		b := make([]byte, n)
+		advFill(b, sender, seq)
+		return e.tx.SendImm(ctx, imm, b)
+	}
+}
+
+// check checks a received message (kind, bytes, immediate data) and
+// returns its sender and sequence number.
+func (e *advEnds) check(m Message) (sender, seq int, err error) {
+	imm, ok := m.Imm()
+	if !ok {
+		return 0, 0, fmt.Errorf("a message without immediate data (%d bytes)", m.Len())
+	}
+	kind, sender, seq := advDecode(imm)
+	if kind != e.plan.kind(seq) || m.IsWrite() != (kind == advNotice) {
+		return 0, 0, fmt.Errorf("message %d of sender %d: kind %d, IsWrite %v", seq, sender, kind, m.IsWrite())
+	}
+	if kind == advNotice {
+		return sender, seq, e.checkNotice(sender, seq, m.Len())
+	}
+	return sender, seq, e.checkBytes(m.Bytes(), sender, seq)
+}
+
+func (e *advEnds) checkBytes(b []byte, sender, seq int) error {
+	want := make([]byte, e.plan.size(seq))
+	advFill(want, sender, seq)
+	if !bytes.Equal(b, want) {
+		return fmt.Errorf("message %d of sender %d: %d bytes, not the %d sent (or changed)", seq, sender, len(b), len(want))
+	}
+	return nil
+}
+
+func (e *advEnds) checkNotice(sender, seq, n int) error {
+	if n != 0 {
+		return fmt.Errorf("the notice %d of sender %d has %d bytes", seq, sender, n)
+	}
+	off := e.plan.noticeOff(sender, seq)
+	if got := binary.LittleEndian.Uint64(e.region.Bytes()[off:]); got != advNoticeWord(sender, seq) {
+		return fmt.Errorf("the notice %d of sender %d came before its data: %#x", seq, sender, got)
+	}
+	return nil
+}
+
+// checkInto checks a message received by ReceiveInto.
+func (e *advEnds) checkInto(b []byte, imm uint32, hasImm bool) (sender, seq int, err error) {
+	if !hasImm {
+		return 0, 0, fmt.Errorf("a message without immediate data (%d bytes)", len(b))
+	}
+	kind, sender, seq := advDecode(imm)
+	if kind != e.plan.kind(seq) {
+		return 0, 0, fmt.Errorf("message %d of sender %d: kind %d", seq, sender, kind)
+	}
+	if kind == advNotice {
+		return sender, seq, e.checkNotice(sender, seq, len(b))
+	}
+	return sender, seq, e.checkBytes(b, sender, seq)
+}
+
+// runSenders sends the plan from its senders, each in order, with no
+// cancellation; it returns a channel of their first errors.
+func (e *advEnds) runSenders(ctx context.Context) <-chan error {
+	errc := make(chan error, e.plan.senders)
+	for id := range e.plan.senders {
+		go func() {
+			var keep []LocalMR
+			for seq := range e.plan.msgs {
+				if err := e.send(ctx, id, seq, &keep); err != nil {
+					errc <- fmt.Errorf("sender %d, message %d: %w", id, seq, err)
+					return
+				}
+			}
+			errc <- nil
+		}()
+	}
+	return errc
+}
+
+// order checks that each sender's messages come in order, each once.
+type order struct {
+	mu   sync.Mutex
+	next []int
+}
+
+func newOrder(senders int) *order { return &order{next: make([]int, senders)} }
+
+// got records message seq of sender; every message must come, in order.
+func (o *order) got(sender, seq int) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if sender >= len(o.next) || seq != o.next[sender] {
+		return fmt.Errorf("sender %d: message %d where %d was due", sender, seq, o.next[min(sender, len(o.next)-1)])
+	}
+	o.next[sender]++
+	return nil
+}
+
+func firstErr(errc <-chan error, n int) error {
+	var first error
+	for range n {
+		if err := <-errc; err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+// TestAdvReleaseOutOfOrder: received messages are handed to several
+// goroutines that hold them for a while and release them in random
+// order while the next ones arrive (from several senders, eager,
+// rendezvous and WriteImm notices mixed), with few receive buffers: a
+// held message keeps its bytes until its Release (the sender waits for
+// credits, it never overwrites a slot still held), and every message
+// arrives once, in its sender's order.
+func TestAdvReleaseOutOfOrder(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		cfg       Config
+		plan      advPlan
+		releasers int
+	}{
+		{"eager, 2 buffers", Config{ReceiveBuffers: 2, MessageSize: 64},
+			advPlan{senders: 1, msgs: 3000, sizes: []int{1, 8, 64, 0, 33}}, 3},
+		{"eager, 3 buffers, 3 senders", Config{ReceiveBuffers: 3, MessageSize: 128},
+			advPlan{senders: 3, msgs: 800, sizes: []int{128, 1, 77}}, 4},
+		{"mixed, 4 buffers, 3 senders", Config{ReceiveBuffers: 4, MessageSize: 256},
+			advPlan{senders: 3, msgs: 300, sizes: []int{0, 1, 100, 256, 257, 3000}, notice: 5}, 4},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, b := pair(t, tc.cfg)
+			ctx := advCtx(t)
+			e := advSetup(t, ctx, tc.plan, a, b)
+			senders := e.runSenders(ctx)
+			bad := make(chan error, tc.releasers+1)
+			report := func(err error) {
+				select {
+				case bad <- err:
+				default:
+				}
+			}
+			in := make(chan Message)
+			var wg sync.WaitGroup
+			for range tc.releasers {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					var stash []Message
+					release := func() {
+						i := rand.IntN(len(stash))
+						m := stash[i]
+						stash[i] = stash[len(stash)-1]
+						stash = stash[:len(stash)-1]
+						for range rand.IntN(4) {
+							runtime.Gosched()
+						}
+						if _, _, err := e.check(m); err != nil {
+							report(fmt.Errorf("held: %w", err))
+						}
+						m.Release()
+						m.Release() // twice: nothing more is given back
+					}
+					for {
+						if len(stash) == 0 {
+							m, ok := <-in
+							if !ok {
+								return
+							}
+							stash = append(stash, m)
+							continue
+						}
+						select {
+						case m, ok := <-in:
+							if !ok {
+								for len(stash) > 0 {
+									release()
+								}
+								return
+							}
+							stash = append(stash, m)
+						default:
+							release()
+						}
+					}
+				}()
+			}
+			o := newOrder(tc.plan.senders)
+			for range tc.plan.total() {
+				m, err := b.Receive(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				sender, seq, err := e.check(m)
+				if err == nil {
+					err = o.got(sender, seq)
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				in <- m
+			}
+			close(in)
+			wg.Wait()
+			if err := firstErr(senders, tc.plan.senders); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-bad:
+				t.Fatal(err)
+			default:
+			}
+			advAllBack(t, ctx, a, b)
+		})
+	}
+}
+
+// advAllBack checks that every ring slot of rx went back to tx: as many
+// messages as rx has buffers go through without a wait for credits.
+func advAllBack(t *testing.T, ctx context.Context, tx, rx *Session) {
+	t.Helper()
+	rx.rmu.Lock()
+	busy := 0
+	for _, b := range rx.busy {
+		if b {
+			busy++
+		}
+	}
+	posted := len(rx.fifo)
+	rx.rmu.Unlock()
+	if busy != 0 || posted != rx.cfg.ReceiveBuffers {
+		t.Fatalf("%d ring slots still busy, %d receives posted of %d", busy, posted, rx.cfg.ReceiveBuffers)
+	}
+	for i := range rx.cfg.ReceiveBuffers {
+		if err := tx.Send(ctx, []byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range rx.cfg.ReceiveBuffers {
+		var one [1]byte
+		if n, _, _, err := rx.ReceiveInto(ctx, one[:]); err != nil || n != 1 || one[0] != byte(i) {
+			t.Fatalf("the last messages: %d: %d %v %v", i, n, one, err)
+		}
+	}
+}
+
+// TestAdvConcurrentReceivers: several goroutines receive at once, with
+// Receive, ReceiveInto, or both, ReceiveInto often into a buffer too
+// short (the message then stays for the next receive, whoever makes
+// it), while eager, rendezvous and empty messages and WriteImm notices
+// of several senders arrive: each message is received once, with its
+// bytes and immediate data, and each goroutine sees each sender's
+// messages in order.
+func TestAdvConcurrentReceivers(t *testing.T) {
+	plan := advPlan{senders: 2, msgs: 300, sizes: []int{0, 5, 200, 256, 1000, 40000, 17}, notice: 6}
+	for _, tc := range []struct {
+		name  string
+		into  func(g int) bool // goroutine g uses ReceiveInto
+		goros int
+	}{
+		{"Receive", func(int) bool { return false }, 4},
+		{"ReceiveInto", func(int) bool { return true }, 4},
+		{"mixed", func(g int) bool { return g%2 == 1 }, 5},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, b := pair(t, Config{ReceiveBuffers: 4, MessageSize: 256})
+			ctx := advCtx(t)
+			e := advSetup(t, ctx, plan, a, b)
+			senders := e.runSenders(ctx)
+			done, finish := context.WithCancel(ctx)
+			defer finish()
+			var count atomic.Int64
+			seen := make([]atomic.Int32, plan.total())
+			var shorts atomic.Int64
+			errc := make(chan error, tc.goros)
+			for g := range tc.goros {
+				go func() {
+					last := make([]int, plan.senders)
+					for i := range last {
+						last[i] = -1
+					}
+					dst := make([]byte, 64<<10)
+					took := func(sender, seq int, err error) error {
+						if err != nil {
+							return err
+						}
+						if seq <= last[sender] {
+							return fmt.Errorf("goroutine %d: message %d of sender %d after %d", g, seq, sender, last[sender])
+						}
+						last[sender] = seq
+						if n := seen[sender*plan.msgs+seq].Add(1); n != 1 {
+							return fmt.Errorf("message %d of sender %d received %d times", seq, sender, n)
+						}
+						if count.Add(1) == int64(plan.total()) {
+							finish()
+						}
+						return nil
+					}
+					for {
+						var err error
+						if tc.into(g) {
+							size := []int{len(dst), 0, 16, 300}[rand.IntN(4)]
+							n, imm, hasImm, rerr := b.ReceiveInto(done, dst[:size])
+							switch {
+							case errors.Is(rerr, io.ErrShortBuffer):
+								shorts.Add(1)
+								continue
+							case rerr != nil:
+								err = rerr
+							default:
+								err = took(e.checkInto(dst[:n], imm, hasImm))
+							}
+						} else {
+							m, rerr := b.Receive(done)
+							if rerr == nil {
+								err = took(e.check(m))
+								m.Release()
+							} else {
+								err = rerr
+							}
+						}
+						if err != nil {
+							if count.Load() == int64(plan.total()) && errors.Is(err, context.Canceled) {
+								err = nil
+							}
+							errc <- err
+							return
+						}
+					}
+				}()
+			}
+			if err := firstErr(errc, tc.goros); err != nil {
+				t.Fatal(err)
+			}
+			if err := firstErr(senders, plan.senders); err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("%d receives into too short a buffer", shorts.Load())
+			advAllBack(t, ctx, a, b)
+		})
+	}
+}
+
+// advCanceller returns a context that ends at a random moment: at once,
+// after a few yields, or after a few microseconds.
+func advCanceller(parent context.Context, i int) (context.Context, context.CancelFunc) {
+	switch i % 5 {
+	case 0:
+		ctx, cancel := context.WithCancel(parent)
+		cancel()
+		return ctx, cancel
+	case 1, 2:
+		ctx, cancel := context.WithCancel(parent)
+		go func() {
+			for range rand.IntN(20) {
+				runtime.Gosched()
+			}
+			cancel()
+		}()
+		return ctx, cancel
+	default:
+		return context.WithTimeout(parent, time.Duration(rand.IntN(200))*time.Microsecond)
+	}
+}
+
+func isCtxErr(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
+}
+
+// TestAdvCancelReceive: Receives and ReceiveIntos whose contexts end at
+// random moments (before the turn, waiting for the message, in the
+// middle of a rendezvous read of 256 KiB) lose nothing: retried, they
+// return every message once, in order, whole.
+func TestAdvCancelReceive(t *testing.T) {
+	plan := advPlan{senders: 1, msgs: 400, sizes: []int{10, 256 << 10, 0, 4096, 300, 100 << 10}, notice: 7}
+	a, b := pair(t, Config{ReceiveBuffers: 4, MessageSize: 4096})
+	ctx := advCtx(t)
+	e := advSetup(t, ctx, plan, a, b)
+	senders := e.runSenders(ctx)
+	dst := make([]byte, 256<<10)
+	cancelled := 0
+	for i, seq := 0, 0; seq < plan.msgs; i++ {
+		rctx, cancel := advCanceller(ctx, i)
+		var sender, got int
+		var err error
+		if i%2 == 0 {
+			var m Message
+			if m, err = b.Receive(rctx); err == nil {
+				sender, got, err = e.check(m)
+				m.Release()
+			}
+		} else {
+			n, imm, hasImm, rerr := b.ReceiveInto(rctx, dst)
+			if err = rerr; err == nil {
+				sender, got, err = e.checkInto(dst[:n], imm, hasImm)
+			}
+		}
+		cancel()
+		if isCtxErr(err) && ctx.Err() == nil {
+			cancelled++
+			continue
+		}
+		if err != nil {
+			t.Fatalf("receive %d (message %d due): %v", i, seq, err)
+		}
+		if sender != 0 || got != seq {
+			t.Fatalf("message %d of sender %d where %d was due", got, sender, seq)
+		}
+		seq++
+	}
+	t.Logf("%d receives cancelled", cancelled)
+	if err := firstErr(senders, plan.senders); err != nil {
+		t.Fatal(err)
+	}
+	advAllBack(t, ctx, a, b)
+}
+
+// TestAdvCancelSend: sends of every kind (SendImm, SendSlice,
+// PostSendSlice then Wait, WriteImm; eager and rendezvous) whose
+// contexts end at random moments, with few credits. A send that
+// returned nil was delivered; one cancelled may have been: the
+// receiver gets, in order and whole, each message once, every one that
+// was delivered among them, and then the messages sent after with no
+// cancellation. Every request the cancelled calls left behind is
+// reclaimed: the queue and the credits are whole at the end.
+func TestAdvCancelSend(t *testing.T) {
+	plan := advPlan{senders: 1, msgs: 600, sizes: []int{10, 20000, 0, 1024, 300, 1025}, notice: 9}
+	cfg := Config{ReceiveBuffers: 2, MessageSize: 1024, QueueDepth: 8}
+	a, b := pair(t, cfg)
+	ctx := advCtx(t)
+	e := advSetup(t, ctx, plan, a, b)
+	const tail = 20 // messages sent without cancellation at the end
+	delivered := make([]bool, plan.msgs)
+	var keep []LocalMR
+	senderr := make(chan error, 1)
+	go func() {
+		cancelled := 0
+		for seq := range plan.msgs {
+			sctx, cancel := advCanceller(ctx, seq)
+			if seq >= plan.msgs-tail {
+				sctx = ctx
+			}
+			err := e.send(sctx, 0, seq, &keep)
+			cancel()
+			switch {
+			case err == nil:
+				delivered[seq] = true
+			case isCtxErr(err) && ctx.Err() == nil:
+				cancelled++
+			default:
+				senderr <- fmt.Errorf("message %d: %w", seq, err)
+				return
+			}
+		}
+		t.Logf("%d sends cancelled", cancelled)
+		senderr <- nil
+	}()
+	received := make([]bool, plan.msgs)
+	for next := 0; next < plan.msgs; {
+		m, err := b.Receive(ctx)
+		if err != nil {
+			t.Fatalf("after message %d: %v", next-1, err)
+		}
+		_, seq, err := e.check(m)
+		m.Release()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if seq < next {
+			t.Fatalf("message %d after %d", seq, next-1)
+		}
+		received[seq] = true
+		next = seq + 1
+	}
+	if err := <-senderr; err != nil {
+		t.Fatal(err)
+	}
+	// delivered is the sender's, read after its last write (senderr).
+	n := 0
+	for seq := range plan.msgs {
+		if delivered[seq] && !received[seq] {
+			t.Errorf("message %d was delivered (its send returned nil), but never received", seq)
+		}
+		if received[seq] {
+			n++
+		}
+	}
+	for _, r := range keep {
+		r.Free()
+	}
+	t.Logf("%d messages received of %d", n, plan.msgs)
+	advAllBack(t, ctx, a, b)
+	advQueueWhole(t, ctx, a)
+}
+
+// advQueueWhole checks that every op token of s came back: QueueDepth
+// messages posted at once do not wait for room.
+func advQueueWhole(t *testing.T, ctx context.Context, s *Session) {
+	t.Helper()
+	waitFor(t, ctx, "the op tokens to come back", func() bool { return len(s.ops) == 0 })
+}
+
+// waitFor polls cond until it holds (ctx is the hang guard).
+func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
+	t.Helper()
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("waiting for %s: %v", what, ctx.Err())
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
+// TestAdvCancelRequestRemoteMR: RequestRemoteMR calls whose contexts end
+// at random moments (before the request leaves, while the peer's agent
+// serves it, as its answer arrives) leak no grant: the regions of the
+// requests that were answered too late go back to the peer, whose
+// MaxGranted is then free again for requests that succeed.
+func TestAdvCancelRequestRemoteMR(t *testing.T) {
+	const size, cap = 4096, 4 * 4096
+	a, b := pair(t, Config{MaxGranted: cap})
+	ctx := advCtx(t)
+	cancelled, got := 0, 0
+	for i := range 300 {
+		rctx, cancel := advCanceller(ctx, i)
+		r, err := b.RequestRemoteMR(rctx, size, verbs.AccessRemoteWrite, 0)
+		cancel()
+		switch {
+		case err == nil:
+			got++
+			if err := r.Release(ctx); err != nil {
+				t.Fatalf("request %d: release: %v", i, err)
+			}
+		case isCtxErr(err) && ctx.Err() == nil:
+			cancelled++
+		case errors.Is(err, ErrLimit):
+			// Grants of requests given up on are on their way back.
+		default:
+			t.Fatalf("request %d: %v", i, err)
+		}
+	}
+	t.Logf("%d requests granted, %d cancelled", got, cancelled)
+	waitFor(t, ctx, "the grants given up on to go back", func() bool {
+		a.agent.mu.Lock()
+		defer a.agent.mu.Unlock()
+		return a.agent.granted == 0 && len(a.agent.grants) == 0
+	})
+	// The whole cap is free: four requests at once succeed.
+	var rs []*RemoteMR
+	for i := range cap / size {
+		r, err := b.RequestRemoteMR(ctx, size, verbs.AccessRemoteWrite, 0)
+		if err != nil {
+			t.Fatalf("request %d of the cap after the cancellations: %v", i, err)
+		}
+		rs = append(rs, r)
+	}
+	for _, r := range rs {
+		if err := r.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestAdvAllocWhileSending: goroutines allocate regions, fill them,
+// send them (SendSlice, PostSendSlice, eager and rendezvous, some with
+// an arena of their own) and free them, while others allocate and free
+// regions of the same classes in a loop, growing and releasing arenas
+// (small ones) under the sends: every message arrives with the bytes of
+// its region.
+func TestAdvAllocWhileSending(t *testing.T) {
+	plan := advPlan{senders: 3, msgs: 200, sizes: []int{1, 64, 65, 1024, 1025, 5000, 20000, 70000}}
+	cfg := Config{ReceiveBuffers: 4, MessageSize: 1024, Allocator: AllocatorConfig{ArenaSize: 64 << 10}}
+	a, b := pair(t, cfg)
+	ctx := advCtx(t)
+	e := advSetup(t, ctx, plan, a, b)
+	stop := make(chan struct{})
+	var churn sync.WaitGroup
+	churnErr := make(chan error, 4)
+	for _, s := range []*Session{a, a, b} {
+		churn.Add(1)
+		go func() {
+			defer churn.Done()
+			var held []LocalMR
+			defer func() {
+				for _, r := range held {
+					r.Free()
+				}
+			}()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if len(held) > 0 && (len(held) > 40 || rand.IntN(2) == 0) {
+					i := rand.IntN(len(held))
+					r := held[i]
+					held[i] = held[len(held)-1]
+					held = held[:len(held)-1]
+					want := byte(r.Len())
+					if got := r.Bytes(); len(got) != r.Len() || got[0] != want || got[len(got)-1] != want {
+						churnErr <- fmt.Errorf("a held region of %d bytes changed", r.Len())
+						return
+					}
+					if err := r.Free(); err != nil {
+						churnErr <- err
+						return
+					}
+					continue
+				}
+				n := plan.sizes[rand.IntN(len(plan.sizes))]
+				r, err := s.Alloc(n)
+				if err != nil {
+					churnErr <- err
+					return
+				}
+				for i := range r.Bytes() {
+					r.Bytes()[i] = byte(n)
+				}
+				held = append(held, r)
+			}
+		}()
+	}
+	senders := e.runSenders(ctx)
+	o := newOrder(plan.senders)
+	for range plan.total() {
+		m, err := b.Receive(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sender, seq, err := e.check(m)
+		m.Release()
+		if err == nil {
+			err = o.got(sender, seq)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(stop)
+	churn.Wait()
+	close(churnErr)
+	for err := range churnErr {
+		t.Fatal(err)
+	}
+	if err := firstErr(senders, plan.senders); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []*Session{a, b} {
+		if st := s.mem.Stats(); st.Pinned != 0 {
+			t.Errorf("%d arenas pinned (a window left open)", st.Pinned)
+		}
+	}
+}
