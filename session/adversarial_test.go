@@ -811,3 +811,412 @@ func TestAdvAllocWhileSending(t *testing.T) {
 		}
 	}
 }
+
+// TestAdvBothWaysPosted: both sides keep QueueDepth messages posted
+// (PostSendSlice) while they receive and release the other's (and read
+// and write memory the other offered): the credit writes of their
+// releases share the send queue with the posted requests, and no
+// request fails for want of room in it (ErrQueueFull), nor is a
+// message lost or reordered. Before, posts, reads and writes failed
+// with ErrQueueFull within a few hundred messages, and a message whose
+// post failed after it had taken its credit left a hole in the ring's
+// sequence that ended the session (a protocol error at the peer).
+func TestAdvBothWaysPosted(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		cfg      Config
+		size     int
+		oneSided bool // reads and writes beside the messages
+	}{
+		{"eager, depth 4", Config{MessageSize: 256, ReceiveBuffers: 4, QueueDepth: 4}, 64, true},
+		{"eager, depth 2", Config{MessageSize: 256, ReceiveBuffers: 2, QueueDepth: 2}, 200, true},
+		{"eager, depth 4, messages only", Config{MessageSize: 256, ReceiveBuffers: 4, QueueDepth: 4}, 64, false},
+		// (With reads and writes beside, both sides' agents and the
+		// loops all poll at once: on two processors the rendezvous
+		// take milliseconds each, every poller waiting for a time
+		// slice.)
+		{"rendezvous, depth 4", Config{MessageSize: 256, ReceiveBuffers: 4, QueueDepth: 4}, 1000, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, b := pair(t, tc.cfg)
+			ctx, stopAll := context.WithCancel(advCtx(t))
+			defer stopAll()
+			const n = 1500
+			depth := tc.cfg.QueueDepth
+			var msgs, ops sync.WaitGroup
+			errs := make(chan error, 8)
+			fail := func(err error) {
+				select {
+				case errs <- err:
+				default:
+				}
+				stopAll() // the first error ends every loop
+			}
+			stop := make(chan struct{})
+			for _, sides := range [][2]*Session{{a, b}, {b, a}} {
+				s, peer := sides[0], sides[1]
+				mine, err := peer.Alloc(4096)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := peer.SendLocalMR(ctx, mine, verbs.AccessRemoteRead|verbs.AccessRemoteWrite, time.Hour); err != nil {
+					t.Fatal(err)
+				}
+				remote, err := s.ReceiveRemoteMR(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				msgs.Add(2)
+				ops.Add(1)
+				go func() { // posts
+					defer msgs.Done()
+					bufs := make([]LocalMR, depth)
+					for i := range bufs {
+						bufs[i], _ = s.Alloc(tc.size)
+						defer bufs[i].Free()
+					}
+					ps := make([]Pending, depth)
+					for i := range n + depth {
+						if i >= depth {
+							if err := ps[i%depth].Wait(ctx); err != nil {
+								fail(fmt.Errorf("wait for message %d: %w", i-depth, err))
+								return
+							}
+						}
+						if i < n {
+							buf := bufs[i%depth]
+							advFill(buf.Bytes(), 0, i)
+							p, err := s.PostSendSlice(ctx, buf.All(), uint32(i), true)
+							if err != nil {
+								fail(fmt.Errorf("post message %d: %w", i, err))
+								return
+							}
+							ps[i%depth] = p
+						}
+					}
+				}()
+				go func() { // receives
+					defer msgs.Done()
+					want := make([]byte, tc.size)
+					for i := range n {
+						m, err := s.Receive(ctx)
+						if err != nil {
+							fail(fmt.Errorf("receive message %d: %w", i, err))
+							return
+						}
+						advFill(want, 0, i)
+						if imm, _ := m.Imm(); imm != uint32(i) || !bytes.Equal(m.Bytes(), want) {
+							fail(fmt.Errorf("message %d arrived as %d (%d bytes)", i, imm, m.Len()))
+							m.Release()
+							return
+						}
+						m.Release()
+					}
+				}()
+				go func() { // one-sided operations
+					defer ops.Done()
+					if !tc.oneSided {
+						return
+					}
+					loc, _ := s.Alloc(64)
+					defer loc.Free()
+					for i := 0; ; i++ {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						sl, _ := remote.Slice(64*(i%64), 64)
+						var err error
+						if i%2 == 0 {
+							err = s.Write(ctx, sl, loc.All())
+						} else {
+							err = s.Read(ctx, loc.All(), sl)
+						}
+						if err != nil {
+							fail(fmt.Errorf("one-sided operation %d: %w", i, err))
+							return
+						}
+					}
+				}()
+			}
+			msgs.Wait() // every call ends by ctx at the latest
+			close(stop)
+			ops.Wait()
+			select {
+			case err := <-errs:
+				t.Fatal(err)
+			default:
+			}
+		})
+	}
+}
+
+// advEndErr reports whether err is an error a call may return once the
+// session ended: the session closed by this side or the peer (a remote
+// region's operations say its lease ended with the session).
+func advEndErr(err error) bool {
+	return errors.Is(err, ErrClosed) || errors.Is(err, ErrPeerClosed) || errors.Is(err, ErrLeaseExpired)
+}
+
+// TestAdvCloseDuringTraffic: either side closes while goroutines on both
+// send (eager and rendezvous), receive and hand messages to others that
+// release them (also after the Close), receive into short buffers, post
+// messages and release their Pendings unwaited, allocate and free,
+// request, write and release remote memory, and WriteImm: no panic, no
+// hang; every call ends with an error that says the session ended
+// (ErrClosed on the closing side, ErrPeerClosed on the other); a
+// message received before the end keeps its bytes until its Release,
+// or the Close of its own side.
+func TestAdvCloseDuringTraffic(t *testing.T) {
+	for run := range 30 {
+		a, b := pair(t, Config{ReceiveBuffers: 4, MessageSize: 256, QueueDepth: 8})
+		ctx := advCtx(t)
+		var wg sync.WaitGroup
+		errc := make(chan error, 64)
+		var started sync.WaitGroup
+		loop := func(name string, f func(i int) error) {
+			wg.Add(1)
+			started.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; ; i++ {
+					if i == 3 {
+						started.Done()
+					}
+					if err := f(i); err != nil {
+						if i < 3 {
+							started.Done()
+						}
+						if !advEndErr(err) {
+							errc <- fmt.Errorf("%s: %w", name, err)
+						}
+						return
+					}
+				}
+			}()
+		}
+		for side, s := range []*Session{a, b} {
+			peer := []*Session{b, a}[side]
+			mine, err := peer.Alloc(4096)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := peer.SendLocalMR(ctx, mine, verbs.AccessRemoteWrite, time.Hour); err != nil {
+				t.Fatal(err)
+			}
+			remote, err := s.ReceiveRemoteMR(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			loop("send", func(i int) error {
+				msg := make([]byte, []int{10, 256, 3000}[i%3])
+				advFill(msg, side, i)
+				return s.SendImm(ctx, uint32(len(msg)), msg)
+			})
+			held := make(chan Message, 16)
+			wg.Add(1)
+			go func() { // releases, also after the Close
+				defer wg.Done()
+				for m := range held {
+					runtime.Gosched()
+					m.Release()
+				}
+			}()
+			loop("receive", func(i int) error {
+				m, err := s.Receive(ctx)
+				if err != nil {
+					close(held)
+					return err
+				}
+				if imm, _ := m.Imm(); int(imm) != m.Len() {
+					return fmt.Errorf("a message of %d bytes says %d", m.Len(), imm)
+				}
+				held <- m
+				return nil
+			})
+			short := make([]byte, 100)
+			loop("receive into", func(int) error {
+				_, _, _, err := s.ReceiveInto(ctx, short)
+				if errors.Is(err, io.ErrShortBuffer) {
+					// The message stays: the next Receive (this
+					// one, or the other goroutine's) takes it.
+					m, err := s.Receive(ctx)
+					m.Release()
+					return err
+				}
+				return err
+			})
+			loop("post", func(i int) error {
+				r, err := s.Alloc(64)
+				if err != nil {
+					return err
+				}
+				// The region stays allocated: a released Pending's
+				// message may still be on its way.
+				p, err := s.PostSendSlice(ctx, r.All(), 64, true)
+				if err != nil {
+					return err
+				}
+				if i%2 == 0 {
+					p.Release()
+					p.Release()
+					return nil
+				}
+				if err := p.Wait(ctx); err != nil {
+					return err
+				}
+				if err := p.Wait(ctx); !errors.Is(err, ErrClosed) {
+					return fmt.Errorf("a Pending waited for twice: %v", err)
+				}
+				return r.Free()
+			})
+			loop("alloc", func(i int) error {
+				runtime.Gosched() // no call here blocks
+				r, err := s.Alloc(1 + i%5000)
+				if err != nil {
+					return err
+				}
+				if err := r.Free(); err != nil {
+					return err
+				}
+				if err := r.Free(); !errors.Is(err, ErrClosed) {
+					return fmt.Errorf("a region freed twice: %v", err)
+				}
+				return nil
+			})
+			loop("remote", func(i int) error {
+				r, err := s.RequestRemoteMR(ctx, 64, verbs.AccessRemoteWrite, 0)
+				if err != nil {
+					return err
+				}
+				src, err := s.Alloc(64)
+				if err != nil {
+					return err
+				}
+				defer src.Free()
+				if err := s.Write(ctx, r.All(), src.All()); err != nil {
+					return err
+				}
+				return r.Release(ctx)
+			})
+			loop("write with immediate", func(i int) error {
+				src, err := s.Alloc(8)
+				if err != nil {
+					return err
+				}
+				defer src.Free()
+				dst, _ := remote.Slice(8*(i%512), 8)
+				return s.WriteImm(ctx, dst, 0, src.All())
+			})
+		}
+		started.Wait()
+		closer, other := a, b
+		if run%2 == 1 {
+			closer, other = b, a
+		}
+		if err := closer.Close(); err != nil {
+			t.Fatal(err)
+		}
+		<-other.Done()
+		if !errors.Is(other.Err(), ErrPeerClosed) {
+			t.Fatalf("run %d: the peer of the side that closed ended with %v", run, other.Err())
+		}
+		other.Close()
+		wg.Wait()
+		close(errc)
+		for err := range errc {
+			t.Errorf("run %d: %v", run, err)
+		}
+		if err := closer.Close(); err != nil {
+			t.Fatalf("a second Close: %v", err)
+		}
+	}
+}
+
+// TestAdvControlBurst: both sides request and release remote memory
+// from several goroutines at once while rendezvous messages go both
+// ways (each one's end is a fin on the agents' queue pair): the control
+// messages of the agents fill the send queue of their queue pair (sends
+// whose completions were not polled yet, credit writes), and none is
+// lost for want of room: every request is answered, every rendezvous
+// send returns, every region goes back.
+func TestAdvControlBurst(t *testing.T) {
+	a, b := pair(t, Config{MessageSize: 256, ReceiveBuffers: 8})
+	ctx, stopAll := context.WithCancel(advCtx(t))
+	defer stopAll()
+	const requesters, requests, messages = 12, 200, 600
+	errs := make(chan error, 1)
+	fail := func(err error) {
+		select {
+		case errs <- err:
+		default:
+		}
+		stopAll()
+	}
+	var wg sync.WaitGroup
+	for _, sides := range [][2]*Session{{a, b}, {b, a}} {
+		s, peer := sides[0], sides[1]
+		for g := range requesters {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := range requests {
+					r, err := s.RequestRemoteMR(ctx, 64, verbs.AccessRemoteWrite, 0)
+					if err != nil {
+						fail(fmt.Errorf("requester %d, request %d: %w", g, i, err))
+						return
+					}
+					if err := r.Release(ctx); err != nil {
+						fail(fmt.Errorf("requester %d, release %d: %w", g, i, err))
+						return
+					}
+				}
+			}()
+		}
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			msg := make([]byte, 1000) // rendezvous
+			for i := range messages {
+				advFill(msg, 0, i)
+				if err := s.SendImm(ctx, uint32(i), msg); err != nil {
+					fail(fmt.Errorf("send %d: %w", i, err))
+					return
+				}
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			want := make([]byte, 1000)
+			for i := range messages {
+				m, err := peer.Receive(ctx)
+				if err != nil {
+					fail(fmt.Errorf("receive %d: %w", i, err))
+					return
+				}
+				advFill(want, 0, i)
+				imm, _ := m.Imm()
+				ok := imm == uint32(i) && bytes.Equal(m.Bytes(), want)
+				m.Release()
+				if !ok {
+					fail(fmt.Errorf("message %d arrived as %d", i, imm))
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	select {
+	case err := <-errs:
+		t.Fatal(err)
+	default:
+	}
+	for _, s := range []*Session{a, b} {
+		waitFor(t, ctx, "the grants to go back", func() bool {
+			s.agent.mu.Lock()
+			defer s.agent.mu.Unlock()
+			return s.agent.granted == 0
+		})
+	}
+}

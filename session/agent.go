@@ -244,20 +244,33 @@ func (s *Session) sendCtrl(ctx context.Context, m ctrlMsg) error {
 		buf.Free()
 		return s.ctxErr("agent", err)
 	}
-	h, err := s.postCtrlMsg(buf, m)
+	h, err := s.postCtrlMsg(ctx, buf, m)
 	if err != nil {
 		return err
 	}
 	return s.awaitFor(ctx, "agent", h, orphaned{buf: buf})
 }
 
-// postCtrlMsg posts m from buf (a credit taken); on an error buf is
-// freed and the session fails.
-func (s *Session) postCtrlMsg(buf LocalMR, m ctrlMsg) (channel.Handle, error) {
+// postCtrlMsg posts m from buf (a credit taken), waiting while the send
+// queue is full (waitRoom: sends whose completions were not polled yet
+// and credit writes fill it; before, the post failed and the message was
+// lost, a rendezvous fin or a request's answer with it, and its caller
+// waited for ever: TestAdvControlBurst, TestAdvBothWaysPosted with
+// -race). If ctx or the session ends first,
+// the credit goes back (nothing was sent). On an error buf is freed.
+func (s *Session) postCtrlMsg(ctx context.Context, buf LocalMR, m ctrlMsg) (channel.Handle, error) {
 	m.credits = s.crflow.reposted.Load()
 	n := m.put(buf.Bytes())
 	sl, _ := buf.Slice(0, n)
 	h, err := s.agc.PostSend(sl.SGE())
+	for w := 0; queueFull(err); {
+		if werr := s.waitRoom(ctx, s.agc, &w); werr != nil {
+			s.cflow.sent.Add(^uint32(0))
+			buf.Free()
+			return channel.Handle{}, s.ctxErr("agent", werr)
+		}
+		h, err = s.agc.PostSend(sl.SGE())
+	}
 	if err != nil {
 		buf.Free()
 		return channel.Handle{}, s.fail("agent", err)
@@ -277,7 +290,7 @@ func (s *Session) postCtrlMsg(buf LocalMR, m ctrlMsg) (channel.Handle, error) {
 func (s *Session) sendAsyncCtrl(m ctrlMsg) {
 	if buf, err := s.mem.Alloc(ctrlBufSize); err == nil {
 		if s.cflow.tryTake() {
-			h, err := s.postCtrlMsg(buf, m)
+			h, err := s.postCtrlMsg(s.bg, buf, m)
 			if err == nil {
 				s.goTask(func() { s.awaitFor(s.bg, "agent", h, orphaned{buf: buf}) })
 			}

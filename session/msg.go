@@ -5,7 +5,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync/atomic"
+	"time"
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
@@ -367,11 +369,24 @@ func (s *Session) postSlotH(ctx context.Context, op string, buf LocalMR, hdr Loc
 	rep := s.drflow.reposted.Load()
 	binary.LittleEndian.PutUint32(hdr.Bytes()[4:], rep)
 	dst := verbs.RemoteAddr{Addr: s.peer.Ring.Addr + uint64(slot)*uint64(s.peer.SlotSize) + hdrAt, RKey: s.peer.Ring.RKey}
+	sgl := [2]verbs.SGE{hdr.SGE(), payload}
+	nsge := 1
 	if payload.Length > 0 {
-		sgl := [2]verbs.SGE{hdr.SGE(), payload}
-		h, err = s.data.PostWriteImm(dst, slot, sgl[:]...)
-	} else {
-		h, err = s.data.PostWriteImm(dst, slot, hdr.SGE())
+		nsge = 2
+	}
+	h, err = s.data.PostWriteImm(dst, slot, sgl[:nsge]...)
+	for w := 0; queueFull(err); {
+		if werr := s.waitRoom(ctx, s.data, &w); werr != nil {
+			// The credit taken goes back (only this function takes
+			// credits of dflow, with smu held): the next message
+			// takes this slot.
+			s.dflow.sent.Add(^uint32(0))
+			s.smu.Unlock()
+			s.releaseOp()
+			buf.Free()
+			return channel.Handle{}, s.ctxErr(op, werr)
+		}
+		h, err = s.data.PostWriteImm(dst, slot, sgl[:nsge]...)
 	}
 	s.smu.Unlock()
 	if err != nil {
@@ -381,6 +396,47 @@ func (s *Session) postSlotH(ctx context.Context, op string, buf LocalMR, hdr Loc
 	}
 	s.drflow.told(rep)
 	return h, nil
+}
+
+// queueFull reports whether a post failed for want of room in the send
+// queue (or of the channel's slots): waitRoom, then post again.
+func queueFull(err error) bool { return err != nil && errors.Is(err, verbs.ErrQueueFull) }
+
+// waitRoom waits a little for room in the send queue of c, a queue pair
+// of the session (w counts the waits of one post), or returns ctx's
+// error, or errSessionEnded. On the data queue pair the op tokens keep
+// the session's requests within QueueDepth, the queue's size, but the
+// credit writes of releases (writeCredits: unsignaled inline writes) take
+// entries of it too, each until a later signalled request completes; a
+// post that found the queue full then failed (verbs.ErrQueueFull), and a
+// message's, after it had taken its credit, left a hole in the ring's
+// sequence that the peer took for a protocol violation: the session ended
+// (TestAdvBothWaysPosted, TestAdvCloseDuringTraffic). Completions retire
+// entries: it polls for them, yields, then sleeps for intervals that grow
+// to a millisecond.
+func (s *Session) waitRoom(ctx context.Context, c *channel.Channel, w *int) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-s.done:
+		return errSessionEnded
+	default:
+	}
+	_ = c.Progress()
+	if *w++; *w <= 64 {
+		runtime.Gosched()
+		return nil
+	}
+	t := time.NewTimer(min(time.Duration(*w-64)*10*time.Microsecond, time.Millisecond))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-s.done:
+		return errSessionEnded
+	case <-t.C:
+		return nil
+	}
 }
 
 func setImm(b []byte, imm uint32, hasImm bool) {
@@ -676,6 +732,14 @@ func (s *Session) finishRead(ctx context.Context, p *pendingRead) (Message, erro
 			}
 			sl, _ := p.mr.Slice(0, p.msg.n)
 			h, err := s.data.PostRead(p.src, sl.SGE())
+			for w := 0; queueFull(err); {
+				if werr := s.waitRoom(ctx, s.data, &w); werr != nil {
+					s.releaseOp()
+					s.pending = p // not posted: the next Receive posts it
+					return Message{}, s.ctxErr("receive", werr)
+				}
+				h, err = s.data.PostRead(p.src, sl.SGE())
+			}
 			if err != nil {
 				s.releaseOp()
 				s.pending = nil

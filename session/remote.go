@@ -295,6 +295,13 @@ func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, post
 		return 0, fmt.Errorf("session: %s: %w", op, err)
 	}
 	h, err := post()
+	for w := 0; queueFull(err); {
+		if werr := s.waitRoom(ctx, s.data, &w); werr != nil {
+			s.giveBack(o)
+			return 0, s.ctxErr(op, werr)
+		}
+		h, err = post()
+	}
 	if err != nil {
 		s.giveBack(o)
 		return 0, s.fail(op, err)
@@ -405,6 +412,15 @@ func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src
 		return fmt.Errorf("session: %s: %w", op, err)
 	}
 	hw, err := s.data.PostWrite(dst.addr(), src.SGE())
+	for w := 0; queueFull(err); {
+		if werr := s.waitRoom(ctx, s.data, &w); werr != nil {
+			s.giveBack(o)
+			s.releaseOp()
+			note.Free()
+			return s.ctxErr(op, werr)
+		}
+		hw, err = s.data.PostWrite(dst.addr(), src.SGE())
+	}
 	if err != nil {
 		s.giveBack(o)
 		s.releaseOp()
