@@ -9,6 +9,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -1218,5 +1219,190 @@ func TestAdvControlBurst(t *testing.T) {
 			defer s.agent.mu.Unlock()
 			return s.agent.granted == 0
 		})
+	}
+}
+
+// TestAdvUseAfterClose: what an application holds when its session
+// closes (received messages of every kind, a message ReceiveInto kept,
+// regions, a posted message's Pending, a remote region) and every call,
+// used after Close: no panic, no hang; messages and regions read as
+// released (no bytes: the ring and the arenas are unmapped), Release and
+// Free change nothing (Free says ErrClosed), calls fail with ErrClosed on
+// the side that closed and with ErrPeerClosed on the other. Before, the
+// Bytes of a message held across Close pointed into the unmapped ring:
+// reading them crashed the process (SIGSEGV).
+func TestAdvUseAfterClose(t *testing.T) {
+	a, b := pair(t, Config{MessageSize: 256, ReceiveBuffers: 8})
+	ctx := advCtx(t)
+	region, err := a.Alloc(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.SendLocalMR(ctx, region, verbs.AccessRemoteWrite|verbs.AccessRemoteRead, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	remote, err := b.ReceiveRemoteMR(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, _ := b.Alloc(8)
+	dst, _ := remote.Slice(0, 8)
+	// a receives: an eager message, a rendezvous one, a notice, and one
+	// that ReceiveInto keeps; b holds an eager message of a's.
+	sent := make(chan error, 1)
+	go func() {
+		for _, send := range []func() error{
+			func() error { return b.SendImm(ctx, 1, []byte("eager")) },
+			func() error { return b.SendImm(ctx, 2, bytes.Repeat([]byte("R"), 1000)) },
+			func() error { return b.WriteImm(ctx, dst, 3, src.All()) },
+			func() error { return b.SendImm(ctx, 4, []byte("kept by ReceiveInto")) },
+		} {
+			if err := send(); err != nil {
+				sent <- err
+				return
+			}
+		}
+		sent <- nil
+	}()
+	if err := a.Send(ctx, []byte("to b")); err != nil {
+		t.Fatal(err)
+	}
+	var held []Message
+	for range 3 {
+		m, err := a.Receive(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, m)
+	}
+	if _, _, _, err := a.ReceiveInto(ctx, make([]byte, 1)); !errors.Is(err, io.ErrShortBuffer) {
+		t.Fatalf("ReceiveInto into 1 byte: %v", err)
+	}
+	if err := <-sent; err != nil {
+		t.Fatal(err)
+	}
+	peerMsg, err := b.Receive(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	posted, _ := a.Alloc(64)
+	p, err := a.PostSendSlice(ctx, posted.All(), 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	freed, _ := a.Alloc(64)
+	if err := freed.Free(); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	<-b.Done()
+
+	for i, m := range held {
+		if got := m.Bytes(); got != nil || m.Len() != 0 {
+			t.Errorf("message %d after Close: %d bytes, Len %d", i, len(got), m.Len())
+		}
+		m.Release()
+		m.Release()
+	}
+	if imm, ok := held[2].Imm(); !held[2].IsWrite() || imm != 3 || !ok {
+		t.Errorf("the notice after Close: IsWrite %v, immediate %d %v", held[2].IsWrite(), imm, ok)
+	}
+	if got := string(peerMsg.Bytes()); got != "to b" {
+		t.Errorf("the peer's message after this side's Close: %q", got)
+	}
+	peerMsg.Release()
+	// The posted message may have reached b before the Close (then b
+	// receives it), or not; then b's receives report the end.
+	for i := 0; ; i++ {
+		m, err := b.Receive(ctx)
+		if err != nil {
+			if !errors.Is(err, ErrPeerClosed) {
+				t.Errorf("the peer's Receive after the messages: %v", err)
+			}
+			break
+		}
+		if m.Len() != 64 || i > 0 {
+			t.Errorf("the peer received a message of %d bytes (%d) after the Close", m.Len(), i)
+		}
+		m.Release()
+	}
+	for _, tc := range []struct {
+		name string
+		err  error
+	}{
+		{"Free of a region", region.Free()},
+		{"Free of a region freed before", freed.Free()},
+	} {
+		if !errors.Is(tc.err, ErrClosed) {
+			t.Errorf("%s after Close: %v, want ErrClosed", tc.name, tc.err)
+		}
+	}
+	if region.Bytes() != nil || region.Valid() {
+		t.Errorf("a region after Close: valid %v, %d bytes", region.Valid(), len(region.Bytes()))
+	}
+	if err := p.Wait(ctx); !errors.Is(err, ErrClosed) {
+		t.Errorf("Wait of a Pending after Close: %v, want ErrClosed", err)
+	}
+	p.Release()
+	if err := p.Wait(ctx); !errors.Is(err, ErrClosed) {
+		t.Errorf("a second Wait of a Pending after Close: %v, want ErrClosed", err)
+	}
+	sl, _ := src.Slice(0, 8)
+	for _, side := range []struct {
+		s    *Session
+		want error
+	}{{a, ErrClosed}, {b, ErrPeerClosed}} {
+		s := side.s
+		calls := []struct {
+			name string
+			call func() error
+		}{
+			{"Send", func() error { return s.Send(ctx, []byte("x")) }},
+			{"Send rendezvous", func() error { return s.Send(ctx, make([]byte, 1000)) }},
+			{"SendSlice", func() error { return s.SendSlice(ctx, sl, 0, false) }},
+			{"PostSendSlice", func() error { _, err := s.PostSendSlice(ctx, sl, 0, false); return err }},
+			{"Receive", func() error { _, err := s.Receive(ctx); return err }},
+			{"ReceiveInto", func() error { _, _, _, err := s.ReceiveInto(ctx, make([]byte, 64)); return err }},
+			{"RequestRemoteMR", func() error { _, err := s.RequestRemoteMR(ctx, 64, verbs.AccessRemoteRead, 0); return err }},
+			{"ReceiveRemoteMR", func() error { _, err := s.ReceiveRemoteMR(ctx); return err }},
+			{"ReceiveLocalMR", func() error { _, err := s.ReceiveLocalMR(ctx); return err }},
+		}
+		if s == b {
+			calls = append(calls,
+				struct {
+					name string
+					call func() error
+				}{"Write", func() error { return s.Write(ctx, dst, src.All()) }},
+				struct {
+					name string
+					call func() error
+				}{"WriteImm", func() error { return s.WriteImm(ctx, dst, 0, src.All()) }},
+				struct {
+					name string
+					call func() error
+				}{"RemoteMR.Release", func() error { return remote.Release(ctx) }},
+			)
+		} else {
+			calls = append(calls, struct {
+				name string
+				call func() error
+			}{"Alloc", func() error { _, err := s.Alloc(64); return err }})
+		}
+		for _, c := range calls {
+			err := c.call()
+			want := side.want
+			if errors.Is(err, ErrLeaseExpired) && strings.Contains(c.name, "Write") || c.name == "RemoteMR.Release" {
+				want = ErrLeaseExpired // the region's lease ended with the session
+			}
+			if !errors.Is(err, want) {
+				t.Errorf("%s on the side %s: %v, want %v", c.name, map[bool]string{true: "that closed", false: "whose peer closed"}[s == a], err, want)
+			}
+		}
+	}
+	if err := a.Close(); err != nil {
+		t.Errorf("a second Close: %v", err)
 	}
 }

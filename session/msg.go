@@ -17,8 +17,11 @@ import (
 // library (a slot of the receive ring, or for a large message the region
 // it was read into), valid until Release, which gives it back (a ring
 // slot returns a credit to the sender once the slots before it are back
-// too). A Message is a small value; Release is idempotent, and
-// methods of a released Message return zero values.
+// too), or until the session's Close, which releases every message (its
+// bytes must not be used after: as for a region, detection is no license
+// to race Close). A Message is a small value; Release is idempotent, and
+// methods of a released Message return zero values (Imm and IsWrite
+// excepted: they stay as received).
 type Message struct {
 	s     *Session
 	slot  int32 // receive buffer, or -1

@@ -659,10 +659,27 @@ func (s *Session) Close() error {
 	s.tasks.close()
 	s.rcalls.Lock()
 	s.calls.Lock()
+	s.dropMessages()
 	s.release()
 	s.calls.Unlock()
 	s.rcalls.Unlock()
 	return nil
+}
+
+// dropMessages makes the messages of the ring still held read as
+// released (Bytes nil, Len 0; Release does nothing), before release
+// unmaps the ring: their Bytes pointed into it, and a message held across
+// Close crashed the process when it read them (SIGSEGV,
+// TestAdvUseAfterClose). (A message of a rendezvous lies in a region of
+// the allocator, which its Close invalidates.)
+func (s *Session) dropMessages() {
+	s.rmu.Lock()
+	defer s.rmu.Unlock()
+	for i := range s.rgen {
+		if s.rgen[i]++; s.rgen[i] == 0 { // 0 is never a message's
+			s.rgen[i] = 1
+		}
+	}
 }
 
 // enter begins an API call that touches the session's memory (l is
