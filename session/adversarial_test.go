@@ -673,37 +673,61 @@ func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
 
 // TestAdvCancelRequestRemoteMR: RequestRemoteMR calls whose contexts end
 // at random moments (before the request leaves, while the peer's agent
-// serves it, as its answer arrives) leak no grant: the regions of the
+// serves it, as its answer arrives) leak nothing: the regions of the
 // requests that were answered too late go back to the peer, whose
-// MaxGranted is then free again for requests that succeed.
+// MaxGranted is then free again for requests that succeed, and the
+// requester's agent forgets every request.
 func TestAdvCancelRequestRemoteMR(t *testing.T) {
 	const size, cap = 4096, 4 * 4096
 	a, b := pair(t, Config{MaxGranted: cap})
 	ctx := advCtx(t)
-	cancelled, got := 0, 0
-	for i := range 300 {
-		rctx, cancel := advCanceller(ctx, i)
-		r, err := b.RequestRemoteMR(rctx, size, verbs.AccessRemoteWrite, 0)
-		cancel()
-		switch {
-		case err == nil:
-			got++
-			if err := r.Release(ctx); err != nil {
-				t.Fatalf("request %d: release: %v", i, err)
+	// Many at once, so that some wait for a control credit when their
+	// contexts end: their requests never leave.
+	const requesters, requests = 48, 25
+	var cancelled, got atomic.Int64
+	errc := make(chan error, requesters)
+	for g := range requesters {
+		go func() {
+			for i := range requests {
+				rctx, cancel := advCanceller(ctx, g+i)
+				r, err := b.RequestRemoteMR(rctx, size, verbs.AccessRemoteWrite, 0)
+				cancel()
+				switch {
+				case err == nil:
+					got.Add(1)
+					if err := r.Release(ctx); err != nil {
+						errc <- fmt.Errorf("requester %d, request %d: release: %w", g, i, err)
+						return
+					}
+				case isCtxErr(err) && ctx.Err() == nil:
+					cancelled.Add(1)
+				case errors.Is(err, ErrLimit):
+					// The cap is taken (by others, or by grants of
+					// requests given up on, on their way back).
+				default:
+					errc <- fmt.Errorf("requester %d, request %d: %w", g, i, err)
+					return
+				}
 			}
-		case isCtxErr(err) && ctx.Err() == nil:
-			cancelled++
-		case errors.Is(err, ErrLimit):
-			// Grants of requests given up on are on their way back.
-		default:
-			t.Fatalf("request %d: %v", i, err)
-		}
+			errc <- nil
+		}()
 	}
-	t.Logf("%d requests granted, %d cancelled", got, cancelled)
+	if err := firstErr(errc, requesters); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d requests granted, %d cancelled", got.Load(), cancelled.Load())
 	waitFor(t, ctx, "the grants given up on to go back", func() bool {
 		a.agent.mu.Lock()
 		defer a.agent.mu.Unlock()
 		return a.agent.granted == 0 && len(a.agent.grants) == 0
+	})
+	// Every request was answered or never left: the requester forgets
+	// them all (before, one that never left stayed in its table for the
+	// session's life, waiting for an answer that could not come).
+	waitFor(t, ctx, "the requests given up on to be forgotten", func() bool {
+		b.agent.mu.Lock()
+		defer b.agent.mu.Unlock()
+		return len(b.agent.waiters) == 0
 	})
 	// The whole cap is free: four requests at once succeed.
 	var rs []*RemoteMR

@@ -234,21 +234,23 @@ func (s *Session) repostCtrl(slot int) {
 }
 
 // sendCtrl sends a control message, waiting for a credit and for its
-// completion (at most until ctx or the session ends).
-func (s *Session) sendCtrl(ctx context.Context, m ctrlMsg) error {
+// completion (at most until ctx or the session ends). posted reports
+// whether the message left (then it may reach the peer even if err is
+// not nil).
+func (s *Session) sendCtrl(ctx context.Context, m ctrlMsg) (posted bool, err error) {
 	buf, err := s.mem.Alloc(ctrlBufSize)
 	if err != nil {
-		return fmt.Errorf("session: agent: %w", err)
+		return false, fmt.Errorf("session: agent: %w", err)
 	}
 	if err := s.cflow.take(ctx, s.done); err != nil {
 		buf.Free()
-		return s.ctxErr("agent", err)
+		return false, s.ctxErr("agent", err)
 	}
 	h, err := s.postCtrlMsg(ctx, buf, m)
 	if err != nil {
-		return err
+		return false, err
 	}
-	return s.awaitFor(ctx, "agent", h, orphaned{buf: buf})
+	return true, s.awaitFor(ctx, "agent", h, orphaned{buf: buf})
 }
 
 // postCtrlMsg posts m from buf (a credit taken), waiting while the send
@@ -256,8 +258,8 @@ func (s *Session) sendCtrl(ctx context.Context, m ctrlMsg) error {
 // and credit writes fill it; before, the post failed and the message was
 // lost, a rendezvous fin or a request's answer with it, and its caller
 // waited for ever: TestAdvControlBurst, TestAdvBothWaysPosted with
-// -race). If ctx or the session ends first,
-// the credit goes back (nothing was sent). On an error buf is freed.
+// -race). If ctx or the session ends first, the credit goes back
+// (nothing was sent). On an error buf is freed.
 func (s *Session) postCtrlMsg(ctx context.Context, buf LocalMR, m ctrlMsg) (channel.Handle, error) {
 	m.credits = s.crflow.reposted.Load()
 	n := m.put(buf.Bytes())
@@ -331,7 +333,17 @@ func (s *Session) call(ctx context.Context, op string, m ctrlMsg) (ctrlMsg, erro
 			}
 		}
 	}
-	if err := s.sendCtrl(ctx, m); err != nil {
+	if posted, err := s.sendCtrl(ctx, m); err != nil {
+		if !posted {
+			// The request never left: no answer will come to undo.
+			// (Before, its entry stayed, nil, for the session's life:
+			// one per call whose context ended while it waited for a
+			// control credit; TestAdvCancelRequestRemoteMR.)
+			a.mu.Lock()
+			delete(a.waiters, m.id)
+			a.mu.Unlock()
+			return ctrlMsg{}, err
+		}
 		forget()
 		return ctrlMsg{}, err
 	}
