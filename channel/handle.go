@@ -24,7 +24,20 @@ func handleOf(s *slot) Handle { return Handle{s: s, gen: s.gen.Load()} }
 
 func errHandle(err error) Handle { return Handle{err: err} }
 
-func (h Handle) live() bool { return h.s != nil && h.s.gen.Load() == h.gen }
+// live reports whether the handle's operation has not been released. A
+// released operation that was still in flight keeps its generation until
+// its completion comes (detach: the completion must still match it, to be
+// counted and to free the slot), so the slot's state says it too: a
+// detached slot, or a free one, belongs to no handle. The state is read
+// before the generation: a slot recycled after the load of a detached or
+// free state carries a later generation by then.
+func (h Handle) live() bool {
+	if h.s == nil {
+		return false
+	}
+	st := h.s.state.Load()
+	return st != slotDetached && st != slotFree && h.s.gen.Load() == h.gen
+}
 
 // Peer returns the peer number the operation addresses (0 on a Channel of
 // its own), or -1 for a stale or failed handle.

@@ -1,0 +1,245 @@
+package channel_test
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+)
+
+// Adversarial tests: the channel stressed and misused the way its users
+// do, many goroutines at once. Context deadlines in them are hang guards
+// only: a wait that should end by itself and does not fails the test
+// when its guard fires, and no assertion depends on how long anything
+// takes.
+
+// guard returns a context that ends after d: a hang guard for a wait
+// that must end by itself much sooner.
+func guard(t testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// put writes v into the 8 bytes of s.buf at off.
+func (s *side) put(off int, v uint64) {
+	binary.NativeEndian.PutUint64(s.buf.Bytes()[off:], v)
+}
+
+// get reads the 8 bytes of s.buf at off.
+func (s *side) get(off int) uint64 {
+	return binary.NativeEndian.Uint64(s.buf.Bytes()[off:])
+}
+
+// TestAdvReleasedInFlight: a Handle released while its operation is in
+// flight (a receive no message has reached yet, a send waiting for the
+// peer's receive) is stale at once, like a completed one: Release again
+// does nothing, Wait returns ErrStale without waiting, the queries
+// report nothing. When the operation later completes the channel is
+// intact: Drain finds nothing in flight, and every slot of the pool
+// serves a new operation with its own bytes.
+func TestAdvReleasedInFlight(t *testing.T) {
+	const slots = 4
+	ops := []struct {
+		name string
+		// post posts an operation at x that stays in flight until finish
+		// runs.
+		post   func(t *testing.T, x, y *side) channel.Handle
+		finish func(t *testing.T, ctx context.Context, x, y *side)
+	}{
+		{"receive", func(t *testing.T, x, y *side) channel.Handle {
+			h, err := x.ch.PostReceive(x.sge(0, 64))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return h
+		}, func(t *testing.T, ctx context.Context, x, y *side) {
+			if err := y.ch.Send(ctx, y.sge(0, 8)); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"send waiting for a receive", func(t *testing.T, x, y *side) channel.Handle {
+			h, err := x.ch.PostSend(x.sge(0, 8))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return h
+		}, func(t *testing.T, ctx context.Context, x, y *side) {
+			if _, err := y.ch.Receive(ctx, y.sge(0, 64)); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	}
+	misuses := []struct {
+		name string
+		use  func(t *testing.T, h channel.Handle)
+	}{
+		{"release twice", func(t *testing.T, h channel.Handle) { h.Release() }},
+		{"wait", func(t *testing.T, h channel.Handle) {
+			if err := h.Wait(guard(t, 5*time.Second)); !errors.Is(err, channel.ErrStale) {
+				t.Errorf("Wait after Release: %v, want ErrStale at once", err)
+			}
+		}},
+		{"query", func(t *testing.T, h channel.Handle) {
+			if err := h.Err(); !errors.Is(err, channel.ErrStale) {
+				t.Errorf("Err after Release: %v, want ErrStale", err)
+			}
+			if done, err := h.Poll(); done || !errors.Is(err, channel.ErrStale) {
+				t.Errorf("Poll after Release: %v %v, want false, ErrStale", done, err)
+			}
+			if h.Done() || h.Peer() != -1 {
+				t.Errorf("after Release: Done %v, Peer %d; want false, -1", h.Done(), h.Peer())
+			}
+		}},
+	}
+	for _, op := range ops {
+		for _, m := range misuses {
+			t.Run(op.name+"/"+m.name, func(t *testing.T) {
+				x, y := newPair(t, channel.Options{MaxOutstanding: slots})
+				ctx := guard(t, 10*time.Second)
+				h := op.post(t, x, y)
+				h.Release()
+				m.use(t, h)
+				op.finish(t, ctx, x, y)
+				if err := x.ch.Drain(ctx); err != nil {
+					t.Fatalf("drain after the released operation completed: %v", err)
+				}
+				if err := x.ch.Err(); err != nil {
+					t.Fatalf("channel broke: %v", err)
+				}
+				// Every slot serves one receive of a message of its own.
+				hs := make([]channel.Handle, slots)
+				for i := range hs {
+					var err error
+					if hs[i], err = x.ch.PostReceive(x.sge(1024+64*i, 64)); err != nil {
+						t.Fatalf("receive %d: %v", i, err)
+					}
+				}
+				for i := range hs {
+					y.put(512+8*i, uint64(1000+i))
+					if err := y.ch.Send(ctx, y.sge(512+8*i, 8)); err != nil {
+						t.Fatalf("send %d: %v", i, err)
+					}
+				}
+				for i, h := range hs {
+					if err := h.Wait(ctx); err != nil {
+						t.Fatalf("receive %d: %v", i, err)
+					}
+					if r := h.Received(); r.Len != 8 || x.get(1024+64*i) != uint64(1000+i) {
+						t.Errorf("receive %d: %+v, value %d", i, r, x.get(1024+64*i))
+					}
+					h.Release()
+				}
+				if err := x.ch.Drain(ctx); err != nil {
+					t.Fatalf("final drain: %v", err)
+				}
+			})
+		}
+	}
+}
+
+// TestAdvBatchReleaseInFlight: a Handle of a Batch released inside the
+// scope while its receive is in flight (as the scope's slot-exhaustion
+// error advises) does not hold the scope's end: Batch returns without
+// breaking the channel, and the receive's slot comes back when it
+// completes.
+func TestAdvBatchReleaseInFlight(t *testing.T) {
+	x, y := newPair(t, channel.Options{MaxOutstanding: 4})
+	ctx := guard(t, 10*time.Second)
+	err := x.ch.Batch(ctx, func(b *channel.Batch) error {
+		r := b.Receive(x.sge(0, 64))
+		w := b.Write(y.buf.Remote().At(0), x.sge(128, 8))
+		if err := b.Wait(w); err != nil {
+			return err
+		}
+		r.Release()
+		r.Release()
+		if err := r.Err(); !errors.Is(err, channel.ErrStale) {
+			return fmt.Errorf("a released receive: %v, want ErrStale", err)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("batch: %v", err)
+	}
+	if err := x.ch.Err(); err != nil {
+		t.Fatalf("the batch broke the channel: %v", err)
+	}
+	if err := y.ch.Send(ctx, y.sge(0, 8)); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.ch.Drain(ctx); err != nil {
+		t.Fatalf("drain: %v", err)
+	}
+}
+
+// TestAdvReleaseRacesCompletion: receives are released by one goroutine
+// while the peer's messages complete them, so that each Release races
+// with its completion (detached first, or completed first). Every slot
+// comes back exactly once: Drain finds nothing in flight, and the whole
+// pool then serves receives that each get their own message.
+func TestAdvReleaseRacesCompletion(t *testing.T) {
+	const slots, rounds = 16, 20
+	x, y := newPair(t, channel.Options{MaxOutstanding: slots})
+	ctx := guard(t, 10*time.Second)
+	for round := range rounds {
+		hs := make(chan channel.Handle, slots)
+		for i := range slots {
+			h, err := x.ch.PostReceive(x.sge(64*i, 64))
+			if err != nil {
+				t.Fatalf("round %d receive %d: %v", round, i, err)
+			}
+			hs <- h
+		}
+		close(hs)
+		released := make(chan struct{})
+		go func() {
+			defer close(released)
+			for h := range hs {
+				if round%2 == 0 {
+					h.Poll() // and move completions along
+				}
+				h.Release()
+			}
+		}()
+		for i := range slots {
+			if err := y.ch.Send(ctx, y.sge(8*i, 8)); err != nil {
+				t.Fatalf("round %d send %d: %v", round, i, err)
+			}
+		}
+		<-released
+		if err := x.ch.Drain(ctx); err != nil {
+			t.Fatalf("round %d: drain: %v", round, err)
+		}
+	}
+	hs := make([]channel.Handle, slots)
+	for i := range hs {
+		var err error
+		if hs[i], err = x.ch.PostReceive(x.sge(4096+64*i, 64)); err != nil {
+			t.Fatalf("receive %d after the races: %v", i, err)
+		}
+	}
+	if _, err := x.ch.PostReceive(x.sge(0, 8)); !errors.Is(err, verbs.ErrQueueFull) {
+		t.Errorf("receive beyond the pool: %v, want ErrQueueFull (a slot came back twice)", err)
+	}
+	for i := range hs {
+		y.put(1024+8*i, uint64(7000+i))
+		if err := y.ch.Send(ctx, y.sge(1024+8*i, 8)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, h := range hs {
+		if err := h.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got := x.get(4096 + 64*i); got != uint64(7000+i) {
+			t.Errorf("receive %d: %d, want %d", i, got, 7000+i)
+		}
+		h.Release()
+	}
+}
