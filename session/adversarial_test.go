@@ -281,11 +281,13 @@ func TestAdvReleaseOutOfOrder(t *testing.T) {
 		releasers int
 	}{
 		{"eager, 2 buffers", Config{ReceiveBuffers: 2, MessageSize: 64},
-			advPlan{senders: 1, msgs: 3000, sizes: []int{1, 8, 64, 0, 33}}, 3},
+			advPlan{senders: 1, msgs: 20000, sizes: []int{1, 8, 64, 0, 33}}, 3},
 		{"eager, 3 buffers, 3 senders", Config{ReceiveBuffers: 3, MessageSize: 128},
-			advPlan{senders: 3, msgs: 800, sizes: []int{128, 1, 77}}, 4},
+			advPlan{senders: 3, msgs: 5000, sizes: []int{128, 1, 77}}, 4},
 		{"mixed, 4 buffers, 3 senders", Config{ReceiveBuffers: 4, MessageSize: 256},
 			advPlan{senders: 3, msgs: 300, sizes: []int{0, 1, 100, 256, 257, 3000}, notice: 5}, 4},
+		{"mixed, 1 buffer, depth 1, 2 senders", Config{ReceiveBuffers: 1, MessageSize: 1, QueueDepth: 1},
+			advPlan{senders: 2, msgs: 200, sizes: []int{0, 1, 64, 65, 500}, notice: 4}, 3},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a, b := pair(t, tc.cfg)
@@ -299,14 +301,21 @@ func TestAdvReleaseOutOfOrder(t *testing.T) {
 				default:
 				}
 			}
-			in := make(chan Message)
+			// Each message goes to a releaser chosen at random.
+			ins := make([]chan Message, tc.releasers)
+			var outOfOrder atomic.Int64 // releases with another message held
 			var wg sync.WaitGroup
-			for range tc.releasers {
+			for g := range tc.releasers {
+				in := make(chan Message)
+				ins[g] = in
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
 					var stash []Message
 					release := func() {
+						if len(stash) > 1 {
+							outOfOrder.Add(1)
+						}
 						i := rand.IntN(len(stash))
 						m := stash[i]
 						stash[i] = stash[len(stash)-1]
@@ -329,14 +338,29 @@ func TestAdvReleaseOutOfOrder(t *testing.T) {
 							stash = append(stash, m)
 							continue
 						}
-						select {
-						case m, ok := <-in:
-							if !ok {
-								for len(stash) > 0 {
-									release()
-								}
-								return
+						// Hold up to three, waiting a few yields for
+						// the next before releasing one (never
+						// blocking: the one held may be what keeps
+						// the next from coming).
+						var m Message
+						ok, got := true, false
+						for range rand.IntN(8) * min(3-len(stash), 1) {
+							select {
+							case m, ok = <-in:
+								got = true
+							default:
+								runtime.Gosched()
+								continue
 							}
+							break
+						}
+						switch {
+						case !ok:
+							for len(stash) > 0 {
+								release()
+							}
+							return
+						case got:
 							stash = append(stash, m)
 						default:
 							release()
@@ -357,10 +381,13 @@ func TestAdvReleaseOutOfOrder(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				in <- m
+				ins[rand.IntN(len(ins))] <- m
 			}
-			close(in)
+			for _, in := range ins {
+				close(in)
+			}
 			wg.Wait()
+			t.Logf("%d of %d releases chose among several held messages", outOfOrder.Load(), tc.plan.total())
 			if err := firstErr(senders, tc.plan.senders); err != nil {
 				t.Fatal(err)
 			}
@@ -411,7 +438,7 @@ func advAllBack(t *testing.T, ctx context.Context, tx, rx *Session) {
 // bytes and immediate data, and each goroutine sees each sender's
 // messages in order.
 func TestAdvConcurrentReceivers(t *testing.T) {
-	plan := advPlan{senders: 2, msgs: 300, sizes: []int{0, 5, 200, 256, 1000, 40000, 17}, notice: 6}
+	plan := advPlan{senders: 2, msgs: 1500, sizes: []int{0, 5, 200, 256, 1000, 40000, 17}, notice: 6}
 	for _, tc := range []struct {
 		name  string
 		into  func(g int) bool // goroutine g uses ReceiveInto
@@ -528,16 +555,17 @@ func isCtxErr(err error) bool {
 
 // TestAdvCancelReceive: Receives and ReceiveIntos whose contexts end at
 // random moments (before the turn, waiting for the message, in the
-// middle of a rendezvous read of 256 KiB) lose nothing: retried, they
-// return every message once, in order, whole.
+// middle of a rendezvous read of 256 KiB), and ReceiveIntos into too
+// short a buffer, lose nothing: retried, they return every message once,
+// in order, whole.
 func TestAdvCancelReceive(t *testing.T) {
-	plan := advPlan{senders: 1, msgs: 400, sizes: []int{10, 256 << 10, 0, 4096, 300, 100 << 10}, notice: 7}
+	plan := advPlan{senders: 1, msgs: 1200, sizes: []int{10, 256 << 10, 0, 4096, 300, 100 << 10}, notice: 7}
 	a, b := pair(t, Config{ReceiveBuffers: 4, MessageSize: 4096})
 	ctx := advCtx(t)
 	e := advSetup(t, ctx, plan, a, b)
 	senders := e.runSenders(ctx)
 	dst := make([]byte, 256<<10)
-	cancelled := 0
+	cancelled, short := 0, 0
 	for i, seq := 0, 0; seq < plan.msgs; i++ {
 		rctx, cancel := advCanceller(ctx, i)
 		var sender, got int
@@ -549,14 +577,21 @@ func TestAdvCancelReceive(t *testing.T) {
 				m.Release()
 			}
 		} else {
-			n, imm, hasImm, rerr := b.ReceiveInto(rctx, dst)
+			// Now and then too short: the message stays (with its
+			// rendezvous read done, or still pending if cancelled).
+			into := dst[:[]int{len(dst), len(dst), 1, 0}[i%4]]
+			n, imm, hasImm, rerr := b.ReceiveInto(rctx, into)
 			if err = rerr; err == nil {
-				sender, got, err = e.checkInto(dst[:n], imm, hasImm)
+				sender, got, err = e.checkInto(into[:n], imm, hasImm)
 			}
 		}
 		cancel()
 		if isCtxErr(err) && ctx.Err() == nil {
 			cancelled++
+			continue
+		}
+		if errors.Is(err, io.ErrShortBuffer) {
+			short++
 			continue
 		}
 		if err != nil {
@@ -567,7 +602,7 @@ func TestAdvCancelReceive(t *testing.T) {
 		}
 		seq++
 	}
-	t.Logf("%d receives cancelled", cancelled)
+	t.Logf("%d receives cancelled, %d into too short a buffer", cancelled, short)
 	if err := firstErr(senders, plan.senders); err != nil {
 		t.Fatal(err)
 	}
@@ -583,7 +618,7 @@ func TestAdvCancelReceive(t *testing.T) {
 // cancellation. Every request the cancelled calls left behind is
 // reclaimed: the queue and the credits are whole at the end.
 func TestAdvCancelSend(t *testing.T) {
-	plan := advPlan{senders: 1, msgs: 600, sizes: []int{10, 20000, 0, 1024, 300, 1025}, notice: 9}
+	plan := advPlan{senders: 1, msgs: 2500, sizes: []int{10, 20000, 0, 1024, 300, 1025}, notice: 9}
 	cfg := Config{ReceiveBuffers: 2, MessageSize: 1024, QueueDepth: 8}
 	a, b := pair(t, cfg)
 	ctx := advCtx(t)
@@ -1428,5 +1463,91 @@ func TestAdvUseAfterClose(t *testing.T) {
 	}
 	if err := a.Close(); err != nil {
 		t.Errorf("a second Close: %v", err)
+	}
+}
+
+// TestAdvSharedRegion: several goroutines send parts of one region at
+// once (SendSlice and PostSendSlice, eager and rendezvous: windows of
+// the same memory open together) while others allocate and free beside
+// them: every message carries the region's bytes, and once the sends
+// are done no window of the region is left (its Free releases the
+// arena: nothing pinned).
+func TestAdvSharedRegion(t *testing.T) {
+	const senders, msgs, size = 4, 150, 12000
+	a, b := pair(t, Config{ReceiveBuffers: 4, MessageSize: 1024, Allocator: AllocatorConfig{ArenaSize: 64 << 10}})
+	ctx := advCtx(t)
+	shared, err := a.Alloc(size) // an arena of its own
+	if err != nil {
+		t.Fatal(err)
+	}
+	advFill(shared.Bytes(), 9, 9)
+	lens := []int{1, 1024, 1025, 5000, size, 0, 700}
+	stop := make(chan struct{})
+	churned := make(chan error, 1)
+	go func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				churned <- nil
+				return
+			default:
+			}
+			r, err := a.Alloc(1 + i*97%size)
+			if err != nil {
+				churned <- err
+				return
+			}
+			r.Free()
+			runtime.Gosched()
+		}
+	}()
+	errc := make(chan error, senders)
+	for g := range senders {
+		go func() {
+			for i := range msgs {
+				n := lens[(g+i)%len(lens)]
+				sl, _ := shared.Slice(0, n)
+				imm := uint32(g<<16 | n)
+				var err error
+				if i%2 == 0 {
+					err = a.SendSlice(ctx, sl, imm, true)
+				} else {
+					var p Pending
+					if p, err = a.PostSendSlice(ctx, sl, imm, true); err == nil {
+						err = p.Wait(ctx)
+					}
+				}
+				if err != nil {
+					errc <- fmt.Errorf("sender %d, message %d: %w", g, i, err)
+					return
+				}
+			}
+			errc <- nil
+		}()
+	}
+	for i := range senders * msgs {
+		m, err := b.Receive(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		imm, _ := m.Imm()
+		n := int(imm & 0xffff)
+		if !bytes.Equal(m.Bytes(), shared.Bytes()[:n]) {
+			t.Fatalf("message %d (sender %d): %d bytes, not the region's first %d", i, imm>>16, m.Len(), n)
+		}
+		m.Release()
+	}
+	if err := firstErr(errc, senders); err != nil {
+		t.Fatal(err)
+	}
+	close(stop)
+	if err := <-churned; err != nil {
+		t.Fatal(err)
+	}
+	if err := shared.Free(); err != nil {
+		t.Fatal(err)
+	}
+	if st := a.mem.Stats(); st.Pinned != 0 {
+		t.Fatalf("%d arenas pinned after the shared region's Free: a window of it is open", st.Pinned)
 	}
 }
