@@ -26,6 +26,11 @@ func guard(t testing.TB, d time.Duration) context.Context {
 	return ctx
 }
 
+// settle gives goroutines started just before time to reach the wait
+// they are about to block in. Nothing is asserted on it: it only makes
+// the interleaving under test likely.
+func settle() { time.Sleep(20 * time.Millisecond) }
+
 // put writes v into the 8 bytes of s.buf at off.
 func (s *side) put(off int, v uint64) {
 	binary.NativeEndian.PutUint64(s.buf.Bytes()[off:], v)
@@ -241,5 +246,77 @@ func TestAdvReleaseRacesCompletion(t *testing.T) {
 			t.Errorf("receive %d: %d, want %d", i, got, 7000+i)
 		}
 		h.Release()
+	}
+}
+
+// TestAdvSlotWaitersWokenByRelease: with every slot held by a completed
+// Handle nobody has released yet, blocking calls (and Batch operations)
+// wait for a slot. Releasing the handles from another goroutine, one by
+// one, must let every waiter go on, whether the waiters poll the
+// completion queue or sleep: nothing else will happen on the queue.
+func TestAdvSlotWaitersWokenByRelease(t *testing.T) {
+	const slots = 2
+	kinds := []struct {
+		name string
+		run  func(ctx context.Context, x, y *side, i int) error
+	}{
+		{"blocking write", func(ctx context.Context, x, y *side, i int) error {
+			return x.ch.Write(ctx, y.buf.Remote().At(uint64(256+8*i)), x.sge(256+8*i, 8))
+		}},
+		{"batch", func(ctx context.Context, x, y *side, i int) error {
+			return x.ch.Batch(ctx, func(b *channel.Batch) error {
+				return b.Wait(b.Write(y.buf.Remote().At(uint64(256+8*i)), x.sge(256+8*i, 8)))
+			})
+		}},
+	}
+	for _, m := range spinModes {
+		for _, k := range kinds {
+			for _, waiters := range []int{1, 3} {
+				t.Run(fmt.Sprintf("%s/%s/%d", m.name, k.name, waiters), func(t *testing.T) {
+					testSlotWaiters(t, m.spin, slots, waiters, k.run)
+				})
+			}
+		}
+	}
+}
+
+// testSlotWaiters runs a case of TestAdvSlotWaitersWokenByRelease:
+// waiters goroutines run run while every slot is held.
+func testSlotWaiters(t *testing.T, spin, slots, waiters int, run func(ctx context.Context, x, y *side, i int) error) {
+	x, y := newPair(t, channel.Options{SpinPolls: spin, MaxOutstanding: slots})
+	ctx := guard(t, 10*time.Second)
+	held := make([]channel.Handle, slots)
+	for i := range held {
+		var err error
+		if held[i], err = x.ch.PostWrite(y.buf.Remote().At(0), x.sge(0, 8)); err != nil {
+			t.Fatal(err)
+		}
+		if err := held[i].Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	errs := make(chan error, waiters)
+	for i := range waiters {
+		x.put(256+8*i, uint64(i+1))
+		go func() { errs <- run(ctx, x, y, i) }()
+	}
+	settle()
+	for _, h := range held {
+		h.Release()
+	}
+	for range waiters {
+		if err := <-errs; err != nil {
+			t.Errorf("waiter for a slot: %v", err)
+		}
+	}
+	if ctx.Err() != nil {
+		// A wait that finds its condition true when its context ends
+		// succeeds: the guard had to end it.
+		t.Errorf("the waiters for a slot went on only when their context ended")
+	}
+	for i := range waiters {
+		if got := y.get(256 + 8*i); got != uint64(i+1) {
+			t.Errorf("write %d: %d landed, want %d", i, got, i+1)
+		}
 	}
 }

@@ -118,6 +118,12 @@ type engine struct {
 	freeMu sync.Mutex
 	free   []uint32
 	freed  chan struct{} // capacity 1: a slot went back to the pool
+	// The waiters for a free slot (take) wait with a context that the
+	// next release (or close) ends: a release makes no completion, and
+	// the waiter that polls may be asleep on the completion channel.
+	// Made by the first waiter after a release; under freeMu.
+	slotWait context.Context
+	slotWake context.CancelFunc
 
 	pollMu   sync.Mutex // the right to poll the CQ and sleep on it
 	waiters  atomic.Int32
@@ -273,14 +279,33 @@ func (e *engine) take(ctx context.Context, wait bool, p *peer, kind opKind) (*sl
 			s.state.Store(slotPosted)
 			return s, nil
 		}
-		e.freeMu.Unlock()
 		if !wait {
+			e.freeMu.Unlock()
 			return nil, fmt.Errorf("%d operations in flight (Options.MaxOutstanding): %w", e.nslots, verbs.ErrQueueFull)
 		}
-		if err := e.wait(ctx, e.hasFree, e.freed); err != nil {
+		if e.slotWait == nil {
+			e.slotWait, e.slotWake = context.WithCancel(context.Background())
+		}
+		released := e.slotWait
+		e.freeMu.Unlock()
+		if err := e.waitForSlot(ctx, released); err != nil {
 			return nil, err
 		}
 	}
+}
+
+// waitForSlot waits until a slot is free, ctx ends, or released (the
+// next release) ends. Off the data path: it allocates.
+func (e *engine) waitForSlot(ctx context.Context, released context.Context) error {
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(released, cancel)
+	defer stop()
+	err := e.wait(wctx, e.hasFree, e.freed)
+	if err != nil && ctx.Err() == nil && released.Err() != nil {
+		return nil // a slot was released, and taken by another: look again
+	}
+	return err
 }
 
 func (e *engine) hasFree() bool {
@@ -301,7 +326,14 @@ func (e *engine) release(s *slot) {
 	}
 	e.freeMu.Lock()
 	e.free = append(e.free, s.idx)
+	wake := e.slotWake
+	if wake != nil {
+		e.slotWait, e.slotWake = nil, nil
+	}
 	e.freeMu.Unlock()
+	if wake != nil {
+		wake()
+	}
 	select {
 	case e.freed <- struct{}{}:
 	default:
@@ -662,6 +694,11 @@ func (e *engine) close() error {
 	}
 	e.closed.Store(true)
 	close(e.done)
+	e.freeMu.Lock()
+	if e.slotWake != nil {
+		e.slotWake() // a waiter for a slot may sleep on the completion channel
+	}
+	e.freeMu.Unlock()
 	// Wait for a poller that is inside the CQ to leave it: with every queue
 	// pair in the error state, whatever it waits for has been flushed.
 	// (Closing the CQ wakes it in any case.)
