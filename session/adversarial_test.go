@@ -1019,15 +1019,15 @@ func advEndErr(err error) bool {
 	return errors.Is(err, ErrClosed) || errors.Is(err, ErrPeerClosed) || errors.Is(err, ErrLeaseExpired)
 }
 
-// TestAdvCloseDuringTraffic: either side closes while goroutines on both
-// send (eager and rendezvous), receive and hand messages to others that
-// release them (also after the Close), receive into short buffers, post
-// messages and release their Pendings unwaited, allocate and free,
-// request, write and release remote memory, and WriteImm: no panic, no
-// hang; every call ends with an error that says the session ended
-// (ErrClosed on the closing side, ErrPeerClosed on the other); a
-// message received before the end keeps its bytes until its Release,
-// or the Close of its own side.
+// TestAdvCloseDuringTraffic: either side, or both at once, closes while
+// goroutines on both send (eager and rendezvous), receive and hand
+// messages to others that release them (also after the Close), receive
+// into short buffers, post messages and release their Pendings unwaited,
+// allocate and free (twice), request, write and release remote memory,
+// and WriteImm: no panic, no hang, no race; every call ends with an
+// error that says the session ended (ErrClosed on the closing side,
+// ErrPeerClosed on the other, ErrLeaseExpired for a remote region), and
+// Close returns nil, also when called again.
 func TestAdvCloseDuringTraffic(t *testing.T) {
 	for run := range 30 {
 		a, b := pair(t, Config{ReceiveBuffers: 4, MessageSize: 256, QueueDepth: 8})
@@ -1172,17 +1172,35 @@ func TestAdvCloseDuringTraffic(t *testing.T) {
 		}
 		started.Wait()
 		closer, other := a, b
-		if run%2 == 1 {
+		if run%3 == 1 {
 			closer, other = b, a
 		}
-		if err := closer.Close(); err != nil {
-			t.Fatal(err)
+		if run%3 == 2 {
+			// Both at once: each ends with its own Close or the
+			// peer's.
+			closed := make(chan error, 1)
+			go func() { closed <- other.Close() }()
+			if err := closer.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-closed; err != nil {
+				t.Fatal(err)
+			}
+			for _, s := range []*Session{a, b} {
+				if err := s.Err(); !errors.Is(err, ErrClosed) && !errors.Is(err, ErrPeerClosed) {
+					t.Fatalf("run %d: both closed, a side ended with %v", run, err)
+				}
+			}
+		} else {
+			if err := closer.Close(); err != nil {
+				t.Fatal(err)
+			}
+			<-other.Done()
+			if !errors.Is(other.Err(), ErrPeerClosed) {
+				t.Fatalf("run %d: the peer of the side that closed ended with %v", run, other.Err())
+			}
+			other.Close()
 		}
-		<-other.Done()
-		if !errors.Is(other.Err(), ErrPeerClosed) {
-			t.Fatalf("run %d: the peer of the side that closed ended with %v", run, other.Err())
-		}
-		other.Close()
 		wg.Wait()
 		close(errc)
 		for err := range errc {
@@ -1549,5 +1567,60 @@ func TestAdvSharedRegion(t *testing.T) {
 	}
 	if st := a.mem.Stats(); st.Pinned != 0 {
 		t.Fatalf("%d arenas pinned after the shared region's Free: a window of it is open", st.Pinned)
+	}
+}
+
+// TestAdvCancelledSliceFreed: SendSlice's documentation says that if
+// ctx ends first, "freeing [the region] is then deferred by the library
+// until the device is done with it", and Pending.Wait's that "freeing
+// waits for the device". Neither holds: LocalMR.Free hands the slot out
+// again at once, and a rendezvous message whose send was cancelled after
+// its announcement left is read by the peer later, from the window on
+// that memory: after a Free and an Alloc that reuses the slot, the peer
+// receives the new region's bytes as the message.
+func TestAdvCancelledSliceFreed(t *testing.T) {
+	t.Skip("bug, not fixed: SendSlice and Pending.Wait document that freeing a region whose send was cancelled waits for the device; LocalMR.Free does not, and the peer reads the bytes of the region that reuses the slot")
+	a, b := pair(t, Config{MessageSize: 256, ReceiveBuffers: 4})
+	ctx := advCtx(t)
+	r, err := a.Alloc(4096) // a rendezvous, in a slot of a size class
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range r.Bytes() {
+		r.Bytes()[i] = 0x11
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	sent := make(chan error, 1)
+	go func() { sent <- a.SendSlice(sctx, r.All(), 0, false) }()
+	// The announcement is in b's ring: the send waits for b's read.
+	waitFor(t, ctx, "the announcement to arrive", func() bool {
+		b.rmu.Lock()
+		h := b.rh[b.fifo[0]]
+		b.rmu.Unlock()
+		b.dataProgress()
+		return h.Done()
+	})
+	cancel()
+	if err := <-sent; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the cancelled SendSlice: %v", err)
+	}
+	if err := r.Free(); err != nil {
+		t.Fatal(err)
+	}
+	next, err := a.Alloc(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer next.Free()
+	for i := range next.Bytes() {
+		next.Bytes()[i] = 0xee
+	}
+	m, err := b.Receive(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Release()
+	if !bytes.Equal(m.Bytes(), bytes.Repeat([]byte{0x11}, 4096)) {
+		t.Fatalf("the message of the cancelled send carries %d bytes %x..., not the region's 0x11 (the next region's bytes)", m.Len(), m.Bytes()[:4])
 	}
 }
