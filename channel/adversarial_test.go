@@ -5,6 +5,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -318,5 +320,47 @@ func testSlotWaiters(t *testing.T, spin, slots, waiters int, run func(ctx contex
 		if got := y.get(256 + 8*i); got != uint64(i+1) {
 			t.Errorf("write %d: %d landed, want %d", i, got, i+1)
 		}
+	}
+}
+
+// TestAdvDoorbellWaiters: many goroutines sleep in Channel.Wait, each for
+// a word of its own that the peer writes with immediate data (a
+// doorbell), in an order of the peer's; every one of them wakes with its
+// word written, whoever of them polls.
+func TestAdvDoorbellWaiters(t *testing.T) {
+	for _, m := range spinModes {
+		t.Run(m.name, func(t *testing.T) {
+			const waiters, rounds = 8, 20
+			x, y := newPair(t, channel.Options{Doorbells: 4, SpinPolls: m.spin})
+			ctx := guard(t, 10*time.Second)
+			for round := 1; round <= rounds; round++ {
+				var wg sync.WaitGroup
+				for w := range waiters {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						word := x.word(64 * w)
+						if err := x.ch.Wait(ctx, func() bool { return atomic.LoadUint64(word) >= uint64(round) }); err != nil {
+							t.Errorf("round %d waiter %d: %v", round, w, err)
+						}
+					}()
+				}
+				for k := range waiters {
+					w := (k*5 + round) % waiters // a permutation
+					y.put(4096+8*w, uint64(round))
+					if err := y.ch.WriteImm(ctx, x.buf.Remote().At(uint64(64*w)), uint32(w), y.sge(4096+8*w, 8)); err != nil {
+						t.Errorf("round %d: write %d of word %d: %v (rung %d)", round, k, w, err, x.ch.Rung())
+						break
+					}
+				}
+				wg.Wait()
+				if t.Failed() {
+					return
+				}
+			}
+			if err := x.ch.Err(); err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 }

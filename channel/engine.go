@@ -603,8 +603,8 @@ func (e *engine) waitCond(ctx context.Context, ready func() bool, mode int) erro
 
 // sleep waits, while another goroutine polls, for ch (or any dispatch,
 // with a nil ch), for the poller to leave, or for ctx to end. If the
-// poller left before this goroutine went to sleep it returns polling=true
-// with pollMu held.
+// poller left before this goroutine went to sleep, or handed it the role
+// while it slept, it returns polling=true with pollMu held.
 func (e *engine) sleep(ctx context.Context, ready func() bool, ch chan struct{}) (polling bool, err error) {
 	e.waiters.Add(1)
 	defer e.waiters.Add(-1)
@@ -624,6 +624,15 @@ func (e *engine) sleep(ctx context.Context, ready func() bool, ch chan struct{})
 	select {
 	case <-wake:
 	case <-e.pollFree:
+		// The poller left and handed its role to this goroutine: take
+		// it, whether or not this goroutine's own condition holds by
+		// now (the memory a doorbell wrote lands before its
+		// completion): the others sleep until someone polls, and
+		// waitWith polls once and hands the role on when it leaves.
+		if e.pollMu.TryLock() {
+			return true, nil
+		}
+		// Another goroutine polls: it hands the role on in turn.
 	case <-ctx.Done():
 		err = ctx.Err()
 	case <-e.done:
