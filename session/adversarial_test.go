@@ -1624,3 +1624,63 @@ func TestAdvCancelledSliceFreed(t *testing.T) {
 		t.Fatalf("the message of the cancelled send carries %d bytes %x..., not the region's 0x11 (the next region's bytes)", m.Len(), m.Bytes()[:4])
 	}
 }
+
+// TestAdvHandBacksBounded: a peer that requests memory and hands it back
+// (SendRemoteMR) in a loop, while this side's application does not take
+// the regions (ReceiveLocalMR), holds no more of this side's memory than
+// MaxGranted: the regions handed back count until they are taken, so the
+// peer's next request is refused (ErrLimit); taken (with what the peer
+// wrote) and freed, they make room again. Before, a hand-back ended the
+// grant's count at once, and with a cap of 16 KiB the peer parked 4 MB of
+// this side's memory in a thousand rounds, without bound.
+func TestAdvHandBacksBounded(t *testing.T) {
+	const size, cap = 4096, 4 * 4096
+	a, b := pair(t, Config{MaxGranted: cap})
+	ctx := advCtx(t)
+	src, _ := b.Alloc(size)
+	defer src.Free()
+	handBack := func(i int) error {
+		r, err := b.RequestRemoteMR(ctx, size, verbs.AccessRemoteWrite, 0)
+		if err != nil {
+			return err
+		}
+		advFill(src.Bytes(), 1, i)
+		if err := b.Write(ctx, r.All(), src.All()); err != nil {
+			t.Fatal(err)
+		}
+		if err := b.SendRemoteMR(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+		return nil
+	}
+	for round := range 3 {
+		for i := range cap / size {
+			if err := handBack(i); err != nil {
+				t.Fatalf("round %d: request %d within the cap: %v", round, i, err)
+			}
+		}
+		if err := handBack(-1); !errors.Is(err, ErrLimit) {
+			t.Fatalf("round %d: a request past the cap, with the regions handed back not taken: %v, want ErrLimit", round, err)
+		}
+		want := make([]byte, size)
+		for i := range cap / size {
+			mr, err := a.ReceiveLocalMR(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			advFill(want, 1, i)
+			if !bytes.Equal(mr.Bytes(), want) {
+				t.Fatalf("round %d: region %d handed back without what the peer wrote", round, i)
+			}
+			if err := mr.Free(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	a.agent.mu.Lock()
+	granted := a.agent.granted
+	a.agent.mu.Unlock()
+	if granted != 0 {
+		t.Fatalf("%d bytes still counted as granted with every region taken", granted)
+	}
+}

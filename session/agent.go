@@ -26,10 +26,18 @@ type agentState struct {
 	remotes map[uint64]*RemoteMR    // grant id → memory of the peer's we may access
 	granted int64                   // bytes in grants
 	offers  []*RemoteMR             // regions the peer offered, for ReceiveRemoteMR
-	returns []LocalMR               // regions handed back to us, for ReceiveLocalMR
+	returns []returned              // regions handed back to us, for ReceiveLocalMR
 	changed chan struct{}           // closed (and replaced) when offers or returns grow
 	err     error                   // why the session ended
 	nextG   uint64
+}
+
+// returned is a region of ours the peer handed back, for ReceiveLocalMR.
+type returned struct {
+	mr LocalMR
+	// n is what it still counts in granted: the bytes of a region
+	// served for the peer's request, until ReceiveLocalMR takes it.
+	n int64
 }
 
 // finWait is a rendezvous waiting for the peer's fin.
@@ -106,8 +114,8 @@ func (a *agentState) closeGrants() {
 		delete(a.fins, id)
 		w.free()
 	}
-	for _, m := range a.returns {
-		m.Free()
+	for _, r := range a.returns {
+		r.mr.Free()
 	}
 	a.returns = nil
 }
@@ -450,7 +458,17 @@ func (s *Session) handle(m ctrlMsg) {
 		g.served = false // the region is not freed with the grant
 		a.dropGrantLocked(m.grant, g)
 		if m.typ == ctrlHandBack && mr.Valid() {
-			a.returns = append(a.returns, mr)
+			r := returned{mr: mr}
+			if served {
+				// Memory allocated for the peer and handed back
+				// counts against MaxGranted until the application
+				// takes it: a peer that requests and hands back in
+				// a loop holds no more of it than it may be granted
+				// (before, without bound: TestAdvHandBacksBounded).
+				r.n = g.n
+				a.granted += g.n
+			}
+			a.returns = append(a.returns, r)
 			a.wakeLocked()
 		} else if served {
 			mr.Free()

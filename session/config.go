@@ -77,8 +77,9 @@ type Config struct {
 	Lease time.Duration
 
 	// MaxGranted caps the bytes of this side's memory granted to the peer
-	// at once (by SendLocalMR and by serving its RequestRemoteMR).
-	// 0: 256 MiB.
+	// at once (by SendLocalMR and by serving its RequestRemoteMR; a
+	// region served for a request and handed back by the peer counts
+	// until ReceiveLocalMR takes it). 0: 256 MiB.
 	MaxGranted int64
 
 	// MaxRequest caps one RequestRemoteMR the peer may make of this side.

@@ -700,11 +700,22 @@ func (s *Session) SendRemoteMR(ctx context.Context, r *RemoteMR) error {
 
 // ReceiveLocalMR returns the next region of this side that the peer
 // handed back (SendRemoteMR): one it was offered, or one it requested
-// (then the caller owns it and must Free it).
+// (then the caller owns it and must Free it; until it is taken here, it
+// counts against Config.MaxGranted).
 func (s *Session) ReceiveLocalMR(ctx context.Context) (LocalMR, error) {
 	if err := s.enter(&s.calls, "receive local region"); err != nil {
 		return LocalMR{}, err
 	}
 	defer s.calls.RUnlock()
-	return nextQueued(ctx, s, "receive local region", &s.agent.returns)
+	r, err := nextQueued(ctx, s, "receive local region", &s.agent.returns)
+	if err != nil {
+		return LocalMR{}, err
+	}
+	if r.n > 0 {
+		a := &s.agent
+		a.mu.Lock()
+		a.granted -= r.n
+		a.mu.Unlock()
+	}
+	return r.mr, nil
 }
