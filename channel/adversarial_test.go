@@ -364,3 +364,168 @@ func TestAdvDoorbellWaiters(t *testing.T) {
 		})
 	}
 }
+
+// TestAdvConditionWaitersWokenByCompletions: one goroutine sleeps in
+// Channel.Wait for a condition of its own (a flag nobody sets): it is
+// the one polling the completion queue. Meanwhile another goroutine waits
+// for a condition that completions bring about: Drain for the completion
+// of a receive, a blocking write for room in a full send queue. When the
+// completions come it must go on, although the poller's own condition
+// stays false; also when other goroutines went to sleep before it (for
+// completions or slots that do not come): the poller that leaves hands
+// its role to the first of them, which polls and sleeps on.
+func TestAdvConditionWaitersWokenByCompletions(t *testing.T) {
+	type env struct {
+		t      *testing.T
+		ctx    context.Context // the hang guard
+		octx   context.Context // the others' waits: ended at cleanup
+		x, y   *side
+		others int
+		wg     *sync.WaitGroup // the others
+	}
+	cases := []struct {
+		name string
+		opts channel.Options
+		// start puts the others and then the waiter to sleep, its
+		// result to errc; complete makes the completions it waits for
+		// come. cleanup runs after the others' waits ended.
+		start    func(e env, errc chan<- error) (cleanup func())
+		complete func(e env)
+	}{
+		{"drain", channel.Options{MaxOutstanding: 3}, func(e env, errc chan<- error) func() {
+			// Two completed writes hold two slots, the receive the
+			// third: the others wait for a slot.
+			var held []channel.Handle
+			for range 2 {
+				h, err := e.x.ch.PostWrite(e.y.buf.Remote().At(0), e.x.sge(0, 8))
+				if err != nil {
+					e.t.Fatal(err)
+				}
+				if err := h.Wait(e.ctx); err != nil {
+					e.t.Fatal(err)
+				}
+				held = append(held, h)
+			}
+			r, err := e.x.ch.PostReceive(e.x.sge(0, 64))
+			if err != nil {
+				e.t.Fatal(err)
+			}
+			for i := range e.others {
+				e.wg.Add(1)
+				go func() {
+					defer e.wg.Done()
+					err := e.x.ch.Write(e.octx, e.y.buf.Remote().At(uint64(64*i)), e.x.sge(64*i, 8))
+					if err != nil && !errors.Is(err, context.Canceled) {
+						e.t.Errorf("a write waiting for a slot: %v", err)
+					}
+				}()
+			}
+			if e.others > 0 {
+				settle()
+			}
+			go func() { errc <- e.x.ch.Drain(e.ctx) }()
+			return func() {
+				for _, h := range held {
+					h.Release()
+				}
+				r.Release()
+			}
+		}, func(e env) {
+			if err := e.y.ch.Send(e.ctx, e.y.sge(0, 8)); err != nil {
+				e.t.Fatal(err)
+			}
+		}},
+		{"room in the send queue", channel.Options{QP: verbs.QPSpec{MaxSendWR: 2}}, func(e env, errc chan<- error) func() {
+			// The others wait for receives no message comes for.
+			var recvs []channel.Handle
+			for range e.others {
+				h, err := e.x.ch.PostReceive(e.x.sge(0, 64))
+				if err != nil {
+					e.t.Fatal(err)
+				}
+				recvs = append(recvs, h)
+				e.wg.Add(1)
+				go func() {
+					defer e.wg.Done()
+					if err := h.Wait(e.octx); !errors.Is(err, context.Canceled) {
+						e.t.Errorf("a receive no message came for: %v", err)
+					}
+				}()
+			}
+			if e.others > 0 {
+				settle()
+			}
+			// Two sends fill the queue; y has no receive for them yet.
+			var sends []channel.Handle
+			for range 2 {
+				h, err := e.x.ch.PostSend(e.x.sge(0, 8))
+				if err != nil {
+					e.t.Fatal(err)
+				}
+				sends = append(sends, h)
+			}
+			e.x.put(64, 77)
+			go func() { errc <- e.x.ch.Write(e.ctx, e.y.buf.Remote().At(64), e.x.sge(64, 8)) }()
+			return func() {
+				for _, h := range sends {
+					if err := h.Wait(e.ctx); err != nil {
+						e.t.Error(err)
+					}
+					h.Release()
+				}
+				for _, h := range recvs {
+					h.Release()
+				}
+				if got := e.y.get(64); got != 77 {
+					e.t.Errorf("the write that waited for room: %d landed, want 77", got)
+				}
+			}
+		}, func(e env) {
+			for range 2 {
+				if _, err := e.y.ch.Receive(e.ctx, e.y.sge(0, 64)); err != nil {
+					e.t.Fatal(err)
+				}
+			}
+		}},
+	}
+	for _, m := range spinModes {
+		for _, tc := range cases {
+			for _, others := range []int{0, 3} {
+				t.Run(fmt.Sprintf("%s/%s/%d others", m.name, tc.name, others), func(t *testing.T) {
+					opts := tc.opts
+					opts.SpinPolls = m.spin
+					x, y := newPair(t, opts)
+					ctx := guard(t, 10*time.Second)
+					octx, stopOthers := context.WithCancel(ctx)
+					defer stopOthers()
+					e := env{t: t, ctx: ctx, octx: octx, x: x, y: y, others: others, wg: new(sync.WaitGroup)}
+					var flag atomic.Bool
+					pollerDone := make(chan error, 1)
+					go func() { pollerDone <- x.ch.Wait(octx, flag.Load) }()
+					settle() // the poller polls, then sleeps on the completion channel
+					errc := make(chan error, 1)
+					cleanup := tc.start(e, errc)
+					settle() // the waiter sleeps: the poller has the queue
+					tc.complete(e)
+					if err := <-errc; err != nil {
+						t.Errorf("the waiter: %v", err)
+					}
+					if ctx.Err() != nil {
+						// A wait that finds its condition true when its
+						// context ends succeeds: the guard had to end it.
+						t.Errorf("the waiter went on only when its context ended")
+					}
+					stopOthers()
+					if err := <-pollerDone; !errors.Is(err, context.Canceled) {
+						t.Errorf("the poller's wait: %v, want its context's end", err)
+					}
+					e.wg.Wait()
+					cleanup()
+					if err := x.ch.Err(); err != nil {
+						t.Errorf("channel broke: %v", err)
+					}
+				})
+			}
+		}
+	}
+}

@@ -117,7 +117,6 @@ type engine struct {
 
 	freeMu sync.Mutex
 	free   []uint32
-	freed  chan struct{} // capacity 1: a slot went back to the pool
 	// The waiters for a free slot (take) wait with a context that the
 	// next release (or close) ends: a release makes no completion, and
 	// the waiter that polls may be asleep on the completion channel.
@@ -170,7 +169,7 @@ func newEngine(pd *verbs.ProtectionDomain, npeers, self int, opts Options, cm fu
 	}
 	total = max(total, 16)
 	e = &engine{opts: opts, dev: dev.Name(), pd: pd, self: self,
-		freed: make(chan struct{}, 1), pollFree: make(chan struct{}, 1), done: make(chan struct{}),
+		pollFree: make(chan struct{}, 1), done: make(chan struct{}),
 		wcs: make([]verbs.Completion, 32), peers: make([]*peer, npeers)}
 	var closers []func() error
 	defer func() {
@@ -301,7 +300,7 @@ func (e *engine) waitForSlot(ctx context.Context, released context.Context) erro
 	defer cancel()
 	stop := context.AfterFunc(released, cancel)
 	defer stop()
-	err := e.wait(wctx, e.hasFree, e.freed)
+	err := e.wait(wctx, e.hasFree, nil)
 	if err != nil && ctx.Err() == nil && released.Err() != nil {
 		return nil // a slot was released, and taken by another: look again
 	}
@@ -333,10 +332,6 @@ func (e *engine) release(s *slot) {
 	e.freeMu.Unlock()
 	if wake != nil {
 		wake()
-	}
-	select {
-	case e.freed <- struct{}{}:
-	default:
 	}
 }
 
@@ -372,7 +367,8 @@ func (e *engine) bcChan() chan struct{} {
 }
 
 // broadcast wakes every goroutine that waits for a condition (queue room,
-// drained peers) rather than for a slot of its own.
+// drained peers, a free slot, a broken peer) rather than for a slot of
+// its own.
 func (e *engine) broadcast() {
 	e.bcMu.Lock()
 	if e.bc != nil {
@@ -456,10 +452,7 @@ func (e *engine) unlockPoll() {
 
 // nudge wakes waiters so that they look at their condition again.
 func (e *engine) nudge() {
-	select {
-	case e.freed <- struct{}{}:
-	default:
-	}
+	e.broadcast()
 	select {
 	case e.pollFree <- struct{}{}:
 	default:
@@ -488,7 +481,11 @@ func (e *engine) progress() error {
 // for everyone (spinning as Options.SpinPolls says, then sleeping on the
 // CQ's completion channel); the others sleep until their completion
 // arrives (ch), the poller leaves, or, with a nil ch, any completion is
-// dispatched. ready must be cheap and must not block.
+// dispatched (or a peer breaks). A wait for a condition that completions
+// change (room in a queue, drained peers, a free slot) passes a nil ch:
+// every goroutine whose condition the completions of one poll made true
+// must wake, and the poller hands its role to one sleeper only. ready
+// must be cheap and must not block.
 func (e *engine) wait(ctx context.Context, ready func() bool, ch chan struct{}) error {
 	return e.waitWith(ctx, ready, ch, e.opts.SpinPolls)
 }
@@ -670,7 +667,7 @@ func (e *engine) drain(ctx context.Context, peers []*peer) error {
 			}
 		}
 		return true
-	}, e.freed)
+	}, nil)
 }
 
 // close breaks every queue pair, waits (at most the flush grace) for the

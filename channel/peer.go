@@ -313,7 +313,7 @@ func (p *peer) post(ctx context.Context, wait bool, ws []work) (int, error) {
 			return n, fmt.Errorf("the %s queue is full (%d requests): %w", q, capacity, verbs.ErrQueueFull)
 		}
 		// Full: completions free entries (they are dispatched without p.mu).
-		if err := p.e.wait(ctx, func() bool { return used.Load() < capacity || p.state.Load() == peerBroken }, p.e.freed); err != nil {
+		if err := p.e.wait(ctx, func() bool { return used.Load() < capacity || p.state.Load() == peerBroken }, nil); err != nil {
 			return n, err
 		}
 	}
@@ -362,7 +362,7 @@ func (p *peer) postUnsig(ctx context.Context, wait bool, r unsigReq) error {
 		if err := ctx.Err(); err != nil {
 			return waitErr(err)
 		}
-		if err := p.e.wait(ctx, func() bool { return p.sqUsed.Load() < p.sqCap || p.state.Load() == peerBroken }, p.e.freed); err != nil {
+		if err := p.e.wait(ctx, func() bool { return p.sqUsed.Load() < p.sqCap || p.state.Load() == peerBroken }, nil); err != nil {
 			return err
 		}
 	}
