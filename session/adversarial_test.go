@@ -1684,3 +1684,54 @@ func TestAdvHandBacksBounded(t *testing.T) {
 		t.Fatalf("%d bytes still counted as granted with every region taken", granted)
 	}
 }
+
+// TestAdvExpiredRemotesForgotten: remote regions whose leases simply end
+// (never released) are forgotten by the grantee as by the granter, not
+// kept for the session's life: after 500 requests with a lease of a
+// millisecond, left to expire, and 200 more kept live, the grantee's
+// table holds few of the expired ones (before: all 500).
+func TestAdvExpiredRemotesForgotten(t *testing.T) {
+	a, b := pair(t, Config{})
+	ctx := advCtx(t)
+	var last time.Time
+	for i := range 500 {
+		r, err := b.RequestRemoteMR(ctx, 64, verbs.AccessRemoteWrite, time.Millisecond)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		last = r.Deadline()
+	}
+	// Past every lease and its grace (the granter's window is closed).
+	for time.Now().Before(last.Add(leaseGrace)) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	waitFor(t, ctx, "the granter to drop the expired grants", func() bool {
+		a.agent.mu.Lock()
+		defer a.agent.mu.Unlock()
+		return len(a.agent.grants) == 0
+	})
+	var live []*RemoteMR
+	for i := range 200 {
+		r, err := b.RequestRemoteMR(ctx, 64, verbs.AccessRemoteWrite, time.Hour)
+		if err != nil {
+			t.Fatalf("live request %d: %v", i, err)
+		}
+		live = append(live, r)
+	}
+	b.agent.mu.Lock()
+	expired, kept := 0, len(b.agent.remotes)
+	for _, r := range b.agent.remotes {
+		if r.valid() != nil {
+			expired++
+		}
+	}
+	b.agent.mu.Unlock()
+	if expired > remoteSweepMin {
+		t.Fatalf("the grantee keeps %d regions whose leases ended (of %d it holds)", expired, kept)
+	}
+	for _, r := range live {
+		if err := r.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

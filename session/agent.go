@@ -30,6 +30,7 @@ type agentState struct {
 	changed chan struct{}           // closed (and replaced) when offers or returns grow
 	err     error                   // why the session ended
 	nextG   uint64
+	sweepAt int // the size of remotes at which newRemote sweeps it next
 }
 
 // returned is a region of ours the peer handed back, for ReceiveLocalMR.

@@ -120,8 +120,31 @@ func (s *Session) newRemote(m ctrlMsg) *RemoteMR {
 	a := &s.agent
 	a.mu.Lock()
 	a.remotes[m.grant] = r
+	if len(a.remotes) >= max(a.sweepAt, remoteSweepMin) {
+		a.sweepRemotesLocked(time.Now())
+	}
 	a.mu.Unlock()
 	return r
+}
+
+// remoteSweepMin is the size of the table of remote regions at which
+// newRemote first looks for regions whose leases ended; then it looks
+// when the table has grown to twice what it kept.
+const remoteSweepMin = 64
+
+// sweepRemotesLocked forgets the remote regions whose leases ended more
+// than leaseGrace ago (the granter has closed their windows) and that
+// have no operation in flight: a revocation could not reach them any
+// more, and only the application refers to them. Before, the table kept
+// every region left to expire (never released) for the session's life:
+// TestAdvExpiredRemotesForgotten. mu held.
+func (a *agentState) sweepRemotesLocked(now time.Time) {
+	for id, r := range a.remotes {
+		if now.After(r.deadline.Add(leaseGrace)) && r.inflight.Load() == 0 {
+			delete(a.remotes, id)
+		}
+	}
+	a.sweepAt = 2 * len(a.remotes)
 }
 
 func (s *Session) lookupRemote(grant uint64) *RemoteMR {
