@@ -529,3 +529,77 @@ func TestAdvConditionWaitersWokenByCompletions(t *testing.T) {
 		}
 	}
 }
+
+// TestAdvCloseWhileReadingResults: Close runs while goroutines read the
+// prior values of completed atomics (Handle.Value, in a loop, and the
+// blocking FetchAdd) and post inline writes, which go through the
+// channel's scratch memory. None of them may touch that memory once
+// Close frees it (a fault kills the process: before, Value checked that
+// the channel was open and then read the memory, and Close could free
+// it in between), and every call returns nil or ErrClosed or ErrBroken.
+// Repeated, for the interleavings.
+func TestAdvCloseWhileReadingResults(t *testing.T) {
+	const iterations, workers = 80, 8
+	for it := range iterations {
+		t.Run(fmt.Sprint(it), func(t *testing.T) {
+			x, y := newPair(t, channel.Options{})
+			ctx := guard(t, 10*time.Second)
+			var wg sync.WaitGroup
+			var ops atomic.Int64
+			errc := make(chan error, workers)
+			for w := range workers {
+				dst := y.buf.Remote().At(uint64(64 * w))
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for {
+						var err error
+						switch w % 4 {
+						case 0:
+							_, err = x.ch.FetchAdd(ctx, dst, 1)
+						case 1, 2:
+							var h channel.Handle
+							if h, err = x.ch.PostCompareSwap(dst, 0, 0); errors.Is(err, verbs.ErrQueueFull) {
+								err = x.ch.Progress() // the inline writes fill the queue
+								break
+							} else if err != nil {
+								break
+							}
+							for !h.Done() {
+								if _, err = h.Poll(); err != nil {
+									break
+								}
+							}
+							for range 100 {
+								if v := h.Value(); v != 0 {
+									err = fmt.Errorf("compare-and-swap of a zero word: prior value %d", v)
+								}
+							}
+							h.Release()
+						case 3:
+							err = x.ch.WriteInline(ctx, dst, []byte("inline!!"))
+						}
+						if err != nil {
+							if !errors.Is(err, channel.ErrClosed) && !errors.Is(err, channel.ErrBroken) {
+								errc <- err
+							}
+							return
+						}
+						ops.Add(1)
+					}
+				}()
+			}
+			for ops.Load() < 100 {
+				time.Sleep(50 * time.Microsecond)
+			}
+			if err := x.ch.Close(); err != nil {
+				t.Errorf("close: %v", err)
+			}
+			wg.Wait()
+			close(errc)
+			for err := range errc {
+				t.Errorf("a call running into Close: %v, want nil, ErrClosed or ErrBroken", err)
+			}
+		})
+	}
+}

@@ -81,6 +81,7 @@ type slot struct {
 	p      *peer
 	rel    int32            // send-queue entries this completion retires
 	wc     verbs.Completion // written by the poller before state becomes slotDone
+	val    uint64           // an atomic's prior value, copied by the poller too
 	err    error            // failure before the device saw the request
 	ch     chan struct{}    // capacity 1: the completion arrived
 	wake   atomic.Pointer[chan struct{}]
@@ -269,7 +270,7 @@ func (e *engine) take(ctx context.Context, wait bool, p *peer, kind opKind) (*sl
 			s := &e.slots[idx]
 			s.gen.Add(1)
 			s.kind, s.p, s.rel, s.err, s.seen = kind, p, 0, nil, false
-			s.wc = verbs.Completion{}
+			s.wc, s.val = verbs.Completion{}, 0
 			s.wake.Store(nil)
 			select { // a token left by an earlier use
 			case <-s.ch:
@@ -430,6 +431,9 @@ func (e *engine) dispatch(wc *verbs.Completion) {
 			p.fail(&OpError{Op: s.kind.String(), Peer: p.idx, Err: wc.Err()})
 		}
 		s.wc = *wc
+		if (s.kind == opCAS || s.kind == opFAA) && wc.Status == verbs.StatusSuccess {
+			s.val = e.scratchResult(s)
+		}
 		if s.state.CompareAndSwap(slotPosted, slotDone) {
 			s.notify()
 			return
@@ -718,7 +722,15 @@ func (e *engine) close() error {
 	var errs []error
 	for _, p := range e.peers {
 		if p != nil {
-			if err := p.closeQP(); err != nil {
+			// Under the posting lock: a post in progress may have passed
+			// its check of closed; it ends before the queue pair, and the
+			// scratch memory (the inline staging area) after it, go.
+			// Later posts see closed. (Those waiting for room in a queue
+			// have been woken: the peer is broken.)
+			p.mu.Lock()
+			err := p.closeQP()
+			p.mu.Unlock()
+			if err != nil {
 				errs = append(errs, err)
 			}
 		}

@@ -199,10 +199,17 @@ func (e *engine) resultSGE(s *slot) verbs.SGE {
 	return verbs.SGE{Addr: e.scratch.Addr() + 8*uint64(s.idx), Length: 8, LKey: e.scratch.LKey()}
 }
 
-func (e *engine) atomicResult(s *slot) uint64 {
-	if e.closed.Load() {
-		return 0
-	}
+// atomicResult is the prior value a completed atomic operation of slot s
+// returned: copied out of the scratch memory by the poller that
+// dispatched its completion (scratchResult), so that reading it never
+// touches that memory, which Close unmaps (a check of closed before the
+// read would leave a window for Close between the two).
+func (e *engine) atomicResult(s *slot) uint64 { return s.val }
+
+// scratchResult reads the prior value the atomic operation of slot s
+// returned into the scratch memory. Called by the poller, with pollMu,
+// which Close takes before it frees the scratch memory.
+func (e *engine) scratchResult(s *slot) uint64 {
 	off := 8 * int(s.idx)
 	return binary.NativeEndian.Uint64(e.scratch.Bytes()[off : off+8])
 }
