@@ -603,3 +603,632 @@ func TestAdvCloseWhileReadingResults(t *testing.T) {
 		})
 	}
 }
+
+// TestAdvHandoff: operations posted by many goroutines at once, each
+// Handle waited on by another goroutine and released by a third, over
+// every kind of posted operation, in rounds (every goroutine's operation
+// of a round must complete before the next round starts: a waiter left
+// asleep with nobody polling hangs its round). Each operation's own
+// result is checked: the bytes read back, the prior values of the
+// atomics (they add up), the immediate data of the receives.
+func TestAdvHandoff(t *testing.T) {
+	for _, m := range spinModes {
+		t.Run(m.name, func(t *testing.T) {
+			const workers, rounds = 6, 60
+			x, y := newPair(t, channel.Options{SpinPolls: m.spin, MaxOutstanding: 2 * workers})
+			ctx := guard(t, 15*time.Second)
+			type job struct {
+				h     channel.Handle
+				check func() error
+			}
+			waitq := make(chan job, workers)
+			releaseq := make(chan channel.Handle, workers)
+			var waiters, releasers sync.WaitGroup
+			var done sync.WaitGroup // operations of the current round
+			var failures atomic.Int32
+			fail := func(err error) {
+				if failures.Add(1) <= 5 {
+					t.Error(err)
+				}
+			}
+			for range workers {
+				waiters.Add(1)
+				go func() {
+					defer waiters.Done()
+					for j := range waitq {
+						if err := j.h.Wait(ctx); err != nil {
+							fail(err)
+						} else if err := j.check(); err != nil {
+							fail(err)
+						}
+						if err := j.h.Wait(ctx); err != nil {
+							fail(fmt.Errorf("second wait: %w", err))
+						}
+						releaseq <- j.h
+					}
+				}()
+				releasers.Add(1)
+				go func() {
+					defer releasers.Done()
+					for h := range releaseq {
+						h.Release()
+						if err := h.Err(); !errors.Is(err, channel.ErrStale) {
+							fail(fmt.Errorf("after Release: %v, want ErrStale", err))
+						}
+						done.Done()
+					}
+				}()
+			}
+			var immMu sync.Mutex
+			imms := make(map[uint32]int) // immediate data received in the round
+			for round := range rounds {
+				done.Add(workers)
+				var posters sync.WaitGroup
+				for w := range workers {
+					posters.Add(1)
+					go func() {
+						defer posters.Done()
+						off := 1024 * w // this worker's area at x and at y
+						v := uint64(round<<8 | w)
+						var j job
+						var err error
+						switch (round + w) % 5 {
+						case 0: // write, checked at y
+							x.put(off, v)
+							j.h, err = x.ch.PostWrite(y.buf.Remote().At(uint64(off)), x.sge(off, 8))
+							j.check = func() error {
+								if got := y.get(off); got != v {
+									return fmt.Errorf("round %d worker %d: wrote %d, y holds %d", round, w, v, got)
+								}
+								return nil
+							}
+						case 1: // read
+							y.put(off+8, v)
+							j.h, err = x.ch.PostRead(y.buf.Remote().At(uint64(off+8)), x.sge(off+8, 8))
+							j.check = func() error {
+								if got := x.get(off + 8); got != v {
+									return fmt.Errorf("round %d worker %d: read %d, want %d", round, w, got, v)
+								}
+								return nil
+							}
+						case 2, 3: // fetch-and-add, compare-and-swap on its own word
+							word := y.buf.Remote().At(uint64(off + 16))
+							y.put(off+16, v)
+							if (round+w)%5 == 2 {
+								j.h, err = x.ch.PostFetchAdd(word, 3)
+							} else {
+								j.h, err = x.ch.PostCompareSwap(word, v, v+3)
+							}
+							j.check = func() error {
+								if prior, now := j.h.Value(), y.get(off+16); prior != v || now != v+3 {
+									return fmt.Errorf("round %d worker %d: atomic prior %d, now %d; want %d, %d", round, w, prior, now, v, v+3)
+								}
+								return nil
+							}
+						case 4: // write with immediate into a receive of y's
+							r, rerr := y.ch.PostReceive()
+							if rerr != nil {
+								fail(rerr)
+								done.Done()
+								return
+							}
+							x.put(off+24, v)
+							j.h, err = x.ch.PostWriteImm(y.buf.Remote().At(uint64(off+24)), uint32(v), x.sge(off+24, 8))
+							j.check = func() error {
+								defer r.Release()
+								if err := r.Wait(ctx); err != nil {
+									return err
+								}
+								// The receives of a round's writes with
+								// immediate data are taken in the order
+								// they were posted: this one's may be
+								// another worker's.
+								got := r.Received()
+								immMu.Lock()
+								imms[got.Imm]++
+								immMu.Unlock()
+								if !got.Write || !got.HasImm || y.get(off+24) != v {
+									return fmt.Errorf("round %d worker %d: received %+v, value %d, want a write with immediate data, value %d", round, w, got, y.get(off+24), v)
+								}
+								return nil
+							}
+						}
+						if err != nil {
+							fail(fmt.Errorf("round %d worker %d: post: %w", round, w, err))
+							done.Done()
+							return
+						}
+						waitq <- j
+					}()
+				}
+				posters.Wait()
+				done.Wait()
+				for w := range workers {
+					if (round+w)%5 == 4 {
+						if v := uint32(round<<8 | w); imms[v] != 1 {
+							t.Errorf("round %d: immediate data %d received %d times", round, v, imms[v])
+						}
+					}
+				}
+				clear(imms)
+				if failures.Load() > 0 {
+					break
+				}
+			}
+			close(waitq)
+			waiters.Wait()
+			close(releaseq)
+			releasers.Wait()
+			if err := x.ch.Err(); err != nil {
+				t.Fatalf("channel broke: %v", err)
+			}
+			if err := x.ch.Drain(ctx); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// TestAdvCancelledWaitsResume: many goroutines wait for receives of
+// their own; their contexts are cancelled all at once while messages
+// arrive. Each wait returns either its receive's completion or the
+// context's error, without breaking the channel; then every handle,
+// waited again by a goroutine of its own with no deadline but the hang
+// guard, completes with its own message.
+func TestAdvCancelledWaitsResume(t *testing.T) {
+	for _, m := range spinModes {
+		t.Run(m.name, func(t *testing.T) {
+			const n = 16
+			x, y := newPair(t, channel.Options{SpinPolls: m.spin})
+			ctx := guard(t, 10*time.Second)
+			hs := make([]channel.Handle, n)
+			for i := range hs {
+				var err error
+				if hs[i], err = x.ch.PostReceive(x.sge(1024+64*i, 64)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Receives are taken in the order they were posted: message i
+			// lands in receive i.
+			send := func(i int) {
+				y.put(8*i, uint64(5000+i))
+				if err := y.ch.Send(ctx, y.sge(8*i, 8)); err != nil {
+					t.Error(err)
+				}
+			}
+			check := func(i int) {
+				if r := hs[i].Received(); r.Len != 8 || x.get(1024+64*i) != uint64(5000+i) {
+					t.Errorf("receive %d: %+v, value %d", i, r, x.get(1024+64*i))
+				}
+			}
+			cctx, cancel := context.WithCancel(ctx)
+			errs := make([]error, n)
+			var wg sync.WaitGroup
+			for i := range hs {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					errs[i] = hs[i].Wait(cctx)
+				}()
+			}
+			senders := make(chan struct{})
+			go func() {
+				defer close(senders)
+				for i := range n / 2 {
+					send(i)
+					if i == n/4 {
+						cancel()
+					}
+				}
+			}()
+			wg.Wait()
+			<-senders
+			cancel()
+			for i, err := range errs {
+				switch {
+				case err == nil:
+					check(i)
+				case !errors.Is(err, verbs.ErrTimeout) || !errors.Is(err, context.Canceled):
+					t.Errorf("receive %d: %v, want its completion or ErrTimeout and Canceled", i, err)
+				case i >= n/2 && hs[i].Done():
+					t.Errorf("receive %d is done with no message sent for it", i)
+				}
+			}
+			if err := x.ch.Err(); err != nil {
+				t.Fatalf("a handle's cancelled wait broke the channel: %v", err)
+			}
+			for i := range hs {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if err := hs[i].Wait(ctx); err != nil {
+						t.Errorf("receive %d waited again: %v", i, err)
+						return
+					}
+					check(i)
+					hs[i].Release()
+				}()
+			}
+			for i := n / 2; i < n; i++ {
+				send(i)
+			}
+			wg.Wait()
+			if err := x.ch.Drain(ctx); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// TestAdvCancelledBlockingCalls: blocking receives on many goroutines,
+// whose contexts end all at once. A cancelled blocking call breaks the
+// channel to take its request back: every call returns (the cancelled
+// ones with ErrTimeout and ErrBroken, the others with the flush), none
+// hangs on another's break, and the channel then has nothing in flight.
+func TestAdvCancelledBlockingCalls(t *testing.T) {
+	const n = 12
+	x, _ := newPair(t, channel.Options{})
+	ctx := guard(t, 10*time.Second)
+	cctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i := range n {
+		wg.Add(1)
+		c := cctx
+		if i%3 == 0 {
+			c = ctx // not cancelled: flushed by the others' break
+		}
+		go func() {
+			defer wg.Done()
+			_, errs[i] = x.ch.Receive(c, x.sge(64*i, 64))
+		}()
+	}
+	settle()
+	cancel()
+	wg.Wait()
+	for i, err := range errs {
+		var ce *verbs.CompletionError
+		switch {
+		case err == nil:
+			t.Errorf("receive %d succeeded with no message sent", i)
+		case errors.Is(err, verbs.ErrTimeout) && errors.Is(err, channel.ErrBroken):
+		case errors.As(err, &ce) && ce.Status == verbs.StatusWRFlushErr:
+		case errors.Is(err, channel.ErrBroken): // posted after the break
+		default:
+			t.Errorf("receive %d: %v, want a timeout that broke the channel, or a flush", i, err)
+		}
+	}
+	if ctx.Err() != nil {
+		t.Error("the receives returned only when the hang guard ended")
+	}
+	if err := x.ch.Drain(ctx); err != nil {
+		t.Errorf("drain: %v", err)
+	}
+}
+
+// TestAdvCloseUnderLoad: Close runs while goroutines post and wait with
+// every kind of call (blocking, posted and waited, batches, inline
+// writes, receives that no message will reach, and waits for a slot of
+// the exhausted pool). Close returns, every goroutine returns with
+// ErrClosed or the broken channel's error (nothing else, no panic), and
+// nothing of the channel is left running (TestMain's goleak). The same
+// when the peer closes instead: the goroutines see the failure that
+// broke the channel, or ErrBroken, and nothing stays in flight.
+func TestAdvCloseUnderLoad(t *testing.T) {
+	const perKind = 2
+	loops := []struct {
+		name string
+		// once runs one operation of the loop at x (worker w, area off).
+		once func(ctx context.Context, x, y *side, off int) error
+	}{
+		{"write", func(ctx context.Context, x, y *side, off int) error {
+			return x.ch.Write(ctx, y.buf.Remote().At(uint64(off)), x.sge(off, 64))
+		}},
+		{"read", func(ctx context.Context, x, y *side, off int) error {
+			return x.ch.Read(ctx, y.buf.Remote().At(uint64(off)), x.sge(off, 64))
+		}},
+		{"fetch-and-add", func(ctx context.Context, x, y *side, off int) error {
+			_, err := x.ch.FetchAdd(ctx, y.buf.Remote().At(uint64(off)), 1)
+			return err
+		}},
+		{"posted write", func(ctx context.Context, x, y *side, off int) error {
+			h, err := x.ch.PostWrite(y.buf.Remote().At(uint64(off)), x.sge(off, 64))
+			if errors.Is(err, verbs.ErrQueueFull) {
+				return x.ch.Progress() // every slot in use: let them complete
+			}
+			if err != nil {
+				return err
+			}
+			defer h.Release()
+			if err := h.Wait(ctx); err != nil {
+				return err
+			}
+			if v := h.Value(); v != 0 {
+				return fmt.Errorf("a write's handle has a value: %d", v)
+			}
+			return nil
+		}},
+		{"posted compare-and-swap", func(ctx context.Context, x, y *side, off int) error {
+			h, err := x.ch.PostCompareSwap(y.buf.Remote().At(uint64(off)), 0, 0)
+			if errors.Is(err, verbs.ErrQueueFull) {
+				return x.ch.Progress()
+			}
+			if err != nil {
+				return err
+			}
+			defer h.Release()
+			if err := h.Wait(ctx); err != nil {
+				return err
+			}
+			h.Value() // races with Close's end
+			return nil
+		}},
+		{"batch", func(ctx context.Context, x, y *side, off int) error {
+			return x.ch.Batch(ctx, func(b *channel.Batch) error {
+				// Two slots at most: with the small pool, the batches
+				// and the receives (which hold theirs until Close) must
+				// leave slots to the others, or a batch that holds one
+				// and waits for another can wait forever.
+				for i := range 2 {
+					b.Write(y.buf.Remote().At(uint64(off+16*i)), x.sge(off+16*i, 16))
+				}
+				return b.WaitAll()
+			})
+		}},
+		{"inline write", func(ctx context.Context, x, y *side, off int) error {
+			return x.ch.WriteInline(ctx, y.buf.Remote().At(uint64(off)), []byte("inline!!"))
+		}},
+		{"receive", func(ctx context.Context, x, y *side, off int) error {
+			h, err := x.ch.PostReceive(x.sge(off, 64))
+			if errors.Is(err, verbs.ErrQueueFull) {
+				return x.ch.Progress()
+			}
+			if err != nil {
+				return err
+			}
+			defer h.Release()
+			return h.Wait(ctx) // no message comes
+		}},
+	}
+	type variant struct {
+		name string
+		opts channel.Options
+		peer bool // the peer closes, not x
+	}
+	var variants []variant
+	for _, m := range []struct {
+		name string
+		opts channel.Options
+	}{
+		{"default", channel.Options{}},
+		{"small pool, sleeping", channel.Options{MaxOutstanding: 8, SpinPolls: channel.SpinNever, QP: verbs.QPSpec{MaxSendWR: 4, MaxRecvWR: 4}}},
+	} {
+		variants = append(variants, variant{m.name, m.opts, false}, variant{m.name + ", the peer closes", m.opts, true})
+	}
+	for _, m := range variants {
+		t.Run(m.name, func(t *testing.T) {
+			x, y := newPair(t, m.opts)
+			ctx := guard(t, 10*time.Second)
+			var ops atomic.Int64
+			var wg sync.WaitGroup
+			type failure struct {
+				what string
+				err  error
+			}
+			failures := make(chan failure, len(loops)*perKind)
+			for k, l := range loops {
+				for i := range perKind {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						off := 2048 * (k*perKind + i)
+						for {
+							err := l.once(ctx, x, y, off)
+							if err != nil {
+								var ce *verbs.CompletionError
+								switch {
+								case errors.Is(err, channel.ErrBroken):
+								case !m.peer && errors.Is(err, channel.ErrClosed):
+								case m.peer && errors.As(err, &ce): // the failure that broke x
+								default:
+									failures <- failure{l.name, err}
+								}
+								return
+							}
+							ops.Add(1)
+						}
+					}()
+				}
+			}
+			for ops.Load() < 200 {
+				time.Sleep(time.Millisecond)
+			}
+			closing := x
+			if m.peer {
+				closing = y
+			}
+			if err := closing.ch.Close(); err != nil {
+				t.Errorf("close under load: %v", err)
+			}
+			wg.Wait()
+			close(failures)
+			for f := range failures {
+				t.Errorf("%s after Close: %v, want ErrClosed or ErrBroken (or a completion error, when the peer closed)", f.what, f.err)
+			}
+			if ctx.Err() != nil {
+				t.Error("the goroutines returned only when their context ended")
+			}
+			want := channel.ErrClosed
+			if m.peer {
+				want = channel.ErrBroken
+			}
+			if err := x.ch.Write(ctx, y.buf.Remote().At(0), x.sge(0, 8)); !errors.Is(err, want) {
+				t.Errorf("write after Close: %v, want %v", err, want)
+			}
+			if m.peer {
+				if err := x.ch.Drain(ctx); err != nil {
+					t.Errorf("drain after the peer closed: %v", err)
+				}
+			}
+		})
+	}
+}
+
+// TestAdvMultiOnePeerBroken: a MultiChannel rank drives three peers from
+// several goroutines each; the queue pair to one of them breaks in the
+// middle. The goroutines of that peer end with ErrBroken, and only they:
+// the others go on after the break, their counters add up exactly, and
+// the broken peer's counter holds at least what its successful calls
+// added.
+// Collective calls then fail naming the broken peer only, while their
+// operations to the other peers complete.
+func TestAdvMultiOnePeerBroken(t *testing.T) {
+	const n, perPeer, rounds, victim = 4, 2, 300, 2
+	rs := newGroup(t, n)
+	ctx := guard(t, 15*time.Second)
+	r := rs[0]
+	var wg sync.WaitGroup
+	var ok [n]atomic.Uint64 // successful fetch-and-adds per peer
+	var broke atomic.Bool
+	started := make(chan struct{}, (n-1)*perPeer)
+	for _, p := range r.mc.Peers() {
+		for g := range perPeer {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ch := r.mc.Peer(p)
+				counter := rs[p].buf.Remote().At(uint64(16384 + 8*g))
+				off := 1024 * (p*perPeer + g)
+				// The broken peer's goroutines go on until it breaks;
+				// the others for rounds operations and rounds more after
+				// the break.
+				after := 0
+				for i := 0; p == victim || after < rounds; i++ {
+					if i == 10 {
+						started <- struct{}{}
+					}
+					if broke.Load() {
+						after++
+					}
+					var err error
+					if i%2 == 0 {
+						_, err = ch.FetchAdd(ctx, counter, 1)
+					} else {
+						var h channel.Handle
+						if h, err = ch.PostFetchAdd(counter, 1); err == nil {
+							err = h.Wait(ctx)
+							h.Release()
+						}
+					}
+					if err != nil {
+						if p != victim || !errors.Is(err, channel.ErrBroken) {
+							t.Errorf("peer %d goroutine %d round %d: %v", p, g, i, err)
+						}
+						return
+					}
+					ok[p].Add(1)
+					// And a write and read back, checked.
+					binary.NativeEndian.PutUint64(r.buf.Bytes()[off:], uint64(i))
+					if err := ch.Write(ctx, rs[p].buf.Remote().At(uint64(off)), r.sge(off, 8)); err != nil {
+						if p != victim || !errors.Is(err, channel.ErrBroken) {
+							t.Errorf("peer %d goroutine %d round %d: write: %v", p, g, i, err)
+						}
+						return
+					}
+				}
+			}()
+		}
+	}
+	for range cap(started) {
+		<-started
+	}
+	r.mc.Peer(victim).Break()
+	broke.Store(true)
+	wg.Wait()
+	for _, p := range r.mc.Peers() {
+		var sum uint64
+		for g := range perPeer {
+			sum += binary.NativeEndian.Uint64(rs[p].buf.Bytes()[16384+8*g:])
+		}
+		switch {
+		case p != victim && (sum != ok[p].Load() || sum < perPeer*rounds):
+			t.Errorf("peer %d: counters %d, successful adds %d, want equal and at least %d", p, sum, ok[p].Load(), perPeer*rounds)
+		case p == victim && sum < ok[p].Load():
+			t.Errorf("broken peer %d: counters %d, successful adds %d", p, sum, ok[p].Load())
+		}
+	}
+	err := r.mc.Err()
+	var oe *channel.OpError
+	if !errors.As(err, &oe) || oe.Peer != victim || !errors.Is(err, channel.ErrBroken) {
+		t.Errorf("Err() = %v, want the broken peer %d", err, victim)
+	}
+	for _, p := range r.mc.Peers() {
+		if broken := r.mc.Peer(p).Broken(); broken != (p == victim) {
+			t.Errorf("peer %d: Broken() = %v", p, broken)
+		}
+	}
+	// A scatter write to every peer: the broken one fails, by name; the
+	// others' writes land.
+	dsts := make([]verbs.RemoteAddr, n)
+	bufs := make([]verbs.SGE, n)
+	for _, p := range r.mc.Peers() {
+		binary.NativeEndian.PutUint64(r.buf.Bytes()[32768+8*p:], uint64(900+p))
+		dsts[p] = rs[p].buf.Remote().At(32768)
+		bufs[p] = r.sge(32768+8*p, 8)
+	}
+	err = r.mc.ScatterWrite(ctx, nil, dsts, bufs)
+	if !errors.As(err, &oe) || oe.Peer != victim || !errors.Is(err, channel.ErrBroken) {
+		t.Errorf("scatter write: %v, want a failure of peer %d", err, victim)
+	}
+	for _, p := range r.mc.Peers() {
+		if got := binary.NativeEndian.Uint64(rs[p].buf.Bytes()[32768:]); p != victim && got != uint64(900+p) {
+			t.Errorf("scatter write to peer %d: %d landed, want %d", p, got, 900+p)
+		}
+	}
+	if err := r.mc.Drain(ctx); err != nil {
+		t.Errorf("drain: %v", err)
+	}
+}
+
+// TestAdvMultiBatchPeerBreaks: a MultiBatch has operations in flight to
+// two peers when the queue pair to one of them breaks (another
+// goroutine's Break): the scope still ends, the broken peer's operations
+// report the flush, the other peer's complete with their bytes, and the
+// other peer keeps working.
+func TestAdvMultiBatchPeerBreaks(t *testing.T) {
+	rs := newGroup(t, 3)
+	ctx := guard(t, 10*time.Second)
+	r := rs[0]
+	binary.NativeEndian.PutUint64(r.buf.Bytes()[0:], 4242)
+	err := r.mc.Batch(ctx, func(b *channel.MultiBatch) error {
+		// Receives from peer 1 that nothing will complete but the break.
+		var held []channel.Handle
+		for i := range 4 {
+			held = append(held, b.Peer(1).Receive(r.sge(1024+64*i, 64)))
+		}
+		w := b.Peer(2).Write(rs[2].buf.Remote().At(512), r.sge(0, 8))
+		if err := b.Flush(); err != nil {
+			return err
+		}
+		go r.mc.Peer(1).Break()
+		for i, h := range held {
+			var ce *verbs.CompletionError
+			if err := b.Wait(h); !errors.As(err, &ce) || ce.Status != verbs.StatusWRFlushErr {
+				return fmt.Errorf("receive %d from the broken peer: %v, want a flush", i, err)
+			}
+		}
+		return b.Wait(w)
+	})
+	if err != nil {
+		t.Fatalf("batch: %v", err)
+	}
+	if got := binary.NativeEndian.Uint64(rs[2].buf.Bytes()[512:]); got != 4242 {
+		t.Errorf("write to the working peer: %d landed, want 4242", got)
+	}
+	if _, err := r.mc.Peer(2).FetchAdd(ctx, rs[2].buf.Remote().At(520), 1); err != nil {
+		t.Errorf("the working peer after the other broke: %v", err)
+	}
+	if !r.mc.Peer(1).Broken() || r.mc.Peer(2).Broken() {
+		t.Errorf("broken: peer 1 %v, peer 2 %v; want true, false", r.mc.Peer(1).Broken(), r.mc.Peer(2).Broken())
+	}
+}
