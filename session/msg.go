@@ -141,10 +141,13 @@ func (s *Session) sendBytes(ctx context.Context, data []byte, imm uint32, hasImm
 }
 
 // SendSlice sends the bytes of a region of the session's allocator
-// without copying them: they must not change until SendSlice returns
-// (and, if ctx ended first, until the region is freed: freeing it is
-// then deferred by the library until the device is done with it... the
-// caller must not Free it before SendSlice returns).
+// without copying them: they must not change until SendSlice returns.
+// If ctx ends first, the message may still be sent, or read by the peer
+// (a rendezvous): the region must then neither change nor be freed until
+// the session ends, since the library does not hold a freed region back
+// (a new Alloc may reuse its memory, whose bytes the peer would read);
+// use Send, which copies, where a send may be cancelled and the memory
+// is needed back.
 func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, hasImm bool) error {
 	if err := s.enter(&s.calls, "send"); err != nil {
 		return err
@@ -239,10 +242,11 @@ func (p Pending) claim() (s *Session, h channel.Handle, buf LocalMR, ok bool) {
 
 // Wait waits until the message is delivered (the peer's device has it).
 // If ctx ends first, Wait returns its error, the message may still be
-// delivered, and the library reclaims what the device holds when it is
-// done with it (the bytes must then not change until the session ends,
-// or the region is freed: freeing waits for the device). An error of
-// the session (the peer lost, the session closed) ends it as for Send.
+// delivered, and the library reclaims its own buffers when the device is
+// done with them; the region the message was posted from must then
+// neither change nor be freed until the session ends (as for a cancelled
+// SendSlice). An error of the session (the peer lost, the session
+// closed) ends it as for Send.
 func (p Pending) Wait(ctx context.Context) error {
 	if p.r == nil {
 		return nil
@@ -259,10 +263,11 @@ func (p Pending) Wait(ctx context.Context) error {
 	return s.await(ctx, "send", h, buf)
 }
 
-// Release gives up the Pending without waiting: the library reclaims
-// what the device holds when it is done with it (the bytes must not
-// change until then, as for a cancelled Wait). Releasing a Pending again,
-// or after Wait, does nothing.
+// Release gives up the Pending without waiting: the library reclaims its
+// own buffers when the device is done with them; the region the message
+// was posted from must neither change nor be freed until the session ends
+// (as after a cancelled Wait). Releasing a Pending again, or after Wait,
+// does nothing.
 func (p Pending) Release() {
 	s, h, buf, ok := p.claim()
 	if !ok {
