@@ -327,10 +327,8 @@ stream() {
 	echo '| transport | measure | stream | kernel TCP (same run) | ratio | stream allocs/op |'
 	echo '| --- | --- | --- | --- | --- | --- |'
 	for k in shm unix tcp; do
-		calc ""| $k | 64 KiB Writes | $(gib w-$k) GiB/s | $(gib w-kernel-$k) GiB/s | %.2f | $(med w-$k allocs/op) |
-", $(med w-$k MB/s)/$(med w-kernel-$k MB/s)"
-		calc ""| $k | 8-byte round trip | $(us r-$k) µs | $(us r-kernel-$k) µs | %.2f | $(med r-$k allocs/op) |
-", $(med r-$k ns/op)/$(med r-kernel-$k ns/op)"
+		calc "\"| $k | 64 KiB Writes | $(gib w-$k) GiB/s | $(gib w-kernel-$k) GiB/s | %.2f | $(med w-$k allocs/op) |\n\", $(med w-$k MB/s)/$(med w-kernel-$k MB/s)"
+		calc "\"| $k | 8-byte round trip | $(us r-$k) µs | $(us r-kernel-$k) µs | %.2f | $(med r-$k allocs/op) |\n\", $(med r-$k ns/op)/$(med r-kernel-$k ns/op)"
 	done
 }
 
