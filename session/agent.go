@@ -43,7 +43,8 @@ type returned struct {
 
 // finWait is a rendezvous waiting for the peer's fin.
 type finWait struct {
-	done  chan struct{}
+	done  chan struct{} // closed by the fin, or by the session's end
+	read  bool          // the fin came (set before done is closed)
 	win   *verbs.MemoryRegion
 	owned LocalMR
 }
@@ -133,18 +134,18 @@ func (a *agentState) dropGrantLocked(id uint64, g *grantState) {
 	}
 }
 
-func (a *agentState) expectFin(id uint64, win *verbs.MemoryRegion, owned LocalMR) <-chan struct{} {
+func (a *agentState) expectFin(id uint64, win *verbs.MemoryRegion, owned LocalMR) *finWait {
 	w := &finWait{done: make(chan struct{}), win: win, owned: owned}
 	a.mu.Lock()
 	if a.err != nil {
 		a.mu.Unlock()
 		close(w.done)
 		w.free()
-		return w.done
+		return w
 	}
 	a.fins[id] = w
 	a.mu.Unlock()
-	return w.done
+	return w
 }
 
 func (a *agentState) dropFin(id uint64) {
@@ -496,6 +497,7 @@ func (s *Session) handle(m ctrlMsg) {
 		a.mu.Unlock()
 		if w != nil {
 			w.free()
+			w.read = true
 			close(w.done)
 		}
 	}

@@ -542,10 +542,18 @@ func (s *Session) sendRendezvous(ctx context.Context, data LocalSlice, owned Loc
 		}
 		return err // the fin of one posted (or the session's end) frees the window
 	}
+	return s.awaitFin(ctx, w)
+}
+
+// awaitFin waits for the peer's fin of a rendezvous (w), until the
+// session ends or ctx does. The session's end closes w.done too (the
+// window is freed): only w.read says the peer read the message.
+func (s *Session) awaitFin(ctx context.Context, w *finWait) error {
 	select {
-	case <-w:
-		return nil
-	case <-s.done:
+	case <-w.done:
+		if w.read {
+			return nil
+		}
 		return s.fail("send", nil)
 	case <-ctx.Done():
 		return fmt.Errorf("session: send: %w", ctx.Err())
