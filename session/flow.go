@@ -96,6 +96,16 @@ func (f *sendFlow) wait(ctx context.Context, done <-chan struct{}) error {
 		if f.has() || f.drive() {
 			return nil
 		}
+		// A yield may take a whole time slice of the processor when
+		// other threads compete for it: 64 of them kept cancelled sends
+		// and Close waiting about a second beside two CPU-bound loops.
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-done:
+			return errSessionEnded
+		default:
+		}
 		runtime.Gosched()
 	}
 	d := 10 * time.Microsecond
