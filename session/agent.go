@@ -46,7 +46,8 @@ type finWait struct {
 	done  chan struct{} // closed by the fin, or by the session's end
 	read  bool          // the fin came (set before done is closed)
 	win   *verbs.MemoryRegion
-	owned LocalMR
+	owned LocalMR // the library's copy of the message (Send), freed then
+	held  LocalMR // the application's region (SendSlice), held until then
 }
 
 // grantState is memory of ours the peer may access: a window of a region
@@ -103,6 +104,7 @@ func (w *finWait) free() {
 	if w.owned.Valid() {
 		w.owned.Free()
 	}
+	unhold(w.held)
 }
 
 // closeGrants closes every window (the session ended).
@@ -134,8 +136,8 @@ func (a *agentState) dropGrantLocked(id uint64, g *grantState) {
 	}
 }
 
-func (a *agentState) expectFin(id uint64, win *verbs.MemoryRegion, owned LocalMR) *finWait {
-	w := &finWait{done: make(chan struct{}), win: win, owned: owned}
+func (a *agentState) expectFin(id uint64, win *verbs.MemoryRegion, owned, held LocalMR) *finWait {
+	w := &finWait{done: make(chan struct{}), win: win, owned: owned, held: held}
 	a.mu.Lock()
 	if a.err != nil {
 		a.mu.Unlock()

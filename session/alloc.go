@@ -143,10 +143,12 @@ type arena struct {
 	dead atomic.Bool // released or closed: every handle to it is stale
 
 	// Guarded by cls.mu.
-	free   []uint32 // free slots below next (a stack)
-	next   uint32   // slots from next on were never allocated
-	nslots uint32
-	live   int
+	holds    []int32  // per slot: requests in flight that read it (hold)
+	deferred []bool   // per slot: freed while held; goes back at the last unhold
+	free     []uint32 // free slots below next (a stack)
+	next     uint32   // slots from next on were never allocated
+	nslots   uint32
+	live     int
 }
 
 // errStale is the error of every use of a region that was freed, whose
@@ -389,15 +391,17 @@ func (a *Allocator) newArena(c *class, size, slot int) (*arena, error) {
 	}
 	nslots := size / slot
 	ar := &arena{
-		cls:    c,
-		mr:     mr,
-		mem:    mr.Bytes()[:size:size],
-		addr:   mr.Addr(),
-		lkey:   mr.LKey(),
-		slot:   slot,
-		gen:    make([]atomic.Uint32, nslots),
-		free:   make([]uint32, 0, nslots),
-		nslots: uint32(nslots),
+		cls:      c,
+		mr:       mr,
+		mem:      mr.Bytes()[:size:size],
+		addr:     mr.Addr(),
+		lkey:     mr.LKey(),
+		slot:     slot,
+		gen:      make([]atomic.Uint32, nslots),
+		holds:    make([]int32, nslots),
+		deferred: make([]bool, nslots),
+		free:     make([]uint32, 0, nslots),
+		nslots:   uint32(nslots),
 	}
 	return ar, nil
 }
@@ -619,7 +623,21 @@ func (m LocalMR) Free() error {
 		return errStale
 	}
 	ar.gen[m.slot].Add(1)
-	ar.free = append(ar.free, m.slot)
+	if ar.holds[m.slot] > 0 {
+		// A request in flight still reads it (hold): the slot goes
+		// back at the last unhold.
+		ar.deferred[m.slot] = true
+		c.mu.Unlock()
+		return nil
+	}
+	c.putLocked(ar, m.slot)
+	return nil
+}
+
+// putLocked puts slot of ar back in c's pool (c.mu held; it unlocks it),
+// and releases ar if it is wholly free and c keeps no more in reserve.
+func (c *class) putLocked(ar *arena, slot uint32) {
+	ar.free = append(ar.free, slot)
 	ar.live--
 	c.inUse -= int64(ar.slot)
 	c.frees++
@@ -628,12 +646,12 @@ func (m LocalMR) Free() error {
 	}
 	if ar.live > 0 {
 		c.mu.Unlock()
-		return nil
+		return
 	}
 	c.empty++
 	if c.empty <= c.reserve && !c.own {
 		c.mu.Unlock()
-		return nil
+		return
 	}
 	c.release(ar)
 	c.mu.Unlock()
@@ -642,7 +660,39 @@ func (m LocalMR) Free() error {
 	// Trim, Close report it).
 	_ = c.a.closeArena(ar)
 	_ = c.a.retryPinned()
-	return nil
+}
+
+// hold keeps the memory of m from going back to the allocator until
+// unhold, even if m is freed meanwhile: a request in flight reads it (a
+// send whose wait was cancelled). It reports whether m was valid.
+func (m LocalMR) hold() bool {
+	ar := m.ar
+	if ar == nil {
+		return false
+	}
+	c := ar.cls
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if ar.dead.Load() || ar.gen[m.slot].Load() != m.gen {
+		return false
+	}
+	ar.holds[m.slot]++
+	return true
+}
+
+// unhold ends a hold; a region freed while held goes back to the
+// allocator at its last unhold.
+func (m LocalMR) unhold() {
+	ar := m.ar
+	c := ar.cls
+	c.mu.Lock()
+	ar.holds[m.slot]--
+	if ar.holds[m.slot] > 0 || !ar.deferred[m.slot] || ar.dead.Load() {
+		c.mu.Unlock()
+		return
+	}
+	ar.deferred[m.slot] = false
+	c.putLocked(ar, m.slot)
 }
 
 // LocalSlice is a bounds-checked part of a LocalMR: off and n bytes of

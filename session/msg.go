@@ -143,11 +143,9 @@ func (s *Session) sendBytes(ctx context.Context, data []byte, imm uint32, hasImm
 // SendSlice sends the bytes of a region of the session's allocator
 // without copying them: they must not change until SendSlice returns.
 // If ctx ends first, the message may still be sent, or read by the peer
-// (a rendezvous): the region must then neither change nor be freed until
-// the session ends, since the library does not hold a freed region back
-// (a new Alloc may reuse its memory, whose bytes the peer would read);
-// use Send, which copies, where a send may be cancelled and the memory
-// is needed back.
+// (a rendezvous): the bytes must then not change, but the region may be
+// freed: the library holds its memory back from the allocator until the
+// device (or the peer's read) is done with it, or the session ends.
 func (s *Session) SendSlice(ctx context.Context, data LocalSlice, imm uint32, hasImm bool) error {
 	if err := s.enter(&s.calls, "send"); err != nil {
 		return err
@@ -192,7 +190,7 @@ func (s *Session) PostSendSlice(ctx context.Context, data LocalSlice, imm uint32
 	if err != nil {
 		return Pending{}, fmt.Errorf("session: send: %w", err)
 	}
-	h, err := s.postEager(ctx, buf, 0, 0, data, imm, hasImm)
+	h, held, err := s.postEager(ctx, buf, 0, 0, data, imm, hasImm)
 	if err != nil {
 		return Pending{}, err
 	}
@@ -203,7 +201,7 @@ func (s *Session) PostSendSlice(ctx context.Context, data LocalSlice, imm uint32
 	if r.gen++; r.gen == 0 {
 		r.gen = 1
 	}
-	r.h, r.buf = h, buf
+	r.h, r.buf, r.held = h, buf, held
 	r.live.Store(r.gen)
 	return Pending{r: r, gen: r.gen}, nil
 }
@@ -225,28 +223,28 @@ type pendSend struct {
 	gen  uint32
 	h    channel.Handle
 	buf  LocalMR // the header, freed when the device is done
+	held LocalMR // the payload's region, held until then
 }
 
 // claim takes the record's request from p (once) and gives the record
 // back.
-func (p Pending) claim() (s *Session, h channel.Handle, buf LocalMR, ok bool) {
+func (p Pending) claim() (s *Session, h channel.Handle, o orphaned, ok bool) {
 	r := p.r
 	if r == nil || !r.live.CompareAndSwap(p.gen, 0) {
-		return nil, channel.Handle{}, LocalMR{}, false
+		return nil, channel.Handle{}, orphaned{}, false
 	}
-	s, h, buf = r.s, r.h, r.buf
-	r.h, r.buf = channel.Handle{}, LocalMR{}
+	s, h, o = r.s, r.h, orphaned{buf: r.buf, op: true, held: r.held}
+	r.h, r.buf, r.held = channel.Handle{}, LocalMR{}, LocalMR{}
 	s.pend <- r
-	return s, h, buf, true
+	return s, h, o, true
 }
 
 // Wait waits until the message is delivered (the peer's device has it).
 // If ctx ends first, Wait returns its error, the message may still be
-// delivered, and the library reclaims its own buffers when the device is
-// done with them; the region the message was posted from must then
-// neither change nor be freed until the session ends (as for a cancelled
-// SendSlice). An error of the session (the peer lost, the session
-// closed) ends it as for Send.
+// delivered: its bytes must not change, but the region may be freed (the
+// library holds its memory until the device is done with it, as for a
+// cancelled SendSlice). An error of the session (the peer lost, the
+// session closed) ends it as for Send.
 func (p Pending) Wait(ctx context.Context) error {
 	if p.r == nil {
 		return nil
@@ -256,24 +254,22 @@ func (p Pending) Wait(ctx context.Context) error {
 		return err
 	}
 	defer p.r.s.calls.RUnlock()
-	s, h, buf, ok := p.claim()
+	s, h, o, ok := p.claim()
 	if !ok {
 		return fmt.Errorf("session: send: %w: the pending message was waited for or released already", ErrClosed)
 	}
-	return s.await(ctx, "send", h, buf)
+	return s.awaitFor(ctx, "send", h, o)
 }
 
-// Release gives up the Pending without waiting: the library reclaims its
-// own buffers when the device is done with them; the region the message
-// was posted from must neither change nor be freed until the session ends
+// Release gives up the Pending without waiting: the bytes must not
+// change until the message is delivered, but the region may be freed
 // (as after a cancelled Wait). Releasing a Pending again, or after Wait,
 // does nothing.
 func (p Pending) Release() {
-	s, h, buf, ok := p.claim()
+	s, h, o, ok := p.claim()
 	if !ok {
 		return
 	}
-	o := orphaned{buf: buf, op: true}
 	if h.Done() {
 		h.Release()
 		s.giveBack(o)
@@ -286,30 +282,48 @@ func (p Pending) Release() {
 // payload) and the payload in extra (if not empty) into the peer's next
 // ring slot. buf is freed when the device is done with it.
 func (s *Session) sendEager(ctx context.Context, buf LocalMR, at, n int, extra LocalSlice, imm uint32, hasImm bool) error {
-	h, err := s.postEager(ctx, buf, at, n, extra, imm, hasImm)
+	h, held, err := s.postEager(ctx, buf, at, n, extra, imm, hasImm)
 	if err != nil {
 		return err
 	}
-	return s.await(ctx, "send", h, buf)
+	return s.awaitFor(ctx, "send", h, orphaned{buf: buf, op: true, held: held})
 }
 
 // postEager is sendEager without the wait: it returns the write's
-// handle, which owns an op token and buf from then on (on an error, both
-// are given back). The header goes in buf at at, followed there by n
-// bytes of payload or else by extra's.
-func (s *Session) postEager(ctx context.Context, buf LocalMR, at, n int, extra LocalSlice, imm uint32, hasImm bool) (channel.Handle, error) {
+// handle, which owns an op token, buf and a hold on extra's region (held)
+// from then on (on an error, all are given back). The header goes in buf
+// at at, followed there by n bytes of payload or else by extra's.
+func (s *Session) postEager(ctx context.Context, buf LocalMR, at, n int, extra LocalSlice, imm uint32, hasImm bool) (h channel.Handle, held LocalMR, err error) {
 	hs, _ := buf.Slice(at, dataHdr+n)
 	putDataHdr(hs.Bytes(), dataEager, 0, uint32(n+extra.Len()))
 	setImm(hs.Bytes(), imm, hasImm)
 	var payload verbs.SGE
 	if extra.Len() > 0 {
-		payload = extra.SGE()
+		// Held until the device is done with it: freed meanwhile (after
+		// a cancelled wait), it is not handed out again before.
+		if !extra.MR().hold() {
+			buf.Free()
+			return channel.Handle{}, LocalMR{}, fmt.Errorf("session: send: %w: the region was freed", ErrClosed)
+		}
+		held, payload = extra.MR(), extra.SGE()
 	}
 	if err := s.acquireOp(ctx, "send"); err != nil {
 		buf.Free()
-		return channel.Handle{}, err
+		unhold(held)
+		return channel.Handle{}, LocalMR{}, err
 	}
-	return s.postSlotH(ctx, "send", buf, hs, payload)
+	if h, err = s.postSlotH(ctx, "send", buf, hs, payload); err != nil {
+		unhold(held)
+		return channel.Handle{}, LocalMR{}, err
+	}
+	return h, held, nil
+}
+
+// unhold ends the hold on m, if m is a region (not the zero LocalMR).
+func unhold(m LocalMR) {
+	if m.ar != nil {
+		m.unhold()
+	}
 }
 
 // checkSlice checks a slice to send: the session is live, its region
@@ -466,12 +480,14 @@ func (s *Session) await(ctx context.Context, op string, h channel.Handle, buf Lo
 // (A value, not a closure: nothing is allocated unless a call is
 // cancelled.)
 type orphaned struct {
-	buf LocalMR
-	op  bool
-	r   *RemoteMR
+	buf  LocalMR
+	op   bool
+	r    *RemoteMR
+	held LocalMR // a region of the application's the request reads (hold)
 }
 
 func (s *Session) giveBack(o orphaned) {
+	unhold(o.held)
 	if o.buf.Valid() {
 		o.buf.Free()
 	}
@@ -528,7 +544,17 @@ func (s *Session) sendRendezvous(ctx context.Context, data LocalSlice, owned Loc
 		return s.fail("send", err)
 	}
 	id := s.ids.Add(1)
-	w := s.agent.expectFin(id, win, owned)
+	var held LocalMR
+	if !owned.Valid() {
+		// The application's region: held until the peer read it (or the
+		// session ends), even if freed after a cancelled Send.
+		if !data.MR().hold() {
+			win.Close()
+			return fmt.Errorf("session: send: %w: the region was freed", ErrClosed)
+		}
+		held = data.MR()
+	}
+	w := s.agent.expectFin(id, win, owned, held)
 	hdr, err := s.mem.Alloc(rtsHdr)
 	if err != nil {
 		s.agent.dropFin(id)

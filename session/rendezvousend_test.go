@@ -29,7 +29,7 @@ func TestFinNotReadAtEnd(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		w := a.agent.expectFin(uint64(1000+i), win, LocalMR{})
+		w := a.agent.expectFin(uint64(1000+i), win, LocalMR{}, LocalMR{})
 		if err := a.awaitFin(ctx, w); !errors.Is(err, ErrPeerClosed) {
 			t.Fatalf("try %d: a fin that never came: %v, want ErrPeerClosed", i, err)
 		}
