@@ -276,14 +276,11 @@ func (s *Session) postCtrlMsg(ctx context.Context, buf LocalMR, m ctrlMsg) (chan
 	m.credits = s.crflow.reposted.Load()
 	n := m.put(buf.Bytes())
 	sl, _ := buf.Slice(0, n)
-	h, err := s.agc.PostSend(sl.SGE())
-	for w := 0; queueFull(err); {
-		if werr := s.waitRoom(ctx, s.agc, &w); werr != nil {
-			s.cflow.sent.Add(^uint32(0))
-			buf.Free()
-			return channel.Handle{}, s.ctxErr("agent", werr)
-		}
-		h, err = s.agc.PostSend(sl.SGE())
+	h, err, werr := s.postRoom(ctx, s.agc, func() (channel.Handle, error) { return s.agc.PostSend(sl.SGE()) })
+	if werr != nil {
+		s.cflow.sent.Add(^uint32(0))
+		buf.Free()
+		return channel.Handle{}, s.ctxErr("agent", werr)
 	}
 	if err != nil {
 		buf.Free()

@@ -396,19 +396,16 @@ func (s *Session) postSlotH(ctx context.Context, op string, buf LocalMR, hdr Loc
 	if payload.Length > 0 {
 		nsge = 2
 	}
-	h, err = s.data.PostWriteImm(dst, slot, sgl[:nsge]...)
-	for w := 0; queueFull(err); {
-		if werr := s.waitRoom(ctx, s.data, &w); werr != nil {
-			// The credit taken goes back (only this function takes
-			// credits of dflow, with smu held): the next message
-			// takes this slot.
-			s.dflow.sent.Add(^uint32(0))
-			s.smu.Unlock()
-			s.releaseOp()
-			buf.Free()
-			return channel.Handle{}, s.ctxErr(op, werr)
-		}
-		h, err = s.data.PostWriteImm(dst, slot, sgl[:nsge]...)
+	h, err, werr := s.postRoom(ctx, s.data, func() (channel.Handle, error) { return s.data.PostWriteImm(dst, slot, sgl[:nsge]...) })
+	if werr != nil {
+		// The credit taken goes back (only this function takes
+		// credits of dflow, with smu held): the next message takes
+		// this slot.
+		s.dflow.sent.Add(^uint32(0))
+		s.smu.Unlock()
+		s.releaseOp()
+		buf.Free()
+		return channel.Handle{}, s.ctxErr(op, werr)
 	}
 	s.smu.Unlock()
 	if err != nil {
@@ -423,6 +420,21 @@ func (s *Session) postSlotH(ctx context.Context, op string, buf LocalMR, hdr Loc
 // queueFull reports whether a post failed for want of room in the send
 // queue (or of the channel's slots): waitRoom, then post again.
 func queueFull(err error) bool { return err != nil && errors.Is(err, verbs.ErrQueueFull) }
+
+// postRoom calls post, a post to c, until it does not fail for want of
+// room in c's send queue, waiting for room between tries (waitRoom), and
+// returns its last result; if the wait ended first (ctx or the session),
+// werr says why, and nothing was posted.
+func (s *Session) postRoom(ctx context.Context, c *channel.Channel, post func() (channel.Handle, error)) (h channel.Handle, err, werr error) {
+	h, err = post()
+	for w := 0; queueFull(err); {
+		if werr = s.waitRoom(ctx, c, &w); werr != nil {
+			return channel.Handle{}, err, werr
+		}
+		h, err = post()
+	}
+	return h, err, nil
+}
 
 // waitRoom waits a little for room in the send queue of c, a queue pair
 // of the session (w counts the waits of one post), or returns ctx's
@@ -773,14 +785,11 @@ func (s *Session) finishRead(ctx context.Context, p *pendingRead) (Message, erro
 				return Message{}, err
 			}
 			sl, _ := p.mr.Slice(0, p.msg.n)
-			h, err := s.data.PostRead(p.src, sl.SGE())
-			for w := 0; queueFull(err); {
-				if werr := s.waitRoom(ctx, s.data, &w); werr != nil {
-					s.releaseOp()
-					s.pending = p // not posted: the next Receive posts it
-					return Message{}, s.ctxErr("receive", werr)
-				}
-				h, err = s.data.PostRead(p.src, sl.SGE())
+			h, err, werr := s.postRoom(ctx, s.data, func() (channel.Handle, error) { return s.data.PostRead(p.src, sl.SGE()) })
+			if werr != nil {
+				s.releaseOp()
+				s.pending = p // not posted: the next Receive posts it
+				return Message{}, s.ctxErr("receive", werr)
 			}
 			if err != nil {
 				s.releaseOp()

@@ -317,13 +317,10 @@ func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, post
 		s.giveBack(o)
 		return 0, fmt.Errorf("session: %s: %w", op, err)
 	}
-	h, err := post()
-	for w := 0; queueFull(err); {
-		if werr := s.waitRoom(ctx, s.data, &w); werr != nil {
-			s.giveBack(o)
-			return 0, s.ctxErr(op, werr)
-		}
-		h, err = post()
+	h, err, werr := s.postRoom(ctx, s.data, post)
+	if werr != nil {
+		s.giveBack(o)
+		return 0, s.ctxErr(op, werr)
 	}
 	if err != nil {
 		s.giveBack(o)
@@ -384,11 +381,11 @@ func (s *Session) Write(ctx context.Context, dst RemoteSlice, src LocalSlice) er
 // was posted, may still take place (the library reclaims their buffers
 // and tokens when the device is done with them).
 func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src LocalSlice) error {
-	if err := s.enter(&s.calls, "write with immediate"); err != nil {
+	const op = "write with immediate"
+	if err := s.enter(&s.calls, op); err != nil {
 		return err
 	}
 	defer s.calls.RUnlock()
-	const op = "write with immediate"
 	if err := s.checkRemote(op, dst, verbs.AccessRemoteWrite); err != nil {
 		return err
 	}
@@ -434,15 +431,12 @@ func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src
 		note.Free()
 		return fmt.Errorf("session: %s: %w", op, err)
 	}
-	hw, err := s.data.PostWrite(dst.addr(), src.SGE())
-	for w := 0; queueFull(err); {
-		if werr := s.waitRoom(ctx, s.data, &w); werr != nil {
-			s.giveBack(o)
-			s.releaseOp()
-			note.Free()
-			return s.ctxErr(op, werr)
-		}
-		hw, err = s.data.PostWrite(dst.addr(), src.SGE())
+	hw, err, roomErr := s.postRoom(ctx, s.data, func() (channel.Handle, error) { return s.data.PostWrite(dst.addr(), src.SGE()) })
+	if roomErr != nil {
+		s.giveBack(o)
+		s.releaseOp()
+		note.Free()
+		return s.ctxErr(op, roomErr)
 	}
 	if err != nil {
 		s.giveBack(o)
