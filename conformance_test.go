@@ -29,6 +29,11 @@ var rxeDeviations = map[string]string{
 		"the receive completes with LOC_QP_OP_ERR, not LOC_LEN_ERR",
 	"FlushAfterError/PostedInErr": "rxe does not flush a receive posted after the QP entered ERR " +
 		"(the receive never completes; sends posted in ERR are flushed)",
+	"Fence/StopsAtFence": "in about 1 run of the Fence case in 80 rxe's send queue stops for good at a fenced request " +
+		"although every earlier request has completed (6 of 502 runs, each time at the fenced write that follows a " +
+		"70000-byte read and send, in a round that posts one request at a time), and posting more requests does not restart it (a fence in rxe " +
+		"waits until its count of outstanding reads and atomics, req.rd_atomic, is back at max_rd_atomic: that count " +
+		"must have lost step with the completed reads and atomics)",
 }
 
 // TestConformanceSoft runs the provider conformance suite on soft0: with
