@@ -249,6 +249,10 @@ func (p Pending) Wait(ctx context.Context) error {
 	if p.r == nil {
 		return nil
 	}
+	if p.r.live.Load() != p.gen {
+		// Used already: that says so even once the session has ended.
+		return errPendingUsed
+	}
 	if err := p.r.s.enter(&p.r.s.calls, "send"); err != nil {
 		p.Release()
 		return err
@@ -256,10 +260,12 @@ func (p Pending) Wait(ctx context.Context) error {
 	defer p.r.s.calls.RUnlock()
 	s, h, o, ok := p.claim()
 	if !ok {
-		return fmt.Errorf("session: send: %w: the pending message was waited for or released already", ErrClosed)
+		return errPendingUsed
 	}
 	return s.awaitFor(ctx, "send", h, o)
 }
+
+var errPendingUsed = fmt.Errorf("session: send: %w: the pending message was waited for or released already", ErrClosed)
 
 // Release gives up the Pending without waiting: the bytes must not
 // change until the message is delivered, but the region may be freed

@@ -493,3 +493,40 @@ func TestReleaseTwice(t *testing.T) {
 		}
 	}
 }
+
+// TestPendingUsedAfterEnd: a Pending waited for (or released) already
+// says so, with an error wrapping ErrClosed, also once the session has
+// ended and been closed, as its doc says; before, a second Wait after the
+// peer's Close and this side's returned the session's end, ErrPeerClosed,
+// as if the message had not been waited for (TestAdvCloseDuringTraffic
+// saw it once in a CI rehearsal).
+func TestPendingUsedAfterEnd(t *testing.T) {
+	for _, first := range []string{"wait", "release"} {
+		t.Run(first, func(t *testing.T) {
+			a, b := pair(t, Config{})
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			r, err := a.Alloc(64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, err := a.PostSendSlice(ctx, r.All(), 0, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if first == "wait" {
+				if err := p.Wait(ctx); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				p.Release()
+			}
+			b.Close()
+			<-a.Done()
+			a.Close()
+			if err := p.Wait(ctx); !errors.Is(err, ErrClosed) || errors.Is(err, ErrPeerClosed) {
+				t.Fatalf("Wait after %s and the peer's Close: %v, want ErrClosed (the Pending was used)", first, err)
+			}
+		})
+	}
+}
