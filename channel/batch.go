@@ -101,7 +101,7 @@ func (sc *scope) add(b *Batch, w work) Handle {
 		if len(sc.hs) >= sc.e.nslots {
 			return sc.fail(b, w.kind, fmt.Errorf("the batch holds all %d operation slots (Options.MaxOutstanding); Release handles whose results you have read: %w", sc.e.nslots, verbs.ErrQueueFull))
 		}
-		if s, err = sc.e.acquire(sc.ctx, b.p, w.kind); err != nil {
+		if s, err = sc.e.take(sc.ctx, true, b.p, w.kind, sc.held()); err != nil {
 			return sc.fail(b, w.kind, err)
 		}
 	}
@@ -113,6 +113,18 @@ func (sc *scope) add(b *Batch, w work) Handle {
 	h := handleOf(s)
 	sc.hs = append(sc.hs, h)
 	return h
+}
+
+// held counts the slots the scope holds: its operations' handles that
+// were not released.
+func (sc *scope) held() int {
+	n := 0
+	for _, h := range sc.hs {
+		if h.live() {
+			n++
+		}
+	}
+	return n
 }
 
 // fail returns the handle of an operation that failed before it had a
@@ -436,11 +448,18 @@ func (sc *scope) waitAllOp(hs []Handle) error {
 //
 // Batch returns fn's error, joined with the first failure of an operation
 // whose result fn never looked at (through Wait, WaitAny, WaitAll or
-// Handle.Err). ctx bounds every wait of the scope; if it ends while
+// Handle.Err), or of an operation that failed before it was posted
+// (for want of a slot, say) and that no WaitAll reported. ctx bounds every wait of the scope; if it ends while
 // operations are still in flight at the end, the queue pairs concerned are
 // broken to flush them (like a cancelled blocking call). If ctx has ended
 // before the call, Batch does not run fn and returns an error wrapping
 // verbs.ErrTimeout and ctx.Err().
+//
+// An operation waits for one of the channel's slots (Options.MaxOutstanding)
+// while none is free. When the scopes waiting for a slot hold all of them
+// between them, none could come free: the request of the scope that would
+// wait last fails at once with an error wrapping verbs.ErrQueueFull, and
+// when that scope ends the others go on.
 func (c *Channel) Batch(ctx context.Context, fn func(b *Batch) error) error {
 	if c.err != nil {
 		return c.opErr("batch", c.err)

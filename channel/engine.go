@@ -123,7 +123,11 @@ type engine struct {
 	// the waiter that polls may be asleep on the completion channel.
 	// Made by the first waiter after a release; under freeMu.
 	slotWait context.Context
-	slotWake context.CancelFunc
+	// heldWaiting counts the slots held by Batch scopes that wait for
+	// one more (take with held > 0): if they are all of them, nothing
+	// can release one. Under freeMu.
+	heldWaiting int
+	slotWake    context.CancelFunc
 
 	pollMu   sync.Mutex // the right to poll the CQ and sleep on it
 	waiters  atomic.Int32
@@ -248,16 +252,21 @@ func newEngine(pd *verbs.ProtectionDomain, npeers, self int, opts Options, cm fu
 // acquire takes a slot from the pool, waiting (polling the CQ, so that
 // completions free slots) until one is free or ctx ends.
 func (e *engine) acquire(ctx context.Context, p *peer, kind opKind) (*slot, error) {
-	return e.take(ctx, true, p, kind)
+	return e.take(ctx, true, p, kind, 0)
 }
 
 // tryAcquire takes a slot from the pool, or fails at once with an error
 // wrapping verbs.ErrQueueFull when none is free.
 func (e *engine) tryAcquire(p *peer, kind opKind) (*slot, error) {
-	return e.take(context.Background(), false, p, kind)
+	return e.take(context.Background(), false, p, kind, 0)
 }
 
-func (e *engine) take(ctx context.Context, wait bool, p *peer, kind opKind) (*slot, error) {
+// take takes a slot from the pool. With wait, it waits for one while
+// none is free; held is the number of slots the caller (a Batch scope)
+// holds meanwhile. A waiter holding slots fails at once, with an error
+// wrapping verbs.ErrQueueFull, when the slots of the scopes already
+// waiting and its own are all the slots: none could ever be released.
+func (e *engine) take(ctx context.Context, wait bool, p *peer, kind opKind, held int) (*slot, error) {
 	for {
 		if e.closed.Load() {
 			return nil, ErrClosed
@@ -283,12 +292,25 @@ func (e *engine) take(ctx context.Context, wait bool, p *peer, kind opKind) (*sl
 			e.freeMu.Unlock()
 			return nil, fmt.Errorf("%d operations in flight (Options.MaxOutstanding): %w", e.nslots, verbs.ErrQueueFull)
 		}
+		if held > 0 && e.heldWaiting+held >= e.nslots {
+			e.freeMu.Unlock()
+			return nil, fmt.Errorf("every one of the %d operation slots (Options.MaxOutstanding) is held by a Batch scope "+
+				"that waits for one more, this one's %d included: none can come free; "+
+				"Release handles whose results you have read, or let fewer scopes run at once: %w", e.nslots, held, verbs.ErrQueueFull)
+		}
 		if e.slotWait == nil {
 			e.slotWait, e.slotWake = context.WithCancel(context.Background())
 		}
 		released := e.slotWait
+		e.heldWaiting += held
 		e.freeMu.Unlock()
-		if err := e.waitForSlot(ctx, released); err != nil {
+		err := e.waitForSlot(ctx, released)
+		if held > 0 {
+			e.freeMu.Lock()
+			e.heldWaiting -= held
+			e.freeMu.Unlock()
+		}
+		if err != nil {
 			return nil, err
 		}
 	}
