@@ -83,6 +83,7 @@ type slot struct {
 	wc     verbs.Completion // written by the poller before state becomes slotDone
 	val    uint64           // an atomic's prior value, copied by the poller too
 	err    error            // failure before the device saw the request
+	closed atomic.Bool      // Close ended the request before its completion came (endPosted)
 	ch     chan struct{}    // capacity 1: the completion arrived
 	wake   atomic.Pointer[chan struct{}]
 
@@ -279,6 +280,7 @@ func (e *engine) take(ctx context.Context, wait bool, p *peer, kind opKind, held
 			s := &e.slots[idx]
 			s.gen.Add(1)
 			s.kind, s.p, s.rel, s.err, s.seen = kind, p, 0, nil, false
+			s.closed.Store(false)
 			s.wc, s.val = verbs.Completion{}, 0
 			s.wake.Store(nil)
 			select { // a token left by an earlier use
@@ -696,6 +698,31 @@ func (e *engine) drain(ctx context.Context, peers []*peer) error {
 	}, nil)
 }
 
+// endPosted completes every slot still owned by the device with
+// ErrClosed, and frees detached ones. Called by close, with pollMu, after
+// the queue pairs are destroyed.
+func (e *engine) endPosted() {
+	for i := range e.slots {
+		s := &e.slots[i]
+		if s.marker {
+			continue
+		}
+		switch s.state.Load() {
+		case slotPosted:
+			// Possibly a slot taken by a post that will fail (closed)
+			// and release it: only atomics are written here.
+			s.closed.Store(true)
+			if s.state.CompareAndSwap(slotPosted, slotDone) {
+				s.notify()
+			} else if s.state.Load() == slotDetached {
+				e.release(s) // released by its owner meanwhile
+			}
+		case slotDetached:
+			e.release(s)
+		}
+	}
+}
+
 // close breaks every queue pair, waits (at most the flush grace) for the
 // flushes, and destroys everything.
 func (e *engine) close() error {
@@ -714,6 +741,16 @@ func (e *engine) close() error {
 				p.cm.Disconnect()
 			}
 			p.breakQP(ErrClosed)
+		}
+	}
+	// A post that saw the peer usable before it broke holds p.mu until
+	// its requests are counted in pending: once the lock was taken here,
+	// every request posted is counted (and drained below), and later
+	// posts see the peer broken.
+	for _, p := range e.peers {
+		if p != nil {
+			p.mu.Lock()
+			p.mu.Unlock() //nolint:staticcheck // an empty critical section: a barrier
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), e.opts.FlushGrace)
@@ -735,8 +772,10 @@ func (e *engine) close() error {
 	// pair in the error state, whatever it waits for has been flushed.
 	// (Closing the CQ wakes it in any case.)
 	deadline := time.Now().Add(e.opts.FlushGrace)
+	polling := true
 	for !e.pollMu.TryLock() {
 		if time.Now().After(deadline) {
+			polling = false
 			break
 		}
 		time.Sleep(100 * time.Microsecond)
@@ -756,6 +795,13 @@ func (e *engine) close() error {
 				errs = append(errs, err)
 			}
 		}
+	}
+	if polling {
+		// No poller is left, and none comes: a request whose completion
+		// did not come within the flush grace would leave its handle
+		// undone forever. With its queue pair destroyed the device no
+		// longer uses its buffers: it completes with ErrClosed.
+		e.endPosted()
 	}
 	if err := e.scratch.Close(); err != nil {
 		errs = append(errs, err)

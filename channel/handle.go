@@ -123,7 +123,7 @@ func (h Handle) Err() error {
 // Completion returns the work completion of a completed operation; ok is
 // false while it is in flight, or if it never reached the device.
 func (h Handle) Completion() (wc verbs.Completion, ok bool) {
-	if !h.live() || h.s.state.Load() != slotDone || h.s.err != nil {
+	if !h.live() || h.s.state.Load() != slotDone || h.s.failed() {
 		return verbs.Completion{}, false
 	}
 	return h.s.wc, true
@@ -145,7 +145,7 @@ func receivedOf(wc *verbs.Completion) Received {
 // Received returns what a completed, successful receive got; zero
 // otherwise.
 func (h Handle) Received() Received {
-	if !h.live() || h.s.state.Load() != slotDone || h.s.kind != opRecv || h.s.err != nil || h.s.wc.Status != verbs.StatusSuccess {
+	if !h.live() || h.s.state.Load() != slotDone || h.s.kind != opRecv || h.s.failed() || h.s.wc.Status != verbs.StatusSuccess {
 		return Received{}
 	}
 	return receivedOf(&h.s.wc)
@@ -154,7 +154,7 @@ func (h Handle) Received() Received {
 // Value returns the prior value of the remote word for a completed,
 // successful compare-and-swap or fetch-and-add; zero otherwise.
 func (h Handle) Value() uint64 {
-	if !h.live() || h.s.state.Load() != slotDone || h.s.err != nil || h.s.wc.Status != verbs.StatusSuccess {
+	if !h.live() || h.s.state.Load() != slotDone || h.s.failed() || h.s.wc.Status != verbs.StatusSuccess {
 		return 0
 	}
 	if h.s.kind != opCAS && h.s.kind != opFAA {
@@ -180,6 +180,9 @@ func (s *slot) result() error {
 	if s.err != nil {
 		return &OpError{Op: s.kind.String(), Peer: s.p.idx, Err: s.err}
 	}
+	if s.closed.Load() {
+		return &OpError{Op: s.kind.String(), Peer: s.p.idx, Err: errClosedInFlight}
+	}
 	if s.wc.Status == verbs.StatusSuccess {
 		return nil
 	}
@@ -191,6 +194,14 @@ func (s *slot) result() error {
 	}
 	return &OpError{Op: s.kind.String(), Peer: s.p.idx, Err: err}
 }
+
+// failed reports whether the slot's request failed without a completion
+// of its own (before the device saw it, or ended by Close).
+func (s *slot) failed() bool { return s.err != nil || s.closed.Load() }
+
+// errClosedInFlight is the result of a request whose completion had not
+// come when Close destroyed its queue pair.
+var errClosedInFlight = fmt.Errorf("the channel was closed before the request completed (its queue pair is destroyed): %w", ErrClosed)
 
 // resultSGE is the 8 bytes of scratch memory where the atomic operation
 // of slot s returns the prior value (slot indexes are below e.nslots, so

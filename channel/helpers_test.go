@@ -24,9 +24,15 @@ func (s *side) sge(off, n int) verbs.SGE { return verbstest.SGE(s.t, s.buf, off,
 
 func newSide(t testing.TB, opts channel.Options) *side {
 	t.Helper()
+	return newSideOn(t, verbs.SoftDevice, opts)
+}
+
+// newSideOn is newSide on the device named dev.
+func newSideOn(t testing.TB, dev string, opts channel.Options) *side {
+	t.Helper()
 	s := &side{t: t}
 	var err error
-	if s.dev, err = verbs.Open(verbs.SoftDevice); err != nil {
+	if s.dev, err = verbs.Open(dev); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { closeOrFail(t, "device", s.dev.Close) })
@@ -55,8 +61,14 @@ func closeOrFail(t testing.TB, what string, f func() error) {
 // newPair returns two connected channels, each in its own device context.
 func newPair(t testing.TB, opts channel.Options) (a, b *side) {
 	t.Helper()
+	return newPairOn(t, verbs.SoftDevice, verbs.SoftDevice, opts)
+}
+
+// newPairOn is newPair with side a on device devA and b on devB.
+func newPairOn(t testing.TB, devA, devB string, opts channel.Options) (a, b *side) {
+	t.Helper()
 	verbstest.CheckLeaks(t)
-	a, b = newSide(t, opts), newSide(t, opts)
+	a, b = newSideOn(t, devA, opts), newSideOn(t, devB, opts)
 	connect(t, a.ch, b.ch)
 	return a, b
 }
