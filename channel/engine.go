@@ -750,7 +750,8 @@ func (e *engine) close() error {
 	for _, p := range e.peers {
 		if p != nil {
 			p.mu.Lock()
-			p.mu.Unlock() //nolint:staticcheck // an empty critical section: a barrier
+			//lint:ignore SA2001 an empty critical section: a barrier
+			p.mu.Unlock()
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), e.opts.FlushGrace)
