@@ -43,11 +43,14 @@ type returned struct {
 
 // finWait is a rendezvous waiting for the peer's fin.
 type finWait struct {
-	done  chan struct{} // closed by the fin, or by the session's end
-	read  bool          // the fin came (set before done is closed)
-	win   *verbs.MemoryRegion
-	owned LocalMR // the library's copy of the message (Send), freed then
-	held  LocalMR // the application's region (SendSlice), held until then
+	done chan struct{} // closed by the fin, or by the session's end
+	read bool          // the fin came (set before done is closed)
+	// refused is why the peer did not read the message (a fin with an
+	// error code: it had no memory for it), set before done is closed.
+	refused error
+	win     *verbs.MemoryRegion
+	owned   LocalMR // the library's copy of the message (Send), freed then
+	held    LocalMR // the application's region (SendSlice), held until then
 }
 
 // grantState is memory of ours the peer may access: a window of a region
@@ -496,7 +499,11 @@ func (s *Session) handle(m ctrlMsg) {
 		a.mu.Unlock()
 		if w != nil {
 			w.free()
-			w.read = true
+			if m.code != 0 {
+				w.refused = codeErr(m)
+			} else {
+				w.read = true
+			}
 			close(w.done)
 		}
 	}

@@ -101,7 +101,9 @@ func (m Message) Release() {
 // receive buffers goes by rendezvous: the peer reads it from a window
 // of this side's memory, and Send returns when it has. If ctx ends
 // first, Send returns its error and the message may still be delivered
-// (the device has it); the session goes on.
+// (the device has it); the session goes on. If the peer has no memory
+// for a rendezvous message (its allocator's MaxMemory), it drops it and
+// Send fails with an error wrapping ErrLimit; the session goes on.
 func (s *Session) Send(ctx context.Context, data []byte) error {
 	return s.sendBytes(ctx, data, 0, false)
 }
@@ -598,6 +600,10 @@ func (s *Session) awaitFin(ctx context.Context, w *finWait) error {
 		if w.read {
 			return nil
 		}
+		if w.refused != nil {
+			// The session goes on: only this message is lost.
+			return fmt.Errorf("session: send: the peer dropped the message, it had no memory for it: %w", w.refused)
+		}
 		return s.fail("send", nil)
 	case <-ctx.Done():
 		return fmt.Errorf("session: send: %w", ctx.Err())
@@ -618,7 +624,10 @@ type pendingRead struct {
 // Receive returns the next message. Messages arrive in the order the
 // peer sent them; concurrent Receives take turns. If ctx ends first,
 // Receive returns its error and nothing is lost: the next Receive gets
-// the message.
+// the message. A rendezvous message this side has no memory for (the
+// allocator's MaxMemory) is dropped: Receive fails with an error wrapping
+// ErrLimit (or the allocator's error), the sender's Send fails too, and
+// the next Receive gets the next message.
 func (s *Session) Receive(ctx context.Context) (Message, error) {
 	if err := s.enter(&s.rcalls, "receive"); err != nil {
 		return Message{}, err
@@ -770,9 +779,16 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 		m.slot = -1
 		mr, err := s.mem.Alloc(max(ln, 1))
 		if err != nil {
-			// The sender waits for the fin; without memory for the
-			// message the session cannot go on in order.
-			return Message{}, s.protocol(fmt.Errorf("session: receive: a message of %d bytes: %w", ln, err))
+			// No memory for it here: the message is dropped, the
+			// sender told (a fin with an error: its Send fails), and
+			// the session goes on with the next.
+			code := uint8(errCodeNoMemory)
+			if errors.Is(err, ErrLimit) {
+				code = errCodeLimit
+			}
+			s.sendAsyncCtrl(ctrlMsg{typ: ctrlFin, id: id, code: code,
+				text: fmt.Sprintf("the receiver had no memory for a message of %d bytes: %v", ln, err)})
+			return Message{}, fmt.Errorf("session: receive: a message of %d bytes was dropped, this side has no memory for it (the sender's Send fails): %w", ln, err)
 		}
 		p := &pendingRead{src: src, mr: mr, id: id, msg: m}
 		p.msg.mr, p.msg.n = mr, ln

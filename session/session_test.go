@@ -530,3 +530,46 @@ func TestPendingUsedAfterEnd(t *testing.T) {
 		})
 	}
 }
+
+// TestRendezvousNoMemory: a message the receiver has no memory for (its
+// allocator's MaxMemory) is dropped, both sides are told, and the session
+// goes on: the receiver's Receive and the sender's Send fail with errors
+// wrapping ErrLimit, and the next messages, small and large, arrive.
+// Before, the receiver ended the session with a protocol error.
+func TestRendezvousNoMemory(t *testing.T) {
+	small := AllocatorConfig{ArenaSize: 1 << 20, MaxMemory: 4 << 20}
+	a, b := pairWith(t, Config{Allocator: small}, Config{}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	big := bytes.Repeat([]byte("big!"), 2<<20) // 8 MiB: more than a can hold
+	sent := make(chan error, 1)
+	go func() { sent <- b.Send(ctx, big) }()
+	_, err := a.Receive(ctx)
+	if !errors.Is(err, ErrLimit) {
+		t.Fatalf("receiving a message larger than MaxMemory: %v, want ErrLimit", err)
+	}
+	t.Logf("receiver: %v", err)
+	if err := <-sent; !errors.Is(err, ErrLimit) {
+		t.Fatalf("sending it: %v, want ErrLimit", err)
+	} else {
+		t.Logf("sender: %v", err)
+	}
+	if a.Err() != nil || b.Err() != nil {
+		t.Fatalf("the session ended: %v, %v", a.Err(), b.Err())
+	}
+	for _, n := range []int{5, 1 << 20} { // eager, then rendezvous
+		msg := bytes.Repeat([]byte{byte(n)}, n)
+		go func() { sent <- b.Send(ctx, msg) }()
+		m, err := a.Receive(ctx)
+		if err != nil {
+			t.Fatalf("a message of %d bytes after the dropped one: %v", n, err)
+		}
+		if !bytes.Equal(m.Bytes(), msg) {
+			t.Fatalf("a message of %d bytes arrived as %d bytes", n, m.Len())
+		}
+		m.Release()
+		if err := <-sent; err != nil {
+			t.Fatalf("sending %d bytes: %v", n, err)
+		}
+	}
+}
