@@ -14,37 +14,12 @@ import (
 // completes with ErrClosed once Close has destroyed its queue pair; before,
 // its handle stayed undone forever, and a caller looping on Done hung.
 func TestCloseEndsUndispatched(t *testing.T) {
-	pd := softPD(t)
-	mr, err := pd.Alloc(4096, verbs.AccessLocalWrite)
+	a, _ := internalPairWith(t, Options{FlushGrace: 200 * time.Millisecond})
+	mr, err := a.PD().Alloc(4096, verbs.AccessLocalWrite)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer mr.Close()
-	opts := Options{FlushGrace: 200 * time.Millisecond}
-	a, err := New(pd, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
-	b, err := New(pd, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Close()
-	ea, err := a.Endpoint()
-	if err != nil {
-		t.Fatal(err)
-	}
-	eb, err := b.Endpoint()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Connect(eb); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Connect(ea); err != nil {
-		t.Fatal(err)
-	}
 	// A receive no message comes for: in flight until Close flushes it.
 	h, err := a.PostReceive(verbs.SGE{Addr: mr.Addr(), Length: 64, LKey: mr.LKey()})
 	if err != nil {

@@ -235,8 +235,14 @@ func TestAdaptiveWaitLearns(t *testing.T) {
 // on its own device context.
 func internalPair(t *testing.T) (a, b *Channel) {
 	t.Helper()
+	return internalPairWith(t, Options{})
+}
+
+// internalPairWith is internalPair with the options opts.
+func internalPairWith(t *testing.T, opts Options) (a, b *Channel) {
+	t.Helper()
 	side := func() *Channel {
-		c, err := New(softPD(t), Options{})
+		c, err := New(softPD(t), opts)
 		if err != nil {
 			t.Fatal(err)
 		}
