@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -137,11 +138,48 @@ func (e *env) int(name string, def int) (int, error) {
 		}
 		return 0, e.errf(name, "not set")
 	}
-	n, err := strconv.Atoi(v)
-	if err != nil || n < 0 {
+	n, ok := decimal(v)
+	if !ok {
 		return 0, e.errf(name, "%q is not a non-negative integer", v)
 	}
 	return n, nil
+}
+
+// decimal parses a non-negative decimal integer made of digits only (no
+// sign, no spaces) that fits in an int.
+func decimal(v string) (int, bool) {
+	if v == "" || strings.TrimLeft(v, "0123456789") != "" {
+		return 0, false
+	}
+	n, err := strconv.Atoi(v)
+	return n, err == nil
+}
+
+// checkAddr checks a host:port address of the environment: the port is
+// decimal, from 1 to 65535; the host is an IP address (IPv6 with a zone
+// too), a host name (see checkHostname), or, when emptyHost, empty (every
+// interface).
+func checkAddr(addr string, emptyHost bool) error {
+	host, p, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("%q is not host:port", addr)
+	}
+	if n, ok := decimal(p); !ok || n < 1 || n > 65535 {
+		return fmt.Errorf("%q has a bad port", addr)
+	}
+	if host == "" {
+		if emptyHost {
+			return nil
+		}
+		return fmt.Errorf("%q has no host", addr)
+	}
+	if _, err := netip.ParseAddr(host); err == nil {
+		return nil
+	}
+	if err := checkHostname(host); err != nil {
+		return fmt.Errorf("%q has a bad host: %v", addr, err)
+	}
+	return nil
 }
 
 // opt reads an optional non-negative integer: -1 when unset.
@@ -187,6 +225,7 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 	}
 	l := Launch{Launcher: e.launcher, LocalRank: -1}
 	var err error
+	var sizeVar string // the variable that gave the world size
 	port := opts.Port
 	if port == 0 {
 		if port, err = e.int("GOVERBS_PORT", 0); err != nil {
@@ -206,7 +245,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Rank, err = e.int("GOVERBS_RANK", -1); err != nil {
 			return l, err
 		}
-		if l.Size, err = e.int("GOVERBS_WORLD_SIZE", -1); err != nil {
+		sizeVar = "GOVERBS_WORLD_SIZE"
+		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
 		if l.LocalRank, err = e.int("GOVERBS_LOCAL_RANK", l.Rank); err != nil {
@@ -216,7 +256,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Rank, err = e.int("RANK", -1); err != nil {
 			return l, err
 		}
-		if l.Size, err = e.int("WORLD_SIZE", -1); err != nil {
+		sizeVar = "WORLD_SIZE"
+		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
 		if l.LocalRank, err = e.opt("LOCAL_RANK"); err != nil {
@@ -239,7 +280,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Rank, err = e.int("OMPI_COMM_WORLD_RANK", -1); err != nil {
 			return l, err
 		}
-		if l.Size, err = e.int("OMPI_COMM_WORLD_SIZE", -1); err != nil {
+		sizeVar = "OMPI_COMM_WORLD_SIZE"
+		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
 		if l.LocalRank, err = e.opt("OMPI_COMM_WORLD_LOCAL_RANK"); err != nil {
@@ -250,7 +292,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Rank, err = e.int("PMI_RANK", -1); err != nil {
 			return l, err
 		}
-		if l.Size, err = e.int("PMI_SIZE", -1); err != nil {
+		sizeVar = "PMI_SIZE"
+		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
 		name, _, _ := e.first("MPI_LOCALRANKID", "PMI_LOCAL_RANK")
@@ -262,8 +305,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Rank, err = e.int("SLURM_PROCID", -1); err != nil {
 			return l, err
 		}
-		name, _, _ := e.first("SLURM_NTASKS", "SLURM_NPROCS")
-		if l.Size, err = e.int(name, -1); err != nil {
+		sizeVar, _, _ = e.first("SLURM_NTASKS", "SLURM_NPROCS")
+		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
 		if l.LocalRank, err = e.opt("SLURM_LOCALID"); err != nil {
@@ -287,7 +330,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		}
 		l.Size = opts.Size
 		if l.Size == 0 {
-			if l.Size, err = e.int("GOVERBS_WORLD_SIZE", -1); err != nil {
+			sizeVar = "GOVERBS_WORLD_SIZE"
+			if l.Size, err = e.int(sizeVar, -1); err != nil {
 				return l, err
 			}
 		}
@@ -304,8 +348,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 	default:
 		return l, &EnvError{Launcher: e.launcher, Err: fmt.Errorf("%w: unknown launcher %q", ErrNoLauncher, e.launcher)}
 	}
-	if l.Size < 1 {
-		return l, &EnvError{Launcher: e.launcher, Err: fmt.Errorf("%w: world size %d", ErrEnvValue, l.Size)}
+	if l.Size < 1 || l.Size > MaxWorldSize {
+		return l, &EnvError{Launcher: e.launcher, Var: sizeVar, Err: fmt.Errorf("%w: world size %d (want 1 to %d)", ErrEnvValue, l.Size, MaxWorldSize)}
 	}
 	if l.Rank >= l.Size {
 		return l, &EnvError{Launcher: e.launcher, Err: fmt.Errorf("%w: rank %d outside a world of %d", ErrEnvValue, l.Rank, l.Size)}
@@ -320,13 +364,10 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		return l, &EnvError{Launcher: e.launcher, Var: "GOVERBS_ROOT", Err: ErrNoRoot}
 	}
 	if root != "" {
-		host, p, err := net.SplitHostPort(root)
-		if err != nil || host == "" {
-			return l, &EnvError{Launcher: e.launcher, Var: "GOVERBS_ROOT", Err: fmt.Errorf("%w: root address %q is not host:port", ErrEnvValue, root)}
+		if err := checkAddr(root, false); err != nil {
+			return l, &EnvError{Launcher: e.launcher, Var: "GOVERBS_ROOT", Err: fmt.Errorf("%w: root address %v", ErrEnvValue, err)}
 		}
-		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
-			return l, &EnvError{Launcher: e.launcher, Var: "GOVERBS_ROOT", Err: fmt.Errorf("%w: root address %q has a bad port", ErrEnvValue, root)}
-		}
+		host, p, _ := net.SplitHostPort(root)
 		l.Listen = root
 		if net.ParseIP(host) == nil {
 			l.Listen = net.JoinHostPort("", p)
@@ -334,6 +375,9 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 	}
 	l.Root = root
 	if v, ok := e.str("GOVERBS_LISTEN"); ok {
+		if err := checkAddr(v, true); err != nil {
+			return l, e.errf("GOVERBS_LISTEN", "listen address %v", err)
+		}
 		l.Listen = v
 	}
 	if v, ok := e.str("GOVERBS_JOB"); ok {

@@ -124,7 +124,7 @@ func TestParseLaunchErrors(t *testing.T) {
 		{"slurm bad rank", map[string]string{"SLURM_PROCID": "x", "SLURM_NTASKS": "2"}, cluster.ErrEnvValue, "SLURM_PROCID"},
 		{"slurm negative rank", map[string]string{"SLURM_PROCID": "-1", "SLURM_NTASKS": "2"}, cluster.ErrEnvValue, "SLURM_PROCID"},
 		{"slurm rank too large", map[string]string{"SLURM_PROCID": "2", "SLURM_NTASKS": "2", "SLURM_NODELIST": "a"}, cluster.ErrEnvValue, ""},
-		{"slurm size 0", map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "0"}, cluster.ErrEnvValue, ""},
+		{"slurm size 0", map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "0"}, cluster.ErrEnvValue, "SLURM_NTASKS"},
 		{"slurm bad node list", map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-"}, cluster.ErrEnvValue, "SLURM_JOB_NODELIST"},
 		{"slurm no node list", map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, cluster.ErrNoRoot, "GOVERBS_ROOT"},
 		{"open mpi no root", map[string]string{"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, cluster.ErrNoRoot, "GOVERBS_ROOT"},

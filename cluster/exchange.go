@@ -268,8 +268,8 @@ func newCardExchange(cfg ExchangeConfig, card, items []byte) (*exchange, error) 
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("cluster: exchange: "+format, args...)
 	}
-	if cfg.Size < 1 {
-		return nil, bad("world size %d", cfg.Size)
+	if cfg.Size < 1 || cfg.Size > MaxWorldSize {
+		return nil, bad("world size %d (want 1 to %d)", cfg.Size, MaxWorldSize)
 	}
 	w := len(items) / cfg.Size
 	if w < 1 || w > 255 || len(items) != w*cfg.Size {
@@ -316,8 +316,8 @@ func newExchange(cfg ExchangeConfig, out [][]byte) (*exchange, error) {
 		return fmt.Errorf("cluster: exchange: "+format, args...)
 	}
 	switch {
-	case cfg.Size < 1:
-		return nil, bad("world size %d", cfg.Size)
+	case cfg.Size < 1 || cfg.Size > MaxWorldSize:
+		return nil, bad("world size %d (want 1 to %d)", cfg.Size, MaxWorldSize)
 	case cfg.Rank < 0 || cfg.Rank >= cfg.Size:
 		return nil, bad("rank %d outside [0, %d)", cfg.Rank, cfg.Size)
 	case len(out) != cfg.Size:

@@ -68,6 +68,14 @@ type Node struct {
 	closeOnce sync.Once
 }
 
+// MaxWorldSize is the largest world NewNode builds, an exchange runs
+// and ParseLaunch accepts: 1 048 576 ranks. A node holds a queue pair
+// and registered flags and mailboxes per rank (NewNode allocates per
+// rank at once), and the exchange carries ranks in 32 bits, so a world
+// size read from a malformed environment (WORLD_SIZE=9223372036854775807)
+// must fail with an error before anything is allocated for it.
+const MaxWorldSize = 1 << 20
+
 // defaultDoorbells is the number of doorbell receives per peer
 // (NodeOptions.Channel.Doorbells).
 const defaultDoorbells = 64
@@ -76,8 +84,8 @@ const defaultDoorbells = 64
 // MultiChannel in pd (which the caller keeps and closes after the Node)
 // and a barrier.
 func NewNode(pd *verbs.ProtectionDomain, rank, size int, opts NodeOptions) (*Node, error) {
-	if size < 1 {
-		return nil, fmt.Errorf("cluster: node: world size %d (want at least 1)", size)
+	if size < 1 || size > MaxWorldSize {
+		return nil, fmt.Errorf("cluster: node: world size %d (want 1 to %d)", size, MaxWorldSize)
 	}
 	if rank < 0 || rank >= size {
 		return nil, fmt.Errorf("cluster: node: rank %d outside [0, %d)", rank, size)

@@ -1,0 +1,405 @@
+package cluster
+
+import (
+	"bytes"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+)
+
+// Adversarial tests: what a user gets wrong and what a stranger on the
+// network sends. Helpers of this file are prefixed with "adv". Contexts
+// and read deadlines here are hang guards, never bounds that a test
+// asserts.
+
+// advGuard is the hang guard of these tests.
+const advGuard = time.Minute
+
+// TestAdvWorldSizeBound: a world size no process can hold (a malformed
+// WORLD_SIZE, say) is an error from NewNode, an exchange and ParseLaunch,
+// before anything is allocated for it; before MaxWorldSize, NewNode
+// panicked in channel.NewMulti (makeslice: len out of range) and, for
+// sizes it could not allocate, would have run the process out of memory.
+func TestAdvWorldSizeBound(t *testing.T) {
+	dev, err := verbs.Open(verbs.SoftDevice)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	pd, err := dev.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pd.Close()
+	for _, size := range []int{MaxWorldSize + 1, 1 << 32, 1 << 61, int(^uint(0) >> 1)} {
+		t.Run(fmt.Sprint(size), func(t *testing.T) {
+			func() {
+				defer func() {
+					if p := recover(); p != nil {
+						t.Errorf("NewNode(%d) panicked: %v", size, p)
+					}
+				}()
+				n, err := NewNode(pd, 0, size, NodeOptions{})
+				if err == nil {
+					n.Close()
+					t.Errorf("NewNode(%d): no error", size)
+				}
+			}()
+			if _, err := newExchange(ExchangeConfig{Rank: 0, Size: size, Mode: Rendezvous, Root: "127.0.0.1:1"}, nil); err == nil ||
+				!strings.Contains(err.Error(), "world size") {
+				t.Errorf("exchange of %d ranks: %v, want a world size error", size, err)
+			}
+			env := map[string]string{"GOVERBS_RANK": "0", "GOVERBS_WORLD_SIZE": fmt.Sprint(size), "GOVERBS_ROOT": "127.0.0.1:1"}
+			_, err := ParseLaunch(EnvOptions{Lookup: advLookup(env)})
+			var ee *EnvError
+			if !errors.Is(err, ErrEnvValue) || !errors.As(err, &ee) || ee.Var != "GOVERBS_WORLD_SIZE" {
+				t.Errorf("GOVERBS_WORLD_SIZE=%d: %v, want ErrEnvValue naming the variable", size, err)
+			}
+		})
+	}
+	// The bound itself is a valid size for the checks that come before
+	// any allocation.
+	if _, err := ParseLaunch(EnvOptions{Lookup: advLookup(map[string]string{"GOVERBS_RANK": "0",
+		"GOVERBS_WORLD_SIZE": fmt.Sprint(MaxWorldSize), "GOVERBS_ROOT": "127.0.0.1:1"})}); err != nil {
+		t.Errorf("GOVERBS_WORLD_SIZE=MaxWorldSize: %v", err)
+	}
+}
+
+func advLookup(m map[string]string) func(string) (string, bool) {
+	return func(k string) (string, bool) { v, ok := m[k]; return v, ok }
+}
+
+// TestAdvParseLaunchMalformed: values a launcher (or a user) may get
+// wrong are refused by ParseLaunch with ErrEnvValue naming the variable,
+// rather than accepted and then retried against an address that cannot
+// exist until the context ends. Before, signed numbers ("+1") passed for
+// ranks and ports, and hosts with spaces, colons or brackets (MASTER_ADDR
+// holding host:port, a Kubernetes host pattern with a port) made roots
+// such as "[h:5]:29500" that every dial failed to resolve.
+func TestAdvParseLaunchMalformed(t *testing.T) {
+	base := func(kv ...string) map[string]string {
+		m := map[string]string{"GOVERBS_RANK": "1", "GOVERBS_WORLD_SIZE": "2", "GOVERBS_ROOT": "127.0.0.1:7000"}
+		for i := 0; i < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return m
+	}
+	torch := func(addr, port string) map[string]string {
+		return map[string]string{"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": addr, "MASTER_PORT": port}
+	}
+	for _, tc := range []struct {
+		name    string
+		env     map[string]string
+		wantVar string
+	}{
+		{"signed rank", base("GOVERBS_RANK", "+1"), "GOVERBS_RANK"},
+		{"signed size", base("GOVERBS_WORLD_SIZE", "+2"), "GOVERBS_WORLD_SIZE"},
+		{"hex size", base("GOVERBS_WORLD_SIZE", "0x2"), "GOVERBS_WORLD_SIZE"},
+		{"size with a unit", base("GOVERBS_WORLD_SIZE", "2k"), "GOVERBS_WORLD_SIZE"},
+		{"size overflowing int", base("GOVERBS_WORLD_SIZE", "99999999999999999999"), "GOVERBS_WORLD_SIZE"},
+		{"rank with inner space", base("GOVERBS_RANK", "1 0"), "GOVERBS_RANK"},
+		{"signed local rank", base("GOVERBS_LOCAL_RANK", "+0"), "GOVERBS_LOCAL_RANK"},
+		{"signed port", base("GOVERBS_PORT", "+7000"), "GOVERBS_PORT"},
+		{"root with a signed port", base("GOVERBS_ROOT", "127.0.0.1:+7000"), "GOVERBS_ROOT"},
+		{"root with a port name", base("GOVERBS_ROOT", "127.0.0.1:http"), "GOVERBS_ROOT"},
+		{"root host with a space", base("GOVERBS_ROOT", "bad host:7000"), "GOVERBS_ROOT"},
+		{"root host with a slash", base("GOVERBS_ROOT", "a/b:7000"), "GOVERBS_ROOT"},
+		{"root without host", base("GOVERBS_ROOT", ":7000"), "GOVERBS_ROOT"},
+		{"root with port 0", base("GOVERBS_ROOT", "127.0.0.1:0"), "GOVERBS_ROOT"},
+		{"listen with a signed port", base("GOVERBS_LISTEN", ":+7000"), "GOVERBS_LISTEN"},
+		{"listen with a bad host", base("GOVERBS_LISTEN", "a b:7000"), "GOVERBS_LISTEN"},
+		{"listen without port", base("GOVERBS_LISTEN", "127.0.0.1"), "GOVERBS_LISTEN"},
+		{"torchrun master with a port", torch("master:29500", "29500"), "GOVERBS_ROOT"},
+		{"torchrun master in brackets", torch("[::1]", "29500"), "GOVERBS_ROOT"},
+		{"torchrun signed master port", torch("master", "+29500"), "MASTER_PORT"},
+		{"torchrun negative master port", torch("master", "-1"), "MASTER_PORT"},
+		{"kubernetes pattern with a port", map[string]string{"JOB_COMPLETION_INDEX": "1", "GOVERBS_WORLD_SIZE": "2",
+			"GOVERBS_HOST_PATTERN": "job-{index}:80"}, "GOVERBS_ROOT"},
+		{"kubernetes pattern with a space", map[string]string{"JOB_COMPLETION_INDEX": "1", "GOVERBS_WORLD_SIZE": "2",
+			"GOVERBS_HOST_PATTERN": "job {index}"}, "GOVERBS_ROOT"},
+		{"slurm signed task count", map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "+2", "SLURM_NODELIST": "n1"}, "SLURM_NTASKS"},
+		{"open mpi size beyond MaxWorldSize", map[string]string{"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1048577",
+			"GOVERBS_ROOT": "h:1"}, "OMPI_COMM_WORLD_SIZE"},
+		{"pmi size beyond MaxWorldSize", map[string]string{"PMI_RANK": "0", "PMI_SIZE": "4294967298", "PMI_KVSNAME": "k",
+			"GOVERBS_ROOT": "h:1"}, "PMI_SIZE"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l, err := ParseLaunch(EnvOptions{Lookup: advLookup(tc.env)})
+			var ee *EnvError
+			if !errors.Is(err, ErrEnvValue) || !errors.As(err, &ee) {
+				t.Fatalf("accepted (%+v, %v), want ErrEnvValue", l, err)
+			}
+			if ee.Var != tc.wantVar {
+				t.Errorf("variable %q, want %q (%v)", ee.Var, tc.wantVar, err)
+			}
+		})
+	}
+	// What stays valid: IPv6 roots (with a zone too), host names with
+	// dashes and dots, an explicit listen address on every interface.
+	for _, env := range []map[string]string{
+		base("GOVERBS_ROOT", "[::1]:7000"),
+		base("GOVERBS_ROOT", "[fe80::1%lo]:7000"),
+		base("GOVERBS_ROOT", "node-01.cluster.local:7000"),
+		base("GOVERBS_LISTEN", ":7000"),
+		base("GOVERBS_LISTEN", "[::]:7000"),
+		torch("::1", "29500"),
+		torch("master-0", "29500"),
+	} {
+		if _, err := ParseLaunch(EnvOptions{Lookup: advLookup(env)}); err != nil {
+			t.Errorf("%v: %v", env, err)
+		}
+	}
+}
+
+// advAttack is what a stranger does on a connection to a listening rank.
+type advAttack struct {
+	name string
+	// run talks to the listener over c; it returns when it has done
+	// what it came to do. The server's answer is read afterwards.
+	run func(t *testing.T, c net.Conn, addr string)
+	// reject: the server answers with a reject before it closes (else
+	// it may answer with a hello, or nothing).
+	reject bool
+	// held: the server has nothing to refuse yet, and holds the
+	// connection until HelloTimeout (or the stranger goes).
+	held bool
+	// gone: the stranger closes the connection itself.
+	gone bool
+}
+
+// advHello is the hello a dialer of token, job and world sends to rank to.
+func advHello(token, job string, mode Mode, items uint8, from, to, size uint32) []byte {
+	mk := macKey([]byte(token))
+	h := encodeHello(&hello{mode: mode, items: items, from: from, to: to, size: size, job: jobTag(mk, job), nonce: newNonce()}, mk, nil)
+	return h[:]
+}
+
+// advAttacks against rank 0 of a world of 3 of job "job", token "token".
+func advAttacks(mode Mode, items uint8) []advAttack {
+	write := func(b []byte) func(*testing.T, net.Conn, string) {
+		return func(_ *testing.T, c net.Conn, _ string) { c.Write(b) }
+	}
+	garbage := make([]byte, 64<<10)
+	rand.Read(garbage)
+	prefix := func(typ byte) []byte { return []byte{'G', 'V', 'C', 'X', frameVersion, typ, 0, 0} }
+	good := advHello("token", "job", mode, items, 1, 0, 3)
+	return []advAttack{
+		{name: "silent", run: func(*testing.T, net.Conn, string) {}, held: true},
+		{name: "garbage", run: write(garbage), reject: true},
+		{name: "http", run: write([]byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n")), reject: true},
+		{name: "tls client hello", run: write([]byte{0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03}), reject: true},
+		{name: "another version", run: write([]byte{'G', 'V', 'C', 'X', 9, msgHello, 0, 0}), reject: true},
+		{name: "unknown type", run: write(append(prefix(0xff), bytes.Repeat([]byte{0xff}, 1<<10)...)), reject: true},
+		{name: "proof first", run: write(append(prefix(msgProof), make([]byte, proofLen-prefixLen)...)), reject: true},
+		{name: "accept first", run: write(prefix(msgAccept)), reject: true},
+		{name: "reject first", run: write(append(prefix(msgReject), make([]byte, rejectLen-prefixLen)...)), reject: true},
+		{name: "record header of the largest length", run: write([]byte{recData, recFinal, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}), reject: true},
+		{name: "truncated hello, then close", run: func(_ *testing.T, c net.Conn, _ string) {
+			c.Write(good[:helloLen/2])
+			c.(*net.TCPConn).CloseWrite()
+		}},
+		{name: "hello one byte at a time", run: func(_ *testing.T, c net.Conn, _ string) {
+			for i := range helloLen - 1 {
+				if _, err := c.Write(good[i : i+1]); err != nil {
+					return
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}, held: true},
+		{name: "hello of another token", run: write(advHello("other", "job", mode, items, 1, 0, 3)), reject: true},
+		{name: "hello with a flipped MAC", run: func(_ *testing.T, c net.Conn, _ string) {
+			h := bytes.Clone(good)
+			h[helloLen-1] ^= 1
+			c.Write(h)
+		}, reject: true},
+		{name: "hello of another job", run: write(advHello("token", "other", mode, items, 1, 0, 3)), reject: true},
+		{name: "hello from an out-of-range rank", run: write(advHello("token", "job", mode, items, 7, 0, 3)), reject: true},
+		{name: "hello from rank 0 itself", run: write(advHello("token", "job", mode, items, 0, 0, 3)), reject: true},
+		{name: "hello to another rank", run: write(advHello("token", "job", mode, items, 2, 1, 3)), reject: true},
+		{name: "replayed hello, no proof", run: write(good), held: true},
+		{name: "replayed hello, garbage proof", run: func(_ *testing.T, c net.Conn, _ string) {
+			c.Write(good)
+			var b [helloLen]byte
+			if _, err := io.ReadFull(c, b[:]); err == nil {
+				c.Write(append(prefix(msgProof), make([]byte, macLen)...))
+			}
+		}, reject: true},
+		{name: "reset", run: func(_ *testing.T, c net.Conn, _ string) {
+			c.Write(good[:10])
+			c.(*net.TCPConn).SetLinger(0)
+			c.Close()
+		}, gone: true},
+	}
+}
+
+// advDial connects to addr from the loopback address src ("": any).
+func advDial(t *testing.T, addr, src string) net.Conn {
+	t.Helper()
+	d := net.Dialer{Timeout: advGuard}
+	if src != "" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(src)}
+	}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		t.Fatalf("dial %s from %s: %v", addr, src, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// advStranger runs a on c, a connection to addr, and reads what the
+// listener sends until it closes the connection: it returns those bytes
+// and how the reading ended (nil: closed cleanly). The read deadline is
+// a hang guard: a listener that never closes fails the test.
+func advStranger(t *testing.T, c net.Conn, addr string, a advAttack) ([]byte, error) {
+	defer c.Close()
+	a.run(t, c, addr)
+	if a.gone {
+		return nil, nil
+	}
+	c.SetReadDeadline(time.Now().Add(advGuard))
+	var got bytes.Buffer
+	_, err := io.Copy(&got, io.LimitReader(c, 1<<20))
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("%s: the listener still holds the connection after %v", a.name, advGuard)
+	}
+	return got.Bytes(), err
+}
+
+// TestAdvStrangers: while rank 0 of a world of 3 runs its exchange (the
+// all-to-all acceptor, the rendezvous root, and the root of a rendezvous
+// of cards) strangers connect and send garbage, protocol messages out of
+// order, truncated, forged, replayed or slow hellos, or nothing. Every
+// one of them is answered with at most a reject or a hello (never more
+// than the fixed-size handshake), and its connection is closed by the
+// listener (those that send nothing or too slowly at HelloTimeout); the
+// real ranks, which start while the strangers are there, complete the
+// exchange with the right bytes, and nothing is left running.
+func TestAdvStrangers(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		mode  Mode
+		cards bool
+	}{
+		{"all-to-all", AllToAll, false},
+		{"rendezvous", Rendezvous, false},
+		{"rendezvous of cards", Rendezvous, true},
+		{"all-to-all of cards", AllToAll, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			xNoLeaks(t)
+			const n = 3
+			var items uint8
+			if tc.cards {
+				items = 2
+			}
+			lns, addrs := xListeners(t, n)
+			ctx := xContext(t, advGuard)
+			cfg := func(r int) ExchangeConfig {
+				return ExchangeConfig{Rank: r, Size: n, Mode: tc.mode, Addrs: addrs, Listener: lns[r], Job: "job",
+					Token: []byte("token"), HelloTimeout: 200 * time.Millisecond}
+			}
+			type result struct {
+				in  [][]byte
+				col []byte
+				err error
+			}
+			run := func(r int) <-chan result {
+				done := make(chan result, 1)
+				go func() {
+					var res result
+					if tc.cards {
+						card := fmt.Appendf(nil, "card of %d", r)
+						its := bytes.Repeat([]byte{byte(r)}, n*int(items))
+						res.in, res.col, res.err = ExchangeCards(ctx, cfg(r), card, its)
+					} else {
+						res.in, res.err = Exchange(ctx, cfg(r), xOut(r, n))
+					}
+					done <- res
+				}()
+				return done
+			}
+			root := run(0)
+			attacks := advAttacks(tc.mode, items)
+			// Every stranger connects before the real ranks start; those
+			// the listener can refuse at once are refused before they
+			// do, the others are still there when they come.
+			conns := make([]net.Conn, len(attacks))
+			for i := range attacks {
+				conns[i] = advDial(t, addrs[0], fmt.Sprintf("127.0.0.%d", 2+i%8))
+			}
+			var refused, held sync.WaitGroup
+			for i, a := range attacks {
+				wg := &refused
+				if a.held {
+					wg = &held
+				}
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					got, err := advStranger(t, conns[i], addrs[0], a)
+					if errors.Is(err, syscall.ECONNRESET) {
+						// The listener closed the connection with bytes
+						// of the stranger unread: the reset may overtake
+						// its answer.
+						return
+					}
+					if err != nil {
+						t.Errorf("%s: reading the answer: %v", a.name, err)
+					}
+					if len(got) > helloLen+rejectLen {
+						t.Errorf("%s: the listener sent %d bytes to a stranger", a.name, len(got))
+					}
+					if a.reject {
+						var buf [rejectLen]byte
+						// The answer may begin with rank 0's hello.
+						if len(got) >= helloLen && string(got[:4]) == frameMagic && got[5] == msgHello {
+							got = got[helloLen:]
+						}
+						if b, err := readControl(bytes.NewReader(got), &buf, msgReject); err != nil {
+							t.Errorf("%s: answer %q: %v, want a reject", a.name, got, err)
+						} else if _, err := decodeReject(b); err != nil {
+							t.Errorf("%s: %v", a.name, err)
+						}
+					}
+				}()
+			}
+			refused.Wait()
+			// The real ranks come while the held strangers are there.
+			others := []<-chan result{run(1), run(2)}
+			held.Wait()
+			for r, done := range append([]<-chan result{root}, others...) {
+				res := <-done
+				if res.err != nil {
+					t.Errorf("rank %d: %v", r, res.err)
+					continue
+				}
+				for j := range n {
+					var want []byte
+					switch {
+					case tc.cards:
+						want = fmt.Appendf(nil, "card of %d", j)
+						if wantCol := bytes.Repeat([]byte{byte(j)}, int(items)); !bytes.Equal(res.col[j*int(items):(j+1)*int(items)], wantCol) {
+							t.Errorf("rank %d: item of %d is %x", r, j, res.col[j*int(items):(j+1)*int(items)])
+						}
+					default:
+						want = xMessage(j, r)
+					}
+					if !bytes.Equal(res.in[j], want) {
+						t.Errorf("rank %d: entry %d is %q, want %q", r, j, res.in[j], want)
+					}
+				}
+			}
+		})
+	}
+}
