@@ -15,7 +15,8 @@ type deadline struct {
 	mu     sync.Mutex
 	ctx    context.Context
 	cancel context.CancelFunc
-	timer  *time.Timer // cancels ctx when the deadline passes; nil: none armed for it
+	timer  *time.Timer // cancels ctx when the deadline passes; nil: none made for it
+	armed  bool        // timer is set (not stopped): Stop failing means it fired
 }
 
 // context returns the context that ends when the deadline passes (or
@@ -36,16 +37,22 @@ func (d *deadline) renewLocked() {
 		return
 	}
 	d.ctx, d.cancel = context.WithCancel(context.Background())
-	d.timer = nil // armed for the old cancel
+	d.timer, d.armed = nil, false // made for the old cancel
 }
 
 // set moves the deadline to t (zero: none).
 func (d *deadline) set(t time.Time) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.timer != nil && !d.timer.Stop() {
-		// It fired: the context is cancelled, or is being.
-		d.cancel()
+	if d.armed {
+		// Only a timer still set may have fired: Stop also fails on
+		// one stopped before (a deadline cleared), whose context must
+		// stay live (it cancelled the calls waiting on it, spuriously).
+		if !d.timer.Stop() {
+			// It fired: the context is cancelled, or is being.
+			d.cancel()
+		}
+		d.armed = false
 	}
 	d.renewLocked()
 	if t.IsZero() {
@@ -61,13 +68,15 @@ func (d *deadline) set(t time.Time) {
 	} else {
 		d.timer.Reset(wait)
 	}
+	d.armed = true
 }
 
 // stop disarms the timer (Close).
 func (d *deadline) stop() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.timer != nil {
+	if d.armed {
 		d.timer.Stop()
+		d.armed = false
 	}
 }
