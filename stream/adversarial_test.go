@@ -355,3 +355,117 @@ func TestAdvTimeoutsLoseNothing(t *testing.T) {
 	}
 	t.Logf("%d calls timed out", timeouts.Load())
 }
+
+// readAll reads c until an error (under a hang guard) and returns the
+// bytes and the error (io.EOF, not nil, at the end).
+func readAll(t *testing.T, c *Conn, bufSize int) ([]byte, error) {
+	t.Helper()
+	type res struct {
+		b   []byte
+		err error
+	}
+	ch := make(chan res, 1)
+	go func() {
+		var got bytes.Buffer
+		buf := make([]byte, bufSize)
+		for {
+			n, err := c.Read(buf)
+			got.Write(buf[:n])
+			if err != nil {
+				ch <- res{got.Bytes(), err}
+				return
+			}
+		}
+	}()
+	r := wait(t, ch, "reading to the end")
+	return r.b, r.err
+}
+
+// TestAdvMessageLimits: Writes far larger than the peer's MessageSize
+// and MaxMessage reach the peer whole: the stream cuts them into
+// messages the peer takes, whatever its configuration (a MaxMessage
+// below MessageSize included: MaxMessage bounds every message the peer
+// accepts), and Reads of any size get them.
+func TestAdvMessageLimits(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		lcfg  session.Config // the listener's: the reader's
+		write int
+		read  int
+	}{
+		{"defaults, 8 MiB, huge reads", session.Config{}, 8 << 20, 16 << 20},
+		{"256-byte buffers, 1-byte reads", session.Config{ReceiveBuffers: 4, MessageSize: 256}, 20 << 10, 1},
+		{"MaxMessage 1 MiB", session.Config{MaxMessage: 1 << 20}, 3 << 20, 100_000},
+		{"MaxMessage below MessageSize", session.Config{MaxMessage: 1000}, 100_000, 4096},
+		{"MaxMessage 1", session.Config{MaxMessage: 1, ReceiveBuffers: 8, MessageSize: 256}, 3000, 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, r := advPipe(t, tc.lcfg, session.Config{})
+			// r is the listener's side, w the dialer's (pipe returns the
+			// dialed Conn first).
+			want := pattern(tc.write)
+			wrote := await(func() error {
+				n, err := w.Write(want)
+				if err == nil && n != len(want) {
+					err = fmt.Errorf("Write: %d of %d bytes and no error", n, len(want))
+				}
+				if err == nil {
+					err = w.CloseWrite()
+				}
+				if err != nil {
+					w.Close() // the reader's end
+				}
+				return err
+			})
+			got, err := readAll(t, r, tc.read)
+			if werr := wait(t, wrote, "Write"); werr != nil {
+				t.Fatalf("Write: %v", werr)
+			}
+			if err != io.EOF {
+				t.Fatalf("Read: %v after %d bytes, want io.EOF", err, len(got))
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatalf("read %d bytes that are not the %d written", len(got), len(want))
+			}
+		})
+	}
+}
+
+// TestAdvSmallAllocator: a writer whose allocator can hold fewer bytes
+// than the stream keeps in flight (its MaxMemory) still writes: the
+// stream waits for the messages in flight, which frees their copies,
+// instead of failing the Write (and every later one) with ErrLimit.
+func TestAdvSmallAllocator(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  session.Config // the writer's
+	}{
+		{"1 MiB arenas, 2 MiB", session.Config{Allocator: session.AllocatorConfig{ArenaSize: 1 << 20, MaxMemory: 2 << 20}}},
+		{"256 KiB arenas, 1 MiB", session.Config{Allocator: session.AllocatorConfig{ArenaSize: 256 << 10, MaxMemory: 1 << 20}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, r := advPipe(t, session.Config{}, tc.cfg) // w dialed, with tc.cfg
+			want := pattern(16 << 20)
+			wrote := await(func() error {
+				n, err := w.Write(want)
+				if err == nil && n != len(want) {
+					err = fmt.Errorf("Write: %d of %d bytes and no error", n, len(want))
+				}
+				if err == nil {
+					err = w.CloseWrite()
+				}
+				if err != nil {
+					w.Close() // the reader's end
+				}
+				return err
+			})
+			got, err := readAll(t, r, 1<<20)
+			if werr := wait(t, wrote, "Write"); werr != nil {
+				t.Fatalf("Write: %v (stats %+v)", werr, w.Session().Allocator().Stats())
+			}
+			if err != io.EOF || !bytes.Equal(got, want) {
+				t.Fatalf("read %d bytes of %d, then %v", len(got), len(want), err)
+			}
+		})
+	}
+}

@@ -232,7 +232,18 @@ func (c *Conn) Write(p []byte) (int, error) {
 			return n, c.opErr("write", os.ErrDeadlineExceeded)
 		}
 		k := min(len(p)-n, c.chunk)
-		if err := c.post(ctx, p[n:n+k], 0, false); err != nil {
+		err := c.post(ctx, p[n:n+k], 0, false)
+		if err != nil && errors.Is(err, session.ErrLimit) && k > 1 && c.s.Err() == nil {
+			// Nothing of the message was posted: it is larger than
+			// the peer's MaxMessage (which may be below its
+			// MessageSize), or the session's allocator had no room
+			// for the message's header, which post could not make by
+			// waiting for the messages in flight. Smaller messages
+			// from now on.
+			c.chunk = k / 2
+			continue
+		}
+		if err != nil {
 			return n, c.writeErr(ctx, err)
 		}
 		n += k
@@ -260,20 +271,43 @@ func (c *Conn) post(ctx context.Context, b []byte, imm uint32, hasImm bool) erro
 			return err
 		}
 	}
-	if !c.lockMem() {
-		return net.ErrClosed
-	}
-	buf, err := c.s.Alloc(max(len(b), 1))
-	if err != nil {
+	var buf session.LocalMR
+	for {
+		if !c.lockMem() {
+			return net.ErrClosed
+		}
+		var err error
+		if buf, err = c.s.Alloc(max(len(b), 1)); err == nil {
+			copy(buf.Bytes(), b)
+			c.mem.RUnlock()
+			break
+		}
 		c.mem.RUnlock()
-		return err
+		if !errors.Is(err, session.ErrLimit) || c.n == 0 {
+			return err
+		}
+		// The allocator is full (its MaxMemory), maybe of the copies
+		// of the messages in flight: the oldest one's delivery frees
+		// its copy.
+		if err := c.reap(); err != nil {
+			return err
+		}
 	}
-	copy(buf.Bytes(), b)
-	c.mem.RUnlock()
 	sl, _ := buf.Slice(0, len(b))
 	p, err := c.s.PostSendSlice(ctx, sl, imm, hasImm)
 	if err != nil {
 		buf.Free()
+		if errors.Is(err, session.ErrLimit) && c.n > 0 && c.s.Err() == nil {
+			// No room for the message's header (its MaxMemory): it
+			// may come once the messages in flight are delivered.
+			// Nothing was posted; the caller tries again.
+			for c.n > 0 {
+				if err := c.reap(); err != nil {
+					return err
+				}
+			}
+			return c.post(ctx, b, imm, hasImm)
+		}
 		return err
 	}
 	c.ring[(c.head+c.n)%inFlight] = posted{p: p, buf: buf}
