@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
@@ -401,5 +402,124 @@ func TestAdvStrangers(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestAdvListenerClosed: the listener an exchange was handed
+// (ExchangeConfig.Listener) is closed under it while ranks are still
+// expected to connect (its owner closed it, or the launcher's socket
+// went away). No rank can reach this one any more, so the exchange fails
+// at once, saying so, instead of waiting for the context (here without a
+// deadline: it hung before, until the hang guard).
+func TestAdvListenerClosed(t *testing.T) {
+	for _, mode := range xModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			xNoLeaks(t)
+			lns, addrs := xListeners(t, 3)
+			// The accept loop must have started before the close, or
+			// the exchange would fail to start rather than while it runs:
+			// a stranger proves it (it is refused, so the loop runs).
+			done := xGo(context.Background(), ExchangeConfig{Rank: 0, Size: 3, Mode: mode, Addrs: addrs, Listener: lns[0],
+				Job: "job", Token: []byte("token")})
+			c := advDial(t, addrs[0], "")
+			c.Write([]byte("GET / HT"))
+			io.Copy(io.Discard, c)
+			lns[0].Close()
+			var r xResult
+			select {
+			case r = <-done:
+			case <-time.After(advGuard):
+				t.Fatal("the exchange still waits for ranks that cannot reach it")
+			}
+			var xe *ExchangeError
+			if !errors.As(r.err, &xe) || !errors.Is(r.err, net.ErrClosed) {
+				t.Fatalf("%v: want an *ExchangeError wrapping net.ErrClosed", r.err)
+			}
+			t.Log(r.err)
+		})
+	}
+}
+
+// TestAdvCancel: cancelling the context ends every blocking call of an
+// exchange at once, with an error wrapping context.Canceled (and
+// ErrPeerMissing where a peer never came), leaving no goroutine behind:
+// a root waiting for its ranks, a leaf and a dialer dialing a peer that
+// is not there, a leaf waiting for the root's answer after its share was
+// taken, an all-to-all acceptor holding one peer and waiting for
+// another, and every role with a context cancelled before the call.
+func TestAdvCancel(t *testing.T) {
+	type setup struct {
+		mode Mode
+		rank int
+		// before starts what the rank under test waits on (other ranks).
+		before func(t *testing.T, ctx context.Context, addrs []string, lns []net.Listener)
+	}
+	peer := func(rank int) func(*testing.T, context.Context, []string, []net.Listener) {
+		return func(t *testing.T, ctx context.Context, addrs []string, lns []net.Listener) {
+			t.Helper()
+			done := xGo(ctx, ExchangeConfig{Rank: rank, Size: 3, Addrs: addrs, Listener: lns[rank], Job: "job", Token: []byte("token"),
+				Mode: map[bool]Mode{true: Rendezvous, false: AllToAll}[strings.Contains(t.Name(), "rendezvous")]})
+			t.Cleanup(func() { <-done })
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		setup
+		missing bool // ErrPeerMissing expected
+	}{
+		{"rendezvous root, no rank", setup{Rendezvous, 0, nil}, true},
+		{"rendezvous root, one rank of two", setup{Rendezvous, 0, peer(1)}, true},
+		{"rendezvous leaf, no root", setup{Rendezvous, 1, nil}, true},
+		{"rendezvous leaf, waiting for the root's answer", setup{Rendezvous, 1, peer(0)}, true},
+		{"all-to-all acceptor, no peer", setup{AllToAll, 0, nil}, true},
+		{"all-to-all dialer, no peer", setup{AllToAll, 2, nil}, true},
+		{"all-to-all middle, one peer of two", setup{AllToAll, 1, peer(2)}, true},
+	} {
+		for _, early := range []bool{false, true} {
+			name := tc.name
+			if early {
+				name += ", cancelled before"
+			}
+			t.Run(name, func(t *testing.T) {
+				xNoLeaks(t)
+				lns, addrs := xListeners(t, 3)
+				// The other ranks run until the end of the test.
+				others, stop := context.WithCancel(context.Background())
+				t.Cleanup(stop)
+				if tc.before != nil {
+					tc.before(t, others, addrs, lns)
+				}
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				if early {
+					cancel()
+				}
+				done := xGo(ctx, ExchangeConfig{Rank: tc.rank, Size: 3, Mode: tc.mode, Addrs: addrs, Listener: lns[tc.rank],
+					Job: "job", Token: []byte("token")})
+				if !early {
+					// Let the call block (a guess: early or late, the
+					// result must be the same).
+					time.Sleep(50 * time.Millisecond)
+					cancel()
+				}
+				var r xResult
+				select {
+				case r = <-done:
+				case <-time.After(advGuard):
+					t.Fatal("cancelled, the exchange still runs")
+				}
+				if !errors.Is(r.err, context.Canceled) {
+					t.Errorf("%v: want context.Canceled", r.err)
+				}
+				if tc.missing && !errors.Is(r.err, ErrPeerMissing) {
+					t.Errorf("%v: want ErrPeerMissing", r.err)
+				}
+				var xe *ExchangeError
+				if !errors.As(r.err, &xe) || xe.Rank != tc.rank {
+					t.Errorf("%v: want an *ExchangeError of rank %d", r.err, tc.rank)
+				}
+				stop()
+			})
+		}
 	}
 }

@@ -858,6 +858,23 @@ func (s *state) fatal(err error) {
 	}
 }
 
+// listenerGone fails the exchange with err, the listener's end, if a
+// rank that connects to this one (from reports whether rank j does) has
+// not been claimed yet: it can no longer connect.
+func (s *state) listenerGone(err error, from func(j int) bool) {
+	s.mu.Lock()
+	var waiting []int
+	for j, c := range s.claimed {
+		if from(j) && !c {
+			waiting = append(waiting, j)
+		}
+	}
+	s.mu.Unlock()
+	if len(waiting) > 0 {
+		s.fatal(fmt.Errorf("%w, and ranks %v had still to connect", err, waiting))
+	}
+}
+
 // reject records a refused connection. A refusal for a protocol reason
 // (token, job, rank...) is kept over a later one for an I/O error (a
 // connection closed before its hello). Dropped strangers are counted by
@@ -1077,8 +1094,9 @@ func (g *gate) droppedCount() int {
 // serve accepts connections on ln until ctx ends, registering each with g
 // and handing it to h in its own goroutine tracked by wg. h owns the
 // connection (serve closes it when h returns) and must guard its blocking
-// calls itself.
-func serve(ctx context.Context, ln net.Listener, g *gate, wg *sync.WaitGroup, h func(c net.Conn, st *stranger)) {
+// calls itself. If ln is closed before ctx ends (by its owner: a
+// Listener of the configuration), serve stops and tells gone.
+func serve(ctx context.Context, ln net.Listener, g *gate, wg *sync.WaitGroup, h func(c net.Conn, st *stranger), gone func(err error)) {
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	wg.Add(1)
 	go func() {
@@ -1088,7 +1106,11 @@ func serve(ctx context.Context, ln net.Listener, g *gate, wg *sync.WaitGroup, h 
 		for {
 			c, err := ln.Accept()
 			if err != nil {
-				if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				if ctx.Err() != nil {
+					return
+				}
+				if errors.Is(err, net.ErrClosed) {
+					gone(fmt.Errorf("the listener on %s was closed: %w", ln.Addr(), err))
 					return
 				}
 				// Transient accept errors (EMFILE...): back off a little.
@@ -1164,7 +1186,7 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 				return
 			}
 			s.put(k.peer, data)
-		})
+		}, func(err error) { s.listenerGone(err, func(j int) bool { return j > r }) })
 	} else if x.cfg.Listener != nil {
 		x.cfg.Listener.Close()
 	}
@@ -1356,7 +1378,7 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 		g.mu.Unlock()
 		s.put(k.peer, nil)
 		<-g.release
-	})
+	}, func(err error) { s.listenerGone(err, func(j int) bool { return j != 0 }) })
 	if err := s.wait(gctx, x); err != nil {
 		// Tell the connected ranks why, so that they fail now rather than
 		// at their deadline.
