@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	mrand "math/rand/v2"
 	"net"
 	"os"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
 )
 
 // Adversarial tests: what a user gets wrong and what a stranger on the
@@ -521,5 +523,440 @@ func TestAdvCancel(t *testing.T) {
 				stop()
 			})
 		}
+	}
+}
+
+// TestAdvSlowStrangersDropped: strangers that connect and then send
+// nothing, a hello one byte at a time, or a replayed hello and no proof
+// (slow-loris) are each dropped by the listener at HelloTimeout while the
+// exchange goes on: their connections end without the exchange ending,
+// the real rank that comes next completes it, and a root whose rank never
+// comes counts them as dropped in its error.
+func TestAdvSlowStrangersDropped(t *testing.T) {
+	for _, mode := range xModes {
+		for _, peerComes := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%v/peer comes %v", mode, peerComes), func(t *testing.T) {
+				xNoLeaks(t)
+				lns, addrs := xListeners(t, 2)
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				done := xGo(ctx, ExchangeConfig{Rank: 0, Size: 2, Mode: mode, Addrs: addrs, Listener: lns[0],
+					Job: "job", Token: []byte("token"), HelloTimeout: 100 * time.Millisecond})
+				var slow []advAttack
+				for _, a := range advAttacks(mode, 0) {
+					if a.held {
+						slow = append(slow, a)
+					}
+				}
+				var wg sync.WaitGroup
+				for i, a := range slow {
+					c := advDial(t, addrs[0], fmt.Sprintf("127.0.0.%d", 2+i))
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						if _, err := advStranger(t, c, addrs[0], a); err != nil && !errors.Is(err, syscall.ECONNRESET) {
+							t.Errorf("%s: %v", a.name, err)
+						}
+					}()
+				}
+				wg.Wait() // every slow stranger's connection ended
+				select {
+				case r := <-done:
+					t.Fatalf("the exchange ended with the strangers: %v", r.err)
+				default:
+				}
+				if !peerComes {
+					cancel()
+					r := <-done
+					var xe *ExchangeError
+					if !errors.As(r.err, &xe) || xe.Dropped != len(slow) || !errors.Is(r.err, ErrPeerMissing) {
+						t.Fatalf("%v: want ErrPeerMissing with %d dropped", r.err, len(slow))
+					}
+					return
+				}
+				in, err := Exchange(ctx, ExchangeConfig{Rank: 1, Size: 2, Mode: mode, Addrs: addrs, Job: "job", Token: []byte("token")}, xOut(1, 2))
+				if err != nil || !bytes.Equal(in[0], xMessage(0, 1)) {
+					t.Fatalf("rank 1: %q, %v", in, err)
+				}
+				if r := <-done; r.err != nil || !bytes.Equal(r.in[1], xMessage(1, 0)) {
+					t.Fatalf("rank 0: %q, %v", r.in, r.err)
+				}
+			})
+		}
+	}
+}
+
+// advFDs counts this process' open descriptors.
+func advFDs(t *testing.T) int {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("cannot count descriptors: %v", err)
+	}
+	return len(ents)
+}
+
+// TestAdvFlood: 300 connections at once from 8 loopback addresses, each
+// sending nothing, against a root and an all-to-all acceptor that hold at
+// most 16 strangers (4 per address) and would wait an hour for a hello.
+// The real ranks, which come while the flood is queued, complete the
+// exchange; every flooding connection is closed by the listener (the
+// gate drops the oldest) or when the exchange ends; and when it is over,
+// no descriptor and no goroutine is left.
+func TestAdvFlood(t *testing.T) {
+	for _, mode := range xModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			xNoLeaks(t)
+			fds := advFDs(t)
+			lns, addrs := xListeners(t, 3)
+			ctx := xContext(t, advGuard)
+			cfg := func(r int) ExchangeConfig {
+				return ExchangeConfig{Rank: r, Size: 3, Mode: mode, Addrs: addrs, Listener: lns[r], Job: "job", Token: []byte("token"),
+					MaxStrangers: 16, MaxStrangersPerHost: 4, HelloTimeout: time.Hour}
+			}
+			root := xGo(ctx, cfg(0))
+			const flood = 300
+			conns := make([]net.Conn, flood)
+			for i := range conns {
+				d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, byte(2+i%8))}}
+				c, err := d.DialContext(ctx, "tcp", addrs[0])
+				if err != nil {
+					t.Fatalf("flood connection %d: %v", i, err)
+				}
+				conns[i] = c
+			}
+			r1, r2 := xGo(ctx, cfg(1)), xGo(ctx, cfg(2))
+			for r, done := range []<-chan xResult{root, r1, r2} {
+				res := <-done
+				if res.err != nil {
+					t.Fatalf("rank %d: %v", r, res.err)
+				}
+				for j := range 3 {
+					if !bytes.Equal(res.in[j], xMessage(j, r)) {
+						t.Errorf("rank %d: entry %d is %q", r, j, res.in[j])
+					}
+				}
+			}
+			// The exchange is over: every flooding connection was closed
+			// by the listener.
+			for i, c := range conns {
+				c.SetReadDeadline(time.Now().Add(advGuard))
+				n, err := io.Copy(io.Discard, c)
+				if errors.Is(err, os.ErrDeadlineExceeded) || n > 0 {
+					t.Errorf("flood connection %d: %d bytes, %v", i, n, err)
+				}
+				c.Close()
+			}
+			for _, ln := range lns {
+				ln.Close()
+			}
+			if got := advFDs(t); got > fds {
+				t.Errorf("%d descriptors open after the exchange, %d before", got, fds)
+			}
+		})
+	}
+}
+
+// TestAdvRankTwice: a rank started twice (two processes given the same
+// rank). In a rendezvous the root takes the first twin and refuses the
+// second (ErrBadFrame: the rank already connected), which fails at once
+// while the world completes. All-to-all, each acceptor takes whichever
+// twin came first: a twin is refused (ErrBadFrame) where the other came
+// first, or finds the listeners gone once the world is done (it then
+// fails when its context ends, here when ranks 0 and 1 have returned);
+// ranks 0 and 1 complete, or fail naming the twin's rank with
+// ErrPeerLost if the twin they took went away. No run hangs.
+func TestAdvRankTwice(t *testing.T) {
+	for _, mode := range xModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			xNoLeaks(t)
+			const n = 3
+			twin := n - 1
+			lns, addrs := xListeners(t, n)
+			ctx := xContext(t, advGuard)
+			twins, stopTwins := context.WithCancel(ctx)
+			defer stopTwins()
+			cfg := func(r int) ExchangeConfig {
+				c := ExchangeConfig{Rank: r, Size: n, Mode: mode, Addrs: addrs, Job: "job", Token: []byte("token")}
+				if r != twin {
+					c.Listener = lns[r]
+				}
+				return c
+			}
+			runs := []<-chan xResult{xGo(ctx, cfg(0)), xGo(ctx, cfg(1)), xGo(twins, cfg(twin)), xGo(twins, cfg(twin))}
+			res := make([]xResult, len(runs))
+			res[0], res[1] = <-runs[0], <-runs[1]
+			if mode == AllToAll {
+				stopTwins() // a twin that found nobody gives up
+			}
+			res[2], res[3] = <-runs[2], <-runs[3]
+			refused, ok := 0, 0
+			for i, r := range res {
+				rank := min(i, twin)
+				if r.err == nil {
+					if rank == twin {
+						ok++
+					}
+					for j := range n {
+						if !bytes.Equal(r.in[j], xMessage(j, rank)) {
+							t.Errorf("rank %d (run %d): entry %d is %q", rank, i, j, r.in[j])
+						}
+					}
+					continue
+				}
+				t.Logf("run %d (rank %d): %v", i, rank, r.err)
+				var xe *ExchangeError
+				switch {
+				case rank == twin && errors.Is(r.err, ErrBadFrame) && strings.Contains(r.err.Error(), "already did"):
+					refused++
+				case rank == twin && mode == AllToAll && errors.Is(r.err, context.Canceled):
+				case rank != twin && mode == AllToAll && errors.As(r.err, &xe) && xe.Peer == twin && errors.Is(r.err, ErrPeerLost):
+				default:
+					t.Errorf("run %d (rank %d): unexpected %v", i, rank, r.err)
+				}
+			}
+			if mode == Rendezvous && (res[0].err != nil || res[1].err != nil || refused != 1 || ok != 1) {
+				t.Errorf("rendezvous: %d twins refused, %d succeeded; want the world complete and one twin refused", refused, ok)
+			}
+		})
+	}
+}
+
+// advNodes builds n connected nodes in this process (shareWorld), with
+// leak checks.
+func advNodes(t *testing.T, n int) []*Node { return shareWorld(t, n, Dissemination) }
+
+// TestAdvMalformedCards: a peer's card and item, as ConnectCards and
+// Connect decode them, cut at every length, with every byte flipped, and
+// mutated at random: decoding never panics, every cut and every change
+// of the header (magic, version, rank, world size) is refused naming
+// the rank, and what decodes is then checked by the barrier's setRemote
+// without a panic either.
+func TestAdvMalformedCards(t *testing.T) {
+	verbsCheck := func(f func()) (p any) {
+		defer func() { p = recover() }()
+		f()
+		return nil
+	}
+	const n = 2
+	dev, err := verbs.Open(verbs.SoftDevice)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	pd, err := dev.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pd.Close()
+	nodes := make([]*Node, n)
+	cards := make([][]byte, n)
+	items := make([][]byte, n)
+	for i := range nodes {
+		if nodes[i], err = NewNode(pd, i, n, NodeOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		defer nodes[i].Close()
+		if cards[i], items[i], err = nodes[i].LocalCard([]byte("app")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	card, item := cards[1], items[1][:ItemSize] // rank 1's for rank 0
+	try := func(what string, c, it []byte) error {
+		var err error
+		if p := verbsCheck(func() {
+			var pi peerInfo
+			if pi, err = decodeCard(c, it, 1, 0, n); err != nil {
+				if !strings.Contains(err.Error(), "rank 1's card") {
+					t.Errorf("%s: %v does not name rank 1", what, err)
+				}
+				return
+			}
+			err = nodes[0].bar.setRemote([][]byte{nodes[0].bar.localInfo(), pi.info})
+		}); p != nil {
+			t.Fatalf("%s: panic: %v", what, p)
+		}
+		return err
+	}
+	if err := try("the card itself", card, item); err != nil {
+		t.Fatal(err)
+	}
+	for l := range len(card) {
+		if try(fmt.Sprintf("cut at %d", l), card[:l], item) == nil {
+			t.Errorf("card cut at %d of %d bytes accepted", l, len(card))
+		}
+	}
+	if try("one byte more", append(bytes.Clone(card), 0), item) == nil {
+		t.Error("card with a trailing byte accepted")
+	}
+	for i := range card {
+		c := bytes.Clone(card)
+		c[i] ^= 0xff
+		if err := try(fmt.Sprintf("byte %d flipped", i), c, item); err == nil && i < cardHdr {
+			t.Errorf("card with header byte %d flipped accepted", i)
+		}
+	}
+	for l := range ItemSize + 2 {
+		it := make([]byte, l)
+		copy(it, item)
+		if err := try(fmt.Sprintf("item of %d bytes", l), card, it); err == nil && l != ItemSize {
+			t.Errorf("item of %d bytes accepted", l)
+		}
+	}
+	rng := mrand.New(mrand.NewPCG(1, 2))
+	for i := range 5000 {
+		c := bytes.Clone(card)
+		for range 1 + rng.IntN(4) {
+			c[rng.IntN(len(c))] = byte(rng.Uint32())
+		}
+		it := bytes.Clone(item)
+		if i%2 == 0 {
+			it[rng.IntN(len(it))] = byte(rng.Uint32())
+		}
+		try(fmt.Sprintf("mutation %d", i), c, it)
+	}
+	// The same through Connect's message wrapper.
+	out, err := func() ([][]byte, error) {
+		n2, err := NewNode(pd, 1, n, NodeOptions{})
+		if err != nil {
+			return nil, err
+		}
+		defer n2.Close()
+		return n2.LocalEndpoints(nil)
+	}()
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := out[0]
+	for l := range len(msg) {
+		if p := verbsCheck(func() { decodePeer(msg[:l], 1, 0, n) }); p != nil {
+			t.Fatalf("message cut at %d: panic: %v", l, p)
+		}
+	}
+}
+
+// TestAdvNodeAfterClose: Close during a barrier and during a Share that
+// wait for a rank that never comes ends them with an error, and every
+// call after Close fails with ErrNodeState (Barrier, Share, Fail,
+// LocalCard, LocalEndpoints, ConnectCards, Connect) without touching
+// the closed channel; Close is idempotent, and nothing leaks (shareWorld
+// checks verbs objects and goroutines).
+func TestAdvNodeAfterClose(t *testing.T) {
+	for _, op := range []string{"barrier", "share"} {
+		t.Run(op, func(t *testing.T) {
+			nodes := advNodes(t, 2)
+			errc := make(chan error, 1)
+			go func() {
+				ctx := xContext(t, advGuard)
+				var err error
+				if op == "barrier" {
+					err = nodes[0].Barrier(ctx, nil) // rank 1 never comes
+				} else {
+					_, err = nodes[0].Share(ctx, []byte("x"))
+				}
+				errc <- err
+			}()
+			time.Sleep(20 * time.Millisecond) // (a guess: the wait may not have started; either way it must end)
+			if err := nodes[0].Close(); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-errc:
+				if err == nil {
+					t.Fatalf("%s during Close: no error", op)
+				}
+				if !errors.Is(err, channel.ErrClosed) && !errors.Is(err, ErrNodeState) {
+					t.Errorf("%s during Close: %v, want ErrClosed or ErrNodeState", op, err)
+				}
+			case <-time.After(advGuard):
+				t.Fatalf("%s still waits after Close", op)
+			}
+			ctx := xContext(t, advGuard)
+			nd := nodes[0]
+			if err := nd.Barrier(ctx, nil); !errors.Is(err, ErrNodeState) {
+				t.Errorf("Barrier after Close: %v", err)
+			}
+			if _, err := nd.Share(ctx, nil); !errors.Is(err, ErrNodeState) {
+				t.Errorf("Share after Close: %v", err)
+			}
+			if err := nd.Fail(1, errors.New("x")); !errors.Is(err, ErrNodeState) {
+				t.Errorf("Fail after Close: %v", err)
+			}
+			if _, _, err := nd.LocalCard(nil); !errors.Is(err, ErrNodeState) {
+				t.Errorf("LocalCard after Close: %v", err)
+			}
+			if _, err := nd.LocalEndpoints(nil); !errors.Is(err, ErrNodeState) {
+				t.Errorf("LocalEndpoints after Close: %v", err)
+			}
+			if err := nd.ConnectCards(make([][]byte, 2), make([]byte, 2*ItemSize)); !errors.Is(err, ErrNodeState) {
+				t.Errorf("ConnectCards after Close: %v", err)
+			}
+			if err := nd.Connect(make([][]byte, 2)); !errors.Is(err, ErrNodeState) {
+				t.Errorf("Connect after Close: %v", err)
+			}
+			if err := nd.Err(); err != nil {
+				t.Errorf("Err after Close: %v", err)
+			}
+			if err := nd.Close(); err != nil {
+				t.Errorf("second Close: %v", err)
+			}
+		})
+	}
+}
+
+// TestAdvBarrierCancel: a barrier whose context is cancelled while a
+// rank is missing fails with the context's error (and verbs.ErrTimeout),
+// poisons the barrier of that rank (ErrPoisoned) until every rank calls
+// ResetBarrier, after which the world's barriers and Shares work again.
+// A context cancelled before the call fails the same way but signals
+// nothing and poisons nothing: the world's next barrier works without a
+// reset.
+func TestAdvBarrierCancel(t *testing.T) {
+	for _, early := range []bool{false, true} {
+		t.Run(fmt.Sprintf("cancelled before %v", early), func(t *testing.T) {
+			nodes := advNodes(t, 3)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if early {
+				cancel()
+			} else {
+				time.AfterFunc(20*time.Millisecond, cancel)
+			}
+			err := nodes[0].Barrier(ctx, nil) // ranks 1 and 2 do not come
+			if !errors.Is(err, context.Canceled) {
+				t.Fatalf("%v: want context.Canceled", err)
+			}
+			guard := xContext(t, advGuard)
+			if !early {
+				// Signals went out: poisoned until every rank resets.
+				if err := nodes[0].Barrier(guard, nil); !errors.Is(err, ErrPoisoned) {
+					t.Errorf("barrier after the cancelled one: %v, want ErrPoisoned", err)
+				}
+				for _, nd := range nodes {
+					if err := nd.ResetBarrier(); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			errs := shareAll(nodes, func(nd *Node) error {
+				if err := nd.Barrier(guard, nil); err != nil {
+					return err
+				}
+				got, err := nd.Share(guard, []byte{byte(nd.Rank())})
+				if err != nil {
+					return err
+				}
+				for j, b := range got {
+					if !bytes.Equal(b, []byte{byte(j)}) {
+						return fmt.Errorf("rank %d: share of %d is %x", nd.Rank(), j, b)
+					}
+				}
+				return nil
+			})
+			for r, err := range errs {
+				if err != nil {
+					t.Errorf("rank %d after the reset: %v", r, err)
+				}
+			}
+		})
 	}
 }
