@@ -135,6 +135,13 @@ func (c *Conn) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
+	// Past the deadline a Read fails even with bytes at hand (the rest
+	// of a message partly read), as a socket's does: it is how a
+	// program stops its reader.
+	ctx := c.rd.context()
+	if ctx.Err() != nil {
+		return 0, c.opErr("read", os.ErrDeadlineExceeded)
+	}
 	for !c.held {
 		if c.eof {
 			return 0, io.EOF
@@ -142,7 +149,6 @@ func (c *Conn) Read(p []byte) (int, error) {
 		if c.rerr != nil {
 			return 0, c.rerr
 		}
-		ctx := c.rd.context()
 		if ctx.Err() != nil {
 			return 0, c.opErr("read", os.ErrDeadlineExceeded)
 		}

@@ -19,8 +19,10 @@ import (
 
 // envChild names what a child process of the cross-process tests does:
 // "echo" (writes back what it reads until io.EOF, then closes), "sink"
-// (reads until io.EOF, then writes one byte and closes) or "burst N"
-// (writes N bytes of pattern, closes and exits at once). With envNet
+// (reads until io.EOF, then writes one byte and closes), "burst N"
+// (writes N bytes of pattern, closes and exits at once), "flood"
+// (writes pattern(1 MiB) over and over until killed) or "stall" (reads
+// nothing until its stdin closes). With envNet
 // "tcp" it serves a kernel TCP connection instead of a stream (the
 // benchmarks' baseline).
 const (
@@ -88,6 +90,19 @@ func runChild(what string) int {
 			fmt.Fprintln(os.Stderr, "child: echo:", err)
 			return 1
 		}
+	case what == "flood":
+		// Writes pattern(1 MiB) again and again until the test kills
+		// this process.
+		for b := pattern(1 << 20); ; {
+			if _, err := c.Write(b); err != nil {
+				fmt.Fprintln(os.Stderr, "child: flood:", err)
+				return 1
+			}
+		}
+	case what == "stall":
+		// Reads nothing until the test closes stdin (or kills it).
+		fmt.Println("ready")
+		io.Copy(io.Discard, os.Stdin)
 	case len(what) > 6 && what[:6] == "burst ":
 		n, _ := strconv.Atoi(what[6:])
 		if _, err := c.Write(pattern(n)); err != nil {
