@@ -121,7 +121,7 @@ func TestAdvDeadlineContexts(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var d deadline
-			defer d.stop()
+			defer d.end()
 			for _, at := range tc.before {
 				d.set(at())
 			}
@@ -1141,6 +1141,78 @@ func TestAdvStalledReader(t *testing.T) {
 	}
 	if !bytes.Equal(got, want) {
 		t.Fatalf("read %d bytes that are not the %d posted", len(got), posted)
+	}
+}
+
+// TestAdvCloseKeepsWritten: Close while another goroutine is writing
+// (its Write under way, maybe waiting for a message's delivery or for
+// credits) still delivers every byte of the Writes that returned before
+// Close was called: the peer reads at least those, as a prefix of the
+// stream, then io.EOF (over soft0's in-process, unix and tcp links).
+func TestAdvCloseKeepsWritten(t *testing.T) {
+	for _, kind := range []string{"inproc", "unix", "tcp"} {
+		for run := range 5 {
+			t.Run(fmt.Sprintf("%s/%d", kind, run), func(t *testing.T) {
+				restore, err := soft.ForceTransport(kind)
+				if err != nil {
+					t.Fatal(err)
+				}
+				cfg := session.Config{ReceiveBuffers: 8, MessageSize: 4096}
+				w, r := advPipe(t, cfg, cfg)
+				restore()
+				p := pattern(1 << 20)
+				var done atomic.Int64 // bytes of the Writes that returned
+				wrote := await(func() error {
+					for off := 0; ; {
+						k := 1 + rand.N(32<<10)
+						if off+k > len(p) {
+							off = 0
+						}
+						n, err := w.Write(p[off : off+k])
+						if err != nil {
+							if errors.Is(err, net.ErrClosed) {
+								return nil
+							}
+							return err
+						}
+						off += n
+						done.Add(int64(n))
+					}
+				})
+				type res struct {
+					b   []byte
+					err error
+				}
+				rch := make(chan res, 1)
+				go func() {
+					var got bytes.Buffer
+					buf := make([]byte, 1+rand.N(8192))
+					for {
+						n, err := r.Read(buf)
+						got.Write(buf[:n])
+						if err != nil {
+							rch <- res{got.Bytes(), err}
+							return
+						}
+					}
+				}()
+				time.Sleep(time.Duration(1+rand.N(20)) * time.Millisecond)
+				before := done.Load()
+				if err := w.Close(); err != nil {
+					t.Fatal(err)
+				}
+				if err := wait(t, wrote, "the writer"); err != nil {
+					t.Fatal(err)
+				}
+				got := wait(t, rch, "the reader")
+				if got.err != io.EOF {
+					t.Fatalf("the reader: %v after %d bytes", got.err, len(got.b))
+				}
+				if int64(len(got.b)) < before {
+					t.Fatalf("the peer read %d bytes, but Writes had returned for %d before Close", len(got.b), before)
+				}
+			})
+		}
 	}
 }
 

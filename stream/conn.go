@@ -140,7 +140,7 @@ func (c *Conn) Read(p []byte) (int, error) {
 	// program stops its reader.
 	ctx := c.rd.context()
 	if ctx.Err() != nil {
-		return 0, c.opErr("read", os.ErrDeadlineExceeded)
+		return 0, c.expired("read")
 	}
 	for !c.held {
 		if c.eof {
@@ -150,7 +150,7 @@ func (c *Conn) Read(p []byte) (int, error) {
 			return 0, c.rerr
 		}
 		if ctx.Err() != nil {
-			return 0, c.opErr("read", os.ErrDeadlineExceeded)
+			return 0, c.expired("read")
 		}
 		m, err := c.s.Receive(ctx)
 		if err != nil {
@@ -211,7 +211,7 @@ func (c *Conn) readErr(ctx context.Context, err error) error {
 		return c.rerr
 	}
 	if ctx.Err() != nil {
-		return c.opErr("read", os.ErrDeadlineExceeded)
+		return c.expired("read")
 	}
 	c.rerr = c.opErr("read", err)
 	return c.rerr
@@ -230,12 +230,12 @@ func (c *Conn) Write(p []byte) (int, error) {
 	}
 	ctx := c.wd.context()
 	if len(p) == 0 && ctx.Err() != nil {
-		return 0, c.opErr("write", os.ErrDeadlineExceeded)
+		return 0, c.writeErr(ctx, ctx.Err())
 	}
 	n := 0
 	for n < len(p) {
 		if ctx.Err() != nil {
-			return n, c.opErr("write", os.ErrDeadlineExceeded)
+			return n, c.writeErr(ctx, ctx.Err())
 		}
 		k := min(len(p)-n, c.chunk)
 		err := c.post(ctx, p[n:n+k], 0, false)
@@ -337,7 +337,8 @@ func (c *Conn) reap() error {
 }
 
 // writeErr is the error of a Write whose post (with ctx) failed with
-// err; it sticks unless it is the deadline's.
+// err, or that found ctx ended (err is then ctx's); it sticks unless it
+// is the deadline's or Close's (which ends ctx too).
 func (c *Conn) writeErr(ctx context.Context, err error) error {
 	if c.closed.Load() {
 		return c.opErr("write", net.ErrClosed)
@@ -373,31 +374,46 @@ func (c *Conn) CloseWrite() error {
 	return nil
 }
 
-// Close closes the stream and its session: it waits for the messages
-// posted to be delivered (unless a Write is under way: Close does not
-// wait for it), so that the peer reads every byte written before Close,
-// then io.EOF. It unblocks every Read and Write, which return an error
-// wrapping net.ErrClosed.
+// Close closes the stream and its session: it stops a Write (or
+// CloseWrite) under way, which returns an error wrapping net.ErrClosed
+// and how many bytes it posted, and waits for the messages posted to be
+// delivered, so that the peer reads every byte written before Close,
+// then io.EOF. It unblocks every Read, which returns an error wrapping
+// net.ErrClosed.
 func (c *Conn) Close() error {
 	if !c.closed.CompareAndSwap(false, true) {
 		return c.opErr("close", net.ErrClosed)
 	}
-	if c.wmu.TryLock() {
-		for c.n > 0 {
-			if c.reap() != nil {
-				break
-			}
+	// A Write waiting for credits (or for room in the session's queue)
+	// waits with the write deadline's context: ending it stops the
+	// Write, whose messages posted are then delivered like the
+	// others. (Closing the session under it instead flushed the
+	// messages in flight: the peer lost bytes of Writes that had
+	// returned before Close.)
+	c.wd.end()
+	c.wmu.Lock()
+	for c.n > 0 {
+		if c.reap() != nil {
+			break
 		}
-		c.wmu.Unlock()
 	}
-	c.rd.stop()
-	c.wd.stop()
+	c.wmu.Unlock()
+	c.rd.end()
 	c.mem.Lock()
 	defer c.mem.Unlock()
 	if err := c.s.Close(); err != nil {
 		return c.opErr("close", err)
 	}
 	return nil
+}
+
+// expired is the error of an op whose deadline's context ended: Close
+// ends them too.
+func (c *Conn) expired(op string) error {
+	if c.closed.Load() {
+		return c.opErr(op, net.ErrClosed)
+	}
+	return c.opErr(op, os.ErrDeadlineExceeded)
 }
 
 func (c *Conn) opErr(op string, err error) error {

@@ -17,6 +17,7 @@ type deadline struct {
 	cancel context.CancelFunc
 	timer  *time.Timer // cancels ctx when the deadline passes; nil: none made for it
 	armed  bool        // timer is set (not stopped): Stop failing means it fired
+	ended  bool        // end was called: every context is cancelled
 }
 
 // context returns the context that ends when the deadline passes (or
@@ -38,6 +39,9 @@ func (d *deadline) renewLocked() {
 	}
 	d.ctx, d.cancel = context.WithCancel(context.Background())
 	d.timer, d.armed = nil, false // made for the old cancel
+	if d.ended {
+		d.cancel()
+	}
 }
 
 // set moves the deadline to t (zero: none).
@@ -71,12 +75,17 @@ func (d *deadline) set(t time.Time) {
 	d.armed = true
 }
 
-// stop disarms the timer (Close).
-func (d *deadline) stop() {
+// end cancels the context, and every later one, and disarms the timer
+// (Close: it stops the calls waiting).
+func (d *deadline) end() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.armed {
 		d.timer.Stop()
 		d.armed = false
+	}
+	d.ended = true
+	if d.ctx != nil {
+		d.cancel()
 	}
 }

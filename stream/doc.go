@@ -9,8 +9,9 @@
 // or New on a session of the caller's): Write copies its bytes into
 // registered memory of the session's allocator and posts them as
 // messages of at most Session.PeerMessageSize bytes each (the size that
-// travels in one RDMA write into the peer's receive buffers), up to 16 in
-// flight; Read copies out of the message at the head of the stream and
+// travels in one RDMA write into the peer's receive buffers; smaller
+// if the peer's MaxMessage refuses that size), up to 16 in flight (fewer
+// when the allocator's MaxMemory has no room for more); Read copies out of the message at the head of the stream and
 // releases its buffer once it has copied the last byte. Flow control is
 // the session's: a writer whose peer does not read waits for credits, so
 // nothing is dropped and nothing grows without bound. The session's
@@ -19,9 +20,10 @@
 //
 // Write returns once its bytes are posted (the library holds its copy
 // until the peer's device has them), as a socket's Write returns once
-// the kernel holds them. Close waits for the messages posted to be
-// delivered, then closes the session: the peer reads everything written
-// before Close, then io.EOF. CloseWrite ends this direction only (an
+// the kernel holds them. Close stops a Write under way (it reports the
+// bytes it posted), waits for the messages posted to be delivered, then
+// closes the session: the peer reads everything written before Close,
+// then io.EOF. CloseWrite ends this direction only (an
 // empty message with immediate data 1 marks the end; the peer's Read
 // returns io.EOF after the bytes before it) and keeps reading.
 //
