@@ -1435,3 +1435,48 @@ func TestAdvPeerStopped(t *testing.T) {
 		t.Logf("Close: %v", err)
 	}
 }
+
+// TestAdvConcurrentCloses: many goroutines close one Conn, and one
+// Listener, at once: exactly one Close of each succeeds, the others
+// report net.ErrClosed (as a second Close does); none panics or hangs.
+func TestAdvConcurrentCloses(t *testing.T) {
+	const n = 8
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+	defer cancel()
+	l, err := Listen(ctx, "127.0.0.1:0", session.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c1, c2 := advPipe(t, session.Config{}, session.Config{})
+	c1.Write([]byte("x"))
+	for _, tc := range []struct {
+		name  string
+		close func() error
+	}{
+		{"Conn", c1.Close},
+		{"Conn's peer", c2.Close},
+		{"Listener", l.Close},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			start := make(chan struct{})
+			errs := make(chan error, n)
+			for range n {
+				go func() { <-start; errs <- tc.close() }()
+			}
+			close(start)
+			ok := 0
+			for range n {
+				err := wait(t, errs, "Close")
+				switch {
+				case err == nil:
+					ok++
+				case !errors.Is(err, net.ErrClosed):
+					t.Errorf("Close: %v, want nil or net.ErrClosed", err)
+				}
+			}
+			if ok != 1 {
+				t.Fatalf("%d of %d concurrent Closes succeeded, want 1", ok, n)
+			}
+		})
+	}
+}
