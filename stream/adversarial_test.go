@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -1478,5 +1479,39 @@ func TestAdvConcurrentCloses(t *testing.T) {
 				t.Fatalf("%d of %d concurrent Closes succeeded, want 1", ok, n)
 			}
 		})
+	}
+}
+
+// TestAdvCrossProcessCloseKeepsWritten: a child process closes its
+// stream while another of its goroutines is writing: the bytes of every
+// Write that returned before Close reach this side (over shared memory,
+// unix and tcp), in order, then io.EOF.
+func TestAdvCrossProcessCloseKeepsWritten(t *testing.T) {
+	for _, kind := range kinds {
+		for run := range 3 {
+			t.Run(fmt.Sprintf("%s/%d", kind, run), func(t *testing.T) {
+				c, p := dialChild(t, kind, "closer")
+				defer c.Close()
+				got, err := readAll(t, c, 32<<10)
+				if err != io.EOF {
+					t.Fatalf("Read: %v after %d bytes, want io.EOF", err, len(got))
+				}
+				before, perr := strconv.Atoi(p.Line(t, "before")[0])
+				if perr != nil {
+					t.Fatal(perr)
+				}
+				unit := pattern(1 << 20)
+				for i := range got {
+					if got[i] != unit[i%len(unit)] {
+						t.Fatalf("byte %d: %d, want %d", i, got[i], unit[i%len(unit)])
+					}
+				}
+				if len(got) < before {
+					t.Fatalf("read %d bytes, but the child's Writes had returned for %d before its Close", len(got), before)
+				}
+				t.Logf("read %d bytes; %d written before Close", len(got), before)
+				p.Stop(t)
+			})
+		}
 	}
 }

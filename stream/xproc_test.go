@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,8 +22,10 @@ import (
 // "echo" (writes back what it reads until io.EOF, then closes), "sink"
 // (reads until io.EOF, then writes one byte and closes), "burst N"
 // (writes N bytes of pattern, closes and exits at once), "flood"
-// (writes pattern(1 MiB) over and over until killed) or "stall" (reads
-// nothing until its stdin closes). With envNet
+// (writes pattern(1 MiB) over and over until killed), "closer" (writes
+// prefixes of pattern(1 MiB) over and over while it closes the stream
+// at a random moment, then prints "before N": the bytes of the Writes
+// that had returned) or "stall" (reads nothing until its stdin closes). With envNet
 // "tcp" it serves a kernel TCP connection instead of a stream (the
 // benchmarks' baseline).
 const (
@@ -99,6 +102,33 @@ func runChild(what string) int {
 				return 1
 			}
 		}
+	case what == "closer":
+		// Writes pattern(1 MiB) again and again from one goroutine
+		// while this one closes the stream after a moment, and says
+		// how many bytes the Writes that returned before had written.
+		var wrote atomic.Int64
+		stopped := make(chan struct{})
+		go func() {
+			defer close(stopped)
+			// pattern is periodic (1 MiB): byte i of the stream is
+			// pattern's byte i.
+			b := pattern(2 << 20)
+			for off := 0; ; {
+				at := off % (1 << 20)
+				n, err := c.Write(b[at : at+1+rand.N(64<<10)])
+				off += n
+				wrote.Add(int64(n))
+				if err != nil {
+					return
+				}
+			}
+		}()
+		time.Sleep(time.Duration(5+rand.N(30)) * time.Millisecond)
+		before := wrote.Load()
+		c.Close()
+		<-stopped
+		fmt.Println("before", before)
+		return 0
 	case what == "stall":
 		// Reads nothing until the test closes stdin (or kills it).
 		fmt.Println("ready")
