@@ -756,8 +756,8 @@ func TestAdvListener(t *testing.T) {
 	}
 }
 
-// TestAdvManyConns: 12 dialers at once on one Listener, each echoed by
-// its own accepted Conn, each with its own bytes: every one gets back
+// TestAdvManyConns: 12 dialers at once on one Listener (three
+// goroutines accepting), each echoed by its own accepted Conn, each with its own bytes: every one gets back
 // exactly its own, then io.EOF.
 func TestAdvManyConns(t *testing.T) {
 	const n = 12
@@ -770,26 +770,31 @@ func TestAdvManyConns(t *testing.T) {
 	}
 	defer l.Close()
 	var servers sync.WaitGroup
-	servers.Add(1)
-	go func() {
-		defer servers.Done()
-		for range n {
-			c, err := l.Accept()
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			servers.Add(1)
-			go func() {
-				defer servers.Done()
-				defer c.Close()
-				if _, err := io.Copy(c, c); err != nil {
+	// Three goroutines accept at once, n in all.
+	var left atomic.Int32
+	left.Store(n)
+	for range 3 {
+		servers.Add(1)
+		go func() {
+			defer servers.Done()
+			for left.Add(-1) >= 0 {
+				c, err := l.Accept()
+				if err != nil {
 					t.Error(err)
+					return
 				}
-				c.(*Conn).CloseWrite()
-			}()
-		}
-	}()
+				servers.Add(1)
+				go func() {
+					defer servers.Done()
+					defer c.Close()
+					if _, err := io.Copy(c, c); err != nil {
+						t.Error(err)
+					}
+					c.(*Conn).CloseWrite()
+				}()
+			}
+		}()
+	}
 	var clients sync.WaitGroup
 	errs := make(chan error, n)
 	for i := range n {
@@ -1514,4 +1519,58 @@ func TestAdvCrossProcessCloseKeepsWritten(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestAdvRendezvousReadTimeouts: Reads with deadlines a few
+// microseconds away, retried after each timeout, of messages larger
+// than the receive buffers (which a bare-session peer sends by
+// rendezvous: the Read's Receive reads them from the peer) lose
+// nothing: every byte comes, in order.
+func TestAdvRendezvousReadTimeouts(t *testing.T) {
+	cfg := session.Config{ReceiveBuffers: 4, MessageSize: 1024}
+	c, s := rawPeer(t, cfg, cfg)
+	var want []byte
+	for i := range 20 {
+		want = append(want, pattern(10_000+i*5_000)...)
+	}
+	sent := await(func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+		defer cancel()
+		for i, off := 0, 0; i < 20; i++ {
+			n := 10_000 + i*5_000
+			if err := s.Send(ctx, want[off:off+n]); err != nil {
+				return err
+			}
+			off += n
+		}
+		return s.SendImm(ctx, finImm, nil)
+	})
+	var got []byte
+	buf := make([]byte, 7000)
+	timeouts := 0
+	res := await(func() error {
+		for {
+			c.SetReadDeadline(time.Now().Add(time.Duration(rand.N(200)) * time.Microsecond))
+			n, err := c.Read(buf)
+			got = append(got, buf[:n]...)
+			switch {
+			case err == io.EOF:
+				return nil
+			case isTimeout(err):
+				timeouts++
+			case err != nil:
+				return err
+			}
+		}
+	})
+	if err := wait(t, res, "reading"); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait(t, sent, "the peer"); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("read %d bytes that are not the %d sent", len(got), len(want))
+	}
+	t.Logf("%d Reads timed out", timeouts)
 }
