@@ -9,12 +9,18 @@ import (
 // MaxNodeList bounds the number of host names ExpandNodeList produces.
 const MaxNodeList = 1 << 16
 
+// maxNodeName bounds the length of one name of a node list: a host name
+// has at most 253 characters. With MaxNodeList, it bounds what a list
+// expands to (16 MiB), whatever the length of its text.
+const maxNodeName = 253
+
 // ExpandNodeList expands a Slurm node list (SLURM_JOB_NODELIST) into host
 // names, in order: "node[01-03,07],login,rack[1-2]-n[1-2]" gives node01,
 // node02, node03, node07, login, rack1-n1, rack1-n2, rack2-n1, rack2-n2.
 // A range keeps the zero padding of its lower bound. Lists of more than
-// MaxNodeList names, unbalanced brackets, empty names and reversed ranges
-// are errors.
+// MaxNodeList names, names longer than a host name may be (253
+// characters), unbalanced brackets, empty names and reversed ranges are
+// errors.
 func ExpandNodeList(s string) ([]string, error) {
 	if strings.TrimSpace(s) == "" {
 		return nil, fmt.Errorf("cluster: node list: empty")
@@ -64,6 +70,9 @@ func expandItem(item string, limit int) ([]string, error) {
 		if limit < 1 {
 			return nil, fmt.Errorf("more than %d names", MaxNodeList)
 		}
+		if len(item) > maxNodeName {
+			return nil, fmt.Errorf("name of %d characters (at most %d)", len(item), maxNodeName)
+		}
 		return []string{item}, nil
 	}
 	end := strings.IndexByte(item[open:], ']')
@@ -74,6 +83,9 @@ func expandItem(item string, limit int) ([]string, error) {
 	prefix, body, rest := item[:open], item[open+1:end], item[end+1:]
 	if strings.ContainsAny(prefix, "] \t") || strings.ContainsRune(body, '[') {
 		return nil, fmt.Errorf("bad name %q", item)
+	}
+	if len(prefix) > maxNodeName {
+		return nil, fmt.Errorf("name of more than %d characters", maxNodeName)
 	}
 	var heads []string
 	for _, r := range strings.Split(body, ",") {
@@ -97,6 +109,9 @@ func expandItem(item string, limit int) ([]string, error) {
 			if pad := len(lo) - len(num); pad > 0 {
 				num = strings.Repeat("0", pad) + num
 			}
+			if len(prefix)+len(num) > maxNodeName {
+				return nil, fmt.Errorf("name of more than %d characters", maxNodeName)
+			}
 			heads = append(heads, prefix+num)
 		}
 	}
@@ -109,6 +124,13 @@ func expandItem(item string, limit int) ([]string, error) {
 	}
 	if len(heads)*len(tails) > limit {
 		return nil, fmt.Errorf("more than %d names", MaxNodeList)
+	}
+	for _, h := range heads {
+		for _, t := range tails {
+			if len(h)+len(t) > maxNodeName {
+				return nil, fmt.Errorf("name %q... of more than %d characters", h, maxNodeName)
+			}
+		}
 	}
 	out := make([]string, 0, len(heads)*len(tails))
 	for _, h := range heads {
