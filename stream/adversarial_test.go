@@ -1574,3 +1574,87 @@ func TestAdvRendezvousReadTimeouts(t *testing.T) {
 	}
 	t.Logf("%d Reads timed out", timeouts)
 }
+
+// TestAdvBothBlockedClose: both sides write without reading, so both
+// Writes wait for credits the other never gives (the classic deadlock
+// of two writers); then both sides Close at once: every Write and Close
+// returns (Writes with net.ErrClosed or the peer's end), none hangs.
+func TestAdvBothBlockedClose(t *testing.T) {
+	for run := range 3 {
+		t.Run(fmt.Sprint(run), func(t *testing.T) {
+			cfg := session.Config{ReceiveBuffers: 4, MessageSize: 1024}
+			c1, c2 := advPipe(t, cfg, cfg)
+			var ws []<-chan error
+			for _, c := range []*Conn{c1, c2, c1, c2} {
+				ws = append(ws, await(func() error { _, err := c.Write(pattern(4 << 20)); return err }))
+			}
+			settle()
+			closes := []<-chan error{await(c1.Close), await(c2.Close)}
+			for i, ch := range closes {
+				if err := wait(t, ch, fmt.Sprintf("Close %d", i)); err != nil {
+					t.Errorf("Close %d: %v", i, err)
+				}
+			}
+			for i, ch := range ws {
+				err := wait(t, ch, fmt.Sprintf("Write %d", i))
+				if !errors.Is(err, net.ErrClosed) && !errors.Is(err, session.ErrPeerClosed) {
+					t.Errorf("Write %d: %v, want net.ErrClosed or session.ErrPeerClosed", i, err)
+				}
+			}
+		})
+	}
+}
+
+// TestAdvAcceptStrangers: strangers at the Listener (a TCP connection
+// that sends garbage, one that sends nothing and stays, a dialer with
+// the wrong token) do not make Accept fail or return them: it returns
+// the stream of the dialer that proves the token, which works.
+func TestAdvAcceptStrangers(t *testing.T) {
+	cfg := session.Config{Token: []byte("the right token"), HandshakeTimeout: 2 * time.Second}
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+	defer cancel()
+	l, err := Listen(ctx, "127.0.0.1:0", cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	type acc struct {
+		c   *Conn
+		err error
+	}
+	ach := make(chan acc, 1)
+	go func() { c, err := l.AcceptContext(ctx); ach <- acc{c, err} }()
+	garbage, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer garbage.Close()
+	garbage.Write(bytes.Repeat([]byte{0xff, 0, 0x7f, 0x80}, 1000))
+	silent, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	wrong := cfg
+	wrong.Token = []byte("a wrong token")
+	if c, err := Dial(ctx, l.Addr().String(), wrong); err == nil {
+		c.Close()
+		t.Fatal("a dialer with the wrong token got a stream")
+	}
+	d, err := Dial(ctx, l.Addr().String(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	a := wait(t, ach, "Accept")
+	if a.err != nil {
+		t.Fatalf("Accept: %v", a.err)
+	}
+	defer a.c.Close()
+	if _, err := d.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	if got := readN(t, a.c, 5); string(got) != "hello" {
+		t.Fatalf("read %q", got)
+	}
+}
