@@ -1042,3 +1042,95 @@ func TestAdvNodeListNameLength(t *testing.T) {
 		t.Errorf("Slurm node list of long names: %v, want ErrEnvValue", err)
 	}
 }
+
+// TestAdvLeafDiesInGather: in a rendezvous, a rank that sent the root its
+// share and then died (its connection closed) while the root still waits
+// for another rank makes the root fail at once with ErrPeerLost naming
+// it, and tell the ranks still connected (ErrAborted), as the package
+// documentation says of a rank that dies after its handshake. Before,
+// the root kept the dead rank's connection unwatched until the last rank
+// came: with a context without deadline it waited for ever (here, until
+// the hang guard), and once the last rank came it could report success
+// to everyone, its one-record write to the dead rank landing in the
+// socket's buffer.
+func TestAdvLeafDiesInGather(t *testing.T) {
+	for _, cards := range []bool{false, true} {
+		t.Run(fmt.Sprintf("cards %v", cards), func(t *testing.T) {
+			xNoLeaks(t)
+			const n = 4
+			lns, addrs := xListeners(t, n)
+			cfg := func(r int) ExchangeConfig {
+				return ExchangeConfig{Rank: r, Size: n, Mode: Rendezvous, Addrs: addrs, Listener: lns[r], Job: "job", Token: []byte("token")}
+			}
+			root := make(chan error, 1)
+			go func() {
+				var err error
+				if cards {
+					_, _, err = ExchangeCards(context.Background(), cfg(0), []byte("card"), make([]byte, n))
+				} else {
+					_, err = Exchange(context.Background(), cfg(0), xOut(0, n))
+				}
+				root <- err
+			}()
+			ctx := xContext(t, advGuard)
+			// Ranks 1 and 2 (played by the test) connect and send their
+			// shares; then rank 1 dies. Rank 3 never comes.
+			leaf := func(r int) *conn {
+				x, err := newExchange(cfg(r), xOut(r, n))
+				if err != nil {
+					t.Fatal(err)
+				}
+				share := encodeVector(x.out)
+				if cards {
+					if x, err = newCardExchange(cfg(r), []byte("card"), make([]byte, n)); err != nil {
+						t.Fatal(err)
+					}
+					share = encodeCardShare(x.card, x.itemBuf)
+				}
+				k, err := x.dial(ctx, 0, addrs[0])
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { k.stopWatch(); k.c.Close() })
+				if err := x.send(k, share); err != nil {
+					t.Fatal(err)
+				}
+				return k
+			}
+			k2 := leaf(2)
+			k1 := leaf(1)
+			k1.stopWatch()
+			k1.c.Close()
+			leaf2 := make(chan error, 1)
+			go func() {
+				typ, msg, err := k2.s.readMsg(k2.c, DefaultMaxFrame)
+				if err == nil && typ == recAbort {
+					err = fmt.Errorf("%w: %s", ErrAborted, msg)
+				} else if err == nil {
+					err = fmt.Errorf("the root answered rank 2 with a message of type %d (%d bytes)", typ, len(msg))
+				}
+				leaf2 <- err
+			}()
+			var rootErr, leafErr error
+			select {
+			case rootErr = <-root:
+			case <-time.After(advGuard):
+				t.Fatal("the root still waits after rank 1 died")
+			}
+			var xe *ExchangeError
+			if !errors.As(rootErr, &xe) || xe.Peer != 1 || !errors.Is(rootErr, ErrPeerLost) {
+				t.Errorf("root: %v, want ErrPeerLost naming rank 1", rootErr)
+			}
+			select {
+			case leafErr = <-leaf2:
+			case <-time.After(advGuard):
+				t.Fatal("rank 2 still waits after the root failed")
+			}
+			if !errors.Is(leafErr, ErrAborted) || !strings.Contains(leafErr.Error(), "peer 1") {
+				t.Errorf("rank 2: %v, want ErrAborted with the root's reason (peer 1)", leafErr)
+			}
+			t.Log(rootErr)
+			t.Log(leafErr)
+		})
+	}
+}

@@ -1377,7 +1377,31 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 		g.conns[k.peer] = k
 		g.mu.Unlock()
 		s.put(k.peer, nil)
-		<-g.release
+		// Watch the connection until the root is done with it: a rank
+		// sends nothing after its share, so its end (the rank died) or
+		// anything it sends fails the gather now, naming the rank,
+		// rather than when the last rank comes (or at the deadline).
+		watch := make(chan error, 1)
+		go func() {
+			var b [1]byte
+			_, err := k.c.Read(b[:])
+			if err == nil {
+				err = fmt.Errorf("%w: rank %d sent data after its share", ErrBadFrame, k.peer)
+			}
+			watch <- err
+		}()
+		select {
+		case <-g.release:
+			k.c.SetReadDeadline(time.Now()) // ends the watch
+			<-watch
+			k.c.SetReadDeadline(time.Time{})
+		case err := <-watch:
+			if !errors.Is(err, ErrBadFrame) {
+				err = fmt.Errorf("%w: its connection ended after it sent its share: %w", ErrPeerLost, err)
+			}
+			s.fatal(&peerErr{k.peer, err}) // nothing once every rank was put
+			<-g.release
+		}
 	}, func(err error) { s.listenerGone(err, func(j int) bool { return j != 0 }) })
 	if err := s.wait(gctx, x); err != nil {
 		// Tell the connected ranks why, so that they fail now rather than
