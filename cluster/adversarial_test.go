@@ -1134,3 +1134,144 @@ func TestAdvLeafDiesInGather(t *testing.T) {
 		})
 	}
 }
+
+// TestAdvRankLeavesDuringBarrier: in a world of 3 (in this process), rank
+// 1 closes its node (it leaves, as a process that exits does) while ranks
+// 0 and 2 wait for it in a barrier and in a Share: both fail with a
+// *RankError naming rank 1, wrapping ErrPeerLost, before their context
+// (the hang guard) ends; Err then reports the same failure, and the next
+// barrier fails at once with ErrPoisoned wrapping it.
+func TestAdvRankLeavesDuringBarrier(t *testing.T) {
+	for _, op := range []string{"barrier", "share"} {
+		t.Run(op, func(t *testing.T) {
+			nodes := advNodes(t, 3)
+			ctx := xContext(t, advGuard)
+			errs := make([]error, 3)
+			var wg sync.WaitGroup
+			for _, r := range []int{0, 2} {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if op == "barrier" {
+						errs[r] = nodes[r].Barrier(ctx, nil)
+					} else {
+						_, errs[r] = nodes[r].Share(ctx, []byte{byte(r)})
+					}
+				}()
+			}
+			time.Sleep(20 * time.Millisecond) // (a guess: they may not wait yet; either way they must fail)
+			if err := nodes[1].Close(); err != nil {
+				t.Fatal(err)
+			}
+			wg.Wait()
+			for _, r := range []int{0, 2} {
+				var re *RankError
+				if !errors.As(errs[r], &re) || re.Rank != 1 || !errors.Is(errs[r], ErrPeerLost) || ctx.Err() != nil {
+					t.Errorf("rank %d: %v, want a *RankError naming rank 1 (ErrPeerLost) before the guard", r, errs[r])
+					continue
+				}
+				if err := nodes[r].Err(); !errors.As(err, &re) || re.Rank != 1 {
+					t.Errorf("rank %d: Err() = %v", r, err)
+				}
+				if err := nodes[r].Barrier(ctx, nil); !errors.Is(err, ErrPoisoned) || !errors.As(err, &re) || re.Rank != 1 {
+					t.Errorf("rank %d: next barrier: %v, want ErrPoisoned naming rank 1", r, err)
+				}
+			}
+		})
+	}
+}
+
+// TestAdvMalformedShares: a member of the job (it knows the token) sends
+// the rendezvous root a share that is not one: a vector of the wrong
+// count, truncated, with bytes after it, a card share with items of the
+// wrong size or a card larger than the world allows, a message over
+// MaxFrame, an empty message. The root fails at once, naming the rank,
+// with ErrBadFrame or ErrFrameTooLarge (reading no more than MaxFrame of
+// the message), and the other ranks waiting for it fail at once too.
+func TestAdvMalformedShares(t *testing.T) {
+	const n, w = 3, 2
+	const maxFrame = 64 << 10
+	card := []byte("card")
+	for _, tc := range []struct {
+		name  string
+		cards bool
+		share []byte
+		want  error
+	}{
+		{"empty message", false, nil, ErrBadFrame},
+		{"vector of 2 entries for 3 ranks", false, encodeVector([][]byte{{1}, {2}}), ErrBadFrame},
+		{"vector of 4 entries for 3 ranks", false, encodeVector([][]byte{{1}, {2}, {3}, {4}}), ErrBadFrame},
+		{"truncated vector", false, encodeVector(xOut(1, n))[:10], ErrBadFrame},
+		{"bytes after the vector", false, append(encodeVector(xOut(1, n)), 0), ErrBadFrame},
+		{"entry length beyond the message", false, []byte{0, 0, 0, 3, 0xff, 0xff, 0xff, 0xff}, ErrBadFrame},
+		{"message over MaxFrame", false, make([]byte, 4*maxFrame), ErrFrameTooLarge},
+		{"card share of 3 entries", true, encodeVector([][]byte{card, make([]byte, n*w), nil}), ErrBadFrame},
+		{"card share with short items", true, encodeCardShare(card, make([]byte, n*w-1)), ErrBadFrame},
+		{"card share with long items", true, encodeCardShare(card, make([]byte, n*w+1)), ErrBadFrame},
+		{"card too large for the world", true, encodeCardShare(make([]byte, maxFrame/n), make([]byte, n*w)), ErrFrameTooLarge},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			xNoLeaks(t)
+			lns, addrs := xListeners(t, n)
+			cfg := func(r int) ExchangeConfig {
+				return ExchangeConfig{Rank: r, Size: n, Mode: Rendezvous, Addrs: addrs, Listener: lns[r], Job: "job",
+					Token: []byte("token"), MaxFrame: maxFrame}
+			}
+			ctx := xContext(t, advGuard)
+			root := make(chan error, 1)
+			go func() {
+				var err error
+				if tc.cards {
+					_, _, err = ExchangeCards(ctx, cfg(0), card, make([]byte, n*w))
+				} else {
+					_, err = Exchange(ctx, cfg(0), xOut(0, n))
+				}
+				root <- err
+			}()
+			// Rank 2 (played by the test) connects and sends its share,
+			// then rank 1, a member of the job, sends a bad one.
+			dial := func(r int) (*exchange, *conn) {
+				var x *exchange
+				var err error
+				if tc.cards {
+					x, err = newCardExchange(cfg(r), card, make([]byte, n*w))
+				} else {
+					x, err = newExchange(cfg(r), xOut(r, n))
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				k, err := x.dial(ctx, 0, addrs[0])
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { k.stopWatch(); k.c.Close() })
+				return x, k
+			}
+			x2, k2 := dial(2)
+			share2 := encodeVector(x2.out)
+			if tc.cards {
+				share2 = encodeCardShare(x2.card, x2.itemBuf)
+			}
+			if err := x2.send(k2, share2); err != nil {
+				t.Fatal(err)
+			}
+			x, k := dial(1)
+			x.send(k, tc.share) // the root may stop reading before the end
+			err := <-root
+			var xe *ExchangeError
+			if !errors.As(err, &xe) || xe.Peer != 1 || !errors.Is(err, tc.want) {
+				t.Errorf("root: %v, want %v naming rank 1", err, tc.want)
+			}
+			// Rank 1 is told why, or sees its connection end.
+			if _, err := x.recv(ctx, k); err == nil {
+				t.Errorf("rank 1 got an answer")
+			}
+			// Rank 2 is told why (ErrAborted) if the root had taken its
+			// share, or sees the root go (ErrPeerLost) if not yet.
+			if _, err := x2.recv(ctx, k2); !errors.Is(err, ErrAborted) && !errors.Is(err, ErrPeerLost) {
+				t.Errorf("rank 2: %v, want ErrAborted or ErrPeerLost", err)
+			}
+		})
+	}
+}
