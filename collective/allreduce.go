@@ -24,11 +24,11 @@ const (
 // once, by one rank, and copied to the others (ring, Rabenseifner), or
 // computed by every rank in the same order, lower ranks' partial result
 // on the left (recursive doubling).
-func Allreduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) error {
+func Allreduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) (err error) {
 	if send == nil {
 		send = recv
 	}
-	info := callInfo{kind: kindAllreduce, op: op.kind, dtype: dtypeOf[T](), root: -1, count: uint64(len(recv))}
+	info := callInfo{kind: kindAllreduce, op: op.kind, opID: op.id, dtype: dtypeOf[T](), root: -1, count: uint64(len(recv))}
 	if len(send) != len(recv) {
 		return c.argErr(info.kind, "send has %d elements, recv %d", len(send), len(recv))
 	}
@@ -43,6 +43,7 @@ func Allreduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) er
 	if err != nil {
 		return err
 	}
+	defer c.catchOp(t, &err)
 	c.red, c.comb = red, combinerFor[T](op)
 	var in []byte // out of place: the input
 	if len(send) > 0 && &send[0] != &recv[0] {

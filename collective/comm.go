@@ -126,7 +126,7 @@ const (
 	windowBudget  = 8 << 20
 	directChunk   = 256 << 10 // from this ChunkSize the windows take direct writes (newComm)
 	minChunk      = 256
-	hdrBytes      = 64  // header of a slot: 40 bytes used (see header), data 64-byte aligned
+	hdrBytes      = 64  // header of a slot: 44 bytes used (see header), data 64-byte aligned
 	peerFlagBytes = 128 // data count, ack count, done flag (Close), abort word (abort), landing (announce), sleep word (bells.go)
 )
 
@@ -293,7 +293,7 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 // at rank 0 if any rank's do, a choice every rank makes alike.
 const (
 	descMagic   = "GVCO"
-	descVersion = 3 // 2: 64-byte peer flags (the landing announcement); 3: 128 (the sleep word), the flags
+	descVersion = 4 // 2: 64-byte peer flags (the landing announcement); 3: 128 (the sleep word), the flags; 4: Custom op ids in the headers
 	descBytes   = 44
 	descYields  = 1
 )

@@ -18,9 +18,15 @@
 // arguments (the same kind, operation, element type, count and root),
 // in the same order. A rank that calls something else is detected: every
 // message carries the call's description, and the receiver of a
-// mismatched one fails with ErrMismatch naming both calls; a rank that
-// receives nothing from the mismatched rank fails by its context or
-// Options.Timeout. Mismatches are never silently combined.
+// mismatched one fails with ErrMismatch naming both calls. Ranks whose
+// mismatched calls wait for each other without exchanging anything
+// (each waits to receive from the other) find out too: a waiting rank's
+// probes tell the peer it waits for which call it is in, and a peer in
+// the same call of another description fails with ErrMismatch. A rank
+// that waits for a peer that completed its mismatched call and called
+// nothing more fails by its context or Options.Timeout. Whichever rank
+// detects it, the others' calls fail as it gives up (ErrPeerAborted,
+// wrapping ErrMismatch). Mismatches are never silently combined.
 //
 // # Data path
 //

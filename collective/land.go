@@ -142,7 +142,7 @@ func (c *Comm) landLookup(f *flow) (bool, error) {
 		return false, nil // not yet: a tag of an earlier call, or none
 	}
 	if v&^0xff != c.landTag() {
-		peer := callInfo{kind: uint8(v >> 24), op: opKind(v >> 16 & 0xff), dtype: uint8(v >> 8 & 0xff), root: c.call.root, count: c.call.count}
+		peer := callInfo{kind: uint8(v >> 24), op: opKind(v >> 16 & 0xff), dtype: uint8(v >> 8 & 0xff), root: c.call.root, count: c.call.count, opID: c.call.opID}
 		return false, fmt.Errorf("%w: rank %d called %v, this rank %v", ErrMismatch, p, peer, c.call)
 	}
 	switch v & 0xff {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"runtime/debug"
 	"sync/atomic"
 	"unsafe"
 )
@@ -115,6 +116,7 @@ type Op struct {
 	name string
 	elem reflect.Type // Custom: T
 	red  reducer      // Custom: f as a reducer
+	id   uint32       // Custom: opID(name), carried in the call's description
 }
 
 type opKind uint8
@@ -154,16 +156,36 @@ var (
 // whatever Options.Algorithm says; ReduceScatter uses recursive
 // halving), as documented on each collective.
 //
+// Ranks tell Custom operations apart by name: every rank passes an
+// operation of the same name (calls whose operations are named
+// differently fail with ErrMismatch, like calls with different
+// predefined operations).
+//
 // f is called with slices of equal length (possibly empty), from the
 // goroutine of the collective call, one call at a time per
 // communicator; it may write inout and nothing else, must not retain
-// the slices, must not call into the communicator, and must not panic.
-// Using the Op with another element type than T fails with ErrBadOp.
+// the slices, must not call into the communicator, and should not
+// panic: if it does, the call fails with ErrOpPanicked (naming what it
+// panicked with), poisoning the communicator, and the other ranks' calls
+// fail as their peer gave up; the panic does not go on. Using the Op
+// with another element type than T fails with ErrBadOp.
 func Custom[T Number](name string, f func(inout, in []T)) Op {
 	if f == nil {
 		return Op{}
 	}
-	return Op{kind: opCustom, name: name, elem: reflect.TypeFor[T](), red: custom(f)}
+	return Op{kind: opCustom, name: name, elem: reflect.TypeFor[T](), red: custom(f), id: opID(name)}
+}
+
+// opID identifies a Custom operation by its name (FNV-1a), among the
+// ranks: calls whose Custom operations have different names disagree
+// (ErrMismatch), as calls with different predefined operations do.
+func opID(name string) uint32 {
+	h := uint32(2166136261)
+	for i := range len(name) {
+		h ^= uint32(name[i])
+		h *= 16777619
+	}
+	return h
 }
 
 func (o Op) String() string {
@@ -445,14 +467,55 @@ func custom[T Number](f func(inout, in []T)) reducer {
 		}
 		s = s[:len(d)]
 		if srcLow {
-			f(d, s) // d = s ⊕ d
+			callCustom(f, d, s) // d = s ⊕ d
 			return
 		}
 		// dst = dst ⊕ src: computed into src (the receive slot or scratch,
 		// library memory) and copied back.
-		f(s, d)
+		callCustom(f, s, d)
 		copy(d, s)
 	}
+}
+
+// ErrOpPanicked: a Custom operation panicked during the call. The call
+// fails with it (the error says what the operation panicked with, and
+// where), the communicator is poisoned and the peers give the call up;
+// the panic does not go on.
+var ErrOpPanicked = errors.New("collective: the Custom operation panicked")
+
+// opPanic is what a Custom operation's panic becomes on its way out of
+// the library's code: catchOp, deferred by the calls that reduce, turns
+// it into the call's error.
+type opPanic struct {
+	v     any
+	stack []byte
+}
+
+// callCustom calls the user's f, turning its panic into an *opPanic.
+func callCustom[T Number](f func(inout, in []T), inout, in []T) {
+	defer func() {
+		if v := recover(); v != nil {
+			panic(&opPanic{v: v, stack: debug.Stack()})
+		}
+	}()
+	f(inout, in)
+}
+
+// catchOp, deferred by a call that may reduce with a Custom operation
+// once it has its turn (ticket t), ends the call with ErrOpPanicked
+// (poisoning the communicator and telling the peers, as any failure)
+// when the operation panicked, instead of leaving the call's turn held
+// for ever; any other panic goes on.
+func (c *Comm) catchOp(t uint64, err *error) {
+	v := recover()
+	if v == nil {
+		return
+	}
+	p, ok := v.(*opPanic)
+	if !ok {
+		panic(v)
+	}
+	*err = c.end(t, c.fail(fmt.Errorf("%w: %v\n%s", ErrOpPanicked, p.v, p.stack), -1))
 }
 
 // The 16-bit floating-point types: each operation in float32, rounded

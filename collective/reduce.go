@@ -53,18 +53,19 @@ const ReduceSmallMax = 512 << 10
 // Allreduce's ring threshold) on; to be tuned across processes.
 //
 // Mismatched calls are detected like Broadcast's.
-func Reduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op, root int) error {
+func Reduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op, root int) (err error) {
 	atRoot := c.rank == root
 	inPlace := atRoot && (send == nil || sameMem(send, recv))
 	n := len(send)
 	if inPlace {
 		n = len(recv)
 	}
-	info := callInfo{kind: kindReduce, op: op.kind, dtype: dtypeOf[T](), root: int32(root), count: uint64(n)}
+	info := callInfo{kind: kindReduce, op: op.kind, opID: op.id, dtype: dtypeOf[T](), root: int32(root), count: uint64(n)}
 	t, err := c.begin(ctx, info)
 	if err != nil {
 		return err
 	}
+	defer c.catchOp(t, &err)
 	switch {
 	case root < 0 || root >= c.size:
 		return c.end(t, c.argErr(info.kind, "root %d out of range [0, %d)", root, c.size))

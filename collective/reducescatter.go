@@ -33,7 +33,7 @@ import (
 // not defined on T) fail with ErrArgs before anything is sent; ranks
 // that disagree on n fail with ErrMismatch.
 func ReduceScatter[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) error {
-	info := callInfo{kind: kindReduceScatter, op: op.kind, dtype: dtypeOf[T](), root: -1, count: uint64(len(recv))}
+	info := callInfo{kind: kindReduceScatter, op: op.kind, opID: op.id, dtype: dtypeOf[T](), root: -1, count: uint64(len(recv))}
 	in, inPlace := send, send == nil
 	n := len(recv)
 	if inPlace {
@@ -57,7 +57,7 @@ func ReduceScatter[T Number](ctx context.Context, c *Comm, send, recv []T, op Op
 // of reduction as ReduceScatter's (the ring when the vector is at least
 // RingMin bytes and p is not a power of two).
 func ReduceScatterV[T Number](ctx context.Context, c *Comm, send, recv []T, counts []int, op Op) error {
-	info := callInfo{kind: kindReduceScatter, op: op.kind, dtype: dtypeOf[T](), root: -1}
+	info := callInfo{kind: kindReduceScatter, op: op.kind, opID: op.id, dtype: dtypeOf[T](), root: -1}
 	if len(counts) != c.size {
 		return c.argErr(info.kind, "%d counts for %d ranks", len(counts), c.size)
 	}
@@ -91,7 +91,7 @@ func maxElems[T Number]() int { return int(^uint(0)>>1) / elemSize[T]() }
 
 // reduceScatter runs a reduce-scatter of in (the input vector: blocks
 // of counts[j] elements, or of n each if counts is nil) into dst.
-func reduceScatter[T Number](ctx context.Context, c *Comm, info callInfo, in, dst []T, inPlace bool, counts []int, n int, op Op) error {
+func reduceScatter[T Number](ctx context.Context, c *Comm, info callInfo, in, dst []T, inPlace bool, counts []int, n int, op Op) (err error) {
 	if !inPlace && c.size > 1 && overlap(in, dst) {
 		return c.argErr(info.kind, "send and recv overlap")
 	}
@@ -103,6 +103,7 @@ func reduceScatter[T Number](ctx context.Context, c *Comm, info callInfo, in, ds
 	if err != nil {
 		return err
 	}
+	defer c.catchOp(t, &err)
 	c.red = red
 	esz := elemSize[T]()
 	p := c.size

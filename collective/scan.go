@@ -28,11 +28,11 @@ func ExScan[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) error
 	return scan(ctx, c, kindExScan, send, recv, op)
 }
 
-func scan[T Number](ctx context.Context, c *Comm, kind uint8, send, recv []T, op Op) error {
+func scan[T Number](ctx context.Context, c *Comm, kind uint8, send, recv []T, op Op) (err error) {
 	if send == nil {
 		send = recv
 	}
-	info := callInfo{kind: kind, op: op.kind, dtype: dtypeOf[T](), root: -1, count: uint64(len(recv))}
+	info := callInfo{kind: kind, op: op.kind, opID: op.id, dtype: dtypeOf[T](), root: -1, count: uint64(len(recv))}
 	if len(send) != len(recv) {
 		return c.argErr(kind, "send has %d elements, recv %d", len(send), len(recv))
 	}
@@ -47,6 +47,7 @@ func scan[T Number](ctx context.Context, c *Comm, kind uint8, send, recv []T, op
 	if err != nil {
 		return err
 	}
+	defer c.catchOp(t, &err)
 	c.red = red
 	sb, rb := bytesOf(send), bytesOf(recv)
 	p, r := c.size, c.rank

@@ -28,7 +28,8 @@ import (
 // receiver's chunks (an ack, see below):
 //
 //	word 0 call | 1 kind, op << 8, dtype << 16 | 2 root | 3 count low |
-//	4 count high | 5 message length | 6 ack | 7… data, 4 bytes a word
+//	4 count high | 5 message length | 6 ack | 7 Custom op id | 8… data,
+//	4 bytes a word
 //
 // Both sides agree on the form of a chunk from the message's length (a
 // message of at most llMax bytes, sent through the window, in one
@@ -48,7 +49,7 @@ import (
 
 const (
 	llMax      = 1024 // bytes of the largest message sent in LL words
-	llHdrWords = 7
+	llHdrWords = 8
 	llRegion   = (llHdrWords + (llMax+3)/4) * 8 // the most of a slot LL words take
 )
 
@@ -89,6 +90,7 @@ func (c *Comm) sendSmall(f *flow, seq uint64, slot int, dst verbs.RemoteAddr) (b
 	w[4] = flag | c.call.count>>32
 	w[5] = flag | uint64(n)
 	w[6] = flag | uint64(uint32(ack))
+	w[7] = flag | uint64(c.call.opID)
 	d := w[llHdrWords:]
 	i := 0
 	for ; i+4 <= n; i += 4 {
@@ -157,7 +159,7 @@ func (c *Comm) recvSmall(slot []byte, p int, seq uint64, expect int) (bool, erro
 		binary.LittleEndian.PutUint32(dst[i*4:], uint32(v))
 	}
 	peer := callInfo{kind: uint8(h[1]), op: opKind(h[1] >> 8), dtype: uint8(h[1] >> 16), root: int32(h[2]),
-		count: uint64(h[3]) | uint64(h[4])<<32}
+		count: uint64(h[3]) | uint64(h[4])<<32, opID: h[7]}
 	if err := c.checkCall(p, h[0], peer, uint64(n), expect); err != nil {
 		return false, err
 	}

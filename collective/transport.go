@@ -21,7 +21,8 @@ import (
 //	my slots for it), ack count (chunks of mine j has consumed), done
 //	flag (j closed the communicator: see Close), abort word (j gave up
 //	a call: see abort), landing announcement (land.go), sleep word (j
-//	sleeps while it is odd: bells.go)
+//	sleeps while it is odd: bells.go), where j waits (its probes:
+//	peerElsewhere)
 //	the probe word
 //	per peer j: Slots slots of hdrBytes + ChunkSize bytes
 //
@@ -92,12 +93,16 @@ type callInfo struct {
 	dtype uint8
 	root  int32
 	count uint64
+	opID  uint32 // of a Custom op (its name's hash), else 0
 }
 
 func (ci callInfo) String() string {
 	s := kindName(ci.kind)
 	if ci.op != opNone {
 		s += " " + opNames[ci.op]
+	}
+	if ci.opID != 0 {
+		s += fmt.Sprintf(" (name hash %08x)", ci.opID)
 	}
 	if ci.dtype != 0 {
 		s += " of " + dtypeName(ci.dtype)
@@ -139,7 +144,8 @@ func dtypeName(d uint8) string {
 // Header of a chunk (little endian):
 //
 //	0 seq u64 | 8 call u32 | 12 kind u8 | 13 op u8 | 14 dtype u8 | 15 0 |
-//	16 root i32 | 20 len u32 | 24 count u64 | 32 message length u64
+//	16 root i32 | 20 len u32 | 24 count u64 | 32 message length u64 |
+//	40 Custom op id u32
 
 // flow is one message of a step: to send (buf is the source) or to
 // receive (buf is the destination, copied or reduced into).
@@ -207,21 +213,72 @@ func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
 		c.mu.Unlock()
 	}
 	c.call = info
+	// The error is made (fail reads c.call) before the turn is handed
+	// on: the next call sets c.call once it has the turn.
 	switch {
 	case closed:
+		err := c.fail(ErrClosed, -1)
 		c.done(t)
-		return t, c.fail(ErrClosed, -1)
+		return t, err
 	case perr != nil:
+		err := c.fail(fmt.Errorf("%w: %w", ErrPoisoned, perr), -1)
 		c.done(t)
-		return t, c.fail(fmt.Errorf("%w: %w", ErrPoisoned, perr), -1)
-	}
-	if err := ctx.Err(); err != nil {
-		c.done(t) // nothing sent: not poisoned
-		return t, c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, err), -1)
+		return t, err
 	}
 	c.callSeq++
 	c.deadline, c.deadlineSet = time.Time{}, false // set by the first wait (callDeadline)
+	// The probes of this call's waits tell the peers probed where this
+	// rank waits (peerElsewhere).
+	atomic.StoreUint64(word(c.tx, c.probeSrc), c.where())
+	if err := ctx.Err(); err != nil {
+		// The peers are in this call, or will be, and wait for this
+		// rank: it fails like a call whose context ended in a wait
+		// (poisoning the communicator, telling the peers), not silently
+		// out of step with them.
+		return t, c.end(t, c.fail(fmt.Errorf("%w: %w", verbs.ErrTimeout, err), -1))
+	}
 	return t, nil
+}
+
+// whereOff is the offset, in a peer's flags at a rank, of the word
+// where the peer's probes say which call it waits in (where).
+const whereOff = 96
+
+// where is the word a waiting rank's probes write at the peer they wait
+// for: the call's sequence number, its kind, and a hash of its whole
+// description.
+func (c *Comm) where() uint64 {
+	ci := c.call
+	h := uint32(2166136261)
+	for _, v := range [...]uint64{uint64(ci.kind), uint64(ci.op), uint64(ci.dtype), uint64(uint32(ci.root)), ci.count, uint64(ci.opID)} {
+		for range 8 {
+			h ^= uint32(v & 0xff)
+			h *= 16777619
+			v >>= 8
+		}
+	}
+	return uint64(c.callSeq)<<32 | uint64(ci.kind)<<24 | uint64(h&0xffffff)
+}
+
+// peerElsewhere returns ErrMismatch when a peer's probe says that it
+// waits in this rank's call (by sequence number) but that its call is
+// another: ranks whose mismatched calls wait for each other without
+// exchanging a chunk (each waits to receive from the other) would
+// otherwise wait until their contexts end.
+func (c *Comm) peerElsewhere() error {
+	mine := c.where()
+	for p := range c.size {
+		if p == c.rank {
+			continue
+		}
+		v := atomic.LoadUint64(word(c.rx, p*peerFlagBytes+whereOff))
+		if v>>32 != mine>>32 || v == mine {
+			continue
+		}
+		return c.fail(fmt.Errorf("%w: rank %d waits in its call %d, a %s, which differs from this rank's (%v)",
+			ErrMismatch, p, v>>32, kindName(uint8(v>>24)), c.call), p)
+	}
+	return nil
 }
 
 // ticket hands out the next place in the order of calls.
@@ -691,6 +748,7 @@ func (c *Comm) header(b []byte, seq uint64, n, total int) {
 	binary.LittleEndian.PutUint32(b[20:], uint32(n))
 	binary.LittleEndian.PutUint64(b[24:], c.call.count)
 	binary.LittleEndian.PutUint64(b[32:], uint64(total))
+	binary.LittleEndian.PutUint32(b[40:], c.call.opID)
 }
 
 // tryRecv consumes the next chunk of f if it has arrived.
@@ -769,7 +827,7 @@ func (c *Comm) check(h []byte, p int, seq uint64, n, total int) error {
 		return fmt.Errorf("rank %d's chunk %d arrived where chunk %d was expected (corrupted window)", p, s, seq)
 	}
 	peer := callInfo{kind: h[12], op: opKind(h[13]), dtype: h[14], root: int32(binary.LittleEndian.Uint32(h[16:])),
-		count: binary.LittleEndian.Uint64(h[24:])}
+		count: binary.LittleEndian.Uint64(h[24:]), opID: binary.LittleEndian.Uint32(h[40:])}
 	if err := c.checkCall(p, binary.LittleEndian.Uint32(h[8:]), peer, binary.LittleEndian.Uint64(h[32:]), total); err != nil {
 		return err
 	}
@@ -1045,13 +1103,15 @@ func (c *Comm) ring(p int) {
 	}
 }
 
-// postProbe posts the write of the probe word at p.
+// postProbe posts the write of the probe at p: the word that says
+// which call this rank waits in (where, set by begin), into its flags
+// at p (peerElsewhere).
 func (c *Comm) postProbe(p int) (channel.Handle, error) {
 	src, err := c.tx.SGE(c.probeSrc, 8)
 	if err != nil {
 		return channel.Handle{}, err
 	}
-	return c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.size*peerFlagBytes)), src)
+	return c.mc.Peer(c.ranks[p]).PostWrite(c.remote[p].At(uint64(c.rank*peerFlagBytes+whereOff)), src)
 }
 
 // expired returns why a wait must end for time, the end of ctx or of
@@ -1100,6 +1160,9 @@ func (c *Comm) checks(ctx context.Context, sends, recvs []flow) error {
 		return c.fail(err, -1)
 	}
 	if err := c.peerAborted(); err != nil {
+		return err
+	}
+	if err := c.peerElsewhere(); err != nil {
 		return err
 	}
 	for k, fs := range [2][]flow{sends, recvs} {
