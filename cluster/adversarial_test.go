@@ -1275,3 +1275,34 @@ func TestAdvMalformedShares(t *testing.T) {
 		})
 	}
 }
+
+// TestAdvConfigAddressAliases: two ranks of a configuration at the same
+// address written two ways (an IPv6 address compressed or not, or in
+// capitals, an IPv4 address and its IPv4-mapped IPv6 form, a host name
+// in two cases: DNS names are case-insensitive) are refused by Validate with
+// ErrDuplicateAddress, as the same text twice is. Before, they passed
+// Validate, and the configuration failed only at Join, when the second
+// of the two ranks could not listen on the address the first held.
+func TestAdvConfigAddressAliases(t *testing.T) {
+	for _, tc := range [][2]string{
+		{"::1", "0:0:0:0:0:0:0:1"},
+		{"127.0.0.1", "::ffff:127.0.0.1"},
+		{"fe80::1", "FE80:0::1"},
+		{"node1.cluster", "NODE1.Cluster"},
+	} {
+		cfg := &Config{Hosts: []Host{{Hostname: tc[0], Port: 7000, Rank: 0}, {Hostname: tc[1], Port: 7000, Rank: 1}}}
+		if err := cfg.Validate(); !errors.Is(err, ErrDuplicateAddress) {
+			t.Errorf("%q and %q: %v, want ErrDuplicateAddress", tc[0], tc[1], err)
+		}
+	}
+	// Not aliases: other hosts.
+	for _, tc := range [][2]string{
+		{"127.0.0.1", "127.0.0.2"},
+		{"node1", "node10"},
+	} {
+		cfg := &Config{Hosts: []Host{{Hostname: tc[0], Port: 7000, Rank: 0}, {Hostname: tc[1], Port: 7000, Rank: 1}}}
+		if err := cfg.Validate(); err != nil {
+			t.Errorf("%q and %q: %v", tc[0], tc[1], err)
+		}
+	}
+}

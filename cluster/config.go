@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -29,7 +30,8 @@ var (
 	// ErrBadHostname: a hostname is empty or is not a host name or IP
 	// address.
 	ErrBadHostname = errors.New("cluster: config: bad hostname")
-	// ErrDuplicateAddress: two hosts have the same hostname and port.
+	// ErrDuplicateAddress: two hosts have the same address and port (the
+	// same IP address, however written, or the same host name in any case).
 	ErrDuplicateAddress = errors.New("cluster: config: duplicate address")
 	// ErrSyntax: the configuration is not the JSON object described by
 	// Config (bad JSON, unknown field, wrong type, trailing data).
@@ -132,13 +134,23 @@ func (c *Config) Validate() error {
 		if h.Port < 1 || h.Port > 65535 {
 			return cfgErr(i, ErrBadPort, "%d (want 1 to 65535)", h.Port)
 		}
-		a := h.Addr()
+		a := net.JoinHostPort(hostKey(h.Hostname), strconv.Itoa(h.Port))
 		if j, dup := addrs[a]; dup {
-			return cfgErr(i, ErrDuplicateAddress, "%s is also hosts[%d]", a, j)
+			return cfgErr(i, ErrDuplicateAddress, "%s is also hosts[%d] (%s)", h.Addr(), j, c.Hosts[j].Addr())
 		}
 		addrs[a] = i
 	}
 	return nil
+}
+
+// hostKey is what two spellings of one host have in common: an IP
+// address in its canonical form (IPv4-mapped IPv6 addresses as IPv4), a
+// host name in lower case (DNS names are case-insensitive).
+func hostKey(s string) string {
+	if ip, err := netip.ParseAddr(s); err == nil {
+		return ip.Unmap().String()
+	}
+	return strings.ToLower(s)
 }
 
 // checkHostname accepts IP addresses and RFC 1123 host names.
