@@ -410,60 +410,102 @@ func TestAdvTinyCounts(t *testing.T) {
 	}
 }
 
-// TestAdvCustomOpPanics: a Custom operation that panics (its doc
-// forbids it, but user code does) must not take the communicator and
+// TestAdvCustomOpPanics: a Custom operation that panics (its doc says
+// it should not, but user code does) must not take the communicator and
 // the other ranks down with it: the call at a rank where it panicked
-// returns an error saying the operation panicked (the panic does not
-// escape into the library's goroutine of a non-blocking request, where
+// returns ErrOpPanicked naming the panic (the panic does not escape,
+// not even from the library's goroutine of a non-blocking request, where
 // nothing could recover it), the other ranks' calls fail (their peer
-// gave up) instead of waiting for it, every later call fails with
-// ErrPoisoned, and Close returns on every rank.
+// gave up) instead of waiting for it — or complete, where their part
+// needed no combining —, their next calls fail, and Close returns on
+// every rank. Allreduce, Reduce, Scan, ExScan, ReduceScatter, blocking
+// and not.
 func TestAdvCustomOpPanics(t *testing.T) {
-	for _, nb := range []bool{false, true} {
-		for _, n := range []int{1, 3000} { // recursive doubling, and a vector of several chunks
-			t.Run(fmt.Sprintf("nonblocking=%v/n=%d", nb, n), func(t *testing.T) {
-				const p = 3
-				cs := world(t, p, collective.Options{ChunkSize: 4096})
-				// Every rank's operation panics: whichever ranks combine
-				// (the algorithm decides) panic.
-				op := func(r int) collective.Op {
-					return collective.Custom("boom", func(inout, in []int64) {
-						panic("user operation exploded")
+	// Every rank's operation panics: whichever ranks combine (the
+	// algorithm decides) panic.
+	boom := collective.Custom("boom", func(inout, in []int64) {
+		panic("user operation exploded")
+	})
+	calls := []struct {
+		name string
+		call func(ctx context.Context, c *collective.Comm, n int, nb bool) error
+	}{
+		{"allreduce", func(ctx context.Context, c *collective.Comm, n int, nb bool) error {
+			v := make([]int64, n)
+			if nb {
+				return collective.IAllreduce(ctx, c, nil, v, boom).Wait(ctx)
+			}
+			return collective.Allreduce(ctx, c, nil, v, boom)
+		}},
+		{"reduce", func(ctx context.Context, c *collective.Comm, n int, nb bool) error {
+			s, d := make([]int64, n), make([]int64, n)
+			if nb {
+				return collective.IReduce(ctx, c, s, d, boom, 1).Wait(ctx)
+			}
+			return collective.Reduce(ctx, c, s, d, boom, 1)
+		}},
+		{"scan", func(ctx context.Context, c *collective.Comm, n int, nb bool) error {
+			v := make([]int64, n)
+			if nb {
+				return collective.IScan(ctx, c, nil, v, boom).Wait(ctx)
+			}
+			return collective.Scan(ctx, c, nil, v, boom)
+		}},
+		{"exscan", func(ctx context.Context, c *collective.Comm, n int, nb bool) error {
+			v := make([]int64, n)
+			if nb {
+				return collective.IExScan(ctx, c, nil, v, boom).Wait(ctx)
+			}
+			return collective.ExScan(ctx, c, nil, v, boom)
+		}},
+		{"reduce-scatter", func(ctx context.Context, c *collective.Comm, n int, nb bool) error {
+			v := make([]int64, 3*n)
+			if nb {
+				return collective.IReduceScatter(ctx, c, nil, v, boom).Wait(ctx)
+			}
+			return collective.ReduceScatter(ctx, c, nil, v, boom)
+		}},
+	}
+	for _, tc := range calls {
+		for _, nb := range []bool{false, true} {
+			for _, n := range []int{1, 3000} { // one small message, and a vector of several chunks
+				t.Run(fmt.Sprintf("%s/nonblocking=%v/n=%d", tc.name, nb, n), func(t *testing.T) {
+					const p = 3
+					cs := world(t, p, collective.Options{ChunkSize: 4096})
+					errs := parallel(p, func(r int) (err error) {
+						defer func() {
+							if v := recover(); v != nil {
+								err = fmt.Errorf("the panic reached the caller: %v", v)
+							}
+						}()
+						return tc.call(guardCtx(t), cs[r], n, nb)
 					})
-				}
-				errs := parallel(p, func(r int) (err error) {
-					defer func() {
-						if v := recover(); v != nil {
-							err = fmt.Errorf("the panic reached the caller: %v", v)
+					named := false
+					for r, err := range errs {
+						t.Logf("rank %d: %.200v", r, err)
+						notByGuard(t, r, "call with a panicking op", err)
+						if err != nil && containsAll(err.Error(), "reached the caller") {
+							t.Errorf("rank %d: %v", r, err)
 						}
-					}()
-					v := make([]int64, n)
-					ctx := guardCtx(t)
-					if nb {
-						return collective.IAllreduce(ctx, cs[r], nil, v, op(r)).Wait(ctx)
+						named = named || errors.Is(err, collective.ErrOpPanicked) && containsAll(err.Error(), "user operation exploded")
 					}
-					return collective.Allreduce(ctx, cs[r], nil, v, op(r))
+					if !named {
+						t.Errorf("no rank's error is ErrOpPanicked naming the panic")
+					}
+					// A rank whose part of the call needed no combining
+					// (ExScan's rank 0) may complete it; its next call fails
+					// (the peer gave up), the others' are poisoned.
+					for r, err := range parallel(p, func(r int) error { return collective.Barrier(guardCtx(t), cs[r]) }) {
+						notByGuard(t, r, "barrier after", err)
+						if errs[r] != nil && !errors.Is(err, collective.ErrPoisoned) {
+							t.Errorf("rank %d: barrier after a failed call: %v, want ErrPoisoned", r, err)
+						}
+						if errs[r] == nil && !errors.Is(err, collective.ErrPeerAborted) {
+							t.Errorf("rank %d: barrier after: %v, want ErrPeerAborted", r, err)
+						}
+					}
 				})
-				for r, err := range errs {
-					t.Logf("rank %d: %v", r, err)
-					notByGuard(t, r, "allreduce with a panicking op", err)
-					if err == nil {
-						t.Errorf("rank %d: no error", r)
-					}
-				}
-				named := false
-				for _, err := range errs {
-					named = named || err != nil && containsAll(err.Error(), "panic", "user operation exploded")
-				}
-				if !named {
-					t.Errorf("no rank's error names the panic")
-				}
-				for r, err := range parallel(p, func(r int) error { return collective.Barrier(guardCtx(t), cs[r]) }) {
-					if !errors.Is(err, collective.ErrPoisoned) {
-						t.Errorf("rank %d: barrier after: %v, want ErrPoisoned", r, err)
-					}
-				}
-			})
+			}
 		}
 	}
 }
@@ -1058,4 +1100,217 @@ func TestAdvInPlaceAliases(t *testing.T) {
 			noErrors(t, "barrier after", parallel(p, func(r int) error { return collective.Barrier(guardCtx(t), cs[r]) }))
 		})
 	}
+}
+
+// TestAdvOddSizes: vectors of 1-byte and 2-byte elements whose byte
+// lengths straddle the small-message limit (LLMax) and the chunk size,
+// odd and not multiples of 4 (small messages carry 4 bytes a word):
+// Allreduce, Broadcast and Allgather give exact results at 2 and 3 ranks
+// and write nothing past the vectors.
+func TestAdvOddSizes(t *testing.T) {
+	const chunk = 1024
+	sizes := []int{1, 2, 3, 5, 7, collective.LLMax - 1, collective.LLMax, collective.LLMax + 1, collective.LLMax + 3,
+		chunk + 1, 2*chunk - 1, 3*chunk + 5}
+	for _, p := range []int{2, 3} {
+		t.Run(fmt.Sprintf("p=%d", p), func(t *testing.T) {
+			cs := world(t, p, collective.Options{ChunkSize: chunk})
+			noErrors(t, "odd sizes", parallel(p, func(r int) error {
+				ctx := guardCtx(t)
+				for _, n := range sizes {
+					// int8, Max: element i of rank r is (i+r) mod 100.
+					b := make([]int8, n+3)
+					for i := range b {
+						b[i] = int8((i + r) % 100)
+					}
+					if err := collective.Allreduce(ctx, cs[r], nil, b[:n], collective.Max); err != nil {
+						return fmt.Errorf("int8 allreduce of %d: %w", n, err)
+					}
+					for i := range n {
+						want := int8(0)
+						for q := range p {
+							want = max(want, int8((i+q)%100))
+						}
+						if b[i] != want {
+							return fmt.Errorf("int8 allreduce of %d: element %d is %d, want %d", n, i, b[i], want)
+						}
+					}
+					for i := n; i < n+3; i++ {
+						if b[i] != int8((i+r)%100) {
+							return fmt.Errorf("int8 allreduce of %d: element %d past the vector changed", n, i)
+						}
+					}
+					// uint16, Sum, out of place.
+					s, d := make([]uint16, n), make([]uint16, n+1)
+					d[n] = 0xbeef
+					for i := range s {
+						s[i] = uint16(i*7 + r)
+					}
+					if err := collective.Allreduce(ctx, cs[r], s, d[:n], collective.Sum); err != nil {
+						return fmt.Errorf("uint16 allreduce of %d: %w", n, err)
+					}
+					for i := range n {
+						if want := uint16(p*i*7 + p*(p-1)/2); d[i] != want {
+							return fmt.Errorf("uint16 allreduce of %d: element %d is %d, want %d", n, i, d[i], want)
+						}
+					}
+					if d[n] != 0xbeef {
+						return fmt.Errorf("uint16 allreduce of %d wrote past recv", n)
+					}
+					// Broadcast of bytes from the last rank.
+					bc := make([]uint8, n+1)
+					bc[n] = 0x5a
+					if r == p-1 {
+						for i := range n {
+							bc[i] = uint8(i*13 + 1)
+						}
+					}
+					if err := collective.Broadcast(ctx, cs[r], bc[:n], p-1); err != nil {
+						return fmt.Errorf("broadcast of %d: %w", n, err)
+					}
+					for i := range n {
+						if bc[i] != uint8(i*13+1) {
+							return fmt.Errorf("broadcast of %d: byte %d is %d", n, i, bc[i])
+						}
+					}
+					if bc[n] != 0x5a {
+						return fmt.Errorf("broadcast of %d wrote past buf", n)
+					}
+					// Allgather of n bytes per rank.
+					ag := make([]uint8, p*n+1)
+					ag[p*n] = 0xa5
+					mine := make([]uint8, n)
+					for i := range mine {
+						mine[i] = uint8(r*31 + i)
+					}
+					if err := collective.Allgather(ctx, cs[r], mine, ag[:p*n]); err != nil {
+						return fmt.Errorf("allgather of %d: %w", n, err)
+					}
+					for q := range p {
+						for i := range n {
+							if ag[q*n+i] != uint8(q*31+i) {
+								return fmt.Errorf("allgather of %d: rank %d's byte %d is %d", n, q, i, ag[q*n+i])
+							}
+						}
+					}
+					if ag[p*n] != 0xa5 {
+						return fmt.Errorf("allgather of %d wrote past recv", n)
+					}
+				}
+				return nil
+			}))
+		})
+	}
+}
+
+// TestAdvConcurrentComms: a communicator and its Dup used at once from
+// two goroutines per rank, in loops that start at different moments on
+// different ranks (so that waits sleep on the node's shared channel
+// while the other communicator's traffic comes and goes): every result
+// of both is exact; neither steals the other's wake-ups or data.
+func TestAdvConcurrentComms(t *testing.T) {
+	const p, iters = 3, 40
+	cs := world(t, p, collective.Options{ChunkSize: 1024})
+	dups := make([]*collective.Comm, p)
+	noErrors(t, "dup", parallel(p, func(r int) error {
+		var err error
+		dups[r], err = cs[r].Dup(guardCtx(t))
+		return err
+	}))
+	defer closeAll(t, dups)
+	noErrors(t, "concurrent", parallel(2*p, func(i int) error {
+		r, c := i%p, cs[i%p]
+		if i >= p {
+			c = dups[r]
+		}
+		ctx := guardCtx(t)
+		if (r+i/p)%2 == 1 {
+			time.Sleep(3 * time.Millisecond) // a late start: the peers wait (not asserted on)
+		}
+		for k := range iters {
+			n := 1 + k*97%3000
+			v := make([]int64, n)
+			for j := range v {
+				v[j] = int64(r + j + i/p*1000)
+			}
+			if err := collective.Allreduce(ctx, c, nil, v, collective.Sum); err != nil {
+				return fmt.Errorf("comm %d iteration %d: %w", i/p, k, err)
+			}
+			for j := range v {
+				if want := int64(p*(j+i/p*1000) + p*(p-1)/2); v[j] != want {
+					return fmt.Errorf("comm %d iteration %d: element %d is %d, want %d", i/p, k, j, v[j], want)
+				}
+			}
+			if k%10 == 9 {
+				time.Sleep(time.Duration(r) * time.Millisecond)
+			}
+		}
+		return nil
+	}))
+}
+
+// TestAdvAbandonedTurn: a call whose context ends while it waits for its
+// turn behind another call of the same rank (blocked on a late peer)
+// fails with the context's error; the call ahead completes correctly once
+// the peer comes; the abandoned call's place is skipped and poisons the
+// communicator, so that the peer's matching call fails (its peer gave
+// up) instead of hanging; a Request whose Wait's context ended can be
+// waited for again and gives the call's own result; and nothing is left
+// running after Close.
+func TestAdvAbandonedTurn(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent(),
+		goleak.IgnoreAnyFunction("github.com/goverbs/verbs/internal/soft.(*service).acceptLoop"))
+	func() {
+		const p = 2
+		ns := nodes(t, p)
+		cs := make([]*collective.Comm, p)
+		noErrors(t, "new", parallel(p, func(r int) error {
+			var err error
+			cs[r], err = collective.New(guardCtx(t), ns[r], collective.Options{})
+			return err
+		}))
+		ctx := guardCtx(t)
+		// Rank 0: a request that waits for rank 1, then a blocking call
+		// behind it whose context ends while it waits for its turn.
+		v0 := []int64{1, 2}
+		first := collective.IAllreduce(ctx, cs[0], nil, v0, collective.Sum)
+		shortCtx, cancel := context.WithCancel(ctx)
+		time.AfterFunc(2*time.Millisecond, cancel)
+		err := collective.Barrier(shortCtx, cs[0])
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("rank 0: barrier abandoned in the queue: %v, want its context's cancellation", err)
+		}
+		// Waiting for the request with an ended context: ErrTimeout, and
+		// the request goes on.
+		ended, cancelEnded := context.WithCancel(ctx)
+		cancelEnded()
+		if err := first.Wait(ended); err == nil {
+			t.Errorf("rank 0: Wait with an ended context on a pending request: nil")
+		}
+		// Rank 1 comes: the allreduce completes; its barrier finds that
+		// rank 0 gave that call up.
+		v1 := []int64{10, 20}
+		if err := collective.Allreduce(ctx, cs[1], nil, v1, collective.Sum); err != nil {
+			t.Errorf("rank 1: allreduce: %v", err)
+		}
+		if err := first.Wait(ctx); err != nil {
+			t.Errorf("rank 0: allreduce ahead of the abandoned call: %v", err)
+		}
+		if !slices.Equal(v0, []int64{11, 22}) || !slices.Equal(v1, []int64{11, 22}) {
+			t.Errorf("allreduce results %v, %v, want [11 22]", v0, v1)
+		}
+		err = collective.Barrier(ctx, cs[1])
+		notByGuard(t, 1, "barrier matching the abandoned one", err)
+		if !errors.Is(err, collective.ErrPeerAborted) {
+			t.Errorf("rank 1: barrier matching rank 0's abandoned one: %v, want ErrPeerAborted", err)
+		}
+		for r := range p {
+			if err := collective.Barrier(ctx, cs[r]); !errors.Is(err, collective.ErrPoisoned) {
+				t.Errorf("rank %d: barrier after: %v, want ErrPoisoned", r, err)
+			}
+		}
+		closeAll(t, cs)
+		for _, n := range ns {
+			n.Close()
+		}
+	}()
 }
