@@ -12,6 +12,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -1305,4 +1306,70 @@ func TestAdvConfigAddressAliases(t *testing.T) {
 			t.Errorf("%q and %q: %v", tc[0], tc[1], err)
 		}
 	}
+}
+
+// TestAdvFailDuringClose: Node.Fail and Node.Err check that the node is
+// connected and then read the barrier's poison word; Close may release
+// the barrier's memory in between (it changes the phase, then closes the
+// barrier). The state of that window, the barrier closed while the node
+// still looks connected, is made here by closing the barrier first: Fail
+// and Err return the failure recorded, or nil, without reading the
+// released memory. Before, both died of a segmentation fault (unexpected
+// fault address in barrier.worldErr). Then Fail, Err, Barrier and Share
+// race a real Close from several goroutines (with -race).
+func TestAdvFailDuringClose(t *testing.T) {
+	t.Run("window", func(t *testing.T) {
+		nodes := advNodes(t, 3)
+		nd := nodes[0]
+		if err := nd.bar.close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := nd.Err(); err != nil {
+			t.Errorf("Err with the barrier closed: %v, want nil (nothing recorded)", err)
+		}
+		err := nd.Fail(1, errors.New("test"))
+		var re *RankError
+		if !errors.As(err, &re) || re.Rank != 1 || !errors.Is(err, ErrPeerLost) {
+			t.Errorf("Fail with the barrier closed: %v, want the failure of rank 1 recorded", err)
+		}
+		if err := nd.Err(); !errors.As(err, &re) || re.Rank != 1 {
+			t.Errorf("Err after Fail: %v", err)
+		}
+	})
+	t.Run("race", func(t *testing.T) {
+		rounds := 20
+		if testing.Short() {
+			rounds = 5
+		}
+		for range rounds {
+			nodes := advNodes(t, 2)
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel() // nothing waits: the calls race Close only
+			var wg sync.WaitGroup
+			var closed atomic.Bool
+			for g := range 8 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for !closed.Load() {
+						switch g % 4 {
+						case 0:
+							nodes[0].Fail(1, errors.New("test"))
+						case 1:
+							nodes[0].Err()
+						case 2:
+							nodes[0].Barrier(ctx, nil)
+						case 3:
+							nodes[0].Share(ctx, nil)
+						}
+					}
+				}()
+			}
+			if err := nodes[0].Close(); err != nil {
+				t.Errorf("Close: %v", err)
+			}
+			closed.Store(true)
+			wg.Wait()
+		}
+	})
 }

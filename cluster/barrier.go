@@ -323,7 +323,7 @@ type barrier struct {
 	groups     map[uint64][]*group       // by member hash
 	poison     error                     // a local failure (timeout, mismatch): until reset
 	lost       atomic.Pointer[RankError] // a rank failed: for good
-	tellMu     sync.Mutex                // serialises tell (the source word in aux)
+	tellMu     sync.Mutex                // serialises tell (the source word in aux); close releases the memory under it
 	told       bool                      // this rank told every peer of lost (under tellMu)
 	partners   []atomic.Bool             // the peers this rank wrote to or waited for (spread)
 	wokenFn    func() bool               // b.woken, bound once
@@ -738,11 +738,21 @@ func (b *barrier) settle(peer int, err error) (error, bool) {
 }
 
 // worldErr returns the failure of a rank of the world, as this rank saw
-// it or was told (the poison word), or nil. Safe for concurrent use,
-// before the barrier is closed.
+// it or was told (the poison word), or nil. Safe for concurrent use, also
+// with close: once the flag memory is released, it reports only what
+// was recorded (Node.Fail and Node.Err check the node's phase first, but
+// Close may release the memory right after). Call without tellMu held.
 func (b *barrier) worldErr() error {
 	if re := b.lost.Load(); re != nil {
 		return re
+	}
+	b.tellMu.Lock() // close releases the flags with tellMu held
+	defer b.tellMu.Unlock()
+	if b.closed.Load() {
+		if re := b.lost.Load(); re != nil {
+			return re
+		}
+		return nil
 	}
 	if v := atomic.LoadUint64(b.poisonWord()); v != 0 {
 		if re := b.poisoned(v); re != nil {
