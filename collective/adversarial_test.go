@@ -1314,3 +1314,164 @@ func TestAdvAbandonedTurn(t *testing.T) {
 		}
 	}()
 }
+
+// TestAdvSizeOne: communicators of one rank (every rank its own color,
+// and a world of one node): every collective is a local copy or a no-op
+// with the documented result, non-blocking twins too, Split and Dup of
+// them work, and bad roots still fail with ErrArgs.
+func TestAdvSizeOne(t *testing.T) {
+	const p = 2
+	cs := world(t, p, collective.Options{})
+	subs := make([]*collective.Comm, p)
+	noErrors(t, "split", parallel(p, func(r int) error {
+		var err error
+		subs[r], err = cs[r].Split(guardCtx(t), r, 0)
+		return err
+	}))
+	defer closeAll(t, subs)
+	single := world(t, 1, collective.Options{})
+	for i, c := range []*collective.Comm{subs[0], subs[1], single[0]} {
+		ctx := guardCtx(t)
+		if c.Size() != 1 || c.Rank() != 0 {
+			t.Fatalf("communicator %d: size %d rank %d", i, c.Size(), c.Rank())
+		}
+		fail := func(name string, err error) {
+			if err != nil {
+				t.Errorf("communicator %d: %s: %v", i, name, err)
+			}
+		}
+		in := []float64{1.5, -2, 3}
+		out := make([]float64, 3)
+		fail("barrier", collective.Barrier(ctx, c))
+		fail("allreduce", collective.Allreduce(ctx, c, in, out, collective.Prod))
+		if !slices.Equal(out, in) {
+			t.Errorf("communicator %d: allreduce %v, want %v", i, out, in)
+		}
+		fail("broadcast", collective.Broadcast(ctx, c, out, 0))
+		clear(out)
+		fail("reduce", collective.Reduce(ctx, c, in, out, collective.Min, 0))
+		if !slices.Equal(out, in) {
+			t.Errorf("communicator %d: reduce %v", i, out)
+		}
+		clear(out)
+		fail("allgather", collective.Allgather(ctx, c, in, out))
+		if !slices.Equal(out, in) {
+			t.Errorf("communicator %d: allgather %v", i, out)
+		}
+		clear(out)
+		fail("alltoall", collective.Alltoall(ctx, c, in, out))
+		if !slices.Equal(out, in) {
+			t.Errorf("communicator %d: alltoall %v", i, out)
+		}
+		clear(out)
+		fail("reduce-scatter", collective.ReduceScatter(ctx, c, in, out, collective.Sum))
+		if !slices.Equal(out, in) {
+			t.Errorf("communicator %d: reduce-scatter %v", i, out)
+		}
+		clear(out)
+		fail("gather", collective.Gather(ctx, c, in, out, 0))
+		if !slices.Equal(out, in) {
+			t.Errorf("communicator %d: gather %v", i, out)
+		}
+		clear(out)
+		fail("scatter", collective.Scatter(ctx, c, in, out, 0))
+		if !slices.Equal(out, in) {
+			t.Errorf("communicator %d: scatter %v", i, out)
+		}
+		clear(out)
+		fail("scan", collective.Scan(ctx, c, in, out, collective.Sum))
+		if !slices.Equal(out, in) {
+			t.Errorf("communicator %d: scan %v", i, out)
+		}
+		ex := []float64{7, 7, 7}
+		fail("exscan", collective.ExScan(ctx, c, in, ex, collective.Sum))
+		if !slices.Equal(ex, []float64{7, 7, 7}) {
+			t.Errorf("communicator %d: exscan changed rank 0's recv: %v", i, ex)
+		}
+		clear(out)
+		fail("iallreduce", collective.IAllreduce(ctx, c, in, out, collective.Max).Wait(ctx))
+		if !slices.Equal(out, in) {
+			t.Errorf("communicator %d: iallreduce %v", i, out)
+		}
+		fail("ibarrier", collective.IBarrier(ctx, c).Wait(ctx))
+		if err := collective.Broadcast(ctx, c, out, 1); !errors.Is(err, collective.ErrArgs) {
+			t.Errorf("communicator %d: broadcast from root 1: %v, want ErrArgs", i, err)
+		}
+		d, err := c.Dup(ctx)
+		fail("dup", err)
+		if d != nil {
+			fail("barrier on the dup", collective.Barrier(ctx, d))
+			fail("close the dup", d.Close())
+		}
+		none, err := c.Split(ctx, collective.Undefined, 0)
+		if err != nil || none != nil {
+			t.Errorf("communicator %d: split with no color: %v, %v", i, none, err)
+		}
+	}
+}
+
+// TestAdvBufferCloseWhileQueued: a Buffer that a non-blocking call was
+// issued on, still queued behind a call that waits for a late peer,
+// cannot be closed (ErrBufferBusy, as Buffer's doc says while a call
+// uses it) — closing it would free memory the call is about to read and
+// write — and once the requests completed, with right results, it
+// closes.
+func TestAdvBufferCloseWhileQueued(t *testing.T) {
+	const p, n = 2, 1 << 16 // 256 KiB of float32: sent in place from the Buffer
+	for _, kind := range []string{"allreduce", "broadcast", "allgather"} {
+		t.Run(kind, func(t *testing.T) {
+			cs := world(t, p, collective.Options{})
+			ctx := guardCtx(t)
+			bufs := make([]*collective.Buffer[float32], p)
+			for r := range p {
+				var err error
+				if bufs[r], err = collective.Alloc[float32](cs[r], n); err != nil {
+					t.Fatal(err)
+				}
+				for i, v := 0, bufs[r].Slice(); i < n; i++ {
+					v[i] = float32(r + 1)
+				}
+			}
+			issue := func(r int) (*collective.Request, *collective.Request) {
+				c, v := cs[r], bufs[r].Slice()
+				first := collective.IBarrier(ctx, c)
+				switch kind {
+				case "allreduce":
+					return first, collective.IAllreduce(ctx, c, nil, v, collective.Sum)
+				case "broadcast":
+					return first, collective.IBroadcast(ctx, c, v, 1)
+				}
+				return first, collective.IAllgather(ctx, c, v[r*n/p:(r+1)*n/p], v)
+			}
+			b0, q0 := issue(0)
+			if err := bufs[0].Close(); !errors.Is(err, collective.ErrBufferBusy) {
+				t.Errorf("Close of a Buffer a queued request uses: %v, want ErrBufferBusy", err)
+			}
+			b1, q1 := issue(1)
+			for r, q := range []*collective.Request{b0, q0, b1, q1} {
+				if err := q.Wait(ctx); err != nil {
+					t.Fatalf("request %d: %v", r, err)
+				}
+			}
+			want := map[string]float32{"allreduce": 3, "broadcast": 2}[kind]
+			for r := range p {
+				v := bufs[r].Slice()
+				if v == nil {
+					t.Fatalf("rank %d: the Buffer was closed under the request", r)
+				}
+				for i := 0; i < n; i += 997 {
+					w := want
+					if kind == "allgather" {
+						w = float32(i/(n/p) + 1)
+					}
+					if v[i] != w {
+						t.Fatalf("rank %d: element %d is %v, want %v", r, i, v[i], w)
+					}
+				}
+				if err := bufs[r].Close(); err != nil {
+					t.Errorf("rank %d: Close after the requests: %v", r, err)
+				}
+			}
+		})
+	}
+}

@@ -71,7 +71,9 @@ func Alloc[T Number](c *Comm, n int) (*Buffer[T], error) {
 func (b *Buffer[T]) Slice() []T { return b.data }
 
 // Close deregisters the buffer and frees its memory. It fails with
-// ErrBufferBusy while a call sends from it; closing twice is harmless.
+// ErrBufferBusy while a call sends from it or receives into it in place,
+// and while a non-blocking call issued on it has not completed; closing
+// twice is harmless.
 func (b *Buffer[T]) Close() error {
 	if b.reg == nil {
 		return nil
@@ -119,6 +121,25 @@ func (s *bufSet) remove(r *registered) error {
 		}
 	}
 	return nil
+}
+
+// hold counts one more user of the region of every b that lies in a
+// Buffer (use), and returns them for release.
+func (s *bufSet) hold(bs ...[]byte) []*registered {
+	var regs []*registered
+	for _, b := range bs {
+		if r, _ := s.use(b); r != nil {
+			regs = append(regs, r)
+		}
+	}
+	return regs
+}
+
+// release ends the uses hold counted.
+func release(regs []*registered) {
+	for _, r := range regs {
+		r.users.Add(-1)
+	}
 }
 
 // use returns the registered region that holds all of b, counting one

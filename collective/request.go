@@ -14,7 +14,7 @@ import (
 // and runs, driven by the library, once the calls issued before it have
 // finished; a blocking call issued after it waits for it. Until the
 // request completes, the call's buffers belong to the library: do not
-// touch them.
+// touch them (a Buffer they lie in cannot be closed: ErrBufferBusy).
 //
 // A Request is safe for concurrent use.
 type Request struct {
@@ -59,13 +59,18 @@ type heldTicket struct {
 }
 
 // start issues f (a blocking collective of c) as a non-blocking call: it
-// takes f's place in the order now, and runs f in a goroutine.
-func (c *Comm) start(ctx context.Context, f func(ctx context.Context) error) *Request {
+// takes f's place in the order now, and runs f in a goroutine. The
+// Buffers that data (the call's slices) lie in count the request as a
+// user until it completes (Buffer.Close fails with ErrBufferBusy): a
+// request waiting for its turn would otherwise run on freed memory.
+func (c *Comm) start(ctx context.Context, f func(ctx context.Context) error, data ...[]byte) *Request {
 	r := &Request{done: make(chan struct{})}
+	regs := c.bufs.hold(data...)
 	held := &heldTicket{t: c.ticket()}
 	ctx = context.WithValue(ctx, ticketKey{}, held)
 	go func() {
 		defer close(r.done)
+		defer release(regs)
 		r.err = f(ctx)
 		if !held.used {
 			// f failed before it took its turn (bad arguments): give the
@@ -80,7 +85,7 @@ func (c *Comm) start(ctx context.Context, f func(ctx context.Context) error) *Re
 
 // IAllreduce is the non-blocking twin of Allreduce.
 func IAllreduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Allreduce(ctx, c, send, recv, op) })
+	return c.start(ctx, func(ctx context.Context) error { return Allreduce(ctx, c, send, recv, op) }, bytesOf(send), bytesOf(recv))
 }
 
 // IBarrier is the non-blocking twin of Barrier.
@@ -90,72 +95,72 @@ func IBarrier(ctx context.Context, c *Comm) *Request {
 
 // IBroadcast is the non-blocking twin of Broadcast.
 func IBroadcast[T Number](ctx context.Context, c *Comm, buf []T, root int) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Broadcast(ctx, c, buf, root) })
+	return c.start(ctx, func(ctx context.Context) error { return Broadcast(ctx, c, buf, root) }, bytesOf(buf))
 }
 
 // IReduce is the non-blocking twin of Reduce.
 func IReduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op, root int) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Reduce(ctx, c, send, recv, op, root) })
+	return c.start(ctx, func(ctx context.Context) error { return Reduce(ctx, c, send, recv, op, root) }, bytesOf(send), bytesOf(recv))
 }
 
 // IAllgather is the non-blocking twin of Allgather.
 func IAllgather[T Number](ctx context.Context, c *Comm, send, recv []T) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Allgather(ctx, c, send, recv) })
+	return c.start(ctx, func(ctx context.Context) error { return Allgather(ctx, c, send, recv) }, bytesOf(send), bytesOf(recv))
 }
 
 // IAllgatherv is the non-blocking twin of Allgatherv.
 func IAllgatherv[T Number](ctx context.Context, c *Comm, send, recv []T, counts, displs []int) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Allgatherv(ctx, c, send, recv, counts, displs) })
+	return c.start(ctx, func(ctx context.Context) error { return Allgatherv(ctx, c, send, recv, counts, displs) }, bytesOf(send), bytesOf(recv))
 }
 
 // IReduceScatter is the non-blocking twin of ReduceScatter.
 func IReduceScatter[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return ReduceScatter(ctx, c, send, recv, op) })
+	return c.start(ctx, func(ctx context.Context) error { return ReduceScatter(ctx, c, send, recv, op) }, bytesOf(send), bytesOf(recv))
 }
 
 // IReduceScatterV is the non-blocking twin of ReduceScatterV.
 func IReduceScatterV[T Number](ctx context.Context, c *Comm, send, recv []T, counts []int, op Op) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return ReduceScatterV(ctx, c, send, recv, counts, op) })
+	return c.start(ctx, func(ctx context.Context) error { return ReduceScatterV(ctx, c, send, recv, counts, op) }, bytesOf(send), bytesOf(recv))
 }
 
 // IAlltoall is the non-blocking twin of Alltoall.
 func IAlltoall[T Number](ctx context.Context, c *Comm, send, recv []T) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Alltoall(ctx, c, send, recv) })
+	return c.start(ctx, func(ctx context.Context) error { return Alltoall(ctx, c, send, recv) }, bytesOf(send), bytesOf(recv))
 }
 
 // IAlltoallv is the non-blocking twin of Alltoallv.
 func IAlltoallv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, sdispls []int, recv []T, recvcounts, rdispls []int) *Request {
 	return c.start(ctx, func(ctx context.Context) error {
 		return Alltoallv(ctx, c, send, sendcounts, sdispls, recv, recvcounts, rdispls)
-	})
+	}, bytesOf(send), bytesOf(recv))
 }
 
 // IGather is the non-blocking twin of Gather.
 func IGather[T Number](ctx context.Context, c *Comm, send, recv []T, root int) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Gather(ctx, c, send, recv, root) })
+	return c.start(ctx, func(ctx context.Context) error { return Gather(ctx, c, send, recv, root) }, bytesOf(send), bytesOf(recv))
 }
 
 // IGatherv is the non-blocking twin of Gatherv.
 func IGatherv[T Number](ctx context.Context, c *Comm, send, recv []T, recvcounts, displs []int, root int) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Gatherv(ctx, c, send, recv, recvcounts, displs, root) })
+	return c.start(ctx, func(ctx context.Context) error { return Gatherv(ctx, c, send, recv, recvcounts, displs, root) }, bytesOf(send), bytesOf(recv))
 }
 
 // IScatter is the non-blocking twin of Scatter.
 func IScatter[T Number](ctx context.Context, c *Comm, send, recv []T, root int) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Scatter(ctx, c, send, recv, root) })
+	return c.start(ctx, func(ctx context.Context) error { return Scatter(ctx, c, send, recv, root) }, bytesOf(send), bytesOf(recv))
 }
 
 // IScatterv is the non-blocking twin of Scatterv.
 func IScatterv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, displs []int, recv []T, root int) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Scatterv(ctx, c, send, sendcounts, displs, recv, root) })
+	return c.start(ctx, func(ctx context.Context) error { return Scatterv(ctx, c, send, sendcounts, displs, recv, root) }, bytesOf(send), bytesOf(recv))
 }
 
 // IScan is the non-blocking twin of Scan.
 func IScan[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return Scan(ctx, c, send, recv, op) })
+	return c.start(ctx, func(ctx context.Context) error { return Scan(ctx, c, send, recv, op) }, bytesOf(send), bytesOf(recv))
 }
 
 // IExScan is the non-blocking twin of ExScan.
 func IExScan[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) *Request {
-	return c.start(ctx, func(ctx context.Context) error { return ExScan(ctx, c, send, recv, op) })
+	return c.start(ctx, func(ctx context.Context) error { return ExScan(ctx, c, send, recv, op) }, bytesOf(send), bytesOf(recv))
 }
