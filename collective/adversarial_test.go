@@ -1475,3 +1475,84 @@ func TestAdvBufferCloseWhileQueued(t *testing.T) {
 		})
 	}
 }
+
+// TestAdvNodeClosedUnderCall: the node closes (against the advice to
+// close communicators first) while a rank's call waits for a late peer,
+// and Close is called twice at once on the communicator: the call fails
+// (no hang, no crash), every Close returns, and the peer's call fails
+// (the rank is gone) instead of hanging.
+func TestAdvNodeClosedUnderCall(t *testing.T) {
+	const p = 2
+	ns := nodes(t, p)
+	cs := make([]*collective.Comm, p)
+	noErrors(t, "new", parallel(p, func(r int) error {
+		var err error
+		cs[r], err = collective.New(guardCtx(t), ns[r], collective.Options{})
+		return err
+	}))
+	ctx := guardCtx(t)
+	q := collective.IAllreduce(ctx, cs[0], nil, make([]float64, 5000), collective.Sum)
+	time.Sleep(2 * time.Millisecond) // let it wait (not asserted on)
+	if err := ns[0].Close(); err != nil {
+		t.Logf("node 0: Close: %v", err)
+	}
+	err := q.Wait(ctx)
+	notByGuard(t, 0, "allreduce under a closed node", err)
+	if err == nil {
+		t.Errorf("rank 0: allreduce whose node closed succeeded")
+	}
+	t.Logf("rank 0: %v", err)
+	errs := parallel(2, func(int) error { return cs[0].Close() })
+	t.Logf("rank 0: Close twice at once: %v", errs)
+	err = collective.Allreduce(ctx, cs[1], nil, make([]float64, 5000), collective.Sum)
+	notByGuard(t, 1, "allreduce with a peer whose node closed", err)
+	if err == nil {
+		t.Errorf("rank 1: allreduce with a peer whose node closed succeeded")
+	}
+	t.Logf("rank 1: %v", err)
+	if err := cs[1].Close(); err != nil {
+		t.Logf("rank 1: Close: %v", err)
+	}
+}
+
+// TestAdvBufferCloseUnderBlockingCall: a blocking call on a Buffer that
+// waits for its turn (behind a request waiting for a late peer), from
+// another goroutine than the one that closes the Buffer: Close fails
+// with ErrBufferBusy (the call would otherwise run on freed memory), the
+// call completes right once the peer comes, and Close then succeeds.
+func TestAdvBufferCloseUnderBlockingCall(t *testing.T) {
+	const p, n = 2, 1 << 16
+	cs := world(t, p, collective.Options{})
+	ctx := guardCtx(t)
+	bufs := make([]*collective.Buffer[float32], p)
+	for r := range p {
+		var err error
+		if bufs[r], err = collective.Alloc[float32](cs[r], n); err != nil {
+			t.Fatal(err)
+		}
+		for i, v := 0, bufs[r].Slice(); i < n; i++ {
+			v[i] = float32(r + 1)
+		}
+	}
+	first := collective.IBarrier(ctx, cs[0])
+	before := collective.Issued(cs[0])
+	callErr := make(chan error, 1)
+	go func() { callErr <- collective.Allreduce(ctx, cs[0], nil, bufs[0].Slice(), collective.Sum) }()
+	for collective.Issued(cs[0]) == before {
+		time.Sleep(100 * time.Microsecond) // until the call took its place (and holds its Buffer)
+	}
+	if err := bufs[0].Close(); !errors.Is(err, collective.ErrBufferBusy) {
+		t.Errorf("Close of a Buffer a blocking call waits with: %v, want ErrBufferBusy", err)
+	}
+	noErrors(t, "rank 1", []error{collective.Barrier(ctx, cs[1]), collective.Allreduce(ctx, cs[1], nil, bufs[1].Slice(), collective.Sum)})
+	noErrors(t, "rank 0", []error{first.Wait(ctx), <-callErr})
+	for r := range p {
+		v := bufs[r].Slice()
+		if v == nil || v[0] != 3 || v[n-1] != 3 {
+			t.Fatalf("rank %d: the Buffer was closed or holds a wrong result", r)
+		}
+		if err := bufs[r].Close(); err != nil {
+			t.Errorf("rank %d: Close after the call: %v", r, err)
+		}
+	}
+}

@@ -46,7 +46,7 @@ func Allgather[T Number](ctx context.Context, c *Comm, send, recv []T) error {
 		m = len(recv) / c.size
 	}
 	info := callInfo{kind: kindAllgather, dtype: dtypeOf[T](), root: -1, count: uint64(m)}
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err
 	}
@@ -83,7 +83,7 @@ func Allgather[T Number](ctx context.Context, c *Comm, send, recv []T) error {
 // message differs from what its receiver expects (ErrMismatch).
 func Allgatherv[T Number](ctx context.Context, c *Comm, send, recv []T, counts, displs []int) error {
 	info := callInfo{kind: kindAllgatherv, dtype: dtypeOf[T](), root: -1, count: anyCount}
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err
 	}

@@ -39,7 +39,7 @@ func Allreduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) (e
 	if err != nil {
 		return c.argErr(info.kind, "%w", err)
 	}
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err
 	}

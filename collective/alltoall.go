@@ -41,7 +41,7 @@ func Alltoall[T Number](ctx context.Context, c *Comm, send, recv []T) error {
 	}
 	m := len(recv) / p
 	info.count = uint64(m)
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err
 	}
@@ -108,7 +108,7 @@ func Alltoallv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, sdi
 		return c.argErr(info.kind, "sendcounts[%d] = %d but recvcounts[%d] = %d (this rank's block to itself)",
 			c.rank, sendcounts[c.rank], c.rank, recvcounts[c.rank])
 	}
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err
 	}

@@ -48,7 +48,7 @@ const BcastSmallMax = 64 << 10
 // surfaces at the next call that exchanges with it.
 func Broadcast[T Number](ctx context.Context, c *Comm, buf []T, root int) error {
 	info := callInfo{kind: kindBroadcast, dtype: dtypeOf[T](), root: int32(root), count: uint64(len(buf))}
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(buf))
 	if err != nil {
 		return err
 	}

@@ -71,9 +71,10 @@ func Alloc[T Number](c *Comm, n int) (*Buffer[T], error) {
 func (b *Buffer[T]) Slice() []T { return b.data }
 
 // Close deregisters the buffer and frees its memory. It fails with
-// ErrBufferBusy while a call sends from it or receives into it in place,
-// and while a non-blocking call issued on it has not completed; closing
-// twice is harmless.
+// ErrBufferBusy while a call whose send or receive slice lies in it is
+// in progress: from its issue (a blocking call's start, a non-blocking
+// twin's return), waiting for its turn included, until it returns or its
+// Request completes. Closing twice is harmless.
 func (b *Buffer[T]) Close() error {
 	if b.reg == nil {
 		return nil
@@ -98,12 +99,47 @@ type registered struct {
 type bufSet struct {
 	mu   sync.Mutex
 	regs []*registered
+	n    atomic.Int32 // len(regs)
 }
 
 func (s *bufSet) add(r *registered) {
 	s.mu.Lock()
 	s.regs = append(s.regs, r)
+	s.n.Add(1)
 	s.mu.Unlock()
+}
+
+// callHold is what a call holds of the Buffers its slices lie in (at
+// most two: send and recv), from its begin to its end.
+type callHold struct {
+	regs [2]*registered
+	n    int
+}
+
+// holdCall counts the call as a user of the Buffers bs lie in, into h
+// (without allocating, and without a lock where no Buffer exists).
+func (s *bufSet) holdCall(h *callHold, bs ...[]byte) {
+	if s.n.Load() == 0 {
+		return
+	}
+	for _, b := range bs {
+		if h.n == len(h.regs) {
+			return
+		}
+		if r, _ := s.use(b); r != nil {
+			h.regs[h.n] = r
+			h.n++
+		}
+	}
+}
+
+// release ends the uses of h.
+func (h *callHold) release() {
+	for i := range h.n {
+		h.regs[i].users.Add(-1)
+		h.regs[i] = nil
+	}
+	h.n = 0
 }
 
 func (s *bufSet) remove(r *registered) error {
@@ -117,6 +153,7 @@ func (s *bufSet) remove(r *registered) error {
 			s.regs[i] = s.regs[len(s.regs)-1]
 			s.regs[len(s.regs)-1] = nil
 			s.regs = s.regs[:len(s.regs)-1]
+			s.n.Add(-1)
 			break
 		}
 	}

@@ -171,6 +171,7 @@ type Comm struct {
 	red                               reducer
 	comb                              combiner // of red, or nil (see combiner)
 	call                              callInfo
+	hold                              callHold // the call's Buffers (begin)
 	callSeq                           uint32
 	deadline                          time.Time // of the call: see callDeadline
 	deadlineSet                       bool

@@ -82,3 +82,11 @@ func SetAlarmEvery(c *Comm, d time.Duration) { c.spin.Every = d }
 // butterfly or dissemination barrier (off), whatever the descriptors
 // said: every rank of c must be set alike.
 func SetBarrierGather(c *Comm, on bool) { c.gather = on }
+
+// Issued returns how many places in c's order of calls were handed out
+// (a blocking call takes its place in begin, after it holds its Buffers).
+func Issued(c *Comm) uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.issued
+}

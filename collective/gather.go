@@ -48,7 +48,7 @@ func Gatherv[T Number](ctx context.Context, c *Comm, send, recv []T, recvcounts,
 // anyCount, l: recvcounts and displs): the root receives rank i's vector
 // into block i of l in recv.
 func gather[T Number](ctx context.Context, c *Comm, info callInfo, send, recv []T, l layout, root int) error {
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err
 	}
@@ -107,7 +107,7 @@ func Scatterv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, disp
 // (info.count anyCount, l: sendcounts and displs): the root sends block
 // i of l in send to rank i's recv.
 func scatter[T Number](ctx context.Context, c *Comm, info callInfo, send []T, l layout, recv []T, root int) error {
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err
 	}

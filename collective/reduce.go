@@ -61,7 +61,7 @@ func Reduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op, root 
 		n = len(recv)
 	}
 	info := callInfo{kind: kindReduce, op: op.kind, opID: op.id, dtype: dtypeOf[T](), root: int32(root), count: uint64(n)}
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err
 	}

@@ -99,7 +99,7 @@ func reduceScatter[T Number](ctx context.Context, c *Comm, info callInfo, in, ds
 	if err != nil {
 		return c.argErr(info.kind, "%w", err)
 	}
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(in), bytesOf(dst))
 	if err != nil {
 		return err
 	}

@@ -43,7 +43,7 @@ func scan[T Number](ctx context.Context, c *Comm, kind uint8, send, recv []T, op
 	if err != nil {
 		return c.argErr(kind, "%w", err)
 	}
-	t, err := c.begin(ctx, info)
+	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err
 	}

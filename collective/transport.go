@@ -189,7 +189,13 @@ func (f *flow) ready() (int, bool) {
 // non-blocking twin took when it was issued, see start), waits for its
 // turn, checks the communicator and sets the call's description. The
 // call must end with end(t, err).
-func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
+//
+// data are the call's slices: the Buffers they lie in count the call as
+// a user from now until it ends (Buffer.Close fails with ErrBufferBusy),
+// also while it waits for its turn.
+func (c *Comm) begin(ctx context.Context, info callInfo, data ...[]byte) (uint64, error) {
+	var hold callHold
+	c.bufs.holdCall(&hold, data...)
 	var t uint64
 	held, _ := ctx.Value(ticketKey{}).(*heldTicket)
 	// One lock for the ticket, the turn and the state when it is this
@@ -206,6 +212,7 @@ func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
 	c.mu.Unlock()
 	if !fast {
 		if err := c.await(ctx, t); err != nil {
+			hold.release()
 			return t, &Error{Call: kindName(info.kind), Rank: c.rank, Peer: -1, Err: fmt.Errorf("%w: %w", verbs.ErrTimeout, err)}
 		}
 		c.mu.Lock()
@@ -213,15 +220,18 @@ func (c *Comm) begin(ctx context.Context, info callInfo) (uint64, error) {
 		c.mu.Unlock()
 	}
 	c.call = info
+	c.hold = hold // released by end
 	// The error is made (fail reads c.call) before the turn is handed
 	// on: the next call sets c.call once it has the turn.
 	switch {
 	case closed:
 		err := c.fail(ErrClosed, -1)
+		c.hold.release()
 		c.done(t)
 		return t, err
 	case perr != nil:
 		err := c.fail(fmt.Errorf("%w: %w", ErrPoisoned, perr), -1)
+		c.hold.release()
 		c.done(t)
 		return t, err
 	}
@@ -320,6 +330,7 @@ func (c *Comm) end(t uint64, err error) error {
 		}
 	}
 	c.endQuiet()
+	c.hold.release()
 	c.done(t)
 	return err
 }
