@@ -10,6 +10,8 @@ import (
 	mrand "math/rand/v2"
 	"net"
 	"os"
+	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,6 +21,7 @@ import (
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
+	"github.com/goverbs/verbs/verbstest"
 )
 
 // Adversarial tests: what a user gets wrong and what a stranger on the
@@ -1372,4 +1375,113 @@ func TestAdvFailDuringClose(t *testing.T) {
 			wg.Wait()
 		}
 	})
+}
+
+// TestAdvJoinCloseLeaks: worlds of 3 built by Join (all-to-all and
+// rendezvous, over loopback) and closed, five times in a row, leave no
+// descriptor and no goroutine behind: once collected (request batches are
+// released by cleanups), the count after each world is back to the count
+// after the first (which keeps what the soft provider opens once per
+// process).
+func TestAdvJoinCloseLeaks(t *testing.T) {
+	xNoLeaks(t)
+	var after []int
+	for i := range 5 {
+		mode := xModes[i%2]
+		lns, addrs := xListeners(t, 3)
+		cfg := &Config{}
+		for r, a := range addrs {
+			_, p, _ := net.SplitHostPort(a)
+			port, _ := strconv.Atoi(p)
+			cfg.Hosts = append(cfg.Hosts, Host{Hostname: "127.0.0.1", Port: port, Device: verbs.SoftDevice, Rank: r})
+		}
+		ctx := xContext(t, advGuard)
+		nodes := make([]*Node, 3)
+		errs := make([]error, 3)
+		var wg sync.WaitGroup
+		for r := range 3 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				nodes[r], errs[r] = Join(ctx, cfg, r, JoinOptions{Mode: mode, Listener: lns[r], Job: "job", Token: []byte("token")})
+				if errs[r] == nil {
+					errs[r] = nodes[r].Barrier(ctx, nil)
+				}
+			}()
+		}
+		wg.Wait()
+		for r, err := range errs {
+			if err != nil {
+				t.Fatalf("world %d, rank %d: %v", i, r, err)
+			}
+		}
+		for _, nd := range nodes {
+			if err := nd.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// Request batches (memfds) are released by their cleanups after
+		// a collection: collect until the count is back to the first
+		// world's (the number of rounds is a hang guard).
+		fds := advFDs(t)
+		for r := 0; i > 0 && fds > after[0] && r < 500; r++ {
+			runtime.GC()
+			time.Sleep(10 * time.Millisecond)
+			fds = advFDs(t)
+		}
+		if i == 0 {
+			runtime.GC()
+			time.Sleep(50 * time.Millisecond)
+			fds = advFDs(t)
+		}
+		after = append(after, fds)
+	}
+	if after[len(after)-1] > after[0] {
+		t.Errorf("descriptors open after each world (collected): %v", after)
+	}
+}
+
+// TestAdvJoinCancelled: Join of a world whose other ranks never come,
+// cancelled while it waits in the exchange (and with a context cancelled
+// before the call), fails with context.Canceled and ErrPeerMissing, and
+// releases everything it built: the node, its protection domain and
+// device (no verbs object leaks), its listener (the port can be listened
+// on again), its goroutines.
+func TestAdvJoinCancelled(t *testing.T) {
+	for _, mode := range xModes {
+		for _, early := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%v/cancelled before %v", mode, early), func(t *testing.T) {
+				verbstest.CheckLeaks(t)
+				xNoLeaks(t)
+				lns, addrs := xListeners(t, 3)
+				cfg := &Config{}
+				for r, a := range addrs {
+					_, p, _ := net.SplitHostPort(a)
+					port, _ := strconv.Atoi(p)
+					cfg.Hosts = append(cfg.Hosts, Host{Hostname: "127.0.0.1", Port: port, Device: verbs.SoftDevice, Rank: r})
+				}
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				if early {
+					cancel()
+				} else {
+					time.AfterFunc(50*time.Millisecond, cancel)
+				}
+				nd, err := Join(ctx, cfg, 0, JoinOptions{Mode: mode, Listener: lns[0], Job: "job", Token: []byte("token")})
+				if nd != nil {
+					nd.Close()
+					t.Fatal("Join returned a node")
+				}
+				if !errors.Is(err, context.Canceled) || !errors.Is(err, ErrPeerMissing) {
+					t.Errorf("%v: want context.Canceled and ErrPeerMissing", err)
+				}
+				ln, err := net.Listen("tcp", addrs[0])
+				if err != nil {
+					t.Errorf("the exchange's listener is still open: %v", err)
+				} else {
+					ln.Close()
+				}
+			})
+		}
+	}
 }
