@@ -24,11 +24,15 @@ type MultiChannel struct {
 	chans []Channel // peer views, sharing e
 }
 
-// NewMulti creates queue pairs to n peers in pd. self is the peer number
+// MaxPeers bounds the peers of a MultiChannel (n of NewMulti): the
+// channel's tables are allocated for every peer up front.
+const MaxPeers = 1 << 20
+
+// NewMulti creates queue pairs to n peers in pd (at most MaxPeers). self is the peer number
 // of this process (no queue pair is created for it), or -1.
 func NewMulti(pd *verbs.ProtectionDomain, n, self int, opts Options) (*MultiChannel, error) {
-	if n <= 0 {
-		return nil, fmt.Errorf("channel: NewMulti: %d peers (want at least 1)", n)
+	if n <= 0 || n > MaxPeers {
+		return nil, fmt.Errorf("channel: NewMulti: %d peers (want 1 to MaxPeers, %d)", n, MaxPeers)
 	}
 	if self < -1 || self >= n {
 		return nil, fmt.Errorf("channel: NewMulti: self %d is not -1 or a peer number below %d", self, n)
