@@ -1130,8 +1130,12 @@ func TestAdvLeafDiesInGather(t *testing.T) {
 			case <-time.After(advGuard):
 				t.Fatal("rank 2 still waits after the root failed")
 			}
-			if !errors.Is(leafErr, ErrAborted) || !strings.Contains(leafErr.Error(), "peer 1") {
-				t.Errorf("rank 2: %v, want ErrAborted with the root's reason (peer 1)", leafErr)
+			// The root's reason is lost when it had not read rank 2's
+			// share yet: closing a socket with unread input resets it,
+			// and the reset discards the abort at rank 2 (1 run in
+			// about 60): rank 2 fails at once either way.
+			if !(errors.Is(leafErr, ErrAborted) && strings.Contains(leafErr.Error(), "peer 1")) && !errors.Is(leafErr, syscall.ECONNRESET) {
+				t.Errorf("rank 2: %v, want ErrAborted with the root's reason (peer 1), or the connection reset", leafErr)
 			}
 			t.Log(rootErr)
 			t.Log(leafErr)

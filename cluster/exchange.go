@@ -899,22 +899,32 @@ func (s *state) wait(ctx context.Context, x *exchange) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var xe *ExchangeError
+	missing := func() []int {
+		var m []int
+		for j, ok := range s.have {
+			if !ok && j != x.cfg.Rank {
+				m = append(m, j)
+			}
+		}
+		return m
+	}
 	if s.err != nil {
 		var pe *peerErr
 		if errors.As(s.err, &pe) {
 			xe = &ExchangeError{Rank: x.cfg.Rank, Peer: pe.peer, Err: pe.err}
+			if m := missing(); len(m) > 0 && errors.Is(pe.err, ErrPeerLost) {
+				// A rank that left while others had still to join may
+				// have died, or given up waiting for them (its deadline
+				// is this one's): both are said.
+				xe.Err = fmt.Errorf("%w (while ranks %v had still to join: %w)", pe.err, m, ErrPeerMissing)
+			}
 		} else {
 			xe = &ExchangeError{Rank: x.cfg.Rank, Peer: -1, Err: s.err}
 		}
 	} else if s.left == 0 {
 		return nil
 	} else {
-		var missing []int
-		for j, ok := range s.have {
-			if !ok && j != x.cfg.Rank {
-				missing = append(missing, j)
-			}
-		}
+		missing := missing()
 		err := fmt.Errorf("%w (%w)", ErrPeerMissing, context.Cause(ctx))
 		if s.rejected != nil {
 			err = fmt.Errorf("%w; last refused connection: %w", err, s.rejected)
