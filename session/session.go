@@ -625,6 +625,11 @@ func (s *Session) Transport() string { return s.describe() }
 // round trip more.
 func (s *Session) PeerMessageSize() int { return s.peer.SlotSize - payOff }
 
+// PeerMaxMessage is the largest message the peer takes (its
+// Config.MaxMessage): a larger Send fails with ErrLimit before anything is
+// sent. It may be below PeerMessageSize.
+func (s *Session) PeerMaxMessage() int { return s.peer.MaxMessage }
+
 // LocalAddr and RemoteAddr are the bootstrap connection's addresses.
 func (s *Session) LocalAddr() net.Addr { return s.ctl.localAddr() }
 

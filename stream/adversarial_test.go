@@ -412,6 +412,11 @@ func TestAdvMessageLimits(t *testing.T) {
 			w, r := advPipe(t, tc.lcfg, session.Config{})
 			// r is the listener's side, w the dialer's (pipe returns the
 			// dialed Conn first).
+			if mm := tc.lcfg.MaxMessage; mm > 0 && mm < w.chunk || w.chunk < 1 {
+				t.Errorf("the writer cuts messages of %d bytes; the peer takes at most %d", w.chunk, mm)
+			} else if mm > 0 && mm < w.s.PeerMessageSize() && w.chunk != mm {
+				t.Errorf("the writer cuts messages of %d bytes, want the peer's MaxMessage %d, not less", w.chunk, mm)
+			}
 			want := pattern(tc.write)
 			wrote := await(func() error {
 				n, err := w.Write(want)

@@ -72,7 +72,7 @@ type posted struct {
 // closes s, and s's messages are the stream's (its remote memory
 // operations remain the caller's to use).
 func New(s *session.Session) *Conn {
-	return &Conn{s: s, chunk: max(s.PeerMessageSize(), 1), local: s.LocalAddr(), remote: s.RemoteAddr()}
+	return &Conn{s: s, chunk: max(min(s.PeerMessageSize(), s.PeerMaxMessage()), 1), local: s.LocalAddr(), remote: s.RemoteAddr()}
 }
 
 // Dial connects to a Listener at addr (host:port of its bootstrap) and
@@ -240,12 +240,11 @@ func (c *Conn) Write(p []byte) (int, error) {
 		k := min(len(p)-n, c.chunk)
 		err := c.post(ctx, p[n:n+k], 0, false)
 		if err != nil && errors.Is(err, session.ErrLimit) && k > 1 && c.s.Err() == nil {
-			// Nothing of the message was posted: it is larger than
-			// the peer's MaxMessage (which may be below its
-			// MessageSize), or the session's allocator had no room
-			// for the message's header, which post could not make by
-			// waiting for the messages in flight. Smaller messages
-			// from now on.
+			// Nothing of the message was posted: the session's
+			// allocator had no room for it, which post could not
+			// make by waiting for the messages in flight (the
+			// peer's MaxMessage is in chunk from the start).
+			// Smaller messages from now on.
 			c.chunk = k / 2
 			continue
 		}

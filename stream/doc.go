@@ -9,9 +9,10 @@
 // or New on a session of the caller's): Write copies its bytes into
 // registered memory of the session's allocator and posts them as
 // messages of at most Session.PeerMessageSize bytes each (the size that
-// travels in one RDMA write into the peer's receive buffers; smaller
-// if the peer's MaxMessage refuses that size), up to 16 in flight (fewer
-// when the allocator's MaxMemory has no room for more); Read copies out of the message at the head of the stream and
+// travels in one RDMA write into the peer's receive buffers), or of
+// Session.PeerMaxMessage if the peer takes no more, up to 16 in flight
+// (fewer, and smaller, when the allocator's MaxMemory has no room for
+// more); Read copies out of the message at the head of the stream and
 // releases its buffer once it has copied the last byte. Flow control is
 // the session's: a writer whose peer does not read waits for credits, so
 // nothing is dropped and nothing grows without bound. The session's
