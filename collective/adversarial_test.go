@@ -29,6 +29,16 @@ func guardCtx(t testing.TB) context.Context {
 	return ctx
 }
 
+// verifyNoLeaks fails t if a goroutine started since it was called is
+// still running (soft0's process-wide listeners stay: they are not the
+// package's). Call it deferred at the start of the test.
+func verifyNoLeaks(t *testing.T) func() {
+	t.Helper()
+	opts := []goleak.Option{goleak.IgnoreCurrent(),
+		goleak.IgnoreAnyFunction("github.com/goverbs/verbs/internal/soft.(*service).acceptLoop")}
+	return func() { goleak.VerifyNone(t, opts...) }
+}
+
 // notByGuard fails the test if err is the hang guard's deadline: the
 // call should have failed for its own reason.
 func notByGuard(t testing.TB, r int, what string, err error) {
@@ -857,18 +867,11 @@ func TestAdvPoisonedEverything(t *testing.T) {
 // hanging, and no goroutine of the package is left behind once the
 // nodes are closed.
 func TestAdvCloseDuringCall(t *testing.T) {
-	// soft0's process-wide listeners stay (they are not the package's).
-	defer goleak.VerifyNone(t, goleak.IgnoreCurrent(),
-		goleak.IgnoreAnyFunction("github.com/goverbs/verbs/internal/soft.(*service).acceptLoop"))
+	defer verifyNoLeaks(t)()
 	func() {
 		const p = 2
 		ns := nodes(t, p)
-		cs := make([]*collective.Comm, p)
-		noErrors(t, "new", parallel(p, func(r int) error {
-			var err error
-			cs[r], err = collective.New(guardCtx(t), ns[r], collective.Options{})
-			return err
-		}))
+		cs := newComms(t, guardCtx(t), ns, collective.Options{})
 		ctx := guardCtx(t)
 		calling := make(chan struct{})
 		var callErr error
@@ -1257,17 +1260,11 @@ func TestAdvConcurrentComms(t *testing.T) {
 // waited for again and gives the call's own result; and nothing is left
 // running after Close.
 func TestAdvAbandonedTurn(t *testing.T) {
-	defer goleak.VerifyNone(t, goleak.IgnoreCurrent(),
-		goleak.IgnoreAnyFunction("github.com/goverbs/verbs/internal/soft.(*service).acceptLoop"))
+	defer verifyNoLeaks(t)()
 	func() {
 		const p = 2
 		ns := nodes(t, p)
-		cs := make([]*collective.Comm, p)
-		noErrors(t, "new", parallel(p, func(r int) error {
-			var err error
-			cs[r], err = collective.New(guardCtx(t), ns[r], collective.Options{})
-			return err
-		}))
+		cs := newComms(t, guardCtx(t), ns, collective.Options{})
 		ctx := guardCtx(t)
 		// Rank 0: a request that waits for rank 1, then a blocking call
 		// behind it whose context ends while it waits for its turn.
@@ -1484,12 +1481,7 @@ func TestAdvBufferCloseWhileQueued(t *testing.T) {
 func TestAdvNodeClosedUnderCall(t *testing.T) {
 	const p = 2
 	ns := nodes(t, p)
-	cs := make([]*collective.Comm, p)
-	noErrors(t, "new", parallel(p, func(r int) error {
-		var err error
-		cs[r], err = collective.New(guardCtx(t), ns[r], collective.Options{})
-		return err
-	}))
+	cs := newComms(t, guardCtx(t), ns, collective.Options{})
 	ctx := guardCtx(t)
 	q := collective.IAllreduce(ctx, cs[0], nil, make([]float64, 5000), collective.Sum)
 	time.Sleep(2 * time.Millisecond) // let it wait (not asserted on)

@@ -76,14 +76,24 @@ func worldWith(t testing.TB, n int, opts collective.Options, nopts cluster.NodeO
 	return commsOn(t, nodesWith(t, n, nopts), opts)
 }
 
-// commsOn makes a communicator on each node.
+// commsOn makes a communicator on each node, closed when the test ends.
 func commsOn(t testing.TB, ns []*cluster.Node, opts collective.Options) []*collective.Comm {
 	t.Helper()
-	n := len(ns)
-	cs := make([]*collective.Comm, n)
-	errs := parallel(n, func(i int) error {
+	cs := newComms(t, testCtx(t), ns, opts)
+	t.Cleanup(func() {
+		closeAll(t, cs) // Close is collective: every rank at once
+	})
+	return cs
+}
+
+// newComms makes a communicator on each node (New under ctx, every rank
+// at once); closing them is the caller's.
+func newComms(t testing.TB, ctx context.Context, ns []*cluster.Node, opts collective.Options) []*collective.Comm {
+	t.Helper()
+	cs := make([]*collective.Comm, len(ns))
+	errs := parallel(len(ns), func(i int) error {
 		var err error
-		cs[i], err = collective.New(testCtx(t), ns[i], opts)
+		cs[i], err = collective.New(ctx, ns[i], opts)
 		return err
 	})
 	for i, err := range errs {
@@ -91,9 +101,6 @@ func commsOn(t testing.TB, ns []*cluster.Node, opts collective.Options) []*colle
 			t.Fatalf("rank %d: New: %v", i, err)
 		}
 	}
-	t.Cleanup(func() {
-		closeAll(t, cs) // Close is collective: every rank at once
-	})
 	return cs
 }
 
