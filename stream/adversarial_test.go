@@ -47,6 +47,20 @@ func await(f func() error) <-chan error {
 	return ch
 }
 
+// accepted is what an AcceptContext returned.
+type accepted struct {
+	c   *Conn
+	err error
+}
+
+// acceptLater runs l.AcceptContext(ctx) in a goroutine; the channel gives
+// its result.
+func acceptLater(ctx context.Context, l *Listener) <-chan accepted {
+	ch := make(chan accepted, 1)
+	go func() { c, err := l.AcceptContext(ctx); ch <- accepted{c, err} }()
+	return ch
+}
+
 // wait returns what ch gives, failing the test if nothing comes within
 // hangGuard (what says what hung).
 func wait[T any](t *testing.T, ch <-chan T, what string) T {
@@ -1238,12 +1252,7 @@ func rawPeer(t *testing.T, lcfg, dcfg session.Config) (c *Conn, s *session.Sessi
 		t.Fatal(err)
 	}
 	defer l.Close()
-	type acc struct {
-		c   *Conn
-		err error
-	}
-	ch := make(chan acc, 1)
-	go func() { c, err := l.AcceptContext(ctx); ch <- acc{c, err} }()
+	ch := acceptLater(ctx, l)
 	s, err = session.Dial(ctx, l.Addr().String(), dcfg)
 	if err != nil {
 		t.Fatal(err)
@@ -1623,12 +1632,7 @@ func TestAdvAcceptStrangers(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	type acc struct {
-		c   *Conn
-		err error
-	}
-	ach := make(chan acc, 1)
-	go func() { c, err := l.AcceptContext(ctx); ach <- acc{c, err} }()
+	ach := acceptLater(ctx, l)
 	garbage, err := net.Dial("tcp", l.Addr().String())
 	if err != nil {
 		t.Fatal(err)
