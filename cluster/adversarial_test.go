@@ -38,16 +38,7 @@ const advGuard = time.Minute
 // panicked in channel.NewMulti (makeslice: len out of range) and, for
 // sizes it could not allocate, would have run the process out of memory.
 func TestAdvWorldSizeBound(t *testing.T) {
-	dev, err := verbs.Open(verbs.SoftDevice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
-	pd, err := dev.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pd.Close()
+	pd := verbstest.OpenPD(t, verbs.SoftDevice)
 	for _, size := range []int{MaxWorldSize + 1, 1 << 32, 1 << 61, int(^uint(0) >> 1)} {
 		t.Run(fmt.Sprint(size), func(t *testing.T) {
 			func() {
@@ -785,19 +776,11 @@ func TestAdvMalformedCards(t *testing.T) {
 		return nil
 	}
 	const n = 2
-	dev, err := verbs.Open(verbs.SoftDevice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
-	pd, err := dev.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pd.Close()
+	pd := verbstest.OpenPD(t, verbs.SoftDevice)
 	nodes := make([]*Node, n)
 	cards := make([][]byte, n)
 	items := make([][]byte, n)
+	var err error
 	for i := range nodes {
 		if nodes[i], err = NewNode(pd, i, n, NodeOptions{}); err != nil {
 			t.Fatal(err)
