@@ -448,10 +448,11 @@ func (sc *scope) waitAllOp(hs []Handle) error {
 //
 // Batch returns fn's error, joined with the first failure of an operation
 // whose result fn never looked at (through Wait, WaitAny, WaitAll or
-// Handle.Err), or of an operation that failed before it was posted
-// (for want of a slot, say) and that no WaitAll reported. ctx bounds every wait of the scope; if it ends while
-// operations are still in flight at the end, the queue pairs concerned are
-// broken to flush them (like a cancelled blocking call). If ctx has ended
+// Handle.Err), or of an operation that failed before it was posted (for
+// want of a slot, say) and that no WaitAll reported. ctx bounds every
+// wait of the scope; if it ends while operations are still in flight at
+// the end, the queue pairs concerned are broken to flush them (like a
+// cancelled blocking call). If ctx has ended
 // before the call, Batch does not run fn and returns an error wrapping
 // verbs.ErrTimeout and ctx.Err().
 //

@@ -509,6 +509,16 @@ func (s *Session) handle(m ctrlMsg) {
 	}
 }
 
+// memErrCode is the ctrlErr (or refusing ctrlFin) code of a failure to
+// allocate or register memory for the peer: over a cap of this side
+// (ErrLimit) or not.
+func memErrCode(err error) uint8 {
+	if isLimit(err) {
+		return errCodeLimit
+	}
+	return errCodeNoMemory
+}
+
 // serveRequest allocates and grants memory the peer asked for.
 func (s *Session) serveRequest(m ctrlMsg) (*grantState, uint8, error) {
 	switch {
@@ -527,11 +537,7 @@ func (s *Session) serveRequest(m ctrlMsg) (*grantState, uint8, error) {
 	g, err := s.grant(mr, m.access, m.lease, true)
 	if err != nil {
 		mr.Free()
-		code := uint8(errCodeNoMemory)
-		if isLimit(err) {
-			code = errCodeLimit
-		}
-		return nil, code, err
+		return nil, memErrCode(err), err
 	}
 	return g, 0, nil
 }

@@ -782,11 +782,7 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 			// No memory for it here: the message is dropped, the
 			// sender told (a fin with an error: its Send fails), and
 			// the session goes on with the next.
-			code := uint8(errCodeNoMemory)
-			if errors.Is(err, ErrLimit) {
-				code = errCodeLimit
-			}
-			s.sendAsyncCtrl(ctrlMsg{typ: ctrlFin, id: id, code: code,
+			s.sendAsyncCtrl(ctrlMsg{typ: ctrlFin, id: id, code: memErrCode(err),
 				text: fmt.Sprintf("the receiver had no memory for a message of %d bytes: %v", ln, err)})
 			return Message{}, fmt.Errorf("session: receive: a message of %d bytes was dropped, this side has no memory for it (the sender's Send fails): %w", ln, err)
 		}
