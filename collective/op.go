@@ -3,6 +3,7 @@ package collective
 import (
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"math"
 	"reflect"
 	"runtime/debug"
@@ -180,12 +181,9 @@ func Custom[T Number](name string, f func(inout, in []T)) Op {
 // ranks: calls whose Custom operations have different names disagree
 // (ErrMismatch), as calls with different predefined operations do.
 func opID(name string) uint32 {
-	h := uint32(2166136261)
-	for i := range len(name) {
-		h ^= uint32(name[i])
-		h *= 16777619
-	}
-	return h
+	h := fnv.New32a()
+	h.Write([]byte(name))
+	return h.Sum32()
 }
 
 func (o Op) String() string {
