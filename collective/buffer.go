@@ -110,7 +110,8 @@ func (s *bufSet) add(r *registered) {
 }
 
 // callHold is what a call holds of the Buffers its slices lie in (at
-// most two: send and recv), from its begin to its end.
+// most two: send and recv), from its begin to its end, or a non-blocking
+// request from its issue to its completion (start).
 type callHold struct {
 	regs [2]*registered
 	n    int
@@ -158,25 +159,6 @@ func (s *bufSet) remove(r *registered) error {
 		}
 	}
 	return nil
-}
-
-// hold counts one more user of the region of every b that lies in a
-// Buffer (use), and returns them for release.
-func (s *bufSet) hold(bs ...[]byte) []*registered {
-	var regs []*registered
-	for _, b := range bs {
-		if r, _ := s.use(b); r != nil {
-			regs = append(regs, r)
-		}
-	}
-	return regs
-}
-
-// release ends the uses hold counted.
-func release(regs []*registered) {
-	for _, r := range regs {
-		r.users.Add(-1)
-	}
 }
 
 // use returns the registered region that holds all of b, counting one

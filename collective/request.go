@@ -65,12 +65,13 @@ type heldTicket struct {
 // request waiting for its turn would otherwise run on freed memory.
 func (c *Comm) start(ctx context.Context, f func(ctx context.Context) error, data ...[]byte) *Request {
 	r := &Request{done: make(chan struct{})}
-	regs := c.bufs.hold(data...)
+	var hold callHold
+	c.bufs.holdCall(&hold, data...)
 	held := &heldTicket{t: c.ticket()}
 	ctx = context.WithValue(ctx, ticketKey{}, held)
 	go func() {
 		defer close(r.done)
-		defer release(regs)
+		defer hold.release()
 		r.err = f(ctx)
 		if !held.used {
 			// f failed before it took its turn (bad arguments): give the
