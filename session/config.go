@@ -62,7 +62,10 @@ type Config struct {
 
 	// Keepalive is how long a silent peer stays alive: pings go every
 	// third of it, and a peer that answers none within it is
-	// ErrPeerUnresponsive. 0: 5 s. Negative: no keepalive.
+	// ErrPeerUnresponsive. 0: 5 s. Negative: no keepalive; a stopped
+	// peer is then found only by a request in flight to it, which fails
+	// after the queue pair's transport timeout (ErrPeerUnresponsive
+	// too), and a side that only waits in Receive waits for its ctx.
 	Keepalive time.Duration
 
 	// HandshakeTimeout bounds the bootstrap handshake of one connection

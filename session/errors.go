@@ -10,7 +10,8 @@ var (
 	// killed, or the connection to it broke.
 	ErrPeerLost = errors.New("session: the peer is lost")
 	// ErrPeerUnresponsive: the peer stopped answering keepalives for
-	// longer than Config.Keepalive (a stopped or wedged process).
+	// longer than Config.Keepalive, or acknowledged no request within
+	// its queue pair's transport timeout (a stopped or wedged process).
 	ErrPeerUnresponsive = errors.New("session: the peer stopped answering")
 	// ErrClosed: the session, listener or allocator was closed by this
 	// side, or a handle (region, message) was already freed or released.

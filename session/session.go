@@ -571,7 +571,15 @@ func (s *Session) fail(op string, err error) error {
 		return nil
 	}
 	var ce *verbs.CompletionError
-	if s.data.Err() != nil || s.agc.Err() != nil || errors.As(err, &ce) {
+	isCE := errors.As(err, &ce)
+	if !isCE {
+		// The operation may have failed only as a consequence (the
+		// channel broke): the queue pair's own failure says why.
+		if !errors.As(s.data.Err(), &ce) {
+			errors.As(s.agc.Err(), &ce)
+		}
+	}
+	if s.data.Err() != nil || s.agc.Err() != nil || isCE {
 		// A queue pair broke (a remote access error, a transport
 		// failure): the session cannot go on. If the peer closed or
 		// died, its bootstrap connection says so soon: that is the
@@ -580,7 +588,15 @@ func (s *Session) fail(op string, err error) error {
 		case <-s.ctl.done():
 			s.end(s.ctl.err())
 		case <-time.After(time.Second):
-			s.end(fmt.Errorf("session: a queue pair failed: %w", err))
+			if ce != nil && ce.Status == verbs.StatusRetryExcErr {
+				// The bootstrap connection lives, but the peer
+				// acknowledged nothing for the queue pair's
+				// transport timeout: a stopped or wedged process
+				// (found so with or without a keepalive).
+				s.end(fmt.Errorf("%w: a request got no acknowledgement within the queue pair's transport timeout: %w", ErrPeerUnresponsive, err))
+			} else {
+				s.end(fmt.Errorf("session: a queue pair failed: %w", err))
+			}
 			s.ctl.close()
 		}
 		return fmt.Errorf("session: %s: %w", op, s.Err())

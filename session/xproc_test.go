@@ -1169,6 +1169,37 @@ func TestCrossProcessPeerStopped(t *testing.T) {
 	})
 }
 
+// TestCrossProcessStoppedNoKeepalive stops the server process with no
+// keepalive (Config.Keepalive < 0): the client's sends fail once one
+// gets no acknowledgement within the queue pair's transport timeout,
+// with ErrPeerUnresponsive (before: an unclassified "a queue pair
+// failed"), and the session ends with it.
+func TestCrossProcessStoppedNoKeepalive(t *testing.T) {
+	keep := Config{Keepalive: -1}
+	forEachTransport(t, func(t *testing.T, tr xtransport) {
+		checkLeaks(t)
+		ctx := xctx(t)
+		srv := startServer(t, tr, xlistener{"main", keep})
+		s := srv.dial(t, tr, "main", "idle 1 120", keep)
+		srv.p.Line(t, "ready")
+		pid := srv.p.Cmd.Process.Pid
+		must(t, "stop", syscall.Kill(pid, syscall.SIGSTOP))
+		t.Cleanup(func() { syscall.Kill(pid, syscall.SIGCONT) })
+		errc := make(chan error, 1)
+		go func() {
+			// The peer's receive buffers take the first sends (their
+			// credits); one of the next is never acknowledged.
+			for {
+				if err := s.Send(ctx, []byte("hello")); err != nil {
+					errc <- err
+					return
+				}
+			}
+		}()
+		peerEnd(t, s, errc, 30*time.Second, ErrPeerUnresponsive, "send")
+	})
+}
+
 // TestCrossProcessClientKilled is the other way: a client process is
 // killed (SIGKILL) or stopped (SIGSTOP, keepalive xKeepalive) while the
 // server waits for the session to end; the server reports ErrPeerLost or
