@@ -377,7 +377,9 @@ func (c *Conn) CloseWrite() error {
 // CloseWrite) under way, which returns an error wrapping net.ErrClosed
 // and how many bytes it posted, and waits for the messages posted to be
 // delivered, so that the peer reads every byte written before Close,
-// then io.EOF. It unblocks every Read, which returns an error wrapping
+// then io.EOF (of a peer that stopped answering, until the session's
+// keepalive or its queue pair's transport timeout gives up on them: a few
+// seconds). It unblocks every Read, which returns an error wrapping
 // net.ErrClosed.
 func (c *Conn) Close() error {
 	if !c.closed.CompareAndSwap(false, true) {
