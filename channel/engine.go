@@ -131,6 +131,11 @@ type engine struct {
 	slotWake    context.CancelFunc
 
 	pollMu   sync.Mutex // the right to poll the CQ and sleep on it
+	// late: close gave up waiting for a poller to leave the CQ; the
+	// poller, when it leaves (unlockPoll), ends the requests in flight
+	// and frees the scratch memory it may still read (finishLate, once:
+	// lateDone).
+	late, lateDone atomic.Bool
 	waiters  atomic.Int32
 	pollFree chan struct{} // capacity 1: the poller left; someone else should poll
 	wcs      []verbs.Completion
@@ -469,6 +474,9 @@ func (e *engine) dispatch(wc *verbs.Completion) {
 // unlockPoll gives up the poller role and, if others wait, wakes one of
 // them to take it over.
 func (e *engine) unlockPoll() {
+	if e.late.Load() {
+		e.finishLate()
+	}
 	e.pollMu.Unlock()
 	if e.waiters.Load() > 0 {
 		select {
@@ -699,8 +707,8 @@ func (e *engine) drain(ctx context.Context, peers []*peer) error {
 }
 
 // endPosted completes every slot still owned by the device with
-// ErrClosed, and frees detached ones. Called by close, with pollMu, after
-// the queue pairs are destroyed.
+// ErrClosed, and frees detached ones. Called by close (or finishLate),
+// with pollMu, after the queue pairs are destroyed.
 func (e *engine) endPosted() {
 	for i := range e.slots {
 		s := &e.slots[i]
@@ -720,6 +728,16 @@ func (e *engine) endPosted() {
 		case slotDetached:
 			e.release(s)
 		}
+	}
+}
+
+// finishLate is close's end of a poller that was still inside the CQ
+// when close gave up waiting for it: it completes the requests left with
+// ErrClosed and frees the scratch memory. Called with pollMu, once.
+func (e *engine) finishLate() {
+	if e.lateDone.CompareAndSwap(false, true) {
+		e.endPosted()
+		e.scratch.Close()
 	}
 }
 
@@ -803,9 +821,20 @@ func (e *engine) close() error {
 		// undone forever. With its queue pair destroyed the device no
 		// longer uses its buffers: it completes with ErrClosed.
 		e.endPosted()
-	}
-	if err := e.scratch.Close(); err != nil {
-		errs = append(errs, err)
+		if err := e.scratch.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	} else {
+		// A poller is still inside the CQ (descheduled, or a provider
+		// slow to return): it may yet dispatch completions it polled,
+		// reading atomic results from the scratch memory. It ends the
+		// requests left and frees that memory when it leaves (closing
+		// the CQ below makes it leave); if it left meanwhile, this does.
+		e.late.Store(true)
+		if e.pollMu.TryLock() {
+			e.finishLate()
+			e.pollMu.Unlock()
+		}
 	}
 	if err := e.cq.Close(); err != nil {
 		errs = append(errs, err)

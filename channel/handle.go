@@ -219,7 +219,8 @@ func (e *engine) atomicResult(s *slot) uint64 { return s.val }
 
 // scratchResult reads the prior value the atomic operation of slot s
 // returned into the scratch memory. Called by the poller, with pollMu,
-// which Close takes before it frees the scratch memory.
+// which Close takes before it frees the scratch memory (or, if it gave up
+// waiting for it, leaves to the poller: finishLate).
 func (e *engine) scratchResult(s *slot) uint64 {
 	off := 8 * int(s.idx)
 	return binary.NativeEndian.Uint64(e.scratch.Bytes()[off : off+8])
