@@ -482,7 +482,9 @@ func (t *qp) respondUC(req *request, data []span, resp *response) bool {
 
 func (t *qp) respondUD(req *request, data []span, resp *response) bool {
 	resp.code = respDropped
-	if req.qkey != t.attr.QKey || (req.op != opSend && req.op != opSendImm) {
+	// A message longer than the path MTU is a packet no NIC takes: a
+	// requester never sends one (execute), a hostile peer may.
+	if req.qkey != t.attr.QKey || (req.op != opSend && req.op != opSendImm) || req.length > t.mtu {
 		return false
 	}
 	wrid, sges, rpd, ok := t.takeRecv(nil)

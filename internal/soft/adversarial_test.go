@@ -1,0 +1,293 @@
+package soft
+
+import (
+	"bytes"
+	"encoding/binary"
+	"testing"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// An authenticated peer that sends well-framed but hostile requests to a
+// QP of this process (the raw peer of amplify_test.go, posing as the QP
+// the target is connected to): every one is refused as verbs require,
+// and no byte outside what the request may touch changes.
+
+// one sends a request of op (no segments) with payload n bytes of pattern
+// and the atomic operands; the PSN moves past it.
+func (p *rawPeer) one(t *testing.T, op reqOp, raddr uint64, rkey uint32, n uint32, compare, swap uint64) uint64 {
+	t.Helper()
+	req, id := p.msg(op, raddr, rkey, int(n))
+	req.compare, req.swap = compare, swap
+	plen := 0
+	if hasPayload(op) {
+		plen = int(n)
+	}
+	b := make([]byte, hdrLen+reqBodyLen+plen)
+	putHdr(b, frReq, uint32(reqBodyLen+plen), id)
+	putReq(b[hdrLen:], &req, p.flags())
+	for i := range plen {
+		b[hdrLen+reqBodyLen+i] = pattern(i)
+	}
+	if _, err := p.nc.Write(b); err != nil {
+		t.Fatalf("write request: %v", err)
+	}
+	return id
+}
+
+// advTarget is a hostile peer of a target QP, with regions the target
+// may not reach: one in another PD, and regions of its PD without some
+// remote access right. Every region is filled with a known pattern.
+type advTarget struct {
+	*hostile
+	p       *rawPeer
+	otherPD *buf // allAccess, in another PD of the same context
+	roMR    *buf // remote read only
+	woMR    *buf // remote write only
+	noAtom  *buf // remote read and write, no atomics
+}
+
+func newAdvTarget(t *testing.T) *advTarget {
+	t.Helper()
+	h := newHostile(t)
+	pd2 := must(h.e.ctx.AllocPD())
+	t.Cleanup(func() {
+		if err := pd2.Close(); err != nil {
+			t.Errorf("close pd: %v", err)
+		}
+	})
+	a := &advTarget{hostile: h, p: h.peer(),
+		otherPD: allocIn(t, pd2, 4096, allAccess),
+		roMR:    h.e.alloc(4096, prov.AccessLocalWrite|prov.AccessRemoteRead),
+		woMR:    h.e.alloc(4096, prov.AccessLocalWrite|prov.AccessRemoteWrite),
+		noAtom:  h.e.alloc(4096, prov.AccessLocalWrite|prov.AccessRemoteWrite|prov.AccessRemoteRead),
+	}
+	for i := range h.page {
+		h.page[i] = byte(i*13 + 1)
+	}
+	for _, b := range a.bufs() {
+		for i := range b.b {
+			b.b[i] = byte(i*5 + 3)
+		}
+	}
+	return a
+}
+
+func (a *advTarget) bufs() []*buf { return []*buf{a.otherPD, a.roMR, a.woMR, a.noAtom} }
+
+// snapshot copies every byte the target's process holds for the test.
+func (a *advTarget) snapshot() [][]byte {
+	s := [][]byte{bytes.Clone(a.page)}
+	for _, b := range a.bufs() {
+		s = append(s, bytes.Clone(b.b))
+	}
+	return s
+}
+
+func (a *advTarget) changed(before [][]byte) bool {
+	now := a.snapshot()
+	for i := range now {
+		if !bytes.Equal(now[i], before[i]) {
+			return true
+		}
+	}
+	return false
+}
+
+// TestAdversarialOneSided: one-sided requests of an authenticated peer
+// with keys of other protection domains, without the access right, at
+// the edges of a region, misaligned or wrapping around. A refused one is
+// NAKed with the code verbs gives (remote access error, invalid request)
+// and moves the target to ERR; nothing changes in memory.
+func TestAdversarialOneSided(t *testing.T) {
+	end := func(a *advTarget) uint64 { return a.mr.Addr() + uint64(a.mr.Len()) }
+	type reqSpec struct {
+		op    reqOp
+		raddr uint64
+		rkey  uint32
+		n     uint32
+	}
+	for _, tc := range []struct {
+		name string
+		req  func(a *advTarget) reqSpec
+		want respCode
+	}{
+		{"WriteOtherPD", func(a *advTarget) reqSpec {
+			return reqSpec{opWrite, a.otherPD.addr(0), a.otherPD.mr.RKey(), 64}
+		}, respAccess},
+		{"ReadOtherPD", func(a *advTarget) reqSpec {
+			return reqSpec{opRead, a.otherPD.addr(0), a.otherPD.mr.RKey(), 64}
+		}, respAccess},
+		{"AtomicOtherPD", func(a *advTarget) reqSpec {
+			return reqSpec{opFAA, a.otherPD.addr(0), a.otherPD.mr.RKey(), 8}
+		}, respAccess},
+		{"WriteReadOnlyRegion", func(a *advTarget) reqSpec {
+			return reqSpec{opWrite, a.roMR.addr(0), a.roMR.mr.RKey(), 64}
+		}, respAccess},
+		{"WriteImmReadOnlyRegion", func(a *advTarget) reqSpec {
+			return reqSpec{opWriteImm, a.roMR.addr(0), a.roMR.mr.RKey(), 64}
+		}, respAccess},
+		{"ReadWriteOnlyRegion", func(a *advTarget) reqSpec {
+			return reqSpec{opRead, a.woMR.addr(0), a.woMR.mr.RKey(), 64}
+		}, respAccess},
+		{"AtomicWithoutAtomicAccess", func(a *advTarget) reqSpec {
+			return reqSpec{opCAS, a.noAtom.addr(0), a.noAtom.mr.RKey(), 8}
+		}, respAccess},
+		{"WriteOneBytePastTheEnd", func(a *advTarget) reqSpec {
+			return reqSpec{opWrite, end(a) - 99, a.mr.RKey(), 100}
+		}, respAccess},
+		{"WriteAtTheEnd", func(a *advTarget) reqSpec {
+			return reqSpec{opWrite, end(a), a.mr.RKey(), 1}
+		}, respAccess},
+		{"ReadOneBytePastTheEnd", func(a *advTarget) reqSpec {
+			return reqSpec{opRead, end(a) - 99, a.mr.RKey(), 100}
+		}, respAccess},
+		{"ReadWrapsAround", func(a *advTarget) reqSpec {
+			return reqSpec{opRead, ^uint64(0) - 63, a.mr.RKey(), 4096}
+		}, respAccess},
+		{"WriteMessagePastTheEnd", func(a *advTarget) reqSpec {
+			return reqSpec{opWrite, a.mr.Addr() + 8, a.mr.RKey(), maxMsgSize}
+		}, respAccess},
+		{"WriteBadKey", func(a *advTarget) reqSpec {
+			return reqSpec{opWrite, a.mr.Addr(), a.mr.RKey() ^ 0x5a5a5a5a, 64}
+		}, respAccess},
+		{"AtomicMisaligned", func(a *advTarget) reqSpec {
+			return reqSpec{opFAA, a.mr.Addr() + 4, a.mr.RKey(), 8}
+		}, respInvReq},
+		{"AtomicAtTheEnd", func(a *advTarget) reqSpec {
+			return reqSpec{opCAS, end(a), a.mr.RKey(), 8}
+		}, respAccess},
+		{"AtomicBeforeTheStart", func(a *advTarget) reqSpec {
+			return reqSpec{opFAA, a.mr.Addr() - 8, a.mr.RKey(), 8}
+		}, respAccess},
+		{"AtomicHighAddress", func(a *advTarget) reqSpec {
+			return reqSpec{opFAA, ^uint64(0) - 7, a.mr.RKey(), 8}
+		}, respAccess},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newAdvTarget(t)
+			r := tc.req(a)
+			if r.op == opWrite && r.n == maxMsgSize {
+				// A message that would run past 2^64: its first segment.
+				req, id := a.p.msg(r.op, r.raddr, r.rkey, int(r.n))
+				a.p.seg(t, &req, id, 0)
+			} else {
+				a.p.one(t, r.op, r.raddr, r.rkey, r.n, 1, 2)
+			}
+			if n, resp := a.p.readData(t); resp.code != tc.want || n != 0 {
+				t.Fatalf("response %d with %d bytes, want %d", resp.code, n, tc.want)
+			}
+			// The NAK moved the target to ERR: what follows is dropped.
+			probe(t, a.p, respDropped)
+			if st := state(t, a.q.qp); st != prov.QPStateErr {
+				t.Fatalf("target in state %v, want ERR", st)
+			}
+			b := newAdvTargetBaseline(a)
+			if a.changed(b) {
+				t.Fatal("memory changed")
+			}
+		})
+	}
+}
+
+// newAdvTargetBaseline is what a's memory held before any request.
+func newAdvTargetBaseline(a *advTarget) [][]byte {
+	page := make([]byte, len(a.page))
+	for i := range page {
+		page[i] = byte(i*13 + 1)
+	}
+	s := [][]byte{page}
+	for _, b := range a.bufs() {
+		c := make([]byte, len(b.b))
+		for i := range c {
+			c[i] = byte(i*5 + 3)
+		}
+		s = append(s, c)
+	}
+	return s
+}
+
+// TestAdversarialEdgesAccepted: the requests at the very edges of a
+// region that verbs executes: zero-length ones (whose key and address a
+// responder does not check), the last byte, the last aligned word.
+func TestAdversarialEdgesAccepted(t *testing.T) {
+	a := newAdvTarget(t)
+	want := newAdvTargetBaseline(a)
+	end := a.mr.Addr() + uint64(a.mr.Len())
+	mrOff := 4096 // of the region in a.page
+
+	a.p.one(t, opWrite, end, a.mr.RKey(), 0, 0, 0)
+	a.p.one(t, opWrite, 0xdead0000, 0x12345678, 0, 0, 0)
+	a.p.one(t, opRead, end, a.mr.RKey(), 0, 0, 0)
+	a.p.one(t, opWrite, end-1, a.mr.RKey(), 1, 0, 0)
+	want[0][mrOff+a.mr.Len()-1] = pattern(0)
+	for i := range 4 {
+		if n, r := a.p.readData(t); r.code != respACK || n != 0 {
+			t.Fatalf("request %d: response %d with %d bytes, want an ACK", i, r.code, n)
+		}
+	}
+	a.p.data = make([]byte, 1)
+	a.p.one(t, opRead, end-1, a.mr.RKey(), 1, 0, 0)
+	if n, r := a.p.readData(t); r.code != respACK || n != 1 || a.p.data[0] != pattern(0) {
+		t.Fatalf("read of the last byte: response %d with %d bytes (%#x)", r.code, n, a.p.data)
+	}
+	last := want[0][mrOff+a.mr.Len()-8:][:8]
+	prior := binary.NativeEndian.Uint64(last)
+	a.p.one(t, opFAA, end-8, a.mr.RKey(), 8, 5, 0)
+	if r := a.p.resp(t); r.code != respACK || r.orig != prior {
+		t.Fatalf("FAA on the last word: response %d, prior %#x, want an ACK with %#x", r.code, r.orig, prior)
+	}
+	binary.NativeEndian.PutUint64(last, prior+5)
+	a.p.one(t, opCAS, a.mr.Addr(), a.mr.RKey(), 8, 0, 7) // compare fails
+	first := binary.NativeEndian.Uint64(want[0][mrOff:])
+	if r := a.p.resp(t); r.code != respACK || r.orig != first {
+		t.Fatalf("CAS on the first word: response %d, prior %#x, want an ACK with %#x", r.code, r.orig, first)
+	}
+	probe(t, a.p, respACK)
+	if a.changed(want) {
+		t.Fatal("memory differs from the expectation")
+	}
+}
+
+// TestAdversarialUDOverMTU: a UD message longer than the path MTU never
+// reaches a receiver on hardware (the NIC drops a packet larger than its
+// MTU; the requester refuses to post it, requester.go). A peer that sends
+// one anyway over a connection must not get it delivered: it is dropped
+// like a UD message whose Q_Key does not match, and the receive it would
+// have consumed takes the next message.
+func TestAdversarialUDOverMTU(t *testing.T) {
+	for _, network := range []string{"tcp", "unix"} {
+		t.Run(network, func(t *testing.T) {
+			restore, err := ForceTransport("auto")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(restore)
+			e := newEnv(t)
+			const qkey = 0x4242
+			b := udQP(t, e, qkey, nil)
+			mtu := int(portMTU.Bytes())
+			rb := e.alloc(2*(grhLen+2*mtu), allAccess)
+			postRecv(t, b.qp, 1, rb.sge(0, grhLen+2*mtu))
+			postRecv(t, b.qp, 2, rb.sge(grhLen+2*mtu, grhLen+2*mtu))
+			nc := rawDial(t, b.qp.Address(), network, 0xbad0bad)
+			send := func(n int) {
+				req := request{op: opSend, qpType: uint8(prov.QPTypeUD), srcQPN: 0x99, dstQPN: b.qp.QPN(), npkts: 1,
+					mtu: uint32(mtu), length: uint32(n), qkey: qkey}
+				f := make([]byte, hdrLen+reqBodyLen+n)
+				putHdr(f, frReq, uint32(reqBodyLen+n), 1)
+				putReq(f[hdrLen:], &req, reqNoResp)
+				if _, err := nc.Write(f); err != nil {
+					t.Fatal(err)
+				}
+			}
+			send(mtu + 1)
+			send(2 * mtu)
+			send(100)
+			if c := poll(t, b.rcq, 1)[0]; c.WRID != 1 || c.Status != prov.StatusSuccess || c.ByteLen != grhLen+100 {
+				t.Fatalf("receive completion %+v, want the message of 100 bytes in receive 1", c)
+			}
+			expectEmpty(t, b.rcq)
+		})
+	}
+}
