@@ -23,10 +23,24 @@ var errBatchFull = fmt.Errorf("batch is full: %w", ErrQueueFull)
 //	b.Write(id, dst, sge).Signaled().Fenced()
 //
 // A Request is valid until the batch's next Submit or Reset.
-type Request struct{ wr prov.SendWR }
+type Request struct {
+	wr *prov.SendWR // the request in the batch's memory, or the batch's scratch
+	// b keeps the batch, whose memory outside the Go heap holds wr, alive
+	// as long as the Request is reachable: a Request kept after its batch
+	// was dropped must not write into freed (or reused) memory.
+	b *sendBatch
+}
+
+// set adds flags f to the request.
+func (r *Request) set(f prov.SendFlags) *Request {
+	if r.wr != nil {
+		r.wr.Flags |= f
+	}
+	return r
+}
 
 // Signaled asks for a completion even when the QP does not signal all requests.
-func (r *Request) Signaled() *Request { r.wr.Flags |= prov.SendSignaled; return r }
+func (r *Request) Signaled() *Request { return r.set(prov.SendSignaled) }
 
 // Fenced makes the request wait until the RDMA reads and atomics posted
 // before it on the QP have completed (their data is in local memory), so
@@ -38,10 +52,10 @@ func (r *Request) Signaled() *Request { r.wr.Flags |= prov.SendSignaled; return 
 // completed, rarely (about 1 run in 80 of the conformance suite's Fence
 // case, which posts reads, sends and fenced writes of up to 70000 bytes);
 // code that must not hang on rxe bounds its waits for the completion.
-func (r *Request) Fenced() *Request { r.wr.Flags |= prov.SendFence; return r }
+func (r *Request) Fenced() *Request { return r.set(prov.SendFence) }
 
 // Solicited sets the solicited-event bit (sends and writes with immediate).
-func (r *Request) Solicited() *Request { r.wr.Flags |= prov.SendSolicited; return r }
+func (r *Request) Solicited() *Request { return r.set(prov.SendSolicited) }
 
 // Inline copies the payload into the request at Submit: the buffer may be
 // reused as soon as Submit returns. The request must be a send or a
@@ -51,10 +65,10 @@ func (r *Request) Solicited() *Request { r.wr.Flags |= prov.SendSolicited; retur
 // anything is posted, so that a bad SGE is an error, not a read of
 // arbitrary memory. For bytes that are not in a memory region, use
 // SendInline, WriteInline and their kin.
-func (r *Request) Inline() *Request { r.wr.Flags |= prov.SendInline; return r }
+func (r *Request) Inline() *Request { return r.set(prov.SendInline) }
 
 // WithFlags adds send flags.
-func (r *Request) WithFlags(f SendFlags) *Request { r.wr.Flags |= prov.SendFlags(f); return r }
+func (r *Request) WithFlags(f SendFlags) *Request { return r.set(prov.SendFlags(f)) }
 
 // sendBatch holds work requests in memory outside the Go heap until Submit
 // posts all of them with one provider call.
@@ -64,7 +78,9 @@ type sendBatch struct {
 	sges    []prov.SGE
 	maxSGE  int
 	err     error
-	scratch Request // target of modifiers after an overflow
+	reqs    []Request   // reqs[i] names wrs[i]
+	scratch Request     // target of modifiers after an overflow
+	sink    prov.SendWR // what scratch names
 
 	// Inline payloads of SendInline and its kin, copied into staging (n
 	// times MaxInlineData bytes outside the Go heap, next to the requests)
@@ -87,19 +103,23 @@ func newSendBatch[T any](owner *T, b *sendBatch, q *qpCore, n int) {
 	wrSize := int(unsafe.Sizeof(prov.SendWR{}))
 	sgeSize := int(unsafe.Sizeof(prov.SGE{}))
 	inline := n * max(q.cap.MaxInlineData, 0)
-	r, err := mem.Alloc(n*wrSize+n*b.maxSGE*sgeSize+inline, "batch", false)
-	if err != nil {
+	if r, err := mem.Alloc(n*wrSize+n*b.maxSGE*sgeSize+inline, "batch", false); err == nil {
+		base := r.Ptr()
+		b.wrs = unsafe.Slice((*prov.SendWR)(base), n)[:0]
+		b.sges = unsafe.Slice((*prov.SGE)(unsafe.Add(base, n*wrSize)), n*b.maxSGE)[:0]
+		b.staging = r.Bytes()[n*wrSize+n*b.maxSGE*sgeSize:][:inline:inline]
+		runtime.AddCleanup(owner, func(r *mem.Region) { r.Free() }, r)
+	} else {
 		// Fall back to the Go heap: still correct, just not off-heap
 		// (and without staging: SendInline and its kin fail).
 		b.wrs = make([]prov.SendWR, 0, n)
 		b.sges = make([]prov.SGE, 0, n*b.maxSGE)
-		return
 	}
-	base := r.Ptr()
-	b.wrs = unsafe.Slice((*prov.SendWR)(base), n)[:0]
-	b.sges = unsafe.Slice((*prov.SGE)(unsafe.Add(base, n*wrSize)), n*b.maxSGE)[:0]
-	b.staging = r.Bytes()[n*wrSize+n*b.maxSGE*sgeSize:][:inline:inline]
-	runtime.AddCleanup(owner, func(r *mem.Region) { r.Free() }, r)
+	b.reqs = make([]Request, n)
+	for i := range b.reqs {
+		b.reqs[i] = Request{wr: &b.wrs[:n][i], b: b}
+	}
+	b.scratch = Request{wr: &b.sink, b: b}
 }
 
 func (b *sendBatch) add(wr prov.SendWR, sgl []SGE) *Request {
@@ -119,7 +139,7 @@ func (b *sendBatch) add(wr prov.SendWR, sgl []SGE) *Request {
 		b.sges = append(b.sges, prov.SGE(s))
 	}
 	b.wrs = append(b.wrs, wr)
-	return (*Request)(unsafe.Pointer(&b.wrs[len(b.wrs)-1]))
+	return &b.reqs[len(b.wrs)-1]
 }
 
 // fail records err for the request the batch was asked to add next (Submit
@@ -183,7 +203,7 @@ func (b *sendBatch) addData(wr prov.SendWR, data []byte) *Request {
 	b.own[i>>6] |= 1 << (i & 63)
 	b.nown++
 	b.wrs = append(b.wrs, wr)
-	return (*Request)(unsafe.Pointer(&b.wrs[i]))
+	return &b.reqs[i]
 }
 
 func (b *sendBatch) submit() error {
@@ -224,7 +244,7 @@ func (b *sendBatch) reset() {
 		b.nown, b.staged = 0, 0
 	}
 	b.wrs, b.sges, b.err = b.wrs[:0], b.sges[:0], nil
-	b.scratch = Request{}
+	b.sink = prov.SendWR{}
 }
 
 // Len returns the number of requests in the batch.
