@@ -3,7 +3,10 @@ package soft
 import (
 	"bytes"
 	"encoding/binary"
+	"io"
+	"net"
 	"testing"
+	"time"
 
 	"github.com/goverbs/verbs/internal/prov"
 )
@@ -289,5 +292,166 @@ func TestAdversarialUDOverMTU(t *testing.T) {
 			}
 			expectEmpty(t, b.rcq)
 		})
+	}
+}
+
+// TestAdversarialCloseUnderFire: a peer streams RDMA writes (small ones,
+// and large ones that the reader places straight into the region,
+// place.go) into a region while the target deregisters it, then
+// destroys the QP. Once the region's Close returns, not a byte of its
+// memory changes, whatever the peer still sends; frames for the QP after
+// its Close are answered as for no QP; nothing panics or hangs.
+func TestAdversarialCloseUnderFire(t *testing.T) {
+	for _, network := range []string{"tcp", "unix"} {
+		t.Run(network, func(t *testing.T) {
+			const size = 4 * segMax
+			h := newHostileOn(t, prov.QPTypeRC, size, network)
+			p := h.peer()
+			// The responses are read as they come, so that the
+			// service never stops for a full socket.
+			resps := make(chan response, 1<<16)
+			rp := &rawPeer{nc: p.nc}
+			go func() {
+				defer close(resps)
+				for {
+					var hb [hdrLen + respBodyLen]byte
+					if _, err := io.ReadFull(rp.nc, hb[:hdrLen]); err != nil {
+						return
+					}
+					fh, err := parseHdr(hb[:hdrLen])
+					if err != nil {
+						return
+					}
+					if fh.typ != frResp {
+						if _, err := io.CopyN(io.Discard, rp.nc, int64(fh.length)); err != nil {
+							return
+						}
+						continue
+					}
+					if _, err := io.ReadFull(rp.nc, hb[hdrLen:]); err != nil {
+						return
+					}
+					var rr response
+					if _, err := parseResp(hb[hdrLen:], 0, &rr); err != nil {
+						return
+					}
+					resps <- rr
+				}
+			}()
+			stop := make(chan struct{})
+			sent := make(chan int, 1)
+			go func() {
+				n := 0
+				defer func() { sent <- n }()
+				for i := 0; ; i++ {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					k := 64 << 10
+					if i%3 == 0 {
+						k = 100
+					}
+					req, id := p.msg(opWrite, h.mr.Addr()+uint64(i*4096%(size-k)), h.mr.RKey(), k)
+					for off := 0; off < k; off += segMax {
+						s := req
+						s.off = uint32(off)
+						if !p.trySeg(&s, id, off) {
+							return
+						}
+					}
+					n++
+				}
+			}()
+			// Some writes land first.
+			for range 8 {
+				if rr, ok := <-resps; !ok || rr.code != respACK {
+					t.Fatalf("response %+v (%v) before the region closed", rr, ok)
+				}
+			}
+			closed := make(chan error, 1)
+			go func() { closed <- h.mr.Close() }()
+			select {
+			case err := <-closed:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(hangGuard):
+				t.Fatal("the region's Close hangs")
+			}
+			after := bytes.Clone(h.page)
+			// The next write is refused (remote access error), which
+			// moves the QP to ERR; the rest is dropped.
+			for rr := range resps {
+				if rr.code == respACK {
+					continue
+				}
+				if rr.code != respAccess {
+					t.Fatalf("response %d after the region closed, want a remote access NAK", rr.code)
+				}
+				break
+			}
+			waitState(t, h.q.qp, prov.QPStateErr)
+			if err := h.q.qp.Close(); err != nil {
+				t.Fatal(err)
+			}
+			close(stop)
+			if n := <-sent; n < 8 {
+				t.Fatalf("%d writes sent", n)
+			}
+			if !bytes.Equal(h.page, after) {
+				t.Fatal("the region's memory changed after its Close returned")
+			}
+		})
+	}
+}
+
+// trySeg is seg that reports a failed write instead of failing the test
+// (for other goroutines than the test's).
+func (p *rawPeer) trySeg(req *request, id uint64, off int) bool {
+	if p.buf == nil {
+		p.buf = make([]byte, segMax)
+	}
+	n := int(req.length)
+	k := min(segMax, n-off)
+	for i := range p.buf[:k] {
+		p.buf[i] = pattern(off + i)
+	}
+	s := *req
+	s.off, s.more = uint32(off), off+k < n
+	s.psn, s.npkts = (req.psn+uint32(off)/4096)&psnMask, max(1, uint32(k+4095)/4096)
+	var h [hdrLen + reqBodyLen]byte
+	putHdr(h[:], frReq, uint32(reqBodyLen+k), id)
+	putReq(h[hdrLen:], &s, p.flags())
+	_, err := (&net.Buffers{h[:], p.buf[:k]}).WriteTo(p.nc)
+	return err == nil
+}
+
+// TestAdversarialUCAbandonedWriteImm: on UC, a write with immediate whose
+// first segment took a receive and that never ended (the peer abandons
+// it) leaves that receive to the next message that consumes one, the
+// oldest (responder.go). A send that takes it is scattered into that
+// receive's buffer, as if the receive had just been posted.
+func TestAdversarialUCAbandonedWriteImm(t *testing.T) {
+	const n = 3*segMax + 100
+	h := newHostileN(t, prov.QPTypeUC, 4*segMax)
+	p := h.peer()
+	p.uc = true
+	rb := h.e.alloc(4096, allAccess)
+	postRecv(t, h.q.qp, 1, rb.sge(0, 2048))
+	postRecv(t, h.q.qp, 2, rb.sge(2048, 2048))
+	req, id := p.msg(opWriteImm, h.mr.Addr(), h.mr.RKey(), n)
+	p.seg(t, &req, id, 0)
+	waitMsg(t, h.target(), true)
+	// Abandoned: a send of 100 bytes begins.
+	req, id = p.msg(opSend, 0, 0, 100)
+	p.seg(t, &req, id, 0)
+	c := poll(t, h.q.rcq, 1)[0]
+	if c.WRID != 1 || c.Status != prov.StatusSuccess || c.ByteLen != 100 || c.Opcode != prov.WCRecv {
+		t.Fatalf("receive completion %+v, want the send of 100 bytes in receive 1", c)
+	}
+	if !patternOK(rb.b[:100], 0) {
+		t.Fatal("the send's bytes are not in receive 1's buffer")
 	}
 }

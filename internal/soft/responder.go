@@ -343,7 +343,7 @@ func (t *qp) respondRC(req *request, data []span, resp *response) bool {
 			m.release()
 		}
 		if req.more {
-			t.rmsg.begin(req, spansLen(data), op == opWriteImm, wrid, nil, nil)
+			t.rmsg.begin(req, spansLen(data), op == opWriteImm, wrid, wsges, wpd)
 		} else if op == opWriteImm {
 			t.completeRecv(wrid, prov.StatusSuccess, req, req.length)
 		}
@@ -458,9 +458,11 @@ func (t *qp) respondUC(req *request, data []span, resp *response) bool {
 			t.rspans[0] = span{p, int(req.length)}
 		}
 		var wrid uint64
+		var wsges []prov.SGE
+		var wpd *pd
 		if req.op == opWriteImm {
 			var ok bool
-			if wrid, _, _, ok = t.takeRecv(nil); !ok {
+			if wrid, wsges, wpd, ok = t.takeRecv(nil); !ok {
 				if m != nil {
 					m.release()
 				}
@@ -472,7 +474,9 @@ func (t *qp) respondUC(req *request, data []span, resp *response) bool {
 			m.release()
 		}
 		if req.more {
-			t.rmsg.begin(req, spansLen(data), req.op == opWriteImm, wrid, nil, nil)
+			// A receive it took keeps its buffer: a message that never
+			// ends leaves it to the next one, which may be a send.
+			t.rmsg.begin(req, spansLen(data), req.op == opWriteImm, wrid, wsges, wpd)
 		} else if req.op == opWriteImm {
 			t.completeRecv(wrid, prov.StatusSuccess, req, req.length)
 		}
