@@ -63,5 +63,61 @@ func TestAdversarialRequestOutlivesBatch(t *testing.T) {
 	}
 }
 
-var _ = errors.Is
-var _ = syscall.EINVAL
+// TestAdversarialQPSpecRanges creates queue pairs from QPSpec values
+// outside the ranges of the attributes they become. Each must be refused
+// at creation with EINVAL, not truncated to 8 bits (RetryCount 256 meant
+// no retries, MaxRDAtomic 256 a QP that refuses every RDMA read) nor
+// found only by Connect after the QP moved to RTR; the extremes of each
+// range are accepted and connect.
+func TestAdversarialQPSpecRanges(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	dev, err := a.Ctx.QueryDevice()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		spec verbs.QPSpec
+	}{
+		{"Timeout32", verbs.QPSpec{Timeout: 32}},
+		{"Timeout254", verbs.QPSpec{Timeout: 254}},
+		{"RetryCount8", verbs.QPSpec{RetryCount: 8}},
+		{"RetryCount256", verbs.QPSpec{RetryCount: 256}},
+		{"RetryCount-2", verbs.QPSpec{RetryCount: -2}},
+		{"RNRRetry8", verbs.QPSpec{RNRRetry: 8}},
+		{"RNRRetry256", verbs.QPSpec{RNRRetry: 256}},
+		{"MinRNRTimer32", verbs.QPSpec{MinRNRTimer: 32}},
+		{"MaxRDAtomic256", verbs.QPSpec{MaxRDAtomic: 256}},
+		{"MaxRDAtomic-1", verbs.QPSpec{MaxRDAtomic: -1}},
+		{"MaxRDAtomicAboveDevice", verbs.QPSpec{MaxRDAtomic: dev.MaxQPRDAtom + 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			q, err := a.PD.NewRCQueuePair(a.QPSpec(tc.spec))
+			if err == nil {
+				q.Close()
+				t.Fatalf("NewRCQueuePair(%+v) succeeded", tc.spec)
+			}
+			var oe *verbs.OpError
+			if !errors.Is(err, syscall.EINVAL) || !errors.As(err, &oe) {
+				t.Errorf("NewRCQueuePair: %v, want an *OpError wrapping EINVAL", err)
+			}
+		})
+	}
+	t.Run("Extremes", func(t *testing.T) {
+		for _, spec := range []verbs.QPSpec{
+			{Timeout: 31, RetryCount: 7, RNRRetry: 7, MinRNRTimer: 31, MaxRDAtomic: dev.MaxQPRDAtom},
+			{Timeout: verbs.TimeoutInfinite, RetryCount: -1, RNRRetry: -1, MinRNRTimer: 1, MaxRDAtomic: 1},
+		} {
+			qa, qb := a.NewRC(t, spec), b.NewRC(t, verbs.QPSpec{})
+			verbstest.ConnectRC(t, qa, qb)
+			at, err := qa.Query()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if int(at.MaxRDAtomic) != spec.MaxRDAtomic || at.MinRNRTimer != spec.MinRNRTimer {
+				t.Errorf("spec %+v: QP has max_rd_atomic %d, min_rnr_timer %d", spec, at.MaxRDAtomic, at.MinRNRTimer)
+			}
+		}
+	})
+}

@@ -4,6 +4,7 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"fmt"
+	"math"
 	"runtime"
 	"strings"
 	"sync"
@@ -164,6 +165,9 @@ func planQP(pd *ProtectionDomain, t Transport, spec QPSpec) (qpPlan, error) {
 	if err != nil {
 		return qpPlan{}, err
 	}
+	if err := checkSpecRanges(&spec, dev); err != nil {
+		return qpPlan{}, opErr(op, name, fmt.Errorf("%w: %w", err, syscall.EINVAL))
+	}
 	cap := prov.QPCap{
 		MaxSendWR:     orDefault(spec.MaxSendWR, 256),
 		MaxRecvWR:     orDefault(spec.MaxRecvWR, 256),
@@ -208,6 +212,35 @@ func planQP(pd *ProtectionDomain, t Transport, spec QPSpec) (qpPlan, error) {
 	}
 	spec.PSN &= 0xFFFFFF
 	return qpPlan{op: op, t: t, spec: spec, init: init, port: port}, nil
+}
+
+// checkSpecRanges refuses QPSpec values that do not fit the fields of
+// the QP attributes they become (a wider int would otherwise be truncated
+// silently: a RetryCount of 256 would mean no retries), or that the
+// device cannot grant, before anything is created: Connect would
+// otherwise find them only after moving the QP to RTR.
+func checkSpecRanges(spec *QPSpec, dev DeviceAttr) error {
+	switch {
+	case spec.Timeout > 31 && spec.Timeout != TimeoutInfinite:
+		return fmt.Errorf("QPSpec.Timeout %d: want 0..31 or TimeoutInfinite", spec.Timeout)
+	case spec.RetryCount < -1 || spec.RetryCount > 7:
+		return fmt.Errorf("QPSpec.RetryCount %d: want 0..7, or -1 for no retries", spec.RetryCount)
+	case spec.RNRRetry < -1 || spec.RNRRetry > 7:
+		return fmt.Errorf("QPSpec.RNRRetry %d: want 0..7 (7: retry forever), or -1 for no retries", spec.RNRRetry)
+	case spec.MinRNRTimer > 31:
+		return fmt.Errorf("QPSpec.MinRNRTimer %d: want 0..31", spec.MinRNRTimer)
+	}
+	limit := math.MaxUint8
+	if dev.MaxQPRDAtom > 0 {
+		limit = min(limit, dev.MaxQPRDAtom)
+	}
+	if dev.MaxQPInitRDAtom > 0 {
+		limit = min(limit, dev.MaxQPInitRDAtom)
+	}
+	if spec.MaxRDAtomic < 0 || spec.MaxRDAtomic > limit {
+		return fmt.Errorf("QPSpec.MaxRDAtomic %d: want 1..%d (0 for the default)", spec.MaxRDAtomic, limit)
+	}
+	return nil
 }
 
 // createProvQP creates the provider QP of a plan.
