@@ -1113,16 +1113,82 @@ func TestAdvLeafDiesInGather(t *testing.T) {
 			case <-time.After(advGuard):
 				t.Fatal("rank 2 still waits after the root failed")
 			}
-			// The root's reason is lost when it had not read rank 2's
-			// share yet: closing a socket with unread input resets it,
-			// and the reset discards the abort at rank 2 (1 run in
-			// about 60): rank 2 fails at once either way.
-			if !(errors.Is(leafErr, ErrAborted) && strings.Contains(leafErr.Error(), "peer 1")) && !errors.Is(leafErr, syscall.ECONNRESET) {
-				t.Errorf("rank 2: %v, want ErrAborted with the root's reason (peer 1), or the connection reset", leafErr)
+			// Whether or not the root had read rank 2's share yet
+			// (TestAdvAbortReachesRankBeforeShare), rank 2 is told why.
+			if !errors.Is(leafErr, ErrAborted) || !strings.Contains(leafErr.Error(), "peer 1") {
+				t.Errorf("rank 2: %v, want ErrAborted with the root's reason (peer 1)", leafErr)
 			}
 			t.Log(rootErr)
 			t.Log(leafErr)
 		})
+	}
+}
+
+// TestAdvAbortReachesRankBeforeShare: in a rendezvous, a rank past its
+// handshake whose share the root has not read yet (here: it has sent
+// none) when another rank dies is told why the root gives up (ErrAborted
+// naming the dead rank), as the ranks whose shares were read are. Before,
+// the root closed its connection without a word: the rank saw the
+// connection end (or, with its share unread at the root, reset), and
+// TestAdvLeafDiesInGather had to accept a reset now and then.
+func TestAdvAbortReachesRankBeforeShare(t *testing.T) {
+	xNoLeaks(t)
+	const n = 3
+	lns, addrs := xListeners(t, n)
+	cfg := func(r int) ExchangeConfig {
+		return ExchangeConfig{Rank: r, Size: n, Mode: Rendezvous, Addrs: addrs, Listener: lns[r], Job: "job", Token: []byte("token")}
+	}
+	root := make(chan error, 1)
+	go func() {
+		_, err := Exchange(context.Background(), cfg(0), xOut(0, n))
+		root <- err
+	}()
+	ctx := xContext(t, advGuard)
+	dial := func(r int) (*exchange, *conn) {
+		x, err := newExchange(cfg(r), xOut(r, n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		k, err := x.dial(ctx, 0, addrs[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { k.stopWatch(); k.c.Close() })
+		return x, k
+	}
+	_, k2 := dial(2) // past its handshake; its share never comes
+	x1, k1 := dial(1)
+	if err := x1.send(k1, encodeVector(x1.out)); err != nil {
+		t.Fatal(err)
+	}
+	k1.stopWatch()
+	k1.c.Close() // rank 1 dies after its share
+	leaf2 := make(chan error, 1)
+	go func() {
+		typ, msg, err := k2.s.readMsg(k2.c, DefaultMaxFrame)
+		if err == nil && typ == recAbort {
+			err = fmt.Errorf("%w: %s", ErrAborted, msg)
+		} else if err == nil {
+			err = fmt.Errorf("the root answered rank 2 with a message of type %d (%d bytes)", typ, len(msg))
+		}
+		leaf2 <- err
+	}()
+	select {
+	case err := <-root:
+		var xe *ExchangeError
+		if !errors.As(err, &xe) || xe.Peer != 1 || !errors.Is(err, ErrPeerLost) {
+			t.Errorf("root: %v, want ErrPeerLost naming rank 1", err)
+		}
+	case <-time.After(advGuard):
+		t.Fatal("the root still waits after rank 1 died")
+	}
+	select {
+	case err := <-leaf2:
+		if !errors.Is(err, ErrAborted) || !strings.Contains(err.Error(), "peer 1") {
+			t.Errorf("rank 2: %v, want ErrAborted with the root's reason (peer 1)", err)
+		}
+	case <-time.After(advGuard):
+		t.Fatal("rank 2 still waits after the root failed")
 	}
 }
 

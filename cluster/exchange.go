@@ -1311,12 +1311,24 @@ func (x *exchange) rootCards(ctx context.Context) ([][]byte, []byte, error) {
 // rendezvous: kept, unguarded, for the broadcast that follows (even past
 // the deadline), until close.
 type gathering struct {
-	x       *exchange
-	mu      sync.Mutex
-	conns   []*conn
-	release chan struct{} // closed when the root is done with the connections
-	cancel  context.CancelFunc
-	wg      sync.WaitGroup
+	x     *exchange
+	mu    sync.Mutex
+	conns []*conn
+	// pending are the ranks past their handshake whose share is still
+	// being read: an abort goes to them too (a connection closed with
+	// their share unread would reach them as a reset, without why).
+	pending []*conn
+	// why is the root's abort once it gives up: a rank whose handshake
+	// completes after that gets it from its own goroutine.
+	why []byte
+	// claiming counts the handshakes that claimed a rank and have not
+	// yet registered it as pending: the abort waits for them (a rank
+	// told it was accepted is then told why the root gives up).
+	claiming  int
+	claimDone *sync.Cond    // on mu
+	release   chan struct{} // closed when the root is done with the connections
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
 }
 
 // close releases the connections and waits for their goroutines.
@@ -1326,10 +1338,26 @@ func (g *gathering) close() {
 	g.wg.Wait()
 }
 
+// list returns the connections kept for the broadcast, indexed by peer,
+// and with pending, those whose share is still being read.
+func (g *gathering) list(pending bool) []*conn {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	l := slices.Clone(g.conns)
+	if pending {
+		for j, k := range g.pending {
+			if k != nil && l[j] == nil {
+				l[j] = k
+			}
+		}
+	}
+	return l
+}
+
 // scatter writes mk(k) to every connection k (exchange.broadcast) and
 // fails, naming the rank, if a write to one failed.
 func (g *gathering) scatter(mk func(k *conn) (byte, [][]byte)) error {
-	for i, e := range g.x.broadcast(g.conns, &g.mu, mk) {
+	for i, e := range g.x.broadcast(g.list(false), mk) {
 		if e != nil {
 			return g.x.fail(i, nil, fmt.Errorf("%w: %w", ErrPeerLost, e))
 		}
@@ -1345,7 +1373,8 @@ func (g *gathering) scatter(mk func(k *conn) (byte, [][]byte)) error {
 func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) error) (*gathering, error) {
 	n := x.cfg.Size
 	gctx, cancel := context.WithCancel(ctx)
-	g := &gathering{x: x, conns: make([]*conn, n), release: make(chan struct{}), cancel: cancel}
+	g := &gathering{x: x, conns: make([]*conn, n), pending: make([]*conn, n), release: make(chan struct{}), cancel: cancel}
+	g.claimDone = sync.NewCond(&g.mu)
 	s := newState(n, 0, func(j int) bool { return j != 0 })
 	s.gate = newGate(x.cfg.MaxStrangers, x.cfg.MaxStrangersPerHost)
 
@@ -1356,7 +1385,22 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 	}
 	serve(gctx, ln, s.gate, &g.wg, func(c net.Conn, st *stranger) {
 		stop := guard(gctx, c)
-		k, err := x.accept(gctx, c, s.gate, st, s.claim)
+		k, err := x.accept(gctx, c, s.gate, st, func(peer int) error {
+			err := s.claim(peer)
+			if err == nil {
+				g.mu.Lock()
+				g.claiming++
+				g.mu.Unlock()
+			}
+			return err
+		})
+		if k != nil && err != nil {
+			// Claimed, then failed (the accept message was not sent).
+			g.mu.Lock()
+			g.claiming--
+			g.claimDone.Broadcast()
+			g.mu.Unlock()
+		}
 		var pe *peerErr
 		if err != nil {
 			stop()
@@ -1369,11 +1413,32 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 			}
 			return
 		}
+		// Told it was accepted: if the root gives up, the broadcast (it
+		// waits for this registration) or this goroutine tells it why.
+		g.mu.Lock()
+		g.claiming--
+		g.claimDone.Broadcast()
+		why := g.why
+		if why == nil {
+			g.pending[k.peer] = k
+		}
+		g.mu.Unlock()
+		if why != nil {
+			// The root gave up while this rank's handshake completed.
+			if stop() {
+				k.s.writeMsg(progressWriter{k.c, recordGrace([]*conn{k})}, recAbort, why)
+				k.c.Close()
+			}
+			return
+		}
 		data, err := x.recv(gctx, k)
 		if err == nil {
 			err = put(k.peer, data)
 		}
 		if err != nil || !stop() {
+			g.mu.Lock()
+			g.pending[k.peer] = nil
+			g.mu.Unlock()
 			// Failed, or gctx ended (the connection is closed).
 			if err == nil {
 				err = x.ioErr(gctx, net.ErrClosed)
@@ -1384,7 +1449,7 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 		// Keep the connection, unguarded, for the broadcast (or the
 		// abort) that follows the gather, even past the deadline.
 		g.mu.Lock()
-		g.conns[k.peer] = k
+		g.conns[k.peer], g.pending[k.peer] = k, nil
 		g.mu.Unlock()
 		s.put(k.peer, nil)
 		// Watch the connection until the root is done with it: a rank
@@ -1417,7 +1482,16 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 		// Tell the connected ranks why, so that they fail now rather than
 		// at their deadline.
 		why := []byte(sanitize(err.Error()))
-		x.broadcast(g.conns, &g.mu, func(*conn) (byte, [][]byte) { return recAbort, [][]byte{why} })
+		if len(why) > maxAbortText {
+			why = why[:maxAbortText]
+		}
+		g.mu.Lock()
+		g.why = why
+		for g.claiming > 0 {
+			g.claimDone.Wait()
+		}
+		g.mu.Unlock()
+		x.broadcast(g.list(true), func(*conn) (byte, [][]byte) { return recAbort, [][]byte{why} })
 		g.close()
 		return nil, err
 	}
@@ -1427,10 +1501,7 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 // broadcast writes the messages mk(k) to every connection,
 // concurrently, each record with a bounded deadline, and returns the
 // write errors indexed by peer.
-func (x *exchange) broadcast(conns []*conn, mu *sync.Mutex, mk func(k *conn) (byte, [][]byte)) []error {
-	mu.Lock()
-	list := slices.Clone(conns)
-	mu.Unlock()
+func (x *exchange) broadcast(list []*conn, mk func(k *conn) (byte, [][]byte)) []error {
 	grace := recordGrace(list)
 	errs := make([]error, len(list))
 	var wg sync.WaitGroup
