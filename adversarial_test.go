@@ -121,3 +121,85 @@ func TestAdversarialQPSpecRanges(t *testing.T) {
 		}
 	})
 }
+
+// TestAdversarialSRQSpecLimit creates an SRQ with SRQSpec.Limit, which
+// its doc says arms the low-watermark event: the limit must be armed (the
+// provider's create ignores it, like ibv_create_srq) and the event must
+// come once fewer receives remain; a limit that is negative or above the
+// SRQ's depth is refused.
+func TestAdversarialSRQSpecLimit(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	for _, spec := range []verbs.SRQSpec{{MaxWR: 16, Limit: -1}, {MaxWR: 16, Limit: 17}} {
+		s, err := b.PD.NewSharedReceiveQueue(spec)
+		if err == nil {
+			s.Close()
+			t.Errorf("NewSharedReceiveQueue(%+v) succeeded", spec)
+		} else if !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("NewSharedReceiveQueue(%+v): %v, want EINVAL", spec, err)
+		}
+	}
+	srq := b.NewSRQ(t, verbs.SRQSpec{MaxWR: 16, Limit: 4})
+	q, err := srq.Query()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q.Limit != 4 {
+		t.Errorf("SRQ created with Limit 4 reports limit %d", q.Limit)
+	}
+	qa := a.NewRC(t, verbs.QPSpec{})
+	qb := b.NewRC(t, verbs.QPSpec{SRQ: srq})
+	verbstest.ConnectRC(t, qa, qb)
+	bufs := b.Alloc(t, 8*64, verbs.AccessLocalWrite)
+	for i := range 8 {
+		if err := srq.PostRecv(uint64(i), verbstest.SGE(t, bufs, i*64, 64)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	src := a.Alloc(t, 64, verbs.AccessLocalWrite)
+	for i := range 5 { // 3 < 4 receives left
+		if err := qa.PostSend(uint64(i), verbs.Signaled, verbstest.SGE(t, src, 0, 16)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx := advCtx(t)
+	if _, err := verbstest.PollN(ctx, a.CQ, 5); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := verbstest.PollN(ctx, b.CQ, 5); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		ev, err := b.Ctx.AsyncEvent(ctx)
+		if err != nil {
+			t.Fatalf("waiting for SRQ_LIMIT_REACHED of the limit set by SRQSpec.Limit: %v", err)
+		}
+		if ev.Type == verbs.EventSRQLimitReached {
+			break
+		}
+	}
+}
+
+// TestAdversarialSRQOtherContext creates a queue pair whose QPSpec names
+// an SRQ of another device context (its CQs are checked; the SRQ was
+// not, and the provider accepted it): EINVAL.
+func TestAdversarialSRQOtherContext(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice, SeparateContexts: true})
+	srq := b.NewSRQ(t, verbs.SRQSpec{})
+	for _, tr := range []string{"RC", "UD"} {
+		var q interface{ Close() error }
+		var err error
+		if tr == "RC" {
+			q, err = a.PD.NewRCQueuePair(a.QPSpec(verbs.QPSpec{SRQ: srq}))
+		} else {
+			q, err = a.PD.NewUDQueuePair(a.QPSpec(verbs.QPSpec{SRQ: srq}))
+		}
+		if err == nil {
+			q.Close()
+			t.Errorf("%s queue pair with an SRQ of another device context: created", tr)
+		} else if !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("%s queue pair with an SRQ of another device context: %v, want EINVAL", tr, err)
+		}
+	}
+}

@@ -187,6 +187,9 @@ func planQP(pd *ProtectionDomain, t Transport, spec QPSpec) (qpPlan, error) {
 		if err := spec.SRQ.check(op); err != nil {
 			return qpPlan{}, err
 		}
+		if c := spec.SRQ.pd.c; c != pd.c {
+			return qpPlan{}, opErr(op, name, fmt.Errorf("srq belongs to another device context (%s): %w", c.name, syscall.EINVAL))
+		}
 		init.SRQ = spec.SRQ.srq
 		init.Cap.MaxRecvWR, init.Cap.MaxRecvSGE = 0, 0
 	}

@@ -37,9 +37,19 @@ func (pd *ProtectionDomain) NewSharedReceiveQueue(spec SRQSpec) (*SharedReceiveQ
 	}
 	spec.MaxWR = orDefault(spec.MaxWR, 1024)
 	spec.MaxSGE = orDefault(spec.MaxSGE, 4)
+	if spec.Limit < 0 {
+		return nil, opErr("create srq", pd.c.name, fmt.Errorf("%+v: negative limit: %w", spec, syscall.EINVAL))
+	}
 	ps, err := pd.pd.CreateSRQ(prov.SRQAttr{MaxWR: spec.MaxWR, MaxSGE: spec.MaxSGE, SRQLimit: spec.Limit})
 	if err != nil {
 		return nil, opErr("create srq", pd.c.name, fmt.Errorf("%+v: %w", spec, err))
+	}
+	if spec.Limit > 0 {
+		// ibv_create_srq ignores srq_limit: arm it as ArmLimit does.
+		if err := ps.Modify(prov.SRQAttr{SRQLimit: spec.Limit}, true); err != nil {
+			ps.Close()
+			return nil, opErr("create srq", pd.c.name, fmt.Errorf("%+v: arm limit: %w", spec, err))
+		}
 	}
 	s := &SharedReceiveQueue{pd: pd, srq: ps, spec: spec, sgeR: make([]prov.SGE, spec.MaxSGE), devNm: pd.c.name}
 	if err := initResource(s, &s.res, "shared receive queue", "", &pd.res); err != nil {
