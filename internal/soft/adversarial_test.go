@@ -455,3 +455,38 @@ func TestAdversarialUCAbandonedWriteImm(t *testing.T) {
 		t.Fatal("the send's bytes are not in receive 1's buffer")
 	}
 }
+
+// TestAdversarialNotReadyWaiters: a QP in INIT (before RTR, when it does
+// not know its destination yet) answers a RC request "not ready" and
+// remembers the requester, to wake it at RTR. A peer that sends such
+// requests from ever new QP numbers must not make it remember each: what
+// it holds for them is bounded (and so are the wake-ups it sends at RTR).
+func TestAdversarialNotReadyWaiters(t *testing.T) {
+	restore, err := ForceTransport("auto")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(restore)
+	e := newEnv(t)
+	b := e.newQP(prov.QPTypeRC, defaultCaps(), nil)
+	toInit(t, b.qp, prov.QPTypeRC, defaultConn())
+	p := &rawPeer{nc: rawDial(t, b.qp.Address(), "tcp", 0x5eed), qpn: b.qp.QPN()}
+	const n = 3000
+	for i := range n {
+		p.srcQPN = uint32(i + 1)
+		p.psn = 0
+		p.one(t, opWrite, 0, 0, 0, 0, 0)
+	}
+	for i := range n {
+		if r := p.resp(t); r.code != respNotReady {
+			t.Fatalf("response %d: code %d, want not ready", i, r.code)
+		}
+	}
+	q := getFabric().qps.load(b.qp.QPN())
+	q.rmu.Lock()
+	held := len(q.waiters)
+	q.rmu.Unlock()
+	if held > 64 {
+		t.Fatalf("the QP holds %d requesters to wake for %d requests of strangers", held, n)
+	}
+}

@@ -36,7 +36,7 @@ func (t *qp) respondLocked(req *request, data []span, resp *response) bool {
 		return false
 	default: // RESET, INIT: packets are dropped; wake the requester at RTR
 		resp.code = silentOr(req, respNotReady)
-		if req.waker != nil && req.off == 0 {
+		if req.waker != nil && req.off == 0 && len(t.waiters) < maxNotReadyWaiters {
 			t.waiters = addWaiter(t.waiters, req.waker)
 		}
 		return false
@@ -54,6 +54,14 @@ func (t *qp) respondLocked(req *request, data []span, resp *response) bool {
 		return t.respondUD(req, data, resp)
 	}
 }
+
+// maxNotReadyWaiters bounds the requesters a QP in RESET or INIT
+// remembers to wake at RTR. It does not know its destination yet, so any
+// peer's QP may ask: one that asks from ever new QP numbers would
+// otherwise make it hold (and scan, and wake) one for each. A requester
+// past the bound is not woken: it tries again at its transport timeout,
+// as it would on a NIC.
+const maxNotReadyWaiters = 16
 
 // silentOr is code for the first segment of a message, and no answer for
 // the others (see respSilent).
