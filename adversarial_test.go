@@ -203,3 +203,100 @@ func TestAdversarialSRQOtherContext(t *testing.T) {
 		}
 	}
 }
+
+// TestAdversarialUDDestination posts UD sends to address handles that are
+// closed (before the post, or between a batch's Send and its Submit) or
+// belong to another protection domain: each fails with a typed error
+// (ErrClosed, EINVAL) and never reaches the provider, which would use a
+// destroyed AH; the requests of a batch before the bad one are posted
+// and complete.
+func TestAdversarialUDDestination(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice, SeparateContexts: true})
+	qa, qb := a.NewUD(t, verbs.QPSpec{}), b.NewUD(t, verbs.QPSpec{})
+	eb := verbstest.Endpoint(t, qb)
+	src := a.Alloc(t, 64, verbs.AccessLocalWrite)
+	dst := b.Alloc(t, 4*256, verbs.AccessLocalWrite)
+	for i := range 4 {
+		if err := qb.PostRecv(uint64(100+i), verbstest.SGE(t, dst, i*256, 256)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	good := a.AddressHandle(t, qa, eb)
+	closed, err := qa.AddressHandleTo(eb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := closed.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// An AH of another PD (here of the peer's device context).
+	foreign := b.AddressHandle(t, qb, eb)
+	sge := verbstest.SGE(t, src, 0, 8)
+	data := []byte("datagram")
+	to := func(ah *verbs.AddressHandle) verbs.Destination {
+		return verbs.Destination{AH: ah, QPN: qb.QPN(), QKey: verbs.DefaultQKey}
+	}
+	for _, bad := range []struct {
+		name string
+		ah   *verbs.AddressHandle
+		want error
+	}{{"Closed", closed, verbs.ErrClosed}, {"OtherPD", foreign, syscall.EINVAL}} {
+		d := to(bad.ah)
+		for _, c := range []struct {
+			op  string
+			err error
+		}{
+			{"PostSend", qa.PostSend(1, verbs.Signaled, d, sge)},
+			{"PostSendImm", qa.PostSendImm(1, verbs.Signaled, d, 7, sge)},
+			{"PostSendInline", qa.PostSendInline(1, verbs.Signaled, d, data)},
+			{"PostSendImmInline", qa.PostSendImmInline(1, verbs.Signaled, d, 7, data)},
+			{"Batch.Send", func() error { bt := qa.NewBatch(1); bt.Send(1, d, sge).Signaled(); return bt.Submit() }()},
+			{"Batch.SendInline", func() error { bt := qa.NewBatch(1); bt.SendInline(1, d, data).Signaled(); return bt.Submit() }()},
+		} {
+			if !errors.Is(c.err, bad.want) {
+				t.Errorf("%s to an address handle %s: %v, want an error wrapping %v", c.op, bad.name, c.err, bad.want)
+			}
+		}
+	}
+
+	// Closed between Send and Submit: the request before it is posted.
+	late, err := qa.AddressHandleTo(eb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bt := qa.NewBatch(4)
+	bt.Send(1, to(good), sge).Signaled()
+	bt.Send(2, to(late), sge).Signaled()
+	bt.Send(3, to(good), sge).Signaled()
+	if err := late.Close(); err != nil {
+		t.Fatal(err)
+	}
+	err = bt.Submit()
+	var pe *verbs.PostError
+	if !errors.As(err, &pe) || pe.Posted != 1 || !errors.Is(err, verbs.ErrClosed) {
+		t.Fatalf("Submit with the second request's address handle closed: %v, want a *PostError (1 posted) wrapping ErrClosed", err)
+	}
+	// Nothing of the failed posts went out: the one send posted is the
+	// first to arrive, and completes.
+	ctx := advCtx(t)
+	wcs, err := verbstest.PollN(ctx, a.CQ, 1)
+	if err != nil || wcs[0].WRID != 1 || wcs[0].Status != verbs.StatusSuccess {
+		t.Fatalf("send completion %v, %v; want wr_id 1 success", wcs, err)
+	}
+	if err := qa.PostSend(4, verbs.Signaled, to(good), sge); err != nil {
+		t.Fatal(err)
+	}
+	rwcs, err := verbstest.PollN(ctx, b.CQ, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, wc := range rwcs {
+		if wc.Status != verbs.StatusSuccess || wc.WRID != uint64(100+i) || wc.ByteLen != 40+8 {
+			t.Errorf("receive %d: %v, want wr_id %#x success, 48 bytes", i, wc, 100+i)
+		}
+	}
+	if wcs, err := verbstest.PollN(ctx, a.CQ, 1); err != nil || wcs[0].WRID != 4 {
+		t.Errorf("send completion %v, %v; want wr_id 4", wcs, err)
+	}
+}

@@ -91,6 +91,11 @@ type sendBatch struct {
 	own     []uint64
 	nown    int
 	hold    inlineHold // MRs read by the inline requests of a Submit
+
+	// UD batches: ahs[i] is the address handle of request i, held open
+	// (ahHold) while Submit posts.
+	ahs    []*AddressHandle
+	ahHold []*AddressHandle
 }
 
 func newSendBatch[T any](owner *T, b *sendBatch, q *qpCore, n int) {
@@ -223,11 +228,21 @@ func (b *sendBatch) submit() error {
 		own = b.own
 	}
 	k, bad := checkInline(&b.q.pd.mrs, &b.hold, b.wrs, b.sges, own, b.q.cap.MaxInlineData)
+	if b.ahs != nil {
+		if i, err := b.holdAHs(k); err != nil {
+			k, bad = i, err
+		}
+	}
 	n, err := 0, error(nil)
 	if k > 0 {
 		n, err = b.q.qp.PostSend(b.wrs[:k], b.sges)
 	}
 	b.hold.release()
+	for i, a := range b.ahHold {
+		a.release()
+		b.ahHold[i] = nil
+	}
+	b.ahHold = b.ahHold[:0]
 	b.reset()
 	if err == nil && bad != nil {
 		n, err = k, bad
@@ -238,7 +253,29 @@ func (b *sendBatch) submit() error {
 	return nil
 }
 
+// holdAHs holds the address handles of the first k requests open (in
+// ahHold) for the post. If one of them is closed, it returns its index
+// and why; the handles of the requests before it stay held.
+func (b *sendBatch) holdAHs(k int) (int, error) {
+	var last *AddressHandle
+	for i, a := range b.ahs[:k] {
+		if a == last {
+			continue
+		}
+		if !a.acquire() {
+			return i, fmt.Errorf("request %d: %w", i, a.errClosed())
+		}
+		b.ahHold = append(b.ahHold, a)
+		last = a
+	}
+	return k, nil
+}
+
 func (b *sendBatch) reset() {
+	if b.ahs != nil {
+		clear(b.ahs)
+		b.ahs = b.ahs[:0]
+	}
 	if b.nown > 0 {
 		clear(b.own)
 		b.nown, b.staged = 0, 0
@@ -402,6 +439,7 @@ type UDBatch struct{ sendBatch }
 func (q *UDQueuePair) NewBatch(n int) *UDBatch {
 	b := new(UDBatch)
 	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
+	b.ahs = make([]*AddressHandle, 0, b.Cap())
 	return b
 }
 
@@ -413,53 +451,64 @@ func udWR(op prov.WROpcode, wrid uint64, to Destination) prov.SendWR {
 	return wr
 }
 
-// noAH records errNoAH unless to has an address handle.
-func (b *UDBatch) noAH(to Destination) bool {
-	if to.AH != nil {
+// dest checks to (see checkDest) for the request the batch is asked to
+// add next, recording the error if it fails.
+func (b *UDBatch) dest(to Destination) bool {
+	if err := checkDest(b.q.pd, to); err != nil {
+		b.fail(err)
 		return false
-	}
-	if b.err == nil {
-		b.err = errNoAH
 	}
 	return true
 }
 
-// Send adds a datagram to the destination.
+// added records the address handle of r, the request just added (unless
+// the batch returned its scratch request).
+func (b *UDBatch) added(r *Request, ah *AddressHandle) *Request {
+	if r != &b.scratch {
+		b.ahs = append(b.ahs, ah)
+	}
+	return r
+}
+
+// Send adds a datagram to the destination. A destination without an
+// address handle, or with one that is closed or of another protection
+// domain, makes Submit fail, posting nothing; an address handle closed
+// after Send makes Submit post only the requests before it.
 func (b *UDBatch) Send(wrid uint64, to Destination, sgl ...SGE) *Request {
-	if b.noAH(to) {
+	if !b.dest(to) {
 		return &b.scratch
 	}
-	return b.add(udWR(prov.WRSend, wrid, to), sgl)
+	return b.added(b.add(udWR(prov.WRSend, wrid, to), sgl), to.AH)
 }
 
 // SendImm adds a datagram with immediate data.
 func (b *UDBatch) SendImm(wrid uint64, to Destination, imm uint32, sgl ...SGE) *Request {
-	if b.noAH(to) {
+	if !b.dest(to) {
 		return &b.scratch
 	}
 	wr := udWR(prov.WRSendImm, wrid, to)
 	wr.Imm = imm
-	return b.add(wr, sgl)
+	return b.added(b.add(wr, sgl), to.AH)
 }
 
 // SendInline adds an inline datagram of data to the destination (see
 // RCBatch.SendInline).
 func (b *UDBatch) SendInline(wrid uint64, to Destination, data []byte) *Request {
-	if b.noAH(to) {
+	if !b.dest(to) {
 		return &b.scratch
 	}
-	return b.addData(udWR(prov.WRSend, wrid, to), data)
+	return b.added(b.addData(udWR(prov.WRSend, wrid, to), data), to.AH)
 }
 
 // SendImmInline adds an inline datagram of data with immediate data (see
 // RCBatch.SendInline).
 func (b *UDBatch) SendImmInline(wrid uint64, to Destination, imm uint32, data []byte) *Request {
-	if b.noAH(to) {
+	if !b.dest(to) {
 		return &b.scratch
 	}
 	wr := udWR(prov.WRSendImm, wrid, to)
 	wr.Imm = imm
-	return b.addData(wr, data)
+	return b.added(b.addData(wr, data), to.AH)
 }
 
 // recvPoster is a QP or an SRQ.

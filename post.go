@@ -114,9 +114,10 @@ func (q *RCQueuePair) PostFetchAdd(wrid uint64, flags SendFlags, dst RemoteAddr,
 
 // PostSend posts a datagram to the destination.
 func (q *UDQueuePair) PostSend(wrid uint64, flags SendFlags, to Destination, sgl ...SGE) error {
-	if to.AH == nil {
-		return opErr("post send", q.devNm, errNoAH)
+	if err := q.useAH(to); err != nil {
+		return err
 	}
+	defer to.AH.release()
 	wr := udWR(prov.WRSend, wrid, to)
 	wr.Flags = prov.SendFlags(flags)
 	return q.postOne(wr, sgl)
@@ -124,9 +125,10 @@ func (q *UDQueuePair) PostSend(wrid uint64, flags SendFlags, to Destination, sgl
 
 // PostSendImm posts a datagram with immediate data.
 func (q *UDQueuePair) PostSendImm(wrid uint64, flags SendFlags, to Destination, imm uint32, sgl ...SGE) error {
-	if to.AH == nil {
-		return opErr("post send", q.devNm, errNoAH)
+	if err := q.useAH(to); err != nil {
+		return err
 	}
+	defer to.AH.release()
 	wr := udWR(prov.WRSendImm, wrid, to)
 	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
 	return q.postOne(wr, sgl)
@@ -135,9 +137,10 @@ func (q *UDQueuePair) PostSendImm(wrid uint64, flags SendFlags, to Destination, 
 // PostSendInline posts an inline datagram of data to the destination
 // (see RCQueuePair.PostSendInline).
 func (q *UDQueuePair) PostSendInline(wrid uint64, flags SendFlags, to Destination, data []byte) error {
-	if to.AH == nil {
-		return opErr("post send", q.devNm, errNoAH)
+	if err := q.useAH(to); err != nil {
+		return err
 	}
+	defer to.AH.release()
 	wr := udWR(prov.WRSend, wrid, to)
 	wr.Flags = prov.SendFlags(flags)
 	return q.postData(wr, data)
@@ -145,10 +148,23 @@ func (q *UDQueuePair) PostSendInline(wrid uint64, flags SendFlags, to Destinatio
 
 // PostSendImmInline posts an inline datagram of data with immediate data.
 func (q *UDQueuePair) PostSendImmInline(wrid uint64, flags SendFlags, to Destination, imm uint32, data []byte) error {
-	if to.AH == nil {
-		return opErr("post send", q.devNm, errNoAH)
+	if err := q.useAH(to); err != nil {
+		return err
 	}
+	defer to.AH.release()
 	wr := udWR(prov.WRSendImm, wrid, to)
 	wr.Flags, wr.Imm = prov.SendFlags(flags), imm
 	return q.postData(wr, data)
+}
+
+// useAH checks the destination of a post (see checkDest) and holds its
+// address handle open until the caller releases it.
+func (q *UDQueuePair) useAH(to Destination) error {
+	if err := checkDest(q.pd, to); err != nil {
+		return opErr("post send", q.devNm, err)
+	}
+	if !to.AH.acquire() {
+		return opErr("post send", q.devNm, to.AH.errClosed())
+	}
+	return nil
 }

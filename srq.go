@@ -121,6 +121,48 @@ type AddressHandle struct {
 	res resource
 	pd  *ProtectionDomain
 	ah  prov.AH
+
+	// use is held for reading (TryRLock, never blocking) by every post
+	// that names the AH, and for writing by Close, which therefore waits
+	// for those posts and makes later ones fail (dead): a provider never
+	// gets a destroyed AH.
+	use  sync.RWMutex
+	dead bool
+}
+
+// acquire holds the AH open for a post; it fails if the AH is closed or
+// being closed.
+func (a *AddressHandle) acquire() bool {
+	if !a.use.TryRLock() {
+		return false
+	}
+	if a.dead {
+		a.use.RUnlock()
+		return false
+	}
+	return true
+}
+
+func (a *AddressHandle) release() { a.use.RUnlock() }
+
+var errAHOtherPD = fmt.Errorf("the destination's address handle belongs to another protection domain than the queue pair: %w", syscall.EINVAL)
+
+// checkDest checks that to names an address handle of the protection
+// domain pd that is open.
+func checkDest(pd *ProtectionDomain, to Destination) error {
+	switch {
+	case to.AH == nil:
+		return errNoAH
+	case to.AH.pd != pd:
+		return errAHOtherPD
+	case to.AH.res.isClosed():
+		return to.AH.errClosed()
+	}
+	return nil
+}
+
+func (a *AddressHandle) errClosed() error {
+	return fmt.Errorf("destination's %s is closed: %w", a.res.n, ErrClosed)
 }
 
 // NewAddressHandle creates an address handle from an address vector.
@@ -158,5 +200,13 @@ func (q *UDQueuePair) AddressHandleTo(remote Endpoint) (*AddressHandle, error) {
 
 // Close destroys the address handle. Idempotent.
 func (a *AddressHandle) Close() error {
-	return a.res.close(func() error { return opErr("destroy ah", a.pd.c.name, a.ah.Close()) })
+	return a.res.close(func() error {
+		a.use.Lock()
+		defer a.use.Unlock()
+		if err := a.ah.Close(); err != nil {
+			return opErr("destroy ah", a.pd.c.name, err)
+		}
+		a.dead = true
+		return nil
+	})
 }
