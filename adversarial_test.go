@@ -300,3 +300,45 @@ func TestAdversarialUDDestination(t *testing.T) {
 		t.Errorf("send completion %v, %v; want wr_id 4", wcs, err)
 	}
 }
+
+// TestAdversarialHugeBatch asks for batches of absurd sizes: they must
+// not exhaust memory (a batch of 2^40 requests was a fatal out-of-memory
+// error), hold no more requests than any queue of the device, and work.
+func TestAdversarialHugeBatch(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	p := verbstest.NewLoopbackRC(t, verbstest.Config{DeviceA: verbs.SoftDevice}, verbs.QPSpec{})
+	dev, err := p.A.Ctx.QueryDevice()
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := p.A.Alloc(t, 64, verbs.AccessLocalWrite)
+	dst := p.B.Alloc(t, 64, verbs.AccessLocalWrite)
+	srq := p.B.NewSRQ(t, verbs.SRQSpec{})
+	for _, n := range []int{1 << 40, 1<<63 - 1} {
+		b := p.QA.NewBatch(n)
+		if b.Cap() > dev.MaxQPWR {
+			t.Errorf("NewBatch(%d): Cap %d, above the device's max_qp_wr %d", n, b.Cap(), dev.MaxQPWR)
+		}
+		rb := p.QB.NewRecvBatch(n)
+		rb.Recv(uint64(n), verbstest.SGE(t, dst, 0, 64))
+		if err := rb.Submit(); err != nil {
+			t.Fatal(err)
+		}
+		b.Send(1, verbstest.SGE(t, src, 0, 8)).Signaled()
+		if err := b.Submit(); err != nil {
+			t.Fatal(err)
+		}
+		ctx := advCtx(t)
+		if wcs, err := verbstest.PollN(ctx, p.A.CQ, 1); err != nil || wcs[0].Status != verbs.StatusSuccess {
+			t.Fatalf("send of a huge batch: %v %v", wcs, err)
+		}
+		if wcs, err := verbstest.PollN(ctx, p.B.CQ, 1); err != nil || wcs[0].WRID != uint64(n) {
+			t.Fatalf("receive of a huge batch: %v %v", wcs, err)
+		}
+		srb := srq.NewRecvBatch(n)
+		srb.Recv(1, verbstest.SGE(t, dst, 0, 64))
+		if err := srb.Submit(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

@@ -98,10 +98,21 @@ type sendBatch struct {
 	ahHold []*AddressHandle
 }
 
-func newSendBatch[T any](owner *T, b *sendBatch, q *qpCore, n int) {
+// batchSize is the number of requests of a batch asked for n: 64 if n is
+// not positive, at most limit (the device's queue depth, if known: no
+// Submit can post more), so that a huge n does not exhaust memory.
+func batchSize(n, limit int) int {
 	if n <= 0 {
 		n = 64
 	}
+	if limit > 0 {
+		n = min(n, limit)
+	}
+	return n
+}
+
+func newSendBatch[T any](owner *T, b *sendBatch, q *qpCore, n int) {
+	n = batchSize(n, q.maxWR)
 	b.q = q
 	b.maxSGE = max(q.cap.MaxSendSGE, 1)
 	b.own = make([]uint64, (n+63)/64)
@@ -374,7 +385,8 @@ type RCBatch struct{ connectedBatch }
 // NewBatch returns a batch of up to n work requests (default 64) for the
 // QP. The batch keeps its requests, and room for n times the QP's
 // MaxInlineData bytes of inline data (SendInline and its kin), in memory
-// outside the Go heap, freed when the batch is garbage-collected.
+// outside the Go heap, freed when the batch is garbage-collected. An n
+// above the device's max_qp_wr (no queue holds more) counts as max_qp_wr.
 func (q *RCQueuePair) NewBatch(n int) *RCBatch {
 	b := new(RCBatch)
 	newSendBatch(b, &b.sendBatch, &q.qpCore, n)
@@ -528,10 +540,8 @@ type RecvBatch struct {
 	devNm  string
 }
 
-func newRecvBatch(p recvPoster, n, maxSGE int, dev string) *RecvBatch {
-	if n <= 0 {
-		n = 64
-	}
+func newRecvBatch(p recvPoster, n, limit, maxSGE int, dev string) *RecvBatch {
+	n = batchSize(n, limit)
 	maxSGE = max(maxSGE, 1)
 	b := &RecvBatch{post: p, maxSGE: maxSGE, devNm: dev}
 	wrSize := int(unsafe.Sizeof(prov.RecvWR{}))
@@ -549,9 +559,10 @@ func newRecvBatch(p recvPoster, n, maxSGE int, dev string) *RecvBatch {
 	return b
 }
 
-// NewRecvBatch returns a batch of up to n receives (default 64) for the QP.
+// NewRecvBatch returns a batch of up to n receives (default 64) for the
+// QP; an n above the device's max_qp_wr counts as max_qp_wr.
 func (q *qpCore) NewRecvBatch(n int) *RecvBatch {
-	b := newRecvBatch(q.qp, n, q.cap.MaxRecvSGE, q.devNm)
+	b := newRecvBatch(q.qp, n, q.maxWR, q.cap.MaxRecvSGE, q.devNm)
 	b.closed = q.res.isClosed
 	return b
 }

@@ -107,6 +107,7 @@ type qpCore struct {
 	port      PortAttr
 	gid       GIDEntry
 	hasGID    bool
+	maxWR     int // the device's max_qp_wr, 0 if unknown: see batchSize
 
 	mu    sync.Mutex // single-request helpers
 	oneW  [1]prov.SendWR
@@ -126,6 +127,9 @@ type qpPlan struct {
 	spec QPSpec
 	init prov.QPInitAttr
 	port PortAttr
+	// maxWR is the device's max_qp_wr (0: unknown): no queue holds
+	// more, so no batch needs more room.
+	maxWR int
 }
 
 // planQP validates spec for a QP of transport t in pd and fills in the
@@ -214,7 +218,7 @@ func planQP(pd *ProtectionDomain, t Transport, spec QPSpec) (qpPlan, error) {
 		spec.PSN = binary.LittleEndian.Uint32(b[:]) & 0xFFFFFF
 	}
 	spec.PSN &= 0xFFFFFF
-	return qpPlan{op: op, t: t, spec: spec, init: init, port: port}, nil
+	return qpPlan{op: op, t: t, spec: spec, init: init, port: port, maxWR: dev.MaxQPWR}, nil
 }
 
 // checkSpecRanges refuses QPSpec values that do not fit the fields of
@@ -262,7 +266,7 @@ func (pd *ProtectionDomain) createProvQP(p *qpPlan) (prov.QP, error) {
 func adoptQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, p *qpPlan, pq prov.QP) error {
 	spec := p.spec
 	q.pd, q.qp, q.transport, q.port, q.devNm = pd, pq, p.t, p.port, pd.c.name
-	q.spec, q.psn = spec, spec.PSN
+	q.spec, q.psn, q.maxWR = spec, spec.PSN, p.maxWR
 	if _, ia, err := pq.Query(); err == nil {
 		q.cap = QPCap(ia.Cap)
 	} else {

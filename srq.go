@@ -28,11 +28,16 @@ type SharedReceiveQueue struct {
 	oneR  [1]prov.RecvWR
 	sgeR  []prov.SGE
 	devNm string
+	maxWR int // the device's max_srq_wr, 0 if unknown: see batchSize
 }
 
 // NewSharedReceiveQueue creates an SRQ.
 func (pd *ProtectionDomain) NewSharedReceiveQueue(spec SRQSpec) (*SharedReceiveQueue, error) {
 	if err := pd.check("create srq"); err != nil {
+		return nil, err
+	}
+	dev, err := pd.c.QueryDevice()
+	if err != nil {
 		return nil, err
 	}
 	spec.MaxWR = orDefault(spec.MaxWR, 1024)
@@ -51,7 +56,7 @@ func (pd *ProtectionDomain) NewSharedReceiveQueue(spec SRQSpec) (*SharedReceiveQ
 			return nil, opErr("create srq", pd.c.name, fmt.Errorf("%+v: arm limit: %w", spec, err))
 		}
 	}
-	s := &SharedReceiveQueue{pd: pd, srq: ps, spec: spec, sgeR: make([]prov.SGE, spec.MaxSGE), devNm: pd.c.name}
+	s := &SharedReceiveQueue{pd: pd, srq: ps, spec: spec, sgeR: make([]prov.SGE, spec.MaxSGE), devNm: pd.c.name, maxWR: dev.MaxSRQWR}
 	if err := initResource(s, &s.res, "shared receive queue", "", &pd.res); err != nil {
 		ps.Close()
 		return nil, err
@@ -104,9 +109,10 @@ func (s *SharedReceiveQueue) Query() (SRQSpec, error) {
 	return SRQSpec{MaxWR: a.MaxWR, MaxSGE: a.MaxSGE, Limit: a.SRQLimit}, nil
 }
 
-// NewRecvBatch returns a batch of up to n receives for the SRQ.
+// NewRecvBatch returns a batch of up to n receives (default 64) for the
+// SRQ; an n above the device's max_srq_wr counts as max_srq_wr.
 func (s *SharedReceiveQueue) NewRecvBatch(n int) *RecvBatch {
-	b := newRecvBatch(s.srq, n, s.spec.MaxSGE, s.devNm)
+	b := newRecvBatch(s.srq, n, s.maxWR, s.spec.MaxSGE, s.devNm)
 	b.closed = s.res.isClosed
 	return b
 }
