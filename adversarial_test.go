@@ -342,3 +342,40 @@ func TestAdversarialHugeBatch(t *testing.T) {
 		}
 	}
 }
+
+// TestAdversarialBytesAfterClose asks a closed MR from Alloc for its
+// memory, as a careless program might: Close unmapped it, and the next
+// Alloc may map other memory at the same address, so the slice must be
+// empty rather than reach the unmapped (or another MR's) memory. The
+// memory of an MR from Register is the caller's and stays available.
+func TestAdversarialBytesAfterClose(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	pd := verbstest.OpenPD(t, verbs.SoftDevice)
+	mr, err := pd.Alloc(4096, verbs.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mr.Close(); err != nil {
+		t.Fatal(err)
+	}
+	other, err := pd.Alloc(4096, verbs.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	if b := mr.Bytes(); len(b) != 0 {
+		t.Errorf("Bytes of a closed MR from Alloc has %d bytes (aliasing the next MR's memory: %v), want none",
+			len(b), &b[0] == &other.Bytes()[0])
+	}
+	buf := make([]byte, 4096)
+	reg, err := pd.Register(buf, verbs.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := reg.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if b := reg.Bytes(); len(b) != len(buf) || &b[0] != &buf[0] {
+		t.Errorf("Bytes of a closed MR from Register: %d bytes, want the caller's %d", len(b), len(buf))
+	}
+}

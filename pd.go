@@ -197,8 +197,15 @@ func (pd *ProtectionDomain) RegisterDMABuf(fd int, offset uint64, length int, io
 	return m, nil
 }
 
-// Bytes returns the registered memory (nil for a dma-buf MR).
-func (m *MemoryRegion) Bytes() []byte { return m.buf }
+// Bytes returns the registered memory (nil for a dma-buf MR). For an MR
+// from Alloc it is nil after Close, which unmaps the memory (its address
+// range may then be reused by other memory, another MR's for example).
+func (m *MemoryRegion) Bytes() []byte {
+	if m.region != nil && m.res.isClosed() {
+		return nil
+	}
+	return m.buf
+}
 
 // Addr returns the address of the first byte as the device sees it.
 func (m *MemoryRegion) Addr() uint64 { return m.mr.Addr() }
