@@ -490,3 +490,42 @@ func TestAdversarialNotReadyWaiters(t *testing.T) {
 		t.Fatalf("the QP holds %d requesters to wake for %d requests of strangers", held, n)
 	}
 }
+
+// TestAdversarialStrayResponses: a peer sends responses to QPs of this
+// process that never sent it a request: UD and UC QPs (which get no
+// responses at all), a RC QP still in INIT, and a RC QP connected within
+// this process. They are dropped: nothing is queued for those QPs, whose
+// requesters never look (a queued response holds its connection, and
+// with it the connection's buffers, for as long as the QP lives).
+func TestAdversarialStrayResponses(t *testing.T) {
+	h := newHostile(t)
+	ud := udQP(t, h.e, 0x77, nil)
+	uc := h.e.newQP(prov.QPTypeUC, defaultCaps(), nil)
+	toInit(t, uc.qp, prov.QPTypeUC, defaultConn())
+	rcInit := h.e.newQP(prov.QPTypeRC, defaultCaps(), nil)
+	toInit(t, rcInit.qp, prov.QPTypeRC, defaultConn())
+	_, la, _ := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	targets := []prov.QP{ud.qp, uc.qp, rcInit.qp, la.qp}
+	p := h.peer()
+	for _, q := range targets {
+		for i := range 8 {
+			var b [hdrLen + respBodyLen]byte
+			putHdr(b[:], frResp, respBodyLen, uint64(i+1))
+			putResp(b[hdrLen:], q.QPN(), &response{code: respACK})
+			if _, err := p.nc.Write(b[:]); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	// Frames are handled in order: once this is answered, they were.
+	probe(t, p, respACK)
+	for i, q := range targets {
+		x := getFabric().qps.load(q.QPN()).x
+		x.mu.Lock()
+		n := len(x.resps)
+		x.mu.Unlock()
+		if n != 0 {
+			t.Errorf("QP %d (%d): %d stray responses queued", i, q.QPN(), n)
+		}
+	}
+}

@@ -1643,8 +1643,11 @@ func (c *conn) handleResp(id uint64, body []byte, data []span, plen int) error {
 		return err
 	}
 	q := c.f.qps.load(qpn)
-	if q == nil {
-		return nil // the requester is gone
+	if q == nil || q.x.userOf.Load() != c {
+		// The requester is gone, or sent nothing on c: a stray
+		// response (a peer's QP may name any), which nothing would
+		// ever take from its queue.
+		return nil
 	}
 	q.scq.fedBy(c)
 	if r.pulled {

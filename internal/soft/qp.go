@@ -403,9 +403,9 @@ func (q *qp) Close() error {
 	if q.x.rtimer != nil {
 		q.x.rtimer.Stop()
 	}
-	if c := q.x.userOf; c != nil {
+	if c := q.x.userOf.Load(); c != nil {
 		c.removeUser(q)
-		q.x.userOf = nil
+		q.x.userOf.Store(nil)
 	}
 	q.x.nfl = 0
 	q.x.dropReads()

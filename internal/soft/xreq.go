@@ -64,8 +64,11 @@ type xstate struct {
 	pullBuf  [pullHead + maxSGE*pullDesc]byte // the pieces of a pulled request (cma.go)
 	pullSpan [1]span
 
-	nfl     int   // requests in flight (progMu)
-	userOf  *conn // the connection this QP is registered with (progMu)
+	nfl int // requests in flight (progMu)
+	// userOf is the connection this QP is registered with (written with
+	// progMu held): the one its requests go on, the only one whose
+	// responses it takes (conn.handleResp).
+	userOf  atomic.Pointer[conn]
 	rtimer  *time.Timer
 	rtArmed bool // progMu
 	rtFired atomic.Bool
@@ -387,7 +390,7 @@ func (q *qp) flushSQ(n, head int) {
 // destination's requests arrive on (x.rev), else p's own. nil: none is up.
 func (q *qp) pickConn(p *peer) *conn {
 	x := q.x
-	if c := x.userOf; x.nfl > 0 && c != nil && !c.dead.Load() {
+	if c := x.userOf.Load(); x.nfl > 0 && c != nil && !c.dead.Load() {
 		return c
 	}
 	if c := q.revConn(p); c != nil {
@@ -511,11 +514,11 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 		q.needWorker()
 		return postLater, 0
 	}
-	if x.userOf != c {
-		if x.userOf != nil {
-			x.userOf.removeUser(q)
+	if u := x.userOf.Load(); u != c {
+		if u != nil {
+			u.removeUser(q)
 		}
-		x.userOf = nil
+		x.userOf.Store(nil)
 		if !c.addUser(q) {
 			q.releaseLocal(nlocked)
 			if x.nfl > 0 {
@@ -523,7 +526,7 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 			}
 			return postFailed, prov.StatusRetryExcErr
 		}
-		x.userOf = c
+		x.userOf.Store(c)
 	}
 	id := c.nextID.Add(1)
 	isRead := req.op == opRead && imp == nil && length > 0
