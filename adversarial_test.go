@@ -379,3 +379,156 @@ func TestAdversarialBytesAfterClose(t *testing.T) {
 		t.Errorf("Bytes of a closed MR from Register: %d bytes, want the caller's %d", len(b), len(buf))
 	}
 }
+
+// closedOrFull reports whether err is what a post or poll racing with
+// Close may return: nil, ErrClosed, or ErrQueueFull (the queue filled up
+// before Close).
+func closedOrFull(err error) bool {
+	return err == nil || errors.Is(err, verbs.ErrClosed) || errors.Is(err, verbs.ErrQueueFull)
+}
+
+// TestAdversarialCloseUnderLoad closes a queue pair while goroutines post
+// to it with every kind of call, then its CQ while goroutines poll and
+// wait on it: every call fails with ErrClosed once the object is closed
+// (never another error, a panic or a hang), and Close succeeds. Run it
+// with -race.
+func TestAdversarialCloseUnderLoad(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	cq := a.NewCQ(t, verbs.CQSpec{Entries: 4096})
+	qa := a.NewRC(t, verbs.QPSpec{SendCQ: cq, MaxSendWR: 1024})
+	qb := b.NewRC(t, verbs.QPSpec{})
+	verbstest.ConnectRC(t, qa, qb)
+	src := a.Alloc(t, 4096, verbs.AccessLocalWrite)
+	dst := b.Alloc(t, 4096, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
+	sge := verbstest.SGE(t, src, 0, 64)
+	rem := dst.Remote().At(0)
+	ctx := advCtx(t)
+
+	type result struct {
+		who string
+		err error
+	}
+	done := make(chan result, 16)
+	// run calls f until it fails with something other than a full queue.
+	run := func(who string, f func() error) {
+		go func() {
+			for {
+				err := f()
+				if err != nil && !errors.Is(err, verbs.ErrQueueFull) {
+					done <- result{who, err}
+					return
+				}
+				if ctx.Err() != nil {
+					done <- result{who, ctx.Err()}
+					return
+				}
+				runtime.Gosched()
+			}
+		}()
+	}
+	posters := map[string]func() error{
+		"PostWrite":       func() error { return qa.PostWrite(1, 0, rem, sge) },
+		"PostWriteInline": func() error { return qa.PostWriteInline(2, 0, rem, []byte("inline")) },
+		"Inline SGE":      func() error { return qa.PostWrite(3, verbs.Inline, rem, verbstest.SGE(t, src, 0, 16)) },
+		"PostRecv":        func() error { return qa.PostRecv(4, sge) },
+		"Batch": func() error {
+			bt := qa.NewBatch(4)
+			bt.Write(5, rem, sge)
+			bt.WriteInline(6, rem, []byte("x"))
+			bt.Write(7, rem, sge).Signaled()
+			return bt.Submit()
+		},
+		"RecvBatch": func() error { rb := qa.NewRecvBatch(2); rb.Recv(8, sge); return rb.Submit() },
+		"Query":     func() error { _, err := qa.Query(); return err },
+	}
+	for who, f := range posters {
+		run(who, f)
+	}
+	wcs := make([]verbs.Completion, 64)
+	run("Poll", func() error { _, err := cq.Poll(wcs); return err })
+	run("PollBusy", func() error { _, err := cq.PollBusy(make([]verbs.Completion, 8), 100); return err })
+	run("Wait", func() error { return cq.Wait(ctx) })
+
+	// Let every goroutine get going, then close the QP under them.
+	if _, err := verbstest.PollN(ctx, cq, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := qa.Close(); err != nil {
+		t.Fatalf("close qp under load: %v", err)
+	}
+	for range len(posters) {
+		r := <-done
+		if !errors.Is(r.err, verbs.ErrClosed) {
+			t.Errorf("%s on a queue pair closed under it: %v, want ErrClosed", r.who, r.err)
+		}
+	}
+	if err := cq.Close(); err != nil {
+		t.Fatalf("close cq under pollers: %v", err)
+	}
+	for range 3 {
+		r := <-done
+		if !errors.Is(r.err, verbs.ErrClosed) {
+			t.Errorf("%s on a CQ closed under it: %v, want ErrClosed", r.who, r.err)
+		}
+	}
+}
+
+// TestAdversarialBadArguments passes arguments that the verbs layer
+// refuses itself, before a provider sees them: each error must be an
+// *OpError wrapping EINVAL, as the same argument refused by a provider
+// (or by libibverbs) is, so that errors.Is tells a caller's mistake.
+func TestAdversarialBadArguments(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice, SeparateContexts: true})
+	chB := b.NewChannel(t)
+	ch := a.NewChannel(t)
+	ud := a.NewUD(t, verbs.QPSpec{})
+	rc := a.NewRC(t, verbs.QPSpec{})
+	udB := b.NewUD(t, verbs.QPSpec{})
+	src := a.Alloc(t, 64, verbs.AccessLocalWrite)
+	bad := verbstest.Endpoint(t, udB)
+	bad.QPN = 0 // malformed
+	rcEnd := verbstest.Endpoint(t, b.NewRC(t, verbs.QPSpec{}))
+	rcEnd.MTU = 0 // malformed
+	keep := func(o interface{ Close() error }, err error) error {
+		if err == nil {
+			o.Close()
+		}
+		return err
+	}
+	for _, c := range []struct {
+		name string
+		err  error
+	}{
+		{"Alloc(0)", func() error { m, err := a.PD.Alloc(0, verbs.AccessLocalWrite); return keep(m, err) }()},
+		{"Alloc(-1)", func() error { m, err := a.PD.Alloc(-1, verbs.AccessLocalWrite); return keep(m, err) }()},
+		{"Register(nil)", func() error { m, err := a.PD.Register(nil, verbs.AccessLocalWrite); return keep(m, err) }()},
+		{"CQ Entries -1", func() error { q, err := a.Ctx.NewCompletionQueue(verbs.CQSpec{Entries: -1}); return keep(q, err) }()},
+		{"CQ Channel and NoChannel", func() error {
+			q, err := a.Ctx.NewCompletionQueue(verbs.CQSpec{Channel: ch, NoChannel: true})
+			return keep(q, err)
+		}()},
+		{"CQ Channel of another context", func() error {
+			q, err := a.Ctx.NewCompletionQueue(verbs.CQSpec{Channel: chB})
+			return keep(q, err)
+		}()},
+		{"Connect malformed endpoint", rc.Connect(rcEnd)},
+		{"AddressHandleTo malformed endpoint", func() error { ah, err := ud.AddressHandleTo(bad); return keep(ah, err) }()},
+		{"UD PostSend without AH", ud.PostSend(1, verbs.Signaled, verbs.Destination{QPN: udB.QPN()}, verbstest.SGE(t, src, 0, 8))},
+		{"UD Batch.Send without AH", func() error {
+			bt := ud.NewBatch(1)
+			bt.Send(1, verbs.Destination{QPN: udB.QPN()}, verbstest.SGE(t, src, 0, 8))
+			return bt.Submit()
+		}()},
+	} {
+		var oe *verbs.OpError
+		if !errors.Is(c.err, syscall.EINVAL) || !errors.As(c.err, &oe) {
+			t.Errorf("%s: %v, want an *OpError wrapping EINVAL", c.name, c.err)
+		}
+	}
+	// The refused Connect left the QP usable.
+	if st, err := rc.State(); err != nil || st != verbs.StateInit {
+		t.Errorf("after a refused Connect the QP is %v (%v), want INIT", st, err)
+	}
+}

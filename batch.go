@@ -1,7 +1,6 @@
 package verbs
 
 import (
-	"errors"
 	"fmt"
 	"runtime"
 	"syscall"
@@ -13,7 +12,7 @@ import (
 
 // errBatchFull is recorded by a batch that was asked to hold more requests
 // (or SGEs) than its capacity; Submit returns it.
-var errNoAH = errors.New("destination has no address handle")
+var errNoAH = fmt.Errorf("destination has no address handle: %w", syscall.EINVAL)
 
 var errBatchFull = fmt.Errorf("batch is full: %w", ErrQueueFull)
 

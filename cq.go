@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"unsafe"
 
 	"github.com/goverbs/verbs/internal/prov"
@@ -168,17 +169,17 @@ func (c *Context) NewCompletionQueue(spec CQSpec) (*CompletionQueue, error) {
 		spec.Entries = 1024
 	}
 	if spec.Entries < 0 {
-		return nil, opErr("create cq", c.name, fmt.Errorf("invalid entries %d", spec.Entries))
+		return nil, opErr("create cq", c.name, fmt.Errorf("invalid entries %d: %w", spec.Entries, syscall.EINVAL))
 	}
 	if spec.Channel != nil && spec.NoChannel {
-		return nil, opErr("create cq", c.name, fmt.Errorf("both Channel and NoChannel set"))
+		return nil, opErr("create cq", c.name, fmt.Errorf("both Channel and NoChannel set: %w", syscall.EINVAL))
 	}
 	cq := &CompletionQueue{c: c, ch: spec.Channel}
 	var pch prov.CompChannel
 	switch {
 	case spec.Channel != nil:
 		if spec.Channel.c != c {
-			return nil, opErr("create cq", c.name, fmt.Errorf("completion channel belongs to device %s", spec.Channel.c.name))
+			return nil, opErr("create cq", c.name, fmt.Errorf("completion channel belongs to another device context (%s): %w", spec.Channel.c.name, syscall.EINVAL))
 		}
 		pch = spec.Channel.ch
 	case !spec.NoChannel:

@@ -81,7 +81,7 @@ func (pd *ProtectionDomain) Alloc(n int, access Access) (*MemoryRegion, error) {
 		return nil, err
 	}
 	if n <= 0 {
-		return nil, opErr("allocate mr", pd.c.name, fmt.Errorf("invalid length %d", n))
+		return nil, opErr("allocate mr", pd.c.name, fmt.Errorf("invalid length %d: %w", n, syscall.EINVAL))
 	}
 	if pd.c.locks {
 		if err := CheckMemlock(n); err != nil {
@@ -120,7 +120,7 @@ func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, 
 		return nil, err
 	}
 	if len(buf) == 0 {
-		return nil, opErr("register mr", pd.c.name, fmt.Errorf("empty buffer"))
+		return nil, opErr("register mr", pd.c.name, fmt.Errorf("empty buffer: %w", syscall.EINVAL))
 	}
 	if pd.c.locks {
 		if err := CheckMemlock(len(buf)); err != nil {

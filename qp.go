@@ -579,7 +579,7 @@ func (q *qpCore) connect(remote Endpoint, o ConnectOptions) error {
 		return q.res.errClosed(op)
 	}
 	if err := remote.Validate(); err != nil {
-		return opErr(op, q.devNm, err)
+		return opErr(op, q.devNm, fmt.Errorf("%w: %w", err, syscall.EINVAL))
 	}
 	if remote.Transport != q.transport {
 		return opErr(op, q.devNm, fmt.Errorf("peer is a %s queue pair, this is %s: %w", remote.Transport, q.transport, syscall.EINVAL))

@@ -195,7 +195,7 @@ func (pd *ProtectionDomain) NewAddressHandle(attr AHAttr) (*AddressHandle, error
 // remote endpoint, addressed from q (its port and source GID).
 func (q *UDQueuePair) AddressHandleTo(remote Endpoint) (*AddressHandle, error) {
 	if err := remote.Validate(); err != nil {
-		return nil, opErr("create ah", q.devNm, err)
+		return nil, opErr("create ah", q.devNm, fmt.Errorf("%w: %w", err, syscall.EINVAL))
 	}
 	attr, err := q.addressTo(remote, ConnectOptions{})
 	if err != nil {
