@@ -3,6 +3,7 @@ package verbs_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"runtime"
 	"syscall"
 	"testing"
@@ -530,5 +531,26 @@ func TestAdversarialBadArguments(t *testing.T) {
 	// The refused Connect left the QP usable.
 	if st, err := rc.State(); err != nil || st != verbs.StateInit {
 		t.Errorf("after a refused Connect the QP is %v (%v), want INIT", st, err)
+	}
+}
+
+// TestAdversarialStatusClassString formats status classes outside the
+// enum (a StatusClass is a plain int): String must name the value, not
+// panic with an index out of range.
+func TestAdversarialStatusClassString(t *testing.T) {
+	for _, c := range []verbs.StatusClass{-1, verbs.ClassFatal + 1, 99} {
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					t.Errorf("StatusClass(%d).String() panics: %v", int(c), r)
+				}
+			}()
+			if s := c.String(); s != fmt.Sprintf("StatusClass(%d)", int(c)) {
+				t.Errorf("StatusClass(%d).String() = %q", int(c), s)
+			}
+		}()
+	}
+	if s := verbs.ClassFlush.String(); s != "flushed" {
+		t.Errorf("ClassFlush.String() = %q", s)
 	}
 }

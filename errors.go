@@ -102,9 +102,14 @@ const (
 	ClassFatal                     // the device failed
 )
 
+var classNames = [...]string{"success", "local programming error", "local resource error",
+	"remote error", "transport error", "flushed", "fatal error"}
+
 func (c StatusClass) String() string {
-	return [...]string{"success", "local programming error", "local resource error",
-		"remote error", "transport error", "flushed", "fatal error"}[c]
+	if c < 0 || int(c) >= len(classNames) {
+		return fmt.Sprintf("StatusClass(%d)", int(c))
+	}
+	return classNames[c]
 }
 
 var statusInfo = [...]struct {
