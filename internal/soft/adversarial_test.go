@@ -529,3 +529,84 @@ func TestAdversarialStrayResponses(t *testing.T) {
 		}
 	}
 }
+
+// TestAdversarialStrangerWake: a WAKE frame tells a requester that its
+// destination posted a receive or reached RTR: it retries its request at
+// once, without using up a retry. Only the connection its requests go on
+// may say so; another peer of the process that sends WAKE for its QP
+// number (any QP's) does not make it retry (and resend its request to
+// its destination) at the stranger's pace.
+func TestAdversarialStrangerWake(t *testing.T) {
+	h := newHostile(t)
+	victim := h.e.newQP(prov.QPTypeRC, defaultCaps(), nil)
+	toInit(t, victim.qp, prov.QPTypeRC, defaultConn())
+	q := getFabric().qps.load(victim.qp.QPN())
+	seq := q.wakeSeq.Load()
+	var w [hdrLen + wakeLen]byte
+	putHdr(w[:], frWake, wakeLen, 0)
+	binary.LittleEndian.PutUint32(w[hdrLen:], victim.qp.QPN())
+	for range 4 {
+		if _, err := h.nc.Write(w[:]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A NAK leaves at once: the WAKE frames before it were handled.
+	p := h.peer()
+	p.one(t, opWrite, h.mr.Addr()+uint64(h.mr.Len()), h.mr.RKey(), 8, 0, 0)
+	if r := p.resp(t); r.code != respAccess {
+		t.Fatalf("response %d, want a remote access NAK", r.code)
+	}
+	if got := q.wakeSeq.Load(); got != seq {
+		t.Fatalf("a stranger's WAKE frames woke the QP %d times", got-seq)
+	}
+}
+
+// TestAdversarialWakeFromPeer is the other side of
+// TestAdversarialStrangerWake: a WAKE from the connection the QP's
+// requests go on wakes it. The QP waits for its destination, which
+// answered "not ready", without a transport timeout: only the wake-up
+// makes it send the request again.
+func TestAdversarialWakeFromPeer(t *testing.T) {
+	h := newHostile(t)
+	rts := prov.QPAttr{State: prov.QPStateRTS, Timeout: 0, RetryCnt: 7, RNRRetry: 7, MaxRDAtomic: 16}
+	must0(t, h.q.qp.Modify(&rts, prov.AttrState|prov.AttrTimeout|prov.AttrRetryCnt|prov.AttrRNRRetry|
+		prov.AttrSQPSN|prov.AttrMaxQPRDAtomic))
+	// The peer's write is acknowledged: the QP's requests now go on the
+	// peer's connection (x.rev).
+	p := h.peer()
+	p.one(t, opWrite, h.mr.Addr(), h.mr.RKey(), 8, 0, 0)
+	if r := p.resp(t); r.code != respACK {
+		t.Fatalf("response %d, want an ACK", r.code)
+	}
+	postSend(t, h.q.qp, []prov.SendWR{{WRID: 1, Opcode: prov.WRSend, Flags: prov.SendSignaled, NumSGE: 1}},
+		[]prov.SGE{{Addr: h.mr.Addr(), Length: 8, LKey: h.mr.LKey()}})
+	request := func() uint64 {
+		t.Helper()
+		for {
+			fh, _ := readFrame(t, h.nc)
+			if fh.typ == frReq {
+				return fh.id
+			}
+		}
+	}
+	id := request()
+	var b [hdrLen + respBodyLen]byte
+	putHdr(b[:], frResp, respBodyLen, id)
+	putResp(b[hdrLen:], h.qpn, &response{code: respNotReady})
+	var w [hdrLen + wakeLen]byte
+	putHdr(w[:], frWake, wakeLen, 0)
+	binary.LittleEndian.PutUint32(w[hdrLen:], h.qpn)
+	if _, err := (&net.Buffers{b[:], w[:]}).WriteTo(h.nc); err != nil {
+		t.Fatal(err)
+	}
+	// Sent again (or the read of the frame times out: hangGuard).
+	id = request()
+	putHdr(b[:], frResp, respBodyLen, id)
+	putResp(b[hdrLen:], h.qpn, &response{code: respACK})
+	if _, err := h.nc.Write(b[:]); err != nil {
+		t.Fatal(err)
+	}
+	if c := poll(t, h.q.scq, 1)[0]; c.WRID != 1 || c.Status != prov.StatusSuccess {
+		t.Fatalf("send completion %+v", c)
+	}
+}

@@ -1337,7 +1337,10 @@ func (c *conn) handle(h frameHdr, body []byte, data []span, plen int) error {
 	case frResp:
 		return c.handleResp(h.id, body, data, plen)
 	case frWake:
-		if q := c.f.qps.load(binary.LittleEndian.Uint32(body) & maxQPN); q != nil {
+		// From the destination's process, on the connection the QP's
+		// requests go on (its responder's waker answers there): any
+		// other peer could make it retry at will.
+		if q := c.f.qps.load(binary.LittleEndian.Uint32(body) & maxQPN); q != nil && q.x.userOf.Load() == c {
 			q.wake()
 		}
 		return nil
