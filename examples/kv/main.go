@@ -8,6 +8,7 @@
 //
 //	go build -o kv ./examples/kv
 //	./kv -serve 127.0.0.1:7070 &
+//	sleep 1 # the client does not retry: let the server listen first
 //	./kv -connect 127.0.0.1:7070 -keys 1000
 //
 // The client PUTs -keys keys, GETs each back and checks it, then
