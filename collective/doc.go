@@ -55,7 +55,7 @@
 // to 2.6 µs (1.5 µs one-way; `goverbs coll -p 2 -max 8 -iters 100000`,
 // 3 runs alternating with the code before).
 //
-// With chunks of 256 KiB or more (the default up to 8 ranks) the
+// With chunks of 256 KiB or more (the default up to 9 ranks) the
 // windows also allow remote reads, which lets soft0 map them into the
 // peer processes of the host: a write of 16 KiB or more into them is
 // then one copy by the writer, after the target acknowledged the
