@@ -229,10 +229,11 @@ func (b *sendBatch) submit() error {
 	if len(b.wrs) == 0 {
 		return nil
 	}
-	if b.q.res.isClosed() {
+	if !b.q.res.enter() {
 		b.reset()
 		return b.q.res.errClosed("post send")
 	}
+	defer b.q.res.exit()
 	var own []uint64
 	if b.nown > 0 {
 		own = b.own
@@ -531,7 +532,7 @@ type recvPoster interface {
 // one provider call. It is not safe for concurrent use.
 type RecvBatch struct {
 	post   recvPoster
-	closed func() bool
+	res    *resource // the QP's or SRQ's
 	wrs    []prov.RecvWR
 	sges   []prov.SGE
 	maxSGE int
@@ -562,7 +563,7 @@ func newRecvBatch(p recvPoster, n, limit, maxSGE int, dev string) *RecvBatch {
 // QP; an n above the device's max_qp_wr counts as max_qp_wr.
 func (q *qpCore) NewRecvBatch(n int) *RecvBatch {
 	b := newRecvBatch(q.qp, n, q.maxWR, q.cap.MaxRecvSGE, q.devNm)
-	b.closed = q.res.isClosed
+	b.res = &q.res
 	return b
 }
 
@@ -601,9 +602,12 @@ func (b *RecvBatch) Submit() error {
 	if len(b.wrs) == 0 {
 		return nil
 	}
-	if b.closed != nil && b.closed() {
-		b.Reset()
-		return opErr("post recv", b.devNm, ErrClosed)
+	if b.res != nil {
+		if !b.res.enter() {
+			b.Reset()
+			return opErr("post recv", b.devNm, ErrClosed)
+		}
+		defer b.res.exit()
 	}
 	n, err := b.post.PostRecv(b.wrs, b.sges)
 	b.Reset()

@@ -246,10 +246,12 @@ func (cq *CompletionQueue) poll(dst []Completion, spins int) (int, error) {
 	if len(dst) == 0 {
 		return 0, nil
 	}
-	if cq.res.isClosed() {
-		// Never hand a destroyed CQ to the provider (use after free in C).
+	if !cq.res.enter() {
+		// Never hand a destroyed CQ to the provider (use after free in
+		// C): Close waits for the polls that entered.
 		return 0, cq.res.errClosed("poll cq")
 	}
+	defer cq.res.exit()
 	n := 0
 	if cq.stashed.Load() {
 		cq.mu.Lock()
@@ -283,9 +285,10 @@ func (cq *CompletionQueue) poll(dst []Completion, spins int) (int, error) {
 // RequestNotify arms the CQ: its channel gets one event for the next
 // completion (only solicited or failed ones, with solicitedOnly).
 func (cq *CompletionQueue) RequestNotify(solicitedOnly bool) error {
-	if cq.res.isClosed() {
+	if !cq.res.enter() {
 		return cq.res.errClosed("arm cq")
 	}
+	defer cq.res.exit()
 	return opErr("arm cq", cq.c.name, cq.cq.Arm(solicitedOnly))
 }
 
@@ -300,33 +303,8 @@ func (cq *CompletionQueue) Wait(ctx context.Context) error {
 	cq.waitMu.Lock()
 	defer cq.waitMu.Unlock()
 	for {
-		if cq.res.isClosed() {
-			return cq.res.errClosed("wait on cq")
-		}
-		if cq.stashed.Load() {
-			return nil
-		}
-		if err := cq.cq.Arm(false); err != nil {
-			return opErr("wait on cq", cq.c.name, err)
-		}
-		// A completion may have arrived before the arm: look for one.
-		cq.mu.Lock()
-		if !cq.stashed.Load() {
-			// Polled straight into the stash (guarded by mu): a local
-			// array would escape to the heap through the interface.
-			n, err := cq.cq.Poll(unsafe.Slice(&cq.stash, 1))
-			if err != nil {
-				cq.mu.Unlock()
-				return opErr("wait on cq", cq.c.name, err)
-			}
-			if n == 1 {
-				cq.stashed.Store(true)
-			}
-		}
-		ready := cq.stashed.Load()
-		cq.mu.Unlock()
-		if ready {
-			return nil
+		if ready, err := cq.armOrStash(); ready || err != nil {
+			return err
 		}
 		if _, err := cq.ownCh.Wait(ctx); err != nil {
 			if cerr := waitEnded(ctx, err); cerr != nil {
@@ -335,6 +313,36 @@ func (cq *CompletionQueue) Wait(ctx context.Context) error {
 			return opErr("wait on cq", cq.c.name, err)
 		}
 	}
+}
+
+// armOrStash is a round of Wait: it reports whether a completion is in
+// the stash, polling for one after arming the CQ.
+func (cq *CompletionQueue) armOrStash() (ready bool, err error) {
+	if !cq.res.enter() {
+		return false, cq.res.errClosed("wait on cq")
+	}
+	defer cq.res.exit()
+	if cq.stashed.Load() {
+		return true, nil
+	}
+	if err := cq.cq.Arm(false); err != nil {
+		return false, opErr("wait on cq", cq.c.name, err)
+	}
+	// A completion may have arrived before the arm: look for one.
+	cq.mu.Lock()
+	defer cq.mu.Unlock()
+	if !cq.stashed.Load() {
+		// Polled straight into the stash (guarded by mu): a local
+		// array would escape to the heap through the interface.
+		n, err := cq.cq.Poll(unsafe.Slice(&cq.stash, 1))
+		if err != nil {
+			return false, opErr("wait on cq", cq.c.name, err)
+		}
+		if n == 1 {
+			cq.stashed.Store(true)
+		}
+	}
+	return cq.stashed.Load(), nil
 }
 
 // Close destroys the CQ. It fails while QPs or SRQs use it. Idempotent.

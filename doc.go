@@ -43,7 +43,10 @@
 // # Concurrency and buffers
 //
 // Contexts, PDs, MRs, CQs, QPs and SRQs are safe for concurrent use. A batch
-// is not: give each goroutine its own. Memory named by a work request
+// is not: give each goroutine its own. Closing a CQ, QP or SRQ waits for
+// the calls that are using it in its provider (polls, posts, queries),
+// and the calls after it fail with ErrClosed: a provider never gets a
+// destroyed object. Memory named by a work request
 // belongs to the device from post until the request's completion (or, for
 // an unsignaled request, a later signaled completion on the same QP): do not
 // touch it in between. Inline sends copy the data at Submit.

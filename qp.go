@@ -366,9 +366,10 @@ func (q *qpCore) PD() *ProtectionDomain { return q.pd }
 // QP of another device names its device and port). It is a diagnostic:
 // it may query the device, and is safe for concurrent use.
 func (q *qpCore) Link() string {
-	if q.res.isClosed() {
+	if !q.res.enter() {
 		return ""
 	}
+	defer q.res.exit()
 	if l, ok := q.qp.(prov.Linker); ok {
 		return l.Link()
 	}
@@ -394,9 +395,10 @@ func (q *qpCore) Close() error {
 
 // Query returns the current attributes of the QP.
 func (q *qpCore) Query() (QPAttr, error) {
-	if q.res.isClosed() {
+	if !q.res.enter() {
 		return QPAttr{}, q.res.errClosed("query qp")
 	}
+	defer q.res.exit()
 	a, _, err := q.qp.Query()
 	if err != nil {
 		return QPAttr{}, opErr("query qp", q.devNm, err)
@@ -414,9 +416,10 @@ func (q *qpCore) State() (QPState, error) {
 // has AttrState. The transition and its required attributes are checked
 // against the verbs state table before the device sees them.
 func (q *qpCore) Modify(attr QPAttr, mask QPAttrMask) error {
-	if q.res.isClosed() {
+	if !q.res.enter() {
 		return q.res.errClosed("modify qp")
 	}
+	defer q.res.exit()
 	_, err := q.modify(attr, mask)
 	return opErr("modify qp", q.devNm, err)
 }
@@ -501,9 +504,10 @@ func chooseGID(table []GIDEntry, ll LinkLayer, fixed bool, index int) (GIDEntry,
 
 // Endpoint returns what a peer needs to connect to (or address) this QP.
 func (q *qpCore) Endpoint() (Endpoint, error) {
-	if q.res.isClosed() {
+	if !q.res.enter() {
 		return Endpoint{}, q.res.errClosed("endpoint")
 	}
+	defer q.res.exit()
 	g, err := q.sourceGID()
 	if err != nil {
 		return Endpoint{}, err
@@ -575,9 +579,10 @@ func (q *qpCore) addressTo(remote Endpoint, o ConnectOptions) (AHAttr, error) {
 
 func (q *qpCore) connect(remote Endpoint, o ConnectOptions) error {
 	op := "connect qp"
-	if q.res.isClosed() {
+	if !q.res.enter() {
 		return q.res.errClosed(op)
 	}
+	defer q.res.exit()
 	if err := remote.Validate(); err != nil {
 		return opErr(op, q.devNm, fmt.Errorf("%w: %w", err, syscall.EINVAL))
 	}
@@ -598,9 +603,6 @@ func (q *qpCore) connect(remote Endpoint, o ConnectOptions) error {
 		rtr.MaxDestRDAtomic = uint8(q.spec.MaxRDAtomic)
 		rtr.MinRNRTimer = q.spec.MinRNRTimer
 		mask |= AttrMaxDestAtomic | AttrMinRNRTimer
-	}
-	if q.res.isClosed() {
-		return q.res.errClosed(op)
 	}
 	if byDevice, err := q.modify(rtr, mask); err != nil {
 		if byDevice {
@@ -627,9 +629,10 @@ func (q *qpCore) connect(remote Endpoint, o ConnectOptions) error {
 
 // PostRecv posts one receive whose buffer is the scatter list sgl.
 func (q *qpCore) PostRecv(wrid uint64, sgl ...SGE) error {
-	if q.res.isClosed() {
+	if !q.res.enter() {
 		return q.res.errClosed("post recv")
 	}
+	defer q.res.exit()
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if len(sgl) > len(q.sgeR) {
@@ -648,9 +651,10 @@ func (q *qpCore) PostRecv(wrid uint64, sgl ...SGE) error {
 // postOne posts a single send request wr with the scatter list sgl. An
 // inline request is checked first, like those of a batch.
 func (q *qpCore) postOne(wr prov.SendWR, sgl []SGE) error {
-	if q.res.isClosed() {
+	if !q.res.enter() {
 		return q.res.errClosed("post send")
 	}
+	defer q.res.exit()
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if len(sgl) > len(q.sgeW) {
@@ -672,9 +676,10 @@ func (q *qpCore) postOne(wr prov.SendWR, sgl []SGE) error {
 // postData posts a single inline send request wr whose payload is data,
 // pinned while the provider copies it.
 func (q *qpCore) postData(wr prov.SendWR, data []byte) error {
-	if q.res.isClosed() {
+	if !q.res.enter() {
 		return q.res.errClosed("post send")
 	}
+	defer q.res.exit()
 	if len(data) > q.cap.MaxInlineData {
 		return opErr("post send", q.devNm, fmt.Errorf("%d bytes of inline data, the queue pair allows %d (max_inline_data): %w",
 			len(data), max(q.cap.MaxInlineData, 0), syscall.EINVAL))

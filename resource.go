@@ -21,6 +21,12 @@ type node struct {
 	desc   string
 	closed atomic.Bool
 
+	// use is held for reading (enter) by every call that hands the
+	// object to its provider, and for writing by close, which therefore
+	// waits for those calls before the provider destroys the object (on
+	// hardware, a use after free in C) and makes later ones fail.
+	use sync.RWMutex
+
 	mu       sync.Mutex
 	parents  []*node
 	children map[*node]struct{}
@@ -93,13 +99,16 @@ func (r *resource) close(release func() error) error {
 		sort.Strings(names)
 		return fmt.Errorf("verbs: close %s: still in use by %d object(s): %s", n, len(names), strings.Join(names, ", "))
 	}
+	n.use.Lock()
 	if release != nil {
 		if err := release(); err != nil {
+			n.use.Unlock()
 			n.mu.Unlock()
 			return err
 		}
 	}
 	n.closed.Store(true)
+	n.use.Unlock()
 	n.mu.Unlock()
 	for _, p := range n.parents {
 		p.remove(n)
@@ -108,6 +117,25 @@ func (r *resource) close(release func() error) error {
 }
 
 func (r *resource) isClosed() bool { return r.n == nil || r.n.closed.Load() }
+
+// enter holds r open for a call into its provider, which the caller ends
+// with exit; it fails if r is closed or being closed. It never blocks:
+// calls that may block in the provider for long (waiting for events) do
+// not enter, and rely on close waking them.
+func (r *resource) enter() bool {
+	n := r.n
+	if n == nil || !n.use.TryRLock() {
+		return false
+	}
+	if n.closed.Load() {
+		n.use.RUnlock()
+		return false
+	}
+	return true
+}
+
+// exit ends a call begun by a successful enter.
+func (r *resource) exit() { r.n.use.RUnlock() }
 
 func (r *resource) errClosed(op string) error {
 	if r.n == nil {

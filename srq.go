@@ -73,9 +73,10 @@ func (s *SharedReceiveQueue) check(op string) error {
 
 // PostRecv posts one receive buffer.
 func (s *SharedReceiveQueue) PostRecv(wrid uint64, sgl ...SGE) error {
-	if err := s.check("post srq recv"); err != nil {
-		return err
+	if !s.res.enter() {
+		return s.res.errClosed("post srq recv")
 	}
+	defer s.res.exit()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(sgl) > len(s.sgeR) {
@@ -91,17 +92,19 @@ func (s *SharedReceiveQueue) PostRecv(wrid uint64, sgl ...SGE) error {
 
 // ArmLimit sets the low-watermark (see SRQSpec.Limit) and arms its event.
 func (s *SharedReceiveQueue) ArmLimit(limit int) error {
-	if err := s.check("modify srq"); err != nil {
-		return err
+	if !s.res.enter() {
+		return s.res.errClosed("modify srq")
 	}
+	defer s.res.exit()
 	return opErr("modify srq", s.devNm, s.srq.Modify(prov.SRQAttr{SRQLimit: limit}, true))
 }
 
 // Query returns the SRQ's current MaxWR, MaxSGE and Limit.
 func (s *SharedReceiveQueue) Query() (SRQSpec, error) {
-	if err := s.check("query srq"); err != nil {
-		return SRQSpec{}, err
+	if !s.res.enter() {
+		return SRQSpec{}, s.res.errClosed("query srq")
 	}
+	defer s.res.exit()
 	a, err := s.srq.Query()
 	if err != nil {
 		return SRQSpec{}, opErr("query srq", s.devNm, err)
@@ -113,7 +116,7 @@ func (s *SharedReceiveQueue) Query() (SRQSpec, error) {
 // SRQ; an n above the device's max_srq_wr counts as max_srq_wr.
 func (s *SharedReceiveQueue) NewRecvBatch(n int) *RecvBatch {
 	b := newRecvBatch(s.srq, n, s.maxWR, s.spec.MaxSGE, s.devNm)
-	b.closed = s.res.isClosed
+	b.res = &s.res
 	return b
 }
 

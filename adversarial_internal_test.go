@@ -1,0 +1,218 @@
+package verbs
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs/internal/prov"
+)
+
+// A fake provider whose calls can be held inside the provider, to check
+// that Close never destroys a provider object while a call is using it
+// (on hardware: ibv_destroy_cq or ibv_destroy_qp under ibv_poll_cq or
+// ibv_post_send, a use after free in C), nor hands a destroyed one out.
+
+// gate records the calls into one fake provider object.
+type gate struct {
+	hold     atomic.Bool   // calls block until release is closed
+	entered  chan struct{} // a held call has entered
+	release  chan struct{}
+	inFlight atomic.Int32
+	closed   atomic.Bool
+	misuse   atomic.Value // string: what went wrong
+}
+
+func newGate() *gate { return &gate{entered: make(chan struct{}, 1), release: make(chan struct{})} }
+
+func (g *gate) call(what string) {
+	if g.closed.Load() {
+		g.misuse.Store(what + " of a destroyed object")
+	}
+	g.inFlight.Add(1)
+	defer g.inFlight.Add(-1)
+	if g.hold.Load() {
+		select {
+		case g.entered <- struct{}{}:
+		default:
+		}
+		<-g.release
+	}
+}
+
+func (g *gate) close() {
+	if g.inFlight.Load() > 0 {
+		g.misuse.Store("destroyed while a call was using it")
+	}
+	g.closed.Store(true)
+}
+
+type fakeCtx struct {
+	prov.Context
+	cq, qp *gate
+}
+
+func (c *fakeCtx) QueryDevice() (prov.DeviceAttr, error) {
+	return prov.DeviceAttr{MaxQPWR: 64, MaxSGE: 4, MaxQPRDAtom: 4, MaxQPInitRDAtom: 4, MaxInlineData: 64}, nil
+}
+func (c *fakeCtx) QueryPort(uint8) (prov.PortAttr, error) {
+	return prov.PortAttr{State: 4, MaxMTU: prov.MTU4096, ActiveMTU: prov.MTU4096, LinkLayer: 1, LID: 1}, nil
+}
+func (c *fakeCtx) AllocPD() (prov.PD, error) { return &fakePD{c: c}, nil }
+func (c *fakeCtx) CreateCQ(n int, _ prov.CompChannel, _ int) (prov.CQ, error) {
+	return &fakeCQ{g: c.cq, n: n}, nil
+}
+func (c *fakeCtx) Close() error { return nil }
+
+type fakePD struct {
+	prov.PD
+	c *fakeCtx
+}
+
+func (pd *fakePD) CreateQP(a prov.QPInitAttr) (prov.QP, error) {
+	return &fakeQP{g: pd.c.qp, init: a}, nil
+}
+func (pd *fakePD) Close() error { return nil }
+
+type fakeCQ struct {
+	g *gate
+	n int
+}
+
+func (q *fakeCQ) Poll(dst []prov.Completion) (int, error) { q.g.call("poll"); return 0, nil }
+func (q *fakeCQ) PollBusy(dst []prov.Completion, spins int) (int, error) {
+	q.g.call("poll")
+	return 0, nil
+}
+func (q *fakeCQ) Arm(bool) error { q.g.call("arm"); return nil }
+func (q *fakeCQ) Cap() int       { return q.n }
+func (q *fakeCQ) Close() error   { q.g.close(); return nil }
+
+type fakeQP struct {
+	g     *gate
+	init  prov.QPInitAttr
+	state atomic.Uint32
+}
+
+func (q *fakeQP) QPN() uint32 { return 7 }
+func (q *fakeQP) Modify(a *prov.QPAttr, m prov.QPAttrMask) error {
+	q.g.call("modify")
+	if m&prov.AttrState != 0 {
+		q.state.Store(uint32(a.State))
+	}
+	return nil
+}
+func (q *fakeQP) Query() (prov.QPAttr, prov.QPInitAttr, error) {
+	q.g.call("query")
+	return prov.QPAttr{State: prov.QPState(q.state.Load())}, q.init, nil
+}
+func (q *fakeQP) PostSend(w []prov.SendWR, _ []prov.SGE) (int, error) {
+	q.g.call("post send")
+	return len(w), nil
+}
+func (q *fakeQP) PostRecv(w []prov.RecvWR, _ []prov.SGE) (int, error) {
+	q.g.call("post recv")
+	return len(w), nil
+}
+func (q *fakeQP) Address() []byte { return nil }
+func (q *fakeQP) Close() error    { q.g.close(); return nil }
+
+// TestAdversarialCloseWaitsForProviderCalls closes a CQ while a Poll
+// (and PollBusy, RequestNotify) is inside the provider, and a QP while a
+// post (single, batched, receive) is: Close must wait for the call
+// before destroying the provider object, and the calls after it must
+// fail with ErrClosed without reaching the provider.
+func TestAdversarialCloseWaitsForProviderCalls(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		call func(cq *CompletionQueue, qp *RCQueuePair) error
+		qp   bool // the call uses the QP (else the CQ), which is closed
+	}{
+		{"Poll", func(cq *CompletionQueue, _ *RCQueuePair) error { _, err := cq.Poll(make([]Completion, 4)); return err }, false},
+		{"PollBusy", func(cq *CompletionQueue, _ *RCQueuePair) error {
+			_, err := cq.PollBusy(make([]Completion, 4), 10)
+			return err
+		}, false},
+		{"RequestNotify", func(cq *CompletionQueue, _ *RCQueuePair) error { return cq.RequestNotify(false) }, false},
+		{"PostSend", func(_ *CompletionQueue, q *RCQueuePair) error { return q.PostSend(1, Signaled) }, true},
+		{"PostSendInline", func(_ *CompletionQueue, q *RCQueuePair) error {
+			return q.PostSendInline(1, Signaled, []byte("x"))
+		}, true},
+		{"Batch", func(_ *CompletionQueue, q *RCQueuePair) error { b := q.NewBatch(1); b.Send(1); return b.Submit() }, true},
+		{"PostRecv", func(_ *CompletionQueue, q *RCQueuePair) error { return q.PostRecv(1) }, true},
+		{"RecvBatch", func(_ *CompletionQueue, q *RCQueuePair) error { b := q.NewRecvBatch(1); b.Recv(1); return b.Submit() }, true},
+		{"Query", func(_ *CompletionQueue, q *RCQueuePair) error { _, err := q.Query(); return err }, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fc := &fakeCtx{cq: newGate(), qp: newGate()}
+			c, err := newContext(fc, prov.DeviceInfo{Name: "fake0"}, "fake")
+			if err != nil {
+				t.Fatal(err)
+			}
+			pd, err := c.AllocPD()
+			if err != nil {
+				t.Fatal(err)
+			}
+			cq, err := c.NewCompletionQueue(CQSpec{NoChannel: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			qp, err := pd.NewRCQueuePair(QPSpec{SendCQ: cq})
+			if err != nil {
+				t.Fatal(err)
+			}
+			g, closeFn := fc.cq, func() error { qp.Close(); return cq.Close() }
+			if tc.qp {
+				g, closeFn = fc.qp, qp.Close
+			}
+			g.hold.Store(true)
+			called := make(chan error, 1)
+			go func() { called <- tc.call(cq, qp) }()
+			<-g.entered // the call is inside the provider
+			closed := make(chan error, 1)
+			go func() { closed <- closeFn() }()
+			var closeErr error
+			returned := false
+			select {
+			case closeErr = <-closed:
+				// Close returned while the call was still inside the
+				// provider: it did not wait (g records the misuse).
+				returned = true
+			case <-time.After(200 * time.Millisecond):
+				// Close waits for the call, as it should (or is slow).
+			}
+			close(g.release)
+			if err := <-called; err != nil {
+				t.Errorf("the call that entered before Close: %v", err)
+			}
+			if !returned {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				select {
+				case closeErr = <-closed:
+				case <-ctx.Done():
+					t.Fatal("Close hangs after the call returned")
+				}
+			}
+			if closeErr != nil {
+				t.Fatalf("close: %v", closeErr)
+			}
+			first := g.misuse.Load()
+			if first != nil {
+				t.Errorf("the provider's object was %s", first)
+			}
+			if err := tc.call(cq, qp); !errors.Is(err, ErrClosed) {
+				t.Errorf("the call after Close: %v, want ErrClosed", err)
+			}
+			if m := g.misuse.Load(); m != first {
+				t.Errorf("the call after Close reached the provider: %s", m)
+			}
+			qp.Close()
+			cq.Close()
+			pd.Close()
+			c.Close()
+		})
+	}
+}
