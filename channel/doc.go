@@ -97,7 +97,7 @@
 // average of how long recent waits of each kind took (probing the other
 // kind at gaps that double from 16 waits to 512); it sleeps when waits
 // are long (spinning waits averaging over 200 µs) or when more goroutines
-// of the process spin than GOMAXPROCS-1. Between polls a
+// of the process spin than max(1, GOMAXPROCS-1). Between polls a
 // spinning adaptive wait offers its processor to the threads ready to run
 // on it (sched_yield on Linux): the peer thread that would complete it
 // may have been woken there. The aim is that a client waiting for one
