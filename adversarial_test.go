@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"syscall"
 	"testing"
@@ -552,5 +553,45 @@ func TestAdversarialStatusClassString(t *testing.T) {
 	}
 	if s := verbs.ClassFlush.String(); s != "flushed" {
 		t.Errorf("ClassFlush.String() = %q", s)
+	}
+}
+
+// TestAdversarialCloseEndsPollBusy closes a CQ while another goroutine
+// busy-polls it with a practically endless spin count: Close, which
+// waits for the calls using the CQ, must end the PollBusy (ErrClosed)
+// rather than wait for it forever.
+func TestAdversarialCloseEndsPollBusy(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, _ := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	cq, err := a.Ctx.NewCompletionQueue(verbs.CQSpec{NoChannel: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	started := make(chan struct{})
+	go func() {
+		close(started)
+		_, err := cq.PollBusy(make([]verbs.Completion, 4), math.MaxInt)
+		done <- err
+	}()
+	<-started
+	closed := make(chan error, 1)
+	go func() { closed <- cq.Close() }()
+	ctx := advCtx(t)
+	for _, ch := range []chan error{closed, done} {
+		select {
+		case err := <-ch:
+			if ch == closed && err != nil {
+				t.Fatalf("close: %v", err)
+			}
+			if ch == done && !errors.Is(err, verbs.ErrClosed) {
+				t.Errorf("PollBusy ended by Close: %v, want ErrClosed", err)
+			}
+		case <-ctx.Done():
+			t.Fatal("Close of a CQ under an endless PollBusy hangs")
+		}
+	}
+	if n, err := cq.PollBusy(nil, math.MaxInt); n != 0 || err != nil {
+		t.Errorf("PollBusy with an empty slice: %d, %v", n, err)
 	}
 }

@@ -233,13 +233,28 @@ func (cq *CompletionQueue) Poll(dst []Completion) (int, error) {
 // Like Poll, it is one provider call and does not allocate: the hardware
 // provider repeats the poll in C, so a loop waiting for a completion
 // crosses from Go into C once per spins empty polls instead of once per
-// poll. The calling goroutine keeps its OS thread for the whole call; choose
-// spins so that an empty call stays short (an empty poll of a hardware CQ
-// takes tens to hundreds of nanoseconds) and check deadlines or contexts
-// between calls.
+// poll (for up to 65536 of them; more spins take more calls). The calling
+// goroutine keeps its OS thread for the whole call; choose spins so that
+// an empty call stays short (an empty poll of a hardware CQ takes tens to
+// hundreds of nanoseconds) and check deadlines or contexts between calls.
+// Close ends a PollBusy in progress (with ErrClosed).
 func (cq *CompletionQueue) PollBusy(dst []Completion, spins int) (int, error) {
-	return cq.poll(dst, max(spins, 1))
+	// At most maxBusySpins polls per provider call, so that a Close
+	// (which waits for the call) ends even an endless PollBusy.
+	if len(dst) == 0 {
+		return 0, nil
+	}
+	for spins = max(spins, 1); ; {
+		k := min(spins, maxBusySpins)
+		n, err := cq.poll(dst, k)
+		if spins -= k; n > 0 || err != nil || spins <= 0 {
+			return n, err
+		}
+	}
 }
+
+// maxBusySpins bounds the polls of one provider call of PollBusy.
+const maxBusySpins = 1 << 16
 
 // poll is Poll (spins 0) and PollBusy.
 func (cq *CompletionQueue) poll(dst []Completion, spins int) (int, error) {
