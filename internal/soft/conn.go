@@ -81,16 +81,19 @@ import (
 // the QPs connected to the peer process move to ERR (failQPs), and the
 // next request to the peer (of a new QP) connects again.
 type conn struct {
-	s       *service
-	f       *fabric
-	kind    uint8 // kindTCP or kindUnix
-	peerFab uint64
-	peerPID uint32
-	life    *peerClock // the peer's processor time, if it runs on this host (nil: TCP)
-	nc      net.Conn
-	raw     syscall.RawConn
-	quiet   *quietSock // nc and raw, when they are one (nil: not a socket of our own)
-	shm     *shmLink   // the rings (nil: frames go over nc)
+	s    *service
+	f    *fabric
+	kind uint8 // kindTCP or kindUnix
+	// accepted: the peer dialed (service.serveHandshake); set before
+	// the connection is added, read-only after.
+	accepted bool
+	peerFab  uint64
+	peerPID  uint32
+	life     *peerClock // the peer's processor time, if it runs on this host (nil: TCP)
+	nc       net.Conn
+	raw      syscall.RawConn
+	quiet    *quietSock // nc and raw, when they are one (nil: not a socket of our own)
+	shm      *shmLink   // the rings (nil: frames go over nc)
 
 	// Pulled payloads (cma.go: shared memory and unix sockets).
 	pidfd      int         // the peer process (-1: none, nothing is pulled)
@@ -1831,3 +1834,7 @@ func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
 	}
 	return cred, cerr
 }
+
+// inboundTCP reports whether c is a TCP connection the peer dialed (what
+// maxRemoteConns counts).
+func (c *conn) inboundTCP() bool { return c.accepted && c.kind == kindTCP }

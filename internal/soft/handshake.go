@@ -137,6 +137,7 @@ const (
 	ackClosing   = 5 // the service is stopping
 	ackBadShm    = 6 // the shared memory descriptors are unusable
 	ackNeedTLS   = 7 // a plain TCP connection where the acceptor requires TLS
+	ackTooMany   = 8 // the acceptor holds maxRemoteConns TCP connections
 )
 
 var ackReasons = [...]string{
@@ -148,6 +149,7 @@ var ackReasons = [...]string{
 	ackClosing:   "the service is stopping",
 	ackBadShm:    "the shared memory segment or eventfds sent are unusable",
 	ackNeedTLS:   "it accepts TCP from this address only with TLS (" + envTLS + ")",
+	ackTooMany:   "it holds as many TCP connections as it accepts",
 }
 
 func ackReason(s uint8) string {

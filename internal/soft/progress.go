@@ -634,10 +634,17 @@ type sockRx struct {
 	placeTry func(fd uintptr)
 }
 
-const sockRxSize = 1 << 20
+// A connection's receive buffer starts at sockRxInit bytes and grows to
+// sockRxSize once a read fills it or a frame needs more: a connection
+// that carries little (or a peer's idle connections, as many as it
+// opens) holds sockRxInit.
+const (
+	sockRxInit = 64 << 10
+	sockRxSize = 1 << 20
+)
 
 func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
-	x := &sockRx{nc: nc, raw: raw, buf: make([]byte, sockRxSize), tail: placeTail}
+	x := &sockRx{nc: nc, raw: raw, buf: make([]byte, sockRxInit), tail: placeTail}
 	x.fillFn = x.readFD
 	x.waitFn = func(fd uintptr) bool {
 		x.tries++
@@ -651,7 +658,16 @@ func newSockRx(nc net.Conn, raw syscall.RawConn) *sockRx {
 
 // newStreamRx is the receive buffer of a stream read waiting.
 func newStreamRx(src io.Reader) *sockRx {
-	return &sockRx{src: src, buf: make([]byte, sockRxSize), tail: placeTail}
+	return &sockRx{src: src, buf: make([]byte, sockRxInit), tail: placeTail}
+}
+
+// grow takes the full-size buffer, the unconsumed bytes moved to its
+// start.
+func (x *sockRx) grow() {
+	b := make([]byte, sockRxSize)
+	x.w = copy(b, x.buf[x.r:x.w])
+	x.r = 0
+	x.buf = b
 }
 
 // readFD reads what the (non-blocking) socket holds into the free end of
@@ -690,6 +706,11 @@ func (x *sockRx) fillMode(wait bool) error {
 	} else if x.w == len(x.buf) && x.r > 0 {
 		x.w = copy(x.buf, x.buf[x.r:x.w])
 		x.r = 0
+	}
+	if len(x.buf) < sockRxSize && (x.full || x.w == len(x.buf)) {
+		// The last read filled the buffer (the peer sends much), or
+		// what is in it does not make a frame yet.
+		x.grow()
 	}
 	if x.w == len(x.buf) {
 		return nil
@@ -761,7 +782,7 @@ func (x *sockRx) payload(off, n uint64) (a, b []byte) {
 	return x.buf[o : o+int(n) : o+int(n)], nil
 }
 func (x *sockRx) skip(n uint64) { x.r += int(n) }
-func (x *sockRx) room() uint64  { return uint64(len(x.buf)) }
+func (x *sockRx) room() uint64  { return sockRxSize } // it grows to that
 func (x *sockRx) more() bool    { return x.full }
 
 // graceWatch ends the graces of the readers whose pollers stopped: every

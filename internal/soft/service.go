@@ -52,6 +52,16 @@ import (
 // retried after a pause that doubles from 5 ms to 1 s, as net/http's
 // Server does; only the listener's Close ends the loop.
 
+// maxRemoteConns bounds the TCP connections a service accepted and
+// holds, those of peers that proved the secret included: each holds a receive buffer
+// (sockRxInit, up to sockRxSize) and goroutines, and a holder of one of
+// this process' endpoints could otherwise open them without end. Past
+// it a handshake is refused (ackTooMany). Connections of this user's
+// processes on this host (unix sockets, shared memory) do not count: a
+// rank of a large world on one host holds one per other rank, and such
+// a process could do worse. A variable for tests.
+var maxRemoteConns = 4096 // under service.mu
+
 const envListen = "GOVERBS_SOFT_LISTEN"
 
 // envAdvertise names the TCP addresses to advertise in endpoints
@@ -109,6 +119,7 @@ type service struct {
 	closed bool
 	peers  map[peerKey]*peer
 	conns  map[*conn]struct{}
+	remote int            // of conns, over TCP (maxRemoteConns)
 	pc     pollConns      // the same, for polls (progress.go)
 	wg     sync.WaitGroup // every goroutine of the service
 }
@@ -412,6 +423,12 @@ func (s *service) addConn(c *conn) bool {
 	if s.closed {
 		return false
 	}
+	if c.inboundTCP() {
+		if s.remote >= maxRemoteConns {
+			return false
+		}
+		s.remote++
+	}
 	s.conns[c] = struct{}{}
 	s.pc.set(s.conns)
 	loops := []func(){c.readLoop, c.flushLoop}
@@ -455,8 +472,19 @@ func (s *service) addConn(c *conn) bool {
 	return true
 }
 
+// remoteFull reports whether the service holds maxRemoteConns TCP
+// connections it accepted.
+func (s *service) remoteFull() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.remote >= maxRemoteConns
+}
+
 func (s *service) removeConn(c *conn) {
 	s.mu.Lock()
+	if _, ok := s.conns[c]; ok && c.inboundTCP() {
+		s.remote--
+	}
 	delete(s.conns, c)
 	s.pc.set(s.conns)
 	s.mu.Unlock()
@@ -557,6 +585,8 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 	status := uint8(ackOK)
 	if want := handshakeMAC(&s.secret, labelDialer, &t); !macEqual(&want, &a.proof) {
 		status = ackBadSecret
+	} else if hl.kind == kindTCP && s.remoteFull() {
+		status = ackTooMany
 	}
 	var acks *ackPage
 	if status == ackOK && hl.kind == kindUnix && len(fds) == 1 {
@@ -592,6 +622,7 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 	c := newConn(s, hl.kind, hl.fabric, hl.pid, dataConn(nc, tc), shm)
 	c.useAckPage(acks)
 	c.auth.ident, c.auth.t = a.ident, t
+	c.accepted = true
 	if !s.addConn(c) {
 		c.abandon()
 	}
