@@ -19,7 +19,7 @@
 //
 //	go build -o allreduce ./examples/allreduce
 //	GOVERBS_ROOT=127.0.0.1:18515 mpirun -np 4 ./allreduce
-//	GOVERBS_ROOT=127.0.0.1:18515 GOVERBS_JOB=$(uuidgen) mpiexec.hydra -np 4 ./allreduce
+//	GOVERBS_ROOT=127.0.0.1:18515 GOVERBS_JOB=$(cat /proc/sys/kernel/random/uuid) mpiexec.hydra -np 4 ./allreduce
 //	GOVERBS_PORT=29501 torchrun --nproc-per-node 4 --no-python ./allreduce  # torchrun's store holds MASTER_PORT
 //
 // Every rank prints one line; rank 0 adds a summary:

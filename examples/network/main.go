@@ -30,7 +30,7 @@
 // which launcher it found first:
 //
 //	GOVERBS_ROOT=127.0.0.1:18515 mpirun -np 4 ./network -launcher
-//	GOVERBS_ROOT=127.0.0.1:18515 GOVERBS_JOB=$(uuidgen) mpiexec.hydra -np 4 ./network -launcher
+//	GOVERBS_ROOT=127.0.0.1:18515 GOVERBS_JOB=$(cat /proc/sys/kernel/random/uuid) mpiexec.hydra -np 4 ./network -launcher
 //	srun -n 8 ./network -launcher        # rank 0 on the step's first node
 //	torchrun --nproc-per-node 4 --no-python ./network -launcher
 //
