@@ -595,3 +595,43 @@ func TestAdversarialCloseEndsPollBusy(t *testing.T) {
 		t.Errorf("PollBusy with an empty slice: %d, %v", n, err)
 	}
 }
+
+// TestAdversarialFixedGIDIndex creates queue pairs whose QPSpec fixes a
+// source GID index that is not in the port's GID table: creation must
+// fail with EINVAL (it succeeded, and only Endpoint or Connect failed,
+// with an error errors.Is could not tell); a valid index works.
+func TestAdversarialFixedGIDIndex(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	table, err := a.Ctx.GIDTable(1)
+	if err != nil || len(table) == 0 {
+		t.Fatalf("gid table: %v, %d entries", err, len(table))
+	}
+	for _, idx := range []int{-1, 99, table[len(table)-1].Index + 1} {
+		for _, tr := range []string{"RC", "UC", "UD"} {
+			spec := verbs.QPSpec{SendCQ: a.CQ, FixedGID: true, GIDIndex: idx}
+			var q interface{ Close() error }
+			var err error
+			switch tr {
+			case "RC":
+				q, err = a.PD.NewRCQueuePair(spec)
+			case "UC":
+				q, err = a.PD.NewUCQueuePair(spec)
+			default:
+				q, err = a.PD.NewUDQueuePair(spec)
+			}
+			if err == nil {
+				q.Close()
+				t.Errorf("%s queue pair with fixed GID index %d: created", tr, idx)
+			} else if !errors.Is(err, syscall.EINVAL) {
+				t.Errorf("%s queue pair with fixed GID index %d: %v, want EINVAL", tr, idx, err)
+			}
+		}
+	}
+	qa := a.NewRC(t, verbs.QPSpec{FixedGID: true, GIDIndex: table[0].Index})
+	qb := b.NewRC(t, verbs.QPSpec{})
+	verbstest.ConnectRC(t, qa, qb)
+	if e := verbstest.Endpoint(t, qa); e.GID != table[0].GID {
+		t.Errorf("endpoint GID %v, want the fixed entry's %v", e.GID, table[0].GID)
+	}
+}

@@ -165,6 +165,16 @@ func planQP(pd *ProtectionDomain, t Transport, spec QPSpec) (qpPlan, error) {
 	if err != nil {
 		return qpPlan{}, err
 	}
+	if spec.FixedGID {
+		// Refused now rather than by Endpoint or Connect.
+		table, err := pd.c.GIDTable(spec.Port)
+		if err != nil {
+			return qpPlan{}, err
+		}
+		if _, err := chooseGID(table, port.LinkLayer, true, spec.GIDIndex); err != nil {
+			return qpPlan{}, opErr(op, name, fmt.Errorf("port %d: %w", spec.Port, err))
+		}
+	}
 	dev, err := pd.c.QueryDevice()
 	if err != nil {
 		return qpPlan{}, err
@@ -468,7 +478,7 @@ func chooseGID(table []GIDEntry, ll LinkLayer, fixed bool, index int) (GIDEntry,
 				return e, nil
 			}
 		}
-		return GIDEntry{}, fmt.Errorf("gid index %d is not a valid entry of the GID table (%d valid entries; see `goverbs devinfo -v`)", index, len(table))
+		return GIDEntry{}, fmt.Errorf("gid index %d is not a valid entry of the GID table (%d valid entries; see `goverbs devinfo -v`): %w", index, len(table), syscall.EINVAL)
 	}
 	if len(table) == 0 {
 		if ll == LinkLayerInfiniBand {
