@@ -635,3 +635,31 @@ func TestAdversarialFixedGIDIndex(t *testing.T) {
 		t.Errorf("endpoint GID %v, want the fixed entry's %v", e.GID, table[0].GID)
 	}
 }
+
+// TestAdversarialZeroBatch uses batches declared as zero values instead
+// of made by NewBatch, as a careless program might: they hold nothing,
+// so Submit must fail with ErrQueueFull, not panic.
+func TestAdversarialZeroBatch(t *testing.T) {
+	var sge verbs.SGE
+	for _, c := range []struct {
+		name string
+		f    func() error
+	}{
+		{"RCBatch", func() error { var b verbs.RCBatch; b.Send(1, sge).Signaled(); return b.Submit() }},
+		{"RCBatch inline", func() error { var b verbs.RCBatch; b.SendInline(1, []byte("x")).Signaled(); return b.Submit() }},
+		{"UCBatch", func() error { var b verbs.UCBatch; b.Write(1, verbs.RemoteAddr{}, sge); return b.Submit() }},
+		{"UDBatch", func() error { var b verbs.UDBatch; b.Send(1, verbs.Destination{}, sge).Signaled(); return b.Submit() }},
+		{"RecvBatch", func() error { var b verbs.RecvBatch; b.Recv(1, sge); return b.Submit() }},
+	} {
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					t.Errorf("%s: panic: %v", c.name, r)
+				}
+			}()
+			if err := c.f(); !errors.Is(err, verbs.ErrQueueFull) {
+				t.Errorf("%s: Submit of a zero batch: %v, want ErrQueueFull", c.name, err)
+			}
+		}()
+	}
+}

@@ -224,7 +224,11 @@ func (b *sendBatch) addData(wr prov.SendWR, data []byte) *Request {
 func (b *sendBatch) submit() error {
 	if err := b.err; err != nil {
 		b.reset()
-		return opErr("post send", b.q.devNm, err)
+		dev := ""
+		if b.q != nil { // nil: a zero batch, not from NewBatch (it holds nothing)
+			dev = b.q.devNm
+		}
+		return opErr("post send", dev, err)
 	}
 	if len(b.wrs) == 0 {
 		return nil
@@ -466,6 +470,10 @@ func udWR(op prov.WROpcode, wrid uint64, to Destination) prov.SendWR {
 // dest checks to (see checkDest) for the request the batch is asked to
 // add next, recording the error if it fails.
 func (b *UDBatch) dest(to Destination) bool {
+	if b.q == nil { // a zero batch, not from NewBatch: it holds nothing
+		b.add(prov.SendWR{}, nil)
+		return false
+	}
 	if err := checkDest(b.q.pd, to); err != nil {
 		b.fail(err)
 		return false
