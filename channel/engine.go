@@ -130,17 +130,17 @@ type engine struct {
 	heldWaiting int
 	slotWake    context.CancelFunc
 
-	pollMu   sync.Mutex // the right to poll the CQ and sleep on it
+	pollMu sync.Mutex // the right to poll the CQ and sleep on it
 	// late: close gave up waiting for a poller to leave the CQ; the
 	// poller, when it leaves (unlockPoll), ends the requests in flight
 	// and frees the scratch memory it may still read (finishLate, once:
 	// lateDone).
 	late, lateDone atomic.Bool
-	waiters  atomic.Int32
-	pollFree chan struct{} // capacity 1: the poller left; someone else should poll
-	wcs      []verbs.Completion
-	spin     spinStats     // how long waits took (the adaptive spin policy)
-	rung     atomic.Uint64 // doorbells received (Options.Doorbells)
+	waiters        atomic.Int32
+	pollFree       chan struct{} // capacity 1: the poller left; someone else should poll
+	wcs            []verbs.Completion
+	spin           spinStats     // how long waits took (the adaptive spin policy)
+	rung           atomic.Uint64 // doorbells received (Options.Doorbells)
 
 	bcMu      sync.Mutex
 	bc        chan struct{} // closed when completions were dispatched (condition waiters)
