@@ -389,7 +389,7 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		// are descriptors): without a job id, a rank of another job at
 		// the same rendezvous address would be taken for a peer.
 		return l, e.errf("GOVERBS_JOB", "not set, and the launcher sets no job id (MPICH's Hydra sets neither PMI_KVSNAME nor PMI_JOBID): "+
-			"set GOVERBS_JOB to a value unique to this job and the same for every rank (for example GOVERBS_JOB=$(uuidgen) mpiexec ...)")
+			"set GOVERBS_JOB to a value unique to this job and the same for every rank (for example GOVERBS_JOB=$(cat /proc/sys/kernel/random/uuid) mpiexec ...)")
 	}
 	l.Device, _ = e.str("GOVERBS_DEVICE")
 	return l, nil

@@ -273,14 +273,14 @@ func dialCtrl(ctx context.Context, addr string, cfg *Config) (*ctrl, error) {
 	raw, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		if ctx.Err() != nil {
-			return nil, fmt.Errorf("session: dial %s: %w (%v)", addr, ctx.Err(), err)
+			return nil, fmt.Errorf("%w (%v)", ctx.Err(), err)
 		}
-		return nil, fmt.Errorf("session: dial %s: %w", addr, err)
+		return nil, err
 	}
 	nc, err := clientHandshake(ctx, raw, cfg)
 	if err != nil {
 		raw.Close()
-		return nil, fmt.Errorf("session: dial %s: %w", addr, err)
+		return nil, err
 	}
 	return newCtrl(raw, nc), nil
 }

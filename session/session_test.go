@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -571,5 +573,26 @@ func TestRendezvousNoMemory(t *testing.T) {
 		if err := <-sent; err != nil {
 			t.Fatalf("sending %d bytes: %v", n, err)
 		}
+	}
+}
+
+// TestDialErrorSaysOnce: a Dial that fails names the call and the
+// address once ("session: dial ADDR: ..."); it said it twice.
+func TestDialErrorSaysOnce(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // nobody listens there now
+	_, err = Dial(context.Background(), addr, Config{HandshakeTimeout: time.Second})
+	if err == nil {
+		t.Fatal("Dial to a closed port succeeded")
+	}
+	if n := strings.Count(err.Error(), "dial "+addr); n != 1 {
+		t.Fatalf("the error names the dial %d times: %v", n, err)
+	}
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("%v: want ECONNREFUSED wrapped", err)
 	}
 }
