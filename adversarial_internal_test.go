@@ -52,6 +52,7 @@ func (g *gate) close() {
 type fakeCtx struct {
 	prov.Context
 	cq, qp *gate
+	g      *gate // the context's own calls
 }
 
 func (c *fakeCtx) QueryDevice() (prov.DeviceAttr, error) {
@@ -62,9 +63,10 @@ func (c *fakeCtx) QueryPort(uint8) (prov.PortAttr, error) {
 }
 func (c *fakeCtx) AllocPD() (prov.PD, error) { return &fakePD{c: c}, nil }
 func (c *fakeCtx) CreateCQ(n int, _ prov.CompChannel, _ int) (prov.CQ, error) {
+	c.g.call("create cq")
 	return &fakeCQ{g: c.cq, n: n}, nil
 }
-func (c *fakeCtx) Close() error { return nil }
+func (c *fakeCtx) Close() error { c.g.close(); return nil }
 
 type fakePD struct {
 	prov.PD
@@ -72,6 +74,7 @@ type fakePD struct {
 }
 
 func (pd *fakePD) CreateQP(a prov.QPInitAttr) (prov.QP, error) {
+	a.SendCQ.(*fakeCQ).g.call("create qp")
 	return &fakeQP{g: pd.c.qp, init: a}, nil
 }
 func (pd *fakePD) Close() error { return nil }
@@ -146,7 +149,7 @@ func TestAdversarialCloseWaitsForProviderCalls(t *testing.T) {
 		{"Query", func(_ *CompletionQueue, q *RCQueuePair) error { _, err := q.Query(); return err }, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			fc := &fakeCtx{cq: newGate(), qp: newGate()}
+			fc := &fakeCtx{cq: newGate(), qp: newGate(), g: newGate()}
 			c, err := newContext(fc, prov.DeviceInfo{Name: "fake0"}, "fake")
 			if err != nil {
 				t.Fatal(err)
@@ -211,6 +214,95 @@ func TestAdversarialCloseWaitsForProviderCalls(t *testing.T) {
 			}
 			qp.Close()
 			cq.Close()
+			pd.Close()
+			c.Close()
+		})
+	}
+}
+
+// TestAdversarialCloseWaitsForCreation closes a context while a CQ is
+// being created in it, and a CQ while a QP is being created on it: the
+// parent, which has no child yet, must not be destroyed under the
+// provider's create. Either the create wins (the parent's Close then
+// fails, naming the new child) or the Close does (the create fails with
+// ErrClosed).
+func TestAdversarialCloseWaitsForCreation(t *testing.T) {
+	for _, name := range []string{"CQ", "QP"} {
+		t.Run(name, func(t *testing.T) {
+			fc := &fakeCtx{cq: newGate(), qp: newGate(), g: newGate()}
+			c, err := newContext(fc, prov.DeviceInfo{Name: "fake0"}, "fake")
+			if err != nil {
+				t.Fatal(err)
+			}
+			pd, err := c.AllocPD()
+			if err != nil {
+				t.Fatal(err)
+			}
+			type closer interface{ Close() error }
+			var cq *CompletionQueue
+			var create func() (closer, error)
+			var closeParent func() error
+			g := fc.g
+			if name == "CQ" {
+				create = func() (closer, error) { return c.NewCompletionQueue(CQSpec{NoChannel: true}) }
+				pd.Close()
+				closeParent = c.Close
+			} else {
+				if cq, err = c.NewCompletionQueue(CQSpec{NoChannel: true}); err != nil {
+					t.Fatal(err)
+				}
+				g = fc.cq
+				create = func() (closer, error) { return pd.NewRCQueuePair(QPSpec{SendCQ: cq}) }
+				closeParent = cq.Close
+			}
+			g.hold.Store(true)
+			type made struct {
+				o   closer
+				err error
+			}
+			created := make(chan made, 1)
+			go func() { o, err := create(); created <- made{o, err} }()
+			<-g.entered
+			closed := make(chan error, 1)
+			go func() { closed <- closeParent() }()
+			var closeErr error
+			returned := false
+			select {
+			case closeErr = <-closed:
+				returned = true // without waiting for the create
+			case <-time.After(200 * time.Millisecond):
+			}
+			close(g.release)
+			m := <-created
+			if !returned {
+				select {
+				case closeErr = <-closed:
+				case <-time.After(30 * time.Second):
+					t.Fatal("Close hangs after the create returned")
+				}
+			}
+			if mis := g.misuse.Load(); mis != nil {
+				t.Errorf("the parent was %s (its create)", mis)
+			}
+			switch {
+			case m.err == nil && closeErr != nil:
+				m.o.Close()
+				if err := closeParent(); err != nil {
+					t.Errorf("closing the parent after its child: %v", err)
+				}
+			case m.err != nil && closeErr == nil:
+				if !errors.Is(m.err, ErrClosed) {
+					t.Errorf("create under a closed parent: %v, want ErrClosed", m.err)
+				}
+			default:
+				t.Errorf("create: %v; close of its parent: %v (want exactly one to fail)", m.err, closeErr)
+				if m.err == nil {
+					m.o.Close()
+				}
+			}
+			if cq != nil {
+				cq.Close()
+			}
 			pd.Close()
 			c.Close()
 		})

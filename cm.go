@@ -335,12 +335,8 @@ func newCMQP(pd *ProtectionDomain, spec QPSpec, route CMRoute, p *ibv.CMParams) 
 	if err != nil {
 		return nil, err
 	}
-	pq, err := pd.createProvQP(&plan)
-	if err != nil {
-		return nil, err
-	}
 	q := new(RCQueuePair)
-	if err := adoptQP(q, &q.qpCore, pd, &plan, pq); err != nil {
+	if err := buildQP(q, &q.qpCore, pd, &plan); err != nil {
 		return nil, err
 	}
 	// Local write is ignored for a QP; it keeps Access non-zero, which

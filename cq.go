@@ -76,9 +76,10 @@ type CompletionChannel struct {
 
 // NewCompletionChannel creates a completion channel to share among CQs.
 func (c *Context) NewCompletionChannel() (*CompletionChannel, error) {
-	if err := c.check("create completion channel"); err != nil {
-		return nil, err
+	if !c.res.enter() {
+		return nil, c.res.errClosed("create completion channel")
 	}
+	defer c.res.exit()
 	pch, err := c.ctx.CreateCompChannel()
 	if err != nil {
 		return nil, opErr("create completion channel", c.name, err)
@@ -162,9 +163,10 @@ type CompletionQueue struct {
 
 // NewCompletionQueue creates a completion queue.
 func (c *Context) NewCompletionQueue(spec CQSpec) (*CompletionQueue, error) {
-	if err := c.check("create cq"); err != nil {
-		return nil, err
+	if !c.res.enter() {
+		return nil, c.res.errClosed("create cq")
 	}
+	defer c.res.exit()
 	if spec.Entries == 0 {
 		spec.Entries = 1024
 	}
@@ -181,6 +183,10 @@ func (c *Context) NewCompletionQueue(spec CQSpec) (*CompletionQueue, error) {
 		if spec.Channel.c != c {
 			return nil, opErr("create cq", c.name, fmt.Errorf("completion channel belongs to another device context (%s): %w", spec.Channel.c.name, syscall.EINVAL))
 		}
+		if !spec.Channel.res.enter() {
+			return nil, spec.Channel.res.errClosed("create cq")
+		}
+		defer spec.Channel.res.exit()
 		pch = spec.Channel.ch
 	case !spec.NoChannel:
 		var err error

@@ -190,9 +190,10 @@ type DeviceAttr struct {
 
 // QueryDevice returns the device attributes.
 func (c *Context) QueryDevice() (DeviceAttr, error) {
-	if err := c.check("query device"); err != nil {
-		return DeviceAttr{}, err
+	if !c.res.enter() {
+		return DeviceAttr{}, c.res.errClosed("query device")
 	}
+	defer c.res.exit()
 	a, err := c.ctx.QueryDevice()
 	if err != nil {
 		return DeviceAttr{}, opErr("query device", c.name, err)
@@ -260,9 +261,10 @@ func (p PortAttr) SpeedString() string {
 
 // QueryPort returns the attributes of a port (ports count from 1).
 func (c *Context) QueryPort(port uint8) (PortAttr, error) {
-	if err := c.check("query port"); err != nil {
-		return PortAttr{}, err
+	if !c.res.enter() {
+		return PortAttr{}, c.res.errClosed("query port")
 	}
+	defer c.res.exit()
 	a, err := c.ctx.QueryPort(port)
 	if err != nil {
 		return PortAttr{}, opErr(fmt.Sprintf("query port %d", port), c.name, err)
@@ -324,9 +326,10 @@ type GIDEntry struct {
 
 // GIDTable returns the valid entries of a port's GID table.
 func (c *Context) GIDTable(port uint8) ([]GIDEntry, error) {
-	if err := c.check("query gid table"); err != nil {
-		return nil, err
+	if !c.res.enter() {
+		return nil, c.res.errClosed("query gid table")
 	}
+	defer c.res.exit()
 	es, err := c.ctx.QueryGIDTable(port)
 	if err != nil {
 		return nil, opErr(fmt.Sprintf("query gid table of port %d", port), c.name, err)

@@ -25,9 +25,10 @@ type ProtectionDomain struct {
 
 // AllocPD allocates a protection domain.
 func (c *Context) AllocPD() (*ProtectionDomain, error) {
-	if err := c.check("allocate pd"); err != nil {
-		return nil, err
+	if !c.res.enter() {
+		return nil, c.res.errClosed("allocate pd")
 	}
+	defer c.res.exit()
 	p, err := c.ctx.AllocPD()
 	if err != nil {
 		return nil, opErr("allocate pd", c.name, err)
@@ -77,9 +78,10 @@ type MemoryRegion struct {
 // The MR owns the memory: Close unmaps it, so the slice from Bytes must not
 // be used afterwards.
 func (pd *ProtectionDomain) Alloc(n int, access Access) (*MemoryRegion, error) {
-	if err := pd.check("allocate mr"); err != nil {
-		return nil, err
+	if !pd.res.enter() {
+		return nil, pd.res.errClosed("allocate mr")
 	}
+	defer pd.res.exit()
 	if n <= 0 {
 		return nil, opErr("allocate mr", pd.c.name, fmt.Errorf("invalid length %d: %w", n, syscall.EINVAL))
 	}
@@ -116,9 +118,10 @@ func (pd *ProtectionDomain) Alloc(n int, access Access) (*MemoryRegion, error) {
 // so the soft provider can share it with other processes as it shares
 // memory from Alloc.
 func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, error) {
-	if err := pd.check("register mr"); err != nil {
-		return nil, err
+	if !pd.res.enter() {
+		return nil, pd.res.errClosed("register mr")
 	}
+	defer pd.res.exit()
 	if len(buf) == 0 {
 		return nil, opErr("register mr", pd.c.name, fmt.Errorf("empty buffer: %w", syscall.EINVAL))
 	}
@@ -128,6 +131,10 @@ func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, 
 		}
 	}
 	fd, off, owners := memoryOf(buf)
+	if r := enterAll(owners...); r != nil {
+		return nil, r.errClosed("register mr")
+	}
+	defer exitAll(owners...)
 	p := new(runtime.Pinner)
 	p.Pin(unsafe.SliceData(buf))
 	m, err := pd.register(buf, fd, off, access, "register mr", owners...)
@@ -182,9 +189,10 @@ func (pd *ProtectionDomain) register(buf []byte, fd int, off int64, access Acces
 // descriptor (device memory exported by a GPU driver, for example), mapped
 // at iova. The soft provider does not support it.
 func (pd *ProtectionDomain) RegisterDMABuf(fd int, offset uint64, length int, iova uint64, access Access) (*MemoryRegion, error) {
-	if err := pd.check("register dma-buf mr"); err != nil {
-		return nil, err
+	if !pd.res.enter() {
+		return nil, pd.res.errClosed("register dma-buf mr")
 	}
+	defer pd.res.exit()
 	pm, err := pd.pd.RegDMABuf(offset, length, iova, fd, prov.Access(access))
 	if err != nil {
 		return nil, opErr("register dma-buf mr", pd.c.name, err)

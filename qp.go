@@ -300,6 +300,29 @@ func adoptQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, p *qpPlan, pq pro
 	return nil
 }
 
+// buildQP creates the provider QP of plan p (createProvQP) and adopts
+// it into q, the core of owner (adoptQP), holding the objects it is
+// created under open meanwhile: the PD, CQs and SRQ, which a concurrent
+// Close would otherwise destroy under the provider's create.
+func buildQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, p *qpPlan) error {
+	parents := []*resource{&pd.res, &p.spec.SendCQ.res}
+	if p.spec.RecvCQ != p.spec.SendCQ {
+		parents = append(parents, &p.spec.RecvCQ.res)
+	}
+	if p.spec.SRQ != nil {
+		parents = append(parents, &p.spec.SRQ.res)
+	}
+	if r := enterAll(parents...); r != nil {
+		return r.errClosed(p.op)
+	}
+	defer exitAll(parents...)
+	pq, err := pd.createProvQP(p)
+	if err != nil {
+		return err
+	}
+	return adoptQP(owner, q, pd, p, pq)
+}
+
 // initQP creates the provider QP into q, the core of owner, and moves it
 // to INIT.
 func initQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, t Transport, spec QPSpec) error {
@@ -307,11 +330,7 @@ func initQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, t Transport, spec 
 	if err != nil {
 		return err
 	}
-	pq, err := pd.createProvQP(&p)
-	if err != nil {
-		return err
-	}
-	if err := adoptQP(owner, q, pd, &p, pq); err != nil {
+	if err := buildQP(owner, q, pd, &p); err != nil {
 		return err
 	}
 	// RESET -> INIT.

@@ -85,9 +85,12 @@ func (r *resource) close(release func() error) error {
 	if n == nil {
 		return nil
 	}
+	// use before mu: a call that entered n may add a child to it.
+	n.use.Lock()
 	n.mu.Lock()
 	if n.closed.Load() {
 		n.mu.Unlock()
+		n.use.Unlock()
 		return nil
 	}
 	if len(n.children) > 0 {
@@ -96,10 +99,10 @@ func (r *resource) close(release func() error) error {
 			names = append(names, c.String())
 		}
 		n.mu.Unlock()
+		n.use.Unlock()
 		sort.Strings(names)
 		return fmt.Errorf("verbs: close %s: still in use by %d object(s): %s", n, len(names), strings.Join(names, ", "))
 	}
-	n.use.Lock()
 	if release != nil {
 		if err := release(); err != nil {
 			n.use.Unlock()
@@ -136,6 +139,25 @@ func (r *resource) enter() bool {
 
 // exit ends a call begun by a successful enter.
 func (r *resource) exit() { r.n.use.RUnlock() }
+
+// enterAll enters every resource of rs, for a call that creates an
+// object under them; if one is closed, it enters none and returns it.
+func enterAll(rs ...*resource) (closed *resource) {
+	for i, r := range rs {
+		if !r.enter() {
+			exitAll(rs[:i]...)
+			return r
+		}
+	}
+	return nil
+}
+
+// exitAll exits every resource of rs.
+func exitAll(rs ...*resource) {
+	for _, r := range rs {
+		r.exit()
+	}
+}
 
 func (r *resource) errClosed(op string) error {
 	if r.n == nil {

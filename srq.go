@@ -33,9 +33,10 @@ type SharedReceiveQueue struct {
 
 // NewSharedReceiveQueue creates an SRQ.
 func (pd *ProtectionDomain) NewSharedReceiveQueue(spec SRQSpec) (*SharedReceiveQueue, error) {
-	if err := pd.check("create srq"); err != nil {
-		return nil, err
+	if !pd.res.enter() {
+		return nil, pd.res.errClosed("create srq")
 	}
+	defer pd.res.exit()
 	dev, err := pd.c.QueryDevice()
 	if err != nil {
 		return nil, err
@@ -176,9 +177,10 @@ func (a *AddressHandle) errClosed() error {
 
 // NewAddressHandle creates an address handle from an address vector.
 func (pd *ProtectionDomain) NewAddressHandle(attr AHAttr) (*AddressHandle, error) {
-	if err := pd.check("create ah"); err != nil {
-		return nil, err
+	if !pd.res.enter() {
+		return nil, pd.res.errClosed("create ah")
 	}
+	defer pd.res.exit()
 	if attr.Port == 0 {
 		attr.Port = 1
 	}
