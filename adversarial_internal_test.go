@@ -90,7 +90,7 @@ func (q *fakeCQ) PollBusy(dst []prov.Completion, spins int) (int, error) {
 	return 0, nil
 }
 func (q *fakeCQ) Arm(bool) error { q.g.call("arm"); return nil }
-func (q *fakeCQ) Cap() int       { return q.n }
+func (q *fakeCQ) Cap() int       { q.g.call("cap"); return q.n }
 func (q *fakeCQ) Close() error   { q.g.close(); return nil }
 
 type fakeQP struct {
@@ -306,5 +306,87 @@ func TestAdversarialCloseWaitsForCreation(t *testing.T) {
 			pd.Close()
 			c.Close()
 		})
+	}
+}
+
+type fakeMR struct {
+	g    *gate
+	addr uint64
+	n    int
+}
+
+func (m *fakeMR) Addr() uint64 { m.g.call("addr"); return m.addr }
+func (m *fakeMR) Len() int     { m.g.call("len"); return m.n }
+func (m *fakeMR) LKey() uint32 { m.g.call("lkey"); return 0x1234 }
+func (m *fakeMR) RKey() uint32 { m.g.call("rkey"); return 0x5678 }
+func (m *fakeMR) Close() error { m.g.close(); return nil }
+
+type fakeMRPD struct {
+	fakePD
+	g *gate
+}
+
+func (pd *fakeMRPD) RegMR(m prov.Mem, _ prov.Access) (prov.MR, error) {
+	return &fakeMR{g: pd.g, addr: uint64(uintptr(m.Ptr)), n: m.Len}, nil
+}
+
+type fakeMRCtx struct{ fakeCtx }
+
+func (c *fakeMRCtx) AllocPD() (prov.PD, error) {
+	return &fakeMRPD{fakePD: fakePD{c: &c.fakeCtx}, g: c.qp}, nil
+}
+
+// TestAdversarialMRAfterClose asks a closed MR (and CQ) for its keys,
+// range, SGEs and capacity, as a program that logs them after Close
+// might: the answers must not come from the provider's object, which
+// Close destroyed (on hardware, the lkey and rkey live in the freed
+// struct ibv_mr), and must be the values the object had.
+func TestAdversarialMRAfterClose(t *testing.T) {
+	fc := &fakeMRCtx{fakeCtx{cq: newGate(), qp: newGate(), g: newGate()}}
+	c, err := newContext(fc, prov.DeviceInfo{Name: "fake0"}, "fake")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	pd, err := c.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pd.Close()
+	buf := make([]byte, 64)
+	mr, err := pd.Register(buf, AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cq, err := c.NewCompletionQueue(CQSpec{Entries: 16, NoChannel: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type view struct {
+		addr       uint64
+		n, cqCap   int
+		lkey, rkey uint32
+		sge, all   SGE
+		remote     RemoteRegion
+	}
+	look := func() view {
+		s, _ := mr.SGE(8, 8)
+		return view{mr.Addr(), mr.Len(), cq.Cap(), mr.LKey(), mr.RKey(), s, mr.All(), mr.Remote()}
+	}
+	before := look()
+	if err := mr.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := cq.Close(); err != nil {
+		t.Fatal(err)
+	}
+	after := look()
+	for _, g := range []*gate{fc.qp, fc.cq} {
+		if m := g.misuse.Load(); m != nil {
+			t.Errorf("after Close, the provider was asked for the %s", m)
+		}
+	}
+	if after != before {
+		t.Errorf("after Close: %+v, before: %+v", after, before)
 	}
 }

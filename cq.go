@@ -153,6 +153,7 @@ type CompletionQueue struct {
 	res     resource
 	c       *Context
 	cq      prov.CQ
+	cap     int                // cq.Cap(), which must not be asked after Close
 	ch      *CompletionChannel // shared channel, or own
 	ownCh   prov.CompChannel   // private channel for Wait
 	stashed atomic.Bool
@@ -202,7 +203,7 @@ func (c *Context) NewCompletionQueue(spec CQSpec) (*CompletionQueue, error) {
 		}
 		return nil, opErr("create cq", c.name, fmt.Errorf("%d entries: %w", spec.Entries, err))
 	}
-	cq.cq = pcq
+	cq.cq, cq.cap = pcq, pcq.Cap()
 	parents := []*resource{&c.res}
 	if spec.Channel != nil {
 		parents = append(parents, &spec.Channel.res)
@@ -221,7 +222,7 @@ func (c *Context) NewCompletionQueue(spec CQSpec) (*CompletionQueue, error) {
 }
 
 // Cap returns the number of completions the CQ holds.
-func (cq *CompletionQueue) Cap() int { return cq.cq.Cap() }
+func (cq *CompletionQueue) Cap() int { return cq.cap }
 
 // Poll moves up to len(dst) completions into dst and returns how many. It
 // never blocks and does not allocate; it makes one provider call.

@@ -71,6 +71,19 @@ type MemoryRegion struct {
 	region *mem.Region // owned memory (Alloc)
 	pin    *runtime.Pinner
 	inl    *inlineRef // in pd.mrs while open; nil for dma-buf
+
+	// The keys and range, read from the provider's MR at registration:
+	// the accessors must not read it after Close, which frees it (on
+	// hardware the struct ibv_mr they live in).
+	addr       uint64
+	length     int
+	lkey, rkey uint32
+}
+
+// newMR returns the MemoryRegion of pm.
+func newMR(pd *ProtectionDomain, pm prov.MR, access Access, buf []byte) *MemoryRegion {
+	return &MemoryRegion{pd: pd, mr: pm, access: access, buf: buf,
+		addr: pm.Addr(), length: pm.Len(), lkey: pm.LKey(), rkey: pm.RKey()}
 }
 
 // Alloc allocates n bytes of zeroed, page-aligned memory outside the Go heap
@@ -174,13 +187,13 @@ func (pd *ProtectionDomain) register(buf []byte, fd int, off int64, access Acces
 	if err != nil {
 		return nil, opErr(op, pd.c.name, fmt.Errorf("%d bytes, access %v: %w", len(buf), access, err))
 	}
-	m := &MemoryRegion{pd: pd, mr: pm, access: access, buf: buf}
+	m := newMR(pd, pm, access, buf)
 	parents := append([]*resource{&pd.res}, owners...)
-	if err := initResource(m, &m.res, "memory region", fmt.Sprintf("lkey %#x, %d bytes", pm.LKey(), len(buf)), parents...); err != nil {
+	if err := initResource(m, &m.res, "memory region", fmt.Sprintf("lkey %#x, %d bytes", m.lkey, len(buf)), parents...); err != nil {
 		pm.Close()
 		return nil, opErr(op, pd.c.name, err)
 	}
-	m.inl = &inlineRef{lkey: pm.LKey(), lo: pm.Addr(), hi: pm.Addr() + uint64(pm.Len()), keep: buf}
+	m.inl = &inlineRef{lkey: m.lkey, lo: m.addr, hi: m.addr + uint64(m.length), keep: buf}
 	pd.mrs.insert(m.inl)
 	return m, nil
 }
@@ -197,8 +210,8 @@ func (pd *ProtectionDomain) RegisterDMABuf(fd int, offset uint64, length int, io
 	if err != nil {
 		return nil, opErr("register dma-buf mr", pd.c.name, err)
 	}
-	m := &MemoryRegion{pd: pd, mr: pm, access: access}
-	if err := initResource(m, &m.res, "memory region", fmt.Sprintf("dma-buf lkey %#x", pm.LKey()), &pd.res); err != nil {
+	m := newMR(pd, pm, access, nil)
+	if err := initResource(m, &m.res, "memory region", fmt.Sprintf("dma-buf lkey %#x", m.lkey), &pd.res); err != nil {
 		pm.Close()
 		return nil, err
 	}
@@ -216,16 +229,16 @@ func (m *MemoryRegion) Bytes() []byte {
 }
 
 // Addr returns the address of the first byte as the device sees it.
-func (m *MemoryRegion) Addr() uint64 { return m.mr.Addr() }
+func (m *MemoryRegion) Addr() uint64 { return m.addr }
 
 // Len returns the length in bytes.
-func (m *MemoryRegion) Len() int { return m.mr.Len() }
+func (m *MemoryRegion) Len() int { return m.length }
 
 // LKey returns the local key.
-func (m *MemoryRegion) LKey() uint32 { return m.mr.LKey() }
+func (m *MemoryRegion) LKey() uint32 { return m.lkey }
 
 // RKey returns the remote key.
-func (m *MemoryRegion) RKey() uint32 { return m.mr.RKey() }
+func (m *MemoryRegion) RKey() uint32 { return m.rkey }
 
 // Access returns the access flags the MR was registered with.
 func (m *MemoryRegion) Access() Access { return m.access }
@@ -239,24 +252,24 @@ func (m *MemoryRegion) PD() *ProtectionDomain { return m.pd }
 // exceeds Len, or n does not fit an SGE's 32-bit length; the SGE is then
 // zero.
 func (m *MemoryRegion) SGE(off, n int) (SGE, error) {
-	l := m.mr.Len()
+	l := m.length
 	if off < 0 || n < 0 || off > l || n > l-off || uint64(n) > math.MaxUint32 {
 		return SGE{}, fmt.Errorf("verbs: sge of %d bytes at offset %d: outside the memory region (lkey %#x, %d bytes): %w",
-			n, off, m.mr.LKey(), l, syscall.EINVAL)
+			n, off, m.lkey, l, syscall.EINVAL)
 	}
-	return SGE{Addr: m.mr.Addr() + uint64(off), Length: uint32(n), LKey: m.mr.LKey()}, nil
+	return SGE{Addr: m.addr + uint64(off), Length: uint32(n), LKey: m.lkey}, nil
 }
 
 // All returns one SGE covering the whole MR. An SGE's length has 32 bits:
 // for an MR of 4 GiB or more, All covers its first 4 GiB - 1 bytes (use
 // SGE for the rest).
 func (m *MemoryRegion) All() SGE {
-	return SGE{Addr: m.mr.Addr(), Length: uint32(min(uint64(m.mr.Len()), math.MaxUint32)), LKey: m.mr.LKey()}
+	return SGE{Addr: m.addr, Length: uint32(min(uint64(m.length), math.MaxUint32)), LKey: m.lkey}
 }
 
 // Remote returns what a peer needs to access the MR with RDMA operations.
 func (m *MemoryRegion) Remote() RemoteRegion {
-	return RemoteRegion{Addr: m.mr.Addr(), Len: uint64(m.mr.Len()), RKey: m.mr.RKey()}
+	return RemoteRegion{Addr: m.addr, Len: uint64(m.length), RKey: m.rkey}
 }
 
 // Close deregisters the MR, unpins Go memory and frees memory from Alloc.
