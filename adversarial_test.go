@@ -382,13 +382,6 @@ func TestAdversarialBytesAfterClose(t *testing.T) {
 	}
 }
 
-// closedOrFull reports whether err is what a post or poll racing with
-// Close may return: nil, ErrClosed, or ErrQueueFull (the queue filled up
-// before Close).
-func closedOrFull(err error) bool {
-	return err == nil || errors.Is(err, verbs.ErrClosed) || errors.Is(err, verbs.ErrQueueFull)
-}
-
 // TestAdversarialCloseUnderLoad closes a queue pair while goroutines post
 // to it with every kind of call, then its CQ while goroutines poll and
 // wait on it: every call fails with ErrClosed once the object is closed
