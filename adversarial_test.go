@@ -656,3 +656,80 @@ func TestAdversarialZeroBatch(t *testing.T) {
 		}()
 	}
 }
+
+// TestAdversarialCloseAHAndSRQUnderLoad closes an address handle while
+// goroutines send datagrams to it (one at a time and in batches), and an
+// SRQ while goroutines post receives to it: every call returns nil,
+// ErrQueueFull or ErrClosed (never another error, a panic, or a
+// destroyed AH reaching the provider), and once closed, ErrClosed.
+func TestAdversarialCloseAHAndSRQUnderLoad(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	cq := a.NewCQ(t, verbs.CQSpec{Entries: 8192})
+	qa := a.NewUD(t, verbs.QPSpec{SendCQ: cq, SignalAll: true, MaxSendWR: 1024})
+	qb := b.NewUD(t, verbs.QPSpec{})
+	src := a.Alloc(t, 64, verbs.AccessLocalWrite)
+	dst := b.Alloc(t, 4096, verbs.AccessLocalWrite)
+	ah, err := qa.AddressHandleTo(verbstest.Endpoint(t, qb))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srq, err := b.PD.NewSharedReceiveQueue(verbs.SRQSpec{MaxWR: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	to := verbs.Destination{AH: ah, QPN: qb.QPN(), QKey: verbs.DefaultQKey}
+	sge := verbstest.SGE(t, src, 0, 8)
+	ctx := advCtx(t)
+	type result struct {
+		who string
+		err error
+	}
+	done := make(chan result, 8)
+	run := func(who string, f func() error) {
+		go func() {
+			for ctx.Err() == nil {
+				if err := f(); err != nil && !errors.Is(err, verbs.ErrQueueFull) {
+					done <- result{who, err}
+					return
+				}
+				runtime.Gosched()
+			}
+			done <- result{who, ctx.Err()}
+		}()
+	}
+	run("PostSend", func() error { return qa.PostSend(1, 0, to, sge) })
+	run("PostSendInline", func() error { return qa.PostSendInline(2, 0, to, []byte("dgram")) })
+	run("Batch", func() error {
+		bt := qa.NewBatch(4)
+		bt.Send(3, to, sge)
+		bt.SendInline(4, to, []byte("x"))
+		return bt.Submit()
+	})
+	run("SRQ PostRecv", func() error { return srq.PostRecv(5, verbstest.SGE(t, dst, 0, 64)) })
+	run("SRQ RecvBatch", func() error { rb := srq.NewRecvBatch(2); rb.Recv(6, verbstest.SGE(t, dst, 64, 64)); return rb.Submit() })
+	go func() { // drain the CQ so that posts keep going
+		wcs := make([]verbs.Completion, 64)
+		for ctx.Err() == nil {
+			if _, err := cq.Poll(wcs); err != nil {
+				return
+			}
+			runtime.Gosched()
+		}
+	}()
+	if _, err := verbstest.PollN(ctx, cq, 1); err != nil { // the senders are going
+		t.Fatal(err)
+	}
+	if err := ah.Close(); err != nil {
+		t.Fatalf("close ah under senders: %v", err)
+	}
+	if err := srq.Close(); err != nil {
+		t.Fatalf("close srq under posters: %v", err)
+	}
+	for range 5 {
+		r := <-done
+		if !errors.Is(r.err, verbs.ErrClosed) {
+			t.Errorf("%s racing with Close: %v, want ErrClosed", r.who, r.err)
+		}
+	}
+}
