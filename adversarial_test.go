@@ -733,3 +733,26 @@ func TestAdversarialCloseAHAndSRQUnderLoad(t *testing.T) {
 		}
 	}
 }
+
+// TestAdversarialAddressHandleFromClosedQP asks a closed UD queue pair
+// for an address handle: ErrClosed, not a new AH addressed from the
+// closed QP's port and GID.
+func TestAdversarialAddressHandleFromClosedQP(t *testing.T) {
+	verbstest.CheckLeaks(t)
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	qb := b.NewUD(t, verbs.QPSpec{})
+	q, err := a.PD.NewUDQueuePair(a.QPSpec(verbs.QPSpec{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	ah, err := q.AddressHandleTo(verbstest.Endpoint(t, qb))
+	if err == nil {
+		ah.Close()
+	}
+	if !errors.Is(err, verbs.ErrClosed) {
+		t.Errorf("AddressHandleTo of a closed UD queue pair: %v, want ErrClosed", err)
+	}
+}

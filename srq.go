@@ -199,6 +199,10 @@ func (pd *ProtectionDomain) NewAddressHandle(attr AHAttr) (*AddressHandle, error
 // AddressHandleTo creates an address handle that reaches the port of the
 // remote endpoint, addressed from q (its port and source GID).
 func (q *UDQueuePair) AddressHandleTo(remote Endpoint) (*AddressHandle, error) {
+	if !q.res.enter() {
+		return nil, q.res.errClosed("create ah")
+	}
+	defer q.res.exit()
 	if err := remote.Validate(); err != nil {
 		return nil, opErr("create ah", q.devNm, fmt.Errorf("%w: %w", err, syscall.EINVAL))
 	}
