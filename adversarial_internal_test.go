@@ -390,3 +390,62 @@ func TestAdversarialMRAfterClose(t *testing.T) {
 		t.Errorf("after Close: %+v, before: %+v", after, before)
 	}
 }
+
+type fakeChCtx struct {
+	fakeCtx
+	ch *fakeCh
+}
+
+func (c *fakeChCtx) CreateCompChannel() (prov.CompChannel, error) { return c.ch, nil }
+
+// fakeCh delivers the events pushed into it.
+type fakeCh struct{ events chan prov.CQ }
+
+func (ch *fakeCh) Wait(ctx context.Context) (prov.CQ, error) {
+	select {
+	case q := <-ch.events:
+		return q, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+func (ch *fakeCh) Close() error { return nil }
+
+// TestAdversarialChannelEventOfClosedCQ has a completion channel deliver
+// the event of a CQ that was closed after the provider queued it (the
+// event is acknowledged; the CQ left the channel), then the event of a
+// live CQ: Wait must return the live CQ, not fail the caller's wait loop
+// with an error about an unknown CQ.
+func TestAdversarialChannelEventOfClosedCQ(t *testing.T) {
+	fc := &fakeChCtx{fakeCtx: fakeCtx{cq: newGate(), qp: newGate(), g: newGate()}, ch: &fakeCh{events: make(chan prov.CQ, 2)}}
+	c, err := newContext(fc, prov.DeviceInfo{Name: "fake0"}, "fake")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ch, err := c.NewCompletionChannel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	gone, err := c.NewCompletionQueue(CQSpec{Channel: ch})
+	if err != nil {
+		t.Fatal(err)
+	}
+	live, err := c.NewCompletionQueue(CQSpec{Channel: ch})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer live.Close()
+	fc.ch.events <- gone.cq
+	if err := gone.Close(); err != nil {
+		t.Fatal(err)
+	}
+	fc.ch.events <- live.cq
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	got, err := ch.Wait(ctx)
+	if err != nil || got != live {
+		t.Errorf("Wait after the event of a closed CQ: %p, %v; want the live CQ %p", got, err, live)
+	}
+}

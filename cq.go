@@ -99,17 +99,20 @@ func (ch *CompletionChannel) Wait(ctx context.Context) (*CompletionQueue, error)
 	if ch.res.isClosed() {
 		return nil, ch.res.errClosed("wait for completion event")
 	}
-	pcq, err := ch.ch.Wait(ctx)
-	if err != nil {
-		if cerr := waitEnded(ctx, err); cerr != nil {
-			return nil, opErr("wait for completion event", ch.c.name, fmt.Errorf("%w: %w", ErrTimeout, cerr))
+	for {
+		pcq, err := ch.ch.Wait(ctx)
+		if err != nil {
+			if cerr := waitEnded(ctx, err); cerr != nil {
+				return nil, opErr("wait for completion event", ch.c.name, fmt.Errorf("%w: %w", ErrTimeout, cerr))
+			}
+			return nil, opErr("wait for completion event", ch.c.name, err)
 		}
-		return nil, opErr("wait for completion event", ch.c.name, err)
+		if v, ok := ch.cqs.Load(pcq); ok {
+			return v.(*CompletionQueue), nil
+		}
+		// The event of a CQ closed since: not an error of the channel,
+		// whose other CQs the caller waits for.
 	}
-	if v, ok := ch.cqs.Load(pcq); ok {
-		return v.(*CompletionQueue), nil
-	}
-	return nil, opErr("wait for completion event", ch.c.name, fmt.Errorf("event for an unknown cq"))
 }
 
 // waitEnded returns the context error that ended a wait that failed with
