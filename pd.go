@@ -220,7 +220,9 @@ func (pd *ProtectionDomain) RegisterDMABuf(fd int, offset uint64, length int, io
 
 // Bytes returns the registered memory (nil for a dma-buf MR). For an MR
 // from Alloc it is nil after Close, which unmaps the memory (its address
-// range may then be reused by other memory, another MR's for example).
+// range may then be reused by other memory, another MR's for example): a
+// slice taken before Close must not be used after it, as a slice of
+// memory from syscall.Mmap must not be after syscall.Munmap.
 func (m *MemoryRegion) Bytes() []byte {
 	if m.region != nil && m.res.isClosed() {
 		return nil
