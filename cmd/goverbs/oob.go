@@ -64,7 +64,11 @@ func (o *oobConn) withCtx(ctx context.Context) func() {
 
 // ctxErr prefers ctx's error over the I/O error it caused.
 func ctxErr(ctx context.Context, err error) error {
-	if cerr := ctx.Err(); cerr != nil {
+	cerr := ctx.Err()
+	if dl, ok := ctx.Deadline(); cerr == nil && ok && !time.Now().Before(dl) {
+		cerr = context.DeadlineExceeded // the socket's deadline fired first
+	}
+	if cerr != nil {
 		return fmt.Errorf("%w (%v)", cerr, err)
 	}
 	return err

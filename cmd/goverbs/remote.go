@@ -117,7 +117,10 @@ func (r *remote) agree(p peerParams) error {
 }
 
 func sizesString(s []int) string {
-	if len(s) == 1 {
+	switch len(s) {
+	case 0:
+		return "no sizes"
+	case 1:
 		return "-s " + strconv.Itoa(s[0])
 	}
 	return fmt.Sprintf("%d sizes from %d to %d", len(s), s[0], s[len(s)-1])

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"bytes"
+	"encoding/binary"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+)
+
+// hangGuard is how long an adversarial test waits for the command before
+// it declares a hang.
+const hangGuard = 30 * time.Second
+
+// startServer runs goverbs bench ... --server on 127.0.0.1:port in the
+// background; the returned function waits for it (failing the test after
+// hangGuard) and returns its result.
+func startServer(t *testing.T, port string, args ...string) func() cmdResult {
+	t.Helper()
+	done := make(chan cmdResult, 1)
+	go func() {
+		var o, e bytes.Buffer
+		st := run(append(append([]string{}, args...), "--server", "--bind", "127.0.0.1", "-p", port), &o, &e)
+		done <- cmdResult{st, o.String(), e.String()}
+	}()
+	return func() cmdResult {
+		t.Helper()
+		select {
+		case r := <-done:
+			return r
+		case <-time.After(hangGuard):
+			t.Fatalf("goverbs %s --server hangs", strings.Join(args, " "))
+			return cmdResult{}
+		}
+	}
+}
+
+// benchCfg is the configuration goverbs bench write -s 4K -n 50 -d soft0
+// parses to.
+func benchCfg(server bool, port int) benchConfig {
+	return benchConfig{op: "write", sizes: []int{4096}, iters: 50, dev: verbs.SoftDevice, batch: 16, cqMod: 16,
+		txDepth: 128, rxDepth: 512, inline: -1, server: server, host: "127.0.0.1", bind: "127.0.0.1", port: port,
+		timeout: hangGuard}
+}
+
+// frame builds an out-of-band frame header of type typ announcing n bytes.
+func frame(typ byte, n uint32) []byte {
+	b := make([]byte, 12)
+	copy(b, frameMagic)
+	b[4] = typ
+	binary.BigEndian.PutUint32(b[8:], n)
+	return b
+}
+
+// TestAdversarialServerGarbage: strangers sending garbage to a server
+// without a token make it fail with a clear error and exit status 1 (the
+// first client to connect is served; see the package documentation),
+// never panic or wait for more than --timeout.
+func TestAdversarialServerGarbage(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		send []byte
+		want string
+	}{
+		{"http", []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), "not a goverbs bench"},
+		{"other version", append([]byte("GVB9"), make([]byte, 8)...), "version 9"},
+		{"huge length", frame(frameHello, 1<<31), "malformed frame"},
+		{"nonzero padding", append(append([]byte("GVB1"), frameHello, 1, 0, 0), 0, 0, 0, 2), "malformed frame"},
+		{"half header", []byte("GVB1\x01"), "deadline exceeded"},
+		{"header then silence", frame(frameHello, 100), "deadline exceeded"},
+		{"header then close", frame(frameHello, 100), "reading hello"},
+		{"bad json", append(frame(frameHello, 5), "{{{{{"...), "malformed hello"},
+		{"wrong type", append(frame(frameSync, 2), "{}"...), "sent sync, want hello"},
+		{"empty hello", append(frame(frameHello, 2), "{}"...), "version 0"},
+		{"no sizes", append(frame(frameHello, 40), `{"version":1,"test":"write","sizes":[]} `...), "message sizes differ"},
+		{"error frame", append(frame(frameError, 4), "null"...), "the peer failed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			port := freePort(t)
+			wait := startServer(t, port, "bench", "write", "-d", verbs.SoftDevice, "-s", "4K", "-n", "50", "--timeout", "1s")
+			addr := "127.0.0.1:" + port
+			var c net.Conn
+			var err error
+			for deadline := time.Now().Add(hangGuard); ; time.Sleep(20 * time.Millisecond) {
+				if c, err = net.Dial("tcp", addr); err == nil || time.Now().After(deadline) {
+					break
+				}
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.Write(tc.send)
+			if tc.name == "header then close" {
+				c.Close()
+			}
+			srv := wait()
+			if srv.status != exitError || !strings.Contains(srv.stderr, tc.want) || strings.Contains(srv.stderr, "panic") {
+				t.Errorf("exit %d, stderr lacks %q:\n%s", srv.status, tc.want, srv.stderr)
+			}
+		})
+	}
+}
