@@ -2,8 +2,10 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"net"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -44,6 +46,73 @@ func benchCfg(server bool, port int) benchConfig {
 	return benchConfig{op: "write", sizes: []int{4096}, iters: 50, dev: verbs.SoftDevice, batch: 16, cqMod: 16,
 		txDepth: 128, rxDepth: 512, inline: -1, server: server, host: "127.0.0.1", bind: "127.0.0.1", port: port,
 		timeout: hangGuard}
+}
+
+// TestAdversarialSilentPeer: a peer that completes the parameter exchange
+// (a valid hello or welcome, a connected queue pair) and then says nothing
+// more must fail the other side after --timeout with a clear error, not
+// leave it waiting forever.
+func TestAdversarialSilentPeer(t *testing.T) {
+	args := []string{"bench", "write", "-d", verbs.SoftDevice, "-s", "4K", "-n", "50", "--timeout", "1s"}
+	t.Run("client", func(t *testing.T) {
+		port := freePort(t)
+		wait := startServer(t, port, args...)
+		p, _ := strconv.Atoi(port)
+		// The stranger: a real client's exchange, then silence.
+		r := &remote{cfg: benchCfg(false, p)}
+		defer r.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+		defer cancel()
+		var err error
+		if r.oob, err = dialOOB(ctx, "127.0.0.1:"+port, ""); err != nil {
+			t.Fatal(err)
+		}
+		r.closers = append(r.closers, r.oob.Close)
+		if err := r.setup(ctx); err != nil {
+			t.Fatal(err)
+		}
+		srv := wait()
+		if srv.status != exitError || !strings.Contains(srv.stderr, "waiting for sync") || !strings.Contains(srv.stderr, "deadline exceeded") {
+			t.Errorf("server with a silent client: exit %d, stderr:\n%s", srv.status, srv.stderr)
+		}
+	})
+	t.Run("server", func(t *testing.T) {
+		port := freePort(t)
+		p, _ := strconv.Atoi(port)
+		ready := make(chan struct{})
+		fake := make(chan error, 1)
+		r := &remote{cfg: benchCfg(true, p), server: true}
+		defer r.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+		defer cancel()
+		go func() {
+			var err error
+			r.oob, err = acceptOOB(ctx, "127.0.0.1:"+port, "", func(net.Addr) { close(ready) }, &bytes.Buffer{})
+			if err == nil {
+				r.closers = append(r.closers, r.oob.Close)
+				err = r.setup(ctx)
+			}
+			fake <- err
+		}()
+		<-ready
+		done := make(chan cmdResult, 1)
+		go func() {
+			var o, e bytes.Buffer
+			st := run(append(append([]string{}, args...), "-p", port, "127.0.0.1"), &o, &e)
+			done <- cmdResult{st, o.String(), e.String()}
+		}()
+		select {
+		case cli := <-done:
+			if cli.status != exitError || !strings.Contains(cli.stderr, "waiting for sync") || !strings.Contains(cli.stderr, "deadline exceeded") {
+				t.Errorf("client of a silent server: exit %d, stderr:\n%s", cli.status, cli.stderr)
+			}
+		case <-time.After(hangGuard):
+			t.Fatal("the client of a silent server hangs")
+		}
+		if err := <-fake; err != nil {
+			t.Fatalf("the fake server: %v", err)
+		}
+	})
 }
 
 // frame builds an out-of-band frame header of type typ announcing n bytes.

@@ -76,7 +76,8 @@
 // be the same on both sides (a difference fails both with a message naming
 // it); queue depths are each side's own. The client measures; both print
 // the client's rows. Every step of the exchange honours --timeout
-// (connecting and the parameter exchange) and SIGINT; a peer that stops
+// (connecting, the parameter exchange and each message between the
+// measurements) and SIGINT; a peer that stops
 // answering during the measurement fails the run after 10 s without
 // progress. The exchange does not depend on the provider: any device whose
 // queue pairs can reach each other's endpoints works.
@@ -85,7 +86,8 @@
 //	HOST            run the client side against the server on HOST
 //	-p, --port N    TCP port of the exchange (default 18515)
 //	--bind addr     address the server listens on (default: all)
-//	--timeout d     limit for connecting and exchanging parameters (1m)
+//	--timeout d     limit for connecting, exchanging parameters and each
+//	                message between the measurements (1m)
 //	--token secret  shared secret of server and client (default
 //	                $GOVERBS_BENCH_TOKEN, which keeps it out of ps)
 //

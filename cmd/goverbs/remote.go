@@ -263,6 +263,13 @@ func (r *remote) sync(ctx context.Context, send, want string, size int) error {
 }
 
 func (r *remote) expect(ctx context.Context, want string, size int) error {
+	if want != "done" {
+		// The peer answers at once: bound the wait by --timeout. Only the
+		// server's wait for done spans the client's measurement.
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, r.cfg.timeout)
+		defer cancel()
+	}
 	var m syncMsg
 	if err := r.oob.recv(ctx, frameSync, &m); err != nil {
 		return err
@@ -317,7 +324,9 @@ func (r *remote) runSize(ctx context.Context, size int) (resultMsg, error) {
 		if err := r.oob.send(ctx, frameSync, syncMsg{Phase: "ok", Size: size}); err != nil {
 			return res, err
 		}
-		if err := r.oob.recv(ctx, frameResult, &res); err != nil {
+		rctx, cancel := context.WithTimeout(ctx, cfg.timeout)
+		defer cancel()
+		if err := r.oob.recv(rctx, frameResult, &res); err != nil {
 			return res, err
 		}
 		if (res.BW == nil) == (res.Lat == nil) {
