@@ -173,3 +173,36 @@ func TestAdversarialServerGarbage(t *testing.T) {
 		})
 	}
 }
+
+// TestAdversarialUsage: a user's mistakes exit with status 2 and a
+// message, never a panic.
+func TestAdversarialUsage(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		msg  string
+	}{
+		{[]string{"bench", "write", "--lat", "-n", "9223372036854775807"}, "-n must be"},
+		{[]string{"bench", "send", "--lat", "-n", "4611686018427387904"}, "-n must be"},
+		{[]string{"bench", "read", "--lat", "-n", "4611686018427387904", "--server"}, "-n must be"},
+		{[]string{"bench", "write", "-p", "5", "127.0.0.1:18515"}, "-p"},
+		{[]string{"bench", "write", "[::1]:18515"}, "-p"},
+		{[]string{"bench", "write", "-s", "-4K"}, "invalid size"},
+		{[]string{"bench", "write", "-s", "9999999999999999999G"}, "invalid size"},
+		{[]string{"bench", "write", "--tx-depth", "-1"}, "--tx-depth must be at least 1"},
+		{[]string{"bench", "send", "--rx-depth", "0"}, "--rx-depth must be at least 1"},
+		{[]string{"bench", "write", "--server", "-p", "65536"}, "-p must be a TCP port"},
+		{[]string{"bench", "write", "--timeout", "-1s", "127.0.0.1"}, "--timeout must be positive"},
+		{[]string{"bench", "write", "--token", "x"}, "--token is for the two-process mode"},
+		{[]string{"coll", "-min", "64", "-max", "8"}, "-max (8) is below -min (64)"},
+		{[]string{"coll", "-p", "0"}, "-p must be between 2"},
+		{[]string{"coll", "-p", "100000"}, "-p must be between 2"},
+		{[]string{"coll", "-ops", "allreduce,frob"}, `unknown collective "frob"`},
+		{[]string{"coll", "-step", "3"}, "-step must be 2 or 4"},
+		{[]string{"coll", "-iters", "0"}, "-iters must be at least 1"},
+	} {
+		st, out, errs := runCmd(t, tc.args...)
+		if st != exitUsage || !strings.Contains(errs, tc.msg) {
+			t.Errorf("goverbs %q: status %d, want %d with %q\nstdout:\n%s\nstderr:\n%s", tc.args, st, exitUsage, tc.msg, out, errs)
+		}
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/signal"
 	"strconv"
@@ -54,6 +55,7 @@ const (
 	defaultLatIters = 1000
 	maxSweepShift   = 23 // --all: 2 .. 8 MiB
 	maxMessageSize  = 1 << 30
+	maxLatIters     = 1 << 26 // 512 MiB of latency samples
 )
 
 func runBench(args []string, stdout, stderr io.Writer) int {
@@ -99,6 +101,9 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return usageErr(stderr, "bench", "--server takes no HOST (%q): the server waits for the client", pos[1])
 	case len(pos) == 2:
 		cfg.host = pos[1]
+		if _, port, err := net.SplitHostPort(cfg.host); err == nil {
+			return usageErr(stderr, "bench", "HOST %q has a port: give the port with -p %s", cfg.host, port)
+		}
 	}
 	remote := cfg.server || cfg.host != ""
 	switch {
@@ -127,6 +132,9 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	}
 	if cfg.iters < 1 {
 		return usageErr(stderr, "bench", "-n must be at least 1, not %d", cfg.iters)
+	}
+	if cfg.lat && cfg.iters > maxLatIters {
+		return usageErr(stderr, "bench", "-n must be at most %d with --lat (every sample is kept), not %d", maxLatIters, cfg.iters)
 	}
 	if cfg.inline < -1 || cfg.inline > 1024 {
 		return usageErr(stderr, "bench", "-I must be between 0 and 1024 bytes, not %d", cfg.inline)
