@@ -206,3 +206,31 @@ func TestAdversarialUsage(t *testing.T) {
 		}
 	}
 }
+
+// TestAdversarialTokenSilentStrangers: strangers that open connections to
+// a server with --token and say nothing must not keep the real client
+// out: the server authenticates clients side by side, and drops the
+// silent ones after its authentication timeout.
+func TestAdversarialTokenSilentStrangers(t *testing.T) {
+	port := freePort(t)
+	const token = "s3cret"
+	args := []string{"bench", "write", "-d", verbs.SoftDevice, "-s", "4K", "-n", "50", "--token", token, "--timeout", "25s"}
+	wait := startServer(t, port, args...)
+	addr := "127.0.0.1:" + port
+	waitListening(t, addr)
+	for range 4 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+	}
+	st, out, errs := runCmd(t, append(args, "-p", port, "127.0.0.1")...)
+	srv := wait()
+	if st != 0 || srv.status != 0 {
+		t.Fatalf("client exit %d: %s%s\nserver exit %d: %s%s", st, out, errs, srv.status, srv.out, srv.stderr)
+	}
+	if _, rows := table(t, out); len(rows) != 1 {
+		t.Fatalf("client output:\n%s", out)
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"sync"
 	"syscall"
 	"time"
 )
@@ -202,21 +203,83 @@ func acceptOOB(ctx context.Context, addr, token string, ready func(net.Addr), lo
 	if ready != nil {
 		ready(l.Addr())
 	}
+	if token != "" {
+		return acceptToken(ctx, l, token, log)
+	}
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return nil, fmt.Errorf("waiting for a client on %s: %w", l.Addr(), ctxErr(ctx, err))
+	c, err := l.Accept()
+	if err != nil {
+		return nil, fmt.Errorf("waiting for a client on %s: %w", l.Addr(), ctxErr(ctx, err))
+	}
+	return &oobConn{c: c, peer: "client " + c.RemoteAddr().String()}, nil
+}
+
+// maxPending is how many clients a server with a token authenticates at
+// once; it closes those beyond at once.
+const maxPending = 8
+
+// acceptToken accepts clients on l and authenticates them side by side
+// (a stranger that says nothing must not keep the real client waiting)
+// until one proves the token.
+func acceptToken(ctx context.Context, l net.Listener, token string, log io.Writer) (*oobConn, error) {
+	log = &lockedWriter{w: log}
+	var wg sync.WaitGroup
+	ctx, cancel := context.WithCancel(ctx)
+	context.AfterFunc(ctx, func() { l.Close() })
+	defer func() {
+		cancel() // closes l and the clients still authenticating
+		wg.Wait()
+	}()
+	won := make(chan *oobConn, 1)
+	acceptErr := make(chan error, 1)
+	pending := make(chan struct{}, maxPending)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				acceptErr <- err
+				return
+			}
+			peer := "client " + c.RemoteAddr().String()
+			select {
+			case pending <- struct{}{}:
+			default:
+				c.Close()
+				fmt.Fprintf(log, "goverbs bench: dropped %s: %d clients are authenticating already\n", peer, maxPending)
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer func() { <-pending }()
+				closeOnEnd := context.AfterFunc(ctx, func() { c.Close() })
+				sc, err := secureServer(ctx, c, token)
+				if closeOnEnd() && err == nil {
+					select {
+					case won <- &oobConn{c: sc, peer: peer}:
+						return
+					default: // another client won
+					}
+				}
+				c.Close()
+				if err != nil && ctx.Err() == nil {
+					fmt.Fprintf(log, "goverbs bench: dropped %s: %v\n", peer, err)
+				}
+			}()
 		}
-		o := &oobConn{c: c, peer: "client " + c.RemoteAddr().String()}
-		if token == "" {
-			return o, nil
+	}()
+	select {
+	case o := <-won:
+		return o, nil
+	case err := <-acceptErr:
+		select {
+		case o := <-won:
+			o.Close()
+		default:
 		}
-		if o.c, err = secureServer(ctx, c, token); err == nil {
-			return o, nil
-		}
-		c.Close()
-		fmt.Fprintf(log, "goverbs bench: dropped %s: %v\n", o.peer, err)
+		return nil, fmt.Errorf("waiting for a client on %s: %w", l.Addr(), ctxErr(ctx, err))
 	}
 }
