@@ -199,6 +199,8 @@ func TestAdversarialUsage(t *testing.T) {
 		{[]string{"coll", "-ops", "allreduce,frob"}, `unknown collective "frob"`},
 		{[]string{"coll", "-step", "3"}, "-step must be 2 or 4"},
 		{[]string{"coll", "-iters", "0"}, "-iters must be at least 1"},
+		{[]string{"coll", "-iters", "9223372036854775807"}, "-iters must be at most"},
+		{[]string{"coll", "-lat-iters", "4611686018427387904"}, "-lat-iters must be at most"},
 	} {
 		st, out, errs := runCmd(t, tc.args...)
 		if st != exitUsage || !strings.Contains(errs, tc.msg) {

@@ -73,6 +73,7 @@ const (
 	p2pDepth         = 16       // writes in flight in the bandwidth test, at most
 	p2pInFlight      = 32 << 20 // bytes in flight in the bandwidth test, at most (2 writes at least)
 	collMaxRanks     = 256
+	collMaxIters     = 1 << 24 // -iters, -lat-iters: 128 MiB of samples
 	defaultCollIters = 20
 	defaultSettle    = 500 * time.Millisecond
 )
@@ -133,12 +134,16 @@ func runColl(args []string, stdout, stderr io.Writer) int {
 		return usageErr(stderr, "coll", "-p must be between 2 and %d, not %d", collMaxRanks, cfg.p)
 	case cfg.iters < 1:
 		return usageErr(stderr, "coll", "-iters must be at least 1, not %d", cfg.iters)
+	case cfg.iters > collMaxIters:
+		return usageErr(stderr, "coll", "-iters must be at most %d (every sample is kept), not %d", collMaxIters, cfg.iters)
 	case cfg.warmup < 0:
 		return usageErr(stderr, "coll", "-warmup must not be negative")
 	case cfg.settle < 0:
 		return usageErr(stderr, "coll", "-settle must not be negative")
 	case cfg.latIters < 1:
 		return usageErr(stderr, "coll", "-lat-iters must be at least 1, not %d", cfg.latIters)
+	case cfg.latIters > collMaxIters:
+		return usageErr(stderr, "coll", "-lat-iters must be at most %d (every sample is kept), not %d", collMaxIters, cfg.latIters)
 	case cfg.timeout <= 0:
 		return usageErr(stderr, "coll", "-timeout must be positive")
 	case cfg.chunk < 0 || cfg.slots < 0:
