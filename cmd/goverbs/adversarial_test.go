@@ -236,3 +236,37 @@ func TestAdversarialTokenSilentStrangers(t *testing.T) {
 		t.Fatalf("client output:\n%s", out)
 	}
 }
+
+// TestAdversarialTokenMismatch: a server and a client of which only one
+// has --token fail with messages that name the token, not TLS record
+// internals or a bare closed connection.
+func TestAdversarialTokenMismatch(t *testing.T) {
+	args := []string{"bench", "write", "-d", verbs.SoftDevice, "-s", "4K", "-n", "50", "--timeout", "5s"}
+	for _, tc := range []struct {
+		name                   string
+		server, client         []string
+		wantServer, wantClient string
+	}{
+		{"client only", nil, []string{"--token", "x"}, "with --token", "without --token"},
+		{"server only", []string{"--token", "x"}, nil, "dropped client", "--token"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			port := freePort(t)
+			wait := startServer(t, port, append(append([]string{}, args...), tc.server...)...)
+			waitListening(t, "127.0.0.1:"+port)
+			if len(tc.server) == 0 {
+				// waitListening's probe was the server's first client.
+				wait()
+				wait = startServer(t, port, append(append([]string{}, args...), tc.server...)...)
+			}
+			st, _, errs := runCmd(t, append(append(append([]string{}, args...), tc.client...), "-p", port, "127.0.0.1")...)
+			srv := wait()
+			if st != exitError || !strings.Contains(errs, tc.wantClient) {
+				t.Errorf("client: exit %d, stderr lacks %q:\n%s", st, tc.wantClient, errs)
+			}
+			if srv.status != exitError || !strings.Contains(srv.stderr, tc.wantServer) {
+				t.Errorf("server: exit %d, stderr lacks %q:\n%s", srv.status, tc.wantServer, srv.stderr)
+			}
+		})
+	}
+}

@@ -49,6 +49,9 @@ type oobConn struct {
 	peer string
 }
 
+// errClosed: the peer closed the connection.
+var errClosed = errors.New("the peer closed the connection")
+
 // errPeer is wrapped by the errors the peer reported in an error frame.
 var errPeer = errors.New("the peer failed")
 
@@ -102,13 +105,16 @@ func (o *oobConn) recv(ctx context.Context, want byte, v any) error {
 	var hdr [12]byte
 	if _, err := io.ReadFull(o.c, hdr[:]); err != nil {
 		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
-			return fmt.Errorf("waiting for %s from %s: the peer closed the connection", frameNames[want], o.peer)
+			return fmt.Errorf("waiting for %s from %s: %w", frameNames[want], o.peer, errClosed)
 		}
 		return fmt.Errorf("waiting for %s from %s: %w", frameNames[want], o.peer, ctxErr(ctx, err))
 	}
 	if string(hdr[:4]) != frameMagic {
 		if string(hdr[:3]) == frameMagic[:3] {
 			return fmt.Errorf("%s speaks version %d of the goverbs bench protocol, this is version %d", o.peer, hdr[3]-'0', frameMagic[3]-'0')
+		}
+		if hdr[0] == 0x16 && hdr[1] == 3 { // a TLS handshake record
+			return fmt.Errorf("%s speaks TLS: it runs with --token (or $%s); give this side the same token", o.peer, envBenchToken)
 		}
 		return fmt.Errorf("%s is not a goverbs bench (frame starts with %q, want %q)", o.peer, hdr[:4], frameMagic)
 	}

@@ -50,6 +50,10 @@ func tokenExchange(ctx context.Context, tc *tls.Conn, token string, server bool)
 	ctx, cancel := context.WithTimeout(ctx, authTimeout)
 	defer cancel()
 	if err := pintls.Handshake(ctx, tc, authTimeout); err != nil {
+		var rh tls.RecordHeaderError
+		if !server && errors.As(err, &rh) {
+			return nil, fmt.Errorf("the server does not speak TLS: does it run without --token? (%w)", err)
+		}
 		return nil, fmt.Errorf("TLS: %w", err)
 	}
 	b, err := pintls.Binding(tc, tokenLabel)

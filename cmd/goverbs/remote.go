@@ -212,6 +212,9 @@ func (r *remote) setup(ctx context.Context) error {
 			return err
 		}
 		if err := r.oob.recv(ctx, frameWelcome, &r.peer); err != nil {
+			if errors.Is(err, errClosed) && cfg.token == "" {
+				return fmt.Errorf("%w (a server with --token closes the connection of a client without it)", err)
+			}
 			return err
 		}
 		if err := r.agree(r.peer); err != nil {
