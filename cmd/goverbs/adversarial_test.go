@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"net"
+	"os"
+	"os/exec"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -269,4 +273,139 @@ func TestAdversarialTokenMismatch(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestAdversarialServerDiesMidRun: a server that goes away (its queue
+// pair, memory and connection closed) after it said ready fails the
+// client with an error, not a hang or a panic.
+func TestAdversarialServerDiesMidRun(t *testing.T) {
+	for _, op := range []string{"write", "read", "send"} {
+		t.Run(op, func(t *testing.T) {
+			port := freePort(t)
+			p, _ := strconv.Atoi(port)
+			cfg := benchCfg(true, p)
+			cfg.op = op
+			r := &remote{cfg: cfg, server: true}
+			defer r.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+			defer cancel()
+			ready := make(chan struct{})
+			fake := make(chan error, 1)
+			go func() {
+				var err error
+				r.oob, err = acceptOOB(ctx, "127.0.0.1:"+port, "", func(net.Addr) { close(ready) }, &bytes.Buffer{})
+				if err == nil {
+					r.closers = append(r.closers, r.oob.Close)
+					err = r.setup(ctx)
+				}
+				if err == nil {
+					err = r.expect(ctx, "start", 4096)
+				}
+				if err == nil {
+					err = r.oob.send(ctx, frameSync, syncMsg{Phase: "ready", Size: 4096})
+				}
+				r.Close() // the server dies
+				fake <- err
+			}()
+			<-ready
+			done := make(chan cmdResult, 1)
+			go func() {
+				var o, e bytes.Buffer
+				st := run([]string{"bench", op, "-d", verbs.SoftDevice, "-s", "4K", "-n", "50", "--timeout", "5s", "-p", port, "127.0.0.1"}, &o, &e)
+				done <- cmdResult{st, o.String(), e.String()}
+			}()
+			select {
+			case cli := <-done:
+				if cli.status != exitError || !strings.Contains(cli.stderr, op+" of 4096 bytes") || strings.Contains(cli.stderr, "panic") {
+					t.Errorf("client of a dying server: exit %d, stderr:\n%s", cli.status, cli.stderr)
+				}
+				t.Logf("client: %s", strings.TrimSpace(cli.stderr))
+			case <-time.After(hangGuard):
+				t.Fatal("the client of a dying server hangs")
+			}
+			if err := <-fake; err != nil {
+				t.Fatalf("the fake server: %v", err)
+			}
+		})
+	}
+}
+
+// TestAdversarialInterrupt: SIGINT ends a server waiting for its client
+// and a client waiting for a silent server (the test binary is goverbs
+// when GOVERBS_COLL_CHILD is set, see TestMain) with status 1 and a
+// message, not a hang or the default signal death.
+func TestAdversarialInterrupt(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0") // a server that accepts and says nothing
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if c, err := l.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+	silent := strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
+	for _, tc := range []struct {
+		name  string
+		args  []string
+		ready func(stderr *syncBuffer) bool
+	}{
+		{"server", []string{"--server", "--bind", "127.0.0.1", "-p", freePort(t)},
+			func(e *syncBuffer) bool { return strings.Contains(e.String(), "waiting for a client") }},
+		{"client", []string{"-p", silent, "127.0.0.1"},
+			func(*syncBuffer) bool { return len(accepted) > 0 }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cmd := exec.Command(exe, append([]string{"bench", "write", "-d", verbs.SoftDevice, "--timeout", "10m"}, tc.args...)...)
+			cmd.Env = append(os.Environ(), envCollChild+"=1")
+			var stderr syncBuffer
+			cmd.Stderr = &stderr
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			defer cmd.Process.Kill()
+			for deadline := time.Now().Add(hangGuard); !tc.ready(&stderr); time.Sleep(20 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("not ready: %s", stderr.String())
+				}
+			}
+			time.Sleep(100 * time.Millisecond) // into the blocking wait
+			cmd.Process.Signal(os.Interrupt)
+			waited := make(chan error, 1)
+			go func() { waited <- cmd.Wait() }()
+			select {
+			case err := <-waited:
+				var ee *exec.ExitError
+				if !errors.As(err, &ee) || ee.ExitCode() != exitError || !strings.Contains(stderr.String(), "context canceled") {
+					t.Errorf("after SIGINT: %v, stderr:\n%s", err, stderr.String())
+				}
+			case <-time.After(hangGuard):
+				t.Fatalf("SIGINT does not end goverbs bench: %s", stderr.String())
+			}
+		})
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a writer and a reader.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
