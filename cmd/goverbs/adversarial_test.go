@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"math"
 	"net"
 	"os"
 	"os/exec"
@@ -408,4 +409,55 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// TestAdversarialHelloOffsets: a hello whose offsets lie outside its
+// memory region, also by wrapping around 2^64, is refused in the
+// parameter exchange.
+func TestAdversarialHelloOffsets(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		dst, src uint64
+	}{
+		{"dst past the end", 1 << 40, 0},
+		{"dst wraps", math.MaxUint64 - 100, 0},
+		{"src wraps", 0, math.MaxUint64 - 100},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			port := freePort(t)
+			wait := startServer(t, port, "bench", "write", "-d", verbs.SoftDevice, "-s", "4K", "-n", "50", "--timeout", "5s")
+			p, _ := strconv.Atoi(port)
+			r := &remote{cfg: benchCfg(false, p)}
+			defer r.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+			defer cancel()
+			var err error
+			if r.oob, err = dialOOB(ctx, "127.0.0.1:"+port, ""); err != nil {
+				t.Fatal(err)
+			}
+			r.closers = append(r.closers, r.oob.Close)
+			if r.s, err = openSide("client", verbs.SoftDevice, r.cfg, 4096, &r.closers); err != nil {
+				t.Fatal(err)
+			}
+			if r.s.ep, err = r.s.qp.Endpoint(); err != nil {
+				t.Fatal(err)
+			}
+			hello, err := r.params()
+			if err != nil {
+				t.Fatal(err)
+			}
+			hello.DstOffset, hello.SrcOffset = tc.dst, tc.src
+			if err := r.oob.send(ctx, frameHello, hello); err != nil {
+				t.Fatal(err)
+			}
+			err = r.oob.recv(ctx, frameWelcome, &r.peer)
+			srv := wait()
+			if !errors.Is(err, errPeer) || !strings.Contains(err.Error(), "too small for its offsets") {
+				t.Errorf("welcome: %v, want the server's error", err)
+			}
+			if srv.status != exitError || !strings.Contains(srv.stderr, "too small for its offsets") {
+				t.Errorf("server: exit %d, stderr:\n%s", srv.status, srv.stderr)
+			}
+		})
+	}
 }

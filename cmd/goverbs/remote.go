@@ -110,10 +110,16 @@ func (r *remote) agree(p peerParams) error {
 		return fmt.Errorf("message sizes differ: the peer uses %s, this side %s: give both the same -s or --all", sizesString(p.Sizes), sizesString(cfg.sizes))
 	case p.Iters != cfg.iters:
 		return fmt.Errorf("iterations differ: the peer uses -n %d, this side -n %d", p.Iters, cfg.iters)
-	case p.Region.Len < p.DstOffset+uint64(slices.Max(p.Sizes)) || p.SrcOffset+uint64(slices.Max(p.Sizes)) > p.Region.Len:
+	case !fits(p.Region, p.DstOffset, slices.Max(p.Sizes)) || !fits(p.Region, p.SrcOffset, slices.Max(p.Sizes)):
 		return fmt.Errorf("the peer's memory region (%d bytes) is too small for its offsets", p.Region.Len)
 	}
 	return nil
+}
+
+// fits reports whether size bytes at off lie within r (off+size may
+// wrap around).
+func fits(r verbs.RemoteRegion, off uint64, size int) bool {
+	return off <= r.Len && r.Len-off >= uint64(size)
 }
 
 func sizesString(s []int) string {
