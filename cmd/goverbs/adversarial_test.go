@@ -411,17 +411,23 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// TestAdversarialHelloOffsets: a hello whose offsets lie outside its
-// memory region, also by wrapping around 2^64, is refused in the
+// TestAdversarialHello: a hello that passes the test's parameters but
+// lies about the client's memory region (offsets outside it, also by
+// wrapping around 2^64) or names its device with control characters
+// (which the server would print in its table) is refused in the
 // parameter exchange.
-func TestAdversarialHelloOffsets(t *testing.T) {
+func TestAdversarialHello(t *testing.T) {
 	for _, tc := range []struct {
-		name     string
-		dst, src uint64
+		name   string
+		mutate func(*peerParams)
+		want   string
 	}{
-		{"dst past the end", 1 << 40, 0},
-		{"dst wraps", math.MaxUint64 - 100, 0},
-		{"src wraps", 0, math.MaxUint64 - 100},
+		{"dst past the end", func(p *peerParams) { p.DstOffset = 1 << 40 }, "too small for its offsets"},
+		{"dst wraps", func(p *peerParams) { p.DstOffset = math.MaxUint64 - 100 }, "too small for its offsets"},
+		{"src wraps", func(p *peerParams) { p.SrcOffset = math.MaxUint64 - 100 }, "too small for its offsets"},
+		{"device escapes", func(p *peerParams) { p.Device = "soft0\x1b]0;owned\x07\x1b[2J" }, "device name"},
+		{"device newline", func(p *peerParams) { p.Device = "soft0\n 65536 1000 99999.99 99999.99 1.0" }, "device name"},
+		{"device long", func(p *peerParams) { p.Device = strings.Repeat("x", 1000) }, "device name"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			port := freePort(t)
@@ -446,17 +452,17 @@ func TestAdversarialHelloOffsets(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			hello.DstOffset, hello.SrcOffset = tc.dst, tc.src
+			tc.mutate(&hello)
 			if err := r.oob.send(ctx, frameHello, hello); err != nil {
 				t.Fatal(err)
 			}
 			err = r.oob.recv(ctx, frameWelcome, &r.peer)
 			srv := wait()
-			if !errors.Is(err, errPeer) || !strings.Contains(err.Error(), "too small for its offsets") {
+			if !errors.Is(err, errPeer) || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("welcome: %v, want the server's error", err)
 			}
-			if srv.status != exitError || !strings.Contains(srv.stderr, "too small for its offsets") {
-				t.Errorf("server: exit %d, stderr:\n%s", srv.status, srv.stderr)
+			if srv.status != exitError || !strings.Contains(srv.stderr, tc.want) || strings.ContainsAny(srv.out+srv.stderr, "\x1b\x07") {
+				t.Errorf("server: exit %d, want %q\nstdout:\n%q\nstderr:\n%q", srv.status, tc.want, srv.out, srv.stderr)
 			}
 		})
 	}

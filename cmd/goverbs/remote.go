@@ -9,8 +9,10 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
+	"unicode"
 
 	"github.com/goverbs/verbs"
 )
@@ -110,10 +112,20 @@ func (r *remote) agree(p peerParams) error {
 		return fmt.Errorf("message sizes differ: the peer uses %s, this side %s: give both the same -s or --all", sizesString(p.Sizes), sizesString(cfg.sizes))
 	case p.Iters != cfg.iters:
 		return fmt.Errorf("iterations differ: the peer uses -n %d, this side -n %d", p.Iters, cfg.iters)
+	case !deviceName(p.Device):
+		return fmt.Errorf("the peer's device name %q is not a device name", p.Device)
 	case !fits(p.Region, p.DstOffset, slices.Max(p.Sizes)) || !fits(p.Region, p.SrcOffset, slices.Max(p.Sizes)):
 		return fmt.Errorf("the peer's memory region (%d bytes) is too small for its offsets", p.Region.Len)
 	}
 	return nil
+}
+
+// deviceName reports whether the peer's device name is printable in a
+// table: at most 64 printable characters without spaces (the report
+// prints it; a control character could forge its rows or drive the
+// terminal).
+func deviceName(s string) bool {
+	return s != "" && len(s) <= 64 && !strings.ContainsFunc(s, func(r rune) bool { return !unicode.IsPrint(r) || unicode.IsSpace(r) })
 }
 
 // fits reports whether size bytes at off lie within r (off+size may
