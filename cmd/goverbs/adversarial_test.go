@@ -151,6 +151,8 @@ func TestAdversarialServerGarbage(t *testing.T) {
 		{"empty hello", append(frame(frameHello, 2), "{}"...), "version 0"},
 		{"no sizes", append(frame(frameHello, 40), `{"version":1,"test":"write","sizes":[]} `...), "message sizes differ"},
 		{"error frame", append(frame(frameError, 4), "null"...), "the peer failed"},
+		{"test escapes", append(frame(frameHello, 32), `{"version":1,"test":"\u001b[2J"}`...), "run both with the same test"},
+		{"error frame escapes", append(frame(frameError, 41), `{"error":"\u001b]0;owned\u0007\u001b[2J"}`...), `the peer failed: "\x1b]0;owned\a\x1b[2J"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			port := freePort(t)
@@ -172,7 +174,7 @@ func TestAdversarialServerGarbage(t *testing.T) {
 				c.Close()
 			}
 			srv := wait()
-			if srv.status != exitError || !strings.Contains(srv.stderr, tc.want) || strings.Contains(srv.stderr, "panic") {
+			if srv.status != exitError || !strings.Contains(srv.stderr, tc.want) || strings.Contains(srv.stderr, "panic") || strings.ContainsAny(srv.stderr, "\x1b\x07") {
 				t.Errorf("exit %d, stderr lacks %q:\n%s", srv.status, tc.want, srv.stderr)
 			}
 		})

@@ -8,9 +8,12 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
+	"unicode"
 )
 
 // Out-of-band exchange of a two-process bench (server and client), over
@@ -132,7 +135,7 @@ func (o *oobConn) recv(ctx context.Context, want byte, v any) error {
 		if err := json.Unmarshal(payload, &e); err != nil {
 			return fmt.Errorf("%w: malformed error message: %v", errPeer, err)
 		}
-		return fmt.Errorf("%w: %s", errPeer, e.Error)
+		return fmt.Errorf("%w: %s", errPeer, printable(e.Error))
 	}
 	if typ != want {
 		return fmt.Errorf("protocol error: %s sent %s, want %s", o.peer, frameNames[typ], frameNames[want])
@@ -142,6 +145,21 @@ func (o *oobConn) recv(ctx context.Context, want byte, v any) error {
 	}
 	return nil
 }
+
+// printable returns the peer's message s as it is if it is one line of
+// printable text, else quoted (a control character could drive the
+// terminal), and at most maxPeerMsg bytes of it.
+func printable(s string) string {
+	if len(s) > maxPeerMsg {
+		s = s[:maxPeerMsg] + "..."
+	}
+	if strings.ContainsFunc(s, func(r rune) bool { return !unicode.IsPrint(r) }) {
+		return strconv.Quote(s)
+	}
+	return s
+}
+
+const maxPeerMsg = 4096
 
 // fail tells the peer why this side gives up (best effort, bounded) and
 // returns err.

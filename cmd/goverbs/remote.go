@@ -107,7 +107,7 @@ func (r *remote) agree(p peerParams) error {
 	case p.Version != remoteVersion:
 		return fmt.Errorf("the peer speaks version %d of the bench parameters, this is version %d", p.Version, remoteVersion)
 	case p.Test != cfg.op || p.Lat != cfg.lat:
-		return fmt.Errorf("the peer runs the %s %s test, this side %s %s: run both with the same test", p.Test, mode(p.Lat), cfg.op, mode(cfg.lat))
+		return fmt.Errorf("the peer runs the %s %s test, this side %s %s: run both with the same test", printable(p.Test), mode(p.Lat), cfg.op, mode(cfg.lat))
 	case !slices.Equal(p.Sizes, cfg.sizes):
 		return fmt.Errorf("message sizes differ: the peer uses %s, this side %s: give both the same -s or --all", sizesString(p.Sizes), sizesString(cfg.sizes))
 	case p.Iters != cfg.iters:
@@ -296,7 +296,7 @@ func (r *remote) expect(ctx context.Context, want string, size int) error {
 		return err
 	}
 	if m.Phase != want || m.Size != size {
-		return fmt.Errorf("protocol error: %s sent %s for %d bytes, want %s for %d bytes", r.oob.peer, m.Phase, m.Size, want, size)
+		return fmt.Errorf("protocol error: %s sent %s for %d bytes, want %s for %d bytes", r.oob.peer, printable(m.Phase), m.Size, want, size)
 	}
 	return nil
 }
