@@ -111,7 +111,7 @@
 //	-s size         message size in bytes; K, M and G suffixes are binary
 //	                (default 65536 for bandwidth, 2 for latency)
 //	-n iters        iterations per size (default 5000 for bandwidth, 1000
-//	                for latency)
+//	                for latency, which keeps every sample: at most 2^26)
 //	--all           sweep sizes 2, 4, 8, ... 8M (2^1 to 2^23)
 //	--lat           measure latency instead of bandwidth
 //	-t, --tx-depth N  send requests kept outstanding (default 128)
