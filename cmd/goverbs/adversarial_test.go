@@ -193,6 +193,7 @@ func TestAdversarialUsage(t *testing.T) {
 		{[]string{"bench", "read", "--lat", "-n", "4611686018427387904", "--server"}, "-n must be"},
 		{[]string{"bench", "write", "-p", "5", "127.0.0.1:18515"}, "-p"},
 		{[]string{"bench", "write", "[::1]:18515"}, "-p"},
+		{[]string{"bench", "write", "--server", "--bind", "127.0.0.1:18515"}, "--bind \"127.0.0.1:18515\" has a port"},
 		{[]string{"bench", "write", "-s", "-4K"}, "invalid size"},
 		{[]string{"bench", "write", "-s", "9999999999999999999G"}, "invalid size"},
 		{[]string{"bench", "write", "--tx-depth", "-1"}, "--tx-depth must be at least 1"},

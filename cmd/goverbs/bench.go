@@ -101,8 +101,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return usageErr(stderr, "bench", "--server takes no HOST (%q): the server waits for the client", pos[1])
 	case len(pos) == 2:
 		cfg.host = pos[1]
-		if _, port, err := net.SplitHostPort(cfg.host); err == nil {
-			return usageErr(stderr, "bench", "HOST %q has a port: give the port with -p %s", cfg.host, port)
+		if hasPort(cfg.host) {
+			return usageErr(stderr, "bench", "HOST %q has a port: give the port with -p", cfg.host)
 		}
 	}
 	remote := cfg.server || cfg.host != ""
@@ -115,6 +115,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return usageErr(stderr, "bench", "--timeout must be positive, not %v", cfg.timeout)
 	case cfg.bind != "" && !cfg.server:
 		return usageErr(stderr, "bench", "--bind is for --server")
+	case hasPort(cfg.bind):
+		return usageErr(stderr, "bench", "--bind %q has a port: give the port with -p", cfg.bind)
 	case cfg.token != "" && !remote:
 		return usageErr(stderr, "bench", "--token is for the two-process mode (--server or HOST)")
 	}
@@ -194,6 +196,13 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return fail(stderr, "bench", err)
 	}
 	return exitOK
+}
+
+// hasPort reports whether a HOST or --bind address has a port, which
+// goes with -p.
+func hasPort(host string) bool {
+	_, _, err := net.SplitHostPort(host)
+	return err == nil
 }
 
 // parseSize parses a byte count with an optional binary suffix (K, M, G,
