@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"io"
 	"math"
 	"net"
 	"os"
@@ -469,4 +470,71 @@ func TestAdversarialHello(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestAdversarialTokenReplay: the bytes a real client sent to a server
+// with --token, replayed to another server with the same token, do not
+// authenticate: the session's keys, and so the proof, differ.
+func TestAdversarialTokenReplay(t *testing.T) {
+	const token = "replay-me"
+	args := []string{"bench", "write", "-d", verbs.SoftDevice, "-s", "4K", "-n", "20", "--token", token}
+	port := freePort(t)
+	wait := startServer(t, port, append(append([]string{}, args...), "--timeout", "25s")...)
+	waitListening(t, "127.0.0.1:"+port)
+	// A recording proxy between the client and the server.
+	pl, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pl.Close()
+	recorded := make(chan []byte, 1)
+	go func() {
+		c, err := pl.Accept()
+		if err != nil {
+			recorded <- nil
+			return
+		}
+		defer c.Close()
+		s, err := net.Dial("tcp", "127.0.0.1:"+port)
+		if err != nil {
+			recorded <- nil
+			return
+		}
+		defer s.Close()
+		go io.Copy(c, s)
+		var rec bytes.Buffer
+		io.Copy(io.MultiWriter(s, &rec), c)
+		recorded <- rec.Bytes()
+	}()
+	pport := strconv.Itoa(pl.Addr().(*net.TCPAddr).Port)
+	st, out, errs := runCmd(t, append(append([]string{}, args...), "--timeout", "25s", "-p", pport, "127.0.0.1")...)
+	if srv := wait(); st != 0 || srv.status != 0 {
+		t.Fatalf("through the proxy: client exit %d: %s%s\nserver exit %d: %s", st, out, errs, srv.status, srv.stderr)
+	}
+	var rec []byte
+	select {
+	case rec = <-recorded:
+	case <-time.After(hangGuard):
+		t.Fatal("the proxy hangs")
+	}
+	if len(rec) == 0 {
+		t.Fatal("nothing recorded")
+	}
+
+	port = freePort(t)
+	wait = startServer(t, port, append(append([]string{}, args...), "--timeout", "3s")...)
+	waitListening(t, "127.0.0.1:"+port)
+	c, err := net.Dial("tcp", "127.0.0.1:"+port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(hangGuard))
+	c.Write(rec)
+	io.Copy(io.Discard, c) // the server's handshake, then its close
+	srv := wait()
+	if srv.status != exitError || strings.Count(srv.stderr, "dropped client") < 2 || !strings.Contains(srv.stderr, "waiting for a client") {
+		t.Errorf("the replay was served, or not dropped: exit %d, stderr:\n%s", srv.status, srv.stderr)
+	}
+	t.Logf("server:\n%s", srv.stderr)
 }
