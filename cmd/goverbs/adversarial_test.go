@@ -538,3 +538,62 @@ func TestAdversarialTokenReplay(t *testing.T) {
 	}
 	t.Logf("server:\n%s", srv.stderr)
 }
+
+// TestAdversarialInterruptMidRun: SIGINT ends a client in the middle of
+// a long measurement (and the server, told by the client, with it), not
+// only in the exchanges around it.
+func TestAdversarialInterruptMidRun(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := freePort(t)
+	for _, tc := range [][]string{
+		{"bench", "write", "-s", "64", "-n", "1000000000"},
+		{"bench", "write", "--lat", "-n", "60000000"},
+		{"bench", "read", "--lat", "-n", "60000000"},
+		{"bench", "send", "--lat", "-n", "60000000"},
+	} {
+		t.Run(strings.Join(tc[1:], " "), func(t *testing.T) {
+			start := func(args ...string) (*exec.Cmd, *syncBuffer, *syncBuffer, chan error) {
+				cmd := exec.Command(exe, append(append(append([]string{}, tc...), "-d", verbs.SoftDevice, "-p", port, "--timeout", "10m"), args...)...)
+				cmd.Env = append(os.Environ(), envCollChild+"=1")
+				var stdout, stderr syncBuffer
+				cmd.Stdout, cmd.Stderr = &stdout, &stderr
+				if err := cmd.Start(); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { cmd.Process.Kill() })
+				waited := make(chan error, 1)
+				go func() { waited <- cmd.Wait() }()
+				return cmd, &stdout, &stderr, waited
+			}
+			_, _, srvErr, srvDone := start("--server", "--bind", "127.0.0.1")
+			cli, cliOut, cliErr, cliDone := start("127.0.0.1")
+			for deadline := time.Now().Add(hangGuard); !strings.Contains(cliOut.String(), "#bytes"); time.Sleep(20 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("the client did not start measuring:\n%s%s", cliOut.String(), cliErr.String())
+				}
+			}
+			time.Sleep(200 * time.Millisecond) // into the measurement
+			cli.Process.Signal(os.Interrupt)
+			// The server learns it from the client's error frame, or, in
+			// a ping-pong, as a peer that stopped answering.
+			for name, w := range map[string]struct {
+				done   chan error
+				stderr *syncBuffer
+				want   string
+			}{"client": {cliDone, cliErr, "context canceled"}, "server": {srvDone, srvErr, "goverbs bench: "}} {
+				select {
+				case err := <-w.done:
+					var ee *exec.ExitError
+					if !errors.As(err, &ee) || ee.ExitCode() != exitError || !strings.Contains(w.stderr.String(), w.want) || strings.Contains(w.stderr.String(), "panic") {
+						t.Errorf("%s after SIGINT: %v, stderr:\n%s", name, err, w.stderr.String())
+					}
+				case <-time.After(hangGuard):
+					t.Fatalf("SIGINT does not end the %s mid-run:\n%s", name, w.stderr.String())
+				}
+			}
+		})
+	}
+}

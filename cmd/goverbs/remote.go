@@ -70,6 +70,18 @@ type remote struct {
 	pathMTU   verbs.MTU
 	port      verbs.PortAttr
 	inline    int
+
+	// interrupt is ctx's error once it ended (SIGINT): the measurement
+	// loops, which do not block, check it.
+	interrupt atomic.Pointer[error]
+}
+
+// interrupted returns ctx's error once ctx ended.
+func (r *remote) interrupted() error {
+	if p := r.interrupt.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
 
 func (r *remote) Close() error {
@@ -147,6 +159,10 @@ func sizesString(s []int) string {
 // benchRemote runs the server or client side of cfg.
 func benchRemote(ctx context.Context, cfg benchConfig, w, log io.Writer) (err error) {
 	r := &remote{cfg: cfg, server: cfg.server}
+	defer context.AfterFunc(ctx, func() {
+		err := ctx.Err()
+		r.interrupt.Store(&err)
+	})()
 	defer func() {
 		if cerr := r.Close(); cerr != nil && err == nil {
 			err = cerr
@@ -423,6 +439,9 @@ func (r *remote) streamBW(size int) (bwResult, error) {
 	start := time.Now()
 	meter := newPeakMeter(start, iters, size)
 	for completed < iters {
+		if err := r.interrupted(); err != nil {
+			return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
+		}
 		progress := false
 		for posted < iters {
 			k := min(cfg.batch, iters-posted)
@@ -540,6 +559,9 @@ func (r *remote) writeLat(size int) (latResult, error) {
 	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := range n {
+		if err := r.interrupted(); err != nil {
+			return latResult{}, fmt.Errorf("%s latency, iteration %d: %w", r.cfg.op, i, err)
+		}
 		s.yield()
 		v := byte(i%255 + 1)
 		if r.server {
@@ -599,6 +621,9 @@ func (r *remote) waitByte(p *uint32, shift uint, v byte) error {
 			return nil
 		}
 		if spins&4095 == 0 {
+			if err := r.interrupted(); err != nil {
+				return err
+			}
 			if _, err := r.s.reap(); err != nil {
 				return err
 			}
@@ -624,6 +649,9 @@ func (r *remote) sendLat(size int) (latResult, error) {
 	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := range n {
+		if err := r.interrupted(); err != nil {
+			return latResult{}, fmt.Errorf("%s latency, iteration %d: %w", r.cfg.op, i, err)
+		}
 		s.yield()
 		if r.server {
 			if err := r.waitRecv(); err != nil {
@@ -662,6 +690,9 @@ func (r *remote) waitRecv() error {
 			return err
 		}
 		if n == 0 {
+			if err := r.interrupted(); err != nil {
+				return err
+			}
 			if err := wd.stalled(); err != nil {
 				return err
 			}
@@ -685,6 +716,9 @@ func (r *remote) readLat(size int) (latResult, error) {
 	clk := startTicks()
 	cgo0 := runtime.NumCgoCall()
 	for i := range n {
+		if err := r.interrupted(); err != nil {
+			return latResult{}, fmt.Errorf("%s latency, iteration %d: %w", r.cfg.op, i, err)
+		}
 		s.yield()
 		done := s.sendDone
 		t0 := cycles()
@@ -699,6 +733,9 @@ func (r *remote) readLat(size int) (latResult, error) {
 				return latResult{}, fmt.Errorf("read latency, iteration %d: %w", i, err)
 			}
 			if m == 0 {
+				if err := r.interrupted(); err != nil {
+					return latResult{}, err
+				}
 				if err := wd.stalled(); err != nil {
 					return latResult{}, err
 				}
@@ -720,6 +757,9 @@ func (r *remote) drain() error {
 			return err
 		}
 		if n == 0 {
+			if err := r.interrupted(); err != nil {
+				return err
+			}
 			if err := wd.stalled(); err != nil {
 				return err
 			}
