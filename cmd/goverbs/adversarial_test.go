@@ -220,8 +220,8 @@ func TestAdversarialUsage(t *testing.T) {
 
 // TestAdversarialTokenSilentStrangers: strangers that open connections to
 // a server with --token and say nothing must not keep the real client
-// out: the server authenticates clients side by side, and drops the
-// silent ones after its authentication timeout.
+// out: the server authenticates clients side by side, drops the oldest
+// past maxPending, and the silent ones after its authentication timeout.
 func TestAdversarialTokenSilentStrangers(t *testing.T) {
 	port := freePort(t)
 	const token = "s3cret"
@@ -229,7 +229,10 @@ func TestAdversarialTokenSilentStrangers(t *testing.T) {
 	wait := startServer(t, port, args...)
 	addr := "127.0.0.1:" + port
 	waitListening(t, addr)
-	for range 4 {
+	// As many strangers as the server authenticates at once, and more:
+	// the oldest are dropped as newer clients come (before, the real
+	// client was dropped while maxPending strangers said nothing).
+	for range maxPending + 2 {
 		c, err := net.Dial("tcp", addr)
 		if err != nil {
 			t.Fatal(err)

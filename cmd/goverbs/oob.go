@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -240,7 +241,7 @@ func acceptOOB(ctx context.Context, addr, token string, ready func(net.Addr), lo
 }
 
 // maxPending is how many clients a server with a token authenticates at
-// once; it closes those beyond at once.
+// once; past it, it drops the oldest.
 const maxPending = 8
 
 // acceptToken accepts clients on l and authenticates them side by side
@@ -257,7 +258,13 @@ func acceptToken(ctx context.Context, l net.Listener, token string, log io.Write
 	}()
 	won := make(chan *oobConn, 1)
 	acceptErr := make(chan error, 1)
-	pending := make(chan struct{}, maxPending)
+	// The clients authenticating, oldest first: past maxPending the
+	// oldest is dropped, so that strangers that say nothing cannot keep
+	// the real client out (they would have to connect faster than it
+	// completes its handshake). A dropped one is marked, and says so.
+	var mu sync.Mutex
+	var pending []net.Conn
+	dropped := map[net.Conn]bool{}
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -268,20 +275,26 @@ func acceptToken(ctx context.Context, l net.Listener, token string, log io.Write
 				return
 			}
 			peer := "client " + c.RemoteAddr().String()
-			select {
-			case pending <- struct{}{}:
-			default:
-				c.Close()
-				fmt.Fprintf(log, "goverbs bench: dropped %s: %d clients are authenticating already\n", peer, maxPending)
-				continue
+			mu.Lock()
+			if len(pending) == maxPending {
+				old := pending[0]
+				pending = pending[1:]
+				dropped[old] = true
+				old.Close()
 			}
+			pending = append(pending, c)
+			mu.Unlock()
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				defer func() { <-pending }()
 				closeOnEnd := context.AfterFunc(ctx, func() { c.Close() })
 				sc, err := secureServer(ctx, c, token)
-				if closeOnEnd() && err == nil {
+				mu.Lock()
+				pending = slices.DeleteFunc(pending, func(p net.Conn) bool { return p == c })
+				drop := dropped[c]
+				delete(dropped, c)
+				mu.Unlock()
+				if closeOnEnd() && err == nil && !drop {
 					select {
 					case won <- &oobConn{c: sc, peer: peer}:
 						return
@@ -289,7 +302,10 @@ func acceptToken(ctx context.Context, l net.Listener, token string, log io.Write
 					}
 				}
 				c.Close()
-				if err != nil && ctx.Err() == nil {
+				switch {
+				case drop:
+					fmt.Fprintf(log, "goverbs bench: dropped %s: %d newer clients are authenticating\n", peer, maxPending)
+				case err != nil && ctx.Err() == nil:
 					fmt.Fprintf(log, "goverbs bench: dropped %s: %v\n", peer, err)
 				}
 			}()
