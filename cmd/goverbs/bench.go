@@ -75,8 +75,9 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.txDepth, "tx-depth", 128, "send requests kept outstanding")
 	fs.IntVar(&cfg.txDepth, "t", 128, "same as --tx-depth")
 	fs.IntVar(&cfg.rxDepth, "rx-depth", 512, "receives kept posted (send test)")
-	fs.IntVar(&cfg.inline, "I", -1, "max inline data in `bytes` (perftest -I; default 64 for latency, 0 for bandwidth)")
-	fs.IntVar(&cfg.inline, "inline-size", -1, "same as -I")
+	cfg.inline = -1
+	fs.Var((*inlineFlag)(&cfg.inline), "I", "max inline data in `bytes` (perftest -I; auto: 64 for latency, 0 for bandwidth)")
+	fs.Var((*inlineFlag)(&cfg.inline), "inline-size", "same as -I, in `bytes`")
 	fs.IntVar(&cfg.timeoutExp, "u", 0, "QP ACK timeout `exponent`: 4.096 us * 2^N (perftest -u; default 14)")
 	fs.IntVar(&cfg.timeoutExp, "qp-timeout", 0, "same as -u")
 	mtu := fs.Int("mtu", 0, "path MTU in `bytes` (256..4096; default: the port's active MTU)")
@@ -283,3 +284,23 @@ func testName(op string) string {
 
 // errNoProgress is returned when the loopback stops making progress.
 var errNoProgress = errors.New("no progress")
+
+// inlineFlag is the value of -I: a number of bytes, or -1 (auto) when not
+// given, which the usage prints as "(default auto)", not -1.
+type inlineFlag int
+
+func (f *inlineFlag) String() string {
+	if f == nil || *f < 0 {
+		return "auto"
+	}
+	return strconv.Itoa(int(*f))
+}
+
+func (f *inlineFlag) Set(s string) error {
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		return errors.New("not a number of bytes")
+	}
+	*f = inlineFlag(n)
+	return nil
+}

@@ -402,6 +402,11 @@ func TestHelp(t *testing.T) {
 		if st, _, errs := runCmd(t, c, "-h"); st != 0 || !strings.Contains(errs, "usage: goverbs "+c) {
 			t.Errorf("%s -h: status %d, stderr:\n%s", c, st, errs)
 		}
+		// No sentinel shown as a default (-I printed "(default -1)"
+		// beside "default 64 for latency, 0 for bandwidth").
+		if strings.Contains(out, "(default -1)") {
+			t.Errorf("help %s shows a default of -1:\n%s", c, out)
+		}
 	}
 }
 

@@ -106,9 +106,15 @@ func (r *remote) params() (peerParams, error) {
 	}, nil
 }
 
-// agree checks that the peer runs the same test.
+// agree checks that the peer runs the same test. Its errors name the
+// sides (server, client), not "this side": the server's go to the
+// client too, which prints them.
 func (r *remote) agree(p peerParams) error {
 	cfg := r.cfg
+	me, peer := "the client", "the server"
+	if r.server {
+		me, peer = peer, me
+	}
 	mode := func(lat bool) string {
 		if lat {
 			return "latency (--lat)"
@@ -117,17 +123,17 @@ func (r *remote) agree(p peerParams) error {
 	}
 	switch {
 	case p.Version != remoteVersion:
-		return fmt.Errorf("the peer speaks version %d of the bench parameters, this is version %d", p.Version, remoteVersion)
+		return fmt.Errorf("%s speaks version %d of the bench parameters, %s version %d", peer, p.Version, me, remoteVersion)
 	case p.Test != cfg.op || p.Lat != cfg.lat:
-		return fmt.Errorf("the peer runs the %s %s test, this side %s %s: run both with the same test", printable(p.Test), mode(p.Lat), cfg.op, mode(cfg.lat))
+		return fmt.Errorf("%s runs the %s %s test, %s %s %s: run both with the same test", peer, printable(p.Test), mode(p.Lat), me, cfg.op, mode(cfg.lat))
 	case !slices.Equal(p.Sizes, cfg.sizes):
-		return fmt.Errorf("message sizes differ: the peer uses %s, this side %s: give both the same -s or --all", sizesString(p.Sizes), sizesString(cfg.sizes))
+		return fmt.Errorf("message sizes differ: %s uses %s, %s %s: give both the same -s or --all", peer, sizesString(p.Sizes), me, sizesString(cfg.sizes))
 	case p.Iters != cfg.iters:
-		return fmt.Errorf("iterations differ: the peer uses -n %d, this side -n %d", p.Iters, cfg.iters)
+		return fmt.Errorf("iterations differ: %s uses -n %d, %s -n %d", peer, p.Iters, me, cfg.iters)
 	case !deviceName(p.Device):
-		return fmt.Errorf("the peer's device name %q is not a device name", p.Device)
+		return fmt.Errorf("%s's device name %q is not a device name", peer, p.Device)
 	case !fits(p.Region, p.DstOffset, slices.Max(p.Sizes)) || !fits(p.Region, p.SrcOffset, slices.Max(p.Sizes)):
-		return fmt.Errorf("the peer's memory region (%d bytes) is too small for its offsets", p.Region.Len)
+		return fmt.Errorf("%s's memory region (%d bytes) is too small for its offsets", peer, p.Region.Len)
 	}
 	return nil
 }

@@ -126,7 +126,10 @@ func TestBenchTwoSidesMismatch(t *testing.T) {
 		{"size", []string{"bench", "write", "-s", "64"}, []string{"bench", "write", "-s", "128"}, "message sizes differ"},
 		{"test", []string{"bench", "write"}, []string{"bench", "send"}, "run both with the same test"},
 		{"mode", []string{"bench", "write", "--lat"}, []string{"bench", "write"}, "run both with the same test"},
-		{"iters", []string{"bench", "write", "-n", "10"}, []string{"bench", "write", "-n", "20"}, "iterations differ"},
+		// Both sides print the server's words: they name the sides
+		// (before: "the peer uses -n 20, this side -n 10", which the
+		// client printed as well).
+		{"iters", []string{"bench", "write", "-n", "10"}, []string{"bench", "write", "-n", "20"}, "iterations differ: the client uses -n 20, the server -n 10"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			srv, cli := runPair(t, append(tc.server, "-d", verbs.SoftDevice), append(tc.client, "-d", verbs.SoftDevice))
