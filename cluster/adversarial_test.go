@@ -1088,16 +1088,7 @@ func TestAdvLeafDiesInGather(t *testing.T) {
 			k1 := leaf(1)
 			k1.stopWatch()
 			k1.c.Close()
-			leaf2 := make(chan error, 1)
-			go func() {
-				typ, msg, err := k2.s.readMsg(k2.c, DefaultMaxFrame)
-				if err == nil && typ == recAbort {
-					err = fmt.Errorf("%w: %s", ErrAborted, msg)
-				} else if err == nil {
-					err = fmt.Errorf("the root answered rank 2 with a message of type %d (%d bytes)", typ, len(msg))
-				}
-				leaf2 <- err
-			}()
+			leaf2 := awaitAnswer(k2)
 			var rootErr, leafErr error
 			select {
 			case rootErr = <-root:
@@ -1122,6 +1113,22 @@ func TestAdvLeafDiesInGather(t *testing.T) {
 			t.Log(leafErr)
 		})
 	}
+}
+
+// awaitAnswer reads the root's answer on a rank's connection k: an abort
+// becomes ErrAborted with the root's reason; anything else is an error.
+func awaitAnswer(k *conn) <-chan error {
+	ch := make(chan error, 1)
+	go func() {
+		typ, msg, err := k.s.readMsg(k.c, DefaultMaxFrame)
+		if err == nil && typ == recAbort {
+			err = fmt.Errorf("%w: %s", ErrAborted, msg)
+		} else if err == nil {
+			err = fmt.Errorf("the root answered with a message of type %d (%d bytes)", typ, len(msg))
+		}
+		ch <- err
+	}()
+	return ch
 }
 
 // TestAdvAbortReachesRankBeforeShare: in a rendezvous, a rank past its
@@ -1163,16 +1170,7 @@ func TestAdvAbortReachesRankBeforeShare(t *testing.T) {
 	}
 	k1.stopWatch()
 	k1.c.Close() // rank 1 dies after its share
-	leaf2 := make(chan error, 1)
-	go func() {
-		typ, msg, err := k2.s.readMsg(k2.c, DefaultMaxFrame)
-		if err == nil && typ == recAbort {
-			err = fmt.Errorf("%w: %s", ErrAborted, msg)
-		} else if err == nil {
-			err = fmt.Errorf("the root answered rank 2 with a message of type %d (%d bytes)", typ, len(msg))
-		}
-		leaf2 <- err
-	}()
+	leaf2 := awaitAnswer(k2)
 	select {
 	case err := <-root:
 		var xe *ExchangeError
