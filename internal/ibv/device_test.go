@@ -834,41 +834,48 @@ func TestZeroAlloc(t *testing.T) {
 		comps := make([]prov.Completion, 8)
 		var bad atomic.Value
 		full := 0
-		allocs := testing.AllocsPerRun(200, func() {
-			// rxe may publish a send completion before it retires the
-			// WQE from the send queue: a post right after it can find
-			// the queue full (seen in the VM tier with 64 slots, 90
-			// times in 201 batches once). Poll and post again; the
-			// error allocates nothing (TestQueueFull).
-			for k := 0; ; {
-				n, err := a.qp.PostSend(wrs[k:], sges)
-				if k += n; err == nil {
-					break
+		// testing.AllocsPerRun counts the process' allocations: other
+		// goroutines (the runtime's, earlier tests' leftovers) may
+		// allocate during a run (a CI rehearsal saw 1 per batch once). An allocation of the data path shows in
+		// every run; the best of three is the data path's.
+		allocs := 1.0
+		for try := 0; try < 3 && allocs != 0; try++ {
+			allocs = min(allocs, testing.AllocsPerRun(200, func() {
+				// rxe may publish a send completion before it retires the
+				// WQE from the send queue: a post right after it can find
+				// the queue full (seen in the VM tier with 64 slots, 90
+				// times in 201 batches once). Poll and post again; the
+				// error allocates nothing (TestQueueFull).
+				for k := 0; ; {
+					n, err := a.qp.PostSend(wrs[k:], sges)
+					if k += n; err == nil {
+						break
+					}
+					if !errors.Is(err, prov.ErrQueueFull) || full >= 1000 {
+						bad.Store(err)
+						return
+					}
+					full++
+					if _, err := a.cq.Poll(comps); err != nil {
+						bad.Store(err)
+						return
+					}
 				}
-				if !errors.Is(err, prov.ErrQueueFull) || full >= 1000 {
-					bad.Store(err)
-					return
+				for got := 0; got < 1; {
+					n, err := a.cq.Poll(comps)
+					if err != nil {
+						bad.Store(err)
+						return
+					}
+					got += n
 				}
-				full++
-				if _, err := a.cq.Poll(comps); err != nil {
-					bad.Store(err)
-					return
-				}
-			}
-			for got := 0; got < 1; {
-				n, err := a.cq.Poll(comps)
-				if err != nil {
-					bad.Store(err)
-					return
-				}
-				got += n
-			}
-		})
+			}))
+		}
 		if err := bad.Load(); err != nil {
 			t.Fatal(err)
 		}
 		if full > 0 {
-			t.Logf("the send queue was full %d times in 201 batches", full)
+			t.Logf("the send queue was full %d times", full)
 		}
 		if allocs != 0 {
 			t.Errorf("PostSend+Poll allocates %v per batch", allocs)

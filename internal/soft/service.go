@@ -423,12 +423,6 @@ func (s *service) addConn(c *conn) bool {
 	if s.closed {
 		return false
 	}
-	if c.inboundTCP() {
-		if s.remote >= maxRemoteConns {
-			return false
-		}
-		s.remote++
-	}
 	s.conns[c] = struct{}{}
 	s.pc.set(s.conns)
 	loops := []func(){c.readLoop, c.flushLoop}
@@ -472,12 +466,24 @@ func (s *service) addConn(c *conn) bool {
 	return true
 }
 
-// remoteFull reports whether the service holds maxRemoteConns TCP
-// connections it accepted.
-func (s *service) remoteFull() bool {
+// reserveRemote takes a place for a TCP connection being accepted, if
+// the service holds fewer than maxRemoteConns: before the handshake's
+// answer, so that a dialer told yes has one. removeConn gives it back
+// (or releaseRemote, if the connection is not added).
+func (s *service) reserveRemote() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.remote >= maxRemoteConns
+	if s.remote >= maxRemoteConns {
+		return false
+	}
+	s.remote++
+	return true
+}
+
+func (s *service) releaseRemote() {
+	s.mu.Lock()
+	s.remote--
+	s.mu.Unlock()
 }
 
 func (s *service) removeConn(c *conn) {
@@ -585,8 +591,12 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 	status := uint8(ackOK)
 	if want := handshakeMAC(&s.secret, labelDialer, &t); !macEqual(&want, &a.proof) {
 		status = ackBadSecret
-	} else if hl.kind == kindTCP && s.remoteFull() {
-		status = ackTooMany
+	}
+	reserved := false
+	if status == ackOK && hl.kind == kindTCP {
+		if reserved = s.reserveRemote(); !reserved {
+			status = ackTooMany
+		}
 	}
 	var acks *ackPage
 	if status == ackOK && hl.kind == kindUnix && len(fds) == 1 {
@@ -607,6 +617,9 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 	putHdr(aa[:], frAuthAck, authAckLen, 0)
 	putAuthAck(aa[hdrLen:], status)
 	if _, err := rw.Write(aa[:]); err != nil || status != ackOK {
+		if reserved {
+			s.releaseRemote()
+		}
 		nc.Close()
 		if shm != nil {
 			shm.close()
@@ -624,6 +637,9 @@ func (s *service) serveHandshake(nc net.Conn, localPID uint32) {
 	c.auth.ident, c.auth.t = a.ident, t
 	c.accepted = true
 	if !s.addConn(c) {
+		if reserved {
+			s.releaseRemote()
+		}
 		c.abandon()
 	}
 }
