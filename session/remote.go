@@ -656,7 +656,7 @@ func (s *Session) SendRegion(ctx context.Context, mr *verbs.MemoryRegion, off, n
 	if mr == nil || mr.Bytes() == nil {
 		return nil, fmt.Errorf("session: %s: %w: no memory (a dma-buf or closed region?)", op, ErrAccess)
 	}
-	if off < 0 || n <= 0 || off+n > len(mr.Bytes()) {
+	if off < 0 || n <= 0 || off > len(mr.Bytes()) || n > len(mr.Bytes())-off { // off+n may overflow
 		return nil, fmt.Errorf("session: %s: %w: %d bytes at %d of a region of %d", op, ErrOutOfBounds, n, off, len(mr.Bytes()))
 	}
 	if !grantable(access) {
