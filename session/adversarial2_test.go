@@ -1,9 +1,12 @@
 package session
 
 import (
+	"context"
 	"errors"
 	"math"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/goverbs/verbs"
 )
@@ -63,5 +66,62 @@ func TestAdv2SendRegionBounds(t *testing.T) {
 	}
 	if err := g.Revoke(ctx); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestAdv2ConfigNegative: a Config with a negative count, size, lease or
+// cap (or an invalid allocator) is refused by Listen and Dial with an
+// error naming the field. Before, a negative QueueDepth crashed the
+// process in Accept (makechan: size out of range), a negative Lease or
+// MaxMessage made the peer end the session for a protocol error (the
+// lease went out as 2^64 - 1 s), a negative MaxRequest lifted the cap
+// on the peer's requests, and a Listener with a negative MaxMemory
+// dropped every peer in silence while its Accept waited for ever.
+func TestAdv2ConfigNegative(t *testing.T) {
+	for _, tc := range []struct {
+		field string
+		cfg   Config
+	}{
+		{"QueueDepth", Config{QueueDepth: -1}},
+		{"MessageSize", Config{MessageSize: -1}},
+		{"ReceiveBuffers", Config{ReceiveBuffers: -1}},
+		{"MaxMessage", Config{MaxMessage: -1}},
+		{"Lease", Config{Lease: -time.Second}},
+		{"MaxGranted", Config{MaxGranted: -1}},
+		{"MaxRequest", Config{MaxRequest: -1}},
+		{"MaxMemory", Config{Allocator: AllocatorConfig{MaxMemory: -1}}},
+		{"ArenaSize", Config{Allocator: AllocatorConfig{ArenaSize: -4096}}},
+		{"MaxMemory", Config{Allocator: AllocatorConfig{ArenaSize: 8 << 20, MaxMemory: 4 << 20}}},
+	} {
+		t.Run(tc.field, func(t *testing.T) {
+			ctx := advCtx(t)
+			// A Listener with a good configuration, for the Dial.
+			good, err := Listen(ctx, "127.0.0.1:0", Config{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer good.Close()
+			l, err := Listen(ctx, "127.0.0.1:0", tc.cfg)
+			if err == nil {
+				l.Close()
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.field) {
+				t.Errorf("Listen with %s invalid: %v, want an error naming it", tc.field, err)
+			}
+			actx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			go func() {
+				if s, err := good.Accept(actx); err == nil {
+					s.Close()
+				}
+			}()
+			s, err := Dial(ctx, good.Addr().String(), tc.cfg)
+			if err == nil {
+				s.Close()
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.field) {
+				t.Errorf("Dial with %s invalid: %v, want an error naming it", tc.field, err)
+			}
+		})
 	}
 }

@@ -164,25 +164,9 @@ func NewAllocator(pd *verbs.ProtectionDomain, cfg AllocatorConfig) (*Allocator, 
 		return nil, errors.New("session: new allocator: nil protection domain")
 	}
 	page := os.Getpagesize()
-	size := cfg.ArenaSize
-	switch {
-	case size < 0:
-		return nil, fmt.Errorf("session: new allocator: negative ArenaSize %d", size)
-	case size == 0:
-		size = DefaultArenaSize
-	case size > math.MaxInt-page:
-		return nil, fmt.Errorf("session: new allocator: ArenaSize %d too large", size)
-	}
-	size = (size + page - 1) &^ (page - 1)
-	maxMem := cfg.MaxMemory
-	switch {
-	case maxMem < 0:
-		return nil, fmt.Errorf("session: new allocator: negative MaxMemory %d", maxMem)
-	case maxMem == 0:
-		maxMem = DefaultMaxMemory
-	}
-	if maxMem < int64(size) {
-		return nil, fmt.Errorf("session: new allocator: MaxMemory %d is below ArenaSize %d", maxMem, size)
+	size, maxMem, err := cfg.resolve(page)
+	if err != nil {
+		return nil, fmt.Errorf("session: new allocator: %w", err)
 	}
 	a := &Allocator{pd: pd, arenaSize: size, maxMemory: maxMem, page: page}
 	largest := 1 << (bits.Len(uint(size/4)) - 1) // size ≥ one page: ≥ 1 KiB
@@ -191,6 +175,32 @@ func NewAllocator(pd *verbs.ProtectionDomain, cfg AllocatorConfig) (*Allocator, 
 	}
 	a.classes = append(a.classes, &class{a: a, own: true})
 	return a, nil
+}
+
+// resolve returns the arena size (rounded up to page) and the memory cap
+// cfg selects, or why it is invalid.
+func (cfg AllocatorConfig) resolve(page int) (size int, maxMem int64, err error) {
+	size = cfg.ArenaSize
+	switch {
+	case size < 0:
+		return 0, 0, fmt.Errorf("negative ArenaSize %d", size)
+	case size == 0:
+		size = DefaultArenaSize
+	case size > math.MaxInt-page:
+		return 0, 0, fmt.Errorf("ArenaSize %d too large", size)
+	}
+	size = (size + page - 1) &^ (page - 1)
+	maxMem = cfg.MaxMemory
+	switch {
+	case maxMem < 0:
+		return 0, 0, fmt.Errorf("negative MaxMemory %d", maxMem)
+	case maxMem == 0:
+		maxMem = DefaultMaxMemory
+	}
+	if maxMem < int64(size) {
+		return 0, 0, fmt.Errorf("MaxMemory %d is below ArenaSize %d", maxMem, size)
+	}
+	return size, maxMem, nil
 }
 
 // PD returns the protection domain the arenas are registered in.

@@ -1,9 +1,15 @@
 package session
 
-import "time"
+import (
+	"fmt"
+	"os"
+	"time"
+)
 
 // Config configures a Listener or a Dial. The zero value is usable: every
-// field documents what its zero value means.
+// field documents what its zero value means. A negative count, size,
+// lease or cap (where the field gives it no meaning) makes Listen and
+// Dial fail.
 type Config struct {
 	// Token is the shared secret both sides must prove, over the
 	// handshake, before anything else is read or allocated (HMAC over
@@ -119,6 +125,36 @@ const (
 	defaultMaxGranted     = 256 << 20
 	defaultMaxRequest     = 64 << 20
 )
+
+// validate reports a field of c that no session can use: a negative
+// count, size, lease or cap (Keepalive, HandshakeTimeout and
+// MaxStrangers give negative values a meaning), or an invalid
+// Allocator. Before, a negative QueueDepth crashed the process in
+// Accept (makechan), a negative Lease or MaxMessage had the peer end the
+// session for a protocol error, and a negative MaxRequest lifted the cap
+// (TestAdv2ConfigNegative).
+func (c *Config) validate() error {
+	for _, f := range []struct {
+		name string
+		v    int64
+	}{
+		{"QueueDepth", int64(c.QueueDepth)},
+		{"MessageSize", int64(c.MessageSize)},
+		{"ReceiveBuffers", int64(c.ReceiveBuffers)},
+		{"MaxMessage", int64(c.MaxMessage)},
+		{"Lease", int64(c.Lease)},
+		{"MaxGranted", c.MaxGranted},
+		{"MaxRequest", c.MaxRequest},
+	} {
+		if f.v < 0 {
+			return fmt.Errorf("session: Config.%s is negative (%d)", f.name, f.v)
+		}
+	}
+	if _, _, err := c.Allocator.resolve(os.Getpagesize()); err != nil {
+		return fmt.Errorf("session: Config.Allocator: %w", err)
+	}
+	return nil
+}
 
 // withDefaults returns c with its zero fields set to their defaults.
 func (c Config) withDefaults() Config {

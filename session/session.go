@@ -126,6 +126,9 @@ var errSessionEnded = errors.New("session: ended")
 // session. It honours ctx until the session is set up; the session then
 // lives until Close or the peer's end.
 func Dial(ctx context.Context, addr string, cfg Config) (*Session, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
 	cfg = cfg.withDefaults()
 	c, err := dialCtrl(ctx, addr, &cfg)
 	if err != nil {
@@ -150,6 +153,9 @@ type Listener struct {
 
 // Listen listens for sessions on addr (host:port; port 0 picks one).
 func Listen(ctx context.Context, addr string, cfg Config) (*Listener, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
 	cfg = cfg.withDefaults()
 	if err := ctx.Err(); err != nil {
 		return nil, err
