@@ -1,6 +1,7 @@
 package session
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"math"
@@ -121,6 +122,73 @@ func TestAdv2ConfigNegative(t *testing.T) {
 			}
 			if err == nil || !strings.Contains(err.Error(), tc.field) {
 				t.Errorf("Dial with %s invalid: %v, want an error naming it", tc.field, err)
+			}
+		})
+	}
+}
+
+// TestAdv2LeaseBounds: a lease longer than the wire carries (a year),
+// math.MaxInt64 as "for ever" included, is a year, for RequestRemoteMR
+// and SendLocalMR alike: the region is granted and usable, and both
+// sessions live. Before, the peer ended the session for a protocol error
+// (lease of 9223372036854775807 ns), and a SendLocalMR's window was
+// closed at once (its timer, lease plus leaseGrace, overflowed).
+func TestAdv2LeaseBounds(t *testing.T) {
+	for _, lease := range []time.Duration{math.MaxInt64, math.MaxInt64 - leaseGrace/2, maxLease + 1, 10 * maxLease} {
+		t.Run(lease.String(), func(t *testing.T) {
+			a, b := pair(t, Config{})
+			ctx := advCtx(t)
+			src, err := b.Alloc(64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer src.Free()
+			copy(src.Bytes(), "leased")
+			t0 := time.Now()
+			r, err := b.RequestRemoteMR(ctx, 64, verbs.AccessRemoteWrite, lease)
+			if err != nil {
+				t.Fatalf("RequestRemoteMR with a lease of %v: %v", lease, err)
+			}
+			if d := r.Deadline().Sub(t0); d < maxLease-time.Minute || d > maxLease+time.Minute {
+				t.Errorf("the requested region's lease is %v, want a year", d)
+			}
+			if err := b.Write(ctx, r.All(), src.All()); err != nil {
+				t.Fatal(err)
+			}
+			if err := r.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			// Offered the other way, with the same lease.
+			mr, err := a.Alloc(64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer mr.Free()
+			g, err := a.SendLocalMR(ctx, mr, verbs.AccessRemoteWrite, lease)
+			if err != nil {
+				t.Fatalf("SendLocalMR with a lease of %v: %v", lease, err)
+			}
+			r, err = b.ReceiveRemoteMR(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d := r.Deadline().Sub(t0); d < maxLease-time.Minute || d > maxLease+time.Minute {
+				t.Errorf("the offered region's lease is %v, want a year", d)
+			}
+			// The window lives past the moment an overflowed timer
+			// fired: a write after it reaches the region.
+			time.Sleep(10 * time.Millisecond)
+			if err := b.Write(ctx, r.All(), src.All()); err != nil {
+				t.Fatalf("a write into the offered region: %v", err)
+			}
+			if !bytes.HasPrefix(mr.Bytes(), []byte("leased")) {
+				t.Fatal("the write did not reach the offered region")
+			}
+			if err := g.Revoke(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if a.Err() != nil || b.Err() != nil {
+				t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
 			}
 		})
 	}

@@ -82,7 +82,8 @@ type Config struct {
 	// holds at once; over it the oldest is dropped. 0: 64.
 	MaxStrangers int
 
-	// Lease is the default lease of granted memory. 0: 1 minute.
+	// Lease is the default lease of granted memory. 0: 1 minute. A
+	// lease is at most a year (a longer one is a year).
 	Lease time.Duration
 
 	// MaxGranted caps the bytes of this side's memory granted to the peer

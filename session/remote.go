@@ -39,9 +39,7 @@ func (s *Session) grant(mr LocalMR, access verbs.Access, lease time.Duration, se
 
 // grantBytes registers a window of mem (of mr, if valid) for the peer.
 func (s *Session) grantBytes(mem []byte, mr LocalMR, access verbs.Access, lease time.Duration, served bool) (*grantState, error) {
-	if lease <= 0 {
-		lease = s.cfg.Lease
-	}
+	lease = s.leaseOf(lease)
 	n := int64(len(mem))
 	a := &s.agent
 	a.mu.Lock()
@@ -88,6 +86,19 @@ func (s *Session) grantBytes(mem []byte, mr LocalMR, access verbs.Access, lease 
 		a.mu.Unlock()
 	})
 	return g, nil
+}
+
+// leaseOf is the lease a grant or request of lease gets: Config.Lease for
+// 0 (or less), at most maxLease, which is what the wire carries. Before,
+// a longer lease (math.MaxInt64 for "no end") went out as is and the
+// peer ended the session for a protocol error, and the granter's timer
+// (lease plus leaseGrace) overflowed and closed the window at once
+// (TestAdv2LeaseBounds).
+func (s *Session) leaseOf(lease time.Duration) time.Duration {
+	if lease <= 0 {
+		lease = s.cfg.Lease
+	}
+	return min(lease, maxLease)
 }
 
 // RemoteMR is memory of the peer this side may access: granted by the
@@ -529,7 +540,8 @@ func (s *Session) FetchAdd(ctx context.Context, dst RemoteSlice, add uint64) (ui
 }
 
 // RequestRemoteMR asks the peer's agent for n bytes of its memory with
-// access (remote read, write, atomic), for lease (0: Config.Lease). The
+// access (remote read, write, atomic), for lease (0: Config.Lease; a
+// lease is at most a year: a longer one is a year). The
 // memory is zeroed. It fails if the peer's caps refuse (ErrLimit).
 func (s *Session) RequestRemoteMR(ctx context.Context, n int, access verbs.Access, lease time.Duration) (*RemoteMR, error) {
 	if err := s.enter(&s.calls, "request remote region"); err != nil {
@@ -539,9 +551,7 @@ func (s *Session) RequestRemoteMR(ctx context.Context, n int, access verbs.Acces
 	if n <= 0 {
 		return nil, fmt.Errorf("session: request remote region: %w: %d bytes", ErrOutOfBounds, n)
 	}
-	if lease <= 0 {
-		lease = s.cfg.Lease
-	}
+	lease = s.leaseOf(lease)
 	r, err := s.call(ctx, "request remote region", ctrlMsg{typ: ctrlRequest, len: uint64(n), access: access, lease: lease})
 	if err != nil {
 		return nil, err
@@ -590,7 +600,8 @@ func (g *Grant) Revoke(ctx context.Context) error {
 
 // SendLocalMR grants the peer access to mr (at most what a window of
 // the region may allow: remote read, write, atomic) for lease (0:
-// Config.Lease); the peer's ReceiveRemoteMR returns it. mr stays this
+// Config.Lease; at most a year, as for RequestRemoteMR); the peer's
+// ReceiveRemoteMR returns it. mr stays this
 // side's: it must not be freed while granted (Revoke, or wait for the
 // lease or a hand-back). If ctx ends before the peer's agent answered,
 // the offer may have reached it: SendLocalMR then returns the Grant
@@ -615,9 +626,7 @@ func (s *Session) SendLocalMR(ctx context.Context, mr LocalMR, access verbs.Acce
 
 // offer grants mem (of mr, if valid) and offers it to the peer.
 func (s *Session) offer(ctx context.Context, op string, mem []byte, mr LocalMR, access verbs.Access, lease time.Duration) (*Grant, error) {
-	if lease <= 0 {
-		lease = s.cfg.Lease
-	}
+	lease = s.leaseOf(lease)
 	g, err := s.grantBytes(mem, mr, access, lease, false)
 	if err != nil {
 		return nil, fmt.Errorf("session: %s: %w", op, err)
