@@ -193,3 +193,45 @@ func TestAdv2LeaseBounds(t *testing.T) {
 		})
 	}
 }
+
+// TestAdv2PeerAllocatorLimit: a request the peer's allocator cannot serve
+// within its MaxMemory, and an offer the peer's full queue of offers
+// (maxQueued, not taken by ReceiveRemoteMR) cannot take, fail with
+// errors wrapping ErrLimit, and the session goes on. Before, both were
+// "session: refused", an unexported error nothing could match.
+func TestAdv2PeerAllocatorLimit(t *testing.T) {
+	a, b := pairWith(t, Config{Allocator: AllocatorConfig{MaxMemory: 8 << 20}}, Config{}, nil)
+	ctx := advCtx(t)
+	t.Run("request over MaxMemory", func(t *testing.T) {
+		_, err := b.RequestRemoteMR(ctx, 9<<20, verbs.AccessRemoteRead, 0)
+		if !errors.Is(err, ErrLimit) {
+			t.Fatalf("a request of 9 MiB of a peer whose allocator holds 8: %v, want ErrLimit", err)
+		}
+	})
+	t.Run("offers queue full", func(t *testing.T) {
+		mr, err := b.Alloc(64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer mr.Free()
+		var grants []*Grant
+		defer func() {
+			for _, g := range grants {
+				g.Revoke(ctx)
+			}
+		}()
+		for i := 0; ; i++ {
+			g, err := b.SendLocalMR(ctx, mr, verbs.AccessRemoteRead, 0)
+			if err != nil {
+				if !errors.Is(err, ErrLimit) || i != maxQueued {
+					t.Fatalf("offer %d to a peer that takes none: %v, want ErrLimit after %d", i, err, maxQueued)
+				}
+				break
+			}
+			grants = append(grants, g)
+		}
+	})
+	if a.Err() != nil || b.Err() != nil {
+		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
+	}
+}

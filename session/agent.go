@@ -376,7 +376,9 @@ func (s *Session) call(ctx context.Context, op string, m ctrlMsg) (ctrlMsg, erro
 func codeErr(r ctrlMsg) error {
 	var e error
 	switch r.code {
-	case errCodeLimit:
+	case errCodeLimit, errCodeBusy:
+		// Busy: the peer's queue of offers is full (maxQueued), a cap
+		// as much as its MaxGranted is.
 		e = ErrLimit
 	case errCodeAccess:
 		e = ErrAccess
@@ -531,7 +533,10 @@ func (s *Session) serveRequest(m ctrlMsg) (*grantState, uint8, error) {
 	}
 	mr, err := s.mem.Alloc(int(m.len))
 	if err != nil {
-		return nil, errCodeNoMemory, err
+		// The allocator's MaxMemory is a cap too: the requester sees
+		// ErrLimit (before, an unexported refusal:
+		// TestAdv2PeerAllocatorLimit).
+		return nil, memErrCode(err), err
 	}
 	clear(mr.Bytes()) // what it held before is not the peer's to see
 	g, err := s.grant(mr, m.access, m.lease, true)

@@ -27,7 +27,9 @@ var (
 	// revoked or handed back). Nothing was posted.
 	ErrLeaseExpired = errors.New("session: lease expired")
 	// ErrLimit: a configured cap (memory of an allocator, memory granted
-	// to or requested by the peer, message size) would be exceeded.
+	// to or requested by the peer, message size) would be exceeded, or
+	// the peer's queue of offered regions its application has not taken
+	// (ReceiveRemoteMR) is full.
 	ErrLimit = errors.New("session: limit exceeded")
 	// ErrAuth: the peer did not prove the shared token (or proved
 	// another one).
