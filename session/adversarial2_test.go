@@ -235,3 +235,55 @@ func TestAdv2PeerAllocatorLimit(t *testing.T) {
 		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
 	}
 }
+
+// TestAdv2RingOverrun: a peer that writes a message beyond its credits,
+// into the ring slot of a message the receiver still holds, ends the
+// session with ErrProtocol. Before, Receive returned it as a second
+// Message of the slot, of the held message's generation: the held one
+// read the new bytes, and the release of either invalidated both.
+func TestAdv2RingOverrun(t *testing.T) {
+	a, b := pair(t, Config{ReceiveBuffers: 2, MessageSize: 256})
+	ctx := advCtx(t)
+	for i := range 2 {
+		if err := a.Send(ctx, []byte{byte(i), 1, 2, 3}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	held, err := b.Receive(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Release()
+	m, err := b.Receive(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Release() // slot 0 is still held: no credit goes back
+	if a.dflow.has() {
+		t.Fatal("the sender has a credit with the receiver's first slot held")
+	}
+	// Message 2, to slot 0, as a peer that ignores its credits would.
+	buf, err := a.Alloc(dataHdr + 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer buf.Free()
+	putDataHdr(buf.Bytes(), dataEager, 0, 4)
+	copy(buf.Bytes()[dataHdr:], []byte{9, 9, 9, 9})
+	dst := verbs.RemoteAddr{Addr: a.peer.Ring.Addr + hdrAt, RKey: a.peer.Ring.RKey}
+	if err := a.data.WriteImm(ctx, dst, 0, buf.All().SGE()); err != nil {
+		t.Fatal(err)
+	}
+	m2, err := b.Receive(ctx)
+	if !errors.Is(err, ErrProtocol) {
+		t.Fatalf("a message into the slot of a held one: %v (%d bytes %v, the held one reads %v), want ErrProtocol", err, m2.Len(), m2.Bytes(), held.Bytes())
+	}
+	if !errors.Is(b.Err(), ErrProtocol) {
+		t.Fatalf("Err: %v, want ErrProtocol", b.Err())
+	}
+	select {
+	case <-a.Done():
+	case <-ctx.Done():
+		t.Fatal("the sending session did not end")
+	}
+}

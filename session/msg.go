@@ -726,6 +726,11 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	// again; a message's slot is busy until it is released.
 	s.rmu.Lock()
 	s.fifo = s.fifo[1:]
+	// A write into a slot whose message is still held: the peer sent
+	// beyond its credits. Before, the message came out as a second
+	// Message of the slot, of the same generation as the held one, whose
+	// bytes the write had changed (TestAdv2RingOverrun).
+	overrun := ok && s.busy[slot]
 	if err == nil {
 		// A message that arrived is the application's even if the
 		// queue pair broke since (the peer sent it, then closed: the
@@ -744,6 +749,9 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	}
 	if !ok {
 		return Message{}, s.protocol(fmt.Errorf("%w: message %d: a write of %d bytes with immediate %d (%v), for ring slot %d of %d bytes", ErrProtocol, n, rc.Len, rc.Imm, rc.HasImm, slot, s.slot))
+	}
+	if overrun {
+		return Message{}, s.protocol(fmt.Errorf("%w: message %d went to ring slot %d, whose message is not released: the peer sent beyond its credits", ErrProtocol, n, slot))
 	}
 	s.drflow.consumed.Add(1)
 	b := s.ring.Bytes()[int(slot)*s.slot+hdrAt : int(slot+1)*s.slot]
