@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"strings"
 	"testing"
@@ -285,5 +286,105 @@ func TestAdv2RingOverrun(t *testing.T) {
 	case <-a.Done():
 	case <-ctx.Done():
 		t.Fatal("the sending session did not end")
+	}
+}
+
+// freezeAgent stops s's agent from reading control messages (it waits
+// for s.cmu) until the returned function is called: s then acts as a
+// peer that sends control messages of its own making (sendCtrl) and
+// answers nothing.
+func freezeAgent(s *Session) (thaw func()) {
+	s.cmu.Lock()
+	return s.cmu.Unlock
+}
+
+// TestAdv2ForgedGrant: a peer that answers RequestRemoteMR with a grant
+// of another size or access than asked, or with what is not a grant,
+// breaks the protocol: the call fails with ErrProtocol (the session
+// ends) and returns no region. Before, the caller got a region of the
+// peer's choosing: 16 bytes for a request of 4096, read access for a
+// request of write, or (an acknowledgement in place of the grant) any
+// region its grant id named, one the application held already.
+func TestAdv2ForgedGrant(t *testing.T) {
+	const n = 4096
+	for _, tc := range []struct {
+		name   string
+		answer ctrlMsg
+	}{
+		{"shorter", ctrlMsg{typ: ctrlGrant, len: 16, access: verbs.AccessRemoteWrite}},
+		{"longer", ctrlMsg{typ: ctrlGrant, len: 1 << 40, access: verbs.AccessRemoteWrite}},
+		{"longer than an int", ctrlMsg{typ: ctrlGrant, len: math.MaxUint64, access: verbs.AccessRemoteWrite}},
+		{"other access", ctrlMsg{typ: ctrlGrant, len: n, access: verbs.AccessRemoteRead}},
+		{"more access", ctrlMsg{typ: ctrlGrant, len: n, access: verbs.AccessRemoteWrite | verbs.AccessRemoteAtomic}},
+		{"an acknowledgement", ctrlMsg{typ: ctrlAck}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, b := pair(t, Config{})
+			ctx := advCtx(t)
+			// A region the peer offered, which the application holds:
+			// the forged answer names its grant.
+			mr, err := a.Alloc(64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer mr.Free()
+			if _, err := a.SendLocalMR(ctx, mr, verbs.AccessRemoteRead, time.Hour); err != nil {
+				t.Fatal(err)
+			}
+			offered, err := b.ReceiveRemoteMR(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			thaw := freezeAgent(a)
+			defer thaw()
+			type res struct {
+				r   *RemoteMR
+				err error
+			}
+			done := make(chan res, 1)
+			go func() {
+				r, err := b.RequestRemoteMR(ctx, n, verbs.AccessRemoteWrite, time.Hour)
+				done <- res{r, err}
+			}()
+			var id uint64
+			waitFor(t, ctx, "the request", func() bool {
+				b.agent.mu.Lock()
+				defer b.agent.mu.Unlock()
+				for k, ch := range b.agent.waiters {
+					if ch != nil {
+						id = k
+						return true
+					}
+				}
+				return false
+			})
+			m := tc.answer
+			m.id, m.grant, m.lease = id, offered.grant, time.Hour
+			if m.typ == ctrlGrant {
+				m.addr, m.rkey = offered.region.Addr, offered.region.RKey
+			}
+			if _, err := a.sendCtrl(ctx, m); err != nil {
+				t.Fatal(err)
+			}
+			var r res
+			select {
+			case r = <-done:
+			case <-ctx.Done():
+				t.Fatal("RequestRemoteMR did not return")
+			}
+			if !errors.Is(r.err, ErrProtocol) || r.r != nil {
+				got := "no region"
+				if r.r != nil {
+					got = fmt.Sprintf("a region of %d bytes with access %v", r.r.region.Len, r.r.access)
+					if r.r == offered {
+						got += " (the one offered)"
+					}
+				}
+				t.Fatalf("a request of %d bytes with write access answered by %+v: %s, %v; want ErrProtocol", n, m, got, r.err)
+			}
+			if !errors.Is(b.Err(), ErrProtocol) {
+				t.Fatalf("Err: %v, want ErrProtocol", b.Err())
+			}
+		})
 	}
 }

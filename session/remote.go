@@ -556,6 +556,17 @@ func (s *Session) RequestRemoteMR(ctx context.Context, n int, access verbs.Acces
 	if err != nil {
 		return nil, err
 	}
+	if r.typ != ctrlGrant || r.len != uint64(n) || r.access != access {
+		// Not what was asked for: before, the caller got a region of
+		// another size or access than it asked for, or for an answer
+		// that was no grant, whatever region of the peer's its grant
+		// id named (TestAdv2ForgedGrant).
+		err := fmt.Errorf("%w: the peer answered a request for %d bytes with access %v with a message of type %d for %d bytes with access %v",
+			ErrProtocol, n, access, r.typ, r.len, r.access)
+		s.end(err)
+		s.ctl.close()
+		return nil, fmt.Errorf("session: request remote region: %w", err)
+	}
 	rm := s.lookupRemote(r.grant)
 	if rm == nil {
 		return nil, fmt.Errorf("session: request remote region: %w", ErrLeaseExpired)
