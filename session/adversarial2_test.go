@@ -388,3 +388,80 @@ func TestAdv2ForgedGrant(t *testing.T) {
 		})
 	}
 }
+
+// TestAdv2ControlWithoutMemory: with the application's allocator full
+// (every byte of its MaxMemory allocated), the agent still answers: a
+// request of the peer is refused with ErrLimit, a rendezvous message
+// this side has no memory for is dropped and the sender's Send fails
+// with ErrLimit, and once memory is freed a request is served. Before,
+// the agent took the buffers of its answers from that allocator: with
+// none to have, the answer (or fin) was lost, and the peer's call
+// waited for it until its context ended.
+func TestAdv2ControlWithoutMemory(t *testing.T) {
+	a, b := pairWith(t, Config{Allocator: AllocatorConfig{MaxMemory: 8 << 20}}, Config{}, nil)
+	ctx := advCtx(t)
+	var held []LocalMR
+	defer func() {
+		for _, m := range held {
+			m.Free()
+		}
+	}()
+	for {
+		m, err := a.Alloc(ctrlBufSize)
+		if err != nil {
+			if !errors.Is(err, ErrLimit) {
+				t.Fatal(err)
+			}
+			break
+		}
+		held = append(held, m)
+	}
+	// A hang guard per call: the calls must return well before.
+	call := func() (context.Context, context.CancelFunc) { return context.WithTimeout(ctx, 10*time.Second) }
+	t.Run("request", func(t *testing.T) {
+		cctx, cancel := call()
+		defer cancel()
+		r, err := b.RequestRemoteMR(cctx, 64, verbs.AccessRemoteWrite, 0)
+		if !errors.Is(err, ErrLimit) {
+			if r != nil {
+				r.Release(ctx)
+			}
+			t.Fatalf("a request of a peer whose allocator is full: %v, want ErrLimit", err)
+		}
+	})
+	t.Run("rendezvous", func(t *testing.T) {
+		cctx, cancel := call()
+		defer cancel()
+		errc := make(chan error, 1)
+		go func() {
+			m, err := a.Receive(cctx)
+			m.Release()
+			errc <- err
+		}()
+		err := b.Send(cctx, make([]byte, 100<<10))
+		if !errors.Is(err, ErrLimit) {
+			t.Errorf("a rendezvous to a peer whose allocator is full: %v, want ErrLimit", err)
+		}
+		if err := <-errc; !errors.Is(err, ErrLimit) {
+			t.Errorf("the receive of a rendezvous with the allocator full: %v, want ErrLimit", err)
+		}
+	})
+	for _, m := range held {
+		m.Free()
+	}
+	held = nil
+	t.Run("request after the memory is freed", func(t *testing.T) {
+		cctx, cancel := call()
+		defer cancel()
+		r, err := b.RequestRemoteMR(cctx, 64, verbs.AccessRemoteWrite, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := r.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if a.Err() != nil || b.Err() != nil {
+		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
+	}
+}

@@ -253,7 +253,7 @@ func (s *Session) repostCtrl(slot int) {
 // whether the message left (then it may reach the peer even if err is
 // not nil).
 func (s *Session) sendCtrl(ctx context.Context, m ctrlMsg) (posted bool, err error) {
-	buf, err := s.mem.Alloc(ctrlBufSize)
+	buf, err := s.cmem.Alloc(ctrlBufSize)
 	if err != nil {
 		return false, fmt.Errorf("session: agent: %w", err)
 	}
@@ -302,7 +302,7 @@ func (s *Session) postCtrlMsg(ctx context.Context, buf LocalMR, m ctrlMsg) (chan
 // that way over shared memory and 59.0 over unix sockets, 17.4 and 40.0
 // posted at once.
 func (s *Session) sendAsyncCtrl(m ctrlMsg) {
-	if buf, err := s.mem.Alloc(ctrlBufSize); err == nil {
+	if buf, err := s.cmem.Alloc(ctrlBufSize); err == nil {
 		if s.cflow.tryTake() {
 			h, err := s.postCtrlMsg(s.bg, buf, m)
 			if err == nil {

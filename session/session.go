@@ -65,6 +65,7 @@ type Session struct {
 	dev  *verbs.Context
 	pd   *verbs.ProtectionDomain
 	mem  *Allocator
+	cmem *Allocator // the buffers of the control messages this side sends
 	data *channel.Channel
 	agc  *channel.Channel // the agents' queue pair
 
@@ -400,6 +401,16 @@ func (s *Session) build(name string, cm bool) (err error) {
 		return err
 	}
 	if s.mem, err = NewAllocator(s.pd, cfg.Allocator); err != nil {
+		return err
+	}
+	// The control messages this side sends (answers, fins, releases)
+	// take buffers of an allocator of their own (an arena holds 256 of
+	// them): an application (or the peer's requests) that took all of
+	// Config.Allocator.MaxMemory left the agent no buffer for its
+	// answers, which were lost, and the peer's calls waited for them
+	// for ever, the regions granted for them held until their leases
+	// ended (TestAdv2ControlWithoutMemory).
+	if s.cmem, err = NewAllocator(s.pd, AllocatorConfig{ArenaSize: 256 * ctrlBufSize}); err != nil {
 		return err
 	}
 	if s.block, err = s.pd.Alloc(64, verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
@@ -783,6 +794,9 @@ func (s *Session) release() {
 	}
 	if s.mem != nil {
 		s.mem.Close()
+	}
+	if s.cmem != nil {
+		s.cmem.Close()
 	}
 	if s.pd != nil {
 		s.pd.Close()
