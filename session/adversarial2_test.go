@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -464,4 +465,53 @@ func TestAdv2ControlWithoutMemory(t *testing.T) {
 	if a.Err() != nil || b.Err() != nil {
 		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
 	}
+}
+
+// TestAdv2WithheldCredits: a peer that sends control messages in a loop
+// (releases of grants that do not exist, each refused) and reads the
+// answers but gives none of its receive buffers back (it learns the
+// credits the answers carry, and posts nothing again) breaks the flow
+// control: the session ends with ErrProtocol once maxOwed answers wait,
+// and what waits is bounded (no goroutine per answer). Before, each
+// answer waited for a credit in a goroutine of its own, with its buffer,
+// for the session's life: a peer could make this side hold any number.
+func TestAdv2WithheldCredits(t *testing.T) {
+	a, b := pair(t, Config{})
+	ctx := advCtx(t)
+	thaw := freezeAgent(a)
+	defer thaw()
+	g0, peak := runtime.NumGoroutine(), 0
+	sent := 0
+	for ; sent < maxOwed+4*ctrlBuffers && b.Err() == nil; sent++ {
+		// Credits of b's, as the answers (read, never reposted) tell.
+		for !a.cflow.has() && b.Err() == nil {
+			a.cflow.learn(b.crflow.reposted.Load())
+			select {
+			case <-ctx.Done():
+				t.Fatalf("no credit for release %d: %v", sent, ctx.Err())
+			default:
+				runtime.Gosched()
+			}
+		}
+		if b.Err() != nil {
+			break
+		}
+		if _, err := a.sendCtrl(ctx, ctrlMsg{typ: ctrlRelease, grant: uint64(1<<32 + sent)}); err != nil {
+			if b.Err() != nil {
+				break
+			}
+			t.Fatalf("release %d: %v", sent, err)
+		}
+		peak = max(peak, runtime.NumGoroutine()-g0)
+	}
+	if !errors.Is(b.Err(), ErrProtocol) {
+		t.Fatalf("after %d releases with no credit given back for the answers: Err %v, want ErrProtocol (%d more goroutines at the peak)", sent, b.Err(), peak)
+	}
+	if sent < maxOwed {
+		t.Fatalf("the session ended after %d releases, fewer than the %d answers that may wait: %v", sent, maxOwed, b.Err())
+	}
+	if peak > 4*ctrlBuffers {
+		t.Fatalf("%d more goroutines at the peak, for %d answers owed", peak, sent)
+	}
+	t.Logf("ended after %d releases (%d more goroutines at the peak): %v", sent, peak, b.Err())
 }

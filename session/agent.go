@@ -295,24 +295,100 @@ func (s *Session) postCtrlMsg(ctx context.Context, buf LocalMR, m ctrlMsg) (chan
 
 // sendAsyncCtrl sends m without waiting (answers of the agent, fins):
 // posted at once if a credit is free (its completion is awaited in the
-// background), else entirely in the background. An answer posted by the
-// agent itself leaves before the agent reads on; one left to a new
-// goroutine waited for that goroutine to run: RequestRemoteMR in a loop
-// (BenchmarkXprocRequest, five alternating runs, medians) took 23.8 µs
-// that way over shared memory and 59.0 over unix sockets, 17.4 and 40.0
-// posted at once.
+// background), else queued (owed) for a task that posts the queue in
+// order as credits come. An answer posted by the agent itself leaves
+// before the agent reads on; one left to a new goroutine waited for that
+// goroutine to run: RequestRemoteMR in a loop (BenchmarkXprocRequest,
+// five alternating runs, medians) took 23.8 µs that way over shared
+// memory and 59.0 over unix sockets, 17.4 and 40.0 posted at once.
 func (s *Session) sendAsyncCtrl(m ctrlMsg) {
-	if buf, err := s.cmem.Alloc(ctrlBufSize); err == nil {
-		if s.cflow.tryTake() {
-			h, err := s.postCtrlMsg(s.bg, buf, m)
-			if err == nil {
-				s.goTask(func() { s.awaitFor(s.bg, "agent", h, orphaned{buf: buf}) })
-			}
+	o := &s.owed
+	o.mu.Lock()
+	if len(o.q) == 0 && !o.running { // nothing owed goes before m
+		o.mu.Unlock()
+		if s.trySendCtrl(m) {
 			return
 		}
-		buf.Free()
+		o.mu.Lock()
 	}
-	s.goTask(func() { s.sendCtrl(s.bg, m) })
+	if len(o.q) >= maxOwed {
+		o.mu.Unlock()
+		err := fmt.Errorf("%w: the peer took none of this side's last %d control messages (it sends and gives no credit back)", ErrProtocol, maxOwed)
+		s.end(err)
+		s.ctl.close()
+		return
+	}
+	o.q = append(o.q, m)
+	if !o.running {
+		o.running = true
+		s.goTask(s.sendOwed)
+	}
+	o.mu.Unlock()
+}
+
+// owedCtrl is the control messages of this side waiting for a credit of
+// the peer's (sendAsyncCtrl), at most maxOwed of them: a peer that sends
+// requests (or releases of nothing) in a loop and gives no credit back
+// for the answers is a protocol violation. Before, each answer waited in
+// a goroutine of its own, with its buffer, without bound: 3000 releases
+// of such a peer left 2944 goroutines (TestAdv2WithheldCredits).
+type owedCtrl struct {
+	mu      sync.Mutex
+	q       []ctrlMsg
+	running bool // a task (sendOwed) posts q
+}
+
+// maxOwed bounds the control messages waiting for a credit. A peer that
+// follows the protocol is owed at most one answer per call of its own
+// in progress (and a fin per rendezvous it sends).
+const maxOwed = 1 << 14
+
+// trySendCtrl posts m if a buffer and a credit are free, and reports
+// whether it took it (posted, or lost with the session's end).
+func (s *Session) trySendCtrl(m ctrlMsg) bool {
+	buf, err := s.cmem.Alloc(ctrlBufSize)
+	if err != nil {
+		return false
+	}
+	if !s.cflow.tryTake() {
+		buf.Free()
+		return false
+	}
+	h, err := s.postCtrlMsg(s.bg, buf, m)
+	if err == nil {
+		s.goTask(func() { s.awaitFor(s.bg, "agent", h, orphaned{buf: buf}) })
+	}
+	return true
+}
+
+// sendOwed posts the owed control messages in order, each when a credit
+// is free, until none is left or the session ends (a task).
+func (s *Session) sendOwed() {
+	o := &s.owed
+	for {
+		o.mu.Lock()
+		if len(o.q) == 0 {
+			o.q, o.running = nil, false
+			o.mu.Unlock()
+			return
+		}
+		m := o.q[0]
+		o.q = o.q[1:]
+		o.mu.Unlock()
+		buf, err := s.cmem.Alloc(ctrlBufSize)
+		if err != nil {
+			continue // lost, as by a failed post
+		}
+		if err := s.cflow.take(s.bg, s.done); err != nil {
+			buf.Free()
+			return // the session ended
+		}
+		h, err := s.postCtrlMsg(s.bg, buf, m)
+		if err != nil {
+			return // the session ends
+		}
+		s.goTask(func() { s.awaitFor(s.bg, "agent", h, orphaned{buf: buf}) })
+	}
 }
 
 // call sends a request and waits for its answer.

@@ -104,6 +104,7 @@ type Session struct {
 	bgStop  context.CancelFunc
 	agentWG sync.WaitGroup // the agent and the watcher
 	tasks   tasks          // reapers, the agent's answers and revocations
+	owed    owedCtrl       // control messages waiting for a credit (sendAsyncCtrl)
 	leases  sync.WaitGroup // lease timers of grants: one per timer not stopped before it fired
 
 	ops     chan struct{}  // a token per request of the data queue pair in flight (QueueDepth)
