@@ -515,3 +515,38 @@ func TestAdv2WithheldCredits(t *testing.T) {
 	}
 	t.Logf("ended after %d releases (%d more goroutines at the peak): %v", sent, peak, b.Err())
 }
+
+// TestAdv2UnansweredCallsForgotten: calls to a peer that never answers
+// (here: acknowledgements, which the peer's agent takes and answers
+// with nothing), each cancelled once its request reached the peer, are
+// forgotten: the table of calls waiting for answers is empty after
+// them. Before, each left an entry (nil, for an answer that might come)
+// for the session's life.
+func TestAdv2UnansweredCallsForgotten(t *testing.T) {
+	a, b := pair(t, Config{})
+	ctx := advCtx(t)
+	const calls = 200
+	for i := range calls {
+		read := a.crflow.consumed.Load()
+		cctx, cancel := context.WithCancel(ctx)
+		errc := make(chan error, 1)
+		go func() {
+			_, err := b.call(cctx, "test call", ctrlMsg{typ: ctrlAck})
+			errc <- err
+		}()
+		waitFor(t, ctx, "the peer's agent to read the call", func() bool { return a.crflow.consumed.Load() != read })
+		cancel()
+		if err := <-errc; !errors.Is(err, context.Canceled) {
+			t.Fatalf("call %d: %v, want context.Canceled", i, err)
+		}
+	}
+	b.agent.mu.Lock()
+	n := len(b.agent.waiters)
+	b.agent.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d calls of %d, cancelled with no answer, still wait for one", n, calls)
+	}
+	if a.Err() != nil || b.Err() != nil {
+		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
+	}
+}

@@ -20,7 +20,7 @@ import (
 // agentState is guarded by mu.
 type agentState struct {
 	mu      sync.Mutex
-	waiters map[uint64]chan ctrlMsg // request id → the caller waiting for its answer (nil: it gave up)
+	waiters map[uint64]chan ctrlMsg // request id → the caller waiting for its answer
 	fins    map[uint64]*finWait     // rendezvous id → what to free when the peer has read it
 	grants  map[uint64]*grantState  // grant id → memory of ours the peer may access
 	remotes map[uint64]*RemoteMR    // grant id → memory of the peer's we may access
@@ -406,9 +406,10 @@ func (s *Session) call(ctx context.Context, op string, m ctrlMsg) (ctrlMsg, erro
 	forget := func() {
 		a.mu.Lock()
 		_, waiting := a.waiters[m.id]
-		if waiting {
-			a.waiters[m.id] = nil // an answer that comes is then undone (answered)
-		}
+		// An answer that comes is then nobody's, and undone (handle).
+		// (Before, the entry stayed, nil, for the session's life if no
+		// answer came: TestAdv2UnansweredCallsForgotten.)
+		delete(a.waiters, m.id)
 		a.mu.Unlock()
 		if !waiting {
 			// The answer was routed to ch already (or is being): undo it.
