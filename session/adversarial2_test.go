@@ -351,11 +351,9 @@ func TestAdv2ForgedGrant(t *testing.T) {
 			waitFor(t, ctx, "the request", func() bool {
 				b.agent.mu.Lock()
 				defer b.agent.mu.Unlock()
-				for k, ch := range b.agent.waiters {
-					if ch != nil {
-						id = k
-						return true
-					}
+				for k := range b.agent.waiters {
+					id = k
+					return true
 				}
 				return false
 			})
@@ -545,6 +543,60 @@ func TestAdv2UnansweredCallsForgotten(t *testing.T) {
 	b.agent.mu.Unlock()
 	if n != 0 {
 		t.Fatalf("%d calls of %d, cancelled with no answer, still wait for one", n, calls)
+	}
+	if a.Err() != nil || b.Err() != nil {
+		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
+	}
+}
+
+// TestAdv2GrantLeaseFromRequest: the lease of a requested region counts,
+// on the requester's side, from its request, not from when its agent
+// took the grant: a grant that reached the requester's agent late (here:
+// after the granter's window had closed at the lease's end plus
+// leaseGrace) is refused by this side with ErrLeaseExpired, and the
+// session lives. Before, the lease counted from the grant's arrival, so
+// the region looked valid, the write went to a window already closed,
+// and the remote access error ended the session.
+func TestAdv2GrantLeaseFromRequest(t *testing.T) {
+	a, b := pair(t, Config{})
+	ctx := advCtx(t)
+	const lease = 50 * time.Millisecond
+	src, err := b.Alloc(64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Free()
+	thawA := freezeAgent(a)
+	type res struct {
+		r   *RemoteMR
+		err error
+	}
+	done := make(chan res, 1)
+	go func() {
+		r, err := b.RequestRemoteMR(ctx, 64, verbs.AccessRemoteWrite, lease)
+		done <- res{r, err}
+	}()
+	waitFor(t, ctx, "the request to reach the granter", func() bool { return b.cflow.sent.Load() != 0 })
+	thawB := freezeAgent(b) // the grant waits in b's queue
+	thawA()
+	waitFor(t, ctx, "the grant", func() bool {
+		a.agent.mu.Lock()
+		defer a.agent.mu.Unlock()
+		return a.agent.nextG != 0
+	})
+	waitFor(t, ctx, "the granter to close the window at the lease's end", func() bool {
+		a.agent.mu.Lock()
+		defer a.agent.mu.Unlock()
+		return len(a.agent.grants) == 0
+	})
+	thawB()
+	r := <-done
+	if r.err != nil {
+		if !errors.Is(r.err, ErrLeaseExpired) {
+			t.Fatalf("a request whose grant came after its lease: %v, want ErrLeaseExpired or a region", r.err)
+		}
+	} else if err := b.Write(ctx, r.r.All(), src.All()); !errors.Is(err, ErrLeaseExpired) {
+		t.Fatalf("a write into a region whose window the granter closed at the lease's end: %v, want ErrLeaseExpired", err)
 	}
 	if a.Err() != nil || b.Err() != nil {
 		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())

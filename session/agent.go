@@ -20,17 +20,28 @@ import (
 // agentState is guarded by mu.
 type agentState struct {
 	mu      sync.Mutex
-	waiters map[uint64]chan ctrlMsg // request id → the caller waiting for its answer
-	fins    map[uint64]*finWait     // rendezvous id → what to free when the peer has read it
-	grants  map[uint64]*grantState  // grant id → memory of ours the peer may access
-	remotes map[uint64]*RemoteMR    // grant id → memory of the peer's we may access
-	granted int64                   // bytes in grants
-	offers  []*RemoteMR             // regions the peer offered, for ReceiveRemoteMR
-	returns []returned              // regions handed back to us, for ReceiveLocalMR
-	changed chan struct{}           // closed (and replaced) when offers or returns grow
-	err     error                   // why the session ended
+	waiters map[uint64]waiter      // request id → the caller waiting for its answer
+	fins    map[uint64]*finWait    // rendezvous id → what to free when the peer has read it
+	grants  map[uint64]*grantState // grant id → memory of ours the peer may access
+	remotes map[uint64]*RemoteMR   // grant id → memory of the peer's we may access
+	granted int64                  // bytes in grants
+	offers  []*RemoteMR            // regions the peer offered, for ReceiveRemoteMR
+	returns []returned             // regions handed back to us, for ReceiveLocalMR
+	changed chan struct{}          // closed (and replaced) when offers or returns grow
+	err     error                  // why the session ended
 	nextG   uint64
 	sweepAt int // the size of remotes at which newRemote sweeps it next
+}
+
+// waiter is a call waiting for its answer.
+type waiter struct {
+	ch chan ctrlMsg
+	// at is when the call was made: the lease of a grant that answers
+	// it counts from then, as the granter's does from a moment after
+	// (before, from the grant's arrival, which a busy agent could take
+	// in later than the granter's window lived:
+	// TestAdv2GrantLeaseFromRequest).
+	at time.Time
 }
 
 // returned is a region of ours the peer handed back, for ReceiveLocalMR.
@@ -74,7 +85,7 @@ const maxQueued = 256
 const leaseGrace = 250 * time.Millisecond
 
 func (a *agentState) init() {
-	a.waiters = map[uint64]chan ctrlMsg{}
+	a.waiters = map[uint64]waiter{}
 	a.fins = map[uint64]*finWait{}
 	a.grants = map[uint64]*grantState{}
 	a.remotes = map[uint64]*RemoteMR{}
@@ -401,7 +412,7 @@ func (s *Session) call(ctx context.Context, op string, m ctrlMsg) (ctrlMsg, erro
 		a.mu.Unlock()
 		return ctrlMsg{}, s.fail(op, nil)
 	}
-	a.waiters[m.id] = ch
+	a.waiters[m.id] = waiter{ch: ch, at: time.Now()}
 	a.mu.Unlock()
 	forget := func() {
 		a.mu.Lock()
@@ -477,13 +488,13 @@ func codeErr(r ctrlMsg) error {
 func (s *Session) answered(m ctrlMsg) bool {
 	a := &s.agent
 	a.mu.Lock()
-	ch, ok := a.waiters[m.id]
+	w, ok := a.waiters[m.id]
 	delete(a.waiters, m.id)
 	a.mu.Unlock()
-	if !ok || ch == nil {
+	if !ok {
 		return false
 	}
-	ch <- m
+	w.ch <- m
 	return true
 }
 
@@ -506,7 +517,11 @@ func (s *Session) handle(m ctrlMsg) {
 		}
 		reply(ctrlMsg{typ: ctrlGrant, grant: g.id, addr: g.win.Addr(), len: uint64(g.n), rkey: g.win.RKey(), access: m.access, lease: m.lease})
 	case ctrlGrant:
-		r := s.newRemote(m)
+		a := &s.agent
+		a.mu.Lock()
+		at := a.waiters[m.id].at // zero if nobody waits: then now
+		a.mu.Unlock()
+		r := s.newRemote(m, at)
 		if !s.answered(m) {
 			// The caller gave up: give the memory back.
 			r.state.Store(remoteReleased)
@@ -522,7 +537,7 @@ func (s *Session) handle(m ctrlMsg) {
 			return
 		}
 		a.mu.Unlock()
-		r := s.newRemote(m)
+		r := s.newRemote(m, time.Time{})
 		a.mu.Lock()
 		a.offers = append(a.offers, r)
 		a.wakeLocked()

@@ -104,7 +104,8 @@ func (s *Session) leaseOf(lease time.Duration) time.Duration {
 // RemoteMR is memory of the peer this side may access: granted by the
 // peer's agent (RequestRemoteMR), or offered by the peer's application
 // (ReceiveRemoteMR). It is valid until its lease ends (by this side's
-// clock, from when the grant arrived), the peer revokes it, or it is
+// clock, from the request for a requested region, from when the offer
+// arrived for an offered one), the peer revokes it, or it is
 // released or handed back; then operations on it fail with
 // ErrLeaseExpired before anything is posted. A RemoteMR is safe for
 // concurrent use.
@@ -125,9 +126,14 @@ const (
 	remoteEnded // the session ended
 )
 
-func (s *Session) newRemote(m ctrlMsg) *RemoteMR {
+// newRemote records the region of a grant or an offer, whose lease counts
+// from since (zero: now).
+func (s *Session) newRemote(m ctrlMsg, since time.Time) *RemoteMR {
+	if since.IsZero() {
+		since = time.Now()
+	}
 	r := &RemoteMR{s: s, grant: m.grant, region: verbs.RemoteRegion{Addr: m.addr, Len: m.len, RKey: m.rkey},
-		access: m.access, deadline: time.Now().Add(m.lease)}
+		access: m.access, deadline: since.Add(m.lease)}
 	a := &s.agent
 	a.mu.Lock()
 	a.remotes[m.grant] = r
