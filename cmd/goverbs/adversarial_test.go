@@ -203,6 +203,9 @@ func TestAdversarialUsage(t *testing.T) {
 		{[]string{"bench", "write", "--timeout", "-1s", "127.0.0.1"}, "--timeout must be positive"},
 		{[]string{"bench", "write", "--token", "x"}, "--token is for the two-process mode"},
 		{[]string{"coll", "-min", "64", "-max", "8"}, "-max (8) is below -min (64)"},
+		// Every size below one element: an empty table and status 0 before.
+		{[]string{"coll", "-min", "1", "-max", "2", "-ops", "allreduce,barrier"}, "below one float32 element"},
+		{[]string{"coll", "-min", "4", "-max", "7", "-type", "float64"}, "below one float64 element"},
 		{[]string{"coll", "-p", "0"}, "-p must be between 2"},
 		{[]string{"coll", "-p", "100000"}, "-p must be between 2"},
 		{[]string{"coll", "-ops", "allreduce,frob"}, `unknown collective "frob"`},

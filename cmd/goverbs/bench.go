@@ -101,7 +101,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	case len(pos) == 2 && cfg.server:
 		return usageErr(stderr, "bench", "--server takes no HOST (%q): the server waits for the client", pos[1])
 	case len(pos) == 2:
-		cfg.host = pos[1]
+		cfg.host = unbracket(pos[1])
 		if hasPort(cfg.host) {
 			return usageErr(stderr, "bench", "HOST %q has a port: give the port with -p", cfg.host)
 		}
@@ -121,6 +121,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	case cfg.token != "" && !remote:
 		return usageErr(stderr, "bench", "--token is for the two-process mode (--server or HOST)")
 	}
+	cfg.bind = unbracket(cfg.bind)
 	cfg.op = pos[0]
 	switch cfg.op {
 	case "write", "read", "send":
@@ -197,6 +198,15 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return fail(stderr, "bench", err)
 	}
 	return exitOK
+}
+
+// unbracket returns an IPv6 address written in brackets ([::1], as in a
+// URL) without them: the port is joined to it later.
+func unbracket(host string) string {
+	if len(host) > 2 && host[0] == '[' && host[len(host)-1] == ']' {
+		return host[1 : len(host)-1]
+	}
+	return host
 }
 
 // hasPort reports whether a HOST or --bind address has a port, which

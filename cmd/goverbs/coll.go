@@ -172,6 +172,10 @@ func runColl(args []string, stdout, stderr io.Writer) int {
 	default:
 		return usageErr(stderr, "coll", "-type %q: want float32, float64, int32 or int64", cfg.dtype)
 	}
+	if e := elemBytes(cfg.dtype); hi < e && slices.ContainsFunc(cfg.ops, func(o string) bool { return o != "barrier" }) {
+		// Every size would be skipped: an empty table.
+		return usageErr(stderr, "coll", "-max (%d) is below one %s element (%d bytes)", hi, cfg.dtype, e)
+	}
 	if cfg.transport == "" {
 		cfg.transport = "shm"
 	}

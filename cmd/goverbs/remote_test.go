@@ -115,6 +115,31 @@ func slicesIndex(s []string, v string) int {
 	return -1
 }
 
+// TestBenchTwoSidesIPv6: a server bound to [::1] and a client of [::1]
+// (IPv6 addresses in brackets, as in a URL) run; before, both failed on
+// the address ("too many colons" / "missing port").
+func TestBenchTwoSidesIPv6(t *testing.T) {
+	ln, err := net.Listen("tcp", "[::1]:0")
+	if err != nil {
+		t.Skipf("no IPv6 loopback here: %v", err)
+	}
+	port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	ln.Close()
+	args := []string{"bench", "write", "-d", verbs.SoftDevice, "-s", "4K", "-n", "20", "-p", port, "--timeout", "30s"}
+	srvc := make(chan cmdResult, 1)
+	go func() {
+		var o, e bytes.Buffer
+		st := run(append(append([]string{}, args...), "--server", "--bind", "[::1]"), &o, &e)
+		srvc <- cmdResult{status: st, out: o.String(), stderr: e.String()}
+	}()
+	var o, e bytes.Buffer
+	st := run(append(append([]string{}, args...), "[::1]"), &o, &e)
+	srv := <-srvc
+	if st != exitOK || srv.status != exitOK {
+		t.Fatalf("client exit %d: %s%s\nserver exit %d: %s%s", st, o.String(), e.String(), srv.status, srv.out, srv.stderr)
+	}
+}
+
 // TestBenchTwoSidesMismatch: different parameters fail on both sides with
 // a message naming the difference, and nothing hangs.
 func TestBenchTwoSidesMismatch(t *testing.T) {
