@@ -602,3 +602,35 @@ func TestAdv2GrantLeaseFromRequest(t *testing.T) {
 		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
 	}
 }
+
+// TestAdv2QueueDepthTooLarge: a QueueDepth beyond what the device takes
+// fails the Dial with the device's refusal, having allocated little for
+// it. Before, the session allocated its QueueDepth records of posted
+// messages first (here 2^21 of them, about 180 MB; with 2^28 the
+// process ran out of memory before the device could refuse).
+func TestAdv2QueueDepthTooLarge(t *testing.T) {
+	ctx := advCtx(t)
+	l, err := Listen(ctx, "127.0.0.1:0", Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		if s, err := l.Accept(actx); err == nil {
+			s.Close()
+		}
+	}()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	s, err := Dial(ctx, l.Addr().String(), Config{QueueDepth: 1 << 21})
+	runtime.ReadMemStats(&after)
+	if err == nil {
+		s.Close()
+		t.Skip("the device takes queue pairs of 2^21 requests")
+	}
+	if d := after.TotalAlloc - before.TotalAlloc; d > 32<<20 {
+		t.Fatalf("a Dial the device refused (%v) allocated %d MB", err, d>>20)
+	}
+}

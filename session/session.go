@@ -264,10 +264,6 @@ func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Sessi
 		name = softDevice
 	}
 	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), turn: make(chan struct{}, 1), ops: make(chan struct{}, cfg.QueueDepth), pairs: make(chan struct{}, 1)}
-	s.pend = make(chan *pendSend, cfg.QueueDepth)
-	for range cfg.QueueDepth {
-		s.pend <- &pendSend{s: s}
-	}
 	s.turn <- struct{}{}
 	s.bg, s.bgStop = context.WithCancel(context.Background())
 	sess := s // s is nil once a failure is returned
@@ -318,6 +314,14 @@ func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Sessi
 		if err := s.acceptCM(ctx, wait); err != nil {
 			return nil, err
 		}
+	}
+	// The records of posted messages, once the device took queue pairs
+	// of QueueDepth: before, a QueueDepth far beyond what it takes
+	// (1<<28 for "no limit") had them allocated first, gigabytes of
+	// them, before the device refused (TestAdv2QueueDepthTooLarge).
+	s.pend = make(chan *pendSend, cfg.QueueDepth)
+	for range cfg.QueueDepth {
+		s.pend <- &pendSend{s: s}
 	}
 	// ready: both queue pairs of both sides are connected
 	var r struct{}
