@@ -634,3 +634,49 @@ func TestAdv2QueueDepthTooLarge(t *testing.T) {
 		t.Fatalf("a Dial the device refused (%v) allocated %d MB", err, d>>20)
 	}
 }
+
+// TestAdv2ConfigOverPeerLimits: a MessageSize or ReceiveBuffers over what
+// a peer accepts of the setup is refused by Listen and Dial with an
+// error naming the field. Before, the dialer's setup went out and the
+// peer refused it, so that Dial said only "the peer closed the session",
+// and a Listener so configured dropped every peer while Accept waited.
+func TestAdv2ConfigOverPeerLimits(t *testing.T) {
+	for _, tc := range []struct {
+		field string
+		cfg   Config
+	}{
+		{"MessageSize", Config{MessageSize: maxSlotSize - payOff + 1}},
+		{"MessageSize", Config{MessageSize: 1 << 30}},
+		{"ReceiveBuffers", Config{ReceiveBuffers: maxRecvBuffers + 1}},
+	} {
+		t.Run(tc.field, func(t *testing.T) {
+			ctx := advCtx(t)
+			l, err := Listen(ctx, "127.0.0.1:0", tc.cfg)
+			if err == nil {
+				l.Close()
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.field) {
+				t.Errorf("Listen with %s over the limit: %v, want an error naming it", tc.field, err)
+			}
+			good, err := Listen(ctx, "127.0.0.1:0", Config{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer good.Close()
+			actx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			go func() {
+				if s, err := good.Accept(actx); err == nil {
+					s.Close()
+				}
+			}()
+			s, err := Dial(ctx, good.Addr().String(), tc.cfg)
+			if err == nil {
+				s.Close()
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.field) {
+				t.Errorf("Dial with %s over the limit: %v, want an error naming it", tc.field, err)
+			}
+		})
+	}
+}

@@ -54,12 +54,13 @@ type Config struct {
 
 	// MessageSize is the size of each posted receive buffer: a message up
 	// to this size travels in one send (eager); larger ones go by
-	// rendezvous (the receiver reads them). 0: 64 KiB.
+	// rendezvous (the receiver reads them). 0: 64 KiB. At most 64 MiB
+	// less 64 bytes.
 	MessageSize int
 
 	// ReceiveBuffers is how many receive buffers each side posts, hence
 	// how many eager messages a sender may have outstanding (its
-	// credits). 0: 64.
+	// credits). 0: 64. At most 65536.
 	ReceiveBuffers int
 
 	// MaxMessage bounds a message (eager or rendezvous) this side
@@ -150,6 +151,15 @@ func (c *Config) validate() error {
 		if f.v < 0 {
 			return fmt.Errorf("session: Config.%s is negative (%d)", f.name, f.v)
 		}
+	}
+	// What the peer would refuse of the setup (setup.validate): before,
+	// the dialer learnt only that the peer closed the session, and a
+	// Listener's Accept dropped every peer (TestAdv2ConfigOverPeerLimits).
+	if c.MessageSize > maxSlotSize-payOff {
+		return fmt.Errorf("session: Config.MessageSize %d is over the largest a peer takes (%d)", c.MessageSize, maxSlotSize-payOff)
+	}
+	if c.ReceiveBuffers > maxRecvBuffers {
+		return fmt.Errorf("session: Config.ReceiveBuffers %d is over the most a peer takes (%d)", c.ReceiveBuffers, maxRecvBuffers)
 	}
 	if _, _, err := c.Allocator.resolve(os.Getpagesize()); err != nil {
 		return fmt.Errorf("session: Config.Allocator: %w", err)

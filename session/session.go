@@ -361,11 +361,18 @@ func exchange(ctx context.Context, c *ctrl, typ uint8, v, out any) error {
 	return nil
 }
 
+// The largest receive rings a side accepts of its peer: ReceiveBuffers,
+// and slots (MessageSize plus the header's room, payOff).
+const (
+	maxRecvBuffers = 1 << 16
+	maxSlotSize    = 64 << 20
+)
+
 func (p *setup) validate(endpoints bool) error {
 	switch {
-	case p.RecvBuffers < 1 || p.RecvBuffers > 1<<16:
+	case p.RecvBuffers < 1 || p.RecvBuffers > maxRecvBuffers:
 		return fmt.Errorf("%w: the peer posts %d receive buffers", ErrProtocol, p.RecvBuffers)
-	case p.SlotSize < hdrAt+rtsHdr || p.SlotSize > 64<<20:
+	case p.SlotSize < hdrAt+rtsHdr || p.SlotSize > maxSlotSize:
 		return fmt.Errorf("%w: the peer's receive buffers are %d bytes", ErrProtocol, p.SlotSize)
 	case p.CtrlBuffers < 2 || p.CtrlBuffers > 1<<12:
 		return fmt.Errorf("%w: the peer posts %d control buffers", ErrProtocol, p.CtrlBuffers)
