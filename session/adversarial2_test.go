@@ -680,3 +680,41 @@ func TestAdv2ConfigOverPeerLimits(t *testing.T) {
 		})
 	}
 }
+
+// TestAdv2SendSliceOtherAllocator: SendSlice and PostSendSlice of a
+// region of another session's allocator (its memory registered in
+// another protection domain) fail with ErrAccess, as Read and Write do,
+// eager or rendezvous, and the session goes on. Before, the eager send
+// failed on the device with a local protection error, which ended the
+// session.
+func TestAdv2SendSliceOtherAllocator(t *testing.T) {
+	a, b := pair(t, Config{MessageSize: 1024})
+	other, _ := pair(t, Config{})
+	ctx := advCtx(t)
+	for _, n := range []int{100, 4096} {
+		mr, err := other.Alloc(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer mr.Free()
+		if err := b.SendSlice(ctx, mr.All(), 0, false); !errors.Is(err, ErrAccess) {
+			t.Fatalf("SendSlice of %d bytes of another session's allocator: %v, want ErrAccess", n, err)
+		}
+		p, err := b.PostSendSlice(ctx, mr.All(), 0, false)
+		if !errors.Is(err, ErrAccess) {
+			p.Wait(ctx)
+			t.Fatalf("PostSendSlice of %d bytes of another session's allocator: %v, want ErrAccess", n, err)
+		}
+	}
+	if err := b.Send(ctx, []byte("still here")); err != nil {
+		t.Fatal(err)
+	}
+	m, err := a.Receive(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Release()
+	if string(m.Bytes()) != "still here" {
+		t.Fatalf("received %q", m.Bytes())
+	}
+}

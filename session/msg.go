@@ -335,13 +335,21 @@ func unhold(m LocalMR) {
 }
 
 // checkSlice checks a slice to send: the session is live, its region
-// not freed, its length within the peer's MaxMessage.
+// one of the session's allocator, not freed, its length within the
+// peer's MaxMessage.
 func (s *Session) checkSlice(data LocalSlice) error {
 	if err := s.live("send"); err != nil {
 		return err
 	}
-	if !data.MR().Valid() {
+	mr := data.MR().MemoryRegion()
+	if mr == nil {
 		return fmt.Errorf("session: send: %w: the region was freed", ErrClosed)
+	}
+	if mr.PD() != s.pd {
+		// Its key is not this session's: the send failed on the device
+		// (a local protection error) and ended the session
+		// (TestAdv2SendSliceOtherAllocator).
+		return fmt.Errorf("session: send: %w: the region is of another session's allocator", ErrAccess)
 	}
 	if n := data.Len(); n > s.peer.MaxMessage {
 		return fmt.Errorf("session: send: %w: a message of %d bytes, the peer takes at most %d", ErrLimit, n, s.peer.MaxMessage)
