@@ -718,3 +718,60 @@ func TestAdv2SendSliceOtherAllocator(t *testing.T) {
 		t.Fatalf("received %q", m.Bytes())
 	}
 }
+
+// TestAdv2RevokeCancelled: a Revoke whose context ends before the peer
+// acknowledged it (here: at once, and the peer's agent takes nothing in
+// meanwhile) does not close the window behind the peer's back: the peer,
+// which may still use the region, writes into it, the session goes on,
+// and a later Revoke ends the grant. Before, the window was closed anyway, the peer's write
+// failed on the device with a remote access error, and the session
+// ended: a cancelled call broke it.
+func TestAdv2RevokeCancelled(t *testing.T) {
+	a, b := pair(t, Config{})
+	ctx := advCtx(t)
+	mr, err := a.Alloc(64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mr.Free()
+	g, err := a.SendLocalMR(ctx, mr, verbs.AccessRemoteWrite, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := b.ReceiveRemoteMR(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := b.Alloc(64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Free()
+	copy(src.Bytes(), "written after a cancelled revoke")
+	// The peer's agent takes the revocation, if it went out, only after
+	// the peer's write.
+	thaw := freezeAgent(b)
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := g.Revoke(cctx); !errors.Is(err, context.Canceled) {
+		thaw()
+		t.Fatalf("Revoke with its context ended: %v, want context.Canceled", err)
+	}
+	err = b.Write(ctx, r.All(), src.All())
+	thaw()
+	if err != nil {
+		t.Fatalf("the peer's write after a cancelled Revoke: %v", err)
+	}
+	if !bytes.Equal(mr.Bytes(), src.Bytes()) {
+		t.Fatal("the write did not reach the region")
+	}
+	if err := g.Revoke(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Write(ctx, r.All(), src.All()); !errors.Is(err, ErrLeaseExpired) {
+		t.Fatalf("a write after the Revoke: %v, want ErrLeaseExpired", err)
+	}
+	if a.Err() != nil || b.Err() != nil {
+		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
+	}
+}
