@@ -775,3 +775,73 @@ func TestAdv2RevokeCancelled(t *testing.T) {
 		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
 	}
 }
+
+// TestAdv2ReleaseCancelled: a Release or SendRemoteMR whose context ended
+// before it could tell the peer (it waited for a control credit) still
+// gives the region up there: the
+// region is given up on this side already (its operations fail with
+// ErrLeaseExpired), so the peer frees what it served (its MaxGranted is
+// free again) or gets its region back (ReceiveLocalMR), long before the
+// lease of an hour. Before, the peer was never told: it kept the memory,
+// and counted it, until the lease ended.
+func TestAdv2ReleaseCancelled(t *testing.T) {
+	for _, handBack := range []bool{false, true} {
+		name := "Release"
+		if handBack {
+			name = "SendRemoteMR"
+		}
+		t.Run(name, func(t *testing.T) {
+			a, b := pair(t, Config{})
+			ctx := advCtx(t)
+			r, err := b.RequestRemoteMR(ctx, 4096, verbs.AccessRemoteWrite, time.Hour)
+			if err != nil {
+				t.Fatal(err)
+			}
+			src, err := b.Alloc(4096)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer src.Free()
+			// No control credit left: the peer's agent takes nothing
+			// in while this side sends as many messages as it has
+			// receive buffers (acknowledgements of nothing, which it
+			// ignores).
+			thaw := freezeAgent(a)
+			for range ctrlBuffers {
+				if _, err := b.sendCtrl(ctx, ctrlMsg{typ: ctrlAck}); err != nil {
+					thaw()
+					t.Fatal(err)
+				}
+			}
+			cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+			if handBack {
+				err = b.SendRemoteMR(cctx, r)
+			} else {
+				err = r.Release(cctx)
+			}
+			cancel()
+			thaw()
+			if !errors.Is(err, context.DeadlineExceeded) {
+				t.Fatalf("%s with its context ended: %v, want context.DeadlineExceeded", name, err)
+			}
+			if err := b.Write(ctx, r.All(), src.All()); !errors.Is(err, ErrLeaseExpired) {
+				t.Fatalf("a write after the cancelled %s: %v, want ErrLeaseExpired", name, err)
+			}
+			if handBack {
+				mr, err := a.ReceiveLocalMR(ctx)
+				if err != nil {
+					t.Fatalf("the region handed back by a cancelled SendRemoteMR: %v", err)
+				}
+				mr.Free()
+			}
+			waitFor(t, ctx, "the peer to free what it served", func() bool {
+				a.agent.mu.Lock()
+				defer a.agent.mu.Unlock()
+				return a.agent.granted == 0 && len(a.agent.grants) == 0
+			})
+			if a.Err() != nil || b.Err() != nil {
+				t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
+			}
+		})
+	}
+}

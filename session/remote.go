@@ -234,7 +234,8 @@ func (r *RemoteMR) quiesce(done <-chan struct{}) {
 
 // Release gives the region up: the peer's agent closes its window (and
 // frees it, if it allocated it for RequestRemoteMR). It waits for this
-// side's operations on it to finish first.
+// side's operations on it to finish first. If ctx ends first, Release
+// returns its error, and the region is given up all the same.
 func (r *RemoteMR) Release(ctx context.Context) error {
 	if err := r.s.enter(&r.s.calls, "release remote region"); err != nil {
 		return err
@@ -253,6 +254,13 @@ func (r *RemoteMR) giveUp(ctx context.Context, typ uint8, op string) error {
 	r.quiesce(r.s.done)
 	r.s.forgetRemote(r.grant)
 	_, err := r.s.call(ctx, op, ctrlMsg{typ: typ, grant: r.grant})
+	if err != nil && ctx.Err() != nil && r.s.Err() == nil {
+		// This side gave the region up: the peer must learn it, or it
+		// keeps the memory (and counts it in MaxGranted) until the
+		// lease ends (TestAdv2ReleaseCancelled). If the message went
+		// out already, the peer refuses the second one.
+		r.s.sendAsyncCtrl(ctrlMsg{typ: typ, grant: r.grant})
+	}
 	return err
 }
 
@@ -738,7 +746,8 @@ func nextQueued[T any](ctx context.Context, s *Session, op string, q *[]T) (T, e
 
 // SendRemoteMR hands a region the peer granted back to it: this side's
 // operations on it finish, then the peer's ReceiveLocalMR returns it (to
-// read what was written, for example).
+// read what was written, for example). If ctx ends first, SendRemoteMR
+// returns its error, and the region is handed back all the same.
 func (s *Session) SendRemoteMR(ctx context.Context, r *RemoteMR) error {
 	if err := s.enter(&s.calls, "send remote region"); err != nil {
 		return err
