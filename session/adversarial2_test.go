@@ -845,3 +845,30 @@ func TestAdv2ReleaseCancelled(t *testing.T) {
 		})
 	}
 }
+
+// TestAdv2RefusedRequestsCostNothing: requests the granter refuses for
+// its MaxGranted (the peer holds all it may) are refused before any
+// memory is allocated for them: a peer that asks again and again for
+// more than it may hold makes this side allocate nothing. Before, each
+// refused request allocated (and zeroed) its size first: with a request
+// of MaxRequest (64 MiB by default) a message of 56 bytes cost the
+// granter an arena mapped, registered, cleared and unmapped.
+func TestAdv2RefusedRequestsCostNothing(t *testing.T) {
+	const size = 4 << 20 // an arena of its own each
+	a, b := pairWith(t, Config{MaxGranted: size}, Config{}, nil)
+	ctx := advCtx(t)
+	r, err := b.RequestRemoteMR(ctx, size, verbs.AccessRemoteRead, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Release(ctx)
+	before := a.mem.Stats().Allocs
+	for i := range 20 {
+		if _, err := b.RequestRemoteMR(ctx, size, verbs.AccessRemoteRead, 0); !errors.Is(err, ErrLimit) {
+			t.Fatalf("request %d past MaxGranted: %v, want ErrLimit", i, err)
+		}
+	}
+	if n := a.mem.Stats().Allocs - before; n != 0 {
+		t.Fatalf("the granter allocated %d regions for 20 requests it refused", n)
+	}
+}

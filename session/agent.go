@@ -623,6 +623,16 @@ func (s *Session) serveRequest(m ctrlMsg) (*grantState, uint8, error) {
 	case !grantable(m.access):
 		return nil, errCodeAccess, fmt.Errorf("access %v: ask for remote read, write or atomic", m.access)
 	}
+	// Refused before anything is allocated (grant checks again): a
+	// request past MaxGranted cost an allocation of its size, zeroed,
+	// before (TestAdv2RefusedRequestsCostNothing).
+	a := &s.agent
+	a.mu.Lock()
+	held := a.granted
+	a.mu.Unlock()
+	if held+int64(m.len) > s.cfg.MaxGranted { // m.len ≤ MaxRequest
+		return nil, errCodeLimit, fmt.Errorf("%d bytes granted to the peer already, %d more would pass the cap of %d", held, m.len, s.cfg.MaxGranted)
+	}
 	mr, err := s.mem.Alloc(int(m.len))
 	if err != nil {
 		// The allocator's MaxMemory is a cap too: the requester sees
