@@ -96,36 +96,7 @@ func TestAdv2ConfigNegative(t *testing.T) {
 		{"ArenaSize", Config{Allocator: AllocatorConfig{ArenaSize: -4096}}},
 		{"MaxMemory", Config{Allocator: AllocatorConfig{ArenaSize: 8 << 20, MaxMemory: 4 << 20}}},
 	} {
-		t.Run(tc.field, func(t *testing.T) {
-			ctx := advCtx(t)
-			// A Listener with a good configuration, for the Dial.
-			good, err := Listen(ctx, "127.0.0.1:0", Config{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer good.Close()
-			l, err := Listen(ctx, "127.0.0.1:0", tc.cfg)
-			if err == nil {
-				l.Close()
-			}
-			if err == nil || !strings.Contains(err.Error(), tc.field) {
-				t.Errorf("Listen with %s invalid: %v, want an error naming it", tc.field, err)
-			}
-			actx, cancel := context.WithCancel(ctx)
-			defer cancel()
-			go func() {
-				if s, err := good.Accept(actx); err == nil {
-					s.Close()
-				}
-			}()
-			s, err := Dial(ctx, good.Addr().String(), tc.cfg)
-			if err == nil {
-				s.Close()
-			}
-			if err == nil || !strings.Contains(err.Error(), tc.field) {
-				t.Errorf("Dial with %s invalid: %v, want an error naming it", tc.field, err)
-			}
-		})
+		t.Run(tc.field, func(t *testing.T) { wantConfigRefused(t, tc.cfg, tc.field) })
 	}
 }
 
@@ -649,35 +620,7 @@ func TestAdv2ConfigOverPeerLimits(t *testing.T) {
 		{"MessageSize", Config{MessageSize: 1 << 30}},
 		{"ReceiveBuffers", Config{ReceiveBuffers: maxRecvBuffers + 1}},
 	} {
-		t.Run(tc.field, func(t *testing.T) {
-			ctx := advCtx(t)
-			l, err := Listen(ctx, "127.0.0.1:0", tc.cfg)
-			if err == nil {
-				l.Close()
-			}
-			if err == nil || !strings.Contains(err.Error(), tc.field) {
-				t.Errorf("Listen with %s over the limit: %v, want an error naming it", tc.field, err)
-			}
-			good, err := Listen(ctx, "127.0.0.1:0", Config{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer good.Close()
-			actx, cancel := context.WithCancel(ctx)
-			defer cancel()
-			go func() {
-				if s, err := good.Accept(actx); err == nil {
-					s.Close()
-				}
-			}()
-			s, err := Dial(ctx, good.Addr().String(), tc.cfg)
-			if err == nil {
-				s.Close()
-			}
-			if err == nil || !strings.Contains(err.Error(), tc.field) {
-				t.Errorf("Dial with %s over the limit: %v, want an error naming it", tc.field, err)
-			}
-		})
+		t.Run(tc.field, func(t *testing.T) { wantConfigRefused(t, tc.cfg, tc.field) })
 	}
 }
 
@@ -870,5 +813,38 @@ func TestAdv2RefusedRequestsCostNothing(t *testing.T) {
 	}
 	if n := a.mem.Stats().Allocs - before; n != 0 {
 		t.Fatalf("the granter allocated %d regions for 20 requests it refused", n)
+	}
+}
+
+// wantConfigRefused checks that Listen, and Dial to a Listener with a
+// good configuration, refuse cfg with an error naming field.
+func wantConfigRefused(t *testing.T, cfg Config, field string) {
+	t.Helper()
+	ctx := advCtx(t)
+	good, err := Listen(ctx, "127.0.0.1:0", Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer good.Close()
+	l, err := Listen(ctx, "127.0.0.1:0", cfg)
+	if err == nil {
+		l.Close()
+	}
+	if err == nil || !strings.Contains(err.Error(), field) {
+		t.Errorf("Listen with %s invalid: %v, want an error naming it", field, err)
+	}
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		if s, err := good.Accept(actx); err == nil {
+			s.Close()
+		}
+	}()
+	s, err := Dial(ctx, good.Addr().String(), cfg)
+	if err == nil {
+		s.Close()
+	}
+	if err == nil || !strings.Contains(err.Error(), field) {
+		t.Errorf("Dial with %s invalid: %v, want an error naming it", field, err)
 	}
 }
