@@ -275,7 +275,9 @@ func (sc *scope) waitAll(hs []Handle) error {
 		if !h.live() || h.s.state.Load() == slotDone {
 			continue
 		}
-		if err := sc.e.waitSlot(sc.ctx, h.s); err != nil {
+		// A handle of another channel (a Post of it) completes only
+		// when its own completion queue is polled.
+		if err := h.s.p.e.waitSlot(sc.ctx, h.s); err != nil {
 			return err
 		}
 	}
@@ -343,7 +345,9 @@ func (b *Batch) Wait(h Handle) error { return b.sc.wait(h) }
 
 // WaitAny posts what is queued and waits until one of hs completes,
 // returning its index and error. Completed handles count: pass only those
-// still of interest.
+// still of interest. The handles in flight must belong to one channel (a
+// MultiChannel's peers are one); of several, WaitAny fails with an error
+// wrapping verbs.ErrNotSupported.
 func (b *Batch) WaitAny(hs ...Handle) (int, error) { return b.sc.waitAny(hs) }
 
 // WaitAll posts what is queued and waits for hs (every operation of the
@@ -392,13 +396,28 @@ func (sc *scope) waitAny(hs []Handle) (int, error) {
 		return false
 	}
 	if !check() {
+		// The handles' completions come on their channel's completion
+		// queue: one, polled here, whichever channel it is.
+		var e *engine
+		for _, h := range hs {
+			if h.live() {
+				if e != nil && h.s.p.e != e {
+					return -1, fmt.Errorf("channel: wait for any of %d operations: they belong to different channels (completion queues), "+
+						"which one wait cannot poll at once: %w", len(hs), verbs.ErrNotSupported)
+				}
+				e = h.s.p.e
+			}
+		}
+		if e == nil {
+			e = sc.e
+		}
 		w := &sc.wake
 		for _, h := range hs {
 			if h.live() {
 				h.s.wake.Store(w)
 			}
 		}
-		err := sc.e.wait(sc.ctx, check, sc.wake)
+		err := e.wait(sc.ctx, check, sc.wake)
 		for _, h := range hs {
 			if h.live() {
 				h.s.wake.CompareAndSwap(w, nil)

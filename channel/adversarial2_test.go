@@ -1,0 +1,94 @@
+package channel_test
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/channel"
+)
+
+// More adversarial tests (see adversarial_test.go for the conventions:
+// deadlines are hang guards, settle only makes an interleaving likely).
+
+// remote returns the address of off in s.buf, for the peer's one-sided
+// operations.
+func (s *side) remote(off int) verbs.RemoteAddr {
+	return verbs.RemoteAddr{Addr: s.buf.Addr() + uint64(off), RKey: s.buf.RKey()}
+}
+
+// TestAdv2BatchWaitsForHandlesOfAnotherChannel: a Batch of one channel
+// waits (Wait, WaitAll, WaitAny) for the Handle of a receive posted on
+// another channel, whose message has arrived: the wait polls that
+// channel's completion queue, and returns the receive. (WaitAll and
+// WaitAny polled the scope's own completion queue only, where the
+// completion never comes, and slept until the context ended.) WaitAny
+// of handles in flight on two channels cannot poll both: it fails at
+// once with ErrNotSupported.
+func TestAdv2BatchWaitsForHandlesOfAnotherChannel(t *testing.T) {
+	waits := []struct {
+		name string
+		wait func(b *channel.Batch, h channel.Handle) error
+	}{
+		{"Wait", func(b *channel.Batch, h channel.Handle) error { return b.Wait(h) }},
+		{"WaitAll", func(b *channel.Batch, h channel.Handle) error { return b.WaitAll(h) }},
+		{"WaitAny", func(b *channel.Batch, h channel.Handle) error {
+			i, err := b.WaitAny(h)
+			if err == nil && i != 0 {
+				return errors.New("WaitAny returned another index")
+			}
+			return err
+		}},
+	}
+	for _, spin := range []int{channel.SpinNever, channel.SpinAdaptive} {
+		for _, w := range waits {
+			t.Run(fmt.Sprintf("%s/spin%d", w.name, spin), func(t *testing.T) {
+				opts := channel.Options{SpinPolls: spin}
+				x, _ := newPair(t, opts)
+				u, v := newPair(t, opts)
+				ctx := guard(t, 20*time.Second)
+				h, err := u.ch.PostReceive(u.sge(0, 8))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer h.Release()
+				// The send completes when the message landed: its
+				// receive's completion waits in u's completion queue.
+				if err := v.ch.Send(ctx, v.sge(0, 8)); err != nil {
+					t.Fatal(err)
+				}
+				err = x.ch.Batch(ctx, func(b *channel.Batch) error { return w.wait(b, h) })
+				if err != nil {
+					t.Fatalf("waiting in a batch of another channel: %v", err)
+				}
+				if got := h.Received(); got.Len != 8 {
+					t.Fatalf("received %+v, want 8 bytes", got)
+				}
+			})
+		}
+	}
+	t.Run("WaitAnyOfTwoChannels", func(t *testing.T) {
+		x, _ := newPair(t, channel.Options{})
+		u, _ := newPair(t, channel.Options{})
+		ctx := guard(t, 20*time.Second)
+		hx, err := x.ch.PostReceive(x.sge(0, 8))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer hx.Release()
+		hu, err := u.ch.PostReceive(u.sge(0, 8))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer hu.Release()
+		err = x.ch.Batch(ctx, func(b *channel.Batch) error {
+			_, err := b.WaitAny(hx, hu)
+			return err
+		})
+		if !errors.Is(err, verbs.ErrNotSupported) || errors.Is(err, verbs.ErrTimeout) {
+			t.Fatalf("WaitAny of two channels' handles: %v, want ErrNotSupported at once", err)
+		}
+	})
+}
