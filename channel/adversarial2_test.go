@@ -3,6 +3,7 @@ package channel_test
 import (
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -91,4 +92,55 @@ func TestAdv2BatchWaitsForHandlesOfAnotherChannel(t *testing.T) {
 			t.Fatalf("WaitAny of two channels' handles: %v, want ErrNotSupported at once", err)
 		}
 	})
+}
+
+// TestAdv2BatchWaitsAfterReleasingItsHandles: a scope that released the
+// handles of its completed operations (as the slot-exhaustion error
+// advises) holds no slot; when other goroutines hold every slot, its
+// next operation waits for one rather than failing at once with
+// ErrQueueFull, claiming the scope held them all (it counted released
+// handles).
+func TestAdv2BatchWaitsAfterReleasingItsHandles(t *testing.T) {
+	const slots = 2
+	x, y := newPair(t, channel.Options{MaxOutstanding: slots})
+	ctx := guard(t, 20*time.Second)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	err := x.ch.Batch(ctx, func(b *channel.Batch) error {
+		for range slots {
+			h := b.Write(y.remote(0), x.sge(0, 8))
+			if err := b.Wait(h); err != nil {
+				return err
+			}
+			h.Release()
+		}
+		// Receives posted outside the scope take every slot; another
+		// goroutine releases them once the peer's messages came.
+		var hs []channel.Handle
+		for range slots {
+			h, err := x.ch.PostReceive(x.sge(64, 8))
+			if err != nil {
+				return err
+			}
+			hs = append(hs, h)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			settle()
+			for _, h := range hs {
+				if err := y.ch.Send(ctx, y.sge(0, 8)); err != nil {
+					t.Error(err)
+				}
+				if err := h.Wait(ctx); err != nil {
+					t.Error(err)
+				}
+				h.Release()
+			}
+		}()
+		return b.Wait(b.Write(y.remote(8), x.sge(0, 8)))
+	})
+	if err != nil {
+		t.Fatalf("a write of a scope that holds no slot: %v", err)
+	}
 }

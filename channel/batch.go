@@ -98,7 +98,7 @@ func (sc *scope) add(b *Batch, w work) Handle {
 		// Post what is queued, so that completions can free slots, and
 		// wait for one unless this scope holds them all.
 		sc.flush()
-		if len(sc.hs) >= sc.e.nslots {
+		if sc.held() >= sc.e.nslots {
 			return sc.fail(b, w.kind, fmt.Errorf("the batch holds all %d operation slots (Options.MaxOutstanding); Release handles whose results you have read: %w", sc.e.nslots, verbs.ErrQueueFull))
 		}
 		if s, err = sc.e.take(sc.ctx, true, b.p, w.kind, sc.held()); err != nil {
