@@ -144,3 +144,57 @@ func TestAdv2BatchWaitsAfterReleasingItsHandles(t *testing.T) {
 		t.Fatalf("a write of a scope that holds no slot: %v", err)
 	}
 }
+
+// TestAdv2ReleaseWhileAnotherWaits: a Handle released by one goroutine
+// while another waits for it (against Handle's contract, a careless
+// hand-off): the waiter returns ErrStale, whether it polls or sleeps,
+// and whether the operation then completes and its slot serves a new
+// one. It slept until its context ended, also once the operation had
+// completed; the new operation completes with its own message.
+func TestAdv2ReleaseWhileAnotherWaits(t *testing.T) {
+	for _, spin := range []int{channel.SpinNever, channel.SpinAdaptive, channel.SpinAlways} {
+		for _, reuse := range []bool{false, true} {
+			t.Run(fmt.Sprintf("spin%d/reuse=%v", spin, reuse), func(t *testing.T) {
+				x, y := newPair(t, channel.Options{SpinPolls: spin, MaxOutstanding: 1})
+				ctx := guard(t, 20*time.Second)
+				h, err := x.ch.PostReceive(x.sge(0, 8))
+				if err != nil {
+					t.Fatal(err)
+				}
+				waited := make(chan error, 1)
+				go func() { waited <- h.Wait(ctx) }()
+				settle()
+				h.Release()
+				y.put(0, 1)
+				if err := y.ch.Send(ctx, y.sge(0, 8)); err != nil {
+					t.Fatal(err)
+				}
+				if reuse {
+					// The only slot comes back with the detached
+					// receive's completion: wait for it.
+					if err := x.ch.Drain(ctx); err != nil {
+						t.Fatal(err)
+					}
+					h2, err := x.ch.PostReceive(x.sge(8, 8))
+					if err != nil {
+						t.Fatal(err)
+					}
+					y.put(0, 2)
+					if err := y.ch.Send(ctx, y.sge(0, 8)); err != nil {
+						t.Fatal(err)
+					}
+					if err := h2.Wait(ctx); err != nil {
+						t.Fatalf("the slot's next operation: %v", err)
+					}
+					h2.Release()
+					if got := x.get(8); got != 2 {
+						t.Fatalf("the slot's next receive got %d, want 2", got)
+					}
+				}
+				if err := <-waited; !errors.Is(err, channel.ErrStale) {
+					t.Fatalf("Wait of a handle another goroutine released: %v, want ErrStale", err)
+				}
+			})
+		}
+	}
+}

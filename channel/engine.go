@@ -369,6 +369,7 @@ func (e *engine) release(s *slot) {
 // completion arrives. If it already arrived, detach frees it now.
 func (e *engine) detach(s *slot) {
 	if s.state.CompareAndSwap(slotPosted, slotDetached) {
+		s.notify() // a goroutine in Handle.Wait for it: the handle is stale
 		return
 	}
 	e.release(s)
@@ -692,6 +693,17 @@ func waitErr(err error) error {
 // waitSlot waits for one slot's completion.
 func (e *engine) waitSlot(ctx context.Context, s *slot) error {
 	return e.wait(ctx, func() bool { return s.state.Load() == slotDone }, s.ch)
+}
+
+// waitHandle waits for the completion of the slot's use gen, or until
+// that use is released (by another goroutine, in spite of Handle's
+// contract: its waiter must not sleep on for a slot that completes no
+// more, or that serves another operation by then).
+func (e *engine) waitHandle(ctx context.Context, s *slot, gen uint32) error {
+	return e.wait(ctx, func() bool {
+		st := s.state.Load()
+		return st == slotDone || st == slotDetached || st == slotFree || s.gen.Load() != gen
+	}, s.ch)
 }
 
 // drain waits until no signaled request of the peers is in flight.

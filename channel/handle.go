@@ -93,7 +93,7 @@ func (h Handle) Wait(ctx context.Context) error {
 	}
 	s := h.s
 	if s.state.Load() != slotDone {
-		if err := s.p.e.waitSlot(ctx, s); err != nil {
+		if err := s.p.e.waitHandle(ctx, s, h.gen); err != nil {
 			return &OpError{Op: s.kind.String(), Peer: s.p.idx, Err: err}
 		}
 		if !h.live() {
