@@ -1,6 +1,7 @@
 package channel_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -196,5 +197,71 @@ func TestAdv2ReleaseWhileAnotherWaits(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestAdv2PostsDoNotWaitBehindAFullQueue: the send queue is full (a send
+// waits for a receive the peer never posts), and a blocking send waits
+// for room in it. Meanwhile the Post methods, which never block, fail at
+// once with ErrQueueFull, and calls whose contexts end wait no longer
+// than their contexts: the waiting send held the peer's posting lock
+// for as long as it waited, and every other post to the peer waited for
+// the lock, past its own context (here until the test's end).
+func TestAdv2PostsDoNotWaitBehindAFullQueue(t *testing.T) {
+	calls := []struct {
+		name string
+		call func(ctx context.Context, x, y *side) error
+		want error
+	}{
+		{"PostWrite", func(_ context.Context, x, y *side) error {
+			h, err := x.ch.PostWrite(y.remote(0), x.sge(0, 8))
+			h.Release()
+			return err
+		}, verbs.ErrQueueFull},
+		{"PostWriteUnsignaled", func(_ context.Context, x, y *side) error {
+			return x.ch.PostWriteUnsignaled(y.remote(0), x.sge(0, 8))
+		}, verbs.ErrQueueFull},
+		{"Write", func(ctx context.Context, x, y *side) error {
+			return x.ch.Write(ctx, y.remote(0), x.sge(0, 8))
+		}, verbs.ErrTimeout},
+		{"WriteInline", func(ctx context.Context, x, y *side) error {
+			return x.ch.WriteInline(ctx, y.remote(0), []byte{1})
+		}, verbs.ErrTimeout},
+		{"Batch", func(ctx context.Context, x, y *side) error {
+			return x.ch.Batch(ctx, func(b *channel.Batch) error { return b.Wait(b.Write(y.remote(0), x.sge(0, 8))) })
+		}, verbs.ErrTimeout},
+	}
+	for _, c := range calls {
+		t.Run(c.name, func(t *testing.T) {
+			x, y := newPair(t, channel.Options{QP: verbs.QPSpec{MaxSendWR: 1}})
+			// The send that fills the queue, and the blocking send that
+			// waits for room; both end when the test does.
+			h, err := x.ch.PostSend(x.sge(0, 8))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer h.Release()
+			long, cancel := context.WithCancel(context.Background())
+			sent := make(chan error, 1)
+			go func() { sent <- x.ch.Send(long, x.sge(0, 8)) }()
+			defer func() {
+				cancel()
+				<-sent
+			}()
+			settle()
+			ctx, cancelCall := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			defer cancelCall()
+			done := make(chan error, 1)
+			go func() { done <- c.call(ctx, x, y) }()
+			select {
+			case err := <-done:
+				if !errors.Is(err, c.want) {
+					t.Fatalf("%s: %v, want %v", c.name, err, c.want)
+				}
+			case <-guard(t, 10*time.Second).Done():
+				cancel() // lets the call go on, to end the test
+				t.Fatalf("%s waited behind a send waiting for room in the queue", c.name)
+			}
+		})
 	}
 }

@@ -312,12 +312,23 @@ func (p *peer) post(ctx context.Context, wait bool, ws []work) (int, error) {
 			}
 			return n, fmt.Errorf("the %s queue is full (%d requests): %w", q, capacity, verbs.ErrQueueFull)
 		}
-		// Full: completions free entries (they are dispatched without p.mu).
-		if err := p.e.wait(ctx, func() bool { return used.Load() < capacity || p.state.Load() == peerBroken }, nil); err != nil {
+		// Full: completions free entries (they are dispatched without
+		// p.mu). Wait without p.mu, which the other posts to the peer
+		// take, and only for a moment: a post that never blocks, or a
+		// call whose context ends sooner, must not wait behind this one.
+		if err := p.waitRoom(ctx, used, capacity); err != nil {
 			return n, err
 		}
 	}
 	return n, nil
+}
+
+// waitRoom waits, with p.mu held by the caller but released meanwhile,
+// until the queue counted by used has room or the peer broke.
+func (p *peer) waitRoom(ctx context.Context, used *atomic.Int32, capacity int32) error {
+	p.mu.Unlock()
+	defer p.mu.Lock()
+	return p.e.wait(ctx, func() bool { return used.Load() < capacity || p.state.Load() == peerBroken }, nil)
 }
 
 // writeInline posts an unsignaled inline RDMA write of data (copied at
@@ -362,7 +373,7 @@ func (p *peer) postUnsig(ctx context.Context, wait bool, r unsigReq) error {
 		if err := ctx.Err(); err != nil {
 			return waitErr(err)
 		}
-		if err := p.e.wait(ctx, func() bool { return p.sqUsed.Load() < p.sqCap || p.state.Load() == peerBroken }, nil); err != nil {
+		if err := p.waitRoom(ctx, &p.sqUsed, p.sqCap); err != nil {
 			return err
 		}
 	}
