@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -263,5 +264,40 @@ func TestAdv2PostsDoNotWaitBehindAFullQueue(t *testing.T) {
 				t.Fatalf("%s waited behind a send waiting for room in the queue", c.name)
 			}
 		})
+	}
+}
+
+// TestAdv2BatchGoexitDropsQueued: a Batch function ended by
+// runtime.Goexit (t.FailNow, t.Fatal, t.Skip in a test) after queueing
+// operations: as after a panic, the operations never flushed are
+// dropped, not posted. They were posted, as after a normal return, and
+// the exiting goroutine waited for them: here a send that no receive
+// takes, until the context ended, which then broke the channel.
+func TestAdv2BatchGoexitDropsQueued(t *testing.T) {
+	x, _ := newPair(t, channel.Options{})
+	ctx := guard(t, 10*time.Second)
+	var h channel.Handle
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		x.ch.Batch(ctx, func(b *channel.Batch) error {
+			h = b.Send(x.sge(0, 8))
+			runtime.Goexit()
+			return nil
+		})
+	}()
+	select {
+	case <-exited:
+	case <-ctx.Done():
+		t.Fatal("the goroutine ending a Batch with runtime.Goexit waited for its unposted send")
+	}
+	if err := x.ch.Err(); err != nil {
+		t.Fatalf("the channel after a Batch ended by runtime.Goexit: %v", err)
+	}
+	if n := x.ch.Posted(); n != 0 {
+		t.Fatalf("%d requests posted by a Batch ended by runtime.Goexit before it flushed them", n)
+	}
+	if err := h.Wait(ctx); !errors.Is(err, channel.ErrStale) {
+		t.Fatalf("the dropped send's handle: %v, want ErrStale", err)
 	}
 }

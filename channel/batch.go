@@ -65,9 +65,10 @@ func (e *engine) run(ctx context.Context, fn func(sc *scope) error) (err error) 
 		return fmt.Errorf("channel: batch: %w", waitErr(err))
 	}
 	sc := e.getScope(ctx)
+	returned := false // fn returned: neither a panic nor runtime.Goexit (t.FailNow) ended it
 	defer func() {
 		r := recover()
-		ferr := sc.finish(r == nil && err == nil)
+		ferr := sc.finish(returned && r == nil && err == nil)
 		e.putScope(sc)
 		if r != nil {
 			panic(r)
@@ -78,7 +79,9 @@ func (e *engine) run(ctx context.Context, fn func(sc *scope) error) (err error) 
 			err = errors.Join(err, ferr)
 		}
 	}()
-	return fn(sc)
+	err = fn(sc)
+	returned = true
+	return err
 }
 
 // add creates one operation of the scope: it takes a slot and queues the
@@ -463,7 +466,8 @@ func (sc *scope) waitAllOp(hs []Handle) error {
 // of the scope still in flight is polled before Batch returns (or
 // re-panics): no buffer named by the scope is in use by the device
 // afterwards. Operations still queued (never flushed) are posted after a
-// normal return and dropped after an error or a panic.
+// normal return and dropped after an error, a panic or a
+// runtime.Goexit (t.FailNow in a test).
 //
 // Batch returns fn's error, joined with the first failure of an operation
 // whose result fn never looked at (through Wait, WaitAny, WaitAll or
