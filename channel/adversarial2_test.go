@@ -301,3 +301,61 @@ func TestAdv2BatchGoexitDropsQueued(t *testing.T) {
 		t.Fatalf("the dropped send's handle: %v, want ErrStale", err)
 	}
 }
+
+// TestAdv2FailedConnectFlushesReceives: receives are posted before
+// Connect (as allowed: a Handle, and a blocking Receive waiting in
+// another goroutine), and Connect fails on a malformed endpoint (a
+// stranger's, in an exchange). The channel is broken, and so are its
+// receives: they complete with the flush, and Drain finds nothing in
+// flight. They stayed posted on a queue pair left in INIT, and their
+// waits slept until their contexts ended (forever without a deadline)
+// although the channel said it was broken.
+func TestAdv2FailedConnectFlushesReceives(t *testing.T) {
+	bad := func(t *testing.T) verbs.Endpoint {
+		ep, err := newSide(t, channel.Options{}).ch.Endpoint()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ep.MTU = 3 << 5 // no such MTU
+		return ep
+	}
+	endpoints := []struct {
+		name string
+		ep   func(t *testing.T) verbs.Endpoint
+	}{
+		{"zero", func(*testing.T) verbs.Endpoint { return verbs.Endpoint{} }},
+		{"bad MTU", bad},
+	}
+	for _, e := range endpoints {
+		t.Run(e.name, func(t *testing.T) {
+			x := newSide(t, channel.Options{})
+			ctx := guard(t, 10*time.Second)
+			h, err := x.ch.PostReceive(x.sge(0, 8))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer h.Release()
+			received := make(chan error, 1)
+			go func() {
+				_, err := x.ch.Receive(ctx, x.sge(8, 8))
+				received <- err
+			}()
+			settle()
+			if err := x.ch.Connect(e.ep(t)); err == nil {
+				t.Fatal("Connect to a malformed endpoint succeeded")
+			}
+			if err := x.ch.Err(); !errors.Is(err, channel.ErrBroken) {
+				t.Fatalf("Err after a failed Connect: %v, want ErrBroken", err)
+			}
+			if err := h.Wait(ctx); err == nil || errors.Is(err, verbs.ErrTimeout) {
+				t.Fatalf("a receive posted before a failed Connect: %v, want its flush", err)
+			}
+			if err := <-received; !errors.Is(err, channel.ErrBroken) || errors.Is(err, verbs.ErrTimeout) {
+				t.Fatalf("a blocking Receive waiting when Connect failed: %v, want ErrBroken", err)
+			}
+			if err := x.ch.Drain(ctx); err != nil {
+				t.Fatalf("Drain after a failed Connect: %v", err)
+			}
+		})
+	}
+}

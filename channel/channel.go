@@ -81,13 +81,16 @@ func (p *peer) connect(remote verbs.Endpoint) error {
 		// doorbell finds a receive.
 		n := p.e.initialBells()
 		if err := p.postBells(n); err != nil {
-			p.fail(err)
+			p.breakQP(err) // flushes the receives posted before
 			return &OpError{Op: "connect", Peer: p.idx, Err: err}
 		}
 		p.rqUsed.Store(int32(n))
 	}
 	if err := p.qp.ConnectWith(remote, p.e.opts.Connect); err != nil {
-		p.fail(err)
+		// Broken: the queue pair goes to the error state, which
+		// flushes the receives posted before Connect (they would
+		// never complete otherwise).
+		p.breakQP(err)
 		return &OpError{Op: "connect", Peer: p.idx, Err: err}
 	}
 	p.state.CompareAndSwap(peerInit, peerConnected)
