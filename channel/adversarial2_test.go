@@ -359,3 +359,43 @@ func TestAdv2FailedConnectFlushesReceives(t *testing.T) {
 		})
 	}
 }
+
+// TestAdv2WaitReadyPanics: the ready function of Channel.Wait panics
+// (at its first call, or a later one: one of them runs while the
+// waiting goroutine polls for everyone), and the caller recovers. The
+// channel goes on working: a write completes, and Close frees
+// everything (newPair's leak check). The goroutine that polled kept the
+// poller's role through the panic: every later wait slept for
+// completions nobody polled, the write timed out and broke the channel,
+// and Close could not free the scratch memory.
+func TestAdv2WaitReadyPanics(t *testing.T) {
+	for _, spin := range []int{channel.SpinNever, channel.SpinAdaptive, channel.SpinAlways, 4} {
+		for at := 1; at <= 4; at++ {
+			t.Run(fmt.Sprintf("spin%d/call%d", spin, at), func(t *testing.T) {
+				x, y := newPair(t, channel.Options{SpinPolls: spin})
+				ctx := guard(t, 10*time.Second)
+				calls := 0
+				var recovered any
+				func() {
+					defer func() { recovered = recover() }()
+					// A condition that never holds: the wait ends with
+					// its context, having called ready a few times.
+					wctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+					defer cancel()
+					x.ch.Wait(wctx, func() bool {
+						if calls++; calls == at {
+							panic("ready panics")
+						}
+						return false
+					})
+				}()
+				if recovered == nil {
+					t.Fatalf("Wait returned without calling ready %d times", at)
+				}
+				if err := x.ch.Write(ctx, y.remote(0), x.sge(0, 8)); err != nil {
+					t.Fatalf("a write after a ready function panicked: %v", err)
+				}
+			})
+		}
+	}
+}

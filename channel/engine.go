@@ -553,7 +553,7 @@ func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct
 		}
 		// This goroutine is the poller.
 		n, err := e.poll()
-		if err == nil && n == 0 && !ready() {
+		if err == nil && n == 0 && !e.readyLocked(ready) {
 			now := time.Now()
 			if w.spin(&e.spin, now) {
 				e.unlockPoll()
@@ -599,6 +599,22 @@ func (e *engine) waitWith(ctx context.Context, ready func() bool, ch chan struct
 			return fmt.Errorf("channel: %w", err)
 		}
 	}
+}
+
+// readyLocked calls ready, a condition of the caller's, as the poller
+// (pollMu held): if ready panics, the role goes with the panic to nobody,
+// and the channel's every later wait would sleep for completions that
+// nobody polls any more.
+func (e *engine) readyLocked(ready func() bool) bool {
+	returned := false
+	defer func() {
+		if !returned {
+			e.unlockPoll()
+		}
+	}()
+	ok := ready()
+	returned = true
+	return ok
 }
 
 // goschedSpins and goschedGap: a spinning wait offers its processor to
