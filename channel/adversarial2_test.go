@@ -399,3 +399,57 @@ func TestAdv2WaitReadyPanics(t *testing.T) {
 		}
 	}
 }
+
+// TestAdv2WaitForQueuedOperation: a Batch operation is queued, not yet
+// posted, and is waited for by something that does not post the
+// Batch's queue: Handle.Wait (instead of Batch.Wait) inside the scope,
+// Handle.Poll, and the waits of a nested scope. Nothing would ever
+// complete it: each fails at once with ErrNotPosted (they slept until
+// their contexts ended, forever without a deadline), the handle stays
+// valid, and the Batch's own wait then posts it and it completes.
+func TestAdv2WaitForQueuedOperation(t *testing.T) {
+	waits := []struct {
+		name string
+		wait func(ctx context.Context, x *side, h channel.Handle) error
+	}{
+		{"Handle.Wait", func(ctx context.Context, _ *side, h channel.Handle) error { return h.Wait(ctx) }},
+		{"Handle.Poll", func(ctx context.Context, _ *side, h channel.Handle) error {
+			for ctx.Err() == nil {
+				if done, err := h.Poll(); err != nil || done {
+					return err
+				}
+				runtime.Gosched()
+			}
+			return fmt.Errorf("polled until the hang guard: %w", verbs.ErrTimeout)
+		}},
+		{"nested Wait", func(ctx context.Context, x *side, h channel.Handle) error {
+			return x.ch.Batch(ctx, func(b *channel.Batch) error { return b.Wait(h) })
+		}},
+		{"nested WaitAll", func(ctx context.Context, x *side, h channel.Handle) error {
+			return x.ch.Batch(ctx, func(b *channel.Batch) error { return b.WaitAll(h) })
+		}},
+		{"nested WaitAny", func(ctx context.Context, x *side, h channel.Handle) error {
+			return x.ch.Batch(ctx, func(b *channel.Batch) error { _, err := b.WaitAny(h); return err })
+		}},
+	}
+	for _, w := range waits {
+		t.Run(w.name, func(t *testing.T) {
+			x, y := newPair(t, channel.Options{})
+			ctx := guard(t, 10*time.Second)
+			x.put(0, 7)
+			err := x.ch.Batch(ctx, func(b *channel.Batch) error {
+				h := b.Write(y.remote(0), x.sge(0, 8))
+				if err := w.wait(ctx, x, h); !errors.Is(err, channel.ErrNotPosted) || errors.Is(err, verbs.ErrTimeout) {
+					t.Errorf("%s of a queued operation: %v, want ErrNotPosted at once", w.name, err)
+				}
+				return b.Wait(h)
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := y.get(0); got != 7 {
+				t.Fatalf("the write, waited for by its Batch after all, wrote %d, want 7", got)
+			}
+		})
+	}
+}

@@ -109,6 +109,7 @@ func (sc *scope) add(b *Batch, w work) Handle {
 		}
 	}
 	w.s = s
+	s.queued.Store(true)
 	sc.offs = append(sc.offs, len(sc.sges))
 	sc.sges = append(sc.sges, w.sgl...)
 	w.sgl = nil
@@ -148,6 +149,7 @@ func (sc *scope) flush() error {
 		return nil
 	}
 	for i := range q {
+		q[i].s.queued.Store(false)
 		end := len(sc.sges)
 		if i+1 < len(q) {
 			end = sc.offs[i+1]
@@ -187,6 +189,7 @@ func (sc *scope) flush() error {
 func (sc *scope) drop() {
 	for i := range sc.queued {
 		s := sc.queued[i].s
+		s.queued.Store(false)
 		s.err = fmt.Errorf("the batch scope ended first: %w", ErrNotPosted)
 		s.state.Store(slotDone)
 	}
@@ -277,6 +280,9 @@ func (sc *scope) waitAll(hs []Handle) error {
 	for _, h := range hs {
 		if !h.live() || h.s.state.Load() == slotDone {
 			continue
+		}
+		if h.s.queued.Load() {
+			return errQueued // of another scope, which has not flushed it
 		}
 		// A handle of another channel (a Post of it) completes only
 		// when its own completion queue is polled.
@@ -403,7 +409,7 @@ func (sc *scope) waitAny(hs []Handle) (int, error) {
 		// queue: one, polled here, whichever channel it is.
 		var e *engine
 		for _, h := range hs {
-			if h.live() {
+			if h.live() && !h.s.queued.Load() {
 				if e != nil && h.s.p.e != e {
 					return -1, fmt.Errorf("channel: wait for any of %d operations: they belong to different channels (completion queues), "+
 						"which one wait cannot poll at once: %w", len(hs), verbs.ErrNotSupported)
@@ -412,7 +418,8 @@ func (sc *scope) waitAny(hs []Handle) (int, error) {
 			}
 		}
 		if e == nil {
-			e = sc.e
+			// Each is queued in another scope, which has not flushed it.
+			return -1, fmt.Errorf("channel: wait for any of %d operations: %w", len(hs), errQueued)
 		}
 		w := &sc.wake
 		for _, h := range hs {

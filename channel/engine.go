@@ -84,6 +84,7 @@ type slot struct {
 	val    uint64           // an atomic's prior value, copied by the poller too
 	err    error            // failure before the device saw the request
 	closed atomic.Bool      // Close ended the request before its completion came (endPosted)
+	queued atomic.Bool      // queued in a Batch scope, not handed to the device yet (flush, drop)
 	ch     chan struct{}    // capacity 1: the completion arrived
 	wake   atomic.Pointer[chan struct{}]
 
@@ -286,6 +287,7 @@ func (e *engine) take(ctx context.Context, wait bool, p *peer, kind opKind, held
 			s.gen.Add(1)
 			s.kind, s.p, s.rel, s.err, s.seen = kind, p, 0, nil, false
 			s.closed.Store(false)
+			s.queued.Store(false)
 			s.wc, s.val = verbs.Completion{}, 0
 			s.wake.Store(nil)
 			select { // a token left by an earlier use

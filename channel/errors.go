@@ -26,7 +26,9 @@ var (
 	ErrNoPeer = errors.New("channel: no such peer")
 	// ErrNotPosted: the operation was never handed to the device (its scope
 	// ended with an error or a panic before it was flushed, or an earlier
-	// request of the same post failed).
+	// request of the same post failed), or, from a wait outside its Batch
+	// (Handle.Wait, Handle.Poll, another scope's waits), it is still queued
+	// in its Batch: the handle stays valid, and the Batch's waits post it.
 	ErrNotPosted = errors.New("channel: operation not posted")
 	// ErrDisconnected: the peer of a channel connected through the RDMA
 	// CM (DialCM, AcceptCM) disconnected: it closed its channel, or its

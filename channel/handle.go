@@ -73,6 +73,9 @@ func (h Handle) Poll() (bool, error) {
 	if h.s.state.Load() == slotDone {
 		return true, nil
 	}
+	if h.s.queued.Load() {
+		return false, &OpError{Op: h.s.kind.String(), Peer: h.s.p.idx, Err: errQueued}
+	}
 	if err := h.s.p.e.progress(); err != nil {
 		return false, err
 	}
@@ -84,6 +87,9 @@ func (h Handle) Poll() (bool, error) {
 // verbs.ErrTimeout and ctx.Err(), and the operation stays in flight: the
 // handle is still valid and Wait may be called again. (The blocking
 // methods of Channel, by contrast, break the channel when their ctx ends.)
+// The operation of a Batch that has not posted it yet (Flush, and the
+// Batch's waits, post what is queued) cannot complete: Wait then fails at
+// once with an error wrapping ErrNotPosted, and the handle stays valid.
 func (h Handle) Wait(ctx context.Context) error {
 	if h.err != nil {
 		return h.err
@@ -92,6 +98,9 @@ func (h Handle) Wait(ctx context.Context) error {
 		return ErrStale
 	}
 	s := h.s
+	if s.queued.Load() {
+		return &OpError{Op: s.kind.String(), Peer: s.p.idx, Err: errQueued}
+	}
 	if s.state.Load() != slotDone {
 		if err := s.p.e.waitHandle(ctx, s, h.gen); err != nil {
 			return &OpError{Op: s.kind.String(), Peer: s.p.idx, Err: err}
@@ -194,6 +203,11 @@ func (s *slot) result() error {
 	}
 	return &OpError{Op: s.kind.String(), Peer: s.p.idx, Err: err}
 }
+
+// errQueued: the operation of a Handle waited for is queued in its Batch
+// scope, which has not posted it yet: nothing would ever complete it.
+var errQueued = fmt.Errorf("the operation is queued in its Batch and not posted yet: "+
+	"wait for it with that Batch's Wait, WaitAny or WaitAll, which post it, or Flush the Batch first: %w", ErrNotPosted)
 
 // failed reports whether the slot's request failed without a completion
 // of its own (before the device saw it, or ended by Close).
