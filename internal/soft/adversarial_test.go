@@ -357,7 +357,7 @@ func TestAdversarialCloseUnderFire(t *testing.T) {
 					for off := 0; off < k; off += segMax {
 						s := req
 						s.off = uint32(off)
-						if !p.trySeg(&s, id, off) {
+						if p.trySeg(&s, id, off) != nil {
 							return
 						}
 					}
@@ -407,9 +407,9 @@ func TestAdversarialCloseUnderFire(t *testing.T) {
 	}
 }
 
-// trySeg is seg that reports a failed write instead of failing the test
-// (for other goroutines than the test's).
-func (p *rawPeer) trySeg(req *request, id uint64, off int) bool {
+// trySeg is seg that returns a failed write's error instead of failing
+// the test (for other goroutines than the test's).
+func (p *rawPeer) trySeg(req *request, id uint64, off int) error {
 	if p.buf == nil {
 		p.buf = make([]byte, segMax)
 	}
@@ -425,7 +425,7 @@ func (p *rawPeer) trySeg(req *request, id uint64, off int) bool {
 	putHdr(h[:], frReq, uint32(reqBodyLen+k), id)
 	putReq(h[hdrLen:], &s, p.flags())
 	_, err := (&net.Buffers{h[:], p.buf[:k]}).WriteTo(p.nc)
-	return err == nil
+	return err
 }
 
 // TestAdversarialUCAbandonedWriteImm: on UC, a write with immediate whose

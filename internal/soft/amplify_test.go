@@ -240,21 +240,7 @@ func (p *rawPeer) msg(op reqOp, raddr uint64, rkey uint32, n int) (request, uint
 // from off on.
 func (p *rawPeer) seg(t *testing.T, req *request, id uint64, off int) {
 	t.Helper()
-	if p.buf == nil {
-		p.buf = make([]byte, segMax)
-	}
-	n := int(req.length)
-	k := min(segMax, n-off)
-	for i := range p.buf[:k] {
-		p.buf[i] = pattern(off + i)
-	}
-	s := *req
-	s.off, s.more = uint32(off), off+k < n
-	s.psn, s.npkts = (req.psn+uint32(off)/4096)&psnMask, max(1, uint32(k+4095)/4096)
-	var h [hdrLen + reqBodyLen]byte
-	putHdr(h[:], frReq, uint32(reqBodyLen+k), id)
-	putReq(h[hdrLen:], &s, p.flags())
-	if _, err := (&net.Buffers{h[:], p.buf[:k]}).WriteTo(p.nc); err != nil {
+	if err := p.trySeg(req, id, off); err != nil {
 		t.Fatalf("write segment at %d: %v", off, err)
 	}
 }
