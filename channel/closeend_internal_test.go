@@ -19,17 +19,7 @@ import (
 // completes with ErrClosed once Close has destroyed its queue pair; before,
 // its handle stayed undone forever, and a caller looping on Done hung.
 func TestCloseEndsUndispatched(t *testing.T) {
-	a, _ := internalPairWith(t, Options{FlushGrace: 200 * time.Millisecond})
-	mr, err := a.PD().Alloc(4096, verbs.AccessLocalWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mr.Close()
-	// A receive no message comes for: in flight until Close flushes it.
-	h, err := a.PostReceive(verbs.SGE{Addr: mr.Addr(), Length: 64, LKey: mr.LKey()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, h := receiveInFlight(t, 200*time.Millisecond)
 	a.e.pollMu.Lock() // nobody dispatches the flush while Close drains
 	closed := make(chan error, 1)
 	go func() { closed <- a.Close() }()
@@ -62,16 +52,7 @@ func TestCloseEndsUndispatched(t *testing.T) {
 // Before, their handles stayed undone for ever and the scratch memory
 // was freed under the poller.
 func TestCloseEndsUndispatchedLate(t *testing.T) {
-	a, _ := internalPairWith(t, Options{FlushGrace: 50 * time.Millisecond})
-	mr, err := a.PD().Alloc(4096, verbs.AccessLocalWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mr.Close()
-	h, err := a.PostReceive(verbs.SGE{Addr: mr.Addr(), Length: 64, LKey: mr.LKey()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, h := receiveInFlight(t, 50*time.Millisecond)
 	a.e.pollMu.Lock() // a poller that stays in the CQ past Close
 	if err := a.Close(); err != nil {
 		t.Fatal(err)
@@ -108,4 +89,22 @@ func mappingOf(t *testing.T, addr uintptr) string {
 		}
 	}
 	return ""
+}
+
+// receiveInFlight returns a channel with flush grace grace and a receive
+// posted on it that no message comes for: in flight until Close flushes
+// it.
+func receiveInFlight(t *testing.T, grace time.Duration) (*Channel, Handle) {
+	t.Helper()
+	a, _ := internalPairWith(t, Options{FlushGrace: grace})
+	mr, err := a.PD().Alloc(4096, verbs.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mr.Close() })
+	h, err := a.PostReceive(verbs.SGE{Addr: mr.Addr(), Length: 64, LKey: mr.LKey()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a, h
 }
