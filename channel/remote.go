@@ -39,6 +39,9 @@ func RemoteAt[T any](r verbs.RemoteRegion, off uint64) (RemoteRef[T], error) {
 	if err := checkPlain[T](); err != nil {
 		return RemoteRef[T]{}, err
 	}
+	if err := checkRegion(r); err != nil {
+		return RemoteRef[T]{}, err
+	}
 	size := uint64(unsafe.Sizeof(*new(T)))
 	if off > r.Len || size > r.Len-off {
 		return RemoteRef[T]{}, fmt.Errorf("channel: %s (%d bytes) at offset %d does not fit in the remote region of %d bytes", typeName[T](), size, off, r.Len)
@@ -117,8 +120,11 @@ func RemoteArrayAt[T any](r verbs.RemoteRegion, off uint64, n int) (RemoteArray[
 	if n < 0 {
 		return RemoteArray[T]{}, fmt.Errorf("channel: remote array of %d elements", n)
 	}
+	if err := checkRegion(r); err != nil {
+		return RemoteArray[T]{}, err
+	}
 	size := uint64(unsafe.Sizeof(*new(T)))
-	if size != 0 && uint64(n) > (1<<63)/size {
+	if size != 0 && uint64(n) > (1<<63-1)/size { // Size, an int, holds n × size
 		return RemoteArray[T]{}, fmt.Errorf("channel: remote array of %d %s is too large", n, typeName[T]())
 	}
 	total := size * uint64(n)
@@ -151,6 +157,16 @@ func (a RemoteArray[T]) Slice(i, j int) (RemoteArray[T], error) {
 		return RemoteArray[T]{}, fmt.Errorf("channel: slice [%d:%d] out of range of a remote array of %d %s", i, j, a.n, typeName[T]())
 	}
 	return RemoteArray[T]{addr: a.addr + uint64(i)*uint64(unsafe.Sizeof(*new(T))), rkey: a.rkey, n: j - i}, nil
+}
+
+// checkRegion rejects a region whose bytes would run past the end of the
+// address space (a peer's announcement can say anything): offsets into
+// it would wrap around to low addresses.
+func checkRegion(r verbs.RemoteRegion) error {
+	if r.Addr > ^uint64(0)-r.Len {
+		return fmt.Errorf("channel: the remote region of %d bytes at %#x wraps past the end of the address space", r.Len, r.Addr)
+	}
+	return nil
 }
 
 func typeName[T any]() string { return reflect.TypeFor[T]().String() }

@@ -114,6 +114,10 @@ func TestRemoteRefErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A peer's announcement can say anything: a region past the end of
+	// the address space, or one of 2^63 bytes or more.
+	wraps := verbs.RemoteRegion{Addr: ^uint64(0) - 15, Len: 64, RKey: 7}
+	huge := verbs.RemoteRegion{Addr: 0x10000, Len: 1 << 63, RKey: 7}
 	for _, tc := range []struct {
 		name   string
 		err    error
@@ -128,6 +132,9 @@ func TestRemoteRefErrors(t *testing.T) {
 		{"array past the end", second(channel.RemoteArrayAt[uint64](region, 8, 8)), "does not fit"},
 		{"negative length", second(channel.RemoteArrayAt[uint64](region, 0, -1)), "-1 elements"},
 		{"huge array", second(channel.RemoteArrayAt[uint64](region, 0, 1<<62)), "too large"},
+		{"array of 2^63 bytes", second(channel.RemoteArrayAt[uint16](huge, 0, 1<<62)), "too large"},
+		{"region wraps", second(channel.RemoteAt[uint64](wraps, 0)), "wraps"},
+		{"array in a region that wraps", second(channel.RemoteArrayAt[uint64](wraps, 8, 1)), "wraps"},
 		{"array of pointers", second(channel.RemoteArrayAt[map[int]int](region, 0, 1)), "holds a pointer"},
 		{"index past the end", second(arr.At(16)), "out of range"},
 		{"negative index", second(arr.At(-1)), "out of range"},
