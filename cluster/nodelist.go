@@ -28,15 +28,36 @@ func ExpandNodeList(s string) ([]string, error) {
 	var out []string
 	for _, item := range splitTop(s) {
 		if item == "" {
-			return nil, fmt.Errorf("cluster: node list %q: empty name", s)
+			return nil, fmt.Errorf("cluster: node list %s: empty name", clip(s))
+		}
+		// Every bracket group adds at least a digit to every name it
+		// makes: an item of more groups than a name has characters makes
+		// none. Refused first, it bounds the recursion of expandItem (one
+		// level per group) to maxNodeName levels, whatever the length of
+		// the list.
+		if g := strings.Count(item, "["); g > maxNodeName {
+			return nil, fmt.Errorf("cluster: node list %s: %d bracket groups in %s make names of more than %d characters", clip(s), g, clip(item), maxNodeName)
 		}
 		names, err := expandItem(item, MaxNodeList-len(out))
 		if err != nil {
-			return nil, fmt.Errorf("cluster: node list %q: %w", s, err)
+			return nil, fmt.Errorf("cluster: node list %s: %w", clip(s), err)
 		}
 		out = append(out, names...)
 	}
 	return out, nil
+}
+
+// clipLen bounds how much of a node list its errors quote.
+const clipLen = 64
+
+// clip quotes s for an error, cut to clipLen bytes with its length: a
+// list may be as long as an environment variable (128 KiB), and so would
+// every error that quoted it.
+func clip(s string) string {
+	if len(s) <= clipLen {
+		return strconv.Quote(s)
+	}
+	return fmt.Sprintf("%q... (%d bytes)", s[:clipLen], len(s))
 }
 
 // splitTop splits s at the commas outside brackets.
@@ -65,7 +86,7 @@ func expandItem(item string, limit int) ([]string, error) {
 	open := strings.IndexByte(item, '[')
 	if open < 0 {
 		if strings.ContainsAny(item, "] \t") {
-			return nil, fmt.Errorf("bad name %q", item)
+			return nil, fmt.Errorf("bad name %s", clip(item))
 		}
 		if limit < 1 {
 			return nil, fmt.Errorf("more than %d names", MaxNodeList)
@@ -77,12 +98,12 @@ func expandItem(item string, limit int) ([]string, error) {
 	}
 	end := strings.IndexByte(item[open:], ']')
 	if end < 0 {
-		return nil, fmt.Errorf("unbalanced '[' in %q", item)
+		return nil, fmt.Errorf("unbalanced '[' in %s", clip(item))
 	}
 	end += open
 	prefix, body, rest := item[:open], item[open+1:end], item[end+1:]
 	if strings.ContainsAny(prefix, "] \t") || strings.ContainsRune(body, '[') {
-		return nil, fmt.Errorf("bad name %q", item)
+		return nil, fmt.Errorf("bad name %s", clip(item))
 	}
 	if len(prefix) > maxNodeName {
 		return nil, fmt.Errorf("name of more than %d characters", maxNodeName)
@@ -96,10 +117,10 @@ func expandItem(item string, limit int) ([]string, error) {
 		a, err1 := strconv.ParseUint(lo, 10, 32)
 		b, err2 := strconv.ParseUint(hi, 10, 32)
 		if err1 != nil || err2 != nil || lo == "" || hi == "" {
-			return nil, fmt.Errorf("bad range %q in %q", r, item)
+			return nil, fmt.Errorf("bad range %s in %s", clip(r), clip(item))
 		}
 		if b < a {
-			return nil, fmt.Errorf("reversed range %q in %q", r, item)
+			return nil, fmt.Errorf("reversed range %s in %s", clip(r), clip(item))
 		}
 		if b-a >= uint64(limit) || len(heads)+int(b-a+1) > limit {
 			return nil, fmt.Errorf("more than %d names", MaxNodeList)
@@ -128,7 +149,7 @@ func expandItem(item string, limit int) ([]string, error) {
 	for _, h := range heads {
 		for _, t := range tails {
 			if len(h)+len(t) > maxNodeName {
-				return nil, fmt.Errorf("name %q... of more than %d characters", h, maxNodeName)
+				return nil, fmt.Errorf("name %s... of more than %d characters", clip(h), maxNodeName)
 			}
 		}
 	}

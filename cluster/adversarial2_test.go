@@ -1,0 +1,47 @@
+package cluster
+
+import (
+	"errors"
+	"strings"
+	"testing"
+)
+
+// Second adversarial pass: what a demanding user and a stranger on the
+// network try, beyond adversarial_test.go. Helpers of this file are
+// prefixed with "adv2". Contexts here are hang guards, never bounds that
+// a test asserts.
+
+// TestAdv2NodeListDeep: a node list item made of many bracket groups
+// ("a[1][1][1]...") is refused at once, without expanding it: every group
+// adds at least a digit to every name it makes, so an item of more groups
+// than a host name has characters (253) makes no valid name. Before,
+// ExpandNodeList recursed once per group before it found a name too
+// long: 100 000 groups (300 KB) took a 100 MB stack, and a list of 3 MB
+// (a few more groups) killed the process with "goroutine stack exceeds
+// 1000000000-byte limit", which no recover catches.
+func TestAdv2NodeListDeep(t *testing.T) {
+	for _, groups := range []int{maxNodeName + 1, 40_000, 1 << 20} {
+		in := "a" + strings.Repeat("[1]", groups)
+		names, err := ExpandNodeList(in)
+		if err == nil {
+			t.Fatalf("%d groups: %d names, want an error", groups, len(names))
+		}
+		if !strings.Contains(err.Error(), "253") {
+			t.Errorf("%d groups: %.200v, want an error saying names have at most 253 characters", groups, err)
+		}
+		if len(err.Error()) > 1024 {
+			t.Errorf("%d groups: an error of %d bytes", groups, len(err.Error()))
+		}
+	}
+	// As many groups as a name may have characters is fine.
+	in := strings.Repeat("[1]", maxNodeName)
+	names, err := ExpandNodeList(in)
+	if err != nil || len(names) != 1 || names[0] != strings.Repeat("1", maxNodeName) {
+		t.Errorf("%d groups: %v, %v; want one name of %d ones", maxNodeName, names, err, maxNodeName)
+	}
+	// Through the environment (Linux bounds a variable to 128 KiB).
+	env := map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n" + strings.Repeat("[0]", 40_000)}
+	if _, err := ParseLaunch(EnvOptions{Lookup: advLookup(env)}); !errors.Is(err, ErrEnvValue) {
+		t.Errorf("Slurm node list of 40 000 groups: %.200v, want ErrEnvValue", err)
+	}
+}
