@@ -73,6 +73,7 @@ type grantState struct {
 	n      int64
 	served bool // allocated by the agent for the peer's request
 	timer  *time.Timer
+	closes time.Time       // when timer fires: the lease's end plus leaseGrace
 	leases *sync.WaitGroup // the session's, which counts timer until it fired or was stopped
 }
 
@@ -148,6 +149,18 @@ func (a *agentState) dropGrantLocked(id uint64, g *grantState) {
 	if g.served && g.mr.Valid() {
 		g.mr.Free()
 	}
+}
+
+// extendGrant moves the end of grant g's window to d from now, if the
+// grant lives and its timer has not fired.
+func (a *agentState) extendGrant(g *grantState, d time.Duration) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.grants[g.id] != g || g.timer == nil || !g.timer.Stop() {
+		return
+	}
+	g.closes = time.Now().Add(d)
+	g.timer.Reset(d)
 }
 
 func (a *agentState) expectFin(id uint64, win *verbs.MemoryRegion, owned, held LocalMR) *finWait {

@@ -77,6 +77,7 @@ func (s *Session) grantBytes(mem []byte, mr LocalMR, access verbs.Access, lease 
 	// lives (a.err is nil), so Close has not begun to wait.
 	s.leases.Add(1)
 	g.leases = &s.leases
+	g.closes = time.Now().Add(lease + leaseGrace)
 	g.timer = time.AfterFunc(lease+leaseGrace, func() { // runs after the unlock
 		defer s.leases.Done()
 		a.mu.Lock()
@@ -666,6 +667,14 @@ func (s *Session) offer(ctx context.Context, op string, mem []byte, mr LocalMR, 
 		return nil, fmt.Errorf("session: %s: %w", op, err)
 	}
 	_, err = s.call(ctx, op, ctrlMsg{typ: ctrlOffer, grant: g.id, addr: g.win.Addr(), len: uint64(g.n), rkey: g.win.RKey(), access: access, lease: lease})
+	if err == nil || ctx.Err() != nil {
+		// The peer's lease counts from when the offer reached it: before
+		// its answer, so before now (if ctx ended first, the offer may
+		// still be on its way: Revoke ends such a grant). The window
+		// stays open for the lease and leaseGrace from now, not from
+		// before the offer left, however long the offer took.
+		s.agent.extendGrant(g, lease+leaseGrace)
+	}
 	if err != nil && ctx.Err() != nil && s.Err() == nil {
 		// The offer may have reached the peer, which may use the
 		// region: the grant stays, for the caller to revoke (or for
