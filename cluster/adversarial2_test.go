@@ -1,7 +1,9 @@
 package cluster
 
 import (
+	"context"
 	"errors"
+	"net"
 	"strings"
 	"testing"
 )
@@ -43,5 +45,56 @@ func TestAdv2NodeListDeep(t *testing.T) {
 	env := map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n" + strings.Repeat("[0]", 40_000)}
 	if _, err := ParseLaunch(EnvOptions{Lookup: advLookup(env)}); !errors.Is(err, ErrEnvValue) {
 		t.Errorf("Slurm node list of 40 000 groups: %.200v, want ErrEnvValue", err)
+	}
+}
+
+// TestAdv2FromEnvClosesListener: FromEnv handed a listener
+// (EnvOptions.Join.Listener) closes it when it fails, as Join does
+// whatever its error and Exchange does with ExchangeConfig.Listener:
+// here when the environment is refused before any exchange (no
+// launcher, a bad variable, an unknown launcher forced). Before, a
+// failed ParseLaunch returned with the listener still open: the caller,
+// told by Join that a failed join releases it, kept its port and
+// descriptor.
+func TestAdv2FromEnvClosesListener(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		env  map[string]string
+		opts EnvOptions
+	}{
+		{"no launcher", map[string]string{}, EnvOptions{}},
+		{"bad size", map[string]string{"GOVERBS_RANK": "0", "GOVERBS_WORLD_SIZE": "x", "GOVERBS_ROOT": "127.0.0.1:1"}, EnvOptions{}},
+		{"unknown launcher", map[string]string{"GOVERBS_RANK": "0"}, EnvOptions{Launcher: "lsf"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			opts := tc.opts
+			opts.Lookup = advLookup(tc.env)
+			opts.Join.Listener = ln
+			n, err := FromEnv(context.Background(), opts)
+			if err == nil {
+				n.Close()
+				t.Fatal("FromEnv: no error")
+			}
+			var ee *EnvError
+			if !errors.As(err, &ee) {
+				t.Errorf("FromEnv: %v, want an *EnvError", err)
+			}
+			// A closed listener fails Accept at once; an open one would
+			// wait for a connection: dial it so that the test cannot hang.
+			if c, err := net.Dial("tcp", ln.Addr().String()); err == nil {
+				c.Close()
+			}
+			if c, err := ln.Accept(); !errors.Is(err, net.ErrClosed) {
+				if c != nil {
+					c.Close()
+				}
+				t.Errorf("after FromEnv failed: Accept: %v, want net.ErrClosed (the listener was left open)", err)
+			}
+		})
 	}
 }

@@ -403,6 +403,9 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 func FromEnv(ctx context.Context, opts EnvOptions) (*Node, error) {
 	l, err := ParseLaunch(opts)
 	if err != nil {
+		if opts.Join.Listener != nil {
+			opts.Join.Listener.Close() // as join does when it fails
+		}
 		return nil, err
 	}
 	jo := opts.Join

@@ -669,6 +669,8 @@ type JoinOptions struct {
 	// environment). Empty: the configured one, or verbs.DefaultDevice.
 	Device string
 	// Listener, if set, is the listener of this rank's exchange address.
+	// Join and FromEnv take it over: the exchange closes it, and so do
+	// they when they fail, whatever the error.
 	Listener net.Listener
 	// MaxFrame bounds exchange frames (default DefaultMaxFrame).
 	MaxFrame int
