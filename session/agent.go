@@ -477,9 +477,11 @@ func (s *Session) call(ctx context.Context, op string, m ctrlMsg) (ctrlMsg, erro
 func codeErr(r ctrlMsg) error {
 	var e error
 	switch r.code {
-	case errCodeLimit, errCodeBusy:
+	case errCodeLimit, errCodeBusy, errCodeNoMemory:
 		// Busy: the peer's queue of offers is full (maxQueued), a cap
-		// as much as its MaxGranted is.
+		// as much as its MaxGranted is; no memory: its own limits
+		// (memory, the locked-memory limit) refused the allocation or
+		// registration.
 		e = ErrLimit
 	case errCodeAccess:
 		e = ErrAccess
@@ -488,7 +490,7 @@ func codeErr(r ctrlMsg) error {
 	case errCodeProtocol:
 		e = ErrProtocol
 	default:
-		e = errRefused
+		e = fmt.Errorf("%w: refusal code %d", ErrProtocol, r.code)
 	}
 	if r.text != "" {
 		return fmt.Errorf("%w: %s", e, r.text)

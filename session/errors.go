@@ -29,7 +29,9 @@ var (
 	// ErrLimit: a configured cap (memory of an allocator, memory granted
 	// to or requested by the peer, message size) would be exceeded, or
 	// the peer's queue of offered regions its application has not taken
-	// (ReceiveRemoteMR) is full.
+	// (ReceiveRemoteMR) is full, or the peer could not allocate or
+	// register the memory asked of it (its own limits: memory, the
+	// locked-memory limit).
 	ErrLimit = errors.New("session: limit exceeded")
 	// ErrAuth: the peer did not prove the shared token (or proved
 	// another one).

@@ -2,6 +2,8 @@ package session
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -52,5 +54,30 @@ func TestOfferLeaseOutlastsGrantee(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// TestRefusalCodes: every refusal a peer's agent can send maps to an
+// exported error a caller can test with errors.Is, with the peer's text.
+// Before, a peer that could not allocate or register (errCodeNoMemory)
+// and codes this side does not know gave an unexported error.
+func TestRefusalCodes(t *testing.T) {
+	for _, tc := range []struct {
+		code uint8
+		want error
+	}{
+		{errCodeLimit, ErrLimit},
+		{errCodeNoMemory, ErrLimit},
+		{errCodeUnknown, ErrLeaseExpired},
+		{errCodeBusy, ErrLimit},
+		{errCodeAccess, ErrAccess},
+		{errCodeProtocol, ErrProtocol},
+		{0, ErrProtocol},
+		{200, ErrProtocol},
+	} {
+		err := codeErr(ctrlMsg{typ: ctrlErr, code: tc.code, text: "the peer's words"})
+		if !errors.Is(err, tc.want) || !strings.Contains(err.Error(), "the peer's words") {
+			t.Errorf("code %d: %v, want an error wrapping %v with the peer's text", tc.code, err, tc.want)
+		}
 	}
 }

@@ -13,7 +13,6 @@ import (
 )
 
 var (
-	errRefused     = errors.New("session: refused")
 	errShortBuffer = io.ErrShortBuffer
 	// ErrMisaligned: an atomic operation's target is not one 8-byte
 	// aligned word. Nothing was posted.
