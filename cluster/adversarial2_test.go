@@ -98,3 +98,27 @@ func TestAdv2FromEnvClosesListener(t *testing.T) {
 		})
 	}
 }
+
+// TestAdv2ListenZonedRoot: rank 0 listens on the address of GOVERBS_ROOT
+// when it is an IP address, IPv6 with a zone too ([fe80::1%lo]:7000,
+// which checkAddr accepts): before, net.ParseIP did not take the zone
+// for an IP address, so rank 0 listened on every interface (":7000")
+// rather than on the one link-local address it was given.
+func TestAdv2ListenZonedRoot(t *testing.T) {
+	for root, want := range map[string]string{
+		"[fe80::1%lo]:7000":   "[fe80::1%lo]:7000",
+		"[::1]:7000":          "[::1]:7000",
+		"127.0.0.1:7000":      "127.0.0.1:7000",
+		"node-0.cluster:7000": ":7000",
+	} {
+		env := map[string]string{"GOVERBS_RANK": "0", "GOVERBS_WORLD_SIZE": "2", "GOVERBS_ROOT": root}
+		l, err := ParseLaunch(EnvOptions{Lookup: advLookup(env)})
+		if err != nil {
+			t.Errorf("GOVERBS_ROOT=%s: %v", root, err)
+			continue
+		}
+		if l.Listen != want {
+			t.Errorf("GOVERBS_ROOT=%s: Listen %q, want %q", root, l.Listen, want)
+		}
+	}
+}

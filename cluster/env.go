@@ -369,7 +369,7 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		}
 		host, p, _ := net.SplitHostPort(root)
 		l.Listen = root
-		if net.ParseIP(host) == nil {
+		if _, err := netip.ParseAddr(host); err != nil { // an IPv6 address with a zone is one too
 			l.Listen = net.JoinHostPort("", p)
 		}
 	}
