@@ -179,8 +179,11 @@
 // ErrPoisoned wrapping the first failure, since the ranks no longer agree
 // on what was sent; build a new communicator (New, on every rank) to go
 // on after a timeout or mismatch. A world that lost a rank stays failed
-// (cluster). Argument errors (ErrArgs) are found before anything is sent
-// and do not poison.
+// (cluster): once a rank's node knows of the failure (cluster.Node.Err),
+// every later call of every communicator of that rank fails naming the
+// failed rank, also one that needs no peer's answer (a gather's non-root,
+// a communicator of one rank). Argument errors (ErrArgs) are found
+// before anything is sent and do not poison.
 //
 // # Concurrency and lifetime
 //

@@ -240,6 +240,14 @@ func (c *Comm) begin(ctx context.Context, info callInfo, data ...[]byte) (uint64
 	// The probes of this call's waits tell the peers probed where this
 	// rank waits (peerElsewhere).
 	atomic.StoreUint64(word(c.tx, c.probeSrc), c.where())
+	if err := c.node.Err(); err != nil {
+		// The world lost a rank (this rank saw it, or was told): it stays
+		// failed, and so does every call of every communicator of it, also
+		// one that needs no wait for a peer (a gather's non-root, a
+		// communicator of one rank), which would otherwise complete as if
+		// the world were whole.
+		return t, c.end(t, c.fail(err, -1))
+	}
 	if err := ctx.Err(); err != nil {
 		// The peers are in this call, or will be, and wait for this
 		// rank: it fails like a call whose context ended in a wait
