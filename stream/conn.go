@@ -379,12 +379,15 @@ func (c *Conn) CloseWrite() error {
 // delivered, so that the peer reads every byte written before Close,
 // then io.EOF (of a peer that stopped answering, until the session's
 // keepalive or its queue pair's transport timeout gives up on them: a few
-// seconds). It unblocks every Read, which returns an error wrapping
-// net.ErrClosed.
+// seconds). It unblocks every Read at once, before that wait: the Read
+// returns an error wrapping net.ErrClosed.
 func (c *Conn) Close() error {
 	if !c.closed.CompareAndSwap(false, true) {
 		return c.opErr("close", net.ErrClosed)
 	}
+	// Reads end at once: they must not wait for the wait below (for a
+	// peer that stopped answering: seconds).
+	c.rd.end()
 	// A Write waiting for credits (or for room in the session's queue)
 	// waits with the write deadline's context: ending it stops the
 	// Write, whose messages posted are then delivered like the
@@ -399,7 +402,6 @@ func (c *Conn) Close() error {
 		}
 	}
 	c.wmu.Unlock()
-	c.rd.end()
 	c.mem.Lock()
 	defer c.mem.Unlock()
 	if err := c.s.Close(); err != nil {
