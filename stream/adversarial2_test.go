@@ -6,16 +6,77 @@ package stream
 // hangGuard) are adversarial_test.go's and xproc_test.go's.
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/internal/soft"
 	"github.com/goverbs/verbs/internal/testproc"
+	"github.com/goverbs/verbs/session"
 )
+
+// TestAdv2SmallQueueDepth: a session whose Config.QueueDepth is below
+// the messages a stream keeps in flight (16) carries the stream all the
+// same, and leaves the session's remote memory operations room beside
+// it. Each message in flight holds one of the session's QueueDepth
+// request tokens until the stream waits for it: before, a Write posting
+// more messages than QueueDepth waited for a token that only its own
+// later wait would give back (forever, without a deadline), and a
+// stream that had written 16 messages held every token of a QueueDepth
+// of 16, so the session's Write (RDMA) waited until its context ended.
+func TestAdv2SmallQueueDepth(t *testing.T) {
+	for _, qd := range []int{1, 2, 5, 16, 17} {
+		t.Run(fmt.Sprint(qd), func(t *testing.T) {
+			cfg := session.Config{QueueDepth: qd, ReceiveBuffers: 64, MessageSize: 1024}
+			c1, c2 := advPipe(t, cfg, cfg)
+			want := pattern(200_000)
+			wrote := await(func() error {
+				// A guard against the hang only: the Write must
+				// finish long before.
+				c1.SetWriteDeadline(time.Now().Add(hangGuard / 2))
+				_, err := c1.Write(want)
+				return err
+			})
+			got := readN(t, c2, len(want))
+			if err := wait(t, wrote, "Write"); err != nil {
+				t.Fatalf("Write of %d bytes over a session of QueueDepth %d: %v", len(want), qd, err)
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatal("the bytes read are not those written")
+			}
+			if qd < 2 {
+				// Its one token is the stream's message's until
+				// the next Write or Close.
+				return
+			}
+			// The session's own RDMA write, beside the stream.
+			ctx, cancel := context.WithTimeout(context.Background(), hangGuard/2)
+			defer cancel()
+			s := c1.Session()
+			r, err := s.RequestRemoteMR(ctx, 4096, verbs.AccessRemoteWrite, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			src, err := s.Alloc(4096)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer src.Free()
+			dst, _ := r.Slice(0, 4096)
+			sl, _ := src.Slice(0, 4096)
+			if err := s.Write(ctx, dst, sl); err != nil {
+				t.Fatalf("the session's Write after the stream's: %v", err)
+			}
+			r.Release(ctx)
+		})
+	}
+}
 
 // TestAdv2CloseEndsReadsFirst: Close unblocks a Read at once, also while
 // it waits for the delivery of the messages posted to a peer that does

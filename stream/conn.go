@@ -18,8 +18,10 @@ const (
 	// netName is the Net of the errors and addresses' network.
 	netName = "goverbs"
 	// inFlight is how many messages a Conn's writes keep posted before
-	// they wait for the oldest one's delivery.
+	// they wait for the oldest one's delivery, at most (see depthOf).
 	inFlight = 16
+	// defaultQueueDepth is session.Config's QueueDepth when it is 0.
+	defaultQueueDepth = 128
 	// finImm is the immediate data of the empty message that ends a
 	// direction of the stream (CloseWrite).
 	finImm = 1
@@ -48,6 +50,7 @@ type Conn struct {
 
 	wmu   sync.Mutex
 	ring  [inFlight]posted
+	depth int // messages kept posted at most (depthOf)
 	head  int // oldest posted message in ring
 	n     int // messages posted and not yet waited for
 	werr  error
@@ -71,8 +74,32 @@ type posted struct {
 // New makes a Conn of s, which it owns from then on: the Conn's Close
 // closes s, and s's messages are the stream's (its remote memory
 // operations remain the caller's to use).
-func New(s *session.Session) *Conn {
-	return &Conn{s: s, chunk: max(min(s.PeerMessageSize(), s.PeerMaxMessage()), 1), local: s.LocalAddr(), remote: s.RemoteAddr()}
+//
+// Each message the Conn keeps in flight holds one of the session's
+// request tokens (Config.QueueDepth) until the Conn waits for it: New
+// keeps up to 16, so s's QueueDepth must be over 16, and should be 32
+// or more to leave room for its remote memory operations (the default,
+// 128, is). Dial and Listener follow the QueueDepth of their Config.
+func New(s *session.Session) *Conn { return newConn(s, defaultQueueDepth) }
+
+// newConn makes a Conn of s, a session of Config.QueueDepth queueDepth
+// (0: the default).
+func newConn(s *session.Session, queueDepth int) *Conn {
+	return &Conn{s: s, chunk: max(min(s.PeerMessageSize(), s.PeerMaxMessage()), 1), depth: depthOf(queueDepth), local: s.LocalAddr(), remote: s.RemoteAddr()}
+}
+
+// depthOf is how many messages a Conn keeps in flight on a session of
+// Config.QueueDepth queueDepth: each holds one of its request tokens
+// until the Conn waits for it, and the next message needs one more, so
+// more than queueDepth made a Write wait forever for a token of its own;
+// half of them at most, so that the session's remote memory operations
+// (and Receive's reads of rendezvous messages) find some too, and
+// inFlight at most.
+func depthOf(queueDepth int) int {
+	if queueDepth == 0 {
+		queueDepth = defaultQueueDepth
+	}
+	return max(min(queueDepth/2, inFlight), 1)
 }
 
 // Dial connects to a Listener at addr (host:port of its bootstrap) and
@@ -82,7 +109,7 @@ func Dial(ctx context.Context, addr string, cfg session.Config) (*Conn, error) {
 	if err != nil {
 		return nil, &net.OpError{Op: "dial", Net: netName, Err: err}
 	}
-	return New(s), nil
+	return newConn(s, cfg.QueueDepth), nil
 }
 
 // Session returns the session under the stream, for its remote memory
@@ -268,10 +295,10 @@ func (c *Conn) writable() error {
 }
 
 // post copies b into memory of the session's allocator and posts it as
-// one message, after waiting for the oldest message in flight if
-// inFlight are (wmu held).
+// one message, after waiting for the oldest message in flight if depth
+// are (wmu held).
 func (c *Conn) post(ctx context.Context, b []byte, imm uint32, hasImm bool) error {
-	if c.n == inFlight {
+	if c.n == c.depth {
 		if err := c.reap(); err != nil {
 			return err
 		}

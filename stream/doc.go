@@ -11,7 +11,9 @@
 // messages of at most Session.PeerMessageSize bytes each (the size that
 // travels in one RDMA write into the peer's receive buffers), or of
 // Session.PeerMaxMessage if the peer takes no more, up to 16 in flight
-// (fewer, and smaller, when the allocator's MaxMemory has no room for
+// (at most half the session's Config.QueueDepth, one at least: each
+// holds one of its request tokens until the stream saw it delivered;
+// fewer, and smaller, when the allocator's MaxMemory has no room for
 // more); Read copies out of the message at the head of the stream and
 // releases its buffer once it has copied the last byte. Flow control is
 // the session's: a writer whose peer does not read waits for credits, so
