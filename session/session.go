@@ -675,6 +675,13 @@ func (s *Session) PeerMessageSize() int { return s.peer.SlotSize - payOff }
 // sent. It may be below PeerMessageSize.
 func (s *Session) PeerMaxMessage() int { return s.peer.MaxMessage }
 
+// QueueDepth is this side's Config.QueueDepth (the default if it was 0):
+// how many requests the session keeps in flight at most. A message posted
+// with PostSendSlice holds one until it is waited for, so code that keeps
+// messages posted (package stream) must keep fewer than QueueDepth, and
+// leave some for the session's other requests.
+func (s *Session) QueueDepth() int { return s.cfg.QueueDepth }
+
 // LocalAddr and RemoteAddr are the bootstrap connection's addresses.
 func (s *Session) LocalAddr() net.Addr { return s.ctl.localAddr() }
 

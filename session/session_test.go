@@ -596,3 +596,14 @@ func TestDialErrorSaysOnce(t *testing.T) {
 		t.Fatalf("%v: want ECONNREFUSED wrapped", err)
 	}
 }
+
+// TestQueueDepth: a session reports its own Config.QueueDepth, the
+// default for 0.
+func TestQueueDepth(t *testing.T) {
+	for _, tc := range []struct{ set, want int }{{0, defaultQueueDepth}, {5, 5}} {
+		a, b := pair(t, Config{QueueDepth: tc.set})
+		if a.QueueDepth() != tc.want || b.QueueDepth() != tc.want {
+			t.Errorf("QueueDepth %d: the sessions report %d and %d, want %d", tc.set, a.QueueDepth(), b.QueueDepth(), tc.want)
+		}
+	}
+}
