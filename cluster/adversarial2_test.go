@@ -5,6 +5,8 @@ import (
 	"errors"
 	"net"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 )
 
@@ -120,5 +122,117 @@ func TestAdv2ListenZonedRoot(t *testing.T) {
 		if l.Listen != want {
 			t.Errorf("GOVERBS_ROOT=%s: Listen %q, want %q", root, l.Listen, want)
 		}
+	}
+}
+
+// adv2CountingListener counts the bytes read from each connection it
+// accepted (in order of acceptance).
+type adv2CountingListener struct {
+	net.Listener
+	mu    sync.Mutex
+	reads []*atomic.Int64
+}
+
+func (l *adv2CountingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	n := new(atomic.Int64)
+	l.mu.Lock()
+	l.reads = append(l.reads, n)
+	l.mu.Unlock()
+	return &adv2CountingConn{Conn: c, n: n}, nil
+}
+
+// most returns the most bytes read from one connection.
+func (l *adv2CountingListener) most() int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var m int64
+	for _, n := range l.reads {
+		m = max(m, n.Load())
+	}
+	return m
+}
+
+type adv2CountingConn struct {
+	net.Conn
+	n *atomic.Int64
+}
+
+func (c *adv2CountingConn) Read(b []byte) (int, error) {
+	k, err := c.Conn.Read(b)
+	c.n.Add(int64(k))
+	return k, err
+}
+
+// TestAdv2CardShareBound: in a card exchange (ExchangeCards, which Join
+// and FromEnv use) every message a rank receives from a peer has a size
+// known from the world, at most a card of maxCardLen bytes and the items
+// (the rendezvous root: Size items; an all-to-all peer: one): a member of
+// the job (it knows the token) that sends a larger one is refused as soon
+// as its records pass that bound, having made the rank read at most one
+// record more. Before, the rank read up to MaxFrame (64 MiB by default)
+// of each peer's message before it decoded it and refused the card:
+// every peer at once made a rendezvous root of 256 ranks hold 256 × 64
+// MiB, where SECURITY.md bounds what an authenticated rank makes the root
+// hold by a card of (MaxFrame−4)/Size−4 bytes (here 256 KiB) and its
+// items.
+func TestAdv2CardShareBound(t *testing.T) {
+	const n, w = 256, ItemSize
+	maxCard := maxCardLen(DefaultMaxFrame, n, w)
+	for _, tc := range []struct {
+		name  string
+		mode  Mode
+		bound int // the largest share
+	}{
+		{"rendezvous root", Rendezvous, 12 + maxCard + n*w},
+		{"all-to-all acceptor", AllToAll, 12 + maxCard + w},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			xNoLeaks(t)
+			lns, addrs := xListeners(t, n)
+			ln := &adv2CountingListener{Listener: lns[0]}
+			ctx := xContext(t, advGuard)
+			cfg := func(r int) ExchangeConfig {
+				return ExchangeConfig{Rank: r, Size: n, Mode: tc.mode, Addrs: addrs, Job: "job", Token: []byte("token")}
+			}
+			done := make(chan error, 1)
+			go func() {
+				c := cfg(0)
+				c.Listener = ln
+				_, _, err := ExchangeCards(ctx, c, xCard(0), xItems(0, n, w))
+				done <- err
+			}()
+			// Rank 1, a member of the job, sends an 8 MiB share: a card
+			// of 8 MiB and its items.
+			x, err := newCardExchange(cfg(1), xCard(1), xItems(1, n, w))
+			if err != nil {
+				t.Fatal(err)
+			}
+			k, err := x.dial(ctx, 0, addrs[0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer k.c.Close()
+			defer k.stopWatch()
+			items := xItems(1, n, w)
+			if tc.mode == AllToAll {
+				items = items[:w]
+			}
+			x.send(k, encodeCardShare(make([]byte, 8<<20), items)) // the root stops reading
+			err = <-done
+			var xe *ExchangeError
+			if !errors.Is(err, ErrFrameTooLarge) || !errors.As(err, &xe) || xe.Peer != 1 {
+				t.Errorf("rank 0: %v, want ErrFrameTooLarge naming rank 1", err)
+			}
+			// The handshake, then at most one record past the bound.
+			limit := int64(helloLen + proofLen + wireSize(tc.bound) + recordHeader + recordMax + aeadOverhead)
+			if got := ln.most(); got > limit {
+				t.Errorf("rank 0 read %d bytes from rank 1 (a share is at most %d bytes; want at most %d read)", got, tc.bound, limit)
+			}
+			t.Logf("rank 0: read %d bytes: %v", ln.most(), err)
+		})
 	}
 }

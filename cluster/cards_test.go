@@ -172,8 +172,9 @@ func TestExchangeCardsBadShare(t *testing.T) {
 }
 
 // xRootGets runs rank 0 of a card exchange of n ranks and items of w
-// bytes in mode, sends it share as rank 1 (in all-to-all mode after
-// reading rank 0's own share, as a peer does) and returns rank 0's error.
+// bytes in mode, sends it share as rank 1 (in all-to-all mode then
+// reading rank 0's own share, as a peer does, if rank 0 sends it) and
+// returns rank 0's error.
 func xRootGets(t *testing.T, mode Mode, n, w int, share []byte) error {
 	t.Helper()
 	xNoLeaks(t)
@@ -192,13 +193,12 @@ func xRootGets(t *testing.T, mode Mode, n, w int, share []byte) error {
 	}
 	defer k.c.Close()
 	defer k.stopWatch()
-	if err := fx.send(k, share); err != nil {
-		t.Fatal(err)
-	}
+	// The root may stop reading before the end: a share over the
+	// largest the world allows is refused as it arrives, and then not
+	// answered (all-to-all).
+	fx.send(k, share)
 	if mode == AllToAll {
-		if _, err := fx.recv(ctx, k); err != nil {
-			t.Fatal(err)
-		}
+		fx.recv(ctx, k)
 	}
 	return <-done
 }

@@ -96,8 +96,10 @@
 // message (an entry; a vector of entries in a rendezvous; a card and
 // items, the table of cards, a column of items; the root's abort reason)
 // may span records; it is refused with ErrFrameTooLarge as
-// soon as it would exceed ExchangeConfig.MaxFrame, and is held only as
-// its records arrive and authenticate.
+// soon as it would exceed ExchangeConfig.MaxFrame (a card and items, as
+// soon as it would exceed the largest the world allows: a card of
+// (MaxFrame−4)/Size−4 bytes and the items), and is held only as its
+// records arrive and authenticate.
 //
 // # Security
 //

@@ -294,17 +294,29 @@ func newCardExchange(cfg ExchangeConfig, card, items []byte) (*exchange, error) 
 	if len(card) > x.maxCard {
 		return nil, fmt.Errorf("cluster: exchange: card: %w: %d bytes (at most %d for %d ranks)", ErrFrameTooLarge, len(card), x.maxCard, cfg.Size)
 	}
+	// A share is a vector of the card and the items: to the root Size
+	// items, to an all-to-all peer one.
+	x.shareMax = 4 + 4 + x.maxCard + 4 + w
+	if cfg.Mode == Rendezvous {
+		x.shareMax = 4 + 4 + x.maxCard + 4 + cfg.Size*w
+	}
 	return x, nil
 }
 
 type exchange struct {
-	cfg        ExchangeConfig
-	out        [][]byte
-	items      int    // ExchangeCards: the item size w (0: Exchange)
-	card       []byte // ExchangeCards: this rank's card
-	itemBuf    []byte // ExchangeCards: this rank's items, w bytes per rank
-	maxCard    int    // ExchangeCards: the largest card (maxCardLen)
-	max        int
+	cfg     ExchangeConfig
+	out     [][]byte
+	items   int    // ExchangeCards: the item size w (0: Exchange)
+	card    []byte // ExchangeCards: this rank's card
+	itemBuf []byte // ExchangeCards: this rank's items, w bytes per rank
+	maxCard int    // ExchangeCards: the largest card (maxCardLen)
+	max     int
+	// shareMax bounds a peer's share, the message a rank receives from
+	// a peer first (the rendezvous root: every rank's; all-to-all: every
+	// peer's): max for Exchange; for ExchangeCards the size of a card
+	// share with the largest card (a root's read stops there, not at
+	// MaxFrame).
+	shareMax   int
 	minB, maxB time.Duration
 	helloT     time.Duration // HelloTimeout
 	mk         []byte        // key of the handshake MACs
@@ -348,6 +360,7 @@ func newExchange(cfg ExchangeConfig, out [][]byte) (*exchange, error) {
 	if x.max == 0 {
 		x.max = DefaultMaxFrame
 	}
+	x.shareMax = x.max
 	if x.minB <= 0 {
 		x.minB = 10 * time.Millisecond
 	}
@@ -484,9 +497,19 @@ func (x *exchange) send(k *conn, payload []byte) error {
 }
 
 // recv reads the next message of an established connection: a data
-// message. An abort becomes ErrAborted.
+// message of at most MaxFrame bytes. An abort becomes ErrAborted.
 func (x *exchange) recv(ctx context.Context, k *conn) ([]byte, error) {
-	typ, msg, err := k.s.readMsg(k.c, x.max)
+	return x.recvMax(ctx, k, x.max)
+}
+
+// recvShare reads a peer's share (see shareMax).
+func (x *exchange) recvShare(ctx context.Context, k *conn) ([]byte, error) {
+	return x.recvMax(ctx, k, x.shareMax)
+}
+
+// recvMax is recv of a message of at most max bytes.
+func (x *exchange) recvMax(ctx context.Context, k *conn, max int) ([]byte, error) {
+	typ, msg, err := k.s.readMsg(k.c, max)
 	if err != nil {
 		return nil, x.ioErr(ctx, err)
 	}
@@ -1185,7 +1208,7 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 				}
 				return
 			}
-			data, err := x.recv(ctx, k)
+			data, err := x.recvShare(ctx, k)
 			if err == nil {
 				if err = x.send(k, x.out[k.peer]); err != nil {
 					err = x.ioErr(ctx, err)
@@ -1221,7 +1244,7 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 				err = x.ioErr(ctx, err)
 			} else {
 				var data []byte
-				if data, err = x.recv(ctx, k); err == nil {
+				if data, err = x.recvShare(ctx, k); err == nil {
 					s.put(j, data)
 					return
 				}
@@ -1431,7 +1454,7 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 			}
 			return
 		}
-		data, err := x.recv(gctx, k)
+		data, err := x.recvShare(gctx, k)
 		if err == nil {
 			err = put(k.peer, data)
 		}
