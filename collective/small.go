@@ -205,7 +205,7 @@ func (c *Comm) writeRodeAcks() error {
 		if c.ackSent[p] > c.ackWritten[p] && !c.ackOwed[p] {
 			c.ackOwed[p] = true
 			if err := c.postAck(p); err != nil {
-				return c.fail(err, p)
+				return c.stepErr(p, err)
 			}
 		}
 	}

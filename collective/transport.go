@@ -318,6 +318,7 @@ func (c *Comm) ticketLocked() uint64 {
 // was sent).
 func (c *Comm) end(t uint64, err error) error {
 	if err != nil && !errors.Is(err, ErrArgs) {
+		err = c.brokenPeer(err)
 		c.mu.Lock()
 		if c.err == nil {
 			c.err = err
@@ -341,6 +342,38 @@ func (c *Comm) end(t uint64, err error) error {
 	c.hold.release()
 	c.done(t)
 	return err
+}
+
+// brokenPeer returns the error of a call that failed because the queue
+// pair to a peer broke (err wraps channel.ErrBroken) as the failure of
+// that peer, reported to the world (peerFailed), when it is not one
+// already: whichever write or poll saw the broken queue pair, the peer
+// failed, and the other ranks must learn it from this rank (not only
+// that it gave up its call). The peer is the one the error names if its
+// channel broke, else the first of the communicator whose channel did.
+func (c *Comm) brokenPeer(err error) error {
+	var re *cluster.RankError
+	if !errors.Is(err, channel.ErrBroken) || errors.As(err, &re) {
+		return err
+	}
+	cause, peer := err, -1
+	var e *Error
+	if errors.As(err, &e) {
+		cause, peer = e.Err, e.Peer
+	}
+	if peer < 0 || peer >= c.size || peer == c.rank || !c.mc.Peer(c.ranks[peer]).Broken() {
+		peer = -1
+		for p := range c.size {
+			if p != c.rank && c.mc.Peer(c.ranks[p]).Broken() {
+				peer = p
+				break
+			}
+		}
+	}
+	if peer < 0 {
+		return err
+	}
+	return c.peerFailed(peer, cause)
 }
 
 // Reasons of an abort.
@@ -908,12 +941,12 @@ func (c *Comm) retryOwed() (bool, error) {
 	for p := range c.size {
 		if c.flagOwed[p] {
 			if err := c.postFlag(p); err != nil {
-				return true, c.fail(err, p)
+				return true, c.stepErr(p, err)
 			}
 		}
 		if c.ackOwed[p] {
 			if err := c.postAck(p); err != nil {
-				return true, c.fail(err, p)
+				return true, c.stepErr(p, err)
 			}
 		}
 		owed = owed || c.flagOwed[p] || c.ackOwed[p]
