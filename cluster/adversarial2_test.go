@@ -236,3 +236,42 @@ func TestAdv2CardShareBound(t *testing.T) {
 		})
 	}
 }
+
+// TestAdv2ConfigZonedIPv6: a configuration may name a rank by a
+// link-local IPv6 address with its zone ("fe80::1%eth0"), an IP address
+// as GOVERBS_ROOT may be, and the only form in which a link-local
+// address can be dialed; two ranks at one address and port, one with and
+// one without a zone, are still told apart only by the zone. Before,
+// Validate refused it as a host name with the character ':'
+// (ErrBadHostname): net.ParseIP takes no zone.
+func TestAdv2ConfigZonedIPv6(t *testing.T) {
+	c, err := ParseConfig([]byte(`{"hosts": [
+		{"hostname": "fe80::1%lo", "port": 7000, "rank": 0},
+		{"hostname": "fe80::1%eth0", "port": 7000, "rank": 1},
+		{"hostname": "fe80::1", "port": 7000, "rank": 2}]}`))
+	if err != nil {
+		t.Fatalf("ParseConfig: %v", err)
+	}
+	if got, want := c.Addrs(), []string{"[fe80::1%lo]:7000", "[fe80::1%eth0]:7000", "[fe80::1]:7000"}; strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Errorf("Addrs: %q, want %q", got, want)
+	}
+	// The same zoned address twice is the same address.
+	_, err = ParseConfig([]byte(`{"hosts": [
+		{"hostname": "fe80::1%lo", "port": 7000, "rank": 0},
+		{"hostname": "FE80:0::1%lo", "port": 7000, "rank": 1}]}`))
+	if !errors.Is(err, ErrDuplicateAddress) {
+		t.Errorf("one zoned address written twice: %v, want ErrDuplicateAddress", err)
+	}
+	// A zone is no licence for anything else, in a configuration or in
+	// GOVERBS_ROOT (where netip took any zone: spaces, slashes, colons).
+	for _, h := range []string{"fe80::1%", "fe80::1%a b", "fe80::1%a/b", "node%lo", "fe80::1%lo:7000", "1.2.3.4%lo"} {
+		c := Config{Hosts: []Host{{Hostname: h, Port: 7000}}}
+		if err := c.Validate(); !errors.Is(err, ErrBadHostname) {
+			t.Errorf("hostname %q: %v, want ErrBadHostname", h, err)
+		}
+		env := map[string]string{"GOVERBS_RANK": "1", "GOVERBS_WORLD_SIZE": "2", "GOVERBS_ROOT": net.JoinHostPort(h, "7000")}
+		if l, err := ParseLaunch(EnvOptions{Lookup: advLookup(env)}); !errors.Is(err, ErrEnvValue) {
+			t.Errorf("GOVERBS_ROOT=%s: %+v, %v; want ErrEnvValue", env["GOVERBS_ROOT"], l, err)
+		}
+	}
+}

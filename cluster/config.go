@@ -58,7 +58,8 @@ type Config struct {
 
 // Host is one rank of a Config.
 type Host struct {
-	// Hostname is a host name or an IP address (IPv6 without brackets).
+	// Hostname is a host name or an IP address (IPv6 without brackets;
+	// a link-local one with its zone, "fe80::1%eth0").
 	Hostname string `json:"hostname"`
 	// Port is the TCP port of the endpoint exchange, 1 to 65535.
 	Port int `json:"port"`
@@ -153,13 +154,42 @@ func hostKey(s string) string {
 	return strings.ToLower(s)
 }
 
-// checkHostname accepts IP addresses and RFC 1123 host names.
+// isIP reports whether s is an IP address: IPv4, or IPv6 possibly with
+// a zone (the interface of a link-local address, "fe80::1%eth0") made of
+// the characters of an interface name (letters, digits, '.', '-', '_';
+// netip takes any, spaces and colons too).
+func isIP(s string) bool {
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		return false
+	}
+	z := a.Zone()
+	if len(z) > 63 {
+		return false
+	}
+	for i := 0; i < len(z); i++ {
+		switch ch := z[i]; {
+		case ch >= 'a' && ch <= 'z', ch >= 'A' && ch <= 'Z', ch >= '0' && ch <= '9', ch == '.', ch == '-', ch == '_':
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// checkHostname accepts IP addresses (IPv6 with a zone too, see isIP) and
+// RFC 1123 host names.
 func checkHostname(s string) error {
 	if s == "" {
 		return errors.New("empty")
 	}
-	if net.ParseIP(s) != nil {
+	if isIP(s) {
 		return nil
+	}
+	if strings.Contains(s, ":") {
+		if _, err := netip.ParseAddr(s); err == nil {
+			return fmt.Errorf("%q has a bad zone (an interface name: letters, digits, '.', '-', '_')", s)
+		}
 	}
 	if len(s) > 253 {
 		return fmt.Errorf("%d characters (at most 253)", len(s))

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -172,9 +171,6 @@ func checkAddr(addr string, emptyHost bool) error {
 			return nil
 		}
 		return fmt.Errorf("%q has no host", addr)
-	}
-	if _, err := netip.ParseAddr(host); err == nil {
-		return nil
 	}
 	if err := checkHostname(host); err != nil {
 		return fmt.Errorf("%q has a bad host: %v", addr, err)
@@ -369,7 +365,7 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		}
 		host, p, _ := net.SplitHostPort(root)
 		l.Listen = root
-		if _, err := netip.ParseAddr(host); err != nil { // an IPv6 address with a zone is one too
+		if !isIP(host) { // an IPv6 address with a zone is one too
 			l.Listen = net.JoinHostPort("", p)
 		}
 	}
