@@ -275,3 +275,34 @@ func TestAdv2ConfigZonedIPv6(t *testing.T) {
 		}
 	}
 }
+
+// TestAdv2LocalRankOutsideWorld: a local rank (this process' place among
+// the ranks of its host, which programs use to pick a device or a
+// processor) is refused when it is not smaller than the world size, with
+// ErrEnvValue naming the variable, for every launcher that sets one.
+// Before, OMPI_COMM_WORLD_LOCAL_RANK=7 in a world of 4 (a variable left
+// over from another job, or set by hand) was taken as it was.
+func TestAdv2LocalRankOutsideWorld(t *testing.T) {
+	for _, tc := range []struct {
+		env     map[string]string
+		wantVar string
+	}{
+		{map[string]string{"GOVERBS_RANK": "0", "GOVERBS_WORLD_SIZE": "4", "GOVERBS_LOCAL_RANK": "4", "GOVERBS_ROOT": "h:1"}, "GOVERBS_LOCAL_RANK"},
+		{map[string]string{"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "9", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "LOCAL_RANK"},
+		{map[string]string{"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "7", "GOVERBS_ROOT": "h:1"}, "OMPI_COMM_WORLD_LOCAL_RANK"},
+		{map[string]string{"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALRANKID": "4", "PMI_KVSNAME": "k", "GOVERBS_ROOT": "h:1"}, "MPI_LOCALRANKID"},
+		{map[string]string{"PMI_RANK": "0", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "5", "PMI_KVSNAME": "k", "GOVERBS_ROOT": "h:1"}, "PMI_LOCAL_RANK"},
+		{map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1000000", "SLURM_NODELIST": "n1"}, "SLURM_LOCALID"},
+	} {
+		l, err := ParseLaunch(EnvOptions{Lookup: advLookup(tc.env)})
+		var ee *EnvError
+		if !errors.Is(err, ErrEnvValue) || !errors.As(err, &ee) || ee.Var != tc.wantVar {
+			t.Errorf("%s=%s: %+v, %v; want ErrEnvValue naming %s", tc.wantVar, tc.env[tc.wantVar], l, err, tc.wantVar)
+		}
+	}
+	// The largest local rank of the world is fine.
+	env := map[string]string{"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3", "GOVERBS_ROOT": "h:1"}
+	if l, err := ParseLaunch(EnvOptions{Lookup: advLookup(env)}); err != nil || l.LocalRank != 3 {
+		t.Errorf("local rank 3 of 4: %+v, %v", l, err)
+	}
+}

@@ -71,7 +71,7 @@ type Launch struct {
 	Launcher  string
 	Rank      int
 	Size      int
-	LocalRank int    // rank among the processes of this host; -1 if unknown
+	LocalRank int    // rank among the processes of this host, below Size; -1 if unknown
 	Root      string // rank 0's rendezvous address, host:port
 	Job       string // job id ("" if the launcher has none)
 	// Hosts are the hosts of the job, when the launcher lists them
@@ -221,7 +221,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 	}
 	l := Launch{Launcher: e.launcher, LocalRank: -1}
 	var err error
-	var sizeVar string // the variable that gave the world size
+	var sizeVar string  // the variable that gave the world size
+	var localVar string // the variable that gave the local rank
 	port := opts.Port
 	if port == 0 {
 		if port, err = e.int("GOVERBS_PORT", 0); err != nil {
@@ -245,7 +246,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
-		if l.LocalRank, err = e.int("GOVERBS_LOCAL_RANK", l.Rank); err != nil {
+		localVar = "GOVERBS_LOCAL_RANK"
+		if l.LocalRank, err = e.int(localVar, l.Rank); err != nil {
 			return l, err
 		}
 	case LauncherTorchrun:
@@ -256,7 +258,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
-		if l.LocalRank, err = e.opt("LOCAL_RANK"); err != nil {
+		localVar = "LOCAL_RANK"
+		if l.LocalRank, err = e.opt(localVar); err != nil {
 			return l, err
 		}
 		if root == "" {
@@ -280,7 +283,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
-		if l.LocalRank, err = e.opt("OMPI_COMM_WORLD_LOCAL_RANK"); err != nil {
+		localVar = "OMPI_COMM_WORLD_LOCAL_RANK"
+		if l.LocalRank, err = e.opt(localVar); err != nil {
 			return l, err
 		}
 		_, l.Job, _ = e.first("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")
@@ -292,8 +296,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
-		name, _, _ := e.first("MPI_LOCALRANKID", "PMI_LOCAL_RANK")
-		if l.LocalRank, err = e.opt(name); err != nil {
+		localVar, _, _ = e.first("MPI_LOCALRANKID", "PMI_LOCAL_RANK")
+		if l.LocalRank, err = e.opt(localVar); err != nil {
 			return l, err
 		}
 		_, l.Job, _ = e.first("PMI_KVSNAME", "PMI_JOBID")
@@ -305,7 +309,8 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		if l.Size, err = e.int(sizeVar, -1); err != nil {
 			return l, err
 		}
-		if l.LocalRank, err = e.opt("SLURM_LOCALID"); err != nil {
+		localVar = "SLURM_LOCALID"
+		if l.LocalRank, err = e.opt(localVar); err != nil {
 			return l, err
 		}
 		if name, list, ok := e.first("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"); ok {
@@ -349,6 +354,10 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 	}
 	if l.Rank >= l.Size {
 		return l, &EnvError{Launcher: e.launcher, Err: fmt.Errorf("%w: rank %d outside a world of %d", ErrEnvValue, l.Rank, l.Size)}
+	}
+	if l.LocalRank >= l.Size {
+		// A rank among this host's ranks of the world: fewer than its size.
+		return l, e.errf(localVar, "local rank %d outside a world of %d", l.LocalRank, l.Size)
 	}
 	if root == "" && rootHost != "" {
 		if port == 0 {
