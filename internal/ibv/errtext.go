@@ -3,6 +3,7 @@ package ibv
 import (
 	"fmt"
 	"strings"
+	"syscall"
 
 	"github.com/goverbs/verbs/internal/prov"
 )
@@ -84,4 +85,17 @@ func queryPortOp(dev string, port uint8, nports int) string {
 		return fmt.Sprintf("ibv_query_port (port %d): %s has %s, there is no port %d", port, dev, portsText(nports), port)
 	}
 	return fmt.Sprintf("ibv_query_port (port %d of %s)", port, dev)
+}
+
+// gidIndexErr words the failure of a call given an address vector whose
+// source GID index names no GID of the port: libibverbs (and the kernel)
+// report it as ENODATA, a code no caller tests for, where soft0 and the
+// verbs layer's own checks (QPSpec.FixedGID) report EINVAL. The error
+// matches both. Other errors are returned as they are.
+func gidIndexErr(err error, e syscall.Errno, global bool, sgid, port uint8) error {
+	if e != syscall.ENODATA || !global {
+		return err
+	}
+	return fmt.Errorf("%w: source GID index %d is not a valid entry of port %d's GID table (see `goverbs devinfo -v`): %w",
+		err, sgid, port, syscall.EINVAL)
 }

@@ -10,7 +10,9 @@ package ibv
 import "C"
 
 import (
+	"errors"
 	"fmt"
+	"syscall"
 	"unsafe"
 
 	"github.com/goverbs/verbs/internal/prov"
@@ -160,7 +162,9 @@ func (pd *protDomain) CreateAH(attr prov.AHAttr) (prov.AH, error) {
 	a := toCAH(&attr)
 	ah, err := C.ibv_create_ah(pd.pd, &a)
 	if ah == nil {
-		return nil, wrapErr("ibv_create_ah", err)
+		var e syscall.Errno
+		errors.As(err, &e)
+		return nil, gidIndexErr(wrapErr("ibv_create_ah", err), e, attr.IsGlobal, attr.SGIDIndex, attr.Port)
 	}
 	return &addrHandle{ah: ah}, nil
 }

@@ -208,7 +208,11 @@ func (q *queuePair) Modify(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 	a.retry_cnt = C.uint8_t(attr.RetryCnt)
 	a.rnr_retry = C.uint8_t(attr.RNRRetry)
 	if rc := C.ibv_modify_qp(q.q.qp, &a, C.int(mask)); rc != 0 {
-		return errnoErr(modifyOp(q.qpn, attr.State, mask), rc)
+		err := errnoErr(modifyOp(q.qpn, attr.State, mask), rc)
+		if mask&prov.AttrAV != 0 {
+			err = gidIndexErr(err, syscall.Errno(rc), attr.AH.IsGlobal, attr.AH.SGIDIndex, attr.AH.Port)
+		}
+		return err
 	}
 	return nil
 }
