@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"strings"
 	"sync"
@@ -304,5 +305,78 @@ func TestAdv2LocalRankOutsideWorld(t *testing.T) {
 	env := map[string]string{"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3", "GOVERBS_ROOT": "h:1"}
 	if l, err := ParseLaunch(EnvOptions{Lookup: advLookup(env)}); err != nil || l.LocalRank != 3 {
 		t.Errorf("local rank 3 of 4: %+v, %v", l, err)
+	}
+}
+
+// TestAdv2AllToAllBadShareAtOnce: in an all-to-all card exchange, a
+// member of the job whose share is malformed (two items where one is
+// due, a truncated vector) fails the exchange at once, naming it, while
+// another rank has still to come, as a malformed share fails a
+// rendezvous root at once, and whether this rank accepted the bad
+// share or dialed its sender. Before, shares were decoded only once
+// every peer's had arrived: the exchange waited for the missing rank
+// until its context ended (here the hang guard; without a deadline,
+// for ever) and then reported only the missing rank.
+func TestAdv2AllToAllBadShareAtOnce(t *testing.T) {
+	const n, w = 3, ItemSize
+	for _, tc := range []struct {
+		name  string
+		share []byte
+	}{
+		{"two items", encodeCardShare(xCard(1), make([]byte, 2*w))},
+		{"truncated", encodeCardShare(xCard(1), make([]byte, w))[:10]},
+	} {
+		for _, real := range []int{0, 2} { // the acceptor of rank 1, its dialer
+			t.Run(fmt.Sprintf("%s/rank %d", tc.name, real), func(t *testing.T) {
+				xNoLeaks(t)
+				lns, addrs := xListeners(t, n)
+				ctx := xContext(t, advGuard)
+				cfg := func(r int) ExchangeConfig {
+					return ExchangeConfig{Rank: r, Size: n, Mode: AllToAll, Addrs: addrs, Job: "job", Token: []byte("token")}
+				}
+				done := make(chan error, 1)
+				go func() {
+					c := cfg(real)
+					c.Listener = lns[real]
+					_, _, err := ExchangeCards(ctx, c, xCard(real), xItems(real, n, w))
+					done <- err
+				}()
+				// Rank 1, a member of the job, sends its bad share to the
+				// real rank; the third rank never comes.
+				x, err := newCardExchange(cfg(1), xCard(1), xItems(1, n, w))
+				if err != nil {
+					t.Fatal(err)
+				}
+				var k *conn
+				if real == 0 {
+					if k, err = x.dial(ctx, 0, addrs[0]); err != nil {
+						t.Fatal(err)
+					}
+					defer k.stopWatch()
+					x.send(k, tc.share)
+				} else {
+					c, err := lns[1].Accept()
+					if err != nil {
+						t.Fatal(err)
+					}
+					stop := guard(ctx, c)
+					defer stop()
+					if k, err = x.accept(ctx, c, nil, nil, func(int) error { return nil }); err != nil {
+						t.Fatal(err)
+					}
+					if _, err := x.recv(ctx, k); err != nil {
+						t.Fatal(err)
+					}
+					x.send(k, tc.share)
+				}
+				defer k.c.Close()
+				err = <-done
+				var xe *ExchangeError
+				if !errors.Is(err, ErrBadFrame) || !errors.As(err, &xe) || xe.Peer != 1 || errors.Is(err, context.DeadlineExceeded) {
+					t.Errorf("rank %d: %v, want ErrBadFrame naming rank 1 before the context ends", real, err)
+				}
+				t.Logf("rank %d: %v", real, err)
+			})
+		}
 	}
 }

@@ -507,6 +507,18 @@ func (x *exchange) recvShare(ctx context.Context, k *conn) ([]byte, error) {
 	return x.recvMax(ctx, k, x.shareMax)
 }
 
+// checkShare checks a peer's share in the all-to-all mode as it arrives,
+// so that a malformed one fails the exchange at once (naming the peer),
+// not once every other peer has come: for ExchangeCards, a card share
+// of one item; anything for Exchange.
+func (x *exchange) checkShare(data []byte) error {
+	if x.items == 0 {
+		return nil
+	}
+	_, _, err := decodeCardShare(data, x.items, x.maxCard)
+	return err
+}
+
 // recvMax is recv of a message of at most max bytes.
 func (x *exchange) recvMax(ctx context.Context, k *conn, max int) ([]byte, error) {
 	typ, msg, err := k.s.readMsg(k.c, max)
@@ -1210,6 +1222,9 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 			}
 			data, err := x.recvShare(ctx, k)
 			if err == nil {
+				err = x.checkShare(data)
+			}
+			if err == nil {
 				if err = x.send(k, x.out[k.peer]); err != nil {
 					err = x.ioErr(ctx, err)
 				}
@@ -1245,8 +1260,10 @@ func (x *exchange) allToAll(ctx context.Context) ([][]byte, error) {
 			} else {
 				var data []byte
 				if data, err = x.recvShare(ctx, k); err == nil {
-					s.put(j, data)
-					return
+					if err = x.checkShare(data); err == nil {
+						s.put(j, data)
+						return
+					}
 				}
 			}
 			s.fatal(&peerErr{j, err})
