@@ -3,9 +3,11 @@
 package verbs_test
 
 import (
+	"context"
 	"errors"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/internal/vmtest"
@@ -56,4 +58,97 @@ func TestAdversarialBadGIDIndexDevices(t *testing.T) {
 			}
 		})
 	}
+}
+
+// advModes are the data paths of the hardware provider, chosen when a
+// device is opened: the classic calls (ibv_post_send, ibv_poll_cq) and the
+// extended ones (ibv_wr_*, ibv_start_poll).
+var advModes = []struct{ name, on string }{{"classic", "0"}, {"ex", "1"}}
+
+// forAdvDevices runs f on soft0 and, in each mode of the hardware
+// provider, on the VM's rxe devices.
+func forAdvDevices(t *testing.T, f func(t *testing.T, cfg verbstest.Config)) {
+	for _, devs := range advDevicePairs(t) {
+		for _, m := range advModes {
+			if devs[0] == verbs.SoftDevice && m.on == "1" {
+				continue // soft0 has one data path
+			}
+			t.Run(devs[0]+"/"+m.name, func(t *testing.T) {
+				t.Setenv("GOVERBS_IBV_WR_API", m.on)
+				t.Setenv("GOVERBS_IBV_CQ_EX", m.on)
+				f(t, verbstest.Config{DeviceA: devs[0], DeviceB: devs[1], SeparateContexts: true})
+			})
+		}
+	}
+}
+
+func advPollOne(t *testing.T, cq *verbs.CompletionQueue, what string) verbs.Completion {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	wcs, err := verbstest.PollN(ctx, cq, 1)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return wcs[0]
+}
+
+// TestAdversarialRefusedPostStaysUnpostedDevices posts sends on an RC
+// queue pair in INIT and a receive on one in RESET, which fail with
+// EINVAL and, for a batch, a PostError saying that none was posted. They
+// must indeed never run: on rxe the provider library queued the requests
+// before the kernel refused the doorbell, so once the queue pair was
+// connected they went out ahead of the next send (which completed after
+// them, its message landing in the wrong receive), and a refused receive
+// took the next message.
+func TestAdversarialRefusedPostStaysUnpostedDevices(t *testing.T) {
+	forAdvDevices(t, func(t *testing.T, cfg verbstest.Config) {
+		verbstest.CheckLeaks(t)
+		a, b := verbstest.NewNodes(t, cfg)
+		qa, qb := a.NewRC(t, verbs.QPSpec{}), b.NewRC(t, verbs.QPSpec{})
+		src := a.Alloc(t, 4096, verbs.AccessLocalWrite)
+		dst := b.Alloc(t, 4096, verbs.AccessLocalWrite)
+
+		if err := qb.Modify(verbs.QPAttr{State: verbs.StateReset}, verbs.AttrState); err != nil {
+			t.Fatal(err)
+		}
+		if err := qb.PostRecv(66, verbstest.SGE(t, dst, 0, 64)); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("receive posted in RESET: %v, want EINVAL", err)
+		}
+		if err := qb.Modify(verbs.QPAttr{State: verbs.StateInit, Port: 1, Access: verbs.AccessRemoteWrite},
+			verbs.AttrState|verbs.AttrPKeyIndex|verbs.AttrPort|verbs.AttrAccessFlags); err != nil {
+			t.Fatal(err)
+		}
+		if err := qa.PostSend(7, verbs.Signaled, verbstest.SGE(t, src, 0, 8)); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("send posted in INIT: %v, want EINVAL", err)
+		}
+		bt := qa.NewBatch(4)
+		bt.Send(17, verbstest.SGE(t, src, 0, 8)).Signaled()
+		bt.Send(18, verbstest.SGE(t, src, 0, 8))
+		var pe *verbs.PostError
+		if err := bt.Submit(); !errors.Is(err, syscall.EINVAL) || !errors.As(err, &pe) || pe.Posted != 0 {
+			t.Errorf("send batch submitted in INIT: %v, want a PostError wrapping EINVAL with nothing posted", err)
+		}
+
+		verbstest.ConnectRC(t, qa, qb)
+		for i := range 2 {
+			if err := qb.PostRecv(uint64(100+i), verbstest.SGE(t, dst, 64*i, 64)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// RC completes in order: a refused request that ran after all
+		// would complete (and take a receive) before these.
+		for i := range 2 {
+			wrid := uint64(8 + i)
+			if err := qa.PostSend(wrid, verbs.Signaled, verbstest.SGE(t, src, 0, 8)); err != nil {
+				t.Fatal(err)
+			}
+			if c := advPollOne(t, a.CQ, "send completion"); c.WRID != wrid || c.Status != verbs.StatusSuccess {
+				t.Errorf("send completion %v, want wr_id %#x success: a send refused in INIT ran", c, wrid)
+			}
+			if c := advPollOne(t, b.CQ, "receive completion"); c.WRID != uint64(100+i) || c.Status != verbs.StatusSuccess {
+				t.Errorf("receive completion %v, want wr_id %#x success", c, 100+i)
+			}
+		}
+	})
 }

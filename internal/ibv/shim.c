@@ -112,6 +112,26 @@ static inline void gv_fill_send(struct ibv_send_wr *s, const gv_send_wr *w,
 	}
 }
 
+// gv_can_send reports whether the QP's state takes send requests, as far
+// as libibverbs knows it (ibv_qp.state, which ibv_modify_qp and
+// ibv_query_qp keep up to date; a move to ERR by the device is not seen,
+// and posting in ERR is allowed). Some providers do not check it
+// themselves before they queue the requests: rxe writes them into the
+// send queue and only then has the kernel refuse the doorbell (EINVAL) in
+// RESET, INIT or RTR, leaving them queued to run once the QP reaches RTS,
+// although the caller was told they were not posted.
+static inline int gv_can_send(const struct ibv_qp *qp)
+{
+	switch (__atomic_load_n(&qp->state, __ATOMIC_RELAXED)) {
+	case IBV_QPS_RESET:
+	case IBV_QPS_INIT:
+	case IBV_QPS_RTR:
+		return 0;
+	default:
+		return 1;
+	}
+}
+
 int gv_post_send(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 		 int nsge, int *accepted)
 {
@@ -120,6 +140,9 @@ int gv_post_send(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 	int ud = q->qp->qp_type == IBV_QPT_UD;
 	int lim, done = 0;
 
+	*accepted = 0;
+	if (!gv_can_send(q->qp))
+		return EINVAL;
 	GV_FIRST_BAD_SGL(wrs, n, nsge, lim);
 	while (done < lim) {
 		int m = lim - done;
@@ -155,6 +178,8 @@ int gv_post_send_wr(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 	int lim;
 
 	*accepted = 0;
+	if (!gv_can_send(q->qp))
+		return EINVAL;
 	GV_FIRST_BAD_SGL(wrs, n, nsge, lim);
 	if (lim < n)
 		return EINVAL;
