@@ -9,6 +9,9 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+
+	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/verbstest"
 )
 
 // Second adversarial pass: what a demanding user and a stranger on the
@@ -378,5 +381,35 @@ func TestAdv2AllToAllBadShareAtOnce(t *testing.T) {
 				t.Logf("rank %d: %v", real, err)
 			})
 		}
+	}
+}
+
+// TestAdv2OnCloseAfterClose: a function handed to OnClose once the node
+// is closed runs at once (there is no later close to run it), and one
+// handed while the node is open runs at Close, once. Before, OnClose on
+// a closed node appended it to a list nobody would read again: the
+// memory it was to release (package collective hands the node the
+// windows of communicators closed after it) leaked.
+func TestAdv2OnCloseAfterClose(t *testing.T) {
+	pd := verbstest.OpenPD(t, verbs.SoftDevice)
+	n, err := NewNode(pd, 0, 1, NodeOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var before, after atomic.Int32
+	n.OnClose(func() error { before.Add(1); return nil })
+	if err := n.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got := before.Load(); got != 1 {
+		t.Errorf("OnClose before Close ran %d times, want 1", got)
+	}
+	n.OnClose(func() error { after.Add(1); return nil })
+	if got := after.Load(); got != 1 {
+		t.Errorf("OnClose after Close ran %d times, want 1 (at once)", got)
+	}
+	n.Close() // idempotent: runs nothing again
+	if before.Load() != 1 || after.Load() != 1 {
+		t.Errorf("a second Close ran OnClose functions again: %d, %d", before.Load(), after.Load())
 	}
 }

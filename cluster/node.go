@@ -565,11 +565,18 @@ func (n *Node) ResetBarrier() error { return n.bar.reset() }
 // the MultiChannel, before the protection domain and device the node owns
 // (Join, FromEnv), in the reverse order of registration. Hand the node the
 // memory regions registered in its PD this way (OnClose(mr.Close)); Join
-// then also releases them when it fails.
+// then also releases them when it fails. On a node that is closed (or
+// closing) f runs at once, and its error is dropped: no Close is left to
+// run it, or to report it.
 func (n *Node) OnClose(f func() error) {
 	n.mu.Lock()
-	defer n.mu.Unlock()
-	n.onClose = append(n.onClose, f)
+	if n.phase != 3 {
+		n.onClose = append(n.onClose, f)
+		n.mu.Unlock()
+		return
+	}
+	n.mu.Unlock()
+	f()
 }
 
 // Close closes the barrier, the MultiChannel, runs the OnClose functions
