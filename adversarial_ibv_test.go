@@ -152,3 +152,67 @@ func TestAdversarialRefusedPostStaysUnpostedDevices(t *testing.T) {
 		}
 	})
 }
+
+// advPoll polls cq with a destination of 16 until it has collected n
+// completions (or the hang guard ends), so that the polls ask for more
+// completions than the CQ holds.
+func advPoll(t *testing.T, cq *verbs.CompletionQueue, n int) []verbs.Completion {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var out []verbs.Completion
+	buf := make([]verbs.Completion, 16)
+	for len(out) < n {
+		k, err := cq.Poll(buf)
+		if err != nil {
+			t.Fatalf("poll: %v (after %v)", err, out)
+		}
+		out = append(out, buf[:k]...)
+		if k == 0 {
+			if ctx.Err() != nil {
+				t.Fatalf("hang guard: %d of %d completions: %v", len(out), n, out)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	return out
+}
+
+// TestAdversarialPollPastLastCompletionDevices polls a CQ with room for
+// more completions than it holds, as every polling loop does: each
+// completion must come out once. With extended CQs on rxe
+// (GOVERBS_IBV_CQ_EX=1), whose ibv_end_poll moves the consumer index one
+// entry further after ibv_next_poll found the CQ empty, the next poll
+// returned stale entries again and again (three for a CQ of three).
+func TestAdversarialPollPastLastCompletionDevices(t *testing.T) {
+	forAdvDevices(t, func(t *testing.T, cfg verbstest.Config) {
+		verbstest.CheckLeaks(t)
+		a, b := verbstest.NewNodes(t, cfg)
+		qa, qb := a.NewRC(t, verbs.QPSpec{}), b.NewRC(t, verbs.QPSpec{})
+		verbstest.ConnectRC(t, qa, qb)
+		src := a.Alloc(t, 4096, verbs.AccessLocalWrite)
+		dst := b.Alloc(t, 4096, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
+		sge := verbstest.SGE(t, src, 0, 8)
+		next := uint64(1)
+		for _, k := range []int{2, 1, 3} {
+			bt := qa.NewBatch(k)
+			for range k {
+				bt.Write(next, dst.Remote().At(0), sge).Signaled()
+				next++
+			}
+			if err := bt.Submit(); err != nil {
+				t.Fatal(err)
+			}
+			got := advPoll(t, a.CQ, k)
+			for i, c := range got {
+				if want := next - uint64(k) + uint64(i); i >= k || c.WRID != want || c.Status != verbs.StatusSuccess {
+					t.Fatalf("completions %v, want wr_ids %d..%d, success, once each", got, next-uint64(k), next-1)
+				}
+			}
+			// Everything signaled has completed: the CQ is empty.
+			if n, err := a.CQ.Poll(make([]verbs.Completion, 16)); n != 0 || err != nil {
+				t.Fatalf("poll of an emptied CQ: %d completions, %v; want 0", n, err)
+			}
+		}
+	})
+}

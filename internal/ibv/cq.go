@@ -112,6 +112,9 @@ func (c *devContext) CreateCQ(cqe int, ch prov.CompChannel, vector int) (prov.CQ
 		c.dropHandle(q.handle)
 		return nil, errnoErr("ibv_create_cq", rc)
 	}
+	if c.quirkNextPoll {
+		q.cq.next_poll_broken = 1
+	}
 	q.cap = int(q.cq.cq.cqe)
 	c.setHandle(q.handle, q)
 	return q, nil

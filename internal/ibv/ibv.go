@@ -163,7 +163,7 @@ func (provider) Open(name string) (prov.Context, error) {
 		var a C.struct_ibv_device_attr
 		var ports C.uint32_t
 		if C.gv_query_device(ctx, &a, &ports) == 0 && a.vendor_id == rxeVendorID && a.vendor_part_id == 0 {
-			c.quirkSGEList = true
+			c.quirkSGEList, c.quirkNextPoll = true, true
 		}
 		return c, nil
 	}
@@ -188,6 +188,10 @@ type devContext struct {
 	// quirkSGEList: the device is SoftRoCE (rxe), whose
 	// ibv_wr_set_sge_list miscomputes the length (see shim.c).
 	quirkSGEList bool
+	// quirkNextPoll: the device is SoftRoCE (rxe), whose ibv_end_poll
+	// after an ibv_next_poll that found the CQ empty skips an entry
+	// (see gv_poll_cq).
+	quirkNextPoll bool
 
 	// handles maps the integers stored in cq_context, qp_context and
 	// srq_context back to the Go objects (no Go pointers in C memory).

@@ -370,6 +370,25 @@ int gv_poll_cq(gv_cq *c, gv_wc *dst, int n)
 		return got;
 	}
 	struct ibv_poll_cq_attr attr = {0};
+	if (c->next_poll_broken) {
+		// rxe (rdma-core 44 at least): after ibv_next_poll found the CQ
+		// empty, ibv_end_poll moves the consumer index one entry past
+		// the producer's, and later polls return stale entries over
+		// and over. One ibv_start_poll/ibv_end_poll pair per
+		// completion never calls ibv_next_poll.
+		int i = 0;
+		while (i < n) {
+			int rc = ibv_start_poll(c->cqx, &attr);
+			if (rc == ENOENT)
+				break;
+			if (rc)
+				return i ? i : -gv_err(rc);
+			gv_read_ex(c->cqx, c->wc_flags, &dst[i]);
+			i++;
+			ibv_end_poll(c->cqx);
+		}
+		return i;
+	}
 	int rc = ibv_start_poll(c->cqx, &attr);
 	if (rc == ENOENT)
 		return 0;

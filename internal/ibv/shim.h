@@ -104,6 +104,7 @@ typedef struct {
 	struct ibv_cq *cq;
 	struct ibv_cq_ex *cqx; // non-NULL when polled with start/next_poll
 	uint64_t wc_flags;     // wc_flags the extended CQ was created with
+	int next_poll_broken;  // device quirk: poll with start/end pairs only
 } gv_cq;
 
 // Data path (one call per batch).
