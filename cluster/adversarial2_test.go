@@ -9,6 +9,9 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"os"
+	"runtime/pprof"
+	"time"
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/verbstest"
@@ -411,5 +414,134 @@ func TestAdv2OnCloseAfterClose(t *testing.T) {
 	n.Close() // idempotent: runs nothing again
 	if before.Load() != 1 || after.Load() != 1 {
 		t.Errorf("a second Close ran OnClose functions again: %d, %d", before.Load(), after.Load())
+	}
+}
+
+// TestAdv2TwoRanksLeaveAtOnce: in a world of 5 (in this process), two
+// ranks, the root of the barriers' trees among them, close their nodes
+// at once (they leave, as processes that exit do) while the three others
+// wait for them in a barrier or a Share, with every barrier algorithm:
+// every survivor fails before its context (the hang guard) ends, with a
+// *RankError naming one of the two (ErrPeerLost), Err reports a failure
+// of one of the two, and the next barrier fails at once (ErrPoisoned).
+func TestAdv2TwoRanksLeaveAtOnce(t *testing.T) {
+	leavers := map[int]bool{0: true, 3: true}
+	for _, alg := range []BarrierAlgorithm{BinaryTree, Dissemination, Centralized} {
+		for _, op := range []string{"barrier", "share"} {
+			t.Run(fmt.Sprintf("%s/%s", strings.ReplaceAll(alg.String(), " ", "-"), op), func(t *testing.T) {
+				nodes := shareWorld(t, 5, alg)
+				ctx := xContext(t, advGuard)
+				errs := runAll(nodes, func(nd *Node) error {
+					if leavers[nd.Rank()] {
+						return nd.Close()
+					}
+					if op == "barrier" {
+						return nd.Barrier(ctx, nil)
+					}
+					_, err := nd.Share(ctx, []byte{byte(nd.Rank())})
+					return err
+				})
+				names := func(err error) bool {
+					var re *RankError
+					return errors.As(err, &re) && leavers[re.Rank] && errors.Is(err, ErrPeerLost)
+				}
+				for r, err := range errs {
+					if leavers[r] {
+						if err != nil {
+							t.Errorf("rank %d: Close: %v", r, err)
+						}
+						continue
+					}
+					if !names(err) || ctx.Err() != nil {
+						t.Errorf("rank %d: %v, want a *RankError naming rank 0 or 3 before the guard", r, err)
+						continue
+					}
+					if err := nodes[r].Err(); !names(err) {
+						t.Errorf("rank %d: Err() = %v, want rank 0 or 3", r, err)
+					}
+					if err := nodes[r].Barrier(ctx, nil); !errors.Is(err, ErrPoisoned) || !names(err) {
+						t.Errorf("rank %d: next barrier: %v, want ErrPoisoned naming rank 0 or 3", r, err)
+					}
+				}
+			})
+		}
+	}
+}
+
+// TestAdv2CloseRacesEverything: while every rank of a world of 3 runs
+// barriers and Shares in turn (in the same order, as collectives must
+// be) and other goroutines of rank 1 call Err, PeerData, LocalRanks and
+// BarrierAlgorithm in loops, rank 1 closes its node: every call returns
+// (none hangs past the hang guard, none panics, the race detector sees
+// nothing); once Close returned, every call of rank 1 fails with
+// ErrNodeState; ranks 0 and 2 fail with a *RankError naming rank 1.
+func TestAdv2CloseRacesEverything(t *testing.T) {
+	nodes := shareWorld(t, 3, Dissemination)
+	ctx := xContext(t, advGuard)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	// loop runs f until it fails, or (if untilStop) stop is closed.
+	loop := func(untilStop bool, f func() error) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				if untilStop {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+				}
+				if f() != nil {
+					return
+				}
+			}
+		}()
+	}
+	errs := make([]error, 3)
+	for r, nd := range nodes {
+		i := 0
+		loop(false, func() error { // until the failure of rank 1
+			i++
+			if i%2 == 0 {
+				errs[r] = nd.Barrier(ctx, nil)
+			} else {
+				_, errs[r] = nd.Share(ctx, []byte("x"))
+			}
+			return errs[r]
+		})
+	}
+	n := nodes[1]
+	loop(true, func() error { n.Err(); return nil })
+	loop(true, func() error { n.PeerData(0); return nil })
+	loop(true, func() error { n.LocalRanks(); n.BarrierAlgorithm(); return nil })
+	time.Sleep(20 * time.Millisecond) // (let them run: any interleaving will do)
+	if err := n.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	if err := n.Barrier(ctx, nil); !errors.Is(err, ErrNodeState) {
+		t.Errorf("Barrier after Close: %v, want ErrNodeState", err)
+	}
+	if _, err := n.Share(ctx, nil); !errors.Is(err, ErrNodeState) {
+		t.Errorf("Share after Close: %v, want ErrNodeState", err)
+	}
+	if err := n.Err(); err != nil {
+		t.Errorf("Err after Close: %v, want nil", err)
+	}
+	close(stop)
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		pprof.Lookup("goroutine").WriteTo(os.Stderr, 1)
+		t.Fatal("calls still running at the hang guard")
+	}
+	for _, r := range []int{0, 2} {
+		var re *RankError
+		if !errors.As(errs[r], &re) || re.Rank != 1 || !errors.Is(errs[r], ErrPeerLost) {
+			t.Errorf("rank %d: %v, want a *RankError naming rank 1", r, errs[r])
+		}
 	}
 }
