@@ -5,6 +5,7 @@ package verbs_test
 import (
 	"context"
 	"errors"
+	"math"
 	"syscall"
 	"testing"
 	"time"
@@ -215,4 +216,61 @@ func TestAdversarialPollPastLastCompletionDevices(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestAdversarialOversizedCountsDevices asks for queues whose sizes do not
+// fit the 32-bit fields of the verbs structs (on a 64-bit int): soft0
+// refuses them with EINVAL; the hardware provider converted them, keeping
+// the low 32 bits, and made a CQ of 1<<32 + 5 entries one of 5, a queue
+// pair of 1<<32 + 4 send WRs one of 4, and armed an SRQ limit of
+// 1<<32 + 1 as 1, all without an error.
+func TestAdversarialOversizedCountsDevices(t *testing.T) {
+	if math.MaxInt == math.MaxInt32 {
+		t.Skip("int is 32 bits: every count fits")
+	}
+	for _, devs := range advDevicePairs(t) {
+		t.Run(devs[0], func(t *testing.T) {
+			verbstest.CheckLeaks(t)
+			a, _ := verbstest.NewNodes(t, verbstest.Config{DeviceA: devs[0], DeviceB: devs[1], SeparateContexts: true})
+			const wrap = 1 << 32
+			s := a.NewSRQ(t, verbs.SRQSpec{MaxWR: 16})
+			for _, c := range []struct {
+				what string
+				f    func() (interface{ Close() error }, error)
+			}{
+				{"CQ entries", func() (interface{ Close() error }, error) {
+					return a.Ctx.NewCompletionQueue(verbs.CQSpec{Entries: wrap + 5})
+				}},
+				{"CQ vector", func() (interface{ Close() error }, error) {
+					return a.Ctx.NewCompletionQueue(verbs.CQSpec{Vector: wrap})
+				}},
+				{"MaxSendWR", func() (interface{ Close() error }, error) {
+					return a.PD.NewRCQueuePair(a.QPSpec(verbs.QPSpec{MaxSendWR: wrap + 4}))
+				}},
+				{"MaxRecvWR", func() (interface{ Close() error }, error) {
+					return a.PD.NewUDQueuePair(a.QPSpec(verbs.QPSpec{MaxRecvWR: wrap + 4}))
+				}},
+				{"MaxInlineData", func() (interface{ Close() error }, error) {
+					return a.PD.NewRCQueuePair(a.QPSpec(verbs.QPSpec{MaxInlineData: wrap + 4}))
+				}},
+				{"SRQ MaxWR", func() (interface{ Close() error }, error) {
+					return a.PD.NewSharedReceiveQueue(verbs.SRQSpec{MaxWR: wrap + 8})
+				}},
+				{"SRQ limit", func() (interface{ Close() error }, error) {
+					return nil, s.ArmLimit(wrap + 1)
+				}},
+			} {
+				obj, err := c.f()
+				if err == nil && obj != nil {
+					obj.Close()
+				}
+				if !errors.Is(err, syscall.EINVAL) {
+					t.Errorf("%s of 1<<32 and more: %v, want an error wrapping EINVAL", c.what, err)
+				}
+			}
+			if q, err := s.Query(); err != nil || q.Limit != 0 {
+				t.Errorf("SRQ after the refused ArmLimit: %+v, %v; want limit 0", q, err)
+			}
+		})
+	}
 }

@@ -102,6 +102,12 @@ func (c *devContext) CreateCQ(cqe int, ch prov.CompChannel, vector int) (prov.CQ
 		}
 		cch = x.ch
 	}
+	if err := fitI32("ibv_create_cq", "cqe", cqe); err != nil {
+		return nil, err
+	}
+	if err := fitI32("ibv_create_cq", "comp_vector", vector); err != nil {
+		return nil, err
+	}
 	q := &compQueue{c: c}
 	q.handle = c.addHandle(nil) // reserve; published after creation
 	useEx := C.int(0)

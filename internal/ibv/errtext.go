@@ -2,6 +2,7 @@ package ibv
 
 import (
 	"fmt"
+	"math"
 	"strings"
 	"syscall"
 
@@ -98,4 +99,48 @@ func gidIndexErr(err error, e syscall.Errno, global bool, sgid, port uint8) erro
 	}
 	return fmt.Errorf("%w: source GID index %d is not a valid entry of port %d's GID table (see `goverbs devinfo -v`): %w",
 		err, sgid, port, syscall.EINVAL)
+}
+
+// fitField checks that v, an int the caller gave, fits the C field it
+// becomes (lo..hi: an int, a uint32_t): a conversion would otherwise keep
+// its low bits, silently (1<<32 + 4 send WRs made a queue of 4, a CQ of
+// 1<<32 + 5 entries one of 5), where soft0 refuses the value.
+func fitField(op, what string, v int, lo, hi int64) error {
+	if int64(v) < lo || int64(v) > hi {
+		return fmt.Errorf("%s: %s %d out of range (%d..%d): %w", op, what, v, lo, hi, syscall.EINVAL)
+	}
+	return nil
+}
+
+// fitU32 checks fields that become a uint32_t, fitI32 those that become an int.
+func fitU32(op, what string, v int) error { return fitField(op, what, v, 0, math.MaxUint32) }
+func fitI32(op, what string, v int) error {
+	return fitField(op, what, v, math.MinInt32, math.MaxInt32)
+}
+
+// checkCap checks that the capacities of c fit the uint32_t fields of
+// struct ibv_qp_cap.
+func checkCap(op string, c prov.QPCap) error {
+	for _, f := range []struct {
+		what string
+		v    int
+	}{{"max_send_wr", c.MaxSendWR}, {"max_recv_wr", c.MaxRecvWR}, {"max_send_sge", c.MaxSendSGE},
+		{"max_recv_sge", c.MaxRecvSGE}, {"max_inline_data", c.MaxInlineData}} {
+		if err := fitU32(op, f.what, f.v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkSRQAttr checks that the fields of a become the uint32_t fields of
+// struct ibv_srq_attr unchanged.
+func checkSRQAttr(op string, a prov.SRQAttr) error {
+	if err := fitU32(op, "max_wr", a.MaxWR); err != nil {
+		return err
+	}
+	if err := fitU32(op, "max_sge", a.MaxSGE); err != nil {
+		return err
+	}
+	return fitU32(op, "srq_limit", a.SRQLimit)
 }

@@ -87,6 +87,9 @@ type sharedRQ struct {
 }
 
 func (pd *protDomain) CreateSRQ(attr prov.SRQAttr) (prov.SRQ, error) {
+	if err := checkSRQAttr("ibv_create_srq", attr); err != nil {
+		return nil, err
+	}
 	var ia C.struct_ibv_srq_init_attr
 	ia.attr.max_wr = C.uint32_t(attr.MaxWR)
 	ia.attr.max_sge = C.uint32_t(attr.MaxSGE)
@@ -119,6 +122,12 @@ func (s *sharedRQ) PostRecv(wrs []prov.RecvWR, sges []prov.SGE) (int, error) {
 
 // Modify sets the limit (limitOnly) or resizes the SRQ and sets the limit.
 func (s *sharedRQ) Modify(attr prov.SRQAttr, limitOnly bool) error {
+	if limitOnly {
+		attr.MaxWR, attr.MaxSGE = 0, 0 // not given to the device
+	}
+	if err := checkSRQAttr("ibv_modify_srq", attr); err != nil {
+		return err
+	}
 	var a C.struct_ibv_srq_attr
 	a.max_wr = C.uint32_t(attr.MaxWR)
 	a.max_sge = C.uint32_t(attr.MaxSGE)

@@ -50,6 +50,9 @@ func (pd *protDomain) CreateQP(attr prov.QPInitAttr) (prov.QP, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := checkCap("ibv_create_qp", attr.Cap); err != nil {
+		return nil, err
+	}
 	var ia C.struct_ibv_qp_init_attr
 	ia.send_cq = scq.cq.cq
 	ia.recv_cq = rcq.cq.cq
@@ -188,6 +191,11 @@ func fromCAH(c *C.struct_ibv_ah_attr) prov.AHAttr {
 }
 
 func (q *queuePair) Modify(attr *prov.QPAttr, mask prov.QPAttrMask) error {
+	if mask&prov.AttrCap != 0 {
+		if err := checkCap(modifyOp(q.qpn, attr.State, mask), attr.Cap); err != nil {
+			return err
+		}
+	}
 	var a C.struct_ibv_qp_attr
 	a.qp_state = C.enum_ibv_qp_state(attr.State)
 	a.cur_qp_state = C.enum_ibv_qp_state(attr.CurState)
