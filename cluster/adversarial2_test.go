@@ -545,3 +545,27 @@ func TestAdv2CloseRacesEverything(t *testing.T) {
 		}
 	}
 }
+
+// TestAdv2ConfigDuplicateKeys: a configuration with a key twice in one
+// object (in any case: encoding/json matches field names without regard
+// to case) is refused with ErrSyntax at the second: JSON leaves
+// duplicates undefined and encoding/json keeps the last silently, so a
+// host written {"rank": 0, ..., "rank": 1} (two edits merged), or a
+// second "hosts" list, changed the world without a word.
+func TestAdv2ConfigDuplicateKeys(t *testing.T) {
+	for _, tc := range []struct{ name, in, where string }{
+		{"rank twice", `{"hosts": [{"hostname": "a", "port": 1, "rank": 0, "rank": 1}]}`, "line 1, column 52"},
+		{"port in two cases", `{"hosts": [{"hostname": "a", "port": 1, "Port": 2, "rank": 0}]}`, "line 1, column 41"},
+		{"hosts twice", "{\"hosts\": [{\"hostname\": \"a\", \"port\": 1, \"rank\": 0}],\n \"hosts\": []}", "line 2, column 2"},
+		{"hostname twice in the second host", `{"hosts": [{"hostname": "a", "port": 1, "rank": 0}, {"hostname": "b", "HOSTNAME": "c", "port": 1, "rank": 1}]}`, "line 1, column 71"},
+	} {
+		c, err := ParseConfig([]byte(tc.in))
+		if !errors.Is(err, ErrSyntax) || !strings.Contains(err.Error(), tc.where) || !strings.Contains(err.Error(), "twice") {
+			t.Errorf("%s: %+v, %v; want ErrSyntax at %s saying the key is there twice", tc.name, c, err, tc.where)
+		}
+	}
+	// The same key in different objects is fine.
+	if _, err := ParseConfig([]byte(`{"hosts": [{"hostname": "a", "port": 1, "rank": 0}, {"hostname": "b", "port": 1, "rank": 1}]}`)); err != nil {
+		t.Errorf("two hosts: %v", err)
+	}
+}

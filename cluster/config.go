@@ -34,7 +34,8 @@ var (
 	// same IP address, however written, or the same host name in any case).
 	ErrDuplicateAddress = errors.New("cluster: config: duplicate address")
 	// ErrSyntax: the configuration is not the JSON object described by
-	// Config (bad JSON, unknown field, wrong type, trailing data).
+	// Config (bad JSON, unknown field, a key twice in one object, wrong
+	// type, trailing data).
 	ErrSyntax = errors.New("cluster: config: syntax")
 )
 
@@ -228,8 +229,8 @@ type hostJSON struct {
 }
 
 // ParseConfig decodes and validates a JSON configuration. Unknown fields,
-// trailing data, missing ranks or ports, and every condition of Validate
-// are errors (*ConfigError).
+// a key twice in one object (in any case), trailing data, missing ranks
+// or ports, and every condition of Validate are errors (*ConfigError).
 func ParseConfig(data []byte) (*Config, error) {
 	if len(data) > MaxConfigSize {
 		return nil, cfgErr(-1, ErrSyntax, "%d bytes (at most %d)", len(data), MaxConfigSize)
@@ -250,6 +251,9 @@ func ParseConfig(data []byte) (*Config, error) {
 	}
 	if _, err := dec.Token(); err != io.EOF {
 		return nil, cfgErr(-1, ErrSyntax, "%s: trailing data after the configuration object", position(data, skipSpace(data, dec.InputOffset())))
+	}
+	if off, key := duplicateKey(data); off >= 0 {
+		return nil, cfgErr(-1, ErrSyntax, "%s: key %q twice in one object (keys match their fields in any case)", position(data, off), key)
 	}
 	c := &Config{Hosts: make([]Host, len(raw.Hosts))}
 	for i, h := range raw.Hosts {
@@ -314,6 +318,58 @@ func errorOffset(data []byte, dec *json.Decoder, err error) int64 {
 		}
 	}
 	return dec.InputOffset()
+}
+
+// duplicateKey returns the offset in data, valid JSON, of the first key
+// that repeats a key of its object, in any case (encoding/json matches
+// fields without regard to case, and keeps the last of duplicates
+// silently), and the key; -1 if there is none.
+func duplicateKey(data []byte) (int64, string) {
+	type frame struct {
+		obj  bool
+		keys map[string]bool
+		key  bool // an object's next token is a key
+	}
+	var stack []*frame
+	dec := json.NewDecoder(bytes.NewReader(data))
+	for {
+		off := dec.InputOffset()
+		tok, err := dec.Token()
+		if err != nil {
+			return -1, ""
+		}
+		var top *frame
+		if len(stack) > 0 {
+			top = stack[len(stack)-1]
+		}
+		if k, isKey := tok.(string); isKey && top != nil && top.obj && top.key {
+			if top.keys[strings.ToLower(k)] {
+				// off is where the previous token ended: the key is
+				// after the blanks and the comma.
+				for off < int64(len(data)) && strings.IndexByte(" \t\r\n,", data[off]) >= 0 {
+					off++
+				}
+				return off, k
+			}
+			top.keys[strings.ToLower(k)] = true
+			top.key = false
+			continue
+		}
+		switch tok {
+		case json.Delim('{'):
+			stack = append(stack, &frame{obj: true, keys: map[string]bool{}, key: true})
+			continue
+		case json.Delim('['):
+			stack = append(stack, &frame{})
+			continue
+		case json.Delim('}'), json.Delim(']'):
+			stack = stack[:len(stack)-1]
+		}
+		// A value ended: in an object, a key comes next.
+		if len(stack) > 0 && stack[len(stack)-1].obj {
+			stack[len(stack)-1].key = true
+		}
+	}
 }
 
 // skipSpace returns the offset of the first byte at or after off that is
