@@ -274,3 +274,46 @@ func TestAdversarialOversizedCountsDevices(t *testing.T) {
 		})
 	}
 }
+
+// TestAdversarialPartialPostDevices submits a batch of two sends to a send
+// queue with one free slot: the first must be posted and the PostError
+// say so (Posted 1, ErrQueueFull), in every data path. With the
+// work-request API (GOVERBS_IBV_WR_API=1) ibv_wr_complete refused the
+// whole batch, so Posted was 0 and a request the classic path and soft0
+// post was dropped.
+func TestAdversarialPartialPostDevices(t *testing.T) {
+	forAdvDevices(t, func(t *testing.T, cfg verbstest.Config) {
+		verbstest.CheckLeaks(t)
+		// Sends that find no receive wait at the peer (RNR retries
+		// forever), so the send queue fills and stays full.
+		p := verbstest.NewLoopbackRC(t, cfg, verbs.QPSpec{MaxSendWR: 16, RNRRetry: 7, MinRNRTimer: 1})
+		depth := p.QA.Cap().MaxSendWR
+		src := p.A.Alloc(t, 64, verbs.AccessLocalWrite)
+		sge := verbstest.SGE(t, src, 0, 8)
+		for i := range depth - 1 {
+			if err := p.QA.PostSend(uint64(i), verbs.Signaled, sge); err != nil {
+				t.Fatalf("post send %d of %d: %v", i+1, depth, err)
+			}
+		}
+		b := p.QA.NewBatch(2)
+		b.Send(uint64(depth-1), sge).Signaled()
+		b.Send(uint64(depth), sge).Signaled()
+		var pe *verbs.PostError
+		if err := b.Submit(); !errors.Is(err, verbs.ErrQueueFull) || !errors.As(err, &pe) || pe.Posted != 1 {
+			t.Fatalf("batch of 2 with one free slot: %v; want a PostError with Posted 1 matching ErrQueueFull", err)
+		}
+		dst := p.B.Alloc(t, depth*8, verbs.AccessLocalWrite)
+		rb := p.QB.NewRecvBatch(depth)
+		for i := range depth {
+			rb.Recv(uint64(1000+i), verbstest.SGE(t, dst, i*8, 8))
+		}
+		if err := rb.Submit(); err != nil {
+			t.Fatal(err)
+		}
+		for i, c := range advPoll(t, p.A.CQ, depth) {
+			if c.WRID != uint64(i) || c.Status != verbs.StatusSuccess {
+				t.Fatalf("send completion %d: %v, want wr_id %#x success", i, c, i)
+			}
+		}
+	})
+}

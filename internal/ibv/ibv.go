@@ -28,7 +28,10 @@
 // because they report exactly which request failed (bad_wr) and let
 // ibv_poll_cq fill the caller's array without per-field reads. Each extended
 // path falls back to the classic one when the device refuses it. With the
-// work-request API a failed batch is posted not at all (PostSend returns 0);
+// work-request API a batch refused before ibv_wr_complete (an unsupported
+// opcode, too many SGEs or inline bytes) is posted not at all (PostSend
+// returns 0), and one that ibv_wr_complete refuses (a full queue) is posted
+// again with ibv_post_send, which posts the requests that fit;
 // inline requests are gathered into one buffer (ibv_wr_set_inline_data), and
 // on SoftRoCE, whose ibv_wr_set_sge_list miscomputes lengths, batches with a
 // multi-SGE request go through ibv_post_send.

@@ -167,9 +167,11 @@ int gv_post_send(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 }
 
 // gv_post_send_wr posts with the extended work-request API
-// (ibv_wr_start/ibv_wr_*/ibv_wr_complete). The batch is all-or-nothing:
-// on error nothing was posted and *accepted is 0 (or the index of a request
-// rejected before ibv_wr_complete, with the earlier ones discarded too).
+// (ibv_wr_start/ibv_wr_*/ibv_wr_complete). A batch that ibv_wr_complete
+// refuses (nothing of it posted) goes through gv_post_send, which posts
+// the requests before the one refused; a batch refused before
+// ibv_wr_complete (an unsupported opcode, an SGE list or inline size
+// beyond the QP's) is posted not at all and *accepted is 0.
 int gv_post_send_wr(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 		    int nsge, int *accepted)
 {
@@ -280,8 +282,13 @@ int gv_post_send_wr(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 		return EOPNOTSUPP;
 	}
 	int rc = ibv_wr_complete(x);
-	if (rc)
-		return gv_err(rc);
+	if (rc) {
+		// Nothing of the batch was posted. Post it again the classic
+		// way, which posts the requests before the one the device
+		// refuses (a full queue: those that fit) and says which, as
+		// PostSend promises on every path.
+		return gv_post_send(q, wrs, n, sges, nsge, accepted);
+	}
 	*accepted = n;
 	return 0;
 }
