@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"runtime"
 	"syscall"
 	"testing"
 	"time"
@@ -313,6 +314,92 @@ func TestAdversarialPartialPostDevices(t *testing.T) {
 		for i, c := range advPoll(t, p.A.CQ, depth) {
 			if c.WRID != uint64(i) || c.Status != verbs.StatusSuccess {
 				t.Fatalf("send completion %d: %v, want wr_id %#x success", i, c, i)
+			}
+		}
+	})
+}
+
+// TestAdversarialCloseUnderLoadDevices closes a queue pair while
+// goroutines post to it with every kind of call, then its CQ while
+// goroutines poll and wait on it, on the hardware provider: every call
+// must fail with ErrClosed once the object is closed, never reach the
+// destroyed C object (a crash or a hang), and Close must succeed.
+func TestAdversarialCloseUnderLoadDevices(t *testing.T) {
+	forAdvDevices(t, func(t *testing.T, cfg verbstest.Config) {
+		verbstest.CheckLeaks(t)
+		a, b := verbstest.NewNodes(t, cfg)
+		cq := a.NewCQ(t, verbs.CQSpec{Entries: 4096})
+		qa := a.NewRC(t, verbs.QPSpec{SendCQ: cq, MaxSendWR: 256})
+		qb := b.NewRC(t, verbs.QPSpec{})
+		verbstest.ConnectRC(t, qa, qb)
+		src := a.Alloc(t, 4096, verbs.AccessLocalWrite)
+		dst := b.Alloc(t, 4096, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
+		sge := verbstest.SGE(t, src, 0, 64)
+		rem := dst.Remote().At(0)
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+
+		type result struct {
+			who string
+			err error
+		}
+		done := make(chan result, 16)
+		run := func(who string, f func() error) {
+			go func() {
+				for {
+					err := f()
+					if err != nil && !errors.Is(err, verbs.ErrQueueFull) {
+						done <- result{who, err}
+						return
+					}
+					if ctx.Err() != nil {
+						done <- result{who, ctx.Err()}
+						return
+					}
+					runtime.Gosched()
+				}
+			}()
+		}
+		posters := map[string]func() error{
+			"PostWrite":       func() error { return qa.PostWrite(1, 0, rem, sge) },
+			"PostWriteInline": func() error { return qa.PostWriteInline(2, 0, rem, []byte("inline")) },
+			"Inline SGE":      func() error { return qa.PostWrite(3, verbs.Inline, rem, verbstest.SGE(t, src, 0, 16)) },
+			"PostRecv":        func() error { return qa.PostRecv(4, sge) },
+			"Batch": func() error {
+				bt := qa.NewBatch(4)
+				bt.Write(5, rem, sge)
+				bt.WriteInline(6, rem, []byte("x"))
+				bt.Write(7, rem, sge).Signaled()
+				return bt.Submit()
+			},
+			"RecvBatch": func() error { rb := qa.NewRecvBatch(2); rb.Recv(8, sge); return rb.Submit() },
+			"Query":     func() error { _, err := qa.Query(); return err },
+		}
+		for who, f := range posters {
+			run(who, f)
+		}
+		wcs := make([]verbs.Completion, 64)
+		run("Poll", func() error { _, err := cq.Poll(wcs); return err })
+		run("PollBusy", func() error { _, err := cq.PollBusy(make([]verbs.Completion, 8), 100); return err })
+		run("Wait", func() error { return cq.Wait(ctx) })
+
+		if _, err := verbstest.PollN(ctx, cq, 1); err != nil {
+			t.Fatal(err)
+		}
+		if err := qa.Close(); err != nil {
+			t.Fatalf("close qp under load: %v", err)
+		}
+		for range len(posters) {
+			if r := <-done; !errors.Is(r.err, verbs.ErrClosed) {
+				t.Errorf("%s on a queue pair closed under it: %v, want ErrClosed", r.who, r.err)
+			}
+		}
+		if err := cq.Close(); err != nil {
+			t.Fatalf("close cq under pollers: %v", err)
+		}
+		for range 3 {
+			if r := <-done; !errors.Is(r.err, verbs.ErrClosed) {
+				t.Errorf("%s on a CQ closed under it: %v, want ErrClosed", r.who, r.err)
 			}
 		}
 	})
