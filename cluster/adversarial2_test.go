@@ -569,3 +569,45 @@ func TestAdv2ConfigDuplicateKeys(t *testing.T) {
 		t.Errorf("two hosts: %v", err)
 	}
 }
+
+// TestAdv2HugeValuesShortErrors: a value of the environment as long as
+// Linux lets a variable be (128 KiB), malformed, makes an error of at
+// most a few hundred bytes that quotes its start and gives its length,
+// for every variable ParseLaunch quotes. Before, the error quoted the
+// whole value: a 128 KiB error message for a log line.
+func TestAdv2HugeValuesShortErrors(t *testing.T) {
+	huge := strings.Repeat("9", 128<<10)
+	base := func(kv ...string) map[string]string {
+		m := map[string]string{"GOVERBS_RANK": "0", "GOVERBS_WORLD_SIZE": "2", "GOVERBS_ROOT": "h:1"}
+		for i := 0; i < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return m
+	}
+	for _, tc := range []struct {
+		name string
+		env  map[string]string
+		opts EnvOptions
+	}{
+		{"world size", base("GOVERBS_WORLD_SIZE", huge+"x"), EnvOptions{}},
+		{"root", base("GOVERBS_ROOT", huge), EnvOptions{}},
+		{"root port", base("GOVERBS_ROOT", "h:"+huge), EnvOptions{}},
+		{"root host", base("GOVERBS_ROOT", "h"+strings.Repeat(".h", 64<<10)+":1"), EnvOptions{}},
+		{"root zone", base("GOVERBS_ROOT", "[fe80::1%"+strings.Repeat("a", 128<<10)+"]:1"), EnvOptions{}},
+		{"listen", base("GOVERBS_LISTEN", huge), EnvOptions{}},
+		{"kubernetes pattern", map[string]string{"JOB_COMPLETION_INDEX": "0", "GOVERBS_WORLD_SIZE": "2", "GOVERBS_HOST_PATTERN": huge}, EnvOptions{}},
+		{"launcher", base(), EnvOptions{Launcher: huge}},
+		{"slurm node list", map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[" + huge + "]"}, EnvOptions{}},
+	} {
+		opts := tc.opts
+		opts.Lookup = advLookup(tc.env)
+		_, err := ParseLaunch(opts)
+		if err == nil {
+			t.Errorf("%s: no error", tc.name)
+			continue
+		}
+		if n := len(err.Error()); n > 512 {
+			t.Errorf("%s: an error of %d bytes: %.200s...", tc.name, n, err)
+		}
+	}
+}

@@ -189,7 +189,7 @@ func checkHostname(s string) error {
 	}
 	if strings.Contains(s, ":") {
 		if _, err := netip.ParseAddr(s); err == nil {
-			return fmt.Errorf("%q has a bad zone (an interface name: letters, digits, '.', '-', '_')", s)
+			return fmt.Errorf("%s has a bad zone (an interface name: letters, digits, '.', '-', '_')", clip(s))
 		}
 	}
 	if len(s) > 253 {
@@ -253,7 +253,7 @@ func ParseConfig(data []byte) (*Config, error) {
 		return nil, cfgErr(-1, ErrSyntax, "%s: trailing data after the configuration object", position(data, skipSpace(data, dec.InputOffset())))
 	}
 	if off, key := duplicateKey(data); off >= 0 {
-		return nil, cfgErr(-1, ErrSyntax, "%s: key %q twice in one object (keys match their fields in any case)", position(data, off), key)
+		return nil, cfgErr(-1, ErrSyntax, "%s: key %s twice in one object (keys match their fields in any case)", position(data, off), clip(key))
 	}
 	c := &Config{Hosts: make([]Host, len(raw.Hosts))}
 	for i, h := range raw.Hosts {

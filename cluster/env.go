@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -139,7 +140,7 @@ func (e *env) int(name string, def int) (int, error) {
 	}
 	n, ok := decimal(v)
 	if !ok {
-		return 0, e.errf(name, "%q is not a non-negative integer", v)
+		return 0, e.errf(name, "%s is not a non-negative integer", clip(v))
 	}
 	return n, nil
 }
@@ -161,19 +162,19 @@ func decimal(v string) (int, bool) {
 func checkAddr(addr string, emptyHost bool) error {
 	host, p, err := net.SplitHostPort(addr)
 	if err != nil {
-		return fmt.Errorf("%q is not host:port", addr)
+		return fmt.Errorf("%s is not host:port", clip(addr))
 	}
 	if n, ok := decimal(p); !ok || n < 1 || n > 65535 {
-		return fmt.Errorf("%q has a bad port", addr)
+		return fmt.Errorf("%s has a bad port", clip(addr))
 	}
 	if host == "" {
 		if emptyHost {
 			return nil
 		}
-		return fmt.Errorf("%q has no host", addr)
+		return fmt.Errorf("%s has no host", clip(addr))
 	}
 	if err := checkHostname(host); err != nil {
-		return fmt.Errorf("%q has a bad host: %v", addr, err)
+		return fmt.Errorf("%s has a bad host: %v", clip(addr), err)
 	}
 	return nil
 }
@@ -208,6 +209,10 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		e.lookup = os.LookupEnv
 	}
 	e.launcher = opts.Launcher
+	if e.launcher != "" && !slices.ContainsFunc(detectVars, func(d struct{ launcher, v string }) bool { return d.launcher == e.launcher }) {
+		// Not named as the launcher of the errors: it is no launcher.
+		return Launch{}, &EnvError{Err: fmt.Errorf("%w: unknown launcher %s", ErrNoLauncher, clip(e.launcher))}
+	}
 	if e.launcher == "" {
 		for _, d := range detectVars {
 			if _, ok := e.str(d.v); ok {
@@ -342,12 +347,12 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		}
 		if root == "" {
 			if !strings.Contains(pattern, "{index}") {
-				return l, e.errf("GOVERBS_HOST_PATTERN", "%q has no {index} (for example \"myjob-{index}.myjob-svc\")", pattern)
+				return l, e.errf("GOVERBS_HOST_PATTERN", "%s has no {index} (for example \"myjob-{index}.myjob-svc\")", clip(pattern))
 			}
 			rootHost = strings.ReplaceAll(pattern, "{index}", "0")
 		}
 	default:
-		return l, &EnvError{Launcher: e.launcher, Err: fmt.Errorf("%w: unknown launcher %q", ErrNoLauncher, e.launcher)}
+		return l, &EnvError{Launcher: e.launcher, Err: fmt.Errorf("%w: unknown launcher %s", ErrNoLauncher, clip(e.launcher))}
 	}
 	if l.Size < 1 || l.Size > MaxWorldSize {
 		return l, &EnvError{Launcher: e.launcher, Var: sizeVar, Err: fmt.Errorf("%w: world size %d (want 1 to %d)", ErrEnvValue, l.Size, MaxWorldSize)}

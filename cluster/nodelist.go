@@ -51,8 +51,9 @@ func ExpandNodeList(s string) ([]string, error) {
 const clipLen = 64
 
 // clip quotes s for an error, cut to clipLen bytes with its length: a
-// list may be as long as an environment variable (128 KiB), and so would
-// every error that quoted it.
+// node list, or any value of the environment, may be as long as an
+// environment variable (128 KiB), and so would every error that quoted
+// it.
 func clip(s string) string {
 	if len(s) <= clipLen {
 		return strconv.Quote(s)
