@@ -611,3 +611,19 @@ func TestAdv2HugeValuesShortErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestAdv2FailWithoutCause: Node.Fail with a nil cause (a layer above
+// that knows only that a rank is gone) records a failure whose message
+// says so, wrapping ErrPeerLost; before, the message read "cluster: peer
+// lost: %!w(<nil>)" (a nil given to %w).
+func TestAdv2FailWithoutCause(t *testing.T) {
+	nodes := shareWorld(t, 3, Dissemination)
+	err := nodes[0].Fail(2, nil)
+	var re *RankError
+	if !errors.As(err, &re) || re.Rank != 2 || !errors.Is(err, ErrPeerLost) || strings.Contains(err.Error(), "%!") {
+		t.Errorf("Fail(2, nil): %v, want a *RankError naming rank 2, wrapping ErrPeerLost, without a formatting error", err)
+	}
+	if err := nodes[0].Err(); err == nil || strings.Contains(err.Error(), "%!") {
+		t.Errorf("Err: %v", err)
+	}
+}

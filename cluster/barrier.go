@@ -781,7 +781,11 @@ func (b *barrier) poisoned(v uint64) *RankError {
 // unless a failure was recorded before, and tells every peer the failure
 // recorded (the first one), which it returns. Safe for concurrent use.
 func (b *barrier) report(dead int, cause error) *RankError {
-	b.lost.CompareAndSwap(nil, &RankError{Rank: dead, Err: fmt.Errorf("%w: %w", ErrPeerLost, cause)})
+	err := fmt.Errorf("%w (reported without a cause)", ErrPeerLost)
+	if cause != nil {
+		err = fmt.Errorf("%w: %w", ErrPeerLost, cause)
+	}
+	b.lost.CompareAndSwap(nil, &RankError{Rank: dead, Err: err})
 	re := b.lost.Load()
 	b.tellMu.Lock()
 	if !b.closed.Load() {
