@@ -7,11 +7,13 @@ import (
 	"errors"
 	"math"
 	"runtime"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/leak"
 	"github.com/goverbs/verbs/internal/vmtest"
 	"github.com/goverbs/verbs/verbstest"
 )
@@ -403,4 +405,60 @@ func TestAdversarialCloseUnderLoadDevices(t *testing.T) {
 			}
 		}
 	})
+}
+
+// advLeakedPDs keeps the protection domains (and through them their
+// contexts) of TestAdversarialLeakedRegisterDevices reachable for the rest
+// of the process: their leaked MRs keep them from closing, and the leak
+// tracer would report them in a later test.
+var advLeakedPDs []*verbs.ProtectionDomain
+
+// TestAdversarialLeakedRegisterDevices drops an MR of registered Go memory
+// without Close, as a careless program does, and lets the garbage
+// collector find it: the leak tracer must report it, and the memory stay
+// pinned and registered (the device may still write into it), while the
+// program goes on. Its runtime.Pinner was collected with the MR, still
+// pinning the buffer, and the runtime then killed the process ("panic:
+// runtime.Pinner: found leaking pinned pointer", in the finalizer
+// goroutine, which no recover catches).
+func TestAdversarialLeakedRegisterDevices(t *testing.T) {
+	for _, devs := range advDevicePairs(t) {
+		t.Run(devs[0], func(t *testing.T) {
+			c, err := verbs.Open(devs[0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			pd, err := c.AllocPD()
+			if err != nil {
+				t.Fatal(err)
+			}
+			advLeakedPDs = append(advLeakedPDs, pd)
+			start := leak.Count()
+			func() {
+				if _, err := pd.Register(make([]byte, 4096), verbs.AccessLocalWrite|verbs.AccessRemoteWrite); err != nil {
+					t.Fatal(err)
+				}
+			}()
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			for leak.Count() == start {
+				if ctx.Err() != nil {
+					t.Fatal("hang guard: the dropped MR was never reported as leaked")
+				}
+				runtime.GC()
+				time.Sleep(time.Millisecond)
+			}
+			if got := leak.Since(start); len(got) != 1 || !strings.Contains(got[0], "memory region") {
+				t.Errorf("leaks reported: %q, want the memory region", got)
+			}
+			// Give the finalizers of the collection their turn.
+			for range 10 {
+				runtime.GC()
+				time.Sleep(time.Millisecond)
+			}
+			if err := pd.Close(); err == nil || !strings.Contains(err.Error(), "memory region") {
+				t.Errorf("close of the PD of a leaked MR: %v, want an error naming the memory region", err)
+			}
+		})
+	}
 }

@@ -3,6 +3,7 @@ package verbs
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -32,6 +33,11 @@ type inlineRef struct {
 	lkey   uint32
 	lo, hi uint64 // [Addr, Addr+Len) of the MR as its provider reads it
 	keep   []byte // keeps the memory of a leaked MR (never closed) alive
+	// pin keeps the Pinner of a leaked MR of Go memory (Register)
+	// reachable, with the memory still pinned: the device may still
+	// write into it, and the runtime kills the process when it collects
+	// a Pinner that pins anything.
+	pin *runtime.Pinner
 
 	// use is held for reading (TryRLock, never blocking) by every post
 	// that reads inline data from the MR, and for writing by Close,

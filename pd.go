@@ -156,6 +156,7 @@ func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, 
 		return nil, err
 	}
 	m.pin = p
+	m.inl.pin = p // reachable from the PD, if the MR leaks
 	return m, nil
 }
 
