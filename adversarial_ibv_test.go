@@ -462,3 +462,54 @@ func TestAdversarialLeakedRegisterDevices(t *testing.T) {
 		})
 	}
 }
+
+// TestAdversarialChannelEventOfClosedCQDevices closes a CQ whose
+// completion event waits unread in its shared completion channel, then
+// makes another CQ of the channel complete: on rxe the close must not
+// wait for the unread event (libibverbs waits for the events it handed
+// out to be acknowledged), and the channel's Wait must skip the closed
+// CQ's event and return the live CQ.
+func TestAdversarialChannelEventOfClosedCQDevices(t *testing.T) {
+	forAdvDevices(t, func(t *testing.T, cfg verbstest.Config) {
+		verbstest.CheckLeaks(t)
+		a, b := verbstest.NewNodes(t, cfg)
+		ch := a.NewChannel(t)
+		gone, err := a.Ctx.NewCompletionQueue(verbs.CQSpec{Channel: ch})
+		if err != nil {
+			t.Fatal(err)
+		}
+		live := a.NewCQ(t, verbs.CQSpec{Channel: ch})
+		src := a.Alloc(t, 64, verbs.AccessLocalWrite)
+		dst := b.Alloc(t, 64, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
+		write := func(cq *verbs.CompletionQueue, wrid uint64) {
+			t.Helper()
+			qa, qb := a.NewRC(t, verbs.QPSpec{SendCQ: cq}), b.NewRC(t, verbs.QPSpec{})
+			verbstest.ConnectRC(t, qa, qb)
+			if err := cq.RequestNotify(false); err != nil {
+				t.Fatal(err)
+			}
+			if err := qa.PostWrite(wrid, verbs.Signaled, dst.Remote().At(0), verbstest.SGE(t, src, 0, 8)); err != nil {
+				t.Fatal(err)
+			}
+			if c := advPollOne(t, cq, "write completion"); c.WRID != wrid || c.Status != verbs.StatusSuccess {
+				t.Fatalf("write completion %v", c)
+			}
+			if err := qa.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := qb.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		write(gone, 1) // its event is in the channel, unread
+		if err := gone.Close(); err != nil {
+			t.Fatalf("close of a CQ with an unread event: %v", err)
+		}
+		write(live, 2)
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if got, err := ch.Wait(ctx); err != nil || got != live {
+			t.Errorf("Wait after the event of a closed CQ: %p, %v; want the live CQ %p", got, err, live)
+		}
+	})
+}
