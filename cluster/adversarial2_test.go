@@ -661,3 +661,47 @@ func TestAdv2NodeListBuildsOnce(t *testing.T) {
 		t.Errorf("names of 257 characters: %d MB allocated before the error", n>>20)
 	}
 }
+
+// TestAdv2RendezvousPortZero: GOVERBS_PORT=0 is refused with ErrEnvValue
+// naming it, as a port 0 in GOVERBS_ROOT is (no rank could reach a
+// rendezvous on a port chosen by the system), and so is a negative
+// EnvOptions.Port. Before, GOVERBS_PORT=0 counted as unset: every rank
+// went silently to DefaultPort (18515), and a negative Port made a root
+// address such as "node01:-5", refused as a bad GOVERBS_ROOT that nobody
+// had set.
+func TestAdv2RendezvousPortZero(t *testing.T) {
+	slurm := map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "node01"}
+	for _, p := range []string{"0", "00", "65536"} {
+		env := map[string]string{"GOVERBS_PORT": p}
+		for k, v := range slurm {
+			env[k] = v
+		}
+		l, err := ParseLaunch(EnvOptions{Lookup: advLookup(env)})
+		var ee *EnvError
+		if !errors.Is(err, ErrEnvValue) || !errors.As(err, &ee) || ee.Var != "GOVERBS_PORT" {
+			t.Errorf("GOVERBS_PORT=%s: %+v, %v; want ErrEnvValue naming GOVERBS_PORT", p, l, err)
+		}
+	}
+	for _, p := range []int{-5, 65536} {
+		l, err := ParseLaunch(EnvOptions{Lookup: advLookup(slurm), Port: p})
+		if !errors.Is(err, ErrEnvValue) || !strings.Contains(err.Error(), "EnvOptions.Port") {
+			t.Errorf("EnvOptions.Port %d: %+v, %v; want ErrEnvValue naming EnvOptions.Port", p, l, err)
+		}
+	}
+	// Unset (or blank), the default; set, itself; the option wins.
+	for _, tc := range []struct {
+		env  map[string]string
+		port int
+		want string
+	}{
+		{slurm, 0, "node01:18515"},
+		{map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "node01", "GOVERBS_PORT": " "}, 0, "node01:18515"},
+		{map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "node01", "GOVERBS_PORT": "7000"}, 0, "node01:7000"},
+		{map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "node01", "GOVERBS_PORT": "7000"}, 9000, "node01:9000"},
+	} {
+		l, err := ParseLaunch(EnvOptions{Lookup: advLookup(tc.env), Port: tc.port})
+		if err != nil || l.Root != tc.want {
+			t.Errorf("%v, Port %d: root %q, %v; want %q", tc.env, tc.port, l.Root, err, tc.want)
+		}
+	}
+}

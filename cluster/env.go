@@ -97,8 +97,9 @@ type EnvOptions struct {
 	// launcher says).
 	Root string
 	// Port is the rendezvous port where the launcher names only a host
-	// (Slurm, Kubernetes) (else GOVERBS_PORT, else DefaultPort); with
-	// torchrun it replaces MASTER_PORT.
+	// (Slurm, Kubernetes), 1 to 65535 (0: GOVERBS_PORT, which must then
+	// be a port too, else DefaultPort); with torchrun it replaces
+	// MASTER_PORT.
 	Port int
 	// HostPattern names the pods of a Kubernetes indexed Job, with
 	// "{index}" where the completion index goes, e.g.
@@ -229,13 +230,18 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 	var sizeVar string  // the variable that gave the world size
 	var localVar string // the variable that gave the local rank
 	port := opts.Port
-	if port == 0 {
-		if port, err = e.int("GOVERBS_PORT", 0); err != nil {
+	if port < 0 || port > 65535 {
+		return l, &EnvError{Launcher: e.launcher, Err: fmt.Errorf("%w: EnvOptions.Port %d (want 1 to 65535, or 0 for the environment's)", ErrEnvValue, port)}
+	}
+	if _, set := e.str("GOVERBS_PORT"); set && port == 0 {
+		// Set, it names a port: 0 is none (it was taken for unset, and
+		// DefaultPort used instead).
+		if port, err = e.int("GOVERBS_PORT", -1); err != nil {
 			return l, err
 		}
-	}
-	if port > 65535 {
-		return l, e.errf("GOVERBS_PORT", "port %d", port)
+		if port < 1 || port > 65535 {
+			return l, e.errf("GOVERBS_PORT", "port %d (want 1 to 65535)", port)
+		}
 	}
 	root := opts.Root
 	if root == "" {
