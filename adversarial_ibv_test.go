@@ -5,6 +5,7 @@ package verbs_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"runtime"
 	"strings"
@@ -512,4 +513,84 @@ func TestAdversarialChannelEventOfClosedCQDevices(t *testing.T) {
 			t.Errorf("Wait after the event of a closed CQ: %p, %v; want the live CQ %p", got, err, live)
 		}
 	})
+}
+
+// TestAdversarialModifyRangesDevices moves a queue pair to RTR and RTS by
+// hand (Modify) with attributes outside their ranges: a 25-bit QPN or
+// PSN (the fields are 24 bits), more outstanding reads and atomics than
+// the device allows, an ACK timeout or retry count wider than its field.
+// soft0 refuses them with EINVAL; rxe accepted some (the packets then name
+// another QP, or the limits the device advertised do not hold), so the
+// verbs layer checks them for every provider. The QP stays where it was.
+func TestAdversarialModifyRangesDevices(t *testing.T) {
+	for _, devs := range advDevicePairs(t) {
+		t.Run(devs[0], func(t *testing.T) {
+			verbstest.CheckLeaks(t)
+			a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: devs[0], DeviceB: devs[1], SeparateContexts: true})
+			da, err := a.Ctx.QueryDevice()
+			if err != nil {
+				t.Fatal(err)
+			}
+			qa, qb := a.NewRC(t, verbs.QPSpec{}), b.NewRC(t, verbs.QPSpec{})
+			ea, eb := verbstest.Endpoint(t, qa), verbstest.Endpoint(t, qb)
+			rtr := func() verbs.QPAttr {
+				return verbs.QPAttr{State: verbs.StateRTR, PathMTU: eb.MTU, DestQPN: eb.QPN, RQPSN: eb.PSN,
+					MaxDestRDAtomic: 1, MinRNRTimer: 12,
+					AH: verbs.AHAttr{IsGlobal: true, DGID: eb.GID, SGIDIndex: ea.GIDIndex, HopLimit: 64, Port: 1, ProviderAddr: eb.Addr}}
+			}
+			rtrMask := verbs.AttrState | verbs.AttrAV | verbs.AttrPathMTU | verbs.AttrDestQPN | verbs.AttrRQPSN |
+				verbs.AttrMaxDestAtomic | verbs.AttrMinRNRTimer
+			bad := func(what string, want verbs.QPState, attr verbs.QPAttr, mask verbs.QPAttrMask) {
+				t.Helper()
+				if err := qa.Modify(attr, mask); !errors.Is(err, syscall.EINVAL) {
+					t.Errorf("Modify with %s: %v, want an error wrapping EINVAL", what, err)
+				}
+				if st, err := qa.State(); err != nil || st != want {
+					t.Errorf("state after Modify with %s: %v, %v; want %v", what, st, err, want)
+				}
+			}
+			a1 := rtr()
+			a1.DestQPN = 1<<24 | eb.QPN
+			bad("a 25-bit destination QPN", verbs.StateInit, a1, rtrMask)
+			a2 := rtr()
+			a2.RQPSN = 1 << 24
+			bad("a 25-bit receive PSN", verbs.StateInit, a2, rtrMask)
+			if da.MaxQPRDAtom > 0 && da.MaxQPRDAtom < 255 {
+				a3 := rtr()
+				a3.MaxDestRDAtomic = uint8(da.MaxQPRDAtom + 1)
+				bad(fmt.Sprintf("MaxDestRDAtomic %d (the device allows %d)", a3.MaxDestRDAtomic, da.MaxQPRDAtom), verbs.StateInit, a3, rtrMask)
+			}
+			a4 := rtr()
+			a4.MinRNRTimer = 32
+			bad("MinRNRTimer 32", verbs.StateInit, a4, rtrMask)
+			if err := qa.Modify(rtr(), rtrMask); err != nil {
+				t.Fatal(err)
+			}
+			rtsMask := verbs.AttrState | verbs.AttrSQPSN | verbs.AttrTimeout | verbs.AttrRetryCount | verbs.AttrRNRRetry | verbs.AttrMaxRDAtomic
+			rts := verbs.QPAttr{State: verbs.StateRTS, SQPSN: ea.PSN, Timeout: 14, RetryCount: 7, RNRRetry: 7, MaxRDAtomic: 1}
+			for _, c := range []struct {
+				what string
+				set  func(*verbs.QPAttr)
+			}{
+				{"a 25-bit send PSN", func(a *verbs.QPAttr) { a.SQPSN = 1 << 24 }},
+				{"Timeout 32", func(a *verbs.QPAttr) { a.Timeout = 32 }},
+				{"RetryCount 8", func(a *verbs.QPAttr) { a.RetryCount = 8 }},
+				{"RNRRetry 8", func(a *verbs.QPAttr) { a.RNRRetry = 8 }},
+				{"MaxRDAtomic 255", func(a *verbs.QPAttr) {
+					if da.MaxQPInitRDAtom > 0 && da.MaxQPInitRDAtom < 255 {
+						a.MaxRDAtomic = 255
+					} else {
+						a.Timeout = 32 // no limit to exceed: refused anyway
+					}
+				}},
+			} {
+				attr := rts
+				c.set(&attr)
+				bad(c.what, verbs.StateRTR, attr, rtsMask)
+			}
+			if err := qa.Modify(rts, rtsMask); err != nil {
+				t.Fatalf("Modify to RTS with attributes in range: %v", err)
+			}
+		})
+	}
 }

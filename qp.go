@@ -108,6 +108,9 @@ type qpCore struct {
 	gid       GIDEntry
 	hasGID    bool
 	maxWR     int // the device's max_qp_wr, 0 if unknown: see batchSize
+	// The device's max_qp_rd_atom and max_qp_init_rd_atom (0: unknown),
+	// the limits of MaxDestRDAtomic and MaxRDAtomic in Modify.
+	maxRDAtom, maxInitRDAtom int
 
 	mu    sync.Mutex // single-request helpers
 	oneW  [1]prov.SendWR
@@ -130,6 +133,9 @@ type qpPlan struct {
 	// maxWR is the device's max_qp_wr (0: unknown): no queue holds
 	// more, so no batch needs more room.
 	maxWR int
+	// maxRDAtom and maxInitRDAtom are the device's max_qp_rd_atom and
+	// max_qp_init_rd_atom (0: unknown).
+	maxRDAtom, maxInitRDAtom int
 }
 
 // planQP validates spec for a QP of transport t in pd and fills in the
@@ -228,7 +234,8 @@ func planQP(pd *ProtectionDomain, t Transport, spec QPSpec) (qpPlan, error) {
 		spec.PSN = binary.LittleEndian.Uint32(b[:]) & 0xFFFFFF
 	}
 	spec.PSN &= 0xFFFFFF
-	return qpPlan{op: op, t: t, spec: spec, init: init, port: port, maxWR: dev.MaxQPWR}, nil
+	return qpPlan{op: op, t: t, spec: spec, init: init, port: port, maxWR: dev.MaxQPWR,
+		maxRDAtom: dev.MaxQPRDAtom, maxInitRDAtom: dev.MaxQPInitRDAtom}, nil
 }
 
 // checkSpecRanges refuses QPSpec values that do not fit the fields of
@@ -277,6 +284,7 @@ func adoptQP[T any](owner *T, q *qpCore, pd *ProtectionDomain, p *qpPlan, pq pro
 	spec := p.spec
 	q.pd, q.qp, q.transport, q.port, q.devNm = pd, pq, p.t, p.port, pd.c.name
 	q.spec, q.psn, q.maxWR = spec, spec.PSN, p.maxWR
+	q.maxRDAtom, q.maxInitRDAtom = p.maxRDAtom, p.maxInitRDAtom
 	if _, ia, err := pq.Query(); err == nil {
 		q.cap = QPCap(ia.Cap)
 	} else {
@@ -461,6 +469,9 @@ func (q *qpCore) modify(attr QPAttr, mask QPAttrMask) (byDevice bool, err error)
 		return false, err
 	}
 	if err := validateTransition(q.transport, QPState(cur.State), &attr, mask); err != nil {
+		return false, fmt.Errorf("qpn %d: %v: %w", q.QPN(), err, syscall.EINVAL)
+	}
+	if err := checkAttrRanges(&attr, mask, q.maxRDAtom, q.maxInitRDAtom); err != nil {
 		return false, fmt.Errorf("qpn %d: %v: %w", q.QPN(), err, syscall.EINVAL)
 	}
 	pa := attr.prov()

@@ -196,3 +196,35 @@ func (m QPAttrMask) String() string {
 	}
 	return s
 }
+
+// checkAttrRanges refuses attributes selected by mask whose values do not
+// fit the fields they go into on the wire or the limits the device
+// advertised (maxRDAtom, maxInitRDAtom: max_qp_rd_atom and
+// max_qp_init_rd_atom, 0 if unknown), for every provider alike: rdma_rxe
+// accepted a 25-bit destination QPN (its packets then name another QP),
+// PSNs of 25 bits, and more outstanding reads and atomics than it
+// advertises, where soft0 refused some of them.
+func checkAttrRanges(a *QPAttr, mask QPAttrMask, maxRDAtom, maxInitRDAtom int) error {
+	const max24 = 1<<24 - 1
+	switch {
+	case mask&AttrDestQPN != 0 && a.DestQPN > max24:
+		return fmt.Errorf("destination QPN %#x does not fit 24 bits", a.DestQPN)
+	case mask&AttrRQPSN != 0 && a.RQPSN > max24:
+		return fmt.Errorf("receive PSN %#x does not fit 24 bits", a.RQPSN)
+	case mask&AttrSQPSN != 0 && a.SQPSN > max24:
+		return fmt.Errorf("send PSN %#x does not fit 24 bits", a.SQPSN)
+	case mask&AttrTimeout != 0 && a.Timeout > 31:
+		return fmt.Errorf("timeout %d: want 0..31 (0: infinite)", a.Timeout)
+	case mask&AttrRetryCount != 0 && a.RetryCount > 7:
+		return fmt.Errorf("retry count %d: want 0..7", a.RetryCount)
+	case mask&AttrRNRRetry != 0 && a.RNRRetry > 7:
+		return fmt.Errorf("RNR retry %d: want 0..7 (7: retry forever)", a.RNRRetry)
+	case mask&AttrMinRNRTimer != 0 && a.MinRNRTimer > 31:
+		return fmt.Errorf("minimum RNR timer %d: want 0..31", a.MinRNRTimer)
+	case mask&AttrMaxDestAtomic != 0 && maxRDAtom > 0 && int(a.MaxDestRDAtomic) > maxRDAtom:
+		return fmt.Errorf("MaxDestRDAtomic %d: the device allows %d (max_qp_rd_atom)", a.MaxDestRDAtomic, maxRDAtom)
+	case mask&AttrMaxRDAtomic != 0 && maxInitRDAtom > 0 && int(a.MaxRDAtomic) > maxInitRDAtom:
+		return fmt.Errorf("MaxRDAtomic %d: the device allows %d (max_qp_init_rd_atom)", a.MaxRDAtomic, maxInitRDAtom)
+	}
+	return nil
+}
