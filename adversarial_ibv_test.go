@@ -594,3 +594,59 @@ func TestAdversarialModifyRangesDevices(t *testing.T) {
 		})
 	}
 }
+
+// TestAdversarialZeroObjectsDevices hands zero values of CompletionQueue
+// and CompletionChannel (not from their constructors) to the calls that
+// take them, as a careless caller might: each must fail with an error
+// wrapping ErrClosed ("object not initialised"), as the zero values of
+// the other objects do, not panic on a nil pointer.
+func TestAdversarialZeroObjectsDevices(t *testing.T) {
+	for _, devs := range advDevicePairs(t) {
+		t.Run(devs[0], func(t *testing.T) {
+			verbstest.CheckLeaks(t)
+			a, _ := verbstest.NewNodes(t, verbstest.Config{DeviceA: devs[0], DeviceB: devs[1], SeparateContexts: true})
+			for _, c := range []struct {
+				what string
+				f    func() error
+			}{
+				{"NewRCQueuePair with a zero SendCQ", func() error {
+					q, err := a.PD.NewRCQueuePair(verbs.QPSpec{SendCQ: &verbs.CompletionQueue{}})
+					if err == nil {
+						q.Close()
+					}
+					return err
+				}},
+				{"NewUDQueuePair with a zero RecvCQ", func() error {
+					q, err := a.PD.NewUDQueuePair(verbs.QPSpec{SendCQ: a.CQ, RecvCQ: &verbs.CompletionQueue{}})
+					if err == nil {
+						q.Close()
+					}
+					return err
+				}},
+				{"NewCompletionQueue with a zero Channel", func() error {
+					cq, err := a.Ctx.NewCompletionQueue(verbs.CQSpec{Channel: &verbs.CompletionChannel{}})
+					if err == nil {
+						cq.Close()
+					}
+					return err
+				}},
+				{"Wait on a zero CompletionQueue", func() error {
+					ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+					defer cancel()
+					return (&verbs.CompletionQueue{}).Wait(ctx)
+				}},
+			} {
+				func() {
+					defer func() {
+						if r := recover(); r != nil {
+							t.Errorf("%s: panic: %v", c.what, r)
+						}
+					}()
+					if err := c.f(); !errors.Is(err, verbs.ErrClosed) {
+						t.Errorf("%s: %v, want an error wrapping ErrClosed", c.what, err)
+					}
+				}()
+			}
+		})
+	}
+}

@@ -184,6 +184,9 @@ func (c *Context) NewCompletionQueue(spec CQSpec) (*CompletionQueue, error) {
 	var pch prov.CompChannel
 	switch {
 	case spec.Channel != nil:
+		if spec.Channel.c == nil { // a zero CompletionChannel
+			return nil, spec.Channel.res.errClosed("create cq")
+		}
 		if spec.Channel.c != c {
 			return nil, opErr("create cq", c.name, fmt.Errorf("completion channel belongs to another device context (%s): %w", spec.Channel.c.name, syscall.EINVAL))
 		}
@@ -322,6 +325,9 @@ func (cq *CompletionQueue) RequestNotify(solicitedOnly bool) error {
 // spinning and without holding an OS thread. It fails for CQs created with
 // a shared Channel or NoChannel.
 func (cq *CompletionQueue) Wait(ctx context.Context) error {
+	if cq.c == nil { // a zero CompletionQueue, not from NewCompletionQueue
+		return cq.res.errClosed("wait on cq")
+	}
 	if cq.ownCh == nil {
 		return opErr("wait on cq", cq.c.name, fmt.Errorf("cq has no private completion channel (use Channel.Wait or Poll): %w", ErrNotSupported))
 	}

@@ -153,6 +153,9 @@ func planQP(pd *ProtectionDomain, t Transport, spec QPSpec) (qpPlan, error) {
 		spec.RecvCQ = spec.SendCQ
 	}
 	for _, cq := range []*CompletionQueue{spec.SendCQ, spec.RecvCQ} {
+		if cq.c == nil { // a zero CompletionQueue, not from NewCompletionQueue
+			return qpPlan{}, cq.res.errClosed(op)
+		}
 		if cq.c != pd.c {
 			return qpPlan{}, opErr(op, name, fmt.Errorf("cq belongs to device %s: %w", cq.c.name, syscall.EINVAL))
 		}
