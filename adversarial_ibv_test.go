@@ -650,3 +650,56 @@ func TestAdversarialZeroObjectsDevices(t *testing.T) {
 		})
 	}
 }
+
+// TestAdversarialUDControlledQKeyDevices sends a datagram whose
+// Destination.QKey has its high bit set: verbs (ibv_post_send(3), IBA
+// 10.2.4) then send with the sending QP's own Q_Key, which here matches
+// the receiver's, so it must be delivered. soft0 does so; rdma_rxe sent
+// the Q_Key as given and the receiver dropped the datagram, so the
+// hardware provider substitutes the QP's Q_Key itself.
+func TestAdversarialUDControlledQKeyDevices(t *testing.T) {
+	forAdvDevices(t, func(t *testing.T, cfg verbstest.Config) {
+		verbstest.CheckLeaks(t)
+		a, b := verbstest.NewNodes(t, cfg)
+		qa, qb := a.NewUD(t, verbs.QPSpec{}), b.NewUD(t, verbs.QPSpec{})
+		eb := verbstest.Endpoint(t, qb)
+		ah := a.AddressHandle(t, qa, eb)
+		src := a.Alloc(t, 64, verbs.AccessLocalWrite)
+		dst := b.Alloc(t, 3*128, verbs.AccessLocalWrite)
+		copy(src.Bytes(), "controlled.....ordinary.......")
+		for i := range 3 {
+			if err := qb.PostRecv(uint64(1+i), verbstest.SGE(t, dst, 128*i, 128)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		bt := qa.NewBatch(2)
+		bt.Send(2, verbs.Destination{AH: ah, QPN: eb.QPN, QKey: 0x80000000}, verbstest.SGE(t, src, 0, 15)).Signaled()
+		bt.SendInline(3, verbs.Destination{AH: ah, QPN: eb.QPN, QKey: 0x80000000 | 0x1234}, []byte("inline")).Signaled()
+		if err := bt.Submit(); err != nil {
+			t.Fatal(err)
+		}
+		for i := range 2 {
+			if c := advPollOne(t, a.CQ, "send completion"); c.Status != verbs.StatusSuccess {
+				t.Fatalf("send completion %d: %v", i, c)
+			}
+		}
+		// Datagrams between two QPs over one path arrive in order: if the
+		// first two were dropped, the first receive takes this one.
+		if err := qa.PostSend(4, verbs.Signaled, verbs.Destination{AH: ah, QPN: eb.QPN, QKey: eb.QKey}, verbstest.SGE(t, src, 15, 15)); err != nil {
+			t.Fatal(err)
+		}
+		advPollOne(t, a.CQ, "send completion")
+		c := advPollOne(t, b.CQ, "receive completion")
+		if got := string(dst.Bytes()[40 : 40+15]); c.Status != verbs.StatusSuccess || got != "controlled....." {
+			t.Errorf("first datagram received: %v, %q; want the one sent with a controlled Q_Key (%q)", c, got, "controlled.....")
+		}
+		c = advPollOne(t, b.CQ, "receive completion")
+		if got := string(dst.Bytes()[128+40 : 128+40+6]); c.Status != verbs.StatusSuccess || got != "inline" {
+			t.Errorf("second datagram received: %v, %q; want the inline one sent with a controlled Q_Key", c, got)
+		}
+		c = advPollOne(t, b.CQ, "receive completion")
+		if got := string(dst.Bytes()[256+40 : 256+40+15]); c.Status != verbs.StatusSuccess || got != "ordinary......." {
+			t.Errorf("third datagram received: %v, %q; want the ordinary one", c, got)
+		}
+	})
+}

@@ -15,6 +15,7 @@ import "C"
 
 import (
 	"fmt"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -221,6 +222,10 @@ func (q *queuePair) Modify(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 			err = gidIndexErr(err, syscall.Errno(rc), attr.AH.IsGlobal, attr.AH.SGIDIndex, attr.AH.Port)
 		}
 		return err
+	}
+	if mask&prov.AttrQKey != 0 {
+		// For UD requests with a controlled Q_Key (see gv_qkey).
+		atomic.StoreUint32((*uint32)(unsafe.Pointer(&q.q.qkey)), attr.QKey)
 	}
 	return nil
 }

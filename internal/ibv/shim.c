@@ -71,8 +71,18 @@ static inline int gv_errno(void) { return errno ? errno : EIO; }
 		}                                                                    \
 	} while (0)
 
+// gv_qkey is the Q_Key a UD request is sent with: a Q_Key with the high
+// bit set (a controlled Q_Key) means the sending QP's own (IBA 10.2.4,
+// ibv_post_send(3)); rxe sends it as given, so the shim substitutes it.
+static inline uint32_t gv_qkey(const gv_qp *q, uint32_t qkey)
+{
+	if (qkey & 0x80000000u)
+		return __atomic_load_n(&q->qkey, __ATOMIC_RELAXED);
+	return qkey;
+}
+
 static inline void gv_fill_send(struct ibv_send_wr *s, const gv_send_wr *w,
-				const gv_sge *sges, int ud)
+				const gv_sge *sges, const gv_qp *q, int ud)
 {
 	s->wr_id = w->wr_id;
 	s->next = s + 1;
@@ -95,7 +105,7 @@ static inline void gv_fill_send(struct ibv_send_wr *s, const gv_send_wr *w,
 	if (ud) {
 		s->wr.ud.ah = (struct ibv_ah *)(uintptr_t)w->ah;
 		s->wr.ud.remote_qpn = w->remote_qpn;
-		s->wr.ud.remote_qkey = w->remote_qkey;
+		s->wr.ud.remote_qkey = gv_qkey(q, w->remote_qkey);
 		return;
 	}
 	switch (w->opcode) {
@@ -149,7 +159,7 @@ int gv_post_send(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 		if (m > GV_CHUNK)
 			m = GV_CHUNK;
 		for (int i = 0; i < m; i++)
-			gv_fill_send(&arr[i], &wrs[done + i], sges, ud);
+			gv_fill_send(&arr[i], &wrs[done + i], sges, q, ud);
 		arr[m - 1].next = NULL;
 		bad = NULL;
 		int rc = ibv_post_send(q->qp, arr, &bad);
@@ -251,7 +261,7 @@ int gv_post_send_wr(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 		}
 		if (ud)
 			ibv_wr_set_ud_addr(x, (struct ibv_ah *)(uintptr_t)w->ah,
-					   w->remote_qpn, w->remote_qkey);
+					   w->remote_qpn, gv_qkey(q, w->remote_qkey));
 		if ((w->flags & IBV_SEND_INLINE) && w->num_sge > 1) {
 			// Gather into one buffer: ibv_wr_set_inline_data_list
 			// is broken on some providers (rxe: the total length

@@ -97,6 +97,7 @@ typedef struct {
 	uint32_t max_inline;   // granted caps, checked before ibv_wr_start
 	uint32_t max_send_sge;
 	int sge_list_broken;   // device quirk: post multi-SGE batches classically
+	uint32_t qkey;         // the QP's Q_Key (UD), for controlled Q_Keys
 } gv_qp;
 
 // gv_cq is the provider's per-CQ C state.
