@@ -590,3 +590,161 @@ func TestAdv2KillInEveryKind(t *testing.T) {
 		})
 	}
 }
+
+// either makes a call blocking, or through its non-blocking twin, waited
+// for.
+func either(ctx context.Context, nb bool, blocking func() error, twin func() *collective.Request) error {
+	if nb {
+		return twin().Wait(ctx)
+	}
+	return blocking()
+}
+
+// TestAdv2MismatchedVariants: ranks that disagree on the V-variants'
+// counts (also with the same total), on a scan's operation or count, on
+// ReduceScatter against ReduceScatterV, on the element type of the same
+// size, or on Gather against Gatherv, Alltoall against Alltoallv, never
+// complete silently: at least one rank names the mismatch, every rank fails the
+// call or its next one, nobody waits for the hang guard, and a failed
+// call poisons.
+func TestAdv2MismatchedVariants(t *testing.T) {
+	i64 := func(n int) []int64 { return make([]int64, n) }
+	cases := []struct {
+		name string
+		p    int
+		call advCall
+	}{
+		{"allgatherv counts, same total", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			counts, displs := []int{1, 3, 2}, []int{0, 1, 4}
+			if r == 2 {
+				counts, displs = []int{1, 2, 3}, []int{0, 1, 3}
+			}
+			return collective.Allgatherv(ctx, c, i64(counts[r]), i64(6), counts, displs)
+		}},
+		{"allgatherv a zero count", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			counts, displs := []int{2, 0, 2}, []int{0, 2, 2}
+			if r == 1 {
+				counts, displs = []int{2, 1, 2}, []int{0, 2, 3}
+			}
+			return collective.Allgatherv(ctx, c, i64(counts[r]), i64(5), counts, displs)
+		}},
+		{"alltoallv lengths", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			sc, sd := []int{2, 2, 2}, []int{0, 2, 4}
+			if r == 1 {
+				sc = []int{3, 2, 1}
+			}
+			return collective.Alltoallv(ctx, c, i64(6), sc, sd, i64(6), []int{2, 2, 2}, []int{0, 2, 4})
+		}},
+		{"alltoallv a zero block", 2, func(ctx context.Context, c *collective.Comm, r int) error {
+			sc := []int{1, 1}
+			if r == 0 {
+				sc = []int{1, 0}
+			}
+			return collective.Alltoallv(ctx, c, i64(2), sc, []int{0, 1}, i64(2), []int{1, 1}, []int{0, 1})
+		}},
+		{"gatherv length", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			n := 2
+			if r == 2 {
+				n = 3
+			}
+			return collective.Gatherv(ctx, c, i64(n), i64(6), []int{2, 2, 2}, []int{0, 2, 4}, 0)
+		}},
+		{"gatherv a zero count at the root", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			n := 2
+			if r == 1 {
+				n = 0
+			}
+			return collective.Gatherv(ctx, c, i64(n), i64(6), []int{2, 2, 2}, []int{0, 2, 4}, 0)
+		}},
+		{"scatterv length", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			n := 2
+			if r == 1 {
+				n = 1
+			}
+			return collective.Scatterv(ctx, c, i64(6), []int{2, 2, 2}, []int{0, 2, 4}, i64(n), 2)
+		}},
+		{"scatterv a zero count at the root", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			n := 2
+			if r == 2 {
+				n = 3
+			}
+			return collective.Scatterv(ctx, c, i64(6), []int{2, 2, 0}, []int{0, 2, 4}, i64(n), 0)
+		}},
+		{"reduce-scatterv totals", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			counts := []int{2, 2, 2}
+			if r == 0 {
+				counts = []int{2, 2, 3}
+			}
+			sum := counts[0] + counts[1] + counts[2]
+			return collective.ReduceScatterV(ctx, c, i64(sum), i64(counts[r]), counts, collective.Sum)
+		}},
+		{"reduce-scatterv same total", 2, func(ctx context.Context, c *collective.Comm, r int) error {
+			counts := []int{1, 2}
+			if r == 1 {
+				counts = []int{2, 1}
+			}
+			return collective.ReduceScatterV(ctx, c, i64(3), i64(counts[r]), counts, collective.Sum)
+		}},
+		{"reduce-scatter/reduce-scatterv", 2, func(ctx context.Context, c *collective.Comm, r int) error {
+			if r == 0 {
+				return collective.ReduceScatter(ctx, c, i64(4), i64(2), collective.Sum)
+			}
+			return collective.ReduceScatterV(ctx, c, i64(2), i64(1), []int{1, 1}, collective.Sum)
+		}},
+		{"scan sum/max", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			op := collective.Sum
+			if r == 0 {
+				op = collective.Max
+			}
+			return collective.Scan(ctx, c, nil, i64(2), op)
+		}},
+		{"exscan counts", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			return collective.ExScan(ctx, c, nil, i64(2+r/2), collective.Sum)
+		}},
+		{"broadcast float32/int32", 2, func(ctx context.Context, c *collective.Comm, r int) error {
+			if r == 1 {
+				return collective.Broadcast(ctx, c, make([]float32, 3), 0)
+			}
+			return collective.Broadcast(ctx, c, make([]int32, 3), 0)
+		}},
+		{"gather/gatherv", 3, func(ctx context.Context, c *collective.Comm, r int) error {
+			if r == 1 {
+				return collective.Gatherv(ctx, c, i64(2), i64(6), []int{2, 2, 2}, []int{0, 2, 4}, 0)
+			}
+			return collective.Gather(ctx, c, i64(2), i64(6), 0)
+		}},
+		{"alltoall/alltoallv", 2, func(ctx context.Context, c *collective.Comm, r int) error {
+			if r == 0 {
+				return collective.Alltoallv(ctx, c, i64(4), []int{2, 2}, []int{0, 2}, i64(4), []int{2, 2}, []int{0, 2})
+			}
+			return collective.Alltoall(ctx, c, i64(4), i64(4))
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cs := world(t, tc.p, collective.Options{ChunkSize: 4096})
+			first, next := make([]error, tc.p), make([]error, tc.p)
+			parallel(tc.p, func(r int) error {
+				first[r] = tc.call(guardCtx(t), cs[r], r)
+				next[r] = collective.Barrier(guardCtx(t), cs[r])
+				return nil
+			})
+			mismatch := false
+			for r := range tc.p {
+				t.Logf("rank %d: %.300v; then %.300v", r, first[r], next[r])
+				notByGuard(t, r, "mismatched call", first[r])
+				notByGuard(t, r, "barrier after", next[r])
+				mismatch = mismatch || errors.Is(first[r], collective.ErrMismatch) || errors.Is(next[r], collective.ErrMismatch)
+				if first[r] == nil && next[r] == nil {
+					t.Errorf("rank %d: the mismatched call and the next both succeeded", r)
+				}
+				if first[r] != nil && !errors.Is(first[r], collective.ErrArgs) && !errors.Is(next[r], collective.ErrPoisoned) {
+					t.Errorf("rank %d: barrier after a failed call: %v, want ErrPoisoned", r, next[r])
+				}
+			}
+			if !mismatch {
+				t.Errorf("no rank reported ErrMismatch")
+			}
+		})
+	}
+}
