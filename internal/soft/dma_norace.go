@@ -19,3 +19,6 @@ func dmaCompareSwap(p *uint64, compare, swap uint64) uint64 {
 		}
 	}
 }
+
+// raceDetector: this build has the race detector.
+const raceDetector = false

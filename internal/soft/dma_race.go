@@ -72,3 +72,6 @@ func dmaLoad(p *uint64) uint64 { return *p }
 
 //go:norace
 func dmaStore(p *uint64, v uint64) { *p = v }
+
+// raceDetector: this build has the race detector.
+const raceDetector = true

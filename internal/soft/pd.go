@@ -58,6 +58,9 @@ func (p *pd) RegMR(m prov.Mem, access prov.Access) (prov.MR, error) {
 	if access&(prov.AccessRemoteWrite|prov.AccessRemoteAtomic) != 0 && access&prov.AccessLocalWrite == 0 {
 		return nil, errnof(syscall.EINVAL, "register mr: remote write or remote atomic access requires local write access")
 	}
+	if err := checkMapped(m.Ptr, m.Len, access&prov.AccessLocalWrite != 0); err != nil {
+		return nil, err
+	}
 	if err := p.hold(&p.nmr, "register mr"); err != nil {
 		return nil, err
 	}
