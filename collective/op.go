@@ -490,13 +490,23 @@ type opPanic struct {
 }
 
 // callCustom calls the user's f, turning its panic into an *opPanic.
+//
+// A runtime.Goexit in f (t.Fatal in a test's operation) becomes an
+// *opPanic too, so that catchOp ends the call and gives its turn up
+// before the goroutine goes on exiting (a recovered panic raised during
+// Goexit does not stop the Goexit).
 func callCustom[T Number](f func(inout, in []T), inout, in []T) {
+	returned := false
 	defer func() {
 		if v := recover(); v != nil {
 			panic(&opPanic{v: v, stack: debug.Stack()})
 		}
+		if !returned {
+			panic(&opPanic{v: "the operation called runtime.Goexit", stack: debug.Stack()})
+		}
 	}()
 	f(inout, in)
+	returned = true
 }
 
 // catchOp, deferred by a call that may reduce with a Custom operation

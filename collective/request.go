@@ -72,7 +72,16 @@ func (c *Comm) start(ctx context.Context, f func(ctx context.Context) error, dat
 	go func() {
 		defer close(r.done)
 		defer hold.release()
+		returned := false
+		defer func() {
+			if !returned && r.err == nil {
+				// A Custom operation ended the goroutine (runtime.Goexit):
+				// the call ended with the communicator poisoned (catchOp).
+				r.err = fmt.Errorf("%w: the operation called runtime.Goexit", ErrOpPanicked)
+			}
+		}()
 		r.err = f(ctx)
+		returned = true
 		if !held.used {
 			// f failed before it took its turn (bad arguments): give the
 			// turn up in order, so the calls issued after it run.
