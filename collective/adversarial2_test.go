@@ -591,15 +591,6 @@ func TestAdv2KillInEveryKind(t *testing.T) {
 	}
 }
 
-// either makes a call blocking, or through its non-blocking twin, waited
-// for.
-func either(ctx context.Context, nb bool, blocking func() error, twin func() *collective.Request) error {
-	if nb {
-		return twin().Wait(ctx)
-	}
-	return blocking()
-}
-
 // TestAdv2MismatchedVariants: ranks that disagree on the V-variants'
 // counts (also with the same total), on a scan's operation or count, on
 // ReduceScatter against ReduceScatterV, on the element type of the same

@@ -1,6 +1,9 @@
 package ibv
 
 import (
+	"errors"
+	"math"
+	"syscall"
 	"testing"
 
 	"github.com/goverbs/verbs/internal/prov"
@@ -52,5 +55,36 @@ func TestQueryPortOp(t *testing.T) {
 		if got := queryPortOp("rxe0", tc.port, tc.nports); got != tc.want {
 			t.Errorf("queryPortOp(rxe0, %d, %d)\n got %s\nwant %s", tc.port, tc.nports, got, tc.want)
 		}
+	}
+}
+
+// TestFieldChecks: values that do not fit the C fields they become are
+// refused with EINVAL (on every host: these checks have no cgo), the
+// largest that fit are taken; an ENODATA for a bad source GID index also
+// matches EINVAL.
+func TestFieldChecks(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		err  error
+		ok   bool
+	}{
+		{"u32 max", fitU32("op", "x", math.MaxUint32), true},
+		{"u32 over", fitU32("op", "x", math.MaxUint32+1), false},
+		{"u32 negative", fitU32("op", "x", -1), false},
+		{"i32 min", fitI32("op", "x", math.MinInt32), true},
+		{"i32 over", fitI32("op", "x", math.MaxInt32+1), false},
+		{"cap", checkCap("op", prov.QPCap{MaxSendWR: 16, MaxRecvWR: 16, MaxSendSGE: 1, MaxRecvSGE: 1}), true},
+		{"cap over", checkCap("op", prov.QPCap{MaxSendWR: 1<<32 + 4}), false},
+		{"cap inline over", checkCap("op", prov.QPCap{MaxInlineData: -1}), false},
+		{"srq", checkSRQAttr("op", prov.SRQAttr{MaxWR: 64, MaxSGE: 1, SRQLimit: 8}), true},
+		{"srq limit over", checkSRQAttr("op", prov.SRQAttr{MaxWR: 64, SRQLimit: 1<<32 + 1}), false},
+		{"bad gid index", gidIndexErr(syscall.ENODATA, syscall.ENODATA, true, 9, 1), false},
+	} {
+		if tc.ok != (tc.err == nil) || (!tc.ok && !errors.Is(tc.err, syscall.EINVAL)) {
+			t.Errorf("%s: %v, want ok %v or EINVAL", tc.name, tc.err, tc.ok)
+		}
+	}
+	if err := gidIndexErr(syscall.EPERM, syscall.EPERM, true, 9, 1); err != syscall.EPERM {
+		t.Errorf("another error: %v, want it unchanged", err)
 	}
 }
