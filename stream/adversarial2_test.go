@@ -142,3 +142,52 @@ func TestAdv2CloseEndsReadsFirst(t *testing.T) {
 		t.Fatalf("Read after Close: %v", err)
 	}
 }
+
+// TestNewSmallQueueDepth: New, on a session the caller configured, keeps
+// at most half the session's QueueDepth messages in flight, as Dial and
+// Listener do. Before, New kept 16 whatever the session: over a session
+// of QueueDepth 4 a Write waited for a token only its own later wait
+// would give back, until its deadline.
+func TestNewSmallQueueDepth(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+	defer cancel()
+	cfg := session.Config{QueueDepth: 4, ReceiveBuffers: 64, MessageSize: 1024}
+	l, err := session.Listen(ctx, "127.0.0.1:0", cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	acc := make(chan *session.Session, 1)
+	go func() {
+		s, err := l.Accept(ctx)
+		if err != nil {
+			t.Error(err)
+		}
+		acc <- s
+	}()
+	d, err := session.Dial(ctx, l.Addr().String(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := <-acc
+	if s == nil {
+		d.Close()
+		t.FailNow()
+	}
+	c1, c2 := New(d), New(s)
+	defer c1.Close()
+	defer c2.Close()
+	want := pattern(200_000)
+	wrote := await(func() error {
+		c1.SetWriteDeadline(time.Now().Add(hangGuard / 2)) // a guard against the hang only
+		_, err := c1.Write(want)
+		return err
+	})
+	got := readN(t, c2, len(want))
+	if err := wait(t, wrote, "Write"); err != nil {
+		t.Fatalf("Write of %d bytes over a session of QueueDepth 4: %v", len(want), err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the bytes read are not those written")
+	}
+}

@@ -20,8 +20,6 @@ const (
 	// inFlight is how many messages a Conn's writes keep posted before
 	// they wait for the oldest one's delivery, at most (see depthOf).
 	inFlight = 16
-	// defaultQueueDepth is session.Config's QueueDepth when it is 0.
-	defaultQueueDepth = 128
 	// finImm is the immediate data of the empty message that ends a
 	// direction of the stream (CloseWrite).
 	finImm = 1
@@ -76,29 +74,17 @@ type posted struct {
 // operations remain the caller's to use).
 //
 // Each message the Conn keeps in flight holds one of the session's
-// request tokens (Config.QueueDepth) until the Conn waits for it: New
-// keeps up to 16, so s's QueueDepth must be over 16, and should be 32
-// or more to leave room for its remote memory operations (the default,
-// 128, is). Dial and Listener follow the QueueDepth of their Config.
-func New(s *session.Session) *Conn { return newConn(s, defaultQueueDepth) }
-
-// newConn makes a Conn of s, a session of Config.QueueDepth queueDepth
-// (0: the default).
-func newConn(s *session.Session, queueDepth int) *Conn {
-	return &Conn{s: s, chunk: max(min(s.PeerMessageSize(), s.PeerMaxMessage()), 1), depth: depthOf(queueDepth), local: s.LocalAddr(), remote: s.RemoteAddr()}
+// request tokens (Session.QueueDepth) until the Conn waits for it: it
+// keeps half of them at most (16 at most, one at least), so that the
+// session's remote memory operations find some too.
+func New(s *session.Session) *Conn {
+	return &Conn{s: s, chunk: max(min(s.PeerMessageSize(), s.PeerMaxMessage()), 1), depth: depthOf(s.QueueDepth()), local: s.LocalAddr(), remote: s.RemoteAddr()}
 }
 
 // depthOf is how many messages a Conn keeps in flight on a session of
-// Config.QueueDepth queueDepth: each holds one of its request tokens
-// until the Conn waits for it, and the next message needs one more, so
-// more than queueDepth made a Write wait forever for a token of its own;
-// half of them at most, so that the session's remote memory operations
-// (and Receive's reads of rendezvous messages) find some too, and
-// inFlight at most.
+// QueueDepth queueDepth: half of them at most, inFlight at most, one at
+// least.
 func depthOf(queueDepth int) int {
-	if queueDepth == 0 {
-		queueDepth = defaultQueueDepth
-	}
 	return max(min(queueDepth/2, inFlight), 1)
 }
 
@@ -109,7 +95,7 @@ func Dial(ctx context.Context, addr string, cfg session.Config) (*Conn, error) {
 	if err != nil {
 		return nil, &net.OpError{Op: "dial", Net: netName, Err: err}
 	}
-	return newConn(s, cfg.QueueDepth), nil
+	return New(s), nil
 }
 
 // Session returns the session under the stream, for its remote memory

@@ -11,7 +11,6 @@ import (
 // sessions become Conns.
 type Listener struct {
 	l      *session.Listener
-	depth  int             // the sessions' Config.QueueDepth
 	ctx    context.Context // ends at Close: Accept's
 	cancel context.CancelFunc
 }
@@ -24,7 +23,7 @@ func Listen(ctx context.Context, addr string, cfg session.Config) (*Listener, er
 		return nil, &net.OpError{Op: "listen", Net: netName, Err: err}
 	}
 	lctx, cancel := context.WithCancel(context.Background())
-	return &Listener{l: l, depth: cfg.QueueDepth, ctx: lctx, cancel: cancel}, nil
+	return &Listener{l: l, ctx: lctx, cancel: cancel}, nil
 }
 
 // Accept waits for the next stream, until Close (net.Listener).
@@ -50,7 +49,7 @@ func (l *Listener) AcceptContext(ctx context.Context) (*Conn, error) {
 		}
 		return nil, l.opErr(err)
 	}
-	return newConn(s, l.depth), nil
+	return New(s), nil
 }
 
 // Close stops Accept; the streams accepted stay open.
