@@ -388,17 +388,25 @@ func TestAdversarialBytesAfterClose(t *testing.T) {
 // (never another error, a panic or a hang), and Close succeeds. Run it
 // with -race.
 func TestAdversarialCloseUnderLoad(t *testing.T) {
+	closeUnderLoad(t, verbstest.Config{DeviceA: verbs.SoftDevice}, 1024, advTimeout)
+}
+
+// closeUnderLoad is TestAdversarialCloseUnderLoad on the nodes of cfg, with
+// a send queue of maxSendWR, bounded by timeout (the hardware provider's
+// test runs it too).
+func closeUnderLoad(t *testing.T, cfg verbstest.Config, maxSendWR int, timeout time.Duration) {
 	verbstest.CheckLeaks(t)
-	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	a, b := verbstest.NewNodes(t, cfg)
 	cq := a.NewCQ(t, verbs.CQSpec{Entries: 4096})
-	qa := a.NewRC(t, verbs.QPSpec{SendCQ: cq, MaxSendWR: 1024})
+	qa := a.NewRC(t, verbs.QPSpec{SendCQ: cq, MaxSendWR: maxSendWR})
 	qb := b.NewRC(t, verbs.QPSpec{})
 	verbstest.ConnectRC(t, qa, qb)
 	src := a.Alloc(t, 4096, verbs.AccessLocalWrite)
 	dst := b.Alloc(t, 4096, verbs.AccessLocalWrite|verbs.AccessRemoteWrite)
 	sge := verbstest.SGE(t, src, 0, 64)
 	rem := dst.Remote().At(0)
-	ctx := advCtx(t)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
 
 	type result struct {
 		who string
