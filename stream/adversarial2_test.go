@@ -16,8 +16,6 @@ import (
 	"time"
 
 	"github.com/goverbs/verbs"
-	"github.com/goverbs/verbs/internal/soft"
-	"github.com/goverbs/verbs/internal/testproc"
 	"github.com/goverbs/verbs/session"
 )
 
@@ -85,13 +83,7 @@ func TestAdv2SmallQueueDepth(t *testing.T) {
 // only after that wait (seconds: until the peer answered, the keepalive
 // or the queue pair's transport timeout).
 func TestAdv2CloseEndsReadsFirst(t *testing.T) {
-	restore, err := soft.ForceTransport("unix")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer restore()
-	p := testproc.Start(t, envChild+"=stall", "GOVERBS_SOFT_TRANSPORT=unix")
-	addr := p.Line(t, "addr")[0]
+	p, addr := startStall(t)
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	defer cancel()
 	cfg := childCfg

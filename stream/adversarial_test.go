@@ -1414,18 +1414,24 @@ func TestAdvReadPastDeadlineHeld(t *testing.T) {
 	}
 }
 
+// startStall forces soft0's unix transport for the test and starts a
+// "stall" child over it; it returns the child and its stream's address.
+func startStall(t *testing.T) (*testproc.Proc, string) {
+	restore, err := soft.ForceTransport("unix")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(restore)
+	p := testproc.Start(t, envChild+"=stall", "GOVERBS_SOFT_TRANSPORT=unix")
+	return p, p.Line(t, "addr")[0]
+}
+
 // TestAdvPeerStopped: a peer process that stops (SIGSTOP) without
 // closing anything: a Read waiting for it returns an error (the
 // session's keepalive: session.ErrPeerUnresponsive), not io.EOF and not
 // a hang; Close, with messages maybe in flight to it, returns.
 func TestAdvPeerStopped(t *testing.T) {
-	restore, err := soft.ForceTransport("unix")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer restore()
-	p := testproc.Start(t, envChild+"=stall", "GOVERBS_SOFT_TRANSPORT=unix")
-	addr := p.Line(t, "addr")[0]
+	p, addr := startStall(t)
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	defer cancel()
 	cfg := childCfg
