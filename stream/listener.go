@@ -3,6 +3,7 @@ package stream
 import (
 	"context"
 	"net"
+	"sync/atomic"
 
 	"github.com/goverbs/verbs/session"
 )
@@ -13,6 +14,7 @@ type Listener struct {
 	l      *session.Listener
 	ctx    context.Context // ends at Close: Accept's
 	cancel context.CancelFunc
+	closed atomic.Bool
 }
 
 // Listen listens for streams on addr (host:port of the bootstrap);
@@ -52,9 +54,11 @@ func (l *Listener) AcceptContext(ctx context.Context) (*Conn, error) {
 	return New(s), nil
 }
 
-// Close stops Accept; the streams accepted stay open.
+// Close stops Accept; the streams accepted stay open. Only the first of
+// any number of (concurrent) Closes does it; the others return an error
+// wrapping net.ErrClosed.
 func (l *Listener) Close() error {
-	if l.ctx.Err() != nil {
+	if !l.closed.CompareAndSwap(false, true) {
 		return l.opErr(net.ErrClosed)
 	}
 	l.cancel()
