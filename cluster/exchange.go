@@ -1365,10 +1365,15 @@ type gathering struct {
 	// yet registered it as pending: the abort waits for them (a rank
 	// told it was accepted is then told why the root gives up).
 	claiming  int
-	claimDone *sync.Cond    // on mu
-	release   chan struct{} // closed when the root is done with the connections
-	cancel    context.CancelFunc
-	wg        sync.WaitGroup
+	claimDone *sync.Cond // on mu
+	// listed: the root has listed the ranks it tells why it gives up
+	// (after why was set and claiming reached 0). A rank registered as
+	// pending before is on the list; one whose handshake completes after
+	// tells itself.
+	listed  bool
+	release chan struct{} // closed when the root is done with the connections
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
 }
 
 // close releases the connections and waits for their goroutines.
@@ -1458,13 +1463,19 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 		g.mu.Lock()
 		g.claiming--
 		g.claimDone.Broadcast()
-		why := g.why
-		if why == nil {
+		// Until the root lists the ranks to tell why it gives up (it
+		// waits for this registration), this rank is on that list.
+		var why []byte
+		if g.listed {
+			why = g.why
+		} else {
 			g.pending[k.peer] = k
 		}
 		g.mu.Unlock()
 		if why != nil {
-			// The root gave up while this rank's handshake completed.
+			// The root gave up, and listed the ranks to tell, while this
+			// rank's handshake completed (it claimed its rank after the
+			// root had failed).
 			if stop() {
 				k.s.writeMsg(progressWriter{k.c, recordGrace([]*conn{k})}, recAbort, why)
 				k.c.Close()
@@ -1530,6 +1541,7 @@ func (x *exchange) gather(ctx context.Context, put func(peer int, data []byte) e
 		for g.claiming > 0 {
 			g.claimDone.Wait()
 		}
+		g.listed = true
 		g.mu.Unlock()
 		x.broadcast(g.list(true), func(*conn) (byte, [][]byte) { return recAbort, [][]byte{why} })
 		g.close()
