@@ -55,9 +55,10 @@ type testKey struct{ pkg, test string }
 type result struct {
 	passed, failed, skipped int
 
-	running  map[testKey]bool   // started, no result yet
-	lastLine map[testKey]string // last meaningful output line of each test
-	order    []testKey          // order in which tests started
+	running  map[testKey]bool     // started, no result yet
+	lastLine map[testKey]string   // last meaningful output line of each test
+	tail     map[testKey][]string // its last tailLines meaningful output lines
+	order    []testKey            // order in which tests started
 
 	skips    []skipped    // skipped tests and their reasons
 	failures []testKey    // failed tests
@@ -83,6 +84,7 @@ func newResult() *result {
 	return &result{
 		running:       map[testKey]bool{},
 		lastLine:      map[testKey]string{},
+		tail:          map[testKey][]string{},
 		unfinished:    map[testKey]bool{},
 		failedBuilds:  map[string]bool{},
 		pkgStarted:    map[string]bool{},
@@ -125,12 +127,18 @@ func (r *result) handle(e event) {
 				l = strings.TrimSpace(l)
 				if l != "" && !isFraming(l) {
 					r.lastLine[k] = l
+					t := r.tail[k]
+					if len(t) == tailLines {
+						t = append(t[:0], t[1:]...)
+					}
+					r.tail[k] = append(t, truncate(l, maxLineLen))
 				}
 			}
 		}
 	case "pass":
 		if e.Test != "" {
 			delete(r.running, k)
+			delete(r.tail, k)
 			r.passed++
 		} else {
 			r.packageDone(e.Package)
@@ -144,6 +152,7 @@ func (r *result) handle(e event) {
 				reason = "(no reason given)"
 			}
 			r.skips = append(r.skips, skipped{k, reason})
+			delete(r.tail, k)
 		} else {
 			// A package without tests ("no test files") or whose
 			// tests were all filtered out: not counted.
@@ -223,22 +232,48 @@ func (r *result) report(w io.Writer, tier string) {
 	for _, s := range r.skips {
 		fmt.Fprintf(w, "  skipped: %s %s: %s\n", s.key.pkg, s.key.test, s.reason)
 	}
-	for _, l := range r.failureLines() {
+	for _, l := range r.failureLines(false) {
 		fmt.Fprintf(w, "  FAILED:  %s\n", l)
 	}
 	fmt.Fprintf(w, "tier %s: %d passed, %d failed, %d skipped\n", tier, r.passed, r.failed, r.skipped)
 }
 
-// failureLines names every failed test and package, a line each, sorted.
-func (r *result) failureLines() []string {
+// Bounds of the failure details (see failureLines).
+const (
+	tailLines   = 12  // output lines kept per test
+	maxLineLen  = 300 // bytes kept per line
+	maxDetailed = 20  // failed tests whose lines are shown
+)
+
+func truncate(l string, n int) string {
+	if len(l) <= n {
+		return l
+	}
+	return l[:n] + " [...]"
+}
+
+// failureLines names every failed test and package, a line each, sorted;
+// with details, the first maxDetailed failed tests' lines are followed by
+// the last lines they printed, indented by "    | ".
+func (r *result) failureLines(details bool) []string {
 	sort.SliceStable(r.failures, func(i, j int) bool { return less(r.failures[i], r.failures[j]) })
 	var lines []string
+	detailed := 0
 	for _, k := range r.failures {
 		suffix := ""
 		if r.unfinished[k] {
 			suffix = " (did not finish)"
 		}
 		lines = append(lines, k.pkg+" "+k.test+suffix)
+		if t := r.tail[k]; details && len(t) > 0 {
+			if detailed == maxDetailed {
+				continue
+			}
+			detailed++
+			for _, l := range t {
+				lines = append(lines, "    | "+l)
+			}
+		}
 	}
 	for _, p := range r.pkgFails {
 		lines = append(lines, "package "+p.pkg+": "+p.reason)
@@ -297,7 +332,11 @@ func main() {
 
 	if *failedFile != "" {
 		var b strings.Builder
-		for _, l := range r.failureLines() {
+		for _, l := range r.failureLines(true) {
+			if strings.HasPrefix(l, "    | ") {
+				b.WriteString("  " + l + "\n") // a detail: no tier prefix
+				continue
+			}
 			b.WriteString(*tier + ": " + l + "\n")
 		}
 		if err := appendFile(*failedFile, b.String()); err != nil {
