@@ -33,10 +33,8 @@ type inlineRef struct {
 	lkey   uint32
 	lo, hi uint64 // [Addr, Addr+Len) of the MR as its provider reads it
 	keep   []byte // keeps the memory of a leaked MR (never closed) alive
-	// pin keeps the Pinner of a leaked MR of Go memory (Register)
-	// reachable, with the memory still pinned: the device may still
-	// write into it, and the runtime kills the process when it collects
-	// a Pinner that pins anything.
+	// pin is the Pinner of an MR of Go memory (Register); while the MR
+	// is open, pinned holds this inlineRef.
 	pin *runtime.Pinner
 
 	// use is held for reading (TryRLock, never blocking) by every post
@@ -45,6 +43,30 @@ type inlineRef struct {
 	// ones fail (dead).
 	use  sync.RWMutex
 	dead bool
+}
+
+// pinned holds the inlineRefs of the open MRs of Go memory (Register)
+// until their Close, whatever becomes of the MR, its PD and its Context: a
+// leaked MR's memory stays pinned and alive (the device may still write
+// into it), and so does its Pinner, which the runtime would otherwise
+// collect still pinning the memory, killing the process ("runtime.Pinner:
+// found leaking pinned pointer"). The leak tracer reports such MRs.
+var pinned = struct {
+	sync.Mutex
+	refs map[*inlineRef]struct{}
+}{refs: map[*inlineRef]struct{}{}}
+
+// keepPinned adds r to pinned; unpinned removes it.
+func keepPinned(r *inlineRef) {
+	pinned.Lock()
+	pinned.refs[r] = struct{}{}
+	pinned.Unlock()
+}
+
+func unpinned(r *inlineRef) {
+	pinned.Lock()
+	delete(pinned.refs, r)
+	pinned.Unlock()
 }
 
 // acquire holds the MR open for a post; it fails if the MR is closed or

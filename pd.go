@@ -156,7 +156,8 @@ func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, 
 		return nil, err
 	}
 	m.pin = p
-	m.inl.pin = p // reachable from the PD, if the MR leaks
+	m.inl.pin = p
+	keepPinned(m.inl) // reachable, if the MR leaks with its PD and Context
 	return m, nil
 }
 
@@ -303,6 +304,7 @@ func (m *MemoryRegion) Close() error {
 		}
 		if m.pin != nil {
 			m.pin.Unpin()
+			unpinned(m.inl)
 		}
 		if m.region != nil {
 			if err := m.region.Free(); err != nil {
