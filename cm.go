@@ -548,5 +548,8 @@ func (c *CMConn) Close() error {
 	if err := c.res.close(func() error { return opErr("close rdma cm connection", c.route.Device, c.c.Close()) }); err != nil {
 		return err
 	}
+	if c.qp == nil {
+		return nil // a zero CMConn
+	}
 	return c.qp.Close()
 }

@@ -374,8 +374,14 @@ func (q *qpCore) remoteAccess() Access {
 	return AccessRemoteWrite | AccessRemoteRead | AccessRemoteAtomic
 }
 
-// QPN returns the queue pair number.
-func (q *qpCore) QPN() uint32 { return q.qp.QPN() }
+// QPN returns the queue pair number (also after Close); 0 for a zero
+// value, which is no queue pair.
+func (q *qpCore) QPN() uint32 {
+	if q.qp == nil {
+		return 0
+	}
+	return q.qp.QPN()
+}
 
 // Cap returns the capacities the device granted.
 func (q *qpCore) Cap() QPCap { return q.cap }
