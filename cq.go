@@ -139,7 +139,11 @@ func (ch *CompletionChannel) Close() error {
 // entries with its own completion channel, so Wait works.
 type CQSpec struct {
 	// Entries is the minimum number of completions the CQ holds (default 1024).
-	// A CQ that overflows enters an error state.
+	// A CQ that overflows enters an error state: its Polls fail with an
+	// error wrapping EOVERFLOW, and the context reports EventCQError
+	// (see Context.AsyncEvent). Size it for every completion that can be
+	// outstanding: the send queues' signaled requests and the receives of
+	// the QPs (and SRQs) it serves.
 	Entries int
 	// Channel, when set, delivers the CQ's events on a shared channel; then
 	// use Channel.Wait instead of CompletionQueue.Wait.

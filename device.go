@@ -385,6 +385,12 @@ func (t AsyncEventType) String() string {
 // AsyncEvent blocks until the device reports an asynchronous event (port
 // state changes, QPs or CQs entering the error state, SRQ limits) or ctx ends.
 //
+// Every provider reads the device's events from Open to Close, whether or
+// not the program calls AsyncEvent, and holds the last 256 (older ones
+// are dropped): so a CQ that overran fails its Polls with EOVERFLOW on
+// every device (on hardware, from the moment its EventCQError arrived;
+// the completions the device had no room for are lost).
+//
 // soft0 also reports EventQPFatal for each RC and UC queue pair
 // connected to a queue pair of another process when its connection to
 // that process is lost (it exited, was killed, or closed its last

@@ -17,6 +17,7 @@ import "C"
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -89,9 +90,16 @@ type compQueue struct {
 	cq     C.gv_cq
 	handle uint64
 	cap    int
+	// overrun: the device reported CQ_ERR (readEvents): it had no room
+	// for a completion and dropped it. Polls fail from then on, as
+	// soft0's do after an overflow.
+	overrun atomic.Bool
 
 	closer closer
 }
+
+// errOverrun is what Poll returns once the CQ overran.
+var errOverrun = fmt.Errorf("ibv_poll_cq: the completion queue overran (the device reported CQ_ERR and dropped completions); it is in the error state: %w", syscall.EOVERFLOW)
 
 func (c *devContext) CreateCQ(cqe int, ch prov.CompChannel, vector int) (prov.CQ, error) {
 	var cch *C.struct_ibv_comp_channel
@@ -134,6 +142,9 @@ func (q *compQueue) Poll(dst []prov.Completion) (int, error) {
 	if len(dst) == 0 {
 		return 0, nil
 	}
+	if q.overrun.Load() {
+		return 0, errOverrun
+	}
 	countCall(callPollCQ)
 	n := C.gv_poll_cq(&q.cq, (*C.gv_wc)(unsafe.Pointer(&dst[0])), C.int(len(dst)))
 	if n < 0 {
@@ -150,6 +161,9 @@ const maxSpins = 1 << 30
 func (q *compQueue) PollBusy(dst []prov.Completion, spins int) (int, error) {
 	if len(dst) == 0 {
 		return 0, nil
+	}
+	if q.overrun.Load() {
+		return 0, errOverrun
 	}
 	spins = min(max(spins, 1), maxSpins)
 	countCall(callPollCQ)

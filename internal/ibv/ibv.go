@@ -168,6 +168,7 @@ func (provider) Open(name string) (prov.Context, error) {
 		if C.gv_query_device(ctx, &a, &ports) == 0 && a.vendor_id == rxeVendorID && a.vendor_part_id == 0 {
 			c.quirkSGEList, c.quirkNextPoll = true, true
 		}
+		c.startEvents()
 		return c, nil
 	}
 	return nil, fmt.Errorf("open %q: %w", name, prov.ErrNoDevice)
@@ -202,9 +203,12 @@ type devContext struct {
 	next    uint64
 	handles map[uint64]any
 
-	asyncOnce sync.Once
+	// The async events, read from the device by readEvents from Open to
+	// Close, whether or not the program asks for them: a CQ_ERR marks its
+	// CQ overrun (the kernel lost completions), so that its Poll fails.
+	events    prov.EventQueue
 	async     *evFD
-	asyncErr  error
+	asyncDone chan struct{} // closed when readEvents returns
 
 	closer closer
 }
@@ -391,41 +395,67 @@ func (c *devContext) AllocPD() (prov.PD, error) {
 	return &protDomain{c: c, pd: pd}, nil
 }
 
+// startEvents starts readEvents.
+func (c *devContext) startEvents() {
+	c.events.Init()
+	c.asyncDone = make(chan struct{})
+	var err error
+	if c.async, err = newEvFD(int(c.ctx.async_fd), "ibv-async-"+c.name); err != nil {
+		c.events.Fail(err)
+		close(c.asyncDone)
+		return
+	}
+	go c.readEvents()
+}
+
+// readEvents reads the device's async events into c.events until Close
+// (or a read fails: then AsyncEvent returns its error). A CQ_ERR marks
+// its CQ overrun.
+func (c *devContext) readEvents() {
+	defer close(c.asyncDone)
+	for {
+		var (
+			typ, qpn, port C.uint32_t
+			h              C.uint64_t
+			rc             C.int
+		)
+		err := c.async.wait(context.Background(), func() bool {
+			rc = C.gv_get_async_event(c.ctx, &typ, &h, &qpn, &port)
+			return rc != C.int(syscall.EAGAIN)
+		})
+		if err == nil && rc != 0 {
+			err = errnoErr("ibv_get_async_event", rc)
+		}
+		if err != nil {
+			if errors.Is(err, prov.ErrClosed) {
+				c.events.Close()
+			} else {
+				c.events.Fail(err)
+			}
+			return
+		}
+		ev := prov.AsyncEvent{Type: uint32(typ), QPN: uint32(qpn), Port: uint8(port)}
+		if h != 0 {
+			ev.Element = c.lookup(uint64(h))
+		}
+		if q, ok := ev.Element.(*compQueue); ok && typ == C.IBV_EVENT_CQ_ERR {
+			q.overrun.Store(true)
+		}
+		c.events.Push(ev)
+	}
+}
+
 func (c *devContext) AsyncEvent(ctx context.Context) (prov.AsyncEvent, error) {
-	c.asyncOnce.Do(func() {
-		c.async, c.asyncErr = newEvFD(int(c.ctx.async_fd), "ibv-async-"+c.name)
-	})
-	if c.asyncErr != nil {
-		return prov.AsyncEvent{}, c.asyncErr
-	}
-	var (
-		typ, qpn, port C.uint32_t
-		h              C.uint64_t
-		rc             C.int
-	)
-	err := c.async.wait(ctx, func() bool {
-		rc = C.gv_get_async_event(c.ctx, &typ, &h, &qpn, &port)
-		return rc != C.int(syscall.EAGAIN)
-	})
-	if err != nil {
-		return prov.AsyncEvent{}, err
-	}
-	if rc != 0 {
-		return prov.AsyncEvent{}, errnoErr("ibv_get_async_event", rc)
-	}
-	ev := prov.AsyncEvent{Type: uint32(typ), QPN: uint32(qpn), Port: uint8(port)}
-	if h != 0 {
-		ev.Element = c.lookup(uint64(h))
-	}
-	return ev, nil
+	return c.events.Wait(ctx)
 }
 
 func (c *devContext) Close() error {
 	return c.closer.do(func() error {
-		c.asyncOnce.Do(func() { c.asyncErr = prov.ErrClosed })
 		if c.async != nil {
-			c.async.close()
+			c.async.close() // readEvents returns
 		}
+		<-c.asyncDone
+		c.events.Close()
 		if rc := C.ibv_close_device(c.ctx); rc != 0 {
 			return errnoErr("ibv_close_device", rc)
 		}

@@ -2,6 +2,7 @@ package soft
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -21,7 +22,7 @@ type devContext struct {
 	nch  int
 	dead bool
 
-	events eventQueue
+	events prov.EventQueue
 }
 
 var _ prov.Context = (*devContext)(nil)
@@ -123,7 +124,14 @@ func (c *devContext) CreateCQ(cqe int, ch prov.CompChannel, vector int) (prov.CQ
 }
 
 func (c *devContext) AsyncEvent(ctx context.Context) (prov.AsyncEvent, error) {
-	return c.events.wait(ctx)
+	ev, err := c.events.Wait(ctx)
+	switch {
+	case errors.Is(err, prov.ErrClosed):
+		return ev, closedErr("get async event")
+	case err != nil:
+		return ev, fmt.Errorf("soft: get async event: %w", err)
+	}
+	return ev, nil
 }
 
 // Close closes the device context. It fails with EBUSY while PDs, CQs or
@@ -139,97 +147,18 @@ func (c *devContext) Close() error {
 	}
 	c.dead = true
 	c.closed.Store(true)
-	c.events.close()
+	c.events.Close()
 	c.f.closeContext()
 	return nil
 }
 
 // Async event types (enum ibv_event_type).
 const (
-	evCQErr         = 0
-	evQPFatal       = 1
-	evQPReqErr      = 2
-	evQPAccessErr   = 3
-	evSQDrained     = 7
-	evSRQLimit      = 15
-	evQPLastWQE     = 16
-	asyncQueueDepth = 256
+	evCQErr       = 0
+	evQPFatal     = 1
+	evQPReqErr    = 2
+	evQPAccessErr = 3
+	evSQDrained   = 7
+	evSRQLimit    = 15
+	evQPLastWQE   = 16
 )
-
-// eventQueue is a bounded queue of async events; when full, the oldest
-// event is dropped.
-type eventQueue struct {
-	mu     sync.Mutex
-	buf    [asyncQueueDepth]prov.AsyncEvent
-	head   int
-	n      int
-	sig    chan struct{} // a token when events may be queued
-	done   chan struct{} // closed by close
-	closed bool
-}
-
-func (e *eventQueue) init() {
-	e.sig = make(chan struct{}, 1)
-	e.done = make(chan struct{})
-}
-
-func (e *eventQueue) push(ev prov.AsyncEvent) {
-	e.mu.Lock()
-	if e.closed {
-		e.mu.Unlock()
-		return
-	}
-	if e.n == len(e.buf) {
-		e.buf[e.head] = prov.AsyncEvent{}
-		e.head = (e.head + 1) % len(e.buf)
-		e.n--
-	}
-	e.buf[(e.head+e.n)%len(e.buf)] = ev
-	e.n++
-	e.mu.Unlock()
-	select {
-	case e.sig <- struct{}{}:
-	default:
-	}
-}
-
-func (e *eventQueue) wait(ctx context.Context) (prov.AsyncEvent, error) {
-	for {
-		e.mu.Lock()
-		if e.closed {
-			e.mu.Unlock()
-			return prov.AsyncEvent{}, closedErr("get async event")
-		}
-		if e.n > 0 {
-			ev := e.buf[e.head]
-			e.buf[e.head] = prov.AsyncEvent{}
-			e.head = (e.head + 1) % len(e.buf)
-			e.n--
-			more := e.n > 0
-			e.mu.Unlock()
-			if more {
-				select {
-				case e.sig <- struct{}{}:
-				default:
-				}
-			}
-			return ev, nil
-		}
-		e.mu.Unlock()
-		select {
-		case <-e.sig:
-		case <-e.done:
-		case <-ctx.Done():
-			return prov.AsyncEvent{}, fmt.Errorf("soft: get async event: %w", ctx.Err())
-		}
-	}
-}
-
-func (e *eventQueue) close() {
-	e.mu.Lock()
-	if !e.closed {
-		e.closed = true
-		close(e.done)
-	}
-	e.mu.Unlock()
-}

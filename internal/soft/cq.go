@@ -116,7 +116,7 @@ func (c *cq) overflowLocked() {
 	c.ready.Store(-1)
 	c.armed = armNone
 	c.mu.Unlock()
-	c.ctx.events.push(prov.AsyncEvent{Type: evCQErr, Element: prov.CQ(c)})
+	c.ctx.events.Push(prov.AsyncEvent{Type: evCQErr, Element: prov.CQ(c)})
 }
 
 // Poll fills dst with up to len(dst) completions. After an overflow it

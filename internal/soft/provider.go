@@ -159,7 +159,7 @@ func (provider) Open(name string) (prov.Context, error) {
 		return nil, fmt.Errorf("soft: open %q: %w", name, prov.ErrNoDevice)
 	}
 	c := &devContext{f: getFabric()}
-	c.events.init()
+	c.events.Init()
 	c.f.openContext()
 	return c, nil
 }

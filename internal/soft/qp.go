@@ -710,7 +710,7 @@ func (q *qp) modifyLocked(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 		q.state.Store(uint32(next))
 		if next == prov.QPStateSQD && mask&prov.AttrEnSQDAsyncNtfy != 0 {
 			// The send queue stops between messages, so it is drained at once.
-			q.ctx.events.push(prov.AsyncEvent{Type: evSQDrained, QPN: q.qpn, Element: prov.QP(q)})
+			q.ctx.events.Push(prov.AsyncEvent{Type: evSQDrained, QPN: q.qpn, Element: prov.QP(q)})
 		}
 	}
 	return nil
@@ -755,10 +755,10 @@ func (q *qp) toErrLocked(ev int) bool {
 	}
 	q.flushRecvLocked()
 	if ev >= 0 {
-		q.ctx.events.push(prov.AsyncEvent{Type: uint32(ev), QPN: q.qpn, Element: prov.QP(q)})
+		q.ctx.events.Push(prov.AsyncEvent{Type: uint32(ev), QPN: q.qpn, Element: prov.QP(q)})
 	}
 	if q.srq != nil {
-		q.ctx.events.push(prov.AsyncEvent{Type: evQPLastWQE, QPN: q.qpn, Element: prov.QP(q)})
+		q.ctx.events.Push(prov.AsyncEvent{Type: evQPLastWQE, QPN: q.qpn, Element: prov.QP(q)})
 	}
 	return true
 }

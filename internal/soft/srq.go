@@ -198,7 +198,7 @@ func (s *srq) take(buf []prov.SGE, w waker) (wrid uint64, sges []prov.SGE, ok bo
 	}
 	s.mu.Unlock()
 	if fire {
-		s.ctx.events.push(prov.AsyncEvent{Type: evSRQLimit, Element: prov.SRQ(s)})
+		s.ctx.events.Push(prov.AsyncEvent{Type: evSRQLimit, Element: prov.SRQ(s)})
 	}
 	return wrid, buf[:n], true
 }

@@ -371,8 +371,8 @@ func TestAsyncEventCancel(t *testing.T) {
 	}
 	// The queue is bounded: the oldest events are dropped.
 	c := e.ctx.(*devContext)
-	for i := range asyncQueueDepth + 10 {
-		c.events.push(prov.AsyncEvent{Type: evQPFatal, QPN: uint32(i)})
+	for i := range prov.EventQueueDepth + 10 {
+		c.events.Push(prov.AsyncEvent{Type: evQPFatal, QPN: uint32(i)})
 	}
 	if ev := nextEvent(t, e.ctx); ev.QPN != 10 {
 		t.Fatalf("oldest kept event %+v", ev)
