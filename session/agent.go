@@ -30,7 +30,8 @@ type agentState struct {
 	changed chan struct{}          // closed (and replaced) when offers or returns grow
 	err     error                  // why the session ended
 	nextG   uint64
-	sweepAt int // the size of remotes at which newRemote sweeps it next
+	sweepAt int       // the size of remotes at which newRemote sweeps it next
+	sweptAt time.Time // when it last swept it
 }
 
 // waiter is a call waiting for its answer.

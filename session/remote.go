@@ -137,8 +137,10 @@ func (s *Session) newRemote(m ctrlMsg, since time.Time) *RemoteMR {
 	a := &s.agent
 	a.mu.Lock()
 	a.remotes[m.grant] = r
-	if len(a.remotes) >= max(a.sweepAt, remoteSweepMin) {
-		a.sweepRemotesLocked(time.Now())
+	if n := len(a.remotes); n >= remoteSweepMin {
+		if now := time.Now(); n >= a.sweepAt || now.Sub(a.sweptAt) > leaseGrace {
+			a.sweepRemotesLocked(now)
+		}
 	}
 	a.mu.Unlock()
 	return r
@@ -146,7 +148,10 @@ func (s *Session) newRemote(m ctrlMsg, since time.Time) *RemoteMR {
 
 // remoteSweepMin is the size of the table of remote regions at which
 // newRemote first looks for regions whose leases ended; then it looks
-// when the table has grown to twice what it kept.
+// when the table has grown to twice what it kept, or when the last look
+// is more than leaseGrace old (regions that were still in their lease or
+// its grace then may have ended since: without it, up to half of a table
+// that stopped doubling could be regions long expired).
 const remoteSweepMin = 64
 
 // sweepRemotesLocked forgets the remote regions whose leases ended more
@@ -161,7 +166,7 @@ func (a *agentState) sweepRemotesLocked(now time.Time) {
 			delete(a.remotes, id)
 		}
 	}
-	a.sweepAt = 2 * len(a.remotes)
+	a.sweepAt, a.sweptAt = 2*len(a.remotes), now
 }
 
 func (s *Session) lookupRemote(grant uint64) *RemoteMR {
