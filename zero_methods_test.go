@@ -1,69 +1,27 @@
 package verbs_test
 
 import (
-	"fmt"
-	"reflect"
 	"testing"
 
 	"github.com/goverbs/verbs"
+	"github.com/goverbs/verbs/internal/zerocheck"
 )
 
 // TestZeroObjectMethods calls every exported method of the zero value of
 // every object type (a var never made by its constructor, as a program
-// may hold in a struct field) with zero arguments (slices of one zero
-// element): none may panic, and those that return an error return one
+// may hold in a struct field) with zero arguments (internal/zerocheck):
+// none may panic, and those that return an error return one
 // (there is no object to act on), except those of noError. Before,
 // QPN of a zero queue pair and Close of a zero CMConn panicked.
 func TestZeroObjectMethods(t *testing.T) {
-	for _, obj := range []any{
+	zerocheck.Methods(t, []any{
 		&verbs.Context{}, &verbs.ProtectionDomain{}, &verbs.MemoryRegion{},
 		&verbs.CompletionQueue{}, &verbs.CompletionChannel{},
 		&verbs.RCQueuePair{}, &verbs.UCQueuePair{}, &verbs.UDQueuePair{},
 		&verbs.SharedReceiveQueue{}, &verbs.AddressHandle{},
 		&verbs.RCBatch{}, &verbs.UCBatch{}, &verbs.UDBatch{}, &verbs.RecvBatch{},
 		&verbs.CMListener{}, &verbs.CMRequest{}, &verbs.CMConn{},
-	} {
-		v := reflect.ValueOf(obj)
-		typ := v.Type()
-		for i := range typ.NumMethod() {
-			m := typ.Method(i)
-			t.Run(fmt.Sprintf("%s.%s", typ.Elem().Name(), m.Name), func(t *testing.T) {
-				mt := m.Type // receiver first
-				args := []reflect.Value{v}
-				for j := 1; j < mt.NumIn(); j++ {
-					a := reflect.Zero(mt.In(j))
-					if in := mt.In(j); in.Kind() == reflect.Slice {
-						a = reflect.MakeSlice(in, 1, 1)
-					}
-					args = append(args, a)
-				}
-				var out []reflect.Value
-				func() {
-					defer func() {
-						if p := recover(); p != nil {
-							t.Fatalf("panic: %v", p)
-						}
-					}()
-					if mt.IsVariadic() {
-						out = m.Func.CallSlice(args)
-					} else {
-						out = m.Func.Call(args)
-					}
-				}()
-				errType := reflect.TypeFor[error]()
-				for j, o := range out {
-					if mt.Out(j) != errType || noError[typ.Elem().Name()+"."+m.Name] {
-						continue
-					}
-					if o.IsNil() {
-						t.Errorf("returned no error")
-					} else {
-						t.Log(o.Interface())
-					}
-				}
-			})
-		}
-	}
+	}, noError)
 }
 
 // noError are the methods that may succeed on a zero value.
