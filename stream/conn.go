@@ -98,6 +98,10 @@ func Dial(ctx context.Context, addr string, cfg session.Config) (*Conn, error) {
 	return New(s), nil
 }
 
+// isClosed reports whether the Conn is closed, or a zero Conn (as good as
+// closed).
+func (c *Conn) isClosed() bool { return c.s == nil || c.closed.Load() }
+
 // Session returns the session under the stream, for its remote memory
 // operations.
 func (c *Conn) Session() *session.Session { return c.s }
@@ -110,7 +114,7 @@ func (c *Conn) RemoteAddr() net.Addr { return c.remote }
 
 // SetDeadline sets the read and write deadlines.
 func (c *Conn) SetDeadline(t time.Time) error {
-	if c.closed.Load() {
+	if c.isClosed() {
 		return c.opErr("set deadline", net.ErrClosed)
 	}
 	c.rd.set(t)
@@ -120,7 +124,7 @@ func (c *Conn) SetDeadline(t time.Time) error {
 
 // SetReadDeadline sets the deadline of Reads, pending ones included.
 func (c *Conn) SetReadDeadline(t time.Time) error {
-	if c.closed.Load() {
+	if c.isClosed() {
 		return c.opErr("set deadline", net.ErrClosed)
 	}
 	c.rd.set(t)
@@ -129,7 +133,7 @@ func (c *Conn) SetReadDeadline(t time.Time) error {
 
 // SetWriteDeadline sets the deadline of Writes, pending ones included.
 func (c *Conn) SetWriteDeadline(t time.Time) error {
-	if c.closed.Load() {
+	if c.isClosed() {
 		return c.opErr("set deadline", net.ErrClosed)
 	}
 	c.wd.set(t)
@@ -142,7 +146,7 @@ func (c *Conn) SetWriteDeadline(t time.Time) error {
 func (c *Conn) Read(p []byte) (int, error) {
 	c.rmu.Lock()
 	defer c.rmu.Unlock()
-	if c.closed.Load() {
+	if c.isClosed() {
 		return 0, c.opErr("read", net.ErrClosed)
 	}
 	if len(p) == 0 {
@@ -202,7 +206,7 @@ func (c *Conn) Read(p []byte) (int, error) {
 // lockMem takes mem for reading, unless the Conn is closed.
 func (c *Conn) lockMem() bool {
 	c.mem.RLock()
-	if c.closed.Load() {
+	if c.isClosed() {
 		c.mem.RUnlock()
 		return false
 	}
@@ -212,7 +216,7 @@ func (c *Conn) lockMem() bool {
 // readErr is the error of a Read whose Receive (with ctx) failed with
 // err.
 func (c *Conn) readErr(ctx context.Context, err error) error {
-	if c.closed.Load() {
+	if c.isClosed() {
 		return c.opErr("read", net.ErrClosed)
 	}
 	if e := c.s.Err(); e != nil {
@@ -272,7 +276,7 @@ func (c *Conn) Write(p []byte) (int, error) {
 // writable reports why this side cannot write, if it cannot (wmu held).
 func (c *Conn) writable() error {
 	switch {
-	case c.closed.Load():
+	case c.isClosed():
 		return c.opErr("write", net.ErrClosed)
 	case c.wshut:
 		return c.opErr("write", errWriteClosed)
@@ -352,7 +356,7 @@ func (c *Conn) reap() error {
 // err, or that found ctx ended (err is then ctx's); it sticks unless it
 // is the deadline's or Close's (which ends ctx too).
 func (c *Conn) writeErr(ctx context.Context, err error) error {
-	if c.closed.Load() {
+	if c.isClosed() {
 		return c.opErr("write", net.ErrClosed)
 	}
 	if e := c.s.Err(); e != nil {
@@ -395,7 +399,7 @@ func (c *Conn) CloseWrite() error {
 // seconds). It unblocks every Read at once, before that wait: the Read
 // returns an error wrapping net.ErrClosed.
 func (c *Conn) Close() error {
-	if !c.closed.CompareAndSwap(false, true) {
+	if c.s == nil || !c.closed.CompareAndSwap(false, true) { // closed, or a zero Conn
 		return c.opErr("close", net.ErrClosed)
 	}
 	// Reads end at once: they must not wait for the wait below (for a
@@ -426,7 +430,7 @@ func (c *Conn) Close() error {
 // expired is the error of an op whose deadline's context ended: Close
 // ends them too.
 func (c *Conn) expired(op string) error {
-	if c.closed.Load() {
+	if c.isClosed() {
 		return c.opErr(op, net.ErrClosed)
 	}
 	return c.opErr(op, os.ErrDeadlineExceeded)

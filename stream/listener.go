@@ -39,7 +39,7 @@ func (l *Listener) Accept() (net.Conn, error) {
 
 // AcceptContext waits for the next stream, until ctx ends or Close.
 func (l *Listener) AcceptContext(ctx context.Context) (*Conn, error) {
-	if l.ctx.Err() != nil {
+	if l.l == nil || l.ctx.Err() != nil { // closed, or a zero Listener
 		return nil, l.opErr(net.ErrClosed)
 	}
 	ctx, stop := mergeCancel(ctx, l.ctx)
@@ -58,18 +58,23 @@ func (l *Listener) AcceptContext(ctx context.Context) (*Conn, error) {
 // any number of (concurrent) Closes does it; the others return an error
 // wrapping net.ErrClosed.
 func (l *Listener) Close() error {
-	if !l.closed.CompareAndSwap(false, true) {
+	if l.l == nil || !l.closed.CompareAndSwap(false, true) {
 		return l.opErr(net.ErrClosed)
 	}
 	l.cancel()
 	return l.l.Close()
 }
 
-// Addr returns the bootstrap's address.
-func (l *Listener) Addr() net.Addr { return l.l.Addr() }
+// Addr returns the bootstrap's address (nil for a zero Listener).
+func (l *Listener) Addr() net.Addr {
+	if l.l == nil {
+		return nil
+	}
+	return l.l.Addr()
+}
 
 func (l *Listener) opErr(err error) error {
-	return &net.OpError{Op: "accept", Net: netName, Addr: l.l.Addr(), Err: err}
+	return &net.OpError{Op: "accept", Net: netName, Addr: l.Addr(), Err: err}
 }
 
 // mergeCancel returns a context that ends with ctx or with also.
