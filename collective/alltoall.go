@@ -27,6 +27,9 @@ const AlltoallPairwiseMin = 64 << 10
 func Alltoall[T Number](ctx context.Context, c *Comm, send, recv []T) error {
 	p := c.size
 	info := callInfo{kind: kindAlltoall, dtype: dtypeOf[T](), root: -1}
+	if err := c.zeroErr(info.kind); err != nil {
+		return err
+	}
 	inPlace := send == nil
 	if inPlace {
 		send = recv

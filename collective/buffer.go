@@ -54,6 +54,9 @@ func Alloc[T Number](c *Comm, n int) (*Buffer[T], error) {
 	if n < 0 || n > (1<<40)/esz {
 		return nil, fmt.Errorf("%w: Alloc of %d elements", ErrArgs, n)
 	}
+	if c.ranks == nil {
+		return nil, fmt.Errorf("collective: alloc: %w (a zero Comm: make one with New)", ErrClosed)
+	}
 	// Remote write: a peer's ring allreduce writes its results straight
 	// into the buffer (land.go); remote read: soft0 then maps the region
 	// into a peer process on the host and copies into it directly.

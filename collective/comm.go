@@ -204,6 +204,9 @@ type Comm struct {
 // must call New in the same order relative to its barriers). The
 // communicator's rank and size are the node's.
 func New(ctx context.Context, node *cluster.Node, opts Options) (*Comm, error) {
+	if node == nil || node.Size() < 1 {
+		return nil, &Error{Call: "new", Peer: -1, Err: fmt.Errorf("%w: a nil or zero cluster.Node (make one with cluster.Join)", ErrArgs)}
+	}
 	ranks := make([]int, node.Size())
 	for i := range ranks {
 		ranks[i] = i
@@ -388,8 +391,13 @@ func (c *Comm) Rank() int { return c.rank }
 func (c *Comm) Size() int { return c.size }
 
 // WorldRank returns the rank of the node's world of the communicator's
-// rank r.
-func (c *Comm) WorldRank(r int) int { return c.ranks[r] }
+// rank r, or -1 if r is not a rank of the communicator.
+func (c *Comm) WorldRank(r int) int {
+	if r < 0 || r >= len(c.ranks) {
+		return -1
+	}
+	return c.ranks[r]
+}
 
 // Node returns the node the communicator runs on.
 func (c *Comm) Node() *cluster.Node { return c.node }
@@ -415,6 +423,9 @@ func (c *Comm) Err() error {
 // stay registered, and are released by a later New or Close on the same
 // node that finds them quiet, or when the node closes.
 func (c *Comm) Close() error {
+	if c.ranks == nil {
+		return nil // a zero Comm, as good as closed
+	}
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()

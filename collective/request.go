@@ -65,6 +65,11 @@ type heldTicket struct {
 // request waiting for its turn would otherwise run on freed memory.
 func (c *Comm) start(ctx context.Context, f func(ctx context.Context) error, data ...[]byte) *Request {
 	r := &Request{done: make(chan struct{})}
+	if c.ranks == nil {
+		r.err = f(ctx) // fails at once (zeroErr): a zero Comm has no order
+		close(r.done)
+		return r
+	}
 	var hold callHold
 	c.bufs.holdCall(&hold, data...)
 	held := &heldTicket{t: c.ticket()}

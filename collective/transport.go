@@ -194,6 +194,9 @@ func (f *flow) ready() (int, bool) {
 // a user from now until it ends (Buffer.Close fails with ErrBufferBusy),
 // also while it waits for its turn.
 func (c *Comm) begin(ctx context.Context, info callInfo, data ...[]byte) (uint64, error) {
+	if err := c.zeroErr(info.kind); err != nil {
+		return 0, err
+	}
 	var hold callHold
 	c.bufs.holdCall(&hold, data...)
 	var t uint64
@@ -447,7 +450,19 @@ func (c *Comm) fail(err error, peer int) error {
 
 // argErr is an argument error of a call of kind k.
 func (c *Comm) argErr(k uint8, format string, args ...any) error {
+	if err := c.zeroErr(k); err != nil {
+		return err // the arguments were checked against no ranks
+	}
 	return &Error{Call: kindName(k), Rank: c.rank, Peer: -1, Err: fmt.Errorf("%w: "+format, append([]any{ErrArgs}, args...)...)}
+}
+
+// zeroErr fails call k on a zero Comm (not made by New, Split or Dup),
+// which is as good as closed; nil on any other.
+func (c *Comm) zeroErr(k uint8) error {
+	if c.ranks != nil {
+		return nil
+	}
+	return &Error{Call: kindName(k), Rank: c.rank, Peer: -1, Err: fmt.Errorf("%w (a zero Comm: make one with New)", ErrClosed)}
 }
 
 // word is the 8-byte word at off in m's bytes.
