@@ -129,13 +129,23 @@ func NewNode(pd *verbs.ProtectionDomain, rank, size int, opts NodeOptions) (*Nod
 // oversubscribed: waits that spin take the processor from the rank they
 // wait for, so the library's waits sleep at once (see Barrier, and the
 // collective package).
-func (n *Node) LocalRanks() int { return max(1, int(n.bar.local.Load())) }
+func (n *Node) LocalRanks() int {
+	if n.bar == nil {
+		return 1 // a zero Node
+	}
+	return max(1, int(n.bar.local.Load()))
+}
 
 // BarrierAlgorithm returns the algorithm of the node's barriers: the one
 // NodeOptions.Barrier asked for, or, when that is Auto, the one Auto
 // picked once the endpoint exchange connected the world (Auto before
 // that).
-func (n *Node) BarrierAlgorithm() BarrierAlgorithm { return BarrierAlgorithm(n.bar.inUse.Load()) }
+func (n *Node) BarrierAlgorithm() BarrierAlgorithm {
+	if n.bar == nil {
+		return Auto // a zero Node
+	}
+	return BarrierAlgorithm(n.bar.inUse.Load())
+}
 
 // Rank returns this node's rank.
 func (n *Node) Rank() int { return n.rank }
@@ -149,7 +159,12 @@ func (n *Node) Channel() *channel.MultiChannel { return n.mc }
 
 // PD returns the protection domain of the channel: memory registered in
 // it serves every peer.
-func (n *Node) PD() *verbs.ProtectionDomain { return n.mc.PD() }
+func (n *Node) PD() *verbs.ProtectionDomain {
+	if n.mc == nil {
+		return nil // a zero Node
+	}
+	return n.mc.PD()
+}
 
 // What a rank publishes is a card, the same for every peer, and an item
 // per peer (ExchangeCards carries them; LocalEndpoints wraps them into
@@ -559,7 +574,12 @@ func (n *Node) Fail(rank int, cause error) error {
 // ResetBarrier clears a poisoned barrier. It is collective: after a
 // barrier or a Share failed on any rank, every rank calls ResetBarrier
 // before its next barrier or Share.
-func (n *Node) ResetBarrier() error { return n.bar.reset() }
+func (n *Node) ResetBarrier() error {
+	if n.bar == nil {
+		return fmt.Errorf("cluster: barrier: reset: %w (a zero Node: make one with Join or NewNode)", channel.ErrClosed)
+	}
+	return n.bar.reset()
+}
 
 // OnClose registers f to run when the node closes: after the barrier and
 // the MultiChannel, before the protection domain and device the node owns
@@ -569,6 +589,9 @@ func (n *Node) ResetBarrier() error { return n.bar.reset() }
 // closing) f runs at once, and its error is dropped: no Close is left to
 // run it, or to report it.
 func (n *Node) OnClose(f func() error) {
+	if f == nil {
+		return
+	}
 	n.mu.Lock()
 	if n.phase != 3 {
 		n.onClose = append(n.onClose, f)
@@ -609,7 +632,10 @@ func (n *Node) Close() error {
 		if connected && n.grace > 0 {
 			n.quiesce()
 		}
-		errs := []error{n.bar.close(), n.mc.Close(), n.probe.Close()}
+		var errs []error
+		if n.mc != nil { // not a zero Node
+			errs = append(errs, n.bar.close(), n.mc.Close(), n.probe.Close())
+		}
 		for i := len(onClose) - 1; i >= 0; i-- {
 			errs = append(errs, onClose[i]())
 		}
