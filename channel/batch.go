@@ -87,6 +87,9 @@ func (e *engine) run(ctx context.Context, fn func(sc *scope) error) (err error) 
 // add creates one operation of the scope: it takes a slot and queues the
 // request; Flush (or any wait) posts it.
 func (sc *scope) add(b *Batch, w work) Handle {
+	if sc == nil {
+		return errHandle(&OpError{Op: w.kind.String(), Peer: b.idx, Err: errNoScope})
+	}
 	if sc.ended {
 		return errHandle(&OpError{Op: w.kind.String(), Peer: b.idx, Err: errEnded})
 	}
@@ -364,11 +367,28 @@ func (b *Batch) WaitAny(hs ...Handle) (int, error) { return b.sc.waitAny(hs) }
 func (b *Batch) WaitAll(hs ...Handle) error { return b.sc.waitAllOp(hs) }
 
 // Context returns the context of the scope.
-func (b *Batch) Context() context.Context { return b.sc.ctx }
+func (b *Batch) Context() context.Context { return b.sc.context() }
 
 var errEnded = errors.New("channel: batch used after its scope ended")
 
+// errNoScope: a zero Batch or MultiBatch, which no scope made.
+var errNoScope = fmt.Errorf("%w (a zero batch: use the one Batch hands its function)", errEnded)
+
+// context returns the scope's context; a cancelled one for a zero batch
+// (no scope).
+func (sc *scope) context() context.Context {
+	if sc == nil {
+		ctx, cancel := context.WithCancelCause(context.Background())
+		cancel(errNoScope)
+		return ctx
+	}
+	return sc.ctx
+}
+
 func (sc *scope) flushOp() error {
+	if sc == nil {
+		return errNoScope
+	}
 	if sc.ended {
 		return errEnded
 	}
@@ -379,6 +399,9 @@ func (sc *scope) flushOp() error {
 // the waits below report them through their handles.
 
 func (sc *scope) wait(h Handle) error {
+	if sc == nil {
+		return errNoScope
+	}
 	if sc.ended {
 		return errEnded
 	}
@@ -387,6 +410,9 @@ func (sc *scope) wait(h Handle) error {
 }
 
 func (sc *scope) waitAny(hs []Handle) (int, error) {
+	if sc == nil {
+		return -1, errNoScope
+	}
 	if sc.ended {
 		return -1, errEnded
 	}
@@ -445,6 +471,9 @@ func (sc *scope) waitAny(hs []Handle) (int, error) {
 }
 
 func (sc *scope) waitAllOp(hs []Handle) error {
+	if sc == nil {
+		return errNoScope
+	}
 	if sc.ended {
 		return errEnded
 	}
@@ -492,8 +521,8 @@ func (sc *scope) waitAllOp(hs []Handle) error {
 // wait last fails at once with an error wrapping verbs.ErrQueueFull, and
 // when that scope ends the others go on.
 func (c *Channel) Batch(ctx context.Context, fn func(b *Batch) error) error {
-	if c.err != nil {
-		return c.opErr("batch", c.err)
+	if err := c.invalid(); err != nil {
+		return c.opErr("batch", err)
 	}
 	return c.e.run(ctx, func(sc *scope) error {
 		b := &sc.peers[c.idx]

@@ -35,6 +35,23 @@ func New(pd *verbs.ProtectionDomain, opts Options) (*Channel, error) {
 	return &Channel{e: e, p: e.peers[0], own: true}, nil
 }
 
+// errZero is what the operations of a zero Channel or MultiChannel (not
+// made by New, NewMulti, DialCM or AcceptCM) fail with: it is as good as
+// closed.
+var errZero = fmt.Errorf("%w (a zero channel: make one with New or NewMulti)", ErrClosed)
+
+// invalid returns why the channel cannot be used: an invalid peer view's
+// error, errZero, or nil.
+func (c *Channel) invalid() error {
+	switch {
+	case c.err != nil:
+		return c.err
+	case c.e == nil:
+		return errZero
+	}
+	return nil
+}
+
 func (c *Channel) opErr(op string, err error) error {
 	if err == nil {
 		return nil
@@ -48,8 +65,8 @@ func (c *Channel) opErr(op string, err error) error {
 
 // Endpoint returns what the peer needs to connect to this channel.
 func (c *Channel) Endpoint() (verbs.Endpoint, error) {
-	if c.err != nil {
-		return verbs.Endpoint{}, c.opErr("endpoint", c.err)
+	if err := c.invalid(); err != nil {
+		return verbs.Endpoint{}, c.opErr("endpoint", err)
 	}
 	ep, err := c.p.qp.Endpoint()
 	return ep, c.opErr("endpoint", err)
@@ -58,8 +75,8 @@ func (c *Channel) Endpoint() (verbs.Endpoint, error) {
 // Connect connects the channel to the peer's endpoint. It may be called
 // once; a failed Connect leaves the channel unusable.
 func (c *Channel) Connect(remote verbs.Endpoint) error {
-	if c.err != nil {
-		return c.opErr("connect", c.err)
+	if err := c.invalid(); err != nil {
+		return c.opErr("connect", err)
 	}
 	return c.p.connect(remote)
 }
@@ -108,7 +125,12 @@ func (c *Channel) QueuePair() *verbs.RCQueuePair {
 }
 
 // PD returns the protection domain of the channel.
-func (c *Channel) PD() *verbs.ProtectionDomain { return c.e.pd }
+func (c *Channel) PD() *verbs.ProtectionDomain {
+	if c.e == nil {
+		return nil
+	}
+	return c.e.pd
+}
 
 // Peer returns the peer number of the channel: 0 for a Channel of its
 // own, the peer's index for MultiChannel.Peer.
@@ -138,8 +160,8 @@ func (c *Channel) MaxInline() int {
 // Err returns why the channel is broken (an error wrapping ErrBroken and
 // the cause), or nil while it works.
 func (c *Channel) Err() error {
-	if c.err != nil {
-		return c.opErr("channel", c.err)
+	if err := c.invalid(); err != nil {
+		return c.opErr("channel", err)
 	}
 	if c.p.state.Load() == peerBroken {
 		return &brokenError{cause: c.p.cause()}
@@ -151,7 +173,7 @@ func (c *Channel) Err() error {
 // (one atomic load, no allocation), for conditions polled often, as
 // Wait's.
 func (c *Channel) Broken() bool {
-	return c.err != nil || c.p.state.Load() == peerBroken
+	return c.err != nil || c.p == nil || c.p.state.Load() == peerBroken
 }
 
 // Break moves the queue pair to the error state: every operation in flight
@@ -167,8 +189,8 @@ func (c *Channel) Break() {
 // completion is in flight (including detached handles and posted
 // receives), or ctx ends.
 func (c *Channel) Drain(ctx context.Context) error {
-	if c.err != nil {
-		return c.opErr("drain", c.err)
+	if err := c.invalid(); err != nil {
+		return c.opErr("drain", err)
 	}
 	return c.opErr("drain", c.e.drain(ctx, []*peer{c.p}))
 }
@@ -183,6 +205,9 @@ func (c *Channel) Drain(ctx context.Context) error {
 // must not block. It returns nil once ready is true, and otherwise an
 // error wrapping verbs.ErrTimeout and the context's error, or ErrClosed.
 func (c *Channel) Wait(ctx context.Context, ready func() bool) error {
+	if c.e == nil {
+		return c.opErr("wait", errZero)
+	}
 	return c.e.waitCond(ctx, ready, c.e.opts.SpinPolls)
 }
 
@@ -190,18 +215,31 @@ func (c *Channel) Wait(ctx context.Context, ready func() bool) error {
 // callers that spun already (polling with Progress) and now want to sleep
 // on the completion channel until ready holds.
 func (c *Channel) Sleep(ctx context.Context, ready func() bool) error {
+	if c.e == nil {
+		return c.opErr("sleep", errZero)
+	}
 	return c.e.waitCond(ctx, ready, SpinNever)
 }
 
 // Rung returns the number of doorbells received so far (see
 // Options.Doorbells); a MultiChannel's peers share one count.
-func (c *Channel) Rung() uint64 { return c.e.rung.Load() }
+func (c *Channel) Rung() uint64 {
+	if c.e == nil {
+		return 0
+	}
+	return c.e.rung.Load()
+}
 
 // Progress polls the completion queue once, unless another goroutine is
 // polling it, and routes the completions to their operations. It never
 // blocks. Waiting calls poll by themselves; Progress serves callers that
 // poll Handles or memory in a loop of their own.
-func (c *Channel) Progress() error { return c.e.progress() }
+func (c *Channel) Progress() error {
+	if c.e == nil {
+		return c.opErr("progress", errZero)
+	}
+	return c.e.progress()
+}
 
 // Close breaks the channel (flushing what is in flight, waiting at most
 // Options.FlushGrace for the flushes) and destroys its queue pair,
@@ -222,8 +260,8 @@ func (c *Channel) Close() error {
 // returns, the device no longer uses its buffers (unless even the flush
 // did not come within the flush grace, which the error then says).
 func (c *Channel) run(ctx context.Context, w work) (*slot, error) {
-	if c.err != nil {
-		return nil, c.err
+	if err := c.invalid(); err != nil {
+		return nil, err
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, waitErr(err)
@@ -378,8 +416,8 @@ func (c *Channel) FetchAdd(ctx context.Context, dst verbs.RemoteAddr, add uint64
 // every later call report the cause. ctx bounds only the wait for room in
 // the send queue.
 func (c *Channel) WriteInline(ctx context.Context, dst verbs.RemoteAddr, data []byte) error {
-	if c.err != nil {
-		return c.opErr(opWriteInline.String(), c.err)
+	if err := c.invalid(); err != nil {
+		return c.opErr(opWriteInline.String(), err)
 	}
 	return c.opErr(opWriteInline.String(), c.p.writeInline(ctx, dst, data))
 }
@@ -405,8 +443,8 @@ func (c *Channel) PostWriteImmUnsignaled(dst verbs.RemoteAddr, imm uint32, sgl .
 }
 
 func (c *Channel) postUnsig(r unsigReq) error {
-	if c.err != nil {
-		return c.opErr(r.kind.String(), c.err)
+	if err := c.invalid(); err != nil {
+		return c.opErr(r.kind.String(), err)
 	}
 	if err := c.p.accepts(r.kind); err != nil {
 		return c.opErr(r.kind.String(), err)
@@ -420,8 +458,8 @@ func (c *Channel) postUnsig(r unsigReq) error {
 // never blocks: with no free slot or no room in the queue it fails with an
 // error wrapping verbs.ErrQueueFull.
 func (c *Channel) post(w work) (Handle, error) {
-	if c.err != nil {
-		return Handle{}, c.opErr(w.kind.String(), c.err)
+	if err := c.invalid(); err != nil {
+		return Handle{}, c.opErr(w.kind.String(), err)
 	}
 	if err := c.p.accepts(w.kind); err != nil {
 		return Handle{}, c.opErr(w.kind.String(), err)

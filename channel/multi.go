@@ -69,7 +69,12 @@ func (m *MultiChannel) Peers() []int {
 }
 
 // PD returns the protection domain shared by every peer.
-func (m *MultiChannel) PD() *verbs.ProtectionDomain { return m.e.pd }
+func (m *MultiChannel) PD() *verbs.ProtectionDomain {
+	if m.e == nil {
+		return nil
+	}
+	return m.e.pd
+}
 
 // Peer returns the channel to peer i: every Channel operation, for that
 // peer. For self or an out-of-range i it returns a channel whose every
@@ -85,6 +90,9 @@ func (m *MultiChannel) Peer(i int) *Channel {
 // by peer number; the entry of self is the zero Endpoint. Hand entry j to
 // peer j.
 func (m *MultiChannel) Endpoints() ([]verbs.Endpoint, error) {
+	if m.e == nil {
+		return nil, fmt.Errorf("channel: endpoints: %w", errZero)
+	}
 	eps := make([]verbs.Endpoint, m.n)
 	for i := range m.n {
 		if i == m.self {
@@ -118,30 +126,54 @@ func (m *MultiChannel) Connect(remotes []verbs.Endpoint) error {
 }
 
 // Progress polls the shared completion queue once (see Channel.Progress).
-func (m *MultiChannel) Progress() error { return m.e.progress() }
+func (m *MultiChannel) Progress() error {
+	if m.e == nil {
+		return fmt.Errorf("channel: progress: %w", errZero)
+	}
+	return m.e.progress()
+}
 
 // Wait blocks until ready reports true, ctx ends or the channel closes
 // (see Channel.Wait).
 func (m *MultiChannel) Wait(ctx context.Context, ready func() bool) error {
+	if m.e == nil {
+		return fmt.Errorf("channel: wait: %w", errZero)
+	}
 	return m.e.waitCond(ctx, ready, m.e.opts.SpinPolls)
 }
 
 // Sleep is Wait without spinning (see Channel.Sleep).
 func (m *MultiChannel) Sleep(ctx context.Context, ready func() bool) error {
+	if m.e == nil {
+		return fmt.Errorf("channel: sleep: %w", errZero)
+	}
 	return m.e.waitCond(ctx, ready, SpinNever)
 }
 
 // Doorbells returns the number of doorbell receives per peer
 // (Options.Doorbells), 0 if the channel has none.
-func (m *MultiChannel) Doorbells() int { return m.e.opts.Doorbells }
+func (m *MultiChannel) Doorbells() int {
+	if m.e == nil {
+		return 0
+	}
+	return m.e.opts.Doorbells
+}
 
 // Rung returns the number of doorbells received so far from every peer
 // (see Options.Doorbells).
-func (m *MultiChannel) Rung() uint64 { return m.e.rung.Load() }
+func (m *MultiChannel) Rung() uint64 {
+	if m.e == nil {
+		return 0
+	}
+	return m.e.rung.Load()
+}
 
 // Drain waits until no operation that generates a completion is in
 // flight to any peer, or ctx ends.
 func (m *MultiChannel) Drain(ctx context.Context) error {
+	if m.e == nil {
+		return fmt.Errorf("channel: drain: %w", errZero)
+	}
 	if err := m.e.drain(ctx, m.e.peers); err != nil {
 		return fmt.Errorf("channel: drain: %w", err)
 	}
@@ -150,6 +182,9 @@ func (m *MultiChannel) Drain(ctx context.Context) error {
 
 // Err returns the errors of the broken peers, joined, or nil.
 func (m *MultiChannel) Err() error {
+	if m.e == nil {
+		return fmt.Errorf("channel: %w", errZero)
+	}
 	var errs []error
 	for i := range m.n {
 		if i != m.self {
@@ -163,7 +198,12 @@ func (m *MultiChannel) Err() error {
 
 // Close breaks and destroys every queue pair, the completion queue and
 // the scratch memory (see Channel.Close). Idempotent.
-func (m *MultiChannel) Close() error { return m.e.close() }
+func (m *MultiChannel) Close() error {
+	if m.e == nil {
+		return nil // a zero MultiChannel, as good as closed
+	}
+	return m.e.close()
+}
 
 // MultiBatch is the scope of MultiChannel.Batch: Peer(i) queues operations
 // for peer i; the waits cover operations of every peer. It is not safe for
@@ -174,6 +214,9 @@ type MultiBatch struct{ sc *scope }
 // out-of-range i, every operation of the returned batch fails (its Handle
 // reports ErrNoPeer).
 func (b *MultiBatch) Peer(i int) *Batch {
+	if b.sc == nil {
+		return &Batch{idx: i, err: errNoScope}
+	}
 	if i < 0 || i >= len(b.sc.peers) {
 		return &Batch{sc: b.sc, idx: i, err: fmt.Errorf("peer %d out of range [0, %d): %w", i, len(b.sc.peers), ErrNoPeer)}
 	}
@@ -194,11 +237,14 @@ func (b *MultiBatch) WaitAny(hs ...Handle) (int, error) { return b.sc.waitAny(hs
 func (b *MultiBatch) WaitAll(hs ...Handle) error { return b.sc.waitAllOp(hs) }
 
 // Context returns the context of the scope.
-func (b *MultiBatch) Context() context.Context { return b.sc.ctx }
+func (b *MultiBatch) Context() context.Context { return b.sc.context() }
 
 // Batch runs fn in a scope for operations to any peer; see Channel.Batch
 // for the contract.
 func (m *MultiChannel) Batch(ctx context.Context, fn func(b *MultiBatch) error) error {
+	if m.e == nil {
+		return fmt.Errorf("channel: batch: %w", errZero)
+	}
 	return m.e.run(ctx, func(sc *scope) error { return fn(&sc.multi) })
 }
 
