@@ -21,7 +21,11 @@
 // Close. A child keeps its parent alive, and closing a parent while
 // children are open fails with an error naming them. Objects that are
 // garbage-collected without Close are reported by a leak tracer
-// (verbstest.CheckLeaks makes tests fail on them).
+// (verbstest.CheckLeaks makes tests fail on them); one of Go memory
+// (Register) stays pinned and alive, as the device may still write into
+// it. The zero value of an object type (never made by its constructor) is
+// as good as closed: its calls fail with ErrClosed, none panics; the
+// same holds in channel, cluster, collective and stream.
 //
 // # Connecting
 //
