@@ -793,10 +793,18 @@ func (x *sockRx) more() bool    { return x.full }
 // woke 7 readers every pollerGrace, a fifth of its processor when ranks
 // outnumber the processors (each wake-up a trip through the Go
 // scheduler's timers and a context switch's cold caches).
+//
+// The timer is made once and reset (time.AfterFunc: its function runs
+// without an allocation): a watcher started anew (a goroutine, a timer
+// and its channel) each time the readers' graces began after none was
+// in one allocated on the data path, every time a poller lost its
+// processor for a pollerGrace (a loaded host), up to two allocations a
+// message in TestXprocNoAllocs.
 type graceWatch struct {
 	mu    sync.Mutex
 	conns map[*conn]uint64 // in grace: their polls at the last look
-	on    bool             // run's goroutine is running
+	on    bool             // the timer runs
+	t     *time.Timer      // calls tick (made at the first add)
 }
 
 // add puts c, whose reader begins its grace, under watch.
@@ -808,7 +816,11 @@ func (w *graceWatch) add(c *conn) {
 	w.conns[c] = c.polls.Load()
 	if !w.on {
 		w.on = true
-		go w.run()
+		if w.t == nil {
+			w.t = time.AfterFunc(pollerGrace, w.tick)
+		} else {
+			w.t.Reset(pollerGrace)
+		}
 	}
 	w.mu.Unlock()
 }
@@ -820,21 +832,20 @@ func (w *graceWatch) remove(c *conn) {
 	w.mu.Unlock()
 }
 
-// run looks every pollerGrace until no reader is in its grace.
-func (w *graceWatch) run() {
-	t := time.NewTimer(pollerGrace)
-	defer t.Stop()
-	for range t.C {
-		if !w.look() {
-			return
-		}
-		t.Reset(pollerGrace)
+// tick looks, and again a pollerGrace later while readers are left in
+// their grace. Only look ends that (on false), so nobody else resets the
+// timer meanwhile.
+func (w *graceWatch) tick() {
+	if w.look() {
+		w.mu.Lock() // w.t was set under it
+		w.t.Reset(pollerGrace)
+		w.mu.Unlock()
 	}
 }
 
 // look kicks the readers whose pollers stopped (or whose connection is
 // down) since the last look, and reports whether readers are left in
-// their grace; if none, run ends.
+// their grace; if none, the timer stops until the next add.
 func (w *graceWatch) look() bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
