@@ -158,7 +158,7 @@ func TestAmplification(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			tg := startRSSChild(t)
-			p := &rawPeer{nc: rawDial(t, tg.addr, "tcp", tg.fabric), qpn: tg.qpn, srcQPN: tg.srcQPN}
+			p := &rawPeer{nc: guardedConn{rawDial(t, tg.addr, "tcp", tg.fabric)}, qpn: tg.qpn, srcQPN: tg.srcQPN}
 			tc.attack(t, p, tg)
 			p.nc.Close()
 			rss, hwm := tg.report(t, "idle")
@@ -182,6 +182,26 @@ func TestAmplification(t *testing.T) {
 }
 
 // --- the attacker ---
+
+// guardedConn bounds each of its reads and writes by hangGuard, where
+// rawDial's deadline bounds the whole connection: an attack moves hundreds
+// of MiB, which the race detector on a loaded machine (CI: 2 processors,
+// every package's tests beside) did not always move in hangGuard (a
+// segment write or a response read of LargeWrites and LargeReads failed
+// with "i/o timeout" 20 s after the dial, the service still working). A
+// service that stops taking or answering still fails the attack
+// hangGuard after its last progress.
+type guardedConn struct{ net.Conn }
+
+func (c guardedConn) Read(b []byte) (int, error) {
+	c.SetReadDeadline(time.Now().Add(hangGuard))
+	return c.Conn.Read(b)
+}
+
+func (c guardedConn) Write(b []byte) (int, error) {
+	c.SetWriteDeadline(time.Now().Add(hangGuard))
+	return c.Conn.Write(b)
+}
 
 // rawPeer speaks frames on an authenticated connection as the QP srcQPN
 // that the target QP qpn is connected to.
