@@ -60,9 +60,10 @@ func TestShmRingWakeup(t *testing.T) {
 	}
 	var wg sync.WaitGroup
 	wg.Add(2)
-	go func() { // the echo: it spins on its ring and answers after a varying delay
+	go func() { // the echo: it spins on its ring (then sleeps) and answers after a varying delay
 		defer wg.Done()
 		var b [8]byte
+		spins := 0
 		for i := range rounds {
 			got := 0
 			for got < len(b) {
@@ -74,6 +75,20 @@ func TestShmRingWakeup(t *testing.T) {
 				got += n
 				if stop.Load() {
 					return
+				}
+				if n > 0 {
+					spins = 0
+				} else if spins++; spins > 64 {
+					// Then it sleeps too (as the reader does,
+					// waitRx): with GOMAXPROCS=1 (-cpu=1) the
+					// other side, woken through the poller, ran
+					// only when the spin was preempted, 10 ms or
+					// more a round: the 200000 rounds outlasted the
+					// 30 min timeout.
+					if err := acceptor.sleep(acceptor.in.pos); err != nil {
+						t.Error(err)
+						return
+					}
 				}
 			}
 			for j := 0; j < (i*7919)%64; j++ {
