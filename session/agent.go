@@ -537,7 +537,7 @@ func (s *Session) handle(m ctrlMsg) {
 		a.mu.Lock()
 		at := a.waiters[m.id].at // zero if nobody waits: then now
 		a.mu.Unlock()
-		r := s.newRemote(m, at)
+		r := s.newRemote(m, at, true)
 		if !s.answered(m) {
 			// The caller gave up: give the memory back.
 			r.state.Store(remoteReleased)
@@ -553,7 +553,7 @@ func (s *Session) handle(m ctrlMsg) {
 			return
 		}
 		a.mu.Unlock()
-		r := s.newRemote(m, time.Time{})
+		r := s.newRemote(m, time.Time{}, false)
 		a.mu.Lock()
 		a.offers = append(a.offers, r)
 		a.wakeLocked()

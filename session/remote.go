@@ -117,6 +117,9 @@ type RemoteMR struct {
 	deadline time.Time
 	state    atomic.Int32
 	inflight atomic.Int32
+	// unclaimed: a grant its requester has not taken yet (claimRemote);
+	// the sweep spares it (agent's mu).
+	unclaimed bool
 }
 
 const (
@@ -127,13 +130,14 @@ const (
 )
 
 // newRemote records the region of a grant or an offer, whose lease counts
-// from since (zero: now).
-func (s *Session) newRemote(m ctrlMsg, since time.Time) *RemoteMR {
+// from since (zero: now). A grant (unclaimed) stays in the table, whatever
+// its lease, until its requester takes it (claimRemote) or gives up.
+func (s *Session) newRemote(m ctrlMsg, since time.Time, unclaimed bool) *RemoteMR {
 	if since.IsZero() {
 		since = time.Now()
 	}
 	r := &RemoteMR{s: s, grant: m.grant, region: verbs.RemoteRegion{Addr: m.addr, Len: m.len, RKey: m.rkey},
-		access: m.access, deadline: since.Add(m.lease)}
+		access: m.access, deadline: since.Add(m.lease), unclaimed: unclaimed}
 	a := &s.agent
 	a.mu.Lock()
 	a.remotes[m.grant] = r
@@ -159,10 +163,15 @@ const remoteSweepMin = 64
 // have no operation in flight: a revocation could not reach them any
 // more, and only the application refers to them. Before, the table kept
 // every region left to expire (never released) for the session's life:
-// TestAdvExpiredRemotesForgotten. mu held.
+// TestAdvExpiredRemotesForgotten. It spares the grants their requesters
+// have not taken yet: RequestRemoteMR finds its region in the table
+// (before, a grant that came more than leaseGrace after its request,
+// under load, was swept by its own newRemote or another's, and
+// RequestRemoteMR failed with ErrLeaseExpired instead of returning the
+// region, expired, as it does otherwise). mu held.
 func (a *agentState) sweepRemotesLocked(now time.Time) {
 	for id, r := range a.remotes {
-		if now.After(r.deadline.Add(leaseGrace)) && r.inflight.Load() == 0 {
+		if now.After(r.deadline.Add(leaseGrace)) && r.inflight.Load() == 0 && !r.unclaimed {
 			delete(a.remotes, id)
 		}
 	}
@@ -174,6 +183,19 @@ func (s *Session) lookupRemote(grant uint64) *RemoteMR {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.remotes[grant]
+}
+
+// claimRemote is lookupRemote for the requester of grant, which takes
+// it: from then on the sweep may forget it.
+func (s *Session) claimRemote(grant uint64) *RemoteMR {
+	a := &s.agent
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	r := a.remotes[grant]
+	if r != nil {
+		r.unclaimed = false
+	}
+	return r
 }
 
 func (s *Session) forgetRemote(grant uint64) {
@@ -586,7 +608,7 @@ func (s *Session) RequestRemoteMR(ctx context.Context, n int, access verbs.Acces
 		s.ctl.close()
 		return nil, fmt.Errorf("session: request remote region: %w", err)
 	}
-	rm := s.lookupRemote(r.grant)
+	rm := s.claimRemote(r.grant)
 	if rm == nil {
 		return nil, fmt.Errorf("session: request remote region: %w", ErrLeaseExpired)
 	}
