@@ -601,13 +601,6 @@ func (s *Session) fail(op string, err error) error {
 	}
 	var ce *verbs.CompletionError
 	isCE := errors.As(err, &ce)
-	if !isCE {
-		// The operation may have failed only as a consequence (the
-		// channel broke): the queue pair's own failure says why.
-		if !errors.As(s.data.Err(), &ce) {
-			errors.As(s.agc.Err(), &ce)
-		}
-	}
 	if s.data.Err() != nil || s.agc.Err() != nil || isCE {
 		// A queue pair broke (a remote access error, a transport
 		// failure): the session cannot go on. If the peer closed or
@@ -617,6 +610,18 @@ func (s *Session) fail(op string, err error) error {
 		case <-s.ctl.done():
 			s.end(s.ctl.err())
 		case <-time.After(time.Second):
+			if !isCE || ce.Status == verbs.StatusWRFlushErr {
+				// The operation failed only as a consequence (the
+				// channel broke, its request was flushed): the queue
+				// pair's own failure says why. Before, a flushed
+				// receive that reached fail first (a Receive, the
+				// agent) ended the session with "a queue pair failed"
+				// where the send that was never acknowledged said
+				// ErrPeerUnresponsive.
+				if c, qerr := s.qpFailure(); c != nil {
+					err, ce = qerr, c
+				}
+			}
 			if ce != nil && ce.Status == verbs.StatusRetryExcErr {
 				// The bootstrap connection lives, but the peer
 				// acknowledged nothing for the queue pair's
@@ -631,6 +636,22 @@ func (s *Session) fail(op string, err error) error {
 		return fmt.Errorf("session: %s: %w", op, s.Err())
 	}
 	return fmt.Errorf("session: %s: %w", op, err)
+}
+
+// qpFailure is the failed completion, other than a flush (a consequence
+// of a failure before it), that broke a queue pair of the session, and
+// its channel's error, or nil: the data channel's, else the control's.
+// (A channel records the first failed completion it polls, which comes
+// before the flushes it causes: a channel's queue pair has one
+// completion queue.)
+func (s *Session) qpFailure() (*verbs.CompletionError, error) {
+	for _, err := range []error{s.data.Err(), s.agc.Err()} {
+		var ce *verbs.CompletionError
+		if errors.As(err, &ce) && ce.Status != verbs.StatusWRFlushErr {
+			return ce, err
+		}
+	}
+	return nil, nil
 }
 
 // acquireOp takes a token for a request on the data queue pair, so that
