@@ -208,7 +208,12 @@ func (a *Allocator) PD() *verbs.ProtectionDomain { return a.pd }
 
 // MaxClassSize returns the size of the largest size class: Alloc of more
 // bytes gives the region an arena of its own.
-func (a *Allocator) MaxClassSize() int { return a.classes[len(a.classes)-2].size }
+func (a *Allocator) MaxClassSize() int {
+	if len(a.classes) < 2 {
+		return 0 // a zero Allocator
+	}
+	return a.classes[len(a.classes)-2].size
+}
 
 // classOf returns the class of a region of n > 0 bytes.
 func (a *Allocator) classOf(n int) *class {

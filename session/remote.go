@@ -264,6 +264,9 @@ func (r *RemoteMR) quiesce(done <-chan struct{}) {
 // side's operations on it to finish first. If ctx ends first, Release
 // returns its error, and the region is given up all the same.
 func (r *RemoteMR) Release(ctx context.Context) error {
+	if r.s == nil {
+		return fmt.Errorf("session: release remote region: %w (a zero RemoteMR)", ErrClosed)
+	}
 	if err := r.s.enter(&r.s.calls, "release remote region"); err != nil {
 		return err
 	}
@@ -631,6 +634,9 @@ func (g *Grant) MR() LocalMR { return g.mr }
 // acknowledged, Revoke returns its error and the grant stays (the peer
 // may still use the region): Revoke again, or wait for the lease.
 func (g *Grant) Revoke(ctx context.Context) error {
+	if g.s == nil {
+		return fmt.Errorf("session: revoke: %w (a zero Grant)", ErrClosed)
+	}
 	if err := g.s.enter(&g.s.calls, "revoke"); err != nil {
 		return err
 	}

@@ -177,13 +177,21 @@ func Listen(ctx context.Context, addr string, cfg Config) (*Listener, error) {
 }
 
 // Addr is the address the Listener listens on.
-func (l *Listener) Addr() net.Addr { return l.l.Addr() }
+func (l *Listener) Addr() net.Addr {
+	if l.l == nil {
+		return nil // a zero Listener
+	}
+	return l.l.Addr()
+}
 
 // Accept waits for the next peer that authenticates and sets up a
 // session with it. A peer that fails the setup is dropped and Accept
 // goes on waiting; it returns an error only when ctx ends or the
 // Listener is closed.
 func (l *Listener) Accept(ctx context.Context) (*Session, error) {
+	if l.l == nil {
+		return nil, fmt.Errorf("session: accept: %w (a zero Listener: make one with Listen)", ErrClosed)
+	}
 	for {
 		c, err := l.l.accept(ctx)
 		if err != nil {
@@ -203,6 +211,9 @@ func (l *Listener) Accept(ctx context.Context) (*Session, error) {
 
 // Close stops listening. Sessions already accepted go on.
 func (l *Listener) Close() error {
+	if l.l == nil {
+		return nil // a zero Listener, as good as closed
+	}
 	if l.cm != nil {
 		l.cm.close()
 	}
@@ -683,7 +694,12 @@ func (s *Session) live(op string) error { return s.fail(op, nil) }
 // encrypted) or "local" (the peer is in this process). Before the first
 // message soft0 names the link it will try first (see
 // verbs.RCQueuePair.Link).
-func (s *Session) Transport() string { return s.describe() }
+func (s *Session) Transport() string {
+	if s.ctl == nil {
+		return "" // a zero Session
+	}
+	return s.describe()
+}
 
 // PeerMessageSize is the largest message that reaches the peer in one
 // write into one of its receive buffers (eager): at least the peer's
@@ -704,10 +720,20 @@ func (s *Session) PeerMaxMessage() int { return s.peer.MaxMessage }
 func (s *Session) QueueDepth() int { return s.cfg.QueueDepth }
 
 // LocalAddr and RemoteAddr are the bootstrap connection's addresses.
-func (s *Session) LocalAddr() net.Addr { return s.ctl.localAddr() }
+func (s *Session) LocalAddr() net.Addr {
+	if s.ctl == nil {
+		return nil // a zero Session
+	}
+	return s.ctl.localAddr()
+}
 
 // RemoteAddr is the peer's bootstrap address.
-func (s *Session) RemoteAddr() net.Addr { return s.ctl.remoteAddr() }
+func (s *Session) RemoteAddr() net.Addr {
+	if s.ctl == nil {
+		return nil // a zero Session
+	}
+	return s.ctl.remoteAddr()
+}
 
 // Allocator is the session's allocator of registered memory: regions
 // from it are what Read, Write, SendSlice and grants take.
@@ -726,7 +752,7 @@ func (s *Session) Alloc(n int) (LocalMR, error) { return s.mem.Alloc(n) }
 // releases the memory they may touch; calls made after it began fail.
 // Close is idempotent.
 func (s *Session) Close() error {
-	if !s.closed.CompareAndSwap(false, true) {
+	if s.ctl == nil || !s.closed.CompareAndSwap(false, true) { // a zero Session is as good as closed
 		return nil
 	}
 	s.end(ErrClosed)
