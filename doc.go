@@ -25,7 +25,7 @@
 // (Register) stays pinned and alive, as the device may still write into
 // it. The zero value of an object type (never made by its constructor) is
 // as good as closed: its calls fail with ErrClosed, none panics; the
-// same holds in channel, cluster, collective and stream.
+// same holds in channel, cluster, collective, session and stream.
 //
 // # Connecting
 //
