@@ -33,8 +33,8 @@ type inlineRef struct {
 	lkey   uint32
 	lo, hi uint64 // [Addr, Addr+Len) of the MR as its provider reads it
 	keep   []byte // keeps the memory of a leaked MR (never closed) alive
-	// pin is the Pinner of an MR of Go memory (Register); while the MR
-	// is open, pinned holds this inlineRef.
+	// pin is the Pinner of an MR of Go memory (Register), nil for other
+	// MRs; while the MR is open, pinned holds this inlineRef.
 	pin *runtime.Pinner
 
 	// use is held for reading (TryRLock, never blocking) by every post
@@ -56,14 +56,21 @@ var pinned = struct {
 	refs map[*inlineRef]struct{}
 }{refs: map[*inlineRef]struct{}{}}
 
-// keepPinned adds r to pinned; unpinned removes it.
-func keepPinned(r *inlineRef) {
+// keepPinned records p, which pins the MR's memory, and adds r to
+// pinned.
+func (r *inlineRef) keepPinned(p *runtime.Pinner) {
+	r.pin = p
 	pinned.Lock()
 	pinned.refs[r] = struct{}{}
 	pinned.Unlock()
 }
 
-func unpinned(r *inlineRef) {
+// unpin unpins the MR's memory, if pinned, and removes r from pinned.
+func (r *inlineRef) unpin() {
+	if r.pin == nil {
+		return
+	}
+	r.pin.Unpin()
 	pinned.Lock()
 	delete(pinned.refs, r)
 	pinned.Unlock()

@@ -69,8 +69,7 @@ type MemoryRegion struct {
 	access Access
 	buf    []byte      // nil for dma-buf
 	region *mem.Region // owned memory (Alloc)
-	pin    *runtime.Pinner
-	inl    *inlineRef // in pd.mrs while open; nil for dma-buf
+	inl    *inlineRef  // in pd.mrs while open; nil for dma-buf; its pin pins buf (Register)
 
 	// The keys and range, read from the provider's MR at registration:
 	// the accessors must not read it after Close, which frees it (on
@@ -155,9 +154,7 @@ func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, 
 		p.Unpin()
 		return nil, err
 	}
-	m.pin = p
-	m.inl.pin = p
-	keepPinned(m.inl) // reachable, if the MR leaks with its PD and Context
+	m.inl.keepPinned(p) // reachable, if the MR leaks with its PD and Context
 	return m, nil
 }
 
@@ -301,10 +298,7 @@ func (m *MemoryRegion) Close() error {
 		}
 		if m.inl != nil {
 			m.inl.dead = true
-		}
-		if m.pin != nil {
-			m.pin.Unpin()
-			unpinned(m.inl)
+			m.inl.unpin()
 		}
 		if m.region != nil {
 			if err := m.region.Free(); err != nil {
