@@ -55,7 +55,7 @@ func Alloc[T Number](c *Comm, n int) (*Buffer[T], error) {
 		return nil, fmt.Errorf("%w: Alloc of %d elements", ErrArgs, n)
 	}
 	if c.ranks == nil {
-		return nil, fmt.Errorf("collective: alloc: %w (a zero Comm: make one with New)", ErrClosed)
+		return nil, fmt.Errorf("collective: alloc: %w", errZeroComm)
 	}
 	// Remote write: a peer's ring allreduce writes its results straight
 	// into the buffer (land.go); remote read: soft0 then maps the region

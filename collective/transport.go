@@ -456,13 +456,16 @@ func (c *Comm) argErr(k uint8, format string, args ...any) error {
 	return &Error{Call: kindName(k), Rank: c.rank, Peer: -1, Err: fmt.Errorf("%w: "+format, append([]any{ErrArgs}, args...)...)}
 }
 
-// zeroErr fails call k on a zero Comm (not made by New, Split or Dup),
-// which is as good as closed; nil on any other.
+// errZeroComm is why a call on a zero Comm (not made by New, Split or
+// Dup) fails: it is as good as closed.
+var errZeroComm = fmt.Errorf("%w (a zero Comm: make one with New)", ErrClosed)
+
+// zeroErr fails call k on a zero Comm; nil on any other.
 func (c *Comm) zeroErr(k uint8) error {
 	if c.ranks != nil {
 		return nil
 	}
-	return &Error{Call: kindName(k), Rank: c.rank, Peer: -1, Err: fmt.Errorf("%w (a zero Comm: make one with New)", ErrClosed)}
+	return &Error{Call: kindName(k), Rank: c.rank, Peer: -1, Err: errZeroComm}
 }
 
 // word is the 8-byte word at off in m's bytes.
