@@ -46,6 +46,11 @@ func (e *EventQueue) Push(ev AsyncEvent) {
 	e.buf[(e.head+e.n)%len(e.buf)] = ev
 	e.n++
 	e.mu.Unlock()
+	e.signal()
+}
+
+// signal leaves a token for a Wait: events may be queued.
+func (e *EventQueue) signal() {
 	select {
 	case e.sig <- struct{}{}:
 	default:
@@ -74,10 +79,7 @@ func (e *EventQueue) Wait(ctx context.Context) (AsyncEvent, error) {
 			more := e.n > 0
 			e.mu.Unlock()
 			if more {
-				select {
-				case e.sig <- struct{}{}:
-				default:
-				}
+				e.signal() // for the next Wait
 			}
 			return ev, nil
 		}
