@@ -55,10 +55,9 @@ type testKey struct{ pkg, test string }
 type result struct {
 	passed, failed, skipped int
 
-	running  map[testKey]bool     // started, no result yet
-	lastLine map[testKey]string   // last meaningful output line of each test
-	tail     map[testKey][]string // its last tailLines meaningful output lines
-	order    []testKey            // order in which tests started
+	running map[testKey]bool     // started, no result yet
+	tail    map[testKey][]string // last tailLines meaningful output lines of each running or failed test
+	order   []testKey            // order in which tests started
 
 	skips    []skipped    // skipped tests and their reasons
 	failures []testKey    // failed tests
@@ -83,7 +82,6 @@ type pkgFailure struct {
 func newResult() *result {
 	return &result{
 		running:       map[testKey]bool{},
-		lastLine:      map[testKey]string{},
 		tail:          map[testKey][]string{},
 		unfinished:    map[testKey]bool{},
 		failedBuilds:  map[string]bool{},
@@ -126,12 +124,11 @@ func (r *result) handle(e event) {
 			for _, l := range strings.Split(e.Output, "\n") {
 				l = strings.TrimSpace(l)
 				if l != "" && !isFraming(l) {
-					r.lastLine[k] = l
 					t := r.tail[k]
 					if len(t) == tailLines {
 						t = append(t[:0], t[1:]...)
 					}
-					r.tail[k] = append(t, truncate(l, maxLineLen))
+					r.tail[k] = append(t, l)
 				}
 			}
 		}
@@ -147,9 +144,9 @@ func (r *result) handle(e event) {
 		if e.Test != "" {
 			delete(r.running, k)
 			r.skipped++
-			reason := r.lastLine[k]
-			if reason == "" {
-				reason = "(no reason given)"
+			reason := "(no reason given)"
+			if t := r.tail[k]; len(t) > 0 {
+				reason = t[len(t)-1]
 			}
 			r.skips = append(r.skips, skipped{k, reason})
 			delete(r.tail, k)
@@ -241,7 +238,7 @@ func (r *result) report(w io.Writer, tier string) {
 // Bounds of the failure details (see failureLines).
 const (
 	tailLines   = 12  // output lines kept per test
-	maxLineLen  = 300 // bytes kept per line
+	maxLineLen  = 300 // bytes shown per line
 	maxDetailed = 20  // failed tests whose lines are shown
 )
 
@@ -271,7 +268,7 @@ func (r *result) failureLines(details bool) []string {
 			}
 			detailed++
 			for _, l := range t {
-				lines = append(lines, "    | "+l)
+				lines = append(lines, "    | "+truncate(l, maxLineLen))
 			}
 		}
 	}
