@@ -65,11 +65,6 @@ func TestAdversarialBadGIDIndexDevices(t *testing.T) {
 	}
 }
 
-// advModes are the data paths of the hardware provider, chosen when a
-// device is opened: the classic calls (ibv_post_send, ibv_poll_cq) and the
-// extended ones (ibv_wr_*, ibv_start_poll).
-var advModes = []struct{ name, on string }{{"classic", "0"}, {"ex", "1"}}
-
 // forAdvDevices runs f on soft0 and, in each mode of the hardware
 // provider, on the VM's rxe devices.
 func forAdvDevices(t *testing.T, f func(t *testing.T, cfg verbstest.Config)) {
@@ -79,8 +74,7 @@ func forAdvDevices(t *testing.T, f func(t *testing.T, cfg verbstest.Config)) {
 				continue // soft0 has one data path
 			}
 			t.Run(devs[0]+"/"+m.name, func(t *testing.T) {
-				t.Setenv("GOVERBS_IBV_WR_API", m.on)
-				t.Setenv("GOVERBS_IBV_CQ_EX", m.on)
+				m.set(t)
 				f(t, verbstest.Config{DeviceA: devs[0], DeviceB: devs[1], SeparateContexts: true})
 			})
 		}
