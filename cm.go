@@ -223,20 +223,45 @@ func (r *CMRequest) done() {
 
 // PrivateData returns the private data of the request (padded to
 // MaxCMDialData on InfiniBand/RoCE). The slice is the caller's.
-func (r *CMRequest) PrivateData() []byte { return slices.Clone(r.r.PrivateData()) }
+func (r *CMRequest) PrivateData() []byte {
+	if r.r == nil {
+		return nil // a zero CMRequest
+	}
+	return slices.Clone(r.r.PrivateData())
+}
 
 // Device returns the local RDMA device the request arrived on: Accept
 // needs a PD (and CQs) of this device.
-func (r *CMRequest) Device() string { return r.r.Device() }
+func (r *CMRequest) Device() string {
+	if r.r == nil {
+		return ""
+	}
+	return r.r.Device()
+}
 
 // Port returns the port of Device the request arrived on.
-func (r *CMRequest) Port() uint8 { return r.r.Port() }
+func (r *CMRequest) Port() uint8 {
+	if r.r == nil {
+		return 0
+	}
+	return r.r.Port()
+}
 
 // LocalAddr returns the listening address the request was sent to.
-func (r *CMRequest) LocalAddr() netip.AddrPort { return r.r.LocalAddr() }
+func (r *CMRequest) LocalAddr() netip.AddrPort {
+	if r.r == nil {
+		return netip.AddrPort{}
+	}
+	return r.r.LocalAddr()
+}
 
 // RemoteAddr returns the requester's address.
-func (r *CMRequest) RemoteAddr() netip.AddrPort { return r.r.RemoteAddr() }
+func (r *CMRequest) RemoteAddr() netip.AddrPort {
+	if r.r == nil {
+		return netip.AddrPort{}
+	}
+	return r.r.RemoteAddr()
+}
 
 // Accept creates an RC queue pair on pd with spec (see DialCM for the
 // fields of QPSpec the CM uses), brings it to RTS, replies with
@@ -510,7 +535,12 @@ func (c *CMConn) LocalAddr() netip.AddrPort { return c.route.LocalAddr }
 func (c *CMConn) RemoteAddr() netip.AddrPort { return c.route.RemoteAddr }
 
 // RemoteQPN returns the peer's queue pair number.
-func (c *CMConn) RemoteQPN() uint32 { return c.c.RemoteQPN() }
+func (c *CMConn) RemoteQPN() uint32 {
+	if c.c == nil {
+		return 0 // a zero CMConn
+	}
+	return c.c.RemoteQPN()
+}
 
 // WaitDisconnect blocks until the peer disconnects (it returns nil, also
 // on every later call), ctx ends, or the connection is closed (ErrClosed).
