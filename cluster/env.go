@@ -58,6 +58,10 @@ const (
 )
 
 // detectVars is the variable whose presence selects each launcher.
+// torchrun's RANK is a common name, which a shell may keep from an
+// earlier job: it selects torchrun ahead of the launchers after it only
+// together with a variable only torchrun sets (torchVars); alone, only
+// when no other launcher's variable is set.
 var detectVars = []struct{ launcher, v string }{
 	{LauncherGoverbs, "GOVERBS_RANK"},
 	{LauncherTorchrun, "RANK"},
@@ -198,9 +202,38 @@ func (e *env) first(names ...string) (string, string, bool) {
 	return names[0], "", false
 }
 
+// torchVars are variables torchrun sets besides RANK and WORLD_SIZE,
+// and torch's env:// initialisation requires (MASTER_ADDR).
+var torchVars = []string{"MASTER_ADDR", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+
+// detect returns the launcher the environment names, "" if none (see
+// detectVars).
+func (e *env) detect() string {
+	bare := false // RANK without a variable of torchVars
+	for _, d := range detectVars {
+		if _, ok := e.str(d.v); !ok {
+			continue
+		}
+		if d.launcher == LauncherTorchrun && !slices.ContainsFunc(torchVars, func(v string) bool { _, ok := e.str(v); return ok }) {
+			bare = true
+			continue
+		}
+		return d.launcher
+	}
+	if bare {
+		return LauncherTorchrun // whose errors say what is missing
+	}
+	return ""
+}
+
 // ParseLaunch reads the launcher's environment: which launcher started
 // the process, its rank, the world size, its local rank, rank 0's
-// rendezvous address and the job id. Variables common to every launcher
+// rendezvous address and the job id. The launcher is the first of the
+// Launcher* constants whose variable is set, except that torchrun's
+// RANK counts ahead of Open MPI, PMI and Slurm only together with
+// MASTER_ADDR, TORCHELASTIC_RUN_ID, LOCAL_WORLD_SIZE or GROUP_RANK (a
+// RANK left in the shell does not hide mpirun or srun; torchrun under
+// srun is torchrun). Variables common to every launcher
 // override what the launcher says: GOVERBS_ROOT (host:port of rank 0),
 // GOVERBS_PORT, GOVERBS_JOB, GOVERBS_DEVICE, GOVERBS_LISTEN. Under PMI
 // without a job id (MPICH's Hydra sets none), GOVERBS_JOB is required.
@@ -215,12 +248,7 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		return Launch{}, &EnvError{Err: fmt.Errorf("%w: unknown launcher %s", ErrNoLauncher, clip(e.launcher))}
 	}
 	if e.launcher == "" {
-		for _, d := range detectVars {
-			if _, ok := e.str(d.v); ok {
-				e.launcher = d.launcher
-				break
-			}
-		}
+		e.launcher = e.detect()
 		if e.launcher == "" {
 			return Launch{}, &EnvError{Err: ErrNoLauncher}
 		}
@@ -244,6 +272,7 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 		}
 	}
 	root := opts.Root
+	rootVar := "GOVERBS_ROOT" // what named rank 0's address, for errors
 	if root == "" {
 		root, _ = e.str("GOVERBS_ROOT")
 	}
@@ -282,8 +311,11 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 				if port, err = e.int("MASTER_PORT", -1); err != nil {
 					return l, err
 				}
+				if port < 1 || port > 65535 {
+					return l, e.errf("MASTER_PORT", "port %d (want 1 to 65535)", port)
+				}
 			}
-			root = net.JoinHostPort(addr, strconv.Itoa(port))
+			root, rootVar = net.JoinHostPort(addr, strconv.Itoa(port)), "MASTER_ADDR"
 		}
 		l.Job, _ = e.str("TORCHELASTIC_RUN_ID")
 	case LauncherOpenMPI:
@@ -329,6 +361,9 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 				return l, &EnvError{Launcher: e.launcher, Var: name, Err: fmt.Errorf("%w: %w", ErrEnvValue, err)}
 			}
 			rootHost = l.Hosts[0] // task 0 runs on the step's first node
+			if root == "" {
+				rootVar = name
+			}
 		}
 		if id, ok := e.str("SLURM_JOB_ID"); ok {
 			l.Job = "slurm-" + id
@@ -355,7 +390,7 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 			if !strings.Contains(pattern, "{index}") {
 				return l, e.errf("GOVERBS_HOST_PATTERN", "%s has no {index} (for example \"myjob-{index}.myjob-svc\")", clip(pattern))
 			}
-			rootHost = strings.ReplaceAll(pattern, "{index}", "0")
+			rootHost, rootVar = strings.ReplaceAll(pattern, "{index}", "0"), "GOVERBS_HOST_PATTERN"
 		}
 	default:
 		return l, &EnvError{Launcher: e.launcher, Err: fmt.Errorf("%w: unknown launcher %s", ErrNoLauncher, clip(e.launcher))}
@@ -381,7 +416,7 @@ func ParseLaunch(opts EnvOptions) (Launch, error) {
 	}
 	if root != "" {
 		if err := checkAddr(root, false); err != nil {
-			return l, &EnvError{Launcher: e.launcher, Var: "GOVERBS_ROOT", Err: fmt.Errorf("%w: root address %v", ErrEnvValue, err)}
+			return l, &EnvError{Launcher: e.launcher, Var: rootVar, Err: fmt.Errorf("%w: root address %v", ErrEnvValue, err)}
 		}
 		host, p, _ := net.SplitHostPort(root)
 		l.Listen = root

@@ -90,6 +90,27 @@ func TestParseLaunch(t *testing.T) {
 			want: cluster.Launch{Launcher: "goverbs", Rank: 0, Size: 1, LocalRank: 0},
 		},
 		{
+			// A RANK and WORLD_SIZE left in the shell, without a
+			// variable only torchrun sets, do not hide the launcher.
+			name: "open mpi with a stale RANK",
+			env: map[string]string{"RANK": "7", "WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+				"GOVERBS_ROOT": "h:1"},
+			want: cluster.Launch{Launcher: "openmpi", Rank: 1, Size: 2, LocalRank: -1, Root: "h:1", Listen: ":1"},
+		},
+		{
+			name: "slurm with a stale RANK",
+			env:  map[string]string{"RANK": "7", "WORLD_SIZE": "8", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[1-2]"},
+			want: cluster.Launch{Launcher: "slurm", Rank: 1, Size: 2, LocalRank: -1, Root: "n1:18515", Listen: ":18515", Hosts: []string{"n1", "n2"}},
+		},
+		{
+			// torchrun under Slurm (srun torchrun ...): torchrun's
+			// global RANK, not the task's SLURM_PROCID.
+			name: "torchrun inside slurm",
+			env: map[string]string{"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n1", "MASTER_PORT": "29500",
+				"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[1-2]"},
+			want: cluster.Launch{Launcher: "torchrun", Rank: 5, Size: 8, LocalRank: -1, Root: "n1:29500", Listen: ":29500"},
+		},
+		{
 			name: "forced launcher and listen override",
 			env: map[string]string{"RANK": "9", "WORLD_SIZE": "10", "PMI_RANK": "1", "PMI_SIZE": "2",
 				"GOVERBS_ROOT": "r:1", "GOVERBS_LISTEN": "127.0.0.1:1", "GOVERBS_JOB": "j"},
@@ -133,7 +154,13 @@ func TestParseLaunchErrors(t *testing.T) {
 		{"hydra no job", map[string]string{"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "6", "MPI_LOCALRANKID": "0", "GOVERBS_ROOT": "h:1"}, cluster.ErrEnvValue, "GOVERBS_JOB"},
 		{"torchrun no master", map[string]string{"RANK": "0", "WORLD_SIZE": "2"}, cluster.ErrEnvValue, "MASTER_ADDR"},
 		{"torchrun no port", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "m"}, cluster.ErrEnvValue, "MASTER_PORT"},
-		{"torchrun bad port", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "70000"}, cluster.ErrEnvValue, "GOVERBS_ROOT"},
+		{"torchrun bad port", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "70000"}, cluster.ErrEnvValue, "MASTER_PORT"},
+		{"torchrun port 0", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "0"}, cluster.ErrEnvValue, "MASTER_PORT"},
+		{"torchrun bad master", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a b", "MASTER_PORT": "1"}, cluster.ErrEnvValue, "MASTER_ADDR"},
+		{"torchrun bad root", map[string]string{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "1", "GOVERBS_ROOT": "a b:1"}, cluster.ErrEnvValue, "GOVERBS_ROOT"},
+		{"slurm bad node", map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "a..b"}, cluster.ErrEnvValue, "SLURM_STEP_NODELIST"},
+		{"slurm bad root", map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n1", "GOVERBS_ROOT": "a b:1"}, cluster.ErrEnvValue, "GOVERBS_ROOT"},
+		{"kubernetes bad pattern", map[string]string{"JOB_COMPLETION_INDEX": "0", "GOVERBS_WORLD_SIZE": "2", "GOVERBS_HOST_PATTERN": "a b-{index}"}, cluster.ErrEnvValue, "GOVERBS_HOST_PATTERN"},
 		{"kubernetes no size", map[string]string{"JOB_COMPLETION_INDEX": "0", "GOVERBS_HOST_PATTERN": "a-{index}"}, cluster.ErrEnvValue, "GOVERBS_WORLD_SIZE"},
 		{"kubernetes no pattern", map[string]string{"JOB_COMPLETION_INDEX": "0", "GOVERBS_WORLD_SIZE": "2"}, cluster.ErrEnvValue, "GOVERBS_HOST_PATTERN"},
 		{"bad root", map[string]string{"GOVERBS_RANK": "0", "GOVERBS_WORLD_SIZE": "2", "GOVERBS_ROOT": "nocolon"}, cluster.ErrEnvValue, "GOVERBS_ROOT"},
