@@ -109,7 +109,8 @@
 // nothing is allocated from a length it declares, and nothing but the
 // fixed-size handshake is read from it. A listener holds at most
 // ExchangeConfig.MaxStrangers strangers (MaxStrangersPerHost from one
-// source address); over either limit it drops the oldest, and it drops
+// source address, half of MaxStrangers from one IPv6 /64); over a limit
+// it drops the oldest, and it drops
 // every stranger that has not completed the handshake within
 // HelloTimeout (or by the context's deadline). The exchange's error
 // counts the connections refused and dropped (ExchangeError.Refused,

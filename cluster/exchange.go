@@ -104,8 +104,11 @@ type ExchangeConfig struct {
 	MaxFrame int
 	// MaxStrangers bounds the connections a listening rank holds before
 	// they authenticate, and MaxStrangersPerHost those from one source
-	// address. Over either limit the oldest such connection (from that
-	// address, for the second) is dropped: a real peer completes its
+	// address (and half of MaxStrangers those from one IPv6 /64
+	// network, at least MaxStrangersPerHost: a host given a /64 has 2^64
+	// addresses to connect from; link-local and loopback addresses
+	// excepted). Over a limit the oldest such connection (from that
+	// address or network, for the others) is dropped: a real peer completes its
 	// handshake in a round trip, and one that is dropped dials again (a
 	// large world whose ranks all dial one root at once retries less
 	// with MaxStrangers near its size). The limits bound what strangers
@@ -993,12 +996,21 @@ func (e *peerErr) Unwrap() error { return e.err }
 // returned, so that a flood of connections costs at most MaxStrangers
 // goroutines at a time. It is safe for concurrent use. A nil gate (a
 // test's acceptor) promotes every stranger and drops none.
+//
+// An IPv6 host is usually given a whole /64 network, 2^64 addresses to
+// open connections from: the strangers of one /64 (not link-local or
+// loopback, whose /64 is shared by every host of a link) count together
+// too, up to half of MaxStrangers (at least MaxStrangersPerHost), so
+// that one such host holds at most half of them, whatever address each
+// connection comes from.
 type gate struct {
 	max, perHost int
+	perNet       int           // strangers of one IPv6 /64
 	slots        chan struct{} // one per stranger's goroutine
 	mu           sync.Mutex
 	list         []*stranger // by age, oldest first
 	hosts        map[string]int
+	nets         map[string]int // by IPv6 /64 (net64)
 	drops        int
 }
 
@@ -1006,33 +1018,49 @@ type gate struct {
 type stranger struct {
 	c        net.Conn
 	host     string
-	out      bool // dropped, promoted, or gone
+	net      string // its IPv6 /64, "" if none (net64)
+	out      bool   // dropped, promoted, or gone
 	dropped  bool
 	released bool // its slot returned
 }
 
-func newGate(max, perHost int) *gate {
-	return &gate{max: max, perHost: perHost, slots: make(chan struct{}, max), hosts: make(map[string]int)}
+func newGate(most, perHost int) *gate {
+	return &gate{max: most, perHost: perHost, perNet: max(perHost, most/2), slots: make(chan struct{}, most),
+		hosts: make(map[string]int), nets: make(map[string]int)}
+}
+
+// net64 returns the /64 network of a global or unique-local IPv6
+// address, "" for others (IPv4, IPv4-mapped, link-local, loopback,
+// multicast).
+func net64(ip net.IP) string {
+	if ip.To4() != nil || len(ip) != net.IPv6len || ip.IsLoopback() || ip.IsLinkLocalUnicast() || ip.IsMulticast() || ip.IsUnspecified() {
+		return ""
+	}
+	return (&net.IPNet{IP: ip.Mask(net.CIDRMask(64, 128)), Mask: net.CIDRMask(64, 128)}).String()
 }
 
 // admit registers c, dropping older strangers over the limits, and waits
 // for a slot for its goroutine. It fails only when ctx ends (c is then
 // closed).
 func (g *gate) admit(ctx context.Context, c net.Conn) (*stranger, error) {
-	host := c.RemoteAddr().String()
+	st := &stranger{c: c, host: c.RemoteAddr().String()}
 	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
-		host = a.IP.String()
+		st.host, st.net = a.IP.String(), net64(a.IP)
 	}
-	st := &stranger{c: c, host: host}
 	var drop []net.Conn
 	g.mu.Lock()
-	if g.hosts[host] >= g.perHost {
-		for _, o := range g.list {
-			if o.host == host {
-				g.dropLocked(o)
-				drop = append(drop, o.c)
-				break
-			}
+	var same func(*stranger) bool // whose oldest goes
+	switch {
+	case g.hosts[st.host] >= g.perHost:
+		same = func(o *stranger) bool { return o.host == st.host }
+	case st.net != "" && g.nets[st.net] >= g.perNet:
+		same = func(o *stranger) bool { return o.net == st.net }
+	}
+	if same != nil {
+		if i := slices.IndexFunc(g.list, same); i >= 0 {
+			o := g.list[i]
+			g.dropLocked(o)
+			drop = append(drop, o.c)
 		}
 	}
 	if len(g.list) >= g.max {
@@ -1041,7 +1069,10 @@ func (g *gate) admit(ctx context.Context, c net.Conn) (*stranger, error) {
 		drop = append(drop, o.c)
 	}
 	g.list = append(g.list, st)
-	g.hosts[host]++
+	g.hosts[st.host]++
+	if st.net != "" {
+		g.nets[st.net]++
+	}
 	g.mu.Unlock()
 	for _, c := range drop {
 		c.Close()
@@ -1067,6 +1098,11 @@ func (g *gate) removeLocked(st *stranger) {
 	g.list = slices.DeleteFunc(g.list, func(o *stranger) bool { return o == st })
 	if g.hosts[st.host]--; g.hosts[st.host] == 0 {
 		delete(g.hosts, st.host)
+	}
+	if st.net != "" {
+		if g.nets[st.net]--; g.nets[st.net] == 0 {
+			delete(g.nets, st.net)
+		}
 	}
 }
 

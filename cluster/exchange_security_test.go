@@ -284,6 +284,84 @@ func TestGate(t *testing.T) {
 	}
 }
 
+// fromConn is a connection that says it comes from addr.
+type fromConn struct {
+	net.Conn
+	addr net.Addr
+}
+
+func (c fromConn) RemoteAddr() net.Addr { return c.addr }
+
+// TestGateIPv6Networks: strangers from many addresses of one IPv6 /64
+// (one host's usual allocation) hold at most half of the gate; the
+// oldest of that network goes first, strangers of other networks and
+// link-local or loopback ones count apart, and another network's are
+// not dropped for them.
+func TestGateIPv6Networks(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		sources []string
+		dropped []bool
+	}{
+		{
+			// max 8, per host 2, per /64 4: the fifth of the /64
+			// drops the first.
+			name:    "one /64",
+			sources: []string{"2001:db8::1", "2001:db8::2", "2001:db8::3", "2001:db8::4", "2001:db8::5", "2001:db8::ffff:1"},
+			dropped: []bool{true, true, false, false, false, false},
+		},
+		{
+			name:    "two /64s",
+			sources: []string{"2001:db8:0:1::1", "2001:db8:0:1::2", "2001:db8:0:1::3", "2001:db8:0:2::1", "2001:db8:0:1::4", "2001:db8:0:1::5"},
+			dropped: []bool{true, false, false, false, false, false},
+		},
+		{
+			name:    "link-local and loopback count per address",
+			sources: []string{"fe80::1", "fe80::2", "fe80::3", "fe80::4", "fe80::5", "::1"},
+			dropped: []bool{false, false, false, false, false, false},
+		},
+		{
+			name:    "IPv4-mapped counts per address",
+			sources: []string{"::ffff:10.0.0.1", "::ffff:10.0.0.2", "::ffff:10.0.0.3", "::ffff:10.0.0.4", "::ffff:10.0.0.5"},
+			dropped: []bool{false, false, false, false, false},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := newGate(8, 2)
+			sts := make([]*stranger, len(tc.sources))
+			for i, src := range tc.sources {
+				a, b := net.Pipe()
+				defer a.Close()
+				defer b.Close()
+				st, err := g.admit(context.Background(), fromConn{b, &net.TCPAddr{IP: net.ParseIP(src), Port: 1000 + i}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				sts[i] = st
+			}
+			n := 0
+			for i, st := range sts {
+				got := g.dropped(st)
+				if got != tc.dropped[i] {
+					t.Errorf("stranger %d from %s: dropped %v, want %v", i, tc.sources[i], got, tc.dropped[i])
+				}
+				if got {
+					n++
+				}
+			}
+			if g.droppedCount() != n {
+				t.Errorf("%d dropped, counted %d", n, g.droppedCount())
+			}
+			for _, st := range sts {
+				g.leave(st)
+			}
+			if len(g.hosts) != 0 || len(g.nets) != 0 || len(g.slots) != 0 {
+				t.Errorf("after all left: %d hosts, %d networks, %d slots", len(g.hosts), len(g.nets), len(g.slots))
+			}
+		})
+	}
+}
+
 // TestExchangeDialerDropped: a dialer dropped after it proved itself but
 // before it was accepted (a stranger over the limits, or late) dials
 // again, and the exchange completes.
