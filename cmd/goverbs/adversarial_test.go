@@ -85,6 +85,9 @@ func TestAdversarialSilentPeer(t *testing.T) {
 			t.Errorf("server with a silent client: exit %d, stderr:\n%s", srv.status, srv.stderr)
 		}
 	})
+	for _, then := range []string{"silence", "done"} {
+		t.Run("client measuring then "+then, func(t *testing.T) { silentMeasuring(t, args, then) })
+	}
 	t.Run("server", func(t *testing.T) {
 		port := freePort(t)
 		p, _ := strconv.Atoi(port)
@@ -124,6 +127,54 @@ func TestAdversarialSilentPeer(t *testing.T) {
 	})
 }
 
+// silentMeasuring: a client that stops (or whose host vanishes) while it
+// measures, after its alive frames kept the server waiting longer than
+// --timeout: the server's wait for done, which spans the measurement,
+// ends --timeout after the client's last frame (then "silence"); a
+// client that measured that long and then sends done is served (then
+// "done").
+func silentMeasuring(t *testing.T, args []string, then string) {
+	port := freePort(t)
+	wait := startServer(t, port, append(args[:len(args)-1:len(args)-1], "2s")...)
+	p, _ := strconv.Atoi(port)
+	r := &remote{cfg: benchCfg(false, p)}
+	defer r.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+	defer cancel()
+	var err error
+	if r.oob, err = dialOOB(ctx, "127.0.0.1:"+port, ""); err != nil {
+		t.Fatal(err)
+	}
+	r.closers = append(r.closers, r.oob.Close)
+	if err := r.setup(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.sync(ctx, "start", "ready", 4096); err != nil {
+		t.Fatal(err)
+	}
+	// Alive for a while, longer than the server's --timeout, then
+	// silent.
+	stop := r.alive(ctx)
+	time.Sleep(3 * time.Second)
+	stop()
+	want := []string{"waiting for sync", "not a word from client"}
+	if then == "done" {
+		// Measured (alive) for longer than --timeout, then done:
+		// the server checks the data, which this client never
+		// wrote.
+		if err := r.oob.send(ctx, frameSync, syncMsg{Phase: "done", Size: 4096}); err != nil {
+			t.Fatal(err)
+		}
+		want = []string{"data check failed"}
+	}
+	srv := wait()
+	for _, w := range want {
+		if srv.status != exitError || !strings.Contains(srv.stderr, w) {
+			t.Errorf("server with a client alive, then %s: exit %d, want %q in stderr:\n%s", then, srv.status, w, srv.stderr)
+		}
+	}
+}
+
 // frame builds an out-of-band frame header of type typ announcing n bytes.
 func frame(typ byte, n uint32) []byte {
 	b := make([]byte, 12)
@@ -146,8 +197,11 @@ func TestAdversarialServerGarbage(t *testing.T) {
 		{"http", []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), "not a goverbs bench"},
 		{"other version", append([]byte("GVB9"), make([]byte, 8)...), "version 9"},
 		{"huge length", frame(frameHello, 1<<31), "malformed frame"},
-		{"nonzero padding", append(append([]byte("GVB1"), frameHello, 1, 0, 0), 0, 0, 0, 2), "malformed frame"},
-		{"half header", []byte("GVB1\x01"), "deadline exceeded"},
+		{"version 1", append([]byte("GVB1"), make([]byte, 8)...), "version 1 of the goverbs bench protocol, this is version 2"},
+		{"alive with a payload", frame(frameAlive, 5), "malformed frame"},
+		{"alive frames then silence", append(frame(frameAlive, 0), frame(frameAlive, 0)...), "deadline exceeded"},
+		{"nonzero padding", append(append([]byte(frameMagic), frameHello, 1, 0, 0), 0, 0, 0, 2), "malformed frame"},
+		{"half header", []byte(frameMagic + "\x01"), "deadline exceeded"},
 		{"header then silence", frame(frameHello, 100), "deadline exceeded"},
 		{"header then close", frame(frameHello, 100), "reading hello"},
 		{"bad json", append(frame(frameHello, 5), "{{{{{"...), "malformed hello"},

@@ -87,7 +87,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.port, "p", 18515, "TCP `port` of the server's out-of-band exchange (two-process mode)")
 	fs.IntVar(&cfg.port, "port", 18515, "same as -p")
 	fs.StringVar(&cfg.bind, "bind", "", "`address` the server listens on (default: all)")
-	fs.DurationVar(&cfg.timeout, "timeout", time.Minute, "how long to wait for the peer to connect and exchange parameters")
+	fs.DurationVar(&cfg.timeout, "timeout", time.Minute, "how long to wait for the peer to connect, exchange parameters, or say anything (the server, while the client measures)")
 	fs.StringVar(&cfg.token, "token", os.Getenv(envBenchToken), "shared `secret` of server and client: the exchange is encrypted and only a client that proves it is served (default $"+envBenchToken+", which keeps it out of the process list)")
 	pos, st := parseFlags(fs, args)
 	if st >= 0 {

@@ -71,7 +71,7 @@
 //
 // The client connects to the server over TCP (port -p, default 18515, as
 // perftest), the two exchange their parameters, endpoints and memory
-// regions in length-prefixed frames (magic "GVB1", type, length, JSON) and
+// regions in length-prefixed frames (magic "GVB2", type, length, JSON) and
 // then run the test against each other. The test, sizes and iterations must
 // be the same on both sides (a difference fails both with a message naming
 // it); queue depths are each side's own. The client measures; both print
@@ -79,15 +79,19 @@
 // (connecting, the parameter exchange and each message between the
 // measurements) and SIGINT; a peer that stops
 // answering during the measurement fails the run after 10 s without
-// progress. The exchange does not depend on the provider: any device whose
+// progress. While it measures, the client sends the server a small frame
+// every 250 ms: a server whose client stops or vanishes without closing
+// the connection (the server may have nothing to do in the measurement,
+// as with writes) fails --timeout (at least 1 s) after its last frame. The exchange does not depend on the provider: any device whose
 // queue pairs can reach each other's endpoints works.
 //
 //	--server        run the server side; wait for one client
 //	HOST            run the client side against the server on HOST
 //	-p, --port N    TCP port of the exchange (default 18515)
 //	--bind addr     address the server listens on (default: all)
-//	--timeout d     limit for connecting, exchanging parameters and each
-//	                message between the measurements (1m)
+//	--timeout d     limit for connecting, exchanging parameters, each
+//	                message between the measurements and the server's
+//	                wait for a word from a measuring client (1m)
 //	--token secret  shared secret of server and client (default
 //	                $GOVERBS_BENCH_TOKEN, which keeps it out of ps)
 //

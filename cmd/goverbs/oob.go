@@ -20,10 +20,10 @@ import (
 // Out-of-band exchange of a two-process bench (server and client), over
 // one TCP connection. Every message is a frame:
 //
-//	magic   4 bytes  "GVB1" (the last byte is the protocol version)
-//	type    1 byte   frameHello, frameWelcome, frameSync, frameResult, frameError
+//	magic   4 bytes  "GVB2" (the last byte is the protocol version)
+//	type    1 byte   frameHello, frameWelcome, frameSync, frameResult, frameError, frameAlive
 //	zero    3 bytes
-//	length  4 bytes  big endian, at most maxFrame
+//	length  4 bytes  big endian, at most maxFrame (0 for frameAlive)
 //	payload length bytes of JSON
 //
 // The client sends hello (its parameters, endpoint and memory region), the
@@ -32,9 +32,16 @@ import (
 // sync{done} → server sync{ok} (after checking the data it received) →
 // client result (the row the server prints too). An error frame, from
 // either side at any point, ends the run on both with its message.
+//
+// While it measures, the client sends an empty alive frame every
+// aliveEvery, which the server skips: its wait for done, which spans the
+// measurement, is bounded by --timeout (at least aliveWait) without a
+// frame, so a client that stops or vanishes without closing the
+// connection (SIGSTOP, a host gone) does not hold the server for ever.
+// Version 1 had no alive frames.
 
 const (
-	frameMagic = "GVB1"
+	frameMagic = "GVB2"
 	maxFrame   = 1 << 20
 
 	frameHello   = 1
@@ -42,16 +49,27 @@ const (
 	frameSync    = 3
 	frameResult  = 4
 	frameError   = 5
+	frameAlive   = 6
+
+	// aliveEvery is how often a measuring client sends frameAlive, and
+	// aliveWait the least time the server waits without a frame.
+	aliveEvery = 250 * time.Millisecond
+	aliveWait  = 4 * aliveEvery
 )
 
-var frameNames = map[byte]string{frameHello: "hello", frameWelcome: "welcome", frameSync: "sync", frameResult: "result", frameError: "error"}
+var frameNames = map[byte]string{frameHello: "hello", frameWelcome: "welcome", frameSync: "sync", frameResult: "result", frameError: "error", frameAlive: "alive"}
 
 // oobConn is the framed connection. Every call takes a context: its end
-// (and deadline) interrupts a blocked read or write.
+// (and deadline) interrupts a blocked read or write. Sends may come from
+// two goroutines (the client's alive frames); receives from one.
 type oobConn struct {
 	c    net.Conn
 	peer string
+	wmu  sync.Mutex // a frame is written whole
 }
+
+// errAlive is what recvOne returns for an alive frame.
+var errAlive = errors.New("alive")
 
 // errClosed: the peer closed the connection.
 var errClosed = errors.New("the peer closed the connection")
@@ -83,9 +101,12 @@ func ctxErr(ctx context.Context, err error) error {
 }
 
 func (o *oobConn) send(ctx context.Context, typ byte, v any) error {
-	payload, err := json.Marshal(v)
-	if err != nil {
-		return err
+	var payload []byte
+	if typ != frameAlive {
+		var err error
+		if payload, err = json.Marshal(v); err != nil {
+			return err
+		}
 	}
 	if len(payload) > maxFrame {
 		return fmt.Errorf("out-of-band %s message of %d bytes exceeds %d", frameNames[typ], len(payload), maxFrame)
@@ -95,16 +116,50 @@ func (o *oobConn) send(ctx context.Context, typ byte, v any) error {
 	buf[4] = typ
 	binary.BigEndian.PutUint32(buf[8:], uint32(len(payload)))
 	buf = append(buf, payload...)
-	defer o.withCtx(ctx)()
+	o.wmu.Lock()
+	defer o.wmu.Unlock()
+	if typ != frameAlive {
+		// The write deadline only: an alive frame's does not touch the
+		// reads (the server's are bounded from its own context).
+		defer o.withCtx(ctx)()
+	} else {
+		o.c.SetWriteDeadline(time.Now().Add(aliveWait))
+		defer o.c.SetWriteDeadline(time.Time{})
+	}
 	if _, err := o.c.Write(buf); err != nil {
 		return fmt.Errorf("sending %s to %s: %w", frameNames[typ], o.peer, ctxErr(ctx, err))
 	}
 	return nil
 }
 
-// recv reads the next frame into v, which must be of type want. An error
-// frame is returned as an error wrapping errPeer.
+// recv reads the next frame into v, which must be of type want, skipping
+// alive frames. An error frame is returned as an error wrapping errPeer.
 func (o *oobConn) recv(ctx context.Context, want byte, v any) error {
+	for {
+		if err := o.recvOne(ctx, want, v); err != errAlive {
+			return err
+		}
+	}
+}
+
+// recvIdle is recv, failing when no frame (alive frames included) came
+// for idle.
+func (o *oobConn) recvIdle(ctx context.Context, want byte, v any, idle time.Duration) error {
+	for {
+		ictx, cancel := context.WithTimeout(ctx, idle)
+		err := o.recvOne(ictx, want, v)
+		cancel()
+		if err != errAlive {
+			if err != nil && ctx.Err() == nil && ictx.Err() != nil {
+				return fmt.Errorf("%w: not a word from %s for %v (it sends one every %v while it measures)", err, o.peer, idle, aliveEvery)
+			}
+			return err
+		}
+	}
+}
+
+// recvOne is recv, returning errAlive for an alive frame.
+func (o *oobConn) recvOne(ctx context.Context, want byte, v any) error {
 	defer o.withCtx(ctx)()
 	var hdr [12]byte
 	if _, err := io.ReadFull(o.c, hdr[:]); err != nil {
@@ -124,8 +179,11 @@ func (o *oobConn) recv(ctx context.Context, want byte, v any) error {
 	}
 	typ := hdr[4]
 	n := binary.BigEndian.Uint32(hdr[8:])
-	if n > maxFrame || hdr[5]|hdr[6]|hdr[7] != 0 {
+	if n > maxFrame || hdr[5]|hdr[6]|hdr[7] != 0 || typ == frameAlive && n != 0 {
 		return fmt.Errorf("malformed frame from %s (type %d, length %d)", o.peer, typ, n)
+	}
+	if typ == frameAlive {
+		return errAlive
 	}
 	payload := make([]byte, n)
 	if _, err := io.ReadFull(o.c, payload); err != nil {

@@ -314,7 +314,13 @@ func (r *remote) expect(ctx context.Context, want string, size int) error {
 		defer cancel()
 	}
 	var m syncMsg
-	if err := r.oob.recv(ctx, frameSync, &m); err != nil {
+	var err error
+	if want == "done" {
+		err = r.oob.recvIdle(ctx, frameSync, &m, max(r.cfg.timeout, aliveWait))
+	} else {
+		err = r.oob.recv(ctx, frameSync, &m)
+	}
+	if err != nil {
 		return err
 	}
 	if m.Phase != want || m.Size != size {
@@ -381,6 +387,7 @@ func (r *remote) runSize(ctx context.Context, size int) (resultMsg, error) {
 	if err := r.sync(ctx, "start", "ready", size); err != nil {
 		return res, err
 	}
+	stop := r.alive(ctx)
 	switch {
 	case cfg.lat && cfg.op == "write":
 		var l latResult
@@ -399,6 +406,7 @@ func (r *remote) runSize(ctx context.Context, size int) (resultMsg, error) {
 		b, err = r.streamBW(size)
 		res.BW = &b
 	}
+	stop()
 	if err != nil {
 		return res, err
 	}
@@ -411,6 +419,34 @@ func (r *remote) runSize(ctx context.Context, size int) (resultMsg, error) {
 		}
 	}
 	return res, r.oob.send(ctx, frameResult, res)
+}
+
+// alive sends alive frames every aliveEvery until the returned function
+// is called, which returns once they stopped (the client, while it
+// measures: see oob.go).
+func (r *remote) alive(ctx context.Context) (stop func()) {
+	quit, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(aliveEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				if r.oob.send(ctx, frameAlive, nil) != nil {
+					return // the measurement or done finds out
+				}
+			case <-quit:
+				return
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	return func() {
+		close(quit)
+		<-done
+	}
 }
 
 // verifyPattern checks that the destination holds fillPattern's bytes.
