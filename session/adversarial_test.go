@@ -305,6 +305,17 @@ func TestAdvReleaseOutOfOrder(t *testing.T) {
 			ins := make([]chan Message, tc.releasers)
 			var outOfOrder atomic.Int64 // releases with another message held
 			var wg sync.WaitGroup
+			closeIns := sync.OnceFunc(func() {
+				for _, in := range ins {
+					close(in)
+				}
+			})
+			// A failure below still ends the releasers (else they
+			// leak, failing the leak checks of the tests after it).
+			defer func() {
+				closeIns()
+				wg.Wait()
+			}()
 			for g := range tc.releasers {
 				in := make(chan Message)
 				ins[g] = in
@@ -383,9 +394,7 @@ func TestAdvReleaseOutOfOrder(t *testing.T) {
 				}
 				ins[rand.IntN(len(ins))] <- m
 			}
-			for _, in := range ins {
-				close(in)
-			}
+			closeIns()
 			wg.Wait()
 			t.Logf("%d of %d releases chose among several held messages", outOfOrder.Load(), tc.plan.total())
 			if err := firstErr(senders, tc.plan.senders); err != nil {
