@@ -61,25 +61,11 @@ func benchCfg(server bool, port int) benchConfig {
 func TestAdversarialSilentPeer(t *testing.T) {
 	args := []string{"bench", "write", "-d", verbs.SoftDevice, "-s", "4K", "-n", "50", "--timeout", "1s"}
 	t.Run("client", func(t *testing.T) {
-		port := freePort(t)
 		// The fake client's own setup (its device, before its hello)
 		// must fit in the server's --timeout: 1 s did not once, in a CI
-		// rehearsal's load.
-		wait := startServer(t, port, append(args[:len(args)-1:len(args)-1], "5s")...)
-		p, _ := strconv.Atoi(port)
-		// The stranger: a real client's exchange, then silence.
-		r := &remote{cfg: benchCfg(false, p)}
-		defer r.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
-		defer cancel()
-		var err error
-		if r.oob, err = dialOOB(ctx, "127.0.0.1:"+port, ""); err != nil {
-			t.Fatal(err)
-		}
-		r.closers = append(r.closers, r.oob.Close)
-		if err := r.setup(ctx); err != nil {
-			t.Fatal(err)
-		}
+		// rehearsal's load. The stranger: a real client's exchange,
+		// then silence.
+		_, _, wait := fakeClient(t, args, "5s")
 		srv := wait()
 		if srv.status != exitError || !strings.Contains(srv.stderr, "waiting for sync") || !strings.Contains(srv.stderr, "deadline exceeded") {
 			t.Errorf("server with a silent client: exit %d, stderr:\n%s", srv.status, srv.stderr)
@@ -127,20 +113,18 @@ func TestAdversarialSilentPeer(t *testing.T) {
 	})
 }
 
-// silentMeasuring: a client that stops (or whose host vanishes) while it
-// measures, after its alive frames kept the server waiting longer than
-// --timeout: the server's wait for done, which spans the measurement,
-// ends --timeout after the client's last frame (then "silence"); a
-// client that measured that long and then sends done is served (then
-// "done").
-func silentMeasuring(t *testing.T, args []string, then string) {
+// fakeClient starts goverbs ARGS --server with --timeout timeout (the
+// last of args) and connects a client of this process to it, through the
+// parameter exchange; the client is closed when the test ends.
+func fakeClient(t *testing.T, args []string, timeout string) (*remote, context.Context, func() cmdResult) {
+	t.Helper()
 	port := freePort(t)
-	wait := startServer(t, port, append(args[:len(args)-1:len(args)-1], "2s")...)
+	wait := startServer(t, port, append(args[:len(args)-1:len(args)-1], timeout)...)
 	p, _ := strconv.Atoi(port)
 	r := &remote{cfg: benchCfg(false, p)}
-	defer r.Close()
+	t.Cleanup(func() { r.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
-	defer cancel()
+	t.Cleanup(cancel)
 	var err error
 	if r.oob, err = dialOOB(ctx, "127.0.0.1:"+port, ""); err != nil {
 		t.Fatal(err)
@@ -149,6 +133,17 @@ func silentMeasuring(t *testing.T, args []string, then string) {
 	if err := r.setup(ctx); err != nil {
 		t.Fatal(err)
 	}
+	return r, ctx, wait
+}
+
+// silentMeasuring: a client that stops (or whose host vanishes) while it
+// measures, after its alive frames kept the server waiting longer than
+// --timeout: the server's wait for done, which spans the measurement,
+// ends --timeout after the client's last frame (then "silence"); a
+// client that measured that long and then sends done is served (then
+// "done").
+func silentMeasuring(t *testing.T, args []string, then string) {
+	r, ctx, wait := fakeClient(t, args, "2s")
 	if err := r.sync(ctx, "start", "ready", 4096); err != nil {
 		t.Fatal(err)
 	}
