@@ -16,6 +16,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/goverbs/verbs/internal/netsrc"
 )
 
 // Exchange errors (besides the protocol errors of frame.go).
@@ -1010,7 +1012,7 @@ type gate struct {
 	mu           sync.Mutex
 	list         []*stranger // by age, oldest first
 	hosts        map[string]int
-	nets         map[string]int // by IPv6 /64 (net64)
+	nets         map[string]int // by IPv6 /64 (netsrc.Net64)
 	drops        int
 }
 
@@ -1018,7 +1020,7 @@ type gate struct {
 type stranger struct {
 	c        net.Conn
 	host     string
-	net      string // its IPv6 /64, "" if none (net64)
+	net      string // its IPv6 /64, "" if none (netsrc.Net64)
 	out      bool   // dropped, promoted, or gone
 	dropped  bool
 	released bool // its slot returned
@@ -1029,23 +1031,13 @@ func newGate(most, perHost int) *gate {
 		hosts: make(map[string]int), nets: make(map[string]int)}
 }
 
-// net64 returns the /64 network of a global or unique-local IPv6
-// address, "" for others (IPv4, IPv4-mapped, link-local, loopback,
-// multicast).
-func net64(ip net.IP) string {
-	if ip.To4() != nil || len(ip) != net.IPv6len || ip.IsLoopback() || ip.IsLinkLocalUnicast() || ip.IsMulticast() || ip.IsUnspecified() {
-		return ""
-	}
-	return (&net.IPNet{IP: ip.Mask(net.CIDRMask(64, 128)), Mask: net.CIDRMask(64, 128)}).String()
-}
-
 // admit registers c, dropping older strangers over the limits, and waits
 // for a slot for its goroutine. It fails only when ctx ends (c is then
 // closed).
 func (g *gate) admit(ctx context.Context, c net.Conn) (*stranger, error) {
 	st := &stranger{c: c, host: c.RemoteAddr().String()}
 	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
-		st.host, st.net = a.IP.String(), net64(a.IP)
+		st.host, st.net = a.IP.String(), netsrc.Net64(a.IP)
 	}
 	var drop []net.Conn
 	g.mu.Lock()

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/goverbs/verbs/internal/fdpass"
+	"github.com/goverbs/verbs/internal/netsrc"
 	"github.com/goverbs/verbs/internal/pintls"
 )
 
@@ -35,9 +36,9 @@ import (
 //
 // Handshake: see handshake.go (who may connect and how identities are
 // proven) and tls.go (encryption off the host). Strangers: at most
-// maxHandshakes connections, and maxHandshakesPerSource of one source
-// address, may be in their handshake at once; past that the oldest is
-// closed. A handshake holds a goroutine and a few hundred bytes (tens of
+// maxHandshakes connections, maxHandshakesPerSource of one source
+// address and maxHandshakesPerNet of one IPv6 /64 (netsrc), may be in
+// their handshake at once; past that the oldest is closed. A handshake holds a goroutine and a few hundred bytes (tens of
 // KiB with TLS) for at most handshakeTimeout; nothing else is allocated
 // or parsed for a peer before it has proven that it holds one of this
 // process' endpoints. Processes of this user on this host (unix sockets,
@@ -80,6 +81,7 @@ const (
 
 	maxHandshakes          = 64
 	maxHandshakesPerSource = 16
+	maxHandshakesPerNet    = maxHandshakes / 2
 	maxLocalHandshakes     = 4096
 
 	// maxLocalDials bounds the connections to processes of this host
@@ -111,7 +113,7 @@ type service struct {
 
 	hsMu     sync.Mutex
 	hs       []*handshaking // connections in their handshake, oldest first
-	hsBySrc  map[string]int // how many per source address (TCP)
+	hsBySrc  map[string]int // how many per source address and IPv6 /64 (TCP)
 	hsDrops  atomic.Uint64  // handshakes ended early: too many at once
 	acceptEr atomic.Uint64  // temporary accept errors
 
@@ -294,8 +296,8 @@ func (s *service) acceptLoop(ln net.Listener) {
 			c.Close()
 			return
 		}
-		src, localPID := sourceKey(c)
-		h := s.startHandshake(c, src)
+		src, net64, localPID := sourceKey(c)
+		h := s.startHandshake(c, src, net64)
 		go func() {
 			defer s.wg.Done()
 			defer s.endHandshake(h)
@@ -307,23 +309,25 @@ func (s *service) acceptLoop(ln net.Listener) {
 // sourceKey is what the per-source handshake limit counts: the remote IP
 // of a TCP connection, localSource for a unix socket of a process of this
 // user (localPID: its process id, as the kernel gives it), "" for other
-// unix sockets (only the global limit bounds them).
-func sourceKey(c net.Conn) (key string, localPID uint32) {
+// unix sockets (only the global limit bounds them); and the IPv6 /64 of
+// a TCP connection's address, "" if it has none (netsrc.Net64).
+func sourceKey(c net.Conn) (key, net64 string, localPID uint32) {
 	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
-		return a.IP.String(), 0
+		return a.IP.String(), netsrc.Net64(a.IP), 0
 	}
 	if uc, ok := c.(*net.UnixConn); ok {
 		if cred, err := peerCred(uc); err == nil && cred.Uid == uint32(os.Getuid()) {
-			return localSource, uint32(max(cred.Pid, 0))
+			return localSource, "", uint32(max(cred.Pid, 0))
 		}
 	}
-	return "", 0
+	return "", "", 0
 }
 
 // handshaking is a connection in its handshake.
 type handshaking struct {
-	nc  net.Conn
-	src string
+	nc    net.Conn
+	src   string
+	net64 string // counted in hsBySrc too (a CIDR: no address collides)
 }
 
 // startHandshake counts a connection in its handshake. Over a limit (all
@@ -331,8 +335,8 @@ type handshaking struct {
 // its handshake: a stranger that opens connections without finishing
 // their handshakes makes the others wait at most as long as it keeps
 // opening new ones, and holds at most maxHandshakes of them.
-func (s *service) startHandshake(nc net.Conn, src string) *handshaking {
-	h := &handshaking{nc: nc, src: src}
+func (s *service) startHandshake(nc net.Conn, src, net64 string) *handshaking {
+	h := &handshaking{nc: nc, src: src, net64: net64}
 	s.hsMu.Lock()
 	var drop *handshaking
 	switch {
@@ -342,6 +346,13 @@ func (s *service) startHandshake(nc net.Conn, src string) *handshaking {
 		}
 	case src != "" && s.hsBySrc[src] >= maxHandshakesPerSource:
 		drop = s.oldestLocked(src)
+	case net64 != "" && s.hsBySrc[net64] >= maxHandshakesPerNet:
+		for _, o := range s.hs {
+			if o.net64 == net64 {
+				drop = o
+				break
+			}
+		}
 	case len(s.hs)-s.hsBySrc[localSource] >= maxHandshakes:
 		for _, o := range s.hs {
 			if o.src != localSource {
@@ -356,6 +367,9 @@ func (s *service) startHandshake(nc net.Conn, src string) *handshaking {
 	s.hs = append(s.hs, h)
 	if src != "" {
 		s.hsBySrc[src]++
+	}
+	if net64 != "" {
+		s.hsBySrc[net64]++
 	}
 	s.hsMu.Unlock()
 	if drop != nil {
@@ -390,9 +404,11 @@ func (s *service) removeHandshakeLocked(h *handshaking) {
 		return
 	}
 	s.hs = slices.Delete(s.hs, i, i+1)
-	if h.src != "" {
-		if s.hsBySrc[h.src]--; s.hsBySrc[h.src] <= 0 {
-			delete(s.hsBySrc, h.src)
+	for _, k := range [...]string{h.src, h.net64} {
+		if k != "" {
+			if s.hsBySrc[k]--; s.hsBySrc[k] <= 0 {
+				delete(s.hsBySrc, k)
+			}
 		}
 	}
 }
