@@ -308,10 +308,12 @@ func (p *rawPeer) readData(t *testing.T) (int, response) {
 			t.Fatalf("read response: %v", err)
 		}
 		fh, err := parseHdr(h[:hdrLen])
-		if err == nil && (fh.typ == frWake || fh.typ == frPullProbe) {
-			// A wake-up of the QP it stands for, or the service's
+		if err == nil && (fh.typ == frWake || fh.typ == frPullProbe || fh.typ == frAlive) {
+			// A wake-up of the QP it stands for, the service's
 			// question whether this peer could read it (unix sockets,
-			// cma.go; unanswered: nothing is pulled): skipped.
+			// cma.go; unanswered: nothing is pulled), or its sign of
+			// life while it takes a long message (conn.showLife):
+			// skipped.
 			if _, err := io.CopyN(io.Discard, p.nc, int64(fh.length)); err != nil {
 				t.Fatal(err)
 			}

@@ -31,7 +31,9 @@ import (
 // the registered memory) and, for RC, waits for the response. The wait
 // ends with the response, the loss of the connection, the QP's Close, or
 // the QP's transport timeout (timeout × (retry_cnt+1), at least
-// minRespTimeout, restarted while the peer shows signs of life: alive):
+// minRespTimeout, restarted while the peer shows signs of life: alive;
+// periods during which this process itself stalled are not counted,
+// xreq.go retire):
 // everything but the response makes the request fail with RETRY_EXC_ERR,
 // as on a RC QP whose peer stopped answering. UC and UD requests get no
 // response.
@@ -75,7 +77,9 @@ import (
 // latest when a QP or the
 // service closes (closeGracefully).
 //
-// Failure. End of file, a read or write error, a write timeout, or a
+// Failure. End of file, a read or write error, a write timeout (a wait
+// of the QP's response timeout during which the socket took nothing:
+// writeAllLocked), or a
 // malformed frame takes the connection down, after the frames that
 // arrived complete were handled: it is closed, waiting requesters fail,
 // the QPs connected to the peer process move to ERR (failQPs), and the
@@ -111,8 +115,12 @@ type conn struct {
 	dead   atomic.Bool
 	done   chan struct{}
 	rxSeen atomic.Uint64 // frames handled (a sign of the peer's life: alive)
-	errMu  sync.Mutex
-	err    error
+	// The responder's alive frames (showLife; rmu).
+	lifeAt     time.Time
+	aliveFrame [hdrLen + aliveLen]byte
+	aliveBufs  [1][]byte
+	errMu      sync.Mutex
+	err        error
 
 	nextID atomic.Uint64
 
@@ -120,8 +128,9 @@ type conn struct {
 	// first: it may hold the rest of a partly written frame.
 	wmu       sync.Mutex
 	wbufs     net.Buffers
-	wdeadline time.Time // shm
-	twBuf     [][]byte  // tryWrite's argument and results (wmu)
+	wdeadline time.Time     // shm
+	wspan     time.Duration // the timeout of the write deadline (setDeadline): sockets
+	twBuf     [][]byte      // tryWrite's argument and results (wmu)
 	twN       int
 	twErr     error
 	twFn      func(fd uintptr) bool
@@ -210,8 +219,9 @@ const (
 	// scheduler periods of an oversubscribed core (tens of
 	// milliseconds, more under the race detector), a stop of the world
 	// or a page fault storm. It also bounds each wait of a large
-	// request's write for room in the socket (writeReq). 100 ms was
-	// seen to fail a 1 MiB write on two loaded cores with -race.
+	// request's write for room in the socket during which the socket
+	// takes nothing (writeReq, writeAllLocked). 100 ms was seen to fail
+	// a 1 MiB write on two loaded cores with -race.
 	minRespTimeout = 250 * time.Millisecond
 	// writeTimeout bounds a write to a peer that reads nothing for QPs
 	// without a transport timeout, and for the flusher.
@@ -544,8 +554,9 @@ func (c *conn) exec(req *request, data []span, resp *response) {
 
 // writeReq writes the request req with its payload data (plen bytes):
 // one frame, or segments if it is longer than segMax, waiting for room
-// (at most timeout for each write: then the connection fails, since a
-// frame cannot be left half written). x is the requester's scratch.
+// (at most timeout for each wait during which the socket takes nothing,
+// writeAllLocked: then the connection fails, since a frame cannot be left
+// half written). x is the requester's scratch.
 func (c *conn) writeReq(x *xstate, req *request, flags uint8, id uint64, data []span, plen int, timeout time.Duration) error {
 	if plen <= segMax {
 		bufs := x.reqFrame(req, flags, id, data, plen)
@@ -624,8 +635,11 @@ func (c *conn) writeSegsLocked(req *request, flags uint8, id uint64, data []span
 // respTimeout is how long a RC request waits for its response: the QP's
 // transport timeout × (retry_cnt+1), at least minRespTimeout; 0: forever.
 // The timer ticks every quarter of it (rtPeriods), and a request fails
-// between one and one and a quarter timeouts after it left: no clock is
-// read per request.
+// between one and one and a quarter timeouts after it left, plus the
+// periods this process itself was found stalled (a tick more than a
+// period late is not charged, maxRTStalls in a row at most: at most four
+// timeouts more), when the peer showed no sign of life meanwhile: no
+// clock is read per request, one per period.
 // (A NIC retransmits after each transport timeout; soft0's transports do
 // not lose frames, so the retransmissions are the waits, without the
 // packets.) The wait restarts while the peer shows signs of life
@@ -645,7 +659,12 @@ func (q *qp) respTimeout() time.Duration {
 // (an oversubscribed host, a stop of the world), and so can this
 // process' reader, with the response waiting in its socket. A peer
 // process on this host that used processor time counts as alive too
-// (peerlife.go).
+// (peerlife.go). A peer whose responder handles the segments of a long
+// message sends alive frames while it does (showLife: at least every
+// aliveEvery, well within a period of the shortest timeout): a slow peer
+// that consumes a long message shows life before it answers, over TCP
+// too, where nothing else can tell; a stopped or dead one sends none
+// (its kernel taking the bytes into its socket is no sign).
 func (c *conn) alive(mark *uint64) bool {
 	n := c.rxSeen.Load()
 	moved := n != *mark
@@ -765,10 +784,22 @@ func (c *conn) setDeadline(t time.Time) {
 		c.wdeadline = t
 		return
 	}
+	c.wspan = 0
+	if !t.IsZero() {
+		c.wspan = time.Until(t)
+	}
 	c.nc.SetWriteDeadline(t)
 }
 
 // writeAllLocked writes bufs, waiting for room (wmu held).
+//
+// The deadline of a write (setDeadline) bounds a wait during which the
+// socket takes nothing, not the whole write: a write that times out
+// after the socket took some of it waits again, as long (patientWrite;
+// with TLS the socket under the session does, bufConn). A peer that reads
+// a long message slowly (a process that gets a processor now and then)
+// is slow, not dead; one that reads nothing (stopped, gone) fills the
+// socket's buffers and then fails the write one deadline later.
 func (c *conn) writeAllLocked(bufs [][]byte) error {
 	c.wbufs = append(c.wbufs[:0], bufs...)
 	var err error
@@ -779,17 +810,57 @@ func (c *conn) writeAllLocked(bufs [][]byte) error {
 		}
 		err = c.shm.writeAll(c.wbufs, d, &c.dead)
 	} else if c.quiet != nil {
-		_, err = c.quiet.writeAll(c.wbufs)
+		rest := c.wbufs // c.wbufs keeps its capacity
+		for {
+			var n int
+			n, err = c.quiet.writeAll(rest)
+			if !c.patientWrite(n, err) {
+				break
+			}
+			skipBytes(&rest, n)
+		}
 	} else if c.tlsw != nil {
 		err = c.tlsw.writeAll(c.wbufs)
 	} else {
-		_, err = c.wbufs.WriteTo(c.nc)
+		for {
+			var n int64
+			n, err = c.wbufs.WriteTo(c.nc) // consumes what it wrote
+			if !c.patientWrite(int(n), err) {
+				break
+			}
+		}
 	}
 	clear(c.wbufs[:cap(c.wbufs)])
 	if err == nil && c.corked.Load() {
 		c.uncorked() // pushed along
 	}
 	return err
+}
+
+// patientWrite reports whether a write to the socket that wrote n bytes
+// and failed with err is to go on (wmu held): it timed out, but the
+// socket took bytes during the wait (writeAllLocked). The deadline is
+// then set as far ahead again.
+func (c *conn) patientWrite(n int, err error) bool {
+	if err == nil || n <= 0 || c.wspan <= 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+		return false
+	}
+	c.nc.SetWriteDeadline(time.Now().Add(c.wspan))
+	return true
+}
+
+// skipBytes drops the first n bytes of *bufs.
+func skipBytes(bufs *net.Buffers, n int) {
+	b := *bufs
+	for len(b) > 0 && n >= len(b[0]) {
+		n -= len(b[0])
+		b[0] = nil
+		b = b[1:]
+	}
+	if len(b) > 0 {
+		b[0] = b[0][n:]
+	}
+	*bufs = b
 }
 
 // outItem is an entry of the send queue: the bytes of frames (a pooled
@@ -1302,7 +1373,7 @@ func readErr(c *conn, err error) error {
 // checkType refuses frames that have no place on a running connection.
 func (c *conn) checkType(h frameHdr) error {
 	switch h.typ {
-	case frReq, frResp, frWake:
+	case frReq, frResp, frWake, frAlive:
 		return nil
 	case frMap:
 		if c.shm != nil {
@@ -1347,6 +1418,10 @@ func (c *conn) handle(h frameHdr, body []byte, data []span, plen int) error {
 			q.wake()
 		}
 		return nil
+	case frAlive:
+		// Its arrival is the point: the peer's responder handles the
+		// segments of a long message (rxSeen, alive).
+		return nil
 	case frMap:
 		return c.serveMap(h.id, body)
 	case frPullProbe:
@@ -1384,6 +1459,11 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		data = nil
 		req.deferRead = req.op == opRead && !req.direct // sendRead sends the data
 	}
+	if req.more {
+		if d := c.f.testSegDelay.Load(); d > 0 {
+			time.Sleep(time.Duration(d)) // a slow responder (tests)
+		}
+	}
 	var resp response
 	c.rxID, c.rxQPN, c.rxAnswer, c.rxAcked = id, req.srcQPN, flags&reqNoResp == 0, false
 	if t := c.f.qps.load(req.dstQPN); t == nil {
@@ -1415,6 +1495,9 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 		}
 		return err
 	}
+	if req.more && resp.code == respACK && flags&reqNoResp == 0 {
+		c.showLife(id, req.off)
+	}
 	if flags&reqNoResp != 0 || resp.code == respSilent || resp.code == respACK && req.more {
 		return nil
 	}
@@ -1439,6 +1522,43 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	}
 	c.respMu.Unlock()
 	return nil
+}
+
+// aliveEvery is how often a responder that handles the segments of a
+// long RC message tells the requester it is alive (showLife): an eighth
+// of minRespTimeout, the shortest response timeout, whose timer checks
+// for signs of life every quarter of it at the earliest.
+const aliveEvery = minRespTimeout / 8
+
+// showLife is called by the consumer (rmu held) when the responder has
+// accepted a segment of a RC message other than its last: off is the
+// segment's offset in the message of request id. Only the last segment
+// is answered, and a long message into a slow process (one that gets a
+// processor now and then on a loaded host) can take longer than the
+// requester's response timeout to arrive: over TCP the requester has no
+// other sign of this process' life (conn.alive), and the kernel having
+// taken the bytes proves nothing (a stopped process' kernel takes them
+// too). So a responder that has been handling a message's segments for
+// aliveEvery since its first segment or its last alive frame sends one
+// (frAlive): it comes while this process consumes the message, and
+// never from a process that does not run. A message that arrives
+// quickly sends none: a clock read per segment is its cost.
+func (c *conn) showLife(id uint64, off uint32) {
+	now := time.Now()
+	if off == 0 {
+		c.lifeAt = now
+		return
+	}
+	if now.Sub(c.lifeAt) < aliveEvery {
+		return
+	}
+	c.lifeAt = now
+	b := c.aliveFrame[:]
+	putHdr(b, frAlive, aliveLen, id)
+	binary.LittleEndian.PutUint64(b[hdrLen:], uint64(off))
+	c.aliveBufs[0] = b
+	c.sendAsync(c.aliveBufs[:])
+	c.aliveBufs[0] = nil
 }
 
 // ackNowMin is the least message length whose responses are not held

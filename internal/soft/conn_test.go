@@ -207,6 +207,31 @@ func TestHostileFrames(t *testing.T) {
 			b[hdrLen+2] |= reqDirect
 			return b
 		}, true, 0},
+		{"OldVersion", func(h *hostile) []byte {
+			// A build before alive frames (version 6).
+			b := h.reqFrame(opWrite, h.mr.Addr(), 8, make([]byte, 8))
+			b[2] = 6
+			return b
+		}, true, 0},
+		{"AliveShort", func(h *hostile) []byte {
+			b := make([]byte, hdrLen)
+			putHdr(b, frAlive, 0, 0)
+			return b
+		}, true, 0},
+		{"AliveLong", func(h *hostile) []byte {
+			b := make([]byte, hdrLen+2*aliveLen)
+			putHdr(b, frAlive, 2*aliveLen, 0)
+			return b
+		}, true, 0},
+		{"AliveFromAnyone", func(h *hostile) []byte {
+			// Alive frames name nothing and change nothing: they are
+			// skipped, and the write after them is answered.
+			a := make([]byte, hdrLen+aliveLen)
+			putHdr(a, frAlive, aliveLen, 77)
+			binary.LittleEndian.PutUint64(a[hdrLen:], ^uint64(0))
+			b := append(bytes.Repeat(a, 3), h.reqFrame(opWrite, h.mr.Addr()+4096-10, 100, bytes.Repeat([]byte{0xAB}, 100))...)
+			return b
+		}, false, respAccess},
 		{"WritePastTheEnd", func(h *hostile) []byte {
 			return h.reqFrame(opWrite, h.mr.Addr()+4096-10, 100, bytes.Repeat([]byte{0xAB}, 100))
 		}, false, respAccess},
@@ -296,6 +321,9 @@ func FuzzFrame(f *testing.F) {
 	var w [hdrLen + wakeLen]byte
 	putHdr(w[:], frWake, wakeLen, 0)
 	f.Add(w[:])
+	var a [hdrLen + aliveLen]byte
+	putHdr(a[:], frAlive, aliveLen, 5)
+	f.Add(a[:])
 	f.Add([]byte{})
 	f.Add(bytes.Repeat([]byte{0xff}, hdrLen+reqBodyLen))
 	var ma [hdrLen + mapAckLen]byte

@@ -32,6 +32,13 @@ type fabric struct {
 
 	wakes atomic.Uint64 // completion events delivered (cq.push)
 
+	// testSegDelay (ns) makes the responder sleep before each segment of
+	// a message but the last (tests: a slow responder).
+	testSegDelay atomic.Int64
+	// testTickLate (ns) makes each tick of a RC requester's response
+	// timer that late (tests: a stalled requester).
+	testTickLate atomic.Int64
+
 	graces graceWatch // the readers in their grace (progress.go)
 
 	keysMu   sync.Mutex

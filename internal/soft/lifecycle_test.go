@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io"
 	"os"
 	"strconv"
@@ -186,9 +187,16 @@ func waitComps(ctx context.Context, cq prov.CQ, ch prov.CompChannel, n int, spin
 //	stall MS             handle nothing from the parent for MS ms while
 //	                     keeping a processor busy: "stalling", then
 //	                     "resumed"
+//	slowregion SIZE MS   register a region of SIZE bytes for the
+//	                     parent's RDMA writes, and have the responder
+//	                     sleep MS ms before each segment of a message
+//	                     but the last: "region ADDR RKEY"
+//	sum                  "sum HASH": the FNV-1a hash of slowregion's
+//	                     region
 //	exit                 exit (status 0)
 func peerChild(in *bufio.Scanner, out io.Writer) int {
 	var s *peerSide
+	var slow []byte // slowregion's
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
@@ -317,6 +325,24 @@ func peerChild(in *bufio.Scanner, out io.Writer) int {
 				return fail(errors.New("stall: no spin"))
 			}
 			fmt.Fprintln(out, "resumed")
+		case "slowregion":
+			reg, err := mem.Alloc(mem.RoundUp(arg(1)), "test", false)
+			if err != nil {
+				return fail(err)
+			}
+			defer reg.Free()
+			m, err := s.pd.RegMR(prov.Mem{Ptr: reg.Ptr(), Len: arg(1), FD: reg.FD()}, allAccess)
+			if err != nil {
+				return fail(err)
+			}
+			defer m.Close()
+			slow = reg.Bytes()[:arg(1)]
+			getFabric().testSegDelay.Store(int64(time.Duration(arg(2)) * time.Millisecond))
+			fmt.Fprintf(out, "region %d %d\n", m.Addr(), m.RKey())
+		case "sum":
+			h := fnv.New64a()
+			h.Write(slow)
+			fmt.Fprintf(out, "sum %x\n", h.Sum64())
 		case "exit":
 			return 0
 		default:

@@ -55,8 +55,12 @@
 // 2^timeout × (retry_cnt+1), but at least minRespTimeout (250 ms: the
 // peer's goroutines, unlike a NIC, need the CPU to answer, and a loaded
 // host can deschedule them for tens of milliseconds), restarted while
-// the peer shows signs of life (its frames arrive: a slow peer is not a
-// dead one; conn.alive). A receiver that exits right after it polled a
+// the peer shows signs of life (its frames arrive, alive frames among
+// them while it handles the segments of a long message: a slow peer is
+// not a dead one; conn.alive), not counting the periods during which this
+// process itself was stalled (xreq.go, retire). A write waiting for room
+// in a socket fails after the response timeout only if the socket took
+// nothing meanwhile (conn.writeAllLocked). A receiver that exits right after it polled a
 // receive completion, without closing anything, has acknowledged the
 // message already: the acknowledgement leaves before the completion is
 // visible (conn.ackFirst), or, over a unix socket or shared memory, is

@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net"
+	"os"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -123,14 +125,17 @@ type bufConn struct {
 	net.Conn
 	r     *bufio.Reader
 	w     *bufio.Writer
-	batch atomic.Bool // writes go to w (set and cleared under the connection's wmu)
+	batch atomic.Bool  // writes go to w (set and cleared under the connection's wmu)
+	span  atomic.Int64 // how far ahead the write deadline was set (ns; 0: none)
 }
 
 // tlsBuf is the size of the buffers of a TLS connection: 16 records.
 const tlsBuf = 256 << 10
 
 func newBufConn(c net.Conn) *bufConn {
-	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, tlsBuf), w: bufio.NewWriterSize(c, tlsBuf)}
+	bc := &bufConn{Conn: c, r: bufio.NewReaderSize(c, tlsBuf)}
+	bc.w = bufio.NewWriterSize(patientConn{bc}, tlsBuf)
+	return bc
 }
 
 func (c *bufConn) Read(b []byte) (int, error) { return c.r.Read(b) }
@@ -139,8 +144,51 @@ func (c *bufConn) Write(b []byte) (int, error) {
 	if c.batch.Load() {
 		return c.w.Write(b)
 	}
-	return c.Conn.Write(b)
+	return c.patientWrite(b)
 }
+
+// SetWriteDeadline sets the socket's write deadline, and remembers how
+// far ahead it is (patientWrite).
+func (c *bufConn) SetWriteDeadline(t time.Time) error {
+	c.storeSpan(t)
+	return c.Conn.SetWriteDeadline(t)
+}
+
+// SetDeadline sets the socket's deadlines (see SetWriteDeadline).
+func (c *bufConn) SetDeadline(t time.Time) error {
+	c.storeSpan(t)
+	return c.Conn.SetDeadline(t)
+}
+
+func (c *bufConn) storeSpan(t time.Time) {
+	var d time.Duration
+	if !t.IsZero() {
+		d = time.Until(t)
+	}
+	c.span.Store(int64(d))
+}
+
+// patientWrite writes b to the socket: a write that times out after the
+// socket took some of b waits again, as long (conn.writeAllLocked). A
+// TLS session fails for good on a write error, so the socket under it is
+// patient in its place.
+func (c *bufConn) patientWrite(b []byte) (int, error) {
+	n := 0
+	for {
+		k, err := c.Conn.Write(b[n:])
+		n += k
+		d := time.Duration(c.span.Load())
+		if err == nil || k <= 0 || d <= 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+			return n, err
+		}
+		c.Conn.SetWriteDeadline(time.Now().Add(d))
+	}
+}
+
+// patientConn is what the buffered writer of a bufConn writes to.
+type patientConn struct{ c *bufConn }
+
+func (p patientConn) Write(b []byte) (int, error) { return p.c.patientWrite(b) }
 
 // tlsWriter writes a connection's frames into its TLS session (wmu
 // held). A frame's header and a small payload are separate buffers:

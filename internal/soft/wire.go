@@ -16,7 +16,7 @@ import (
 // All integers are little endian.
 //
 //	header  [0:2]  magic 0x4756 ("VG")
-//	        [2]    version (2)
+//	        [2]    version (wireVersion)
 //	        [3]    type
 //	        [4:8]  length of body and payload
 //	        [8:16] id: request sequence number (REQ, RESP)
@@ -27,7 +27,7 @@ import (
 
 const (
 	wireMagic   = 0x4756
-	wireVersion = 6 // 2: the handshake of handshake.go; 3: shared-memory rings skip to the next lap (shm.go); 4: pulled payloads (cma.go); 5: their claims; 6: pulled reads
+	wireVersion = 7 // 2: the handshake of handshake.go; 3: shared-memory rings skip to the next lap (shm.go); 4: pulled payloads (cma.go); 5: their claims; 6: pulled reads; 7: alive frames
 	hdrLen      = 16
 )
 
@@ -45,6 +45,7 @@ const (
 	frAuthAck   frameType = 9  // acceptor → dialer: handshake (body authAckLen)
 	frPullProbe frameType = 10 // shm, unix: may the peer read this process? (body pullProbeLen; cma.go)
 	frPullAck   frameType = 11 // shm (over the socket), unix: the answer (body pullAckLen)
+	frAlive     frameType = 12 // a responder is handling the segments of a long message (body aliveLen; conn.showLife)
 )
 
 const (
@@ -55,6 +56,7 @@ const (
 	mapAckLen    = 32
 	pullProbeLen = 16 // the address of 8 bytes, and what they hold
 	pullAckLen   = 8  // [0] status (pullOK, pullNo), [1:8] 0
+	aliveLen     = 8  // the offset of the segment handled in its message (informational)
 
 	// maxPayload is the largest payload of a frame: a message (the
 	// payload of a send or write, the data of a read) longer than that
@@ -129,6 +131,8 @@ func parseHdr(b []byte) (frameHdr, error) {
 		ok = h.length == pullProbeLen
 	case frPullAck:
 		ok = h.length == pullAckLen
+	case frAlive:
+		ok = h.length == aliveLen
 	default:
 		return h, errBadType
 	}
@@ -161,6 +165,10 @@ func parseHdr(b []byte) (frameHdr, error) {
 // from their offset on, segMax at a time, with reqMore set on all but the
 // last. Their PSNs follow each other like those of the message's packets.
 // Only the last segment (and a segment the responder refuses) is answered.
+// A responder that handles the segments of a RC message slowly sends ALIVE
+// frames meanwhile (frAlive: header id the request's, body [0:8] the
+// offset of the segment it handled; conn.showLife): they name nothing and
+// are skipped, their arrival is a sign of the peer's life (conn.alive).
 const (
 	reqSolicited = 1 << 0
 	reqNoResp    = 1 << 1 // UC, UD: the requester wants no response

@@ -24,7 +24,13 @@ import (
 //     is sent again;
 //   - any other NAK, a lost connection or a response that does not come
 //     within the transport timeout fails the oldest request in flight and
-//     moves the QP to ERR, which flushes the others;
+//     moves the QP to ERR, which flushes the others. The timeout counts
+//     periods of the response timer in which this process ran: a tick
+//     that comes more than a period late (this process, its timer or
+//     whoever runs the send queue was not running) is not charged
+//     (rtStalled), since a requester that did not run cannot tell its
+//     peer was silent; and it restarts while the peer shows signs of
+//     life (conn.alive);
 //   - a fenced request (prov.SendFence) is not written until every RDMA
 //     read and atomic before it has completed (its data or result is in
 //     local memory), so that it can send what they fetched. Other
@@ -79,6 +85,12 @@ type xstate struct {
 	// arrives: its age is then known in whole periods (see retire), which
 	// costs no clock read per request.
 	rtTicks atomic.Uint64
+	// rtDue is when the running period of the response timer ends
+	// (progMu): a tick that comes more than a period after it found
+	// this process stalled (retire). rtStalls counts such ticks in a
+	// row that were not charged (progMu).
+	rtDue    time.Time
+	rtStalls int
 
 	// rev is the connection the destination's own requests arrive on
 	// (conn.handleReq): this QP's requests go there too, so that each
@@ -573,7 +585,7 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 		x.rtMark = c.rxSeen.Load() // signs of life count from here (conn.alive)
 	}
 	if timeout > 0 && !x.rtArmed {
-		q.armRespTimer(timeout)
+		q.armRespTimer(timeout, true)
 	}
 	w.ftick = x.rtTicks.Load() // after the arm: it left after that tick
 	return postSent, 0
@@ -586,22 +598,51 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 // it left (as a NIC's timer, whose granularity is coarse too).
 const rtPeriods = 4
 
-// armRespTimer starts the response timer (progMu held): a tick now, the
+// maxRTStalls bounds how many ticks in a row of the response timer may
+// be found stalled and not charged (retire): a requester that is late
+// for every tick (a host so loaded that this process waits more than a
+// period for each turn) still finds a silent peer dead, after at most
+// maxRTStalls/rtPeriods more timeouts.
+const maxRTStalls = 4 * rtPeriods
+
+// armRespTimer starts the response timer (progMu held): a tick now
+// unless charge is false (the period that ended is not counted), the
 // next one a period of the timeout d later.
-func (q *qp) armRespTimer(d time.Duration) {
+func (q *qp) armRespTimer(d time.Duration, charge bool) {
 	x := q.x
 	x.rtArmed = true
 	x.rtFired.Store(false)
-	x.rtTicks.Add(1)
+	if charge {
+		x.rtTicks.Add(1)
+	}
 	p := d / rtPeriods
+	x.rtDue = time.Now().Add(p)
 	if x.rtimer == nil {
 		x.rtimer = time.AfterFunc(p, func() {
+			if late := q.f.testTickLate.Load(); late > 0 {
+				time.Sleep(time.Duration(late)) // a late timer (tests)
+			}
 			x.rtFired.Store(true)
 			q.kick()
 		})
 	} else {
 		x.rtimer.Reset(p)
 	}
+}
+
+// rtStalled reports whether the tick of the response timer being
+// handled (progMu held) comes more than a period of the timeout d late:
+// this process (its timer, or whoever runs the send queue) did not run
+// for that long, and cannot tell whether its peer was silent meanwhile.
+// Such a tick is not charged (maxRTStalls in a row at most).
+func (q *qp) rtStalled(d time.Duration) bool {
+	x := q.x
+	if time.Since(x.rtDue) <= d/rtPeriods || x.rtStalls >= maxRTStalls {
+		x.rtStalls = 0
+		return false
+	}
+	x.rtStalls++
+	return true
 }
 
 // retire consumes the queued responses. Called with progMu held.
@@ -645,12 +686,17 @@ func (q *qp) retire() {
 			now := x.rtTicks.Load() + 1
 			switch {
 			case d <= 0:
+			case q.rtStalled(d):
+				// This process stalled: the period that ended does
+				// not count (it merges with the next one), so that
+				// the stall is not taken for the peer's silence.
+				q.armRespTimer(d, false)
 			case now-sent-1 < rtPeriods:
-				q.armRespTimer(d)
+				q.armRespTimer(d, true)
 			case w.fconn != nil && w.fconn.alive(&x.rtMark):
 				// The peer is alive but slow, or this process was
 				// (conn.alive): a timer restarted by its signs of life.
-				q.armRespTimer(d)
+				q.armRespTimer(d, true)
 				w.ftick = x.rtTicks.Load()
 			default:
 				q.failFlight(w, prov.StatusRetryExcErr, &retired)
