@@ -65,8 +65,11 @@ type QPSpec struct {
 	// at least 250 ms, however small the timeout (its peer's goroutines,
 	// unlike a NIC, need the CPU to answer, and a loaded host can
 	// deschedule them for tens of milliseconds), and restarts the wait
-	// while the peer process shows signs of life; its timer's granularity
-	// is a quarter of the wait (the failure comes up to 25% later).
+	// while the peer process shows signs of life (a peer taking in a long
+	// message shows it every 31 ms); its timer's granularity is a quarter
+	// of the wait (the failure comes up to 25% later), and a quarter in
+	// which this process itself did not run is not counted (up to 16 in a
+	// row: 4 more waits at most).
 	Timeout uint8
 	// RetryCount is how often RC retransmits on timeout; default 7.
 	// Use -1 for no retries.
