@@ -79,10 +79,14 @@ func Allgather[T Number](ctx context.Context, c *Comm, send, recv []T) error {
 // follow each other in rank order without gaps (else Bruck), chosen by
 // the size of the blocks' total.
 //
-// Ranks that disagree on the counts are detected where the length of a
-// message differs from what its receiver expects (ErrMismatch).
+// Ranks that disagree on the counts are detected by the ranks that
+// receive a message of theirs (ErrMismatch): the call's description,
+// which every message carries, includes a hash of counts (not of displs,
+// which only place the blocks in this rank's recv). So blocks are never
+// placed by counts that differ from their sender's, also where a
+// message bundles several blocks whose counts add up alike.
 func Allgatherv[T Number](ctx context.Context, c *Comm, send, recv []T, counts, displs []int) error {
-	info := callInfo{kind: kindAllgatherv, dtype: dtypeOf[T](), root: -1, count: anyCount}
+	info := callInfo{kind: kindAllgatherv, dtype: dtypeOf[T](), root: -1, count: countsHash(counts)}
 	t, err := c.begin(ctx, info, bytesOf(send), bytesOf(recv))
 	if err != nil {
 		return err

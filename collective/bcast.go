@@ -45,7 +45,9 @@ const BcastSmallMax = 64 << 10
 // message that a disagreeing rank never sends fails at its context's end
 // or Options.Timeout. A rank that receives nothing from a disagreeing
 // rank in the call (the root always) cannot know: the disagreement
-// surfaces at the next call that exchanges with it.
+// surfaces at the next call that receives from it, or else at Close
+// (ErrMismatch: the disagreeing rank's message was never taken in; see
+// Comm.Close).
 func Broadcast[T Number](ctx context.Context, c *Comm, buf []T, root int) error {
 	info := callInfo{kind: kindBroadcast, dtype: dtypeOf[T](), root: int32(root), count: uint64(len(buf))}
 	t, err := c.begin(ctx, info, bytesOf(buf))

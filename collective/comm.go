@@ -31,14 +31,19 @@ var (
 	// length), or called them in another order.
 	ErrMismatch = errors.New("collective: ranks disagree on the collective call")
 	// ErrArgs: the arguments are invalid at this rank (slice lengths,
-	// root, counts); nothing was sent and the communicator stays usable.
+	// root, counts); nothing was sent and the communicator stays usable,
+	// unless the arguments are ones only the root of the call uses (a
+	// gather's recv, a scatter's send, a reduce's recv): then the root
+	// gives the call up, and the communicator is poisoned (see
+	// Failures in the package documentation).
 	ErrArgs = errors.New("collective: invalid arguments")
 	// ErrClosed: the communicator was closed.
 	ErrClosed = errors.New("collective: communicator closed")
 	// ErrPeerAborted: a peer gave up the call (it detected a mismatch,
 	// its context ended, its communicator was closed or poisoned), so
 	// this rank's cannot complete. When the peer's reason was a
-	// mismatch, the error wraps ErrMismatch too.
+	// mismatch, the error wraps ErrMismatch too; when it was the root's
+	// bad arguments, ErrArgs.
 	ErrPeerAborted = errors.New("collective: a peer gave up the call")
 )
 
@@ -422,6 +427,17 @@ func (c *Comm) Err() error {
 // closed its side too), or a rank of the world failed; until then they
 // stay registered, and are released by a later New or Close on the same
 // node that finds them quiet, or when the node closes.
+//
+// Close of a communicator that is not poisoned reports a mismatch that
+// no call saw: it fails with ErrMismatch (an *Error of call "close",
+// naming the peer and its call) when a peer's message of one of this
+// rank's calls is in the windows, never taken in — the peer's call
+// differed from this rank's without any message this rank received
+// showing it, as when the ranks of a Broadcast, Gather, Scatter or
+// Reduce disagree on the root and each, taking itself for the root,
+// only sends. Close sees only the messages that have arrived: one still
+// on its way is not reported (it does not wait for the peers). The
+// communicator is closed all the same.
 func (c *Comm) Close() error {
 	if c.ranks == nil {
 		return nil // a zero Comm, as good as closed
@@ -441,6 +457,7 @@ func (c *Comm) Close() error {
 		return err
 	}
 	defer c.done(t)
+	stray := c.stray()
 	// Counters left owed by a full send queue go before the done flag.
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	c.flushOwed(ctx)
@@ -448,7 +465,7 @@ func (c *Comm) Close() error {
 	c.sayDone()
 	defer sweepLate(c.node)
 	if c.quiet() {
-		return c.release()
+		return errors.Join(stray, c.release())
 	}
 	lateMu.Lock()
 	defer lateMu.Unlock()
@@ -457,6 +474,55 @@ func (c *Comm) Close() error {
 		node.OnClose(func() error { return releaseLate(node) })
 	}
 	late[c.node] = append(late[c.node], c)
+	return stray
+}
+
+// stray returns, at Close of a communicator that is not poisoned (every
+// call of this rank completed, or failed with ErrArgs before it sent
+// anything), ErrMismatch naming the first peer that wrote a message into
+// this rank's windows that none of its calls took in: every message of
+// a call is taken in by the call of the same number at its receiver, so
+// the peer's call and this rank's differed, in a way that no message
+// this rank received showed (ranks of a Broadcast, Gather, Scatter or
+// Reduce that disagree on the root: each sent as the root and received
+// nothing). A later call that receives from the peer finds such a
+// message too (ErrMismatch); Close finds those nothing read. It sees
+// only messages that have arrived: it does not wait for the peers.
+func (c *Comm) stray() error {
+	c.mu.Lock()
+	poisoned := c.err != nil
+	c.mu.Unlock()
+	if poisoned || c.size == 1 {
+		return nil
+	}
+	c.mc.Progress() // place what the peers wrote (soft0 places writes as the process polls)
+	for p := range c.size {
+		if p == c.rank || c.remote[p].Len == 0 {
+			continue
+		}
+		seq := c.recvSeq[p]
+		slot := c.rxSlot(p, seq)
+		var call uint32
+		var peer callInfo
+		// A message of a later call than this rank's last is one of a
+		// peer that called on after this rank's last call (it fails, with
+		// ErrClosed, as this rank closed), not a mismatch.
+		if h, ok := llHeader(slot, llFlag(seq)); ok {
+			call = h[0]
+			peer = callInfo{kind: uint8(h[1]), op: opKind(h[1] >> 8), dtype: uint8(h[1] >> 16), root: int32(h[2]),
+				count: uint64(h[3]) | uint64(h[4])<<32, opID: h[7]}
+		} else if atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) > seq {
+			call, peer = chunkCall(slot)
+		} else {
+			continue
+		}
+		if call > c.callSeq {
+			continue
+		}
+		return &Error{Call: "close", Rank: c.rank, Peer: p, Err: fmt.Errorf(
+			"%w: rank %d sent a message of its call %d (%v) that no call of this rank took in; this rank's last call was %d (%v)",
+			ErrMismatch, p, call, peer, c.callSeq, c.call)}
+	}
 	return nil
 }
 
@@ -594,7 +660,11 @@ func (c *Comm) await(ctx context.Context, t uint64) error {
 			go func() {
 				_ = c.await(context.Background(), t)
 				c.mu.Lock()
-				if c.err == nil {
+				if c.err == nil && !c.closed {
+					// The abandoned call is the communicator's next one:
+					// the abort names its number (the peers' call of this
+					// turn), not the previous call's.
+					c.callSeq++
 					c.err = fmt.Errorf("a call was abandoned before it started: %w", ctx.Err())
 				}
 				c.mu.Unlock()

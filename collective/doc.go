@@ -28,6 +28,28 @@
 // detects it, the others' calls fail as it gives up (ErrPeerAborted,
 // wrapping ErrMismatch). Mismatches are never silently combined.
 //
+// The description covers the counts vector of Allgatherv and
+// ReduceScatterV (a hash of it; every rank passes the same): ranks that
+// disagree on it fail with ErrMismatch, also where the lengths of all
+// messages agree (a message bundles several blocks whose counts add up
+// alike), instead of placing or reducing blocks by counts other than
+// their sender's. The counts of Alltoallv, Gatherv and Scatterv differ
+// between ranks by design (or are the root's only); their blocks travel
+// alone, and a block of another length than its receiver expects is a
+// mismatch.
+//
+// A mismatch that no message shows during the call — ranks of a rooted
+// call (Broadcast, Gather, Scatter, Reduce) that disagree on the root:
+// each takes itself for the root, sends, receives nothing and returns
+// — shows at the next call that receives from the disagreeing rank (its
+// stray message is of another call: ErrMismatch), or, if none does, at
+// Close: a rank whose communicator is not poisoned and which finds in
+// its windows a message of one of its calls that none of them took in
+// returns ErrMismatch from Close, naming the peer and the peer's call.
+// Close does not wait: a stray message that had not arrived when it
+// looked goes unreported (a barrier of the node before Close makes sure
+// it has). No round trip is added to any call for it.
+//
 // # Data path
 //
 // Each rank registers, once per communicator, a receive window for every
@@ -183,7 +205,17 @@
 // every later call of every communicator of that rank fails naming the
 // failed rank, also one that needs no peer's answer (a gather's non-root,
 // a communicator of one rank). Argument errors (ErrArgs) are found
-// before anything is sent and do not poison.
+// before anything is sent and do not poison, except those only the root
+// of a rooted call can find (the root's recv of Gather, Gatherv and
+// Reduce, its send of Scatter and Scatterv, which the other ranks do not
+// pass): the other ranks are in the call and may wait for the root, so
+// the root returns ErrArgs and gives the call up like a failed one
+// (poisoning the communicator), and every other rank's call fails at
+// once with ErrPeerAborted wrapping ErrArgs, naming the root, instead
+// of waiting until its context or Options.Timeout ends. A non-blocking
+// call whose context ends while it waits for its turn gives that turn up
+// the same way (ErrPeerAborted at the peers, naming its call's number),
+// poisoning the communicator.
 //
 // # Concurrency and lifetime
 //

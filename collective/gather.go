@@ -60,7 +60,7 @@ func gather[T Number](ctx context.Context, c *Comm, info callInfo, send, recv []
 	}
 	own, err := rootBlock(c, info, &l, recv, send, true)
 	if err != nil {
-		return c.end(t, err)
+		return c.end(t, c.rootArgs(err))
 	}
 	if send != nil {
 		copy(own, send)
@@ -119,7 +119,7 @@ func scatter[T Number](ctx context.Context, c *Comm, info callInfo, send []T, l 
 	}
 	own, err := rootBlock(c, info, &l, send, recv, false)
 	if err != nil {
-		return c.end(t, err)
+		return c.end(t, c.rootArgs(err))
 	}
 	c.sends = c.rootFlows(c.sends[:0], bytesOf(send), &l, root)
 	if recv != nil {

@@ -8,7 +8,8 @@ import (
 )
 
 // TestHotPathAllocatesNothing: a warmed-up ReduceScatter(V), Alltoall(v),
-// Scan and ExScan allocates nothing, at any rank (AllocsPerRun counts the
+// Allgatherv (its description's hash of the counts included), Scan and
+// ExScan allocates nothing, at any rank (AllocsPerRun counts the
 // allocations of the whole process: rank 0 runs in it, the others in
 // goroutines running as many calls).
 func TestHotPathAllocatesNothing(t *testing.T) {
@@ -43,6 +44,9 @@ func TestHotPathAllocatesNothing(t *testing.T) {
 			}},
 			{"alltoallv", func(ctx context.Context, c *collective.Comm, r int) error {
 				return collective.Alltoallv(ctx, c, bufs[r], vcounts, vdispls, outs[r], vcounts, vdispls)
+			}},
+			{"allgatherv", func(ctx context.Context, c *collective.Comm, r int) error { // Bruck below AllgatherSmallMax (p = 3), or the ring
+				return collective.Allgatherv(ctx, c, bufs[r][:vcounts[r]], outs[r][:12], vcounts, vdispls)
 			}},
 			{"scan", func(ctx context.Context, c *collective.Comm, r int) error {
 				return collective.Scan(ctx, c, bufs[r], outs[r], collective.Sum)

@@ -70,9 +70,9 @@ func Reduce[T Number](ctx context.Context, c *Comm, send, recv []T, op Op, root 
 	case root < 0 || root >= c.size:
 		return c.end(t, c.argErr(info.kind, "root %d out of range [0, %d)", root, c.size))
 	case atRoot && len(recv) != n:
-		return c.end(t, c.argErr(info.kind, "send has %d elements, recv %d", n, len(recv)))
+		return c.end(t, c.rootArgs(c.argErr(info.kind, "send has %d elements, recv %d", n, len(recv))))
 	case atRoot && overlapPartly(send, recv):
-		return c.end(t, c.argErr(info.kind, "send and recv overlap without being the same slice"))
+		return c.end(t, c.rootArgs(c.argErr(info.kind, "send and recv overlap without being the same slice")))
 	}
 	red, err := reducerFor[T](op)
 	if err != nil {

@@ -55,7 +55,9 @@ func ReduceScatter[T Number](ctx context.Context, c *Comm, send, recv []T, op Op
 // elements of the input, block r of the result is left in
 // recv[:counts[r]] and the rest of recv unchanged. Algorithms and order
 // of reduction as ReduceScatter's (the ring when the vector is at least
-// RingMin bytes and p is not a power of two).
+// RingMin bytes and p is not a power of two). Ranks that disagree on
+// counts fail with ErrMismatch (the call's description includes a hash
+// of them), also where their sums agree.
 func ReduceScatterV[T Number](ctx context.Context, c *Comm, send, recv []T, counts []int, op Op) error {
 	info := callInfo{kind: kindReduceScatter, op: op.kind, opID: op.id, dtype: dtypeOf[T](), root: -1}
 	if len(counts) != c.size {
@@ -68,7 +70,11 @@ func ReduceScatterV[T Number](ctx context.Context, c *Comm, send, recv []T, coun
 		}
 		total += k
 	}
-	info.count = uint64(total) // every rank passes the same counts
+	// Every rank passes the same counts: the description carries their
+	// hash, so that ranks that disagree fail with ErrMismatch also where
+	// the messages' lengths agree (recursive halving sends several
+	// blocks in one message), instead of reducing blocks out of place.
+	info.count = countsHash(counts)
 	in, inPlace, n := send, send == nil, counts[c.rank]
 	if inPlace {
 		if len(recv) != total {

@@ -86,6 +86,35 @@ func kindName(k uint8) string {
 // anyCount in callInfo.count: the count is not compared (v-variants).
 const anyCount = ^uint64(0)
 
+// countsFlag marks a callInfo.count that is a hash of a counts vector
+// (countsHash), not a count.
+const countsFlag = 1 << 63
+
+// countsHash returns the count of the description of a v-variant whose
+// ranks all pass the same counts (Allgatherv, ReduceScatterV): a hash of counts (FNV-1a
+// over the 8-byte values) with countsFlag set, never anyCount. Ranks
+// that disagree on the counts then send messages of other descriptions
+// (ErrMismatch), also where every message's length agrees, as when the
+// counts of the blocks a message bundles (Bruck's algorithm, recursive
+// doubling and halving) add up alike: the receiver would place (or
+// reduce) them wrongly. No allocation: a loop over counts.
+func countsHash(counts []int) uint64 {
+	h := uint64(14695981039346656037)
+	for _, n := range counts {
+		v := uint64(n)
+		for range 8 {
+			h ^= v & 0xff
+			h *= 1099511628211
+			v >>= 8
+		}
+	}
+	h |= countsFlag
+	if h == anyCount {
+		h--
+	}
+	return h
+}
+
 // callInfo describes a call, as every rank must agree on it.
 type callInfo struct {
 	kind  uint8
@@ -107,7 +136,11 @@ func (ci callInfo) String() string {
 	if ci.dtype != 0 {
 		s += " of " + dtypeName(ci.dtype)
 	}
-	if ci.count != anyCount {
+	switch {
+	case ci.count == anyCount:
+	case ci.count&countsFlag != 0:
+		s += fmt.Sprintf(", counts hash %016x", ci.count&^countsFlag)
+	default:
 		s += fmt.Sprintf(", count %d", ci.count)
 	}
 	if ci.root >= 0 {
@@ -317,10 +350,10 @@ func (c *Comm) ticketLocked() uint64 {
 }
 
 // end finishes the call of ticket t: a failure poisons the
-// communicator (unless it is an argument error, detected before anything
-// was sent).
+// communicator (unless it is an argument error of this rank, detected
+// before anything was sent: see rootArgs for those only the root finds).
 func (c *Comm) end(t uint64, err error) error {
-	if err != nil && !errors.Is(err, ErrArgs) {
+	if err != nil && (!errors.Is(err, ErrArgs) || errors.Is(err, ErrPeerAborted)) {
 		err = c.brokenPeer(err)
 		c.mu.Lock()
 		if c.err == nil {
@@ -383,6 +416,7 @@ func (c *Comm) brokenPeer(err error) error {
 const (
 	abortMismatch = 1
 	abortOther    = 2
+	abortArgs     = 3 // rootArgs
 )
 
 // abort tells every peer that this rank gave up its current call (and
@@ -431,8 +465,11 @@ func (c *Comm) peerAborted() error {
 		if v == 0 {
 			continue
 		}
-		if v&0xff == abortMismatch {
+		switch v & 0xff {
+		case abortMismatch:
 			return c.fail(fmt.Errorf("%w: %w: rank %d detected it in its call %d", ErrPeerAborted, ErrMismatch, p, v>>8), p)
+		case abortArgs:
+			return c.fail(fmt.Errorf("%w: %w: rank %d, the root, found its arguments of its call %d bad", ErrPeerAborted, ErrArgs, p, v>>8), p)
 		}
 		return c.fail(fmt.Errorf("%w: rank %d gave up its call %d", ErrPeerAborted, p, v>>8), p)
 	}
@@ -446,6 +483,30 @@ func (c *Comm) fail(err error, peer int) error {
 		return err
 	}
 	return &Error{Call: kindName(c.call.kind), Rank: c.rank, Peer: peer, Err: err}
+}
+
+// rootArgs returns err, the argument error the root of a rooted call
+// (Gather, Scatter, Reduce and their v-variants) found in the arguments
+// only it uses, after the call took its turn, and gives the call up: the
+// other ranks, which cannot see those arguments, are in the call and
+// may wait for the root (a scatter's receivers at once, the senders of
+// a gather once the windows are full), so the root aborts it (abort):
+// they fail at once with ErrPeerAborted wrapping ErrArgs, naming the
+// root, and the communicator is poisoned at every rank, as after any
+// failure that ranks do not share, not only when a context or
+// Options.Timeout ends their waits. The caller ends the call with the
+// error.
+func (c *Comm) rootArgs(err error) error {
+	if err == nil || c.size == 1 || !errors.Is(err, ErrArgs) {
+		return err
+	}
+	c.mu.Lock()
+	if c.err == nil {
+		c.err = err
+	}
+	c.mu.Unlock()
+	c.abort(abortArgs)
+	return err
 }
 
 // argErr is an argument error of a call of kind k.
@@ -896,15 +957,21 @@ func (c *Comm) check(h []byte, p int, seq uint64, n, total int) error {
 	if s := binary.LittleEndian.Uint64(h); s != seq {
 		return fmt.Errorf("rank %d's chunk %d arrived where chunk %d was expected (corrupted window)", p, s, seq)
 	}
-	peer := callInfo{kind: h[12], op: opKind(h[13]), dtype: h[14], root: int32(binary.LittleEndian.Uint32(h[16:])),
-		count: binary.LittleEndian.Uint64(h[24:]), opID: binary.LittleEndian.Uint32(h[40:])}
-	if err := c.checkCall(p, binary.LittleEndian.Uint32(h[8:]), peer, binary.LittleEndian.Uint64(h[32:]), total); err != nil {
+	call, peer := chunkCall(h)
+	if err := c.checkCall(p, call, peer, binary.LittleEndian.Uint64(h[32:]), total); err != nil {
 		return err
 	}
 	if l := int(binary.LittleEndian.Uint32(h[20:])); l != n {
 		return fmt.Errorf("rank %d's chunk has %d bytes, want %d (corrupted window)", p, l, n)
 	}
 	return nil
+}
+
+// chunkCall returns the call's sequence number and description in the
+// header h of a chunk.
+func chunkCall(h []byte) (uint32, callInfo) {
+	return binary.LittleEndian.Uint32(h[8:]), callInfo{kind: h[12], op: opKind(h[13]), dtype: h[14],
+		root: int32(binary.LittleEndian.Uint32(h[16:])), count: binary.LittleEndian.Uint64(h[24:]), opID: binary.LittleEndian.Uint32(h[40:])}
 }
 
 // checkCall checks what a chunk's header or a small message says of the
