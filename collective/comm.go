@@ -504,9 +504,6 @@ func (c *Comm) stray() error {
 		slot := c.rxSlot(p, seq)
 		var call uint32
 		var peer callInfo
-		// A message of a later call than this rank's last is one of a
-		// peer that called on after this rank's last call (it fails, with
-		// ErrClosed, as this rank closed), not a mismatch.
 		if h, ok := llHeader(slot, llFlag(seq)); ok {
 			call = h[0]
 			peer = callInfo{kind: uint8(h[1]), op: opKind(h[1] >> 8), dtype: uint8(h[1] >> 16), root: int32(h[2]),
@@ -516,6 +513,9 @@ func (c *Comm) stray() error {
 		} else {
 			continue
 		}
+		// A message of a later call than this rank's last is one of a
+		// peer that called on after this rank's last call (it fails, with
+		// ErrClosed, as this rank closed), not a mismatch.
 		if call > c.callSeq {
 			continue
 		}
