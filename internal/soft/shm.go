@@ -518,7 +518,11 @@ func readMsgFDs(c *net.UnixConn, b []byte, max int) ([]int, error) {
 // ring; MAP_ACK with a descriptor over the unix socket) and maps it,
 // read-only unless the region allows remote writes (the descriptor of a
 // region without remote write access is opened read-only, so the peer
-// cannot map it writable). Each request then goes without data through
+// cannot map it writable). The target hands a region only to a peer with
+// a QP connected to one of its QPs in the region's PD (peerConnectedIn:
+// a region is reachable only through a QP of its PD); to any other it
+// answers "not shared", and the requests go through its service, whose
+// responder checks them. Each request then goes without data through
 // the ring; the target's responder does every check as for any request
 // (QP state, PSN, access, rkey, bounds) and answers; on ACK the requester
 // copies the bytes (into its mapping for a write, out of it for a read)
@@ -560,7 +564,13 @@ func readMsgFDs(c *net.UnixConn, b []byte, max int) ([]int, error) {
 // frees its memory): it then reaches only pages that the requester's
 // mapping keeps alive, never memory the target uses. A peer that shrinks
 // its memfd under the mapping can make this process fault, which only a
-// process of the same user and job can do.
+// process of the same user and job can do. The mapping outlives the
+// registration (and the connection): code of a same-user peer that mapped
+// a region can still read its memory, and write it if the region allowed
+// remote writes, after the region is deregistered, for as long as the
+// memory exists, and sees whatever the target keeps in it (a registration
+// of the same memory again among them); memory that must not be reached
+// after deregistration needs a fresh allocation.
 
 const (
 	directMin  = 16 << 10
@@ -692,7 +702,7 @@ func (c *conn) serveMap(id uint64, body []byte) error {
 	rkey := binary.LittleEndian.Uint32(body)
 	ack := mapAck{status: mapNotShare}
 	var fds []int
-	if m := c.f.lookupMR(rkey); m != nil && m.fd >= 0 && m.off == 0 && m.access&prov.AccessRemoteRead != 0 {
+	if m := c.f.lookupMR(rkey); m != nil && m.fd >= 0 && m.off == 0 && m.access&prov.AccessRemoteRead != 0 && c.peerConnectedIn(m.pd) {
 		var st unix.Stat_t
 		if unix.Fstat(m.fd, &st) == nil && uint64(st.Size) == uint64(mem.RoundUp(int(m.length))) && mem.Sealed(m.fd) {
 			if m.access&prov.AccessRemoteWrite != 0 {
@@ -712,6 +722,30 @@ func (c *conn) serveMap(id uint64, body []byte) error {
 	putHdr(b[:], frMapAck, mapAckLen, id)
 	putMapAck(b[hdrLen:], &ack)
 	return c.writeSocket(b[:], fds)
+}
+
+// peerConnectedIn reports whether the peer on c has a QP connected to a
+// QP of this process in pd: an RC or UC QP of pd, in RTR or RTS, whose
+// destination is the peer, as the peer proved (fromPeer). Only then may
+// the peer map a region of pd (serveMap): a region is reachable only
+// through a QP of its PD, and a peer connected to QPs of other PDs alone
+// must not get its memory (it goes through the service, where the
+// responder refuses it). A scan over the QPs: MAP comes once per region
+// and connection, never on the data path.
+func (c *conn) peerConnectedIn(pd *pd) bool {
+	found := false
+	c.f.qps.each(func(q *qp) {
+		if found || q.pd != pd || q.typ == prov.QPTypeUD || q.closed.Load() {
+			return
+		}
+		q.rmu.Lock()
+		if st := prov.QPState(q.state.Load()); st == prov.QPStateRTR || st == prov.QPStateRTS {
+			p, ok := q.route.(*peer)
+			found = ok && p != nil && q.destFabric == c.peerFab && c.auth.proves(&p.addr)
+		}
+		q.rmu.Unlock()
+	})
+	return found
 }
 
 // writeSocket writes the frame b, with the descriptors fds, to the unix
