@@ -111,6 +111,9 @@ func (q *qp) enqueue(wr *prov.SendWR, sges []prov.SGE) error {
 		if a == nil || a.closed.Load() {
 			return errnof(einval, "post send: unknown or destroyed address handle %#x", wr.AH)
 		}
+		if a.pd != q.pd {
+			return errnof(einval, "post send: address handle %#x belongs to another protection domain", wr.AH)
+		}
 		if wr.RemoteQPN > maxQPN {
 			return errnof(einval, "post send: remote QPN %#x exceeds 24 bits", wr.RemoteQPN)
 		}

@@ -235,6 +235,9 @@ func newQP(p *pd, attr prov.QPInitAttr) (*qp, error) {
 		if s, ok = attr.SRQ.(*srq); !ok || s == nil {
 			return nil, errnof(einval, "create qp: SRQ of another provider (%T)", attr.SRQ)
 		}
+		if s.ctx != p.ctx {
+			return nil, errnof(einval, "create qp: the SRQ belongs to another device context")
+		}
 	}
 	c := attr.Cap
 	if c.MaxSendWR < 0 || c.MaxSendWR > maxQPWR || c.MaxSendSGE < 0 || c.MaxSendSGE > maxSGE ||
