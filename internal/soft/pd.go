@@ -86,7 +86,11 @@ func (p *pd) RegDMABuf(offset uint64, length int, iova uint64, fd int, access pr
 }
 
 func (p *pd) CreateQP(attr prov.QPInitAttr) (prov.QP, error) {
-	return newQP(p, attr)
+	q, err := newQP(p, attr)
+	if err != nil {
+		return nil, err // not a QP holding a nil *qp
+	}
+	return q, nil
 }
 
 func (p *pd) CreateSRQ(attr prov.SRQAttr) (prov.SRQ, error) {

@@ -43,6 +43,9 @@ func TestCreateQPSRQOtherContext(t *testing.T) {
 			if tc.err == nil && err != nil || tc.err != nil && !errors.Is(err, tc.err) {
 				t.Fatalf("create qp: %v, want %v", err, tc.err)
 			}
+			if err != nil && q != nil {
+				t.Errorf("create qp failed (%v) and returned %#v, not nil", err, q)
+			}
 		})
 	}
 }

@@ -736,7 +736,8 @@ func (q *qp) resetLocked() {
 	q.rnrLeft, q.retryLeft = 0, 0
 	q.ncbuf = 0
 	q.peerLost.Store(false)
-	q.x.wrOK = false // the next destination may refuse remote writes
+	q.x.wrOK = false  // the next destination may refuse remote writes
+	q.x.ackOK = false // nor may it be ready (importRegion)
 	q.errReported = false
 	q.state.Store(uint32(prov.QPStateReset))
 }

@@ -593,8 +593,13 @@ type mapReply struct {
 
 // importRegion returns the mapping of the peer's region rkey, asking the
 // peer for it if needed (this waits: only the QP's goroutine may call it
-// with wait). nil means: not mapped (yet).
-func (c *conn) importRegion(rkey uint32, wait bool) *mrImport {
+// with wait). nil means: not mapped (yet). A refusal is kept (the region
+// is not asked for again on c) only with keep: the peer shares a region
+// only with a peer connected to a QP of its PD (serveMap), and a QP
+// whose requests were not acknowledged yet may have asked before its
+// destination was connected (xstate.ackOK); its requests go through the
+// service meanwhile.
+func (c *conn) importRegion(rkey uint32, wait, keep bool) *mrImport {
 	c.impMu.RLock()
 	imp := c.imports[rkey]
 	c.impMu.RUnlock()
@@ -620,6 +625,9 @@ func (c *conn) importRegion(rkey uint32, wait bool) *mrImport {
 	}
 	if r.fd >= 0 {
 		unix.Close(r.fd)
+	}
+	if imp.mem == nil && !keep {
+		return imp
 	}
 	c.impMu.Lock()
 	defer c.impMu.Unlock()

@@ -66,6 +66,12 @@ type xstate struct {
 	// its destination QP accepts remote writes (progMu): a write with
 	// immediate is copied before it leaves only then (shm.go).
 	wrOK bool
+	// ackOK: a request of this QP was acknowledged since it left RESET,
+	// so its destination QP is ready for this one (progMu): before, a
+	// region the peer refuses to share may be refused only because its
+	// QP is not connected yet (serveMap), and the refusal is not kept
+	// (importRegion).
+	ackOK bool
 
 	pullBuf  [pullHead + maxSGE*pullDesc]byte // the pieces of a pulled request (cma.go)
 	pullSpan [1]span
@@ -464,12 +470,12 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 			n += uint64(s.Length)
 		}
 		if n >= directMin {
-			if imp = c.importRegion(w.wr.RKey, false); imp == nil {
+			if imp = c.importRegion(w.wr.RKey, false, x.ackOK); imp == nil {
 				if !mayBlock {
 					q.needWorker()
 					return postLater, 0
 				}
-				imp = c.importRegion(w.wr.RKey, true)
+				imp = c.importRegion(w.wr.RKey, true, x.ackOK)
 			}
 			raddr := w.wr.RemoteAddr
 			if imp != nil && (imp.mem == nil || w.op != opRead && !imp.writable ||
@@ -802,6 +808,7 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 	switch r.resp.code {
 	case respACK:
 		w.fpre = nil
+		x.ackOK = true
 		if w.op.isWrite() {
 			x.wrOK = true
 		}
