@@ -114,6 +114,20 @@ func (s *peerSide) close() error {
 	return nil
 }
 
+// childRegion allocates n bytes of shareable memory and registers them
+// in pd with every access, for the parent's RDMA (the child commands
+// "region" and "slowregion"); free deregisters and frees them.
+func childRegion(pd prov.PD, n int) (reg *mem.Region, m prov.MR, free func(), err error) {
+	if reg, err = mem.Alloc(mem.RoundUp(n), "test", false); err != nil {
+		return nil, nil, nil, err
+	}
+	if m, err = pd.RegMR(prov.Mem{Ptr: reg.Ptr(), Len: n, FD: reg.FD()}, allAccess); err != nil {
+		reg.Free()
+		return nil, nil, nil, err
+	}
+	return reg, m, func() { m.Close(); reg.Free() }, nil
+}
+
 // connectTo moves q from RESET to RTS, connected to the QP qpn at the
 // provider address addr, with the transport timeout and retry count.
 func connectTo(q prov.QP, addr []byte, qpn uint32, timeout, retry uint8) error {
@@ -233,16 +247,11 @@ func peerChild(in *bufio.Scanner, out io.Writer) int {
 		case "region":
 			// A region of arg(1) bytes for the parent's RDMA writes
 			// (BenchmarkChildWriteBandwidth): "region ADDR RKEY".
-			reg, err := mem.Alloc(mem.RoundUp(arg(1)), "test", false)
+			_, m, free, err := childRegion(s.pd, arg(1))
 			if err != nil {
 				return fail(err)
 			}
-			defer reg.Free()
-			m, err := s.pd.RegMR(prov.Mem{Ptr: reg.Ptr(), Len: arg(1), FD: reg.FD()}, allAccess)
-			if err != nil {
-				return fail(err)
-			}
-			defer m.Close()
+			defer free()
 			fmt.Fprintf(out, "region %d %d\n", m.Addr(), m.RKey())
 		case "recv":
 			for i := range arg(1) {
@@ -326,16 +335,11 @@ func peerChild(in *bufio.Scanner, out io.Writer) int {
 			}
 			fmt.Fprintln(out, "resumed")
 		case "slowregion":
-			reg, err := mem.Alloc(mem.RoundUp(arg(1)), "test", false)
+			reg, m, free, err := childRegion(s.pd, arg(1))
 			if err != nil {
 				return fail(err)
 			}
-			defer reg.Free()
-			m, err := s.pd.RegMR(prov.Mem{Ptr: reg.Ptr(), Len: arg(1), FD: reg.FD()}, allAccess)
-			if err != nil {
-				return fail(err)
-			}
-			defer m.Close()
+			defer free()
 			slow = reg.Bytes()[:arg(1)]
 			getFabric().testSegDelay.Store(int64(time.Duration(arg(2)) * time.Millisecond))
 			fmt.Fprintf(out, "region %d %d\n", m.Addr(), m.RKey())
