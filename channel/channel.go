@@ -244,8 +244,13 @@ func (c *Channel) Progress() error {
 // Close breaks the channel (flushing what is in flight, waiting at most
 // Options.FlushGrace for the flushes) and destroys its queue pair,
 // completion queue and scratch memory; a channel from DialCM or AcceptCM
-// also disconnects its peer (see DialCM). Close is idempotent. Closing a
-// peer view of a MultiChannel does nothing: close the MultiChannel.
+// also disconnects its peer (see DialCM). A goroutine still polling the
+// completion queue (a wait, Progress) is waited for once the queue is
+// closed, at most a second (or FlushGrace if longer): one that stays
+// longer (in a Wait's ready condition) frees the scratch memory when it
+// leaves, and closing the protection domain fails until then. Close is
+// idempotent. Closing a peer view of a MultiChannel does nothing: close
+// the MultiChannel.
 func (c *Channel) Close() error {
 	if !c.own {
 		return nil

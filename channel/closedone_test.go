@@ -98,3 +98,42 @@ func testDoneAfterClose(t *testing.T, devA, devB string, grace time.Duration, ro
 		}
 	}
 }
+
+// TestCloseWaitsForLatePoller: Close gives up waiting for a poller still
+// inside the completion queue after the flush grace, closes the queue and
+// then waits (boundedly) for that poller to leave, so that the scratch
+// memory is freed before Close returns and the protection domain closes
+// right after it. Before, the poller freed it when it left, after Close
+// returned, and closing the PD failed meanwhile ("still in use by 1
+// object(s): memory region"; TestDoneAfterClose under load).
+func TestCloseWaitsForLatePoller(t *testing.T) {
+	a, _ := newPair(t, channel.Options{FlushGrace: time.Microsecond})
+	inside := make(chan struct{})
+	calls := 0
+	done := make(chan error, 1)
+	go func() {
+		done <- a.ch.Wait(testCtx(t), func() bool {
+			// Wait looks at its condition on entry, at the top of its
+			// loop, then as the poller, after its poll: the third look
+			// holds the right to poll (a poller descheduled inside the
+			// CQ).
+			if calls++; calls == 3 {
+				close(inside)
+				time.Sleep(100 * time.Millisecond)
+				return true
+			}
+			return false
+		})
+	}()
+	<-inside
+	if err := a.ch.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.buf.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.pd.Close(); err != nil {
+		t.Fatalf("close pd right after the channel's Close: %v", err)
+	}
+	<-done // nil or ErrClosed: what matters is that it returns
+}

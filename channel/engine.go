@@ -869,8 +869,30 @@ func (e *engine) close() error {
 	if err := e.cq.Close(); err != nil {
 		errs = append(errs, err)
 	}
+	if !polling {
+		// The CQ is closed: a poller inside it returns at once. Wait for
+		// it to leave (lateWait at most, or the flush grace if longer:
+		// it may be descheduled, or in a caller's ready condition), so
+		// that the scratch memory is freed before Close returns, as
+		// closing the protection domain next requires.
+		deadline := time.Now().Add(max(e.opts.FlushGrace, lateWait))
+		for !e.lateDone.Load() && time.Now().Before(deadline) {
+			if e.pollMu.TryLock() {
+				e.finishLate()
+				e.pollMu.Unlock()
+				break
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("channel: close: %w", err)
 	}
 	return nil
 }
+
+// lateWait is how long close waits, after it closed the CQ, for a
+// poller that was still inside it to leave (unless the flush grace is
+// longer): past it, the poller frees the scratch memory when it leaves,
+// after Close returned.
+const lateWait = time.Second
