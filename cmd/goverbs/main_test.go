@@ -258,7 +258,10 @@ func TestBenchJSON(t *testing.T) {
 		if err := dec.Decode(&r); err != nil {
 			t.Fatalf("decode: %v\n%s", err, out)
 		}
-		if r.Test != "write" || r.Mode != "bw" || r.Bytes != size || r.Iterations != 4 || r.Device != verbs.SoftDevice || r.ElapsedSec <= 0 || r.MsgRateMpps <= 0 {
+		// The message rate is checked against the iterations and the
+		// time by checkBWRow: rounded to 6 decimals, it is 0 when an 8
+		// MiB message takes more than 2 s (soft0 in the VM, under load).
+		if r.Test != "write" || r.Mode != "bw" || r.Bytes != size || r.Iterations != 4 || r.Device != verbs.SoftDevice || r.ElapsedSec <= 0 {
 			t.Errorf("row %+v", r)
 		}
 		if err := checkBWRow(r); err != nil {
