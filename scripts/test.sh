@@ -132,12 +132,16 @@ tier_multiprocess() {
 tier_vm() {
 	local exec=(-tags ibverbs -p 1 -exec "$PWD/scripts/vm/run.sh --")
 	./scripts/vm/run.sh --prepare
-	run_go_tests vm "${exec[@]}" ./internal/ibv/... ./internal/vmtest/ ./cmd/goverbs/ &&
-		run_go_tests vm-conformance "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" . &&
-		run_go_tests vm-channel "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" ./channel/ &&
-		run_go_tests vm-session "${exec[@]}" -run "^Test[A-Za-z]*Devices$" ./session/ ./stream/ &&
-		run_go_tests vm-collective "${exec[@]}" -run "^Test[A-Za-z]*Devices$" ./collective/ &&
-		run_go_tests vm-cgo-count -tags ibverbs,ibv_count -p 1 -exec "$PWD/scripts/vm/run.sh --" -run "^TestCgoCrossings$" ./internal/ibv/
+	# Every part runs, whatever failed before it: a failure must not hide
+	# the counts of the parts after it.
+	local rc=0
+	run_go_tests vm "${exec[@]}" ./internal/ibv/... ./internal/vmtest/ ./cmd/goverbs/ || rc=1
+	run_go_tests vm-conformance "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" . || rc=1
+	run_go_tests vm-channel "${exec[@]}" -run "^(Test[A-Za-z]*Devices|TestCMNotSupported)$" ./channel/ || rc=1
+	run_go_tests vm-session "${exec[@]}" -run "^Test[A-Za-z]*Devices$" ./session/ ./stream/ || rc=1
+	run_go_tests vm-collective "${exec[@]}" -run "^Test[A-Za-z]*Devices$" ./collective/ || rc=1
+	run_go_tests vm-cgo-count -tags ibverbs,ibv_count -p 1 -exec "$PWD/scripts/vm/run.sh --" -run "^TestCgoCrossings$" ./internal/ibv/ || rc=1
+	return $rc
 }
 
 # ---- main --------------------------------------------------------------------
