@@ -505,9 +505,7 @@ func (c *Comm) stray() error {
 		var call uint32
 		var peer callInfo
 		if h, ok := llHeader(slot, llFlag(seq)); ok {
-			call = h[0]
-			peer = callInfo{kind: uint8(h[1]), op: opKind(h[1] >> 8), dtype: uint8(h[1] >> 16), root: int32(h[2]),
-				count: uint64(h[3]) | uint64(h[4])<<32, opID: h[7]}
+			call, peer = llCall(h)
 		} else if atomic.LoadUint64(word(c.rx, p*peerFlagBytes)) > seq {
 			call, peer = chunkCall(slot)
 		} else {

@@ -135,6 +135,13 @@ func llHeader(slot []byte, flag uint64) (h [llHdrWords]uint32, ok bool) {
 	return h, true
 }
 
+// llCall returns the call's sequence number and description in the
+// header words h of a small message (chunkCall's twin).
+func llCall(h [llHdrWords]uint32) (uint32, callInfo) {
+	return h[0], callInfo{kind: uint8(h[1]), op: opKind(h[1] >> 8), dtype: uint8(h[1] >> 16), root: int32(h[2]),
+		count: uint64(h[3]) | uint64(h[4])<<32, opID: h[7]}
+}
+
 // recvSmall takes in the small message of chunk seq from p in slot, if
 // it has arrived, into c.llData; it reports whether it had. expect is the
 // length this rank expects (for the error of a mismatch).
@@ -158,9 +165,8 @@ func (c *Comm) recvSmall(slot []byte, p int, seq uint64, expect int) (bool, erro
 		}
 		binary.LittleEndian.PutUint32(dst[i*4:], uint32(v))
 	}
-	peer := callInfo{kind: uint8(h[1]), op: opKind(h[1] >> 8), dtype: uint8(h[1] >> 16), root: int32(h[2]),
-		count: uint64(h[3]) | uint64(h[4])<<32, opID: h[7]}
-	if err := c.checkCall(p, h[0], peer, uint64(n), expect); err != nil {
+	call, peer := llCall(h)
+	if err := c.checkCall(p, call, peer, uint64(n), expect); err != nil {
 		return false, err
 	}
 	// The ack, the low half of the peer's count of this rank's chunks it
