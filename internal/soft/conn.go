@@ -405,8 +405,7 @@ func (c *conn) failQPs() {
 			return
 		}
 		q.rmu.Lock()
-		p, ok := q.route.(*peer)
-		if ok && p != nil && p.key.fabric == c.peerFab && c.auth.proves(&p.addr) && q.toErrLocked(evQPFatal) {
+		if c.leadsTo(q) && q.toErrLocked(evQPFatal) {
 			q.peerLost.Store(true)
 			hit = append(hit, q)
 		}
@@ -416,6 +415,13 @@ func (c *conn) failQPs() {
 		q.drainWaiters()
 		q.kick() // flushes the send queue
 	}
+}
+
+// leadsTo reports whether q's destination is the peer process of c, as
+// that process proved (q.rmu held): c carries q's traffic.
+func (c *conn) leadsTo(q *qp) bool {
+	p, ok := q.route.(*peer)
+	return ok && p != nil && p.key.fabric == c.peerFab && c.auth.proves(&p.addr)
 }
 
 // each calls fn for every object in the table.
@@ -784,10 +790,7 @@ func (c *conn) setDeadline(t time.Time) {
 		c.wdeadline = t
 		return
 	}
-	c.wspan = 0
-	if !t.IsZero() {
-		c.wspan = time.Until(t)
-	}
+	c.wspan = deadlineSpan(t)
 	c.nc.SetWriteDeadline(t)
 }
 
@@ -842,11 +845,27 @@ func (c *conn) writeAllLocked(bufs [][]byte) error {
 // socket took bytes during the wait (writeAllLocked). The deadline is
 // then set as far ahead again.
 func (c *conn) patientWrite(n int, err error) bool {
-	if err == nil || n <= 0 || c.wspan <= 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+	if !writeGoesOn(n, err, c.wspan) {
 		return false
 	}
 	c.nc.SetWriteDeadline(time.Now().Add(c.wspan))
 	return true
+}
+
+// writeGoesOn reports whether a write to a socket that wrote n bytes and
+// failed with err, its deadline set span ahead, is to go on with the
+// deadline as far ahead again: it timed out, but the socket took bytes
+// meanwhile (conn.patientWrite, bufConn.patientWrite).
+func writeGoesOn(n int, err error, span time.Duration) bool {
+	return err != nil && n > 0 && span > 0 && errors.Is(err, os.ErrDeadlineExceeded)
+}
+
+// deadlineSpan is how far ahead of now the deadline t is (0: none).
+func deadlineSpan(t time.Time) time.Duration {
+	if t.IsZero() {
+		return 0
+	}
+	return time.Until(t)
 }
 
 // skipBytes drops the first n bytes of *bufs.

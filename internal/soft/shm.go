@@ -748,8 +748,7 @@ func (c *conn) peerConnectedIn(pd *pd) bool {
 		}
 		q.rmu.Lock()
 		if st := prov.QPState(q.state.Load()); st == prov.QPStateRTR || st == prov.QPStateRTS {
-			p, ok := q.route.(*peer)
-			found = ok && p != nil && q.destFabric == c.peerFab && c.auth.proves(&p.addr)
+			found = c.leadsTo(q)
 		}
 		q.rmu.Unlock()
 	})

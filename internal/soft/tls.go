@@ -4,10 +4,8 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
-	"errors"
 	"fmt"
 	"net"
-	"os"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -160,13 +158,7 @@ func (c *bufConn) SetDeadline(t time.Time) error {
 	return c.Conn.SetDeadline(t)
 }
 
-func (c *bufConn) storeSpan(t time.Time) {
-	var d time.Duration
-	if !t.IsZero() {
-		d = time.Until(t)
-	}
-	c.span.Store(int64(d))
-}
+func (c *bufConn) storeSpan(t time.Time) { c.span.Store(int64(deadlineSpan(t))) }
 
 // patientWrite writes b to the socket: a write that times out after the
 // socket took some of b waits again, as long (conn.writeAllLocked). A
@@ -178,7 +170,7 @@ func (c *bufConn) patientWrite(b []byte) (int, error) {
 		k, err := c.Conn.Write(b[n:])
 		n += k
 		d := time.Duration(c.span.Load())
-		if err == nil || k <= 0 || d <= 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+		if !writeGoesOn(k, err, d) {
 			return n, err
 		}
 		c.Conn.SetWriteDeadline(time.Now().Add(d))
