@@ -820,15 +820,7 @@ func (e *engine) close() error {
 	// Wait for a poller that is inside the CQ to leave it: with every queue
 	// pair in the error state, whatever it waits for has been flushed.
 	// (Closing the CQ wakes it in any case.)
-	deadline := time.Now().Add(e.opts.FlushGrace)
-	polling := true
-	for !e.pollMu.TryLock() {
-		if time.Now().After(deadline) {
-			polling = false
-			break
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+	polling := e.lockPoll(e.opts.FlushGrace)
 	var errs []error
 	for _, p := range e.peers {
 		if p != nil {
@@ -875,20 +867,28 @@ func (e *engine) close() error {
 		// it may be descheduled, or in a caller's ready condition), so
 		// that the scratch memory is freed before Close returns, as
 		// closing the protection domain next requires.
-		deadline := time.Now().Add(max(e.opts.FlushGrace, lateWait))
-		for !e.lateDone.Load() && time.Now().Before(deadline) {
-			if e.pollMu.TryLock() {
-				e.finishLate()
-				e.pollMu.Unlock()
-				break
-			}
-			time.Sleep(100 * time.Microsecond)
+		if !e.lateDone.Load() && e.lockPoll(max(e.opts.FlushGrace, lateWait)) {
+			e.finishLate()
+			e.pollMu.Unlock()
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("channel: close: %w", err)
 	}
 	return nil
+}
+
+// lockPoll takes pollMu for close, trying for d at most; false if a
+// poller kept it that long.
+func (e *engine) lockPoll(d time.Duration) bool {
+	deadline := time.Now().Add(d)
+	for !e.pollMu.TryLock() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	return true
 }
 
 // lateWait is how long close waits, after it closed the CQ, for a
