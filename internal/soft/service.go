@@ -347,12 +347,7 @@ func (s *service) startHandshake(nc net.Conn, src, net64 string) *handshaking {
 	case src != "" && s.hsBySrc[src] >= maxHandshakesPerSource:
 		drop = s.oldestLocked(src)
 	case net64 != "" && s.hsBySrc[net64] >= maxHandshakesPerNet:
-		for _, o := range s.hs {
-			if o.net64 == net64 {
-				drop = o
-				break
-			}
-		}
+		drop = s.oldestLocked(net64)
 	case len(s.hs)-s.hsBySrc[localSource] >= maxHandshakes:
 		for _, o := range s.hs {
 			if o.src != localSource {
@@ -381,10 +376,11 @@ func (s *service) startHandshake(nc net.Conn, src, net64 string) *handshaking {
 	return h
 }
 
-// oldestLocked returns the oldest handshake from src (hsMu held).
+// oldestLocked returns the oldest handshake from src, a source address
+// or an IPv6 /64 (hsMu held; the two never look alike).
 func (s *service) oldestLocked(src string) *handshaking {
 	for _, o := range s.hs {
-		if o.src == src {
+		if o.src == src || o.net64 == src {
 			return o
 		}
 	}
