@@ -559,24 +559,15 @@ func TestDrivePlacesAcrossWaits(t *testing.T) {
 			}
 			var wcs [4]prov.Completion
 			// Once, so that the target's CQ was fed by the connection
-			// its waits drive (cq.hot), then sleeping for the write.
-			p.sendOne(t)
+			// its waits drive (cq.hot), then sleeping for the write, with
+			// a ctx that cannot end: the drive waits on the socket
+			// without a deadline (a drive with one would end after
+			// driveMax and leave the rest to the reader).
+			woke, before := p.drivenWait(t, context.Background())
 			if _, err := p.qb.PostRecv([]prov.RecvWR{{WRID: 7}}, nil); err != nil {
 				t.Fatal(err)
 			}
-			if err := p.cqb.Arm(false); err != nil {
-				t.Fatal(err)
-			}
-			before, placed := drivesNow(), placedBy()
-			woke := make(chan error, 1)
-			go func() {
-				// A ctx that cannot end: the drive waits on the socket
-				// without a deadline (a drive with one would end after
-				// driveMax and leave the rest to the reader).
-				_, err := p.chb.Wait(context.Background())
-				woke <- err
-			}()
-			waitDrive(t, before)
+			placed := placedBy()
 			wr := []prov.SendWR{{WRID: 9, Opcode: prov.WRWriteImm, Imm: 0xD21, NumSGE: 1, Flags: prov.SendSignaled,
 				RemoteAddr: dst.addr(4096), RKey: dst.mr.RKey()}}
 			if _, err := p.qa.PostSend(wr, []prov.SGE{src.sge(0, size)}); err != nil {
