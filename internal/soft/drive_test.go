@@ -148,13 +148,15 @@ func TestWaitDrivesSocket(t *testing.T) {
 			p := newDrivePair(t, kind)
 			f := sendPingPong(t, p.e, p.qa, p.qb, [2]prov.CQ{p.cqa, p.cqb}, [2]prov.CompChannel{p.cha, p.chb}, false)
 			before := drivesNow()
-			const rounds = 200
-			for range rounds {
-				f()
-			}
 			// Each round waits three times; a wait that finds its
 			// completion polling does not drive (under load, when the
-			// reader was quicker, many do not).
+			// reader was quicker, many do not: TestDriveLooksAgain saw
+			// none in 20 rounds in a CI run), so at least 200 rounds,
+			// and up to 5000 until one drove.
+			rounds := 0
+			for ; rounds < 200 || rounds < 5000 && drivesNow() == before; rounds++ {
+				f()
+			}
 			d := drivesNow() - before
 			t.Logf("%d drives in %d rounds", d, rounds)
 			if d == 0 {
