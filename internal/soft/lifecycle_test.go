@@ -117,11 +117,15 @@ func (s *peerSide) close() error {
 // childRegion allocates n bytes of shareable memory and registers them
 // in pd with every access, for the parent's RDMA (the child commands
 // "region" and "slowregion"); free deregisters and frees them.
-func childRegion(pd prov.PD, n int) (reg *mem.Region, m prov.MR, free func(), err error) {
+func childRegion(pd prov.PD, n int, shared bool) (reg *mem.Region, m prov.MR, free func(), err error) {
 	if reg, err = mem.Alloc(mem.RoundUp(n), "test", false); err != nil {
 		return nil, nil, nil, err
 	}
-	if m, err = pd.RegMR(prov.Mem{Ptr: reg.Ptr(), Len: n, FD: reg.FD()}, allAccess); err != nil {
+	fd := reg.FD()
+	if !shared {
+		fd = -1 // a peer cannot map it: writes into it go through the ring or socket
+	}
+	if m, err = pd.RegMR(prov.Mem{Ptr: reg.Ptr(), Len: n, FD: fd}, allAccess); err != nil {
 		reg.Free()
 		return nil, nil, nil, err
 	}
@@ -247,7 +251,7 @@ func peerChild(in *bufio.Scanner, out io.Writer) int {
 		case "region":
 			// A region of arg(1) bytes for the parent's RDMA writes
 			// (BenchmarkChildWriteBandwidth): "region ADDR RKEY".
-			_, m, free, err := childRegion(s.pd, arg(1))
+			_, m, free, err := childRegion(s.pd, arg(1), true)
 			if err != nil {
 				return fail(err)
 			}
@@ -335,7 +339,7 @@ func peerChild(in *bufio.Scanner, out io.Writer) int {
 			}
 			fmt.Fprintln(out, "resumed")
 		case "slowregion":
-			reg, m, free, err := childRegion(s.pd, arg(1))
+			reg, m, free, err := childRegion(s.pd, arg(1), arg(3) == 0)
 			if err != nil {
 				return fail(err)
 			}

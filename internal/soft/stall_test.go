@@ -85,14 +85,23 @@ func TestSlowLongWrite(t *testing.T) {
 		size  = 2 << 20
 		delay = 60 // ms per segment
 	)
-	for _, kind := range lifeKinds {
+	for _, kind := range append(lifeKinds, "shm-copied") {
 		t.Run(kind, func(t *testing.T) {
-			forceLife(t, kind)
+			env, unshared := lifeEnv(kind), 0
+			if kind == "shm-copied" {
+				// The payload goes through the ring: the region
+				// cannot be mapped, and the responder pulls nothing.
+				forceLife(t, "shm")
+				t.Setenv(envPull, "0")
+				env, unshared = append(lifeEnv("shm"), envPull+"=0"), 1
+			} else {
+				forceLife(t, kind)
+			}
 			e := newEnv(t)
-			p := testproc.Start(t, lifeEnv(kind)...)
+			p := testproc.Start(t, env...)
 			l := newLifeQP(t, e)
 			l.connectChild(t, p, 10, 0) // 4 ms × 1: minRespTimeout, 250 ms
-			p.Send(t, "slowregion %d %d", size, delay)
+			p.Send(t, "slowregion %d %d %d", size, delay, unshared)
 			f := p.Line(t, "region")
 			raddr := must(strconv.ParseUint(f[0], 10, 64))
 			rkey := must(strconv.ParseUint(f[1], 10, 32))
