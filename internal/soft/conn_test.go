@@ -724,10 +724,7 @@ func TestShmDirectReadOnlyRegion(t *testing.T) {
 	if !bytes.Equal(src.b, dst.b) {
 		t.Fatal("read data differs")
 	}
-	cn := a.qp.(*qp).route.(*peer).current()
-	if cn == nil {
-		t.Fatal("no connection")
-	}
+	cn := qpConn(t, a.qp)
 	cn.impMu.RLock()
 	defer cn.impMu.RUnlock()
 	imp := cn.imports[src.mr.RKey()]
@@ -756,10 +753,7 @@ func TestShmDirectWriteImm(t *testing.T) {
 	src, first := e.alloc(size, allAccess), e.alloc(64<<10, allAccess)
 	dst, other := e.alloc(size, allAccess), e.alloc(64<<10, allAccess)
 	mapped := func() bool {
-		cn := a.qp.(*qp).route.(*peer).current()
-		if cn == nil {
-			t.Fatal("no connection")
-		}
+		cn := qpConn(t, a.qp)
 		cn.impMu.RLock()
 		defer cn.impMu.RUnlock()
 		imp := cn.imports[dst.mr.RKey()]
@@ -851,10 +845,7 @@ func TestShmDirectWriteImmStale(t *testing.T) {
 	}
 	send(1, 0x10) // through the target (the QP's first write: wrOK)
 	send(2, 0x20) // maps the region
-	cn := a.qp.(*qp).route.(*peer).current()
-	if cn == nil {
-		t.Fatal("no connection")
-	}
+	cn := qpConn(t, a.qp)
 	cn.impMu.Lock()
 	old := cn.imports[dst.mr.RKey()]
 	if old == nil || old.mem == nil {

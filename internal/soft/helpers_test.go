@@ -258,6 +258,17 @@ func expectEmpty(t testing.TB, c prov.CQ) {
 	}
 }
 
+// qpConn is the connection that carries q's traffic to its peer process
+// (made by q's first request), failing t if there is none.
+func qpConn(t testing.TB, q prov.QP) *conn {
+	t.Helper()
+	c := q.(*qp).route.(*peer).current()
+	if c == nil {
+		t.Fatal("no connection")
+	}
+	return c
+}
+
 func postSend(t testing.TB, q prov.QP, wrs []prov.SendWR, sges []prov.SGE) {
 	t.Helper()
 	n, err := q.PostSend(wrs, sges)

@@ -65,10 +65,7 @@ func TestShmMapNeedsQPInPD(t *testing.T) {
 		t.Fatal("read of A's region: data differs")
 	}
 	// The connection is up (made by the first request).
-	cn := a.qp.(*qp).route.(*peer).current()
-	if cn == nil {
-		t.Fatal("no connection")
-	}
+	cn := qpConn(t, a.qp)
 	mapped := func(rkey uint32) bool {
 		cn.impMu.RLock()
 		defer cn.impMu.RUnlock()

@@ -29,10 +29,7 @@ func TestShmMapRefusalNotKeptBeforeAck(t *testing.T) {
 	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
 		t.Fatalf("write: %+v", c)
 	}
-	cn := a.qp.(*qp).route.(*peer).current()
-	if cn == nil {
-		t.Fatal("no connection")
-	}
+	cn := qpConn(t, a.qp)
 	kept := func(rkey uint32) *mrImport {
 		cn.impMu.RLock()
 		defer cn.impMu.RUnlock()
