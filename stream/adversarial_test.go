@@ -1673,3 +1673,51 @@ func TestAdvAcceptStrangers(t *testing.T) {
 		t.Fatalf("read %q", got)
 	}
 }
+
+// TestDeadlineRacesPeerClose: a Read blocked with a deadline that
+// passes about when the peer writes a byte and closes. Whatever wins,
+// the byte must be read before io.EOF. Before, a Read whose deadline
+// passed after the session had ended (the peer's close notice came
+// before its last message's completion was taken) took the end for the
+// stream's: io.EOF from then on, the byte left in the session (2 of 8
+// runs of -count=8 failed).
+func TestDeadlineRacesPeerClose(t *testing.T) {
+	for iter := range 150 {
+		c1, c2 := advPipe(t, session.Config{}, session.Config{})
+		delay := time.Duration(iter%15) * 100 * time.Microsecond
+		c1.SetReadDeadline(time.Now().Add(time.Millisecond))
+		go func() {
+			time.Sleep(delay)
+			c2.Write([]byte("x"))
+			c2.Close()
+		}()
+		got := false
+		for range 10000 {
+			b := make([]byte, 4)
+			n, err := c1.Read(b)
+			if isTimeout(err) {
+				c1.SetReadDeadline(time.Now().Add(time.Duration(iter%7) * 50 * time.Microsecond))
+				continue
+			}
+			if errors.Is(err, io.EOF) {
+				if !got {
+					// The byte is still in the session: the stream
+					// dropped it, taking its end for the stream's.
+					ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+					m, rerr := c1.Session().Receive(ctx)
+					cancel()
+					t.Fatalf("iteration %d: Read returned io.EOF before the byte written; the session still holds it: Receive = %q, %v; second Read: %v",
+						iter, m.Bytes(), rerr, func() error { _, err := c1.Read(b); return err }())
+				}
+				break
+			}
+			if err != nil {
+				t.Fatalf("iteration %d: %v", iter, err)
+			}
+			if n == 1 {
+				got = true
+			}
+		}
+		c1.Close()
+	}
+}

@@ -214,10 +214,17 @@ func (c *Conn) lockMem() bool {
 }
 
 // readErr is the error of a Read whose Receive (with ctx) failed with
-// err.
+// err. A deadline that passed is a timeout even if the session has ended
+// meanwhile: the peer's last messages may still be on their way (it
+// wrote, then closed), and the next Read takes them before io.EOF
+// (before, such a Read set eof and lost them:
+// TestDeadlineRacesPeerClose).
 func (c *Conn) readErr(ctx context.Context, err error) error {
 	if c.isClosed() {
 		return c.opErr("read", net.ErrClosed)
+	}
+	if ctx.Err() != nil {
+		return c.expired("read")
 	}
 	if e := c.s.Err(); e != nil {
 		if errors.Is(e, session.ErrPeerClosed) {
@@ -226,9 +233,6 @@ func (c *Conn) readErr(ctx context.Context, err error) error {
 		}
 		c.rerr = c.opErr("read", e)
 		return c.rerr
-	}
-	if ctx.Err() != nil {
-		return c.expired("read")
 	}
 	c.rerr = c.opErr("read", err)
 	return c.rerr
