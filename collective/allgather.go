@@ -41,6 +41,9 @@ const AllgatherSmallMax = 16 << 10
 // A rank detects a disagreeing call (other count or element type) when
 // it receives a chunk of it (ErrMismatch).
 func Allgather[T Number](ctx context.Context, c *Comm, send, recv []T) error {
+	if err := c.zeroErr(kindAllgather); err != nil {
+		return err // before the division by the size
+	}
 	m := len(send)
 	if send == nil {
 		m = len(recv) / c.size

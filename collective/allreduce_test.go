@@ -180,3 +180,37 @@ func TestAllreduceGathered(t *testing.T) {
 		})
 	}
 }
+
+// TestHalfNaNBitsIdentical: the package promises that results are
+// bitwise identical on every rank (recursive doubling: every rank
+// computes in the same order, lower ranks on the left). The BFloat16 and
+// Float16 reducers ignore srcLow, so with NaNs of other signs or
+// payloads the ranks' results differ.
+func TestHalfNaNBitsIdentical(t *testing.T) {
+	const p = 2
+	cs := world(t, p, collective.Options{Algorithm: collective.AlgRecursiveDoubling})
+	for _, op := range []collective.Op{collective.Sum, collective.Prod} {
+		t.Run("Float16/"+op.String(), func(t *testing.T) {
+			in := [p]collective.Float16{0x7e00, 0xfe01} // +NaN, -NaN
+			out := make([][]collective.Float16, p)
+			noErrors(t, "allreduce", parallel(p, func(r int) error {
+				out[r] = []collective.Float16{in[r], 1}
+				return collective.Allreduce(guardCtx(t), cs[r], nil, out[r], op)
+			}))
+			if out[0][0] != out[1][0] {
+				t.Errorf("rank 0 got %#04x, rank 1 got %#04x: not bitwise identical", uint16(out[0][0]), uint16(out[1][0]))
+			}
+		})
+		t.Run("BFloat16/"+op.String(), func(t *testing.T) {
+			in := [p]collective.BFloat16{0x7fc1, 0xffc2}
+			out := make([][]collective.BFloat16, p)
+			noErrors(t, "allreduce", parallel(p, func(r int) error {
+				out[r] = []collective.BFloat16{in[r], 1}
+				return collective.Allreduce(guardCtx(t), cs[r], nil, out[r], op)
+			}))
+			if out[0][0] != out[1][0] {
+				t.Errorf("rank 0 got %#04x, rank 1 got %#04x: not bitwise identical", uint16(out[0][0]), uint16(out[1][0]))
+			}
+		})
+	}
+}

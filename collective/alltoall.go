@@ -94,6 +94,9 @@ func Alltoall[T Number](ctx context.Context, c *Comm, send, recv []T) error {
 func Alltoallv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, sdispls []int, recv []T, recvcounts, rdispls []int) error {
 	p := c.size
 	info := callInfo{kind: kindAlltoallv, dtype: dtypeOf[T](), root: -1, count: anyCount}
+	if err := c.zeroErr(info.kind); err != nil {
+		return err // before sendcounts[rank]: nil counts fit the size 0
+	}
 	inPlace := send == nil && sendcounts == nil && sdispls == nil
 	if inPlace {
 		send, sendcounts, sdispls = recv, recvcounts, rdispls

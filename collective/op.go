@@ -528,40 +528,51 @@ func (c *Comm) catchOp(t uint64, err *error) {
 
 // The 16-bit floating-point types: each operation in float32, rounded
 // back to nearest even. One loop per type and operation, so that the
-// conversions are direct calls (BFloat16's inlined).
+// conversions are direct calls (BFloat16's inlined). The operands go in
+// the order of the other reducers (the lower ranks' on the left): with
+// NaNs of other signs or payloads the result's bits depend on it, and
+// before, the ranks of a recursive doubling each put its own on the left
+// and got different bits (TestHalfNaNBitsIdentical).
+
+// halfOperands returns dst's elements and the left and right operands of
+// a reducer: src then dst if srcLow, else dst then src.
+func halfOperands[H BFloat16 | Float16](dst, src []byte, srcLow bool) (d, l, r []H) {
+	d, s := elems[H](dst), elems[H](src)
+	s = s[:len(d)]
+	if srcLow {
+		return d, s, d
+	}
+	return d, d, s
+}
 
 func bf16Reducer(op Op) (reducer, error) {
 	switch op.kind {
 	case opSum:
-		return func(dst, src []byte, _ bool) {
-			d, s := elems[BFloat16](dst), elems[BFloat16](src)
-			s = s[:len(d)]
+		return func(dst, src []byte, srcLow bool) {
+			d, l, r := halfOperands[BFloat16](dst, src, srcLow)
 			for i := range d {
-				d[i] = BFloat16From(d[i].Float32() + s[i].Float32())
+				d[i] = BFloat16From(l[i].Float32() + r[i].Float32())
 			}
 		}, nil
 	case opProd:
-		return func(dst, src []byte, _ bool) {
-			d, s := elems[BFloat16](dst), elems[BFloat16](src)
-			s = s[:len(d)]
+		return func(dst, src []byte, srcLow bool) {
+			d, l, r := halfOperands[BFloat16](dst, src, srcLow)
 			for i := range d {
-				d[i] = BFloat16From(d[i].Float32() * s[i].Float32())
+				d[i] = BFloat16From(l[i].Float32() * r[i].Float32())
 			}
 		}, nil
 	case opMin:
-		return func(dst, src []byte, _ bool) {
-			d, s := elems[BFloat16](dst), elems[BFloat16](src)
-			s = s[:len(d)]
+		return func(dst, src []byte, srcLow bool) {
+			d, l, r := halfOperands[BFloat16](dst, src, srcLow)
 			for i := range d {
-				d[i] = BFloat16From(min(d[i].Float32(), s[i].Float32()))
+				d[i] = BFloat16From(min(l[i].Float32(), r[i].Float32()))
 			}
 		}, nil
 	case opMax:
-		return func(dst, src []byte, _ bool) {
-			d, s := elems[BFloat16](dst), elems[BFloat16](src)
-			s = s[:len(d)]
+		return func(dst, src []byte, srcLow bool) {
+			d, l, r := halfOperands[BFloat16](dst, src, srcLow)
 			for i := range d {
-				d[i] = BFloat16From(max(d[i].Float32(), s[i].Float32()))
+				d[i] = BFloat16From(max(l[i].Float32(), r[i].Float32()))
 			}
 		}, nil
 	case opCustom:
@@ -573,35 +584,31 @@ func bf16Reducer(op Op) (reducer, error) {
 func f16Reducer(op Op) (reducer, error) {
 	switch op.kind {
 	case opSum:
-		return func(dst, src []byte, _ bool) {
-			d, s := elems[Float16](dst), elems[Float16](src)
-			s = s[:len(d)]
+		return func(dst, src []byte, srcLow bool) {
+			d, l, r := halfOperands[Float16](dst, src, srcLow)
 			for i := range d {
-				d[i] = Float16From(d[i].Float32() + s[i].Float32())
+				d[i] = Float16From(l[i].Float32() + r[i].Float32())
 			}
 		}, nil
 	case opProd:
-		return func(dst, src []byte, _ bool) {
-			d, s := elems[Float16](dst), elems[Float16](src)
-			s = s[:len(d)]
+		return func(dst, src []byte, srcLow bool) {
+			d, l, r := halfOperands[Float16](dst, src, srcLow)
 			for i := range d {
-				d[i] = Float16From(d[i].Float32() * s[i].Float32())
+				d[i] = Float16From(l[i].Float32() * r[i].Float32())
 			}
 		}, nil
 	case opMin:
-		return func(dst, src []byte, _ bool) {
-			d, s := elems[Float16](dst), elems[Float16](src)
-			s = s[:len(d)]
+		return func(dst, src []byte, srcLow bool) {
+			d, l, r := halfOperands[Float16](dst, src, srcLow)
 			for i := range d {
-				d[i] = Float16From(min(d[i].Float32(), s[i].Float32()))
+				d[i] = Float16From(min(l[i].Float32(), r[i].Float32()))
 			}
 		}, nil
 	case opMax:
-		return func(dst, src []byte, _ bool) {
-			d, s := elems[Float16](dst), elems[Float16](src)
-			s = s[:len(d)]
+		return func(dst, src []byte, srcLow bool) {
+			d, l, r := halfOperands[Float16](dst, src, srcLow)
 			for i := range d {
-				d[i] = Float16From(max(d[i].Float32(), s[i].Float32()))
+				d[i] = Float16From(max(l[i].Float32(), r[i].Float32()))
 			}
 		}, nil
 	case opCustom:

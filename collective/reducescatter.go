@@ -34,6 +34,9 @@ import (
 // that disagree on n fail with ErrMismatch.
 func ReduceScatter[T Number](ctx context.Context, c *Comm, send, recv []T, op Op) error {
 	info := callInfo{kind: kindReduceScatter, op: op.kind, opID: op.id, dtype: dtypeOf[T](), root: -1, count: uint64(len(recv))}
+	if err := c.zeroErr(info.kind); err != nil {
+		return err // before the division by the size
+	}
 	in, inPlace := send, send == nil
 	n := len(recv)
 	if inPlace {
@@ -60,6 +63,9 @@ func ReduceScatter[T Number](ctx context.Context, c *Comm, send, recv []T, op Op
 // of them), also where their sums agree.
 func ReduceScatterV[T Number](ctx context.Context, c *Comm, send, recv []T, counts []int, op Op) error {
 	info := callInfo{kind: kindReduceScatter, op: op.kind, opID: op.id, dtype: dtypeOf[T](), root: -1}
+	if err := c.zeroErr(info.kind); err != nil {
+		return err // before counts[rank]: nil counts fit the size 0
+	}
 	if len(counts) != c.size {
 		return c.argErr(info.kind, "%d counts for %d ranks", len(counts), c.size)
 	}

@@ -58,6 +58,27 @@ func TestZeroCommCollectives(t *testing.T) {
 		{"IBroadcast", func() error { return collective.IBroadcast(ctx, c, buf, 0).Wait(ctx) }},
 		{"IAlltoall", func() error { return collective.IAlltoall(ctx, c, buf, buf).Wait(ctx) }},
 		{"Alloc", func() error { _, err := collective.Alloc[float64](c, 2); return err }},
+		// In place and with nil counts: the lengths checked against the
+		// zero Comm's size (0) and rank divided by zero or indexed nil
+		// counts before the zero Comm was seen.
+		{"Allreduce/in-place", func() error { return collective.Allreduce(ctx, c, nil, buf, collective.Sum) }},
+		{"Broadcast/nil", func() error { return collective.Broadcast[float64](ctx, c, nil, 0) }},
+		{"Reduce/in-place", func() error { return collective.Reduce(ctx, c, nil, buf, collective.Sum, 0) }},
+		{"Allgather/in-place", func() error { return collective.Allgather(ctx, c, nil, buf) }},
+		{"Allgatherv/in-place", func() error { return collective.Allgatherv(ctx, c, nil, buf, nil, nil) }},
+		{"Alltoall/in-place", func() error { return collective.Alltoall(ctx, c, nil, buf) }},
+		{"Alltoallv/in-place", func() error { return collective.Alltoallv[float64](ctx, c, nil, nil, nil, buf, nil, nil) }},
+		{"Gather/nil", func() error { return collective.Gather(ctx, c, nil, buf, 0) }},
+		{"Gatherv/nil", func() error { return collective.Gatherv(ctx, c, nil, buf, nil, nil, 0) }},
+		{"Scatter/nil", func() error { return collective.Scatter(ctx, c, nil, buf, 0) }},
+		{"Scatterv/nil", func() error { return collective.Scatterv(ctx, c, nil, nil, nil, buf, 0) }},
+		{"Scan/in-place", func() error { return collective.Scan(ctx, c, nil, buf, collective.Sum) }},
+		{"ExScan/in-place", func() error { return collective.ExScan(ctx, c, nil, buf, collective.Sum) }},
+		{"ReduceScatter/in-place", func() error { return collective.ReduceScatter(ctx, c, nil, buf, collective.Sum) }},
+		{"ReduceScatterV/nil-counts", func() error { return collective.ReduceScatterV(ctx, c, nil, buf, nil, collective.Sum) }},
+		{"IAllgather/in-place", func() error { return collective.IAllgather(ctx, c, nil, buf).Wait(ctx) }},
+		{"IReduceScatter/in-place", func() error { return collective.IReduceScatter(ctx, c, nil, buf, collective.Sum).Wait(ctx) }},
+		{"IAlltoallv/in-place", func() error { return collective.IAlltoallv[float64](ctx, c, nil, nil, nil, buf, nil, nil).Wait(ctx) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var err error
