@@ -436,6 +436,84 @@ func TestAdv2ControlWithoutMemory(t *testing.T) {
 	}
 }
 
+// TestAdv2ControlAfterAllocatorClose: the application closes
+// Session.Allocator() (with an arena pinned by a window granted to the
+// peer, and without): the session goes on. Control traffic works both
+// ways (requests, grants, revocations), messages too; what needs the
+// allocator fails: this side's Alloc and Send with ErrClosed, the peer's
+// requests with ErrLimit (this side has no memory for them). Before, the
+// control receive ring lay in that allocator: with its arena pinned, the
+// agent sliced the ring's nil Bytes and crashed the process; without,
+// the ring was unmapped under its posted receives, and the next control
+// message ended the session with a queue pair failure.
+func TestAdv2ControlAfterAllocatorClose(t *testing.T) {
+	for _, pinned := range []bool{true, false} {
+		t.Run(fmt.Sprintf("pinned %v", pinned), func(t *testing.T) {
+			a, b := pair(t, Config{})
+			ctx := advCtx(t)
+			if pinned {
+				// A region of the size the control ring had, so of
+				// the arena that held it.
+				m, err := a.Alloc(ctrlBuffers * ctrlBufSize)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := a.SendLocalMR(ctx, m, verbs.AccessRemoteRead, time.Hour); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := b.ReceiveRemoteMR(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := a.Allocator().Close(); (err != nil) != pinned {
+				t.Errorf("closing the allocator: %v (an arena pinned: %v)", err, pinned)
+			}
+			if _, err := b.RequestRemoteMR(ctx, 64, verbs.AccessRemoteRead, time.Hour); !errors.Is(err, ErrLimit) {
+				t.Errorf("the peer's request, this side's allocator closed: %v, want ErrLimit", err)
+			}
+			r, err := a.RequestRemoteMR(ctx, 64, verbs.AccessRemoteRead, time.Hour)
+			if err != nil {
+				t.Fatalf("a request of this side, its allocator closed: %v", err)
+			}
+			if err := r.Release(ctx); err != nil {
+				t.Errorf("release: %v", err)
+			}
+			m, err := b.Alloc(64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			g, err := b.SendLocalMR(ctx, m, verbs.AccessRemoteRead, time.Hour)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := a.ReceiveRemoteMR(ctx); err != nil {
+				t.Fatalf("receive remote region: %v", err)
+			}
+			if err := g.Revoke(ctx); err != nil {
+				t.Errorf("revoke: %v", err)
+			}
+			m.Free()
+			if _, err := a.Alloc(64); !errors.Is(err, ErrClosed) {
+				t.Errorf("Alloc, the allocator closed: %v, want ErrClosed", err)
+			}
+			if err := a.Send(ctx, []byte("eager")); !errors.Is(err, ErrClosed) {
+				t.Errorf("Send, the allocator closed: %v, want ErrClosed", err)
+			}
+			if err := b.Send(ctx, []byte("eager")); err != nil {
+				t.Fatal(err)
+			}
+			msg, err := a.Receive(ctx)
+			if err != nil || string(msg.Bytes()) != "eager" {
+				t.Fatalf("receive: %q, %v", msg.Bytes(), err)
+			}
+			msg.Release()
+			if a.Err() != nil || b.Err() != nil {
+				t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
+			}
+		})
+	}
+}
+
 // TestAdv2WithheldCredits: a peer that sends control messages in a loop
 // (releases of grants that do not exist, each refused) and reads the
 // answers but gives none of its receive buffers back (it learns the
@@ -619,6 +697,7 @@ func TestAdv2ConfigOverPeerLimits(t *testing.T) {
 		{"MessageSize", Config{MessageSize: maxSlotSize - payOff + 1}},
 		{"MessageSize", Config{MessageSize: 1 << 30}},
 		{"ReceiveBuffers", Config{ReceiveBuffers: maxRecvBuffers + 1}},
+		{"MaxMessage", Config{MaxMessage: maxMessage + 1}},
 	} {
 		t.Run(tc.field, func(t *testing.T) { wantConfigRefused(t, tc.cfg, tc.field) })
 	}
@@ -846,5 +925,178 @@ func wantConfigRefused(t *testing.T, cfg Config, field string) {
 	}
 	if err == nil || !strings.Contains(err.Error(), field) {
 		t.Errorf("Dial with %s invalid: %v, want an error naming it", field, err)
+	}
+}
+
+// TestMessageOverLimit: nothing over 2 GiB (maxMessage, the largest RDMA
+// message) goes out. A Config.MaxMessage over it is refused
+// (TestAdv2ConfigOverPeerLimits), as is a peer's setup that says more
+// (TestSetupValidate), so that a larger Send fails with ErrLimit; a
+// Read, Write or WriteImm of more fails with ErrLimit before anything is
+// posted, and the session goes on. Before, a Config.MaxMessage of 8 GiB
+// was taken, and a SendSlice of 4 GiB + 1 bytes arrived as a message of
+// 1 byte (the rendezvous header's length has 32 bits); the slices here
+// are made longer in place, not allocated.
+func TestMessageOverLimit(t *testing.T) {
+	a, b := pair(t, Config{})
+	ctx := advCtx(t)
+	granted, err := b.Alloc(4096)
+	must(t, "alloc", err)
+	defer granted.Free()
+	_, err = b.SendLocalMR(ctx, granted, verbs.AccessRemoteRead|verbs.AccessRemoteWrite, 0)
+	must(t, "grant", err)
+	r, err := a.ReceiveRemoteMR(ctx)
+	must(t, "receive the grant", err)
+	local, err := a.Alloc(4096)
+	must(t, "alloc", err)
+	defer local.Free()
+	big := maxMessage + 1
+	rs := r.All()
+	rs.n = uint64(big)
+	ls := local.All()
+	ls.n = big
+	for _, tc := range []struct {
+		op string
+		f  func() error
+	}{
+		{"read", func() error { return a.Read(ctx, ls, rs) }},
+		{"write", func() error { return a.Write(ctx, rs, ls) }},
+		{"write with immediate", func() error { return a.WriteImm(ctx, rs, 1, ls) }},
+	} {
+		if err := tc.f(); !errors.Is(err, ErrLimit) {
+			t.Errorf("%s of %d bytes: %v, want ErrLimit", tc.op, big, err)
+		}
+	}
+	if got := a.PeerMaxMessage(); got > maxMessage {
+		t.Errorf("PeerMaxMessage() = %d, over %d", got, maxMessage)
+	}
+	must(t, "a write after them", a.Write(ctx, r.All(), local.All()))
+}
+
+// TestReleaseHonoursCtx: Release and SendRemoteMR wait for this side's
+// operations on the region, but not past their ctx: with a WriteImm on
+// the region in flight (its notice waits for a credit the peer does not
+// give back), they return ctx's error, the region is given up all the
+// same, and the peer frees what it served once the operation is done.
+// Before, they waited for the operation whatever ctx said (quiesce
+// watched only the session's end): here for ever.
+func TestReleaseHonoursCtx(t *testing.T) {
+	for _, handBack := range []bool{false, true} {
+		name := "Release"
+		if handBack {
+			name = "SendRemoteMR"
+		}
+		t.Run(name, func(t *testing.T) {
+			a, b := pair(t, Config{ReceiveBuffers: 2, MessageSize: 256})
+			ctx := advCtx(t)
+			r, err := b.RequestRemoteMR(ctx, 64, verbs.AccessRemoteWrite, time.Hour)
+			must(t, "request", err)
+			// b's two credits: a holds the messages, gives none back.
+			for range 2 {
+				must(t, "send", b.Send(ctx, []byte("x")))
+			}
+			src, err := b.Alloc(64)
+			must(t, "alloc", err)
+			defer src.Free()
+			wctx, wcancel := context.WithCancel(ctx)
+			defer wcancel()
+			werr := make(chan error, 1)
+			go func() { werr <- b.WriteImm(wctx, r.All(), 7, src.All()) }()
+			waitFor(t, ctx, "the WriteImm to be in flight", func() bool { return r.inflight.Load() > 0 })
+			rctx, rcancel := context.WithTimeout(ctx, 50*time.Millisecond)
+			defer rcancel()
+			rerr := make(chan error, 1)
+			go func() {
+				if handBack {
+					rerr <- b.SendRemoteMR(rctx, r)
+				} else {
+					rerr <- r.Release(rctx)
+				}
+			}()
+			select {
+			case err := <-rerr:
+				if !errors.Is(err, context.DeadlineExceeded) {
+					t.Errorf("%s with an operation in flight and its ctx ended: %v, want context.DeadlineExceeded", name, err)
+				}
+			case <-time.After(hangGuard):
+				t.Fatalf("%s with a 50 ms ctx and an operation in flight has not returned in %v", name, hangGuard)
+			}
+			wcancel()
+			if err := <-werr; !errors.Is(err, context.Canceled) {
+				t.Errorf("the WriteImm: %v, want context.Canceled", err)
+			}
+			// The peer takes its messages (the notice was not posted:
+			// its wait for a credit ended with wctx); the write is done,
+			// and the release goes out.
+			for range 2 {
+				m, err := a.Receive(ctx)
+				must(t, "receive", err)
+				m.Release()
+			}
+			if handBack {
+				mr, err := a.ReceiveLocalMR(ctx)
+				must(t, "the region handed back", err)
+				mr.Free()
+			}
+			waitFor(t, ctx, "the peer to free what it served", func() bool {
+				a.agent.mu.Lock()
+				defer a.agent.mu.Unlock()
+				return a.agent.granted == 0 && len(a.agent.grants) == 0
+			})
+			if a.Err() != nil || b.Err() != nil {
+				t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
+			}
+		})
+	}
+}
+
+// TestReceiveDeadlineRacesPeerClose: a Receive whose ctx ends about when
+// the peer sends a message and closes returns ctx's error or the
+// message, and the session's end only once the message was taken.
+// Before, a Receive whose wait ended with its ctx after the session had
+// ended (the peer's close came before the message's completion was
+// taken) reported the end (ErrPeerClosed), with the message still to
+// come: a caller that stopped there lost it (found through package
+// stream, whose Read then returned io.EOF: TestDeadlineRacesPeerClose).
+func TestReceiveDeadlineRacesPeerClose(t *testing.T) {
+	for iter := range 150 {
+		a, b := pair(t, Config{})
+		delay := time.Duration(iter%15) * 100 * time.Microsecond
+		go func() {
+			time.Sleep(delay)
+			b.Send(context.Background(), []byte("x"))
+			b.Close()
+		}()
+		wait := time.Millisecond
+		got := false
+		for {
+			ctx, cancel := context.WithTimeout(context.Background(), wait)
+			m, err := a.Receive(ctx)
+			cancel()
+			wait = time.Duration(iter%7) * 50 * time.Microsecond
+			if err == nil {
+				got = true
+				m.Release()
+				continue
+			}
+			if errors.Is(err, context.DeadlineExceeded) {
+				continue
+			}
+			if !got {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+				m, rerr := a.Receive(ctx)
+				cancel()
+				if rerr == nil {
+					m.Release()
+					t.Fatalf("iteration %d: Receive reported the end (%v) before the message the peer sent before it closed, which the next Receive returned", iter, err)
+				}
+				t.Fatalf("iteration %d: the session ended (%v) without the message the peer sent before it closed (then: %v)", iter, err, rerr)
+			}
+			if !errors.Is(err, ErrPeerClosed) {
+				t.Fatalf("iteration %d: the end: %v, want ErrPeerClosed", iter, err)
+			}
+			break
+		}
+		a.Close()
 	}
 }

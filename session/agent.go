@@ -233,7 +233,18 @@ func (s *Session) agentLoop() {
 		rc := h.Received()
 		h.Release()
 		s.crflow.consumed.Add(1)
-		n := copy(b[:], s.cring.Bytes()[int(slot)*ctrlBufSize:int(slot)*ctrlBufSize+min(rc.Len, ctrlBufSize)])
+		ring, off := s.cring.Bytes(), int(slot)*ctrlBufSize
+		if len(ring) < off+ctrlBufSize {
+			// The ring's region is closed (Bytes nil): only the
+			// session's release closes it, after the agent ended, but
+			// a slice of it would crash the process, as one of a ring
+			// in the application's allocator did once the application
+			// closed it (TestAdv2ControlAfterAllocatorClose).
+			s.end(fmt.Errorf("session: agent: the control receive ring is closed: %w", ErrClosed))
+			s.ctl.close()
+			return
+		}
+		n := copy(b[:], ring[off:off+min(rc.Len, ctrlBufSize)])
 		s.repostCtrl(int(slot))
 		m, err := parseCtrl(b[:n])
 		if err != nil {
@@ -248,11 +259,8 @@ func (s *Session) agentLoop() {
 // postCtrl posts control receive buffer slot (cmu held, or before the
 // session runs).
 func (s *Session) postCtrl(slot int) error {
-	sl, err := s.cring.Slice(slot*ctrlBufSize, ctrlBufSize)
-	if err != nil {
-		return err
-	}
-	h, err := s.agc.PostReceive(sl.SGE())
+	sge := verbs.SGE{Addr: s.cring.Addr() + uint64(slot*ctrlBufSize), Length: ctrlBufSize, LKey: s.cring.LKey()}
+	h, err := s.agc.PostReceive(sge)
 	if err != nil {
 		return err
 	}
@@ -594,7 +602,7 @@ func (s *Session) handle(m ctrlMsg) {
 		s.goTask(func() {
 			if r != nil {
 				r.state.CompareAndSwap(remoteLive, remoteRevoked)
-				r.quiesce(s.done)
+				r.quiesce(context.Background(), s.done)
 				s.forgetRemote(m.grant)
 			}
 			reply(ctrlMsg{typ: ctrlAck})

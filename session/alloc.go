@@ -238,6 +238,12 @@ func (a *Allocator) classOf(n int) *class {
 //
 // The region stays valid until its Free or the allocator's Close.
 func (a *Allocator) Alloc(n int) (LocalMR, error) {
+	if len(a.classes) == 0 {
+		// A zero Allocator (not made by NewAllocator) is as good as
+		// closed: before, it indexed its classes and panicked
+		// (TestZeroObjectMethods).
+		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: %w (a zero Allocator: make one with NewAllocator)", n, ErrClosed)
+	}
 	if n <= 0 {
 		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: the size must be positive", n)
 	}

@@ -282,3 +282,35 @@ func closeBusy(t *testing.T, abrupt, leases bool) int {
 	b.Close()
 	return len(left)
 }
+
+// TestCloseConcurrent has two goroutines close a session at once: when
+// either Close returns, the session must be torn down (the package doc:
+// every goroutine it started has ended; regions of its allocator are
+// invalid), whichever of them does the work. Before, the Close that came
+// second returned at once, while the first was still tearing down (its
+// caller saw its regions valid, the allocator open).
+func TestCloseConcurrent(t *testing.T) {
+	const rounds = 20
+	for round := range rounds {
+		a, _ := pair(t, Config{})
+		m, err := a.Alloc(64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := make(chan struct{})
+		valid := make(chan bool, 2)
+		for range 2 {
+			go func() {
+				<-start
+				a.Close()
+				valid <- m.Valid()
+			}()
+		}
+		close(start)
+		for range 2 {
+			if <-valid {
+				t.Fatalf("round %d: a Close returned with a region of the session's allocator still valid (the other Close was still tearing the session down)", round)
+			}
+		}
+	}
+}

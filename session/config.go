@@ -64,7 +64,7 @@ type Config struct {
 	ReceiveBuffers int
 
 	// MaxMessage bounds a message (eager or rendezvous) this side
-	// accepts. 0: 64 MiB.
+	// accepts. 0: 64 MiB. At most 2 GiB, the largest RDMA message.
 	MaxMessage int
 
 	// Keepalive is how long a silent peer stays alive: pings go every
@@ -157,6 +157,9 @@ func (c *Config) validate() error {
 	// Listener's Accept dropped every peer (TestAdv2ConfigOverPeerLimits).
 	if c.MessageSize > maxSlotSize-payOff {
 		return fmt.Errorf("session: Config.MessageSize %d is over the largest a peer takes (%d)", c.MessageSize, maxSlotSize-payOff)
+	}
+	if c.MaxMessage > maxMessage {
+		return fmt.Errorf("session: Config.MaxMessage %d is over the largest RDMA message (%d)", c.MaxMessage, maxMessage)
 	}
 	if c.ReceiveBuffers > maxRecvBuffers {
 		return fmt.Errorf("session: Config.ReceiveBuffers %d is over the most a peer takes (%d)", c.ReceiveBuffers, maxRecvBuffers)

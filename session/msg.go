@@ -722,6 +722,15 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 	h := s.rh[idx]
 	s.rmu.Unlock()
 	if err := h.Wait(ctx); err != nil && !h.Done() {
+		if ctx.Err() != nil {
+			// ctx's error even if the session ended meanwhile: a
+			// message the peer sent before it closed may still
+			// complete this receive, and is the next Receive's.
+			// Before, such a Receive reported the session's end
+			// (TestReceiveDeadlineRacesPeerClose), and a caller that
+			// took it for the last word lost the message.
+			return Message{}, fmt.Errorf("session: receive: %w", err)
+		}
 		return Message{}, s.ctxErr("receive", err)
 	}
 	err := h.Err()

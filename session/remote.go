@@ -247,16 +247,19 @@ func (r *RemoteMR) valid() error {
 	return nil
 }
 
-// quiesce waits until no operation of this side on r is in flight (or
-// the session ends).
-func (r *RemoteMR) quiesce(done <-chan struct{}) {
+// quiesce waits until no operation of this side on r is in flight, or
+// the session ends (done), or ctx ends: then it returns ctx's error.
+func (r *RemoteMR) quiesce(ctx context.Context, done <-chan struct{}) error {
 	for d := 10 * time.Microsecond; r.inflight.Load() > 0; d = min(2*d, 10*time.Millisecond) {
 		select {
 		case <-done:
-			return
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
 		case <-time.After(d):
 		}
 	}
+	return nil
 }
 
 // Release gives the region up: the peer's agent closes its window (and
@@ -281,7 +284,21 @@ func (r *RemoteMR) giveUp(ctx context.Context, typ uint8, op string) error {
 	if !r.state.CompareAndSwap(remoteLive, remoteReleased) {
 		return fmt.Errorf("session: %s: %w", op, r.validOr())
 	}
-	r.quiesce(r.s.done)
+	if err := r.quiesce(ctx, r.s.done); err != nil {
+		// ctx ended while operations of this side on the region were
+		// in flight (a WriteImm whose notice waits for a credit): the
+		// peer learns it once they are done. Before, Release and
+		// SendRemoteMR waited for them whatever ctx said
+		// (TestReleaseHonoursCtx).
+		r.s.goTask(func() {
+			r.quiesce(context.Background(), r.s.done)
+			r.s.forgetRemote(r.grant)
+			if r.s.Err() == nil {
+				r.s.sendAsyncCtrl(ctrlMsg{typ: typ, grant: r.grant})
+			}
+		})
+		return fmt.Errorf("session: %s: %w", op, err)
+	}
 	r.s.forgetRemote(r.grant)
 	_, err := r.s.call(ctx, op, ctrlMsg{typ: typ, grant: r.grant})
 	if err != nil && ctx.Err() != nil && r.s.Err() == nil {
@@ -346,6 +363,9 @@ func (s *Session) checkRemote(op string, dst RemoteSlice, access verbs.Access) e
 }
 
 func (s *Session) checkLocal(op string, l LocalSlice, n int) error {
+	if n > maxMessage {
+		return fmt.Errorf("session: %s: %w: %d bytes, one RDMA operation moves at most %d", op, ErrLimit, n, maxMessage)
+	}
 	if !l.MR().Valid() {
 		return fmt.Errorf("session: %s: %w: the local region was freed", op, ErrClosed)
 	}
@@ -358,16 +378,27 @@ func (s *Session) checkLocal(op string, l LocalSlice, n int) error {
 	return nil
 }
 
-// remoteOp posts an operation on dst and waits for it.
-func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, post func() (channel.Handle, error)) (uint64, error) {
+// remoteOp posts an operation on dst and waits for it. local is the
+// region of the application's it reads or writes (the zero LocalMR for
+// none): it is held until the device is done with it, so that a region
+// freed after a cancelled call is not handed out again while the
+// operation may still write into it or send its bytes (before, a Read
+// whose ctx ended wrote into the next region allocated there:
+// TestCrossProcessCancelledReadHoldsRegion).
+func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, local LocalMR, post func() (channel.Handle, error)) (uint64, error) {
 	r := dst.r
+	held, err := s.holdLocal(op, local)
+	if err != nil {
+		return 0, err
+	}
 	if err := s.acquireOp(ctx, op); err != nil {
+		unhold(held)
 		return 0, err
 	}
 	r.inflight.Add(1)
 	// A revocation that came between the check and the increment waits
 	// for us; one that was already quiet is seen here.
-	o := orphaned{op: true, r: r}
+	o := orphaned{op: true, r: r, held: held}
 	if err := r.valid(); err != nil {
 		s.giveBack(o)
 		return 0, fmt.Errorf("session: %s: %w", op, err)
@@ -395,7 +426,8 @@ func (s *Session) remoteOp(ctx context.Context, op string, dst RemoteSlice, post
 	return v, nil
 }
 
-// Read reads src into dst (same length).
+// Read reads src into dst (same length, at most 2 GiB: a longer one
+// fails with ErrLimit).
 func (s *Session) Read(ctx context.Context, dst LocalSlice, src RemoteSlice) error {
 	if err := s.enter(&s.calls, "read"); err != nil {
 		return err
@@ -407,11 +439,12 @@ func (s *Session) Read(ctx context.Context, dst LocalSlice, src RemoteSlice) err
 	if err := s.checkLocal("read", dst, src.Len()); err != nil {
 		return err
 	}
-	_, err := s.remoteOp(ctx, "read", src, func() (channel.Handle, error) { return s.data.PostRead(src.addr(), dst.SGE()) })
+	_, err := s.remoteOp(ctx, "read", src, dst.MR(), func() (channel.Handle, error) { return s.data.PostRead(src.addr(), dst.SGE()) })
 	return err
 }
 
-// Write writes src into dst (same length).
+// Write writes src into dst (same length, at most 2 GiB: a longer one
+// fails with ErrLimit).
 func (s *Session) Write(ctx context.Context, dst RemoteSlice, src LocalSlice) error {
 	if err := s.enter(&s.calls, "write"); err != nil {
 		return err
@@ -423,7 +456,7 @@ func (s *Session) Write(ctx context.Context, dst RemoteSlice, src LocalSlice) er
 	if err := s.checkLocal("write", src, dst.Len()); err != nil {
 		return err
 	}
-	_, err := s.remoteOp(ctx, "write", dst, func() (channel.Handle, error) { return s.data.PostWrite(dst.addr(), src.SGE()) })
+	_, err := s.remoteOp(ctx, "write", dst, src.MR(), func() (channel.Handle, error) { return s.data.PostWrite(dst.addr(), src.SGE()) })
 	return err
 }
 
@@ -456,7 +489,7 @@ func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src
 	if cap(s.ops) < 2 {
 		// One request in flight at most (QueueDepth 1): one after the
 		// other.
-		if _, err := s.remoteOp(ctx, op, dst, func() (channel.Handle, error) { return s.data.PostWrite(dst.addr(), src.SGE()) }); err != nil {
+		if _, err := s.remoteOp(ctx, op, dst, src.MR(), func() (channel.Handle, error) { return s.data.PostWrite(dst.addr(), src.SGE()) }); err != nil {
 			note.Free()
 			return err
 		}
@@ -473,13 +506,19 @@ func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src
 	// them): the peer that sees the notice sees the bytes. One wait, for
 	// the notice, whose completion also comes after the write's (send
 	// completions of one queue pair are in order).
+	held, err := s.holdLocal(op, src.MR())
+	if err != nil {
+		note.Free()
+		return err
+	}
 	if err := s.acquireOps2(ctx, op); err != nil {
+		unhold(held)
 		note.Free()
 		return err
 	}
 	r := dst.r
 	r.inflight.Add(1)
-	o := orphaned{op: true, r: r}
+	o := orphaned{op: true, r: r, held: held}
 	if err := r.valid(); err != nil {
 		s.giveBack(o)
 		s.releaseOp()
@@ -517,6 +556,19 @@ func (s *Session) WriteImm(ctx context.Context, dst RemoteSlice, imm uint32, src
 		return s.fail(op, werr)
 	}
 	return nerr
+}
+
+// holdLocal holds m (if it is a region, not the zero LocalMR) until
+// the device is done with the request that reads or writes it (giveBack
+// ends the hold): freed meanwhile, it is not handed out again before.
+func (s *Session) holdLocal(op string, m LocalMR) (LocalMR, error) {
+	if m.ar == nil {
+		return LocalMR{}, nil
+	}
+	if !m.hold() {
+		return LocalMR{}, fmt.Errorf("session: %s: %w: the local region was freed", op, ErrClosed)
+	}
+	return m, nil
 }
 
 // acquireOps2 takes two op tokens (a request and the notice that
@@ -564,7 +616,7 @@ func (s *Session) CompareSwap(ctx context.Context, dst RemoteSlice, compare, swa
 	if err := s.checkAtomic("compare and swap", dst); err != nil {
 		return 0, err
 	}
-	return s.remoteOp(ctx, "compare and swap", dst, func() (channel.Handle, error) {
+	return s.remoteOp(ctx, "compare and swap", dst, LocalMR{}, func() (channel.Handle, error) {
 		return s.data.PostCompareSwap(dst.addr(), compare, swap)
 	})
 }
@@ -578,7 +630,7 @@ func (s *Session) FetchAdd(ctx context.Context, dst RemoteSlice, add uint64) (ui
 	if err := s.checkAtomic("fetch and add", dst); err != nil {
 		return 0, err
 	}
-	return s.remoteOp(ctx, "fetch and add", dst, func() (channel.Handle, error) {
+	return s.remoteOp(ctx, "fetch and add", dst, LocalMR{}, func() (channel.Handle, error) {
 		return s.data.PostFetchAdd(dst.addr(), add)
 	})
 }

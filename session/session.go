@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -93,7 +94,7 @@ type Session struct {
 	// the agent (agent.go)
 	cflow   sendFlow
 	crflow  recvFlow
-	cring   LocalMR
+	cring   *verbs.MemoryRegion // ctrlBuffers buffers of ctrlBufSize bytes: the control receives
 	crh     []channel.Handle
 	cfifo   []int32
 	cmu     sync.Mutex // crh, cfifo; the posting of control receives
@@ -114,6 +115,7 @@ type Session struct {
 	endOnce sync.Once
 	err     error // why it ended (set before done is closed)
 	closed  atomic.Bool
+	shut    chan struct{} // closed when the first Close has torn the session down
 
 	// API calls that touch the session's memory (its ring, buffers and
 	// the allocator's arenas) hold one of these for reading (enter), the
@@ -274,7 +276,7 @@ func establish(ctx context.Context, c *ctrl, cfg Config, lc *cmListen) (s *Sessi
 		}
 		name = softDevice
 	}
-	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), turn: make(chan struct{}, 1), ops: make(chan struct{}, cfg.QueueDepth), pairs: make(chan struct{}, 1)}
+	s = &Session{cfg: cfg, ctl: c, done: make(chan struct{}), shut: make(chan struct{}), turn: make(chan struct{}, 1), ops: make(chan struct{}, cfg.QueueDepth), pairs: make(chan struct{}, 1)}
 	s.turn <- struct{}{}
 	s.bg, s.bgStop = context.WithCancel(context.Background())
 	sess := s // s is nil once a failure is returned
@@ -379,6 +381,15 @@ const (
 	maxSlotSize    = 64 << 20
 )
 
+// maxMessage is the largest message (Config.MaxMessage) and the largest
+// Read, Write or WriteImm: 2 GiB, the largest RDMA message (an
+// InfiniBand port's max_msg_sz, soft0's): a rendezvous message is one
+// RDMA read of the receiver's, and the length fields of the session's
+// headers have 32 bits. Before, a message of 4 GiB + 1 byte arrived as
+// a message of 1 byte (TestMessageOverLimit). (An int holds no more on
+// 32-bit platforms.)
+const maxMessage = min(1<<31, math.MaxInt)
+
 func (p *setup) validate(endpoints bool) error {
 	switch {
 	case p.RecvBuffers < 1 || p.RecvBuffers > maxRecvBuffers:
@@ -387,7 +398,7 @@ func (p *setup) validate(endpoints bool) error {
 		return fmt.Errorf("%w: the peer's receive buffers are %d bytes", ErrProtocol, p.SlotSize)
 	case p.CtrlBuffers < 2 || p.CtrlBuffers > 1<<12:
 		return fmt.Errorf("%w: the peer posts %d control buffers", ErrProtocol, p.CtrlBuffers)
-	case p.MaxMessage < 0:
+	case p.MaxMessage < 0 || p.MaxMessage > maxMessage:
 		return fmt.Errorf("%w: the peer's largest message is %d bytes", ErrProtocol, p.MaxMessage)
 	case p.Block.Len < 8:
 		return fmt.Errorf("%w: the peer's control block is %d bytes", ErrProtocol, p.Block.Len)
@@ -453,7 +464,14 @@ func (s *Session) build(name string, cm bool) (err error) {
 	for i := range s.rgen {
 		s.rgen[i] = 1
 	}
-	if s.cring, err = s.mem.Alloc(ctrlBuffers * ctrlBufSize); err != nil {
+	// The control receives land in a region of their own too, which
+	// lives as long as the session: before, they lay in a region of
+	// s.mem, which the application can close (Allocator().Close): then
+	// the agent crashed the process on the ring's nil Bytes (its arena
+	// pinned by a window), or the receives posted into unmapped memory
+	// broke the control queue pair and ended the session
+	// (TestAdv2ControlAfterAllocatorClose).
+	if s.cring, err = s.pd.Alloc(ctrlBuffers*ctrlBufSize, verbs.AccessLocalWrite); err != nil {
 		return err
 	}
 	s.crflow = recvFlow{r: ctrlBuffers}
@@ -736,11 +754,19 @@ func (s *Session) RemoteAddr() net.Addr {
 }
 
 // Allocator is the session's allocator of registered memory: regions
-// from it are what Read, Write, SendSlice and grants take.
+// from it are what Read, Write, SendSlice and grants take. Closing it
+// before the session's Close leaves the session up: what needs its
+// memory then fails (Alloc and Send with ErrClosed, the peer's requests
+// with ErrLimit).
 func (s *Session) Allocator() *Allocator { return s.mem }
 
 // Alloc allocates n bytes of registered memory (Allocator().Alloc).
-func (s *Session) Alloc(n int) (LocalMR, error) { return s.mem.Alloc(n) }
+func (s *Session) Alloc(n int) (LocalMR, error) {
+	if s.mem == nil {
+		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: %w (a zero Session: make one with Dial or Accept)", n, ErrClosed)
+	}
+	return s.mem.Alloc(n)
+}
 
 // Close ends the session: the peer's calls and Done report
 // ErrPeerClosed. Requests in flight are flushed; memory the peer was
@@ -750,9 +776,17 @@ func (s *Session) Alloc(n int) (LocalMR, error) { return s.mem.Alloc(n) }
 // reapers of cancelled requests, lease timers). Calls of other
 // goroutines in progress return an error (the session's end) before Close
 // releases the memory they may touch; calls made after it began fail.
-// Close is idempotent.
+// Close is idempotent: a Close while another is in progress waits for it.
 func (s *Session) Close() error {
-	if s.ctl == nil || !s.closed.CompareAndSwap(false, true) { // a zero Session is as good as closed
+	if s.ctl == nil { // a zero Session is as good as closed
+		return nil
+	}
+	if !s.closed.CompareAndSwap(false, true) {
+		// Another Close tears the session down: this one returns when
+		// it is done, as the first does. (Before, it returned at once,
+		// with the session's goroutines and memory still there:
+		// TestCloseConcurrent.)
+		<-s.shut
 		return nil
 	}
 	s.end(ErrClosed)
@@ -767,6 +801,7 @@ func (s *Session) Close() error {
 	s.release()
 	s.calls.Unlock()
 	s.rcalls.Unlock()
+	close(s.shut)
 	return nil
 }
 
@@ -788,9 +823,16 @@ func (s *Session) dropMessages() {
 
 // enter begins an API call that touches the session's memory (l is
 // s.calls, or s.rcalls for receives): Close waits for the call to leave
-// (l.RUnlock) before it releases the memory. It fails once Close began.
-// A call must not enter twice (a Close waiting between would deadlock).
+// (l.RUnlock) before it releases the memory. It fails once Close began,
+// and on a zero Session. A call must not enter twice (a Close waiting
+// between would deadlock).
 func (s *Session) enter(l *sync.RWMutex, op string) error {
+	if s.ctl == nil {
+		// A zero Session (not made by Dial or Accept) is as good as
+		// closed: before, its calls met nil maps and channels, and
+		// panicked or waited for ever (TestZeroObjectMethods).
+		return fmt.Errorf("session: %s: %w (a zero Session: make one with Dial or Accept)", op, ErrClosed)
+	}
 	l.RLock()
 	if s.closed.Load() {
 		l.RUnlock()
@@ -853,7 +895,7 @@ func (s *Session) release() {
 			c.Close()
 		}
 	}
-	for _, m := range []*verbs.MemoryRegion{s.block, s.ring} {
+	for _, m := range []*verbs.MemoryRegion{s.block, s.ring, s.cring} {
 		if m != nil {
 			m.Close()
 		}

@@ -91,6 +91,7 @@ func TestSetupValidate(t *testing.T) {
 		{"slots too large", func(p *setup) { p.SlotSize = 64<<20 + 1 }, true, "receive buffers are"},
 		{"one control buffer", func(p *setup) { p.CtrlBuffers = 1 }, true, "control buffers"},
 		{"negative largest message", func(p *setup) { p.MaxMessage = -1 }, true, "largest message"},
+		{"largest message over 2 GiB", func(p *setup) { p.MaxMessage = maxMessage + 1 }, true, "largest message"},
 		{"control block too small", func(p *setup) { p.Block.Len = 4 }, true, "control block"},
 		{"ring smaller than its slots", func(p *setup) { p.Ring.Len = 64*4096 - 1 }, true, "ring is"},
 		{"ring overflowing 32 bits of slots", func(p *setup) { p.RecvBuffers, p.SlotSize = 1<<16, 64<<20 }, true, "ring is"},

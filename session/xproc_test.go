@@ -1247,3 +1247,61 @@ func TestCrossProcessClientKilled(t *testing.T) {
 		}
 	})
 }
+
+// TestCrossProcessCancelledReadHoldsRegion: a Read whose ctx ended
+// leaves its request in flight, with its destination held by the library
+// until the device is done with it (package doc); the application frees
+// the destination and allocates again at once. The new region must not
+// receive the read's bytes. Before, Read, Write and WriteImm did not
+// hold their local region: the allocator handed the slot out again and
+// the read's 4096 bytes (0xaa) landed in it (the first run over unix
+// sockets). In one process soft0 completes a read as it posts it; the
+// server in another process makes reads that are still in flight.
+func TestCrossProcessCancelledReadHoldsRegion(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tr xtransport) {
+		srv := startServer(t, tr, xlistener{name: "main"})
+		s := srv.dial(t, tr, "main", "idle 1 120 grant", Config{})
+		ctx := xctx(t)
+		r, err := s.ReceiveRemoteMR(ctx)
+		must(t, "receive the grant", err)
+		const size = 4096
+		src, err := s.Alloc(size)
+		must(t, "alloc", err)
+		copy(src.Bytes(), bytes.Repeat([]byte{0xaa}, size))
+		must(t, "write", s.Write(ctx, r.All(), src.All()))
+		keep, err := s.Alloc(size) // keeps the arena of the class open
+		must(t, "alloc", err)
+		defer keep.Free()
+		want := bytes.Repeat([]byte{0x55}, size)
+		inflight := 0
+		for run := range 500 {
+			dst, err := s.Alloc(size)
+			must(t, "alloc", err)
+			cctx, cancel := context.WithCancel(ctx)
+			cancel()
+			err = s.Read(cctx, dst.All(), r.All())
+			dst.Free()
+			if err == nil {
+				continue
+			}
+			inflight++
+			next, err := s.Alloc(size)
+			must(t, "alloc", err)
+			copy(next.Bytes(), want)
+			// The reaper of the read gives its op token back when the
+			// device is done with it.
+			for len(s.ops) > 0 {
+				if ctx.Err() != nil {
+					t.Fatalf("run %d: the cancelled read never completed", run)
+				}
+				time.Sleep(100 * time.Microsecond)
+			}
+			if b := next.Bytes(); !bytes.Equal(b, want) {
+				t.Fatalf("run %d: a region allocated after a cancelled Read's destination was freed (same slot: %v) holds %d bytes of the remote region once the read completed",
+					run, next.ar == dst.ar && next.slot == dst.slot, bytes.Count(b, []byte{0xaa}))
+			}
+			next.Free()
+		}
+		t.Logf("%d of 500 reads were left in flight", inflight)
+	})
+}
