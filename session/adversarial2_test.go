@@ -849,22 +849,28 @@ func TestAdv2ReleaseCancelled(t *testing.T) {
 			if err := b.Write(ctx, r.All(), src.All()); !errors.Is(err, ErrLeaseExpired) {
 				t.Fatalf("a write after the cancelled %s: %v, want ErrLeaseExpired", name, err)
 			}
-			if handBack {
-				mr, err := a.ReceiveLocalMR(ctx)
-				if err != nil {
-					t.Fatalf("the region handed back by a cancelled SendRemoteMR: %v", err)
-				}
-				mr.Free()
-			}
-			waitFor(t, ctx, "the peer to free what it served", func() bool {
-				a.agent.mu.Lock()
-				defer a.agent.mu.Unlock()
-				return a.agent.granted == 0 && len(a.agent.grants) == 0
-			})
-			if a.Err() != nil || b.Err() != nil {
-				t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
-			}
+			waitGivenUp(t, ctx, a, b, handBack)
 		})
+	}
+}
+
+// waitGivenUp waits until a, the granter of the region b gave up (handed
+// back if handBack: a takes it and frees it), has freed what it served,
+// and checks that both sessions go on.
+func waitGivenUp(t *testing.T, ctx context.Context, a, b *Session, handBack bool) {
+	t.Helper()
+	if handBack {
+		mr, err := a.ReceiveLocalMR(ctx)
+		must(t, "the region handed back", err)
+		mr.Free()
+	}
+	waitFor(t, ctx, "the peer to free what it served", func() bool {
+		a.agent.mu.Lock()
+		defer a.agent.mu.Unlock()
+		return a.agent.granted == 0 && len(a.agent.grants) == 0
+	})
+	if a.Err() != nil || b.Err() != nil {
+		t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
 	}
 }
 
@@ -1033,19 +1039,7 @@ func TestReleaseHonoursCtx(t *testing.T) {
 				must(t, "receive", err)
 				m.Release()
 			}
-			if handBack {
-				mr, err := a.ReceiveLocalMR(ctx)
-				must(t, "the region handed back", err)
-				mr.Free()
-			}
-			waitFor(t, ctx, "the peer to free what it served", func() bool {
-				a.agent.mu.Lock()
-				defer a.agent.mu.Unlock()
-				return a.agent.granted == 0 && len(a.agent.grants) == 0
-			})
-			if a.Err() != nil || b.Err() != nil {
-				t.Fatalf("the sessions ended: %v / %v", a.Err(), b.Err())
-			}
+			waitGivenUp(t, ctx, a, b, handBack)
 		})
 	}
 }
