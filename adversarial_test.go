@@ -764,3 +764,74 @@ func TestAdversarialAddressHandleFromClosedQP(t *testing.T) {
 		t.Errorf("AddressHandleTo of a closed UD queue pair: %v, want ErrClosed", err)
 	}
 }
+
+// TestZeroUDPostRealDestination: a zero UDQueuePair (never made by its
+// constructor) is as good as closed with a real destination too: its
+// sends and its batch's fail with ErrClosed. Before, they failed with
+// EINVAL, "the destination's address handle belongs to another
+// protection domain": the check of the destination took the zero pair's
+// nil protection domain for another one.
+func TestZeroUDPostRealDestination(t *testing.T) {
+	a, b := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	qa := a.NewUD(t, verbs.QPSpec{})
+	qb := b.NewUD(t, verbs.QPSpec{})
+	ah := a.AddressHandle(t, qa, verbstest.Endpoint(t, qb))
+	src := a.Alloc(t, 64, verbs.AccessLocalWrite)
+	to := verbs.Destination{AH: ah, QPN: qb.QPN(), QKey: verbs.DefaultQKey}
+	var z verbs.UDQueuePair
+	for _, c := range []struct {
+		what string
+		f    func() error
+	}{
+		{"PostSend", func() error { return z.PostSend(1, verbs.Signaled, to, verbstest.SGE(t, src, 0, 8)) }},
+		{"PostSendImm", func() error { return z.PostSendImm(1, verbs.Signaled, to, 7, verbstest.SGE(t, src, 0, 8)) }},
+		{"PostSendInline", func() error { return z.PostSendInline(1, verbs.Signaled, to, []byte("abc")) }},
+		{"PostSendImmInline", func() error { return z.PostSendImmInline(1, verbs.Signaled, to, 7, []byte("abc")) }},
+		{"NewBatch.Send+Submit", func() error {
+			bt := z.NewBatch(4)
+			bt.Send(1, to, verbstest.SGE(t, src, 0, 8))
+			return bt.Submit()
+		}},
+	} {
+		if err := c.f(); !errors.Is(err, verbs.ErrClosed) {
+			t.Errorf("%s of a zero UDQueuePair to an open address handle: %v, want ErrClosed", c.what, err)
+		}
+	}
+}
+
+// TestSRQGrantedSGEs: PostRecv of a shared receive queue takes as many
+// SGEs as the queue was granted (Query's MaxSGE), as its RecvBatch does,
+// and refuses one more. Before, it took as many as were asked: with
+// MaxSGE -1 (none asked; soft0 grants one) it refused a 1-SGE receive
+// that the queue's RecvBatch posted.
+func TestSRQGrantedSGEs(t *testing.T) {
+	a, _ := verbstest.NewNodes(t, verbstest.Config{DeviceA: verbs.SoftDevice})
+	m := a.Alloc(t, 4096, verbs.AccessLocalWrite)
+	for _, asked := range []int{-1, 1, 3} {
+		t.Run(fmt.Sprintf("MaxSGE=%d", asked), func(t *testing.T) {
+			s := a.NewSRQ(t, verbs.SRQSpec{MaxWR: 8, MaxSGE: asked})
+			got, err := s.Query()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.MaxSGE < 1 || got.MaxSGE > 8 {
+				t.Fatalf("granted MaxSGE %d", got.MaxSGE)
+			}
+			sgl := make([]verbs.SGE, got.MaxSGE+1)
+			for i := range sgl {
+				sgl[i] = verbstest.SGE(t, m, 64*i, 64)
+			}
+			if err := s.PostRecv(1, sgl[:got.MaxSGE]...); err != nil {
+				t.Errorf("PostRecv of %d SGEs, as granted: %v", got.MaxSGE, err)
+			}
+			rb := s.NewRecvBatch(1)
+			rb.Recv(2, sgl[:got.MaxSGE]...)
+			if err := rb.Submit(); err != nil {
+				t.Errorf("a RecvBatch of %d SGEs, as granted: %v", got.MaxSGE, err)
+			}
+			if err := s.PostRecv(3, sgl...); !errors.Is(err, syscall.EINVAL) {
+				t.Errorf("PostRecv of %d SGEs, one more than granted: %v, want EINVAL", len(sgl), err)
+			}
+		})
+	}
+}

@@ -474,6 +474,10 @@ func (b *UDBatch) dest(to Destination) bool {
 		b.add(prov.SendWR{}, nil)
 		return false
 	}
+	if b.q.pd == nil { // a batch of a zero UDQueuePair, as good as closed
+		b.fail(b.q.res.errClosed("post send"))
+		return false
+	}
 	if err := checkDest(b.q.pd, to); err != nil {
 		b.fail(err)
 		return false

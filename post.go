@@ -160,6 +160,11 @@ func (q *UDQueuePair) PostSendImmInline(wrid uint64, flags SendFlags, to Destina
 // useAH checks the destination of a post (see checkDest) and holds its
 // address handle open until the caller releases it.
 func (q *UDQueuePair) useAH(to Destination) error {
+	if q.pd == nil {
+		// A zero UDQueuePair is as good as closed: before, checkDest
+		// took its nil PD for another one (TestZeroUDPostRealDestination).
+		return q.res.errClosed("post send")
+	}
 	if err := checkDest(q.pd, to); err != nil {
 		return opErr("post send", q.devNm, err)
 	}

@@ -57,6 +57,13 @@ func (pd *ProtectionDomain) NewSharedReceiveQueue(spec SRQSpec) (*SharedReceiveQ
 			return nil, opErr("create srq", pd.c.name, fmt.Errorf("%+v: arm limit: %w", spec, err))
 		}
 	}
+	if got, err := ps.Query(); err == nil && got.MaxSGE > spec.MaxSGE {
+		// The device may grant more than asked (soft0 one SGE for a
+		// MaxSGE of -1, asked as 0): PostRecv takes what it granted,
+		// as RecvBatch does. Before, PostRecv refused an SGE the queue
+		// granted (TestSRQGrantedSGEs).
+		spec.MaxSGE = got.MaxSGE
+	}
 	s := &SharedReceiveQueue{pd: pd, srq: ps, spec: spec, sgeR: make([]prov.SGE, spec.MaxSGE), devNm: pd.c.name, maxWR: dev.MaxSRQWR}
 	if err := initResource(s, &s.res, "shared receive queue", "", &pd.res); err != nil {
 		ps.Close()
