@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -559,6 +560,13 @@ func TestAdv2ConfigDuplicateKeys(t *testing.T) {
 		{"port in two cases", `{"hosts": [{"hostname": "a", "port": 1, "Port": 2, "rank": 0}]}`, "line 1, column 41"},
 		{"hosts twice", "{\"hosts\": [{\"hostname\": \"a\", \"port\": 1, \"rank\": 0}],\n \"hosts\": []}", "line 2, column 2"},
 		{"hostname twice in the second host", `{"hosts": [{"hostname": "a", "port": 1, "rank": 0}, {"hostname": "b", "HOSTNAME": "c", "port": 1, "rank": 1}]}`, "line 1, column 71"},
+		// encoding/json folds the long s (U+017F) to s, and the Kelvin
+		// sign to k, which strings.ToLower did only for the Kelvin sign:
+		// the long s passed, and its value won
+		// (TestConfigDuplicateKeyFolded in foldKey's comment).
+		{"hostname with a long s", `{"hosts": [{"hostname": "a", "port": 1, "rank": 0, "ho\u017ftname": "evil"}]}`, "line 1, column 52"},
+		{"hosts with a long s", `{"hosts": [{"hostname": "a", "port": 1, "rank": 0}], "ho\u017fts": [{"hostname": "b", "port": 2, "rank": 0}]}`, "line 1, column 54"},
+		{"rank with a Kelvin sign", `{"hosts": [{"hostname": "a", "port": 1, "rank": 0, "ran\u212a": 1}]}`, "line 1, column 52"},
 	} {
 		c, err := ParseConfig([]byte(tc.in))
 		if !errors.Is(err, ErrSyntax) || !strings.Contains(err.Error(), tc.where) || !strings.Contains(err.Error(), "twice") {
@@ -704,4 +712,97 @@ func TestAdv2RendezvousPortZero(t *testing.T) {
 			t.Errorf("%v, Port %d: root %q, %v; want %q", tc.env, tc.port, l.Root, err, tc.want)
 		}
 	}
+}
+
+// TestRendezvousColumnOverMaxFrame: in a rendezvous, every rank's
+// vector of entries is within MaxFrame, but what rank 2 is sent is not:
+// ranks 0 and 1 each send it an entry of 600 bytes (their vectors, 616
+// bytes, fit a MaxFrame of 1024), its column is 1227 bytes. Every rank
+// fails: the root with ErrFrameTooLarge, the others aborted by it.
+// Before, the root sent the column unchecked: the root and rank 1
+// succeeded, rank 2 failed reading it, and the world split.
+func TestRendezvousColumnOverMaxFrame(t *testing.T) {
+	const n, maxFrame = 3, 1024
+	lns, addrs := xListeners(t, n)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute) // hang guard
+	defer cancel()
+	out := func(r int) [][]byte {
+		o := make([][]byte, n)
+		for j := range o {
+			o[j] = xMessage(r, j)
+		}
+		if r != 2 {
+			o[2] = bytes.Repeat([]byte{byte(r)}, 600)
+		}
+		return o
+	}
+	ins := make([][][]byte, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for r := range n {
+		c := ExchangeConfig{Rank: r, Size: n, Mode: Rendezvous, Addrs: addrs, Listener: lns[r], Job: "job", Token: []byte("token"), MaxFrame: maxFrame}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ins[r], errs[r] = Exchange(ctx, c, out(r))
+		}()
+	}
+	wg.Wait()
+	for r := range n {
+		t.Logf("rank %d: err %v", r, errs[r])
+	}
+	if !errors.Is(errs[0], ErrFrameTooLarge) {
+		t.Errorf("the root: %v, want ErrFrameTooLarge", errs[0])
+	}
+	for r := 1; r < n; r++ {
+		if !errors.Is(errs[r], ErrAborted) || !strings.Contains(errs[r].Error(), "entries for rank 2") {
+			t.Errorf("rank %d: %v, want ErrAborted naming rank 2's entries", r, errs[r])
+		}
+	}
+}
+
+// TestBarrierTurnHonoursCtx: the barriers and Shares of one node run one
+// at a time, and a call waiting for its turn stops when its ctx ends,
+// with a timeout (Node.Barrier: "a timeout when ctx ends first"; doc.go:
+// nothing waits past the context). Before, the turn was the barrier's
+// mutex, taken with no regard for the context: a Barrier or Share whose
+// ctx had ended waited for the barrier in progress, here until the test
+// ended that one's.
+func TestBarrierTurnHonoursCtx(t *testing.T) {
+	nodes := shareWorld(t, 2, Dissemination)
+	long, cancelLong := context.WithCancel(context.Background())
+	defer cancelLong()
+	first := make(chan error, 1)
+	go func() { first <- nodes[0].Barrier(long, nil) }() // rank 1 never comes
+	// Let the first barrier take the lock (it polls until long ends).
+	for nodes[0].bar.mu.TryLock() {
+		nodes[0].bar.mu.Unlock()
+		time.Sleep(time.Millisecond)
+	}
+	for _, call := range []struct {
+		name string
+		f    func(ctx context.Context) error
+	}{
+		{"Barrier", func(ctx context.Context) error { return nodes[0].Barrier(ctx, nil) }},
+		{"Share", func(ctx context.Context) error { _, err := nodes[0].Share(ctx, []byte("x")); return err }},
+	} {
+		ended, cancel := context.WithCancel(context.Background())
+		cancel()
+		done := make(chan error, 1)
+		go func() { done <- call.f(ended) }()
+		select {
+		case err := <-done:
+			if !errors.Is(err, verbs.ErrTimeout) || !errors.Is(err, context.Canceled) {
+				t.Errorf("%s with an ended ctx, another barrier in progress: %v, want ErrTimeout and context.Canceled", call.name, err)
+			}
+		case <-time.After(20 * time.Second): // hang guard
+			t.Errorf("%s with an ended ctx still blocked after 20 s (waiting for the barrier in progress, whose ctx has not ended)", call.name)
+			cancelLong()
+			<-first
+			t.Logf("%s returned once the other barrier ended: %v", call.name, <-done)
+			return
+		}
+	}
+	cancelLong()
+	<-first
 }

@@ -314,6 +314,7 @@ type barrier struct {
 	remote  []verbs.RemoteRegion
 
 	mu         sync.Mutex
+	turn       chan struct{} // one barrier or Share at a time (takeTurn), before mu
 	closed     atomic.Bool
 	gen        uint64
 	sendSeq    []uint32 // writes to each peer since reset
@@ -369,7 +370,7 @@ func newBarrier(mc *channel.MultiChannel, alg BarrierAlgorithm) (*barrier, error
 		flags.Close()
 		return nil, fmt.Errorf("cluster: barrier: probe memory: %w", err)
 	}
-	b := &barrier{mc: mc, want: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1, spin: spinwait.Policy{Every: spinwait.ProbeEvery},
+	b := &barrier{mc: mc, want: alg, rank: rank, n: n, flags: flags, aux: aux, gen: 1, turn: make(chan struct{}, 1), spin: spinwait.Policy{Every: spinwait.ProbeEvery},
 		sendSeq: make([]uint32, n), recvSeq: make([]uint32, n), partners: make([]atomic.Bool, n), groups: make(map[uint64][]*group)}
 	if b.staging, err = mc.PD().Alloc((2*n+2)*flagBytes, verbs.AccessLocalWrite); err != nil {
 		flags.Close()
@@ -638,6 +639,10 @@ func equal(a, b []int) bool {
 // the call), the transport breaks (poisoned too), or the group is invalid
 // (not poisoned).
 func (b *barrier) wait(ctx context.Context, peers []int) error {
+	if err := b.takeTurn(ctx); err != nil {
+		return b.fail(nil, peers, -1, err)
+	}
+	defer b.giveTurn()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	g, err := b.lookup(peers)
@@ -657,6 +662,28 @@ func (b *barrier) wait(ctx context.Context, peers []int) error {
 	}
 	return nil
 }
+
+// takeTurn waits for the turn of the node's barriers and Shares, which
+// run one at a time, until ctx ends: then it fails with a timeout that
+// poisons nothing (nothing was signalled). Before, a call waited for the
+// one in progress whatever its own ctx said, as long as that one's ctx
+// let it run (TestBarrierTurnHonoursCtx).
+func (b *barrier) takeTurn(ctx context.Context) error {
+	select {
+	case b.turn <- struct{}{}:
+		return nil
+	default:
+	}
+	select {
+	case b.turn <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for the barrier or Share in progress on this node: %w: %w", verbs.ErrTimeout, ctx.Err())
+	}
+}
+
+// giveTurn ends a turn of takeTurn.
+func (b *barrier) giveTurn() { <-b.turn }
 
 // ready checks, before a barrier or a Share writes anything, that it may
 // run: the barrier is open, no rank failed, it is not poisoned, ctx has

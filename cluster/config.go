@@ -11,6 +11,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"unicode"
 )
 
 // Config errors. A *ConfigError wraps one of them; test with errors.Is.
@@ -343,7 +344,7 @@ func duplicateKey(data []byte) (int64, string) {
 			top = stack[len(stack)-1]
 		}
 		if k, isKey := tok.(string); isKey && top != nil && top.obj && top.key {
-			if top.keys[strings.ToLower(k)] {
+			if top.keys[foldKey(k)] {
 				// off is where the previous token ended: the key is
 				// after the blanks and the comma.
 				for off < int64(len(data)) && strings.IndexByte(" \t\r\n,", data[off]) >= 0 {
@@ -351,7 +352,7 @@ func duplicateKey(data []byte) (int64, string) {
 				}
 				return off, k
 			}
-			top.keys[strings.ToLower(k)] = true
+			top.keys[foldKey(k)] = true
 			top.key = false
 			continue
 		}
@@ -389,4 +390,14 @@ func position(data []byte, off int64) string {
 	line := bytes.Count(before, []byte("\n")) + 1
 	col := len(before) - bytes.LastIndexByte(before, '\n')
 	return fmt.Sprintf("line %d, column %d", line, col)
+}
+
+// foldKey is k folded as encoding/json matches keys to fields (its
+// foldName: each rune lowered, then raised): two keys that fold alike
+// fill the same field. strings.ToLower, used before, left the long s
+// (U+017F) as it is, which json matches to s: {"hostname": "a",
+// "ho\u017ftname": "evil"} passed as one key, and the second won
+// (TestAdv2ConfigDuplicateKeys).
+func foldKey(k string) string {
+	return strings.Map(func(r rune) rune { return unicode.ToUpper(unicode.ToLower(r)) }, k)
 }

@@ -1328,6 +1328,22 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 	for j := range n {
 		in[j] = vecs[j][0]
 	}
+	// Each rank checked its own entries against MaxFrame, not what the
+	// others send it: a column over it failed only at its rank, which
+	// could not read it, while the others went on (the world split:
+	// TestRendezvousColumnOverMaxFrame). Every rank fails instead.
+	for k := 1; k < n; k++ {
+		size := 4
+		for j := range n {
+			size += 4 + len(vecs[j][k])
+		}
+		if size > x.max {
+			err := fmt.Errorf("%w: the entries for rank %d are %d bytes (at most %d)", ErrFrameTooLarge, k, size, x.max)
+			why := []byte(sanitize(err.Error()))
+			x.broadcast(g.list(false), func(*conn) (byte, [][]byte) { return recAbort, [][]byte{why} })
+			return nil, err
+		}
+	}
 	err = g.scatter(func(k *conn) (byte, [][]byte) {
 		col := make([][]byte, n)
 		for j := range n {

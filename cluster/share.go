@@ -57,6 +57,10 @@ func (b *barrier) share(ctx context.Context, data []byte) ([][]byte, error) {
 	if len(data) > MaxShare {
 		return nil, fmt.Errorf("cluster: share (rank %d): %d bytes, at most MaxShare (%d): nothing was written", b.rank, len(data), MaxShare)
 	}
+	if err := b.takeTurn(ctx); err != nil {
+		return nil, fmt.Errorf("cluster: share (rank %d): %w", b.rank, err)
+	}
+	defer b.giveTurn()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	call := b.calls + 1
