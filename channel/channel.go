@@ -205,8 +205,8 @@ func (c *Channel) Drain(ctx context.Context) error {
 // must not block. It returns nil once ready is true, and otherwise an
 // error wrapping verbs.ErrTimeout and the context's error, or ErrClosed.
 func (c *Channel) Wait(ctx context.Context, ready func() bool) error {
-	if c.e == nil {
-		return c.opErr("wait", errZero)
+	if err := c.invalid(); err != nil {
+		return c.opErr("wait", err)
 	}
 	return c.e.waitCond(ctx, ready, c.e.opts.SpinPolls)
 }
@@ -215,8 +215,8 @@ func (c *Channel) Wait(ctx context.Context, ready func() bool) error {
 // callers that spun already (polling with Progress) and now want to sleep
 // on the completion channel until ready holds.
 func (c *Channel) Sleep(ctx context.Context, ready func() bool) error {
-	if c.e == nil {
-		return c.opErr("sleep", errZero)
+	if err := c.invalid(); err != nil {
+		return c.opErr("sleep", err)
 	}
 	return c.e.waitCond(ctx, ready, SpinNever)
 }
@@ -235,8 +235,8 @@ func (c *Channel) Rung() uint64 {
 // blocks. Waiting calls poll by themselves; Progress serves callers that
 // poll Handles or memory in a loop of their own.
 func (c *Channel) Progress() error {
-	if c.e == nil {
-		return c.opErr("progress", errZero)
+	if err := c.invalid(); err != nil {
+		return c.opErr("progress", err)
 	}
 	return c.e.progress()
 }

@@ -111,6 +111,12 @@ func (m *MultiChannel) Endpoints() ([]verbs.Endpoint, error) {
 // endpoint peer j created for this process; the entry of self is
 // ignored. It stops at the first failure.
 func (m *MultiChannel) Connect(remotes []verbs.Endpoint) error {
+	if m.e == nil {
+		// A zero MultiChannel is as good as closed: before, Connect of
+		// no endpoints matched its 0 peers and returned nil
+		// (TestZeroMultiConnect).
+		return fmt.Errorf("channel: connect: %w", errZero)
+	}
 	if len(remotes) != m.n {
 		return fmt.Errorf("channel: connect: %d endpoints for %d peers", len(remotes), m.n)
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/goverbs/verbs"
 	"github.com/goverbs/verbs/channel"
@@ -368,5 +369,40 @@ func TestMultiChannelPosted(t *testing.T) {
 	}
 	if p := r.mc.Peer(0).Posted(); p != 0 {
 		t.Fatalf("self: Posted %d, want 0", p)
+	}
+}
+
+// TestZeroMultiConnect: a zero MultiChannel is as good as closed: its
+// Connect fails with ErrClosed even with no endpoints (before, 0
+// endpoints matched its 0 peers and Connect returned nil).
+func TestZeroMultiConnect(t *testing.T) {
+	var m channel.MultiChannel
+	if err := m.Connect(nil); !errors.Is(err, channel.ErrClosed) {
+		t.Errorf("zero MultiChannel: Connect(nil) = %v, want an error wrapping ErrClosed", err)
+	}
+	if err := m.Connect([]verbs.Endpoint{}); !errors.Is(err, channel.ErrClosed) {
+		t.Errorf("zero MultiChannel: Connect([]) = %v, want an error wrapping ErrClosed", err)
+	}
+}
+
+// TestNoPeerViewOperations: for self or an out-of-range i,
+// MultiChannel.Peer returns a channel whose every operation fails with
+// ErrNoPeer, as documented, the engine-wide Wait, Sleep and Progress
+// too (before, they ran on the engine and returned nil).
+func TestNoPeerViewOperations(t *testing.T) {
+	rs := newGroup(t, 2)
+	r := rs[0]
+	ctx := guard(t, 20*time.Second)
+	for _, i := range []int{0, -1, 2} {
+		c := r.mc.Peer(i)
+		if err := c.Wait(ctx, func() bool { return true }); !errors.Is(err, channel.ErrNoPeer) {
+			t.Errorf("Peer(%d).Wait = %v, want ErrNoPeer", i, err)
+		}
+		if err := c.Sleep(ctx, func() bool { return true }); !errors.Is(err, channel.ErrNoPeer) {
+			t.Errorf("Peer(%d).Sleep = %v, want ErrNoPeer", i, err)
+		}
+		if err := c.Progress(); !errors.Is(err, channel.ErrNoPeer) {
+			t.Errorf("Peer(%d).Progress = %v, want ErrNoPeer", i, err)
+		}
 	}
 }
