@@ -9,6 +9,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -684,5 +685,62 @@ func TestProvesAfterProof(t *testing.T) {
 				t.Fatalf("proves = %v, want %v", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestTLSStrangerMemory: strangers (no endpoint, no secret) that complete
+// a TLS handshake with the TCP listener and then say nothing make it hold
+// tens of KiB each (service.go: "a few hundred bytes (tens of KiB with
+// TLS)"; DESIGN §8: nothing beyond a small hello before the peer is
+// authenticated), as many as maxHandshakes of them at once. Before, the
+// socket under each session had its full buffers from the first byte, a
+// reader and a writer of tlsBuf: 526 KiB of live heap per stranger, 32 MiB
+// for 64.
+func TestTLSStrangerMemory(t *testing.T) {
+	forceTransport(t, "tcp")
+	e, _, _ := pair(t, prov.QPTypeRC, defaultConn(), defaultConn())
+	s := e.ctx.(*devContext).f.service()
+	pa, err := parseAddr(s.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, err := net.SplitHostPort(pa.tcp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const perSrc = maxHandshakesPerSource
+	const nsrc = maxHandshakes / perSrc
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	var m0, m1 runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&m0)
+	for i := range nsrc {
+		src := &net.TCPAddr{IP: net.IPv4(127, 0, 0, byte(2+i))}
+		for range perSrc {
+			d := net.Dialer{LocalAddr: src}
+			nc, err := d.Dial("tcp", net.JoinHostPort("127.0.0.1", port))
+			if err != nil {
+				t.Fatal(err)
+			}
+			tc := tls.Client(nc, pintls.UnpinnedClientConfig())
+			if err := tc.Handshake(); err != nil {
+				nc.Close()
+				t.Fatalf("a stranger's TLS handshake: %v", err)
+			}
+			held = append(held, tc)
+		}
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&m1)
+	grew := int64(m1.HeapAlloc) - int64(m0.HeapAlloc)
+	per := grew / int64(len(held))
+	t.Logf("%d strangers in their handshake: the live heap grew by %d KiB, %d KiB each", len(held), grew>>10, per>>10)
+	if per > 128<<10 {
+		t.Errorf("each unauthenticated TLS stranger holds %d KiB of the listener's heap (tens of KiB at most); %d of them %d MiB", per>>10, len(held), grew>>20)
 	}
 }

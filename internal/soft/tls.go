@@ -130,10 +130,25 @@ type bufConn struct {
 // tlsBuf is the size of the buffers of a TLS connection: 16 records.
 const tlsBuf = 256 << 10
 
+// tlsHandshakeBuf is the read buffer of a TLS connection until it is a
+// connection of the fabric (grow): a record and its header. A stranger
+// that starts a TLS handshake with the listener makes it hold that, and
+// no write buffer: before, every such stranger made it hold two of
+// tlsBuf, 512 KiB, for up to the handshake timeout (TestTLSStrangerMemory).
+const tlsHandshakeBuf = maxTLSRecord + 1024
+
 func newBufConn(c net.Conn) *bufConn {
-	bc := &bufConn{Conn: c, r: bufio.NewReaderSize(c, tlsBuf)}
-	bc.w = bufio.NewWriterSize(patientConn{bc}, tlsBuf)
-	return bc
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, tlsHandshakeBuf)}
+}
+
+// grow gives the socket of an authenticated connection its full buffers
+// (newTLSWriter, before the connection's reader starts): reads of tlsBuf
+// (through the handshake's reader, which hands on what it still holds
+// and then reads the socket straight into the larger buffer), and the
+// writer of its batches.
+func (c *bufConn) grow() {
+	c.r = bufio.NewReaderSize(c.r, tlsBuf)
+	c.w = bufio.NewWriterSize(patientConn{c}, tlsBuf)
 }
 
 func (c *bufConn) Read(b []byte) (int, error) { return c.r.Read(b) }
@@ -198,7 +213,9 @@ type tlsWriter struct {
 const maxTLSRecord = 16 << 10
 
 func newTLSWriter(tc *tls.Conn) *tlsWriter {
-	return &tlsWriter{tc: tc, bc: tc.NetConn().(*bufConn), stage: make([]byte, 0, maxTLSRecord)}
+	bc := tc.NetConn().(*bufConn)
+	bc.grow()
+	return &tlsWriter{tc: tc, bc: bc, stage: make([]byte, 0, maxTLSRecord)}
 }
 
 func (w *tlsWriter) writeAll(bufs [][]byte) error {
