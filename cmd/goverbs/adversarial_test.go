@@ -655,3 +655,57 @@ func TestAdversarialInterruptMidRun(t *testing.T) {
 		})
 	}
 }
+
+// TestBenchFlagsThatStall: flag values with which the bandwidth loop
+// cannot go on are usage errors, and the combinations at the edge run to
+// the end. Before, --cq-mod 127 with the defaults (batches of 16, a send
+// queue of 128) and send with --rx-depth 8 (batches of 16) were taken,
+// posted what fit, and waited for a completion that could not come: the
+// watchdog ended them after 10 s, blaming the peer.
+func TestBenchFlagsThatStall(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		msg  string // "" for a run that must succeed
+	}{
+		{[]string{"bench", "write", "-d", "soft0", "-s", "64", "-n", "1000", "--cq-mod", "127"}, "--cq-mod (127) + --batch (16) - 1 must be at most --tx-depth (128)"},
+		{[]string{"bench", "write", "-d", "soft0", "-s", "64", "-n", "1000", "--batch", "100", "--cq-mod", "128"}, "must be at most --tx-depth"},
+		{[]string{"bench", "send", "-d", "soft0", "-s", "64", "-n", "1000", "--rx-depth", "8"}, "--rx-depth (8) must be at least --batch (16)"},
+		{[]string{"bench", "write", "-d", "soft0", "-s", "64", "-n", "1000", "--cq-mod", "113"}, ""},
+		{[]string{"bench", "send", "-d", "soft0", "-s", "64", "-n", "1000", "--rx-depth", "16"}, ""},
+	} {
+		st, out, errs := runCmd(t, tc.args...)
+		if tc.msg == "" {
+			if st != exitOK {
+				t.Errorf("goverbs %q: status %d, want %d\nstdout:\n%s\nstderr:\n%s", tc.args, st, exitOK, out, errs)
+			}
+			continue
+		}
+		if st != exitUsage || !strings.Contains(errs, tc.msg) {
+			t.Errorf("goverbs %q: status %d, want %d with %q\nstderr:\n%s", tc.args, st, exitUsage, tc.msg, errs)
+		}
+	}
+}
+
+// TestBenchInlineBandwidth: -I works in the bandwidth tests as in
+// perftest's: the queue pairs take that much inline data, writes and
+// sends of at most that many bytes go inline, the header says so, and the
+// run checks its data as always; without -I a bandwidth test sends
+// nothing inline. Before, -I sized the queue pairs but no request was
+// posted inline, and the header said 0.
+func TestBenchInlineBandwidth(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"bench", "write", "-d", "soft0", "-s", "64", "-n", "500", "-I", "64"}, "Max inline data : 64[B]"},
+		{[]string{"bench", "send", "-d", "soft0", "-s", "32", "-n", "500", "-I", "64"}, "Max inline data : 64[B]"},
+		{[]string{"bench", "write", "-d", "soft0", "-s", "128", "-n", "500", "-I", "64"}, "Max inline data : 64[B]"},
+		{[]string{"bench", "write", "-d", "soft0", "-s", "64", "-n", "500"}, "Max inline data : 0[B]"},
+		{[]string{"bench", "read", "-d", "soft0", "-s", "64", "-n", "500", "-I", "64"}, "Max inline data : 0[B]"},
+	} {
+		st, out, errs := runCmd(t, tc.args...)
+		if st != exitOK || !strings.Contains(out, tc.want) {
+			t.Errorf("goverbs %q: status %d, want %d and %q\nstdout:\n%s\nstderr:\n%s", tc.args, st, exitOK, tc.want, out, errs)
+		}
+	}
+}

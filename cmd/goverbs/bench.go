@@ -161,6 +161,23 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	if cfg.cqMod < 1 || cfg.cqMod > cfg.txDepth {
 		return usageErr(stderr, "bench", "--cq-mod must be between 1 and --tx-depth (%d), not %d", cfg.txDepth, cfg.cqMod)
 	}
+	// Batches are posted while the requests since the last completion
+	// (a signaled one) fit the send queue: the next signaled request must
+	// fit too. Before, --cq-mod 127 with the defaults (batches of 16, a
+	// send queue of 128) stalled until the watchdog blamed the peer
+	// (TestBenchFlagsThatStall).
+	if cfg.cqMod+cfg.batch-1 > cfg.txDepth {
+		return usageErr(stderr, "bench", "--cq-mod (%d) + --batch (%d) - 1 must be at most --tx-depth (%d): requests are posted a batch at a time while those since the last signaled one fit the send queue",
+			cfg.cqMod, cfg.batch, cfg.txDepth)
+	}
+	// In one process, sends are posted a batch at a time while the
+	// receiving queue pair has a receive for each: a batch larger than
+	// --rx-depth never fit, and the test stalled
+	// (TestBenchFlagsThatStall). (Between two processes the sender does
+	// not wait for the receives: a short receiver retries, RNR.)
+	if cfg.op == "send" && !cfg.lat && !cfg.server && cfg.host == "" && cfg.rxDepth < cfg.batch {
+		return usageErr(stderr, "bench", "--rx-depth (%d) must be at least --batch (%d) for send: sends are posted a batch at a time, each with a receive posted for it", cfg.rxDepth, cfg.batch)
+	}
 	if *mtu != 0 {
 		m, err := verbs.MTUFromBytes(*mtu)
 		if err != nil {

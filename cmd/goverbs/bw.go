@@ -73,7 +73,7 @@ func (lb *loopback) bandwidth(cfg benchConfig, size int) (bwResult, error) {
 			if cfg.op == "send" && posted+k-b.recvs > b.recvPosted {
 				break
 			}
-			queueBW(a.batch, &cfg, posted, k, iters, remote, local)
+			queueBW(a.batch, &cfg, posted, k, iters, lb.inline, remote, local)
 			if err := a.batch.Submit(); err != nil {
 				return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
 			}
@@ -156,8 +156,11 @@ func (lb *loopback) verify(op string, size int) error {
 
 // queueBW queues the bandwidth test's requests posted+1 .. posted+k of
 // iters on batch (ids are 1-based), signaling every cfg.cqMod-th one and
-// the last.
-func queueBW(batch *verbs.RCBatch, cfg *benchConfig, posted, k, iters int, remote verbs.RemoteAddr, local verbs.SGE) {
+// the last; writes and sends of at most inline bytes (the queue pair's
+// max inline data: -I) go inline, as perftest's do. Before, -I did
+// nothing in the bandwidth tests (TestBenchInlineBandwidth).
+func queueBW(batch *verbs.RCBatch, cfg *benchConfig, posted, k, iters, inline int, remote verbs.RemoteAddr, local verbs.SGE) {
+	inl := cfg.op != "read" && int(local.Length) <= inline
 	for j := range k {
 		id := uint64(posted + j + 1)
 		var r *verbs.Request
@@ -171,6 +174,9 @@ func queueBW(batch *verbs.RCBatch, cfg *benchConfig, posted, k, iters int, remot
 		}
 		if int(id)%cfg.cqMod == 0 || int(id) == iters {
 			r.Signaled()
+		}
+		if inl {
+			r.Inline()
 		}
 	}
 }

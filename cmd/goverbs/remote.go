@@ -490,7 +490,7 @@ func (r *remote) streamBW(size int) (bwResult, error) {
 			if posted+k-completed > cfg.txDepth {
 				break
 			}
-			queueBW(s.batch, &cfg, posted, k, iters, remote, local)
+			queueBW(s.batch, &cfg, posted, k, iters, r.inline, remote, local)
 			if err := s.batch.Submit(); err != nil {
 				return bwResult{}, fmt.Errorf("%s of %d bytes: %w", cfg.op, size, err)
 			}

@@ -60,8 +60,8 @@ func (r *reporter) header() {
 		dev += " -> " + in.dev2
 	}
 	inline := 0
-	if cfg.lat && cfg.op != "read" {
-		inline = in.inline
+	if cfg.op != "read" {
+		inline = in.inline // the queue pair's: 0 unless -I asks for it in a bandwidth test
 	}
 	pairs := [][2]string{
 		{"Device", dev},

@@ -19,8 +19,9 @@
 //	kv: 1000 puts, 1000 gets checked
 //	kv: read p50 4.1 µs, get p50 8.3 µs (2.02 × read), 20000 each
 //
-// Flags: -token (or GOVERBS_TOKEN) which both must share; -buckets and
-// -heap size the server's table; -n the GETs measured; -timeout.
+// Flags: -token (or GOVERBS_TOKEN) which both must share; -buckets (at
+// most 2^24) and -heap (at most 4 GiB) size the server's table; -n the
+// GETs measured; -timeout.
 //
 // Table layout (little endian), granted read-only to every client:
 //
@@ -64,6 +65,10 @@ const (
 	slotSize   = 16
 	slots      = 4 // per bucket
 	bucketSize = slots * slotSize
+	// The largest table: bucket numbers are hashed into 32 bits, and the
+	// heap's offsets fit the table's region with room to spare.
+	maxBuckets = 1 << 24
+	maxHeap    = 1 << 32
 	entryHdr   = 12
 	maxProbe   = 4 // buckets
 	maxKey     = 256
@@ -107,6 +112,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cfg := session.Config{Token: []byte(*token)}
 	var err error
 	switch {
+	case *serve != "" && (*buckets > maxBuckets || *heap > maxHeap):
+		// Bounded so that the table's size cannot wrap: before, a huge
+		// -buckets made a table of a few bytes that the first client's
+		// PUTs indexed past (the server panicked: TestServerSizeBounds).
+		fmt.Fprintf(stderr, "kv: -buckets is at most %d and -heap at most %d bytes\n", maxBuckets, maxHeap)
+		return 2
 	case *serve != "" && *connect == "" && *buckets > 0 && *heap > 0:
 		err = runServer(ctx, *serve, cfg, *buckets, *heap, stdout, stderr)
 	case *connect != "" && *serve == "" && *keys >= 0 && *n > 0:

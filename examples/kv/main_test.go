@@ -248,3 +248,22 @@ func TestBucketOverflow(t *testing.T) {
 		t.Errorf("server: %v", err)
 	}
 }
+
+// TestServerSizeBounds: a server asked for a table larger than it takes
+// refuses to start (status 2, saying the bounds). Before, -buckets was
+// only checked to be positive: 288230376151711745 buckets of 64 bytes
+// wrapped to a table of 64 bytes plus the heap, and the first client's
+// PUTs made the server panic (index out of range).
+func TestServerSizeBounds(t *testing.T) {
+	for _, args := range [][]string{
+		{"-serve", "127.0.0.1:0", "-buckets", "288230376151711745"},
+		{"-serve", "127.0.0.1:0", "-buckets", fmt.Sprint(maxBuckets + 1)},
+		{"-serve", "127.0.0.1:0", "-heap", fmt.Sprint(int64(maxHeap) + 1)},
+	} {
+		b, err := command(t, "shm", args...).CombinedOutput()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 2 || !bytes.Contains(b, []byte("-buckets is at most")) {
+			t.Errorf("kv %q: %v\n%s\nwant status 2 and the bounds", args, err, b)
+		}
+	}
+}
