@@ -235,6 +235,11 @@ type collBench struct {
 	// busFactor is NCCL's busbw/algbw for p ranks; nil: a collective
 	// without payload (one row, no bandwidth).
 	busFactor func(p int) float64
+	// blocks: the vector is p blocks of equal size, so the sizes are
+	// rounded down to a multiple of p elements (as nccl-tests do), a
+	// size below p elements skipped. Before, a row said the size asked
+	// for and timed a vector of p × ⌊size/p⌋ (TestCollBlockSizes).
+	blocks bool
 	// alg names the algorithm c uses for bytes of elements of esz bytes.
 	alg func(c *collective.Comm, cfg collConfig, bytes, esz int) string
 	// run runs one iteration on count elements of the rank's buffers.
@@ -279,18 +284,21 @@ var collBenches = []collBench{
 	{
 		name:      "allgather",
 		busFactor: func(p int) float64 { return float64(p-1) / float64(p) },
+		blocks:    true,
 		alg:       autoAlg,
 		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "allgather", n) },
 	},
 	{
 		name:      "reducescatter",
 		busFactor: func(p int) float64 { return float64(p-1) / float64(p) },
+		blocks:    true,
 		alg:       autoAlg,
 		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "reducescatter", n) },
 	},
 	{
 		name:      "alltoall",
 		busFactor: func(p int) float64 { return float64(p-1) / float64(p) },
+		blocks:    true,
 		alg:       autoAlg,
 		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "alltoall", n) },
 	},
@@ -654,8 +662,11 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 		settled := cfg.settle == 0
 		for _, size := range sizes {
 			count := size / bufs.esz
+			if b.blocks {
+				count -= count % cfg.p
+			}
 			if b.busFactor != nil && count == 0 {
-				continue // below one element
+				continue // below one element, or one block of each rank
 			}
 			bytes := count * bufs.esz
 			if !settled {

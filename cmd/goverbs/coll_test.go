@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -264,6 +265,37 @@ func TestCollGoals(t *testing.T) {
 		g := collGoals(collConfig{p: tc.p}, res)
 		if len(g) != 1 || g[0].Goal != tc.goal || g[0].Note != tc.note || g[0].Value != 5 || g[0].Met != (5 <= tc.goal) {
 			t.Errorf("p=%d %s: goals %+v, want one of %v (%q), value 5", tc.p, tc.launch, g, tc.goal, tc.note)
+		}
+	}
+}
+
+// TestCollBlockSizes: the rows of allgather, reducescatter and alltoall,
+// whose vector is p blocks of equal size, give the size they move: a
+// multiple of p elements, the asked size rounded down, and a size below
+// p elements makes no row (as nccl-tests). Before, with 3 ranks the rows
+// of 4, 8 and 16 bytes each timed a vector of 12 (the block clamped to
+// one element) and reported the size asked for.
+func TestCollBlockSizes(t *testing.T) {
+	t.Setenv("GOVERBS_SOFT_TRANSPORT", "shm")
+	st, out, errs := runCmd(t, "coll", "-p", "3", "-ops", "allgather,reducescatter,alltoall", "-min", "4", "-max", "64", "-iters", "2", "-warmup", "0",
+		"-settle", "0s", "-lat-iters", "10", "-timeout", "2m", "-json")
+	if st != exitOK {
+		t.Fatalf("status %d\n%s\n%s", st, out, errs)
+	}
+	res := decodeColl(t, out)
+	rows := map[string][]int{}
+	for _, r := range res.Rows {
+		rows[r.Collective] = append(rows[r.Collective], r.Size)
+		if r.Size%(3*4) != 0 || r.Count*4 != r.Size {
+			t.Errorf("%s row of %d bytes, count %d: not 3 blocks of float32", r.Collective, r.Size, r.Count)
+		}
+	}
+	// Sizes 4, 8, 16, 32, 64 bytes: 1, 2, 4, 8, 16 elements, rounded down
+	// to 0, 0, 3, 6, 15.
+	want := []int{12, 24, 60}
+	for _, name := range []string{"allgather", "reducescatter", "alltoall"} {
+		if !slices.Equal(rows[name], want) {
+			t.Errorf("%s rows of %v bytes, want %v", name, rows[name], want)
 		}
 	}
 }
