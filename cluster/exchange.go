@@ -1328,16 +1328,18 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 	for j := range n {
 		in[j] = vecs[j][0]
 	}
-	// Each rank checked its own entries against MaxFrame, not what the
-	// others send it: a column over it failed only at its rank, which
-	// could not read it, while the others went on (the world split:
-	// TestRendezvousColumnOverMaxFrame). Every rank fails instead.
+	// Rank k's column: what every rank sends it. Each rank checked its
+	// own entries against MaxFrame, not what the others send it: a column
+	// over it failed only at its rank, which could not read it, while the
+	// others went on (the world split: TestRendezvousColumnOverMaxFrame).
+	// Every rank fails instead.
+	cols := make([][][]byte, n)
 	for k := 1; k < n; k++ {
-		size := 4
+		cols[k] = make([][]byte, n)
 		for j := range n {
-			size += 4 + len(vecs[j][k])
+			cols[k][j] = vecs[j][k]
 		}
-		if size > x.max {
+		if size := vectorSize(cols[k]); size > x.max {
 			err := fmt.Errorf("%w: the entries for rank %d are %d bytes (at most %d)", ErrFrameTooLarge, k, size, x.max)
 			why := []byte(sanitize(err.Error()))
 			x.broadcast(g.list(false), func(*conn) (byte, [][]byte) { return recAbort, [][]byte{why} })
@@ -1345,11 +1347,7 @@ func (x *exchange) root(ctx context.Context) ([][]byte, error) {
 		}
 	}
 	err = g.scatter(func(k *conn) (byte, [][]byte) {
-		col := make([][]byte, n)
-		for j := range n {
-			col[j] = vecs[j][k.peer]
-		}
-		return recData, [][]byte{encodeVector(col)}
+		return recData, [][]byte{encodeVector(cols[k.peer])}
 	})
 	if err != nil {
 		return nil, err
