@@ -763,7 +763,7 @@ func (s *Session) Allocator() *Allocator { return s.mem }
 // Alloc allocates n bytes of registered memory (Allocator().Alloc).
 func (s *Session) Alloc(n int) (LocalMR, error) {
 	if s.mem == nil {
-		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: %w (a zero Session: make one with Dial or Accept)", n, ErrClosed)
+		return LocalMR{}, fmt.Errorf("session: alloc of %d bytes: %w", n, errZeroSession)
 	}
 	return s.mem.Alloc(n)
 }
@@ -821,6 +821,9 @@ func (s *Session) dropMessages() {
 	}
 }
 
+// errZeroSession is what the calls of a zero Session fail with.
+var errZeroSession = fmt.Errorf("%w (a zero Session: make one with Dial or Accept)", ErrClosed)
+
 // enter begins an API call that touches the session's memory (l is
 // s.calls, or s.rcalls for receives): Close waits for the call to leave
 // (l.RUnlock) before it releases the memory. It fails once Close began,
@@ -831,7 +834,7 @@ func (s *Session) enter(l *sync.RWMutex, op string) error {
 		// A zero Session (not made by Dial or Accept) is as good as
 		// closed: before, its calls met nil maps and channels, and
 		// panicked or waited for ever (TestZeroObjectMethods).
-		return fmt.Errorf("session: %s: %w (a zero Session: make one with Dial or Accept)", op, ErrClosed)
+		return fmt.Errorf("session: %s: %w", op, errZeroSession)
 	}
 	l.RLock()
 	if s.closed.Load() {
