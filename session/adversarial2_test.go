@@ -807,51 +807,62 @@ func TestAdv2RevokeCancelled(t *testing.T) {
 // lease of an hour. Before, the peer was never told: it kept the memory,
 // and counted it, until the lease ended.
 func TestAdv2ReleaseCancelled(t *testing.T) {
+	forEachGiveUp(t, func(t *testing.T, name string, handBack bool) {
+		a, b := pair(t, Config{})
+		ctx := advCtx(t)
+		r, err := b.RequestRemoteMR(ctx, 4096, verbs.AccessRemoteWrite, time.Hour)
+		if err != nil {
+			t.Fatal(err)
+		}
+		src, err := b.Alloc(4096)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer src.Free()
+		// No control credit left: the peer's agent takes nothing
+		// in while this side sends as many messages as it has
+		// receive buffers (acknowledgements of nothing, which it
+		// ignores).
+		thaw := freezeAgent(a)
+		for range ctrlBuffers {
+			if _, err := b.sendCtrl(ctx, ctrlMsg{typ: ctrlAck}); err != nil {
+				thaw()
+				t.Fatal(err)
+			}
+		}
+		cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		err = giveUp(cctx, b, r, handBack)
+		cancel()
+		thaw()
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("%s with its context ended: %v, want context.DeadlineExceeded", name, err)
+		}
+		if err := b.Write(ctx, r.All(), src.All()); !errors.Is(err, ErrLeaseExpired) {
+			t.Fatalf("a write after the cancelled %s: %v, want ErrLeaseExpired", name, err)
+		}
+		waitGivenUp(t, ctx, a, b, handBack)
+	})
+}
+
+// forEachGiveUp runs f in a subtest for each way b gives a remote region
+// up: Release, and SendRemoteMR (handBack: the region goes back to its
+// owner).
+func forEachGiveUp(t *testing.T, f func(t *testing.T, name string, handBack bool)) {
 	for _, handBack := range []bool{false, true} {
 		name := "Release"
 		if handBack {
 			name = "SendRemoteMR"
 		}
-		t.Run(name, func(t *testing.T) {
-			a, b := pair(t, Config{})
-			ctx := advCtx(t)
-			r, err := b.RequestRemoteMR(ctx, 4096, verbs.AccessRemoteWrite, time.Hour)
-			if err != nil {
-				t.Fatal(err)
-			}
-			src, err := b.Alloc(4096)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer src.Free()
-			// No control credit left: the peer's agent takes nothing
-			// in while this side sends as many messages as it has
-			// receive buffers (acknowledgements of nothing, which it
-			// ignores).
-			thaw := freezeAgent(a)
-			for range ctrlBuffers {
-				if _, err := b.sendCtrl(ctx, ctrlMsg{typ: ctrlAck}); err != nil {
-					thaw()
-					t.Fatal(err)
-				}
-			}
-			cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-			if handBack {
-				err = b.SendRemoteMR(cctx, r)
-			} else {
-				err = r.Release(cctx)
-			}
-			cancel()
-			thaw()
-			if !errors.Is(err, context.DeadlineExceeded) {
-				t.Fatalf("%s with its context ended: %v, want context.DeadlineExceeded", name, err)
-			}
-			if err := b.Write(ctx, r.All(), src.All()); !errors.Is(err, ErrLeaseExpired) {
-				t.Fatalf("a write after the cancelled %s: %v, want ErrLeaseExpired", name, err)
-			}
-			waitGivenUp(t, ctx, a, b, handBack)
-		})
+		t.Run(name, func(t *testing.T) { f(t, name, handBack) })
 	}
+}
+
+// giveUp gives r, a region b was granted, up the way of handBack.
+func giveUp(ctx context.Context, b *Session, r *RemoteMR, handBack bool) error {
+	if handBack {
+		return b.SendRemoteMR(ctx, r)
+	}
+	return r.Release(ctx)
 }
 
 // waitGivenUp waits until a, the granter of the region b gave up (handed
@@ -987,61 +998,49 @@ func TestMessageOverLimit(t *testing.T) {
 // Before, they waited for the operation whatever ctx said (quiesce
 // watched only the session's end): here for ever.
 func TestReleaseHonoursCtx(t *testing.T) {
-	for _, handBack := range []bool{false, true} {
-		name := "Release"
-		if handBack {
-			name = "SendRemoteMR"
+	forEachGiveUp(t, func(t *testing.T, name string, handBack bool) {
+		a, b := pair(t, Config{ReceiveBuffers: 2, MessageSize: 256})
+		ctx := advCtx(t)
+		r, err := b.RequestRemoteMR(ctx, 64, verbs.AccessRemoteWrite, time.Hour)
+		must(t, "request", err)
+		// b's two credits: a holds the messages, gives none back.
+		for range 2 {
+			must(t, "send", b.Send(ctx, []byte("x")))
 		}
-		t.Run(name, func(t *testing.T) {
-			a, b := pair(t, Config{ReceiveBuffers: 2, MessageSize: 256})
-			ctx := advCtx(t)
-			r, err := b.RequestRemoteMR(ctx, 64, verbs.AccessRemoteWrite, time.Hour)
-			must(t, "request", err)
-			// b's two credits: a holds the messages, gives none back.
-			for range 2 {
-				must(t, "send", b.Send(ctx, []byte("x")))
+		src, err := b.Alloc(64)
+		must(t, "alloc", err)
+		defer src.Free()
+		wctx, wcancel := context.WithCancel(ctx)
+		defer wcancel()
+		werr := make(chan error, 1)
+		go func() { werr <- b.WriteImm(wctx, r.All(), 7, src.All()) }()
+		waitFor(t, ctx, "the WriteImm to be in flight", func() bool { return r.inflight.Load() > 0 })
+		rctx, rcancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		defer rcancel()
+		rerr := make(chan error, 1)
+		go func() { rerr <- giveUp(rctx, b, r, handBack) }()
+		select {
+		case err := <-rerr:
+			if !errors.Is(err, context.DeadlineExceeded) {
+				t.Errorf("%s with an operation in flight and its ctx ended: %v, want context.DeadlineExceeded", name, err)
 			}
-			src, err := b.Alloc(64)
-			must(t, "alloc", err)
-			defer src.Free()
-			wctx, wcancel := context.WithCancel(ctx)
-			defer wcancel()
-			werr := make(chan error, 1)
-			go func() { werr <- b.WriteImm(wctx, r.All(), 7, src.All()) }()
-			waitFor(t, ctx, "the WriteImm to be in flight", func() bool { return r.inflight.Load() > 0 })
-			rctx, rcancel := context.WithTimeout(ctx, 50*time.Millisecond)
-			defer rcancel()
-			rerr := make(chan error, 1)
-			go func() {
-				if handBack {
-					rerr <- b.SendRemoteMR(rctx, r)
-				} else {
-					rerr <- r.Release(rctx)
-				}
-			}()
-			select {
-			case err := <-rerr:
-				if !errors.Is(err, context.DeadlineExceeded) {
-					t.Errorf("%s with an operation in flight and its ctx ended: %v, want context.DeadlineExceeded", name, err)
-				}
-			case <-time.After(hangGuard):
-				t.Fatalf("%s with a 50 ms ctx and an operation in flight has not returned in %v", name, hangGuard)
-			}
-			wcancel()
-			if err := <-werr; !errors.Is(err, context.Canceled) {
-				t.Errorf("the WriteImm: %v, want context.Canceled", err)
-			}
-			// The peer takes its messages (the notice was not posted:
-			// its wait for a credit ended with wctx); the write is done,
-			// and the release goes out.
-			for range 2 {
-				m, err := a.Receive(ctx)
-				must(t, "receive", err)
-				m.Release()
-			}
-			waitGivenUp(t, ctx, a, b, handBack)
-		})
-	}
+		case <-time.After(hangGuard):
+			t.Fatalf("%s with a 50 ms ctx and an operation in flight has not returned in %v", name, hangGuard)
+		}
+		wcancel()
+		if err := <-werr; !errors.Is(err, context.Canceled) {
+			t.Errorf("the WriteImm: %v, want context.Canceled", err)
+		}
+		// The peer takes its messages (the notice was not posted:
+		// its wait for a credit ended with wctx); the write is done,
+		// and the release goes out.
+		for range 2 {
+			m, err := a.Receive(ctx)
+			must(t, "receive", err)
+			m.Release()
+		}
+		waitGivenUp(t, ctx, a, b, handBack)
+	})
 }
 
 // TestReceiveDeadlineRacesPeerClose: a Receive whose ctx ends about when
