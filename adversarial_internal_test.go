@@ -409,6 +409,7 @@ func (ch *fakeCh) Wait(ctx context.Context) (prov.CQ, error) {
 		return nil, ctx.Err()
 	}
 }
+func (ch *fakeCh) Wake()        {}
 func (ch *fakeCh) Close() error { return nil }
 
 // TestAdversarialChannelEventOfClosedCQ has a completion channel deliver

@@ -101,6 +101,9 @@ func (ch *CompletionChannel) Wait(ctx context.Context) (*CompletionQueue, error)
 	}
 	for {
 		pcq, err := ch.ch.Wait(ctx)
+		if errors.Is(err, prov.ErrWoken) {
+			continue // no Wake of a shared channel is public
+		}
 		if err != nil {
 			if cerr := waitEnded(ctx, err); cerr != nil {
 				return nil, opErr("wait for completion event", ch.c.name, fmt.Errorf("%w: %w", ErrTimeout, cerr))
@@ -324,10 +327,10 @@ func (cq *CompletionQueue) RequestNotify(solicitedOnly bool) error {
 	return opErr("arm cq", cq.c.name, cq.cq.Arm(solicitedOnly))
 }
 
-// Wait blocks until the CQ holds at least one completion, or ctx ends. It
-// sleeps on the CQ's private completion channel (the default), without
-// spinning and without holding an OS thread. It fails for CQs created with
-// a shared Channel or NoChannel.
+// Wait blocks until the CQ holds at least one completion, Wake is called,
+// or ctx ends. It sleeps on the CQ's private completion channel (the
+// default), without spinning and without holding an OS thread. It fails
+// for CQs created with a shared Channel or NoChannel.
 func (cq *CompletionQueue) Wait(ctx context.Context) error {
 	if cq.c == nil { // a zero CompletionQueue, not from NewCompletionQueue
 		return cq.res.errClosed("wait on cq")
@@ -342,12 +345,39 @@ func (cq *CompletionQueue) Wait(ctx context.Context) error {
 			return err
 		}
 		if _, err := cq.ownCh.Wait(ctx); err != nil {
+			if errors.Is(err, prov.ErrWoken) {
+				return nil
+			}
 			if cerr := waitEnded(ctx, err); cerr != nil {
 				return opErr("wait on cq", cq.c.name, fmt.Errorf("%w: %w", ErrTimeout, cerr))
 			}
 			return opErr("wait on cq", cq.c.name, err)
 		}
 	}
+}
+
+// Wake makes a Wait of the CQ in progress return nil at once, or, if
+// none is in progress, the next one to begin: as if a completion had
+// arrived, so the waiter polls (finding none, perhaps) and looks at what
+// it waits for again. It is for a goroutine that sleeps on the CQ on
+// behalf of others, whose conditions can change without a completion (a
+// request withdrawn, a queue pair broken while idle). Several Wakes before
+// a Wait wake it once. It never blocks and, on the soft provider,
+// allocates nothing. Like Wait, it fails for CQs created with a shared
+// Channel or NoChannel.
+func (cq *CompletionQueue) Wake() error {
+	if cq.c == nil {
+		return cq.res.errClosed("wake cq")
+	}
+	if cq.ownCh == nil {
+		return opErr("wake cq", cq.c.name, fmt.Errorf("cq has no private completion channel: %w", ErrNotSupported))
+	}
+	if !cq.res.enter() {
+		return cq.res.errClosed("wake cq")
+	}
+	defer cq.res.exit()
+	cq.ownCh.Wake()
+	return nil
 }
 
 // armOrStash is a round of Wait: it reports whether a completion is in

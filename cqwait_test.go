@@ -10,7 +10,7 @@ import (
 )
 
 // TestCQWaitAllocatesNothing: Wait on a CQ's own channel, then Poll,
-// allocate nothing (channel's sleeping waits go through it once per
+// allocate nothing, nor do Wake and the Wait it ends (channel's sleeping waits go through it once per
 // operation).
 func TestCQWaitAllocatesNothing(t *testing.T) {
 	if testing.Short() {
@@ -76,5 +76,20 @@ func TestCQWaitAllocatesNothing(t *testing.T) {
 	}
 	if allocs != 0 {
 		t.Errorf("a write, Wait and Poll allocate %v times, want 0", allocs)
+	}
+	// A Wake and the Wait it ends (channel wakes its sleeping poller so).
+	allocs = testing.AllocsPerRun(200, func() {
+		if err := cq.Wake(); err != nil && failed == nil {
+			failed = err
+		}
+		if err := cq.Wait(ctx); err != nil && failed == nil {
+			failed = err
+		}
+	})
+	if failed != nil {
+		t.Fatal(failed)
+	}
+	if allocs != 0 {
+		t.Errorf("Wake and Wait allocate %v times, want 0", allocs)
 	}
 }

@@ -371,7 +371,10 @@ func (e *engine) release(s *slot) {
 // completion arrives. If it already arrived, detach frees it now.
 func (e *engine) detach(s *slot) {
 	if s.state.CompareAndSwap(slotPosted, slotDetached) {
-		s.notify() // a goroutine in Handle.Wait for it: the handle is stale
+		// A goroutine in Handle.Wait for it: the handle is stale. It
+		// may be the poller, asleep in the CQ.
+		s.notify()
+		e.wakePoller()
 		return
 	}
 	e.release(s)
@@ -489,13 +492,24 @@ func (e *engine) unlockPoll() {
 	}
 }
 
-// nudge wakes waiters so that they look at their condition again.
+// nudge wakes waiters so that they look at their condition again: for
+// changes that no completion announces (a peer broken, a post rolled
+// back).
 func (e *engine) nudge() {
 	e.broadcast()
 	select {
 	case e.pollFree <- struct{}{}:
 	default:
 	}
+	e.wakePoller()
+}
+
+// wakePoller ends the poller's sleep on the CQ, if it sleeps there (or
+// its next one): its own condition may hold now, and no completion would
+// tell it. The poller polls and looks again. After close, the CQ's Wake
+// fails (closed), and the poller has left or is leaving.
+func (e *engine) wakePoller() {
+	e.cq.Wake()
 }
 
 // progress polls the CQ once if no other goroutine is polling it. It

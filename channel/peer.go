@@ -300,6 +300,9 @@ func (p *peer) post(ctx context.Context, wait bool, ws []work) (int, error) {
 						p.unsig += ws[i].s.rel - 1
 					}
 				}
+				if ok < k {
+					p.e.nudge() // a Drain may have seen the rejected ones
+				}
 				return n + ok, err
 			}
 			n += k
@@ -420,6 +423,7 @@ func (p *peer) postUnsig(ctx context.Context, wait bool, r unsigReq) error {
 			p.pending.Add(-1)
 			m.state.Store(slotFree)
 		}
+		p.e.nudge() // a Drain, or a wait for room, may have seen it
 		return err
 	}
 	if signal {

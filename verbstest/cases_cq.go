@@ -70,6 +70,70 @@ func testCQWait(t *testing.T, c *tcase) {
 	}
 }
 
+// testCQWake checks CompletionQueue.Wake: it ends a Wait in progress with
+// nil, or the next Wait when none is in progress (several Wakes, one
+// wake); a Wait after a woken one waits again; the CQ works on; a CQ
+// without a channel of its own cannot be woken, nor can a closed one.
+func testCQWake(t *testing.T, c *tcase) {
+	p := NewLoopbackRC(t, c.cfg, verbs.QPSpec{})
+	guard := c.guard(t)
+
+	done := make(chan error, 1)
+	go func() { done <- p.B.CQ.Wait(guard) }()
+	// Wake until the Wait returns: a Wake before the goroutine waits
+	// ends its Wait at once as well.
+	var err error
+	for woken := false; !woken; {
+		must(t, "wake", p.B.CQ.Wake())
+		select {
+		case err = <-done:
+			woken = true
+		case <-time.After(10 * time.Millisecond):
+		case <-guard.Done():
+			t.Fatalf("Wake did not end a Wait (hang guard %v)", c.cfg.Timeout)
+		}
+	}
+	if err != nil {
+		t.Fatalf("Wait ended by Wake: %v, want nil", err)
+	}
+	// The Wakes the loop made after the Wait slept may have left one
+	// pending: a Wait takes it, or waits until its deadline.
+	short, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	p.B.CQ.Wait(short)
+	cancel()
+	short, cancel = context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	expectCtxErr(t, "Wait after a woken one", p.B.CQ.Wait(short), context.DeadlineExceeded)
+
+	must(t, "wake", p.B.CQ.Wake())
+	must(t, "wake", p.B.CQ.Wake())
+	if err := p.B.CQ.Wait(guard); err != nil {
+		t.Fatalf("Wait after Wake: %v, want nil", err)
+	}
+	short2, cancel2 := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel2()
+	expectCtxErr(t, "Wait after two Wakes and one Wait", p.B.CQ.Wait(short2), context.DeadlineExceeded)
+
+	// The CQ works on: a completion ends a Wait, and is polled.
+	src := p.A.Alloc(t, 64, accessLocal)
+	dst := p.B.Alloc(t, 64, accessLocal)
+	must(t, "post recv", p.QB.PostRecv(1, dst.All()))
+	must(t, "post send", p.QA.PostSend(2, verbs.Signaled, SGE(t, src, 0, 8)))
+	must(t, "wait for the receive", p.B.CQ.Wait(guard))
+	expectOK(t, "completion after Wait", c.pollOne(t, p.B.CQ), 1, verbs.OpRecv, p.QB.QPN())
+	expectOK(t, "send completion", c.pollOne(t, p.A.CQ), 2, verbs.OpSend, p.QA.QPN())
+
+	nc := p.B.NewCQ(t, verbs.CQSpec{NoChannel: true})
+	if err := nc.Wake(); !errors.Is(err, verbs.ErrNotSupported) {
+		t.Errorf("Wake of a CQ created with NoChannel: %v, want an error matching ErrNotSupported", err)
+	}
+	cq := p.B.NewCQ(t, verbs.CQSpec{})
+	must(t, "close cq", cq.Close())
+	if err := cq.Wake(); !errors.Is(err, verbs.ErrClosed) {
+		t.Errorf("Wake of a closed CQ: %v, want an error matching ErrClosed", err)
+	}
+}
+
 // testChannelShared shares one completion channel between two CQs: Wait
 // returns the CQ that has the event.
 func testChannelShared(t *testing.T, c *tcase) {

@@ -162,6 +162,7 @@ var cases = []caseDef{
 	{"Link", testLink},
 	// Completion channels.
 	{"CQWait", testCQWait},
+	{"CQWake", testCQWake},
 	{"ChannelShared", testChannelShared},
 	{"SolicitedEvents", testSolicitedEvents},
 	// Devices, memory and object lifetimes.

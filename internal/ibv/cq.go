@@ -71,6 +71,9 @@ func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
 	}
 }
 
+// Wake makes a Wait in progress, or the next one, return prov.ErrWoken.
+func (ch *compChannel) Wake() { ch.ev.wake() }
+
 func (ch *compChannel) Close() error {
 	return ch.closer.do(func() error {
 		if ch.ch.refcnt > 0 {

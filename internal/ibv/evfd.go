@@ -29,6 +29,7 @@ type evFD struct {
 	sem chan struct{} // one waiter at a time: the read deadline is per file
 
 	closed atomic.Bool
+	woken  atomic.Bool // wake: the next wait returns prov.ErrWoken
 }
 
 func newEvFD(fd int, name string) (*evFD, error) {
@@ -75,6 +76,11 @@ func (e *evFD) wait(ctx context.Context, try func() bool) error {
 		}
 		return closedErr(err)
 	}
+	// After the deadline is set: a wake from now on ends the read below
+	// (its deadline in the past), one before it is seen here.
+	if e.woken.Swap(false) {
+		return prov.ErrWoken
+	}
 	var fired chan struct{}
 	if ctx.Done() != nil {
 		fired = make(chan struct{})
@@ -92,6 +98,9 @@ func (e *evFD) wait(ctx context.Context, try func() bool) error {
 	if err == nil {
 		return nil
 	}
+	if e.woken.Swap(false) {
+		return prov.ErrWoken
+	}
 	if cerr := ctx.Err(); cerr != nil {
 		return cerr
 	}
@@ -102,6 +111,14 @@ func (e *evFD) wait(ctx context.Context, try func() bool) error {
 		return prov.ErrClosed
 	}
 	return closedErr(err)
+}
+
+// wake makes a wait in progress, or the next one, return prov.ErrWoken: a
+// read deadline in the past ends the read a wait is in (a wait that starts
+// later sets its own, and then sees woken).
+func (e *evFD) wake() {
+	e.woken.Store(true)
+	e.f.SetReadDeadline(time.Unix(1, 0))
 }
 
 func closedErr(err error) error {

@@ -19,6 +19,8 @@ var (
 	ErrQueueFull = errors.New("queue full")
 	// ErrTimeout: a deadline passed.
 	ErrTimeout = errors.New("timed out")
+	// ErrWoken: CompChannel.Wait returned for a Wake, not for an event.
+	ErrWoken = errors.New("woken")
 )
 
 // Errno pairs a sentinel with the errno a real provider would return, so

@@ -216,6 +216,10 @@ type CompChannel interface {
 	// the event and returns the CQ. It must not park an OS thread in a
 	// blocking system call.
 	Wait(ctx context.Context) (CQ, error)
+	// Wake makes a Wait in progress, or else the next one, return
+	// ErrWoken (an event queued already may be returned first). It never
+	// blocks for long and allocates nothing.
+	Wake()
 	Close() error
 }
 

@@ -234,6 +234,12 @@ func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
 	return q, nil
 }
 
+// Wake wakes the server's Wait (through a request of its own: the
+// server runs requests concurrently).
+func (ch *compChannel) Wake() {
+	ch.c.call(context.Background(), opChanWake, idReq{ID: ch.id}, &empty{})
+}
+
 func (ch *compChannel) Close() error { return ch.close() }
 
 type cq struct {

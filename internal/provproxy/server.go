@@ -367,7 +367,7 @@ func (s *server) handle(ctx context.Context, op opcode, req any, fds []int) (any
 var idOpKinds = map[opcode]int{
 	opQueryDevice: objContext, opAllocPD: objContext,
 	opCreateCompChannel: objContext, opAsyncEvent: objContext, opClose: objNone, opChanWait: objCompChannel,
-	opQueryQP: objQP, opQPAddress: objQP, opSRQQuery: objSRQ, opQPLink: objQP,
+	opChanWake: objCompChannel, opQueryQP: objQP, opQPAddress: objQP, opSRQQuery: objSRQ, opQPLink: objQP,
 }
 
 // handleID runs the operations whose request names one object.
@@ -406,6 +406,9 @@ func (s *server) handleID(ctx context.Context, op opcode, id uint64) (any, error
 		}
 		_, cid := s.idOf(q)
 		return &chanWaitResp{CQ: cid}, nil
+	case opChanWake:
+		o.v.(prov.CompChannel).Wake()
+		return nil, nil
 	case opQueryQP:
 		a, ia, err := o.v.(prov.QP).Query()
 		if err != nil {

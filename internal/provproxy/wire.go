@@ -78,6 +78,7 @@ const (
 	opSRQModify
 	opSRQQuery
 	opQPLink
+	opChanWake
 	numOps
 )
 
@@ -88,7 +89,7 @@ var opNames = [numOps]string{
 	opCreateQP: "create qp", opCreateSRQ: "create srq", opCreateAH: "create ah", opChanWait: "wait for completion event",
 	opPoll: "poll cq", opArm: "arm cq", opModifyQP: "modify qp", opQueryQP: "query qp", opPostSend: "post send",
 	opPostRecv: "post recv", opQPAddress: "qp address", opSRQPostRecv: "post srq recv", opSRQModify: "modify srq",
-	opSRQQuery: "query srq", opQPLink: "qp link",
+	opSRQQuery: "query srq", opQPLink: "qp link", opChanWake: "wake completion channel",
 }
 
 func (o opcode) String() string {
@@ -307,7 +308,7 @@ func reqType(op opcode) any {
 	case opOpen:
 		return &nameReq{}
 	case opQueryDevice, opAllocPD, opCreateCompChannel, opAsyncEvent, opClose,
-		opChanWait, opQueryQP, opQPAddress, opSRQQuery, opQPLink:
+		opChanWait, opQueryQP, opQPAddress, opSRQQuery, opQPLink, opChanWake:
 		return &idReq{}
 	case opQueryPort, opQueryGIDTable:
 		return &portReq{}
@@ -353,7 +354,7 @@ func respType(op opcode) any {
 		return &createCQResp{}
 	case opAsyncEvent:
 		return &asyncEventResp{}
-	case opClose, opArm, opModifyQP, opSRQModify:
+	case opClose, opArm, opModifyQP, opSRQModify, opChanWake:
 		return &empty{}
 	case opRegMR:
 		return &regMRResp{}
@@ -381,7 +382,7 @@ func respType(op opcode) any {
 // wireError.Sentinels.
 var sentinels = []error{
 	prov.ErrNotSupported, prov.ErrClosed, prov.ErrNoDevice, prov.ErrQueueFull, prov.ErrTimeout,
-	context.Canceled, context.DeadlineExceeded, errors.ErrUnsupported,
+	context.Canceled, context.DeadlineExceeded, errors.ErrUnsupported, prov.ErrWoken,
 }
 
 // wireError is the error of an operation, or Set false for none.

@@ -254,6 +254,7 @@ type compChannel struct {
 	armed   atomic.Pointer[cq]   // the CQ armed last (drive.go)
 	drv     atomic.Pointer[conn] // the connection a Wait drives
 	inDrain atomic.Bool          // the driver handles frames: notify need not interrupt it
+	woken   atomic.Bool          // Wake: the next Wait returns ErrWoken
 }
 
 var _ prov.CompChannel = (*compChannel)(nil)
@@ -300,6 +301,16 @@ func (ch *compChannel) notify(c *cq) {
 	}
 }
 
+// Wake makes a Wait in progress, or the next one, return prov.ErrWoken,
+// ending a drive it is in (drive.go).
+func (ch *compChannel) Wake() {
+	ch.woken.Store(true)
+	ch.poke()
+	if d := ch.drv.Load(); d != nil {
+		d.interrupt(ch)
+	}
+}
+
 // Wait returns the CQ of the next event, blocking until there is one or
 // ctx ends. The event is acknowledged. While it waits it may handle the
 // connection that feeds the CQ armed last itself (drive.go).
@@ -328,6 +339,9 @@ func (ch *compChannel) wait(ctx context.Context, asked **conn) (prov.CQ, error) 
 			return c, nil
 		}
 		ch.mu.Unlock()
+		if ch.woken.Swap(false) {
+			return nil, prov.ErrWoken // not wrapped: allocates nothing
+		}
 		if drive {
 			drive = false
 			if c := ch.driveConn(); c != nil {

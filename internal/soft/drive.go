@@ -159,7 +159,7 @@ func (ch *compChannel) driveLocked(ctx context.Context, c *conn) prov.CQ {
 	// that never came; a loaded machine, one ping-pong in thousands).
 	buffered := c.sock.w != c.sock.r || c.sock.pending()
 	dl := false // the socket's read deadline is end
-	for ctx.Err() == nil && !c.dead.Load() {
+	for ctx.Err() == nil && !c.dead.Load() && !ch.woken.Load() {
 		if ev = ch.takeEvent(); ev != nil {
 			break
 		}
@@ -193,9 +193,10 @@ func (ch *compChannel) driveLocked(ctx context.Context, c *conn) prov.CQ {
 			}
 			dl = true
 			nc.SetReadDeadline(end)
-			// After the deadline: an event queued from now on ends
-			// the wait (interrupt), one queued before is taken here.
-			if ev = ch.takeEvent(); ev != nil {
+			// After the deadline: an event queued (or a Wake) from
+			// now on ends the wait (interrupt), one queued before is
+			// taken here.
+			if ev = ch.takeEvent(); ev != nil || ch.woken.Load() {
 				break
 			}
 		}
@@ -307,7 +308,7 @@ func (ch *compChannel) driveShm(ctx context.Context, c *conn) prov.CQ {
 	var ev prov.CQ
 	var err error
 	var end time.Time // the deadline of the waits, once one waits
-	for ctx.Err() == nil && !c.dead.Load() && !c.failing.Load() && !ch.isClosed() {
+	for ctx.Err() == nil && !c.dead.Load() && !c.failing.Load() && !ch.isClosed() && !ch.woken.Load() {
 		if ev = ch.takeEvent(); ev != nil {
 			break
 		}
@@ -360,8 +361,9 @@ func (ch *compChannel) driveShm(ctx context.Context, c *conn) prov.CQ {
 			c.setWaitDeadline(end)
 		}
 		c.dlMu.Unlock()
-		// An event queued before the driver was set did not interrupt.
-		if ev = ch.takeEvent(); ev == nil {
+		// An event queued (or a Wake) before the driver was set did
+		// not interrupt.
+		if ev = ch.takeEvent(); ev == nil && !ch.woken.Load() {
 			err = c.shm.sleep(seen)
 		}
 		c.dlMu.Lock()

@@ -311,6 +311,55 @@ func TestDriveHonoursContext(t *testing.T) {
 	}
 }
 
+// TestDriveEndsAtWake: Wake ends a Wait that drives the connection with
+// ErrWoken, whether its ctx can end (the drive has a read deadline of its
+// own, which the wake must not undo) or not; the next Wait is not woken
+// again, and the connection works on. Wake ends a Wait that sleeps in the
+// channel too, and one Wake before a Wait ends that Wait at once.
+func TestDriveEndsAtWake(t *testing.T) {
+	defer func(d time.Duration) { driveMax = d }(driveMax)
+	driveMax = time.Hour // a drive that ignored the wake would outlast hangGuard
+	for _, kind := range []string{"tcp", "unix", "shm"} {
+		for _, cancelable := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/cancelable=%v", kind, cancelable), func(t *testing.T) {
+				p := newDrivePair(t, kind)
+				ctx := context.Background()
+				if cancelable {
+					var cancel context.CancelFunc
+					ctx, cancel = context.WithCancel(ctx)
+					defer cancel()
+				}
+				done, _ := p.drivenWait(t, ctx)
+				p.chb.Wake()
+				select {
+				case err := <-done:
+					if !errors.Is(err, prov.ErrWoken) {
+						t.Fatalf("wait: %v, want ErrWoken", err)
+					}
+				case <-time.After(hangGuard):
+					t.Fatal("Wake did not end the wait")
+				}
+				// Woken once: a Wait after it waits (until its ctx
+				// ends).
+				short, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+				_, err := p.chb.Wait(short)
+				cancel()
+				if !errors.Is(err, context.DeadlineExceeded) {
+					t.Fatalf("a Wait after the woken one: %v, want DeadlineExceeded", err)
+				}
+				// A Wake before a Wait (twice: one wake) ends it at once.
+				p.chb.Wake()
+				p.chb.Wake()
+				if _, err := p.chb.Wait(context.Background()); !errors.Is(err, prov.ErrWoken) {
+					t.Fatalf("a Wait after Wake: %v, want ErrWoken", err)
+				}
+				// The connection works on.
+				p.sendOne(t)
+			})
+		}
+	}
+}
+
 // TestDriveEndsAtClose: a wait whose ctx cannot end drives without a
 // read deadline (none ends it every driveMax, as one that can end is);
 // closing its channel ends it. Before, every drive set a deadline before
