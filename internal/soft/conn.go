@@ -1536,7 +1536,11 @@ func (c *conn) handleReq(id uint64, body []byte, data []span, plen int) error {
 	if resp.code != respACK || req.op == opCAS || req.op == opFAA {
 		c.heldOther.Store(true)
 	}
-	if big || resp.code >= respInvReq || len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
+	// An atomic's answer leaves at once too: it changed the memory
+	// already, and unlike a write's acknowledgement it cannot be
+	// published in the acknowledgement page (ackpage.go), so a process
+	// that exits as soon as it sees the change would take it along.
+	if big || resp.code >= respInvReq || req.op == opCAS || req.op == opFAA || len(c.resps)+hdrLen+respBodyLen > cap(c.resps) {
 		c.flushRespsLocked()
 	}
 	c.respMu.Unlock()

@@ -202,6 +202,13 @@ func waitComps(ctx context.Context, cq prov.CQ, ch prov.CompChannel, n int, spin
 //	                     "region ADDR RKEY", and exit at once (status 0,
 //	                     closing nothing) when its last 8 bytes hold
 //	                     writeMark; status 4 after hangGuard
+//	atomicexit           "region ADDR RKEY" of its page, "polling", then
+//	                     poll the CQ (an application that waits for
+//	                     completions), say "spinning" once the
+//	                     connection's reader left it to the polls (its
+//	                     grace), and exit at once (status 0, closing
+//	                     nothing) when the page's first word is not 0;
+//	                     status 4 after hangGuard
 //	stall MS             handle nothing from the parent for MS ms while
 //	                     keeping a processor busy: "stalling", then
 //	                     "resumed"
@@ -320,6 +327,24 @@ func peerChild(in *bufio.Scanner, out io.Writer) int {
 				}
 			}
 			os.Exit(0) // at once: no Close, no output
+		case "atomicexit":
+			fmt.Fprintf(out, "region %d %d\npolling\n", s.mr.Addr(), s.mr.RKey())
+			word := (*uint64)(s.reg.Ptr())
+			var dst [16]prov.Completion
+			told := false
+			for end := time.Now().Add(hangGuard); time.Now().Before(end); {
+				if _, err := s.cq.Poll(dst[:]); err != nil {
+					return fail(err)
+				}
+				if atomic.LoadUint64(word) != 0 {
+					os.Exit(0) // at once: no Close, no output
+				}
+				if c := onlyConn(); !told && c != nil && c.grace.Load() {
+					fmt.Fprintln(out, "spinning")
+					told = true
+				}
+			}
+			os.Exit(4)
 		case "stall":
 			// Answer nothing for arg(1) ms while running: the QP's
 			// responder lock held (the connection's consumer waits for
@@ -835,6 +860,97 @@ func TestWrittenBeforeExit(t *testing.T) {
 				p.Stop(t) // fails the test unless the child saw the write
 				if c.Status != prov.StatusSuccess {
 					t.Fatalf("round %d: the peer saw the write land and exited, the writer saw %+v", i, c)
+				}
+				l.close(t)
+			}
+		})
+	}
+}
+
+// onlyConn returns a connection of the process' service (the only one,
+// in a child with one peer), or nil.
+func onlyConn() *conn {
+	s := getFabric().svc.Load()
+	if s == nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for c := range s.conns {
+		return c
+	}
+	return nil
+}
+
+// TestAtomicBeforeExit: a peer that polls its CQ sees a remote atomic
+// land in its memory and at once exits, closing nothing: the requester
+// must see success with the prior value, as TestWrittenBeforeExit
+// requires of writes (a NIC answers whatever its process does next).
+// The peer's polls handle the atomic while its connection's reader is in
+// its grace (progress.go). soft0 held an atomic's response there, as a
+// write's acknowledgement is held, but an atomic cannot be published in
+// the acknowledgement page: the response died with the process, and the
+// requester saw RETRY_EXC_ERR for an atomic that was executed (over
+// shared memory every time; now its response leaves at once).
+func TestAtomicBeforeExit(t *testing.T) {
+	for _, kind := range []string{"tcp", "unix", "shm"} { // (a TLS connection has no grace)
+		t.Run(kind, func(t *testing.T) {
+			forceLife(t, kind)
+			e := newEnv(t)
+			for round := range 3 {
+				p := testproc.Start(t, lifeEnv(kind)...)
+				l := newLifeQP(t, e)
+				l.connectChild(t, p, ackTimeout, 7)
+				p.Send(t, "atomicexit")
+				f := p.Line(t, "region")
+				addr, rkey := must(strconv.ParseUint(f[0], 10, 64)), uint32(must(strconv.ParseUint(f[1], 10, 32)))
+				p.Line(t, "polling")
+				// Writes beside the word while the child polls, until
+				// its reader leaves the connection to the polls.
+				stop := make(chan struct{})
+				werr := make(chan error, 1)
+				go func() {
+					for i := uint64(1); ; i++ {
+						select {
+						case <-stop:
+							werr <- nil
+							return
+						default:
+						}
+						wr := []prov.SendWR{{WRID: i, Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled, RemoteAddr: addr + 64, RKey: rkey}}
+						if _, err := l.qp.PostSend(wr, []prov.SGE{l.m.sge(0, 8)}); err != nil {
+							werr <- err
+							return
+						}
+						ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
+						cs, err := waitComps(ctx, l.cq, l.ch, 1, false)
+						cancel()
+						if err == nil && cs[0].Status != prov.StatusSuccess {
+							err = fmt.Errorf("write: %+v", cs[0])
+						}
+						if err != nil {
+							werr <- err
+							return
+						}
+					}
+				}()
+				p.Line(t, "spinning")
+				close(stop)
+				if err := <-werr; err != nil {
+					t.Fatal(err)
+				}
+				binary.LittleEndian.PutUint64(l.m.b[8:], 0)
+				wr := []prov.SendWR{{WRID: 100, Opcode: prov.WRAtomicFAA, NumSGE: 1, Flags: prov.SendSignaled, RemoteAddr: addr, RKey: rkey, CompareAdd: 5}}
+				if _, err := l.qp.PostSend(wr, []prov.SGE{l.m.sge(8, 8)}); err != nil {
+					t.Fatal(err)
+				}
+				c := l.wait(t, 1)[0]
+				p.Stop(t) // fails the test unless the child saw the atomic land
+				if c.Status != prov.StatusSuccess {
+					t.Fatalf("round %d: the peer saw the atomic land and exited; the requester saw %+v, want SUCCESS", round, c)
+				}
+				if v := binary.LittleEndian.Uint64(l.m.b[8:]); v != 0 {
+					t.Fatalf("round %d: the atomic's prior value %d, want 0", round, v)
 				}
 				l.close(t)
 			}
