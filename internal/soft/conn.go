@@ -147,7 +147,10 @@ type conn struct {
 	qspare []outItem // the array of the last queue written, for the next
 	qbytes int
 	qlen   atomic.Int32 // len(queue), read without qmu
-	qhigh  atomic.Bool  // qbytes > sendHigh, read without qmu
+	// qtaken: a writer took the queue (flushQueueLocked) and has not
+	// written all of it yet. Set with qlen's zero, under qmu.
+	qtaken atomic.Bool
+	qhigh  atomic.Bool // qbytes > sendHigh, read without qmu
 	qwake  chan struct{}
 
 	// Consumer state (whoever holds rmu).
@@ -938,9 +941,11 @@ func (c *conn) flushQueueLocked(timeout time.Duration) error {
 			return nil
 		}
 		c.queue, c.qspare = c.qspare[:0], nil
+		c.qtaken.Store(true)
 		c.qlen.Store(0)
 		c.qmu.Unlock()
 		err := c.writeItemsLocked(q, timeout)
+		c.qtaken.Store(false)
 		for i := range q {
 			putBuf(q[i].b)
 		}
@@ -1160,7 +1165,10 @@ func (c *conn) socketRoom(n int) bool {
 	return room
 }
 
-func (c *conn) queueEmpty() bool { return c.qlen.Load() == 0 }
+// queueEmpty reports whether every frame queued so far is written: none
+// waits in the queue, and none that a writer took from it (publishWrite
+// and ackFirst publish an acknowledgement for everything before it).
+func (c *conn) queueEmpty() bool { return c.qlen.Load() == 0 && !c.qtaken.Load() }
 
 func (c *conn) wakeFlusher() {
 	select {
