@@ -672,6 +672,54 @@ func TestPeerStoppedTimeout(t *testing.T) {
 	}
 }
 
+// TestPeerStoppedLargeWrite: a RC write of directMin bytes or more to a
+// stopped peer over shared memory fails with RETRY_EXC_ERR while the
+// peer is still stopped, as TestPeerStoppedTimeout requires of small
+// requests (after the QP's transport timeout twice at most: importRegion).
+// The first such write to a region asks the peer for its memfd (callMap),
+// which waited for the answer handshakeTimeout (5 s) whatever the QP's
+// timeout, before the request even left: the write outlived the peer's
+// 1.5 s stop and succeeded once it was continued. (Found by a review of
+// soft0's cross-process paths.)
+func TestPeerStoppedLargeWrite(t *testing.T) {
+	forceLife(t, "shm")
+	e := newEnv(t)
+	p := testproc.Start(t, lifeEnv("shm")...)
+	l := newLifeQP(t, e)
+	l.connectChild(t, p, 10, 0) // 4 ms × 1: minRespTimeout
+	p.Send(t, "region %d", 64<<10)
+	f := p.Line(t, "region")
+	raddr, rkey := must(strconv.ParseUint(f[0], 10, 64)), uint32(must(strconv.ParseUint(f[1], 10, 32)))
+	src := e.alloc(64<<10, allAccess)
+	write := func(wrid uint64, n int) {
+		t.Helper()
+		wr := []prov.SendWR{{WRID: wrid, Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled, RemoteAddr: raddr, RKey: rkey}}
+		if _, err := l.qp.PostSend(wr, []prov.SGE{src.sge(0, n)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A small write first: the connection is up, the QP acknowledged.
+	write(1, 8)
+	if c := l.wait(t, 1)[0]; c.Status != prov.StatusSuccess {
+		t.Fatalf("first write: %+v", c)
+	}
+	pid := p.Cmd.Process.Pid
+	stopPeer(t, p)
+	start := time.Now()
+	write(2, 32<<10)
+	cont := time.AfterFunc(stoppedFor, func() { syscall.Kill(pid, syscall.SIGCONT) })
+	c := l.wait(t, 1)[0]
+	took := time.Since(start)
+	stillStopped := cont.Stop()
+	syscall.Kill(pid, syscall.SIGCONT)
+	if c.Status != prov.StatusRetryExcErr || !stillStopped {
+		t.Fatalf("32 KiB write to a peer stopped for %v (QP timeout %v): %+v after %v, want RETRY_EXC_ERR while it is stopped",
+			stoppedFor, l.qp.(*qp).respTimeout(), c, took.Round(time.Millisecond))
+	}
+	p.Send(t, "exit")
+	p.Stop(t)
+}
+
 // TestSlowPeerNotDeclaredDead: a peer that is alive but gets the CPU
 // only now and then (stopped 20 ms out of every 40) is not declared dead
 // by a QP with the shortest transport timeout: soft0 waits at least

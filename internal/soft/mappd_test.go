@@ -98,7 +98,7 @@ func TestShmMapNeedsQPInPD(t *testing.T) {
 		{"PDB", inB.mr.RKey(), mapNotShare},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			r := cn.callMap(tc.rkey)
+			r := cn.callMap(tc.rkey, handshakeTimeout)
 			if r.fd >= 0 {
 				unix.Close(r.fd)
 			}
@@ -296,7 +296,7 @@ func mapperChild(in *bufio.Scanner, out io.Writer) int {
 	mappedA := mapped(rkA)
 	var st [2]uint8
 	for i, rk := range []uint32{rkA, rkB} {
-		rep := cn.callMap(rk)
+		rep := cn.callMap(rk, handshakeTimeout)
 		if rep.fd >= 0 {
 			unix.Close(rep.fd)
 		}

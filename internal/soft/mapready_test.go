@@ -52,7 +52,7 @@ func TestShmMapRefusalNotKeptBeforeAck(t *testing.T) {
 
 	// Asked for before PD B has a connected QP: refused, and the refusal
 	// not kept.
-	if imp := cn.importRegion(inB.mr.RKey(), true, false); imp == nil || imp.mem != nil {
+	if imp := cn.importRegion(inB.mr.RKey(), true, false, 0); imp == nil || imp.mem != nil {
 		t.Fatalf("import of PD B's region before its QPs are connected: %+v, want a refusal", imp)
 	}
 	if kept(inB.mr.RKey()) != nil {
@@ -60,7 +60,7 @@ func TestShmMapRefusalNotKeptBeforeAck(t *testing.T) {
 	}
 	// Kept once a request was acknowledged (an rkey that names nothing).
 	const none = 0x5a5a5a
-	if imp := cn.importRegion(none, true, true); imp == nil || imp.mem != nil {
+	if imp := cn.importRegion(none, true, true, 0); imp == nil || imp.mem != nil {
 		t.Fatalf("import of rkey %#x: %+v, want a refusal", none, imp)
 	}
 	if kept(none) == nil {

@@ -592,21 +592,29 @@ type mapReply struct {
 }
 
 // importRegion returns the mapping of the peer's region rkey, asking the
-// peer for it if needed (this waits: only the QP's goroutine may call it
-// with wait). nil means: not mapped (yet). A refusal is kept (the region
-// is not asked for again on c) only with keep: the peer shares a region
+// peer for it if needed (this waits, timeout at most, or handshakeTimeout
+// if 0: only the QP's goroutine may call it with wait). nil means: not
+// mapped (yet). A request whose region is not mapped goes through the
+// service, under its QP's response timer: a peer that does not answer
+// (stopped, or busy) makes the request wait for the QP's transport
+// timeout twice at most, not for handshakeTimeout. A refusal is kept (the
+// region is not asked for again on c) only with keep, never an unanswered
+// MAP: the peer shares a region
 // only with a peer connected to a QP of its PD (serveMap), and a QP
 // whose requests were not acknowledged yet may have asked before its
 // destination was connected (xstate.ackOK); its requests go through the
 // service meanwhile.
-func (c *conn) importRegion(rkey uint32, wait, keep bool) *mrImport {
+func (c *conn) importRegion(rkey uint32, wait, keep bool, timeout time.Duration) *mrImport {
 	c.impMu.RLock()
 	imp := c.imports[rkey]
 	c.impMu.RUnlock()
 	if imp != nil || !wait {
 		return imp
 	}
-	r := c.callMap(rkey)
+	if timeout <= 0 {
+		timeout = handshakeTimeout
+	}
+	r := c.callMap(rkey, min(timeout, handshakeTimeout))
 	imp = &mrImport{}
 	if r.err == nil && r.ack.status == mapOK && r.fd >= 0 {
 		var st unix.Stat_t
@@ -626,7 +634,7 @@ func (c *conn) importRegion(rkey uint32, wait, keep bool) *mrImport {
 	if r.fd >= 0 {
 		unix.Close(r.fd)
 	}
-	if imp.mem == nil && !keep {
+	if imp.mem == nil && (!keep || r.err != nil) {
 		return imp
 	}
 	c.impMu.Lock()
@@ -647,8 +655,8 @@ func (c *conn) importRegion(rkey uint32, wait, keep bool) *mrImport {
 	return imp
 }
 
-// callMap sends MAP for rkey and waits for MAP_ACK.
-func (c *conn) callMap(rkey uint32) mapReply {
+// callMap sends MAP for rkey and waits for MAP_ACK, timeout at most.
+func (c *conn) callMap(rkey uint32, timeout time.Duration) mapReply {
 	ch := make(chan mapReply, 1)
 	c.callMu.Lock()
 	if c.dead.Load() {
@@ -664,10 +672,13 @@ func (c *conn) callMap(rkey uint32) mapReply {
 	var b [hdrLen + mapLen]byte
 	putHdr(b[:], frMap, mapLen, id)
 	binary.LittleEndian.PutUint32(b[hdrLen:], rkey)
-	if err := c.writeFrame([][]byte{b[:]}, handshakeTimeout); err != nil {
+	if err := c.writeFrame([][]byte{b[:]}, timeout); err != nil {
+		c.callMu.Lock()
+		delete(c.calls, id)
+		c.callMu.Unlock()
 		return mapReply{fd: -1, err: err}
 	}
-	t := time.NewTimer(handshakeTimeout)
+	t := time.NewTimer(timeout)
 	defer t.Stop()
 	select {
 	case r := <-ch:

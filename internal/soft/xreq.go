@@ -470,12 +470,12 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 			n += uint64(s.Length)
 		}
 		if n >= directMin {
-			if imp = c.importRegion(w.wr.RKey, false, x.ackOK); imp == nil {
+			if imp = c.importRegion(w.wr.RKey, false, x.ackOK, 0); imp == nil {
 				if !mayBlock {
 					q.needWorker()
 					return postLater, 0
 				}
-				imp = c.importRegion(w.wr.RKey, true, x.ackOK)
+				imp = c.importRegion(w.wr.RKey, true, x.ackOK, q.respTimeout())
 			}
 			raddr := w.wr.RemoteAddr
 			if imp != nil && (imp.mem == nil || w.op != opRead && !imp.writable ||
