@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"math"
 	"net"
@@ -708,4 +709,73 @@ func TestBenchInlineBandwidth(t *testing.T) {
 			t.Errorf("goverbs %q: status %d, want %d and %q\nstdout:\n%s\nstderr:\n%s", tc.args, st, exitOK, tc.want, out, errs)
 		}
 	}
+}
+
+// TestServerChecksResultRow: the server prints the client's result row
+// only if it is a row of the test the server ran: of its mode (bandwidth
+// or latency), of the size just run and of -n iterations; another row is
+// a protocol error (exit status 1). Before, the server printed any row: a
+// client of a bandwidth test of 4096 bytes x 50 sent a latency row of 999
+// bytes x 7, and the server printed it under its bandwidth header and
+// exited 0. A sweep of sizes (--all) is served row by row.
+func TestServerChecksResultRow(t *testing.T) {
+	args := []string{"bench", "write", "-d", verbs.SoftDevice, "-s", "4K", "-n", "50", "--timeout", "10s"}
+	for _, tc := range []struct {
+		name string
+		row  func(real bwResult) resultMsg
+		want string // in the server's stderr; "" for a row it must print
+	}{
+		{"real row", func(b bwResult) resultMsg { return resultMsg{BW: &b} }, ""},
+		{"latency row", func(bwResult) resultMsg {
+			return resultMsg{Lat: &latResult{Size: 999, Iters: 7, Min: 1, Max: 2, Typical: 1, Avg: 1}}
+		}, "protocol error: client 127.0.0.1"},
+		{"latency row of the size", func(bwResult) resultMsg {
+			return resultMsg{Lat: &latResult{Size: 4096, Iters: 50, Min: 1, Max: 2, Typical: 1, Avg: 1}}
+		}, "sent a latency result of 4096 bytes x 50 iterations, want bandwidth of 4096 bytes x 50"},
+		{"other size", func(b bwResult) resultMsg { b.Size = 8192; return resultMsg{BW: &b} }, "sent a bandwidth result of 8192 bytes"},
+		{"other iterations", func(b bwResult) resultMsg { b.Iters = 5000; return resultMsg{BW: &b} }, "x 5000 iterations, want bandwidth of 4096 bytes x 50"},
+		{"two rows", func(b bwResult) resultMsg { return resultMsg{BW: &b, Lat: &latResult{Size: 4096, Iters: 50}} }, "without exactly one row"},
+		{"no row", func(bwResult) resultMsg { return resultMsg{} }, "without exactly one row"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, ctx, wait := fakeClient(t, args, "10s")
+			fillPattern(r.s.mr.Bytes()[:4096])
+			if err := r.sync(ctx, "start", "ready", 4096); err != nil {
+				t.Fatal(err)
+			}
+			b, err := r.streamBW(4096)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := r.sync(ctx, "done", "ok", 4096); err != nil {
+				t.Fatal(err)
+			}
+			if err := r.oob.send(ctx, frameResult, tc.row(b)); err != nil {
+				t.Fatal(err)
+			}
+			srv := wait()
+			_, rows := table(t, srv.out)
+			if tc.want == "" {
+				if srv.status != exitOK || len(rows) != 1 || rows[0][0] != "4096" || rows[0][1] != "50" {
+					t.Errorf("server of a real row: exit %d, rows %q\nstderr: %s", srv.status, rows, srv.stderr)
+				}
+				return
+			}
+			if srv.status != exitError || !strings.Contains(srv.stderr, tc.want) || len(rows) != 0 {
+				t.Errorf("server of a forged row: exit %d, want %d with %q in stderr; rows %q\nstderr: %s", srv.status, exitError, tc.want, rows, srv.stderr)
+			}
+		})
+	}
+	t.Run("all sizes", func(t *testing.T) {
+		args := []string{"bench", "write", "--all", "-n", "20", "-d", verbs.SoftDevice}
+		srv, cli := runPair(t, args, args)
+		if srv.status != exitOK || cli.status != exitOK {
+			t.Fatalf("server exit %d:\n%s%s\nclient exit %d:\n%s%s", srv.status, srv.out, srv.stderr, cli.status, cli.out, cli.stderr)
+		}
+		_, srows := table(t, srv.out)
+		_, crows := table(t, cli.out)
+		if len(srows) != maxSweepShift || fmt.Sprint(srows) != fmt.Sprint(crows) {
+			t.Errorf("server rows %q, want the client's %d rows %q", srows, maxSweepShift, crows)
+		}
+	})
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -56,6 +57,7 @@ const (
 	maxSweepShift   = 23 // --all: 2 .. 8 MiB
 	maxMessageSize  = 1 << 30
 	maxLatIters     = 1 << 26 // 512 MiB of latency samples
+	defaultBatch    = 16      // --batch, unless --tx-depth is too small for it
 )
 
 func runBench(args []string, stdout, stderr io.Writer) int {
@@ -70,7 +72,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&cfg.dev, "d", "", "`device` of both queue pairs (default: the default device, see goverbs devices)")
 	fs.StringVar(&cfg.dev, "ib-dev", "", "same as -d")
 	fs.StringVar(&cfg.dev2, "dev2", "", "`device` of the second queue pair (default: the first's)")
-	fs.IntVar(&cfg.batch, "batch", 16, "requests per doorbell batch; the last of each batch is signaled")
+	fs.IntVar(&cfg.batch, "batch", defaultBatch, "bandwidth: requests per doorbell batch; the last of each batch is signaled (unless given, fewer than the default to fit a small --tx-depth)")
 	fs.IntVar(&cfg.cqMod, "cq-mod", 0, "bandwidth: signal every `N`th request (perftest -Q; default --batch)")
 	fs.IntVar(&cfg.txDepth, "tx-depth", 128, "send requests kept outstanding")
 	fs.IntVar(&cfg.txDepth, "t", 128, "same as --tx-depth")
@@ -152,31 +154,15 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	if cfg.rxDepth < 1 {
 		return usageErr(stderr, "bench", "--rx-depth must be at least 1, not %d", cfg.rxDepth)
 	}
-	if cfg.batch < 1 || cfg.batch > cfg.txDepth {
-		return usageErr(stderr, "bench", "--batch must be between 1 and --tx-depth (%d), not %d", cfg.txDepth, cfg.batch)
-	}
-	if cfg.cqMod == 0 {
-		cfg.cqMod = cfg.batch
-	}
-	if cfg.cqMod < 1 || cfg.cqMod > cfg.txDepth {
-		return usageErr(stderr, "bench", "--cq-mod must be between 1 and --tx-depth (%d), not %d", cfg.txDepth, cfg.cqMod)
-	}
-	// Batches are posted while the requests since the last completion
-	// (a signaled one) fit the send queue: the next signaled request must
-	// fit too. Before, --cq-mod 127 with the defaults (batches of 16, a
-	// send queue of 128) stalled until the watchdog blamed the peer
-	// (TestBenchFlagsThatStall).
-	if cfg.cqMod+cfg.batch-1 > cfg.txDepth {
-		return usageErr(stderr, "bench", "--cq-mod (%d) + --batch (%d) - 1 must be at most --tx-depth (%d): requests are posted a batch at a time while those since the last signaled one fit the send queue",
-			cfg.cqMod, cfg.batch, cfg.txDepth)
-	}
-	// In one process, sends are posted a batch at a time while the
-	// receiving queue pair has a receive for each: a batch larger than
-	// --rx-depth never fit, and the test stalled
-	// (TestBenchFlagsThatStall). (Between two processes the sender does
-	// not wait for the receives: a short receiver retries, RNR.)
-	if cfg.op == "send" && !cfg.lat && !cfg.server && cfg.host == "" && cfg.rxDepth < cfg.batch {
-		return usageErr(stderr, "bench", "--rx-depth (%d) must be at least --batch (%d) for send: sends are posted a batch at a time, each with a receive posted for it", cfg.rxDepth, cfg.batch)
+	// --batch and --cq-mod are bandwidth flags: a latency test posts one
+	// request at a time (perftest's ib_*_lat take neither, and default to
+	// -t 1). Before, their checks ran in every mode, so the default
+	// --batch of 16 refused "bench write --lat -t 8", and -t 1, perftest's
+	// default (TestBatchFlagsWithSmallTxDepth).
+	if !cfg.lat {
+		if st := checkBatch(&cfg, fs, stderr); st >= 0 {
+			return st
+		}
 	}
 	if *mtu != 0 {
 		m, err := verbs.MTUFromBytes(*mtu)
@@ -215,6 +201,51 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return fail(stderr, "bench", err)
 	}
 	return exitOK
+}
+
+// checkBatch checks (and, when not given, chooses) --batch and --cq-mod
+// of a bandwidth test. It returns a usage error's exit status, or -1.
+func checkBatch(cfg *benchConfig, fs *flag.FlagSet, stderr io.Writer) int {
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	if !given["batch"] {
+		// The default, 16, shrinks to fit a small --tx-depth, with the
+		// default --cq-mod (--batch): --cq-mod + --batch - 1 requests must
+		// fit (see below). Before, "bench write -t 8" was refused
+		// (TestBatchFlagsWithSmallTxDepth); an explicit --batch above
+		// --tx-depth still is.
+		cfg.batch = min(defaultBatch, cfg.txDepth)
+		if !given["cq-mod"] {
+			cfg.batch = min(cfg.batch, (cfg.txDepth+1)/2)
+		}
+	}
+	if cfg.batch < 1 || cfg.batch > cfg.txDepth {
+		return usageErr(stderr, "bench", "--batch must be between 1 and --tx-depth (%d), not %d", cfg.txDepth, cfg.batch)
+	}
+	if cfg.cqMod == 0 {
+		cfg.cqMod = cfg.batch
+	}
+	if cfg.cqMod < 1 || cfg.cqMod > cfg.txDepth {
+		return usageErr(stderr, "bench", "--cq-mod must be between 1 and --tx-depth (%d), not %d", cfg.txDepth, cfg.cqMod)
+	}
+	// Batches are posted while the requests since the last completion
+	// (a signaled one) fit the send queue: the next signaled request must
+	// fit too. Before, --cq-mod 127 with the defaults (batches of 16, a
+	// send queue of 128) stalled until the watchdog blamed the peer
+	// (TestBenchFlagsThatStall).
+	if cfg.cqMod+cfg.batch-1 > cfg.txDepth {
+		return usageErr(stderr, "bench", "--cq-mod (%d) + --batch (%d) - 1 must be at most --tx-depth (%d): requests are posted a batch at a time while those since the last signaled one fit the send queue",
+			cfg.cqMod, cfg.batch, cfg.txDepth)
+	}
+	// In one process, sends are posted a batch at a time while the
+	// receiving queue pair has a receive for each: a batch larger than
+	// --rx-depth never fit, and the test stalled
+	// (TestBenchFlagsThatStall). (Between two processes the sender does
+	// not wait for the receives: a short receiver retries, RNR.)
+	if cfg.op == "send" && !cfg.server && cfg.host == "" && cfg.rxDepth < cfg.batch {
+		return usageErr(stderr, "bench", "--rx-depth (%d) must be at least --batch (%d) for send: sends are posted a batch at a time, each with a receive posted for it", cfg.rxDepth, cfg.batch)
+	}
+	return -1
 }
 
 // unbracket returns an IPv6 address written in brackets ([::1], as in a

@@ -120,8 +120,10 @@
 //	--lat           measure latency instead of bandwidth
 //	-t, --tx-depth N  send requests kept outstanding (default 128)
 //	--rx-depth N    receives kept posted for send (default 512)
-//	--batch N       requests per doorbell (RCBatch.Submit, perftest's
-//	                --post_list) (default 16)
+//	--batch N       bandwidth: requests per doorbell (RCBatch.Submit,
+//	                perftest's --post_list) (default 16, or fewer to fit a
+//	                small --tx-depth: --cq-mod + --batch - 1 must be at
+//	                most --tx-depth)
 //	--cq-mod N      bandwidth: every Nth request is signaled (perftest -Q;
 //	                default --batch)
 //	--mtu N         path MTU in bytes (default: the port's active MTU)
@@ -142,8 +144,11 @@
 // ping-pong of sends, each side polling its receive completion, reported as
 // half the round trip; read latency is the time from posting an RDMA read
 // to its completion. Sizes up to the queue pair's max inline data are sent
-// inline. Percentiles come from an HDR histogram (3 significant digits);
-// t_typical is the median. In the latency loops of the two-process mode
+// inline. t_min, t_max, t_avg and t_stdev are over all samples; t_typical
+// and the percentiles are perftest's order statistics, exact: of the
+// samples sorted without the largest two (m of them), t_typical is the
+// median, 99% is sample ceil(0.99 m) and 99.9% sample ceil(0.999 m),
+// counting from 0. In the latency loops of the two-process mode
 // every tx-depth/4th request (at most every 64th) is signaled, so an
 // iteration costs one post and the polls of the wait.
 //

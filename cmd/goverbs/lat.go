@@ -4,11 +4,11 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"slices"
 	"sync/atomic"
 	"time"
 	"unsafe"
 
-	"github.com/HdrHistogram/hdrhistogram-go"
 	"github.com/goverbs/verbs"
 )
 
@@ -56,7 +56,6 @@ func (lb *loopback) latency(cfg benchConfig, size int) (latResult, error) {
 		}
 	}
 
-	st := newLatStats(cfg.op)
 	what := fmt.Sprintf("%s latency of %d bytes", cfg.op, size)
 	samples := make([]uint64, 0, cfg.iters)
 	clk := startTicks()
@@ -83,57 +82,81 @@ func (lb *loopback) latency(cfg benchConfig, size int) (latResult, error) {
 	}
 	cgo := runtime.NumCgoCall() - cgo0
 	clk.stop()
-	for _, d := range samples {
-		if err := st.add(clk.dur(d)); err != nil {
-			return latResult{}, fmt.Errorf("%s: %w", what, err)
-		}
-	}
-	res := st.result(size, cfg.iters, inline)
+	res := latStatsOf(cfg.op, samples, &clk).result(size, cfg.iters, inline)
 	res.CgoPerMsg = float64(cgo) / float64(cfg.iters+latWarmup)
 	return res, nil
 }
 
-// latStats accumulates the samples of a latency test.
+// latStats holds the samples of a latency test, in nanoseconds.
 type latStats struct {
-	hist         *hdrhistogram.Histogram
-	sum, sumSq   float64
-	minNS, maxNS int64
-	div          int64 // 2 for ping-pongs: latency = round trip / 2
+	ns  []uint64
+	div float64 // 2 for ping-pongs: latency = round trip / 2
 }
 
 func newLatStats(op string) *latStats {
-	st := &latStats{hist: hdrhistogram.New(1, int64(time.Minute), 3), minNS: math.MaxInt64, div: 2}
+	st := &latStats{div: 2}
 	if op == "read" {
 		st.div = 1
 	}
 	return st
 }
 
-func (st *latStats) add(d time.Duration) error {
-	ns := int64(d)
-	if err := st.hist.RecordValue(max(ns, 1)); err != nil {
-		return err
+// latStatsOf returns the statistics of samples (ticks of clk), which it
+// converts to nanoseconds in place and keeps: a latency test keeps up to
+// maxLatIters samples, which are not copied.
+func latStatsOf(op string, samples []uint64, clk *tickClock) *latStats {
+	for i, d := range samples {
+		samples[i] = uint64(max(clk.dur(d), 0))
 	}
-	x := float64(ns)
-	st.sum += x
-	st.sumSq += x * x
-	st.minNS, st.maxNS = min(st.minNS, ns), max(st.maxNS, ns)
-	return nil
+	st := newLatStats(op)
+	st.ns = samples
+	return st
 }
 
-// result is the row: t_typical is the median, as perftest's.
+func (st *latStats) add(d time.Duration) { st.ns = append(st.ns, uint64(max(d, 0))) }
+
+// latTail is perftest's LAT_MEASURE_TAIL: its t_typical and percentiles
+// are order statistics of the samples without the largest two.
+const latTail = 2
+
+// result is the row (of at least one sample). t_min, t_max, t_avg and
+// t_stdev are over all samples; t_typical and the percentiles are
+// perftest's (print_report_lat): of the m = n-2 smallest samples, sorted,
+// t_typical is the median (the mean of the middle two for an even m), the
+// 99% percentile is sample ceil(0.99 m) (0-based) and the 99.9% one sample
+// ceil(0.999 m). Before, they were an HDR histogram's bucket tops, which
+// could exceed t_max (TestLatencyPercentilesWithinSamples).
 func (st *latStats) result(size, iters int, inline bool) latResult {
-	n := float64(iters)
-	mean := st.sum / n
-	std := math.Sqrt(max(st.sumSq/n-mean*mean, 0))
-	us := func(ns float64) float64 { return ns / float64(st.div) / 1e3 }
+	s := st.ns
+	slices.Sort(s)
+	n := len(s)
+	var sum float64
+	for _, x := range s {
+		sum += float64(x)
+	}
+	mean := sum / float64(n)
+	var sq float64
+	for _, x := range s {
+		d := float64(x) - mean
+		sq += d * d
+	}
+	m := n - latTail
+	if m < 1 {
+		m = n // too few samples to leave out a tail
+	}
+	median := float64(s[m/2])
+	if m%2 == 0 {
+		median = (float64(s[m/2-1]) + median) / 2
+	}
+	at := func(q float64) float64 { return float64(s[min(int(math.Ceil(float64(m)*q)), n-1)]) }
+	us := func(ns float64) float64 { return ns / st.div / 1e3 }
 	return latResult{
 		Size: size, Iters: iters,
-		Min: us(float64(st.minNS)), Max: us(float64(st.maxNS)),
-		Typical: us(float64(st.hist.ValueAtQuantile(50))),
-		Avg:     us(mean), Std: us(std),
-		P99:    us(float64(st.hist.ValueAtQuantile(99))),
-		P999:   us(float64(st.hist.ValueAtQuantile(99.9))),
+		Min: us(float64(s[0])), Max: us(float64(s[n-1])),
+		Typical: us(median),
+		Avg:     us(mean), Std: us(math.Sqrt(sq / float64(n))),
+		P99:    us(at(0.99)),
+		P999:   us(at(0.999)),
 		Inline: inline,
 	}
 }

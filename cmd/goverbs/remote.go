@@ -378,8 +378,8 @@ func (r *remote) runSize(ctx context.Context, size int) (resultMsg, error) {
 		if err := r.oob.recv(rctx, frameResult, &res); err != nil {
 			return res, err
 		}
-		if (res.BW == nil) == (res.Lat == nil) {
-			return res, fmt.Errorf("protocol error: %s sent a result without exactly one row", r.oob.peer)
+		if err := r.checkResult(res, size); err != nil {
+			return res, err
 		}
 		return res, nil
 	}
@@ -419,6 +419,31 @@ func (r *remote) runSize(ctx context.Context, size int) (resultMsg, error) {
 		}
 	}
 	return res, r.oob.send(ctx, frameResult, res)
+}
+
+// checkResult checks that the client's result row (the server prints it)
+// is one of the test the server ran: exactly one row, of its mode, of
+// this size and of -n iterations. Before, the server printed any row
+// (TestServerChecksResultRow).
+func (r *remote) checkResult(res resultMsg, size int) error {
+	if (res.BW == nil) == (res.Lat == nil) {
+		return fmt.Errorf("protocol error: %s sent a result without exactly one row", r.oob.peer)
+	}
+	kind, rowSize, rowIters := "bandwidth", 0, 0
+	if res.Lat != nil {
+		kind, rowSize, rowIters = "latency", res.Lat.Size, res.Lat.Iters
+	} else {
+		rowSize, rowIters = res.BW.Size, res.BW.Iters
+	}
+	want := "bandwidth"
+	if r.cfg.lat {
+		want = "latency"
+	}
+	if kind != want || rowSize != size || rowIters != r.cfg.iters {
+		return fmt.Errorf("protocol error: %s sent a %s result of %d bytes x %d iterations, want %s of %d bytes x %d",
+			r.oob.peer, kind, rowSize, rowIters, want, size, r.cfg.iters)
+	}
+	return nil
 }
 
 // alive sends alive frames every aliveEvery until the returned function
@@ -626,30 +651,21 @@ func (r *remote) writeLat(size int) (latResult, error) {
 			samples = append(samples, cycles()-t0)
 		}
 	}
-	res, err := latSummary(r.cfg.op, size, r.cfg.iters, inline, samples, &clk, cgo0)
-	if err != nil {
-		return res, err
-	}
+	res := latSummary(r.cfg.op, size, r.cfg.iters, inline, samples, &clk, cgo0)
 	return res, r.drain()
 }
 
 // latSummary turns the samples (cycles() ticks, the client's; none on the
 // server) into a result row.
-func latSummary(op string, size, iters int, inline bool, samples []uint64, clk *tickClock, cgo0 int64) (latResult, error) {
+func latSummary(op string, size, iters int, inline bool, samples []uint64, clk *tickClock, cgo0 int64) latResult {
 	cgo := runtime.NumCgoCall() - cgo0
 	clk.stop()
-	st := newLatStats(op)
-	for _, d := range samples {
-		if err := st.add(clk.dur(d)); err != nil {
-			return latResult{}, err
-		}
-	}
 	res := latResult{Size: size, Iters: iters, Inline: inline}
 	if len(samples) > 0 {
-		res = st.result(size, iters, inline)
+		res = latStatsOf(op, samples, clk).result(size, iters, inline)
 	}
 	res.CgoPerMsg = float64(cgo) / float64(iters+latWarmup)
-	return res, nil
+	return res
 }
 
 // waitByte spins until the byte (p, shift) is v, reaping completions now
@@ -714,10 +730,7 @@ func (r *remote) sendLat(size int) (latResult, error) {
 			samples = append(samples, cycles()-t0)
 		}
 	}
-	res, err := latSummary(r.cfg.op, size, r.cfg.iters, inline, samples, &clk, cgo0)
-	if err != nil {
-		return res, err
-	}
+	res := latSummary(r.cfg.op, size, r.cfg.iters, inline, samples, &clk, cgo0)
 	return res, r.drain()
 }
 
@@ -787,7 +800,7 @@ func (r *remote) readLat(size int) (latResult, error) {
 			samples = append(samples, cycles()-t0)
 		}
 	}
-	return latSummary("read", size, r.cfg.iters, false, samples, &clk, cgo0)
+	return latSummary("read", size, r.cfg.iters, false, samples, &clk, cgo0), nil
 }
 
 // drain waits for the signaled requests still outstanding.

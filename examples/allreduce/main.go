@@ -130,7 +130,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	ctx, cancel := context.WithTimeout(ctx, cfg.timeout)
 	defer cancel()
 	if cfg.np > 0 {
-		return launch(ctx, cfg, args, stdout, stderr)
+		return launch(ctx, cfg, fs, stdout, stderr)
 	}
 	return rank(ctx, cfg, stdout, stderr)
 }
@@ -138,8 +138,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 // launch starts cfg.np ranks of this program on this machine, as a
 // launcher would (GOVERBS_RANK, GOVERBS_WORLD_SIZE, GOVERBS_ROOT; rank 0
 // inherits its rendezvous listener), with a fresh token and job id, and
-// waits for all of them. Their output goes to stdout and stderr.
-func launch(ctx context.Context, cfg config, args []string, stdout, stderr io.Writer) int {
+// waits for all of them. Their output goes to stdout and stderr. fs holds
+// our parsed flags, which the ranks get (but -np).
+func launch(ctx context.Context, cfg config, fs *flag.FlagSet, stdout, stderr io.Writer) int {
 	exe, err := os.Executable()
 	if err != nil {
 		fmt.Fprintf(stderr, "allreduce: %v\n", err)
@@ -161,19 +162,17 @@ func launch(ctx context.Context, cfg config, args []string, stdout, stderr io.Wr
 	secret := make([]byte, 16)
 	rand.Read(secret)
 	token, job := hex.EncodeToString(secret), "allreduce-"+hex.EncodeToString(secret[:4])
-	// The ranks' flags: ours without -np.
+	// The ranks' flags: the ones given to us, as parsed, without -np. In
+	// the -flag=value form a value starting with '-' stays a value.
+	// Before, they were our arguments without any reading "np" (values
+	// too) and the one after it: "-job np -steps 2" lost its value and
+	// -steps (TestLaunchPassesFlagValues).
 	var rankArgs []string
-	for i := 0; i < len(args); i++ {
-		a := strings.TrimLeft(args[i], "-")
-		if a == "np" {
-			i++ // its value
-			continue
+	fs.Visit(func(f *flag.Flag) {
+		if f.Name != "np" {
+			rankArgs = append(rankArgs, "-"+f.Name+"="+f.Value.String())
 		}
-		if strings.HasPrefix(a, "np=") {
-			continue
-		}
-		rankArgs = append(rankArgs, args[i])
-	}
+	})
 	var out sync.Mutex // one line at a time
 	lw := &lineWriter{mu: &out, w: stdout}
 	lwErr := &lineWriter{mu: &out, w: stderr}

@@ -93,6 +93,33 @@ func TestLocalRun(t *testing.T) {
 	}
 }
 
+// TestLaunchPassesFlagValues: -np N passes the ranks the flags it was
+// given, as parsed, without -np. Before, it dropped every argument
+// reading "np" after its dashes, flag values included, and the argument
+// after it: with "-job np" the ranks lost the job id and the flag after
+// it (-steps 2 became the job id "2", and the ranks ran 10 steps).
+func TestLaunchPassesFlagValues(t *testing.T) {
+	t.Setenv(childEnv, "1")
+	t.Setenv("GORACE", strings.TrimPrefix(launchertest.RaceQuiet(), "GORACE="))
+	for _, tc := range []struct {
+		args  []string
+		steps int
+	}{
+		{[]string{"-np", "2", "-job", "np", "-steps", "2"}, 2},
+		{[]string{"-job", "np", "--np=2", "-steps", "3"}, 3},
+		{[]string{"-job", "-np", "-steps", "2", "-np", "2"}, 2},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			var out, errb bytes.Buffer
+			code := run(context.Background(), append(tc.args, "-n", "100", "-timeout", "90s"), &out, &errb)
+			if code != exitOK {
+				t.Fatalf("exit %d:\n%s\n%s", code, out.String(), errb.String())
+			}
+			checkOutput(t, out.String(), 2, tc.steps, cluster.LauncherGoverbs)
+		})
+	}
+}
+
 // TestUsage: bad flags are refused with the usage status.
 func TestUsage(t *testing.T) {
 	for _, args := range [][]string{

@@ -21,7 +21,9 @@
 //
 // Flags: -token (or GOVERBS_TOKEN) which both must share; -buckets (at
 // most 2^24) and -heap (at most 4 GiB) size the server's table; -n the
-// GETs measured; -timeout.
+// GETs measured; -timeout, the bound of a client's run (default 5
+// minutes; 0: none) and, only when given, of a server's: otherwise a
+// server serves until it is stopped.
 //
 // Table layout (little endian), granted read-only to every client:
 //
@@ -53,8 +55,11 @@ import (
 	"hash/fnv"
 	"io"
 	"os"
+	"strconv"
 	"sync"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/HdrHistogram/hdrhistogram-go"
 	"github.com/goverbs/verbs"
@@ -92,36 +97,68 @@ func main() {
 	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
 }
 
-// run runs the command with args; it returns the exit status.
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+// options are what the flags say.
+type options struct {
+	serve, connect, token  string
+	buckets, heap, keys, n int
+	// timeout bounds the run; 0: no bound. -timeout bounds a client's
+	// run, and a server's only when given: a server keeps serving until
+	// it is stopped. Before, the default (5 minutes) bounded a server
+	// too, which then quietly exited 0 (TestServerTimeout).
+	timeout time.Duration
+}
+
+// defaultTimeout is -timeout's default, the bound of a client's run.
+const defaultTimeout = 5 * time.Minute
+
+// parseArgs parses the command line; on a usage error it returns false.
+func parseArgs(args []string, stderr io.Writer) (options, bool) {
 	fs := flag.NewFlagSet("kv", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	serve := fs.String("serve", "", "serve on this address (host:port)")
-	connect := fs.String("connect", "", "connect to the server at this address")
-	token := fs.String("token", os.Getenv("GOVERBS_TOKEN"), "shared secret")
-	buckets := fs.Int("buckets", 1<<14, "buckets (of 4 keys) of the server's table")
-	heap := fs.Int("heap", 64<<20, "bytes of the server's heap")
-	keys := fs.Int("keys", 1000, "keys the client puts and checks")
-	n := fs.Int("n", 20000, "GETs (and single reads) the client measures")
-	timeout := fs.Duration("timeout", 5*time.Minute, "bound on the whole run")
+	var o options
+	fs.StringVar(&o.serve, "serve", "", "serve on this address (host:port)")
+	fs.StringVar(&o.connect, "connect", "", "connect to the server at this address")
+	fs.StringVar(&o.token, "token", os.Getenv("GOVERBS_TOKEN"), "shared secret")
+	fs.IntVar(&o.buckets, "buckets", 1<<14, "buckets (of 4 keys) of the server's table")
+	fs.IntVar(&o.heap, "heap", 64<<20, "bytes of the server's heap")
+	fs.IntVar(&o.keys, "keys", 1000, "keys the client puts and checks")
+	fs.IntVar(&o.n, "n", 20000, "GETs (and single reads) the client measures")
+	fs.DurationVar(&o.timeout, "timeout", defaultTimeout, "bound on a client's whole run, and on a server's if given (otherwise it serves until stopped); 0: none")
 	if err := fs.Parse(args); err != nil {
+		return o, false
+	}
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == "timeout" })
+	if o.serve != "" && !given || o.timeout < 0 {
+		o.timeout = 0
+	}
+	return o, true
+}
+
+// run runs the command with args; it returns the exit status.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	o, ok := parseArgs(args, stderr)
+	if !ok {
 		return 2
 	}
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
-	defer cancel()
-	cfg := session.Config{Token: []byte(*token)}
+	if o.timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, o.timeout)
+		defer cancel()
+	}
+	cfg := session.Config{Token: []byte(o.token)}
 	var err error
 	switch {
-	case *serve != "" && (*buckets > maxBuckets || *heap > maxHeap):
+	case o.serve != "" && (o.buckets > maxBuckets || o.heap > maxHeap):
 		// Bounded so that the table's size cannot wrap: before, a huge
 		// -buckets made a table of a few bytes that the first client's
 		// PUTs indexed past (the server panicked: TestServerSizeBounds).
 		fmt.Fprintf(stderr, "kv: -buckets is at most %d and -heap at most %d bytes\n", maxBuckets, maxHeap)
 		return 2
-	case *serve != "" && *connect == "" && *buckets > 0 && *heap > 0:
-		err = runServer(ctx, *serve, cfg, *buckets, *heap, stdout, stderr)
-	case *connect != "" && *serve == "" && *keys >= 0 && *n > 0:
-		err = runClient(ctx, *connect, cfg, *keys, *n, stdout)
+	case o.serve != "" && o.connect == "" && o.buckets > 0 && o.heap > 0:
+		err = runServer(ctx, o.serve, cfg, o.buckets, o.heap, stdout, stderr)
+	case o.connect != "" && o.serve == "" && o.keys >= 0 && o.n > 0:
+		err = runClient(ctx, o.connect, cfg, o.keys, o.n, stdout)
 	default:
 		fmt.Fprintln(stderr, "kv: give -serve ADDR or -connect ADDR (and positive sizes)")
 		return 2
@@ -131,6 +168,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// printable returns a peer's text as it is if it is printable, else
+// quoted: control characters (terminal escape sequences) from a hostile
+// server must not reach the user's terminal.
+func printable(b []byte) string {
+	for _, r := range string(b) {
+		if r == utf8.RuneError || !unicode.IsPrint(r) {
+			return strconv.Quote(string(b))
+		}
+	}
+	return string(b)
 }
 
 // table is the server's store.
@@ -361,7 +410,10 @@ func (c *client) put(ctx context.Context, key, value []byte) error {
 	}
 	defer m.Release()
 	if m.Len() > 0 {
-		return fmt.Errorf("put %q: %s", key, m.Bytes())
+		// The server's error text, quoted unless printable: before, it
+		// was printed as sent, escape sequences included
+		// (TestClientQuotesServerText).
+		return fmt.Errorf("put %q: %s", key, printable(m.Bytes()))
 	}
 	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -266,4 +267,103 @@ func TestServerSizeBounds(t *testing.T) {
 			t.Errorf("kv %q: %v\n%s\nwant status 2 and the bounds", args, err, b)
 		}
 	}
+}
+
+// TestServerTimeout: -timeout bounds a client's run (5 minutes unless
+// given) and a server's only when given; a server without it serves
+// until it is stopped, as the README says ("keeps serving: stop it with
+// kill $!"). Before, the default 5 minutes bounded the server too, and it
+// quietly exited 0.
+func TestServerTimeout(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want time.Duration // 0: no bound
+	}{
+		{[]string{"-serve", "127.0.0.1:7070"}, 0},
+		{[]string{"-serve", "127.0.0.1:7070", "-buckets", "1024"}, 0},
+		{[]string{"-serve", "127.0.0.1:7070", "-timeout", "1h"}, time.Hour},
+		{[]string{"-timeout=5m", "-serve", "127.0.0.1:7070"}, defaultTimeout},
+		{[]string{"-connect", "127.0.0.1:7070"}, defaultTimeout},
+		{[]string{"-connect", "127.0.0.1:7070", "-timeout", "30s"}, 30 * time.Second},
+		{[]string{"-connect", "127.0.0.1:7070", "-timeout", "0"}, 0},
+	} {
+		var errb bytes.Buffer
+		o, ok := parseArgs(tc.args, &errb)
+		if !ok || o.timeout != tc.want {
+			t.Errorf("kv %q: timeout %v (ok %v), want %v\n%s", tc.args, o.timeout, ok, tc.want, errb.String())
+		}
+	}
+}
+
+// TestClientQuotesServerText: the client prints a server's answer to a
+// PUT (an error text) as it is only if it is printable, else quoted.
+// Before, it printed it as it was: a hostile (or compromised) server's
+// answer with terminal escape sequences (here: set the window title,
+// clear the screen) reached the user's terminal through the client's
+// stderr. The goverbs command quotes a peer's text the same way
+// (cmd/goverbs printable).
+func TestClientQuotesServerText(t *testing.T) {
+	for _, tc := range []struct {
+		answer, want string
+	}{
+		{"\x1b]0;owned\a\x1b[2J", `kv: put "key-0": "\x1b]0;owned\a\x1b[2J"` + "\n"},
+		{"the heap is full", `kv: put "key-0": the heap is full` + "\n"},
+		{"line\nbreak", `kv: put "key-0": "line\nbreak"` + "\n"},
+		{"\xff\xfe", `kv: put "key-0": "\xff\xfe"` + "\n"},
+	} {
+		t.Run(fmt.Sprintf("%q", tc.answer), func(t *testing.T) {
+			stdout, stderr := putToFakeServer(t, tc.answer)
+			if strings.ContainsAny(stdout+stderr, "\x1b\x07") || stderr != tc.want {
+				t.Errorf("stderr %q, want %q", stderr, tc.want)
+			}
+		})
+	}
+}
+
+// putToFakeServer runs a client of one PUT against a server that answers
+// it with answer; it returns the client's stdout and stderr.
+func putToFakeServer(t *testing.T, answer string) (string, string) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pd := verbstest.OpenPD(t, "")
+	mr, err := pd.Alloc(bucketSize+4096, verbs.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mr.Close()
+	l, err := session.Listen(ctx, "127.0.0.1:0", session.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		s, err := l.Accept(ctx)
+		if err != nil {
+			return
+		}
+		defer s.Close()
+		if _, err := s.SendRegion(ctx, mr, 0, len(mr.Bytes()), verbs.AccessRemoteRead, time.Hour); err != nil {
+			return
+		}
+		if err := s.Send(ctx, binary.LittleEndian.AppendUint32(nil, 1)); err != nil {
+			return
+		}
+		m, err := s.Receive(ctx)
+		if err != nil {
+			return
+		}
+		m.Release()
+		s.Send(ctx, []byte(answer))
+		s.Receive(ctx) // until the client leaves
+	}()
+	t.Setenv("GOVERBS_TOKEN", "")
+	var out, errb bytes.Buffer
+	code := run(ctx, []string{"-connect", l.Addr().String(), "-keys", "1", "-n", "1", "-timeout", "50s"}, &out, &errb)
+	<-served
+	if code != 1 {
+		t.Fatalf("exit %d, want 1\nstdout: %q\nstderr: %q", code, out.String(), errb.String())
+	}
+	return out.String(), errb.String()
 }

@@ -45,9 +45,8 @@
 // address from the launcher's environment (cluster.FromEnv) instead of a
 // configuration file.
 //
-// Exit status: 0 on success, 1 on failure, 2 for bad usage, 3 when the
-// device cannot reach ranks in other processes (soft0 before its
-// cross-process transports exist).
+// Exit status: 0 on success, 1 on failure (a device that cannot reach
+// the other ranks included), 2 for bad usage.
 package main
 
 import (
