@@ -349,6 +349,7 @@ func TestAdversarialServerDiesMidRun(t *testing.T) {
 			p, _ := strconv.Atoi(port)
 			cfg := benchCfg(true, p)
 			cfg.op = op
+			cfg.iters = 100000000 // the client's -n
 			r := &remote{cfg: cfg, server: true}
 			defer r.Close()
 			ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
@@ -375,7 +376,11 @@ func TestAdversarialServerDiesMidRun(t *testing.T) {
 			done := make(chan cmdResult, 1)
 			go func() {
 				var o, e bytes.Buffer
-				st := run([]string{"bench", op, "-d", verbs.SoftDevice, "-s", "4K", "-n", "50", "--timeout", "5s", "-p", port, "127.0.0.1"}, &o, &e)
+				// Iterations enough to outlast the server: with 50, a
+				// client of one-sided writes or reads, which the server
+				// takes no part in, finished one run in about 45 before
+				// the server died, and failed later, at the results.
+				st := run([]string{"bench", op, "-d", verbs.SoftDevice, "-s", "4K", "-n", "100000000", "--timeout", "5s", "-p", port, "127.0.0.1"}, &o, &e)
 				done <- cmdResult{st, o.String(), e.String()}
 			}()
 			select {
