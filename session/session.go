@@ -603,13 +603,30 @@ func (s *Session) end(cause error) {
 }
 
 // Done is closed when the session has ended: Close, or the peer closed
-// it, died or stopped answering (Err says which).
-func (s *Session) Done() <-chan struct{} { return s.done }
+// it, died or stopped answering (Err says which). A zero Session's is
+// closed (it is as good as closed).
+func (s *Session) Done() <-chan struct{} {
+	if s.done == nil {
+		return closedDone
+	}
+	return s.done
+}
+
+// closedDone is the Done of a zero Session.
+var closedDone = func() chan struct{} {
+	c := make(chan struct{})
+	close(c)
+	return c
+}()
 
 // Err is why the session ended: ErrClosed (Close), ErrPeerClosed,
 // ErrPeerLost or ErrPeerUnresponsive (wrapped, with detail), or the
-// failure of a queue pair. It is nil while the session lives.
+// failure of a queue pair. It is nil while the session lives, and
+// ErrClosed for a zero Session.
 func (s *Session) Err() error {
+	if s.done == nil {
+		return errZeroSession
+	}
 	select {
 	case <-s.done:
 		return s.err

@@ -34,9 +34,9 @@ import (
 func TestZeroObjectMethods(t *testing.T) {
 	noError := map[string]bool{
 		// As on a closed object: Close succeeds; a zero Allocator has
-		// nothing to trim; a zero Session has not failed (Err).
+		// nothing to trim.
 		"Allocator.Close": true, "Allocator.Trim": true, "Listener.Close": true,
-		"Session.Close": true, "Session.Err": true,
+		"Session.Close": true,
 		// A zero Pending is no message: nothing to wait for.
 		"Pending.Wait": true,
 		// Arithmetic on the recorded range: an empty slice of an empty
@@ -58,6 +58,13 @@ func TestZeroObjectMethods(t *testing.T) {
 	const access = verbs.AccessRemoteRead | verbs.AccessRemoteWrite
 	var s session.Session
 	var a session.Allocator
+	// A zero Session is as good as closed: its Done is closed (it was
+	// nil, and a select on it waited for ever), and Err says ErrClosed.
+	select {
+	case <-s.Done():
+	default:
+		t.Error("a zero Session's Done is not closed")
+	}
 	calls := map[string]func() error{
 		"Session.Alloc":         func() error { _, err := s.Alloc(64); return err },
 		"Session.Send":          func() error { return s.Send(ctx, []byte("message")) },
