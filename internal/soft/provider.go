@@ -125,8 +125,10 @@
 //   - Send completions carry ByteLen (the message length) for every
 //     opcode, like rxe.
 //   - Requests execute as soon as they are posted, so max_rd_atomic never
-//     limits anything; the send queue stops between messages in SQD, so
-//     SQ_DRAINED is reported at the transition.
+//     limits anything. In SQD the send queue starts no new message, and
+//     SQ_DRAINED is reported once none is in progress: none in flight to
+//     a peer process, none waiting for its retry after an RNR NAK (which,
+//     as in rxe, is not sent again before the QP returns to RTS).
 //   - Its copies and atomics on registered memory on behalf of requests
 //     stand for a NIC's DMA: in race builds the race detector does not
 //     see them (dma_race.go), for Go memory (Register) as for memory

@@ -72,6 +72,9 @@ type qp struct {
 	cbuf     *[cbufLen]prov.Completion // sendScratch
 	ncbuf    int
 	retrying bool
+	// sqdNotify: the QP went to SQD with AttrEnSQDAsyncNtfy and has not
+	// reported SQ_DRAINED yet (sqdDrained; progMu).
+	sqdNotify bool
 	// peerLost: the QP went to ERR because its peer's process is gone
 	// (conn.failQPs); errReported: a send request completed with an
 	// error other than a flush since the QP left RESET (progMu). The
@@ -704,6 +707,9 @@ func (q *qp) modifyLocked(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 	if mask&(prov.AttrRNRRetry|prov.AttrRetryCnt) != 0 {
 		q.rnrLeft, q.retryLeft = int(na.RNRRetry), int(na.RetryCnt)
 	}
+	if next != cur {
+		q.sqdNotify = false // a drain not reported yet ends with its SQD
+	}
 	switch {
 	case next == prov.QPStateErr && cur == prov.QPStateReset:
 		q.state.Store(uint32(prov.QPStateErr))
@@ -711,10 +717,10 @@ func (q *qp) modifyLocked(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 		q.toErrLocked(-1)
 	case next != cur:
 		q.state.Store(uint32(next))
-		if next == prov.QPStateSQD && mask&prov.AttrEnSQDAsyncNtfy != 0 {
-			// The send queue stops between messages, so it is drained at once.
-			q.ctx.events.Push(prov.AsyncEvent{Type: evSQDrained, QPN: q.qpn, Element: prov.QP(q)})
-		}
+		// In SQD the send queue starts no new message; SQ_DRAINED comes
+		// from the runner (Modify kicks it) once no message is in
+		// progress any more (sqdDrained).
+		q.sqdNotify = next == prov.QPStateSQD && mask&prov.AttrEnSQDAsyncNtfy != 0
 	}
 	return nil
 }
@@ -739,7 +745,36 @@ func (q *qp) resetLocked() {
 	q.x.wrOK = false  // the next destination may refuse remote writes
 	q.x.ackOK = false // nor may it be ready (importRegion)
 	q.errReported = false
+	q.sqdNotify = false
+	q.resetRemote()
 	q.state.Store(uint32(prov.QPStateReset))
+}
+
+// resetRemote forgets the requests the QP has in flight to another
+// process, as flushSQ and Close do: the QP starts over like a new one.
+// Their responses, should they still come, match none of its new
+// requests (those carry new request ids, conn.nextID) and are dropped:
+// by handleResp once the QP is no longer the connection's user, else
+// by retireOne. Called with progMu, rmu and smu held.
+func (q *qp) resetRemote() {
+	x := q.x
+	x.nfl, x.ndirect, x.stale = 0, 0, 0
+	x.dropReads()
+	if x.rtimer != nil {
+		x.rtimer.Stop()
+	}
+	x.rtArmed = false
+	x.rtFired.Store(false)
+	x.rtStalls = 0
+	if c := x.userOf.Load(); c != nil {
+		c.removeUser(q)
+		x.userOf.Store(nil)
+	}
+	x.mu.Lock()
+	clear(x.resps)
+	x.resps = x.resps[:0]
+	x.hasResp.Store(false)
+	x.mu.Unlock()
 }
 
 // toErrLocked moves the QP to ERR (unless it is there or in RESET),

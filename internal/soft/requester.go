@@ -103,6 +103,9 @@ func (q *qp) progress(mayBlock bool) bool {
 		n, head := q.sq.count, q.sq.head
 		q.smu.Unlock()
 		if n == 0 {
+			if q.sqdNotify {
+				q.sqdDrained()
+			}
 			return false
 		}
 		if budget <= 0 {
@@ -136,8 +139,14 @@ func (q *qp) progress(mayBlock bool) bool {
 					q.commit(done)
 					return false
 				}
-			default: // SQD (or SQE): stop between messages
+			default:
+				// SQD (or SQE): no new message starts, nor one that
+				// waited for its retry (rxe rewinds it: it starts
+				// again in RTS).
 				q.commit(done)
+				if q.sqdNotify {
+					q.sqdDrained()
+				}
 				return false
 			}
 			if q.retrying {
@@ -161,6 +170,22 @@ func (q *qp) progress(mayBlock bool) bool {
 		}
 		q.commit(done)
 	}
+}
+
+// sqdDrained reports IBV_EVENT_SQ_DRAINED (asked for by the move to SQD:
+// q.sqdNotify) once the send queue has no message in progress: none in
+// flight to another process (xstate.nfl), and the head not waiting to be
+// sent again after an RNR NAK or a target that was not ready. As in rxe,
+// such a wait counts as in progress until it ends (its timer expires or
+// the target wakes the QP); the message is then not sent again before
+// the QP returns to RTS. Called by the runner (progMu held) in SQD.
+func (q *qp) sqdDrained() {
+	if prov.QPState(q.state.Load()) != prov.QPStateSQD || q.x.nfl > 0 ||
+		q.blocked && q.wakeSeq.Load() == q.blockedSeq && !q.timerFired.Load() {
+		return
+	}
+	q.sqdNotify = false
+	q.ctx.events.Push(prov.AsyncEvent{Type: evSQDrained, QPN: q.qpn, Element: prov.QP(q)})
 }
 
 var wcOpcodes = [...]prov.WCOpcode{

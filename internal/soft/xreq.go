@@ -309,6 +309,9 @@ func (q *qp) progressRemote(p *peer, mayBlock bool) bool {
 			q.flushSQ(n, head)
 			continue
 		}
+		if st == prov.QPStateSQD && q.sqdNotify {
+			q.sqdDrained() // after retire: once the last in flight completed
+		}
 		if n == 0 || x.nfl >= n || st != prov.QPStateRTS {
 			return false
 		}
