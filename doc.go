@@ -42,7 +42,10 @@
 // crossing on hardware. Per-request modifiers (Signaled, Fenced, Solicited,
 // Inline) chain on the returned *Request. CompletionQueue.Poll fills a
 // caller's slice without allocating; CompletionQueue.Wait sleeps until a
-// completion arrives or the context ends, without holding an OS thread.
+// completion arrives or the context ends, without holding an OS thread,
+// and CompletionQueue.Wake ends such a sleep early (for a goroutine that
+// sleeps on the CQ for others, whose conditions change without a
+// completion).
 //
 // # Concurrency and buffers
 //

@@ -79,7 +79,10 @@
 // completing and waiting allocate nothing on the data path. One waiting
 // goroutine at a time polls the completion queue for all of them (it
 // spins or sleeps on the completion channel, see Waiting); the others
-// sleep until their completion is routed to them. Atomic results land in
+// sleep until their completion is routed to them. What changes without a
+// completion (a peer broken, a handle released, a post rolled back)
+// wakes the sleeping poller too (CompletionQueue.Wake), so that it looks
+// at its condition again. Atomic results land in
 // per-slot scratch memory owned by the channel.
 //
 // # Waiting
