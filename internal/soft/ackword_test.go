@@ -127,27 +127,6 @@ func ackTargetChild(in *bufio.Scanner, out io.Writer) int {
 	return 0
 }
 
-// pollN collects n completions of cq within hangGuard.
-func pollN(t *testing.T, cq prov.CQ, n int) []prov.Completion {
-	t.Helper()
-	var out []prov.Completion
-	dst := make([]prov.Completion, 16)
-	for end := time.Now().Add(hangGuard); len(out) < n; {
-		k, err := cq.Poll(dst[:min(len(dst), n-len(out))])
-		if err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, dst[:k]...)
-		if time.Now().After(end) {
-			t.Fatalf("%d of %d completions within %v: %+v", len(out), n, hangGuard, out)
-		}
-		if k == 0 {
-			time.Sleep(time.Millisecond)
-		}
-	}
-	return out
-}
-
 // TestAckWordAfterQueuedNAK: over shared memory, a target process
 // executes an RDMA write while a response to an earlier request (an RNR
 // NAK to a send for which no receive was posted) is still in the batch
@@ -195,7 +174,7 @@ func TestAckWordAfterQueuedNAK(t *testing.T) {
 	for i := range qps {
 		post(i, prov.SendWR{WRID: uint64(i), Opcode: prov.WRWrite, RemoteAddr: raddr, RKey: rkey}, src.sge(0, 8))
 	}
-	for _, c := range pollN(t, cq, 3) {
+	for _, c := range poll(t, cq, 3) {
 		if c.Status != prov.StatusSuccess {
 			t.Fatalf("warm-up: %+v", c)
 		}
@@ -237,7 +216,7 @@ func TestAckWordAfterQueuedNAK(t *testing.T) {
 	p.Cmd.Wait()
 	locked = false
 	c.rmu.Unlock()
-	cs := pollN(t, cq, 3)
+	cs := poll(t, cq, 3)
 	for _, c := range cs {
 		t.Logf("completion %+v", c)
 		if c.WRID == 11 && c.Status == prov.StatusSuccess {

@@ -226,9 +226,15 @@ func state(t testing.TB, q prov.QP) prov.QPState {
 // poll collects exactly n completions (hang-guarded).
 func poll(t testing.TB, c prov.CQ, n int) []prov.Completion {
 	t.Helper()
+	return pollWithin(t, c, n, hangGuard)
+}
+
+// pollWithin collects exactly n completions within d, failing t otherwise.
+func pollWithin(t testing.TB, c prov.CQ, n int, d time.Duration) []prov.Completion {
+	t.Helper()
 	out := make([]prov.Completion, 0, n)
 	dst := make([]prov.Completion, 16)
-	deadline := time.Now().Add(hangGuard)
+	deadline := time.Now().Add(d)
 	for len(out) < n {
 		k, err := c.Poll(dst[:min(len(dst), n-len(out))])
 		if err != nil {
@@ -237,7 +243,7 @@ func poll(t testing.TB, c prov.CQ, n int) []prov.Completion {
 		out = append(out, dst[:k]...)
 		if k == 0 {
 			if time.Now().After(deadline) {
-				t.Fatalf("poll: got %d of %d completions: %+v", len(out), n, out)
+				t.Fatalf("poll: got %d of %d completions in %v: %+v", len(out), n, d, out)
 			}
 			time.Sleep(50 * time.Microsecond)
 		}

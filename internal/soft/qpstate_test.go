@@ -16,28 +16,6 @@ func pairOver(t *testing.T, kind string, typ prov.QPType, oa, ob connOpts) (*env
 	return pair(t, typ, oa, ob)
 }
 
-// pollWithin collects n completions within d, failing t otherwise.
-func pollWithin(t *testing.T, c prov.CQ, n int, d time.Duration) []prov.Completion {
-	t.Helper()
-	var out []prov.Completion
-	dst := make([]prov.Completion, 16)
-	deadline := time.Now().Add(d)
-	for len(out) < n {
-		k, err := c.Poll(dst[:min(len(dst), n-len(out))])
-		if err != nil {
-			t.Fatalf("poll: %v", err)
-		}
-		out = append(out, dst[:k]...)
-		if k == 0 {
-			if time.Now().After(deadline) {
-				t.Fatalf("poll: got %d of %d completions in %v: %+v", len(out), n, d, out)
-			}
-			time.Sleep(100 * time.Microsecond)
-		}
-	}
-	return out
-}
-
 // eventWithin returns the next async event of c if one comes within d.
 func eventWithin(c prov.Context, d time.Duration) (prov.AsyncEvent, bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
