@@ -168,7 +168,7 @@ func TestAddress(t *testing.T) {
 	}
 	f := getFabric()
 	for _, g := range f.gids {
-		if l, fab, err := f.resolve(g, true, addr); err != nil || l != &f.local || fab != f.id {
+		if l, fab, err := f.resolve(g, true, 0, addr); err != nil || l != &f.local || fab != f.id {
 			t.Errorf("resolve own address, GID %x: %v %x %v", g, l, fab, err)
 		}
 	}
@@ -178,7 +178,7 @@ func TestAddress(t *testing.T) {
 	}
 	pa.fabric ^= 1
 	other := portGIDs(pa.fabric)
-	if l, fab, err := f.resolve(other[0], true, encodePeerAddr(&pa)); err != nil || fab != pa.fabric {
+	if l, fab, err := f.resolve(other[0], true, 0, encodePeerAddr(&pa)); err != nil || fab != pa.fabric {
 		t.Errorf("resolve other fabric: %v %x %v", l, fab, err)
 	} else if _, ok := l.(*peer); !ok {
 		t.Errorf("resolve other fabric: link %T, want a *peer", l)
@@ -186,14 +186,14 @@ func TestAddress(t *testing.T) {
 	// The GID routes: one that is not a GID of the port the address
 	// names is unreachable, whatever the address.
 	for _, g := range [][16]byte{{}, f.gids[0], {0xfe, 0x80, 12: 0xde, 13: 0xad, 14: 0xbe, 15: 0xef}} {
-		if l, _, err := f.resolve(g, true, encodePeerAddr(&pa)); !errors.Is(err, syscall.EHOSTUNREACH) || l != nil {
+		if l, _, err := f.resolve(g, true, 0, encodePeerAddr(&pa)); !errors.Is(err, syscall.EHOSTUNREACH) || l != nil {
 			t.Errorf("resolve GID %x with the address of another port: %v, %v; want an error matching EHOSTUNREACH", g, l, err)
 		}
 	}
-	if _, _, err := f.resolve(f.gids[1], true, []byte{1, 2}); !errors.Is(err, syscall.EINVAL) {
+	if _, _, err := f.resolve(f.gids[1], true, 0, []byte{1, 2}); !errors.Is(err, syscall.EINVAL) {
 		t.Errorf("resolve malformed: %v", err)
 	}
-	if l, _, _ := f.resolve(f.gids[0], true, nil); l == nil {
+	if l, _, _ := f.resolve(f.gids[0], true, 0, nil); l == nil {
 		t.Errorf("resolve by local GID failed")
 	}
 }

@@ -264,14 +264,22 @@ func (f *fabric) lookupAH(h uint64) *ah {
 // the port the address names (a GID edited in an endpoint, or the GID of
 // another port) fails with an error wrapping EHOSTUNREACH, as resolving
 // the address of an unreachable RoCE GID does. Without a GRH (global
-// false: an InfiniBand-like port, ibport.go) the DLID routes instead.
+// false: an InfiniBand-like port, ibport.go) the DLID routes instead:
+// without a provider address, dlid reaches this process' port if it is
+// its LID.
 //
 // QPs of this process are reached directly unless a transport is forced
 // (see ForceTransport); QPs of other processes through the service.
-func (f *fabric) resolve(dgid [16]byte, global bool, paddr []byte) (link, uint64, error) {
+func (f *fabric) resolve(dgid [16]byte, global bool, dlid uint16, paddr []byte) (link, uint64, error) {
 	if len(paddr) == 0 {
-		// No provider address: route by GID, like hardware. Only this
-		// process' own port is known.
+		// No provider address: route by GID (or LID), like hardware.
+		// Only this process' own port is known.
+		if !global {
+			if infiniBand() && dlid == portLID(f.id) {
+				return &f.local, f.id, nil
+			}
+			return nil, 0, nil
+		}
 		for i := range f.gids {
 			if dgid == f.gids[i] {
 				return &f.local, f.id, nil

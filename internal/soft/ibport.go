@@ -24,7 +24,10 @@ var ibPorts atomic.Int32
 //     DLID, which must be the LID of the port its provider address names:
 //     another is refused with EINVAL, as a path no subnet manager knows
 //     (hardware would accept it and fail the requests with
-//     RETRY_EXC_ERR). Connections are still carried by provider address.
+//     RETRY_EXC_ERR). Connections are still carried by provider address;
+//     without one, the DLID of this process' own port reaches it;
+//   - an address vector with a GRH must use source GID index 0;
+//   - UD receive completions carry the sender's LID (SLID).
 //   - UD receives still start with a GRH (soft0 builds one per datagram),
 //     which an InfiniBand receiver gets only from senders that add one.
 //

@@ -106,7 +106,7 @@ func (p *pd) CreateAH(attr prov.AHAttr) (prov.AH, error) {
 	if err := checkAV(&attr, "create ah"); err != nil {
 		return nil, err
 	}
-	l, _, err := f.resolve(attr.DGID, attr.IsGlobal, attr.ProviderAddr)
+	l, _, err := f.resolve(attr.DGID, attr.IsGlobal, attr.DLID, attr.ProviderAddr)
 	if err != nil {
 		return nil, fmt.Errorf("soft: create ah: %w", err)
 	}
@@ -134,6 +134,9 @@ func checkAV(a *prov.AHAttr, op string) error {
 	}
 	if int(a.SGIDIndex) >= numGIDs {
 		return errnof(syscall.EINVAL, "%s: source GID index %d (the table has %d entries)", op, a.SGIDIndex, numGIDs)
+	}
+	if infiniBand() && a.SGIDIndex != 0 {
+		return errnof(syscall.EINVAL, "%s: source GID index %d (the InfiniBand port's table has 1 entry)", op, a.SGIDIndex)
 	}
 	if a.Port > 1 {
 		return errnof(syscall.EINVAL, "%s: port %d (the device has port 1)", op, a.Port)

@@ -616,7 +616,7 @@ func (q *qp) modifyLocked(attr *prov.QPAttr, mask prov.QPAttrMask) error {
 		if err := checkAV(&attr.AH, fmt.Sprintf("modify qp %d", q.qpn)); err != nil {
 			return err
 		}
-		l, fab, err := q.f.resolve(attr.AH.DGID, attr.AH.IsGlobal, attr.AH.ProviderAddr)
+		l, fab, err := q.f.resolve(attr.AH.DGID, attr.AH.IsGlobal, attr.AH.DLID, attr.AH.ProviderAddr)
 		if err != nil {
 			return fmt.Errorf("soft: modify qp %d: address vector: %w", q.qpn, err)
 		}

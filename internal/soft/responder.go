@@ -657,6 +657,10 @@ func (t *qp) completeRecv(wrid uint64, st prov.Status, req *request, byteLen uin
 		// rdma_rxe does.
 		c.SrcQP = req.srcQPN
 		c.Flags |= prov.WCWithGRH
+		if infiniBand() {
+			// The source LID, which ibv_create_ah_from_wc answers by.
+			c.SLID = portLID(req.srcFabric)
+		}
 	}
 	if req.srcConn != nil && st == prov.StatusSuccess && t.typ == prov.QPTypeRC {
 		// The acknowledgement leaves first: the application may exit
