@@ -81,6 +81,40 @@ static inline uint32_t gv_qkey(const gv_qp *q, uint32_t qkey)
 	return qkey;
 }
 
+// gv_first_bad_wr returns the index of the first request that
+// gv_fill_send cannot describe, or n, with the error for it in *rc: an
+// opcode other than those it fills (a memory window bind or TSO would
+// hand the library the uninitialized bind_mw/tso union of the request:
+// rxe dereferences its pointers), or a UD request without an address
+// handle (rxe dereferences it). The root package refuses both first;
+// this keeps any other caller of the provider from crashing the process.
+static inline int gv_first_bad_wr(const gv_send_wr *wrs, int n, int ud, int *rc)
+{
+	for (int i = 0; i < n; i++) {
+		switch (wrs[i].opcode) {
+		case IBV_WR_SEND:
+		case IBV_WR_SEND_WITH_IMM:
+		case IBV_WR_RDMA_WRITE:
+		case IBV_WR_RDMA_WRITE_WITH_IMM:
+		case IBV_WR_RDMA_READ:
+		case IBV_WR_ATOMIC_CMP_AND_SWP:
+		case IBV_WR_ATOMIC_FETCH_AND_ADD:
+		case IBV_WR_SEND_WITH_INV:
+		case IBV_WR_LOCAL_INV:
+			break;
+		default:
+			*rc = EOPNOTSUPP;
+			return i;
+		}
+		if (ud && wrs[i].ah == 0) {
+			*rc = EINVAL;
+			return i;
+		}
+	}
+	*rc = 0;
+	return n;
+}
+
 static inline void gv_fill_send(struct ibv_send_wr *s, const gv_send_wr *w,
 				const gv_sge *sges, const gv_qp *q, int ud)
 {
@@ -148,12 +182,17 @@ int gv_post_send(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 	struct ibv_send_wr arr[GV_CHUNK];
 	struct ibv_send_wr *bad = NULL;
 	int ud = q->qp->qp_type == IBV_QPT_UD;
-	int lim, done = 0;
+	int lim, done = 0, rc_bad = EINVAL;
 
 	*accepted = 0;
 	if (!gv_can_send(q->qp))
 		return EINVAL;
 	GV_FIRST_BAD_SGL(wrs, n, nsge, lim);
+	int rc_wr, lim_wr = gv_first_bad_wr(wrs, lim, ud, &rc_wr);
+	if (lim_wr < lim) {
+		lim = lim_wr;
+		rc_bad = rc_wr;
+	}
 	while (done < lim) {
 		int m = lim - done;
 		if (m > GV_CHUNK)
@@ -173,7 +212,7 @@ int gv_post_send(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 		done += m;
 	}
 	*accepted = done;
-	return lim < n ? EINVAL : 0;
+	return lim < n ? rc_bad : 0;
 }
 
 // gv_post_send_wr posts with the extended work-request API
@@ -195,6 +234,9 @@ int gv_post_send_wr(gv_qp *q, const gv_send_wr *wrs, int n, const gv_sge *sges,
 	GV_FIRST_BAD_SGL(wrs, n, nsge, lim);
 	if (lim < n)
 		return EINVAL;
+	int rc_wr;
+	if (gv_first_bad_wr(wrs, n, ud, &rc_wr) < n)
+		return rc_wr;
 	int multi_sge = 0;
 	for (int i = 0; i < n; i++) {
 		const gv_send_wr *w = &wrs[i];
