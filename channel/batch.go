@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/goverbs/verbs"
 )
@@ -479,7 +480,8 @@ func (sc *scope) waitAllOp(hs []Handle) error {
 	}
 	sc.flush()
 	var errs []error
-	if len(hs) == 0 {
+	all := len(hs) == 0
+	if all {
 		hs = sc.hs
 		errs = append(errs, sc.failed...)
 		clear(sc.failed)
@@ -489,8 +491,15 @@ func (sc *scope) waitAllOp(hs []Handle) error {
 		return fmt.Errorf("channel: wait for all of %d operations: %w", len(hs), err)
 	}
 	for _, h := range hs {
+		if all && h.err == nil && !h.live() {
+			continue // released in the scope: nothing to report
+		}
 		if err := h.Err(); err != nil {
 			errs = append(errs, err)
+		}
+		if h.err != nil {
+			// Reported here: not again at the end of the scope.
+			sc.failed = slices.DeleteFunc(sc.failed, func(e error) bool { return e == h.err })
 		}
 	}
 	return errors.Join(errs...)

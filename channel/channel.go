@@ -263,7 +263,9 @@ func (c *Channel) Close() error {
 // run posts one operation and waits for its completion. If ctx ends
 // first, the channel is broken, which flushes the request: when run
 // returns, the device no longer uses its buffers (unless even the flush
-// did not come within the flush grace, which the error then says).
+// did not come within the flush grace, which the error then says). A
+// request that completed successfully before its flush returns its
+// result all the same (abandon).
 func (c *Channel) run(ctx context.Context, w work) (*slot, error) {
 	if err := c.invalid(); err != nil {
 		return nil, err
@@ -285,23 +287,29 @@ func (c *Channel) run(ctx context.Context, w work) (*slot, error) {
 		return nil, err
 	}
 	if err := c.e.waitSlot(ctx, s); err != nil {
-		return nil, c.abandon(s, err)
+		return c.abandon(s, err)
 	}
 	return s, nil
 }
 
 // abandon breaks the peer of a slot whose wait ended, waits for the flush
-// and releases (or, failing that, detaches) the slot.
-func (c *Channel) abandon(s *slot, cause error) error {
+// and releases (or, failing that, detaches) the slot. A request whose
+// completion was already on its way, a success, is not undone by the
+// break: abandon returns its slot, for its result (a compare-and-swap
+// that took a lock must say so).
+func (c *Channel) abandon(s *slot, cause error) (*slot, error) {
 	c.p.breakQP(fmt.Errorf("a blocking %s was cancelled: %w", s.kind, cause))
 	ctx, cancel := context.WithTimeout(context.Background(), c.e.opts.FlushGrace)
 	defer cancel()
 	if c.e.waitSlot(ctx, s) == nil {
+		if !s.failed() && s.wc.Status == verbs.StatusSuccess {
+			return s, nil
+		}
 		c.e.release(s)
-		return fmt.Errorf("%w (the channel is now broken: the request was flushed: %w)", cause, ErrBroken)
+		return nil, fmt.Errorf("%w (the channel is now broken: the request was flushed: %w)", cause, ErrBroken)
 	}
 	c.e.detach(s)
-	return fmt.Errorf("%w (the channel is now broken, and the request was not flushed within %v: the device may still use its buffers: %w)",
+	return nil, fmt.Errorf("%w (the channel is now broken, and the request was not flushed within %v: the device may still use its buffers: %w)",
 		cause, c.e.opts.FlushGrace, ErrBroken)
 }
 
@@ -322,6 +330,8 @@ func (c *Channel) finish(s *slot) error {
 // wrapping verbs.ErrTimeout and ctx.Err(), and the channel is broken
 // (the only way to take a request back from an RDMA device); use
 // PostSend and Handle.Wait for a wait that can time out and be resumed.
+// (A request that completed successfully before the break took effect
+// returns its result: the channel is broken all the same.)
 func (c *Channel) Send(ctx context.Context, sgl ...verbs.SGE) error {
 	s, err := c.run(ctx, work{kind: opSend, sgl: sgl})
 	if err != nil {

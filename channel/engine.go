@@ -826,6 +826,10 @@ func (e *engine) close() error {
 	}
 	e.closed.Store(true)
 	close(e.done)
+	// A poller that went back to sleep in the CQ after the breaks above
+	// woke it (nothing more to flush) sees closed now, instead of holding
+	// the role until its own ctx ends (lockPoll below waits for it).
+	e.wakePoller()
 	e.freeMu.Lock()
 	if e.slotWake != nil {
 		e.slotWake() // a waiter for a slot may sleep on the completion channel

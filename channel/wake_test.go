@@ -97,3 +97,49 @@ func testHandleWaitStaleOnRelease(t *testing.T, devA, devB string) {
 		t.Fatalf("Handle.Wait after Release: %v, want ErrStale", err)
 	}
 }
+
+// TestCloseWithIdleWait: Close of a channel with one receive posted
+// (flushed at once by the break) while a goroutine sleeps in Channel.Wait
+// for a condition of its own. Close should take about as long as the
+// flush; it waits instead for the whole FlushGrace (here an hour), or
+// until the waiter's context ends: the waiter, which polls the CQ for
+// everyone, dispatches the flush, goes back to sleep in the CQ before Close
+// marks the channel closed, and nothing wakes it (Close woke the CQ once,
+// when it broke the queue pair, before that). It is a race, which the
+// poller won in 15 of 20 rounds here: the test fails at the first stall.
+func TestCloseWithIdleWait(t *testing.T) {
+	for round := range 20 {
+		stalled := closeWithIdleWait(t)
+		if stalled {
+			t.Fatalf("round %d: Close still blocked 3 s later with nothing in flight: it waits (FlushGrace, 1 h) for the poller asleep on the CQ, which nothing wakes; it returned only when the Wait's own context ended", round)
+		}
+	}
+}
+
+func closeWithIdleWait(t *testing.T) (stalled bool) {
+	a, _ := newPair(t, channel.Options{SpinPolls: channel.SpinNever, FlushGrace: time.Hour})
+	_, err := a.ch.PostReceive(a.sge(0, 64)) // flushed by Close
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, wcancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer wcancel()
+	errc := make(chan error, 1)
+	go func() { errc <- a.ch.Wait(wctx, func() bool { return false }) }()
+	sleepingOnCQ(testCtx(t), t)
+	done := make(chan error, 1)
+	go func() { done <- a.ch.Close() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("close: %v", err)
+		}
+	case <-time.After(3 * time.Second):
+		stalled = true
+		<-done
+	}
+	if err := <-errc; !errors.Is(err, channel.ErrClosed) && !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Wait: %v, want ErrClosed", err)
+	}
+	return stalled
+}
