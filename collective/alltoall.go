@@ -104,7 +104,10 @@ func Alltoallv[T Number](ctx context.Context, c *Comm, send []T, sendcounts, sdi
 	if err := checkSegments(c, info.kind, "send", len(send), sendcounts, sdispls); err != nil {
 		return err
 	}
-	if err := checkSegments(c, info.kind, "recv", len(recv), recvcounts, rdispls); err != nil {
+	// Receive blocks must not overlap (the doc says so; which message
+	// an overlap kept would depend on the order of arrival): as Gatherv
+	// and Allgatherv check theirs. Send blocks may: they are only read.
+	if err := c.checkBlocks(info.kind, "recv", recvcounts, rdispls, len(recv), true); err != nil {
 		return err
 	}
 	if !inPlace && overlap(send, recv) {

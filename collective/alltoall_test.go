@@ -220,3 +220,25 @@ func TestAlltoallBadArguments(t *testing.T) {
 	}
 	checkAlltoall[int32](t, cs, 5, false)
 }
+
+// TestAlltoallvOverlappingRecv: Alltoallv documents that the receive
+// blocks must not overlap (Gatherv and Allgatherv refuse such layouts
+// with ErrArgs); it accepted them: two peers' messages landed on the
+// same elements, whichever was consumed last won. (Found by a review.)
+func TestAlltoallvOverlappingRecv(t *testing.T) {
+	const p = 3
+	cs := world(t, p, collective.Options{})
+	errs := parallel(p, func(r int) error {
+		send := []int32{int32(10*r + 0), int32(10*r + 1), int32(10*r + 2)}
+		ones := []int{1, 1, 1}
+		sd := []int{0, 1, 2}
+		recv := make([]int32, 2)
+		rd := []int{0, 1, 1} // blocks 1 and 2 overlap
+		return collective.Alltoallv(testCtx(t), cs[r], send, ones, sd, recv, ones, rd)
+	})
+	for r, err := range errs {
+		if !errors.Is(err, collective.ErrArgs) {
+			t.Errorf("rank %d: %v, want ErrArgs (recv blocks overlap)", r, err)
+		}
+	}
+}

@@ -69,7 +69,7 @@ func (e *Error) Unwrap() error { return e.Err }
 
 // Options configure a communicator. The zero value is usable: every
 // field documents its default. Every rank of a communicator must use
-// the same ChunkSize and Slots (New checks it).
+// the same ChunkSize, Slots and Algorithm (New and Split check it).
 type Options struct {
 	// ChunkSize is the payload of one slot of the receive windows, in
 	// bytes: messages travel in chunks of at most ChunkSize, pipelined.
@@ -176,7 +176,8 @@ type Comm struct {
 	red                               reducer
 	comb                              combiner // of red, or nil (see combiner)
 	call                              callInfo
-	hold                              callHold // the call's Buffers (begin)
+	hold                              callHold    // the call's Buffers (begin)
+	held                              *heldTicket // the call's, if a request runs it (begin; handOn)
 	callSeq                           uint32
 	deadline                          time.Time // of the call: see callDeadline
 	deadlineSet                       bool
@@ -299,10 +300,12 @@ func newComm(node *cluster.Node, ranks []int, me int, opts Options, bufs *bufSet
 //
 // little endian, 44 bytes. Flag descYields: the rank's waits yield (its
 // machine has more ranks of the world than processors): Barrier gathers
-// at rank 0 if any rank's do, a choice every rank makes alike.
+// at rank 0 if any rank's do, a choice every rank makes alike. Bits 8-15
+// of the flags: Options.Algorithm, which decides what each rank sends
+// and must agree.
 const (
 	descMagic   = "GVCO"
-	descVersion = 4 // 2: 64-byte peer flags (the landing announcement); 3: 128 (the sleep word), the flags; 4: Custom op ids in the headers
+	descVersion = 5 // 2: 64-byte peer flags (the landing announcement); 3: 128 (the sleep word), the flags; 4: Custom op ids in the headers; 5: the algorithm
 	descBytes   = 44
 	descYields  = 1
 )
@@ -322,6 +325,7 @@ func (c *Comm) descriptor(b []byte) {
 	if c.spin.Yield {
 		flags |= descYields
 	}
+	flags |= uint32(uint8(c.opts.Algorithm)) << 8
 	binary.LittleEndian.PutUint32(b[40:], flags)
 }
 
@@ -347,6 +351,12 @@ func (c *Comm) setRemote(j int, b []byte) error {
 	}
 	if binary.LittleEndian.Uint32(b[40:])&descYields != 0 {
 		c.gather = true
+	}
+	if a := Algorithm(uint8(binary.LittleEndian.Uint32(b[40:]) >> 8)); a != Algorithm(uint8(c.opts.Algorithm)) {
+		// Each algorithm sends other messages: ranks that disagree would
+		// take one another's for their own (a Reduce returned one rank's
+		// vector as the sum, without an error).
+		return fmt.Errorf("%w: rank %d uses Options.Algorithm %v, this rank %v (it must agree)", ErrMismatch, j, a, c.opts.Algorithm)
 	}
 	s, ch := int(binary.LittleEndian.Uint16(b[6:])), int(binary.LittleEndian.Uint32(b[16:]))
 	if s != c.slots || ch != c.chunk {
@@ -675,6 +685,19 @@ func (c *Comm) await(ctx context.Context, t uint64) error {
 	}
 	c.mu.Unlock()
 	return nil
+}
+
+// handOn ends the service of the running call's ticket t (begin, end;
+// the goroutine that has the turn): at once, or, for the call of a
+// Request, once the request is complete (start): a call issued after it
+// must not return while the request still reads as not done.
+func (c *Comm) handOn(t uint64) {
+	if h := c.held; h != nil && h.t == t {
+		c.held = nil
+		h.ended = true
+		return
+	}
+	c.done(t)
 }
 
 // done ends the service of ticket t.

@@ -53,3 +53,33 @@ func TestMismatchReachesEveryRank(t *testing.T) {
 		}
 	}
 }
+
+// TestAlgorithmDisagreement: ranks whose Options.Algorithm differ
+// would run different algorithms under the same call description: New
+// refuses them with ErrMismatch, as it refuses different ChunkSize and
+// Slots. Before, it took them, and rank 0's Reduce returned nil with
+// rank 1's vector as the sum. (Found by a review.)
+func TestAlgorithmDisagreement(t *testing.T) {
+	ns := nodes(t, 2)
+	ctx := testCtx(t)
+	cs := make([]*collective.Comm, 2)
+	errs := parallel(2, func(r int) error {
+		alg := collective.AlgRing
+		if r == 1 {
+			alg = collective.AlgRecursiveDoubling
+		}
+		var err error
+		cs[r], err = collective.New(ctx, ns[r], collective.Options{Algorithm: alg})
+		return err
+	})
+	for r, err := range errs {
+		if err == nil {
+			cs[r].Close()
+		}
+		if !errors.Is(err, collective.ErrMismatch) {
+			t.Errorf("rank %d: New with Options.Algorithm %v against another rank's %v: %v, want ErrMismatch",
+				r, []collective.Algorithm{collective.AlgRing, collective.AlgRecursiveDoubling}[r],
+				[]collective.Algorithm{collective.AlgRecursiveDoubling, collective.AlgRing}[r], err)
+		}
+	}
+}

@@ -54,8 +54,9 @@ type ticketKey struct{}
 // heldTicket is the place in the order of calls a non-blocking call took
 // when it was issued; begin uses it instead of taking a new one.
 type heldTicket struct {
-	t    uint64
-	used bool
+	t     uint64
+	used  bool
+	ended bool // the call ended and left its turn to the request (handOn)
 }
 
 // start issues f (a blocking collective of c) as a non-blocking call: it
@@ -75,6 +76,14 @@ func (c *Comm) start(ctx context.Context, f func(ctx context.Context) error, dat
 	held := &heldTicket{t: c.ticket()}
 	ctx = context.WithValue(ctx, ticketKey{}, held)
 	go func() {
+		handOn := false
+		defer func() {
+			// Last: the request is complete (r.done closed) before the
+			// calls issued after it may run and return.
+			if handOn || held.ended {
+				c.done(held.t)
+			}
+		}()
 		defer close(r.done)
 		defer hold.release()
 		returned := false
@@ -90,9 +99,7 @@ func (c *Comm) start(ctx context.Context, f func(ctx context.Context) error, dat
 		if !held.used {
 			// f failed before it took its turn (bad arguments): give the
 			// turn up in order, so the calls issued after it run.
-			if c.await(context.Background(), held.t) == nil {
-				c.done(held.t)
-			}
+			handOn = c.await(context.Background(), held.t) == nil
 		}
 	}()
 	return r

@@ -257,18 +257,22 @@ func (c *Comm) begin(ctx context.Context, info callInfo, data ...[]byte) (uint64
 	}
 	c.call = info
 	c.hold = hold // released by end
+	c.held = nil
+	if held != nil && held.t == t {
+		c.held = held // its request hands the turn on (handOn)
+	}
 	// The error is made (fail reads c.call) before the turn is handed
 	// on: the next call sets c.call once it has the turn.
 	switch {
 	case closed:
 		err := c.fail(ErrClosed, -1)
 		c.hold.release()
-		c.done(t)
+		c.handOn(t)
 		return t, err
 	case perr != nil:
 		err := c.fail(fmt.Errorf("%w: %w", ErrPoisoned, perr), -1)
 		c.hold.release()
-		c.done(t)
+		c.handOn(t)
 		return t, err
 	}
 	c.callSeq++
@@ -376,7 +380,7 @@ func (c *Comm) end(t uint64, err error) error {
 	}
 	c.endQuiet()
 	c.hold.release()
-	c.done(t)
+	c.handOn(t)
 	return err
 }
 
