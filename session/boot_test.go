@@ -979,3 +979,96 @@ func TestCtrlListenerClose(t *testing.T) {
 		t.Fatalf("accept across close: %v, want ErrClosed", err)
 	}
 }
+
+// TestAcceptStalledSetup: a peer with the token that
+// authenticates and then sends no setup message keeps Listener.Accept
+// waiting in establish; Listener.Close must end that Accept ("it returns
+// an error only when ctx ends or the Listener is closed"). It waited
+// until its ctx ended (Listener.establish). (Found by a review.)
+func TestAcceptStalledSetup(t *testing.T) {
+	cfg := Config{Token: []byte("k"), Keepalive: time.Second}
+	l, err := Listen(context.Background(), "127.0.0.1:0", cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dcfg := cfg.withDefaults()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := dialCtrl(ctx, l.Addr().String(), &dcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.close()
+	// Wait for the authenticated connection to be queued for Accept.
+	for len(l.l.ready) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	errc := make(chan error, 1)
+	go func() {
+		s, err := l.Accept(context.Background())
+		if s != nil {
+			s.Close()
+		}
+		errc <- err
+	}()
+	// Accept takes it and waits for its hello.
+	for len(l.l.ready) != 0 {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond)
+	l.Close()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, ErrClosed) {
+			t.Fatalf("Accept across Close: %v, want ErrClosed", err)
+		}
+	case <-time.After(15 * time.Second):
+		c.close() // let the Accept go (goleak)
+		<-errc
+		t.Fatal("Accept still waiting 15 s after Listener.Close: a peer that authenticated and stalled in setup holds it")
+	}
+}
+
+// TestAcceptHeadOfLine: one peer with the token that stalls after
+// authenticating (a stopped process, a partition) held Accept for ever:
+// no setup timeout, no keepalive yet, so a well-behaved dialer that came
+// next was never accepted. The setup is bounded by HandshakeTimeout now.
+func TestAcceptHeadOfLine(t *testing.T) {
+	cfg := Config{Token: []byte("k"), Keepalive: time.Second, HandshakeTimeout: time.Second}
+	l, err := Listen(context.Background(), "127.0.0.1:0", cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	dcfg := cfg.withDefaults()
+	c, err := dialCtrl(context.Background(), l.Addr().String(), &dcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.close()
+	for len(l.l.ready) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	type res struct {
+		s   *Session
+		err error
+	}
+	acc := make(chan res, 1)
+	go func() {
+		s, err := l.Accept(ctx)
+		acc <- res{s, err}
+	}()
+	good, derr := Dial(ctx, l.Addr().String(), cfg)
+	r := <-acc
+	if good != nil {
+		good.Close()
+	}
+	if r.s != nil {
+		r.s.Close()
+	}
+	if derr != nil || r.err != nil {
+		t.Fatalf("a good dialer behind a stalled one: Dial %v, Accept %v (want both to succeed: the stalled setup should time out)", derr, r.err)
+	}
+}

@@ -76,7 +76,10 @@ type Config struct {
 	Keepalive time.Duration
 
 	// HandshakeTimeout bounds the bootstrap handshake of one connection
-	// (a stranger that does not complete it is dropped). 0: 5 s.
+	// (a stranger that does not complete it is dropped), and at a
+	// Listener the session setup Accept runs with the authenticated peer
+	// (one that stalls in it is dropped, and Accept takes the next). 0:
+	// 5 s.
 	HandshakeTimeout time.Duration
 
 	// MaxStrangers bounds the unauthenticated connections a Listener

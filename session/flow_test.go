@@ -3,6 +3,7 @@ package session
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -88,5 +89,68 @@ func TestCreditWrite(t *testing.T) {
 				t.Fatalf("shouldWrite = %d, %v; want %d, %v", rep, ok, tc.reposted, tc.want)
 			}
 		})
+	}
+}
+
+// TestRendezvousReceiveNotStarved: both sides send and receive
+// concurrently. Senders waiting for the peer's credits hold op tokens
+// (postEager takes one before it waits for a credit), so a Receive whose
+// next message is a rendezvous finds no token for its read; each side's
+// receiver waited for the other's senders, which waited for the other's
+// receiver: neither side ever got a message again, although both
+// received in a loop. The read takes no token now (dataOptions).
+func TestRendezvousReceiveNotStarved(t *testing.T) {
+	cfg := Config{QueueDepth: 2, ReceiveBuffers: 2, MessageSize: 1024}
+	a, b := pair(t, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	big := make([]byte, 8192)
+	small := make([]byte, 16)
+	sendErrs := make(chan error, 10)
+	for _, s := range []*Session{a, b} {
+		go func() { sendErrs <- s.Send(ctx, big) }() // rendezvous: the RTS takes the peer's slot 0
+		for s.dflow.sent.Load() != 1 || len(s.ops) != 0 {
+			time.Sleep(time.Millisecond)
+		}
+		for range 3 { // one fills the peer's slot 1; two wait for a credit, holding both tokens
+			go func() { sendErrs <- s.Send(ctx, small) }()
+		}
+		for s.dflow.sent.Load() != 2 || len(s.ops) != 2 {
+			time.Sleep(time.Millisecond)
+		}
+		// One more sender, which waits for a token: it is queued for
+		// one before the receiver.
+		go func() { sendErrs <- s.Send(ctx, small) }()
+		time.Sleep(200 * time.Millisecond)
+	}
+	// Now both sides receive (and release) everything that comes.
+	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
+	defer rcancel()
+	recvErrs := make(chan error, 2)
+	for _, s := range []*Session{a, b} {
+		go func() {
+			for i := range 5 {
+				m, err := s.Receive(rctx)
+				if err != nil {
+					recvErrs <- fmt.Errorf("after %d messages: %w (ops held %d)", i, err, len(s.ops))
+					return
+				}
+				m.Release()
+			}
+			recvErrs <- nil
+		}()
+	}
+	var failed error
+	for range 2 {
+		if err := <-recvErrs; err != nil {
+			failed = err
+		}
+	}
+	cancel() // let the senders go (goleak)
+	for range 10 {
+		<-sendErrs
+	}
+	if failed != nil {
+		t.Fatalf("Receive with both sides receiving in a loop: %v (a rendezvous read starved of op tokens by senders waiting for credits)", failed)
 	}
 }

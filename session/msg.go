@@ -819,23 +819,19 @@ func (s *Session) receive(ctx context.Context) (Message, error) {
 }
 
 // finishRead waits for a rendezvous read, tells the sender, and returns
-// the message (turn held).
+// the message (turn held). The read takes no op token: the data queue
+// pair has a send request more than the tokens for it (dataOptions),
+// and one read at most is in flight (s.pending).
 func (s *Session) finishRead(ctx context.Context, p *pendingRead) (Message, error) {
 	if p.msg.n > 0 {
 		if !p.posted {
-			if err := s.acquireOp(ctx, "receive"); err != nil {
-				s.pending = p
-				return Message{}, err
-			}
 			sl, _ := p.mr.Slice(0, p.msg.n)
 			h, err, werr := s.postRoom(ctx, s.data, func() (channel.Handle, error) { return s.data.PostRead(p.src, sl.SGE()) })
 			if werr != nil {
-				s.releaseOp()
 				s.pending = p // not posted: the next Receive posts it
 				return Message{}, s.ctxErr("receive", werr)
 			}
 			if err != nil {
-				s.releaseOp()
 				s.pending = nil
 				p.mr.Free()
 				return Message{}, s.fail("receive", err)
@@ -849,7 +845,6 @@ func (s *Session) finishRead(ctx context.Context, p *pendingRead) (Message, erro
 		s.pending = nil
 		err := p.h.Err()
 		p.h.Release()
-		s.releaseOp()
 		if err != nil {
 			p.mr.Free()
 			return Message{}, s.fail("receive", err)

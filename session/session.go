@@ -199,16 +199,41 @@ func (l *Listener) Accept(ctx context.Context) (*Session, error) {
 		if err != nil {
 			return nil, fmt.Errorf("session: accept: %w", err)
 		}
-		s, err := establish(ctx, c, l.cfg, l.cm)
+		s, err := l.establish(ctx, c)
 		if err != nil {
 			c.close()
 			if ctx.Err() != nil {
 				return nil, fmt.Errorf("session: accept: %w", ctx.Err())
 			}
-			continue
+			continue // the next accept says if the Listener closed
 		}
 		return s, nil
 	}
+}
+
+// establish sets up the session of an accepted peer within
+// HandshakeTimeout, and until the Listener closes: a peer that
+// authenticated and then stalled held Accept (and every peer behind it)
+// until Accept's ctx ended, Close of the Listener included
+// (TestAcceptStalledSetup).
+func (l *Listener) establish(ctx context.Context, c *ctrl) (*Session, error) {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if t := l.cfg.HandshakeTimeout; t > 0 {
+		var tcancel context.CancelFunc
+		sctx, tcancel = context.WithTimeout(sctx, t)
+		defer tcancel()
+	}
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		select {
+		case <-l.l.closing:
+			cancel()
+		case <-stop:
+		}
+	}()
+	return establish(sctx, c, l.cfg, l.cm)
 }
 
 // Close stops listening. Sessions already accepted go on.
@@ -507,9 +532,14 @@ func progressOf(c *channel.Channel) error {
 
 func (s *Session) dataOptions() channel.Options {
 	cfg := &s.cfg
+	// One send request more than the op tokens: the rendezvous read of
+	// the receive turn's holder (finishRead), which takes no token. Senders
+	// waiting for the peer's credits hold tokens; a read that needed one
+	// waited behind them, and two sides each waiting for the other's
+	// receiver to read deadlocked (TestRendezvousReceiveNotStarved).
 	return channel.Options{
-		QP:             verbs.QPSpec{MaxSendWR: cfg.QueueDepth, MaxRecvWR: cfg.ReceiveBuffers, MaxSendSGE: 2, MaxRecvSGE: 1},
-		MaxOutstanding: 2*cfg.QueueDepth + cfg.ReceiveBuffers,
+		QP:             verbs.QPSpec{MaxSendWR: cfg.QueueDepth + 1, MaxRecvWR: cfg.ReceiveBuffers, MaxSendSGE: 2, MaxRecvSGE: 1},
+		MaxOutstanding: 2*cfg.QueueDepth + cfg.ReceiveBuffers + 1,
 	}
 }
 
