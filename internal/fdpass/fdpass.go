@@ -5,22 +5,41 @@
 // list of them. Neither keeps state; both are safe for concurrent use.
 package fdpass
 
-import "golang.org/x/sys/unix"
+import (
+	"encoding/binary"
+
+	"golang.org/x/sys/unix"
+)
 
 // Rights returns the descriptors of the SCM_RIGHTS messages in oob, the
 // control data of one received message, in order; control messages that
 // are not SCM_RIGHTS are ignored, and control data that does not parse
-// yields none. The caller owns the descriptors: it must close those it
-// does not keep (Close).
+// (a header whose length runs past the data, an SCM_RIGHTS message whose
+// data is not a whole number of descriptors) yields none: the
+// descriptors found in it are closed, as they cannot be trusted and no
+// caller would learn of them. The caller owns the descriptors returned:
+// it must close those it does not keep (Close).
 func Rights(oob []byte) []int {
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil
-	}
 	var fds []int
-	for i := range msgs {
-		if r, err := unix.ParseUnixRights(&msgs[i]); err == nil {
-			fds = append(fds, r...)
+	// As unix.ParseSocketControlMessage, whose result would lose the
+	// descriptors of the messages before one that does not parse: a tail
+	// shorter than a header is ignored.
+	for b := oob; len(b) >= unix.CmsgLen(0); {
+		h, data, rest, err := unix.ParseOneSocketControlMessage(b)
+		if err != nil {
+			Close(fds)
+			return nil
+		}
+		b = rest
+		if h.Level != unix.SOL_SOCKET || h.Type != unix.SCM_RIGHTS {
+			continue
+		}
+		for ; len(data) >= 4; data = data[4:] {
+			fds = append(fds, int(int32(binary.NativeEndian.Uint32(data))))
+		}
+		if len(data) != 0 { // unix.ParseUnixRights would panic
+			Close(fds)
+			return nil
 		}
 	}
 	return fds

@@ -12,7 +12,10 @@ import (
 // timer's goroutine. fire is to make a completion that wakes the sleeper
 // (a probe write to the peer waited for), so that it sees Fired move and
 // makes its checks. After Disarm returns, fire does not run for that
-// sleep: the sleeper may release what fire uses.
+// sleep: the sleeper may release what fire uses. fire runs at most once
+// per Arm, and not before the d of that Arm has passed: a ring of an
+// earlier sleep's timer that comes late (it went off as that sleep
+// ended) is counted but does not go off in the next sleep.
 //
 // Arm and Disarm are the sleeper's (one goroutine at a time); Fired is
 // safe for concurrent use.
@@ -20,8 +23,10 @@ type Alarm struct {
 	fire  func(arg int)
 	timer *time.Timer // the sleeper's
 	fired atomic.Uint64
-	mu    sync.Mutex // armed and arg, between the sleeper and the timer
+	mu    sync.Mutex // the fields below, between the sleeper and the timer
 	armed bool
+	rang  bool      // fire ran for this Arm
+	due   time.Time // this Arm's timer goes off no sooner (monotonic)
 	arg   int
 }
 
@@ -33,7 +38,11 @@ func NewAlarm(fire func(arg int)) *Alarm { return &Alarm{fire: fire} }
 // comes first.
 func (a *Alarm) Arm(d time.Duration, arg int) {
 	a.mu.Lock()
-	a.armed, a.arg = true, arg
+	// The timer is reused, so a ring cannot tell by itself which Arm it
+	// belongs to: a ring of the previous sleep may still be on its way to
+	// the mutex. Its time tells: the timer of this Arm, Reset below,
+	// goes off on the same monotonic clock no sooner than due.
+	a.armed, a.rang, a.due, a.arg = true, false, time.Now().Add(d), arg
 	a.mu.Unlock()
 	if a.timer == nil {
 		a.timer = time.AfterFunc(d, a.ring)
@@ -57,7 +66,10 @@ func (a *Alarm) ring() {
 	a.fired.Add(1)
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.armed {
+	// Not before due: the ring of an earlier Arm, late. Once per Arm: a
+	// late ring after due went off for it already.
+	if a.armed && !a.rang && !time.Now().Before(a.due) {
+		a.rang = true
 		a.fire(a.arg)
 	}
 }
