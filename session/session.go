@@ -128,7 +128,11 @@ var errSessionEnded = errors.New("session: ended")
 
 // Dial connects to the Listener at addr (host:port) and sets up a
 // session. It honours ctx until the session is set up; the session then
-// lives until Close or the peer's end.
+// lives until Close or the peer's end. The setup needs the server's
+// Accept: the listener authenticates a dialer at once, but a server that
+// does not call Accept leaves it waiting, for as long as ctx allows (as
+// a TCP connection the kernel took waits for the server's accept): give
+// Dial a ctx with a deadline.
 func Dial(ctx context.Context, addr string, cfg Config) (*Session, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
