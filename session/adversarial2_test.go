@@ -1093,3 +1093,39 @@ func TestReceiveDeadlineRacesPeerClose(t *testing.T) {
 		a.Close()
 	}
 }
+
+// TestAdv2OfferTooLong: an offer of a region longer than an int (or
+// wrapping around the address space) is refused: it was queued, and
+// ReceiveRemoteMR returned a RemoteMR whose Len was negative.
+func TestAdv2OfferTooLong(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		addr, len uint64
+	}{
+		{"2^63 bytes", 4096, 1 << 63},
+		{"max uint64", 0, math.MaxUint64},
+		{"wrapping", math.MaxUint64 - 10, 4096},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, b := pair(t, Config{})
+			a.sendAsyncCtrl(ctrlMsg{typ: ctrlOffer, grant: 77, addr: tc.addr, len: tc.len, rkey: 1, access: verbs.AccessRemoteRead, lease: time.Hour})
+			// A well-formed offer after it: what ReceiveRemoteMR returns.
+			mr, err := a.Alloc(64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer mr.Free()
+			ctx := advCtx(t)
+			if _, err := a.SendLocalMR(ctx, mr, verbs.AccessRemoteRead, time.Hour); err != nil {
+				t.Fatal(err)
+			}
+			r, err := b.ReceiveRemoteMR(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.Len() != 64 {
+				t.Fatalf("ReceiveRemoteMR returned a region of %d bytes, want the well-formed offer of 64 (the forged one is refused)", r.Len())
+			}
+		})
+	}
+}

@@ -3,6 +3,7 @@ package session
 import (
 	"context"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
@@ -547,6 +548,11 @@ func (s *Session) handle(m ctrlMsg) {
 			s.sendAsyncCtrl(ctrlMsg{typ: ctrlRelease, grant: m.grant})
 		}
 	case ctrlOffer:
+		if m.len > math.MaxInt || m.addr+m.len < m.addr {
+			// RemoteMR.Len is an int: a longer region read as negative.
+			refuse(errCodeProtocol, "an offer of %d bytes at %#x", m.len, m.addr)
+			return
+		}
 		a := &s.agent
 		a.mu.Lock()
 		if len(a.offers) >= maxQueued {
