@@ -169,7 +169,7 @@ type CompletionQueue struct {
 	stashed atomic.Bool
 	mu      sync.Mutex // guards stash
 	stash   prov.Completion
-	waitMu  sync.Mutex // one waiter at a time on the private channel
+	waitSem chan struct{} // one waiter at a time on the private channel
 }
 
 // NewCompletionQueue creates a completion queue.
@@ -187,7 +187,7 @@ func (c *Context) NewCompletionQueue(spec CQSpec) (*CompletionQueue, error) {
 	if spec.Channel != nil && spec.NoChannel {
 		return nil, opErr("create cq", c.name, fmt.Errorf("both Channel and NoChannel set: %w", syscall.EINVAL))
 	}
-	cq := &CompletionQueue{c: c, ch: spec.Channel}
+	cq := &CompletionQueue{c: c, ch: spec.Channel, waitSem: make(chan struct{}, 1)}
 	var pch prov.CompChannel
 	switch {
 	case spec.Channel != nil:
@@ -262,7 +262,7 @@ func (cq *CompletionQueue) PollBusy(dst []Completion, spins int) (int, error) {
 	// At most maxBusySpins polls per provider call, so that a Close
 	// (which waits for the call) ends even an endless PollBusy.
 	if len(dst) == 0 {
-		return 0, nil
+		return 0, cq.check("poll cq")
 	}
 	for spins = max(spins, 1); ; {
 		k := min(spins, maxBusySpins)
@@ -279,7 +279,7 @@ const maxBusySpins = 1 << 16
 // poll is Poll (spins 0) and PollBusy.
 func (cq *CompletionQueue) poll(dst []Completion, spins int) (int, error) {
 	if len(dst) == 0 {
-		return 0, nil
+		return 0, cq.check("poll cq") // nothing to poll, but closed is closed
 	}
 	if !cq.res.enter() {
 		// Never hand a destroyed CQ to the provider (use after free in
@@ -338,8 +338,19 @@ func (cq *CompletionQueue) Wait(ctx context.Context) error {
 	if cq.ownCh == nil {
 		return opErr("wait on cq", cq.c.name, fmt.Errorf("cq has no private completion channel (use Channel.Wait or Poll): %w", ErrNotSupported))
 	}
-	cq.waitMu.Lock()
-	defer cq.waitMu.Unlock()
+	// One waiter at a time; the others wait their turn as long as their
+	// ctx allows (a mutex made a second Wait ignore its ctx until the
+	// first ended).
+	select {
+	case cq.waitSem <- struct{}{}:
+	default:
+		select {
+		case cq.waitSem <- struct{}{}:
+		case <-ctx.Done():
+			return opErr("wait on cq", cq.c.name, fmt.Errorf("%w: %w", ErrTimeout, ctx.Err()))
+		}
+	}
+	defer func() { <-cq.waitSem }()
 	for {
 		if ready, err := cq.armOrStash(); ready || err != nil {
 			return err

@@ -405,6 +405,9 @@ func (c *Context) AsyncEvent(ctx context.Context) (AsyncEvent, error) {
 	}
 	e, err := c.ctx.AsyncEvent(ctx)
 	if err != nil {
+		if cerr := waitEnded(ctx, err); cerr != nil {
+			err = fmt.Errorf("%w: %w", ErrTimeout, cerr) // as every wait's
+		}
 		return AsyncEvent{}, opErr("get async event", c.name, err)
 	}
 	return AsyncEvent{Type: AsyncEventType(e.Type), QPN: e.QPN, Port: e.Port}, nil

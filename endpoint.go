@@ -91,6 +91,8 @@ func (e *Endpoint) Validate() error {
 		return fmt.Errorf("verbs: endpoint has invalid psn %#x (24 bits)", e.PSN)
 	case e.MTU.Bytes() == 0:
 		return fmt.Errorf("verbs: endpoint has invalid mtu %d", e.MTU)
+	case e.LinkLayer != LinkLayerUnspecified && e.LinkLayer != LinkLayerInfiniBand && e.LinkLayer != LinkLayerEthernet:
+		return fmt.Errorf("verbs: endpoint has invalid link layer %d", e.LinkLayer)
 	case len(e.Addr) > maxEndpointAddr:
 		return fmt.Errorf("verbs: endpoint address of %d bytes exceeds %d", len(e.Addr), maxEndpointAddr)
 	case e.LinkLayer == LinkLayerInfiniBand && e.LID == 0 && e.GID.IsZero():

@@ -2,6 +2,7 @@ package verbs
 
 import (
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -69,6 +70,7 @@ type MemoryRegion struct {
 	access Access
 	buf    []byte      // nil for dma-buf
 	region *mem.Region // owned memory (Alloc)
+	mapped bool        // Register of memory from Alloc: unmapped with it
 	inl    *inlineRef  // in pd.mrs while open; nil for dma-buf; its pin pins buf (Register)
 
 	// The keys and range, read from the provider's MR at registration:
@@ -155,6 +157,7 @@ func (pd *ProtectionDomain) Register(buf []byte, access Access) (*MemoryRegion, 
 		return nil, err
 	}
 	m.inl.keepPinned(p) // reachable, if the MR leaks with its PD and Context
+	m.mapped = len(owners) > 0
 	return m, nil
 }
 
@@ -221,9 +224,11 @@ func (pd *ProtectionDomain) RegisterDMABuf(fd int, offset uint64, length int, io
 // from Alloc it is nil after Close, which unmaps the memory (its address
 // range may then be reused by other memory, another MR's for example): a
 // slice taken before Close must not be used after it, as a slice of
-// memory from syscall.Mmap must not be after syscall.Munmap.
+// memory from syscall.Mmap must not be after syscall.Munmap. So is it for
+// an MR that Register made of memory from Alloc, whose owner may be
+// closed by then.
 func (m *MemoryRegion) Bytes() []byte {
-	if m.region != nil && m.res.isClosed() {
+	if (m.region != nil || m.mapped) && m.res.isClosed() {
 		return nil
 	}
 	return m.buf
@@ -344,6 +349,25 @@ const (
 // validate checks what every registered region satisfies: it is not
 // empty (Alloc and Register refuse empty memory) and does not wrap
 // around the end of the address space.
+// UnmarshalJSON decodes {"addr":…,"len":…,"rkey":…} and checks the region
+// as UnmarshalBinary does (not empty, not wrapping around the address
+// space); the zero RemoteRegion (no region) decodes as such. On error r
+// is left unchanged.
+func (r *RemoteRegion) UnmarshalJSON(b []byte) error {
+	type plain RemoteRegion
+	var v plain
+	if err := json.Unmarshal(b, &v); err != nil {
+		return fmt.Errorf("verbs: remote region: %w", err)
+	}
+	if rr := RemoteRegion(v); rr != (RemoteRegion{}) {
+		if err := rr.validate(); err != nil {
+			return fmt.Errorf("verbs: remote region: %w", err)
+		}
+	}
+	*r = RemoteRegion(v)
+	return nil
+}
+
 func (r RemoteRegion) validate() error {
 	switch {
 	case r.Len == 0:

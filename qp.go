@@ -239,7 +239,6 @@ func planQP(pd *ProtectionDomain, t Transport, spec QPSpec) (qpPlan, error) {
 		rand.Read(b[:])
 		spec.PSN = binary.LittleEndian.Uint32(b[:]) & 0xFFFFFF
 	}
-	spec.PSN &= 0xFFFFFF
 	return qpPlan{op: op, t: t, spec: spec, init: init, port: port, maxWR: dev.MaxQPWR,
 		maxRDAtom: dev.MaxQPRDAtom, maxInitRDAtom: dev.MaxQPInitRDAtom}, nil
 }
@@ -259,6 +258,10 @@ func checkSpecRanges(spec *QPSpec, dev DeviceAttr) error {
 		return fmt.Errorf("QPSpec.RNRRetry %d: want 0..7 (7: retry forever), or -1 for no retries", spec.RNRRetry)
 	case spec.MinRNRTimer > 31:
 		return fmt.Errorf("QPSpec.MinRNRTimer %d: want 0..31", spec.MinRNRTimer)
+	case spec.PSN > 0xFFFFFF:
+		return fmt.Errorf("QPSpec.PSN %#x: want 24 bits (0 for a random one)", spec.PSN)
+	case spec.MTU != 0 && spec.MTU.Bytes() == 0:
+		return fmt.Errorf("QPSpec.MTU %d: want one of MTU256..MTU4096 (a constant, not a number of bytes), or 0", spec.MTU)
 	}
 	limit := math.MaxUint8
 	if dev.MaxQPRDAtom > 0 {
