@@ -2,6 +2,7 @@ package soft
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
@@ -13,6 +14,8 @@ import (
 	"testing"
 	"time"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/goverbs/verbs/internal/mem"
 	"github.com/goverbs/verbs/internal/prov"
@@ -222,5 +225,161 @@ func TestAckWordAfterQueuedNAK(t *testing.T) {
 		if c.WRID == 11 && c.Status == prov.StatusSuccess {
 			t.Errorf("a send that the target never received (no receive was posted, it answered RNR and died) completed with SUCCESS")
 		}
+	}
+}
+
+// targetConn returns the connection on which the requests of its
+// peer arrive at q (the responder's side: x.rev, set by the first
+// acknowledged request).
+func targetConn(t *testing.T, q prov.QP) *conn {
+	t.Helper()
+	c := q.(*qp).x.rev.Load()
+	if c == nil || c.dead.Load() {
+		t.Fatal("no connection for the target")
+	}
+	return c
+}
+
+// TestPeerAckedNotSent: over a unix socket, the target
+// publishes a placed write's acknowledgement in the acknowledgement page
+// when the placement begins (placeStart), before the rest of the payload
+// has come. If the requester's connection then fails (its write of the
+// payload times out: the target's consumer does not read for a while),
+// the requester read the page and completed the write as successful,
+// though the payload never fully arrived and the target never executed
+// it (the target lives on). A request whose frame was not written whole
+// fails now (sendWQE.fcut). (Found by a review of soft0's socket path.)
+func TestPeerAckedNotSent(t *testing.T) {
+	forceTransport(t, "unix")
+	forceTLS(t, tlsOff)
+	o := defaultConn()
+	o.timeout, o.retryCnt = 1, 0 // minRespTimeout
+	e, a, b := pair(t, prov.QPTypeRC, o, o)
+	const n = segMax
+	src, dst := e.alloc(n, allAccess), e.alloc(n, allAccess)
+	for i := range src.b {
+		src.b[i] = byte(i%251 + 1)
+	}
+	// A first write: the connection is up.
+	postSend(t, a.qp, []prov.SendWR{{WRID: 1, Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
+		RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}, []prov.SGE{src.sge(0, 8)})
+	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+		t.Fatalf("first write: %+v", c)
+	}
+	clear(dst.b)
+	d := qpConn(t, a.qp)
+	tc := targetConn(t, b.qp)
+	if d.acks == nil || tc.acks == nil {
+		t.Skip("no acknowledgement page")
+	}
+	// The requester's socket takes little: its write waits for the
+	// target's reads.
+	d.sockControl(func(fd uintptr) { unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, 1) })
+	takeSocket(t, tc)
+	held := true
+	defer func() {
+		if held {
+			tc.rmu.Unlock()
+		}
+	}()
+	postSend(t, a.qp, []prov.SendWR{{WRID: 2, Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
+		RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}, []prov.SGE{src.sge(0, n)})
+	deadline := time.Now().Add(5 * time.Second)
+	for !tc.sock.pending() {
+		if _, err := tc.drain(false); err != nil {
+			t.Fatalf("drain: %v", err)
+		}
+		if time.Now().After(deadline) {
+			t.Skip("setup: the write's placement did not begin (rare timing)")
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	rem := tc.sock.place.rem
+	t.Logf("placement begun, %d bytes of the payload still to come; published %d", rem, *tc.acks.mine)
+	// The target's consumer is held (a stalled process): the requester's
+	// write times out and its connection fails.
+	c := poll(t, a.scq, 1)[0]
+	tc.rmu.Unlock()
+	held = false
+	waitState(t, b.qp, prov.QPStateErr)
+	t.Logf("write completion: %+v", c)
+	if c.Status == prov.StatusSuccess && !bytes.Equal(dst.b, src.b) {
+		t.Fatalf("the write completed successfully, but its payload never arrived whole (%d bytes were still to come) and the target did not execute it", rem)
+	}
+}
+
+// TestPeerAckedAtomic: the requester trusts the peer's
+// acknowledgement word (ackpage.go) when its connection fails, even when
+// the failure is its own (a write that timed out) and responses of the
+// peer still wait unread in its socket: a CAS executed by the target,
+// whose response (with the prior value) was sent but not read yet, is
+// retired by a made-up acknowledgement whose prior value is 0: the CAS
+// completed successfully with a result the target never had. An atomic
+// is never retired by the word now. (Found by a review of soft0's socket
+// path.)
+func TestPeerAckedAtomic(t *testing.T) {
+	forceTransport(t, "unix")
+	forceTLS(t, tlsOff)
+	o := defaultConn()
+	o.timeout, o.retryCnt = 1, 0 // minRespTimeout
+	e, a, b := pair(t, prov.QPTypeRC, o, o)
+	const n = segMax
+	src, dst := e.alloc(n, allAccess), e.alloc(n, allAccess)
+	loc := e.alloc(4096, allAccess)
+	for i := range src.b {
+		src.b[i] = byte(i%251 + 1)
+	}
+	postSend(t, a.qp, []prov.SendWR{{WRID: 1, Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
+		RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}, []prov.SGE{src.sge(0, 8)})
+	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+		t.Fatalf("first write: %+v", c)
+	}
+	const old, swap = 0x1111111111111111, 0x2222222222222222
+	atom := e.alloc(4096, allAccess)
+	*(*uint64)(unsafe.Pointer(&atom.b[0])) = old
+	d := qpConn(t, a.qp)
+	tc := targetConn(t, b.qp)
+	if d.acks == nil || tc.acks == nil {
+		t.Skip("no acknowledgement page")
+	}
+	d.sockControl(func(fd uintptr) { unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, 1) })
+	takeSocket(t, tc)
+	takeSocket(t, d) // the requester's consumer is behind
+	heldT, heldD := true, true
+	defer func() {
+		if heldT {
+			tc.rmu.Unlock()
+		}
+		if heldD {
+			d.rmu.Unlock()
+		}
+	}()
+	postSend(t, a.qp, []prov.SendWR{
+		{WRID: 2, Opcode: prov.WRAtomicCAS, NumSGE: 1, Flags: prov.SendSignaled, RemoteAddr: atom.addr(0), RKey: atom.mr.RKey(),
+			CompareAdd: old, Swap: swap},
+		{WRID: 3, Opcode: prov.WRWrite, NumSGE: 1, SGEIndex: 1, Flags: prov.SendSignaled, RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()},
+	}, []prov.SGE{loc.sge(0, 8), src.sge(0, n)})
+	deadline := time.Now().Add(5 * time.Second)
+	for !tc.sock.pending() {
+		if _, err := tc.drain(false); err != nil {
+			t.Fatalf("drain: %v", err)
+		}
+		if time.Now().After(deadline) {
+			t.Skip("setup: the write's placement did not begin (rare timing)")
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	if got := *(*uint64)(unsafe.Pointer(&atom.b[0])); got != swap {
+		t.Fatalf("the target did not execute the CAS: %#x", got)
+	}
+	cs := poll(t, a.scq, 2)
+	tc.rmu.Unlock()
+	heldT = false
+	d.rmu.Unlock()
+	heldD = false
+	res := *(*uint64)(unsafe.Pointer(&loc.b[0]))
+	t.Logf("completions %+v; CAS result %#x", cs, res)
+	if cs[0].WRID == 2 && cs[0].Status == prov.StatusSuccess && res != old {
+		t.Fatalf("the CAS completed successfully with prior value %#x; the target's was %#x", res, old)
 	}
 }

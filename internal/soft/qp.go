@@ -187,6 +187,7 @@ type sendWQE struct {
 	fseq   uint64
 	ftick  uint64    // the response timer's tick when it left (xstate.rtTicks)
 	fimp   *mrImport // a direct write's target mapping (nil: not direct)
+	fcut   bool      // its frame was not written whole: the peer cannot have executed it
 	fpre   *mrImport // a direct write with immediate's, copied before it left
 	rd     readSink  // a read's data (xreq.go; xstate.mu)
 	// A pulled request's claim (cma.go): set while it is in flight.

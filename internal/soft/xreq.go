@@ -581,6 +581,7 @@ func (q *qp) postRemote(p *peer, w *sendWQE, mayBlock bool) (postResult, prov.St
 	// record for this QP, which fails the request like a lost response.
 	w.fid, w.fconn, w.fpsn, w.fnpkts, w.flen = id, c, q.sqPSN, req.npkts, length
 	w.fseq = q.wakeSeq.Load()
+	w.fcut = err != nil
 	w.fimp, w.fpre = imp, nil
 	if pre {
 		w.fimp, w.fpre = nil, imp // copied: nothing to do on its ACK
@@ -788,8 +789,14 @@ func (q *qp) retireOne(r *rresp, retired *int) bool {
 		}
 		// The peer held the acknowledgements of the requests up to
 		// peerAcked when the connection went (ackpage.go): those were
-		// executed. The first one after them failed.
-		for r.c.acks != nil && w.fid <= r.c.peerAcked {
+		// executed. The first one after them failed. Not so a request
+		// whose frame this side did not write whole (its write failed:
+		// the connection failed on this side, and a write whose
+		// placement began was published), nor an atomic, whose result
+		// the word does not carry: those fail (a write that never left
+		// whole completed as a success, a compare-and-swap with a prior
+		// value of 0 made up: TestPeerAckedNotSent, TestPeerAckedAtomic).
+		for r.c.acks != nil && w.fid <= r.c.peerAcked && !w.fcut && w.op != opCAS && w.op != opFAA {
 			ack := rresp{c: r.c, id: w.fid}
 			if q.retireOne(&ack, retired) {
 				return true
