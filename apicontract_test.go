@@ -42,20 +42,32 @@ func TestAsyncEventTimeout(t *testing.T) {
 	}
 }
 
-// TestPollEmptyAfterClose: "the calls after [Close] fail with
-// ErrClosed" (doc.go), but Poll and PollBusy with an empty slice return
-// (0, nil) on a closed CQ, so a loop polling with an empty slice never
-// learns that the CQ is gone.
-func TestPollEmptyAfterClose(t *testing.T) {
+// softCQ is a CQ of its own soft0 context, closed (if still open) with
+// it when the test ends.
+func softCQ(t *testing.T) *verbs.CompletionQueue {
+	t.Helper()
 	c, err := verbs.Open(verbs.SoftDevice)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
 	cq, err := c.NewCompletionQueue(verbs.CQSpec{})
 	if err != nil {
+		c.Close()
 		t.Fatal(err)
 	}
+	t.Cleanup(func() {
+		cq.Close()
+		c.Close()
+	})
+	return cq
+}
+
+// TestPollEmptyAfterClose: "the calls after [Close] fail with
+// ErrClosed" (doc.go); Poll and PollBusy with an empty slice returned
+// (0, nil) on a closed CQ, so a loop polling with an empty slice never
+// learned that the CQ was gone.
+func TestPollEmptyAfterClose(t *testing.T) {
+	cq := softCQ(t)
 	if err := cq.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -67,7 +79,7 @@ func TestPollEmptyAfterClose(t *testing.T) {
 	}
 }
 
-func huntEndpoint() verbs.Endpoint {
+func validEndpoint() verbs.Endpoint {
 	g, _ := verbs.ParseGID("::ffff:127.0.0.1")
 	return verbs.Endpoint{Version: verbs.EndpointVersion, Transport: verbs.TransportRC, LinkLayer: verbs.LinkLayerEthernet,
 		Port: 1, GIDIndex: 1, GID: g, QPN: 0x1234, PSN: 0xabcdef, MTU: verbs.MTU4096, Addr: []byte("soft:xyz")}
@@ -79,7 +91,7 @@ func huntEndpoint() verbs.Endpoint {
 // Unspecified, InfiniBand nor Ethernet) decodes from bytes and JSON
 // without error.
 func TestEndpointLinkLayerGarbage(t *testing.T) {
-	good, err := huntEndpoint().MarshalBinary()
+	good, err := validEndpoint().MarshalBinary()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +106,7 @@ func TestEndpointLinkLayerGarbage(t *testing.T) {
 	if err := json.Unmarshal([]byte(in), &j); err == nil {
 		t.Errorf("json.Unmarshal accepted link layer %d: %+v", j.LinkLayer, j)
 	}
-	ee := huntEndpoint()
+	ee := validEndpoint()
 	ee.LinkLayer = 0xee
 	if err := ee.Validate(); err == nil {
 		t.Errorf("Validate accepted link layer %d", ee.LinkLayer)
@@ -183,19 +195,10 @@ func TestQPSpecPSNAndMTU(t *testing.T) {
 // TestConcurrentWaitHonoursContext: "Poll and Wait are safe for
 // concurrent use", and Wait "blocks until the CQ holds at least one
 // completion, Wake is called, or ctx ends". A second Wait while one is in
-// progress blocks on waitMu without looking at its context: it cannot
-// time out until the first Wait returns.
+// progress blocked on a mutex without looking at its context: it could
+// not time out until the first Wait returned.
 func TestConcurrentWaitHonoursContext(t *testing.T) {
-	c, err := verbs.Open(verbs.SoftDevice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	cq, err := c.NewCompletionQueue(verbs.CQSpec{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cq.Close()
+	cq := softCQ(t)
 	long, cancelLong := context.WithCancel(context.Background())
 	defer cancelLong()
 	first := make(chan error, 1)

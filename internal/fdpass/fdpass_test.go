@@ -9,17 +9,7 @@ import (
 )
 
 func TestRightsAndClose(t *testing.T) {
-	sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer Close(sp[:])
-	r, w, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	defer w.Close()
+	sp, r, w := socketsAndPipe(t)
 	tests := []struct {
 		name string
 		fds  []int
@@ -112,17 +102,7 @@ func TestRightsMalformedLength(t *testing.T) {
 // failed and dropped the messages it had parsed: the descriptors stayed
 // open with no one knowing them.
 func TestRightsMalformedTrailerClosesParsed(t *testing.T) {
-	sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer Close(sp[:])
-	r, w, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	defer w.Close()
+	sp, r, w := socketsAndPipe(t)
 	if err := unix.Sendmsg(sp[0], []byte{1}, unix.UnixRights(int(r.Fd()), int(w.Fd())), nil, 0); err != nil {
 		t.Fatal(err)
 	}
@@ -159,4 +139,24 @@ func TestRightsMalformedTrailerClosesParsed(t *testing.T) {
 	if len(open) > 0 {
 		t.Errorf("Rights left the %d received descriptors %v open: leaked", len(open), open)
 	}
+}
+
+// socketsAndPipe returns a connected SOCK_SEQPACKET pair and a pipe's
+// ends, closed when the test ends.
+func socketsAndPipe(t *testing.T) (sp [2]int, r, w *os.File) {
+	t.Helper()
+	sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { Close(sp[:]) })
+	r, w, err = os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		r.Close()
+		w.Close()
+	})
+	return sp, r, w
 }

@@ -240,6 +240,28 @@ func targetConn(t *testing.T, q prov.QP) *conn {
 	return c
 }
 
+// ackedPair is two RC QPs of this process over a unix socket with the
+// shortest response timeout (and so acknowledgement pages), connected by
+// a first write, and regions src (a pattern) and dst of n bytes.
+func ackedPair(t *testing.T, n int) (e *env, a, b *ep, src, dst *buf) {
+	t.Helper()
+	forceTransport(t, "unix")
+	forceTLS(t, tlsOff)
+	o := defaultConn()
+	o.timeout, o.retryCnt = 1, 0 // minRespTimeout
+	e, a, b = pair(t, prov.QPTypeRC, o, o)
+	src, dst = e.alloc(n, allAccess), e.alloc(n, allAccess)
+	for i := range src.b {
+		src.b[i] = byte(i%251 + 1)
+	}
+	postSend(t, a.qp, []prov.SendWR{{WRID: 1, Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
+		RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}, []prov.SGE{src.sge(0, 8)})
+	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+		t.Fatalf("first write: %+v", c)
+	}
+	return e, a, b, src, dst
+}
+
 // TestPeerAckedNotSent: over a unix socket, the target
 // publishes a placed write's acknowledgement in the acknowledgement page
 // when the placement begins (placeStart), before the rest of the payload
@@ -250,22 +272,8 @@ func targetConn(t *testing.T, q prov.QP) *conn {
 // it (the target lives on). A request whose frame was not written whole
 // fails now (sendWQE.fcut). (Found by a review of soft0's socket path.)
 func TestPeerAckedNotSent(t *testing.T) {
-	forceTransport(t, "unix")
-	forceTLS(t, tlsOff)
-	o := defaultConn()
-	o.timeout, o.retryCnt = 1, 0 // minRespTimeout
-	e, a, b := pair(t, prov.QPTypeRC, o, o)
 	const n = segMax
-	src, dst := e.alloc(n, allAccess), e.alloc(n, allAccess)
-	for i := range src.b {
-		src.b[i] = byte(i%251 + 1)
-	}
-	// A first write: the connection is up.
-	postSend(t, a.qp, []prov.SendWR{{WRID: 1, Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
-		RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}, []prov.SGE{src.sge(0, 8)})
-	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
-		t.Fatalf("first write: %+v", c)
-	}
+	_, a, b, src, dst := ackedPair(t, n)
 	clear(dst.b)
 	d := qpConn(t, a.qp)
 	tc := targetConn(t, b.qp)
@@ -318,22 +326,9 @@ func TestPeerAckedNotSent(t *testing.T) {
 // is never retired by the word now. (Found by a review of soft0's socket
 // path.)
 func TestPeerAckedAtomic(t *testing.T) {
-	forceTransport(t, "unix")
-	forceTLS(t, tlsOff)
-	o := defaultConn()
-	o.timeout, o.retryCnt = 1, 0 // minRespTimeout
-	e, a, b := pair(t, prov.QPTypeRC, o, o)
 	const n = segMax
-	src, dst := e.alloc(n, allAccess), e.alloc(n, allAccess)
+	e, a, b, src, dst := ackedPair(t, n)
 	loc := e.alloc(4096, allAccess)
-	for i := range src.b {
-		src.b[i] = byte(i%251 + 1)
-	}
-	postSend(t, a.qp, []prov.SendWR{{WRID: 1, Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
-		RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}, []prov.SGE{src.sge(0, 8)})
-	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
-		t.Fatalf("first write: %+v", c)
-	}
 	const old, swap = 0x1111111111111111, 0x2222222222222222
 	atom := e.alloc(4096, allAccess)
 	*(*uint64)(unsafe.Pointer(&atom.b[0])) = old
