@@ -114,6 +114,14 @@ func unsafeSlice1(c *prov.Completion) []prov.Completion {
 func (c *cq) overflowLocked() {
 	c.overflow = true
 	c.ready.Store(-1)
+	// An armed CQ's sleeper learns of it (an error wakes even a
+	// solicited-only arm): a batch whose first completion was queued
+	// while the CQ was armed, and a later one overflowed, left the arm
+	// cleared without an event, and the sleeper slept on.
+	if c.armed != armNone && c.ch != nil {
+		c.ch.notify(c)
+		c.ctx.f.wakes.Add(1)
+	}
 	c.armed = armNone
 	c.mu.Unlock()
 	c.ctx.events.Push(prov.AsyncEvent{Type: evCQErr, Element: prov.CQ(c)})
@@ -315,12 +323,17 @@ func (ch *compChannel) Wake() {
 // ctx ends. The event is acknowledged. While it waits it may handle the
 // connection that feeds the CQ armed last itself (drive.go).
 func (ch *compChannel) Wait(ctx context.Context) (prov.CQ, error) {
-	var asked *conn // the connection whose reader this Wait asked for its ring
+	var asked *conn // the connection whose reader this Wait asked for its ring or socket
 	q, err := ch.wait(ctx, &asked)
 	if asked != nil {
 		// Not wanted any more: the reader would step aside for nobody
-		// (rxLoop), and its ring wait until the next Wait or poll.
-		asked.wantDrive.CompareAndSwap(ch, nil)
+		// (rxLoop, readerWaits), and its ring or socket wait until the
+		// next Wait or poll.
+		if asked.shm != nil {
+			asked.wantDrive.CompareAndSwap(ch, nil)
+		} else {
+			asked.unwant(ch)
+		}
 	}
 	return q, err
 }
@@ -352,8 +365,8 @@ func (ch *compChannel) wait(ctx context.Context, asked **conn) (prov.CQ, error) 
 				if q := drive(ctx, c); q != nil {
 					return q, nil
 				}
-				if c.shm != nil && c.wantDrive.Load() == ch {
-					*asked = c
+				if c.shm == nil || c.wantDrive.Load() == ch {
+					*asked = c // (a socket's drive may have asked: askSocket)
 				}
 				continue
 			}

@@ -159,7 +159,11 @@ func (ch *compChannel) driveLocked(ctx context.Context, c *conn) prov.CQ {
 	// that never came; a loaded machine, one ping-pong in thousands).
 	buffered := c.sock.w != c.sock.r || c.sock.pending()
 	dl := false // the socket's read deadline is end
-	for ctx.Err() == nil && !c.dead.Load() && !ch.woken.Load() {
+	// A Close of the channel after wait's check and before the drive
+	// set itself as the driver interrupted nobody: seen here, or by the
+	// check after the deadline (without one, the drive waited on a
+	// silent socket for ever).
+	for ctx.Err() == nil && !c.dead.Load() && !ch.woken.Load() && !ch.isClosed() {
 		if ev = ch.takeEvent(); ev != nil {
 			break
 		}
@@ -196,7 +200,7 @@ func (ch *compChannel) driveLocked(ctx context.Context, c *conn) prov.CQ {
 			// After the deadline: an event queued (or a Wake) from
 			// now on ends the wait (interrupt), one queued before is
 			// taken here.
-			if ev = ch.takeEvent(); ev != nil || ch.woken.Load() {
+			if ev = ch.takeEvent(); ev != nil || ch.woken.Load() || ch.isClosed() {
 				break
 			}
 		}
@@ -361,9 +365,9 @@ func (ch *compChannel) driveShm(ctx context.Context, c *conn) prov.CQ {
 			c.setWaitDeadline(end)
 		}
 		c.dlMu.Unlock()
-		// An event queued (or a Wake) before the driver was set did
-		// not interrupt.
-		if ev = ch.takeEvent(); ev == nil && !ch.woken.Load() {
+		// An event queued (or a Wake, or the channel's Close) before
+		// the driver was set did not interrupt.
+		if ev = ch.takeEvent(); ev == nil && !ch.woken.Load() && !ch.isClosed() {
 			err = c.shm.sleep(seen)
 		}
 		c.dlMu.Lock()
@@ -419,6 +423,16 @@ func (c *conn) askSocket(ch *compChannel) {
 	c.dlMu.Lock()
 	c.want = ch
 	c.endReaderWaitLocked()
+	c.dlMu.Unlock()
+}
+
+// unwant takes back ch's askSocket, if the reader has not stepped aside
+// for it yet: a Wait that ends does not want the socket any more.
+func (c *conn) unwant(ch *compChannel) {
+	c.dlMu.Lock()
+	if c.want == ch {
+		c.want = nil
+	}
 	c.dlMu.Unlock()
 }
 

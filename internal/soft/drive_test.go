@@ -756,3 +756,158 @@ func TestDriveHandlesBuffered(t *testing.T) {
 	}
 	waitCQ(t, p.cqa, p.cha, cs[:], 1)
 }
+
+// (Found by a review of soft0's waits, each of the three below failed
+// before its fix.)
+
+// waitWithin runs ch.Wait with a ctx of d and returns its result.
+func waitWithin(ch prov.CompChannel, d time.Duration) (prov.CQ, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	return ch.Wait(ctx)
+}
+
+// TestCQOverflowWakesArmed: a CQ armed for the next completion
+// takes a batch of completions (a flush of posted receives) of which the
+// first fits and a later one overflows. The first completion was queued
+// while the CQ was armed: its event must reach the channel, so that a
+// Wait sleeping on it wakes (and the application finds the overflow);
+// overflowLocked cleared the arm without one, and the Wait slept on.
+func TestCQOverflowWakesArmed(t *testing.T) {
+	e := newEnv(t)
+	ch := must(e.ctx.CreateCompChannel())
+	t.Cleanup(func() { ch.Close() })
+	cq := must(e.ctx.CreateCQ(1, ch, 0))
+	t.Cleanup(func() { cq.Close() })
+	scq := e.cq(16)
+	q := must(e.pd.CreateQP(prov.QPInitAttr{Type: prov.QPTypeRC, SendCQ: scq, RecvCQ: cq, Cap: defaultCaps()}))
+	t.Cleanup(func() { q.Close() })
+	toInit(t, q, prov.QPTypeRC, defaultConn())
+	m := e.alloc(4096, allAccess)
+	for i := range 3 {
+		if _, err := q.PostRecv([]prov.RecvWR{{WRID: uint64(i), NumSGE: 1}}, []prov.SGE{m.sge(0, 8)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := cq.Arm(false); err != nil {
+		t.Fatal(err)
+	}
+	if err := q.Modify(&prov.QPAttr{State: prov.QPStateErr}, prov.AttrState); err != nil {
+		t.Fatal(err)
+	}
+	got, err := waitWithin(ch, 3*time.Second)
+	if errors.Is(err, context.DeadlineExceeded) {
+		var dst [4]prov.Completion
+		_, perr := cq.Poll(dst[:])
+		t.Fatalf("armed CQ took a completion (then overflowed: poll %v) and no event came: Wait %v", perr, err)
+	}
+	if err != nil || got != cq {
+		t.Fatalf("Wait: %v %v, want the CQ's event", got, err)
+	}
+}
+
+// TestDriveEndsForEarlierClose: a Wait whose ctx cannot end checks that its
+// channel is open, then drives the connection (drive.go); the channel is
+// closed in between (its CQs closed first, so Close succeeds: nothing
+// was driving yet, so Close interrupts nobody). The drive must see the
+// channel closed and end, as driveShm does (isClosed in its loop);
+// driveLocked did not look, waited on a silent socket without a
+// deadline, and the Wait on a closed channel never returned. The test makes the
+// interleaving deterministic by closing before it starts the drive, with
+// the socket held as a poll would (TestDriveHandlesBuffered does the
+// same).
+func TestDriveEndsForEarlierClose(t *testing.T) {
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			p := newDrivePair(t, kind)
+			p.sendOne(t)
+			if err := p.cqb.Arm(false); err != nil {
+				t.Fatal(err)
+			}
+			ch := p.chb.(*compChannel)
+			c := ch.driveConn() // what wait() found before the Close
+			if c == nil {
+				t.Fatal("no connection to drive")
+			}
+			for _, cl := range []interface{ Close() error }{p.qb, p.cqb, p.chb} {
+				if err := cl.Close(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			takeSocket(t, c) // driveLocked releases it
+			done := make(chan prov.CQ, 1)
+			go func() { done <- ch.driveLocked(context.Background(), c) }()
+			select {
+			case q := <-done:
+				if q != nil {
+					t.Fatalf("a drive of a closed channel returned %v", q)
+				}
+			case <-time.After(5 * time.Second):
+				// Let the cleanup end it (the connection fails).
+				t.Fatal("a drive begun on a closed channel did not end: the Wait hangs")
+			}
+		})
+	}
+}
+
+// TestDriveSocketWantTakenBack: the socket counterpart of
+// TestDriveShmStaleWant. A Wait that found the socket's consumer at work
+// asked the reader for the socket (askSocket: c.want); its ctx ends and
+// it returns without the socket. The request must go with it: it was
+// left, and the reader's next wait stepped aside for nobody
+// (readerWaits): nobody read the socket until stepAside gave up (two
+// pollerGraces), for every other waiter of the connection.
+func TestDriveSocketWantTakenBack(t *testing.T) {
+	for _, kind := range []string{"tcp", "unix"} {
+		t.Run(kind, func(t *testing.T) {
+			p := newDrivePair(t, kind)
+			p.sendOne(t)
+			if err := p.cqb.Arm(false); err != nil {
+				t.Fatal(err)
+			}
+			ch := p.chb.(*compChannel)
+			c := ch.driveConn()
+			if c == nil {
+				t.Fatal("no connection to drive")
+			}
+			takeSocket(t, c) // the test is the socket's consumer at work
+			locked := true
+			defer func() {
+				if locked {
+					c.rmu.Unlock()
+				}
+			}()
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			done := make(chan error, 1)
+			go func() {
+				_, err := p.chb.Wait(ctx)
+				done <- err
+			}()
+			want := func() *compChannel {
+				c.dlMu.Lock()
+				defer c.dlMu.Unlock()
+				return c.want
+			}
+			for deadline := time.Now().Add(hangGuard); want() != ch; time.Sleep(50 * time.Microsecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("the Wait did not ask for the socket")
+				}
+			}
+			cancel()
+			select {
+			case err := <-done:
+				if !errors.Is(err, context.Canceled) {
+					t.Fatalf("Wait returned %v, want context.Canceled", err)
+				}
+			case <-time.After(hangGuard):
+				t.Fatal("the Wait did not return")
+			}
+			if w := want(); w != nil {
+				t.Errorf("the Wait returned and left its request for the socket (want %p): the reader will step aside for nobody", w)
+			}
+			c.rmu.Unlock()
+			locked = false
+		})
+	}
+}
