@@ -1721,3 +1721,31 @@ func TestDeadlineRacesPeerClose(t *testing.T) {
 		c1.Close()
 	}
 }
+
+// TestCloseWritePastDeadline: the package documents that a call made
+// after its deadline passed returns a timeout (os.ErrDeadlineExceeded),
+// and CloseWrite is a call of the write direction ("It waits for credit
+// to post the end (until the write deadline)"); Write honours it even for
+// zero bytes (conn.go:253). CloseWrite with a write deadline already
+// past did not look at it: when a credit and an op token were free,
+// session.PostSendSlice took them without consulting its (ended)
+// context, and CloseWrite returned nil and ended the direction; it timed
+// out only if it had to wait. (Found by a review of stream.)
+func TestCloseWritePastDeadline(t *testing.T) {
+	cfg := session.Config{ReceiveBuffers: 4, MessageSize: 256}
+	c1, _ := advPipe(t, cfg, cfg)
+	if err := c1.SetWriteDeadline(time.Now().Add(-time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	// The Write direction is timed out, as documented:
+	if _, err := c1.Write(nil); !isTimeout(err) {
+		t.Fatalf("Write(nil) with a past write deadline: %v, want a timeout", err)
+	}
+	if _, err := c1.Write([]byte("x")); !isTimeout(err) {
+		t.Fatalf("Write with a past write deadline: %v, want a timeout", err)
+	}
+	err := wait(t, await(c1.CloseWrite), "CloseWrite")
+	if !isTimeout(err) {
+		t.Fatalf("CloseWrite with a write deadline in the past: %v; want a timeout (os.ErrDeadlineExceeded) as every call made after its deadline", err)
+	}
+}

@@ -387,6 +387,11 @@ func (c *Conn) CloseWrite() error {
 		return err
 	}
 	ctx := c.wd.context()
+	if err := ctx.Err(); err != nil {
+		// Past the write deadline, as Write says; else the result
+		// depended on whether a credit was free.
+		return c.writeErr(ctx, err)
+	}
 	if err := c.post(ctx, nil, finImm, true); err != nil {
 		return c.writeErr(ctx, err)
 	}

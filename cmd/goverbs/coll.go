@@ -172,9 +172,25 @@ func runColl(args []string, stdout, stderr io.Writer) int {
 	default:
 		return usageErr(stderr, "coll", "-type %q: want float32, float64, int32 or int64", cfg.dtype)
 	}
-	if e := elemBytes(cfg.dtype); hi < e && slices.ContainsFunc(cfg.ops, func(o string) bool { return o != "barrier" }) {
-		// Every size would be skipped: an empty table.
-		return usageErr(stderr, "coll", "-max (%d) is below one %s element (%d bytes)", hi, cfg.dtype, e)
+	// A collective whose every size would be skipped (below one element,
+	// or below one element of each rank for the collectives of p blocks,
+	// as the ranks count: collRank) would have no row. The largest size
+	// the steps make decides, not -max (-min 3 -max 5 makes 3 only).
+	// Under a launcher whose world is larger than -p, rows of the block
+	// collectives may still be missing.
+	e, top := elemBytes(cfg.dtype), cfg.sizes[len(cfg.sizes)-1]
+	for _, o := range cfg.ops {
+		b := collByName(o)
+		n := top / e
+		if b.blocks {
+			n -= n % cfg.p
+		}
+		if b.busFactor != nil && n == 0 {
+			if b.blocks && top >= e {
+				return usageErr(stderr, "coll", "%s: every size (at most %d bytes) is below one %s element of each of the %d ranks", o, top, cfg.dtype, cfg.p)
+			}
+			return usageErr(stderr, "coll", "%s: every size (at most %d bytes) is below one %s element (%d bytes)", o, top, cfg.dtype, e)
+		}
 	}
 	if cfg.transport == "" {
 		cfg.transport = "shm"

@@ -299,3 +299,26 @@ func TestCollBlockSizes(t *testing.T) {
 		}
 	}
 }
+
+// TestCollEmptyTableRefused: a command line whose every size is skipped
+// (below one element, or below one element per rank for the block
+// collectives) is a usage error. It ran the ranks and printed a table
+// without a row, exit status 0: the check compared -max, not the sizes
+// the steps produce, and ignored the blocks' rounding. (Found by a review
+// of the command.)
+func TestCollEmptyTableRefused(t *testing.T) {
+	t.Setenv("GOVERBS_SOFT_TRANSPORT", "shm")
+	base := []string{"coll", "-p", "2", "-iters", "1", "-warmup", "0", "-settle", "0s", "-lat-iters", "1", "-timeout", "2m", "-json"}
+	for _, tc := range [][]string{
+		// sizes: 3 only (3 > 5/2), below one float32; -max 5 >= 4 passes the check
+		{"-min", "3", "-max", "5", "-ops", "allreduce"},
+		// one float32: below one element per rank at p = 2
+		{"-min", "4", "-max", "4", "-ops", "allgather"},
+	} {
+		t.Run(strings.Join(tc, " "), func(t *testing.T) {
+			if st, out, errs := runCmd(t, append(append([]string{}, base...), tc...)...); st != exitUsage {
+				t.Fatalf("status %d, want a usage error (%d): every size is skipped\n%s\n%s", st, exitUsage, out, errs)
+			}
+		})
+	}
+}
