@@ -562,6 +562,30 @@ const (
 	remoteSz = 20 // addr u64 | len u64 | rkey u32
 )
 
+// agreed is the flags every rank must share, as "name=value" fields
+// separated by spaces: the ranks compare them before they measure
+// anything (ranks that disagreed, on -lat-iters for example, waited for
+// one another in the point-to-point test until -timeout).
+func (cfg *collConfig) agreed() string {
+	return fmt.Sprintf("-iters=%d -warmup=%d -settle=%v -lat-iters=%d sizes=%v -ops=%s -alg=%v -type=%s -inplace=%v -registered=%v -chunk=%d -slots=%d",
+		cfg.iters, cfg.warmup, cfg.settle, cfg.latIters, strings.ReplaceAll(fmt.Sprint(cfg.sizes), " ", ","),
+		strings.Join(cfg.ops, ","), cfg.alg, cfg.dtype, cfg.inPlace, cfg.registered, cfg.chunk, cfg.slots)
+}
+
+// checkAgreed compares this rank's flags with those rank r published.
+func checkAgreed(mine string, r int, theirs []byte) error {
+	if string(theirs) == mine {
+		return nil
+	}
+	a, b := strings.Fields(mine), strings.Fields(string(theirs))
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return fmt.Errorf("rank %d runs with %s, this rank with %s: every rank needs the same flags", r, printable(b[i]), a[i])
+		}
+	}
+	return fmt.Errorf("rank %d runs with other flags (%q), this rank with %q", r, printable(string(theirs)), mine)
+}
+
 // collRank runs this process as one rank of the world its launcher (or
 // collSpawn) described; rank 0 prints the results.
 func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Writer) error {
@@ -575,6 +599,7 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 		}
 		ln = l
 	}
+	agreed := cfg.agreed()
 	bwMax := 0
 	for _, s := range p2pSizes(cfg) {
 		bwMax = max(bwMax, s)
@@ -595,11 +620,11 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 			n.OnClose(mr.Close)
 			region = mr
 			r := mr.Remote()
-			b := make([]byte, remoteSz)
+			b := make([]byte, remoteSz, remoteSz+len(agreed))
 			binary.LittleEndian.PutUint64(b, r.Addr)
 			binary.LittleEndian.PutUint64(b[8:], r.Len)
 			binary.LittleEndian.PutUint32(b[16:], r.RKey)
-			return b, nil
+			return append(b, agreed...), nil
 		},
 	}})
 	if err != nil {
@@ -612,6 +637,13 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 	cfg.p = node.Size()
 	if cfg.p < 2 {
 		return errors.New("the world has 1 rank: a collective benchmark needs at least 2")
+	}
+	for r := range cfg.p {
+		if b := node.PeerData(r); r != node.Rank() && len(b) >= remoteSz {
+			if err := checkAgreed(agreed, r, b[remoteSz:]); err != nil {
+				return err
+			}
+		}
 	}
 	res := collResult{Ranks: cfg.p, Device: cfg.dev, Transport: cfg.transport, Type: cfg.dtype, Iters: cfg.iters, Warmup: cfg.warmup,
 		SettleMS: float64(cfg.settle) / 1e6,
@@ -630,7 +662,7 @@ func collRank(ctx context.Context, cfg collConfig, explicitP bool, stdout io.Wri
 	if node.Rank() < 2 {
 		peer := 1 - node.Rank()
 		b := node.PeerData(peer)
-		if len(b) != remoteSz {
+		if len(b) < remoteSz {
 			return fmt.Errorf("rank %d published %d bytes of region description, want %d", peer, len(b), remoteSz)
 		}
 		pp := &p2p{ch: node.Channel().Peer(peer), mr: region, first: node.Rank() == 0, remote: verbs.RemoteRegion{

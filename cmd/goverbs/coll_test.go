@@ -1,13 +1,19 @@
 package main
 
 import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"os"
+	"os/exec"
 	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestMain makes the test binary a rank of goverbs coll when goverbs coll
@@ -320,5 +326,53 @@ func TestCollEmptyTableRefused(t *testing.T) {
 				t.Fatalf("status %d, want a usage error (%d): every size is skipped\n%s\n%s", st, exitUsage, out, errs)
 			}
 		})
+	}
+}
+
+// TestCollRanksDisagree: ranks started by a launcher with different flags
+// (here -lat-iters) fail at once, naming the flag. They waited for one
+// another in the point-to-point test until -timeout (10 minutes by
+// default) and then said only "context deadline exceeded". (Found by a
+// review of the command.)
+func TestCollRanksDisagree(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := freePort(t)
+	var secret [8]byte
+	rand.Read(secret[:])
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Second) // a hang guard, below -timeout
+	defer cancel()
+	type result struct {
+		err    error
+		stderr string
+	}
+	results := make(chan result, 2)
+	for rank, latIters := range []string{"10", "20"} {
+		cmd := exec.CommandContext(ctx, exe, "coll", "-p", "2", "-lat-iters", latIters, "-iters", "1", "-warmup", "0",
+			"-settle", "0s", "-min", "8", "-max", "8", "-ops", "allreduce", "-timeout", "2m")
+		cmd.Env = append(os.Environ(), envCollChild+"=1", "GOVERBS_RANK="+strconv.Itoa(rank), "GOVERBS_WORLD_SIZE=2",
+			"GOVERBS_ROOT=127.0.0.1:"+port, "GOVERBS_TOKEN="+hex.EncodeToString(secret[:]), "GOVERBS_JOB=disagree",
+			"GOVERBS_SOFT_TRANSPORT=shm")
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			err := cmd.Wait()
+			results <- result{err, stderr.String()}
+		}()
+	}
+	for range 2 {
+		r := <-results
+		if ctx.Err() != nil {
+			t.Fatalf("the ranks still ran after %v (a hang guard)", 50*time.Second)
+		}
+		t.Logf("rank: %v: %s", r.err, r.stderr)
+		if r.err == nil || !strings.Contains(r.stderr, "-lat-iters") {
+			t.Errorf("a rank: %v, stderr %q; want a failure naming -lat-iters", r.err, r.stderr)
+		}
 	}
 }
