@@ -159,6 +159,26 @@ func (c *Comm) allgather(ctx context.Context, buf []byte, l layout) error {
 	for i := range p {
 		total += l.size(i)
 	}
+	switch c.allgatherAlg(total, l.contiguous) {
+	case agRing:
+		return c.ringAllgather(ctx, buf, &l)
+	case agDoubling:
+		return c.doublingAllgather(ctx, buf, &l)
+	}
+	return c.bruckAllgather(ctx, buf, &l, total)
+}
+
+// The algorithms of an allgather (allgatherAlg).
+const (
+	agRing     = iota // the ring
+	agDoubling        // recursive doubling: p a power of two, blocks contiguous
+	agBruck           // Bruck's, for any p
+)
+
+// allgatherAlg chooses the algorithm of an allgather of total bytes:
+// Options.Algorithm's family (AlgRabenseifner has none of its own: the
+// doubling family's), or by size.
+func (c *Comm) allgatherAlg(total int, contiguous bool) int {
 	alg := c.opts.Algorithm
 	if alg == AlgAuto {
 		alg = AlgRecursiveDoubling
@@ -166,13 +186,20 @@ func (c *Comm) allgather(ctx context.Context, buf []byte, l layout) error {
 			alg = AlgRing
 		}
 	}
-	switch {
+	switch p := c.size; {
 	case alg == AlgRing:
-		return c.ringAllgather(ctx, buf, &l)
-	case p&(p-1) == 0 && l.contiguous:
-		return c.doublingAllgather(ctx, buf, &l)
+		return agRing
+	case p&(p-1) == 0 && contiguous:
+		return agDoubling
 	}
-	return c.bruckAllgather(ctx, buf, &l, total)
+	return agBruck
+}
+
+// AllgatherAlgorithm names the algorithm of an Allgather on c of n bytes
+// (the whole vector, blocks in rank order): "ring", "recursive doubling"
+// or "bruck".
+func (c *Comm) AllgatherAlgorithm(n int) string {
+	return [...]string{agRing: "ring", agDoubling: "recursive doubling", agBruck: "bruck"}[c.allgatherAlg(n, true)]
 }
 
 // doublingAllgather: see Allgather (p a power of two, blocks contiguous).

@@ -170,3 +170,14 @@ func checkSegments(c *Comm, kind uint8, name string, n int, counts, displs []int
 	}
 	return nil
 }
+
+// AlltoallAlgorithm names the algorithm of an Alltoall on c of n bytes
+// (the whole vector, p blocks): "all at once" below AlltoallPairwiseMin
+// bytes a block, "pairwise" from there. Options.Algorithm does not
+// change it.
+func (c *Comm) AlltoallAlgorithm(n int) string {
+	if c.size > 0 && n/c.size >= AlltoallPairwiseMin {
+		return "pairwise"
+	}
+	return "all at once"
+}

@@ -66,20 +66,42 @@ func (c *Comm) broadcast(ctx context.Context, buf []byte, esz, root int) error {
 	if c.size == 1 {
 		return nil
 	}
-	alg := c.opts.Algorithm
-	if alg == AlgAuto {
-		alg = AlgRecursiveDoubling
-		if len(buf) >= BcastSmallMax {
-			alg = AlgRing
-		}
-	}
-	switch {
-	case alg == AlgRing:
+	switch c.bcastAlg(len(buf), esz) {
+	case AlgRing:
 		return c.chainBcast(ctx, buf, root)
-	case alg == AlgRabenseifner && len(buf)/esz >= c.size:
+	case AlgRabenseifner:
 		return c.scatterAllgatherBcast(ctx, buf, esz, root)
 	}
 	return c.binomialBcast(ctx, buf, root)
+}
+
+// bcastAlg is the algorithm of a broadcast of n bytes in elements of esz
+// bytes: Options.Algorithm, or by size; Rabenseifner (scatter, then
+// allgather) only with an element for each rank, else the binomial tree
+// (AlgRecursiveDoubling).
+func (c *Comm) bcastAlg(n, esz int) Algorithm {
+	alg := c.opts.Algorithm
+	if alg == AlgAuto {
+		alg = AlgRecursiveDoubling
+		if n >= BcastSmallMax {
+			alg = AlgRing
+		}
+	}
+	if alg == AlgRabenseifner && n/esz < c.size {
+		alg = AlgRecursiveDoubling
+	}
+	return alg
+}
+
+// BroadcastAlgorithm names the algorithm of a Broadcast on c of n bytes
+// in elements of esz bytes: "recursive doubling" (the binomial tree),
+// "rabenseifner" (scatter, then allgather) or "ring" (the pipelined
+// chain).
+func (c *Comm) BroadcastAlgorithm(n, esz int) string {
+	if esz <= 0 {
+		return "none"
+	}
+	return c.bcastAlg(n, esz).String()
 }
 
 // lowbit returns the lowest set bit of v > 0; for v = 0, the smallest

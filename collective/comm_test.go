@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -400,5 +401,34 @@ func TestOptionsTimeout(t *testing.T) {
 	t.Logf("the peer's late barrier: %v; its next: %v", late, next)
 	if late == nil && next == nil {
 		t.Errorf("the peer's late barrier and the next both succeeded with a rank that gave up")
+	}
+}
+
+// TestAlgorithmNames: BroadcastAlgorithm, AllgatherAlgorithm,
+// ReduceScatterAlgorithm and AlltoallAlgorithm name what the collectives
+// run (they share its choice: bcastAlg, allgatherAlg, rsAlg, the
+// pairwise threshold), Options.Algorithm included where it applies.
+// goverbs coll reported Options.Algorithm as asked for all four, also
+// where it does not apply (TestCollAlgColumn).
+func TestAlgorithmNames(t *testing.T) {
+	const p = 3
+	for _, tc := range []struct {
+		alg                           collective.Algorithm
+		bytes, esz                    int
+		bcast, allgather, rs, alltoal string
+	}{
+		{collective.AlgAuto, 12, 4, "recursive doubling", "bruck", "rabenseifner", "all at once"},
+		{collective.AlgAuto, collective.BcastSmallMax, 4, "ring", "ring", "rabenseifner", "all at once"},
+		{collective.AlgAuto, collective.RingMin, 4, "ring", "ring", "ring", "pairwise"},
+		{collective.AlgAuto, p * collective.AlltoallPairwiseMin, 4, "ring", "ring", "rabenseifner", "pairwise"},
+		{collective.AlgRabenseifner, 8, 4, "recursive doubling", "bruck", "rabenseifner", "all at once"}, // 2 elements for 3 ranks
+		{collective.AlgRabenseifner, 12, 4, "rabenseifner", "bruck", "rabenseifner", "all at once"},
+		{collective.AlgRing, 12, 4, "ring", "ring", "ring", "all at once"},
+	} {
+		c := world(t, p, collective.Options{Algorithm: tc.alg})[0]
+		got := []string{c.BroadcastAlgorithm(tc.bytes, tc.esz), c.AllgatherAlgorithm(tc.bytes), c.ReduceScatterAlgorithm(tc.bytes), c.AlltoallAlgorithm(tc.bytes)}
+		if want := []string{tc.bcast, tc.allgather, tc.rs, tc.alltoal}; !slices.Equal(got, want) {
+			t.Errorf("%v, %d bytes: broadcast, allgather, reduce-scatter, alltoall %q, want %q", tc.alg, tc.bytes, got, want)
+		}
 	}
 }

@@ -125,13 +125,7 @@ func reduceScatter[T Number](ctx context.Context, c *Comm, info callInfo, in, ds
 		}
 		return c.end(t, nil)
 	}
-	alg := c.opts.Algorithm
-	if alg == AlgAuto {
-		alg = AlgRing
-		if p&(p-1) == 0 || len(in)*esz < RingMin {
-			alg = AlgRabenseifner
-		}
-	}
+	alg := c.rsAlg(len(in) * esz)
 	if op.kind == opCustom {
 		alg = AlgRabenseifner // rank order
 	}
@@ -284,3 +278,21 @@ func (c *Comm) halvingReduceScatter(ctx context.Context, in []byte, off, woff []
 	copy(dst, res)
 	return nil
 }
+
+// rsAlg is the algorithm of a reduce-scatter of n bytes with a built-in
+// op: Options.Algorithm, or Rabenseifner (recursive halving) for p a
+// power of two or a vector below RingMin, else the ring.
+func (c *Comm) rsAlg(n int) Algorithm {
+	alg := c.opts.Algorithm
+	if alg == AlgAuto {
+		alg = AlgRing
+		if p := c.size; p&(p-1) == 0 || n < RingMin {
+			alg = AlgRabenseifner
+		}
+	}
+	return alg
+}
+
+// ReduceScatterAlgorithm names the algorithm of a ReduceScatter on c of
+// n bytes (the whole input vector) with a built-in op.
+func (c *Comm) ReduceScatterAlgorithm(n int) string { return c.rsAlg(n).String() }

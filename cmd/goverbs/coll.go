@@ -294,39 +294,30 @@ var collBenches = []collBench{
 	{
 		name:      "broadcast",
 		busFactor: func(int) float64 { return 1 },
-		alg:       autoAlg,
+		alg:       func(c *collective.Comm, _ collConfig, bytes, esz int) string { return c.BroadcastAlgorithm(bytes, esz) },
 		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "broadcast", n) },
 	},
 	{
 		name:      "allgather",
 		busFactor: func(p int) float64 { return float64(p-1) / float64(p) },
 		blocks:    true,
-		alg:       autoAlg,
+		alg:       func(c *collective.Comm, _ collConfig, bytes, _ int) string { return c.AllgatherAlgorithm(bytes) },
 		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "allgather", n) },
 	},
 	{
 		name:      "reducescatter",
 		busFactor: func(p int) float64 { return float64(p-1) / float64(p) },
 		blocks:    true,
-		alg:       autoAlg,
+		alg:       func(c *collective.Comm, _ collConfig, bytes, _ int) string { return c.ReduceScatterAlgorithm(bytes) },
 		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "reducescatter", n) },
 	},
 	{
 		name:      "alltoall",
 		busFactor: func(p int) float64 { return float64(p-1) / float64(p) },
 		blocks:    true,
-		alg:       autoAlg,
+		alg:       func(c *collective.Comm, _ collConfig, bytes, _ int) string { return c.AlltoallAlgorithm(bytes) },
 		run:       func(ctx context.Context, r *collBufs, n int) error { return r.others(ctx, "alltoall", n) },
 	},
-}
-
-// autoAlg names the algorithm of the collectives that choose theirs by
-// size (see each one's documentation).
-func autoAlg(_ *collective.Comm, cfg collConfig, _, _ int) string {
-	if cfg.alg == collective.AlgAuto {
-		return "auto"
-	}
-	return cfg.alg.String()
 }
 
 func collByName(name string) *collBench {

@@ -376,3 +376,34 @@ func TestCollRanksDisagree(t *testing.T) {
 		}
 	}
 }
+
+// TestCollAlgColumn: the algorithm column names what each collective ran.
+// It said the -alg asked for where the collective does not run it:
+// Alltoall ignores Options.Algorithm, Allgather has no Rabenseifner (p =
+// 2: recursive doubling), and a Broadcast of fewer elements than ranks
+// falls back to the binomial tree ("recursive doubling"). (Found by a
+// review of the command.)
+func TestCollAlgColumn(t *testing.T) {
+	t.Setenv("GOVERBS_SOFT_TRANSPORT", "shm")
+	st, out, errs := runCmd(t, "coll", "-p", "2", "-alg", "rabenseifner", "-ops", "broadcast,allgather,alltoall", "-min", "4", "-max", "64",
+		"-iters", "1", "-warmup", "0", "-settle", "0s", "-lat-iters", "1", "-timeout", "2m", "-json")
+	if st != exitOK {
+		t.Fatalf("status %d\n%s\n%s", st, out, errs)
+	}
+	res := decodeColl(t, out)
+	if len(res.Rows) == 0 {
+		t.Fatalf("no rows:\n%s", out)
+	}
+	for _, r := range res.Rows {
+		want := "rabenseifner"
+		switch {
+		case r.Collective == "alltoall":
+			want = "all at once"
+		case r.Collective == "allgather", r.Collective == "broadcast" && r.Count < res.Ranks:
+			want = "recursive doubling"
+		}
+		if r.Algorithm != want {
+			t.Errorf("%s row of %d bytes (%d elements, %d ranks): algorithm %q, want %q", r.Collective, r.Size, r.Count, res.Ranks, r.Algorithm, want)
+		}
+	}
+}
