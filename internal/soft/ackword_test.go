@@ -262,6 +262,21 @@ func ackedPair(t *testing.T, n int) (e *env, a, b *ep, src, dst *buf) {
 	return e, a, b, src, dst
 }
 
+// stallTarget returns the connections of requester a (d) and target b
+// (tc), with d's socket taking little (its writes wait for the target's
+// reads) and tc's socket taken by the test, as a stalled consumer holds
+// it: the caller unlocks tc.rmu.
+func stallTarget(t *testing.T, a, b *ep) (d, tc *conn) {
+	t.Helper()
+	d, tc = qpConn(t, a.qp), targetConn(t, b.qp)
+	if d.acks == nil || tc.acks == nil {
+		t.Skip("no acknowledgement page")
+	}
+	d.sockControl(func(fd uintptr) { unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, 1) })
+	takeSocket(t, tc)
+	return d, tc
+}
+
 // TestPeerAckedNotSent: over a unix socket, the target
 // publishes a placed write's acknowledgement in the acknowledgement page
 // when the placement begins (placeStart), before the rest of the payload
@@ -275,15 +290,7 @@ func TestPeerAckedNotSent(t *testing.T) {
 	const n = segMax
 	_, a, b, src, dst := ackedPair(t, n)
 	clear(dst.b)
-	d := qpConn(t, a.qp)
-	tc := targetConn(t, b.qp)
-	if d.acks == nil || tc.acks == nil {
-		t.Skip("no acknowledgement page")
-	}
-	// The requester's socket takes little: its write waits for the
-	// target's reads.
-	d.sockControl(func(fd uintptr) { unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, 1) })
-	takeSocket(t, tc)
+	_, tc := stallTarget(t, a, b) // the requester's write waits for the target's reads
 	held := true
 	defer func() {
 		if held {
@@ -332,13 +339,7 @@ func TestPeerAckedAtomic(t *testing.T) {
 	const old, swap = 0x1111111111111111, 0x2222222222222222
 	atom := e.alloc(4096, allAccess)
 	*(*uint64)(unsafe.Pointer(&atom.b[0])) = old
-	d := qpConn(t, a.qp)
-	tc := targetConn(t, b.qp)
-	if d.acks == nil || tc.acks == nil {
-		t.Skip("no acknowledgement page")
-	}
-	d.sockControl(func(fd uintptr) { unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, 1) })
-	takeSocket(t, tc)
+	d, tc := stallTarget(t, a, b)
 	takeSocket(t, d) // the requester's consumer is behind
 	heldT, heldD := true, true
 	defer func() {

@@ -103,6 +103,23 @@ func (p *drivePair) sendOne(t *testing.T) {
 	takeEvents(p.chb)
 }
 
+// armedDriveConn sends a message from a to b (the CQs learn their
+// connections), arms b's CQ and returns b's channel and the connection a
+// Wait on it would drive.
+func (p *drivePair) armedDriveConn(t *testing.T) (*compChannel, *conn) {
+	t.Helper()
+	p.sendOne(t)
+	if err := p.cqb.Arm(false); err != nil {
+		t.Fatal(err)
+	}
+	ch := p.chb.(*compChannel)
+	c := ch.driveConn()
+	if c == nil {
+		t.Fatal("no connection to drive (one peer process)")
+	}
+	return ch, c
+}
+
 // takeEvents takes the events queued on ch without waiting.
 func takeEvents(ch prov.CompChannel) {
 	for ch.(*compChannel).takeEvent() != nil {
@@ -413,15 +430,7 @@ func TestDriveEndsAtClose(t *testing.T) {
 // readers keep them all (the event may come on any).
 func TestDriveOnePeerOnly(t *testing.T) {
 	p := newDrivePair(t, "unix")
-	p.sendOne(t) // the CQs know their connections
-	if err := p.cqb.Arm(false); err != nil {
-		t.Fatal(err)
-	}
-	ch := p.chb.(*compChannel)
-	c := ch.driveConn()
-	if c == nil {
-		t.Fatal("no connection to drive with one peer process")
-	}
+	ch, c := p.armedDriveConn(t)
 	s := c.s
 	saved := s.pc.list.Load()
 	t.Cleanup(func() { s.pc.list.Store(saved) })
@@ -820,15 +829,7 @@ func TestDriveEndsForEarlierClose(t *testing.T) {
 	for _, kind := range []string{"tcp", "unix"} {
 		t.Run(kind, func(t *testing.T) {
 			p := newDrivePair(t, kind)
-			p.sendOne(t)
-			if err := p.cqb.Arm(false); err != nil {
-				t.Fatal(err)
-			}
-			ch := p.chb.(*compChannel)
-			c := ch.driveConn() // what wait() found before the Close
-			if c == nil {
-				t.Fatal("no connection to drive")
-			}
+			ch, c := p.armedDriveConn(t) // what wait() found before the Close
 			for _, cl := range []interface{ Close() error }{p.qb, p.cqb, p.chb} {
 				if err := cl.Close(); err != nil {
 					t.Fatal(err)
@@ -861,15 +862,7 @@ func TestDriveSocketWantTakenBack(t *testing.T) {
 	for _, kind := range []string{"tcp", "unix"} {
 		t.Run(kind, func(t *testing.T) {
 			p := newDrivePair(t, kind)
-			p.sendOne(t)
-			if err := p.cqb.Arm(false); err != nil {
-				t.Fatal(err)
-			}
-			ch := p.chb.(*compChannel)
-			c := ch.driveConn()
-			if c == nil {
-				t.Fatal("no connection to drive")
-			}
+			ch, c := p.armedDriveConn(t)
 			takeSocket(t, c) // the test is the socket's consumer at work
 			locked := true
 			defer func() {

@@ -16,19 +16,10 @@ import (
 // answer the sender. soft0 reported 0, an invalid LID.
 func TestInfiniBandUDSourceLID(t *testing.T) {
 	defer ForceInfiniBand()()
-	e := newEnv(t)
-	a := udQP(t, e, 0x1111, nil)
-	b := udQP(t, e, 0x2222, nil)
-	m := e.alloc(8192, allAccess)
 	lid := portLID(getFabric().id)
-	ah := must(e.pd.CreateAH(prov.AHAttr{DLID: lid, SL: 3, Port: 1, ProviderAddr: b.qp.Address()}))
-	defer ah.Close()
-	postRecv(t, b.qp, 1, m.sge(4096, grhLen+100))
-	postSend(t, a.qp, []prov.SendWR{{WRID: 5, Opcode: prov.WRSend, Flags: prov.SendSignaled, NumSGE: 1,
-		AH: ah.Handle(), RemoteQPN: b.qp.QPN(), RemoteQKey: 0x2222}}, []prov.SGE{m.sge(0, 100)})
-	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
-		t.Fatalf("send completion %+v", c)
-	}
+	a, b := ibDatagram(t, func(b *ep) prov.AHAttr {
+		return prov.AHAttr{DLID: lid, SL: 3, Port: 1, ProviderAddr: b.qp.Address()}
+	})
 	c := poll(t, b.rcq, 1)[0]
 	if c.Status != prov.StatusSuccess || c.SrcQP != a.qp.QPN() {
 		t.Fatalf("receive completion %+v", c)
@@ -36,6 +27,27 @@ func TestInfiniBandUDSourceLID(t *testing.T) {
 	if c.SLID != lid {
 		t.Errorf("UD receive completion on an InfiniBand port: slid %d, want the sender's LID %d (%+v)", c.SLID, lid, c)
 	}
+}
+
+// ibDatagram sends a datagram of 100 bytes between two UD QPs of this
+// process (Q_Keys 0x1111 and 0x2222), addressed by the address handle
+// av makes for b, and waits for the send's successful completion; b has
+// one receive posted.
+func ibDatagram(t *testing.T, av func(b *ep) prov.AHAttr) (a, b *ep) {
+	t.Helper()
+	e := newEnv(t)
+	a = udQP(t, e, 0x1111, nil)
+	b = udQP(t, e, 0x2222, nil)
+	m := e.alloc(8192, allAccess)
+	ah := must(e.pd.CreateAH(av(b)))
+	t.Cleanup(func() { ah.Close() })
+	postRecv(t, b.qp, 1, m.sge(4096, grhLen+100))
+	postSend(t, a.qp, []prov.SendWR{{WRID: 5, Opcode: prov.WRSend, Flags: prov.SendSignaled, NumSGE: 1,
+		AH: ah.Handle(), RemoteQPN: b.qp.QPN(), RemoteQKey: 0x2222}}, []prov.SGE{m.sge(0, 100)})
+	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
+		t.Fatalf("send completion %+v", c)
+	}
+	return a, b
 }
 
 // TestInfiniBandLIDRoutesLocally: on a port presented as InfiniBand, an
@@ -46,18 +58,7 @@ func TestInfiniBandUDSourceLID(t *testing.T) {
 // and dropped the datagram as unreachable.
 func TestInfiniBandLIDRoutesLocally(t *testing.T) {
 	defer ForceInfiniBand()()
-	e := newEnv(t)
-	a := udQP(t, e, 0x1111, nil)
-	b := udQP(t, e, 0x2222, nil)
-	m := e.alloc(8192, allAccess)
-	ah := must(e.pd.CreateAH(prov.AHAttr{DLID: portLID(getFabric().id), Port: 1}))
-	defer ah.Close()
-	postRecv(t, b.qp, 1, m.sge(4096, grhLen+100))
-	postSend(t, a.qp, []prov.SendWR{{WRID: 5, Opcode: prov.WRSend, Flags: prov.SendSignaled, NumSGE: 1,
-		AH: ah.Handle(), RemoteQPN: b.qp.QPN(), RemoteQKey: 0x2222}}, []prov.SGE{m.sge(0, 100)})
-	if c := poll(t, a.scq, 1)[0]; c.Status != prov.StatusSuccess {
-		t.Fatalf("send completion %+v", c)
-	}
+	_, b := ibDatagram(t, func(*ep) prov.AHAttr { return prov.AHAttr{DLID: portLID(getFabric().id), Port: 1} })
 	// In one process the datagram is delivered (or dropped) before the
 	// sender's completion is visible: no waiting needed.
 	var cs [1]prov.Completion
