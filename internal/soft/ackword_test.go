@@ -277,6 +277,23 @@ func stallTarget(t *testing.T, a, b *ep) (d, tc *conn) {
 	return d, tc
 }
 
+// awaitPlacement drains tc (the test holds its socket) until the
+// placement of a write into its region has begun, or skips the test
+// after 5 s (setup timing).
+func awaitPlacement(t *testing.T, tc *conn) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !tc.sock.pending() {
+		if _, err := tc.drain(false); err != nil {
+			t.Fatalf("drain: %v", err)
+		}
+		if time.Now().After(deadline) {
+			t.Skip("setup: the write's placement did not begin (rare timing)")
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+}
+
 // TestPeerAckedNotSent: over a unix socket, the target
 // publishes a placed write's acknowledgement in the acknowledgement page
 // when the placement begins (placeStart), before the rest of the payload
@@ -299,16 +316,7 @@ func TestPeerAckedNotSent(t *testing.T) {
 	}()
 	postSend(t, a.qp, []prov.SendWR{{WRID: 2, Opcode: prov.WRWrite, NumSGE: 1, Flags: prov.SendSignaled,
 		RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()}}, []prov.SGE{src.sge(0, n)})
-	deadline := time.Now().Add(5 * time.Second)
-	for !tc.sock.pending() {
-		if _, err := tc.drain(false); err != nil {
-			t.Fatalf("drain: %v", err)
-		}
-		if time.Now().After(deadline) {
-			t.Skip("setup: the write's placement did not begin (rare timing)")
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+	awaitPlacement(t, tc)
 	rem := tc.sock.place.rem
 	t.Logf("placement begun, %d bytes of the payload still to come; published %d", rem, *tc.acks.mine)
 	// The target's consumer is held (a stalled process): the requester's
@@ -355,16 +363,7 @@ func TestPeerAckedAtomic(t *testing.T) {
 			CompareAdd: old, Swap: swap},
 		{WRID: 3, Opcode: prov.WRWrite, NumSGE: 1, SGEIndex: 1, Flags: prov.SendSignaled, RemoteAddr: dst.addr(0), RKey: dst.mr.RKey()},
 	}, []prov.SGE{loc.sge(0, 8), src.sge(0, n)})
-	deadline := time.Now().Add(5 * time.Second)
-	for !tc.sock.pending() {
-		if _, err := tc.drain(false); err != nil {
-			t.Fatalf("drain: %v", err)
-		}
-		if time.Now().After(deadline) {
-			t.Skip("setup: the write's placement did not begin (rare timing)")
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+	awaitPlacement(t, tc)
 	if got := *(*uint64)(unsafe.Pointer(&atom.b[0])); got != swap {
 		t.Fatalf("the target did not execute the CAS: %#x", got)
 	}

@@ -45,6 +45,20 @@ func waitDrive(t *testing.T, before uint64) {
 	}
 }
 
+// awaitErrIs waits for the error from done, failing t unless it matches
+// want, or if none comes within hangGuard (what did not return).
+func awaitErrIs(t *testing.T, done <-chan error, want error, what string) {
+	t.Helper()
+	select {
+	case err := <-done:
+		if !errors.Is(err, want) {
+			t.Fatalf("%s: %v, want %v", what, err, want)
+		}
+	case <-time.After(hangGuard):
+		t.Fatalf("%s did not return", what)
+	}
+}
+
 // awaitNil waits for the error from done, failing t if it is not nil, or
 // with hang if none comes within hangGuard.
 func awaitNil(t *testing.T, done <-chan error, hang string) {
@@ -314,14 +328,7 @@ func TestDriveHonoursContext(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			done, _ := p.drivenWait(t, ctx)
 			cancel()
-			select {
-			case err := <-done:
-				if !errors.Is(err, context.Canceled) {
-					t.Fatalf("wait: %v, want context.Canceled", err)
-				}
-			case <-time.After(hangGuard):
-				t.Fatal("the wait did not end")
-			}
+			awaitErrIs(t, done, context.Canceled, "the wait")
 			// The connection works on: the reader took it back.
 			p.sendOne(t)
 		})
@@ -348,14 +355,7 @@ func TestDriveEndsAtWake(t *testing.T) {
 				}
 				done, _ := p.drivenWait(t, ctx)
 				p.chb.Wake()
-				select {
-				case err := <-done:
-					if !errors.Is(err, prov.ErrWoken) {
-						t.Fatalf("wait: %v, want ErrWoken", err)
-					}
-				case <-time.After(hangGuard):
-					t.Fatal("Wake did not end the wait")
-				}
+				awaitErrIs(t, done, prov.ErrWoken, "the wait Wake ends")
 				// Woken once: a Wait after it waits (until its ctx
 				// ends).
 				short, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
@@ -888,14 +888,7 @@ func TestDriveSocketWantTakenBack(t *testing.T) {
 				}
 			}
 			cancel()
-			select {
-			case err := <-done:
-				if !errors.Is(err, context.Canceled) {
-					t.Fatalf("Wait returned %v, want context.Canceled", err)
-				}
-			case <-time.After(hangGuard):
-				t.Fatal("the Wait did not return")
-			}
+			awaitErrIs(t, done, context.Canceled, "the Wait")
 			if w := want(); w != nil {
 				t.Errorf("the Wait returned and left its request for the socket (want %p): the reader will step aside for nobody", w)
 			}
